@@ -1,0 +1,31 @@
+# pdserve: the two everyday commands.
+#   make demo   set up a venv, install, make a small model, generate with the engine
+#   make test   run the test suite (what CI runs)
+PYTHON ?= .venv/bin/python
+MODEL_DIR ?= .cache/models/pdserve-tiny-llama
+
+.PHONY: venv demo test bench clean
+
+venv: .venv/.installed
+
+.venv/.installed: pyproject.toml
+	python3 -m venv .venv
+	.venv/bin/pip install -q -U pip
+	.venv/bin/pip install -q -e '.[dev]'
+	touch $@
+
+$(MODEL_DIR)/config.json: | venv
+	.venv/bin/pdserve make-model $(MODEL_DIR)
+
+demo: venv $(MODEL_DIR)/config.json
+	.venv/bin/pdserve generate --model $(MODEL_DIR) --max-tokens 32 --ignore-eos \
+		"The history of disaggregated serving" "Prefill and decode"
+
+test:
+	RAY_AUTH_MODE=disabled UCX_MODULES='^ib' $(PYTHON) -m pytest -q
+
+bench: venv
+	.venv/bin/python bench/engine_throughput.py
+
+clean:
+	rm -rf .venv .cache .pytest_cache

@@ -1,0 +1,269 @@
+"""KV block pool, prefix cache and per-request block tables.
+
+A block is free when no request references it (``ref_cnt == 0``). Free
+blocks sit in an LRU queue; a free block that still holds a cached prefix
+keeps its hash until it is reused (lazy eviction), so a later request with
+the same prefix can take it back. Hashes chain over full blocks:
+``hash(parent_hash, token_ids, salt)``, so a hit on block i implies hits on
+blocks 0..i-1 and the lookup stops at the first miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    prev: "Block | None" = None
+    next: "Block | None" = None
+
+
+class FreeBlockQueue:
+    """Doubly linked LRU list of free blocks: O(1) append, popleft and remove."""
+
+    def __init__(self, blocks: list[Block]):
+        self.head = Block(-1)
+        self.tail = Block(-1)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.size = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, b: Block) -> None:
+        last = self.tail.prev
+        last.next, b.prev, b.next, self.tail.prev = b, last, self.tail, b
+        self.size += 1
+
+    def remove(self, b: Block) -> None:
+        b.prev.next, b.next.prev = b.next, b.prev
+        b.prev = b.next = None
+        self.size -= 1
+
+    def popleft(self) -> Block:
+        if self.size == 0:
+            raise RuntimeError("no free KV blocks")
+        b = self.head.next
+        self.remove(b)
+        return b
+
+
+def hash_block(parent: bytes | None, token_ids, salt: bytes | None = None) -> bytes:
+    """Content hash of one full block, chained on its parent's hash."""
+    h = hashlib.sha256()
+    h.update(parent or b"\0" * 32)
+    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
+    if salt:
+        h.update(salt)
+    return h.digest()
+
+
+def block_hashes(token_ids: list[int], block_size: int, salt: bytes | None = None,
+                 start: list[bytes] | None = None) -> list[bytes]:
+    """Hashes of every full block of ``token_ids``, extending ``start`` if given."""
+    out = list(start or [])
+    for i in range(len(out), len(token_ids) // block_size):
+        parent = out[-1] if out else None
+        out.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], salt))
+    return out
+
+
+class BlockPool:
+    """All KV blocks of the pool plus the prefix-cache index over them."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, Block] = {}
+        self.enable_caching = enable_caching
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks obtainable now: truly free plus evictable cached ones."""
+        return self.free.size
+
+    def lookup(self, hashes: list[bytes]) -> list[Block]:
+        """Cached blocks for the longest prefix of ``hashes`` (stops at the first miss)."""
+        hits = []
+        if not self.enable_caching:
+            return hits
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on cache hits, pulling free ones out of the LRU queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free.remove(b)
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[Block]:
+        if n > self.free.size:
+            raise RuntimeError(f"need {n} KV blocks, {self.free.size} free")
+        out = []
+        for _ in range(n):
+            b = self.free.popleft()
+            if b.block_hash is not None:  # lazy eviction of a cached prefix block
+                if self.cached.get(b.block_hash) is b:
+                    del self.cached[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def release(self, blocks: list[Block]) -> None:
+        """Drop one reference per block; blocks reaching zero join the LRU tail.
+
+        Callers pass a request's blocks in reverse order so that its tail
+        blocks (least likely to be shared) are evicted first.
+        """
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt < 0:
+                raise RuntimeError(f"block {b.block_id} released more often than taken")
+            if b.ref_cnt == 0:
+                self.free.append(b)
+
+    def cache(self, block: Block, block_hash: bytes) -> None:
+        """Register a full block whose KV has been written under its content hash."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is already cached; keep the first
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def num_cached_free(self) -> int:
+        return sum(1 for b in self.cached.values() if b.ref_cnt == 0)
+
+
+class KVCacheManager:
+    """Per-request block tables over a `BlockPool`.
+
+    Owns *where a request's KV lives*: prefix-cache hits, new blocks for the
+    tokens scheduled this step, registration of newly full blocks, release,
+    and reservations for KV that another worker will write.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.tables: dict[str, list[Block]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already registered
+        self.hashes: dict[str, list[bytes]] = {}
+
+    # -- lookup -----------------------------------------------------------
+    def _hashes(self, req_id: str, token_ids: list[int], salt: bytes | None) -> list[bytes]:
+        hs = block_hashes(token_ids, self.block_size, salt, self.hashes.get(req_id))
+        self.hashes[req_id] = hs
+        return hs
+
+    def computed_blocks(self, req_id: str, token_ids: list[int], salt: bytes | None = None
+                        ) -> tuple[list[Block], int]:
+        """Cached prefix blocks for a new request and how many tokens they cover.
+
+        At least the last token is always left to compute: its logits are
+        needed to sample, so a fully cached prompt still recomputes its last block.
+        """
+        hs = self._hashes(req_id, token_ids, salt)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hits = self.pool.lookup(hs[:max_blocks])
+        return hits, len(hits) * self.block_size
+
+    # -- allocation -------------------------------------------------------
+    def allocate(self, req_id: str, num_total_tokens: int, new_hits: list[Block] | None = None
+                 ) -> bool:
+        """Ensure the request's table covers ``num_total_tokens`` tokens.
+
+        ``new_hits`` are prefix-cache hits being adopted now (first schedule).
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        table = self.tables.get(req_id, [])
+        hits = new_hits or []
+        need = -(-num_total_tokens // self.block_size) - len(table) - len(hits)
+        # Hits that sit in the free queue stop being obtainable once touched.
+        free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if max(need, 0) > self.pool.num_free - free_hits:
+            return False
+        if hits:
+            self.pool.touch(hits)
+            table = table + hits
+            self.num_cached_blocks[req_id] = len(table)
+        if need > 0:
+            table = table + self.pool.allocate(need)
+        self.tables[req_id] = table
+        return True
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(req_id, [])]
+
+    def cache_full_blocks(self, req_id: str, token_ids: list[int], num_computed: int,
+                          salt: bytes | None = None) -> None:
+        """Register blocks that became full and whose KV is now written."""
+        if not self.pool.enable_caching:
+            return
+        table = self.tables.get(req_id)
+        if not table:
+            return
+        n_full = min(num_computed // self.block_size, len(table))
+        done = self.num_cached_blocks.get(req_id, 0)
+        if n_full <= done:
+            return
+        hs = self._hashes(req_id, token_ids[: n_full * self.block_size], salt)
+        for i in range(done, n_full):
+            self.pool.cache(table[i], hs[i])
+        self.num_cached_blocks[req_id] = n_full
+
+    def free(self, req_id: str) -> None:
+        """Release every block of the request (tail first) and forget it."""
+        table = self.tables.pop(req_id, [])
+        self.pool.release(list(reversed(table)))
+        self.num_cached_blocks.pop(req_id, None)
+        self.hashes.pop(req_id, None)
+
+    # -- remote KV ----------------------------------------------------------
+    def reserve_remote(self, req_id: str, token_ids: list[int], salt: bytes | None = None
+                       ) -> tuple[int, list[int]] | None:
+        """Pin the cached prefix and reserve blocks for every remaining prompt position.
+
+        Another worker will write the KV of positions ``[cached_len, n)`` into
+        the returned block ids. Returns ``(cached_len, target_block_ids)``, where
+        the targets are the blocks after the cached ones, or None if the pool
+        cannot hold the prompt now.
+        """
+        if req_id in self.tables:
+            raise ValueError(f"request {req_id!r} already holds blocks")
+        hits, cached_len = self.computed_blocks(req_id, token_ids, salt)
+        if not self.allocate(req_id, len(token_ids), hits):
+            self.hashes.pop(req_id, None)
+            return None
+        return cached_len, self.block_ids(req_id)[len(hits):]
+
+    def release_reservation(self, req_id: str) -> None:
+        """Give back a reservation whose remote fill failed or was abandoned."""
+        self.free(req_id)
+
+    # -- accounting ---------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by live requests."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks

@@ -1,0 +1,91 @@
+"""`pdserve make-model` and `pdserve generate`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "make-model",
+        help="write a small random-weight model with a real tokenizer",
+        description=(
+            "Write a small random-weight Llama/Mistral/Qwen2 model (config.json, "
+            "model.safetensors) with the Mistral SentencePiece tokenizer converted to "
+            "tokenizer.json. Deterministic from --seed. Useful for tests, demos and "
+            "benchmarks on machines without a model hub."
+        ),
+    )
+    p.add_argument("dir", help="output directory (created if missing)")
+    p.add_argument("--arch", choices=["llama", "mistral", "qwen2"], default="llama")
+    p.add_argument("--layers", type=int, default=6, help="decoder layers (default 6)")
+    p.add_argument("--hidden", type=int, default=384, help="hidden size (default 384)")
+    p.add_argument("--heads", type=int, default=6, help="attention heads (default 6)")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads, GQA when < heads (default 2)")
+    p.add_argument("--intermediate", type=int, default=1024, help="MLP size (default 1024)")
+    p.add_argument("--vocab", type=int, default=32000, help="vocab size, >= 32000 (the tokenizer's)")
+    p.add_argument("--max-position", type=int, default=4096, help="max_position_embeddings")
+    p.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding")
+    p.add_argument("--rope-type", choices=["default", "llama3"], default="default")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="dtype of the saved weights")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_make_model)
+
+    g = subparsers.add_parser(
+        "generate",
+        help="generate a completion offline with the engine",
+        description="Load a local model directory and print completions of the given prompts.",
+    )
+    g.add_argument("prompts", nargs="+", help="one or more prompts (text)")
+    g.add_argument("--model", required=True, help="local Hugging Face model directory")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--ids", action="store_true", help="also print the generated token ids")
+    g.set_defaults(func=_generate)
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from .model_maker import ModelSpec, make_model
+
+    spec = ModelSpec(
+        arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+        num_kv_heads=args.kv_heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
+        max_position_embeddings=args.max_position, tie_word_embeddings=args.tie_embeddings,
+        rope_type=args.rope_type, seed=args.seed, dtype=args.dtype,
+    )
+    t0 = time.perf_counter()
+    print(f"making a {spec.arch} model in {args.dir} ...", file=sys.stderr)
+    make_model(args.dir, spec)
+    print(f"wrote {args.dir} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from . import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop,
+    )
+    t0 = time.perf_counter()
+    outs = llm.generate(args.prompts, params)
+    dt = time.perf_counter() - t0
+    for prompt, out in zip(args.prompts, outs):
+        print(f"{prompt}{out.text}")
+        if args.ids:
+            print(f"  token_ids={out.token_ids}")
+        print(f"  [{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s)", file=sys.stderr)
+    return 0

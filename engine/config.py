@@ -1,0 +1,252 @@
+"""Engine and model configuration: one place for defaults and validation.
+
+`EngineConfig` holds the engine arguments a user passes to `LLM(...)`;
+`ModelConfig` is what the engine needs from a Hugging Face `config.json`.
+Both raise `ConfigError` (a `ValueError`) naming the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the field."""
+
+
+def parse_dtype(value: str | torch.dtype, field_name: str = "dtype") -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    try:
+        return _DTYPES[str(value).lower()]
+    except KeyError:
+        raise ConfigError(
+            f"{field_name}={value!r} is not supported; use one of float32, float16, bfloat16"
+        ) from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class RopeConfig:
+    """Rotary embedding parameters (HF `rope_parameters` / `rope_scaling`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    """The architecture facts the engine needs, read from `config.json`."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    sliding_window: int | None
+    torch_dtype: str | None
+
+    @property
+    def model_id(self) -> str:
+        return os.path.basename(os.path.normpath(self.path))
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        if not isinstance(path, str) or not path:
+            raise ConfigError("model: a local model directory path is required")
+        if not os.path.isdir(path):
+            raise ConfigError(
+                f"model={path!r}: no such directory; pass a local Hugging Face model "
+                "directory (config.json + *.safetensors + tokenizer files), "
+                "e.g. one made by `pdserve make-model DIR`"
+            )
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ConfigError(f"model={path!r}: config.json is missing in that directory")
+        with open(cfg_path) as f:
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"model={path!r}: config.json is not valid JSON ({exc})") from None
+        return cls.from_dict(raw, path)
+
+    @classmethod
+    def from_dict(cls, raw: dict, path: str) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"architectures={archs!r} in {path}/config.json is not supported; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+
+        def need(key: str):
+            if key not in raw or raw[key] is None:
+                raise ConfigError(f"{key} is missing in {path}/config.json")
+            return raw[key]
+
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ConfigError(
+                f"num_key_value_heads={num_kv_heads} must divide num_attention_heads={num_heads}"
+            )
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act={act!r} is not supported; only 'silu'")
+        family = SUPPORTED_ARCHITECTURES[arch]
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        sliding = raw.get("sliding_window")
+        if family == "qwen2" and not raw.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            path=path,
+            architecture=family,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rope=_parse_rope(raw, path),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama/Mistral only when attention_bias is set.
+            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=int(sliding) if sliding else None,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+
+def _parse_rope(raw: dict, path: str) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older files use
+    # `rope_theta` + `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ConfigError(
+            f"rope_parameters.rope_type={rope_type!r} in {path}/config.json is not supported; "
+            "supported: default, linear, llama3"
+        )
+    rope = RopeConfig(theta=theta, rope_type=rope_type)
+    if rope_type in ("linear", "llama3"):
+        if "factor" not in params:
+            raise ConfigError(f"rope_parameters.factor is required for rope_type={rope_type!r}")
+        rope.factor = float(params["factor"])
+    if rope_type == "llama3":
+        rope.low_freq_factor = float(params.get("low_freq_factor", 1.0))
+        rope.high_freq_factor = float(params.get("high_freq_factor", 4.0))
+        rope.original_max_position_embeddings = int(
+            params.get("original_max_position_embeddings", 8192)
+        )
+    return rope
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments (the keyword arguments of `LLM(model, **engine_args)`)."""
+
+    model: str
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    kv_cache_memory_bytes: int | None = None  # CPU pool size; default 256 MiB
+    gpu_memory_utilization: float = 0.85
+    num_gpu_blocks_override: int | None = None  # exact pool size (tests, benchmarks)
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    dtype: str = "auto"  # auto (float32 on CPU, the config's dtype on GPU) | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ConfigError(f"block_size={self.block_size} must be in [1, 1024]")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len={self.max_model_len} must be >= 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ConfigError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError(f"num_gpu_blocks_override={self.num_gpu_blocks_override} must be >= 1")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ConfigError(
+                f"attention_backend={self.attention_backend!r}; use auto, torch or flashinfer"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy={self.scheduling_policy!r}; use fcfs or priority")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown engine argument(s) {', '.join(unknown)}; "
+                f"valid: {', '.join(sorted(names - {'model', 'extra'}))}"
+            )
+        cfg = cls(model=model, **kwargs)
+        cfg.validate()
+        return cfg

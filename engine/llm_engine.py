@@ -1,0 +1,300 @@
+"""The engine: requests in, token deltas out, one `step()` at a time.
+
+`LLMEngine` is what serving loops drive (add / abort / step, plus the remote
+KV hooks the decode worker uses); `LLM` is the offline batch API on top.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from .block_manager import KVCacheManager
+from .config import ConfigError, EngineConfig, ModelConfig
+from .request import InvalidRequestError, Request, RequestOutput, RequestStatus, SamplingParams
+from .runner import ModelRunner
+from .sampler import Sampler, SampleResult
+from .scheduler import Scheduler
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+PRIORITY_LEVELS = {"high": -1, "normal": 0, "low": 1}
+
+
+@dataclass
+class RequestDelta:
+    """What one step added to a request (for streaming)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[dict] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    """Counters that tests and metrics read."""
+
+    num_prompt_tokens_computed: int = 0  # prompt positions this engine ran through the model
+    num_prompt_tokens_cached: int = 0  # prompt positions served by the prefix cache
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_finished: int = 0
+
+
+class LLMEngine:
+    """One model, one KV pool, one scheduler; not thread-safe (one loop drives it)."""
+
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer(config.model)
+        self.runner = ModelRunner(config, self.model_config)
+        self.max_model_len = self._max_model_len()
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.scheduling_policy)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, object] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        eos = list(self.model_config.eos_token_ids)
+        if not eos and self.tokenizer.eos_token_id is not None:
+            eos = [self.tokenizer.eos_token_id]
+        self.eos_token_ids = set(eos)
+
+    def _max_model_len(self) -> int:
+        m = self.model_config
+        limit = m.max_position_embeddings
+        if m.sliding_window:
+            # Positions beyond the window would need sliding-window attention.
+            limit = min(limit, m.sliding_window)
+        want = self.config.max_model_len or limit
+        if want > limit:
+            raise ConfigError(f"max_model_len={want} exceeds the model's limit of {limit} tokens")
+        capacity = self.runner.num_blocks * self.config.block_size
+        if want > capacity:
+            if self.config.max_model_len is None:
+                return capacity
+            raise ConfigError(
+                f"max_model_len={want} but the KV pool holds only {capacity} tokens; "
+                "raise kv_cache_memory_bytes (or gpu_memory_utilization) or lower max_model_len"
+            )
+        return want
+
+    # -- requests -------------------------------------------------------------
+    def tokenize_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "is empty")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                    raise InvalidRequestError(
+                        "prompt_token_ids", f"{t!r} is not a token id of this model (vocab size {vocab})"
+                    )
+        else:
+            raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("prompt", "is empty (no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit)"
+            )
+        return ids
+
+    def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                     priority: int | str = 0, arrival: float | None = None) -> Request:
+        """Validate and build a request without queueing it."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params", "must be a SamplingParams")
+        params.validate(self.model_config.vocab_size)
+        ids = self.tokenize_prompt(prompt)
+        if isinstance(priority, str):
+            if priority not in PRIORITY_LEVELS:
+                raise InvalidRequestError("priority", f"{priority!r}; use high, normal or low")
+            priority = PRIORITY_LEVELS[priority]
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
+        req = Request(rid, ids, params, priority=priority, arrival=arrival)
+        detok = self.tokenizer.stream(ids, params.skip_special_tokens)
+        detok.set_stops(params.stop)
+        self._detok[rid] = detok
+        self.requests[rid] = req
+        return req
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int | str = 0, arrival: float | None = None) -> Request:
+        req = self.make_request(prompt, params, request_id, priority, arrival)
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks; False if it is unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        req.finish_reason = "abort"
+        self._forget(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- remote KV (decode side of disaggregation) ----------------------------
+    def add_remote_request(self, req: Request) -> tuple[int, list[int]] | None:
+        """Reserve blocks for ``req`` (from `make_request`) whose prompt KV arrives remotely."""
+        return self.scheduler.add_remote(req)
+
+    def remote_kv_ready(self, request_id: str, first_token_id: int,
+                        first_logprob: float | None = None) -> RequestDelta:
+        """The remote worker wrote the prompt KV and sampled the first token."""
+        req = self.scheduler.remote_ready(request_id)
+        self.stats.num_prompt_tokens_cached += req.num_cached_tokens
+        return self._append(req, SampleResult(first_token_id, first_logprob))
+
+    def free_kv(self, request_id: str) -> None:
+        """Release the blocks a finished ``keep_kv`` request still holds."""
+        self.kv.free(request_id)
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """Fall back to a local prefill (the reservation is released)."""
+        self.scheduler.remote_failed(request_id)
+
+    # -- the step --------------------------------------------------------------
+    def step(self, layer_hook=None) -> list[RequestDelta]:
+        plan = self.scheduler.schedule()
+        self.stats.num_preemptions += len(plan.preempted)
+        if not plan.scheduled:
+            return []
+        logits, sampling = self.runner.execute(plan.scheduled, self.kv, layer_hook)
+        self.stats.num_steps += 1
+        bs = self.config.block_size
+        for req, n in plan.scheduled:
+            prompt_left = req.num_prompt_tokens - req.num_computed_tokens
+            if prompt_left > 0:
+                self.stats.num_prompt_tokens_computed += min(n, prompt_left)
+                if req.num_computed_tokens == req.num_cached_tokens and req.num_preemptions == 0:
+                    self.stats.num_prompt_tokens_cached += req.num_cached_tokens
+            before = req.num_computed_tokens
+            req.num_computed_tokens += n
+            if req.num_computed_tokens // bs > before // bs:
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids,
+                                          req.num_computed_tokens, req.cache_salt)
+        deltas = []
+        if sampling:
+            for req, res in zip(sampling, self.sampler(logits, sampling)):
+                deltas.append(self._append(req, res))
+        return deltas
+
+    def _append(self, req: Request, res: SampleResult) -> RequestDelta:
+        p = req.params
+        tok = res.token_id
+        req.output_token_ids.append(tok)
+        self.stats.num_generation_tokens += 1
+        entry = None
+        if req.logprobs is not None:
+            entry = {"token_id": tok, "logprob": res.logprob, "top_logprobs": res.top_logprobs or {}}
+            req.logprobs.append(entry)
+        detok = self._detok[req.request_id]
+        text, stop_str = detok.push(tok)
+        finish = None
+        if stop_str is not None:
+            finish, req.stop_reason = "stop", stop_str
+        elif tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            finish, req.stop_reason = "stop", tok
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            finish = "length"
+        if finish is not None:
+            if stop_str is None:
+                text += detok.flush()
+            req.finish_reason = finish
+            status = RequestStatus.FINISHED_STOPPED if finish == "stop" else RequestStatus.FINISHED_LENGTH
+            self.scheduler.finish(req, status)
+            self.stats.num_finished += 1
+        return RequestDelta(req.request_id, [tok], text, finish, [entry] if entry else [])
+
+    def output_of(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids), text=self._detok[req.request_id].text,
+            finish_reason=req.finish_reason, logprobs=req.logprobs,
+            num_cached_tokens=req.num_cached_tokens, stop_reason=req.stop_reason,
+        )
+
+    def release(self, request_id: str) -> RequestOutput | None:
+        """Build the final output of a finished request and forget it."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        out = self.output_of(req)
+        self._forget(req)
+        return out
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+
+
+class LLM:
+    """Offline batch generation: ``LLM(model_dir, **engine_args).generate(prompts, params)``."""
+
+    def __init__(self, model: str, **engine_args):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 timeout_s: float | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidRequestError("prompts", "must be a non-empty list of strings or token-id lists")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError("params", f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        eng = self.engine
+        reqs = []
+        try:  # validate everything before any work starts
+            for prompt, p in zip(prompts, params):
+                reqs.append(eng.make_request(prompt, p))
+        except Exception:
+            for r in reqs:
+                eng._forget(r)
+            raise
+        for r in reqs:
+            eng.scheduler.add(r)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = {r.request_id for r in reqs}
+        while pending:
+            for d in eng.step():
+                if d.finished:
+                    pending.discard(d.request_id)
+            if deadline is not None and time.monotonic() > deadline:
+                for rid in pending:
+                    eng.abort_request(rid)
+                raise TimeoutError(f"generate did not finish within timeout_s={timeout_s}")
+            if pending and not eng.scheduler.has_work():
+                raise RuntimeError("engine has unfinished requests but nothing schedulable")
+        return [eng.release(r.request_id) for r in reqs]

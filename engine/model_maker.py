@@ -1,0 +1,134 @@
+"""Write a small random-weight Llama/Mistral/Qwen2 model with a real tokenizer.
+
+No model hub is needed: the weights come from a seeded random init in HF
+`transformers` (so its format is exactly what HF loads), and the tokenizer is
+the Mistral-7B SentencePiece model shipped inside the `mistral-common` wheel,
+converted to `tokenizer.json`. Same arguments + same seed = same files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+# A Mistral-instruct style template, so /v1/chat/completions works on made models.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+@dataclass
+class ModelSpec:
+    """Shape of the model to make; defaults give a ~34M-parameter Llama with GQA."""
+
+    arch: str = "llama"  # llama | mistral | qwen2
+    num_layers: int = 6
+    hidden_size: int = 384
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    intermediate_size: int = 1024
+    vocab_size: int = 32000
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    rope_type: str = "default"  # default | llama3
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.02
+    seed: int = 0
+    dtype: str = "float32"
+
+    def validate(self) -> None:
+        if self.arch not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"arch={self.arch!r}; use llama, mistral or qwen2")
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
+                     "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("hidden_size / num_heads (the head dim) must be even for RoPE")
+        if self.rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope_type={self.rope_type!r}; use default or llama3")
+
+
+def tokenizer_source() -> str:
+    """Path of the SentencePiece model inside the installed mistral-common wheel."""
+    try:
+        import mistral_common
+    except ImportError as exc:
+        raise RuntimeError("make-model needs the `mistral-common` package for its tokenizer") from exc
+    path = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tokenizer.model.v1")
+    if not os.path.isfile(path):
+        raise RuntimeError(f"mistral-common has no {path}; reinstall mistral-common")
+    return path
+
+
+def write_tokenizer(out_dir: str) -> int:
+    """Convert the Mistral SentencePiece model to tokenizer.json in ``out_dir``; return vocab size."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import LlamaTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(tokenizer_source(), os.path.join(tmp, "tokenizer.model"))
+        LlamaTokenizer.from_pretrained(tmp).save_pretrained(out_dir)
+    tk_path = os.path.join(out_dir, "tokenizer.json")
+    tk = Tokenizer.from_file(tk_path)
+    bos = tk.token_to_id("<s>")
+    # Llama/Mistral prepend BOS to every prompt.
+    tk.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                           special_tokens=[("<s>", bos)])
+    tk.save(tk_path)
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(chat_template=CHAT_TEMPLATE, add_bos_token=True, add_eos_token=False)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return tk.get_vocab_size(with_added_tokens=True)
+
+
+def make_model(out_dir: str, spec: ModelSpec) -> str:
+    """Write config.json, model.safetensors and tokenizer files to ``out_dir``."""
+    spec.validate()
+    import torch
+    import transformers
+
+    os.makedirs(out_dir, exist_ok=True)
+    tok_vocab = write_tokenizer(out_dir)
+    if spec.vocab_size < tok_vocab:
+        raise ValueError(f"vocab_size={spec.vocab_size} is smaller than the tokenizer's {tok_vocab}")
+    common = dict(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, initializer_range=spec.initializer_range,
+        bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5,
+    )
+    rope = {"rope_type": spec.rope_type, "rope_theta": spec.rope_theta}
+    if spec.rope_type == "llama3":
+        rope.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=max(spec.max_position_embeddings // 4, 64))
+    if spec.arch == "llama":
+        config = transformers.LlamaConfig(**common, rope_parameters=rope)
+    elif spec.arch == "mistral":
+        config = transformers.MistralConfig(**common, rope_parameters=rope, sliding_window=None)
+    else:
+        config = transformers.Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False)
+    model_cls = transformers.AutoModelForCausalLM
+    torch.manual_seed(spec.seed)
+    model = model_cls.from_config(config, dtype=torch.float32)
+    model = model.to(getattr(torch, spec.dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

@@ -1,0 +1,135 @@
+"""How to run a step: the model, its KV pool and the attention backend.
+
+Turns a scheduler plan into one flat, unpadded batch (token ids, positions,
+slot mapping, query offsets, context lengths), runs the model and returns the
+logits of the sequences that reached their last known token.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .attention import BatchLayout, make_backend
+from .block_manager import KVCacheManager
+from .config import ConfigError, EngineConfig, ModelConfig, dtype_name, parse_dtype
+from .model import load_model
+from .request import Request
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 256 << 20
+# GPU memory kept back from the KV pool for activations and workspaces.
+GPU_ACTIVATION_RESERVE_BYTES = 2 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available; use device='cpu'")
+    return dev
+
+
+def resolve_dtype(cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return parse_dtype(cfg.dtype)
+    if device.type == "cpu":
+        return torch.float32  # CPU: exact reference numerics
+    return parse_dtype(model_cfg.torch_dtype or "bfloat16", "config.json torch_dtype")
+
+
+class ModelRunner:
+    """Owns the model weights, the KV pool tensor and the attention backend."""
+
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig):
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg, model_cfg, self.device)
+        self.model_cfg = model_cfg
+        self.block_size = cfg.block_size
+        self.model = load_model(model_cfg, self.dtype, self.device)
+        self.backend = make_backend(
+            cfg.attention_backend, device=self.device, scale=model_cfg.head_dim ** -0.5,
+            num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim, dtype=self.dtype,
+        )
+        self.num_blocks = self._num_blocks(cfg)
+        # One pool per process: [layers, blocks, K/V, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(
+            model_cfg.num_layers, self.num_blocks, 2, cfg.block_size,
+            model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=self.device,
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer (K and V)."""
+        m = self.model_cfg
+        return 2 * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+
+    def _num_blocks(self, cfg: EngineConfig) -> int:
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        per_block = self.block_bytes * self.model_cfg.num_layers
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - GPU_ACTIVATION_RESERVE_BYTES
+            field = "gpu_memory_utilization"
+        else:
+            budget = cfg.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+            field = "kv_cache_memory_bytes"
+        n = budget // per_block
+        if n < 1:
+            raise ConfigError(
+                f"{field}: the KV budget ({budget} bytes) does not hold one block "
+                f"({per_block} bytes); raise {field}"
+            )
+        return int(n)
+
+    def layout_info(self) -> dict:
+        m = self.model_cfg
+        return {
+            "model_id": m.model_id, "dtype": dtype_name(self.dtype), "num_layers": m.num_layers,
+            "num_blocks": self.num_blocks, "block_size": self.block_size,
+            "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "block_bytes": self.block_bytes,
+        }
+
+    def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager,
+                layer_hook=None) -> tuple[torch.Tensor, list[Request]]:
+        """Run one step; return logits for the requests that sample, and those requests."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        qsl = [0]
+        ctx_lens, tables, logits_idx, sampling = [], [], [], []
+        for req, n in scheduled:
+            c = req.num_computed_tokens
+            if n == 1 and req.output_token_ids and c == req.num_tokens - 1:
+                ids.append(req.output_token_ids[-1])
+            else:
+                ids.extend(req.all_token_ids[c:c + n])
+            table = kv.block_ids(req.request_id)
+            p = torch.arange(c, c + n)
+            blocks = torch.tensor(table, dtype=torch.long)[p // bs]
+            pos.append(p)
+            slots.append(blocks * bs + p % bs)
+            ctx_lens.append(c)
+            tables.append(table)
+            qsl.append(qsl[-1] + n)
+            if c + n == req.num_tokens:
+                logits_idx.append(qsl[-1] - 1)
+                sampling.append(req)
+        dev = self.device
+        layout = BatchLayout(
+            query_start_loc=qsl, context_lens=ctx_lens, block_tables=tables,
+            slot_mapping=torch.cat(slots).to(dev), block_size=bs,
+        )
+        meta = self.backend.plan(layout, dev)
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos).to(dev),
+            self.kv_cache, self.backend, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            layer_hook=layer_hook,
+        )
+        return logits, sampling

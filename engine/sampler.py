@@ -1,0 +1,110 @@
+"""Token sampling for one step's batch of logits.
+
+Order of operations (as in vLLM): penalties on the raw logits, then greedy
+argmax or temperature -> top-k -> top-p -> draw. Reported logprobs are the
+model's raw log-softmax (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import Request
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None  # raw logprob of the chosen token (when logprobs requested)
+    top_logprobs: dict[int, float] | None = None
+
+
+def apply_penalties(logits: torch.Tensor, req: Request) -> None:
+    """In place, on one row. Repetition penalty spans prompt and output
+    (HF semantics); presence/frequency penalties span the output only (OpenAI)."""
+    p = req.params
+    device = logits.device
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        counts = torch.bincount(
+            torch.tensor(req.output_token_ids, device=device), minlength=logits.shape[-1]
+        ).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus.
+
+    ``top_k`` holds 0 for "disabled"; ``top_p`` holds 1.0 for "disabled".
+    The most likely token always survives.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    drop = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
+    drop = before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+class Sampler:
+    """Samples one token per row; owns the generator for unseeded requests."""
+
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in reqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(_has_penalty(r) for r in reqs):
+            logits = logits.clone()
+            for i, r in enumerate(reqs):
+                if _has_penalty(r):
+                    apply_penalties(logits[i], r)
+        tokens = logits.argmax(dim=-1)
+        rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if rand_rows:
+            idx = torch.tensor(rand_rows, device=logits.device)
+            sub = logits[idx]
+            temps = torch.tensor([reqs[i].params.temperature for i in rand_rows],
+                                 device=logits.device, dtype=sub.dtype)
+            sub = sub / temps[:, None]
+            top_k = torch.tensor([max(reqs[i].params.top_k, 0) for i in rand_rows], device=logits.device)
+            top_p = torch.tensor([reqs[i].params.top_p for i in rand_rows], device=logits.device,
+                                 dtype=sub.dtype)
+            if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+                sub = filter_top_k_top_p(sub, top_k, top_p)
+            probs = sub.softmax(dim=-1).cpu()
+            for j, i in enumerate(rand_rows):
+                gen = reqs[i].generator or self.generator
+                tokens[i] = torch.multinomial(probs[j], 1, generator=gen).item()
+        token_list = tokens.tolist()
+        results = []
+        for i, r in enumerate(reqs):
+            res = SampleResult(token_list[i])
+            n = r.params.logprobs
+            if n is not None and raw_logprobs is not None:
+                row = raw_logprobs[i]
+                res.logprob = float(row[token_list[i]])
+                if n > 0:
+                    vals, ids = row.topk(n)
+                    res.top_logprobs = dict(zip(ids.tolist(), vals.tolist()))
+            results.append(res)
+        return results
+
+
+def _has_penalty(r: Request) -> bool:
+    p = r.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

@@ -1,0 +1,155 @@
+"""What to run each step: a token budget spread over running and waiting requests.
+
+There are no separate prefill and decode phases. Each request has
+``num_computed_tokens`` (KV already in the pool) and ``num_tokens`` (prompt +
+output); a step gives each scheduled request ``num_tokens -
+num_computed_tokens`` new tokens, capped by what is left of
+``max_num_batched_tokens``, so long prompts are prefilled in chunks next to
+other requests' decode tokens. When the pool runs out, the least important
+running request (lowest priority, then latest arrival) is preempted: its
+blocks are freed and it is recomputed later.
+
+Requests whose prompt KV another worker writes wait in ``remote`` (state
+WAITING_FOR_REMOTE_KV) and are left out of steps until marked ready.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting / running / remote queues and the per-step plan."""
+
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 policy: str = "fcfs"):
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def _urgency(self, req: Request):
+        return (req.priority, req.arrival) if self.policy == "priority" else (0, req.arrival)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Take a request out of every queue and free its blocks."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.remote.pop(req.request_id, None)
+        if not (req.keep_kv and status != RequestStatus.FINISHED_ABORTED):
+            self.kv.free(req.request_id)
+
+    # -- remote KV ----------------------------------------------------------
+    def add_remote(self, req: Request) -> tuple[int, list[int]] | None:
+        """Reserve blocks for a request whose prompt KV will be written remotely.
+
+        Returns ``(cached_len, target_block_ids)`` or None when the pool cannot
+        hold the prompt now (the caller then prefills locally instead).
+        """
+        res = self.kv.reserve_remote(req.request_id, req.prompt_token_ids, req.cache_salt)
+        if res is None:
+            return None
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        req.num_cached_tokens = res[0]
+        self.remote[req.request_id] = req
+        return res
+
+    def remote_ready(self, req_id: str) -> Request:
+        """The prompt KV has arrived: the request runs from its next token on."""
+        req = self.remote.pop(req_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_full_blocks(req_id, req.prompt_token_ids, req.num_prompt_tokens, req.cache_salt)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return req
+
+    def remote_failed(self, req_id: str) -> Request:
+        """Drop the reservation and queue the request for a local prefill."""
+        req = self.remote.pop(req_id)
+        self.kv.release_reservation(req_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        return req
+
+    # -- the step plan --------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+                victim = max(candidates, key=self._urgency)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, n))
+                scheduled_ids.add(req.request_id)
+                budget -= n
+                i += 1
+        if out.preempted:
+            return out  # memory is tight: admit nothing new this step
+        if self.policy == "priority" and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self._urgency))
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, cached = self.kv.computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
+            n = min(req.num_tokens - cached, budget)
+            if not self.kv.allocate(req.request_id, cached + n, hits):
+                break
+            self.waiting.popleft()
+            if req.num_preemptions == 0 and not req.output_token_ids:
+                req.num_cached_tokens = cached
+            req.num_computed_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

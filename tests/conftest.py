@@ -1,0 +1,61 @@
+"""Suite-wide pytest setup: the `gpu` marker skips where CUDA is absent."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # torch missing or broken: no GPU tests either way
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+# -- small local models (made once per test session, no hub) ------------------
+
+from pdserve.engine.model_maker import ModelSpec, make_model  # noqa: E402
+
+# Shapes used across the suite. Small enough for a 2-core CPU, but with GQA,
+# several layers, and head dims that exercise the real code paths.
+MODEL_SPECS = {
+    # Llama 3 style: GQA 4:1 heads, llama3 rope scaling, untied embeddings.
+    "llama": ModelSpec(arch="llama", num_layers=3, hidden_size=128, num_heads=8, num_kv_heads=2,
+                       intermediate_size=256, rope_type="llama3", seed=1),
+    # Qwen2: q/k/v biases, tied embeddings, GQA 2:1.
+    "qwen2": ModelSpec(arch="qwen2", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+                       intermediate_size=256, tie_word_embeddings=True, seed=2),
+    "mistral": ModelSpec(arch="mistral", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=1,
+                         intermediate_size=256, seed=3),
+}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Lazily made model directories, keyed by MODEL_SPECS name (or 'default')."""
+    made: dict[str, str] = {}
+    root = tmp_path_factory.mktemp("models")
+
+    def get(name: str) -> str:
+        if name not in made:
+            spec = MODEL_SPECS.get(name, ModelSpec())
+            made[name] = make_model(str(root / name), spec)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> str:
+    return model_dirs("llama")

@@ -1,0 +1,92 @@
+"""Sampler: seeds, top-k/top-p exclusion, penalties, logprobs, stop conditions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler, filter_top_k_top_p
+
+# A fixed 8-token distribution: probabilities 0.30 0.25 0.15 0.10 0.08 0.06 0.04 0.02.
+PROBS = torch.tensor([0.30, 0.25, 0.15, 0.10, 0.08, 0.06, 0.04, 0.02])
+LOGITS = PROBS.log()
+
+
+def draw(params: SamplingParams, n: int, logits=LOGITS, seed=0) -> list[int]:
+    sampler = Sampler(seed)
+    reqs = [Request(f"r{i}", [1], params) for i in range(n)]
+    return [r.token_id for r in sampler(logits.repeat(n, 1), reqs)]
+
+
+def test_top_k_never_emits_excluded_tokens():
+    seen = set(draw(SamplingParams(temperature=1.0, top_k=3), 3000))
+    assert seen == {0, 1, 2}
+
+
+def test_top_p_never_emits_tokens_outside_the_nucleus():
+    # Mass ahead of token 3 is 0.70 < 0.75, ahead of token 4 is 0.80 >= 0.75.
+    seen = draw(SamplingParams(temperature=1.0, top_p=0.75), 4000)
+    assert set(seen) == {0, 1, 2, 3}
+    # Frequencies follow the renormalised nucleus (0.3/0.8 for token 0).
+    assert abs(seen.count(0) / len(seen) - 0.375) < 0.04
+
+
+def test_filter_keeps_the_top_token_even_with_tiny_top_p():
+    out = filter_top_k_top_p(LOGITS[None], torch.tensor([0]), torch.tensor([1e-6]))
+    assert torch.isfinite(out[0]).tolist() == [True] + [False] * 7
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent():
+    a = draw(SamplingParams(temperature=1.0, seed=42), 1) + draw(SamplingParams(temperature=1.0, seed=42), 1)
+    p = SamplingParams(temperature=1.0, seed=42)
+    r1, r2 = Request("a", [1], p), Request("b", [1], p)
+    s = Sampler(0)
+    seq1 = [s(LOGITS[None], [r1])[0].token_id for _ in range(50)]
+    seq2 = [s(LOGITS[None], [r2])[0].token_id for _ in range(50)]
+    assert seq1 == seq2 and a[0] == a[1]
+    r3 = Request("c", [1], SamplingParams(temperature=1.0, seed=7))
+    assert [s(LOGITS[None], [r3])[0].token_id for _ in range(50)] != seq1
+
+
+def test_penalties_push_repeated_tokens_down():
+    req = Request("r", [0], SamplingParams(temperature=0.0, repetition_penalty=2.0))
+    assert Sampler()(LOGITS[None], [req])[0].token_id == 1  # token 0 is in the prompt
+    req = Request("r", [5], SamplingParams(temperature=0.0, presence_penalty=2.0))
+    req.output_token_ids = [0, 1]
+    assert Sampler()(LOGITS[None], [req])[0].token_id == 2
+
+
+def test_logprobs_are_raw_log_softmax_with_top_n():
+    req = Request("r", [1], SamplingParams(temperature=0.0, logprobs=2))
+    res = Sampler()(LOGITS[None], [req])[0]
+    assert res.token_id == 0
+    assert res.logprob == pytest.approx(float(PROBS[0].log()), abs=1e-5)
+    assert list(res.top_logprobs) == [0, 1]
+
+
+def test_seeded_generation_reproducible_end_to_end(llama_dir):
+    llm = LLM(llama_dir)
+    p = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=123)
+    a = llm.generate(["Once upon a time"], p)[0].token_ids
+    b = llm.generate(["Once upon a time"], p)[0].token_ids
+    assert a == b and len(a) == 20
+
+
+def test_stop_token_ids_and_stop_strings(llama_dir):
+    llm = LLM(llama_dir)
+    base = llm.generate(["Once upon a time"], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    stop_tok = base.token_ids[5]
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_tok]))[0]
+    first = base.token_ids.index(stop_tok)
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # A stop string taken from the middle of the greedy text.
+    stop = base.text[len(base.text) // 2: len(base.text) // 2 + 3]
+    assert stop.strip(), "greedy text too short for this test"
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=20, temperature=0, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[: base.text.index(stop)]
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3

@@ -1,0 +1,174 @@
+"""Prefix caching, chunked prefill, preemption, block accounting, remote-KV hooks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.request import RequestStatus
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+
+
+def prompts_of(lengths, vocab=32000, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """Outputs of a plain engine (no prefix cache, big budget) for the shared prompts."""
+    prompts = prompts_of([5, 40, 90, 130, 200, 17, 64, 150], seed=7)
+    llm = LLM(llama_dir, enable_prefix_caching=False)
+    return prompts, [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def assert_no_leak(llm: LLM):
+    kv = llm.engine.kv
+    assert not llm.engine.requests
+    assert kv.tables == {}
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    # Blocks still indexed by the prefix cache are all free, hence evictable.
+    assert all(b.ref_cnt == 0 for b in kv.pool.cached.values())
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output(llama_dir):
+    shared = prompts_of([160], seed=3)[0]
+    a, b = shared + [11, 12, 13], shared + [21, 22]
+    ref = LLM(llama_dir, enable_prefix_caching=False).generate([b], GREEDY)[0].token_ids
+    llm = LLM(llama_dir)
+    llm.generate([a], GREEDY)
+    computed_before = llm.engine.stats.num_prompt_tokens_computed
+    out = llm.generate([b], GREEDY)[0]
+    computed_b = llm.engine.stats.num_prompt_tokens_computed - computed_before
+    assert out.num_cached_tokens == 160  # ten full blocks of the shared prefix
+    assert computed_b == len(b) - 160
+    assert out.token_ids == ref
+    assert_no_leak(llm)
+
+
+def test_fully_cached_prompt_recomputes_only_its_last_block(llama_dir):
+    p = prompts_of([64], seed=4)[0]
+    llm = LLM(llama_dir)
+    first = llm.generate([p], GREEDY)[0]
+    before = llm.engine.stats.num_prompt_tokens_computed
+    second = llm.generate([p], GREEDY)[0]
+    assert llm.engine.stats.num_prompt_tokens_computed - before == 16
+    assert second.token_ids == first.token_ids
+
+
+def test_chunked_prefill_gives_identical_output(llama_dir, reference):
+    prompts, ref = reference
+    llm = LLM(llama_dir, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    # 200 prompt tokens at 16 per step need many steps: chunking really happened.
+    assert llm.engine.stats.num_steps > 200 // 16
+    assert_no_leak(llm)
+
+
+def test_preemption_by_recompute_gives_identical_output(llama_dir):
+    prompts = prompts_of([30, 45, 60, 20, 75, 33, 50, 40], seed=8)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    ref = [o.token_ids for o in LLM(llama_dir, enable_prefix_caching=False).generate(prompts, params)]
+    # 24 blocks of 16 tokens: the prompts fit, but not their 48-token outputs at once,
+    # so growing requests must preempt others.
+    llm = LLM(llama_dir, num_gpu_blocks_override=24, max_model_len=384)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.stats.num_preemptions > 0
+    assert [o.token_ids for o in outs] == ref
+    assert_no_leak(llm)
+
+
+def test_priority_policy_preempts_low_priority_first(llama_dir):
+    llm = LLM(llama_dir, num_gpu_blocks_override=12, max_model_len=192, scheduling_policy="priority")
+    eng = llm.engine
+    long = prompts_of([80, 80], seed=9)
+    low = eng.add_request(long[0], SamplingParams(max_tokens=60, temperature=0), priority="low")
+    high = eng.add_request(long[1], SamplingParams(max_tokens=60, temperature=0), priority="high")
+    preempted = set()
+    for _ in range(400):
+        plan_before = eng.stats.num_preemptions
+        eng.step()
+        if eng.stats.num_preemptions > plan_before:
+            preempted |= {r.request_id for r in eng.scheduler.waiting}
+        if not eng.scheduler.has_work():
+            break
+    assert preempted == {low.request_id}
+    assert high.finish_reason == "length" and low.finish_reason == "length"
+
+
+def test_mixed_prefill_and_decode_in_one_step(llama_dir):
+    llm = LLM(llama_dir, max_num_batched_tokens=64)
+    eng = llm.engine
+    eng.add_request(prompts_of([10], seed=1)[0], SamplingParams(max_tokens=20, temperature=0))
+    eng.step()  # prefill of the first request
+    eng.add_request(prompts_of([100], seed=2)[0], SamplingParams(max_tokens=4, temperature=0))
+    plan = eng.scheduler.schedule()
+    sizes = sorted(n for _, n in plan.scheduled)
+    assert sizes == [1, 63]  # one decode token + a 63-token prefill chunk within the budget
+
+
+def test_abort_frees_blocks(llama_dir):
+    llm = LLM(llama_dir)
+    eng = llm.engine
+    req = eng.add_request(prompts_of([50])[0], SamplingParams(max_tokens=100, temperature=0))
+    eng.step()
+    assert eng.kv.num_free_blocks < eng.kv.pool.num_blocks
+    assert eng.abort_request(req.request_id)
+    assert req.status is RequestStatus.FINISHED_ABORTED
+    assert_no_leak(llm)
+
+
+def test_remote_kv_path_matches_local(llama_dir):
+    """Decode side of disaggregation inside one process: another engine computes the
+    prompt KV, its pages are copied into the reserved blocks, and decoding from
+    them gives exactly the local output."""
+    prompt = prompts_of([70], seed=5)[0]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    local = LLM(llama_dir).generate([prompt], params)[0].token_ids
+
+    prefill = LLM(llama_dir, enable_prefix_caching=False).engine
+    decode = LLM(llama_dir).engine
+    # Decode worker: reserve blocks for the whole prompt.
+    dreq = decode.make_request(prompt, params)
+    cached_len, targets = decode.add_remote_request(dreq)
+    assert cached_len == 0 and len(targets) == 5
+    assert decode.scheduler.schedule().scheduled == []  # waiting for remote KV: not scheduled
+    # Prefill worker: compute the prompt and the first token, keep the blocks.
+    preq = prefill.make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    preq.keep_kv = True
+    prefill.scheduler.add(preq)
+    first = prefill.step()[0]
+    src = prefill.kv.block_ids(preq.request_id)
+    decode.runner.kv_cache[:, targets] = prefill.runner.kv_cache[:, src]
+    prefill.free_kv(preq.request_id)
+    delta = decode.remote_kv_ready(dreq.request_id, first.new_token_ids[0])
+    assert delta.new_token_ids == [local[0]]
+    while decode.has_unfinished():
+        for d in decode.step():
+            if d.finished:
+                out = decode.release(d.request_id)
+    assert out.token_ids == local
+    assert decode.stats.num_prompt_tokens_computed == 0
+    assert prefill.kv.num_free_blocks == prefill.kv.pool.num_blocks
+
+
+def test_remote_failure_falls_back_to_local_without_leak(llama_dir):
+    prompt = prompts_of([40], seed=6)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    local = LLM(llama_dir).generate([prompt], params)[0].token_ids
+    llm = LLM(llama_dir)
+    eng = llm.engine
+    req = eng.make_request(prompt, params)
+    eng.add_remote_request(req)
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks - 3
+    eng.remote_kv_failed(req.request_id)
+    while eng.has_unfinished():
+        for d in eng.step():
+            if d.finished:
+                out = eng.release(d.request_id)
+    assert out.token_ids == local
+    assert_no_leak(llm)
