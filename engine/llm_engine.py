@@ -118,9 +118,13 @@ class LLMEngine:
             )
         return ids
 
-    def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     priority: int | str = 0, arrival: float | None = None) -> Request:
-        """Validate and build a request without queueing it."""
+    def validate_input(self, prompt, params: SamplingParams | None = None,
+                       priority: int | str = 0) -> tuple[list[int], SamplingParams, int]:
+        """Check a request without touching engine state (safe from any thread).
+
+        Returns (prompt token ids, params, numeric priority) or raises
+        `InvalidRequestError` naming the field.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", "must be a SamplingParams")
@@ -130,6 +134,12 @@ class LLMEngine:
             if priority not in PRIORITY_LEVELS:
                 raise InvalidRequestError("priority", f"{priority!r}; use high, normal or low")
             priority = PRIORITY_LEVELS[priority]
+        return ids, params, priority
+
+    def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                     priority: int | str = 0, arrival: float | None = None) -> Request:
+        """Validate and build a request without queueing it."""
+        ids, params, priority = self.validate_input(prompt, params, priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
@@ -185,6 +195,10 @@ class LLMEngine:
         self.stats.num_preemptions += len(plan.preempted)
         if not plan.scheduled:
             return []
+        now = time.monotonic()
+        for req, _ in plan.scheduled:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
         logits, sampling = self.runner.execute(plan.scheduled, self.kv, layer_hook)
         self.stats.num_steps += 1
         bs = self.config.block_size
@@ -209,6 +223,8 @@ class LLMEngine:
         p = req.params
         tok = res.token_id
         req.output_token_ids.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         self.stats.num_generation_tokens += 1
         entry = None
         if req.logprobs is not None:

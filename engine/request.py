@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -126,6 +127,10 @@ class Request:
         # Prefill role: keep the KV blocks after finishing until `LLMEngine.free_kv`
         # (they are read by the transfer to the decode worker).
         self.keep_kv = False
+        # Monotonic timestamps for latency breakdowns (queue wait, TTFT).
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self.stop_reason: int | str | None = None
 
     @property

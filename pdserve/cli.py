@@ -14,6 +14,7 @@ import sys
 # Modules that contribute subcommands, in the order `pdserve --help` lists them.
 COMMAND_MODULES = (
     "pdserve.engine.cli",
+    "pdserve.router.cli",
 )
 
 

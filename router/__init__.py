@@ -1,1 +1,51 @@
-"""pdserve.router package."""
+"""pdserve.router: pure routing and QoS policy.
+
+Decides, from plain values, whether to admit a request (``admit``), where to
+prefill it (``decide``) and which worker of a pool takes it
+(``select_worker``). Policies are validated YAML (``parse_policy``,
+``load_policy_file``); the only state is the ``CostModel`` the decode worker
+feeds with measured timings. Nothing here does I/O except ``load_*_file``
+and the ``pdserve policy`` CLI in ``router/cli.py``.
+"""
+
+from pdserve.router.autoscale import AutoscalePolicy
+from pdserve.router.costs import CostEstimates, CostModel
+from pdserve.router.decide import ClusterSnapshot, Decision, RequestFeatures, decide
+from pdserve.router.loader import (
+    PolicyError,
+    PolicyIssue,
+    load_any_file,
+    load_autoscale_file,
+    load_policy_file,
+    parse_any,
+    parse_autoscale,
+    parse_policy,
+)
+from pdserve.router.policy import DEFAULT_POLICY, RouterPolicy
+from pdserve.router.qos import Admission, admit
+from pdserve.router.select import Selection, WorkerCandidate, select_worker
+
+__all__ = [
+    "Admission",
+    "AutoscalePolicy",
+    "ClusterSnapshot",
+    "CostEstimates",
+    "CostModel",
+    "DEFAULT_POLICY",
+    "Decision",
+    "PolicyError",
+    "PolicyIssue",
+    "RequestFeatures",
+    "RouterPolicy",
+    "Selection",
+    "WorkerCandidate",
+    "admit",
+    "decide",
+    "load_any_file",
+    "load_autoscale_file",
+    "load_policy_file",
+    "parse_any",
+    "parse_autoscale",
+    "parse_policy",
+    "select_worker",
+]

@@ -1,0 +1,117 @@
+"""The autoscale policy schema (POLICY.md section 4): per-role replica bounds
+and thresholds, loop timing, step and GPU budget.
+
+Schema and validation only. The planner in ``pdserve.cluster`` owns the
+scaling loop (scale up when any up-threshold holds, down when all
+down-thresholds hold, bounded by replicas, ``max_step``, ``cooldown_s`` and
+``gpu_budget``); this module makes sure what it is handed is coherent.
+
+Unlike the router's fractions, autoscale utilisations are percentages 0-100,
+exactly as POLICY.md writes them (``gpu_utilization: 80``).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from pdserve.router.policy import StrictModel
+
+
+class ScaleThresholds(StrictModel):
+    """Metric thresholds of one scaling direction; unset metrics are ignored."""
+
+    queue_length: int | None = Field(None, ge=0)
+    gpu_utilization: float | None = Field(None, ge=0, le=100)
+    kv_cache_usage: float | None = Field(None, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _check(self) -> ScaleThresholds:
+        values = self.set_values()
+        if not values:
+            raise ValueError(
+                "set at least one of queue_length, gpu_utilization, kv_cache_usage"
+            )
+        for name in ("gpu_utilization", "kv_cache_usage"):
+            value = values.get(name)
+            if value is not None and 0 < value < 1:
+                raise ValueError(
+                    f"{name} is a percentage 0-100; {value} looks like a fraction "
+                    f"(write {value * 100:g})"
+                )
+        return self
+
+    def set_values(self) -> dict[str, float]:
+        """The thresholds that are set, by metric name."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+class RoleScaling(StrictModel):
+    """Replica bounds and thresholds for one role (prefill or decode)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    # GPUs one replica occupies (tensor parallel size); counts against gpu_budget.
+    gpus_per_replica: int = Field(1, ge=1)
+    scale_up: ScaleThresholds
+    scale_down: ScaleThresholds
+
+    @model_validator(mode="after")
+    def _check(self) -> RoleScaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})"
+            )
+        up, down = self.scale_up.set_values(), self.scale_down.set_values()
+        for metric in up.keys() & down.keys():
+            # Down at or above up would scale up and down on the same reading.
+            if down[metric] >= up[metric]:
+                raise ValueError(
+                    f"scale_down.{metric} ({down[metric]:g}) must be below "
+                    f"scale_up.{metric} ({up[metric]:g})"
+                )
+        return self
+
+
+class PrefillScaling(RoleScaling):
+    """Prefill pool scaling; defaults are POLICY.md's example."""
+
+    max_replicas: int = Field(12, ge=1)
+    scale_up: ScaleThresholds = ScaleThresholds(queue_length=8, gpu_utilization=80)
+    scale_down: ScaleThresholds = ScaleThresholds(queue_length=2, gpu_utilization=40)
+
+
+class DecodeScaling(RoleScaling):
+    """Decode pool scaling; defaults are POLICY.md's example."""
+
+    max_replicas: int = Field(24, ge=1)
+    scale_up: ScaleThresholds = ScaleThresholds(queue_length=16, kv_cache_usage=75)
+    scale_down: ScaleThresholds = ScaleThresholds(queue_length=4, kv_cache_usage=30)
+
+
+class AutoscaleSection(StrictModel):
+    """The ``autoscale`` block."""
+
+    prefill: PrefillScaling = PrefillScaling()
+    decode: DecodeScaling = DecodeScaling()
+    interval_s: float = Field(10.0, gt=0)
+    cooldown_s: float = Field(60.0, ge=0)
+    max_step: int = Field(1, ge=1)
+    gpu_budget: int = Field(32, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscaleSection:
+        floor = (
+            self.prefill.min_replicas * self.prefill.gpus_per_replica
+            + self.decode.min_replicas * self.decode.gpus_per_replica
+        )
+        if floor > self.gpu_budget:
+            raise ValueError(
+                f"the minimum replicas need {floor} GPUs, more than gpu_budget ({self.gpu_budget})"
+            )
+        return self
+
+
+class AutoscalePolicy(StrictModel):
+    """A whole autoscale policy file: one ``autoscale`` block."""
+
+    autoscale: AutoscaleSection = AutoscaleSection()

@@ -1,0 +1,179 @@
+"""Calibrated per-token costs: the router's only state.
+
+The decode worker owns one ``CostModel``, feeds it the timings it measured
+(prefill local or remote, KV transfers, decode steps) and passes
+``snapshot()`` into every ``decide``/``admit`` call inside a
+``ClusterSnapshot``. The model never reads a clock; it is fed numbers.
+
+Every estimate starts at its seed from the policy's ``cost_model`` block and
+moves as an exponential moving average: ``new = old + alpha * (sample - old)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from pdserve.router.policy import CostModelParams
+
+BYTES_PER_MS_PER_GB_PER_S = 1e6  # 1 GB/s = 10^9 B / 10^3 ms
+
+
+@dataclass(frozen=True, slots=True)
+class CostEstimates:
+    """Per-token and per-transfer costs at one instant (immutable)."""
+
+    prefill_local_ms_per_token: float
+    prefill_remote_ms_per_token: float
+    decode_ms_per_token: float  # decode step time / batch size
+    decode_step_ms: float  # wall time of one decode step: the TPOT running requests see
+    transfer_bytes_per_ms: float
+    transfer_setup_ms: float
+    kv_bytes_per_token: int  # property of the model, not learned
+
+    @classmethod
+    def seed(cls, params: CostModelParams, kv_bytes_per_token: int) -> CostEstimates:
+        """The estimates before any measurement: the policy's seeds."""
+        return cls(
+            prefill_local_ms_per_token=params.prefill_local_ms_per_token,
+            prefill_remote_ms_per_token=params.prefill_remote_ms_per_token,
+            decode_ms_per_token=params.decode_ms_per_token,
+            decode_step_ms=params.decode_step_ms,
+            transfer_bytes_per_ms=params.transfer_bandwidth_gb_per_s * BYTES_PER_MS_PER_GB_PER_S,
+            transfer_setup_ms=params.transfer_setup_ms,
+            kv_bytes_per_token=kv_bytes_per_token,
+        )
+
+    def transfer_ms(self, tokens: int) -> float:
+        """Predicted time to move the KV of ``tokens`` positions, setup included."""
+        return self.transfer_setup_ms + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_ms
+
+
+class CostModel:
+    """Owns the cost EMAs of one decode worker.
+
+    Transfer time is modelled as ``setup + bytes / bandwidth``. One sample
+    cannot separate the two, so they are fitted by exponentially weighted
+    least squares over recent transfers (each new sample weighs ``alpha``).
+    While the recent transfer sizes are too alike to tell setup from
+    bandwidth, setup keeps its current value and the sample updates the
+    bandwidth EMA alone.
+    """
+
+    # Transfer sizes must spread by this much (coefficient of variation)
+    # before setup and bandwidth are fitted separately.
+    _MIN_SIZE_SPREAD = 0.05
+
+    def __init__(self, params: CostModelParams, kv_bytes_per_token: int):
+        if kv_bytes_per_token <= 0:
+            raise ValueError(f"kv_bytes_per_token must be > 0 (got {kv_bytes_per_token})")
+        self._alpha = params.ema_alpha
+        self._est = CostEstimates.seed(params, kv_bytes_per_token)
+        self._samples = {name: 0 for name in _ESTIMATE_NAMES}
+        # Exponentially weighted sums of (bytes, ms) for the transfer fit.
+        self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+
+    # --- observations ---------------------------------------------------------
+
+    def observe_prefill(self, tokens: int, ms: float, where: Literal["local", "remote"]) -> None:
+        """A prefill of ``tokens`` uncached positions took ``ms`` (compute only)."""
+        _check_sample(ms=ms, tokens=tokens)
+        if tokens == 0:
+            return  # nothing computed: no information about the per-token cost
+        if where == "local":
+            self._update("prefill_local_ms_per_token", ms / tokens)
+        elif where == "remote":
+            self._update("prefill_remote_ms_per_token", ms / tokens)
+        else:
+            raise ValueError(f"where must be 'local' or 'remote' (got {where!r})")
+
+    def observe_decode_step(self, ms: float, batch: int) -> None:
+        """One decode step over ``batch`` running requests took ``ms``."""
+        _check_sample(ms=ms, tokens=batch)
+        if batch == 0:
+            return
+        self._update("decode_step_ms", ms)
+        self._update("decode_ms_per_token", ms / batch)
+
+    def observe_transfer(self, num_bytes: int, ms: float) -> None:
+        """A KV transfer of ``num_bytes`` took ``ms`` end to end (setup included)."""
+        _check_sample(ms=ms, tokens=num_bytes)
+        if num_bytes == 0:
+            return
+        decay = 1.0 - self._alpha
+        x, y = float(num_bytes), ms
+        self._w = self._w * decay + 1.0
+        self._sx = self._sx * decay + x
+        self._sy = self._sy * decay + y
+        self._sxx = self._sxx * decay + x * x
+        self._sxy = self._sxy * decay + x * y
+        fitted = self._fit_transfer()
+        if fitted is not None:
+            setup_ms, bytes_per_ms = fitted
+            self._set("transfer_setup_ms", setup_ms)
+            self._set("transfer_bytes_per_ms", bytes_per_ms)
+            return
+        # Sizes too alike: attribute the time beyond setup to bandwidth.
+        # The floor keeps a transfer faster than the current setup estimate
+        # from producing an absurd bandwidth.
+        transfer_ms = max(ms - self._est.transfer_setup_ms, ms * 0.1, 1e-6)
+        self._update("transfer_bytes_per_ms", x / transfer_ms)
+
+    def _fit_transfer(self) -> tuple[float, float] | None:
+        if self._w < 2.0:
+            return None
+        mean_x, mean_y = self._sx / self._w, self._sy / self._w
+        var_x = self._sxx / self._w - mean_x * mean_x
+        if var_x <= (self._MIN_SIZE_SPREAD * mean_x) ** 2:
+            return None
+        slope = (self._sxy / self._w - mean_x * mean_y) / var_x  # ms per byte
+        setup = mean_y - slope * mean_x
+        if slope <= 0 or setup < 0:
+            return None  # noise made the fit unphysical; fall back to the EMA
+        return setup, 1.0 / slope
+
+    # --- reading and reconfiguring ------------------------------------------
+
+    def snapshot(self) -> CostEstimates:
+        """The current estimates (an immutable value; safe to share)."""
+        return self._est
+
+    def samples(self, name: str) -> int:
+        """How many observations have updated estimate ``name`` so far."""
+        return self._samples[name]
+
+    def update_params(self, params: CostModelParams) -> None:
+        """Adopt a reloaded policy: its alpha, and its seeds for estimates
+        that have never been measured (measured values are kept)."""
+        self._alpha = params.ema_alpha
+        seeded = CostEstimates.seed(params, self._est.kv_bytes_per_token)
+        changes = {
+            name: getattr(seeded, name) for name in _ESTIMATE_NAMES if self._samples[name] == 0
+        }
+        self._est = replace(self._est, **changes)
+
+    def _update(self, name: str, sample: float) -> None:
+        old = getattr(self._est, name)
+        self._set(name, old + self._alpha * (sample - old))
+
+    def _set(self, name: str, value: float) -> None:
+        self._samples[name] += 1
+        self._est = replace(self._est, **{name: value})
+
+
+_ESTIMATE_NAMES = (
+    "prefill_local_ms_per_token",
+    "prefill_remote_ms_per_token",
+    "decode_ms_per_token",
+    "decode_step_ms",
+    "transfer_bytes_per_ms",
+    "transfer_setup_ms",
+)
+
+
+def _check_sample(ms: float, tokens: int) -> None:
+    if not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0):
+        raise ValueError(f"a timing must be a finite number of ms >= 0 (got {ms!r})")
+    if tokens < 0:
+        raise ValueError(f"a count must be >= 0 (got {tokens})")

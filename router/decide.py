@@ -1,0 +1,323 @@
+"""The offload decision: prefill this request locally or on the prefill pool.
+
+``decide(features, snapshot, policy)`` is a pure function of its arguments.
+Precedence, first match wins (POLICY.md section 1; docs/router.md):
+
+1. fully cached prompt (``eff_len == 0``)      -> local  ``fully_cached``
+2. request override ``local``                   -> local  ``override_local``
+3. empty prefill pool (``empty_pool_local``)    -> local  ``empty_pool``
+4. request override ``remote``                  -> remote ``override_remote``
+5. ``mode: always_local`` / ``always_remote``   -> fixed  ``mode_always_*``
+6. ``mode: conditional``: the policy (threshold / score / cost_model), with
+   the high-priority queue bypass applied inside it; then a remote choice
+   for a low-priority request while the pool is busy is kept local
+   (``low_priority_pool_busy``) when qos.degrade says so.
+
+Every decision carries both predicted TTFTs (same cost estimates whatever
+the policy), so logs and ``pdserve policy explain`` can show what the
+choice is expected to cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from pdserve.router.costs import CostEstimates
+from pdserve.router.policy import RouterPolicy
+
+Priority = Literal["high", "normal", "low"]
+Override = Literal["auto", "local", "remote"]
+Route = Literal["local", "remote"]
+
+_PRIORITIES = ("high", "normal", "low")
+_OVERRIDES = ("auto", "local", "remote")
+
+# Score sums are compared after rounding to this many decimals, so that
+# 0.1 + 0.2 "equals" 0.3 and a tie is a tie (ties stay local).
+SCORE_DECIMALS = 9
+
+# What each rule returns: (route, reason code, human detail, score).
+_Routed = tuple[Route, str, str, float | None]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """What the router knows about one request."""
+
+    prompt_len: int
+    cached_len: int = 0  # prompt tokens already held by this decode worker's prefix cache
+    priority: Priority = "normal"
+    ttft_slo_ms: float | None = None  # the request's own TTFT target; None = the policy's
+    override: Override = "auto"
+    max_tokens: int | None = None  # None = no explicit limit
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0 or self.cached_len < 0:
+            raise ValueError(
+                f"prompt_len and cached_len must be >= 0 (got {self.prompt_len}, {self.cached_len})"
+            )
+        if self.priority not in _PRIORITIES:
+            raise ValueError(f"priority must be one of {_PRIORITIES} (got {self.priority!r})")
+        if self.override not in _OVERRIDES:
+            raise ValueError(f"override must be one of {_OVERRIDES} (got {self.override!r})")
+
+    @property
+    def eff_len(self) -> int:
+        """Positions that still need prefill: ``max(0, prompt_len - cached_len)``."""
+        return max(0, self.prompt_len - self.cached_len)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """The cluster as this decode worker sees it at decision time."""
+
+    costs: CostEstimates
+    prefill_queue_depth: int = 0  # tasks waiting in the remote prefill queue
+    prefill_queue_tokens: int = 0  # their uncached tokens
+    prefill_pool_size: int = 0  # live prefill workers (leases held)
+    decode_active_requests: int = 0  # running on this decode worker
+    decode_waiting_requests: int = 0  # admitted here, not yet running (reported by explain)
+    local_prefill_queue_tokens: int = 0  # tokens waiting for a local prefill here
+    decode_backlog_tokens: int = 0  # decode tokens ahead of a new request's slot (0 = room now)
+    decode_kv_usage: float = 0.0  # fraction 0-1 of this worker's KV blocks in use
+
+
+class Decision(NamedTuple):
+    """Where to prefill, why, and what each route is predicted to cost.
+
+    ``reason`` is a stable code for metrics labels; ``detail`` is one line for
+    humans. ``score`` is the weighted sum (score policy), the predicted gain
+    of going remote in ms (cost_model), else None. ``trace`` holds the
+    step-by-step reasoning when ``decide(..., explain=True)``.
+
+    A NamedTuple rather than a frozen dataclass: just as immutable, and about
+    five times cheaper to build on the per-request path.
+    """
+
+    route: Route
+    reason: str
+    detail: str
+    score: float | None
+    predicted_ttft_local_ms: float
+    predicted_ttft_remote_ms: float
+    predicted_queue_wait_ms: float  # of the chosen route
+    trace: tuple[str, ...] = ()
+
+    @property
+    def predicted_ttft_ms(self) -> float:
+        """Predicted TTFT of the chosen route."""
+        return self.predicted_ttft_remote_ms if self.route == "remote" else self.predicted_ttft_local_ms
+
+
+def bypasses_queue(features: RequestFeatures, policy: RouterPolicy) -> bool:
+    """Whether this request ignores the prefill queue (high-priority override)."""
+    return features.priority == "high" and policy.router.overrides.high_priority_bypass_queue
+
+
+def pool_busy(snapshot: ClusterSnapshot, policy: RouterPolicy) -> bool:
+    """The prefill pool is busy: queue depth >= busy_queue_depth_per_worker x pool size."""
+    per_worker = policy.router.overrides.busy_queue_depth_per_worker
+    return snapshot.prefill_queue_depth >= per_worker * snapshot.prefill_pool_size
+
+
+def predict(
+    features: RequestFeatures, snapshot: ClusterSnapshot, policy: RouterPolicy
+) -> tuple[float, float, float, float, float]:
+    """Predicted timings of both routes (POLICY.md section 1, cost_model).
+
+    Returns ``(local_wait, ttft_local, remote_wait, ttft_remote, itl_penalty)``
+    in ms, where
+
+    local  = local prefill backlog x t_local + decode wait + eff_len x t_local
+    remote = queue tokens x t_remote / pool size + decode wait
+             + eff_len x t_remote + kv_bytes(eff_len) / bandwidth + setup
+    decode wait = decode_backlog_tokens x decode ms per token (both routes)
+    itl_penalty = itl_penalty_weight x decoding requests x eff_len x t_local
+    """
+    c = snapshot.costs
+    eff = features.prompt_len - features.cached_len
+    if eff < 0:
+        eff = 0
+    t_local = c.prefill_local_ms_per_token
+    t_remote = c.prefill_remote_ms_per_token
+    decode_wait = snapshot.decode_backlog_tokens * c.decode_ms_per_token
+    local_prefill = eff * t_local
+    local_wait = snapshot.local_prefill_queue_tokens * t_local + decode_wait
+    queue_tokens = 0 if bypasses_queue(features, policy) else snapshot.prefill_queue_tokens
+    pool = snapshot.prefill_pool_size if snapshot.prefill_pool_size > 1 else 1
+    remote_wait = queue_tokens * t_remote / pool + decode_wait
+    ttft_remote = remote_wait + eff * t_remote
+    if eff:  # nothing to prefill means nothing to transfer, setup included
+        ttft_remote += c.transfer_ms(eff)
+    penalty = policy.router.cost_model.itl_penalty_weight * snapshot.decode_active_requests * local_prefill
+    return local_wait, local_wait + local_prefill, remote_wait, ttft_remote, penalty
+
+
+def decide(
+    features: RequestFeatures,
+    snapshot: ClusterSnapshot,
+    policy: RouterPolicy,
+    *,
+    explain: bool = False,
+) -> Decision:
+    """Local or remote prefill for one request; see the module docstring for precedence."""
+    trace: list[str] | None = [] if explain else None
+    pred = predict(features, snapshot, policy)
+    route, reason, detail, score = _route(features, snapshot, policy, pred, trace)
+    if trace is not None:
+        trace.append(f"=> {route} ({reason}): {detail}")
+    return Decision(
+        route, reason, detail, score, pred[1], pred[3],
+        pred[2] if route == "remote" else pred[0],
+        tuple(trace) if trace is not None else (),
+    )
+
+
+def _route(features, snapshot, policy, pred, trace) -> _Routed:
+    r = policy.router
+    eff = features.eff_len
+    if trace is not None:
+        trace.append(
+            f"eff_len = max(0, prompt_len {features.prompt_len} - cached_len "
+            f"{features.cached_len}) = {eff}"
+        )
+        trace.append(
+            f"predicted TTFT: local {pred[1]:.1f} ms (wait {pred[0]:.1f}), "
+            f"remote {pred[3]:.1f} ms (wait {pred[2]:.1f})"
+        )
+    if eff == 0:
+        return "local", "fully_cached", "the whole prompt is in the prefix cache", None
+    if features.override == "local":
+        return "local", "override_local", "the request asked for local prefill", None
+    if snapshot.prefill_pool_size == 0 and r.overrides.empty_pool_local:
+        return "local", "empty_pool", "no live prefill worker", None
+    if features.override == "remote":
+        return "remote", "override_remote", "the request asked for remote prefill", None
+    if r.mode == "always_local":
+        return "local", "mode_always_local", "router.mode is always_local", None
+    if r.mode == "always_remote":
+        return "remote", "mode_always_remote", "router.mode is always_remote", None
+    if trace is not None:
+        trace.append(f"mode conditional, policy {r.policy}, priority {features.priority}")
+        if bypasses_queue(features, policy):
+            trace.append("high priority bypasses the prefill queue: queue treated as empty")
+    if r.policy == "threshold":
+        decided = _threshold(features, snapshot, policy, trace)
+    elif r.policy == "score":
+        decided = _score(features, snapshot, policy, trace)
+    else:
+        decided = _cost_model(policy, pred, trace)
+    return _keep_low_priority_local_when_busy(decided, features, snapshot, policy, trace)
+
+
+def _keep_low_priority_local_when_busy(decided, features, snapshot, policy, trace) -> _Routed:
+    if (
+        decided[0] != "remote"
+        or features.priority != "low"
+        or not policy.qos.degrade.no_remote_prefill_for_low_priority_when_busy
+    ):
+        return decided
+    limit = policy.router.overrides.busy_queue_depth_per_worker * snapshot.prefill_pool_size
+    busy = pool_busy(snapshot, policy)
+    depth = snapshot.prefill_queue_depth
+    if trace is not None:
+        trace.append(f"low priority: prefill queue depth {depth} >= busy limit {limit:g}: {busy}")
+    if not busy:
+        return decided
+    detail = f"low priority kept local: prefill queue depth {depth} >= busy limit {limit:g}"
+    return "local", "low_priority_pool_busy", detail, decided[3]
+
+
+def _threshold(features, snapshot, policy, trace) -> _Routed:
+    t = policy.router.threshold
+    eff = features.eff_len
+    depth = 0 if bypasses_queue(features, policy) else snapshot.prefill_queue_depth
+    long_prompt = eff >= t.prefill_length_threshold
+    queue_ok = depth < t.prefill_queue_max
+    if trace is not None:
+        trace.append(f"eff_len {eff} >= prefill_length_threshold {t.prefill_length_threshold}: {long_prompt}")
+        trace.append(f"prefill_queue_depth {depth} < prefill_queue_max {t.prefill_queue_max}: {queue_ok}")
+    if long_prompt and queue_ok:
+        return "remote", "threshold_long_prompt", (
+            f"eff_len {eff} >= {t.prefill_length_threshold} and queue depth {depth} < {t.prefill_queue_max}"
+        ), None
+    active = snapshot.decode_active_requests
+    busy = active >= t.decode_load_threshold and eff >= t.busy_min_length
+    if trace is not None:
+        trace.append(
+            f"decode_active_requests {active} >= decode_load_threshold {t.decode_load_threshold} "
+            f"and eff_len {eff} >= busy_min_length {t.busy_min_length}: {busy}"
+        )
+    if busy:
+        return "remote", "threshold_decode_busy", (
+            f"decode busy ({active} active >= {t.decode_load_threshold}) "
+            f"and eff_len {eff} >= {t.busy_min_length}"
+        ), None
+    if long_prompt:
+        return "local", "threshold_queue_full", f"prefill queue depth {depth} >= {t.prefill_queue_max}", None
+    return "local", "threshold_short_prompt", f"eff_len {eff} < {t.prefill_length_threshold}", None
+
+
+def score_metric(name: str, features: RequestFeatures, snapshot: ClusterSnapshot, bypass: bool) -> float:
+    """The value of one score metric (POLICY.md section 1 list)."""
+    if name == "prefill_length":
+        return features.eff_len
+    if name == "prompt_length":
+        return features.prompt_len
+    if name == "prefix_hit_ratio":
+        if features.prompt_len == 0:
+            return 0.0
+        return min(features.cached_len, features.prompt_len) / features.prompt_len
+    if name == "prefill_queue_depth":
+        return 0 if bypass else snapshot.prefill_queue_depth
+    if name == "prefill_queue_tokens":
+        return 0 if bypass else snapshot.prefill_queue_tokens
+    if name == "decode_active_requests":
+        return snapshot.decode_active_requests
+    if name == "decode_kv_usage":
+        return snapshot.decode_kv_usage
+    if name == "prefill_pool_size":
+        return snapshot.prefill_pool_size
+    raise ValueError(f"unknown score metric {name!r}")
+
+
+def _score(features, snapshot, policy, trace) -> _Routed:
+    s = policy.router.disaggregated_router
+    if not s.enable:
+        return "local", "score_disabled", "disaggregated_router.enable is false", None
+    bypass = bypasses_queue(features, policy)
+    total = 0.0
+    for rule in s.policies:
+        value = score_metric(rule.metric, features, snapshot, bypass)
+        fired = value >= rule.threshold
+        if fired:
+            total += rule.weight if rule.action == "prefer_remote" else -rule.weight
+        if trace is not None:
+            sign = "+" if rule.action == "prefer_remote" else "-"
+            vote = f"{sign}{rule.weight:g}" if fired else "0"
+            trace.append(f"{rule.metric} {value:g} >= {rule.threshold:g}: {fired} -> {vote}")
+    total = round(total, SCORE_DECIMALS)
+    if total > s.remote_prefill_min_score:
+        return "remote", "score_above_min", f"score {total:g} > {s.remote_prefill_min_score:g}", total
+    return "local", "score_below_min", f"score {total:g} <= {s.remote_prefill_min_score:g}", total
+
+
+def _cost_model(policy, pred, trace) -> _Routed:
+    min_gain = policy.router.cost_model.min_gain_ms
+    _, ttft_local, _, cost_remote, penalty = pred
+    cost_local = ttft_local + penalty
+    gain = cost_local - cost_remote
+    if trace is not None:
+        trace.append(
+            f"cost local = TTFT {ttft_local:.1f} + ITL penalty {penalty:.1f} "
+            f"= {cost_local:.1f} ms; cost remote = {cost_remote:.1f} ms"
+        )
+        trace.append(f"gain of remote = {gain:.1f} ms, needs > min_gain_ms {min_gain:g}")
+    if gain > min_gain:
+        return "remote", "cost_remote_cheaper", (
+            f"remote saves {gain:.1f} ms > min_gain_ms {min_gain:g}"
+        ), gain
+    return "local", "cost_local_cheaper", (
+        f"remote would save {gain:.1f} ms, not > min_gain_ms {min_gain:g}"
+    ), gain

@@ -1,0 +1,233 @@
+"""The router policy schema: every key an operator may write, with its default.
+
+One YAML file (or the etcd key ``/pdserve/<cluster>/config/router``) holds two
+top-level sections, ``router`` (POLICY.md sections 1-2: offload decision,
+overrides, worker selection) and ``qos`` (section 3: admission and
+degradation). Both are optional; an empty file is the all-defaults policy.
+
+Defaults live here and nowhere else. Every model forbids unknown keys and is
+strict (YAML ``"256"`` is not an integer), so a typo is an error naming the
+key instead of a silently ignored setting. Models are frozen: a loaded policy
+is swapped whole on reload, never edited in place.
+
+Units are in the key names: ``*_ms`` milliseconds, ``*_ms_per_token``
+milliseconds per token, ``*_gb_per_s`` 10^9 bytes per second. Ratios used by
+the router (``decode_kv_usage``, ``prefix_hit_ratio``, worker KV usage) are
+fractions 0-1, not percentages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Mode = Literal["always_local", "always_remote", "conditional"]
+PolicyName = Literal["threshold", "score", "cost_model"]
+ScoreMetric = Literal[
+    "prefill_length",
+    "prompt_length",
+    "prefix_hit_ratio",
+    "prefill_queue_depth",
+    "prefill_queue_tokens",
+    "decode_active_requests",
+    "decode_kv_usage",
+    "prefill_pool_size",
+]
+ScoreAction = Literal["prefer_remote", "prefer_local"]
+Strategy = Literal["round_robin", "least_requests", "prefix_aware", "kv_aware", "latency_cost"]
+
+# Score metrics that are fractions: a threshold above 1 is a percentage typo.
+FRACTION_METRICS = frozenset({"prefix_hit_ratio", "decode_kv_usage"})
+
+
+class StrictModel(BaseModel):
+    """Base of every policy section: unknown keys and loose types are errors.
+
+    A section written with no keys under it (``qos:`` followed by only
+    comments) parses as YAML null; that means "all defaults", not an error.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_section_is_defaults(cls, data: Any) -> Any:
+        return {} if data is None else data
+
+
+# --- section 1: offload decision ------------------------------------------
+
+
+class ThresholdParams(StrictModel):
+    """Parameters of the ``threshold`` policy (the classic rule set)."""
+
+    prefill_length_threshold: int = Field(256, ge=0)
+    prefill_queue_max: int = Field(10, ge=0)
+    decode_load_threshold: int = Field(8, ge=0)
+    busy_min_length: int = Field(64, ge=0)
+
+
+class ScoreRule(StrictModel):
+    """One weighted vote of the ``score`` policy.
+
+    The rule fires when ``metric >= threshold``; it then adds ``+weight``
+    (``prefer_remote``) or ``-weight`` (``prefer_local``). The weight is a
+    magnitude; the action gives the sign.
+    """
+
+    metric: ScoreMetric
+    threshold: float = Field(ge=0)
+    action: ScoreAction
+    weight: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _fraction_threshold(self) -> ScoreRule:
+        if self.metric in FRACTION_METRICS and self.threshold > 1:
+            raise ValueError(
+                f"threshold for {self.metric} is a fraction 0-1, not a percentage "
+                f"(got {self.threshold})"
+            )
+        return self
+
+
+def _default_score_rules() -> list[ScoreRule]:
+    # The POLICY.md example: long prompts go remote unless the queue is deep.
+    return [
+        ScoreRule(metric="prefill_length", threshold=256, action="prefer_remote", weight=0.7),
+        ScoreRule(metric="prefill_queue_depth", threshold=10, action="prefer_local", weight=0.3),
+    ]
+
+
+class ScoreParams(StrictModel):
+    """The ``disaggregated_router`` block, parameters of the ``score`` policy.
+
+    Remote when the (rounded) sum of fired votes is strictly greater than
+    ``remote_prefill_min_score``; a sum equal to it stays local. ``enable:
+    false`` turns the score policy off: every request is prefilled locally.
+    """
+
+    enable: bool = True
+    policies: list[ScoreRule] = Field(default_factory=_default_score_rules)
+    remote_prefill_min_score: float = 0.5
+
+
+class CostModelParams(StrictModel):
+    """Parameters of the ``cost_model`` policy and seeds of the cost EMAs.
+
+    The ``*_ms_per_token``, ``decode_step_ms``, ``transfer_*`` values are only
+    seeds: the decode worker's CostModel replaces them with exponential moving
+    averages of measured timings (weight ``ema_alpha`` per new sample).
+    """
+
+    prefill_local_ms_per_token: float = Field(0.1, gt=0)
+    prefill_remote_ms_per_token: float = Field(0.1, gt=0)
+    decode_ms_per_token: float = Field(1.0, gt=0)
+    decode_step_ms: float = Field(25.0, gt=0)
+    transfer_bandwidth_gb_per_s: float = Field(10.0, gt=0)
+    transfer_setup_ms: float = Field(2.0, ge=0)
+    # Cost charged for the decode stall a local prefill inflicts: this weight
+    # x requests D is decoding x local prefill ms. 0 ignores the harm.
+    itl_penalty_weight: float = Field(0.1, ge=0)
+    # Remote must beat local by strictly more than this to be chosen.
+    min_gain_ms: float = Field(5.0, ge=0)
+    ema_alpha: float = Field(0.2, gt=0, le=1)
+
+
+class Overrides(StrictModel):
+    """Request-class overrides of the conditional policy (POLICY.md section 1).
+
+    The third override, "low priority kept local when the pool is busy", is
+    switched by ``qos.degrade.no_remote_prefill_for_low_priority_when_busy``
+    (one knob, in the QoS block where POLICY.md puts it);
+    ``busy_queue_depth_per_worker`` below defines "busy" for it.
+    """
+
+    # High priority jumps the priority-ordered prefill queue, so the queue
+    # checks (threshold's prefill_queue_max, score's queue metrics, the cost
+    # model's remote queue wait) see an empty queue for it.
+    high_priority_bypass_queue: bool = True
+    # No live prefill worker: everything is prefilled locally.
+    empty_pool_local: bool = True
+    # The pool is busy when queue depth >= this x prefill_pool_size.
+    busy_queue_depth_per_worker: float = Field(2.0, gt=0)
+
+
+# --- section 2: worker selection ------------------------------------------
+
+
+class LatencyCostWeights(StrictModel):
+    """Weights of ``latency_cost`` (lower total is better; inputs are 0-1)."""
+
+    kv_occupancy: float = 3.0
+    active_requests: float = 1.0
+    exact_prefix_match: float = -10.0
+    memory_bandwidth: float = 0.5
+    recent_prefix: float = -1.0
+
+
+class PoolSelection(StrictModel):
+    """How to pick one worker of a pool when there is a choice."""
+
+    strategy: Strategy = "latency_cost"
+    weights: LatencyCostWeights = LatencyCostWeights()
+
+
+class WorkerSelection(StrictModel):
+    """Per-pool selection; prefill and decode may weigh things differently."""
+
+    prefill: PoolSelection = PoolSelection()
+    decode: PoolSelection = PoolSelection()
+
+
+class RouterSection(StrictModel):
+    """The ``router`` block: mode, offload policy, overrides, worker choice.
+
+    ``mode`` ``always_local`` / ``always_remote`` fix the route (except that a
+    fully cached prompt or an empty pool is always local); ``conditional``
+    applies the overrides and then the policy named by ``policy``. Parameter
+    blocks of policies not selected are validated and kept, so switching
+    ``policy`` is a one-word edit.
+    """
+
+    mode: Mode = "conditional"
+    policy: PolicyName = "cost_model"
+    threshold: ThresholdParams = ThresholdParams()
+    disaggregated_router: ScoreParams = ScoreParams()
+    cost_model: CostModelParams = CostModelParams()
+    overrides: Overrides = Overrides()
+    worker_selection: WorkerSelection = WorkerSelection()
+
+
+# --- section 3: QoS --------------------------------------------------------
+
+
+class Degrade(StrictModel):
+    """What an admitted low-priority request gives up under pressure."""
+
+    # Cap on max_tokens of low-priority requests while the worker is under
+    # pressure (see qos.admit); null disables the cap.
+    low_priority_max_tokens: int | None = Field(200, ge=1)
+    no_remote_prefill_for_low_priority_when_busy: bool = True
+
+
+class QosPolicy(StrictModel):
+    """The ``qos`` block: admission, refusal and degradation (section 3)."""
+
+    ttft_slo_ms: float = Field(500.0, gt=0)
+    tpot_slo_ms: float = Field(50.0, gt=0)
+    enable_early_rejection: bool = True
+    reject_on_slo_violation: bool = True
+    low_priority_threshold_ms: float = Field(500.0, gt=0)
+    max_queue_wait_ms: float = Field(2000.0, gt=0)
+    degrade: Degrade = Degrade()
+
+
+class RouterPolicy(StrictModel):
+    """A whole router policy file: ``router`` + ``qos``."""
+
+    router: RouterSection = RouterSection()
+    qos: QosPolicy = QosPolicy()
+
+
+DEFAULT_POLICY = RouterPolicy()

@@ -1,0 +1,138 @@
+"""Admission: admit, refuse (with the predicted TTFT and a retry hint) or
+admit degraded. POLICY.md section 3; exact rules in ``admit``'s docstring.
+
+Admission predicts the TTFT of the route the router would pick for the
+request now (it calls ``decide``), so QoS and routing never disagree about
+what a request will cost. The decode worker admits before its prefix-cache
+lookup, so ``cached_len`` may still be 0 here: the prediction is then
+conservative, and the worker decides again once it knows ``cached_len``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from pdserve.router.decide import ClusterSnapshot, Decision, RequestFeatures, decide
+from pdserve.router.policy import QosPolicy, RouterPolicy
+
+
+class Admission(NamedTuple):
+    """The answer to "may this request in?".
+
+    ``reason`` is a stable code for metrics labels, ``detail`` the message a
+    refused client sees (it carries the predicted TTFT). ``max_tokens`` is
+    the limit to run the request with (lowered when ``degraded``).
+    ``retry_after_ms`` is set on refusals. ``preempt_low_priority`` asks the
+    scheduler to let this high-priority request jump queued low-priority work.
+    An immutable NamedTuple, like ``Decision``.
+    """
+
+    ok: bool
+    reason: str
+    detail: str
+    predicted_ttft_ms: float
+    max_tokens: int | None
+    degraded: bool
+    retry_after_ms: int | None
+    preempt_low_priority: bool
+    decision: Decision
+
+
+def admit(features: RequestFeatures, snapshot: ClusterSnapshot, policy: RouterPolicy) -> Admission:
+    """Admit or refuse one request.
+
+    With P the predicted TTFT of the route ``decide`` picks and W its
+    predicted queue wait (time before this request's own prefill starts):
+
+    1. ``high`` priority is always admitted (``high_priority``); when P is
+       over its SLO it is flagged ``preempt_low_priority``.
+    2. ``enable_early_rejection: false`` admits everything else.
+    3. W > ``max_queue_wait_ms`` refuses ``normal`` and ``low``
+       (``queue_wait_exceeded``).
+    4. ``low``: refused when P > ``low_priority_threshold_ms``, or > the
+       request's own ``ttft_slo_ms`` when it set one and
+       ``reject_on_slo_violation`` is on (``low_priority_ttft``).
+    5. ``normal``: refused when ``reject_on_slo_violation`` is on and P > the
+       request's ``ttft_slo_ms`` (else ``qos.ttft_slo_ms``) (``ttft_slo``).
+    6. Otherwise admitted. An admitted ``low`` request is degraded to
+       ``degrade.low_priority_max_tokens`` while the worker is under pressure:
+       the decode step EMA is over ``tpot_slo_ms`` or P is over the TTFT SLO.
+
+    Comparisons are strict: a prediction equal to its limit is admitted.
+    The retry hint is the excess over the limit, rounded up to whole ms: how
+    long the backlog needs to drain that much, assuming no new arrivals.
+    """
+    q = policy.qos
+    decision = decide(features, snapshot, policy)
+    ttft = decision.predicted_ttft_ms
+    slo = features.ttft_slo_ms if features.ttft_slo_ms is not None else q.ttft_slo_ms
+
+    if features.priority == "high":
+        preempt = ttft > slo
+        note = "; may preempt queued low-priority work" if preempt else ""
+        return Admission(
+            True, "high_priority", f"high priority is always admitted (predicted TTFT {ttft:.0f} ms){note}",
+            ttft, features.max_tokens, False, None, preempt, decision,
+        )
+
+    if q.enable_early_rejection:
+        wait = decision.predicted_queue_wait_ms
+        if wait > q.max_queue_wait_ms:
+            return _refuse(
+                "queue_wait_exceeded",
+                f"predicted queue wait {wait:.0f} ms exceeds max_queue_wait_ms {q.max_queue_wait_ms:g} "
+                f"(predicted TTFT {ttft:.0f} ms)",
+                wait - q.max_queue_wait_ms, features, decision,
+            )
+        limit, label = _ttft_limit(features, q)
+        if limit is not None and ttft > limit:
+            code = "low_priority_ttft" if features.priority == "low" else "ttft_slo"
+            return _refuse(
+                code, f"predicted TTFT {ttft:.0f} ms exceeds {label} {limit:g} ms",
+                ttft - limit, features, decision,
+            )
+
+    max_tokens, degraded = _degrade(features, snapshot, q, ttft, slo)
+    detail = f"admitted (predicted TTFT {ttft:.0f} ms)"
+    if degraded:
+        detail += f"; low priority under pressure: max_tokens capped at {max_tokens}"
+    return Admission(
+        True, "admitted_degraded" if degraded else "admitted", detail,
+        ttft, max_tokens, degraded, None, False, decision,
+    )
+
+
+def _ttft_limit(features: RequestFeatures, q: QosPolicy) -> tuple[float | None, str]:
+    own = features.ttft_slo_ms if q.reject_on_slo_violation else None
+    if features.priority == "low":
+        if own is not None and own < q.low_priority_threshold_ms:
+            return own, "the request's ttft_slo_ms"
+        return q.low_priority_threshold_ms, "low_priority_threshold_ms"
+    if not q.reject_on_slo_violation:
+        return None, ""
+    if own is not None:
+        return own, "the request's ttft_slo_ms"
+    return q.ttft_slo_ms, "qos.ttft_slo_ms"
+
+
+def _degrade(
+    features: RequestFeatures, snapshot: ClusterSnapshot, q: QosPolicy, ttft: float, slo: float
+) -> tuple[int | None, bool]:
+    cap = q.degrade.low_priority_max_tokens
+    if features.priority != "low" or cap is None:
+        return features.max_tokens, False
+    under_pressure = snapshot.costs.decode_step_ms > q.tpot_slo_ms or ttft > slo
+    if not under_pressure or (features.max_tokens is not None and features.max_tokens <= cap):
+        return features.max_tokens, False
+    return cap, True
+
+
+def _refuse(
+    reason: str, detail: str, excess_ms: float, features: RequestFeatures, decision: Decision
+) -> Admission:
+    retry_ms = max(1, math.ceil(excess_ms))
+    return Admission(
+        False, reason, f"{detail}; retry in ~{retry_ms} ms",
+        decision.predicted_ttft_ms, features.max_tokens, False, retry_ms, False, decision,
+    )

@@ -1,0 +1,134 @@
+"""The cost_model policy: predictions, hysteresis, and choices that flip as
+the cluster and the calibrated costs change.
+
+Seed costs (defaults): 0.1 ms/token prefill both sides, 128 KiB KV per token
+over 10 GB/s (0.0131072 ms/token) + 2 ms setup, ITL weight 0.1, min gain 5 ms.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.costs import CostModel
+from pdserve.router.decide import decide
+
+from_seed = pytest.approx
+
+
+@pytest.fixture
+def policy(rt):
+    return rt.policy(router={"policy": "cost_model"})
+
+
+def test_predictions_follow_the_documented_formulas(rt, policy):
+    snapshot = rt.snap(
+        policy, prefill_pool_size=2, prefill_queue_tokens=1000, local_prefill_queue_tokens=300,
+        decode_backlog_tokens=10,
+    )
+    d = decide(rt.req(2000), snapshot, policy)
+    decode_wait = 10 * 1.0
+    assert d.predicted_ttft_local_ms == from_seed(300 * 0.1 + decode_wait + 2000 * 0.1)
+    assert d.predicted_ttft_remote_ms == from_seed(
+        1000 * 0.1 / 2 + decode_wait + 2000 * 0.1 + 2000 * 131072 / 1e7 + 2.0
+    )
+
+
+def test_idle_decode_worker_keeps_a_long_prompt_local(rt, policy):
+    # No one to stall and no local backlog: the transfer only adds time.
+    d = decide(rt.req(2000), rt.snap(policy), policy)
+    assert (d.route, d.reason) == ("local", "cost_local_cheaper")
+
+
+def test_busy_decode_worker_offloads_a_long_prompt(rt, policy):
+    d = decide(rt.req(2000), rt.snap(policy, decode_active_requests=8), policy)
+    assert (d.route, d.reason) == ("remote", "cost_remote_cheaper")
+    assert d.score == from_seed((200 + 0.1 * 8 * 200) - (200 + 26.2144 + 2))
+
+
+def test_local_backlog_makes_remote_cheaper(rt, policy):
+    d = decide(rt.req(2000), rt.snap(policy, local_prefill_queue_tokens=1000), policy)
+    assert d.route == "remote"
+
+
+def test_short_queue_goes_remote_deep_queue_flips_to_local(rt, policy):
+    # Remote wins by 131.8 ms minus 0.1 ms per queued token (pool of 1).
+    short = rt.snap(policy, prefill_pool_size=1, decode_active_requests=8,
+                    prefill_queue_depth=2, prefill_queue_tokens=1000)
+    deep = rt.snap(policy, prefill_pool_size=1, decode_active_requests=8,
+                   prefill_queue_depth=4, prefill_queue_tokens=2000)
+    assert decide(rt.req(2000), short, policy).route == "remote"
+    assert decide(rt.req(2000), deep, policy).route == "local"
+
+
+def test_more_prefill_workers_drain_the_same_queue_faster(rt, policy):
+    one = rt.snap(policy, prefill_pool_size=1, decode_active_requests=8, prefill_queue_tokens=2000)
+    four = rt.snap(policy, prefill_pool_size=4, decode_active_requests=8, prefill_queue_tokens=2000)
+    assert decide(rt.req(2000), one, policy).route == "local"
+    assert decide(rt.req(2000), four, policy).route == "remote"
+
+
+def test_fast_link_goes_remote_slow_link_flips_to_local(rt, policy):
+    fast = rt.snap(policy, rt.costs(policy, transfer_bytes_per_ms=1e7), decode_active_requests=8)
+    slow = rt.snap(policy, rt.costs(policy, transfer_bytes_per_ms=1e6), decode_active_requests=8)
+    assert decide(rt.req(2000), fast, policy).route == "remote"
+    assert decide(rt.req(2000), slow, policy).route == "local"
+
+
+def exact_costs(rt, policy):
+    # Integers throughout so the gain is exact: transfer 1 ms/token, no setup.
+    return rt.costs(
+        policy, prefill_local_ms_per_token=1.0, prefill_remote_ms_per_token=1.0,
+        kv_bytes_per_token=1000, transfer_bytes_per_ms=1000.0, transfer_setup_ms=0.0,
+    )
+
+
+def test_gain_exactly_min_gain_stays_local(rt, policy):
+    snapshot = rt.snap(policy, exact_costs(rt, policy), local_prefill_queue_tokens=15)
+    d = decide(rt.req(10), snapshot, policy)
+    assert d.score == 5.0
+    assert d.route == "local"
+
+
+def test_gain_just_above_min_gain_goes_remote(rt, policy):
+    snapshot = rt.snap(policy, exact_costs(rt, policy), local_prefill_queue_tokens=16)
+    d = decide(rt.req(10), snapshot, policy)
+    assert (d.route, d.score) == ("remote", 6.0)
+
+
+def test_min_gain_is_configurable(rt):
+    policy = rt.policy(router={"policy": "cost_model", "cost_model": {"min_gain_ms": 0}})
+    snapshot = rt.snap(policy, exact_costs(rt, policy), local_prefill_queue_tokens=11)
+    assert decide(rt.req(10), snapshot, policy).route == "remote"
+
+
+def test_zero_itl_weight_ignores_decode_load(rt):
+    policy = rt.policy(router={"policy": "cost_model", "cost_model": {"itl_penalty_weight": 0}})
+    d = decide(rt.req(2000), rt.snap(policy, decode_active_requests=64), policy)
+    assert d.route == "local"
+
+
+def test_measured_slow_local_prefill_moves_the_decision_remote(rt, policy):
+    model = CostModel(policy.router.cost_model, kv_bytes_per_token=128 * 1024)
+    loads = dict(decode_active_requests=2, prefill_queue_tokens=1000, prefill_pool_size=1)
+    assert decide(rt.req(2000), rt.snap(policy, model.snapshot(), **loads), policy).route == "local"
+    for _ in range(10):
+        model.observe_prefill(tokens=2000, ms=600.0, where="local")  # 0.3 ms/token measured
+    assert decide(rt.req(2000), rt.snap(policy, model.snapshot(), **loads), policy).route == "remote"
+
+
+def test_measured_slow_transfers_move_the_decision_local(rt, policy):
+    model = CostModel(policy.router.cost_model, kv_bytes_per_token=128 * 1024)
+    loads = dict(decode_active_requests=8)
+    assert decide(rt.req(2000), rt.snap(policy, model.snapshot(), **loads), policy).route == "remote"
+    for _ in range(20):
+        model.observe_transfer(num_bytes=2000 * 128 * 1024, ms=400.0)  # ~0.66 GB/s measured
+    assert decide(rt.req(2000), rt.snap(policy, model.snapshot(), **loads), policy).route == "local"
+
+
+def test_high_priority_prediction_skips_the_queue(rt, policy):
+    snapshot = rt.snap(policy, prefill_queue_tokens=100_000, decode_active_requests=8)
+    normal = decide(rt.req(2000), snapshot, policy)
+    high = decide(rt.req(2000, priority="high"), snapshot, policy)
+    assert normal.route == "local"
+    assert high.route == "remote"
+    assert high.predicted_ttft_remote_ms < normal.predicted_ttft_remote_ms

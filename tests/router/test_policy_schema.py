@@ -1,0 +1,109 @@
+"""The policy schema: POLICY.md's defaults, the shipped configs, strictness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.router.autoscale import AutoscalePolicy
+from pdserve.router.loader import load_any_file, load_policy_file, parse_policy
+from pdserve.router.policy import DEFAULT_POLICY, RouterPolicy, ScoreRule
+
+REPO = Path(__file__).resolve().parents[2]
+ROUTER_CONFIGS = sorted((REPO / "configs" / "router").glob("*.yaml"))
+AUTOSCALE_CONFIGS = sorted((REPO / "configs" / "autoscale").glob("*.yaml"))
+
+
+def test_threshold_defaults_are_policy_md_values():
+    t = DEFAULT_POLICY.router.threshold
+    assert (t.prefill_length_threshold, t.prefill_queue_max, t.decode_load_threshold, t.busy_min_length) == (
+        256, 10, 8, 64,
+    )
+
+
+def test_score_defaults_are_the_policy_md_example():
+    s = DEFAULT_POLICY.router.disaggregated_router
+    assert s.enable is True
+    assert s.remote_prefill_min_score == 0.5
+    assert s.policies == [
+        ScoreRule(metric="prefill_length", threshold=256, action="prefer_remote", weight=0.7),
+        ScoreRule(metric="prefill_queue_depth", threshold=10, action="prefer_local", weight=0.3),
+    ]
+
+
+def test_latency_cost_weights_default_to_the_policy_md_table():
+    for pool in (DEFAULT_POLICY.router.worker_selection.prefill, DEFAULT_POLICY.router.worker_selection.decode):
+        w = pool.weights
+        assert (w.kv_occupancy, w.active_requests, w.exact_prefix_match, w.memory_bandwidth, w.recent_prefix) == (
+            3.0, 1.0, -10.0, 0.5, -1.0,
+        )
+
+
+def test_qos_defaults_are_the_policy_md_block():
+    q = DEFAULT_POLICY.qos
+    assert (q.ttft_slo_ms, q.tpot_slo_ms, q.low_priority_threshold_ms, q.max_queue_wait_ms) == (500, 50, 500, 2000)
+    assert q.enable_early_rejection and q.reject_on_slo_violation
+    assert q.degrade.low_priority_max_tokens == 200
+    assert q.degrade.no_remote_prefill_for_low_priority_when_busy is True
+
+
+def test_default_mode_is_conditional_cost_model():
+    assert (DEFAULT_POLICY.router.mode, DEFAULT_POLICY.router.policy) == ("conditional", "cost_model")
+
+
+def test_five_router_configs_are_shipped():
+    names = {p.name for p in ROUTER_CONFIGS}
+    assert {"default.yaml", "threshold.yaml", "score.yaml", "always-remote.yaml", "always-local.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", ROUTER_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_router_config_validates(path):
+    assert isinstance(load_policy_file(path), RouterPolicy)
+
+
+@pytest.mark.parametrize("path", AUTOSCALE_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_autoscale_config_validates(path):
+    assert isinstance(load_any_file(path), AutoscalePolicy)
+
+
+def test_default_yaml_spells_out_exactly_the_schema_defaults():
+    assert load_policy_file(REPO / "configs/router/default.yaml") == DEFAULT_POLICY
+
+
+def test_autoscale_default_yaml_spells_out_the_schema_defaults():
+    assert load_any_file(REPO / "configs/autoscale/default.yaml") == AutoscalePolicy()
+
+
+def test_shipped_configs_select_their_named_behaviour():
+    modes = {
+        p.name: (load_policy_file(p).router.mode, load_policy_file(p).router.policy) for p in ROUTER_CONFIGS
+    }
+    assert modes["threshold.yaml"] == ("conditional", "threshold")
+    assert modes["score.yaml"] == ("conditional", "score")
+    assert modes["always-remote.yaml"][0] == "always_remote"
+    assert modes["always-local.yaml"][0] == "always_local"
+
+
+def test_score_yaml_holds_the_policy_md_example():
+    policy = load_policy_file(REPO / "configs/router/score.yaml")
+    assert policy.router.disaggregated_router == DEFAULT_POLICY.router.disaggregated_router
+
+
+def test_empty_document_is_the_default_policy():
+    assert parse_policy("# only a comment\n") == DEFAULT_POLICY
+
+
+def test_section_with_only_comments_means_defaults():
+    assert parse_policy("qos:\n  # nothing set yet\nrouter:\n") == DEFAULT_POLICY
+
+
+def test_unset_keys_keep_their_defaults_next_to_set_ones():
+    policy = parse_policy("router:\n  threshold:\n    prefill_queue_max: 3\n")
+    assert policy.router.threshold.prefill_queue_max == 3
+    assert policy.router.threshold.prefill_length_threshold == 256
+
+
+def test_policy_is_immutable():
+    with pytest.raises(Exception):
+        DEFAULT_POLICY.router.threshold.prefill_queue_max = 1  # type: ignore[misc]
