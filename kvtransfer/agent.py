@@ -1,0 +1,390 @@
+"""`KVTransferAgent`: one NIXL agent per worker process, owning the registered KV pool.
+
+The prefill side WRITEs pages into a decode worker's pool; the decode side only
+polls for notifications. Agents run with NIXL's progress thread off (it
+busy-polls a core), so progress happens inside `poll()` / `wait()`: the
+*target* must keep calling `poll()` (its step loop does), or connection
+wireup with a new peer never completes and notifications are not delivered.
+
+Not thread-safe: one owner (the worker's step loop) drives it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from pdserve.kvtransfer.descriptors import WritePlan, plan_block_write
+from pdserve.kvtransfer.errors import (
+    KVTransferError,
+    MalformedMessageError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownPeerError,
+)
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.messages import check_notification
+from pdserve.kvtransfer.nixl_shim import apply_ucx_env, load_nixl
+from pdserve.kvtransfer.peer import PeerInfo
+from pdserve.kvtransfer.stream import LayerStream
+from pdserve.kvtransfer.transfer import Notification, PollResult, TransferHandle, TransferState
+
+log = logging.getLogger(__name__)
+
+
+class KVTransferAgent:
+    """Registers one worker's whole KV pool with NIXL and writes pages into peers' pools.
+
+    Owns: the NIXL agent, the pool registration, the table of known peers
+    (added from their `local_info()` records), the in-flight writes and the
+    notifications received since the last `poll()`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        kv_tensor: Any,
+        layout: KVLayout,
+        backends: Sequence[str] = ("UCX",),
+        *,
+        ucx_env: Mapping[str, str] | None = None,
+        num_threads: int = 0,
+    ):
+        _check_pool(kv_tensor, layout)
+        self._api = load_nixl()
+        self._errors = self._api.errors
+        apply_ucx_env(ucx_env)
+        config = self._api.config_cls(
+            enable_prog_thread=False,  # ENVIRONMENT.md: it busy-polls a whole core
+            enable_listen_thread=False,  # metadata travels through etcd, not NIXL's listener
+            backends=list(backends),
+            num_threads=num_threads,
+        )
+        try:
+            self._nixl = self._api.agent_cls(name, config)
+        except self._errors as exc:
+            raise KVTransferError(f"could not create NIXL agent {name!r}: {exc!r}") from exc
+        missing = [b for b in backends if b not in self._nixl.backends]
+        if missing:
+            raise KVTransferError(
+                f"NIXL backends {missing} did not start; plugins available here: "
+                f"{self._nixl.get_plugin_list()}"
+            )
+        self.name = name
+        self.layout = layout
+        self._kv = kv_tensor  # keep the registered memory alive as long as the agent
+        self.mem_type = "VRAM" if kv_tensor.is_cuda else "DRAM"
+        self._device_id = max(kv_tensor.get_device(), 0)
+        self._pool_addr = int(kv_tensor.data_ptr())
+        try:
+            self._registration = self._nixl.register_memory(kv_tensor)
+        except self._errors as exc:
+            raise KVTransferError(
+                f"NIXL could not register the {self.mem_type} KV pool "
+                f"({layout.pool_bytes} bytes): {exc!r}"
+            ) from exc
+        self._peers: dict[str, PeerInfo] = {}
+        self._inflight: dict[int, TransferHandle] = {}
+        self._ids = itertools.count(1)
+        self._completed: list[TransferHandle] = []
+        self._failed: list[TransferHandle] = []
+        self._inbox: list[Notification] = []
+        self._unreleased: list[Any] = []  # NIXL handles whose release failed; retried at close
+        self._closed = False
+
+    # ---- membership -------------------------------------------------------
+
+    def local_info(self) -> dict[str, Any]:
+        """JSON-serializable record that a peer passes to `add_peer` (published in etcd)."""
+        self._check_open()
+        return PeerInfo(
+            name=self.name,
+            nixl_metadata=self._nixl.get_agent_metadata(),
+            layout=self.layout,
+            pool_addr=self._pool_addr,
+            pool_bytes=self.layout.pool_bytes,
+            mem_type=self.mem_type,
+            device_id=self._device_id,
+        ).to_dict()
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._peers)
+
+    def add_peer(self, info: Mapping[str, Any] | PeerInfo) -> str:
+        """Check the peer's layout against ours, then load its NIXL metadata. Returns its name.
+
+        Raises LayoutMismatchError (before NIXL hears of the peer) or
+        MalformedMessageError for a bad record. Re-adding with new metadata
+        (the peer restarted) replaces the old entry.
+        """
+        self._check_open()
+        peer = info if isinstance(info, PeerInfo) else PeerInfo.from_dict(dict(info))
+        if peer.name == self.name:
+            raise ValueError(f"agent {self.name!r} cannot add itself as a peer")
+        self.layout.check_compatible(peer.layout)
+        known = self._peers.get(peer.name)
+        if known == peer:
+            return peer.name
+        if known is not None:
+            self.remove_peer(peer.name)
+        try:
+            loaded = self._nixl.add_remote_agent(peer.nixl_metadata)
+        except self._errors as exc:
+            raise TransferError(f"NIXL rejected the metadata of peer {peer.name!r}: {exc!r}") from exc
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_name != peer.name:
+            if loaded_name not in self._peers:
+                self._nixl.remove_remote_agent(loaded_name)
+            raise MalformedMessageError(
+                f"peer record names {peer.name!r} but its NIXL metadata is for {loaded_name!r}"
+            )
+        self._peers[peer.name] = peer
+        try:  # start UCX wireup now (asynchronous) so the first write does not pay all of it
+            self._nixl.make_connection(peer.name)
+        except self._errors as exc:
+            log.warning("NIXL could not pre-connect to peer %s (the first write will): %r", peer.name, exc)
+        return peer.name
+
+    def remove_peer(self, name: str) -> bool:
+        """Forget a peer (its lease is gone); its in-flight writes fail. False if unknown."""
+        self._check_open()
+        if self._peers.pop(name, None) is None:
+            return False
+        for handle in [h for h in self._inflight.values() if h.peer == name]:
+            self._fail(handle, f"peer {name!r} was removed while the write was in flight")
+        try:
+            self._nixl.remove_remote_agent(name)
+        except self._errors as exc:  # a dead peer may already be half torn down
+            log.warning("NIXL could not invalidate peer %s cleanly: %r", name, exc)
+        return True
+
+    # ---- writes -----------------------------------------------------------
+
+    def write_blocks(
+        self,
+        peer: str,
+        local_block_ids: Sequence[int] | np.ndarray,
+        remote_block_ids: Sequence[int] | np.ndarray,
+        layers: Iterable[int] | None = None,
+        notify: bytes | None = None,
+        *,
+        coalesce: bool = True,
+    ) -> TransferHandle:
+        """Write the K and V pages of `local_block_ids` into the peer's `remote_block_ids`.
+
+        All layers, or only `layers`. Runs of consecutive ids (on both sides)
+        become one descriptor per layer. `notify` (<= 1 KiB) reaches the peer
+        after the data. NIXL failures are reported through the handle
+        (`poll()`/`wait()`); a bad mapping raises ValueError, an unknown peer
+        UnknownPeerError.
+        """
+        target = self._peer(peer)
+        plan = plan_block_write(
+            self.layout, target.layout, local_block_ids, remote_block_ids, layers, coalesce
+        )
+        return self._post(target, plan, notify)
+
+    def write_bytes(
+        self, peer: str, local_offset: int, remote_offset: int, num_bytes: int, notify: bytes | None = None
+    ) -> TransferHandle:
+        """Write one contiguous byte range of our pool into the peer's pool (a raw baseline)."""
+        target = self._peer(peer)
+        for what, offset, limit in (
+            ("local", local_offset, self.layout.pool_bytes),
+            ("remote", remote_offset, target.pool_bytes),
+        ):
+            if num_bytes <= 0 or offset < 0 or offset + num_bytes > limit:
+                raise ValueError(f"{what} range [{offset}, {offset + num_bytes}) is outside [0, {limit})")
+        plan = WritePlan(
+            local_offsets=np.array([local_offset], dtype=np.int64),
+            remote_offsets=np.array([remote_offset], dtype=np.int64),
+            lengths=np.array([num_bytes], dtype=np.int64),
+            layers=(),
+        )
+        return self._post(target, plan, notify)
+
+    def begin_stream(
+        self,
+        peer: str,
+        local_block_ids: Sequence[int] | np.ndarray,
+        remote_block_ids: Sequence[int] | np.ndarray,
+        notify: bytes | None = None,
+        layers: Iterable[int] | None = None,
+    ) -> LayerStream:
+        """Start a layer-by-layer write: call `write_layer(l)` as each layer is computed, then `finish()`."""
+        target = self._peer(peer)
+        check_notification(notify)
+        plan = plan_block_write(self.layout, target.layout, local_block_ids, remote_block_ids, layers)
+        return LayerStream(self, target.name, plan, notify)
+
+    def _post(self, peer: PeerInfo, plan: WritePlan, notify: bytes | None) -> TransferHandle:
+        self._check_open()
+        check_notification(notify)
+        local = plan.local_rows(self._pool_addr, self._device_id)
+        remote = plan.remote_rows(peer.pool_addr, peer.device_id)
+        handle = TransferHandle(
+            id=next(self._ids),
+            peer=peer.name,
+            num_bytes=plan.num_bytes,
+            num_descriptors=plan.num_descriptors,
+            layers=plan.layers,
+            notify=notify,
+        )
+        try:
+            handle._xfer = self._nixl.initialize_xfer(
+                "WRITE",
+                self._nixl.get_xfer_descs(local, self.mem_type),
+                self._nixl.get_xfer_descs(remote, peer.mem_type),
+                peer.name,
+                notify or b"",
+            )
+            self._inflight[handle.id] = handle
+            state = self._nixl.transfer(handle._xfer)
+        except self._errors as exc:  # e.g. the peer disconnected: the caller learns it via the handle
+            self._fail(handle, f"NIXL could not post the write: {exc!r}")
+            return handle
+        self._settle(handle, state)
+        return handle
+
+    # ---- progress ---------------------------------------------------------
+
+    def poll(self) -> PollResult:
+        """Drive NIXL; return writes that finished and notifications received since the last poll.
+
+        Handles finished inside `wait()` are reported here too (once).
+        """
+        self._progress()
+        result = PollResult(self._completed, self._failed, self._inbox)
+        self._completed, self._failed, self._inbox = [], [], []
+        return result
+
+    def wait(self, handle: TransferHandle, timeout_s: float) -> TransferHandle:
+        """Drive NIXL until `handle` finishes. Raises TransferError if it failed,
+        TransferTimeoutError (and abandons the write) if `timeout_s` passes first."""
+        deadline = time.monotonic() + timeout_s
+        while not handle.finished:
+            if handle.id not in self._inflight:
+                raise ValueError(f"transfer {handle.id} does not belong to agent {self.name!r}")
+            self._progress()
+            if not handle.finished and time.monotonic() >= deadline:
+                self._fail(handle, f"write to {handle.peer!r} not complete after {timeout_s} s")
+                raise TransferTimeoutError(
+                    f"write of {handle.num_bytes} bytes to {handle.peer!r} did not complete "
+                    f"within {timeout_s} s; the peer may be dead: remove it or raise the timeout"
+                )
+        if handle.failed:
+            raise TransferError(f"write to {handle.peer!r} failed: {handle.error}")
+        return handle
+
+    def send_notification(self, peer: str, payload: bytes) -> None:
+        """Send bytes to a peer outside any write (the stream's final message)."""
+        target = self._peer(peer)
+        check_notification(payload)
+        try:
+            self._nixl.send_notif(target.name, payload)
+        except self._errors as exc:
+            raise TransferError(f"could not notify peer {peer!r}: {exc!r}") from exc
+        self._progress()  # push it out now; nobody may poll for a while
+
+    def _progress(self) -> None:
+        self._check_open()
+        for handle in list(self._inflight.values()):
+            try:
+                state = self._nixl.check_xfer_state(handle._xfer)
+            except self._errors as exc:
+                self._fail(handle, f"NIXL reported {exc!r}")
+                continue
+            self._settle(handle, state)
+        try:
+            received = self._nixl.get_new_notifs()
+        except self._errors as exc:
+            raise TransferError(f"NIXL could not fetch notifications: {exc!r}") from exc
+        for sender, payloads in received.items():
+            sender_name = sender.decode() if isinstance(sender, bytes) else str(sender)
+            self._inbox.extend(Notification(sender_name, bytes(p)) for p in payloads)
+
+    def _settle(self, handle: TransferHandle, state: str) -> None:
+        if state == "DONE":
+            self._finish(handle, TransferState.DONE)
+            self._completed.append(handle)
+        elif state == "ERR":
+            self._fail(handle, "NIXL reported the write as failed (peer gone or transport error)")
+
+    def _fail(self, handle: TransferHandle, reason: str) -> None:
+        handle.error = reason
+        self._finish(handle, TransferState.FAILED)
+        self._failed.append(handle)
+
+    def _finish(self, handle: TransferHandle, state: TransferState) -> None:
+        handle.state = state
+        handle.finished_at = time.perf_counter()
+        self._inflight.pop(handle.id, None)
+        xfer, handle._xfer = handle._xfer, None
+        if xfer is not None:
+            self._release(xfer)
+
+    def _release(self, xfer: Any) -> None:
+        try:
+            xfer.release()
+        except self._errors as exc:  # an unfinished write cannot always be cancelled at once
+            log.debug("NIXL transfer release deferred: %r", exc)
+            self._unreleased.append(xfer)
+
+    # ---- lifecycle --------------------------------------------------------
+
+    def close(self) -> None:
+        """Fail in-flight writes, drop peers, deregister the pool, destroy the NIXL agent."""
+        if self._closed:
+            return
+        for handle in list(self._inflight.values()):
+            self._fail(handle, "agent closed while the write was in flight")
+        for name in list(self._peers):
+            self.remove_peer(name)
+        pending, self._unreleased = self._unreleased, []
+        for xfer in pending:
+            try:
+                xfer.release()
+            except self._errors as exc:
+                log.warning("NIXL transfer handle could not be released at close: %r", exc)
+        try:
+            self._nixl.deregister_memory(self._registration)
+        except self._errors as exc:
+            log.warning("NIXL could not deregister the KV pool: %r", exc)
+        self._closed = True
+        self._nixl = None
+
+    def __enter__(self) -> KVTransferAgent:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVTransferError(f"agent {self.name!r} is closed")
+
+    def _peer(self, name: str) -> PeerInfo:
+        self._check_open()
+        try:
+            return self._peers[name]
+        except KeyError:
+            raise UnknownPeerError(
+                f"peer {name!r} is not known to agent {self.name!r} (never added, or removed "
+                f"when its lease expired); known peers: {sorted(self._peers)}"
+            ) from None
+
+
+def _check_pool(kv: Any, layout: KVLayout) -> None:
+    if tuple(kv.shape) != layout.shape:
+        raise ValueError(f"KV pool tensor shape {list(kv.shape)} does not match layout {list(layout.shape)}")
+    dtype = str(kv.dtype).removeprefix("torch.")
+    if dtype != layout.dtype:
+        raise ValueError(f"KV pool tensor dtype {dtype} does not match layout dtype {layout.dtype}")
+    if not kv.is_contiguous():
+        raise ValueError("the KV pool tensor must be contiguous: pages are addressed by byte offset")

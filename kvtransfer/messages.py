@@ -1,0 +1,147 @@
+"""`PrefillDone`: the completion message a prefill worker sends with its last page write.
+
+Wire format (inside a NIXL notification, never pickle):
+
+    b"PDKV" | version (1 byte) | msgpack map of the fields
+
+The whole payload is at most MAX_NOTIFICATION_BYTES: NIXL notifications ride
+on small active messages and should stay small.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from pdserve.kvtransfer.errors import MalformedMessageError
+
+MAGIC = b"PDKV"
+PREFILL_DONE_VERSION = 1
+MAX_NOTIFICATION_BYTES = 1024
+
+_HEADER_BYTES = len(MAGIC) + 1
+_FIELDS = (
+    "request_id",
+    "epoch",
+    "first_token_id",
+    "first_token_logprob",
+    "num_tokens_written",
+)
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """KV pages of one request attempt are in place on the decode worker.
+
+    `epoch` numbers the attempt; a decode worker that re-prefilled locally has
+    moved on to a newer epoch and must ignore older messages (`is_stale`).
+    """
+
+    request_id: str
+    epoch: int
+    first_token_id: int
+    first_token_logprob: float | None
+    num_tokens_written: int
+    version: int = PREFILL_DONE_VERSION
+
+    def __post_init__(self) -> None:
+        problem = _field_problem(self)
+        if problem:
+            raise ValueError(f"invalid PrefillDone: {problem}")
+        if isinstance(self.first_token_logprob, int):  # a caller passed 0 for 0.0
+            object.__setattr__(self, "first_token_logprob", float(self.first_token_logprob))
+
+    def is_stale(self, current_epoch: int) -> bool:
+        """True when this message belongs to an attempt older than `current_epoch`."""
+        return self.epoch < current_epoch
+
+    def encode(self) -> bytes:
+        return encode_prefill_done(self)
+
+
+def encode_prefill_done(msg: PrefillDone) -> bytes:
+    """Serialize to the versioned wire format; raises ValueError if it would exceed the size cap."""
+    if msg.version != PREFILL_DONE_VERSION:
+        raise ValueError(
+            f"this build writes PrefillDone version {PREFILL_DONE_VERSION}, not {msg.version}"
+        )
+    body = msgpack.packb({name: getattr(msg, name) for name in _FIELDS}, use_bin_type=True)
+    payload = MAGIC + bytes([msg.version]) + body
+    if len(payload) > MAX_NOTIFICATION_BYTES:
+        raise ValueError(
+            f"PrefillDone encodes to {len(payload)} bytes, over the {MAX_NOTIFICATION_BYTES}-byte "
+            "notification cap; shorten request_id"
+        )
+    return payload
+
+
+def check_notification(payload: bytes | None) -> None:
+    """Refuse a notification that is not 1..MAX_NOTIFICATION_BYTES bytes (None means no notification)."""
+    if payload is None:
+        return
+    if not isinstance(payload, bytes):
+        raise TypeError(f"a notification must be bytes, got {type(payload).__name__}")
+    if not payload or len(payload) > MAX_NOTIFICATION_BYTES:
+        raise ValueError(
+            f"a notification must be 1..{MAX_NOTIFICATION_BYTES} bytes, got {len(payload)}; "
+            "send large data as pages, not notifications"
+        )
+
+
+def decode_prefill_done(payload: bytes) -> PrefillDone:
+    """Parse a notification payload; raises MalformedMessageError on anything but a valid message."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise MalformedMessageError(f"payload must be bytes, got {type(payload).__name__}")
+    payload = bytes(payload)
+    if len(payload) > MAX_NOTIFICATION_BYTES:
+        raise MalformedMessageError(
+            f"payload is {len(payload)} bytes, over the {MAX_NOTIFICATION_BYTES}-byte cap"
+        )
+    if len(payload) < _HEADER_BYTES or not payload.startswith(MAGIC):
+        raise MalformedMessageError(f"payload does not start with {MAGIC!r}: {payload[:8]!r}")
+    version = payload[len(MAGIC)]
+    if version != PREFILL_DONE_VERSION:
+        raise MalformedMessageError(
+            f"PrefillDone version {version} is not supported (this build reads version "
+            f"{PREFILL_DONE_VERSION}); upgrade the older worker"
+        )
+    try:
+        body = msgpack.unpackb(payload[_HEADER_BYTES:], raw=False, strict_map_key=True)
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        raise MalformedMessageError(f"PrefillDone body is not valid msgpack: {exc}") from exc
+    if not isinstance(body, dict):
+        raise MalformedMessageError(f"PrefillDone body must be a map, got {type(body).__name__}")
+    missing = [name for name in _FIELDS if name not in body]
+    unknown = sorted(str(key) for key in body if key not in _FIELDS)
+    if missing or unknown:
+        raise MalformedMessageError(f"PrefillDone fields: missing {missing}, unknown {unknown}")
+    try:
+        return PrefillDone(version=version, **body)
+    except ValueError as exc:
+        raise MalformedMessageError(str(exc)) from exc
+
+
+def _field_problem(msg: PrefillDone) -> str | None:
+    """Why the message's fields are invalid, or None when they are fine."""
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not isinstance(msg.request_id, str) or not msg.request_id:
+        return f"request_id must be a non-empty str, got {msg.request_id!r}"
+    for name in ("epoch", "first_token_id", "num_tokens_written"):
+        value = getattr(msg, name)
+        if not is_int(value) or value < 0:
+            return f"{name} must be an int >= 0, got {value!r}"
+    logprob = msg.first_token_logprob
+    if logprob is not None:
+        if isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
+            return f"first_token_logprob must be a float or None, got {logprob!r}"
+        if math.isnan(logprob) or logprob > 0:
+            return f"first_token_logprob must be <= 0 (a log-probability), got {logprob!r}"
+    if not is_int(msg.version):
+        return f"version must be an int, got {msg.version!r}"
+    return None

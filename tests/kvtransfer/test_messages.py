@@ -1,0 +1,107 @@
+"""Messages that cross processes: PrefillDone notifications and peer records."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import msgpack
+import pytest
+
+from pdserve.kvtransfer import (
+    MAX_NOTIFICATION_BYTES,
+    KVLayout,
+    MalformedMessageError,
+    PeerInfo,
+    PrefillDone,
+    decode_prefill_done,
+    load_nixl,
+)
+from pdserve.kvtransfer.messages import MAGIC
+
+DONE = PrefillDone("req-42", epoch=3, first_token_id=1234, first_token_logprob=-0.25, num_tokens_written=4096)
+
+
+def body(**fields) -> bytes:
+    return MAGIC + b"\x01" + msgpack.packb(fields)
+
+
+def test_prefill_done_round_trips_in_a_small_payload():
+    payload = DONE.encode()
+    assert payload.startswith(b"PDKV\x01") and len(payload) < 128
+    assert decode_prefill_done(payload) == DONE
+
+
+def test_a_missing_logprob_round_trips_as_none():
+    done = PrefillDone("r", 0, 7, None, 16)
+    assert decode_prefill_done(done.encode()).first_token_logprob is None
+
+
+def test_older_epochs_are_stale():
+    assert DONE.is_stale(current_epoch=4)
+    assert not DONE.is_stale(current_epoch=3)
+
+
+def test_encode_refuses_a_message_over_the_size_cap():
+    with pytest.raises(ValueError, match="notification cap"):
+        PrefillDone("r" * MAX_NOTIFICATION_BYTES, 0, 1, None, 1).encode()
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"", "does not start with"),
+        (b"{\"request_id\": \"r\"}", "does not start with"),
+        (b"PDKV\x02" + msgpack.packb({}), "version 2 is not supported"),
+        (b"PDKV\x01\xc1garbage", "not valid msgpack"),
+        (b"PDKV\x01" + msgpack.packb([1, 2]), "must be a map"),
+        (body(request_id="r", epoch=1), "missing"),
+        (body(request_id="r", epoch=1, first_token_id=2, first_token_logprob=None,
+              num_tokens_written=3, extra=1), "unknown"),
+        (body(request_id="r", epoch=-1, first_token_id=2, first_token_logprob=None,
+              num_tokens_written=3), "epoch"),
+        (body(request_id="r", epoch=1, first_token_id="2", first_token_logprob=None,
+              num_tokens_written=3), "first_token_id"),
+        (body(request_id="", epoch=1, first_token_id=2, first_token_logprob=None,
+              num_tokens_written=3), "request_id"),
+        (body(request_id="r", epoch=1, first_token_id=2, first_token_logprob=float("nan"),
+              num_tokens_written=3), "log-probability"),
+        (MAGIC + b"\x01" + b"x" * MAX_NOTIFICATION_BYTES, "cap"),
+    ],
+    ids=["empty", "json", "version", "garbage", "list", "missing", "unknown", "negative",
+         "wrong-type", "empty-id", "nan", "oversize"],
+)
+def test_decode_rejects_malformed_payloads(payload, message):
+    with pytest.raises(MalformedMessageError, match=message):
+        decode_prefill_done(payload)
+
+
+LAYOUT = KVLayout("tiny", "float16", 3, 10, 4, 2, 8)
+INFO = PeerInfo("d0", b"\x00nixl-md\xff", LAYOUT, pool_addr=0x7F00_0000_0000,
+                pool_bytes=LAYOUT.pool_bytes, mem_type="DRAM", device_id=0)
+
+
+def test_peer_record_is_json_and_round_trips():
+    record = json.loads(json.dumps(INFO.to_dict()))
+    assert base64.b64decode(record["nixl_metadata"]) == b"\x00nixl-md\xff"
+    assert PeerInfo.from_dict(record) == INFO
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"format": "other/9"}, "format"),
+        ({"nixl_metadata": "not base64!"}, "bad peer record"),
+        ({"name": ""}, "name"),
+        ({"pool": {**INFO.to_dict()["pool"], "mem_type": "HBM"}}, "mem_type"),
+        ({"pool": {**INFO.to_dict()["pool"], "num_bytes": 1}}, "layout needs"),
+        ({"layout": {"model_id": "tiny"}}, "lacks"),
+    ],
+)
+def test_malformed_peer_records_are_refused(change, message):
+    with pytest.raises(MalformedMessageError, match=message):
+        PeerInfo.from_dict({**INFO.to_dict(), **change})
+
+
+def test_the_shim_prefers_the_cu12_build():
+    assert load_nixl().module_name == "nixl_cu12._api"
