@@ -254,6 +254,15 @@ class KVCacheManager:
             return None
         return cached_len, self.block_ids(req_id)[len(hits):]
 
+    def rename(self, req_id: str, new_id: str) -> None:
+        """Move a request's blocks under another key (e.g. to quarantine a
+        reservation that a late remote write may still hit)."""
+        if new_id in self.tables:
+            raise ValueError(f"{new_id!r} already holds blocks")
+        self.tables[new_id] = self.tables.pop(req_id, [])
+        self.num_cached_blocks[new_id] = self.num_cached_blocks.pop(req_id, 0)
+        self.hashes.pop(req_id, None)
+
     def release_reservation(self, req_id: str) -> None:
         """Give back a reservation whose remote fill failed or was abandoned."""
         self.free(req_id)

@@ -69,6 +69,7 @@ class LLMEngine:
         self._detok: dict[str, object] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self.last_step = (0, 0, 0)  # (sequences, tokens, decode sequences) of the last step
         eos = list(self.model_config.eos_token_ids)
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
@@ -179,20 +180,27 @@ class LLMEngine:
         """The remote worker wrote the prompt KV and sampled the first token."""
         req = self.scheduler.remote_ready(request_id)
         self.stats.num_prompt_tokens_cached += req.num_cached_tokens
+        if req.generator is not None and not req.params.greedy:
+            # The remote worker drew the first token from a generator with the same
+            # seed; draw once here too so later tokens match the local path.
+            self.sampler.skip_draw(req, self.model_config.vocab_size)
         return self._append(req, SampleResult(first_token_id, first_logprob))
 
     def free_kv(self, request_id: str) -> None:
         """Release the blocks a finished ``keep_kv`` request still holds."""
         self.kv.free(request_id)
 
-    def remote_kv_failed(self, request_id: str) -> None:
-        """Fall back to a local prefill (the reservation is released)."""
-        self.scheduler.remote_failed(request_id)
+    def remote_kv_failed(self, request_id: str, quarantine_as: str | None = None) -> None:
+        """Fall back to a local prefill; the reservation is released, or kept
+        under ``quarantine_as`` (free it later with `free_kv`)."""
+        self.scheduler.remote_failed(request_id, quarantine_as)
 
     # -- the step --------------------------------------------------------------
     def step(self, layer_hook=None) -> list[RequestDelta]:
         plan = self.scheduler.schedule()
         self.stats.num_preemptions += len(plan.preempted)
+        self.last_step = (len(plan.scheduled), plan.num_tokens,
+                          sum(1 for r, n in plan.scheduled if n == 1 and r.output_token_ids))
         if not plan.scheduled:
             return []
         now = time.monotonic()

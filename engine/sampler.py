@@ -63,6 +63,15 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
 
+    @staticmethod
+    def skip_draw(req: Request, vocab_size: int) -> None:
+        """Advance a request's generator exactly as one sampled token would.
+
+        CPU multinomial draws one exponential per vocabulary entry whatever the
+        probabilities are, so a uniform draw of the same width consumes the same state.
+        """
+        torch.multinomial(torch.ones(vocab_size), 1, generator=req.generator)
+
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
         logits = logits.float()
         raw_logprobs = None

@@ -92,10 +92,15 @@ class Scheduler:
         self.running.append(req)
         return req
 
-    def remote_failed(self, req_id: str) -> Request:
-        """Drop the reservation and queue the request for a local prefill."""
+    def remote_failed(self, req_id: str, quarantine_as: str | None = None) -> Request:
+        """Queue the request for a local prefill, releasing its reservation, or,
+        with ``quarantine_as``, keeping those blocks under that key until the
+        caller is sure no late remote write can land in them."""
         req = self.remote.pop(req_id)
-        self.kv.release_reservation(req_id)
+        if quarantine_as is None:
+            self.kv.release_reservation(req_id)
+        else:
+            self.kv.rename(req_id, quarantine_as)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)

@@ -15,6 +15,8 @@ import sys
 COMMAND_MODULES = (
     "pdserve.engine.cli",
     "pdserve.router.cli",
+    "pdserve.decode.cli",
+    "pdserve.cluster.cli",
 )
 
 

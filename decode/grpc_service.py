@@ -1,0 +1,130 @@
+"""gRPC surface of a decode worker: Inference + grpc.health.v1 + reflection."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.api.v1 import inference_pb2 as pb
+from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
+from pdserve.engine import SamplingParams
+
+from .frontend import Chunk, Frontend, GenerateInput, RequestError
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+_PRIORITY = {pb.PRIORITY_NORMAL: "normal", pb.PRIORITY_HIGH: "high", pb.PRIORITY_LOW: "low"}
+_ROUTE = {pb.ROUTE_AUTO: "auto", pb.ROUTE_LOCAL: "local", pb.ROUTE_REMOTE: "remote"}
+_OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "logprobs")
+STATUS = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+
+
+def input_from_proto(req: pb.GenerateRequest) -> GenerateInput:
+    which = req.WhichOneof("prompt")
+    if which is None:
+        raise RequestError("invalid_argument", "prompt: set either text or token_ids", "prompt")
+    prompt = req.text if which == "text" else list(req.token_ids.ids)
+    if req.priority not in _PRIORITY:
+        raise RequestError("invalid_argument", f"priority: unknown value {req.priority}", "priority")
+    if req.route not in _ROUTE:
+        raise RequestError("invalid_argument", f"route: unknown value {req.route}", "route")
+    sp = req.sampling
+    kwargs = {k: getattr(sp, k) for k in _OPTIONAL if sp.HasField(k)}
+    for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if k in kwargs:
+            kwargs[k] = float(kwargs[k])
+    params = SamplingParams(**kwargs, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
+                            ignore_eos=sp.ignore_eos)
+    return GenerateInput(
+        prompt=prompt, params=params, request_id=req.request_id or None, model=req.model or None,
+        priority=_PRIORITY[req.priority], ttft_slo_ms=req.ttft_slo_ms if req.HasField("ttft_slo_ms") else None,
+        route=_ROUTE[req.route],
+    )
+
+
+def chunk_to_proto(rid: str, c: Chunk) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text,
+                              finish_reason=c.finish_reason or "")
+    for lp in c.logprobs:
+        msg.logprobs.append(pb.TokenLogprob(
+            token_id=lp["token_id"], logprob=lp["logprob"] or 0.0,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in (lp.get("top_logprobs") or {}).items()]))
+    if c.breakdown is not None:
+        fields = {f.name for f in pb.Breakdown.DESCRIPTOR.fields}
+        msg.breakdown.CopyFrom(pb.Breakdown(**{k: v for k, v in c.breakdown.items() if k in fields}))
+    return msg
+
+
+class InferenceService(pb_grpc.InferenceServicer):
+    """Maps the Inference RPCs onto the shared `Frontend`."""
+
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+
+    async def Generate(self, request, context):
+        try:
+            inp = input_from_proto(request)
+            inp.request_id = inp.request_id or uuid.uuid4().hex
+            async for chunk in self.frontend.generate(inp):
+                yield chunk_to_proto(inp.request_id, chunk)
+        except RequestError as exc:
+            self.frontend.metrics.error(exc.code)
+            md = []
+            if exc.predicted_ttft_ms is not None:
+                md.append(("predicted-ttft-ms", f"{exc.predicted_ttft_ms:.1f}"))
+            if exc.retry_after_ms is not None:
+                md.append(("retry-after-ms", str(exc.retry_after_ms)))
+            if md:
+                context.set_trailing_metadata(tuple(md))
+            await context.abort(STATUS[exc.code], str(exc))
+
+    async def Abort(self, request, context):
+        found = request.request_id in self.frontend.inflight
+        if found:
+            self.frontend.engine.abort(request.request_id)
+        return pb.AbortResponse(found=found)
+
+    async def ListModels(self, request, context):
+        eng = self.frontend.engine.engine
+        card = pb.ModelCard(id=self.frontend.served_model, max_model_len=eng.max_model_len,
+                            vocab_size=eng.model_config.vocab_size, dtype=str(eng.runner.dtype).removeprefix("torch."))
+        return pb.ListModelsResponse(models=[card])
+
+
+class GrpcServer:
+    """A grpc.aio server with the Inference, health and reflection services."""
+
+    def __init__(self, frontend: Frontend, host: str, port: int):
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_InferenceServicer_to_server(InferenceService(frontend), self.server)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            res = self.health.set(name, status)
+            if hasattr(res, "__await__"):
+                await res
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.server.stop(grace_s)

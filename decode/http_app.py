@@ -1,0 +1,212 @@
+"""OpenAI-compatible HTTP surface of a decode worker (FastAPI).
+
+/v1/completions and /v1/chat/completions (SSE when ``stream``), /v1/models,
+/health, /metrics. Errors use OpenAI's JSON shape with ``param`` naming the
+field: 400 bad input (malformed JSON included), 429 QoS refusal (with
+Retry-After and the predicted TTFT), 503 draining.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.engine import SamplingParams
+
+from .frontend import Frontend, GenerateInput, RequestError
+
+HTTP_STATUS = {"invalid_argument": 400, "resource_exhausted": 429, "unavailable": 503, "internal": 500}
+
+
+class _Common(BaseModel):
+    # OpenAI clients send fields we do not use (user, ...): ignore those, but
+    # type-check every field we do use.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    n: int = 1
+    # pdserve extensions
+    priority: Literal["high", "normal", "low"] = "normal"
+    ttft_slo_ms: float | None = None
+    route: Literal["auto", "local", "remote"] = "auto"
+    request_id: str | None = None
+
+    def sampling(self, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise RequestError("invalid_argument", f"n: only n=1 is supported, got {self.n}", "n")
+        kw = {k: getattr(self, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                                            "presence_penalty", "frequency_penalty", "repetition_penalty")
+              if getattr(self, k) is not None}
+        return SamplingParams(**kw, logprobs=logprobs, stop=self.stop or [],
+                              stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] = Field(...)
+    logprobs: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers=headers)
+
+
+def _from_request_error(exc: RequestError) -> JSONResponse:
+    headers = {}
+    if exc.retry_after_ms is not None:
+        headers["Retry-After"] = str(max(1, -(-exc.retry_after_ms // 1000)))
+    if exc.predicted_ttft_ms is not None:
+        headers["X-Predicted-TTFT-Ms"] = f"{exc.predicted_ttft_ms:.1f}"
+    return _error(HTTP_STATUS[exc.code], str(exc), exc.field, headers)
+
+
+def build_app(frontend: Frontend) -> FastAPI:
+    app = FastAPI(title="pdserve decode worker", docs_url=None, redoc_url=None)
+    tokenizer = frontend.engine.engine.tokenizer
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return _error(400, "body: malformed JSON", "body")
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if not loc:  # the body itself is unusable (not JSON, or not a JSON object)
+            return _error(400, f"body: malformed JSON or not a JSON object ({first.get('msg', '')})", "body")
+        field_name = ".".join(loc)
+        return _error(400, f"{field_name}: {first.get('msg', 'invalid value')}", field_name)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        return _from_request_error(exc)
+
+    async def run(inp: GenerateInput, stream: bool, kind: str):
+        rid = inp.request_id or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        inp.request_id = rid
+        created = int(time.time())
+        gen = frontend.generate(inp)
+        # Run validation / admission before answering, so errors get their status code.
+        try:
+            first = await gen.__anext__()
+        except RequestError as exc:
+            frontend.metrics.error(exc.code)
+            return _from_request_error(exc)
+        if stream:
+            return StreamingResponse(_sse(rid, created, kind, first, gen), media_type="text/event-stream")
+        chunks = [first]
+        async for c in gen:
+            chunks.append(c)
+        return JSONResponse(_full(rid, created, kind, chunks))
+
+    def _choice(kind: str, text: str, finish, delta: bool) -> dict:
+        if kind == "chat":
+            body = {"delta": {"content": text}} if delta else {"message": {"role": "assistant", "content": text}}
+            return {"index": 0, **body, "finish_reason": finish}
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+    def _full(rid, created, kind, chunks) -> dict:
+        last = chunks[-1]
+        text = "".join(c.text for c in chunks)
+        b = last.breakdown or {}
+        n_out = sum(len(c.token_ids) for c in chunks)
+        return {
+            "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": created, "model": frontend.served_model,
+            "choices": [_choice(kind, text, last.finish_reason, False)],
+            "usage": {"prompt_tokens": b.get("prompt_tokens", 0), "completion_tokens": n_out,
+                      "total_tokens": b.get("prompt_tokens", 0) + n_out},
+            "token_ids": [t for c in chunks for t in c.token_ids],
+            "pdserve": b,
+        }
+
+    async def _sse(rid, created, kind, first, gen):
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def event(c) -> str:
+            payload = {"id": rid, "object": obj, "created": created, "model": frontend.served_model,
+                       "choices": [_choice(kind, c.text, c.finish_reason, True)], "token_ids": c.token_ids}
+            if c.breakdown is not None:
+                payload["pdserve"] = c.breakdown
+            return f"data: {json.dumps(payload)}\n\n"
+
+        try:
+            yield event(first)
+            async for c in gen:
+                yield event(c)
+            yield "data: [DONE]\n\n"
+        except RequestError as exc:
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'param': exc.field}})}\n\n"
+        finally:
+            await gen.aclose()  # client gone: the frontend aborts the request
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        inp = GenerateInput(prompt=body.prompt, params=body.sampling(body.logprobs), request_id=body.request_id,
+                            model=body.model, priority=body.priority, ttft_slo_ms=body.ttft_slo_ms, route=body.route)
+        return await run(inp, body.stream, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        try:
+            text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        except ValueError as exc:
+            raise RequestError("invalid_argument", str(exc), "messages") from None
+        # The template already holds BOS: encode without adding special tokens again.
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        lp = (body.top_logprobs or 0) if body.logprobs else None
+        inp = GenerateInput(prompt=ids, params=body.sampling(lp), request_id=body.request_id, model=body.model,
+                            priority=body.priority, ttft_slo_ms=body.ttft_slo_ms, route=body.route)
+        return await run(inp, body.stream, "chat")
+
+    @app.get("/v1/models")
+    async def models():
+        eng = frontend.engine.engine
+        return {"object": "list", "data": [{"id": frontend.served_model, "object": "model", "owned_by": "pdserve",
+                                            "max_model_len": eng.max_model_len}]}
+
+    @app.get("/health")
+    async def healthz():
+        if not frontend.engine.alive:
+            return _error(503, f"engine is not running: {frontend.engine.error!r}")
+        if frontend.draining:
+            return _error(503, "draining")
+        return {"status": "ok", "worker_id": frontend.worker_id}
+
+    @app.get("/metrics")
+    async def metrics():
+        frontend.refresh_gauges()
+        return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,73 @@
+"""Prometheus metrics a decode worker exports (POLICY.md section 5).
+
+Each worker owns its own `CollectorRegistry`, so several workers can live in
+one process (tests) without clashing.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                      1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+                            0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))
+
+
+class WorkerMetrics:
+    """Counters, gauges and histograms of one worker, labelled by role."""
+
+    def __init__(self, role: str, worker_id: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"role": role, "worker_id": worker_id}
+        self.labels = labels
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, list(labels), registry=r).labels(**labels)
+
+        self.ttft = hist("pdserve_time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS_S)
+        self.tpot = hist("pdserve_time_per_output_token_seconds", "Mean time per output token after the first, per request", _TOKEN_LATENCY_BUCKETS_S)
+        self.itl = hist("pdserve_inter_token_latency_seconds", "Gap between consecutive streamed tokens", _TOKEN_LATENCY_BUCKETS_S)
+        self.e2e = hist("pdserve_e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS_S)
+        self.queue_wait = hist("pdserve_request_queue_seconds", "Arrival to first scheduled step", _LATENCY_BUCKETS_S)
+        self.running = gauge("pdserve_num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("pdserve_num_requests_waiting", "Requests waiting to be scheduled")
+        self.waiting_remote = gauge("pdserve_num_requests_waiting_remote_kv", "Requests waiting for remote KV")
+        self.kv_usage = gauge("pdserve_kv_cache_usage_ratio", "Fraction of KV blocks in use (0-1)")
+        self.prefill_queue_depth = gauge("pdserve_prefill_queue_depth", "Prefill queue depth seen by this worker")
+        self.prefill_queue_tokens = gauge("pdserve_prefill_queue_tokens", "Prefill queue token backlog seen by this worker")
+        self.prefill_pool_size = gauge("pdserve_prefill_pool_size", "Live prefill workers seen by this worker")
+        names = list(labels)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens received", names, registry=r).labels(**labels)
+        self.prefix_hit_tokens = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache", names, registry=r).labels(**labels)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", names, registry=r).labels(**labels)
+        self._requests = Counter("pdserve_requests", "Finished requests by finish reason", names + ["finish_reason"], registry=r)
+        self._decisions = Counter("pdserve_router_decisions", "Router decisions by route and reason", names + ["route", "reason"], registry=r)
+        self._refused = Counter("pdserve_admissions_refused", "Requests refused by QoS admission", names + ["reason"], registry=r)
+        self._errors = Counter("pdserve_request_errors", "Requests failed with an error, by status", names + ["code"], registry=r)
+        self.fallbacks = Counter("pdserve_remote_prefill_fallbacks", "Remote prefills that fell back to local", names + ["reason"], registry=r)
+        self.transfer_bytes = hist("pdserve_kv_transfer_bytes", "KV bytes received per remote prefill", _BYTES_BUCKETS)
+        self.transfer_seconds = hist("pdserve_kv_transfer_seconds", "KV transfer duration per remote prefill", _LATENCY_BUCKETS_S)
+        self.transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV transfers", names, registry=r).labels(**labels)
+
+    def request_finished(self, reason: str) -> None:
+        self._requests.labels(finish_reason=reason, **self.labels).inc()
+
+    def decision(self, route: str, reason: str) -> None:
+        self._decisions.labels(route=route, reason=reason, **self.labels).inc()
+
+    def refused(self, reason: str) -> None:
+        self._refused.labels(reason=reason, **self.labels).inc()
+
+    def error(self, code: str) -> None:
+        self._errors.labels(code=code, **self.labels).inc()
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks.labels(reason=reason, **self.labels).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

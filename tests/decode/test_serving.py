@@ -1,0 +1,218 @@
+"""gRPC and HTTP serving: token-exact streams, concurrency, abort, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pdserve.api import AsyncClient, Client
+from pdserve.engine import LLM, SamplingParams
+
+from .conftest import wait_until
+
+
+def prompts_of(lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 32000) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """LLM.generate greedy outputs for the shared prompts."""
+    prompts = ["The quick brown fox", "Disaggregated serving splits prefill and decode"] + \
+        prompts_of([1, 20, 77, 150], seed=11)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    outs = LLM(llama_dir, max_model_len=512).generate(prompts, params)
+    return prompts, [o.token_ids for o in outs], [o.text for o in outs]
+
+
+def assert_blocks_return(worker):
+    eng = worker.worker.engine
+    wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 15.0)
+
+
+def test_grpc_stream_equals_llm_generate(worker, reference):
+    prompts, ref_ids, ref_text = reference
+    with Client(worker.grpc) as c:
+        for p, ids, text in zip(prompts, ref_ids, ref_text):
+            msgs = list(c.stream(p, max_tokens=16, temperature=0.0))
+            assert [t for m in msgs for t in m.token_ids] == ids
+            assert "".join(m.text for m in msgs) == text
+            assert msgs[-1].finish_reason in ("stop", "length")
+            b = msgs[-1].breakdown
+            assert b.route == "local" and b.completion_tokens == len(ids) and b.ttft_ms > 0
+            assert all(not m.finish_reason for m in msgs[:-1])
+
+
+def test_http_sse_equals_llm_generate(worker, reference):
+    prompts, ref_ids, ref_text = reference
+    with httpx.Client(base_url=worker.http, timeout=60) as h:
+        for p, ids, text in zip(prompts, ref_ids, ref_text):
+            got_ids, got_text, done = [], "", False
+            with h.stream("POST", "/v1/completions",
+                          json={"prompt": p, "max_tokens": 16, "temperature": 0, "stream": True}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line:
+                        continue
+                    assert line.startswith("data: ")
+                    if line == "data: [DONE]":
+                        done = True
+                        continue
+                    ev = json.loads(line[6:])
+                    got_ids += ev["token_ids"]
+                    got_text += ev["choices"][0]["text"]
+            assert done and got_ids == ids and got_text == text
+        r = h.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200 and r.json()["token_ids"] == ref_ids[0]
+        assert r.json()["usage"]["completion_tokens"] == len(ref_ids[0])
+
+
+def test_32_concurrent_streams_are_batched_and_exact(worker, llama_dir):
+    prompts = prompts_of([random.Random(i).randint(5, 120) for i in range(32)], seed=21)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(llama_dir, max_model_len=512).generate(prompts, params)]
+    eng = worker.worker.engine
+    steps_before = eng.stats.num_steps
+
+    async def run():
+        async with AsyncClient(worker.grpc) as c:
+            return await asyncio.gather(*(
+                c.generate(p, max_tokens=12, temperature=0.0, ignore_eos=True, timeout_s=120) for p in prompts))
+
+    outs = asyncio.run(run())
+    assert [o.token_ids for o in outs] == ref
+    steps = eng.stats.num_steps - steps_before
+    # Serialised, 32 requests x 12 tokens would need >= 384 steps; batched far fewer.
+    assert steps < 32 * 12 / 4
+    assert_blocks_return(worker)
+
+
+def test_chat_completion_uses_chat_template(worker, llama_dir):
+    with httpx.Client(base_url=worker.http, timeout=60) as h:
+        r = h.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    llm = LLM(llama_dir, max_model_len=512)
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}]),
+                                  add_special_tokens=False)
+    assert prompt[0] == 1 and prompt.count(1) == 1  # exactly one BOS: the template's
+    ref = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert body["token_ids"] == ref.token_ids
+    assert body["choices"][0]["message"]["content"] == ref.text
+
+
+def test_abort_rpc_ends_stream_and_frees_blocks(worker):
+    with Client(worker.grpc) as c:
+        stream = c.stream(prompts_of([40])[0], max_tokens=400, temperature=0.0, ignore_eos=True,
+                          request_id="to-abort")
+        first = next(stream)
+        assert first.token_ids
+        assert c.abort("to-abort")
+        rest = list(stream)
+        assert rest and rest[-1].finish_reason == "abort"
+        assert not c.abort("to-abort")
+    assert_blocks_return(worker)
+
+
+def test_client_disconnect_frees_blocks(worker):
+    async def run():
+        async with AsyncClient(worker.grpc) as c:
+            agen = c.stream(prompts_of([60], seed=2)[0], max_tokens=400, temperature=0.0, ignore_eos=True)
+            async for _ in agen:
+                break  # leave after the first token; closing the channel cancels the RPC
+
+    asyncio.run(run())
+    assert_blocks_return(worker)
+    with httpx.Client(base_url=worker.http, timeout=60) as h:
+        with h.stream("POST", "/v1/completions", json={"prompt": "x y z", "max_tokens": 400, "stream": True,
+                                                        "ignore_eos": True}) as r:
+            next(r.iter_lines())
+    assert_blocks_return(worker)
+
+
+BAD_GRPC = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[5] * 600), "prompt"),
+    (dict(prompt=[5, 99999999]), "prompt_token_ids"),
+    (dict(prompt=[5, -4]), "prompt_token_ids"),
+    (dict(prompt="hi", temperature=-1.0), "temperature"),
+    (dict(prompt="hi", top_p=2.0), "top_p"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
+    (dict(prompt="hi", max_tokens=10**9), "max_tokens"),
+    (dict(prompt="hi", model="no-such-model"), "model"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", BAD_GRPC)
+def test_grpc_bad_input_is_invalid_argument(worker, kwargs, field):
+    with Client(worker.grpc) as c:
+        with pytest.raises(grpc.RpcError) as ei:
+            c.generate(**kwargs)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in ei.value.details()
+        assert c.generate("still serving", max_tokens=2).finish_reason  # the worker keeps serving
+
+
+BAD_HTTP = [
+    ({"prompt": "", "max_tokens": 4}, "prompt"),
+    ({"prompt": [5] * 600}, "prompt"),
+    ({"prompt": [5, 99999999]}, "prompt_token_ids"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": "hi", "model": "nope"}, "model"),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "hi", "n": 2}, "n"),
+]
+
+
+@pytest.mark.parametrize("body, field", BAD_HTTP)
+def test_http_bad_input_is_400_naming_the_field(worker, body, field):
+    with httpx.Client(base_url=worker.http, timeout=60) as h:
+        r = h.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"]
+        assert h.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_http_malformed_json_is_400(worker):
+    with httpx.Client(base_url=worker.http, timeout=60) as h:
+        for content in (b"{not json", b"[1, 2]"):
+            r = h.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+        r = h.post("/v1/chat/completions", json={"messages": []})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_models_health_metrics_and_reflection(worker):
+    with httpx.Client(base_url=worker.http, timeout=30) as h:
+        assert h.get("/health").status_code == 200
+        models = h.get("/v1/models").json()["data"]
+        assert models[0]["id"] == "llama"
+        text = h.get("/metrics").text
+    for name in ("pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
+                 "pdserve_e2e_request_latency_seconds", "pdserve_kv_cache_usage_ratio",
+                 "pdserve_num_requests_running", "pdserve_prefill_queue_depth",
+                 "pdserve_router_decisions_total", "pdserve_prefix_cache_hit_tokens_total",
+                 "pdserve_kv_transfer_bytes", "pdserve_remote_prefill_fallbacks"):
+        assert name in text
+    with Client(worker.grpc) as c:
+        assert c.list_models()[0]["id"] == "llama"
+    with grpc.insecure_channel(worker.grpc) as ch:
+        hs = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Inference"))
+        assert hs.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in resp.list_services_response.service}
+        assert "pdserve.v1.Inference" in names and "grpc.health.v1.Health" in names
