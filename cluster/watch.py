@@ -86,9 +86,11 @@ class _ResyncingWatch:
                     revision = reply.header.revision
                     await self._apply_listing(list(reply))
                 else:
-                    reply = await client.get(self._key)
-                    revision = reply.header.revision if reply is not None else await self._current_revision(client)
-                    await self._apply_listing([reply] if reply is not None else [])
+                    # One read gives both the value and the revision to watch from:
+                    # a separate revision read could skip a put made in between.
+                    reply = await client.get_prefix(self._key)
+                    revision = reply.header.revision
+                    await self._apply_listing([kv for kv in reply if kv.key == self._key])
                 if listings:
                     self.resyncs += 1
                 listings += 1
@@ -112,11 +114,6 @@ class _ResyncingWatch:
             delay_s = self._registry.backoff_s(failures)
             log.warning("watch %s lost (%s); re-listing in %.2f s", self._key.decode(), reason, delay_s)
             await asyncio.sleep(delay_s)
-
-    async def _current_revision(self, client) -> int:
-        # A get of a missing key returns no header in aetcd; a prefix read does.
-        reply = await client.get_prefix(self._key)
-        return reply.header.revision
 
     async def _apply_listing(self, kvs: list) -> None:
         raise NotImplementedError

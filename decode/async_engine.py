@@ -65,6 +65,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Idle sleep between loop turns; pollers shorten it while they await pages.
+        self.idle_wait_s = IDLE_WAIT_S
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
 
@@ -128,7 +130,7 @@ class AsyncEngine:
                 if eng.scheduler.has_work():
                     self._step()
                 elif not busy:
-                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001  (fail every stream, then stop)
             log.exception("engine loop crashed")
@@ -154,7 +156,7 @@ class AsyncEngine:
                     self._emit(rid, exc, None)
             elif kind == "abort":
                 if eng.abort_request(cmd[1]):
-                    self._emit(cmd[1], RequestDelta(cmd[1], [], "", "abort"), None)
+                    self.deliver_abort(cmd[1])
             elif kind == "call":
                 cmd[1](eng)
 
@@ -169,6 +171,10 @@ class AsyncEngine:
             self.deliver(d)
         if self.on_step is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.on_step, info)
+
+    def deliver_abort(self, request_id: str) -> None:
+        """End an aborted request's stream with finish_reason "abort" (engine thread)."""
+        self._emit(request_id, RequestDelta(request_id, [], "", "abort"), None)
 
     def deliver(self, d: RequestDelta) -> None:
         """Send a delta to its stream (engine thread); finished requests are released."""

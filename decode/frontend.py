@@ -85,6 +85,8 @@ class RemotePath(Protocol):
 
     def stream(self, prep: Prepared) -> AsyncIterator[tuple[object, FinalInfo | None, dict]]: ...
 
+    def abort(self, request_id: str) -> None: ...
+
 
 class Frontend:
     """Shared request handling of one decode worker."""
@@ -100,6 +102,7 @@ class Frontend:
         self.cluster = {"prefill_queue_depth": 0, "prefill_queue_tokens": 0, "prefill_pool_size": 0}
         self.draining = False
         self.inflight: set[str] = set()
+        self._via_remote: set[str] = set()
         self.pending_prefill_tokens = 0  # admitted, first token not yet produced
         self.num_prefilling = 0
         self.num_decoding = 0
@@ -193,11 +196,12 @@ class Frontend:
         self.num_prefilling += 1
         state = {"first": False, "finished": False}
         extra: dict = {}
+        remote = self.remote if (prep.decision.route == "remote" and self.remote is not None
+                                 and self.remote.available()) else None
+        if remote is not None:
+            self._via_remote.add(rid)
         try:
-            if prep.decision.route == "remote" and self.remote is not None and self.remote.available():
-                source = self.remote.stream(prep)
-            else:
-                source = self._local(prep)
+            source = remote.stream(prep) if remote is not None else self._local(prep)
             last_t = None
             async for item, final, info in source:
                 extra.update(info)
@@ -222,14 +226,28 @@ class Frontend:
                     return
         finally:
             self.inflight.discard(rid)
+            self._via_remote.discard(rid)
             if not state["first"]:
                 self.pending_prefill_tokens -= eff
                 self.num_prefilling -= 1
             else:
                 self.num_decoding -= 1
             if not state["finished"]:  # client went away or error: free its blocks
-                self.engine.abort(rid)
+                if remote is not None:
+                    remote.abort(rid)
+                else:
+                    self.engine.abort(rid)
                 self.engine.detach(rid)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort an in-flight request (Abort RPC); False if unknown."""
+        if request_id not in self.inflight:
+            return False
+        if request_id in self._via_remote and self.remote is not None:
+            self.remote.abort(request_id)
+        else:
+            self.engine.abort(request_id)
+        return True
 
     async def _local(self, prep: Prepared):
         q = self.engine.submit(prep.request_id, prep.prompt_ids, prep.params, prep.priority)
@@ -264,9 +282,6 @@ class Frontend:
                 b.setdefault("queue_wait_ms", ((final.first_scheduled_time or final.first_token_time) - prep.arrival) * 1e3)
                 if final.first_scheduled_time is not None:
                     b.setdefault("prefill_ms", (final.first_token_time - final.first_scheduled_time) * 1e3)
-                    eff = len(prep.prompt_ids) - final.cached_tokens
-                    if b["route"] == "local" and eff > 0 and final.num_preemptions == 0:
-                        self.policy.costs.observe_prefill(eff, b["prefill_ms"], "local")
                 self.metrics.queue_wait.observe(b["queue_wait_ms"] / 1e3)
                 if final.completion_tokens > 1:
                     self.metrics.tpot.observe((final.finish_time - final.first_token_time) / (final.completion_tokens - 1))

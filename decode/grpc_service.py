@@ -87,10 +87,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             await context.abort(STATUS[exc.code], str(exc))
 
     async def Abort(self, request, context):
-        found = request.request_id in self.frontend.inflight
-        if found:
-            self.frontend.engine.abort(request.request_id)
-        return pb.AbortResponse(found=found)
+        return pb.AbortResponse(found=self.frontend.abort(request.request_id))
 
     async def ListModels(self, request, context):
         eng = self.frontend.engine.engine

@@ -48,6 +48,13 @@ class DecodeWorkerConfig:
     lease_ttl_s: float = 10.0
     policy_poll_s: float = 1.0
     load_report_s: float = 2.0
+    # Remote prefill (needs etcd_endpoints and Ray): register the KV pool with
+    # NIXL and send REMOTE decisions to the prefill queue.
+    remote_prefill: bool = False
+    queue_name: str = "pdserve-prefill-queue"
+    queue_namespace: str = "pdserve"
+    remote_timeout_s: float = 30.0
+    ucx_env: dict = field(default_factory=lambda: {"UCX_MODULES": "^ib"})
 
 
 class DecodeWorker:
@@ -63,6 +70,9 @@ class DecodeWorker:
         self.registry = None
         self.policy_watch = None
         self.prefill_watch = None
+        self.remote = None
+        self.agent = None
+        self._requeue_watch = None
         self._http: uvicorn.Server | None = None
         self._http_sock: socket.socket | None = None
         self._tasks: list[asyncio.Task] = []  # background loops, cancelled on stop
@@ -87,6 +97,10 @@ class DecodeWorker:
         await self._start_http()
         if cfg.router_policy:
             self._tasks.append(asyncio.create_task(policy.watch_file(cfg.policy_poll_s)))
+        if cfg.remote_prefill:
+            if not cfg.etcd_endpoints:
+                raise ValueError("remote_prefill needs etcd_endpoints (prefill workers find this worker there)")
+            self._start_remote()
         if cfg.etcd_endpoints:
             await self._join_cluster()
         log.info("decode worker %s serving gRPC %s, HTTP %s", self.worker_id, self.grpc_address, self.http_address)
@@ -109,22 +123,54 @@ class DecodeWorker:
             await asyncio.sleep(0.05)
         raise RuntimeError(f"HTTP server did not start on {self.http_address}")
 
+    def _start_remote(self) -> None:
+        import ray
+
+        from pdserve.cluster.queue import get_or_create_queue
+        from pdserve.kvtransfer import KVLayout, KVTransferAgent
+
+        from .remote import RemoteConfig, RemotePrefill
+
+        if not ray.is_initialized():
+            raise RuntimeError("remote_prefill needs Ray: run inside a Ray actor or call ray.init first")
+        cfg = self.cfg
+        kv = self.engine.runner.kv_cache
+        self.agent = KVTransferAgent(self.worker_id, kv, KVLayout.from_tensor(kv, self.engine.model_config.model_id),
+                                     ucx_env=cfg.ucx_env)
+        queue = get_or_create_queue(cfg.queue_name, cfg.queue_namespace)
+        self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, queue, self.metrics,
+                                    self.frontend.cluster, RemoteConfig(timeout_s=cfg.remote_timeout_s))
+        self.remote.costs = self.frontend.policy.costs
+        self.remote.start()
+        self.frontend.remote = self.remote
+        self.queue = queue
+
     async def _join_cluster(self) -> None:
+        import json
+
         from pdserve.cluster.registry import Registry
 
         cfg = self.cfg
         self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s)
-        await self.registry.register(self._record())
+        nixl = json.dumps(self.agent.local_info()).encode() if self.agent is not None else None
+        await self.registry.register(self._record(), nixl)
         policy = self.frontend.policy
         self.policy_watch = await self.registry.watch_policy(
             "router", validate=lambda text: parse_policy(text, source=f"etcd:/pdserve/{cfg.cluster}/config/router"),
             on_change=lambda p: policy.set(p, "etcd"), on_reject=lambda r: policy.reject(str(r)))
         self.prefill_watch = await self.registry.watch_members(
             on_add=lambda _: self._count_prefill(), on_remove=lambda _: self._count_prefill(), role="prefill")
+        if self.remote is not None:
+            from pdserve.cluster.queue import requeue_on_worker_loss
+
+            self._requeue_watch = await requeue_on_worker_loss(self.registry, self.queue)
         self._tasks.append(asyncio.create_task(self._report_load()))
 
     def _count_prefill(self) -> None:
-        self.frontend.cluster["prefill_pool_size"] = len(self.prefill_watch.members) if self.prefill_watch else 0
+        n = len(self.prefill_watch.members) if self.prefill_watch else 0
+        self.frontend.cluster["prefill_pool_size"] = n
+        if self.remote is not None:
+            self.remote.set_pool_size(n)
 
     def _record(self):
         from pdserve.cluster.records import WorkerInfo
@@ -153,8 +199,16 @@ class DecodeWorker:
                 await self.registry.update(info)
 
     def _on_step(self, info: StepInfo) -> None:
-        if info.num_decode_seqs and info.num_decode_seqs == info.num_seqs and info.ms > 0:
-            self.frontend.policy.costs.observe_decode_step(info.ms, info.num_seqs)
+        costs = self.frontend.policy.costs
+        if info.ms <= 0:
+            return
+        prefill_tokens = info.num_tokens - info.num_decode_seqs
+        if prefill_tokens > 0:
+            # Per-token cost from whole steps: a request's own prefill time would
+            # also count the prompts batched with it.
+            costs.observe_prefill(info.num_tokens, info.ms, "local")
+        elif info.num_decode_seqs:
+            costs.observe_decode_step(info.ms, info.num_seqs)
 
     async def drain(self) -> None:
         """Stop taking new requests (health NOT_SERVING, 503) and leave the registry."""
@@ -170,6 +224,8 @@ class DecodeWorker:
             t.cancel()
         if self.grpc is not None:
             await self.grpc.stop(1.0)
+        if self.remote is not None:
+            await self.remote.stop()
         if self.registry is not None:
             await self.registry.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -180,6 +236,8 @@ class DecodeWorker:
                 log.warning("HTTP server stop: %r", exc)
         if self.async_engine is not None:
             self.async_engine.stop()
+        if self.agent is not None:
+            self.agent.close()
         if self._http_sock is not None:
             self._http_sock.close()
 

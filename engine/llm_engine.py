@@ -196,7 +196,13 @@ class LLMEngine:
         self.scheduler.remote_failed(request_id, quarantine_as)
 
     # -- the step --------------------------------------------------------------
-    def step(self, layer_hook=None) -> list[RequestDelta]:
+    def step(self, layer_hook=None, on_plan=None) -> list[RequestDelta]:
+        """Run one scheduled step and return what it added to each request.
+
+        ``on_plan(scheduled)``, when given, sees the step's plan (list of
+        (request, new tokens)) before the forward pass and may return a
+        per-layer hook for this step (the prefill worker streams KV with it).
+        """
         plan = self.scheduler.schedule()
         self.stats.num_preemptions += len(plan.preempted)
         self.last_step = (len(plan.scheduled), plan.num_tokens,
@@ -207,6 +213,8 @@ class LLMEngine:
         for req, _ in plan.scheduled:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+        if on_plan is not None:
+            layer_hook = on_plan(plan.scheduled) or layer_hook
         logits, sampling = self.runner.execute(plan.scheduled, self.kv, layer_hook)
         self.stats.num_steps += 1
         bs = self.config.block_size

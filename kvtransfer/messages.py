@@ -23,6 +23,8 @@ PREFILL_DONE_VERSION = 1
 MAX_NOTIFICATION_BYTES = 1024
 
 _HEADER_BYTES = len(MAGIC) + 1
+# Sent only when non-zero; a reader that lacks them keeps the defaults.
+_OPTIONAL_FIELDS = ("queue_wait_ms", "prefill_ms", "transfer_ms", "prefill_worker", "batch_tokens")
 _FIELDS = (
     "request_id",
     "epoch",
@@ -45,6 +47,12 @@ class PrefillDone:
     first_token_id: int
     first_token_logprob: float | None
     num_tokens_written: int
+    # Optional facts for the decode worker's per-request breakdown.
+    queue_wait_ms: float = 0.0  # enqueue (decode clock) -> taken (prefill clock)
+    prefill_ms: float = 0.0  # prefill compute of this request's batch
+    transfer_ms: float = 0.0  # page writes of this request
+    prefill_worker: str = ""
+    batch_tokens: int = 0  # tokens the prefill batch computed in prefill_ms (for cost calibration)
     version: int = PREFILL_DONE_VERSION
 
     def __post_init__(self) -> None:
@@ -68,7 +76,9 @@ def encode_prefill_done(msg: PrefillDone) -> bytes:
         raise ValueError(
             f"this build writes PrefillDone version {PREFILL_DONE_VERSION}, not {msg.version}"
         )
-    body = msgpack.packb({name: getattr(msg, name) for name in _FIELDS}, use_bin_type=True)
+    fields = {name: getattr(msg, name) for name in _FIELDS}
+    fields.update((name, getattr(msg, name)) for name in _OPTIONAL_FIELDS if getattr(msg, name))
+    body = msgpack.packb(fields, use_bin_type=True)
     payload = MAGIC + bytes([msg.version]) + body
     if len(payload) > MAX_NOTIFICATION_BYTES:
         raise ValueError(
@@ -115,7 +125,7 @@ def decode_prefill_done(payload: bytes) -> PrefillDone:
     if not isinstance(body, dict):
         raise MalformedMessageError(f"PrefillDone body must be a map, got {type(body).__name__}")
     missing = [name for name in _FIELDS if name not in body]
-    unknown = sorted(str(key) for key in body if key not in _FIELDS)
+    unknown = sorted(str(key) for key in body if key not in _FIELDS and key not in _OPTIONAL_FIELDS)
     if missing or unknown:
         raise MalformedMessageError(f"PrefillDone fields: missing {missing}, unknown {unknown}")
     try:
@@ -142,6 +152,14 @@ def _field_problem(msg: PrefillDone) -> str | None:
             return f"first_token_logprob must be a float or None, got {logprob!r}"
         if math.isnan(logprob) or logprob > 0:
             return f"first_token_logprob must be <= 0 (a log-probability), got {logprob!r}"
+    for name in ("queue_wait_ms", "prefill_ms", "transfer_ms"):
+        value = getattr(msg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            return f"{name} must be a number >= 0, got {value!r}"
+    if not is_int(msg.batch_tokens) or msg.batch_tokens < 0:
+        return f"batch_tokens must be an int >= 0, got {msg.batch_tokens!r}"
+    if not isinstance(msg.prefill_worker, str):
+        return f"prefill_worker must be a str, got {msg.prefill_worker!r}"
     if not is_int(msg.version):
         return f"version must be an int, got {msg.version!r}"
     return None

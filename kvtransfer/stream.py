@@ -49,8 +49,11 @@ class LayerStream:
         self.handles[layer] = handle
         return handle
 
-    def finish(self, timeout_s: float) -> list[TransferHandle]:
+    def finish(self, timeout_s: float, notify: bytes | None = None) -> list[TransferHandle]:
         """Wait for every layer's write, then send the notification (if any).
+
+        ``notify`` replaces the payload given to `begin_stream` (a prefill
+        worker knows the first token only after the forward pass).
 
         Raises TransferError (and sends nothing) if a layer failed or the
         deadline passes; KVTransferError if layers were never written.
@@ -67,8 +70,9 @@ class LayerStream:
         handles = [self.handles[layer] for layer in self._plan.layers]
         for handle in handles:
             self._agent.wait(handle, max(deadline - time.monotonic(), 0.0))
-        if self._notify is not None:
-            self._agent.send_notification(self.peer, self._notify)
+        payload = notify if notify is not None else self._notify
+        if payload is not None:
+            self._agent.send_notification(self.peer, payload)
         return handles
 
     def abort(self) -> None:

@@ -1,45 +1,11 @@
-"""A decode worker running in a background thread with its own event loop."""
+"""Fixtures of the decode-worker tests."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
 
-from pdserve.decode.worker import DecodeWorker, DecodeWorkerConfig
-
-
-class WorkerThread:
-    """Starts a DecodeWorker on a private event loop; `call(coro_fn)` runs code on it."""
-
-    def __init__(self, cfg: DecodeWorkerConfig):
-        self.worker = DecodeWorker(cfg)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="decode-worker-loop", daemon=True)
-
-    def start(self, timeout_s: float = 120.0) -> "WorkerThread":
-        self._thread.start()
-        self.call(self.worker.start, timeout_s)
-        return self
-
-    def call(self, fn, timeout_s: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(timeout_s)
-
-    def stop(self) -> None:
-        try:
-            self.call(self.worker.stop, 30.0)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10.0)
-
-    @property
-    def grpc(self) -> str:
-        return self.worker.grpc_address
-
-    @property
-    def http(self) -> str:
-        return f"http://{self.worker.http_address}"
+from pdserve.decode.worker import DecodeWorkerConfig
+from tests.harness import WorkerThread, wait_until  # noqa: F401  (re-exported for the tests)
 
 
 PERMISSIVE_POLICY = """
@@ -60,13 +26,3 @@ def worker(llama_dir, tmp_path_factory):
     w = WorkerThread(cfg).start()
     yield w
     w.stop()
-
-
-def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(interval_s)

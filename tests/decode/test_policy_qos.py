@@ -14,7 +14,7 @@ from pdserve.cluster.etcd_server import EmbeddedEtcd
 from pdserve.cluster.registry import Registry
 from pdserve.decode.worker import DecodeWorkerConfig
 
-from .conftest import WorkerThread, wait_until
+from tests.harness import WorkerThread, wait_until
 
 # Seeds make local prefill look slow (2 ms/token) and calibrate slowly, so a
 # burst of 50-token prompts piles up a predicted backlog quickly.

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve.api import AsyncClient, Client
 from pdserve.engine import LLM, SamplingParams
 
-from .conftest import wait_until
+from tests.harness import wait_until
 
 
 def prompts_of(lengths, seed=0):

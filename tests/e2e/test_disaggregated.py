@@ -1,0 +1,251 @@
+"""The disaggregated path end to end: 1P1D on CPU with real etcd, NIXL and Ray.
+
+The prefill worker is a Ray actor in its own process; the decode worker runs
+in this process (its engine thread + its own event loop). Requests go in
+through gRPC; outputs are compared with `LLM.generate` on the same model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import ray
+
+from pdserve.api import AsyncClient, Client
+from pdserve.cluster.etcd_server import EmbeddedEtcd
+from pdserve.cluster.records import WorkerInfo
+from pdserve.cluster.registry import Registry
+from pdserve.decode.worker import DecodeWorkerConfig
+from pdserve.engine import LLM, SamplingParams
+from pdserve.prefill.worker import PrefillWorker
+from tests.harness import WorkerThread, wait_until
+
+UCX = {"UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
+TTL_S = 3
+CLUSTER = "e2e"
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, namespace="pdserve-e2e", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    with EmbeddedEtcd(tmp_path_factory.mktemp("etcd") / "data") as server:
+        yield server
+
+
+def start_prefill(model: str, etcd, worker_id: str):
+    actor = ray.remote(PrefillWorker).options(num_cpus=0).remote(dict(
+        model=model, etcd_endpoints=[etcd.endpoint], cluster=CLUSTER, lease_ttl_s=TTL_S,
+        worker_id=worker_id, ucx_env=UCX, batch_max_wait_ms=20))
+    ray.get(actor.start.remote(), timeout=180)
+    return actor
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local, etcd, llama_dir):
+    """1P1D: the decode worker first (so an empty pool can be observed), then the prefill worker."""
+    d = WorkerThread(DecodeWorkerConfig(
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=CLUSTER, lease_ttl_s=TTL_S,
+        worker_id="decode-0", remote_prefill=True, ucx_env=UCX, remote_timeout_s=60)).start()
+    state = {"decode": d, "prefill": None}
+    yield state
+    if state["prefill"] is not None:
+        try:
+            ray.get(state["prefill"].stop.remote(), timeout=30)
+        except Exception:  # noqa: BLE001  (already killed by a test)
+            pass
+    d.stop()
+
+
+def with_prefill(cluster, llama_dir, etcd, worker_id="prefill-0"):
+    if cluster["prefill"] is None:
+        cluster["prefill"] = start_prefill(llama_dir, etcd, worker_id)
+    d = cluster["decode"]
+    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] >= 1, 15)
+    return cluster["prefill"]
+
+
+def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Short chats and long documents; the long ones share a 256-token prefix in pairs."""
+    rng = random.Random(seed)
+    shared = [[rng.randrange(3, 32000) for _ in range(256)] for _ in range(n // 4 + 1)]
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            out.append([rng.randrange(3, 32000) for _ in range(rng.randint(4, 40))])
+        else:
+            tail = [rng.randrange(3, 32000) for _ in range(rng.randint(100, 260))]
+            out.append(shared[i // 4] + tail)
+    return out
+
+
+def reference(llama_dir, prompts):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in LLM(llama_dir).generate(prompts, params)]
+
+
+def run_all(d, prompts, route="auto", **kw):
+    async def go():
+        async with AsyncClient(d.grpc) as c:
+            return await asyncio.gather(*(
+                c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, route=route,
+                           timeout_s=180, **kw) for p in prompts))
+
+    return asyncio.run(go())
+
+
+def free_blocks(d):
+    eng = d.worker.engine
+    return eng.kv.num_free_blocks, eng.kv.pool.num_blocks
+
+
+def assert_all_blocks_return(d):
+    eng = d.worker.engine
+    wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 30)
+
+
+def test_empty_pool_routes_local_not_error(cluster, llama_dir):
+    d = cluster["decode"]
+    assert d.worker.frontend.cluster["prefill_pool_size"] == 0
+    prompt = mixed_prompts(2, seed=1)[1]
+    with Client(d.grpc) as c:
+        out = c.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, route="remote")
+    assert out.breakdown["route"] == "local" and "empty_pool" in out.breakdown["reason"]
+    assert out.token_ids == reference(llama_dir, [prompt])[0]
+
+
+def test_24_concurrent_mixed_requests_are_token_exact_and_use_both_routes(cluster, llama_dir, etcd):
+    p = with_prefill(cluster, llama_dir, etcd)
+    d = cluster["decode"]
+    prompts = mixed_prompts(24, seed=2)
+    ref = reference(llama_dir, prompts)
+    outs = run_all(d, prompts)
+    assert [o.token_ids for o in outs] == ref
+    routes = {o.breakdown["route"] for o in outs}
+    assert routes == {"local", "remote"}, [(len(pr), o.breakdown["reason"]) for pr, o in zip(prompts, outs)]
+    assert ray.get(p.get_stats.remote())["tasks_done"] >= 1
+    assert_all_blocks_return(d)
+
+
+def test_forced_remote_and_forced_local_give_the_same_tokens(cluster, llama_dir, etcd):
+    p = with_prefill(cluster, llama_dir, etcd)
+    d = cluster["decode"]
+    prompts = mixed_prompts(12, seed=3)
+    ref = reference(llama_dir, prompts)
+    eng, remote = d.worker.engine, d.worker.remote
+    computed0, bytes_d0 = eng.stats.num_prompt_tokens_computed, remote.counters["bytes_received"]
+    notes0, stats0 = remote.counters["ready"], ray.get(p.get_stats.remote())
+    outs_remote = run_all(d, prompts, route="remote")
+    stats1 = ray.get(p.get_stats.remote())
+    assert [o.token_ids for o in outs_remote] == ref
+    assert all(o.breakdown["route"] == "remote" for o in outs_remote)
+    # The KV really moved: the decode worker computed no prompt token, received one
+    # notification per request, and the bytes it counted equal the bytes written.
+    assert eng.stats.num_prompt_tokens_computed == computed0
+    assert remote.counters["ready"] - notes0 == len(prompts) == stats1["tasks_done"] - stats0["tasks_done"]
+    assert remote.counters["bytes_received"] - bytes_d0 == stats1["bytes_written"] - stats0["bytes_written"] > 0
+    assert all(o.breakdown["transfer_bytes"] > 0 and o.breakdown["prefill_worker"] == "prefill-0"
+               for o in outs_remote)
+    outs_local = run_all(d, prompts, route="local")
+    assert [o.token_ids for o in outs_local] == ref
+    assert all(o.breakdown["route"] == "local" for o in outs_local)
+    assert_all_blocks_return(d)
+
+
+def test_queue_full_routes_local_not_error(cluster, llama_dir, etcd):
+    """A second decode worker on a tiny queue that no prefill worker serves."""
+    from pdserve.cluster.queue import get_or_create_queue
+
+    # Created before the worker, and the handle kept: Ray ends a non-detached
+    # actor when its last handle goes away.
+    tiny = get_or_create_queue("tiny-queue", "pdserve", capacity=1)
+    assert ray.get(tiny.stats.remote()).capacity == 1
+    d2 = WorkerThread(DecodeWorkerConfig(
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="e2e-full", lease_ttl_s=TTL_S,
+        worker_id="decode-full", remote_prefill=True, ucx_env=UCX, remote_timeout_s=3,
+        queue_name="tiny-queue")).start()
+    reg = None
+    try:
+        async def fake_prefill_member():
+            r = Registry([etcd.endpoint], "e2e-full", ttl_s=TTL_S)
+            await r.register(WorkerInfo(worker_id="idle-prefill", role="prefill"))
+            return r
+
+        # A registered prefill member that never pulls: its keep-alive needs a running loop.
+        loop = asyncio.new_event_loop()
+        loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+        loop_thread.start()
+        reg = asyncio.run_coroutine_threadsafe(fake_prefill_member(), loop).result(30)
+        wait_until(lambda: d2.worker.frontend.cluster["prefill_pool_size"] == 1, 10)
+        prompts = mixed_prompts(4, seed=4)[1::2]  # two long prompts: the first fills the queue
+        ref = reference(llama_dir, prompts)
+        t0 = time.monotonic()
+        outs = run_all(d2, prompts, route="remote")
+        assert [o.token_ids for o in outs] == ref
+        reasons = sorted(o.breakdown["reason"] for o in outs)
+        assert any("queue_full" in r for r in reasons), reasons  # refused at put: local at once
+        assert any("deadline" in r for r in reasons), reasons  # queued, never taken: local after 3 s
+        assert time.monotonic() - t0 < 30
+        assert_all_blocks_return(d2)
+    finally:
+        if reg is not None:
+            asyncio.run_coroutine_threadsafe(reg.close(), loop).result(30)
+            loop.call_soon_threadsafe(loop.stop)
+            loop_thread.join(10)
+        d2.stop()
+
+
+def test_prefill_worker_killed_mid_flight_all_requests_complete_locally(cluster, llama_dir, etcd):
+    p = with_prefill(cluster, llama_dir, etcd)
+    d = cluster["decode"]
+    baseline = free_blocks(d)
+    prompts = [pr for pr in mixed_prompts(40, seed=5) if len(pr) > 300][:16]
+    assert len(prompts) == 16
+    ref = reference(llama_dir, prompts)
+    pid = ray.get(p.pid.remote())
+    results = {}
+
+    async def go():
+        async with AsyncClient(d.grpc) as c:
+            tasks = [asyncio.create_task(c.generate(pr, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                                    route="remote", timeout_s=180)) for pr in prompts]
+            # Kill the prefill worker once it holds work (or has just finished some).
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not d.worker.engine.scheduler.remote:
+                await asyncio.sleep(0.005)
+            os.kill(pid, signal.SIGKILL)
+            results["killed_at"] = time.monotonic()
+            results["outs"] = await asyncio.gather(*tasks)
+
+    asyncio.run(go())
+    outs = results["outs"]
+    assert [o.token_ids for o in outs] == ref
+    assert any(o.breakdown["fell_back_to_local"] for o in outs)
+    # The registry dropped the dead worker within TTL + 2 s of the kill.
+    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 0, TTL_S + 2)
+    assert free_blocks(d) == baseline
+    assert_all_blocks_return(d)
+    cluster["prefill"] = None
+
+    # A restarted prefill worker is used again without restarting the decode worker.
+    p2 = with_prefill(cluster, llama_dir, etcd, worker_id="prefill-1")
+    prompt = prompts[0]
+    with Client(d.grpc) as c:
+        out = c.generate(prompt + [7, 8, 9], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                         route="remote", priority="high", timeout_s=60)
+    assert out.breakdown["route"] == "remote" and out.breakdown["prefill_worker"] == "prefill-1"
+    assert out.token_ids == reference(llama_dir, [prompt + [7, 8, 9]])[0]
+    assert ray.get(p2.get_stats.remote())["tasks_done"] == 1

@@ -1,0 +1,50 @@
+"""Test harness shared by the decode and end-to-end suites."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from pdserve.decode.worker import DecodeWorker, DecodeWorkerConfig
+
+
+class WorkerThread:
+    """Starts a DecodeWorker on a private event loop; `call(coro_fn)` runs code on it."""
+
+    def __init__(self, cfg: DecodeWorkerConfig):
+        self.worker = DecodeWorker(cfg)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="decode-worker-loop", daemon=True)
+
+    def start(self, timeout_s: float = 120.0) -> "WorkerThread":
+        self._thread.start()
+        self.call(self.worker.start, timeout_s)
+        return self
+
+    def call(self, fn, timeout_s: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        try:
+            self.call(self.worker.stop, 30.0)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10.0)
+
+    @property
+    def grpc(self) -> str:
+        return self.worker.grpc_address
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.worker.http_address}"
+
+
+def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02):
+    """Poll `pred` until true; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(interval_s)
