@@ -1,10 +1,11 @@
 # pdserve: the two everyday commands.
-#   make demo   set up a venv, install, make a small model, generate with the engine
+#   make demo   set up a venv, install, start the local 1P1D cluster, send short and
+#               long prompts through gRPC (route, reason, TTFT, transfer), shut down
 #   make test   run the test suite (what CI runs)
 PYTHON ?= .venv/bin/python
 MODEL_DIR ?= .cache/models/pdserve-tiny-llama
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo generate test bench clean
 
 venv: .venv/.installed
 
@@ -17,7 +18,13 @@ venv: .venv/.installed
 $(MODEL_DIR)/config.json: | venv
 	.venv/bin/pdserve make-model $(MODEL_DIR)
 
-demo: venv $(MODEL_DIR)/config.json
+demo: venv
+	.venv/bin/pdserve up
+	.venv/bin/pdserve status
+	.venv/bin/pdserve demo || (.venv/bin/pdserve down; exit 1)
+	.venv/bin/pdserve down
+
+generate: venv $(MODEL_DIR)/config.json
 	.venv/bin/pdserve generate --model $(MODEL_DIR) --max-tokens 32 --ignore-eos \
 		"The history of disaggregated serving" "Prefill and decode"
 
@@ -28,4 +35,4 @@ bench: venv
 	.venv/bin/python bench/engine_throughput.py
 
 clean:
-	rm -rf .venv .cache .pytest_cache
+	rm -rf .venv .cache .pytest_cache runs

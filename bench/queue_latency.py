@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["RAY_worker_niceness"] = str(args.ray_worker_niceness)  # read by the raylet Ray starts
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, namespace="pdserve-bench")
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, namespace="pdserve-bench")
     capacity = max(args.throughput_tasks, args.latency_tasks) + 1
     queue = get_or_create_queue(f"bench-{uuid.uuid4().hex[:6]}", "pdserve-bench", capacity=capacity)
     producer, consumer = Producer.remote(queue), Consumer.remote(queue)

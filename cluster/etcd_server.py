@@ -229,6 +229,15 @@ class EmbeddedEtcd:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         self.start()
 
+    def detach(self) -> int:
+        """Hand the running etcd over to the caller: this object will no longer
+        stop it (not even when garbage-collected). Returns its pid, which the
+        caller must stop later (`pdserve down` does)."""
+        if not self.is_running():
+            raise EtcdError("etcd is not running: nothing to detach")
+        pid, self._proc = self._proc.pid, None
+        return pid
+
     def __enter__(self) -> "EmbeddedEtcd":
         return self.start()
 

@@ -60,7 +60,9 @@ class DecodeWorkerConfig:
 class DecodeWorker:
     """Owns every task, server and the engine thread of one decode worker."""
 
-    def __init__(self, cfg: DecodeWorkerConfig):
+    def __init__(self, cfg: DecodeWorkerConfig | dict):
+        if isinstance(cfg, dict):  # the launcher passes plain dicts (entry-point contract)
+            cfg = DecodeWorkerConfig(**cfg)
         self.cfg = cfg
         self.worker_id = cfg.worker_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.engine: LLMEngine | None = None
@@ -80,7 +82,8 @@ class DecodeWorker:
         self.grpc_address = ""
         self.http_address = ""
 
-    async def start(self) -> None:
+    async def start(self) -> dict:
+        """Load the engine, start serving and register; returns the endpoints."""
         cfg = self.cfg
         self.engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
         m = self.engine.model_config
@@ -104,6 +107,7 @@ class DecodeWorker:
         if cfg.etcd_endpoints:
             await self._join_cluster()
         log.info("decode worker %s serving gRPC %s, HTTP %s", self.worker_id, self.grpc_address, self.http_address)
+        return {"worker_id": self.worker_id, "grpc": self.grpc_address, "http": self.http_address, "pid": os.getpid()}
 
     async def _start_http(self) -> None:
         cfg = self.cfg
@@ -210,12 +214,24 @@ class DecodeWorker:
         elif info.num_decode_seqs:
             costs.observe_decode_step(info.ms, info.num_seqs)
 
-    async def drain(self) -> None:
-        """Stop taking new requests (health NOT_SERVING, 503) and leave the registry."""
+    async def drain(self, timeout_s: float = 30.0) -> None:
+        """Stop taking new requests (health NOT_SERVING, 503), let in-flight ones
+        finish (up to ``timeout_s``), and leave the registry."""
         self.frontend.draining = True
         await self.grpc.set_serving(False)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.frontend.inflight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
         if self.registry is not None:
             await self.registry.deregister()
+
+    def stats(self) -> dict:
+        eng = self.engine
+        out = {"worker_id": self.worker_id, "inflight": len(self.frontend.inflight), **eng.stats.__dict__,
+               "kv_usage": eng.kv.usage, "policy_version": self.frontend.policy.version}
+        if self.remote is not None:
+            out["remote"] = dict(self.remote.counters)
+        return out
 
     async def stop(self) -> None:
         if self._http is not None:

@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "pdserve.router.cli",
     "pdserve.decode.cli",
     "pdserve.cluster.cli",
+    "pdserve.launch",
 )
 
 

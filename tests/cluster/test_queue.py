@@ -30,7 +30,7 @@ _ids = itertools.count()
 def ray_local():
     """One local Ray for the module (start-up costs ~2.5 s on 2 cores)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="pdserve-tests")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="pdserve-tests")
     yield
     ray.shutdown()
 

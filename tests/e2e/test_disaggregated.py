@@ -35,7 +35,8 @@ MAX_TOKENS = 10
 @pytest.fixture(scope="module")
 def ray_local():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, namespace="pdserve-e2e", log_to_driver=False)
+    # address="local": a fresh Ray of our own even if a `ray start` head runs on this host.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="pdserve-e2e", log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -1,0 +1,211 @@
+"""`pdserve up | status | down | demo`: run a topology and talk to it.
+
+This lives in the composition root because `up` may make the `auto` model
+with the engine's model maker, which the control plane must not import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TOPOLOGY = REPO_ROOT / "configs" / "topologies" / "1p1d-local.yaml"
+
+
+def register(subparsers) -> None:
+    up = subparsers.add_parser(
+        "up", help="start a topology: etcd, Ray, prefill queue, prefill and decode workers",
+        description=(
+            "Start the deployment a topology file describes and wait until every worker is "
+            "registered and healthy, then print the endpoints. With no arguments: the local "
+            "default, 1P1D on CPU with a small model made on first run. Ray is joined with "
+            "--ray-address, else a Ray head is started for this cluster; etcd is started when "
+            "the topology names no endpoint. `pdserve down` stops what `up` started."))
+    _topology_arg(up)
+    up.add_argument("--ray-address", default=None, help="join this Ray cluster (host:port) instead of starting one")
+    up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the cluster")
+    up.set_defaults(func=_up)
+
+    st = subparsers.add_parser("status", help="show members, roles, load and queue depth of a running topology")
+    _topology_arg(st)
+    st.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    st.set_defaults(func=_status)
+
+    down = subparsers.add_parser("down", help="stop everything `pdserve up` started for a topology")
+    _topology_arg(down)
+    down.set_defaults(func=_down)
+
+    demo = subparsers.add_parser(
+        "demo", help="send a mix of short and long prompts to a running topology and show each route",
+        description=("Send short chat-like and long document-like prompts concurrently through the "
+                     "gRPC API of the first decode worker, then print for each the route taken and why, "
+                     "TTFT, KV transfer bytes and time, and the completion."))
+    _topology_arg(demo)
+    demo.add_argument("--target", default=None, help="gRPC host:port (default: from the running topology)")
+    demo.add_argument("--route", choices=["auto", "local", "remote"], default="auto")
+    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.add_argument("--long-tokens", type=int, default=1200, help="approximate length of the long prompts")
+    demo.set_defaults(func=_demo)
+
+
+def _topology_arg(p) -> None:
+    p.add_argument("--topology", default=str(DEFAULT_TOPOLOGY),
+                   help=f"topology YAML (default: {DEFAULT_TOPOLOGY.relative_to(REPO_ROOT)})")
+
+
+def _load(path: str):
+    from pdserve.cluster.topology import load_topology
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--topology {path}: no such file")
+    return load_topology(path)
+
+
+def resolve_model(topo) -> str:
+    """The topology's model directory; `auto` makes a small model on first run."""
+    if not topo.model.is_auto:
+        return str(topo.model_path)
+    from pdserve.engine.model_maker import ModelSpec, make_model
+
+    spec = ModelSpec(**topo.model.make)
+    tag = hashlib.sha256(json.dumps(spec.__dict__, sort_keys=True).encode()).hexdigest()[:8]
+    path = topo.model_cache_path / f"pdserve-{spec.arch}-{tag}"
+    if not (path / "config.json").is_file():
+        print(f"model     making a {spec.arch} model ({spec.num_layers} layers, hidden {spec.hidden_size}) "
+              f"in {path} ...", flush=True)
+        make_model(str(path), spec)
+    return str(path)
+
+
+def _up(args) -> int:
+    from pdserve.cluster.launcher import Launcher
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("UCX_MODULES", "^ib")
+    topo = _load(args.topology)
+    t0 = time.monotonic()
+    model = resolve_model(topo)
+    launcher = Launcher(topo, args.topology, model, ray_address=args.ray_address,
+                        progress=lambda line: print(line, flush=True))
+    state = launcher.up()
+    print(f"\ncluster {state.cluster!r} is up in {time.monotonic() - t0:.1f} s; model {model}")
+    for rec in state.decode_endpoints:
+        print(f"  {rec['worker_id']}: gRPC {rec['grpc']}   HTTP http://{rec['http']}/v1/completions")
+    print(f"\nnext: pdserve demo --topology {args.topology}   |   pdserve status   |   pdserve down")
+    if args.foreground:
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            _down(args)
+    return 0
+
+
+def _down(args) -> int:
+    from pdserve.cluster.launcher import ClusterState, Launcher, state_path
+
+    topo = _load(args.topology)
+    path = state_path(topo)
+    state = ClusterState.load(path)
+    Launcher(topo, args.topology, state.model, progress=lambda line: print(line, flush=True)).down(state)
+    path.unlink(missing_ok=True)
+    print(f"cluster {state.cluster!r} is down")
+    return 0
+
+
+def _status(args) -> int:
+    from pdserve.cluster.launcher import ClusterState, state_path
+
+    topo = _load(args.topology)
+    state = ClusterState.load(state_path(topo))
+    members = asyncio.run(_members(state))
+    queue = _queue_stats(state)
+    if args.json:
+        print(json.dumps({"cluster": state.cluster, "members": members, "queue": queue}, indent=2))
+        return 0
+    print(f"cluster {state.cluster}  (etcd {', '.join(state.etcd_endpoints)}, ray {state.ray_address})")
+    print(f"{'worker':<14} {'role':<8} {'endpoints':<44} load")
+    for wid, m in sorted(members.items()):
+        eps = " ".join(f"{k}={v}" for k, v in m["endpoints"].items()) or "-"
+        load = " ".join(f"{k}={v}" for k, v in m["load"].items()) or "-"
+        print(f"{wid:<14} {m['role']:<8} {eps:<44} {load}")
+    missing = {a["worker_id"] for a in state.actors} - set(members)
+    for wid in sorted(missing):
+        print(f"{wid:<14} MISSING  (started by `up`, not registered: dead or restarting)")
+    if queue:
+        print(f"prefill queue {state.queue_name}: depth {queue['depth']}, {queue['queued_tokens']} tokens queued, "
+              f"in flight {queue['in_flight']}, oldest wait {queue['oldest_wait_ms']:.0f} ms")
+    return 0 if not missing else 1
+
+
+async def _members(state) -> dict:
+    from pdserve.cluster.registry import Registry
+
+    async with Registry(state.etcd_endpoints, state.cluster) as reg:
+        members = await reg.members()
+    return {wid: {"role": m.role, "endpoints": m.endpoints, "load": m.load} for wid, m in members.items()}
+
+
+def _queue_stats(state) -> dict | None:
+    import ray
+
+    try:
+        ray.init(address=state.ray_address, namespace=state.namespace, log_to_driver=False)
+        st = ray.get(ray.get_actor(state.queue_name, namespace=state.namespace).stats.remote(), timeout=10)
+        return {"depth": st.depth, "queued_tokens": st.queued_tokens, "in_flight": st.in_flight,
+                "oldest_wait_ms": st.oldest_wait_ms}
+    except Exception as exc:  # noqa: BLE001  (status must still show the members)
+        print(f"(prefill queue not reachable: {exc.__class__.__name__})", file=sys.stderr)
+        return None
+    finally:
+        ray.shutdown()
+
+
+DEMO_SHORT = ["What is disaggregated serving?", "Say hello in French.", "Name three prime numbers.",
+              "Why is the sky blue?"]
+DEMO_DOC = ("Disaggregated serving splits the prefill phase, which is compute bound, from the decode "
+            "phase, which is memory-bandwidth bound, so each runs on workers sized for it. ")
+
+
+def _demo(args) -> int:
+    from pdserve.api import AsyncClient
+
+    target = args.target
+    if target is None:
+        from pdserve.cluster.launcher import ClusterState, state_path
+
+        state = ClusterState.load(state_path(_load(args.topology)))
+        target = state.decode_endpoints[0]["grpc"]
+    n_rep = max(1, args.long_tokens // 30)
+    prompts = DEMO_SHORT[:2] + [f"Document {i}: " + DEMO_DOC * n_rep + "Summarise it." for i in range(2)] + DEMO_SHORT[2:]
+    # A long prompt sharing the first document's prefix: the prefix cache at work.
+    prompts.append(prompts[2][:-len("Summarise it.")] + "List its key terms.")
+
+    async def run():
+        async with AsyncClient(target, timeout_s=300) as c:
+            await c.list_models()
+            return await asyncio.gather(*(c.generate(p, max_tokens=args.max_tokens, temperature=0.0,
+                                                     ignore_eos=True, route=args.route) for p in prompts))
+
+    t0 = time.monotonic()
+    outs = asyncio.run(run())
+    print(f"{len(prompts)} requests to {target} in {time.monotonic() - t0:.2f} s\n")
+    for p, o in zip(prompts, outs):
+        b = o.breakdown
+        print(f"- prompt {b['prompt_tokens']} tokens ({b['cached_tokens']} cached): route {b['route'].upper()}"
+              f"  TTFT {b['ttft_ms']:.0f} ms")
+        print(f"    why: {b['reason']}")
+        if b["route"] == "remote":
+            print(f"    transfer: {b['transfer_bytes'] / 1e6:.2f} MB in {b['transfer_ms']:.1f} ms from "
+                  f"{b['prefill_worker']} (queue {b['queue_wait_ms']:.1f} ms, prefill {b['prefill_ms']:.1f} ms)")
+        print(f"    completion ({len(o.token_ids)} tokens, {o.finish_reason}): {o.text[:80]!r}")
+    routes = sorted({o.breakdown["route"] for o in outs})
+    print(f"\nroutes used: {', '.join(routes)}")
+    return 0

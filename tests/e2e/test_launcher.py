@@ -1,0 +1,95 @@
+"""`pdserve up / status / demo / down` as a user runs them (the README's first command, small)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+TOPOLOGY = """
+cluster: launcher-test
+model:
+  path: auto
+  cache_dir: {cache}
+  make: {{num_layers: 2, hidden_size: 128, num_heads: 4, num_kv_heads: 2, intermediate_size: 256}}
+roles:
+  prefill:
+    replicas: 1
+    resources: {{num_cpus: 1}}
+    engine: {{device: cpu, kv_cache_memory_bytes: 33554432}}
+  decode:
+    replicas: 1
+    resources: {{num_cpus: 1}}
+    engine: {{device: cpu, kv_cache_memory_bytes: 33554432}}
+    ports: {{grpc: 0, http: 0}}
+router_policy: {policy}
+etcd: {{lease_ttl_s: 3}}
+run_dir: {runs}
+"""
+
+
+def pdserve(*args, timeout=300):
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "UCX_MODULES": "^ib"}
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def topology(tmp_path):
+    path = tmp_path / "topology.yaml"
+    path.write_text(TOPOLOGY.format(cache=tmp_path / "models", runs=tmp_path / "runs",
+                                    policy=REPO / "configs" / "router" / "default.yaml"))
+    return path
+
+
+def test_up_status_demo_down(topology, tmp_path):
+    up = pdserve("up", "--topology", str(topology))
+    state_file = tmp_path / "runs" / "launcher-test.state.json"
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "ready" in up.stdout and "gRPC 127.0.0.1:" in up.stdout
+        state = json.loads(state_file.read_text())
+        assert {a["worker_id"] for a in state["actors"]} == {"prefill-0", "decode-0"}
+
+        status = pdserve("status", "--topology", str(topology), "--json")
+        assert status.returncode == 0, status.stderr
+        body = json.loads(status.stdout)
+        assert {m["role"] for m in body["members"].values()} == {"prefill", "decode"}
+        assert body["queue"]["depth"] == 0
+
+        demo = pdserve("demo", "--topology", str(topology), "--route", "remote", "--long-tokens", "300",
+                       "--max-tokens", "8")
+        assert demo.returncode == 0, demo.stdout + demo.stderr
+        assert "route REMOTE" in demo.stdout and "transfer:" in demo.stdout
+        assert demo.stdout.count("completion (8 tokens") == 7
+    finally:
+        down = pdserve("down", "--topology", str(topology))
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not state_file.exists()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (alive(state["etcd_pid"]) or alive(state["ray_head_pid"])):
+        time.sleep(0.2)
+    assert not alive(state["etcd_pid"]) and not alive(state["ray_head_pid"])
+
+
+def test_up_with_a_broken_topology_fails_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: x\nmodel: {path: auto}\nroles: {decode: {replicas: -1}}\n")
+    res = pdserve("up", "--topology", str(bad), timeout=60)
+    assert res.returncode == 2
+    assert "roles.decode.replicas" in res.stderr and "bad.yaml:3" in res.stderr
