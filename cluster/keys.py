@@ -68,6 +68,10 @@ class Keyspace:
     def policy(self, kind: str) -> bytes:
         return f"{self.root}/config/{check_policy_kind(kind)}".encode()
 
+    def drain(self, worker_id: str) -> bytes:
+        """Operator's request that a worker drain (`pdserve drain`); not leased."""
+        return f"{self.root}/drain/{check_name('worker_id', worker_id)}".encode()
+
     def planner_leader(self) -> bytes:
         return f"{self.root}/planner/leader".encode()
 

@@ -24,7 +24,7 @@ import aetcd
 
 from .keys import Keyspace, check_policy_kind, parse_endpoints
 from .records import TRANSIENT_ERRORS, WorkerInfo, decode_members, short_error
-from .watch import MemberWatch, PolicyWatch
+from .watch import DrainWatch, MemberWatch, PolicyWatch
 
 __all__ = [
     "Registry",
@@ -331,7 +331,34 @@ class Registry:
         self._track(watch)
         return watch
 
-    def _track(self, watch: MemberWatch | PolicyWatch) -> None:
+    # -- draining ---------------------------------------------------------
+
+    async def watch_drain(self, worker_id: str, on_drain: Callable[[str], Any]) -> DrainWatch:
+        """Call `on_drain(reason)` once an operator asks this worker to drain."""
+        watch = DrainWatch(self, worker_id, on_drain)
+        self._track(watch)
+        return watch
+
+    async def request_drain(self, worker_id: str, reason: str = "drain requested") -> bool:
+        """Ask a worker to drain: write its drain key, then revoke its lease so
+        peers stop sending it work now. Returns False if it is not registered."""
+        await self.client().put(self.keys.drain(worker_id), reason.encode())
+        members = await self.members()
+        if worker_id not in members:
+            return False
+        reply = await self.client().get(self.keys.worker(members[worker_id].role, worker_id))
+        if reply is not None and reply.lease:
+            try:
+                await self.client().revoke_lease(reply.lease)
+            except TRANSIENT_ERRORS as exc:
+                log.warning("drain %s: lease revoke failed (%s); it expires within its TTL", worker_id, exc)
+        return True
+
+    async def clear_drain(self, worker_id: str) -> None:
+        """Forget a drain request (before starting a worker under the same id again)."""
+        await self.client().delete(self.keys.drain(worker_id))
+
+    def _track(self, watch) -> None:
         self._watches.add(watch)
         watch.start()
 

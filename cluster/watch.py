@@ -234,3 +234,31 @@ class PolicyWatch(_ResyncingWatch):
         self.current, self.revision = policy, mod_revision
         log.info("%s policy revision %d active", self.kind, mod_revision)
         await _call(self._on_change, policy)
+
+
+class DrainWatch(_ResyncingWatch):
+    """Fires `on_drain(reason)` once when the worker's drain key appears.
+
+    `pdserve drain WORKER` writes the key and then revokes the worker's
+    lease: peers drop the worker at once, and the worker, seeing the key,
+    stops taking work, finishes what it holds and leaves instead of
+    re-registering (which is what it does after an ordinary lease loss).
+    """
+
+    def __init__(self, registry: "Registry", worker_id: str, on_drain):
+        super().__init__(registry, registry.keys.drain(worker_id), prefix=False)
+        self._on_drain = on_drain
+        self.requested = False
+
+    async def _apply_listing(self, kvs: list) -> None:
+        for kv in kvs:
+            await self._fire(kv.value)
+
+    async def _apply_event(self, event) -> None:
+        if event.kind != "DELETE":
+            await self._fire(event.kv.value)
+
+    async def _fire(self, value: bytes) -> None:
+        if not self.requested:
+            self.requested = True
+            await _call(self._on_drain, value.decode(errors="replace") or "drain requested")

@@ -157,7 +157,9 @@ class DecodeWorker:
         cfg = self.cfg
         self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s)
         nixl = json.dumps(self.agent.local_info()).encode() if self.agent is not None else None
+        await self.registry.clear_drain(self.worker_id)  # a fresh start under a drained id
         await self.registry.register(self._record(), nixl)
+        await self.registry.watch_drain(self.worker_id, lambda why: asyncio.ensure_future(self.drain()))
         policy = self.frontend.policy
         self.policy_watch = await self.registry.watch_policy(
             "router", validate=lambda text: parse_policy(text, source=f"etcd:/pdserve/{cfg.cluster}/config/router"),
@@ -216,7 +218,10 @@ class DecodeWorker:
 
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Stop taking new requests (health NOT_SERVING, 503), let in-flight ones
-        finish (up to ``timeout_s``), and leave the registry."""
+        finish (up to ``timeout_s``), and leave the registry. Triggered by
+        `pdserve drain` (its drain key in etcd) or `pdserve down`."""
+        if self.frontend.draining:
+            return
         self.frontend.draining = True
         await self.grpc.set_serving(False)
         deadline = asyncio.get_running_loop().time() + timeout_s

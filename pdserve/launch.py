@@ -42,6 +42,15 @@ def register(subparsers) -> None:
     _topology_arg(down)
     down.set_defaults(func=_down)
 
+    dr = subparsers.add_parser(
+        "drain", help="drain one worker: it takes no new work, finishes what it holds, and leaves",
+        description=("Write the worker's drain key in etcd and revoke its lease: peers stop sending it "
+                     "work at once; the worker finishes in-flight requests or prefill tasks, deregisters "
+                     "and stays out (it does not re-register as after an ordinary lease loss)."))
+    dr.add_argument("worker_id", help="e.g. prefill-0 (see `pdserve status`)")
+    _topology_arg(dr)
+    dr.set_defaults(func=_drain)
+
     demo = subparsers.add_parser(
         "demo", help="send a mix of short and long prompts to a running topology and show each route",
         description=("Send short chat-like and long document-like prompts concurrently through the "
@@ -117,6 +126,23 @@ def _down(args) -> int:
     Launcher(topo, args.topology, state.model, progress=lambda line: print(line, flush=True)).down(state)
     path.unlink(missing_ok=True)
     print(f"cluster {state.cluster!r} is down")
+    return 0
+
+
+def _drain(args) -> int:
+    from pdserve.cluster.launcher import ClusterState, state_path
+    from pdserve.cluster.registry import Registry
+
+    state = ClusterState.load(state_path(_load(args.topology)))
+
+    async def go() -> bool:
+        async with Registry(state.etcd_endpoints, state.cluster) as reg:
+            return await reg.request_drain(args.worker_id, f"pdserve drain at {time.ctime()}")
+
+    if not asyncio.run(go()):
+        print(f"{args.worker_id}: not registered (drain key written anyway: it drains if it comes back)")
+        return 1
+    print(f"{args.worker_id}: draining (it finishes in-flight work, then leaves the registry)")
     return 0
 
 

@@ -99,8 +99,10 @@ class PrefillWorker:
         info = WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
                           kv_layout=self.engine.runner.layout_info(),
                           capacity={"max_num_batched_tokens": self.budget}, version=VERSION)
+        await self.registry.clear_drain(self.worker_id)  # a fresh start under a drained id
         await self.registry.register(info, json.dumps(self.agent.local_info()).encode())
         self._decode_watch = await self.registry.watch_members(on_remove=self._decode_gone, role="decode")
+        await self.registry.watch_drain(self.worker_id, lambda why: asyncio.ensure_future(self.drain()))
         self._loop_task = asyncio.create_task(self._run())
         log.info("prefill worker %s started (pid %d)", self.worker_id, os.getpid())
         return {"worker_id": self.worker_id, "pid": os.getpid()}
@@ -116,8 +118,12 @@ class PrefillWorker:
             self._peers_to_remove.add(info.worker_id)
 
     async def drain(self, timeout_s: float = 60.0) -> None:
-        """Take no new tasks, finish in-flight ones, leave the registry."""
+        """Take no new tasks, finish in-flight ones, leave the registry (for good:
+        no re-registration). Triggered by `pdserve drain` or `pdserve down`."""
+        if self.draining and self._loop_task is None:
+            return
         self.draining = True
+        log.info("prefill worker %s draining", self.worker_id)
         if self._loop_task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._loop_task), timeout_s)

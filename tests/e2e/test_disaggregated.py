@@ -250,3 +250,31 @@ def test_prefill_worker_killed_mid_flight_all_requests_complete_locally(cluster,
     assert out.breakdown["route"] == "remote" and out.breakdown["prefill_worker"] == "prefill-1"
     assert out.token_ids == reference(llama_dir, [prompt + [7, 8, 9]])[0]
     assert ray.get(p2.get_stats.remote())["tasks_done"] == 1
+
+
+def test_drained_prefill_worker_finishes_in_flight_work_and_takes_no_more(cluster, llama_dir, etcd):
+    p = with_prefill(cluster, llama_dir, etcd, worker_id="prefill-1")
+    d = cluster["decode"]
+    prompts = [pr for pr in mixed_prompts(20, seed=6) if len(pr) > 300][:4]
+    ref = reference(llama_dir, prompts)
+    results = {}
+
+    async def go():
+        async with AsyncClient(d.grpc) as c:
+            tasks = [asyncio.create_task(c.generate(pr, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                                    route="remote", priority="high", timeout_s=120))
+                     for pr in prompts]
+            await asyncio.sleep(0.05)
+            async with Registry([etcd.endpoint], CLUSTER) as reg:
+                assert await reg.request_drain("prefill-1")
+            results["outs"] = await asyncio.gather(*tasks)
+
+    asyncio.run(go())
+    assert [o.token_ids for o in results["outs"]] == ref  # in-flight work finished (or fell back)
+    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 0, 10)
+    wait_until(lambda: ray.get(p.get_stats.remote())["draining"], 10)
+    time.sleep(TTL_S + 1)  # a drained worker does not re-register after its lease is gone
+    assert d.worker.frontend.cluster["prefill_pool_size"] == 0
+    with Client(d.grpc) as c:
+        out = c.generate(prompts[0], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, route="remote")
+    assert out.breakdown["route"] == "local" and "empty_pool" in out.breakdown["reason"]
