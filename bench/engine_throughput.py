@@ -7,11 +7,13 @@ engine ran at once within its KV budget.
 
     python bench/engine_throughput.py                 # makes a ~34M model under .cache/
     python bench/engine_throughput.py --model DIR --num-prompts 64 --output-len 64
+    python bench/engine_throughput.py --skip-hf --profile 25   # where pdserve spends its time
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -35,6 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--skip-hf", action="store_true", help="measure pdserve only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="profile the timed pdserve loop with torch.profiler and print the top ROWS ops "
+                        "by self CPU time (timings then include the profiler's overhead)")
     return p.parse_args(argv)
 
 
@@ -69,15 +74,28 @@ def run_pdserve(model, prompts, output_len, args):
                 eng.release(d.request_id)
     reqs = [eng.add_request(p, params) for p in prompts]
     max_batch = 0
-    t0 = time.perf_counter()
-    while eng.has_unfinished():
-        max_batch = max(max_batch, len(eng.scheduler.running))
-        for d in eng.step():
-            if d.finished:
-                eng.release(d.request_id)
-    dt = time.perf_counter() - t0
+    with _maybe_profile(args.profile):
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            max_batch = max(max_batch, len(eng.scheduler.running))
+            for d in eng.step():
+                if d.finished:
+                    eng.release(d.request_id)
+        dt = time.perf_counter() - t0
     outs = [r.output_token_ids for r in reqs]
     return outs, dt, max_batch, eng
+
+
+@contextlib.contextmanager
+def _maybe_profile(rows: int):
+    if not rows:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), file=sys.stderr)
 
 
 def run_hf(model, prompts, output_len, batch_size):
@@ -101,6 +119,10 @@ def run_hf(model, prompts, output_len, batch_size):
     return outs, time.perf_counter() - t0
 
 
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
@@ -114,6 +136,7 @@ def main(argv=None) -> int:
           f"{args.num_prompts} prompts, {n_in} input tokens, {args.output_len} output tokens each; "
           f"torch threads {torch.get_num_threads()}")
 
+    print(f"load average before: {_load()}")
     outs, dt, max_batch, eng = run_pdserve(model, prompts, args.output_len, args)
     assert sum(map(len, outs)) == n_out
     res = {"pdserve_s": dt, "pdserve_output_tok_s": n_out / dt, "pdserve_max_batch": max_batch,
@@ -128,6 +151,7 @@ def main(argv=None) -> int:
         res.update(hf_s=hf_dt, hf_output_tok_s=n_out / hf_dt, speedup=hf_dt / dt, identical_outputs=same)
         print(f"HF      : {hf_dt:7.2f} s  {n_out / hf_dt:8.1f} output tok/s  (batch {args.hf_batch_size}, left-padded)")
         print(f"ratio   : pdserve / HF = {hf_dt / dt:.2f}x; greedy outputs identical for {same}/{len(outs)} prompts")
+    print(f"load average after : {_load()} (other work on the box skews both timings)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -15,17 +15,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 
 @dataclass
 class BatchLayout:
-    """Per-step batch geometry shared by every layer (built once per step)."""
+    """Per-step batch geometry shared by every layer (built once per step).
 
-    query_start_loc: list[int]  # len B+1
-    context_lens: list[int]  # tokens already in the pool before this step, per sequence
-    block_tables: list[list[int]]  # block ids per sequence, covering context + new tokens
+    Host-side integers are numpy arrays: backends plan from them with a few
+    vectorised operations instead of a Python loop per sequence.
+    """
+
+    query_start_loc: np.ndarray  # [B+1] int64
+    context_lens: np.ndarray  # [B] int64: tokens already in the pool before this step
+    # [B, max_blocks] int64 block ids per sequence covering context + new tokens,
+    # right-padded with block 0 (whatever a backend reads there it masks out).
+    block_tables: np.ndarray
     slot_mapping: torch.Tensor  # [T] flat slot of each new token: block * block_size + offset
     block_size: int
 
@@ -33,8 +40,12 @@ class BatchLayout:
     def num_seqs(self) -> int:
         return len(self.context_lens)
 
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
     def query_len(self, i: int) -> int:
-        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+        return int(self.query_start_loc[i + 1] - self.query_start_loc[i])
 
 
 class AttentionBackend:
@@ -62,64 +73,101 @@ def _kv_rows(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.
     return k_rows, k_rows + block_size
 
 
+# Fixed cost of one more decode group (a handful of small ops per layer) counted
+# in padded KV positions of equal cost. Splitting the decode batch by length
+# trades it against attending over padding; on a 2-core CPU step time is flat
+# for values between 256 and 2048.
+DECODE_GROUP_COST_TOKENS = 512
+
+
+@dataclass
+class _PagedGroup:
+    """Sequences attended together over K/V gathered from their pool blocks."""
+
+    query_index: torch.Tensor  # [g, q_len] token index of each query
+    block_ids: torch.Tensor  # [g * num_blocks] block ids, row by row, padded with 0
+    mask: torch.Tensor  # [g, 1, q_len, num_blocks * block_size] additive: 0 or -inf
+
+
 @dataclass
 class _TorchMeta:
     k_rows: torch.Tensor  # [T] rows in the flat pool where new K goes
     v_rows: torch.Tensor
-    # Decode group: sequences with one query token, attended together, padded.
-    decode_q_idx: torch.Tensor | None = None  # [Bd] token index of each decode query
-    decode_k_rows: torch.Tensor | None = None  # [Bd, Lmax]
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] bool, True = attend
-    # Prefill group: (q_start, q_end, context_len, k_rows or None, mask or None)
-    prefills: list = field(default_factory=list)
+    fresh: list[tuple[int, int]] = field(default_factory=list)  # (q0, q1): prefills with no context
+    paged: list[_PagedGroup] = field(default_factory=list)  # decode groups, prefill chunks after context
+    max_group_blocks: int = 0
 
 
 class TorchAttention(AttentionBackend):
     """Reference paged attention in plain torch (CPU and GPU).
 
-    Single-query sequences (decode) are attended in one padded, masked SDPA
-    call; multi-token sequences (prefill chunks) one SDPA call each, reading
-    their fresh K/V directly when nothing is cached before them.
+    A prefill with nothing cached before it attends to its fresh K/V directly
+    (causal SDPA). Everything else reads the pool: decode tokens are grouped by
+    context length, so that little padding is attended, and each group is one
+    masked SDPA call over K/V gathered block by block into reused buffers; a
+    prefill chunk that continues a cached context is a group of its own.
     """
 
     name = "torch"
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, dtype: torch.dtype = torch.float32):
         self.scale = scale
+        self.dtype = dtype
+        # Gather destinations for K and V, grown on demand and reused by every
+        # layer and step: fresh multi-MB tensors per layer cost page faults on CPU.
+        self._k_buf = torch.empty(0)
+        self._v_buf = torch.empty(0)
 
     def plan(self, layout: BatchLayout, device: torch.device) -> _TorchMeta:
-        bs = layout.block_size
-        k_rows, v_rows = _kv_rows(layout.slot_mapping, bs)
+        k_rows, v_rows = _kv_rows(layout.slot_mapping, layout.block_size)
         meta = _TorchMeta(k_rows=k_rows, v_rows=v_rows)
-        decode_seqs = []
-        for i in range(layout.num_seqs):
-            q0, q1 = layout.query_start_loc[i], layout.query_start_loc[i + 1]
-            ctx = layout.context_lens[i]
-            if q1 - q0 == 1 and ctx > 0:
-                decode_seqs.append(i)
-                continue
-            if ctx == 0:
-                meta.prefills.append((q0, q1, 0, None, None))
-                continue
-            total = ctx + (q1 - q0)
-            rows = _seq_rows(layout.block_tables[i], total, bs, device)
-            q_pos = torch.arange(ctx, total, device=device)
-            mask = torch.arange(total, device=device)[None, :] <= q_pos[:, None]
-            meta.prefills.append((q0, q1, ctx, rows, mask))
-        if decode_seqs:
-            lens = [layout.context_lens[i] + 1 for i in decode_seqs]
-            lmax = max(lens)
-            rows = torch.zeros(len(decode_seqs), lmax, dtype=torch.long)
-            for j, i in enumerate(decode_seqs):
-                rows[j, : lens[j]] = _seq_rows(layout.block_tables[i], lens[j], bs, "cpu")
-            lens_t = torch.tensor(lens)
-            mask = torch.arange(lmax)[None, :] < lens_t[:, None]
-            meta.decode_q_idx = torch.tensor(
-                [layout.query_start_loc[i] for i in decode_seqs], device=device
-            )
-            meta.decode_k_rows = rows.to(device)
-            meta.decode_mask = mask[:, None, None, :].to(device)
+        qsl, ctx = layout.query_start_loc, layout.context_lens
+        is_decode = (layout.query_lens == 1) & (ctx > 0)
+        for i in np.flatnonzero(~is_decode).tolist():
+            if ctx[i] == 0:
+                meta.fresh.append((int(qsl[i]), int(qsl[i + 1])))
+            else:
+                meta.paged.append(self._chunk_group(layout, i, device))
+        decode = np.flatnonzero(is_decode)
+        if decode.size:
+            meta.paged.extend(self._decode_groups(layout, decode, device))
+        meta.max_group_blocks = max((g.block_ids.numel() for g in meta.paged), default=0)
         return meta
+
+    def _chunk_group(self, layout: BatchLayout, i: int, device) -> _PagedGroup:
+        """A prefill chunk whose first position follows ``context_lens[i]`` cached tokens."""
+        q0, q1 = int(layout.query_start_loc[i]), int(layout.query_start_loc[i + 1])
+        ctx = int(layout.context_lens[i])
+        nblk = -(-(ctx + q1 - q0) // layout.block_size)
+        keys = torch.arange(nblk * layout.block_size)
+        allowed = keys[None, :] <= torch.arange(ctx, ctx + q1 - q0)[:, None]  # causal over context + chunk
+        return _PagedGroup(
+            query_index=torch.arange(q0, q1, device=device)[None, :],
+            block_ids=torch.from_numpy(layout.block_tables[i, :nblk]).to(device),
+            mask=self._additive(allowed, device)[None, None],
+        )
+
+    def _decode_groups(self, layout: BatchLayout, seqs: np.ndarray, device) -> list[_PagedGroup]:
+        bs = layout.block_size
+        lengths = layout.context_lens[seqs] + 1
+        order = np.argsort(lengths, kind="stable")
+        seqs, lengths = seqs[order], lengths[order]
+        nblks = -(-lengths // bs)
+        groups = []
+        for a, b in split_by_length((nblks * bs).tolist(), DECODE_GROUP_COST_TOKENS):
+            nblk = int(nblks[b - 1])
+            ids = np.ascontiguousarray(layout.block_tables[seqs[a:b], :nblk])
+            allowed = torch.arange(nblk * bs)[None, :] < torch.from_numpy(lengths[a:b])[:, None]
+            groups.append(_PagedGroup(
+                query_index=torch.from_numpy(layout.query_start_loc[seqs[a:b]]).to(device)[:, None],
+                block_ids=torch.from_numpy(ids.reshape(-1)).to(device),
+                mask=self._additive(allowed, device)[:, None, None, :],
+            ))
+        return groups
+
+    def _additive(self, allowed: torch.Tensor, device) -> torch.Tensor:
+        mask = torch.zeros(allowed.shape, dtype=self.dtype)
+        return mask.masked_fill_(~allowed, float("-inf")).to(device)
 
     def forward(self, layer_kv, q, k, v, meta: _TorchMeta) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
@@ -127,42 +175,82 @@ class TorchAttention(AttentionBackend):
         pool.index_copy_(0, meta.k_rows, k)
         pool.index_copy_(0, meta.v_rows, v)
         out = torch.empty_like(q)
-        for q0, q1, ctx, rows, mask in meta.prefills:
-            qs = q[q0:q1].transpose(0, 1).unsqueeze(0)
-            if rows is None:
-                ks = k[q0:q1].transpose(0, 1).unsqueeze(0)
-                vs = v[q0:q1].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
-                )
-            else:
-                ks = pool[rows].transpose(0, 1).unsqueeze(0)
-                vs = pool[rows + _block_size(layer_kv)].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True
-                )
+        for q0, q1 in meta.fresh:
+            qs, ks, vs = (t[q0:q1].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
             out[q0:q1] = o.squeeze(0).transpose(0, 1)
-        if meta.decode_q_idx is not None:
-            qd = q[meta.decode_q_idx].unsqueeze(2)  # [Bd, Hq, 1, D]
-            kd = pool[meta.decode_k_rows].transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = pool[meta.decode_k_rows + _block_size(layer_kv)].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
-            )
-            out[meta.decode_q_idx] = o.squeeze(2)
+        if meta.paged:
+            # K and V halves of the pool: [num_blocks, block_size, Hkv, D] views.
+            k_pool, v_pool = layer_kv.unbind(1)
+            self._k_buf = _reserve(self._k_buf, meta.max_group_blocks, k_pool)
+            self._v_buf = _reserve(self._v_buf, meta.max_group_blocks, v_pool)
+            for group in meta.paged:
+                ks = _gather_blocks(k_pool, group, self._k_buf)
+                vs = _gather_blocks(v_pool, group, self._v_buf)
+                self._attend_paged(q, ks, vs, group, out)
         return out
 
+    def _attend_paged(self, q, ks, vs, group: _PagedGroup, out: torch.Tensor) -> None:
+        g, q_len = group.query_index.shape
+        _, num_heads, head_dim = q.shape
+        flat_index = group.query_index.reshape(-1)
+        qs = q.index_select(0, flat_index)
+        if q_len == 1:
+            # Decode: the query heads that share a KV head become that head's
+            # query rows (one mask fits all), so each K/V row is read once per
+            # KV head rather than once per query head.
+            qs = qs.view(g, ks.shape[1], -1, head_dim)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.mask, scale=self.scale)
+            out.index_copy_(0, flat_index, o.reshape(g, num_heads, head_dim))
+            return
+        qs = qs.view(g, q_len, num_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.mask, scale=self.scale,
+                                           enable_gqa=True)
+        out.index_copy_(0, flat_index, o.transpose(1, 2).reshape(g * q_len, num_heads, head_dim))
 
-def _block_size(layer_kv: torch.Tensor) -> int:
-    return layer_kv.shape[2]
+
+def split_by_length(lengths: list[int], group_cost: int) -> list[tuple[int, int]]:
+    """Cut ascending ``lengths`` into runs ``[a, b)`` minimising the padded work
+    ``sum((b - a) * lengths[b - 1])`` plus ``group_cost`` per run.
+
+    Dynamic programming over the ends of runs of equal length only: cutting
+    between equal lengths adds a group and removes no padding.
+    """
+    n = len(lengths)
+    ends = [b for b in range(1, n + 1) if b == n or lengths[b] != lengths[b - 1]]
+    best, start = {0: 0}, {}
+    for j, b in enumerate(ends):
+        longest = lengths[b - 1]
+        best[b], start[b] = min(
+            (best[a] + (b - a) * longest + group_cost, a) for a in [0] + ends[:j]
+        )
+    runs, b = [], n
+    while b > 0:
+        runs.append((start[b], b))
+        b = start[b]
+    return runs[::-1]
 
 
-def _seq_rows(block_table: list[int], length: int, block_size: int, device) -> torch.Tensor:
-    """Flat K rows of the first `length` tokens of a sequence."""
-    nblk = (length + block_size - 1) // block_size
-    blocks = torch.tensor(block_table[:nblk], dtype=torch.long)
-    rows = (blocks[:, None] * (2 * block_size) + torch.arange(block_size)[None, :]).reshape(-1)
-    return rows[:length].to(device)
+def _reserve(buf: torch.Tensor, num_blocks: int, half: torch.Tensor) -> torch.Tensor:
+    """``buf`` if it holds ``num_blocks`` blocks of ``half``, else a larger buffer."""
+    need = num_blocks * half.shape[1] * half.shape[2] * half.shape[3]
+    if buf.numel() >= need and buf.dtype == half.dtype and buf.device == half.device:
+        return buf
+    return torch.empty(max(need, buf.numel() * 3 // 2), dtype=half.dtype, device=half.device)
+
+
+def _gather_blocks(half: torch.Tensor, group: _PagedGroup, buf: torch.Tensor) -> torch.Tensor:
+    """K (or V) of the group's blocks as [g, Hkv, num_blocks * block_size, D].
+
+    ``half`` is [num_blocks, block_size, Hkv, D]: whole blocks are copied, each a
+    contiguous run of block_size * Hkv * D values.
+    """
+    n = group.block_ids.numel()
+    _, block_size, num_kv_heads, head_dim = half.shape
+    dst = buf[: n * block_size * num_kv_heads * head_dim].view(n, block_size, num_kv_heads, head_dim)
+    torch.index_select(half, 0, group.block_ids, out=dst)
+    g = group.query_index.shape[0]
+    return dst.view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 
 class FlashInferAttention(AttentionBackend):
@@ -190,14 +278,14 @@ class FlashInferAttention(AttentionBackend):
 
     def plan(self, layout: BatchLayout, device: torch.device):
         bs = layout.block_size
-        indptr, indices, last_len = [0], [], []
-        for i in range(layout.num_seqs):
-            total = layout.context_lens[i] + layout.query_len(i)
-            nblk = (total + bs - 1) // bs
-            indices.extend(layout.block_tables[i][:nblk])
-            indptr.append(len(indices))
-            last_len.append(total - (nblk - 1) * bs)
-        as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+        total = layout.context_lens + layout.query_lens
+        nblk = -(-total // bs)
+        # Each sequence's used blocks, concatenated in order (boolean indexing is row-major).
+        used = np.arange(layout.block_tables.shape[1])[None, :] < nblk[:, None]
+        indices = layout.block_tables[used]
+        indptr = np.concatenate(([0], np.cumsum(nblk)))
+        last_len = total - (nblk - 1) * bs
+        as_i32 = lambda xs: torch.from_numpy(np.asarray(xs, dtype=np.int32)).to(device)  # noqa: E731
         self._wrapper.plan(
             as_i32(layout.query_start_loc), as_i32(indptr), as_i32(indices), as_i32(last_len),
             self.num_heads, self.num_kv_heads, self.head_dim, bs,
@@ -211,7 +299,8 @@ class FlashInferAttention(AttentionBackend):
         pool = _flat_pool(layer_kv)
         pool.index_copy_(0, k_rows, k)
         pool.index_copy_(0, v_rows, v)
-        return self._wrapper.run(q, layer_kv)
+        # q is a view into the fused qkv projection (RoPE runs in place there).
+        return self._wrapper.run(q.contiguous(), layer_kv)
 
 
 def make_backend(name: str, *, device: torch.device, scale: float, num_heads: int,
@@ -227,7 +316,7 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
             except ImportError:
                 pass
     if name == "torch":
-        return TorchAttention(scale)
+        return TorchAttention(scale, dtype)
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' needs device='cuda'; use 'torch' on CPU")

@@ -43,9 +43,21 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place, HF's ``x * cos + rotate_half(x) * sin`` rounding for rounding.
+
+    With ``x = [x1, x2]`` that is ``[x1*cos1 - x2*sin1, x2*cos2 + x1*sin2]``:
+    negation is exact and ``a + (-b) == a - b``, so the values are HF's bit for
+    bit, made with three half-size temporaries instead of five full-size ones
+    (fresh multi-MB tensors cost page faults on CPU prefill).
+    """
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    first = x1 * cos[..., :half]
+    first.sub_(x2 * sin[..., :half])
+    x1_sin = x1 * sin[..., half:]
+    x2.mul_(cos[..., half:]).add_(x1_sin)
+    x1.copy_(first)
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +70,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # In place on a fresh tensor; weight * h == h * weight bit for bit.
+        return h.to(dtype).mul_(self.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -81,17 +94,18 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         h = self.input_layernorm(x)
         qkv = self.qkv_proj(h)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        # Views into qkv. RoPE rotates q and k together, in place (same heads' layout).
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        apply_rope_(qk, cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         attn = backend.forward(layer_kv, q, k, v, meta)
-        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        # Residual adds and the MLP activation run in place on fresh matmul outputs
+        # (a + b == b + a bit for bit) to avoid a new activation-sized tensor each.
+        x = self.o_proj(attn.reshape(t, self.q_size)).add_(x)
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up)).add_(x)
 
 
 class CausalLM(nn.Module):

@@ -1,8 +1,8 @@
 """How to run a step: the model, its KV pool and the attention backend.
 
-Turns a scheduler plan into one flat, unpadded batch (token ids, positions,
-slot mapping, query offsets, context lengths), runs the model and returns the
-logits of the sequences that reached their last known token.
+Turns a scheduler plan into one flat, unpadded batch (`step_batch`), runs the
+model and returns the logits of the sequences that reached their last known
+token.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import logging
 
 import torch
 
-from .attention import BatchLayout, make_backend
+from .attention import make_backend
 from .block_manager import KVCacheManager
 from .config import ConfigError, EngineConfig, ModelConfig, dtype_name, parse_dtype
 from .model import load_model
 from .request import Request
+from .step_batch import build_step_batch
 
 log = logging.getLogger(__name__)
 
@@ -98,38 +99,10 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager,
                 layer_hook=None) -> tuple[torch.Tensor, list[Request]]:
         """Run one step; return logits for the requests that sample, and those requests."""
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        qsl = [0]
-        ctx_lens, tables, logits_idx, sampling = [], [], [], []
-        for req, n in scheduled:
-            c = req.num_computed_tokens
-            if n == 1 and req.output_token_ids and c == req.num_tokens - 1:
-                ids.append(req.output_token_ids[-1])
-            else:
-                ids.extend(req.all_token_ids[c:c + n])
-            table = kv.block_ids(req.request_id)
-            p = torch.arange(c, c + n)
-            blocks = torch.tensor(table, dtype=torch.long)[p // bs]
-            pos.append(p)
-            slots.append(blocks * bs + p % bs)
-            ctx_lens.append(c)
-            tables.append(table)
-            qsl.append(qsl[-1] + n)
-            if c + n == req.num_tokens:
-                logits_idx.append(qsl[-1] - 1)
-                sampling.append(req)
-        dev = self.device
-        layout = BatchLayout(
-            query_start_loc=qsl, context_lens=ctx_lens, block_tables=tables,
-            slot_mapping=torch.cat(slots).to(dev), block_size=bs,
-        )
-        meta = self.backend.plan(layout, dev)
+        batch = build_step_batch(scheduled, kv, self.block_size, self.device)
+        meta = self.backend.plan(batch.layout, self.device)
         logits = self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev), torch.cat(pos).to(dev),
-            self.kv_cache, self.backend, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev),
-            layer_hook=layer_hook,
+            batch.input_ids, batch.positions, self.kv_cache, self.backend, meta,
+            batch.logits_indices, layer_hook=layer_hook,
         )
-        return logits, sampling
+        return logits, batch.sampling

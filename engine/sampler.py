@@ -57,6 +57,22 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
+def first_argmax(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (first index of each row's maximum), faster on CPU.
+
+    ``argmax`` is a scalar reduction there, while ``amax`` vectorises: take the
+    maximum of each ``chunk``-wide slice, the first slice holding the row's
+    maximum, and ``argmax`` only inside that slice.
+    """
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab % chunk or vocab <= chunk:
+        return logits.argmax(dim=-1)
+    slices = logits.reshape(rows, vocab // chunk, chunk)
+    _, first = slices.amax(dim=-1).max(dim=-1)  # ties: max returns the first
+    inside = slices[torch.arange(rows, device=logits.device), first].argmax(dim=-1)
+    return first * chunk + inside
+
+
 class Sampler:
     """Samples one token per row; owns the generator for unseeded requests."""
 
@@ -82,7 +98,7 @@ class Sampler:
             for i, r in enumerate(reqs):
                 if _has_penalty(r):
                     apply_penalties(logits[i], r)
-        tokens = logits.argmax(dim=-1)
+        tokens = first_argmax(logits)
         rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand_rows:
             idx = torch.tensor(rand_rows, device=logits.device)

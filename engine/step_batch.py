@@ -1,0 +1,87 @@
+"""How a scheduler plan becomes the flat, unpadded inputs of one step.
+
+Per request the plan gives ``(request, n)``: run ``n`` new tokens whose
+positions continue the ``num_computed_tokens`` already in the pool. The
+integer bookkeeping (positions, slots, block tables) is built with numpy over
+the whole batch at once: a step runs every ~10 ms on CPU and a handful of
+small torch ops per request would cost as much as the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import BatchLayout
+from .block_manager import KVCacheManager
+from .request import Request
+
+
+@dataclass
+class StepBatch:
+    """The model inputs of one step and the requests that sample from it."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    layout: BatchLayout
+    logits_indices: torch.Tensor  # [len(sampling)] token index of each sampling request
+    sampling: list[Request]
+
+
+def new_token_ids(req: Request, start: int, n: int) -> list[int]:
+    """Token ids of positions ``[start, start + n)`` without building ``all_token_ids``."""
+    prompt = req.prompt_token_ids
+    if start + n <= len(prompt):
+        return prompt[start:start + n]
+    if start >= len(prompt):
+        out = req.output_token_ids
+        return out[start - len(prompt):start - len(prompt) + n]
+    return req.all_token_ids[start:start + n]
+
+
+def pad_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """Rows of block ids, right-padded with block 0 (attention masks out what it reads there)."""
+    width = max(map(len, tables), default=0)
+    out = np.zeros((len(tables), width), dtype=np.int64)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
+def build_step_batch(scheduled: list[tuple[Request, int]], kv: KVCacheManager,
+                     block_size: int, device: torch.device) -> StepBatch:
+    """The flat inputs of one step for the plan's ``(request, new tokens)`` pairs."""
+    num = len(scheduled)
+    new = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=num)
+    ctx = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=num)
+    qsl = np.zeros(num + 1, dtype=np.int64)
+    np.cumsum(new, out=qsl[1:])
+    ids: list[int] = []
+    tables: list[list[int]] = []
+    logits_idx: list[int] = []
+    sampling: list[Request] = []
+    for i, (req, n) in enumerate(scheduled):
+        c = req.num_computed_tokens
+        ids.extend(new_token_ids(req, c, n))
+        tables.append(kv.block_ids(req.request_id))
+        if c + n == req.num_tokens:
+            logits_idx.append(int(qsl[i + 1]) - 1)
+            sampling.append(req)
+    block_tables = pad_block_tables(tables)
+    # Token t of sequence i sits at position ctx[i] + (t - qsl[i]).
+    seq = np.repeat(np.arange(num), new)
+    pos = np.arange(qsl[-1]) - np.repeat(qsl[:-1] - ctx, new)
+    slots = block_tables[seq, pos // block_size] * block_size + pos % block_size
+    layout = BatchLayout(
+        query_start_loc=qsl, context_lens=ctx, block_tables=block_tables,
+        slot_mapping=torch.from_numpy(slots).to(device), block_size=block_size,
+    )
+    return StepBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.from_numpy(pos).to(device),
+        layout=layout,
+        logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=device),
+        sampling=sampling,
+    )
