@@ -1,0 +1,391 @@
+"""Goodput sweep: one workload, the same number of workers, three serving modes.
+
+For each mode the launcher starts a fresh cluster derived from one base
+topology (same model, same engine settings, same worker count N):
+
+- ``colocated``: N decode workers, no prefill pool; every prompt is prefilled
+  by the decode worker that received it (router ``always_local``).
+- ``always-remote``: P prefill + (N - P) decode workers, router ``always_remote``.
+- ``conditional``: the same P + (N - P), the conditional router (default:
+  ``configs/router/default.yaml``, the cost model).
+
+Each mode gets a warm-up (a short and a long prompt on each route per decode
+worker: first-call allocations, NIXL connections, the cost model's first
+measurements), then the request rates in order. Rate i uses dataset seed
+``seed + 1000 * i`` in every mode: the modes see identical requests, and no
+rate reuses prompts an earlier rate left in the prefix cache.
+
+Admission (``--admission``): ``slo`` (default) sets the policies' QoS TTFT/TPOT
+SLOs and max queue wait to the ``--goodput`` SLOs, so that the workers refuse
+exactly what the benchmark would count as missed; ``policy`` keeps the files'
+QoS; ``off`` admits everything.
+
+Writes ``sweep.json`` (config, table, every run's metrics and raw per-request
+samples), ``goodput_vs_rate.png``, ``latency_vs_rate.png``, ``ttft_cdf.png``
+and ``tpot_cdf.png``, and prints the table as Markdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import yaml
+
+from .datasets import DatasetConfig, load_dataset
+from .metrics import compute_metrics, json_safe, records_json
+from .serve import LoadConfig, model_info, run_load
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TOPOLOGY = REPO_ROOT / "configs" / "topologies" / "1p1d-local.yaml"
+MODES = ("colocated", "always-remote", "conditional")
+_MODE_POLICY = {"colocated": {"router": {"mode": "always_local"}},
+                "always-remote": {"router": {"mode": "always_remote"}}}
+WARMUP_LENGTHS = (64, 512)  # prompt tokens of the warm-up requests, per route and decode worker
+
+
+@dataclass
+class SweepConfig:
+    """A whole sweep (the CLI fills it)."""
+
+    output_dir: str
+    request_rates: list[float]
+    topology: str = str(DEFAULT_TOPOLOGY)
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    num_workers: int = 2
+    prefill_workers: int | None = None  # default: num_workers // 2
+    conditional_policy: str | None = None  # default: configs/router/default.yaml (else schema defaults)
+    # More conditional modes, each with its own policy file: mode name "conditional-<file stem>" -> file.
+    extra_policies: dict = field(default_factory=dict)
+    admission: str = "slo"  # slo | policy | off
+    slos: dict = field(default_factory=lambda: {"ttft": 500.0, "tpot": 50.0})
+    percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
+    cdf_rate: float | None = None  # default: the middle rate
+    warmup: bool = True
+    interleave: bool = False  # all modes' clusters up at once, modes taking turns per rate
+    ray_worker_niceness: int | None = 0  # None: Ray's default (15, below every other process on the host)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
+
+    def check(self) -> None:
+        unknown = [m for m in self.modes if m not in MODES and m not in self.extra_policies]
+        if unknown or not self.modes:
+            raise ValueError(f"--modes {','.join(self.modes)}: use some of {', '.join(MODES)}")
+        if not self.request_rates or any(not r > 0 for r in self.request_rates):
+            raise ValueError("--request-rates: give one or more rates > 0 (inf allowed)")
+        if len(set(self.request_rates)) != len(self.request_rates):
+            raise ValueError("--request-rates: each rate once")
+        if self.num_workers < 2:
+            raise ValueError(f"--num-workers {self.num_workers}: a disaggregated mode needs at least 2 workers")
+        p = self.prefill_count
+        if not 1 <= p < self.num_workers:
+            raise ValueError(f"--prefill-workers {p}: must be between 1 and --num-workers - 1")
+        if self.admission not in ("slo", "policy", "off"):
+            raise ValueError(f"--admission {self.admission!r}: use slo, policy or off")
+        if self.cdf_rate is not None and self.cdf_rate not in self.request_rates:
+            raise ValueError(f"--cdf-rate {self.cdf_rate:g} is not one of --request-rates")
+
+    @property
+    def prefill_count(self) -> int:
+        return self.prefill_workers if self.prefill_workers is not None else self.num_workers // 2
+
+    def roles(self, mode: str) -> tuple[int, int]:
+        """(prefill replicas, decode replicas) of a mode."""
+        if mode == "colocated":
+            return 0, self.num_workers
+        return self.prefill_count, self.num_workers - self.prefill_count
+
+
+# -- cluster per mode -----------------------------------------------------------------------
+def mode_policy(cfg: SweepConfig, mode: str) -> dict:
+    """The router policy of one mode, with the sweep's admission applied."""
+    if mode in _MODE_POLICY:
+        policy = json.loads(json.dumps(_MODE_POLICY[mode]))
+    else:
+        given = cfg.extra_policies.get(mode) or cfg.conditional_policy
+        src = Path(given) if given else REPO_ROOT / "configs" / "router" / "default.yaml"
+        if given and not src.is_file():
+            raise FileNotFoundError(f"policy file {src} (mode {mode}): no such file")
+        policy = (yaml.safe_load(src.read_text()) if src.is_file() else None) or {"router": {"mode": "conditional"}}
+    qos = policy.setdefault("qos", {})
+    if cfg.admission == "off":
+        qos["enable_early_rejection"] = False
+    elif cfg.admission == "slo" and "ttft" in cfg.slos:
+        qos["ttft_slo_ms"] = qos["max_queue_wait_ms"] = cfg.slos["ttft"]
+        if "tpot" in cfg.slos:
+            qos["tpot_slo_ms"] = cfg.slos["tpot"]
+    return policy
+
+
+def derive_topology(cfg: SweepConfig, mode: str, model_dir: str, work: Path) -> Path:
+    """Write the topology of one mode under `work` (absolute paths, free ports); returns its path."""
+    base = yaml.safe_load(Path(cfg.topology).read_text())
+    n_prefill, n_decode = cfg.roles(mode)
+    policy_file = work / f"{mode}-policy.yaml"
+    policy_file.write_text(yaml.safe_dump(mode_policy(cfg, mode), sort_keys=False))
+    topo = dict(base)
+    topo["cluster"] = f"{base.get('cluster', 'pdserve')}-bench-{mode}"
+    topo["model"] = {**base.get("model", {}), "path": str(Path(model_dir).resolve())}
+    topo["model"].pop("make", None)
+    topo["model"].pop("cache_dir", None)
+    roles = json.loads(json.dumps(base.get("roles", {})))
+    for role, count in (("prefill", n_prefill), ("decode", n_decode)):
+        spec = roles.setdefault(role, {})
+        spec["replicas"] = count
+        spec["ports"] = {name: 0 for name in spec.get("ports", {})}  # 0 = free ports: no clash with `pdserve up`
+    topo["roles"] = roles
+    topo["router_policy"] = str(policy_file)
+    topo["autoscale_policy"] = None  # fixed worker counts: the comparison is at equal N
+    topo["run_dir"] = str((work.parent / "runs").resolve())
+    etcd = dict(base.get("etcd") or {})
+    etcd.pop("data_dir", None)
+    topo["etcd"] = etcd
+    topo["queue"] = {**(base.get("queue") or {}), "name": f"{topo['cluster']}-queue"}
+    path = work / f"{mode}.yaml"
+    path.write_text(yaml.safe_dump(topo, sort_keys=False))
+    return path
+
+
+def base_model_dir(topology: str) -> str:
+    """The base topology's model directory (an `auto` model is made on first use)."""
+    from pdserve.cluster.topology import load_topology
+    from pdserve.launch import resolve_model  # the composition root owns making the `auto` model
+
+    if not Path(topology).is_file():
+        raise FileNotFoundError(f"--topology {topology}: no such file")
+    return resolve_model(load_topology(topology))
+
+
+async def _warmup(targets: list[str], vocab_size: int, timeout_s: float) -> None:
+    from pdserve.api import AsyncClient
+
+    rng = random.Random(10**6)
+    for target in targets:
+        async with AsyncClient(target, timeout_s=timeout_s) as c:
+            for route in ("local", "remote"):
+                for n in WARMUP_LENGTHS:
+                    prompt = [rng.randrange(3, vocab_size) for _ in range(n)]
+                    await c.generate(prompt, max_tokens=4, temperature=0.0, ignore_eos=True, route=route)
+
+
+@dataclass
+class ModeCluster:
+    """One mode's running cluster, as the sweep drives it."""
+
+    mode: str
+    launcher: object
+    state: object
+    topology: object
+    targets: list[str]
+    vocab_size: int
+
+
+def start_mode(cfg: SweepConfig, mode: str, model_dir: str, work: Path, log) -> ModeCluster:
+    """Derive the mode's topology, start it with the launcher, warm it up."""
+    import ray
+
+    from pdserve.cluster.launcher import Launcher, state_path
+    from pdserve.cluster.topology import load_topology
+
+    path = derive_topology(cfg, mode, model_dir, work)
+    topo = load_topology(path)
+    if state_path(topo).exists():
+        raise RuntimeError(f"{state_path(topo)} exists: a cluster of an earlier sweep may still run; "
+                           f"stop it with `pdserve down --topology {path}`")
+    launcher = Launcher(topo, str(path), model_dir, progress=lambda line: log(f"  [{mode}] {line}"))
+    t0 = time.monotonic()
+    state = launcher.up()
+    # The driver needs Ray only to start and stop the workers (`down` reconnects); letting go
+    # here lets several modes' clusters (each with its own Ray head) be up at once.
+    ray.shutdown()
+    cluster = ModeCluster(mode, launcher, state, topo, [e["grpc"] for e in state.decode_endpoints], 32000)
+    try:
+        cluster.vocab_size = int(model_info(cluster.targets[0]).get("vocab_size") or 32000)
+        if cfg.warmup:
+            asyncio.run(_warmup(cluster.targets, cluster.vocab_size, cfg.load.request_timeout_s))
+    except BaseException:
+        stop_mode(cluster)
+        raise
+    log(f"  [{mode}] up in {time.monotonic() - t0:.1f} s: {len(cluster.targets)} decode, "
+        f"{topo.roles.prefill.replicas} prefill")
+    return cluster
+
+
+def stop_mode(cluster: ModeCluster) -> None:
+    from pdserve.cluster.launcher import state_path
+
+    cluster.launcher.down(cluster.state)
+    state_path(cluster.topology).unlink(missing_ok=True)
+
+
+def run_rate(cfg: SweepConfig, cluster: ModeCluster, i: int, model_dir: str, log) -> dict:
+    """Run rate number i on one mode's cluster; returns the run's metrics with its raw samples."""
+    rate = cfg.request_rates[i]
+    reqs = load_dataset(replace(cfg.dataset, seed=cfg.dataset.seed + 1000 * i), cluster.vocab_size, model_dir)
+    load = replace(cfg.load, request_rate=rate, seed=cfg.load.seed + i)
+    load_before = os.getloadavg()
+    started = time.time()
+    records, duration = asyncio.run(run_load(cluster.targets, reqs, load, label=f"{cluster.mode} @ {rate:g}/s "))
+    m = compute_metrics(records, duration, slos=cfg.slos, percentiles=cfg.percentiles, num_workers=cfg.num_workers)
+    m.update(mode=cluster.mode, request_rate=rate, burstiness=load.burstiness, max_concurrency=load.max_concurrency,
+             num_workers=cfg.num_workers, prefill_workers=cluster.topology.roles.prefill.replicas,
+             decode_workers=len(cluster.targets), started_at=started, load_avg_before=list(load_before),
+             load_avg_after=list(os.getloadavg()), requests=records_json(records))
+    log(f"  [{cluster.mode}] rate {rate:g}/s: {m['completed']}/{m['num_prompts']} completed, "
+        f"goodput {_fmt(m['request_goodput'])} req/s, mean TTFT {_fmt(m['mean_ttft_ms'], 0)} ms, "
+        f"mean TPOT {_fmt(m['mean_tpot_ms'], 1)} ms, remote {_pct(m['route_mix']['remote_fraction'])}, "
+        f"load {os.getloadavg()[0]:.1f}")
+    return m
+
+
+# -- the sweep --------------------------------------------------------------------------
+def run_sweep(cfg: SweepConfig, log=lambda line: print(line, file=sys.stderr, flush=True)) -> dict:
+    """Run every mode over every rate; writes and returns the sweep document.
+
+    Sequential (default): one mode's cluster at a time, all its rates, then the
+    next mode. Interleaved: every mode's cluster up at once, and for each rate
+    the modes take turns (the order rotating per rate), so that a burst of
+    foreign load on a shared host falls on all modes rather than on one.
+    """
+    from .plots import write_plots
+
+    cfg.check()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("UCX_MODULES", "^ib")
+    if cfg.ray_worker_niceness is not None:
+        # Read by the raylet of the Ray head the launcher starts. Ray's default of 15 lets any
+        # other process on the host preempt the workers, which turns a shared box's load into noise.
+        os.environ["RAY_worker_niceness"] = str(cfg.ray_worker_niceness)
+    out_dir = Path(cfg.output_dir).resolve()  # the derived topologies name files by absolute path
+    work = out_dir / "topologies"
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = base_model_dir(cfg.topology)
+    doc = {
+        "config": _config_json(cfg, model_dir),
+        "environment": {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                        "load_avg_start": list(os.getloadavg()), "started_at": time.time()},
+        "results": {mode: {} for mode in cfg.modes},
+    }
+    t0 = time.monotonic()
+    rates = range(len(cfg.request_rates))
+    if cfg.interleave:
+        clusters: dict[str, ModeCluster] = {}
+        try:
+            for mode in cfg.modes:
+                log(f"mode {mode}: {cfg.roles(mode)[0]} prefill + {cfg.roles(mode)[1]} decode workers")
+                clusters[mode] = start_mode(cfg, mode, model_dir, work, log)
+            for i in rates:
+                for mode in cfg.modes[i % len(cfg.modes):] + cfg.modes[: i % len(cfg.modes)]:
+                    doc["results"][mode][_rate_key(cfg.request_rates[i])] = run_rate(cfg, clusters[mode], i, model_dir, log)
+                _save(out_dir, doc)  # keep what finished if a later run fails
+        finally:
+            for cluster in clusters.values():
+                stop_mode(cluster)
+    else:
+        for mode in cfg.modes:
+            log(f"mode {mode}: {cfg.roles(mode)[0]} prefill + {cfg.roles(mode)[1]} decode workers")
+            cluster = start_mode(cfg, mode, model_dir, work, log)
+            try:
+                for i in rates:
+                    doc["results"][mode][_rate_key(cfg.request_rates[i])] = run_rate(cfg, cluster, i, model_dir, log)
+            finally:
+                stop_mode(cluster)
+            _save(out_dir, doc)
+    doc["environment"].update(load_avg_end=list(os.getloadavg()), wall_s=time.monotonic() - t0)
+    doc["results"] = {mode: dict(sorted(runs.items(), key=lambda kv: float(kv[0])))
+                      for mode, runs in doc["results"].items()}
+    doc["table"] = sweep_table(doc["results"])
+    cdf_rate = cfg.cdf_rate if cfg.cdf_rate is not None else cfg.request_rates[len(cfg.request_rates) // 2]
+    doc["plots"] = write_plots(doc, out_dir, cdf_rate)
+    _save(out_dir, doc)
+    return doc
+
+
+def sweep_table(results: dict) -> list[dict]:
+    """One row per (mode, rate): the figures the study compares."""
+    rows = []
+    for mode, runs in results.items():
+        for m in runs.values():
+            mix = m["route_mix"]
+            rows.append({
+                "mode": mode, "request_rate": m["request_rate"], "num_prompts": m["num_prompts"],
+                "completed": m["completed"], "failed": m["failed"],
+                "request_throughput": m["request_throughput"], "request_goodput": m["request_goodput"],
+                "request_goodput_per_worker": m["request_goodput_per_worker"],
+                "slo_attainment": m["slo_attainment"], "output_throughput": m["output_throughput"],
+                **{k: m.get(k) for k in ("mean_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+                                         "mean_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")},
+                "remote_fraction": mix["remote_fraction"], "fell_back_to_local": mix["fell_back_to_local"],
+                "load_avg_1m": m["load_avg_after"][0],
+            })
+    return rows
+
+
+def markdown_table(doc: dict) -> str:
+    """The sweep table, then TTFT/TPOT per request kind, as Markdown."""
+    lines = ["| mode | rate (req/s) | done/sent | throughput (req/s) | goodput (req/s) | goodput/worker | "
+             "SLO met | TTFT mean / p90 / p99 (ms) | TPOT mean / p90 / p99 (ms) | remote | load 1m |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["table"]:
+        lines.append(
+            f"| {r['mode']} | {r['request_rate']:g} | {r['completed']}/{r['num_prompts']} | "
+            f"{r['request_throughput']:.2f} | {_fmt(r['request_goodput'])} | {_fmt(r['request_goodput_per_worker'])} | "
+            f"{_pct(r['slo_attainment'])} | {_fmt(r['mean_ttft_ms'], 0)} / {_fmt(r['p90_ttft_ms'], 0)} / "
+            f"{_fmt(r['p99_ttft_ms'], 0)} | {_fmt(r['mean_tpot_ms'], 1)} / {_fmt(r['p90_tpot_ms'], 1)} / "
+            f"{_fmt(r['p99_tpot_ms'], 1)} | {_pct(r['remote_fraction'])} | {r['load_avg_1m']:.1f} |")
+    lines += ["", "| mode | rate | kind | done/sent | SLO met | TTFT median / p90 (ms) | TPOT median / p90 (ms) | routes |",
+              "|---|---|---|---|---|---|---|---|"]
+    for mode, runs in doc["results"].items():
+        for m in runs.values():
+            for kind, k in m["by_kind"].items():
+                routes = ", ".join(f"{a} {b}" for a, b in sorted(k["routes"].items())) or "-"
+                lines.append(
+                    f"| {mode} | {m['request_rate']:g} | {kind} | {k['completed']}/{k['num_requests']} | "
+                    f"{_fmt(k['good'], 0)} | {_fmt(k['median_ttft_ms'], 0)} / {_fmt(k['p90_ttft_ms'], 0)} | "
+                    f"{_fmt(k['median_tpot_ms'], 1)} / {_fmt(k['p90_tpot_ms'], 1)} | {routes} |")
+    lines += ["", "| mode | rate | remote: queue wait / prefill / transfer (mean ms) | KV MB/request | "
+              "local: queue wait / prefill (mean ms) | fell back |", "|---|---|---|---|---|---|"]
+    for mode, runs in doc["results"].items():
+        for m in runs.values():
+            rem, loc = m["handoff"]["remote"], m["handoff"]["local"]
+            mb = rem["mean_transfer_bytes"] / 1e6 if rem["mean_transfer_bytes"] is not None else None
+            lines.append(
+                f"| {mode} | {m['request_rate']:g} | {_fmt(rem['mean_queue_wait_ms'], 0)} / "
+                f"{_fmt(rem['mean_prefill_ms'], 0)} / {_fmt(rem['mean_transfer_ms'], 1)} | {_fmt(mb)} | "
+                f"{_fmt(loc['mean_queue_wait_ms'], 0)} / {_fmt(loc['mean_prefill_ms'], 0)} | "
+                f"{m['route_mix']['fell_back_to_local']} |")
+    return "\n".join(lines)
+
+
+def _rate_key(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _fmt(v, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def _config_json(cfg: SweepConfig, model_dir: str) -> dict:
+    d = asdict(cfg)
+    d["model_dir"] = model_dir
+    d["roles"] = {m: dict(zip(("prefill", "decode"), cfg.roles(m))) for m in cfg.modes}
+    d["load"]["request_rate"] = None  # per run, see request_rates
+    return json_safe(d)
+
+
+def _save(out_dir: Path, doc: dict) -> None:
+    tmp = out_dir / "sweep.json.tmp"
+    tmp.write_text(json.dumps(json_safe(doc), indent=1))
+    tmp.replace(out_dir / "sweep.json")
