@@ -103,7 +103,11 @@ class Frontend:
         self.draining = False
         self.inflight: set[str] = set()
         self._via_remote: set[str] = set()
-        self.pending_prefill_tokens = 0  # admitted, first token not yet produced
+        self.pending_prefill_tokens = 0  # admitted locally, first token not yet produced
+        # Sent remote by this worker, first token not yet back: queue stats are
+        # polled, so a burst would otherwise see an empty queue for every request.
+        self.pending_remote_tokens = 0
+        self.pending_remote_requests = 0
         self.num_prefilling = 0
         self.num_decoding = 0
 
@@ -134,8 +138,8 @@ class Frontend:
         eng = self.engine.engine
         return ClusterSnapshot(
             costs=self.policy.costs.snapshot(),
-            prefill_queue_depth=self.cluster["prefill_queue_depth"],
-            prefill_queue_tokens=self.cluster["prefill_queue_tokens"],
+            prefill_queue_depth=max(self.cluster["prefill_queue_depth"], self.pending_remote_requests),
+            prefill_queue_tokens=max(self.cluster["prefill_queue_tokens"], self.pending_remote_tokens),
             prefill_pool_size=self.cluster["prefill_pool_size"] if self.remote and self.remote.available() else 0,
             decode_active_requests=self.num_decoding,
             decode_waiting_requests=self.num_prefilling,
@@ -192,7 +196,6 @@ class Frontend:
         rid = prep.request_id
         eff = len(prep.prompt_ids) - prep.cached_len
         self.inflight.add(rid)
-        self.pending_prefill_tokens += eff
         self.num_prefilling += 1
         state = {"first": False, "finished": False}
         extra: dict = {}
@@ -200,6 +203,10 @@ class Frontend:
                                  and self.remote.available()) else None
         if remote is not None:
             self._via_remote.add(rid)
+            self.pending_remote_tokens += eff
+            self.pending_remote_requests += 1
+        else:
+            self.pending_prefill_tokens += eff
         try:
             source = remote.stream(prep) if remote is not None else self._local(prep)
             last_t = None
@@ -210,7 +217,8 @@ class Frontend:
                 now = time.monotonic()
                 if item.new_token_ids and not state["first"]:
                     state["first"] = True
-                    self._first_token(eff)
+                    self._prefill_done(eff, remote is not None)
+                    self.num_decoding += 1
                     self.metrics.ttft.observe(now - prep.arrival)
                 elif item.new_token_ids and last_t is not None:
                     self.metrics.itl.observe(now - last_t)
@@ -228,8 +236,7 @@ class Frontend:
             self.inflight.discard(rid)
             self._via_remote.discard(rid)
             if not state["first"]:
-                self.pending_prefill_tokens -= eff
-                self.num_prefilling -= 1
+                self._prefill_done(eff, remote is not None)
             else:
                 self.num_decoding -= 1
             if not state["finished"]:  # client went away or error: free its blocks
@@ -257,10 +264,14 @@ class Frontend:
             if isinstance(item, BaseException) or item.finished:
                 return
 
-    def _first_token(self, eff: int) -> None:
-        self.pending_prefill_tokens -= eff
+    def _prefill_done(self, eff: int, was_remote: bool) -> None:
+        """The request's prefill is over (first token, or it ended before one)."""
+        if was_remote:
+            self.pending_remote_tokens -= eff
+            self.pending_remote_requests -= 1
+        else:
+            self.pending_prefill_tokens -= eff
         self.num_prefilling -= 1
-        self.num_decoding += 1
 
     def _finish(self, prep: Prepared, final: FinalInfo | None, extra: dict, now: float) -> dict:
         d = prep.decision
