@@ -221,8 +221,10 @@ def test_prefill_worker_killed_mid_flight_all_requests_complete_locally(cluster,
 
     async def go():
         async with AsyncClient(d.grpc) as c:
+            # High priority: this test is about fault tolerance, not QoS admission.
             tasks = [asyncio.create_task(c.generate(pr, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                                    route="remote", timeout_s=180)) for pr in prompts]
+                                                    route="remote", priority="high", timeout_s=180))
+                     for pr in prompts]
             # Kill the prefill worker once it holds work (or has just finished some).
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and not d.worker.engine.scheduler.remote:
