@@ -83,6 +83,11 @@ def register(subparsers) -> None:
     s.add_argument("--interleave", action="store_true",
                    help="start every mode's cluster at once and let the modes take turns at each rate, so that "
                         "foreign load on a shared host hits all modes alike (needs memory for all clusters)")
+    s.add_argument("--wait-load-below", type=float, default=None, metavar="LOAD",
+                   help="before each run, wait until the host's 1-minute load average is under LOAD (a shared "
+                        "host's other jobs then fall between runs rather than in them); default: do not wait")
+    s.add_argument("--wait-load-timeout-s", type=float, default=600.0,
+                   help="longest wait for --wait-load-below before running anyway")
     s.add_argument("--ray-worker-niceness", type=int, default=0,
                    help="nice value of the workers when the sweep starts the Ray head (Ray's own default, 15, "
                         "lets any other process on the host preempt them)")
@@ -250,7 +255,8 @@ def _serve(args) -> int:
 
 
 def _sweep(args) -> int:
-    from .sweep import DEFAULT_TOPOLOGY, SweepConfig, markdown_table, run_sweep
+    from .report import markdown_table
+    from .sweep import DEFAULT_TOPOLOGY, SweepConfig, run_sweep
 
     extra = {f"conditional-{Path(f).stem}": f for f in args.extra_conditional_policy}
     cfg = SweepConfig(
@@ -261,6 +267,7 @@ def _sweep(args) -> int:
         prefill_workers=args.prefill_workers, conditional_policy=args.conditional_policy,
         admission=args.admission, slos=parse_goodput(args.goodput), percentiles=_percentiles(args.metric_percentiles),
         cdf_rate=args.cdf_rate, warmup=args.warmup, interleave=args.interleave,
+        wait_load_below=args.wait_load_below, wait_load_timeout_s=args.wait_load_timeout_s,
         ray_worker_niceness=args.ray_worker_niceness, dataset=dataset_config(args), load=load_config(args))
     if cfg.dataset.name == "sharegpt" and not cfg.dataset.path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path FILE")

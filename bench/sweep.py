@@ -42,6 +42,7 @@ import yaml
 
 from .datasets import DatasetConfig, load_dataset
 from .metrics import compute_metrics, json_safe, records_json
+from .report import fmt, pct, sweep_table
 from .serve import LoadConfig, model_info, run_load
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +72,8 @@ class SweepConfig:
     cdf_rate: float | None = None  # default: the middle rate
     warmup: bool = True
     interleave: bool = False  # all modes' clusters up at once, modes taking turns per rate
+    wait_load_below: float | None = None  # hold each run until the 1-min load average is under this
+    wait_load_timeout_s: float = 600.0
     ray_worker_niceness: int | None = 0  # None: Ray's default (15, below every other process on the host)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -226,23 +229,58 @@ def stop_mode(cluster: ModeCluster) -> None:
     state_path(cluster.topology).unlink(missing_ok=True)
 
 
+def wait_for_quiet(cfg: SweepConfig, log) -> None:
+    """Hold the next run until the 1-minute load average is under `wait_load_below` (or the timeout)."""
+    if cfg.wait_load_below is None:
+        return
+    deadline = time.monotonic() + cfg.wait_load_timeout_s
+    if os.getloadavg()[0] >= cfg.wait_load_below:
+        log(f"  waiting for the 1-minute load average ({os.getloadavg()[0]:.1f}) to fall under "
+            f"{cfg.wait_load_below:g} (at most {cfg.wait_load_timeout_s:g} s)")
+    while os.getloadavg()[0] >= cfg.wait_load_below:
+        if time.monotonic() > deadline:
+            log(f"  load average still {os.getloadavg()[0]:.1f}: running anyway (recorded with the run)")
+            return
+        time.sleep(5)
+
+
+async def _load_with_load_samples(targets, reqs, load, label, period_s: float = 2.0):
+    """run_load, sampling the host's 1-minute load average while it runs."""
+    samples: list[float] = []
+
+    async def sample():
+        while True:
+            samples.append(os.getloadavg()[0])
+            await asyncio.sleep(period_s)
+
+    task = asyncio.create_task(sample())
+    try:
+        records, duration = await run_load(targets, reqs, load, label=label)
+    finally:
+        task.cancel()
+    return records, duration, samples
+
+
 def run_rate(cfg: SweepConfig, cluster: ModeCluster, i: int, model_dir: str, log) -> dict:
     """Run rate number i on one mode's cluster; returns the run's metrics with its raw samples."""
     rate = cfg.request_rates[i]
     reqs = load_dataset(replace(cfg.dataset, seed=cfg.dataset.seed + 1000 * i), cluster.vocab_size, model_dir)
     load = replace(cfg.load, request_rate=rate, seed=cfg.load.seed + i)
+    wait_for_quiet(cfg, log)
     load_before = os.getloadavg()
     started = time.time()
-    records, duration = asyncio.run(run_load(cluster.targets, reqs, load, label=f"{cluster.mode} @ {rate:g}/s "))
+    records, duration, load_samples = asyncio.run(
+        _load_with_load_samples(cluster.targets, reqs, load, f"{cluster.mode} @ {rate:g}/s "))
     m = compute_metrics(records, duration, slos=cfg.slos, percentiles=cfg.percentiles, num_workers=cfg.num_workers)
     m.update(mode=cluster.mode, request_rate=rate, burstiness=load.burstiness, max_concurrency=load.max_concurrency,
              num_workers=cfg.num_workers, prefill_workers=cluster.topology.roles.prefill.replicas,
              decode_workers=len(cluster.targets), started_at=started, load_avg_before=list(load_before),
-             load_avg_after=list(os.getloadavg()), requests=records_json(records))
+             load_avg_after=list(os.getloadavg()), load_avg_1m_max=max(load_samples, default=None),
+             requests=records_json(records))
     log(f"  [{cluster.mode}] rate {rate:g}/s: {m['completed']}/{m['num_prompts']} completed, "
-        f"goodput {_fmt(m['request_goodput'])} req/s, mean TTFT {_fmt(m['mean_ttft_ms'], 0)} ms, "
-        f"mean TPOT {_fmt(m['mean_tpot_ms'], 1)} ms, remote {_pct(m['route_mix']['remote_fraction'])}, "
-        f"load {os.getloadavg()[0]:.1f}")
+        f"goodput {fmt(m['request_goodput'])} req/s, mean TTFT {fmt(m['mean_ttft_ms'], 0)} ms, "
+        f"mean TPOT {fmt(m['mean_tpot_ms'], 1)} ms, remote {pct(m['route_mix']['remote_fraction'])}, "
+        f"load {load_before[0]:.1f} -> max {fmt(m['load_avg_1m_max'], 1)}")
     return m
 
 
@@ -309,72 +347,8 @@ def run_sweep(cfg: SweepConfig, log=lambda line: print(line, file=sys.stderr, fl
     return doc
 
 
-def sweep_table(results: dict) -> list[dict]:
-    """One row per (mode, rate): the figures the study compares."""
-    rows = []
-    for mode, runs in results.items():
-        for m in runs.values():
-            mix = m["route_mix"]
-            rows.append({
-                "mode": mode, "request_rate": m["request_rate"], "num_prompts": m["num_prompts"],
-                "completed": m["completed"], "failed": m["failed"],
-                "request_throughput": m["request_throughput"], "request_goodput": m["request_goodput"],
-                "request_goodput_per_worker": m["request_goodput_per_worker"],
-                "slo_attainment": m["slo_attainment"], "output_throughput": m["output_throughput"],
-                **{k: m.get(k) for k in ("mean_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
-                                         "mean_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")},
-                "remote_fraction": mix["remote_fraction"], "fell_back_to_local": mix["fell_back_to_local"],
-                "load_avg_1m": m["load_avg_after"][0],
-            })
-    return rows
-
-
-def markdown_table(doc: dict) -> str:
-    """The sweep table, then TTFT/TPOT per request kind, as Markdown."""
-    lines = ["| mode | rate (req/s) | done/sent | throughput (req/s) | goodput (req/s) | goodput/worker | "
-             "SLO met | TTFT mean / p90 / p99 (ms) | TPOT mean / p90 / p99 (ms) | remote | load 1m |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in doc["table"]:
-        lines.append(
-            f"| {r['mode']} | {r['request_rate']:g} | {r['completed']}/{r['num_prompts']} | "
-            f"{r['request_throughput']:.2f} | {_fmt(r['request_goodput'])} | {_fmt(r['request_goodput_per_worker'])} | "
-            f"{_pct(r['slo_attainment'])} | {_fmt(r['mean_ttft_ms'], 0)} / {_fmt(r['p90_ttft_ms'], 0)} / "
-            f"{_fmt(r['p99_ttft_ms'], 0)} | {_fmt(r['mean_tpot_ms'], 1)} / {_fmt(r['p90_tpot_ms'], 1)} / "
-            f"{_fmt(r['p99_tpot_ms'], 1)} | {_pct(r['remote_fraction'])} | {r['load_avg_1m']:.1f} |")
-    lines += ["", "| mode | rate | kind | done/sent | SLO met | TTFT median / p90 (ms) | TPOT median / p90 (ms) | routes |",
-              "|---|---|---|---|---|---|---|---|"]
-    for mode, runs in doc["results"].items():
-        for m in runs.values():
-            for kind, k in m["by_kind"].items():
-                routes = ", ".join(f"{a} {b}" for a, b in sorted(k["routes"].items())) or "-"
-                lines.append(
-                    f"| {mode} | {m['request_rate']:g} | {kind} | {k['completed']}/{k['num_requests']} | "
-                    f"{_fmt(k['good'], 0)} | {_fmt(k['median_ttft_ms'], 0)} / {_fmt(k['p90_ttft_ms'], 0)} | "
-                    f"{_fmt(k['median_tpot_ms'], 1)} / {_fmt(k['p90_tpot_ms'], 1)} | {routes} |")
-    lines += ["", "| mode | rate | remote: queue wait / prefill / transfer (mean ms) | KV MB/request | "
-              "local: queue wait / prefill (mean ms) | fell back |", "|---|---|---|---|---|---|"]
-    for mode, runs in doc["results"].items():
-        for m in runs.values():
-            rem, loc = m["handoff"]["remote"], m["handoff"]["local"]
-            mb = rem["mean_transfer_bytes"] / 1e6 if rem["mean_transfer_bytes"] is not None else None
-            lines.append(
-                f"| {mode} | {m['request_rate']:g} | {_fmt(rem['mean_queue_wait_ms'], 0)} / "
-                f"{_fmt(rem['mean_prefill_ms'], 0)} / {_fmt(rem['mean_transfer_ms'], 1)} | {_fmt(mb)} | "
-                f"{_fmt(loc['mean_queue_wait_ms'], 0)} / {_fmt(loc['mean_prefill_ms'], 0)} | "
-                f"{m['route_mix']['fell_back_to_local']} |")
-    return "\n".join(lines)
-
-
 def _rate_key(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
-
-
-def _fmt(v, digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def _pct(v) -> str:
-    return "-" if v is None else f"{100 * v:.0f}%"
 
 
 def _config_json(cfg: SweepConfig, model_dir: str) -> dict:

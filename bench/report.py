@@ -1,0 +1,70 @@
+"""The sweep's tables: one row per mode and rate, and the Markdown the command prints."""
+
+from __future__ import annotations
+
+
+def sweep_table(results: dict) -> list[dict]:
+    """One row per (mode, rate): the figures the study compares."""
+    rows = []
+    for mode, runs in results.items():
+        for m in runs.values():
+            mix = m["route_mix"]
+            rows.append({
+                "mode": mode, "request_rate": m["request_rate"], "num_prompts": m["num_prompts"],
+                "completed": m["completed"], "failed": m["failed"],
+                "request_throughput": m["request_throughput"], "request_goodput": m["request_goodput"],
+                "request_goodput_per_worker": m["request_goodput_per_worker"],
+                "slo_attainment": m["slo_attainment"], "output_throughput": m["output_throughput"],
+                **{k: m.get(k) for k in ("mean_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+                                         "mean_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")},
+                "remote_fraction": mix["remote_fraction"], "fell_back_to_local": mix["fell_back_to_local"],
+                "load_avg_1m_before": m["load_avg_before"][0], "load_avg_1m_max": m.get("load_avg_1m_max"),
+            })
+    return rows
+
+
+def markdown_table(doc: dict) -> str:
+    """The sweep table, then TTFT/TPOT per request kind, as Markdown."""
+    lines = ["| mode | rate (req/s) | done/sent | throughput (req/s) | goodput (req/s) | goodput/worker | "
+             "SLO met | TTFT mean / p90 / p99 (ms) | TPOT mean / p90 / p99 (ms) | remote | load 1m start / max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["table"]:
+        lines.append(
+            f"| {r['mode']} | {r['request_rate']:g} | {r['completed']}/{r['num_prompts']} | "
+            f"{r['request_throughput']:.2f} | {fmt(r['request_goodput'])} | {fmt(r['request_goodput_per_worker'])} | "
+            f"{pct(r['slo_attainment'])} | {fmt(r['mean_ttft_ms'], 0)} / {fmt(r['p90_ttft_ms'], 0)} / "
+            f"{fmt(r['p99_ttft_ms'], 0)} | {fmt(r['mean_tpot_ms'], 1)} / {fmt(r['p90_tpot_ms'], 1)} / "
+            f"{fmt(r['p99_tpot_ms'], 1)} | {pct(r['remote_fraction'])} | {r['load_avg_1m_before']:.1f} / "
+            f"{fmt(r['load_avg_1m_max'], 1)} |")
+    lines += ["", "| mode | rate | kind | done/sent | SLO met | TTFT median / p90 (ms) | TPOT median / p90 (ms) | routes |",
+              "|---|---|---|---|---|---|---|---|"]
+    for mode, runs in doc["results"].items():
+        for m in runs.values():
+            for kind, k in m["by_kind"].items():
+                routes = ", ".join(f"{a} {b}" for a, b in sorted(k["routes"].items())) or "-"
+                lines.append(
+                    f"| {mode} | {m['request_rate']:g} | {kind} | {k['completed']}/{k['num_requests']} | "
+                    f"{fmt(k['good'], 0)} | {fmt(k['median_ttft_ms'], 0)} / {fmt(k['p90_ttft_ms'], 0)} | "
+                    f"{fmt(k['median_tpot_ms'], 1)} / {fmt(k['p90_tpot_ms'], 1)} | {routes} |")
+    lines += ["", "| mode | rate | remote: queue wait / prefill / transfer (mean ms) | KV MB/request | "
+              "local: queue wait / prefill (mean ms) | fell back | ITL p99 / max (ms) |",
+              "|---|---|---|---|---|---|---|"]
+    for mode, runs in doc["results"].items():
+        for m in runs.values():
+            rem, loc = m["handoff"]["remote"], m["handoff"]["local"]
+            mb = rem["mean_transfer_bytes"] / 1e6 if rem["mean_transfer_bytes"] is not None else None
+            lines.append(
+                f"| {mode} | {m['request_rate']:g} | {fmt(rem['mean_queue_wait_ms'], 0)} / "
+                f"{fmt(rem['mean_prefill_ms'], 0)} / {fmt(rem['mean_transfer_ms'], 1)} | {fmt(mb)} | "
+                f"{fmt(loc['mean_queue_wait_ms'], 0)} / {fmt(loc['mean_prefill_ms'], 0)} | "
+                f"{m['route_mix']['fell_back_to_local']} | {fmt(m.get('p99_itl_ms'), 0)} / "
+                f"{fmt(max((x for r in m['requests'] for x in r['itl_ms']), default=None), 0)} |")
+    return "\n".join(lines)
+
+
+def fmt(v, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
