@@ -104,6 +104,22 @@ def register(subparsers) -> None:
 
 
 # -- shared flags ----------------------------------------------------------------------------
+    report = sub.add_parser(
+        "report", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="print a finished sweep's summary and tables again (optionally redraw its plots)",
+        description="Read a sweep.json written by `pdserve bench sweep` and print, as Markdown, each mode's "
+                    "peak goodput and the highest rate it sustained with the given SLO attainment, the ratios "
+                    "between modes, and the sweep tables. Nothing is re-run.")
+    report.add_argument("sweep_json", metavar="SWEEP_JSON", help="the sweep.json of a finished sweep")
+    report.add_argument("--attainment", type=float, default=0.9,
+                        help="SLO attainment (good / sent, 0-1) a rate must reach to count as sustained")
+    report.add_argument("--plots", action="store_true",
+                        help="also redraw the PNG plots next to SWEEP_JSON")
+    report.add_argument("--cdf-rate", type=_rate, default=None,
+                        help="rate of the TTFT/TPOT CDF plots (default: the sweep's)")
+    report.set_defaults(func=_report)
+
+
 def _dataset_args(p, default_name: str, default_num_prompts: int = 100) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset-name", choices=DATASET_NAMES, default=default_name,
@@ -277,6 +293,32 @@ def _sweep(args) -> int:
     for name, path in doc["plots"].items():
         if name != "cdf_rate":
             print(f"plot:    {path}")
+    return 0
+
+
+def _report(args) -> int:
+    from .plots import write_plots
+    from .report import markdown_table, sweep_summary, sweep_table
+
+    path = Path(args.sweep_json)
+    if not path.is_file():
+        raise FileNotFoundError(f"SWEEP_JSON {path}: no such file")
+    if not 0.0 < args.attainment <= 1.0:
+        raise ValueError(f"--attainment {args.attainment:g}: use a fraction in (0, 1]")
+    doc = json.loads(path.read_text())
+    if not isinstance(doc, dict) or "results" not in doc:
+        raise ValueError(f"SWEEP_JSON {path}: not a sweep.json (no 'results')")
+    doc["table"] = sweep_table(doc["results"])
+    doc["summary"] = sweep_summary(doc["results"], args.attainment)
+    print(markdown_table(doc))
+    if args.plots:
+        cdf_rate = args.cdf_rate if args.cdf_rate is not None else (doc.get("plots") or {}).get("cdf_rate")
+        if cdf_rate is None:
+            rates = doc["config"]["request_rates"]
+            cdf_rate = rates[len(rates) // 2]
+        for name, plot in write_plots(doc, path.parent, cdf_rate).items():
+            if name != "cdf_rate":
+                print(f"plot:    {plot}")
     return 0
 
 

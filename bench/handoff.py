@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         # worker the threads the in-process decode worker has, for a fair comparison.
         threads = {"env_vars": {"OMP_NUM_THREADS": str(torch.get_num_threads())}}
         prefill = ray.remote(PrefillWorker).options(num_cpus=0, runtime_env=threads).remote(
-            dict(common, worker_id="prefill-0", layerwise=not args.no_layerwise, batch_max_wait_ms=50))
+            dict(common, worker_id="prefill-0", layerwise=not args.no_layerwise))
         ray.get(prefill.start.remote(), timeout=300)
         decode = DecodeWorker(DecodeWorkerConfig(**common, worker_id="decode-0", remote_prefill=True))
         loop.run(decode.start())

@@ -1,6 +1,9 @@
-"""The sweep's tables: one row per mode and rate, and the Markdown the command prints."""
+"""The sweep's tables: one row per mode and rate, the per-mode summary, and the Markdown the command prints."""
 
 from __future__ import annotations
+
+BASELINES = ("colocated", "always-remote")
+DEFAULT_ATTAINMENT = 0.9  # DistServe's "rate sustained within SLO" uses 90 % attainment
 
 
 def sweep_table(results: dict) -> list[dict]:
@@ -23,9 +26,63 @@ def sweep_table(results: dict) -> list[dict]:
     return rows
 
 
+def sweep_summary(results: dict, attainment: float = DEFAULT_ATTAINMENT) -> dict:
+    """Each mode's goodput in the two forms the study compares, and the ratios to the others.
+
+    - ``peak_goodput``: the highest request goodput (good requests / s) any rate reached;
+    - ``max_rate_at_attainment``: the highest offered rate whose SLO attainment
+      (good / sent) is at least ``attainment``, where every lower rate also made
+      it (DistServe's "rate within SLO"); None if even the lowest rate missed.
+
+    ``ratios[a][b]`` = a's figure / b's (None where b's is 0 or missing).
+    """
+    modes = {}
+    for mode, runs in results.items():
+        ordered = sorted(runs.values(), key=lambda m: m["request_rate"])
+        goodputs = [m["request_goodput"] for m in ordered if m.get("request_goodput") is not None]
+        sustained = None
+        for m in ordered:
+            if m.get("slo_attainment") is None or m["slo_attainment"] < attainment:
+                break
+            sustained = m["request_rate"]
+        peak = max(goodputs, default=None)
+        at = next((m["request_rate"] for m in ordered if m.get("request_goodput") == peak), None)
+        modes[mode] = {"peak_goodput": peak, "peak_goodput_rate": at, "max_rate_at_attainment": sustained}
+    ratios: dict = {}
+    for a in modes:
+        for b in modes:
+            if a == b:
+                continue
+            ratios.setdefault(a, {})[b] = {
+                key: (modes[a][key] / modes[b][key]) if modes[a][key] is not None and modes[b][key] else None
+                for key in ("peak_goodput", "max_rate_at_attainment")}
+    return {"attainment": attainment, "modes": modes, "ratios": ratios}
+
+
+def summary_markdown(summary: dict) -> str:
+    """The per-mode summary and each mode's ratio to the others, as Markdown."""
+    lines = [f"| mode | peak goodput (req/s) | at rate | highest rate with >= {summary['attainment']:.0%} SLO met |",
+             "|---|---|---|---|"]
+    for mode, s in summary["modes"].items():
+        rate = "-" if s["peak_goodput_rate"] is None else f"{s['peak_goodput_rate']:g}"
+        sustained = "none" if s["max_rate_at_attainment"] is None else f"{s['max_rate_at_attainment']:g}"
+        lines.append(f"| {mode} | {fmt(s['peak_goodput'])} | {rate} | {sustained} |")
+    lines += ["", "| ratio | peak goodput | rate within SLO |", "|---|---|---|"]
+    baselines = [m for m in BASELINES if m in summary["modes"]] or list(summary["modes"])
+    for a, others in summary["ratios"].items():
+        for b, r in others.items():
+            if a in baselines or b not in baselines:
+                continue  # the study's question: each conditional mode against the baselines
+            lines.append(f"| {a} / {b} | {ratio(r['peak_goodput'])} | {ratio(r['max_rate_at_attainment'])} |")
+    return "\n".join(lines)
+
+
 def markdown_table(doc: dict) -> str:
-    """The sweep table, then TTFT/TPOT per request kind, as Markdown."""
-    lines = ["| mode | rate (req/s) | done/sent | throughput (req/s) | goodput (req/s) | goodput/worker | "
+    """The per-mode summary, the sweep table, then TTFT/TPOT per request kind, as Markdown."""
+    lines = []
+    if doc.get("summary"):
+        lines += [summary_markdown(doc["summary"]), ""]
+    lines += ["| mode | rate (req/s) | done/sent | throughput (req/s) | goodput (req/s) | goodput/worker | "
              "SLO met | TTFT mean / p90 / p99 (ms) | TPOT mean / p90 / p99 (ms) | remote | load 1m start / max |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["table"]:
@@ -64,6 +121,10 @@ def markdown_table(doc: dict) -> str:
 
 def fmt(v, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+def ratio(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
 
 
 def pct(v) -> str:

@@ -42,7 +42,7 @@ import yaml
 
 from .datasets import DatasetConfig, load_dataset
 from .metrics import compute_metrics, json_safe, records_json
-from .report import fmt, pct, sweep_table
+from .report import fmt, pct, sweep_summary, sweep_table
 from .serve import LoadConfig, model_info, run_load
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -341,6 +341,7 @@ def run_sweep(cfg: SweepConfig, log=lambda line: print(line, file=sys.stderr, fl
     doc["results"] = {mode: dict(sorted(runs.items(), key=lambda kv: float(kv[0])))
                       for mode, runs in doc["results"].items()}
     doc["table"] = sweep_table(doc["results"])
+    doc["summary"] = sweep_summary(doc["results"])
     cdf_rate = cfg.cdf_rate if cfg.cdf_rate is not None else cfg.request_rates[len(cfg.request_rates) // 2]
     doc["plots"] = write_plots(doc, out_dir, cdf_rate)
     _save(out_dir, doc)

@@ -185,7 +185,7 @@ class Launcher:
                       cluster=t.cluster, etcd_endpoints=state.etcd_endpoints, lease_ttl_s=t.etcd.lease_ttl_s,
                       queue_name=t.queue.name, queue_namespace=t.ray.namespace)
         if role_name == "prefill":
-            return dict(common, batch_max_tokens=t.queue.batch_max_tokens, batch_max_wait_ms=t.queue.batch_max_wait_ms)
+            return dict(common, batch_max_tokens=t.queue.batch_max_tokens, poll_timeout_ms=t.queue.poll_timeout_ms)
         port = lambda key: role.ports.get(key, 0) + i if role.ports.get(key, 0) else 0  # noqa: E731
         return dict(common, grpc_port=port("grpc"), http_port=port("http"), router_policy=str(t.router_policy_path) if t.router_policy_path else None,
                     served_model_name=t.model.name, remote_prefill=t.roles.prefill.replicas > 0)

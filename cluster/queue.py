@@ -376,6 +376,11 @@ class PrefillQueue:
     async def take_failed(self, origin: str) -> list[FailedTask]:
         return self._core.take_failed(origin)
 
+    async def take_failed_and_stats(self, origin: str) -> tuple[list[FailedTask], QueueStats]:
+        """`take_failed(origin)` and `stats()` in one call: a decode worker's periodic poll
+        costs one actor round trip, not two."""
+        return self._core.take_failed(origin), self._core.stats()
+
     async def stats(self) -> QueueStats:
         return self._core.stats()
 

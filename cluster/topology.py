@@ -85,7 +85,10 @@ class QueueSpec(_Strict):
     name: str = DEFAULT_QUEUE_NAME
     capacity: int = Field(DEFAULT_QUEUE_CAPACITY, ge=1)
     batch_max_tokens: int = Field(8192, ge=1)
-    batch_max_wait_ms: float = Field(5.0, ge=0)
+    # How long an idle prefill worker's get_batch waits for a task before asking again. A put
+    # wakes the waiting call at once, so this bounds idle polling (actor calls per second), not
+    # latency: a short value only burns CPU on idle clusters.
+    poll_timeout_ms: float = Field(1000.0, gt=0)
 
 
 class ResourcesSpec(_Strict):

@@ -16,7 +16,7 @@ from typing import AsyncIterator, Protocol
 
 from pdserve.engine import InvalidRequestError, SamplingParams
 from pdserve.engine.block_manager import block_hashes
-from pdserve.router import ClusterSnapshot, RequestFeatures, admit, decide
+from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, admit, decide
 
 from .async_engine import AsyncEngine, FinalInfo
 from .metrics import WorkerMetrics
@@ -110,6 +110,7 @@ class Frontend:
         self.pending_remote_requests = 0
         self.num_prefilling = 0
         self.num_decoding = 0
+        self.arrivals = ArrivalRate()  # requests/s reaching this worker: the cost model's blocking penalty
 
     # -- validation ------------------------------------------------------------------
     def validate(self, inp: GenerateInput) -> tuple[list[int], SamplingParams, int]:
@@ -145,6 +146,7 @@ class Frontend:
             decode_waiting_requests=self.num_prefilling,
             local_prefill_queue_tokens=self.pending_prefill_tokens,
             decode_kv_usage=eng.kv.usage,
+            arrival_rate_per_s=self.arrivals.rate(time.monotonic()),
         )
 
     def refresh_gauges(self) -> None:
@@ -177,6 +179,7 @@ class Frontend:
             raise RequestError("invalid_argument", f"request_id: {rid!r} is already in flight", "request_id")
         policy = self.policy.policy
         cached = self.cached_len(ids)
+        self.arrivals.observe(arrival)
         feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=inp.priority,
                                 ttft_slo_ms=inp.ttft_slo_ms, override=inp.route, max_tokens=params.max_tokens)
         adm = admit(feats, self.snapshot(), policy)

@@ -36,8 +36,9 @@ PRIORITY_NAMES = {-1: "high", 0: "normal", 1: "low"}
 class RemoteConfig:
     timeout_s: float = 30.0  # remote TTFT deadline before falling back locally
     quarantine_s: float = 60.0  # how long abandoned blocks wait for a late write
-    failed_poll_s: float = 0.2  # how often to collect tasks the queue failed back
-    stats_poll_s: float = 0.25  # how often to refresh queue depth for the router
+    # How often to collect tasks the queue failed back and refresh the queue depth the router
+    # sees (one actor call; this worker's own puts are counted without waiting for it).
+    queue_poll_s: float = 0.25
 
 
 @dataclass
@@ -190,18 +191,14 @@ class RemotePrefill:
 
     async def _collect_failed(self) -> None:
         """Tasks the queue failed back (expired, worker vanished twice) go local."""
-        last_stats = 0.0
         while True:
-            await asyncio.sleep(self.cfg.failed_poll_s)
+            await asyncio.sleep(self.cfg.queue_poll_s)
             try:
-                for f in await self.queue.take_failed.remote(self.worker_id):
+                failed, st = await self.queue.take_failed_and_stats.remote(self.worker_id)
+                for f in failed:
                     self._fallback(f.task.request_id, f.task.epoch, f"queue: {f.reason}", release_now=True)
-                now = time.monotonic()
-                if now - last_stats >= self.cfg.stats_poll_s:
-                    last_stats = now
-                    st = await self.queue.stats.remote()
-                    self.cluster["prefill_queue_depth"] = st.depth
-                    self.cluster["prefill_queue_tokens"] = st.queued_tokens
+                self.cluster["prefill_queue_depth"] = st.depth
+                self.cluster["prefill_queue_tokens"] = st.queued_tokens
             except Exception as exc:  # noqa: BLE001  (keep collecting through Ray hiccups)
                 log.debug("queue poll failed: %r", exc)
 

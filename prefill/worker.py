@@ -43,7 +43,7 @@ class PrefillWorkerConfig:
     queue_name: str = "pdserve-prefill-queue"
     queue_namespace: str = "pdserve"
     batch_max_tokens: int | None = None  # default: the engine's max_num_batched_tokens
-    batch_max_wait_ms: float = 50.0
+    poll_timeout_ms: float = 1000.0  # idle long poll of get_batch (a put wakes it at once)
     transfer_timeout_s: float = 30.0
     layerwise: bool = True  # stream each layer's pages as soon as it is computed
     ucx_env: dict = field(default_factory=lambda: {"UCX_MODULES": "^ib"})
@@ -153,7 +153,7 @@ class PrefillWorker:
     async def _run(self) -> None:
         while not self.draining:
             try:
-                tasks = await self.queue.get_batch.remote(self.worker_id, self.budget, self.cfg.batch_max_wait_ms)
+                tasks = await self.queue.get_batch.remote(self.worker_id, self.budget, self.cfg.poll_timeout_ms)
             except Exception as exc:  # noqa: BLE001  (queue actor restarting, Ray hiccup)
                 log.warning("get_batch failed: %r; retrying", exc)
                 await asyncio.sleep(0.5)

@@ -9,7 +9,7 @@ and the ``pdserve policy`` CLI in ``router/cli.py``.
 """
 
 from pdserve.router.autoscale import AutoscalePolicy
-from pdserve.router.costs import CostEstimates, CostModel
+from pdserve.router.costs import ArrivalRate, CostEstimates, CostModel
 from pdserve.router.decide import ClusterSnapshot, Decision, RequestFeatures, decide
 from pdserve.router.loader import (
     PolicyError,
@@ -27,6 +27,7 @@ from pdserve.router.select import Selection, WorkerCandidate, select_worker
 
 __all__ = [
     "Admission",
+    "ArrivalRate",
     "AutoscalePolicy",
     "ClusterSnapshot",
     "CostEstimates",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 from pdserve.router.autoscale import AutoscalePolicy
@@ -72,6 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cl.add_argument("--decode-backlog-tokens", type=int, metavar="N", default=0,
                     help="decode tokens ahead of a new request's slot")
     cl.add_argument("--kv-usage", type=float, metavar="F", default=0.0, help="KV usage of this worker, 0-1")
+    cl.add_argument("--arrival-rate", type=float, metavar="R", default=0.0,
+                    help="requests/s this worker receives (the cost model's blocking penalty)")
     co = explain.add_argument_group("calibrated costs (default: the policy's seeds)")
     co.add_argument("--kv-bytes-per-token", type=int, metavar="N", default=DEFAULT_KV_BYTES_PER_TOKEN,
                     help="KV bytes per token of the model (default: Llama-3-8B bf16, 131072)")
@@ -129,6 +132,7 @@ def run_explain(args: argparse.Namespace) -> int:
             local_prefill_queue_tokens=args.local_queue_tokens,
             decode_backlog_tokens=args.decode_backlog_tokens,
             decode_kv_usage=args.kv_usage,
+            arrival_rate_per_s=args.arrival_rate,
         )
     except PolicyError as exc:
         print(f"{args.file}: INVALID\n{exc}", file=sys.stderr)
@@ -149,7 +153,7 @@ def run_explain(args: argparse.Namespace) -> int:
         f"cluster: prefill queue {snapshot.prefill_queue_depth} tasks / "
         f"{snapshot.prefill_queue_tokens} tokens, pool {snapshot.prefill_pool_size} workers, "
         f"decode {snapshot.decode_active_requests} active / {snapshot.decode_waiting_requests} waiting, "
-        f"kv usage {snapshot.decode_kv_usage:.2f}"
+        f"kv usage {snapshot.decode_kv_usage:.2f}, arrivals {snapshot.arrival_rate_per_s:g}/s"
     )
     print(
         f"costs: prefill local {costs.prefill_local_ms_per_token:g} ms/token, remote "
@@ -199,6 +203,8 @@ def _check_snapshot_flags(args: argparse.Namespace) -> None:
                  "local_queue_tokens", "decode_backlog_tokens"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(args, flag)})")
+    if not (args.arrival_rate >= 0.0 and math.isfinite(args.arrival_rate)):
+        raise ValueError(f"--arrival-rate is requests per second >= 0 (got {args.arrival_rate})")
     if not 0.0 <= args.kv_usage <= 1.0:
         raise ValueError(f"--kv-usage is a fraction 0-1 (got {args.kv_usage})")
 

@@ -162,6 +162,33 @@ class CostModel:
         self._est = replace(self._est, **{name: value})
 
 
+class ArrivalRate:
+    """Requests per second, exponentially decayed with time constant ``tau_s``.
+
+    Each arrival adds ``1 / tau_s``; the value decays as ``exp(-dt / tau_s)``.
+    Under a steady rate r it converges to r; after traffic stops it falls
+    to ~37 % of its value within ``tau_s``. Fed explicit times (no clock).
+    """
+
+    def __init__(self, tau_s: float = 5.0):
+        if not tau_s > 0:
+            raise ValueError(f"tau_s must be > 0 (got {tau_s})")
+        self.tau_s = tau_s
+        self._value = 0.0
+        self._at: float | None = None
+
+    def observe(self, now_s: float) -> None:
+        """One request arrived at ``now_s`` (seconds, any monotonic origin)."""
+        self._value = self.rate(now_s) + 1.0 / self.tau_s
+        self._at = now_s
+
+    def rate(self, now_s: float) -> float:
+        """The decayed rate at ``now_s`` (requests per second)."""
+        if self._at is None:
+            return 0.0
+        return self._value * math.exp(-max(0.0, now_s - self._at) / self.tau_s)
+
+
 _ESTIMATE_NAMES = (
     "prefill_local_ms_per_token",
     "prefill_remote_ms_per_token",

@@ -81,6 +81,7 @@ class ClusterSnapshot:
     local_prefill_queue_tokens: int = 0  # tokens waiting for a local prefill here
     decode_backlog_tokens: int = 0  # decode tokens ahead of a new request's slot (0 = room now)
     decode_kv_usage: float = 0.0  # fraction 0-1 of this worker's KV blocks in use
+    arrival_rate_per_s: float = 0.0  # requests/s this decode worker receives (recent average)
 
 
 class Decision(NamedTuple):
@@ -134,6 +135,7 @@ def predict(
              + eff_len x t_remote + kv_bytes(eff_len) / bandwidth + setup
     decode wait = decode_backlog_tokens x decode ms per token (both routes)
     itl_penalty = itl_penalty_weight x decoding requests x eff_len x t_local
+                  + blocking_penalty_weight x arrival rate (per ms) x (eff_len x t_local)^2 / 2
     """
     c = snapshot.costs
     eff = features.prompt_len - features.cached_len
@@ -150,7 +152,12 @@ def predict(
     ttft_remote = remote_wait + eff * t_remote
     if eff:  # nothing to prefill means nothing to transfer, setup included
         ttft_remote += c.transfer_ms(eff)
-    penalty = policy.router.cost_model.itl_penalty_weight * snapshot.decode_active_requests * local_prefill
+    cm = policy.router.cost_model
+    penalty = cm.itl_penalty_weight * snapshot.decode_active_requests * local_prefill
+    if cm.blocking_penalty_weight and snapshot.arrival_rate_per_s > 0:
+        # Requests arriving during the local prefill wait on it, half of it on average.
+        arrivals = snapshot.arrival_rate_per_s / 1000.0 * local_prefill
+        penalty += cm.blocking_penalty_weight * arrivals * local_prefill / 2.0
     return local_wait, local_wait + local_prefill, remote_wait, ttft_remote, penalty
 
 

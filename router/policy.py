@@ -129,6 +129,12 @@ class CostModelParams(StrictModel):
     # Cost charged for the decode stall a local prefill inflicts: this weight
     # x requests D is decoding x local prefill ms. 0 ignores the harm.
     itl_penalty_weight: float = Field(0.1, ge=0)
+    # Cost charged for the requests expected to ARRIVE while a local prefill
+    # occupies this worker: weight x arrival rate x (local prefill ms)^2 / 2
+    # (arrivals during the prefill, each waiting half of it on average).
+    # Quadratic in the prefill time: short prompts barely pay it, long ones
+    # under steady traffic do. 0 ignores it (pure TTFT of this request).
+    blocking_penalty_weight: float = Field(1.0, ge=0)
     # Remote must beat local by strictly more than this to be chosen.
     min_gain_ms: float = Field(5.0, ge=0)
     ema_alpha: float = Field(0.2, gt=0, le=1)

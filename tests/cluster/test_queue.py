@@ -167,7 +167,9 @@ def test_a_vanished_workers_tasks_are_requeued_once_then_failed_back_to_their_or
     assert ray.get(queue.worker_gone.remote("p1"))["failed"] == 2
     failed = ray.get(queue.take_failed.remote("d0"))
     assert ids(f.task for f in failed) == ["a"] and failed[0].reason == "worker_vanished"
-    assert ids(f.task for f in ray.get(queue.take_failed.remote("d1"))) == ["b"]
+    # The decode worker's periodic poll: its failed tasks and the stats in one call.
+    failed_d1, stats = ray.get(queue.take_failed_and_stats.remote("d1"))
+    assert ids(f.task for f in failed_d1) == ["b"] and stats.failed_pending == 0 and stats.depth == 0
     assert ray.get(queue.take_failed.remote("d0")) == []  # taken once
     assert ray.get(queue.worker_gone.remote("p1"))["failed"] == 0  # idempotent
 

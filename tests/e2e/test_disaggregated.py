@@ -50,7 +50,7 @@ def etcd(tmp_path_factory):
 def start_prefill(model: str, etcd, worker_id: str):
     actor = ray.remote(PrefillWorker).options(num_cpus=0).remote(dict(
         model=model, etcd_endpoints=[etcd.endpoint], cluster=CLUSTER, lease_ttl_s=TTL_S,
-        worker_id=worker_id, ucx_env=UCX, batch_max_wait_ms=20))
+        worker_id=worker_id, ucx_env=UCX))
     ray.get(actor.start.remote(), timeout=180)
     return actor
 

@@ -117,3 +117,36 @@ def test_reload_keeps_measured_values_and_adopts_new_seeds_for_unmeasured():
 def test_model_requires_a_positive_kv_size():
     with pytest.raises(ValueError, match="kv_bytes_per_token"):
         CostModel(CostModelParams(), kv_bytes_per_token=0)
+
+
+# -- ArrivalRate ----------------------------------------------------------------------
+
+
+def test_arrival_rate_converges_to_a_steady_rate():
+    from pdserve.router.costs import ArrivalRate
+
+    r = ArrivalRate(tau_s=5.0)
+    assert r.rate(0.0) == 0.0
+    for i in range(200):  # 4 requests per second for 50 s
+        r.observe(i * 0.25)
+    assert r.rate(200 * 0.25) == pytest.approx(4.0, rel=0.1)
+
+
+def test_arrival_rate_decays_when_traffic_stops():
+    from pdserve.router.costs import ArrivalRate
+
+    r = ArrivalRate(tau_s=5.0)
+    for i in range(100):
+        r.observe(i * 0.5)
+    now = 99 * 0.5
+    before = r.rate(now)
+    assert r.rate(now + 5.0) == pytest.approx(before * math.exp(-1))
+    assert r.rate(now + 60.0) < 0.01
+    assert r.rate(now - 1.0) == before  # a clock read out of order does not inflate it
+
+
+def test_arrival_rate_rejects_a_bad_time_constant():
+    from pdserve.router.costs import ArrivalRate
+
+    with pytest.raises(ValueError, match="tau_s"):
+        ArrivalRate(tau_s=0)

@@ -132,3 +132,42 @@ def test_high_priority_prediction_skips_the_queue(rt, policy):
     assert normal.route == "local"
     assert high.route == "remote"
     assert high.predicted_ttft_remote_ms < normal.predicted_ttft_remote_ms
+
+
+# -- the blocking penalty: requests arriving while a local prefill runs -------------
+
+
+def test_blocking_penalty_follows_the_documented_formula(rt, policy):
+    # 2000 tokens x 0.1 ms = 200 ms local prefill; 5 req/s -> 1 arrival expected, waiting 100 ms.
+    d = decide(rt.req(2000), rt.snap(policy, arrival_rate_per_s=5.0), policy)
+    local_prefill = 200.0
+    penalty = 1.0 * (5.0 / 1000 * local_prefill) * local_prefill / 2
+    assert d.score == from_seed(200 + penalty - (200 + 26.2144 + 2))
+    assert d.route == "remote"
+
+
+def test_steady_traffic_sends_long_prompts_remote_and_keeps_short_ones_local(rt, policy):
+    # The same idle-looking worker as test_idle_decode_worker_keeps_a_long_prompt_local,
+    # but with requests arriving at 2/s: the long prefill would stall them.
+    snapshot = rt.snap(policy, arrival_rate_per_s=2.0)
+    assert decide(rt.req(2000), snapshot, policy).route == "remote"
+    assert decide(rt.req(64), snapshot, policy).route == "local"
+
+
+def test_blocking_penalty_grows_with_the_square_of_the_local_prefill(rt, policy):
+    snapshot = rt.snap(policy, arrival_rate_per_s=2.0)
+    gain = {n: decide(rt.req(n), snapshot, policy).score for n in (1000, 2000)}
+    transfer = {n: n * 131072 / 1e7 + 2.0 for n in (1000, 2000)}
+    penalty = {n: gain[n] + transfer[n] for n in gain}  # gain = penalty - transfer (same prefill costs)
+    assert penalty[2000] == from_seed(4 * penalty[1000])
+
+
+def test_zero_blocking_weight_is_pure_ttft(rt):
+    policy = rt.policy(router={"policy": "cost_model", "cost_model": {"blocking_penalty_weight": 0}})
+    d = decide(rt.req(2000), rt.snap(policy, arrival_rate_per_s=50.0), policy)
+    assert d.route == "local"
+
+
+def test_a_fully_cached_prompt_pays_no_blocking_penalty(rt, policy):
+    d = decide(rt.req(2000, cached_len=2000), rt.snap(policy, arrival_rate_per_s=50.0), policy)
+    assert (d.route, d.reason) == ("local", "fully_cached")
