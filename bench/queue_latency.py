@@ -91,23 +91,45 @@ class Consumer:
     async def ping(self) -> None:
         return None
 
-    async def drain(self, count: int, max_tokens: int, max_wait_ms: float, timeout_s: float) -> dict:
+    async def drain(self, count: int, max_tokens: int, max_wait_ms: float, timeout_s: float,
+                    polls: int = 1) -> dict:
+        """Receive `count` tasks, keeping `polls` get_batch calls outstanding.
+
+        With one poll, a task put while the previous batch is on its way back
+        (and the next call not yet at the queue) waits for that next call: up
+        to one more round trip. A second outstanding poll is always waiting
+        at the queue, which is what an idle prefill worker can afford.
+        """
         latencies_ms, batch_sizes, received = [], [], 0
         deadline = time.time() + timeout_s
         first_receive = last_receive = None
         done: list[str] = []
-        while received < count and time.time() < deadline:
+
+        def poll():
             # The previous batch is reported done with the next request, as a prefill worker does.
-            batch = await self.queue.get_batch.remote("bench-prefill", max_tokens, max_wait_ms, None, done)
+            nonlocal done
+            ref = self.queue.get_batch.remote("bench-prefill", max_tokens, max_wait_ms, None, done)
+            done = []
+            return asyncio.ensure_future(ref)
+
+        pending = {poll() for _ in range(polls)}
+        while received < count and time.time() < deadline:
+            finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             now = time.time()
-            done = [task.request_id for task in batch]
-            if not batch:
-                continue
-            first_receive = first_receive or now
-            last_receive = now
-            batch_sizes.append(len(batch))
-            latencies_ms.extend((now - task.arrival_time) * 1000.0 for task in batch)
-            received += len(batch)
+            for fut in finished:
+                batch = fut.result()
+                pending.add(poll())
+                done.extend(task.request_id for task in batch)
+                if not batch:
+                    continue
+                first_receive = first_receive or now
+                last_receive = now
+                batch_sizes.append(len(batch))
+                latencies_ms.extend((now - task.arrival_time) * 1000.0 for task in batch)
+                received += len(batch)
+        for fut in pending:  # outstanding polls end by their own timeout (max_wait_ms)
+            batch = await fut
+            done.extend(task.request_id for task in batch)
         await self.queue.complete.remote("bench-prefill", done)
         return {"latencies_ms": latencies_ms, "batch_sizes": batch_sizes, "received": received,
                 "first_receive": first_receive, "last_receive": last_receive}
@@ -129,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=512, help="token ids per task (default %(default)s)")
     parser.add_argument("--batch-tokens", type=int, default=8192, help="get_batch token budget (default %(default)s)")
     parser.add_argument("--max-wait-ms", type=float, default=50.0, help="get_batch long-poll (default %(default)s)")
+    parser.add_argument("--polls", type=int, default=1,
+                        help="get_batch calls the consumer keeps outstanding (default %(default)s; 2 = one is "
+                        "always waiting at the queue, also while the previous batch travels back)")
     parser.add_argument("--num-cpus", type=int, default=2, help="CPUs for the local Ray (default %(default)s)")
     parser.add_argument("--ray-worker-niceness", type=int, default=0,
                         help="nice value of Ray's worker processes (Ray's own default is 15, which lets any "
@@ -151,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ping_ms = ray.get(producer.ping_rtt_ms.remote(consumer, 1000))
 
-    drained = consumer.drain.remote(args.latency_tasks, args.batch_tokens, args.max_wait_ms, 300)
+    drained = consumer.drain.remote(args.latency_tasks, args.batch_tokens, args.max_wait_ms, 300, args.polls)
     rejected = ray.get(producer.paced.remote(0, args.latency_tasks, args.rate_hz, args.prompt_tokens))
     lat = ray.get(drained)
 
     start = time.time()
-    drained = consumer.drain.remote(args.throughput_tasks, args.batch_tokens, args.max_wait_ms, 300)
+    drained = consumer.drain.remote(args.throughput_tasks, args.batch_tokens, args.max_wait_ms, 300, args.polls)
     rejected += ray.get(producer.flat_out.remote(10_000_000, args.throughput_tasks, args.window, args.prompt_tokens))
     put_done = time.time()
     thr = ray.get(drained)
