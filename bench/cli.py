@@ -77,7 +77,7 @@ def register(subparsers) -> None:
                         "(repeatable; e.g. to compare the cost model with a length threshold in one sweep)")
     s.add_argument("--admission", choices=("slo", "policy", "off"), default="slo",
                    help="QoS early rejection: slo = the policies' TTFT/TPOT SLOs set to --goodput's; policy = "
-                        "as in the policy files; off = admit everything")
+                        "as in the policy files; off = the same SLOs, admit everything")
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the warm-up requests after each cluster starts")
     s.add_argument("--interleave", action="store_true",

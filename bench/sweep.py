@@ -17,8 +17,9 @@ rate reuses prompts an earlier rate left in the prefix cache.
 
 Admission (``--admission``): ``slo`` (default) sets the policies' QoS TTFT/TPOT
 SLOs and max queue wait to the ``--goodput`` SLOs, so that the workers refuse
-exactly what the benchmark would count as missed; ``policy`` keeps the files'
-QoS; ``off`` admits everything.
+exactly what the benchmark would count as missed; ``off`` sets the same SLOs
+(the router's TPOT pressure reads them) and admits everything; ``policy``
+keeps the files' QoS.
 
 Writes ``sweep.json`` (config, table, every run's metrics and raw per-request
 samples), ``goodput_vs_rate.png``, ``latency_vs_rate.png``, ``ttft_cdf.png``
@@ -119,12 +120,18 @@ def mode_policy(cfg: SweepConfig, mode: str) -> dict:
             raise FileNotFoundError(f"policy file {src} (mode {mode}): no such file")
         policy = (yaml.safe_load(src.read_text()) if src.is_file() else None) or {"router": {"mode": "conditional"}}
     qos = policy.setdefault("qos", {})
+    if cfg.admission == "policy":
+        return policy
+    # The routers see the benchmark's SLOs (the cost model's TPOT pressure reads them) ...
+    if "ttft" in cfg.slos:
+        qos["ttft_slo_ms"] = cfg.slos["ttft"]
+    if "tpot" in cfg.slos:
+        qos["tpot_slo_ms"] = cfg.slos["tpot"]
+    # ... and admission refuses what the benchmark would count as missed, or nothing.
     if cfg.admission == "off":
         qos["enable_early_rejection"] = False
-    elif cfg.admission == "slo" and "ttft" in cfg.slos:
-        qos["ttft_slo_ms"] = qos["max_queue_wait_ms"] = cfg.slos["ttft"]
-        if "tpot" in cfg.slos:
-            qos["tpot_slo_ms"] = cfg.slos["tpot"]
+    elif "ttft" in cfg.slos:
+        qos["max_queue_wait_ms"] = cfg.slos["ttft"]
     return policy
 
 

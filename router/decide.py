@@ -214,7 +214,7 @@ def _route(features, snapshot, policy, pred, trace) -> _Routed:
     elif r.policy == "score":
         decided = _score(features, snapshot, policy, trace)
     else:
-        decided = _cost_model(policy, pred, trace)
+        decided = _cost_model(features, snapshot, policy, pred, trace)
     return _keep_low_priority_local_when_busy(decided, features, snapshot, policy, trace)
 
 
@@ -310,9 +310,25 @@ def _score(features, snapshot, policy, trace) -> _Routed:
     return "local", "score_below_min", f"score {total:g} <= {s.remote_prefill_min_score:g}", total
 
 
-def _cost_model(policy, pred, trace) -> _Routed:
-    min_gain = policy.router.cost_model.min_gain_ms
+def _cost_model(features, snapshot, policy, pred, trace) -> _Routed:
+    cm = policy.router.cost_model
+    min_gain = cm.min_gain_ms
     _, ttft_local, _, cost_remote, penalty = pred
+    if cm.tpot_pressure_fraction:
+        step, tpot_slo = snapshot.costs.decode_step_ms, policy.qos.tpot_slo_ms
+        ttft_slo = features.ttft_slo_ms if features.ttft_slo_ms is not None else policy.qos.ttft_slo_ms
+        pressed = step >= cm.tpot_pressure_fraction * tpot_slo
+        if trace is not None:
+            trace.append(
+                f"TPOT pressure: decode step {step:.1f} ms vs {cm.tpot_pressure_fraction:g} x tpot_slo_ms "
+                f"{tpot_slo:g} = {cm.tpot_pressure_fraction * tpot_slo:.1f} ms: {pressed}"
+                + (f"; remote TTFT {cost_remote:.1f} ms vs TTFT SLO {ttft_slo:g} ms" if pressed else "")
+            )
+        if pressed and cost_remote <= ttft_slo:
+            return "remote", "cost_tpot_pressure", (
+                f"decode step {step:.1f} ms is near tpot_slo_ms {tpot_slo:g}: prefill remotely "
+                f"(predicted TTFT {cost_remote:.1f} ms meets the TTFT SLO {ttft_slo:g} ms)"
+            ), cost_remote - ttft_local
     cost_local = ttft_local + penalty
     gain = cost_local - cost_remote
     if trace is not None:

@@ -135,6 +135,12 @@ class CostModelParams(StrictModel):
     # Quadratic in the prefill time: short prompts barely pay it, long ones
     # under steady traffic do. 0 ignores it (pure TTFT of this request).
     blocking_penalty_weight: float = Field(1.0, ge=0)
+    # TPOT pressure: when the measured decode step is at least this fraction
+    # of qos.tpot_slo_ms, every local prefill would push running requests
+    # toward a TPOT miss, so prompts go remote whenever the remote route's
+    # predicted TTFT still meets the TTFT SLO (the request's own, else
+    # qos.ttft_slo_ms). 0 disables it.
+    tpot_pressure_fraction: float = Field(0.8, ge=0)
     # Remote must beat local by strictly more than this to be chosen.
     min_gain_ms: float = Field(5.0, ge=0)
     ema_alpha: float = Field(0.2, gt=0, le=1)

@@ -53,7 +53,9 @@ def test_admission_slo_aligns_the_policies_qos_with_the_goodput_slos(tmp_path):
 
 
 def test_admission_off_and_policy(tmp_path):
-    assert mode_policy(config(tmp_path, admission="off"), "conditional")["qos"]["enable_early_rejection"] is False
+    off = mode_policy(config(tmp_path, admission="off", slos={"ttft": 1500.0, "tpot": 40.0}), "conditional")["qos"]
+    # Nothing is refused, but the routers still see the benchmark's SLOs.
+    assert off["enable_early_rejection"] is False and off["ttft_slo_ms"] == 1500.0 and off["tpot_slo_ms"] == 40.0
     kept = mode_policy(config(tmp_path, admission="policy"), "conditional")["qos"]
     assert kept == yaml.safe_load((REPO / "configs" / "router" / "default.yaml").read_text())["qos"]
 
