@@ -139,8 +139,10 @@ class CostModelParams(StrictModel):
     # of qos.tpot_slo_ms, every local prefill would push running requests
     # toward a TPOT miss, so prompts go remote whenever the remote route's
     # predicted TTFT still meets the TTFT SLO (the request's own, else
-    # qos.ttft_slo_ms). 0 disables it.
-    tpot_pressure_fraction: float = Field(0.8, ge=0)
+    # qos.ttft_slo_ms). 0 (the default) disables it: it pays only where the
+    # prefill workers own separate compute (their own GPUs); on shared CPU
+    # cores the remote path's own work slows decode as much (docs/PERFORMANCE.md).
+    tpot_pressure_fraction: float = Field(0.0, ge=0)
     # Remote must beat local by strictly more than this to be chosen.
     min_gain_ms: float = Field(5.0, ge=0)
     ema_alpha: float = Field(0.2, gt=0, le=1)

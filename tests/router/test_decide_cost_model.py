@@ -180,33 +180,43 @@ def pressed(rt, policy, step_ms: float, **fields):
     return rt.snap(policy, rt.costs(policy, decode_step_ms=step_ms), **fields)
 
 
-def test_tpot_pressure_sends_a_short_prompt_remote_that_ttft_alone_keeps_local(rt, policy):
+@pytest.fixture
+def tpot_policy(rt):
+    return rt.policy(router={"policy": "cost_model", "cost_model": {"tpot_pressure_fraction": 0.8}})
+
+
+def test_tpot_pressure_is_off_by_default(rt, policy):
+    assert decide(rt.req(64), pressed(rt, policy, 1000.0), policy).route == "local"
+
+
+def test_tpot_pressure_sends_a_short_prompt_remote_that_ttft_alone_keeps_local(rt, tpot_policy):
     # Default qos: tpot_slo_ms 50, fraction 0.8 -> pressure from a 40 ms decode step.
-    assert decide(rt.req(64), pressed(rt, policy, 39.9), policy).route == "local"
-    d = decide(rt.req(64), pressed(rt, policy, 40.0), policy)
+    assert decide(rt.req(64), pressed(rt, tpot_policy, 39.9), tpot_policy).route == "local"
+    d = decide(rt.req(64), pressed(rt, tpot_policy, 40.0), tpot_policy)
     assert (d.route, d.reason) == ("remote", "cost_tpot_pressure")
     assert d.score == from_seed(d.predicted_ttft_remote_ms - d.predicted_ttft_local_ms)
 
 
-def test_tpot_pressure_yields_when_the_remote_route_would_miss_the_ttft_slo(rt, policy):
+def test_tpot_pressure_yields_when_the_remote_route_would_miss_the_ttft_slo(rt, tpot_policy):
     # 8000 queued tokens x 0.1 ms / 2 workers = 400 ms wait + 64-token prefill: ~409 ms < 500 ms SLO.
-    ok = pressed(rt, policy, 45.0, prefill_queue_tokens=8000)
-    assert decide(rt.req(64), ok, policy).reason == "cost_tpot_pressure"
+    ok = pressed(rt, tpot_policy, 45.0, prefill_queue_tokens=8000)
+    assert decide(rt.req(64), ok, tpot_policy).reason == "cost_tpot_pressure"
     # 10000 tokens: ~509 ms > 500 ms: back to the plain cost comparison (local here).
-    deep = pressed(rt, policy, 45.0, prefill_queue_tokens=10000)
-    assert decide(rt.req(64), deep, policy).reason == "cost_local_cheaper"
+    deep = pressed(rt, tpot_policy, 45.0, prefill_queue_tokens=10000)
+    assert decide(rt.req(64), deep, tpot_policy).reason == "cost_local_cheaper"
     # The request's own, looser TTFT SLO wins over qos.ttft_slo_ms.
-    assert decide(rt.req(64, ttft_slo_ms=2000), deep, policy).reason == "cost_tpot_pressure"
+    assert decide(rt.req(64, ttft_slo_ms=2000), deep, tpot_policy).reason == "cost_tpot_pressure"
 
 
 def test_tpot_pressure_follows_the_qos_tpot_slo_and_can_be_turned_off(rt):
-    loose = rt.policy(router={"policy": "cost_model"}, qos={"tpot_slo_ms": 100})
+    loose = rt.policy(router={"policy": "cost_model", "cost_model": {"tpot_pressure_fraction": 0.8}},
+                      qos={"tpot_slo_ms": 100})
     assert decide(rt.req(64), pressed(rt, loose, 45.0), loose).route == "local"  # 45 < 0.8 x 100
     off = rt.policy(router={"policy": "cost_model", "cost_model": {"tpot_pressure_fraction": 0}})
     assert decide(rt.req(64), pressed(rt, off, 1000.0), off).route == "local"
 
 
-def test_tpot_pressure_is_explained(rt, policy):
-    d = decide(rt.req(64), pressed(rt, policy, 45.0), policy, explain=True)
+def test_tpot_pressure_is_explained(rt, tpot_policy):
+    d = decide(rt.req(64), pressed(rt, tpot_policy, 45.0), tpot_policy, explain=True)
     assert any("TPOT pressure: decode step 45.0 ms" in line for line in d.trace)
     assert "near tpot_slo_ms 50" in d.detail
