@@ -8,6 +8,16 @@ from pathlib import Path
 import numpy as np
 
 COLORS = {"colocated": "tab:blue", "always-remote": "tab:orange", "conditional": "tab:green"}
+EXTRA_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:red", "tab:gray")
+
+
+def mode_color(mode: str, modes) -> str:
+    """The three modes keep their colours in every plot; further modes (extra policies) take
+    the next unused ones in sweep order, never one of the three."""
+    if mode in COLORS:
+        return COLORS[mode]
+    extras = [m for m in modes if m not in COLORS]
+    return EXTRA_COLORS[extras.index(mode) % len(EXTRA_COLORS)]
 
 
 def _plt():
@@ -44,7 +54,7 @@ def goodput_vs_rate(doc: dict, path: Path) -> None:
         pts = [(r, m["request_goodput_per_worker"] if slos else m["request_throughput"] / n)
                for r, m in runs if not math.isinf(r)]
         if pts:
-            ax.plot(*zip(*pts), "o-", color=COLORS.get(mode), label=mode)
+            ax.plot(*zip(*pts), "o-", color=mode_color(mode, doc["results"]), label=mode)
     slo = " ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
     ax.set_xlabel("request rate (req/s, whole cluster)")
     ax.set_ylabel("goodput (req/s per worker)" if slos else "throughput (req/s per worker)")
@@ -64,7 +74,7 @@ def latency_vs_rate(doc: dict, path: Path) -> None:
         for mode, runs in _runs(doc):
             pts = [(r, m[f"p90_{name}_ms"]) for r, m in runs if not math.isinf(r) and m.get(f"p90_{name}_ms") is not None]
             if pts:
-                ax.plot(*zip(*pts), "o-", color=COLORS.get(mode), label=f"{mode} p90")
+                ax.plot(*zip(*pts), "o-", color=mode_color(mode, doc["results"]), label=f"{mode} p90")
         if name in slos:
             ax.axhline(slos[name], color="red", ls="--", lw=1, label=f"SLO {slos[name]:g} ms")
         ax.set_xlabel("request rate (req/s)")
@@ -89,7 +99,7 @@ def cdf(doc: dict, path: Path, name: str, rate: float) -> None:
             continue
         vals = np.sort([r[f"{name}_ms"] for r in m["requests"] if r["success"] and r[f"{name}_ms"] is not None])
         if vals.size:
-            ax.step(vals, np.arange(1, vals.size + 1) / vals.size, where="post", color=COLORS.get(mode),
+            ax.step(vals, np.arange(1, vals.size + 1) / vals.size, where="post", color=mode_color(mode, doc["results"]),
                     label=f"{mode} (n={vals.size})")
     if name in slos:
         ax.axvline(slos[name], color="red", ls="--", lw=1, label=f"SLO {slos[name]:g} ms")

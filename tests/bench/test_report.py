@@ -63,3 +63,12 @@ def test_report_command_prints_the_summary_of_a_sweep_json(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("[]")
     assert bench_main(["report", str(tmp_path / "bad.json")]) == 2
     assert "not a sweep.json" in capsys.readouterr().err
+
+
+def test_every_mode_of_a_sweep_gets_its_own_plot_colour():
+    from pdserve.bench.plots import COLORS, mode_color
+
+    modes = ["colocated", "always-remote", "conditional", "conditional-length-split", "conditional-tpot"]
+    colours = [mode_color(m, modes) for m in modes]
+    assert len(set(colours)) == len(modes)
+    assert colours[:3] == [COLORS[m] for m in modes[:3]]  # the three modes look the same in every sweep
