@@ -166,6 +166,7 @@ class QueueCore:
         self._in_flight: dict[str, dict[tuple[str, int], PrefillTask]] = {}
         self._requeues: Counter = Counter()
         self._failed: dict[str, list[FailedTask]] = {}
+        self._gone: Counter = Counter()  # worker_id -> how often worker_gone was called for it
         self.counters: Counter = Counter()
 
     def __len__(self) -> int:
@@ -288,6 +289,7 @@ class QueueCore:
             if task.origin != worker_id:
                 self._fail(task, "target_gone", f"decode worker {worker_id} that was to receive its KV is gone")
         dropped_failed = len(self._failed.pop(worker_id, []))
+        self._gone[worker_id] += 1
         self.counters["requeued"] += requeued
         self.counters["dropped_target_gone"] += len(orphans)
         return {"requeued": requeued, "failed": failed, "dropped_queued": len(orphans),
@@ -301,6 +303,11 @@ class QueueCore:
 
     def take_failed(self, origin: str) -> list[FailedTask]:
         return self._failed.pop(origin, [])
+
+    def gone_count(self, worker_id: str) -> int:
+        """How often `worker_gone(worker_id)` was called: a long poll that started before a
+        change of this value belongs to a worker the cluster has given up on."""
+        return self._gone[worker_id]
 
     def stats(self) -> QueueStats:
         now = self._clock()
@@ -348,8 +355,13 @@ class PrefillQueue:
             self._core.complete(worker_id, completed)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max_wait_ms / 1000.0
+        # A poll outlives its caller: a worker killed while this call waits cannot receive the
+        # batch. Once the worker is reported gone, a poll it started before takes nothing.
+        gone = self._core.gone_count(worker_id)
         async with self._arrived:
             while True:
+                if self._core.gone_count(worker_id) != gone:
+                    return []
                 batch = self._core.take(worker_id, max_tokens, max_tasks)
                 remaining_s = deadline - loop.time()
                 if batch or remaining_s <= 0:
@@ -357,6 +369,8 @@ class PrefillQueue:
                 try:
                     await asyncio.wait_for(self._arrived.wait(), remaining_s)
                 except asyncio.TimeoutError:
+                    if self._core.gone_count(worker_id) != gone:
+                        return []
                     return self._core.take(worker_id, max_tokens, max_tasks)
 
     async def complete(self, worker_id: str, request_id: str | list[str]) -> bool:
@@ -368,9 +382,10 @@ class PrefillQueue:
 
     async def worker_gone(self, worker_id: str) -> dict[str, int]:
         result = self._core.worker_gone(worker_id)
-        if result["requeued"]:
-            async with self._arrived:
-                self._arrived.notify(result["requeued"])
+        async with self._arrived:
+            # Wake every waiting poll: the gone worker's own ones end empty, others may take
+            # the requeued tasks.
+            self._arrived.notify_all()
         return result
 
     async def take_failed(self, origin: str) -> list[FailedTask]:

@@ -241,3 +241,18 @@ async def test_worker_removed_from_the_registry_gets_its_tasks_requeued(queue, e
 
         await asyncio.wait_for(requeued(), timeout=5)
         assert ids(await queue.get_batch.remote("p1", max_tokens=100)) == ["a"]
+
+
+def test_a_poll_left_behind_by_a_vanished_worker_takes_nothing(queue):
+    # A prefill worker killed while its get_batch waits: the call lives on in the queue actor.
+    orphan = queue.get_batch.remote("p-dead", 100, 5000)
+    time.sleep(0.3)  # the poll is waiting in the actor
+    ray.get(queue.worker_gone.remote("p-dead"))
+    assert ray.get(orphan, timeout=10) == []  # woken and ended empty, not after its 5 s
+    assert ray.get(queue.put.remote(task(request_id="late"))).ok
+    # The task stays queued for a live worker instead of going to the dead one.
+    assert ids(ray.get(queue.get_batch.remote("p-live", 100))) == ["late"]
+    assert ray.get(queue.stats.remote()).in_flight == {"p-live": 1}
+    # A poll the same worker id starts afterwards (a restarted worker) is served again.
+    assert ray.get(queue.put.remote(task(request_id="again"))).ok
+    assert ids(ray.get(queue.get_batch.remote("p-dead", 100, 1000))) == ["again"]
