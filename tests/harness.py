@@ -48,3 +48,28 @@ def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02):
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met in time")
         time.sleep(interval_s)
+
+
+def small_topology_yaml(cluster: str, tmp, router_policy=None) -> str:
+    """A 1P1D CPU topology with a tiny made model, free ports and a 3 s lease, everything
+    under `tmp` (model cache, run dir): what the launcher and sweep tests start."""
+    policy = f"router_policy: {router_policy}\n" if router_policy else ""
+    return f"""\
+cluster: {cluster}
+model:
+  path: auto
+  cache_dir: {tmp}/models
+  make: {{num_layers: 2, hidden_size: 128, num_heads: 4, num_kv_heads: 2, intermediate_size: 256}}
+roles:
+  prefill:
+    replicas: 1
+    resources: {{num_cpus: 1}}
+    engine: {{device: cpu, kv_cache_memory_bytes: 33554432}}
+  decode:
+    replicas: 1
+    resources: {{num_cpus: 1}}
+    engine: {{device: cpu, kv_cache_memory_bytes: 33554432}}
+    ports: {{grpc: 0, http: 0}}
+{policy}etcd: {{lease_ttl_s: 3}}
+run_dir: {tmp}/runs
+"""

@@ -15,38 +15,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.harness import small_topology_yaml
+
 RATES = [2.0, 8.0]
 NUM_PROMPTS = 6
 SLOS = {"ttft": 3000.0, "tpot": 300.0}
 PERCENTILES = [50.0, 90.0, 99.0]
-
-TOPOLOGY = """
-cluster: bench-test
-model:
-  path: auto
-  cache_dir: {cache}
-  make: {{num_layers: 2, hidden_size: 128, num_heads: 4, num_kv_heads: 2, intermediate_size: 256}}
-roles:
-  prefill:
-    replicas: 1
-    resources: {{num_cpus: 1}}
-    engine: {{device: cpu, kv_cache_memory_bytes: 33554432}}
-  decode:
-    replicas: 1
-    resources: {{num_cpus: 1}}
-    engine: {{device: cpu, kv_cache_memory_bytes: 33554432}}
-    ports: {{grpc: 0, http: 0}}
-etcd: {{lease_ttl_s: 3}}
-run_dir: {runs}
-"""
-
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     """Run `bench sweep` once (about 1.5 minutes on 2 cores); yields (document, output dir, stdout)."""
     tmp = tmp_path_factory.mktemp("sweep")
     topo = tmp / "topology.yaml"
-    topo.write_text(TOPOLOGY.format(cache=tmp / "models", runs=tmp / "runs"))
+    topo.write_text(small_topology_yaml("bench-test", tmp))
     out = tmp / "out"  # passed relative to the working directory, as users type it
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "UCX_MODULES": "^ib"}
     cmd = [sys.executable, "-m", "pdserve.bench.cli", "sweep", "--topology", str(topo), "--output-dir", "out",

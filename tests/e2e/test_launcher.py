@@ -11,29 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import small_topology_yaml
+
 REPO = Path(__file__).resolve().parents[2]
-
-TOPOLOGY = """
-cluster: launcher-test
-model:
-  path: auto
-  cache_dir: {cache}
-  make: {{num_layers: 2, hidden_size: 128, num_heads: 4, num_kv_heads: 2, intermediate_size: 256}}
-roles:
-  prefill:
-    replicas: 1
-    resources: {{num_cpus: 1}}
-    engine: {{device: cpu, kv_cache_memory_bytes: 33554432}}
-  decode:
-    replicas: 1
-    resources: {{num_cpus: 1}}
-    engine: {{device: cpu, kv_cache_memory_bytes: 33554432}}
-    ports: {{grpc: 0, http: 0}}
-router_policy: {policy}
-etcd: {{lease_ttl_s: 3}}
-run_dir: {runs}
-"""
-
 
 def pdserve(*args, timeout=300):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "UCX_MODULES": "^ib"}
@@ -52,8 +32,7 @@ def alive(pid: int) -> bool:
 @pytest.fixture
 def topology(tmp_path):
     path = tmp_path / "topology.yaml"
-    path.write_text(TOPOLOGY.format(cache=tmp_path / "models", runs=tmp_path / "runs",
-                                    policy=REPO / "configs" / "router" / "default.yaml"))
+    path.write_text(small_topology_yaml("launcher-test", tmp_path, REPO / "configs" / "router" / "default.yaml"))
     return path
 
 
