@@ -2,7 +2,10 @@
 
 Three Ray actors on this machine: a producer (stands in for a decode worker),
 the PrefillQueue, and a consumer (a prefill worker) that long-polls
-`get_batch`. One run measures
+`get_batch`. Both talk to the queue through a `QueueClient`, over each
+transport in turn (`--transports wire,ray`: the queue's socket, Ray actor
+calls), alternating the order round by round so that both see the same
+machine. One run measures, per transport,
 
 0. baseline: the round trip of an empty actor call between the two actors,
    the floor that any queue hop sits on (it moves with machine load);
@@ -12,7 +15,8 @@ the PrefillQueue, and a consumer (a prefill worker) that long-polls
 2. throughput: the producer puts as fast as it can (a window of concurrent
    puts); tasks/s from the first put to the last task received.
 
-    python bench/queue_latency.py            # defaults: ~15 s on 2 cores
+    python bench/queue_latency.py            # defaults: ~1 min on 2 cores
+    python bench/queue_latency.py --transports wire --rounds 1
     python bench/queue_latency.py --json out.json
 """
 
@@ -30,6 +34,8 @@ import uuid
 import ray
 
 from pdserve.cluster.queue import PrefillTask, get_or_create_queue
+from pdserve.cluster.queue_wire import QueueClient
+from pdserve.cluster.runtime import freeze_gc_heap
 
 
 def make_task(i: int, num_tokens: int) -> PrefillTask:
@@ -49,13 +55,22 @@ def make_task(i: int, num_tokens: int) -> PrefillTask:
 class Producer:
     """Puts tasks on the queue: paced (latency) or windowed flat out (throughput)."""
 
-    def __init__(self, queue):
-        self.queue = queue
+    def __init__(self, queue, freeze_gc: bool = True):
+        self.handle = queue
+        self.clients: dict[str, QueueClient] = {}
+        if freeze_gc:  # as the workers do after start-up
+            freeze_gc_heap(type(self).__name__)
 
-    async def paced(self, first_id: int, count: int, rate_hz: float, num_tokens: int) -> int:
+    def client(self, transport: str) -> QueueClient:
+        if transport not in self.clients:
+            self.clients[transport] = QueueClient(self.handle, transport)
+        return self.clients[transport]
+
+    async def paced(self, transport: str, first_id: int, count: int, rate_hz: float, num_tokens: int) -> int:
+        queue = self.client(transport)
         period_s, start, rejected = 1.0 / rate_hz, time.perf_counter(), 0
         for i in range(count):
-            result = await self.queue.put.remote(make_task(first_id + i, num_tokens))
+            result = await queue.put(make_task(first_id + i, num_tokens))
             rejected += not result.ok
             sleep_s = start + (i + 1) * period_s - time.perf_counter()
             if sleep_s > 0:
@@ -71,11 +86,12 @@ class Producer:
             out.append((time.perf_counter() - start) * 1000.0)
         return out
 
-    async def flat_out(self, first_id: int, count: int, window: int, num_tokens: int) -> int:
+    async def flat_out(self, transport: str, first_id: int, count: int, window: int, num_tokens: int) -> int:
+        queue = self.client(transport)
         rejected, i = 0, 0
         while i < count:
             n = min(window, count - i)
-            results = await asyncio.gather(*[self.queue.put.remote(make_task(first_id + i + k, num_tokens)) for k in range(n)])
+            results = await asyncio.gather(*[queue.put(make_task(first_id + i + k, num_tokens)) for k in range(n)])
             rejected += sum(not r.ok for r in results)
             i += n
         return rejected
@@ -85,13 +101,16 @@ class Producer:
 class Consumer:
     """Long-polls get_batch; records when each task arrived in hand."""
 
-    def __init__(self, queue):
-        self.queue = queue
+    def __init__(self, queue, freeze_gc: bool = True):
+        self.handle = queue
+        self.clients: dict[str, QueueClient] = {}
+        if freeze_gc:  # as the workers do after start-up
+            freeze_gc_heap(type(self).__name__)
 
     async def ping(self) -> None:
         return None
 
-    async def drain(self, count: int, max_tokens: int, max_wait_ms: float, timeout_s: float,
+    async def drain(self, transport: str, count: int, max_tokens: int, max_wait_ms: float, timeout_s: float,
                     polls: int = 1) -> dict:
         """Receive `count` tasks, keeping `polls` get_batch calls outstanding.
 
@@ -100,6 +119,9 @@ class Consumer:
         to one more round trip. A second outstanding poll is always waiting
         at the queue, which is what an idle prefill worker can afford.
         """
+        if transport not in self.clients:
+            self.clients[transport] = QueueClient(self.handle, transport)
+        queue = self.clients[transport]
         latencies_ms, batch_sizes, received = [], [], 0
         deadline = time.time() + timeout_s
         first_receive = last_receive = None
@@ -108,9 +130,9 @@ class Consumer:
         def poll():
             # The previous batch is reported done with the next request, as a prefill worker does.
             nonlocal done
-            ref = self.queue.get_batch.remote("bench-prefill", max_tokens, max_wait_ms, None, done)
+            call = queue.get_batch("bench-prefill", max_tokens, max_wait_ms, None, done)
             done = []
-            return asyncio.ensure_future(ref)
+            return asyncio.ensure_future(call)
 
         pending = {poll() for _ in range(polls)}
         while received < count and time.time() < deadline:
@@ -130,9 +152,9 @@ class Consumer:
         for fut in pending:  # outstanding polls end by their own timeout (max_wait_ms)
             batch = await fut
             done.extend(task.request_id for task in batch)
-        await self.queue.complete.remote("bench-prefill", done)
+        await queue.complete("bench-prefill", done)
         return {"latencies_ms": latencies_ms, "batch_sizes": batch_sizes, "received": received,
-                "first_receive": first_receive, "last_receive": last_receive}
+                "first_receive": first_receive, "last_receive": last_receive, "transport": queue.in_use}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -140,13 +162,48 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100.0 * (len(ordered) - 1))))]
 
 
+def run_transport(producer, consumer, transport: str, args, round_no: int) -> dict:
+    """One latency phase and one throughput phase over `transport`."""
+    base = (round_no * 2 + (transport == "ray")) * 10_000_000
+    drained = consumer.drain.remote(transport, args.latency_tasks, args.batch_tokens, args.max_wait_ms, 300, args.polls)
+    rejected = ray.get(producer.paced.remote(transport, base, args.latency_tasks, args.rate_hz, args.prompt_tokens))
+    lat = ray.get(drained)
+    start = time.time()
+    drained = consumer.drain.remote(transport, args.throughput_tasks, args.batch_tokens, args.max_wait_ms, 300, args.polls)
+    rejected += ray.get(producer.flat_out.remote(transport, base + 5_000_000, args.throughput_tasks, args.window,
+                                                 args.prompt_tokens))
+    put_done = time.time()
+    thr = ray.get(drained)
+    return {"latencies_ms": lat["latencies_ms"], "in_use": lat["transport"], "rejected": rejected,
+            "tasks": thr["received"], "seconds": (thr["last_receive"] or start) - start,
+            "put_seconds": put_done - start, "batch_sizes": thr["batch_sizes"]}
+
+
+def summarize(runs: list[dict], rate_hz: float) -> dict:
+    lat = [x for r in runs for x in r["latencies_ms"]]
+    tasks, seconds, put_s = (sum(r[k] for r in runs) for k in ("tasks", "seconds", "put_seconds"))
+    return {
+        "latency": {"tasks": len(lat), "rate_hz": rate_hz, "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
+                    "max_ms": max(lat), "mean_ms": statistics.fmean(lat),
+                    "p99_ms_per_round": [percentile(r["latencies_ms"], 99) for r in runs]},
+        "throughput": {"tasks": tasks, "seconds": seconds, "tasks_per_s": tasks / seconds, "put_tasks_per_s": tasks / put_s,
+                       "mean_batch_size": statistics.fmean([b for r in runs for b in r["batch_sizes"]])},
+        "in_use": sorted({r["in_use"] for r in runs}),
+        "rejected_puts": sum(r["rejected"] for r in runs),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="PrefillQueue microbenchmark: put->get_batch latency (p50/p99) between two "
-        "Ray actors, and tasks/s throughput, in one run.")
-    parser.add_argument("--latency-tasks", type=int, default=2000, help="tasks in the latency phase (default %(default)s)")
+        description="PrefillQueue microbenchmark: put->get_batch latency (p50/p99) between two Ray actors and "
+        "tasks/s throughput, over the queue's wire and over Ray actor calls, side by side in one run.")
+    parser.add_argument("--transports", default="wire,ray",
+                        help="comma-separated QueueClient transports to compare (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="rounds; each runs every transport once, the order alternating (default %(default)s)")
+    parser.add_argument("--latency-tasks", type=int, default=1000, help="tasks per latency phase (default %(default)s)")
     parser.add_argument("--rate-hz", type=float, default=200.0, help="put rate in the latency phase (default %(default)s)")
-    parser.add_argument("--throughput-tasks", type=int, default=20000, help="tasks in the throughput phase (default %(default)s)")
+    parser.add_argument("--throughput-tasks", type=int, default=5000, help="tasks per throughput phase (default %(default)s)")
     parser.add_argument("--window", type=int, default=64, help="concurrent puts in the throughput phase (default %(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="token ids per task (default %(default)s)")
     parser.add_argument("--batch-tokens", type=int, default=8192, help="get_batch token budget (default %(default)s)")
@@ -160,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                         "other job on a shared box preempt the actors; default %(default)s)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    bad = [t for t in transports if t not in ("wire", "ray")]
+    if bad or not transports:
+        parser.error(f"--transports: {bad or 'nothing'} given; choose from wire, ray")
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["RAY_worker_niceness"] = str(args.ray_worker_niceness)  # read by the raylet Ray starts
@@ -170,51 +231,56 @@ def main(argv: list[str] | None = None) -> int:
     ray.get([queue.stats.remote(), producer.__ray_ready__.remote(), consumer.__ray_ready__.remote()])
 
     # Warm-up: first calls pay for connections and imports.
-    warm = consumer.drain.remote(50, args.batch_tokens, args.max_wait_ms, 60)
-    ray.get(producer.paced.remote(-1_000_000, 50, args.rate_hz, args.prompt_tokens))
-    ray.get(warm)
+    for transport in transports:
+        warm = consumer.drain.remote(transport, 50, args.batch_tokens, args.max_wait_ms, 60)
+        ray.get(producer.paced.remote(transport, -1_000_000 - 1000 * len(transport), 50, args.rate_hz, args.prompt_tokens))
+        ray.get(warm)
 
     ping_ms = ray.get(producer.ping_rtt_ms.remote(consumer, 1000))
-
-    drained = consumer.drain.remote(args.latency_tasks, args.batch_tokens, args.max_wait_ms, 300, args.polls)
-    rejected = ray.get(producer.paced.remote(0, args.latency_tasks, args.rate_hz, args.prompt_tokens))
-    lat = ray.get(drained)
-
-    start = time.time()
-    drained = consumer.drain.remote(args.throughput_tasks, args.batch_tokens, args.max_wait_ms, 300, args.polls)
-    rejected += ray.get(producer.flat_out.remote(10_000_000, args.throughput_tasks, args.window, args.prompt_tokens))
-    put_done = time.time()
-    thr = ray.get(drained)
+    runs: dict[str, list[dict]] = {t: [] for t in transports}
+    for round_no in range(args.rounds):
+        for transport in (transports if round_no % 2 == 0 else transports[::-1]):
+            run = run_transport(producer, consumer, transport, args, round_no)
+            runs[transport].append(run)
+            print(f"  round {round_no + 1}/{args.rounds} {transport:4s}: put->get_batch p99 "
+                  f"{percentile(run['latencies_ms'], 99):.2f} ms, {run['tasks'] / run['seconds']:.0f} tasks/s",
+                  file=sys.stderr, flush=True)
+    ping_ms += ray.get(producer.ping_rtt_ms.remote(consumer, 1000))
     stats = ray.get(queue.stats.remote())
     ray.shutdown()
 
-    l_ms = lat["latencies_ms"]
-    elapsed_s = (thr["last_receive"] or start) - start
     result = {
-        "latency": {"tasks": len(l_ms), "rate_hz": args.rate_hz, "p50_ms": percentile(l_ms, 50),
-                    "p99_ms": percentile(l_ms, 99), "max_ms": max(l_ms), "mean_ms": statistics.fmean(l_ms)},
-        "throughput": {"tasks": thr["received"], "seconds": elapsed_s, "tasks_per_s": thr["received"] / elapsed_s,
-                       "put_tasks_per_s": args.throughput_tasks / (put_done - start),
-                       "mean_batch_size": statistics.fmean(thr["batch_sizes"])},
+        "transports": {t: summarize(r, args.rate_hz) for t, r in runs.items()},
         "baseline_actor_rtt": {"p50_ms": percentile(ping_ms, 50), "p99_ms": percentile(ping_ms, 99)},
         "load_avg_1m": os.getloadavg()[0],
         "config": {k: v for k, v in vars(args).items() if k != "json"},
-        "rejected_puts": rejected,
         "queue_counters": stats.counters,
     }
-    print(f"prefill queue, {args.prompt_tokens}-token tasks, budget {args.batch_tokens} tokens, "
-          f"{os.cpu_count()} CPUs, ray {ray.__version__}, worker niceness {args.ray_worker_niceness}")
+    if "wire" in runs and "ray" in runs:
+        w, r = result["transports"]["wire"], result["transports"]["ray"]
+        result["ray_over_wire"] = {
+            "p50": r["latency"]["p50_ms"] / w["latency"]["p50_ms"], "p99": r["latency"]["p99_ms"] / w["latency"]["p99_ms"],
+            "throughput": w["throughput"]["tasks_per_s"] / r["throughput"]["tasks_per_s"]}
+    print(f"prefill queue, {args.prompt_tokens}-token tasks, budget {args.batch_tokens} tokens, {os.cpu_count()} CPUs, "
+          f"ray {ray.__version__}, worker niceness {args.ray_worker_niceness}, {args.rounds} round(s)")
     base = result["baseline_actor_rtt"]
-    print(f"baseline   empty actor call round trip: p50 {base['p50_ms']:.2f} ms  p99 {base['p99_ms']:.2f} ms  "
+    print(f"baseline  empty Ray actor call round trip: p50 {base['p50_ms']:.2f} ms  p99 {base['p99_ms']:.2f} ms  "
           f"(1-min load average {result['load_avg_1m']:.2f})")
-    lr = result["latency"]
-    print(f"latency    put->get_batch  {lr['tasks']} tasks at {args.rate_hz:g}/s: "
-          f"p50 {lr['p50_ms']:.2f} ms  p99 {lr['p99_ms']:.2f} ms  max {lr['max_ms']:.2f} ms")
-    tr = result["throughput"]
-    print(f"throughput {tr['tasks']} tasks in {tr['seconds']:.2f} s: {tr['tasks_per_s']:.0f} tasks/s "
-          f"(puts {tr['put_tasks_per_s']:.0f}/s, mean batch {tr['mean_batch_size']:.1f} tasks)")
-    if rejected:
-        print(f"warning: {rejected} puts rejected", file=sys.stderr)
+    print(f"{'transport':10s} {'put->get_batch p50':>19s} {'p99':>9s} {'max':>9s}   p99 per round      "
+          f"{'tasks/s':>8s} {'mean batch':>10s}")
+    for t, res in result["transports"].items():
+        lr, tr = res["latency"], res["throughput"]
+        rounds = " ".join(f"{x:.2f}" for x in lr["p99_ms_per_round"])
+        print(f"{t:10s} {lr['p50_ms']:16.2f} ms {lr['p99_ms']:6.2f} ms {lr['max_ms']:6.2f} ms   {rounds:18s} "
+              f"{tr['tasks_per_s']:8.0f} {tr['mean_batch_size']:10.1f}")
+        if res["in_use"] != [t]:
+            print(f"warning: transport {t} ran as {res['in_use']}", file=sys.stderr)
+        if res["rejected_puts"]:
+            print(f"warning: {res['rejected_puts']} puts rejected over {t}", file=sys.stderr)
+    if "ray_over_wire" in result:
+        ratio = result["ray_over_wire"]
+        print(f"wire vs ray: p50 {ratio['p50']:.1f}x lower, p99 {ratio['p99']:.1f}x lower, "
+              f"throughput {ratio['throughput']:.1f}x higher")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)

@@ -109,8 +109,8 @@ class Launcher:
             state.save(path)  # from here on, `down` can clean up whatever follows
             from .queue import get_or_create_queue
 
-            get_or_create_queue(t.queue.name, t.ray.namespace, t.queue.capacity, detached=True)
-            self.progress(f"queue     {t.queue.name} (capacity {t.queue.capacity})")
+            get_or_create_queue(t.queue.name, t.ray.namespace, t.queue.capacity, detached=True, wire_bind=t.queue.wire)
+            self.progress(f"queue     {t.queue.name} (capacity {t.queue.capacity}, wire {t.queue.wire})")
             handles = self._start_workers(state)
             state.save(path)
             self._wait_ready(state, handles)
@@ -142,7 +142,8 @@ class Launcher:
         port = free_loopback_port()
         need = sum(r.replicas * r.resources.num_cpus for r in (self.topo.roles.prefill, self.topo.roles.decode))
         cpus = max(2, int(need + 0.999))
-        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+               "RAY_worker_niceness": str(self.topo.ray.worker_niceness)}
         log_file = open(run_dir / f"{self.topo.cluster}-ray.log", "ab")
         # `--block` keeps this head's processes under one process we own, so
         # `down` stops exactly this cluster's Ray and nothing else on the host.
@@ -183,7 +184,7 @@ class Launcher:
         t = self.topo
         common = dict(model=self.model_path, engine_args=dict(role.engine), worker_id=worker_id,
                       cluster=t.cluster, etcd_endpoints=state.etcd_endpoints, lease_ttl_s=t.etcd.lease_ttl_s,
-                      queue_name=t.queue.name, queue_namespace=t.ray.namespace)
+                      queue_name=t.queue.name, queue_namespace=t.ray.namespace, freeze_gc=True)
         if role_name == "prefill":
             return dict(common, batch_max_tokens=t.queue.batch_max_tokens, poll_timeout_ms=t.queue.poll_timeout_ms)
         port = lambda key: role.ports.get(key, 0) + i if role.ports.get(key, 0) else 0  # noqa: E731

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PRIORITY_HIGH, PRIORITY_NORMAL, PRIORITY_LOW = 0, 1, 2
+WIRE_BINDS = ("loopback", "node", "off")
 PRIORITY_NAMES = {"high": PRIORITY_HIGH, "normal": PRIORITY_NORMAL, "low": PRIORITY_LOW}
 MAX_FAILED_PER_ORIGIN = 10_000  # failed tasks nobody collects must not grow without bound
 
@@ -103,8 +104,8 @@ class PrefillTask:
         return (self.priority, math.inf if self.deadline is None else self.deadline, self.arrival_time)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON/msgpack-ready form (for transports other than Ray)."""
-        return dataclasses.asdict(self)
+        """JSON/msgpack-ready form (the queue wire's). Shallow: the lists are shared, not copied."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> "PrefillTask":
@@ -304,6 +305,21 @@ class QueueCore:
     def take_failed(self, origin: str) -> list[FailedTask]:
         return self._failed.pop(origin, [])
 
+    def untake(self, worker_id: str, tasks: list[PrefillTask]) -> int:
+        """Tasks handed to `worker_id` that never reached it (its connection closed before the
+        batch was sent) go back to their old place in the order; not counted as a requeue.
+        Returns how many went back (those still in flight on that worker)."""
+        taken = self._in_flight.get(worker_id, {})
+        back = 0
+        for task in tasks:
+            if taken.pop(task.key, None) is not None:
+                self._push(task)
+                back += 1
+        if not taken:
+            self._in_flight.pop(worker_id, None)
+        self.counters["returned_undelivered"] += back
+        return back
+
     def gone_count(self, worker_id: str) -> int:
         """How often `worker_gone(worker_id)` was called: a long poll that started before a
         change of this value belongs to a worker the cluster has given up on."""
@@ -330,12 +346,52 @@ class PrefillQueue:
 
     Async actor: `get_batch` long-polls up to `max_wait_ms` for the first task
     without blocking puts. Errors are values: `put` returns a PutResult.
-    Create or find it with `get_or_create_queue`.
+    Create or find it with `get_or_create_queue`; call it through a
+    `QueueClient`, which uses the actor's wire (see `queue_wire`) when it can:
+    `wire_bind` is "loopback" (127.0.0.1: clients on this Ray node), "node"
+    (the node's IP: every node; multi-node clusters) or "off" (Ray calls only).
     """
 
-    def __init__(self, capacity: int = DEFAULT_QUEUE_CAPACITY, max_requeues: int = 1):
+    def __init__(self, capacity: int = DEFAULT_QUEUE_CAPACITY, max_requeues: int = 1,
+                 wire_bind: str = "loopback"):
+        if wire_bind not in WIRE_BINDS:
+            raise ValueError(f"wire_bind={wire_bind!r} must be one of {list(WIRE_BINDS)}")
         self._core = QueueCore(capacity, max_requeues=max_requeues)
         self._arrived = asyncio.Condition()
+        self._wire_bind = wire_bind
+        self._wire: asyncio.Future | None = None  # resolves to wire_endpoint()'s answer
+        from .runtime import freeze_gc_heap
+
+        freeze_gc_heap("prefill queue actor")  # no 30 ms full-collection pauses in the hot path
+
+    async def wire_endpoint(self) -> dict | None:
+        """Where the wire listens: {"host", "port", "token", "node_id"}, started on first
+        call; None when wire_bind is "off"."""
+        if self._wire_bind == "off":
+            return None
+        if self._wire is None:
+            self._wire = asyncio.ensure_future(self._start_wire())
+        return await asyncio.shield(self._wire)
+
+    async def _start_wire(self) -> dict:
+        from .queue_wire import WireServer
+
+        host = "127.0.0.1" if self._wire_bind == "loopback" else ray.util.get_node_ip_address()
+        self._wire_server = WireServer(self, on_undelivered=self._undelivered)
+        host, port = await self._wire_server.start(host)
+        node_id = ray.get_runtime_context().get_node_id()
+        log.info("prefill queue wire on %s:%d (node %s)", host, port, node_id[:12])
+        return {"host": host, "port": port, "token": self._wire_server.token, "node_id": node_id}
+
+    def _undelivered(self, worker_id: str, tasks: list[PrefillTask]) -> None:
+        if self._core.untake(worker_id, tasks):
+            self._arrived_notify_soon()
+
+    def _arrived_notify_soon(self) -> None:
+        async def notify():
+            async with self._arrived:
+                self._arrived.notify_all()
+        asyncio.ensure_future(notify())
 
     async def put(self, task: PrefillTask) -> PutResult:
         result = self._core.put(task)
@@ -351,6 +407,7 @@ class PrefillQueue:
         `completed` marks the worker's previous tasks done first: the usual
         loop (finish a batch, ask for the next) then costs one call, not two.
         """
+        _check_poll_args(worker_id, max_tokens, max_wait_ms, max_tasks)
         if completed:
             self._core.complete(worker_id, completed)
         loop = asyncio.get_running_loop()
@@ -394,29 +451,54 @@ class PrefillQueue:
     async def take_failed_and_stats(self, origin: str) -> tuple[list[FailedTask], QueueStats]:
         """`take_failed(origin)` and `stats()` in one call: a decode worker's periodic poll
         costs one actor round trip, not two."""
-        return self._core.take_failed(origin), self._core.stats()
+        return self._core.take_failed(origin), await self.stats()
 
     async def stats(self) -> QueueStats:
-        return self._core.stats()
+        stats = self._core.stats()
+        server = getattr(self, "_wire_server", None)
+        if server is not None:  # wire_connections, wire_calls, wire_errors, wire_bad_hello, ...
+            stats.counters.update({f"wire_{k}": v for k, v in server.counters.items()})
+        return stats
+
+
+def _check_poll_args(worker_id, max_tokens, max_wait_ms, max_tasks) -> None:
+    """get_batch's arguments, checked: a bad one is a ValueError naming it, not a stuck poll."""
+    if not isinstance(worker_id, str) or not worker_id:
+        raise ValueError(f"get_batch: worker_id must be a non-empty string, got {worker_id!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"get_batch: max_tokens must be an int >= 1, got {max_tokens!r}")
+    if isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, (int, float)) or not 0 <= max_wait_ms <= 3_600_000:
+        raise ValueError(f"get_batch: max_wait_ms must be a number in [0, 3600000], got {max_wait_ms!r}")
+    if max_tasks is not None and (isinstance(max_tasks, bool) or not isinstance(max_tasks, int) or max_tasks < 1):
+        raise ValueError(f"get_batch: max_tasks must be None or an int >= 1, got {max_tasks!r}")
 
 
 def get_or_create_queue(name: str = DEFAULT_QUEUE_NAME, namespace: str = DEFAULT_NAMESPACE,
                         capacity: int = DEFAULT_QUEUE_CAPACITY, *, detached: bool = False,
-                        max_requeues: int = 1):
+                        max_requeues: int = 1, wire_bind: str = "loopback"):
     """Handle to the named queue actor, creating it if absent (race-safe).
 
-    An existing actor keeps the capacity it was created with. `detached`
+    An existing actor keeps the capacity and wire_bind it was created with. `detached`
     lets the queue outlive the driver that created it (the launcher's choice).
     The actor reserves no CPU: it is I/O-bound and must not take a worker's slot.
     """
     options: dict[str, Any] = dict(name=name, namespace=namespace, get_if_exists=True, num_cpus=0)
     if detached:
         options["lifetime"] = "detached"
-    return PrefillQueue.options(**options).remote(capacity=capacity, max_requeues=max_requeues)
+    return PrefillQueue.options(**options).remote(capacity=capacity, max_requeues=max_requeues,
+                                                  wire_bind=wire_bind)
+
+
+async def _tell_gone(queue, worker_id: str) -> None:
+    try:
+        await queue.worker_gone(worker_id)
+    except Exception as exc:  # noqa: BLE001  (another decode worker may tell it; the queue may be gone)
+        log.warning("could not tell the queue that %s is gone: %r", worker_id, exc)
 
 
 async def requeue_on_worker_loss(registry: "Registry", queue, *, grace_s: float = 2.0):
-    """Tell `queue` when a worker leaves the registry; returns the MemberWatch.
+    """Tell `queue` (a QueueClient or the actor handle) when a worker leaves the registry;
+    returns the MemberWatch.
 
     A worker that comes back within `grace_s` (a re-registration after an
     etcd restart re-lists everyone as gone, then back) is not reported.
@@ -427,8 +509,11 @@ async def requeue_on_worker_loss(registry: "Registry", queue, *, grace_s: float 
 
     def report(worker_id: str) -> None:
         pending.pop(worker_id, None)
-        ref = queue.worker_gone.remote(worker_id)
-        log.info("worker %s left the registry; queue told (%s)", worker_id, ref)
+        if hasattr(queue.worker_gone, "remote"):  # a Ray actor handle
+            queue.worker_gone.remote(worker_id)
+        else:  # a QueueClient
+            asyncio.ensure_future(_tell_gone(queue, worker_id))
+        log.info("worker %s left the registry; queue told", worker_id)
 
     def on_remove(info) -> None:
         if info.worker_id not in pending:

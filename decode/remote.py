@@ -154,7 +154,7 @@ class RemotePrefill:
             deadline=time.time() + self.cfg.timeout_s,
         )
         try:
-            put = await self.queue.put.remote(task)
+            put = await self.queue.put(task)
         except Exception as exc:  # noqa: BLE001  (queue actor gone)
             return False, f"queue unreachable ({exc.__class__.__name__})"
         if not put.ok:
@@ -169,7 +169,7 @@ class RemotePrefill:
         when nobody can write them any more: the task was still queued, or
         (``release_anyway``) no prefill worker is alive; else quarantined."""
         try:
-            status = await self.queue.cancel.remote(rid)
+            status = await self.queue.cancel(rid)
         except Exception:  # noqa: BLE001
             status = "unknown"
         self._fallback(rid, epoch, why, release_now=release_anyway or status == "queued")
@@ -182,7 +182,7 @@ class RemotePrefill:
 
     async def _cancel_quietly(self, rid: str) -> None:
         try:
-            await self.queue.cancel.remote(rid)
+            await self.queue.cancel(rid)
         except Exception:  # noqa: BLE001
             pass
 
@@ -194,12 +194,12 @@ class RemotePrefill:
         while True:
             await asyncio.sleep(self.cfg.queue_poll_s)
             try:
-                failed, st = await self.queue.take_failed_and_stats.remote(self.worker_id)
+                failed, st = await self.queue.take_failed_and_stats(self.worker_id)
                 for f in failed:
                     self._fallback(f.task.request_id, f.task.epoch, f"queue: {f.reason}", release_now=True)
                 self.cluster["prefill_queue_depth"] = st.depth
                 self.cluster["prefill_queue_tokens"] = st.queued_tokens
-            except Exception as exc:  # noqa: BLE001  (keep collecting through Ray hiccups)
+            except Exception as exc:  # noqa: BLE001  (keep collecting through queue/Ray hiccups)
                 log.debug("queue poll failed: %r", exc)
 
     # -- the engine thread ----------------------------------------------------------------

@@ -53,6 +53,10 @@ class DecodeWorkerConfig:
     remote_prefill: bool = False
     queue_name: str = "pdserve-prefill-queue"
     queue_namespace: str = "pdserve"
+    queue_transport: str = "auto"  # "auto" (the queue's wire when reachable) | "wire" | "ray"
+    # Freeze the start-up heap out of the cyclic GC (cluster.runtime.freeze_gc_heap): set by the
+    # launcher, whose workers own their process; off for a worker embedded in another program.
+    freeze_gc: bool = False
     remote_timeout_s: float = 30.0
     ucx_env: dict = field(default_factory=lambda: {"UCX_MODULES": "^ib"})
 
@@ -106,6 +110,10 @@ class DecodeWorker:
             self._start_remote()
         if cfg.etcd_endpoints:
             await self._join_cluster()
+        if cfg.freeze_gc:
+            from pdserve.cluster.runtime import freeze_gc_heap
+
+            freeze_gc_heap(f"decode worker {self.worker_id}")
         log.info("decode worker %s serving gRPC %s, HTTP %s", self.worker_id, self.grpc_address, self.http_address)
         return {"worker_id": self.worker_id, "grpc": self.grpc_address, "http": self.http_address, "pid": os.getpid()}
 
@@ -131,6 +139,7 @@ class DecodeWorker:
         import ray
 
         from pdserve.cluster.queue import get_or_create_queue
+        from pdserve.cluster.queue_wire import QueueClient
         from pdserve.kvtransfer import KVLayout, KVTransferAgent
 
         from .remote import RemoteConfig, RemotePrefill
@@ -141,7 +150,7 @@ class DecodeWorker:
         kv = self.engine.runner.kv_cache
         self.agent = KVTransferAgent(self.worker_id, kv, KVLayout.from_tensor(kv, self.engine.model_config.model_id),
                                      ucx_env=cfg.ucx_env)
-        queue = get_or_create_queue(cfg.queue_name, cfg.queue_namespace)
+        queue = QueueClient(get_or_create_queue(cfg.queue_name, cfg.queue_namespace), cfg.queue_transport)
         self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, queue, self.metrics,
                                     self.frontend.cluster, RemoteConfig(timeout_s=cfg.remote_timeout_s))
         self.remote.costs = self.frontend.policy.costs

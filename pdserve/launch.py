@@ -168,6 +168,10 @@ def _status(args) -> int:
     if queue:
         print(f"prefill queue {state.queue_name}: depth {queue['depth']}, {queue['queued_tokens']} tokens queued, "
               f"in flight {queue['in_flight']}, oldest wait {queue['oldest_wait_ms']:.0f} ms")
+        c = queue["counters"]
+        print(f"  tasks put {c.get('put', 0)}, dispatched {c.get('dispatched', 0)}, completed {c.get('completed', 0)}, "
+              f"requeued {c.get('requeued', 0)}; wire: {c.get('wire_connections', 0)} connections, "
+              f"{c.get('wire_calls', 0)} calls, {c.get('wire_errors', 0)} errors")
     return 0 if not missing else 1
 
 
@@ -186,7 +190,7 @@ def _queue_stats(state) -> dict | None:
         ray.init(address=state.ray_address, namespace=state.namespace, log_to_driver=False)
         st = ray.get(ray.get_actor(state.queue_name, namespace=state.namespace).stats.remote(), timeout=10)
         return {"depth": st.depth, "queued_tokens": st.queued_tokens, "in_flight": st.in_flight,
-                "oldest_wait_ms": st.oldest_wait_ms}
+                "oldest_wait_ms": st.oldest_wait_ms, "counters": st.counters}
     except Exception as exc:  # noqa: BLE001  (status must still show the members)
         print(f"(prefill queue not reachable: {exc.__class__.__name__})", file=sys.stderr)
         return None

@@ -42,6 +42,8 @@ class PrefillWorkerConfig:
     lease_ttl_s: float = 10.0
     queue_name: str = "pdserve-prefill-queue"
     queue_namespace: str = "pdserve"
+    queue_transport: str = "auto"  # "auto" (the queue's wire when reachable) | "wire" | "ray"
+    freeze_gc: bool = False  # freeze the start-up heap out of the cyclic GC (the launcher sets it)
     batch_max_tokens: int | None = None  # default: the engine's max_num_batched_tokens
     poll_timeout_ms: float = 1000.0  # idle long poll of get_batch (a put wakes it at once)
     transfer_timeout_s: float = 30.0
@@ -84,6 +86,7 @@ class PrefillWorker:
         import ray
 
         from pdserve.cluster.queue import get_or_create_queue
+        from pdserve.cluster.queue_wire import QueueClient
         from pdserve.cluster.records import WorkerInfo
         from pdserve.cluster.registry import Registry
 
@@ -94,7 +97,7 @@ class PrefillWorker:
         self.agent = KVTransferAgent(self.worker_id, kv, layout, ucx_env=cfg.ucx_env)
         if not ray.is_initialized():
             raise RuntimeError("the prefill worker needs Ray (run it as a Ray actor or call ray.init first)")
-        self.queue = get_or_create_queue(cfg.queue_name, cfg.queue_namespace)
+        self.queue = QueueClient(get_or_create_queue(cfg.queue_name, cfg.queue_namespace), cfg.queue_transport)
         self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s)
         info = WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
                           kv_layout=self.engine.runner.layout_info(),
@@ -103,6 +106,10 @@ class PrefillWorker:
         await self.registry.register(info, json.dumps(self.agent.local_info()).encode())
         self._decode_watch = await self.registry.watch_members(on_remove=self._decode_gone, role="decode")
         await self.registry.watch_drain(self.worker_id, lambda why: asyncio.ensure_future(self.drain()))
+        if cfg.freeze_gc:
+            from pdserve.cluster.runtime import freeze_gc_heap
+
+            freeze_gc_heap(f"prefill worker {self.worker_id}")
         self._loop_task = asyncio.create_task(self._run())
         log.info("prefill worker %s started (pid %d)", self.worker_id, os.getpid())
         return {"worker_id": self.worker_id, "pid": os.getpid()}
@@ -153,7 +160,7 @@ class PrefillWorker:
     async def _run(self) -> None:
         while not self.draining:
             try:
-                tasks = await self.queue.get_batch.remote(self.worker_id, self.budget, self.cfg.poll_timeout_ms)
+                tasks = await self.queue.get_batch(self.worker_id, self.budget, self.cfg.poll_timeout_ms)
             except Exception as exc:  # noqa: BLE001  (queue actor restarting, Ray hiccup)
                 log.warning("get_batch failed: %r; retrying", exc)
                 await asyncio.sleep(0.5)
@@ -167,7 +174,7 @@ class PrefillWorker:
                     runnable.append(t)
             if runnable:
                 await asyncio.to_thread(self._prefill_batch, runnable, new_peers)
-            await self.queue.complete.remote(self.worker_id, [t.request_id for t in tasks])
+            await self.queue.complete(self.worker_id, [t.request_id for t in tasks])
 
     async def _peer_info(self, worker_id: str, new_peers: dict) -> bool:
         """Fetch a decode worker's NIXL record from etcd the first time it is a target."""

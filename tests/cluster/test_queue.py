@@ -1,10 +1,15 @@
-"""The prefill queue as a real Ray actor: order, budgets, cancel, capacity, fail-back."""
+"""The prefill queue as a real Ray actor: order, budgets, cancel, capacity, fail-back.
+
+The actor-level tests run twice: through Ray actor calls and through the
+queue's wire (`QueueClient`), which must behave the same.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
-import os
+import threading
 import time
 import uuid
 
@@ -20,26 +25,58 @@ from pdserve.cluster.queue import (
     get_or_create_queue,
     requeue_on_worker_loss,
 )
+from pdserve.cluster.queue_wire import QueueClient
 from pdserve.cluster.registry import Registry, WorkerInfo
 
 pytestmark = pytest.mark.timeout(120)  # any hang fails fast, not after the suite-wide 600 s
 _ids = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """One local Ray for the module (start-up costs ~2.5 s on 2 cores)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="pdserve-tests")
-    yield
-    ray.shutdown()
+class SyncQueue:
+    """The queue's API as blocking calls, over one transport: "ray" (actor calls on the
+    handle) or "wire" (a QueueClient on an event loop in a thread)."""
+
+    def __init__(self, handle, transport: str):
+        self.handle, self.transport = handle, transport
+        if transport == "wire":
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+            self._thread.start()
+            self.client = QueueClient(handle, "wire")
+
+    def submit(self, method: str, *args, **kwargs) -> concurrent.futures.Future:
+        if self.transport == "ray":
+            fut = concurrent.futures.Future()
+            ref = getattr(self.handle, method).remote(*args, **kwargs)
+            threading.Thread(target=lambda: fut.set_result(ray.get(ref, timeout=60)), daemon=True).start()
+            return fut
+        return asyncio.run_coroutine_threadsafe(getattr(self.client, method)(*args, **kwargs), self._loop)
+
+    def __getattr__(self, method: str):
+        return lambda *args, **kwargs: self.submit(method, *args, **kwargs).result(timeout=60)
+
+    def close(self) -> None:
+        if self.transport == "wire":
+            asyncio.run_coroutine_threadsafe(self.client.close(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+
+def new_queue(transport: str, capacity: int = 64) -> SyncQueue:
+    return SyncQueue(get_or_create_queue(f"q-{uuid.uuid4().hex[:8]}", "pdserve-tests", capacity=capacity), transport)
+
+
+@pytest.fixture(params=["ray", "wire"])
+def transport(request) -> str:
+    return request.param
 
 
 @pytest.fixture
-def queue(ray_local):
-    handle = get_or_create_queue(f"q-{uuid.uuid4().hex[:8]}", "pdserve-tests", capacity=64)
-    yield handle
-    ray.kill(handle)
+def queue(ray_local, transport):
+    q = new_queue(transport)
+    yield q
+    q.close()
+    ray.kill(q.handle)
 
 
 def task(num_tokens: int = 10, *, cached: int = 0, priority=PRIORITY_NORMAL, deadline=None,
@@ -81,8 +118,8 @@ def test_tasks_leave_by_priority_then_deadline_then_arrival(queue):
         task(request_id="high", priority=PRIORITY_HIGH, arrival=now),
     ]
     for t in puts:
-        assert ray.get(queue.put.remote(t)).ok
-    batch = ray.get(queue.get_batch.remote("p0", max_tokens=10_000))
+        assert queue.put(t).ok
+    batch = queue.get_batch("p0", max_tokens=10_000)
     assert ids(batch) == [
         "high", "normal-early-deadline", "normal-late-deadline",
         "normal-no-deadline-old", "normal-no-deadline-new", "low",
@@ -91,106 +128,107 @@ def test_tasks_leave_by_priority_then_deadline_then_arrival(queue):
 
 def test_batch_fills_the_token_budget_in_order_and_stops_at_the_first_misfit(queue):
     for n, rid in [(100, "a"), (200, "b"), (300, "c"), (50, "d")]:
-        ray.get(queue.put.remote(task(n, request_id=rid, arrival=time.time())))
-    assert ids(ray.get(queue.get_batch.remote("p0", max_tokens=350))) == ["a", "b"]
-    assert ids(ray.get(queue.get_batch.remote("p0", max_tokens=350))) == ["c", "d"]
-    assert ray.get(queue.get_batch.remote("p0", max_tokens=350)) == []
+        queue.put(task(n, request_id=rid, arrival=time.time()))
+    assert ids(queue.get_batch("p0", max_tokens=350)) == ["a", "b"]
+    assert ids(queue.get_batch("p0", max_tokens=350)) == ["c", "d"]
+    assert queue.get_batch("p0", max_tokens=350) == []
 
 
 def test_budget_counts_uncached_tokens_and_max_tasks_caps_the_batch(queue):
     for rid in "abc":
-        ray.get(queue.put.remote(task(1000, cached=900, request_id=rid, arrival=time.time())))
-    assert ids(ray.get(queue.get_batch.remote("p0", max_tokens=300))) == ["a", "b", "c"]
+        queue.put(task(1000, cached=900, request_id=rid, arrival=time.time()))
+    assert ids(queue.get_batch("p0", max_tokens=300)) == ["a", "b", "c"]
     for rid in "def":
-        ray.get(queue.put.remote(task(10, request_id=rid, arrival=time.time())))
-    assert ids(ray.get(queue.get_batch.remote("p0", max_tokens=300, max_tasks=2))) == ["d", "e"]
+        queue.put(task(10, request_id=rid, arrival=time.time()))
+    assert ids(queue.get_batch("p0", max_tokens=300, max_tasks=2)) == ["d", "e"]
 
 
 def test_a_task_larger_than_the_budget_is_still_handed_out_alone(queue):
-    ray.get(queue.put.remote(task(5000, request_id="huge", arrival=1.0)))
-    ray.get(queue.put.remote(task(10, request_id="small", arrival=2.0)))
-    assert ids(ray.get(queue.get_batch.remote("p0", max_tokens=512))) == ["huge"]
-    assert ids(ray.get(queue.get_batch.remote("p0", max_tokens=512))) == ["small"]
+    queue.put(task(5000, request_id="huge", arrival=1.0))
+    queue.put(task(10, request_id="small", arrival=2.0))
+    assert ids(queue.get_batch("p0", max_tokens=512)) == ["huge"]
+    assert ids(queue.get_batch("p0", max_tokens=512)) == ["small"]
 
 
 def test_get_batch_waits_for_the_first_task_up_to_max_wait_ms(queue):
     started = time.monotonic()
-    assert ray.get(queue.get_batch.remote("p0", max_tokens=100, max_wait_ms=200)) == []
+    assert queue.get_batch("p0", max_tokens=100, max_wait_ms=200) == []
     assert time.monotonic() - started >= 0.2
-    waiting = queue.get_batch.remote("p0", max_tokens=100, max_wait_ms=5000)
+    waiting = queue.submit("get_batch", "p0", max_tokens=100, max_wait_ms=5000)
     time.sleep(0.2)
     put_at = time.monotonic()
-    ray.get(queue.put.remote(task(request_id="late")))
-    assert ids(ray.get(waiting)) == ["late"]
+    queue.put(task(request_id="late"))
+    assert ids(waiting.result(timeout=10)) == ["late"]
     assert time.monotonic() - put_at < 1.0  # woken by the put, not by the timeout
 
 
 def test_cancel_removes_a_queued_task_and_reports_in_flight_ones(queue):
     for rid in ["keep", "drop", "taken"]:
-        ray.get(queue.put.remote(task(request_id=rid, priority=0 if rid == "taken" else 1)))
-    assert ids(ray.get(queue.get_batch.remote("p0", max_tokens=10))) == ["taken"]
-    assert ray.get(queue.cancel.remote("drop")) == "queued"
-    assert ray.get(queue.cancel.remote("taken")) == "in_flight"
-    assert ray.get(queue.cancel.remote("never-seen")) == "unknown"
-    assert ids(ray.get(queue.get_batch.remote("p1", max_tokens=1000))) == ["keep"]
-    stats = ray.get(queue.stats.remote())
+        queue.put(task(request_id=rid, priority=0 if rid == "taken" else 1))
+    assert ids(queue.get_batch("p0", max_tokens=10)) == ["taken"]
+    assert queue.cancel("drop") == "queued"
+    assert queue.cancel("taken") == "in_flight"
+    assert queue.cancel("never-seen") == "unknown"
+    assert ids(queue.get_batch("p1", max_tokens=1000)) == ["keep"]
+    stats = queue.stats()
     assert stats.depth == 0 and stats.in_flight == {"p1": 1} and stats.counters["cancelled"] == 2
-    assert ray.get(queue.worker_gone.remote("p0"))["requeued"] == 0  # a cancelled task is not requeued
+    assert queue.worker_gone("p0")["requeued"] == 0  # a cancelled task is not requeued
 
 
-def test_put_is_refused_explicitly_when_full_duplicate_or_late(ray_local):
-    small = get_or_create_queue(f"q-{uuid.uuid4().hex[:8]}", "pdserve-tests", capacity=2)
+def test_put_is_refused_explicitly_when_full_duplicate_or_late(ray_local, transport):
+    small = new_queue(transport, capacity=2)
     try:
-        assert ray.get(small.put.remote(task(request_id="a"))).ok
-        assert ray.get(small.put.remote(task(request_id="b"))).ok
-        full = ray.get(small.put.remote(task(request_id="c")))
+        assert small.put(task(request_id="a")).ok
+        assert small.put(task(request_id="b")).ok
+        full = small.put(task(request_id="c"))
         assert (full.ok, full.reason, full.depth) == (False, "queue_full", 2)
-        assert ray.get(small.put.remote(task(request_id="a"))).reason == "duplicate"
-        assert ray.get(small.put.remote(task(request_id="x", deadline=time.time() - 1))).reason == "deadline_passed"
-        assert ray.get(small.put.remote(task(10, cached=10, request_id="y"))).reason == "nothing_to_prefill"
-        counters = ray.get(small.stats.remote()).counters
+        assert small.put(task(request_id="a")).reason == "duplicate"
+        assert small.put(task(request_id="x", deadline=time.time() - 1)).reason == "deadline_passed"
+        assert small.put(task(10, cached=10, request_id="y")).reason == "nothing_to_prefill"
+        counters = small.stats().counters
         assert counters["rejected_queue_full"] == 1 and counters["put"] == 2
     finally:
-        ray.kill(small)
+        small.close()
+        ray.kill(small.handle)
 
 
 def test_a_vanished_workers_tasks_are_requeued_once_then_failed_back_to_their_origin(queue):
-    ray.get(queue.put.remote(task(request_id="a", target="d0", arrival=1.0)))
-    ray.get(queue.put.remote(task(request_id="b", target="d1", arrival=2.0)))
-    ray.get(queue.put.remote(task(request_id="c", target="d0", arrival=3.0)))
-    assert ids(ray.get(queue.get_batch.remote("p0", max_tokens=20))) == ["a", "b"]
-    assert ray.get(queue.worker_gone.remote("p0")) == {
+    queue.put(task(request_id="a", target="d0", arrival=1.0))
+    queue.put(task(request_id="b", target="d1", arrival=2.0))
+    queue.put(task(request_id="c", target="d0", arrival=3.0))
+    assert ids(queue.get_batch("p0", max_tokens=20)) == ["a", "b"]
+    assert queue.worker_gone("p0") == {
         "requeued": 2, "failed": 0, "dropped_queued": 0, "dropped_failed": 0}
     # Requeued tasks keep their place ahead of later arrivals.
-    assert ids(ray.get(queue.get_batch.remote("p1", max_tokens=30))) == ["a", "b", "c"]
-    assert ray.get(queue.complete.remote("p1", "c"))
-    assert ray.get(queue.worker_gone.remote("p1"))["failed"] == 2
-    failed = ray.get(queue.take_failed.remote("d0"))
+    assert ids(queue.get_batch("p1", max_tokens=30)) == ["a", "b", "c"]
+    assert queue.complete("p1", "c")
+    assert queue.worker_gone("p1")["failed"] == 2
+    failed = queue.take_failed("d0")
     assert ids(f.task for f in failed) == ["a"] and failed[0].reason == "worker_vanished"
     # The decode worker's periodic poll: its failed tasks and the stats in one call.
-    failed_d1, stats = ray.get(queue.take_failed_and_stats.remote("d1"))
+    failed_d1, stats = queue.take_failed_and_stats("d1")
     assert ids(f.task for f in failed_d1) == ["b"] and stats.failed_pending == 0 and stats.depth == 0
-    assert ray.get(queue.take_failed.remote("d0")) == []  # taken once
-    assert ray.get(queue.worker_gone.remote("p1"))["failed"] == 0  # idempotent
+    assert queue.take_failed("d0") == []  # taken once
+    assert queue.worker_gone("p1")["failed"] == 0  # idempotent
 
 
 def test_stats_report_depth_tokens_wait_and_in_flight_per_worker(queue):
-    ray.get(queue.put.remote(task(100, cached=20)))
-    ray.get(queue.put.remote(task(50)))
-    ray.get(queue.put.remote(task(70)))
-    batch = ray.get(queue.get_batch.remote("p0", max_tokens=80))
+    queue.put(task(100, cached=20))
+    queue.put(task(50))
+    queue.put(task(70))
+    batch = queue.get_batch("p0", max_tokens=80)
     time.sleep(0.05)
-    stats = ray.get(queue.stats.remote())
+    stats = queue.stats()
     assert (stats.depth, stats.queued_tokens, stats.in_flight, stats.in_flight_tokens) == (2, 120, {"p0": 1}, 80)
     assert stats.oldest_wait_ms >= 50 and stats.capacity == 64
-    assert ray.get(queue.complete.remote("p0", [t.request_id for t in batch]))  # a whole batch at once
-    assert ray.get(queue.stats.remote()).in_flight == {}
+    assert queue.complete("p0", [t.request_id for t in batch])  # a whole batch at once
+    assert queue.stats().in_flight == {}
     # Or piggybacked on the next request, as a prefill worker's loop does.
-    batch = ray.get(queue.get_batch.remote("p0", max_tokens=50))
-    assert ray.get(queue.stats.remote()).in_flight == {"p0": 1}
-    ray.get(queue.get_batch.remote("p0", max_tokens=1, completed=[t.request_id for t in batch]))
-    assert ray.get(queue.stats.remote()).in_flight == {"p0": 1}  # the old one done, a new one taken
-    assert ray.get(queue.stats.remote()).counters["completed"] == 2
+    batch = queue.get_batch("p0", max_tokens=50)
+    assert queue.stats().in_flight == {"p0": 1}
+    queue.get_batch("p0", max_tokens=1, completed=[t.request_id for t in batch])
+    assert queue.stats().in_flight == {"p0": 1}  # the old one done, a new one taken
+    assert queue.stats().counters["completed"] == 2
 
 
 def test_get_or_create_returns_the_same_named_actor(ray_local):
@@ -225,34 +263,39 @@ def test_expired_tasks_are_failed_back_instead_of_dispatched():
     assert failed.task.request_id == "soon" and failed.reason == "deadline_expired"
 
 
-async def test_worker_removed_from_the_registry_gets_its_tasks_requeued(queue, etcd, cluster_name):
+async def test_worker_removed_from_the_registry_gets_its_tasks_requeued(ray_local, transport, etcd, cluster_name):
+    handle = get_or_create_queue(f"q-{uuid.uuid4().hex[:8]}", "pdserve-tests", capacity=64)
+    client = QueueClient(handle, transport)  # on this test's event loop, as in a decode worker
     async with Registry(etcd.endpoint, cluster_name, ttl_s=2.0, backoff_initial_s=0.05) as janitor_reg, \
             Registry(etcd.endpoint, cluster_name, ttl_s=2.0) as p0:
-        view = await requeue_on_worker_loss(janitor_reg, queue, grace_s=0.1)
+        view = await requeue_on_worker_loss(janitor_reg, client, grace_s=0.1)
         await p0.register(WorkerInfo("p0", "prefill"))
         await view.wait_for(lambda m: "p0" in m, timeout_s=5)
-        await queue.put.remote(task(request_id="a"))
-        assert ids(await queue.get_batch.remote("p0", max_tokens=100)) == ["a"]
+        await client.put(task(request_id="a"))
+        assert ids(await client.get_batch("p0", max_tokens=100)) == ["a"]
         await p0.deregister()
 
         async def requeued():
-            while (await queue.stats.remote()).depth != 1:
+            while (await client.stats()).depth != 1:
                 await asyncio.sleep(0.02)
 
         await asyncio.wait_for(requeued(), timeout=5)
-        assert ids(await queue.get_batch.remote("p1", max_tokens=100)) == ["a"]
+        assert ids(await client.get_batch("p1", max_tokens=100)) == ["a"]
+        assert client.in_use == transport
+    await client.close()
+    ray.kill(handle)
 
 
 def test_a_poll_left_behind_by_a_vanished_worker_takes_nothing(queue):
     # A prefill worker killed while its get_batch waits: the call lives on in the queue actor.
-    orphan = queue.get_batch.remote("p-dead", 100, 5000)
+    orphan = queue.submit("get_batch", "p-dead", 100, 5000)
     time.sleep(0.3)  # the poll is waiting in the actor
-    ray.get(queue.worker_gone.remote("p-dead"))
-    assert ray.get(orphan, timeout=10) == []  # woken and ended empty, not after its 5 s
-    assert ray.get(queue.put.remote(task(request_id="late"))).ok
+    queue.worker_gone("p-dead")
+    assert orphan.result(timeout=10) == []  # woken and ended empty, not after its 5 s
+    assert queue.put(task(request_id="late")).ok
     # The task stays queued for a live worker instead of going to the dead one.
-    assert ids(ray.get(queue.get_batch.remote("p-live", 100))) == ["late"]
-    assert ray.get(queue.stats.remote()).in_flight == {"p-live": 1}
+    assert ids(queue.get_batch("p-live", 100)) == ["late"]
+    assert queue.stats().in_flight == {"p-live": 1}
     # A poll the same worker id starts afterwards (a restarted worker) is served again.
-    assert ray.get(queue.put.remote(task(request_id="again"))).ok
-    assert ids(ray.get(queue.get_batch.remote("p-dead", 100, 1000))) == ["again"]
+    assert queue.put(task(request_id="again")).ok
+    assert ids(queue.get_batch("p-dead", 100, 1000)) == ["again"]

@@ -29,6 +29,11 @@ def alive(pid: int) -> bool:
         return False
 
 
+def nice(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().split(")")[-1].split()[16])
+
+
 @pytest.fixture
 def topology(tmp_path):
     path = tmp_path / "topology.yaml"
@@ -56,6 +61,13 @@ def test_up_status_demo_down(topology, tmp_path):
         assert demo.returncode == 0, demo.stdout + demo.stderr
         assert "route REMOTE" in demo.stdout and "transfer:" in demo.stdout
         assert demo.stdout.count("completion (8 tokens") == 7
+        # The remote prefills went over the queue's wire, not Ray actor calls.
+        counters = json.loads(pdserve("status", "--topology", str(topology), "--json").stdout)["queue"]["counters"]
+        assert counters["dispatched"] >= 1 and counters["wire_connections"] >= 2, counters
+        assert counters["wire_calls"] >= 2 * counters["dispatched"] and counters.get("wire_errors", 0) == 0, counters
+        # The workers run at the topology's niceness (0), not Ray's default 15.
+        for actor in state["actors"]:
+            assert nice(actor["pid"]) == 0, actor
     finally:
         down = pdserve("down", "--topology", str(topology))
     assert down.returncode == 0, down.stdout + down.stderr
