@@ -51,6 +51,7 @@ MAX_FRAME_BYTES = 64 << 20
 HELLO_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
 CALL_SLACK_S = 30.0  # a call's reply may take this long beyond its own wait (a wedged actor)
+WRITE_BUFFER_HIGH = 1 << 20  # a client waits for its socket to drain beyond this many unsent bytes
 TRANSPORTS = ("auto", "wire", "ray")
 
 
@@ -311,6 +312,8 @@ class _Connection:
         self.pending[call_id] = fut
         self.writer.write(pack_frame({"id": call_id, "m": method, "a": args}))
         try:
+            if self.writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH:
+                await asyncio.wait_for(self.writer.drain(), timeout_s)  # the queue reads slower than we put
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self.pending.pop(call_id, None)
@@ -380,16 +383,17 @@ class QueueClient:
         elif self._loop is not loop:
             raise RuntimeError("QueueClient is bound to the event loop it first ran in; "
                                "make one client per event loop")
+        timeout_s = wait_s + CALL_SLACK_S
         if self.transport == "ray" or self.in_use == "ray":
             self.in_use = "ray"
-            return await getattr(self.handle, method).remote(*args)
+            return await asyncio.wait_for(getattr(self.handle, method).remote(*args), timeout_s)
         conn = self._conn
         if conn is None or conn.closed is not None:
             conn = await self._connect()
             if conn is None:  # auto: the wire is not reachable from here
-                return await getattr(self.handle, method).remote(*args)
+                return await asyncio.wait_for(getattr(self.handle, method).remote(*args), timeout_s)
         wire_args = [to_wire(args[0])] if method == "put" else list(args)
-        body = await conn.call(method, wire_args, wait_s + CALL_SLACK_S)
+        body = await conn.call(method, wire_args, timeout_s)
         if not body.get("ok"):
             err = body.get("error") or {}
             raise QueueCallError(str(err.get("type", "Error")), str(err.get("message", "")))
@@ -399,7 +403,7 @@ class QueueClient:
         async with self._connecting:
             if self._conn is not None and self._conn.closed is None:
                 return self._conn
-            endpoint = await self.handle.wire_endpoint.remote()
+            endpoint = await asyncio.wait_for(self.handle.wire_endpoint.remote(), CALL_SLACK_S)
             reason = self._unreachable(endpoint)
             if reason is not None:
                 if self.transport == "wire":

@@ -77,6 +77,7 @@ class DecodeWorker:
         self.policy_watch = None
         self.prefill_watch = None
         self.remote = None
+        self.queue = None  # QueueClient, with remote prefill
         self.agent = None
         self._requeue_watch = None
         self._http: uvicorn.Server | None = None
@@ -258,6 +259,8 @@ class DecodeWorker:
             await self.remote.stop()
         if self.registry is not None:
             await self.registry.close()
+        if self.queue is not None:
+            await self.queue.close()  # the wire connection, if one is open
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._http_task is not None:
             try:

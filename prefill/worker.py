@@ -146,6 +146,8 @@ class PrefillWorker:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         if self.registry is not None:
             await self.registry.close()
+        if self.queue is not None:
+            await self.queue.close()
         if self.agent is not None:
             self.agent.close()
 
