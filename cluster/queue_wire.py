@@ -308,9 +308,10 @@ class _Connection:
             raise self.closed
         self.next_id += 1
         call_id = self.next_id
+        frame = pack_frame({"id": call_id, "m": method, "a": args})  # WireError if too large: nothing sent
         fut = asyncio.get_running_loop().create_future()
         self.pending[call_id] = fut
-        self.writer.write(pack_frame({"id": call_id, "m": method, "a": args}))
+        self.writer.write(frame)
         try:
             if self.writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH:
                 await asyncio.wait_for(self.writer.drain(), timeout_s)  # the queue reads slower than we put
