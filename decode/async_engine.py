@@ -17,11 +17,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.engine import LLMEngine, RequestDelta, SamplingParams
+from pdserve.engine import LLMEngine, RequestDelta, SamplingParams, StepError
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long the idle loop sleeps before re-checking pollers / stop
+# Failed steps in a row (each fails its own requests) before the engine is declared dead:
+# one bad batch is that batch's problem, three in a row with different requests is the engine's.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 @dataclass
@@ -53,11 +56,23 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    """Owns the engine thread; the asyncio side submits requests and streams deltas."""
+    """Owns the engine thread; the asyncio side submits requests and streams deltas.
 
-    def __init__(self, engine: LLMEngine, on_step: Callable[[StepInfo], None] | None = None):
+    Failure containment: a request whose sampling or detokenization fails ends
+    alone (finish_reason "error"); a failed step (forward pass) fails the
+    requests in it and the loop goes on; a command or poller that raises is
+    logged and skipped. Only `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a
+    row, or a bug in the loop itself, kill the thread: then `alive` is False,
+    every stream gets the error, and ``on_death(exc)`` runs on the event loop.
+    """
+
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepInfo], None] | None = None,
+                 on_death: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.on_step = on_step
+        self.on_death = on_death
+        self.step_failures = 0  # in a row
+        self.counters = {"failed_steps": 0, "failed_commands": 0, "failed_polls": 0}
         # Called in the engine thread each loop turn; return True if they did work.
         self.pollers: list[Callable[[], bool]] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -126,17 +141,29 @@ class AsyncEngine:
             while not self._stop.is_set():
                 busy = self._drain_commands()
                 for poll in self.pollers:
-                    busy = bool(poll()) or busy
+                    busy = self._guarded(poll, "failed_polls") or busy
                 if eng.scheduler.has_work():
                     self._step()
                 elif not busy:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001  (fail every stream, then stop)
-            log.exception("engine loop crashed")
+            log.critical("engine loop died: %s: %s", exc.__class__.__name__, exc, exc_info=exc)
             self.error = exc
             for rid in list(self._streams):
                 self._emit(rid, exc, None)
+            if self.on_death is not None and self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self.on_death, exc)
+
+    def _guarded(self, fn, counter: str, *args) -> bool:
+        """Run a command or poller; one that raises is logged and counted, not fatal."""
+        try:
+            return bool(fn(*args))
+        except Exception:  # noqa: BLE001
+            self.counters[counter] += 1
+            if self.counters[counter] <= 10 or self.counters[counter] % 1000 == 0:
+                log.exception("engine thread: %s #%d", counter.replace("_", " "), self.counters[counter])
+            return True
 
     def _drain_commands(self) -> bool:
         did = False
@@ -152,18 +179,23 @@ class AsyncEngine:
                 _, rid, ids, params, priority = cmd
                 try:
                     eng.add_request(ids, params, request_id=rid, priority=priority)
-                except ValueError as exc:
+                except Exception as exc:  # noqa: BLE001  (this request's error, not the engine's)
                     self._emit(rid, exc, None)
             elif kind == "abort":
                 if eng.abort_request(cmd[1]):
                     self.deliver_abort(cmd[1])
             elif kind == "call":
-                cmd[1](eng)
+                self._guarded(cmd[1], "failed_commands", eng)
 
     def _step(self) -> None:
         eng = self.engine
         t0 = time.perf_counter()
-        deltas = eng.step()
+        try:
+            deltas = eng.step()
+        except StepError as exc:
+            self._step_failed(exc)
+            return
+        self.step_failures = 0
         seqs, tokens, decodes = eng.last_step
         info = StepInfo(ms=(time.perf_counter() - t0) * 1e3, num_seqs=seqs, num_tokens=tokens,
                         num_decode_seqs=decodes)
@@ -171,6 +203,18 @@ class AsyncEngine:
             self.deliver(d)
         if self.on_step is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.on_step, info)
+
+    def _step_failed(self, exc: StepError) -> None:
+        """Fail the step's requests with the error; the loop goes on unless it keeps failing."""
+        self.step_failures += 1
+        self.counters["failed_steps"] += 1
+        log.error("%s (%d in a row); failing its %d requests", exc, self.step_failures, len(exc.request_ids),
+                  exc_info=exc.cause)
+        for rid in exc.request_ids:
+            if self.engine.abort_request(rid):
+                self._emit(rid, RequestDelta(rid, [], "", "error", error=str(exc)), None)
+        if self.step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineDeadError(f"{self.step_failures} engine steps failed in a row; last: {exc}") from exc
 
     def deliver_abort(self, request_id: str) -> None:
         """End an aborted request's stream with finish_reason "abort" (engine thread)."""

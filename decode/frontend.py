@@ -8,17 +8,20 @@ layer maps to gRPC / HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
-from pdserve.engine import InvalidRequestError, SamplingParams
+from pdserve.engine import InvalidRequestError, RequestLimits, SamplingParams, check_text
 from pdserve.engine.block_manager import block_hashes
 from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, admit, decide
 
-from .async_engine import AsyncEngine, FinalInfo
+from .async_engine import AsyncEngine, EngineDeadError, FinalInfo
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
 
@@ -40,12 +43,51 @@ class RequestError(Exception):
         self.retry_after_ms = retry_after_ms
 
 
+REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:@/+=-]+")
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """What one request may ask for, checked before any work is done for it.
+
+    ``max_prompt_chars`` None: ``max_model_len`` x the longest vocabulary entry,
+    a bound no prompt that fits the model can exceed, so it refuses a huge
+    prompt without tokenizing it. The stop limits bound the detokenizer's
+    per-token work; the body limit bounds JSON parsing (HTTP).
+    """
+
+    max_body_bytes: int = 8 << 20
+    max_prompt_chars: int | None = None
+    max_request_id_chars: int = 256
+    max_messages: int = 1024
+    max_stop_strings: int = 32
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 256
+    tokenizer_threads: int = 2  # tokenization runs here, never on the event loop
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "ServingLimits":
+        d = dict(d or {})
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"limits: unknown key {unknown[0]!r}; known: {sorted(cls.__dataclass_fields__)}")
+        for k, v in d.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"limits.{k}: must be an integer >= 1, got {v!r}")
+        return cls(**d)
+
+    @property
+    def request(self) -> RequestLimits:
+        return RequestLimits(self.max_stop_strings, self.max_stop_chars, self.max_stop_token_ids)
+
+
 @dataclass
 class GenerateInput:
-    """One request as the APIs parsed it."""
+    """One request as the APIs parsed it (``messages`` instead of ``prompt`` for chat)."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | None
     params: SamplingParams
+    messages: list[dict] | None = None
     request_id: str | None = None
     model: str | None = None
     priority: str = "normal"
@@ -92,8 +134,13 @@ class Frontend:
     """Shared request handling of one decode worker."""
 
     def __init__(self, engine: AsyncEngine, policy: PolicyState, metrics: WorkerMetrics,
-                 worker_id: str, served_model: str):
+                 worker_id: str, served_model: str, limits: ServingLimits | None = None):
         self.engine = engine
+        self.limits = limits or ServingLimits()
+        eng = engine.engine
+        self.max_prompt_chars = self.limits.max_prompt_chars or eng.max_model_len * eng.tokenizer.max_token_chars
+        # Bounded: a burst of huge prompts queues here instead of starving the event loop.
+        self._tokenizer_pool = ThreadPoolExecutor(self.limits.tokenizer_threads, thread_name_prefix="pdserve-tokenize")
         self.policy = policy
         self.metrics = metrics
         self.worker_id = worker_id
@@ -112,9 +159,22 @@ class Frontend:
         self.num_decoding = 0
         self.arrivals = ArrivalRate()  # requests/s reaching this worker: the cost model's blocking penalty
 
+    def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
     # -- validation ------------------------------------------------------------------
     def validate(self, inp: GenerateInput) -> tuple[list[int], SamplingParams, int]:
+        """Check and tokenize one request (CPU work: call it off the event loop, see
+        `generate`). Every size is checked before the work it bounds."""
         eng = self.engine.engine
+        lim = self.limits
+        rid = inp.request_id
+        if rid is not None:
+            if not isinstance(rid, str) or not 0 < len(rid) <= lim.max_request_id_chars \
+                    or not REQUEST_ID_CHARS.fullmatch(rid):
+                raise RequestError("invalid_argument",
+                                   f"request_id: must be 1-{lim.max_request_id_chars} characters of "
+                                   "A-Z a-z 0-9 . _ : @ / + = -", "request_id")
         if inp.model and inp.model != self.served_model:
             raise RequestError("invalid_argument",
                                f"model: {inp.model!r} is not served here; this worker serves {self.served_model!r}",
@@ -124,7 +184,15 @@ class Frontend:
         if inp.ttft_slo_ms is not None and not inp.ttft_slo_ms > 0:
             raise RequestError("invalid_argument", f"ttft_slo_ms: must be > 0, got {inp.ttft_slo_ms}", "ttft_slo_ms")
         try:
-            ids, params, prio = eng.validate_input(inp.prompt, inp.params, inp.priority)
+            # Parameters first: a bad one is refused before the prompt costs anything.
+            inp.params.validate(eng.model_config.vocab_size, lim.request)
+            prompt = self._chat_prompt(inp.messages) if inp.messages is not None else inp.prompt
+            if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+                raise InvalidRequestError(
+                    "messages" if inp.messages is not None else "prompt",
+                    f"has {len(prompt)} characters; this worker takes at most {self.max_prompt_chars} "
+                    f"(max_model_len {eng.max_model_len} tokens)")
+            ids, params, prio = eng.validate_input(prompt, inp.params, inp.priority, lim.request)
         except InvalidRequestError as exc:
             raise RequestError("invalid_argument", str(exc), exc.field) from None
         room = eng.max_model_len - len(ids)
@@ -134,6 +202,26 @@ class Frontend:
                 f"max_tokens: {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
                 f"max_model_len {eng.max_model_len}; use max_tokens <= {room}", "max_tokens")
         return ids, params, prio
+
+    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Render chat messages with the model's template, then tokenize (the template
+        already holds BOS, so no special tokens are added again)."""
+        if len(messages) > self.limits.max_messages:
+            raise InvalidRequestError("messages", f"{len(messages)} messages; at most {self.limits.max_messages}")
+        total = 0
+        for i, m in enumerate(messages):
+            check_text(f"messages[{i}].content", m["content"])
+            check_text(f"messages[{i}].role", m["role"])
+            total += len(m["content"])
+        if total > self.max_prompt_chars:
+            raise InvalidRequestError("messages", f"hold {total} characters; this worker takes at most "
+                                      f"{self.max_prompt_chars}")
+        tokenizer = self.engine.engine.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except ValueError as exc:
+            raise InvalidRequestError("messages", str(exc).removeprefix("messages: ")) from None
+        return tokenizer.encode(text, add_special_tokens=False)
 
     def snapshot(self) -> ClusterSnapshot:
         eng = self.engine.engine
@@ -168,12 +256,19 @@ class Frontend:
         hashes = block_hashes(ids[: ((len(ids) - 1) // bs) * bs], bs)
         return len(kv.pool.lookup(hashes)) * bs
 
-    def prepare(self, inp: GenerateInput) -> Prepared:
-        """Validate, admit and route; raises RequestError."""
-        arrival = time.monotonic()
+    def check_serving(self) -> None:
         if self.draining:
             raise RequestError("unavailable", "worker is draining; retry on another decode worker")
-        ids, params, prio = self.validate(inp)
+        if not self.engine.alive:
+            raise RequestError("unavailable", "this worker's engine is not running; retry on another decode worker")
+
+    async def prepare(self, inp: GenerateInput) -> Prepared:
+        """Validate (in the tokenizer pool), admit and route; raises RequestError."""
+        arrival = time.monotonic()
+        self.check_serving()
+        loop = asyncio.get_running_loop()
+        ids, params, prio = await loop.run_in_executor(self._tokenizer_pool, self.validate, inp)
+        self.check_serving()  # it may have changed while the prompt was tokenized
         rid = inp.request_id or uuid.uuid4().hex
         if rid in self.inflight:
             raise RequestError("invalid_argument", f"request_id: {rid!r} is already in flight", "request_id")
@@ -195,7 +290,7 @@ class Frontend:
 
     # -- running -----------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
-        prep = self.prepare(inp)
+        prep = await self.prepare(inp)
         rid = prep.request_id
         eff = len(prep.prompt_ids) - prep.cached_len
         self.inflight.add(rid)
@@ -215,8 +310,8 @@ class Frontend:
             last_t = None
             async for item, final, info in source:
                 extra.update(info)
-                if isinstance(item, BaseException):
-                    raise RequestError("internal", f"engine error: {item}")
+                if isinstance(item, BaseException) or item.finish_reason == "error":
+                    raise _as_request_error(item)
                 now = time.monotonic()
                 if item.new_token_ids and not state["first"]:
                     state["first"] = True
@@ -303,3 +398,15 @@ class Frontend:
             self.metrics.prefix_hit_tokens.inc(final.cached_tokens)
         self.metrics.e2e.observe(now - prep.arrival)
         return b
+
+
+def _as_request_error(item) -> RequestError:
+    """The status a client sees for a request the engine could not finish."""
+    if isinstance(item, InvalidRequestError):
+        return RequestError("invalid_argument", str(item), item.field)
+    if isinstance(item, EngineDeadError):
+        return RequestError("unavailable", f"the engine stopped: {item}; retry on another decode worker")
+    if isinstance(item, BaseException):
+        return RequestError("internal", f"engine error: {item.__class__.__name__}: {item}")
+    return RequestError("internal", f"this request failed in the engine ({item.error}); the worker is fine, "
+                        "retry or change its sampling parameters")

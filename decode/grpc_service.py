@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 
 import grpc
@@ -13,6 +15,8 @@ from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.engine import SamplingParams
 
 from .frontend import Chunk, Frontend, GenerateInput, RequestError
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _PRIORITY = {pb.PRIORITY_NORMAL: "normal", pb.PRIORITY_HIGH: "high", pb.PRIORITY_LOW: "low"}
@@ -63,6 +67,45 @@ def chunk_to_proto(rid: str, c: Chunk) -> pb.GenerateResponse:
     return msg
 
 
+class Undecodable:
+    """What a request that does not parse as its message turns into: the handler
+    answers INVALID_ARGUMENT (grpc would say UNKNOWN or INTERNAL for a raising deserializer)."""
+
+    def __init__(self, message: str, exc: Exception):
+        self.detail = f"request body is not a valid {message} message ({exc.__class__.__name__}: {exc})"
+
+
+def _lenient(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except Exception as exc:  # noqa: BLE001  (DecodeError, invalid UTF-8 in a string field, ...)
+            return Undecodable(message_cls.DESCRIPTOR.full_name, exc)
+    return parse
+
+
+async def _refuse_undecodable(request, context) -> None:
+    if isinstance(request, Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+
+
+def add_inference_service(servicer: "InferenceService", server) -> None:
+    """The generated ``add_InferenceServicer_to_server`` with lenient deserializers."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=_lenient(pb.AbortRequest),
+            response_serializer=pb.AbortResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=_lenient(pb.ListModelsRequest),
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class InferenceService(pb_grpc.InferenceServicer):
     """Maps the Inference RPCs onto the shared `Frontend`."""
 
@@ -70,6 +113,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.frontend = frontend
 
     async def Generate(self, request, context):
+        await _refuse_undecodable(request, context)
         try:
             inp = input_from_proto(request)
             inp.request_id = inp.request_id or uuid.uuid4().hex
@@ -85,11 +129,19 @@ class InferenceService(pb_grpc.InferenceServicer):
             if md:
                 context.set_trailing_metadata(tuple(md))
             await context.abort(STATUS[exc.code], str(exc))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001  (a bug: the client still gets a typed status)
+            log.exception("Generate %s failed", request.request_id)
+            self.frontend.metrics.error("internal")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc.__class__.__name__}: {exc}")
 
     async def Abort(self, request, context):
+        await _refuse_undecodable(request, context)
         return pb.AbortResponse(found=self.frontend.abort(request.request_id))
 
     async def ListModels(self, request, context):
+        await _refuse_undecodable(request, context)
         eng = self.frontend.engine.engine
         card = pb.ModelCard(id=self.frontend.served_model, max_model_len=eng.max_model_len,
                             vocab_size=eng.model_config.vocab_size, dtype=str(eng.runner.dtype).removeprefix("torch."))
@@ -101,7 +153,7 @@ class GrpcServer:
 
     def __init__(self, frontend: Frontend, host: str, port: int):
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_InferenceServicer_to_server(InferenceService(frontend), self.server)
+        add_inference_service(InferenceService(frontend), self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -8,10 +8,15 @@ Retry-After and the predicted TTFT), 503 draining.
 
 from __future__ import annotations
 
+import http
 import json
+import logging
 import time
 import uuid
 from typing import Literal
+
+import h11
+import uvicorn.protocols.http.h11_impl
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,13 +27,17 @@ from pdserve.engine import SamplingParams
 
 from .frontend import Frontend, GenerateInput, RequestError
 
+log = logging.getLogger(__name__)
+
 HTTP_STATUS = {"invalid_argument": 400, "resource_exhausted": 429, "unavailable": 503, "internal": 500}
 
 
 class _Common(BaseModel):
     # OpenAI clients send fields we do not use (user, ...): ignore those, but
-    # type-check every field we do use.
-    model_config = ConfigDict(extra="ignore")
+    # type-check every field we do use, strictly: `"max_tokens": true` or `"7"` is
+    # refused, not coerced, and NaN / Infinity (which Python's JSON parser accepts)
+    # are refused by name.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -66,7 +75,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: str
     content: str
 
@@ -78,7 +87,8 @@ class ChatRequest(_Common):
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable"}.get(status, "server_error")
+    kind = {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+            503: "unavailable"}.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
                         status_code=status, headers=headers)
 
@@ -92,9 +102,91 @@ def _from_request_error(exc: RequestError) -> JSONResponse:
     return _error(HTTP_STATUS[exc.code], str(exc), exc.field, headers)
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 before anything parses it.
+
+    A declared Content-Length over the limit is refused at once; a chunked body
+    is counted as it arrives and refused as soon as it passes the limit.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if not value.isdigit():
+                    return await _send_json(send, _error(400, "Content-Length: not a number", "Content-Length"))
+                if int(value) > self.max_bytes:
+                    return await self._too_large(send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # client gone
+            size += len(msg.get("body", b""))
+            if size > self.max_bytes:
+                return await self._too_large(send)
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: wait for the disconnect
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send):
+        await _send_json(send, _error(413, f"body: larger than this worker's limit of {self.max_bytes} bytes "
+                                      "(limits.max_body_bytes)", "body"))
+
+
+async def _send_json(send, resp: JSONResponse) -> None:
+    await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
+    await send({"type": "http.response.body", "body": resp.body})
+
+
+class H11Protocol(uvicorn.protocols.http.h11_impl.H11Protocol):
+    """uvicorn's h11 protocol answering a bad request with h11's own status hint
+    (431 for headers past the size limit) instead of a bare 400 for everything."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._error_status = 400
+        next_event = self.conn.next_event
+
+        def next_event_noting_status():
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as exc:
+                self._error_status = exc.error_status_hint
+                raise
+
+        self.conn.next_event = next_event_noting_status
+
+    def send_400_response(self, msg: str) -> None:
+        if self._error_status == 400:
+            return super().send_400_response(msg)
+        status = self._error_status
+        msg = "request headers too large" if status == 431 else msg
+        for event in (h11.Response(status_code=status, reason=http.HTTPStatus(status).phrase.encode(),
+                                   headers=[(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]),
+                      h11.Data(data=msg.encode("ascii")), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
 def build_app(frontend: Frontend) -> FastAPI:
     app = FastAPI(title="pdserve decode worker", docs_url=None, redoc_url=None)
-    tokenizer = frontend.engine.engine.tokenizer
+    app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -105,12 +197,21 @@ def build_app(frontend: Frontend) -> FastAPI:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if not loc:  # the body itself is unusable (not JSON, or not a JSON object)
             return _error(400, f"body: malformed JSON or not a JSON object ({first.get('msg', '')})", "body")
-        field_name = ".".join(loc)
-        return _error(400, f"{field_name}: {first.get('msg', 'invalid value')}", field_name)
+        # The top-level field names the parameter; the rest of loc is the path inside it
+        # (union members show as type names: "prompt", "str").
+        field_name = loc[0]
+        where = f" (at {'.'.join(loc)})" if len(loc) > 1 else ""
+        return _error(400, f"{field_name}: {first.get('msg', 'invalid value')}{where}", field_name)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
         return _from_request_error(exc)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        frontend.metrics.error("internal")
+        return _error(500, f"internal error: {exc.__class__.__name__}: {exc}")
 
     async def run(inp: GenerateInput, stream: bool, kind: str):
         rid = inp.request_id or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -179,14 +280,10 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
-        try:
-            text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-        except ValueError as exc:
-            raise RequestError("invalid_argument", str(exc), "messages") from None
-        # The template already holds BOS: encode without adding special tokens again.
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        # The template is rendered and tokenized with the rest of validation, off the event loop.
         lp = (body.top_logprobs or 0) if body.logprobs else None
-        inp = GenerateInput(prompt=ids, params=body.sampling(lp), request_id=body.request_id, model=body.model,
+        inp = GenerateInput(prompt=None, messages=[m.model_dump() for m in body.messages],
+                            params=body.sampling(lp), request_id=body.request_id, model=body.model,
                             priority=body.priority, ttft_slo_ms=body.ttft_slo_ms, route=body.route)
         return await run(inp, body.stream, "chat")
 

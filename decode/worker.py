@@ -20,9 +20,9 @@ from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.router import parse_policy
 
 from .async_engine import AsyncEngine, StepInfo
-from .frontend import Frontend
+from .frontend import Frontend, ServingLimits
 from .grpc_service import GrpcServer
-from .http_app import build_app
+from .http_app import H11Protocol, build_app
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
 
@@ -59,6 +59,11 @@ class DecodeWorkerConfig:
     freeze_gc: bool = False
     remote_timeout_s: float = 30.0
     ucx_env: dict = field(default_factory=lambda: {"UCX_MODULES": "^ib"})
+    limits: dict = field(default_factory=dict)  # ServingLimits fields (request sizes, body bytes)
+    # When the engine dies: leave etcd, report NOT_SERVING, then exit the process so its
+    # supervisor (Ray max_restarts, Kubernetes) starts a fresh one. The launcher sets it;
+    # a worker embedded in another program only reports.
+    exit_on_engine_death: bool = False
 
 
 class DecodeWorker:
@@ -96,9 +101,11 @@ class DecodeWorker:
         policy = PolicyState(kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
         self.metrics = WorkerMetrics("decode", self.worker_id)
-        self.async_engine = AsyncEngine(self.engine, on_step=self._on_step)
+        self.async_engine = AsyncEngine(self.engine, on_step=self._on_step, on_death=self._on_engine_death)
         self.async_engine.start()
-        self.frontend = Frontend(self.async_engine, policy, self.metrics, self.worker_id, served)
+        self.frontend = Frontend(self.async_engine, policy, self.metrics, self.worker_id, served,
+                                 ServingLimits.from_dict(cfg.limits))
+        self.metrics.engine_alive.set(1)
         self.grpc = GrpcServer(self.frontend, cfg.host, cfg.grpc_port)
         await self.grpc.start()
         self.grpc_address = self.grpc.address
@@ -126,7 +133,7 @@ class DecodeWorker:
         self._http_sock = sock
         self.http_address = f"{cfg.host}:{sock.getsockname()[1]}"
         config = uvicorn.Config(build_app(self.frontend), log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, http=H11Protocol)
         self._http = uvicorn.Server(config)
         self._http.install_signal_handlers = lambda: None  # the process owner handles signals
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
@@ -226,6 +233,24 @@ class DecodeWorker:
         elif info.num_decode_seqs:
             costs.observe_decode_step(info.ms, info.num_seqs)
 
+    def _on_engine_death(self, exc: BaseException) -> None:
+        """The engine thread died (event loop): make it visible everywhere at once."""
+        log.critical("decode worker %s: engine dead (%s); NOT_SERVING, leaving the registry", self.worker_id, exc)
+        self.metrics.engine_alive.set(0)
+        self._tasks.append(asyncio.ensure_future(self._leave_after_death()))
+
+    async def _leave_after_death(self) -> None:
+        await self.grpc.set_serving(False)
+        if self.registry is not None:
+            try:
+                await asyncio.wait_for(self.registry.deregister(), 10.0)
+            except Exception as exc:  # noqa: BLE001  (the lease expires anyway)
+                log.error("could not leave the registry after engine death: %r", exc)
+        if self.cfg.exit_on_engine_death:
+            await asyncio.sleep(0.5)  # let the error responses already queued reach their clients
+            log.critical("decode worker %s exits so that its supervisor restarts it", self.worker_id)
+            os._exit(70)  # EX_SOFTWARE; a Ray actor exiting this way is restarted (max_restarts)
+
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Stop taking new requests (health NOT_SERVING, 503), let in-flight ones
         finish (up to ``timeout_s``), and leave the registry. Triggered by
@@ -269,6 +294,8 @@ class DecodeWorker:
                 log.warning("HTTP server stop: %r", exc)
         if self.async_engine is not None:
             self.async_engine.stop()
+        if self.frontend is not None:
+            self.frontend.close()
         if self.agent is not None:
             self.agent.close()
         if self._http_sock is not None:

@@ -4,10 +4,12 @@ Public API: ``from pdserve.engine import LLM, SamplingParams``.
 """
 
 from .config import ConfigError, EngineConfig, ModelConfig
-from .llm_engine import LLM, EngineStats, LLMEngine, RequestDelta
-from .request import InvalidRequestError, Request, RequestOutput, RequestStatus, SamplingParams
+from .llm_engine import LLM, EngineStats, LLMEngine, RequestDelta, StepError
+from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput, RequestStatus,
+                      SamplingParams, check_text)
 
 __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput",
     "Request", "RequestStatus", "RequestDelta", "EngineStats", "ConfigError", "InvalidRequestError",
+    "RequestLimits", "StepError", "check_text",
 ]

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 from .block_manager import KVCacheManager
 from .config import ConfigError, EngineConfig, ModelConfig
-from .request import InvalidRequestError, Request, RequestOutput, RequestStatus, SamplingParams
+from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput, RequestStatus,
+                      SamplingParams, check_text)
 from .runner import ModelRunner
-from .sampler import Sampler, SampleResult
+from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
@@ -33,10 +34,21 @@ class RequestDelta:
     text: str
     finish_reason: str | None = None
     logprobs: list[dict] = field(default_factory=list)
+    error: str | None = None  # with finish_reason "error": why this request failed
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class StepError(RuntimeError):
+    """The forward pass of a step failed. ``request_ids`` were in that step; the engine
+    left them as they were before it (the caller decides: abort them or retry)."""
+
+    def __init__(self, cause: BaseException, request_ids: list[str]):
+        super().__init__(f"engine step failed: {cause.__class__.__name__}: {cause}")
+        self.cause = cause
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -49,6 +61,7 @@ class EngineStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_finished: int = 0
+    num_failed: int = 0  # requests finished with "error" (their sampling or detokenization raised)
 
 
 class LLMEngine:
@@ -99,8 +112,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "is empty")
+            check_text("prompt", prompt)
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
+            if len(prompt) >= self.max_model_len:  # before looking at each id: O(1) refusal
+                raise InvalidRequestError(
+                    "prompt", f"has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                    "(prompt plus at least one generated token must fit)")
             ids = list(prompt)
             vocab = self.model_config.vocab_size
             for t in ids:
@@ -119,17 +137,18 @@ class LLMEngine:
             )
         return ids
 
-    def validate_input(self, prompt, params: SamplingParams | None = None,
-                       priority: int | str = 0) -> tuple[list[int], SamplingParams, int]:
+    def validate_input(self, prompt, params: SamplingParams | None = None, priority: int | str = 0,
+                       limits: RequestLimits | None = None) -> tuple[list[int], SamplingParams, int]:
         """Check a request without touching engine state (safe from any thread).
 
         Returns (prompt token ids, params, numeric priority) or raises
-        `InvalidRequestError` naming the field.
+        `InvalidRequestError` naming the field. The parameters are checked
+        before the prompt is tokenized.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", "must be a SamplingParams")
-        params.validate(self.model_config.vocab_size)
+        params.validate(self.model_config.vocab_size, limits)
         ids = self.tokenize_prompt(prompt)
         if isinstance(priority, str):
             if priority not in PRIORITY_LEVELS:
@@ -184,7 +203,10 @@ class LLMEngine:
             # The remote worker drew the first token from a generator with the same
             # seed; draw once here too so later tokens match the local path.
             self.sampler.skip_draw(req, self.model_config.vocab_size)
-        return self._append(req, SampleResult(first_token_id, first_logprob))
+        try:
+            return self._append(req, SampleResult(first_token_id, first_logprob))
+        except Exception as exc:  # noqa: BLE001  (e.g. a first token the detokenizer refuses)
+            return self.fail_request(req, exc)
 
     def free_kv(self, request_id: str) -> None:
         """Release the blocks a finished ``keep_kv`` request still holds."""
@@ -213,9 +235,13 @@ class LLMEngine:
         for req, _ in plan.scheduled:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        if on_plan is not None:
-            layer_hook = on_plan(plan.scheduled) or layer_hook
-        logits, sampling = self.runner.execute(plan.scheduled, self.kv, layer_hook)
+        try:
+            if on_plan is not None:
+                layer_hook = on_plan(plan.scheduled) or layer_hook
+            logits, sampling = self.runner.execute(plan.scheduled, self.kv, layer_hook)
+        except Exception as exc:
+            # Nothing of the step was committed (computed counts move only below).
+            raise StepError(exc, [r.request_id for r, _ in plan.scheduled]) from exc
         self.stats.num_steps += 1
         bs = self.config.block_size
         for req, n in plan.scheduled:
@@ -231,9 +257,37 @@ class LLMEngine:
                                           req.num_computed_tokens, req.cache_salt)
         deltas = []
         if sampling:
-            for req, res in zip(sampling, self.sampler(logits, sampling)):
-                deltas.append(self._append(req, res))
+            for req, res in zip(sampling, self._sample(logits, sampling)):
+                try:
+                    if isinstance(res, BaseException):
+                        raise res
+                    deltas.append(self._append(req, res))
+                except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
+                    deltas.append(self.fail_request(req, exc))
         return deltas
+
+    def _sample(self, logits, reqs: list[Request]) -> list:
+        """The batch's samples; should the batched sampler itself raise, each row alone,
+        so one request's failure stays its own."""
+        try:
+            return self.sampler(logits, reqs)
+        except Exception:  # noqa: BLE001
+            log.exception("batched sampling failed; sampling the %d rows one by one", len(reqs))
+        out = []
+        for i, req in enumerate(reqs):
+            try:
+                out.append(self.sampler(logits[i:i + 1], [req])[0])
+            except Exception as exc:  # noqa: BLE001
+                out.append(SamplingError(f"{exc.__class__.__name__}: {exc}"))
+        return out
+
+    def fail_request(self, req: Request, exc: BaseException) -> RequestDelta:
+        """Finish one request with finish_reason "error" (blocks freed unless ``keep_kv``)."""
+        log.warning("request %s failed: %s: %s", req.request_id, exc.__class__.__name__, exc)
+        req.finish_reason = "error"
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self.stats.num_failed += 1
+        return RequestDelta(req.request_id, [], "", "error", error=f"{exc.__class__.__name__}: {exc}")
 
     def _append(self, req: Request, res: SampleResult) -> RequestDelta:
         p = req.params

@@ -4,10 +4,38 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+
+# Temperatures below this sample greedily: logits / 1e-40 overflow float32 to inf and the
+# softmax turns into NaN. vLLM uses the same threshold (_SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e4  # far above any useful value; the bound keeps the arithmetic finite
+MAX_REPETITION_PENALTY = 1e4
+INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request size limits, checked before any work (the edge refuses in O(limit))."""
+
+    max_stop_strings: int = 64
+    max_stop_chars: int = 1024
+    max_stop_token_ids: int = 1024
+
+
+def check_text(field_name: str, text: str) -> None:
+    """Refuse text that cannot be encoded as UTF-8 (a lone surrogate such as JSON "\\ud800"
+    parses into a Python str, and the tokenizer then raises a TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            field_name, f"is not valid Unicode text (unpaired surrogate at character {exc.start})") from None
 
 
 class InvalidRequestError(ValueError):
@@ -44,34 +72,63 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax sampling: temperature 0, or below `GREEDY_TEMPERATURE` where dividing the
+        logits by it would overflow float32 (vLLM treats such temperatures the same way)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
-    def validate(self, vocab_size: int | None = None) -> None:
+    def validate(self, vocab_size: int | None = None, limits: "RequestLimits | None" = None) -> None:
+        """Raise `InvalidRequestError` naming the first bad field.
+
+        Every number must have its JSON type (a bool is not an int, a string is
+        neither) and be finite: one request's NaN must never reach the sampler.
+        """
+        lim = limits or RequestLimits()
+
         def bad(name, msg):
             raise InvalidRequestError(name, msg)
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", f"must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 0 and self.top_k != -1):
-            bad("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
-        if not self.repetition_penalty > 0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "stop strings must be non-empty strings")
+        def number(name, lo, hi, lo_open=False):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                bad(name, f"must be a number, got {type(v).__name__}")
+            if not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
+            if v < lo or (lo_open and v == lo) or v > hi:
+                bad(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+
+        def integer(name, lo, hi):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(name, f"must be an integer, got {type(v).__name__}")
+            if not lo <= v <= hi:
+                bad(name, f"must be an integer in [{lo}, {hi}], got {v!r}")
+
+        integer("max_tokens", 1, INT64_MAX)
+        number("temperature", 0.0, MAX_TEMPERATURE)
+        number("top_p", 0.0, 1.0, lo_open=True)
+        integer("top_k", -1, INT64_MAX)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+        if self.logprobs is not None:
+            integer("logprobs", 0, 20)
+        if self.seed is not None:
+            integer("seed", INT64_MIN, UINT64_MAX)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be a boolean, got {type(getattr(self, name)).__name__}")
+        if len(self.stop) > lim.max_stop_strings:
+            bad("stop", f"{len(self.stop)} stop strings; at most {lim.max_stop_strings} are allowed")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                bad("stop", "stop strings must be non-empty strings")
+            if len(s) > lim.max_stop_chars:
+                bad("stop", f"a stop string has {len(s)} characters; at most {lim.max_stop_chars} are allowed")
+            check_text("stop", s)
+        if len(self.stop_token_ids) > lim.max_stop_token_ids:
+            bad("stop_token_ids", f"{len(self.stop_token_ids)} ids; at most {lim.max_stop_token_ids} are allowed")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", f"{t!r} is not a token id of this model")
 
     def to_dict(self) -> dict:
@@ -93,11 +150,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request's sampling or detokenization failed; the engine went on
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 _arrival_counter = itertools.count()

@@ -3,6 +3,11 @@
 Order of operations (as in vLLM): penalties on the raw logits, then greedy
 argmax or temperature -> top-k -> top-p -> draw. Reported logprobs are the
 model's raw log-softmax (before penalties and temperature).
+
+Numerical safety (no request can make the sampler raise for the batch):
+temperatures below `GREEDY_TEMPERATURE` (1e-5) sample greedily, penalised
+logits are clamped to +-`LOGIT_BOUND`, and a row whose probabilities are still
+not finite gets a `SamplingError` of its own while the other rows sample.
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ class SampleResult:
     top_logprobs: dict[int, float] | None = None
 
 
+# Penalised logits are clamped to +-LOGIT_BOUND: a repetition penalty of 1e-40 (valid: it is
+# > 0) would otherwise make them inf, and the softmax after it NaN. Real logits are far inside.
+LOGIT_BOUND = 1e6
+
+
+class SamplingError(RuntimeError):
+    """One row could not be sampled (its logits hold NaN or inf): that request fails alone."""
+
+
 def apply_penalties(logits: torch.Tensor, req: Request) -> None:
     """In place, on one row. Repetition penalty spans prompt and output
     (HF semantics); presence/frequency penalties span the output only (OpenAI)."""
@@ -29,7 +43,8 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> None:
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=device)
         vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        logits[seen] = vals.clamp(-LOGIT_BOUND, LOGIT_BOUND)
     if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
         counts = torch.bincount(
             torch.tensor(req.output_token_ids, device=device), minlength=logits.shape[-1]
@@ -88,8 +103,10 @@ class Sampler:
         """
         torch.multinomial(torch.ones(vocab_size), 1, generator=req.generator)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult | SamplingError]:
+        """One result per row; a row that cannot be sampled gets a `SamplingError` instead."""
         logits = logits.float()
+        failed: dict[int, SamplingError] = {}
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in reqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -114,10 +131,16 @@ class Sampler:
             probs = sub.softmax(dim=-1).cpu()
             for j, i in enumerate(rand_rows):
                 gen = reqs[i].generator or self.generator
-                tokens[i] = torch.multinomial(probs[j], 1, generator=gen).item()
+                try:
+                    tokens[i] = torch.multinomial(probs[j], 1, generator=gen).item()
+                except RuntimeError as exc:  # NaN/inf in this row only: the others still sample
+                    failed[i] = SamplingError(f"cannot sample: {exc}")
         token_list = tokens.tolist()
         results = []
         for i, r in enumerate(reqs):
+            if i in failed:
+                results.append(failed[i])
+                continue
             res = SampleResult(token_list[i])
             n = r.params.logprobs
             if n is not None and raw_logprobs is not None:

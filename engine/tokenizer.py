@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -41,6 +42,13 @@ class Tokenizer:
         self.bos_token_id = self._tk.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tk.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters: a bound on the text one token
+        covers, so ``max_model_len * max_token_chars`` characters can be refused
+        without tokenizing them."""
+        return max((len(t) for t in self._tk.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids

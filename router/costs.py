@@ -6,7 +6,9 @@ The decode worker owns one ``CostModel``, feeds it the timings it measured
 ``ClusterSnapshot``. The model never reads a clock; it is fed numbers.
 
 Every estimate starts at its seed from the policy's ``cost_model`` block and
-moves as an exponential moving average: ``new = old + alpha * (sample - old)``.
+moves as an exponential moving average: ``new = old + alpha * (sample - old)``,
+each sample after the first three clipped to ``[old / f, old * f]``
+(``ema_outlier_factor``), so one pathological request cannot poison it.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class CostModel:
         if kv_bytes_per_token <= 0:
             raise ValueError(f"kv_bytes_per_token must be > 0 (got {kv_bytes_per_token})")
         self._alpha = params.ema_alpha
+        self._outlier = params.ema_outlier_factor
         self._est = CostEstimates.seed(params, kv_bytes_per_token)
         self._samples = {name: 0 for name in _ESTIMATE_NAMES}
         # Exponentially weighted sums of (bytes, ms) for the transfer fit.
@@ -147,6 +150,7 @@ class CostModel:
         """Adopt a reloaded policy: its alpha, and its seeds for estimates
         that have never been measured (measured values are kept)."""
         self._alpha = params.ema_alpha
+        self._outlier = params.ema_outlier_factor
         seeded = CostEstimates.seed(params, self._est.kv_bytes_per_token)
         changes = {
             name: getattr(seeded, name) for name in _ESTIMATE_NAMES if self._samples[name] == 0
@@ -155,11 +159,18 @@ class CostModel:
 
     def _update(self, name: str, sample: float) -> None:
         old = getattr(self._est, name)
+        if self._samples[name] >= _FREE_SAMPLES and old > 0:  # clip to [old / factor, old * factor]
+            sample = min(max(sample, old / self._outlier), old * self._outlier)
         self._set(name, old + self._alpha * (sample - old))
 
     def _set(self, name: str, value: float) -> None:
         self._samples[name] += 1
         self._est = replace(self._est, **{name: value})
+
+
+# The first measurements of an estimate move it freely (a seed may be far off the
+# hardware); later ones are clipped by ema_outlier_factor.
+_FREE_SAMPLES = 3
 
 
 class ArrivalRate:

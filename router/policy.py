@@ -146,6 +146,10 @@ class CostModelParams(StrictModel):
     # Remote must beat local by strictly more than this to be chosen.
     min_gain_ms: float = Field(5.0, ge=0)
     ema_alpha: float = Field(0.2, gt=0, le=1)
+    # One sample moves an estimate at most as far as this factor x (or 1/factor x) the
+    # estimate itself, so one pathological request (a step slowed 100x) cannot poison
+    # routing and admission; a real, lasting change still gets there in a few samples.
+    ema_outlier_factor: float = Field(4.0, ge=1)
 
 
 class Overrides(StrictModel):

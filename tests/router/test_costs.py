@@ -150,3 +150,22 @@ def test_arrival_rate_rejects_a_bad_time_constant():
 
     with pytest.raises(ValueError, match="tau_s"):
         ArrivalRate(tau_s=0)
+
+
+def test_one_outlier_cannot_poison_a_measured_estimate():
+    """A step slowed 100x by one pathological request moves the decode estimate by at
+    most alpha x (factor - 1), not alpha x 99; a lasting change still gets through."""
+    m = model(decode_step_ms=20.0, ema_alpha=0.2, ema_outlier_factor=4.0)
+    for _ in range(3):  # the first measurements move freely (seeds may be far off)
+        m.observe_decode_step(ms=20.0, batch=4)
+    m.observe_decode_step(ms=2000.0, batch=4)
+    assert m.snapshot().decode_step_ms == pytest.approx(20.0 + 0.2 * (80.0 - 20.0))
+    for _ in range(30):
+        m.observe_decode_step(ms=200.0, batch=4)
+    assert m.snapshot().decode_step_ms == pytest.approx(200.0, rel=0.02)
+
+
+def test_first_measurements_replace_a_far_off_seed_freely():
+    m = model(prefill_local_ms_per_token=0.01, ema_alpha=1.0)
+    m.observe_prefill(tokens=100, ms=100.0, where="local")  # 1 ms/token, 100x the seed
+    assert m.snapshot().prefill_local_ms_per_token == pytest.approx(1.0)
