@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 import h11
 import uvicorn.protocols.http.h11_impl
@@ -21,9 +21,11 @@ import uvicorn.protocols.http.h11_impl
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.engine import SamplingParams
+from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, UINT64_MAX
 
 from .frontend import Frontend, GenerateInput, RequestError
 
@@ -39,29 +41,29 @@ class _Common(BaseModel):
     # are refused by name.
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
+    # The ranges are the engine's (SamplingParams.validate), so the OpenAPI document
+    # tells clients exactly what is accepted.
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     stream: bool = False
-    n: int = 1
+    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     # pdserve extensions
     priority: Literal["high", "normal", "low"] = "normal"
-    ttft_slo_ms: float | None = None
+    ttft_slo_ms: float | None = Field(None, gt=0)
     route: Literal["auto", "local", "remote"] = "auto"
-    request_id: str | None = None
+    request_id: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9._:@/+=-]+$")
 
     def sampling(self, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise RequestError("invalid_argument", f"n: only n=1 is supported, got {self.n}", "n")
         kw = {k: getattr(self, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
                                             "presence_penalty", "frequency_penalty", "repetition_penalty")
               if getattr(self, k) is not None}
@@ -70,25 +72,25 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(...)
-    logprobs: int | None = None
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: str
+    role: Literal["system", "user", "assistant"]
     content: str
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-            503: "unavailable"}.get(status, "server_error")
+    kind = {429: "rate_limit_error", 503: "unavailable"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
                         status_code=status, headers=headers)
 
@@ -206,6 +208,14 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
         return _from_request_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # FastAPI's own refusals (a body that is not UTF-8, an unknown path, a wrong
+        # method) in the same OpenAI error shape as every other error.
+        param = "body" if exc.status_code == 400 else None
+        detail = f"body: {exc.detail}" if param else str(exc.detail)
+        return _error(exc.status_code, detail, param, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):

@@ -67,8 +67,11 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # Anything else that is not a list stays as given: validate() names it.
+        if self.stop is None or isinstance(self.stop, tuple):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids or [])
 
     @property
     def greedy(self) -> bool:
@@ -117,6 +120,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, f"must be a boolean, got {type(getattr(self, name)).__name__}")
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), list):
+                bad(name, f"must be a list, got {type(getattr(self, name)).__name__}")
         if len(self.stop) > lim.max_stop_strings:
             bad("stop", f"{len(self.stop)} stop strings; at most {lim.max_stop_strings} are allowed")
         for s in self.stop:
