@@ -146,17 +146,31 @@ def _drain(args) -> int:
     return 0
 
 
+STATUS_ETCD_TIMEOUT_S = 5.0
+
+
 def _status(args) -> int:
     from pdserve.cluster.launcher import ClusterState, state_path
+    from pdserve.cluster.records import TRANSIENT_ERRORS, short_error
 
     topo = _load(args.topology)
     state = ClusterState.load(state_path(topo))
-    members = asyncio.run(_members(state))
+    try:
+        members = asyncio.run(asyncio.wait_for(_members(state), STATUS_ETCD_TIMEOUT_S))
+    except (*TRANSIENT_ERRORS, asyncio.TimeoutError) as exc:
+        # etcd down or restarting: say so in one line and still show the queue.
+        print(f"pdserve status: etcd at {', '.join(state.etcd_endpoints)} did not answer within "
+              f"{STATUS_ETCD_TIMEOUT_S:.0f} s ({short_error(exc)}); membership unknown. Is etcd running? "
+              "(`pdserve up` starts it for local clusters)", file=sys.stderr)
+        members = None
     queue = _queue_stats(state)
     if args.json:
         print(json.dumps({"cluster": state.cluster, "members": members, "queue": queue}, indent=2))
-        return 0
+        return 0 if members is not None else 1
     print(f"cluster {state.cluster}  (etcd {', '.join(state.etcd_endpoints)}, ray {state.ray_address})")
+    if members is None:
+        _print_queue(state, queue)
+        return 1
     print(f"{'worker':<14} {'role':<8} {'endpoints':<44} load")
     for wid, m in sorted(members.items()):
         eps = " ".join(f"{k}={v}" for k, v in m["endpoints"].items()) or "-"
@@ -165,6 +179,11 @@ def _status(args) -> int:
     missing = {a["worker_id"] for a in state.actors} - set(members)
     for wid in sorted(missing):
         print(f"{wid:<14} MISSING  (started by `up`, not registered: dead or restarting)")
+    _print_queue(state, queue)
+    return 0 if not missing else 1
+
+
+def _print_queue(state, queue: dict | None) -> None:
     if queue:
         print(f"prefill queue {state.queue_name}: depth {queue['depth']}, {queue['queued_tokens']} tokens queued, "
               f"in flight {queue['in_flight']}, oldest wait {queue['oldest_wait_ms']:.0f} ms")
@@ -172,7 +191,6 @@ def _status(args) -> int:
         print(f"  tasks put {c.get('put', 0)}, dispatched {c.get('dispatched', 0)}, completed {c.get('completed', 0)}, "
               f"requeued {c.get('requeued', 0)}; wire: {c.get('wire_connections', 0)} connections, "
               f"{c.get('wire_calls', 0)} calls, {c.get('wire_errors', 0)} errors")
-    return 0 if not missing else 1
 
 
 async def _members(state) -> dict:
