@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from pdserve.engine import InvalidRequestError, RequestLimits, SamplingParams, check_text
-from pdserve.engine.block_manager import block_hashes
 from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, admit, decide
 
 from .async_engine import AsyncEngine, EngineDeadError, FinalInfo
@@ -249,12 +248,7 @@ class Frontend:
 
     def cached_len(self, ids: list[int]) -> int:
         """Prompt tokens this worker's prefix cache holds now (read-only lookup)."""
-        kv = self.engine.engine.kv
-        if not kv.pool.enable_caching:
-            return 0
-        bs = kv.block_size
-        hashes = block_hashes(ids[: ((len(ids) - 1) // bs) * bs], bs)
-        return len(kv.pool.lookup(hashes)) * bs
+        return self.engine.engine.connector.cached_prefix_len(ids)
 
     def check_serving(self) -> None:
         if self.draining:

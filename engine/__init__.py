@@ -4,6 +4,7 @@ Public API: ``from pdserve.engine import LLM, SamplingParams``.
 """
 
 from .config import ConfigError, EngineConfig, ModelConfig
+from .kv_connector import KVConnector, Reservation
 from .llm_engine import LLM, EngineStats, LLMEngine, RequestDelta, StepError
 from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput, RequestStatus,
                       SamplingParams, check_text)
@@ -11,5 +12,5 @@ from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput
 __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput",
     "Request", "RequestStatus", "RequestDelta", "EngineStats", "ConfigError", "InvalidRequestError",
-    "RequestLimits", "StepError", "check_text",
+    "RequestLimits", "StepError", "check_text", "KVConnector", "Reservation",
 ]

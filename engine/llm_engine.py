@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from .block_manager import KVCacheManager
+from .kv_connector import KVConnector
 from .config import ConfigError, EngineConfig, ModelConfig
 from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput, RequestStatus,
                       SamplingParams, check_text)
@@ -87,6 +88,7 @@ class LLMEngine:
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = set(eos)
+        self.connector = KVConnector(self)  # the remote-KV seam disaggregated workers use
 
     def _max_model_len(self) -> int:
         m = self.model_config

@@ -134,18 +134,17 @@ def test_remote_kv_path_matches_local(llama_dir):
     decode = LLM(llama_dir).engine
     # Decode worker: reserve blocks for the whole prompt.
     dreq = decode.make_request(prompt, params)
-    cached_len, targets = decode.add_remote_request(dreq)
-    assert cached_len == 0 and len(targets) == 5
+    res = decode.connector.reserve(dreq)
+    assert res.cached_len == 0 and len(res.block_ids) == 5
+    assert decode.connector.is_awaiting(dreq.request_id)
     assert decode.scheduler.schedule().scheduled == []  # waiting for remote KV: not scheduled
     # Prefill worker: compute the prompt and the first token, keep the blocks.
-    preq = prefill.make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    preq.keep_kv = True
-    prefill.scheduler.add(preq)
+    prefill.connector.add_export(prompt, SamplingParams(max_tokens=1, temperature=0.0), "p-1")
     first = prefill.step()[0]
-    src = prefill.kv.block_ids(preq.request_id)
-    decode.runner.kv_cache[:, targets] = prefill.runner.kv_cache[:, src]
-    prefill.free_kv(preq.request_id)
-    delta = decode.remote_kv_ready(dreq.request_id, first.new_token_ids[0])
+    src = prefill.connector.export_blocks("p-1", 0, len(res.block_ids))
+    decode.runner.kv_cache[:, res.block_ids] = prefill.runner.kv_cache[:, src]
+    prefill.connector.release_export("p-1")
+    delta = decode.connector.remote_ready(dreq.request_id, first.new_token_ids[0])
     assert delta.new_token_ids == [local[0]]
     while decode.has_unfinished():
         for d in decode.step():
@@ -163,9 +162,9 @@ def test_remote_failure_falls_back_to_local_without_leak(llama_dir):
     llm = LLM(llama_dir)
     eng = llm.engine
     req = eng.make_request(prompt, params)
-    eng.add_remote_request(req)
+    eng.connector.reserve(req)
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks - 3
-    eng.remote_kv_failed(req.request_id)
+    eng.connector.fall_back(req.request_id)
     while eng.has_unfinished():
         for d in eng.step():
             if d.finished:
@@ -184,13 +183,12 @@ def test_seeded_sampling_remote_path_matches_local(llama_dir):
     prefill = LLM(llama_dir, enable_prefix_caching=False).engine
     decode = LLM(llama_dir).engine
     dreq = decode.make_request(prompt, params)
-    _, targets = decode.add_remote_request(dreq)
-    preq = prefill.make_request(prompt, SamplingParams(**{**params.to_dict(), "max_tokens": 1}))
-    preq.keep_kv = True
-    prefill.scheduler.add(preq)
+    targets = decode.connector.reserve(dreq).block_ids
+    prefill.connector.add_export(prompt, SamplingParams(**{**params.to_dict(), "max_tokens": 1}), "p-1")
     first = prefill.step()[0].new_token_ids[0]
-    decode.runner.kv_cache[:, targets] = prefill.runner.kv_cache[:, prefill.kv.block_ids(preq.request_id)]
-    decode.remote_kv_ready(dreq.request_id, first)
+    decode.runner.kv_cache[:, targets] = prefill.runner.kv_cache[:, prefill.connector.export_blocks(
+        "p-1", 0, len(targets))]
+    decode.connector.remote_ready(dreq.request_id, first)
     for _ in range(100):
         if dreq.finish_reason is not None:
             break
@@ -202,13 +200,61 @@ def test_quarantined_reservation_is_kept_until_freed(llama_dir):
     llm = LLM(llama_dir)
     eng = llm.engine
     req = eng.make_request(prompts_of([40], seed=13)[0], SamplingParams(max_tokens=4, temperature=0))
-    _, targets = eng.add_remote_request(req)
-    eng.remote_kv_failed(req.request_id, quarantine_as="q#1")
+    targets = eng.connector.reserve(req).block_ids
+    eng.connector.fall_back(req.request_id, quarantine_as="q#1")
     assert eng.kv.block_ids("q#1")[-len(targets):] == targets
     while eng.has_unfinished():
         for d in eng.step():
             if d.finished:
                 eng.release(d.request_id)
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks - 3  # the quarantine still holds its blocks
-    eng.free_kv("q#1")
+    eng.connector.free("q#1")
+    assert_no_leak(llm)
+
+
+def test_connector_cached_prefix_len_is_what_scheduling_finds(llama_dir):
+    llm = LLM(llama_dir)
+    eng = llm.engine
+    prompt = prompts_of([70], seed=14)[0]
+    assert eng.connector.cached_prefix_len(prompt) == 0
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    # 70 tokens: four full blocks cached (the last token is always recomputed)
+    assert eng.connector.cached_prefix_len(prompt) == 64
+    assert eng.connector.cached_prefix_len(prompt[:64] + [7]) == 64
+    assert eng.connector.cached_prefix_len(prompt, salt=b"tenant-b") == 0
+    res = eng.connector.reserve(eng.make_request(prompt + [9, 9], SamplingParams(max_tokens=1)))
+    assert res.cached_len == 64 and len(res.block_ids) == 1  # 72 tokens: blocks 0-3 cached, block 4 to write
+    assert eng.connector.abort(next(iter(eng.requests)))
+    assert_no_leak(llm)
+
+
+def test_connector_abort_quarantines_an_awaited_reservation(llama_dir):
+    llm = LLM(llama_dir)
+    eng = llm.engine
+    req = eng.make_request(prompts_of([40], seed=15)[0], SamplingParams(max_tokens=4))
+    targets = eng.connector.reserve(req).block_ids
+    assert eng.connector.abort(req.request_id, quarantine_as="q#1")
+    assert not eng.connector.is_awaiting(req.request_id) and not eng.requests
+    assert eng.kv.block_ids("q#1")[-len(targets):] == targets  # a late write still lands in its own blocks
+    eng.connector.free("q#1")
+    assert_no_leak(llm)
+
+
+def test_connector_export_side(llama_dir):
+    """finishing() names the exports a step completes; export_blocks skips the decode
+    worker's cached prefix; release_export frees everything, finished or not."""
+    llm = LLM(llama_dir, max_num_batched_tokens=32)
+    eng = llm.engine
+    c = eng.connector
+    c.add_export(prompts_of([50], seed=16)[0], SamplingParams(max_tokens=1, temperature=0), "long")
+    c.add_export(prompts_of([20], seed=17)[0], SamplingParams(max_tokens=1, temperature=0), "short")
+    seen = []
+    eng.step(on_plan=lambda plan: seen.append(c.finishing(plan)))
+    assert seen == [[]]  # 32-token budget: "long" is chunked, "short" not yet scheduled
+    eng.step(on_plan=lambda plan: seen.append(c.finishing(plan)))
+    assert seen[-1] == ["long"]
+    table = eng.kv.block_ids("long")
+    assert c.export_blocks("long", 32, 2) == table[2:4]
+    c.release_export("long")
+    c.release_export("short")  # still running: stopped and freed
     assert_no_leak(llm)

@@ -1,0 +1,133 @@
+"""The remote-KV seam: everything a disaggregated worker may do with an engine's KV.
+
+Modelled on the two sides of vLLM v1's KV connector, narrowed to what pdserve's
+workers need. Call it from the thread that drives the engine (like the engine).
+
+Decode side, the prompt's KV arrives from a prefill worker:
+
+    reserve(req)            blocks for the uncached prompt positions (cached ones pinned),
+                            or None: no room, the request was queued for a local prefill
+    then exactly one of
+    remote_ready(rid, tok)  the pages are written: the request runs from its first token
+    fall_back(rid, q)       prefill locally; the reservation is released, or kept under
+                            the quarantine key ``q`` while a late write may still land
+    abort(rid, q)           the client is gone; same choice for the reservation
+    free(key)               release a quarantined reservation
+
+Prefill side, the prompt's KV leaves for a decode worker:
+
+    add_export(...)         queue a prompt whose blocks outlive the request
+    finishing(scheduled)    the exports whose prompt completes in this step (their
+                            pages can stream layer by layer during its forward pass)
+    export_blocks(...)      the blocks holding positions [cached_len, n)
+    release_export(rid)     free those blocks once written, and forget the request
+
+Workers use only this seam and the engine's public request API
+(tests/cluster/test_layering.py checks it); the scheduler, the block manager and
+request internals stay the engine's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .block_manager import block_hashes
+from .request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine, RequestDelta
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Where a prefill worker writes: prompt positions [cached_len, n) go to ``block_ids``."""
+
+    cached_len: int
+    block_ids: list[int]
+
+
+class KVConnector:
+    """The remote-KV calls of one engine (see the module docstring)."""
+
+    def __init__(self, engine: "LLMEngine"):
+        self._eng = engine
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self._eng.config.block_size
+
+    def kv_bytes(self, num_blocks: int) -> int:
+        """Bytes of KV that ``num_blocks`` blocks hold across all layers."""
+        return num_blocks * self._eng.runner.block_bytes * self._eng.model_config.num_layers
+
+    def cached_prefix_len(self, token_ids: list[int], salt: bytes | None = None) -> int:
+        """Prompt tokens the prefix cache holds now (read-only: nothing is pinned). The last
+        token is always recomputed, as when the request is scheduled."""
+        kv = self._eng.kv
+        if not kv.pool.enable_caching:
+            return 0
+        bs = kv.block_size
+        hashes = block_hashes(token_ids[: ((len(token_ids) - 1) // bs) * bs], bs, salt)
+        return len(kv.pool.lookup(hashes)) * bs
+
+    # -- decode side -----------------------------------------------------------------------
+    def reserve(self, req: Request) -> Reservation | None:
+        """Reserve blocks for ``req`` (from `LLMEngine.make_request`), whose prompt KV another
+        worker writes. None: the pool cannot hold it now, and the request was queued for a
+        local prefill instead."""
+        res = self._eng.scheduler.add_remote(req)
+        if res is None:
+            self._eng.scheduler.add(req)
+            return None
+        return Reservation(*res)
+
+    def is_awaiting(self, request_id: str) -> bool:
+        """True while the request's reservation waits for its remote KV."""
+        return request_id in self._eng.scheduler.remote
+
+    def remote_ready(self, request_id: str, first_token_id: int,
+                     first_logprob: float | None = None) -> "RequestDelta":
+        return self._eng.remote_kv_ready(request_id, first_token_id, first_logprob)
+
+    def fall_back(self, request_id: str, quarantine_as: str | None = None) -> None:
+        self._eng.remote_kv_failed(request_id, quarantine_as)
+
+    def abort(self, request_id: str, quarantine_as: str | None = None) -> bool:
+        """Drop a request; an awaited reservation moves under ``quarantine_as`` first (when
+        given) so that a late remote write cannot land in blocks someone else owns.
+        False if the request is unknown or done."""
+        if quarantine_as is not None and self.is_awaiting(request_id):
+            self._eng.kv.rename(request_id, quarantine_as)
+        return self._eng.abort_request(request_id)
+
+    def free(self, key: str) -> None:
+        """Release the blocks held under ``key`` (a quarantine, or a finished export)."""
+        self._eng.kv.free(key)
+
+    # -- prefill side ------------------------------------------------------------------------
+    def add_export(self, token_ids: list[int], params: SamplingParams, request_id: str,
+                   priority: int = 0) -> Request:
+        """Queue a prompt to prefill for another worker: its blocks stay after it finishes
+        (until `release_export`), for the transfer to read."""
+        req = self._eng.make_request(token_ids, params, request_id=request_id, priority=priority)
+        req.keep_kv = True
+        self._eng.scheduler.add(req)
+        return req
+
+    def finishing(self, scheduled: list[tuple[Request, int]]) -> list[str]:
+        """Ids of the exports in a step plan whose whole prompt is computed by that step."""
+        return [r.request_id for r, n in scheduled if r.keep_kv and r.num_computed_tokens + n == r.num_tokens]
+
+    def export_blocks(self, request_id: str, cached_len: int, num_blocks: int) -> list[int]:
+        """This worker's blocks holding the prompt from position ``cached_len`` on (the
+        decode worker already has ``[0, cached_len)``), ``num_blocks`` of them."""
+        table = self._eng.kv.block_ids(request_id)
+        return table[cached_len // self.block_size:][:num_blocks]
+
+    def release_export(self, request_id: str) -> None:
+        """Free an export's blocks and forget it (finished, failed or abandoned)."""
+        self._eng.abort_request(request_id)  # a request still running is stopped first
+        self._eng.kv.free(request_id)
+        self._eng.release(request_id)
