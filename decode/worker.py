@@ -268,7 +268,9 @@ class DecodeWorker:
     def stats(self) -> dict:
         eng = self.engine
         out = {"worker_id": self.worker_id, "inflight": len(self.frontend.inflight), **eng.stats.__dict__,
-               "kv_usage": eng.kv.usage, "policy_version": self.frontend.policy.version}
+               "kv_usage": eng.kv.usage, "num_blocks": eng.kv.pool.num_blocks,
+               "num_free_blocks": eng.kv.num_free_blocks, "policy_version": self.frontend.policy.version,
+               "engine_alive": self.async_engine.alive, **{f"engine_{k}": v for k, v in self.async_engine.counters.items()}}
         if self.remote is not None:
             out["remote"] = dict(self.remote.counters)
         return out

@@ -1,0 +1,434 @@
+"""Chaos soak: a live 1P1D cluster under steady mixed load while faults fire.
+
+    python bench/chaos.py [--duration 600] [--rate 2] [--faults kill_prefill,restart_etcd,kill_queue]
+                          [--fault-every 30] [--output runs/chaos.json]
+
+What it does, in one run:
+- starts etcd (its own, so that it can restart it) and the topology with the
+  launcher (Ray head, queue actor, workers as detached actors);
+- computes the greedy reference of a pool of prompts with `LLM.generate` on the
+  same model directory (short chats and long documents);
+- sends those prompts at ``--rate`` requests/s (Poisson) to the decode worker
+  over gRPC, half of them forced remote, for ``--duration`` seconds;
+- every ``--fault-every`` seconds fires the next fault, round-robin:
+  ``kill_prefill`` (SIGKILL of the prefill worker's process: Ray restarts it),
+  ``restart_etcd`` (SIGKILL of etcd, restarted on the same port and data 2 s
+  later), ``kill_queue`` (the prefill queue actor killed: Ray restarts it);
+- waits for the in-flight requests, then for the decode worker's KV pool to
+  drain (quarantines included), and reports:
+
+      sent / completed exactly / wrong output / failed with a typed retriable
+      error (UNAVAILABLE, RESOURCE_EXHAUSTED) / lost (anything else: a hang
+      past the request deadline, INTERNAL, a broken stream) / blocks leaked,
+      and TTFT p50/p99 outside and during faults (the ``--fault-window``
+      seconds after each fault).
+
+A healthy build loses nothing, leaks nothing and answers every completed
+request token-exact. Link faults between hosts need the multi-host harness
+(network namespaces) and are not part of this single-host run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+FAULTS = ("kill_prefill", "restart_etcd", "kill_queue")
+RETRIABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+
+
+@dataclass
+class ChaosConfig:
+    topology: str = "configs/topologies/1p1d-local.yaml"
+    duration_s: float = 600.0
+    request_rate: float = 2.0
+    faults: tuple[str, ...] = FAULTS
+    fault_every_s: float = 30.0
+    first_fault_s: float = 10.0
+    fault_window_s: float = 15.0  # TTFT "during faults" counts requests sent this long after a fault
+    num_prompts: int = 24  # distinct prompts, sent round-robin (their reference is computed once)
+    short_len: tuple[int, int] = (8, 48)
+    long_len: tuple[int, int] = (300, 600)
+    max_tokens: int = 8
+    remote_share: float = 0.5  # forced-remote share of the requests (the rest: router's choice)
+    request_timeout_s: float = 120.0  # a request still running this long is lost
+    settle_timeout_s: float = 90.0  # after the load: how long the KV pool may take to drain
+    seed: int = 0
+    work_dir: str | None = None
+    output: str | None = None
+
+
+@dataclass
+class Outcome:
+    i: int
+    sent_s: float
+    kind: str
+    route: str
+    result: str = "lost"  # exact | mismatch | UNAVAILABLE | RESOURCE_EXHAUSTED | lost
+    detail: str = ""
+    ttft_ms: float | None = None
+    in_fault: bool = False
+
+
+@dataclass
+class Fault:
+    kind: str
+    at_s: float
+    detail: str = ""
+    recovered_s: float | None = None  # seconds until the cluster had its members back
+
+
+@dataclass
+class Report:
+    config: dict
+    sent: int = 0
+    exact: int = 0
+    mismatch: int = 0
+    retriable: dict = field(default_factory=dict)
+    lost: int = 0
+    leaked_blocks: int | None = None
+    ttft_ms: dict = field(default_factory=dict)
+    faults: list = field(default_factory=list)
+    lost_details: list = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+# -- the cluster --------------------------------------------------------------------------
+def derive_topology(cfg: ChaosConfig, model_dir: str, etcd_endpoint: str, work: Path) -> Path:
+    """The base topology with this run's etcd, free ports, its own cluster and queue names."""
+    base = yaml.safe_load(Path(cfg.topology).read_text())
+    topo = dict(base)
+    topo["cluster"] = f"chaos-{os.getpid()}"
+    topo["model"] = {"path": str(Path(model_dir).resolve())}
+    roles = json.loads(json.dumps(base.get("roles", {})))
+    for spec in roles.values():
+        spec["ports"] = {name: 0 for name in spec.get("ports", {})}
+    topo["roles"] = roles
+    if base.get("router_policy"):
+        topo["router_policy"] = str((Path(cfg.topology).parent / base["router_policy"]).resolve())
+    topo["autoscale_policy"] = None
+    topo["etcd"] = {**(base.get("etcd") or {}), "endpoints": [etcd_endpoint]}
+    topo["etcd"].pop("data_dir", None)
+    topo["queue"] = {**(base.get("queue") or {}), "name": f"{topo['cluster']}-queue"}
+    topo["run_dir"] = str((work / "runs").resolve())
+    path = work / "topology.yaml"
+    path.write_text(yaml.safe_dump(topo, sort_keys=False))
+    return path
+
+
+def make_prompts(cfg: ChaosConfig, vocab: int) -> list[tuple[str, list[int]]]:
+    rng = random.Random(cfg.seed)
+    out = []
+    for i in range(cfg.num_prompts):
+        kind = "long" if i % 2 else "short"
+        lo, hi = cfg.long_len if kind == "long" else cfg.short_len
+        out.append((kind, [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))]))
+    return out
+
+
+class Cluster:
+    """The launched topology plus the handles the faults need."""
+
+    def __init__(self, cfg: ChaosConfig, work: Path, log):
+        from pdserve.cluster.etcd_server import EmbeddedEtcd
+
+        self.cfg, self.work, self.log = cfg, work, log
+        self.etcd = EmbeddedEtcd(work / "etcd-data").start()
+        self.state = self.launcher = None
+
+    def up(self, model_dir: str) -> None:
+        from pdserve.cluster.launcher import Launcher
+        from pdserve.cluster.topology import load_topology
+
+        path = derive_topology(self.cfg, model_dir, self.etcd.endpoint, self.work)
+        self.topo = load_topology(path)
+        self.launcher = Launcher(self.topo, str(path), model_dir, progress=lambda line: self.log(f"  {line}"))
+        self.state = self.launcher.up()  # leaves this driver connected to the cluster's Ray
+
+    @property
+    def target(self) -> str:
+        return self.state.decode_endpoints[0]["grpc"]
+
+    def actor(self, role: str):
+        import ray
+
+        name = next(a["name"] for a in self.state.actors if a["role"] == role)
+        return ray.get_actor(name, namespace=self.state.namespace)
+
+    def members(self) -> set[str]:
+        from pdserve.cluster.registry import Registry
+
+        async def read():
+            async with Registry(self.state.etcd_endpoints, self.state.cluster) as reg:
+                return set(await reg.members())
+        try:
+            return asyncio.run(asyncio.wait_for(read(), 5.0))
+        except Exception:  # noqa: BLE001  (etcd down: nobody is visible)
+            return set()
+
+    def expected_members(self) -> set[str]:
+        return {a["worker_id"] for a in self.state.actors}
+
+    def down(self) -> None:
+        from pdserve.cluster.launcher import state_path
+
+        try:
+            if self.state is not None:
+                self.launcher.down(self.state)
+                state_path(self.topo).unlink(missing_ok=True)
+        finally:
+            self.etcd.stop()
+
+
+# -- faults --------------------------------------------------------------------------------
+def fire(cluster: Cluster, kind: str) -> str:
+    import ray
+
+    if kind == "kill_prefill":
+        pid = ray.get(cluster.actor("prefill").pid.remote(), timeout=10)
+        os.kill(pid, signal.SIGKILL)
+        return f"SIGKILL prefill worker pid {pid}"
+    if kind == "restart_etcd":
+        cluster.etcd.kill()
+        time.sleep(2.0)
+        cluster.etcd.restart()
+        return f"etcd killed, restarted on {cluster.etcd.endpoint} after 2 s"
+    if kind == "kill_queue":
+        handle = ray.get_actor(cluster.state.queue_name, namespace=cluster.state.namespace)
+        ray.kill(handle, no_restart=False)
+        return f"queue actor {cluster.state.queue_name} killed (restart allowed)"
+    raise ValueError(f"unknown fault {kind!r}; known: {', '.join(FAULTS)}")
+
+
+async def fault_loop(cluster: Cluster, cfg: ChaosConfig, t0: float, faults: list[Fault], log) -> None:
+    loop = asyncio.get_running_loop()
+    at = cfg.first_fault_s
+    n = 0
+    while at < cfg.duration_s - 2:
+        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+        kind = cfg.faults[n % len(cfg.faults)]
+        f = Fault(kind, time.monotonic() - t0)
+        try:
+            f.detail = await loop.run_in_executor(None, fire, cluster, kind)
+        except Exception as exc:  # noqa: BLE001  (recorded: a fault that cannot fire is a finding too)
+            f.detail = f"could not fire: {exc.__class__.__name__}: {exc}"
+        log(f"  t={f.at_s:6.1f}s fault {kind}: {f.detail}")
+        faults.append(f)
+        asyncio.ensure_future(_watch_recovery(cluster, f, t0, cfg.fault_every_s, log))
+        n += 1
+        at += cfg.fault_every_s
+
+
+async def _watch_recovery(cluster: Cluster, f: Fault, t0: float, limit_s: float, log) -> None:
+    """How long until every worker is registered again (polled every 0.5 s, up to limit_s)."""
+    loop = asyncio.get_running_loop()
+    want = cluster.expected_members()
+    await asyncio.sleep(1.0)  # a SIGKILLed worker's lease is still alive for a moment
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if want <= await loop.run_in_executor(None, cluster.members):
+            f.recovered_s = time.monotonic() - t0 - f.at_s
+            log(f"  t={time.monotonic() - t0:6.1f}s all {len(want)} workers registered again "
+                f"({f.recovered_s:.1f} s after {f.kind})")
+            return
+        await asyncio.sleep(0.5)
+
+
+# -- load ------------------------------------------------------------------------------------
+async def one_request(client, o: Outcome, prompt: list[int], ref: list[int], cfg: ChaosConfig) -> None:
+    import grpc
+
+    st = time.monotonic()
+    toks: list[int] = []
+    try:
+        async for msg in client.stream(prompt, timeout_s=cfg.request_timeout_s, max_tokens=cfg.max_tokens,
+                                       temperature=0.0, ignore_eos=True, route=o.route,
+                                       priority="high" if o.route != "auto" else "normal"):
+            if msg.token_ids and o.ttft_ms is None:
+                o.ttft_ms = (time.monotonic() - st) * 1e3
+            toks += list(msg.token_ids)
+            if msg.finish_reason:
+                o.result = "exact" if toks == ref else "mismatch"
+                if o.result == "mismatch":
+                    o.detail = f"got {toks}, expected {ref}"
+        if o.result == "lost":
+            o.detail = "stream ended without a final message"
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code().name
+        o.result = code if code in RETRIABLE else "lost"
+        o.detail = f"{code}: {exc.details()}"
+    except Exception as exc:  # noqa: BLE001  (recorded as lost)
+        o.detail = f"client error {exc.__class__.__name__}: {exc}"
+
+
+async def drive(cluster: Cluster, cfg: ChaosConfig, prompts, refs, log) -> tuple[list[Outcome], list[Fault]]:
+    from pdserve.api import AsyncClient
+
+    rng = np.random.default_rng(cfg.seed)
+    route_rng = random.Random(cfg.seed + 1)
+    outcomes: list[Outcome] = []
+    faults: list[Fault] = []
+    tasks = []
+    async with AsyncClient(cluster.target, timeout_s=cfg.request_timeout_s) as client:
+        t0 = time.monotonic()
+        fault_task = asyncio.ensure_future(fault_loop(cluster, cfg, t0, faults, log))
+        next_at, i, last_note = 0.0, 0, 0.0
+        while next_at < cfg.duration_s:
+            await asyncio.sleep(max(0.0, t0 + next_at - time.monotonic()))
+            kind, prompt = prompts[i % len(prompts)]
+            route = "remote" if route_rng.random() < cfg.remote_share else "auto"
+            o = Outcome(i, next_at, kind, route,
+                        in_fault=any(0 <= next_at - f.at_s <= cfg.fault_window_s for f in faults))
+            outcomes.append(o)
+            tasks.append(asyncio.ensure_future(one_request(client, o, prompt, refs[i % len(prompts)], cfg)))
+            i += 1
+            next_at += float(rng.exponential(1.0 / cfg.request_rate))
+            if next_at - last_note >= 30:
+                last_note = next_at
+                done = [x for x in outcomes if x.result != "lost" or x.detail]
+                log(f"  t={next_at:6.1f}s sent {len(outcomes)}, finished {len(done)}, "
+                    f"exact {sum(x.result == 'exact' for x in outcomes)}")
+        await fault_task
+        await asyncio.gather(*tasks)
+    return outcomes, faults
+
+
+def wait_for_free_kv(cluster: Cluster, timeout_s: float, log) -> int | None:
+    """Blocks the decode worker still holds once idle (0 = nothing leaked); None if unreadable."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    used = None
+    while time.monotonic() < deadline:
+        try:
+            st = ray.get(cluster.actor("decode").stats.remote(), timeout=10)
+            used = st["num_blocks"] - st["num_free_blocks"]
+            if used == 0 and st["inflight"] == 0:
+                return 0
+        except Exception as exc:  # noqa: BLE001
+            log(f"  decode stats unavailable: {exc.__class__.__name__}")
+        time.sleep(1.0)
+    return used
+
+
+# -- the run ---------------------------------------------------------------------------------
+def summarize(cfg: ChaosConfig, outcomes: list[Outcome], faults: list[Fault], leaked, elapsed) -> Report:
+    r = Report(config=asdict(cfg), sent=len(outcomes), leaked_blocks=leaked, elapsed_s=round(elapsed, 1))
+    r.exact = sum(o.result == "exact" for o in outcomes)
+    r.mismatch = sum(o.result == "mismatch" for o in outcomes)
+    r.lost = sum(o.result == "lost" for o in outcomes)
+    r.retriable = {c: sum(o.result == c for o in outcomes) for c in RETRIABLE}
+    for label, group in (("outside_faults", [o for o in outcomes if not o.in_fault]),
+                         ("during_faults", [o for o in outcomes if o.in_fault])):
+        ttft = [o.ttft_ms for o in group if o.ttft_ms is not None]
+        r.ttft_ms[label] = {"n": len(ttft), "p50": float(np.percentile(ttft, 50)) if ttft else None,
+                            "p99": float(np.percentile(ttft, 99)) if ttft else None}
+    r.faults = [asdict(f) for f in faults]
+    r.lost_details = [f"#{o.i} t={o.sent_s:.1f}s {o.route} {o.kind}: {o.result} {o.detail}"
+                      for o in outcomes if o.result in ("lost", "mismatch")][:20]
+    return r
+
+
+def format_report(r: Report) -> str:
+    def ms(v):
+        return "-" if v is None else f"{v:.0f} ms"
+
+    lines = [
+        "==== pdserve chaos soak ====",
+        f"duration {r.config['duration_s']:.0f} s at {r.config['request_rate']:g} req/s; faults every "
+        f"{r.config['fault_every_s']:g} s: {', '.join(r.config['faults'])} ({len(r.faults)} fired)",
+        f"sent                        {r.sent}",
+        f"completed token-exact       {r.exact}",
+        f"completed with wrong output {r.mismatch}   (must be 0)",
+        "failed, typed and retriable " + (", ".join(f"{k} {v}" for k, v in r.retriable.items())),
+        f"lost                        {r.lost}   (must be 0)",
+        f"KV blocks leaked            {'-' if r.leaked_blocks is None else r.leaked_blocks}   (must be 0)",
+    ]
+    for label, t in r.ttft_ms.items():
+        lines.append(f"TTFT {label.replace('_', ' '):<15} n={t['n']:<5} p50 {ms(t['p50']):>8}  p99 {ms(t['p99']):>8}")
+    for f in r.faults:
+        rec = "-" if f["recovered_s"] is None else f"{f['recovered_s']:.1f} s"
+        lines.append(f"  t={f['at_s']:6.1f}s {f['kind']:<13} members back after {rec:>7}   {f['detail']}")
+    lines += [f"  ! {d}" for d in r.lost_details]
+    return "\n".join(lines)
+
+
+def run_chaos(cfg: ChaosConfig, log=lambda line: print(line, file=sys.stderr, flush=True)) -> Report:
+    import ray
+
+    from pdserve.engine import LLM, SamplingParams
+
+    for f in cfg.faults:
+        if f not in FAULTS:
+            raise ValueError(f"--faults: unknown fault {f!r}; known: {', '.join(FAULTS)}")
+    work = Path(cfg.work_dir or f"runs/chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    from pdserve.bench.sweep import base_model_dir
+
+    model_dir = base_model_dir(cfg.topology)
+    log(f"chaos: model {model_dir}; computing the greedy reference of {cfg.num_prompts} prompts")
+    llm = LLM(model_dir)
+    prompts = make_prompts(cfg, llm.engine.model_config.vocab_size)
+    refs = [o.token_ids for o in llm.generate([p for _, p in prompts], SamplingParams(
+        max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True))]
+    del llm
+    cluster = Cluster(cfg, work, log)
+    t_start = time.monotonic()
+    try:
+        log("chaos: starting the cluster")
+        cluster.up(model_dir)
+        log(f"chaos: load for {cfg.duration_s:.0f} s at {cfg.request_rate:g} req/s, faults {list(cfg.faults)}")
+        outcomes, faults = asyncio.run(drive(cluster, cfg, prompts, refs, log))
+        log("chaos: load done; waiting for the decode worker's KV pool to drain")
+        leaked = wait_for_free_kv(cluster, cfg.settle_timeout_s, log)
+    finally:
+        try:
+            cluster.down()
+        finally:
+            ray.shutdown()
+    report = summarize(cfg, outcomes, faults, leaked, time.monotonic() - t_start)
+    if cfg.output:
+        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output).write_text(json.dumps(asdict(report), indent=2))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python bench/chaos.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = ChaosConfig()
+    p.add_argument("--topology", default=d.topology, help="base topology (1P1D; ports and etcd are replaced)")
+    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load (default 600)")
+    p.add_argument("--rate", type=float, default=d.request_rate, help="requests/s, Poisson (default 2)")
+    p.add_argument("--faults", default=",".join(d.faults), help=f"comma list, fired round-robin ({', '.join(FAULTS)})")
+    p.add_argument("--fault-every", type=float, default=d.fault_every_s, help="seconds between faults (default 30)")
+    p.add_argument("--fault-window", type=float, default=d.fault_window_s,
+                   help="requests sent this long after a fault count as 'during faults' (default 15)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--work-dir", default=None, help="where etcd data and run files go (default runs/chaos-<time>)")
+    p.add_argument("--output", default=None, help="write the report as JSON here")
+    a = p.parse_args(argv)
+    cfg = ChaosConfig(topology=a.topology, duration_s=a.duration, request_rate=a.rate,
+                      faults=tuple(f for f in a.faults.split(",") if f), fault_every_s=a.fault_every,
+                      fault_window_s=a.fault_window, max_tokens=a.max_tokens, seed=a.seed,
+                      work_dir=a.work_dir, output=a.output)
+    report = run_chaos(cfg)
+    print(format_report(report))
+    ok = report.lost == 0 and report.mismatch == 0 and report.leaked_blocks == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
