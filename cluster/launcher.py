@@ -9,6 +9,11 @@ health. It writes what it started to a state file so that `status` and
 `down` work from any later process. The control plane never imports the
 workers: roles are `module:Class` strings whose class takes a config dict
 and has async `start() -> dict`, `drain()` and `stop()`.
+
+Ray restarts a worker actor whose process dies (`WORKER_MAX_RESTARTS`); the
+restarted actor starts itself again (`restartable`), so it loads its engine
+and re-registers in etcd without anyone calling `start()`. The workers are
+told to exit when their engine or pull loop dies, for the same reason.
 """
 
 from __future__ import annotations
@@ -33,6 +38,41 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 300.0
 RAY_START_TIMEOUT_S = 60.0
+# Restarts of one worker actor over its life. Bounded: a worker that crashes at every start
+# (a bad model path, a port taken) must end up visibly dead, not loop forever.
+WORKER_MAX_RESTARTS = 10
+
+
+def restartable(cls: type) -> type:
+    """`cls` (an entry-point class) as an actor class that, when Ray restarts the actor after
+    its process died, calls its own `start()` again (Ray re-runs only `__init__`)."""
+
+    class Restartable(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            import ray
+
+            ctx = ray.get_runtime_context()
+            if ctx.was_current_actor_reconstructed:
+                log.warning("%s restarted by Ray; starting it again", cls.__name__)
+                ctx.current_actor._start_after_restart.remote()
+
+        async def _start_after_restart(self) -> None:
+            try:
+                await self.start()
+            except Exception:  # noqa: BLE001  (logged; the actor stays up for inspection)
+                log.exception("%s: start after a restart failed", cls.__name__)
+
+    Restartable.__name__ = Restartable.__qualname__ = cls.__name__
+    Restartable.__module__ = cls.__module__
+    return Restartable
+
+
+def worker_actor_options(name: str, namespace: str, num_cpus: float, num_gpus: float = 0) -> dict:
+    """Ray options of a worker actor: detached, restarted when its process dies, calls not
+    retried (a call caught by the death fails; `start` after a restart is the actor's own)."""
+    return dict(name=name, namespace=namespace, lifetime="detached", num_cpus=num_cpus, num_gpus=num_gpus,
+                max_concurrency=1000, max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0)
 
 
 @dataclass
@@ -167,13 +207,11 @@ class Launcher:
         handles = []
         for role_name in ("prefill", "decode"):
             role = getattr(t.roles, role_name)
-            cls = ray.remote(load_entrypoint(role.entrypoint))
+            cls = ray.remote(restartable(load_entrypoint(role.entrypoint)))
             for i in range(role.replicas):
                 worker_id = f"{role_name}-{i}"
                 name = f"{t.cluster}-{worker_id}"
-                opts = dict(name=name, namespace=t.ray.namespace, lifetime="detached",
-                            num_cpus=role.resources.num_cpus, num_gpus=role.resources.num_gpus,
-                            max_concurrency=1000)
+                opts = worker_actor_options(name, t.ray.namespace, role.resources.num_cpus, role.resources.num_gpus)
                 actor = cls.options(**opts).remote(self._worker_config(role_name, role, i, worker_id, state))
                 handles.append((name, role_name, worker_id, actor, actor.start.remote()))
                 state.actors.append({"name": name, "role": role_name, "worker_id": worker_id})
@@ -185,11 +223,13 @@ class Launcher:
         common = dict(model=self.model_path, engine_args=dict(role.engine), worker_id=worker_id,
                       cluster=t.cluster, etcd_endpoints=state.etcd_endpoints, lease_ttl_s=t.etcd.lease_ttl_s,
                       queue_name=t.queue.name, queue_namespace=t.ray.namespace, freeze_gc=True)
-        if role_name == "prefill":
-            return dict(common, batch_max_tokens=t.queue.batch_max_tokens, poll_timeout_ms=t.queue.poll_timeout_ms)
         port = lambda key: role.ports.get(key, 0) + i if role.ports.get(key, 0) else 0  # noqa: E731
+        if role_name == "prefill":
+            return dict(common, batch_max_tokens=t.queue.batch_max_tokens, poll_timeout_ms=t.queue.poll_timeout_ms,
+                        exit_on_loop_death=True, metrics_port=port("metrics") or None)
         return dict(common, grpc_port=port("grpc"), http_port=port("http"), router_policy=str(t.router_policy_path) if t.router_policy_path else None,
-                    served_model_name=t.model.name, remote_prefill=t.roles.prefill.replicas > 0)
+                    served_model_name=t.model.name, remote_prefill=t.roles.prefill.replicas > 0,
+                    exit_on_engine_death=True)
 
     def _wait_ready(self, state: ClusterState, handles) -> None:
         import ray

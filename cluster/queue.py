@@ -19,6 +19,13 @@ ones. A batch always holds at least one task when any is queued, even if that
 task alone exceeds `max_tokens`: otherwise a prompt longer than the budget
 would starve forever. Tasks whose deadline has passed are never handed out;
 they are failed back to their origin with reason "deadline_expired".
+
+Restarts: the actor is created with Ray `max_restarts`, so a dead queue comes
+back empty under a new `instance_id` (in `stats()`). Decode workers notice the
+new id and re-put the tasks they still await; prefill workers report the tasks
+they hold (`hold`), and for `RECOVERY_GRACE_S` after a restart the queue hands
+out nothing, so a task that a prefill worker already holds is never handed to
+a second one (see docs/cluster.md, "The queue restarts").
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import heapq
 import logging
 import math
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -46,6 +54,12 @@ PRIORITY_HIGH, PRIORITY_NORMAL, PRIORITY_LOW = 0, 1, 2
 WIRE_BINDS = ("loopback", "node", "off")
 PRIORITY_NAMES = {"high": PRIORITY_HIGH, "normal": PRIORITY_NORMAL, "low": PRIORITY_LOW}
 MAX_FAILED_PER_ORIGIN = 10_000  # failed tasks nobody collects must not grow without bound
+MAX_FAIL_REASON_CHARS = 64
+MAX_FAIL_DETAIL_CHARS = 300
+# After a restart, how long the queue hands out nothing: prefill workers check the queue's
+# instance every HOLD_CHECK_S while they hold a batch and report it (`hold`) well within it.
+RECOVERY_GRACE_S = 2.0
+QUEUE_MAX_RESTARTS = -1  # Ray restarts the queue actor without limit (it holds no state worth a crash loop)
 
 # Why put() refused a task.
 QUEUE_FULL, DUPLICATE, DEADLINE_PASSED, NOTHING_TO_PREFILL = (
@@ -126,7 +140,9 @@ class FailedTask:
     """A task handed back to its origin: the origin prefills locally instead."""
 
     task: PrefillTask
-    reason: str  # "deadline_expired" | "worker_vanished" | "target_gone"
+    # "deadline_expired" | "worker_vanished" | "target_gone", or the failure kind a prefill
+    # worker gave with `fail` (kvtransfer.messages.FAILURE_KINDS)
+    reason: str
     detail: str
     failed_at: float
 
@@ -143,6 +159,9 @@ class QueueStats:
     failed_pending: int  # failed tasks not yet taken by their origin
     capacity: int
     counters: dict[str, int]  # put, rejected_<reason>, dispatched, completed, requeued, failed_<reason>, ...
+    instance_id: str = ""  # new on every start of the queue actor: a change means its state was lost
+    recovering: bool = False  # just restarted: handing out nothing until held tasks are reported
+    metrics: str = ""  # "host:port" of the actor's Prometheus /metrics, "" when off
 
 
 class QueueCore:
@@ -154,9 +173,10 @@ class QueueCore:
     """
 
     def __init__(self, capacity: int = DEFAULT_QUEUE_CAPACITY, *, max_requeues: int = 1,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, on_dispatch: Callable[[float], None] | None = None):
         if capacity < 1:
             raise ValueError(f"capacity={capacity} must be >= 1")
+        self.instance_id = uuid.uuid4().hex[:12]
         self.capacity = capacity
         self.max_requeues = max_requeues
         self._clock = clock
@@ -169,6 +189,7 @@ class QueueCore:
         self._failed: dict[str, list[FailedTask]] = {}
         self._gone: Counter = Counter()  # worker_id -> how often worker_gone was called for it
         self.counters: Counter = Counter()
+        self.on_dispatch = on_dispatch  # called with each dispatched task's queue wait (s)
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -223,6 +244,8 @@ class QueueCore:
             if batch and (tokens + task.num_prefill_tokens > max_tokens
                           or (max_tasks is not None and len(batch) >= max_tasks)):
                 break
+            if self.on_dispatch is not None:
+                self.on_dispatch(max(0.0, now - self._queued[task.key][2]))
             self._remove(task)
             batch.append(task)
             tokens += task.num_prefill_tokens
@@ -305,6 +328,44 @@ class QueueCore:
     def take_failed(self, origin: str) -> list[FailedTask]:
         return self._failed.pop(origin, [])
 
+    def fail(self, worker_id: str, request_id: str, reason: str, detail: str = "") -> bool:
+        """`worker_id` gives up on a task it holds and cannot tell the target itself (no NIXL
+        channel to it): the task goes to its origin's failed list with `reason`, where the
+        origin's poll finds it and prefills locally at once. False if the worker holds no
+        such task (cancelled or already failed back)."""
+        if not isinstance(reason, str) or not reason or len(reason) > MAX_FAIL_REASON_CHARS:
+            raise ValueError(f"fail: reason must be a non-empty str of at most {MAX_FAIL_REASON_CHARS} "
+                             f"chars, got {reason!r}")
+        if not isinstance(detail, str):
+            raise ValueError(f"fail: detail must be a str, got {type(detail).__name__}")
+        taken = self._in_flight.get(worker_id, {})
+        keys = [key for key in taken if key[0] == request_id]
+        for key in keys:
+            self._requeues.pop(key, None)
+            self._fail(taken.pop(key), reason, detail[:MAX_FAIL_DETAIL_CHARS])
+        if not taken:
+            self._in_flight.pop(worker_id, None)
+        return bool(keys)
+
+    def hold(self, worker_id: str, tasks: list[PrefillTask]) -> int:
+        """`worker_id` still holds `tasks`, taken from an earlier instance of this queue (it
+        restarted while they were in flight): track them as in flight on that worker, taking a
+        copy that a decode worker re-put out of the queue, so nobody else prefills them.
+        Returns how many were not tracked as in flight on that worker before."""
+        taken = self._in_flight.setdefault(worker_id, {})
+        new = 0
+        for task in tasks:
+            if task.key in taken or any(task.key in t for w, t in self._in_flight.items() if w != worker_id):
+                continue
+            if task.key in self._queued:
+                self._remove(self._queued[task.key][1])
+            taken[task.key] = task
+            new += 1
+        if not taken:
+            self._in_flight.pop(worker_id, None)
+        self.counters["held_after_restart"] += new
+        return new
+
     def untake(self, worker_id: str, tasks: list[PrefillTask]) -> int:
         """Tasks handed to `worker_id` that never reached it (its connection closed before the
         batch was sent) go back to their old place in the order; not counted as a requeue.
@@ -337,6 +398,7 @@ class QueueCore:
             failed_pending=sum(len(f) for f in self._failed.values()),
             capacity=self.capacity,
             counters=dict(self.counters),
+            instance_id=self.instance_id,
         )
 
 
@@ -353,11 +415,23 @@ class PrefillQueue:
     """
 
     def __init__(self, capacity: int = DEFAULT_QUEUE_CAPACITY, max_requeues: int = 1,
-                 wire_bind: str = "loopback"):
+                 wire_bind: str = "loopback", metrics_port: int | None = None):
         if wire_bind not in WIRE_BINDS:
             raise ValueError(f"wire_bind={wire_bind!r} must be one of {list(WIRE_BINDS)}")
-        self._core = QueueCore(capacity, max_requeues=max_requeues)
+        from .queue_metrics import QueueMetrics
+
+        self._metrics = QueueMetrics(self)
+        self._core = QueueCore(capacity, max_requeues=max_requeues, on_dispatch=self._metrics.wait.observe)
+        # /metrics on loopback (port None: a free one, 0: off); its address is in stats().
+        self._metrics_at = self._metrics.serve("127.0.0.1", metrics_port)
         self._arrived = asyncio.Condition()
+        # A restarted queue is empty, but prefill workers may still hold tasks of the lost
+        # instance: hand out nothing until they have had time to report them (`hold`).
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._recover_until = time.monotonic() + RECOVERY_GRACE_S if restarted else 0.0
+        if restarted:
+            log.warning("prefill queue restarted (instance %s): its queued tasks were lost; decode workers "
+                        "re-put theirs, prefill workers report what they hold", self._core.instance_id)
         self._wire_bind = wire_bind
         self._wire: asyncio.Future | None = None  # resolves to wire_endpoint()'s answer
         from .runtime import freeze_gc_heap
@@ -410,6 +484,11 @@ class PrefillQueue:
         _check_poll_args(worker_id, max_tokens, max_wait_ms, max_tasks)
         if completed:
             self._core.complete(worker_id, completed)
+        recovering_s = self._recover_until - time.monotonic()
+        if recovering_s > 0:  # just restarted: no batch until held tasks are reported
+            await asyncio.sleep(min(recovering_s, max_wait_ms / 1000.0))
+            if self._recover_until > time.monotonic():
+                return []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max_wait_ms / 1000.0
         # A poll outlives its caller: a worker killed while this call waits cannot receive the
@@ -422,13 +501,16 @@ class PrefillQueue:
                 batch = self._core.take(worker_id, max_tokens, max_tasks)
                 remaining_s = deadline - loop.time()
                 if batch or remaining_s <= 0:
+                    self._metrics.batch(batch)
                     return batch
                 try:
                     await asyncio.wait_for(self._arrived.wait(), remaining_s)
                 except asyncio.TimeoutError:
                     if self._core.gone_count(worker_id) != gone:
                         return []
-                    return self._core.take(worker_id, max_tokens, max_tasks)
+                    batch = self._core.take(worker_id, max_tokens, max_tasks)
+                    self._metrics.batch(batch)
+                    return batch
 
     async def complete(self, worker_id: str, request_id: str | list[str]) -> bool:
         """Stop tracking one finished task, or a whole batch (one call per batch)."""
@@ -448,13 +530,26 @@ class PrefillQueue:
     async def take_failed(self, origin: str) -> list[FailedTask]:
         return self._core.take_failed(origin)
 
+    async def fail(self, worker_id: str, request_id: str, reason: str, detail: str = "") -> bool:
+        return self._core.fail(worker_id, request_id, reason, detail)
+
+    async def hold(self, worker_id: str, tasks: list[PrefillTask]) -> int:
+        new = self._core.hold(worker_id, tasks)
+        if new:
+            log.info("prefill worker %s holds %d task(s) of the queue's previous instance", worker_id, new)
+        return new
+
+    async def instance_id(self) -> str:
+        return self._core.instance_id
+
     async def take_failed_and_stats(self, origin: str) -> tuple[list[FailedTask], QueueStats]:
         """`take_failed(origin)` and `stats()` in one call: a decode worker's periodic poll
         costs one actor round trip, not two."""
         return self._core.take_failed(origin), await self.stats()
 
     async def stats(self) -> QueueStats:
-        stats = self._core.stats()
+        stats = dataclasses.replace(self._core.stats(), recovering=self._recover_until > time.monotonic(),
+                                    metrics=self._metrics_at or "")
         server = getattr(self, "_wire_server", None)
         if server is not None:  # wire_connections, wire_calls, wire_errors, wire_bad_hello, ...
             stats.counters.update({f"wire_{k}": v for k, v in server.counters.items()})
@@ -475,18 +570,22 @@ def _check_poll_args(worker_id, max_tokens, max_wait_ms, max_tasks) -> None:
 
 def get_or_create_queue(name: str = DEFAULT_QUEUE_NAME, namespace: str = DEFAULT_NAMESPACE,
                         capacity: int = DEFAULT_QUEUE_CAPACITY, *, detached: bool = False,
-                        max_requeues: int = 1, wire_bind: str = "loopback"):
+                        max_requeues: int = 1, wire_bind: str = "loopback", metrics_port: int | None = None):
     """Handle to the named queue actor, creating it if absent (race-safe).
 
     An existing actor keeps the capacity and wire_bind it was created with. `detached`
     lets the queue outlive the driver that created it (the launcher's choice).
     The actor reserves no CPU: it is I/O-bound and must not take a worker's slot.
+    Ray restarts it when it dies (`QUEUE_MAX_RESTARTS`); calls are not retried
+    (`max_task_retries` 0): a call caught by the death fails at once, and every
+    caller already treats a failed queue call as "try again or go local".
     """
-    options: dict[str, Any] = dict(name=name, namespace=namespace, get_if_exists=True, num_cpus=0)
+    options: dict[str, Any] = dict(name=name, namespace=namespace, get_if_exists=True, num_cpus=0,
+                                   max_restarts=QUEUE_MAX_RESTARTS, max_task_retries=0)
     if detached:
         options["lifetime"] = "detached"
     return PrefillQueue.options(**options).remote(capacity=capacity, max_requeues=max_requeues,
-                                                  wire_bind=wire_bind)
+                                                  wire_bind=wire_bind, metrics_port=metrics_port)
 
 
 async def _tell_gone(queue, worker_id: str) -> None:

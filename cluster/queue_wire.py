@@ -132,6 +132,11 @@ def _codecs():
     def tasks_in(body):
         return [from_wire(PrefillTask, t, "get_batch result") for t in body]
 
+    def hold_args(args):
+        if len(args) != 2 or not isinstance(args[1], list):
+            raise WireError("hold takes 2 arguments (worker_id, [tasks])")
+        return [args[0], [from_wire(PrefillTask, t, "hold.task") for t in args[1]]]
+
     def failed_in(body):
         return [FailedTask(**{**f, "task": from_wire(PrefillTask, f["task"], "failed task")}) for f in body]
 
@@ -150,6 +155,9 @@ def _codecs():
         "cancel": (None, same, same),
         "worker_gone": (None, same, same),
         "take_failed": (None, lambda fs: [to_wire(f) for f in fs], failed_in),
+        "fail": (None, same, same),
+        "hold": (hold_args, same, same),
+        "instance_id": (None, same, same),
         "take_failed_and_stats": (None, pair_out, pair_in),
         "stats": (None, to_wire, lambda b: from_wire(QueueStats, b, "stats")),
     }
@@ -365,6 +373,15 @@ class QueueClient:
     async def take_failed(self, origin: str):
         return await self._call("take_failed", origin)
 
+    async def fail(self, worker_id: str, request_id: str, reason: str, detail: str = "") -> bool:
+        return await self._call("fail", worker_id, request_id, reason, detail)
+
+    async def hold(self, worker_id: str, tasks) -> int:
+        return await self._call("hold", worker_id, list(tasks))
+
+    async def instance_id(self) -> str:
+        return await self._call("instance_id")
+
     async def take_failed_and_stats(self, origin: str):
         return await self._call("take_failed_and_stats", origin)
 
@@ -393,7 +410,12 @@ class QueueClient:
             conn = await self._connect()
             if conn is None:  # auto: the wire is not reachable from here
                 return await asyncio.wait_for(getattr(self.handle, method).remote(*args), timeout_s)
-        wire_args = [to_wire(args[0])] if method == "put" else list(args)
+        if method == "put":
+            wire_args = [to_wire(args[0])]
+        elif method == "hold":
+            wire_args = [args[0], [to_wire(t) for t in args[1]]]
+        else:
+            wire_args = list(args)
         body = await conn.call(method, wire_args, timeout_s)
         if not body.get("ok"):
             err = body.get("error") or {}

@@ -23,3 +23,24 @@ def freeze_gc_heap(what: str) -> int:
     frozen = gc.get_freeze_count()
     log.info("%s: froze %d start-up objects out of the cyclic GC", what, frozen)
     return frozen
+
+
+class MetricsEndpoint:
+    """A Prometheus `/metrics` endpoint for one `CollectorRegistry`, for processes that
+    serve no HTTP of their own (prefill workers, the queue actor).
+
+    `port` None (or 0) binds a free port; the address is what the process advertises (its etcd
+    record, `stats()`). The server thread belongs to this object: `close()` stops it.
+    """
+
+    def __init__(self, registry, host: str = "127.0.0.1", port: int | None = None):
+        from prometheus_client import start_http_server
+
+        self._server, self._thread = start_http_server(port or 0, addr=host, registry=registry)
+        self.address = f"{host}:{self._server.server_port}"
+        log.info("metrics at http://%s/metrics", self.address)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5.0)

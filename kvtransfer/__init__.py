@@ -3,7 +3,8 @@
 One `KVTransferAgent` per worker process registers the whole KV pool once;
 peers exchange `local_info()` records (via etcd), check layouts at
 `add_peer`, and then `write_blocks` / `begin_stream` move K and V pages,
-ending with a `PrefillDone` notification. See docs/kvtransfer.md.
+ending with a `PrefillDone` notification (or a `PrefillFailed` one when the
+attempt cannot be delivered). See docs/kvtransfer.md.
 """
 
 from pdserve.kvtransfer.agent import KVTransferAgent
@@ -21,8 +22,12 @@ from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.messages import (
     MAX_NOTIFICATION_BYTES,
     PREFILL_DONE_VERSION,
+    PREFILL_FAILED_VERSION,
     PrefillDone,
+    PrefillFailed,
+    decode_notification,
     decode_prefill_done,
+    decode_prefill_failed,
     encode_prefill_done,
 )
 from pdserve.kvtransfer.nixl_shim import LOOPBACK_UCX_ENV, NixlApi, load_nixl
@@ -45,7 +50,9 @@ __all__ = [
     "PREFILL_DONE_VERSION",
     "PeerInfo",
     "PollResult",
+    "PREFILL_FAILED_VERSION",
     "PrefillDone",
+    "PrefillFailed",
     "TransferError",
     "TransferHandle",
     "TransferState",
@@ -53,7 +60,9 @@ __all__ = [
     "UnknownPeerError",
     "WritePlan",
     "block_runs",
+    "decode_notification",
     "decode_prefill_done",
+    "decode_prefill_failed",
     "encode_prefill_done",
     "load_nixl",
     "plan_block_write",

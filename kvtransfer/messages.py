@@ -1,11 +1,17 @@
-"""`PrefillDone`: the completion message a prefill worker sends with its last page write.
+"""The notifications a prefill worker sends a decode worker over NIXL.
+
+`PrefillDone` rides behind the last page write of an attempt; `PrefillFailed`
+says that an attempt will never be written, so the decode worker prefills
+locally at once instead of waiting out its remote deadline.
 
 Wire format (inside a NIXL notification, never pickle):
 
-    b"PDKV" | version (1 byte) | msgpack map of the fields
+    b"PDKV" | version (1 byte) | msgpack map of the fields     PrefillDone
+    b"PDKF" | version (1 byte) | msgpack map of the fields     PrefillFailed
 
 The whole payload is at most MAX_NOTIFICATION_BYTES: NIXL notifications ride
-on small active messages and should stay small.
+on small active messages and should stay small. `decode_notification` reads
+either.
 """
 
 from __future__ import annotations
@@ -163,3 +169,118 @@ def _field_problem(msg: PrefillDone) -> str | None:
     if not is_int(msg.version):
         return f"version must be an int, got {msg.version!r}"
     return None
+
+
+# -- PrefillFailed -------------------------------------------------------------------------
+FAILED_MAGIC = b"PDKF"
+PREFILL_FAILED_VERSION = 1
+MAX_FAILURE_DETAIL_CHARS = 300  # the detail is for logs and the breakdown; the cap keeps it one message
+
+# Why a prefill attempt failed: the decode worker's fallback reason (metric label) is the kind.
+TRANSFER_ERROR = "transfer_error"  # a page write failed or timed out
+PEER_MISSING = "peer_missing"  # no usable NIXL record of the decode worker (etcd metadata absent or rejected)
+BAD_TASK = "bad_task"  # the task itself is invalid (sampling params, token ids)
+REQUEST_FAILED = "request_failed"  # the engine failed this one request (sampling raised)
+BATCH_FAILED = "batch_failed"  # the forward pass of the task's batch raised (OOM, device error)
+FAILURE_KINDS = (TRANSFER_ERROR, PEER_MISSING, BAD_TASK, REQUEST_FAILED, BATCH_FAILED)
+
+_FAILED_FIELDS = ("request_id", "epoch", "kind", "detail", "prefill_worker", "writes_settled")
+
+
+@dataclass(frozen=True)
+class PrefillFailed:
+    """Attempt `epoch` of `request_id` will not be written: prefill it locally now.
+
+    `writes_settled` is True when no page write of this attempt can still land
+    (none was posted, or every posted one finished or failed): the decode
+    worker may reuse the reserved blocks at once. False (a write timed out and
+    NIXL could not cancel it) means: quarantine them as for any abandoned write.
+    """
+
+    request_id: str
+    epoch: int
+    kind: str
+    detail: str = ""
+    prefill_worker: str = ""
+    writes_settled: bool = True
+    version: int = PREFILL_FAILED_VERSION
+
+    def __post_init__(self) -> None:
+        if isinstance(self.detail, str) and len(self.detail) > MAX_FAILURE_DETAIL_CHARS:
+            object.__setattr__(self, "detail", self.detail[: MAX_FAILURE_DETAIL_CHARS - 3] + "...")
+        problem = _failed_problem(self)
+        if problem:
+            raise ValueError(f"invalid PrefillFailed: {problem}")
+
+    def encode(self) -> bytes:
+        if self.version != PREFILL_FAILED_VERSION:
+            raise ValueError(f"this build writes PrefillFailed version {PREFILL_FAILED_VERSION}, not {self.version}")
+        body = msgpack.packb({name: getattr(self, name) for name in _FAILED_FIELDS}, use_bin_type=True)
+        payload = FAILED_MAGIC + bytes([self.version]) + body
+        if len(payload) > MAX_NOTIFICATION_BYTES:
+            raise ValueError(
+                f"PrefillFailed encodes to {len(payload)} bytes, over the {MAX_NOTIFICATION_BYTES}-byte "
+                "notification cap; shorten request_id"
+            )
+        return payload
+
+
+def _failed_problem(msg: PrefillFailed) -> str | None:
+    if not isinstance(msg.request_id, str) or not msg.request_id:
+        return f"request_id must be a non-empty str, got {msg.request_id!r}"
+    if isinstance(msg.epoch, bool) or not isinstance(msg.epoch, int) or msg.epoch < 0:
+        return f"epoch must be an int >= 0, got {msg.epoch!r}"
+    if msg.kind not in FAILURE_KINDS:
+        return f"kind must be one of {list(FAILURE_KINDS)}, got {msg.kind!r}"
+    for name in ("detail", "prefill_worker"):
+        if not isinstance(getattr(msg, name), str):
+            return f"{name} must be a str, got {getattr(msg, name)!r}"
+    if not isinstance(msg.writes_settled, bool):
+        return f"writes_settled must be a bool, got {msg.writes_settled!r}"
+    if isinstance(msg.version, bool) or not isinstance(msg.version, int):
+        return f"version must be an int, got {msg.version!r}"
+    return None
+
+
+def decode_prefill_failed(payload: bytes) -> PrefillFailed:
+    """Parse a PrefillFailed payload; MalformedMessageError on anything but a valid message."""
+    payload = _checked_bytes(payload)
+    if len(payload) < _HEADER_BYTES or not payload.startswith(FAILED_MAGIC):
+        raise MalformedMessageError(f"payload does not start with {FAILED_MAGIC!r}: {payload[:8]!r}")
+    version = payload[len(FAILED_MAGIC)]
+    if version != PREFILL_FAILED_VERSION:
+        raise MalformedMessageError(
+            f"PrefillFailed version {version} is not supported (this build reads version "
+            f"{PREFILL_FAILED_VERSION}); upgrade the older worker"
+        )
+    try:
+        body = msgpack.unpackb(payload[_HEADER_BYTES:], raw=False, strict_map_key=True)
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        raise MalformedMessageError(f"PrefillFailed body is not valid msgpack: {exc}") from exc
+    if not isinstance(body, dict):
+        raise MalformedMessageError(f"PrefillFailed body must be a map, got {type(body).__name__}")
+    missing = [name for name in ("request_id", "epoch", "kind") if name not in body]
+    unknown = sorted(str(key) for key in body if key not in _FAILED_FIELDS)
+    if missing or unknown:
+        raise MalformedMessageError(f"PrefillFailed fields: missing {missing}, unknown {unknown}")
+    try:
+        return PrefillFailed(version=version, **body)
+    except ValueError as exc:
+        raise MalformedMessageError(str(exc)) from exc
+
+
+def decode_notification(payload: bytes) -> PrefillDone | PrefillFailed:
+    """Either message, told apart by its magic; MalformedMessageError for anything else."""
+    payload = _checked_bytes(payload)
+    if payload.startswith(FAILED_MAGIC):
+        return decode_prefill_failed(payload)
+    return decode_prefill_done(payload)
+
+
+def _checked_bytes(payload) -> bytes:
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise MalformedMessageError(f"payload must be bytes, got {type(payload).__name__}")
+    payload = bytes(payload)
+    if len(payload) > MAX_NOTIFICATION_BYTES:
+        raise MalformedMessageError(f"payload is {len(payload)} bytes, over the {MAX_NOTIFICATION_BYTES}-byte cap")
+    return payload

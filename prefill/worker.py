@@ -5,7 +5,9 @@ prefill the batch in the engine, reusing this worker's prefix cache and
 chunking long prompts -> write the KV pages of positions ``[cached_len, n)``
 into the decode worker's reserved blocks with NIXL, layer by layer while the
 last forward pass runs when the batch finishes in one step -> a `PrefillDone`
-notification with the first sampled token rides behind the pages.
+notification with the first sampled token rides behind the pages. A task that
+cannot be delivered ends with a `PrefillFailed` notice instead (prefill/batch.py),
+so its decode worker prefills locally at once; no task ends the pull loop.
 
 Runs as a Ray actor (``pdserve.prefill.worker:PrefillWorker`` is the
 topology's default entry point) or in-process; the engine work happens in
@@ -22,12 +24,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.kvtransfer import KVLayout, KVTransferAgent, KVTransferError, PrefillDone, TransferError
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.kvtransfer import KVLayout, KVTransferAgent
+
+from .batch import PrefillBatch, PrefillStats
+from .metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+HOLD_CHECK_S = 0.5  # while a batch runs: how often to check that the queue did not restart
+PEER_LOOKUP_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -48,17 +55,13 @@ class PrefillWorkerConfig:
     poll_timeout_ms: float = 1000.0  # idle long poll of get_batch (a put wakes it at once)
     transfer_timeout_s: float = 30.0
     layerwise: bool = True  # stream each layer's pages as soon as it is computed
+    # When the pull loop dies anyway (a bug): leave etcd, then exit the process so that its
+    # supervisor (Ray max_restarts) starts a fresh one. The launcher sets it; a worker embedded
+    # in another program (tests) only leaves the registry.
+    exit_on_loop_death: bool = False
+    metrics_port: int | None = None  # Prometheus /metrics: None = a free loopback port, 0 = off
+    metrics_host: str = "127.0.0.1"
     ucx_env: dict = field(default_factory=lambda: {"UCX_MODULES": "^ib"})
-
-
-@dataclass
-class PrefillStats:
-    tasks_done: int = 0
-    tasks_failed: int = 0
-    batches: int = 0
-    tokens_computed: int = 0
-    bytes_written: int = 0
-    layerwise_tasks: int = 0
 
 
 class PrefillWorker:
@@ -80,6 +83,10 @@ class PrefillWorker:
         # Peer changes are applied by the batch thread, the only user of the NIXL agent.
         self._peers_to_remove: set[str] = set()
         self._known_peers: set[str] = set()
+        self._batch: PrefillBatch | None = None
+        self._queue_instance: str | None = None
+        self.loop_error: str | None = None
+        self.metrics = PrefillMetrics(self.worker_id, self.stats)
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -97,11 +104,22 @@ class PrefillWorker:
         self.agent = KVTransferAgent(self.worker_id, kv, layout, ucx_env=cfg.ucx_env)
         if not ray.is_initialized():
             raise RuntimeError("the prefill worker needs Ray (run it as a Ray actor or call ray.init first)")
+        self._batch = PrefillBatch(self.worker_id, self.engine, self.agent, self.stats,
+                                   transfer_timeout_s=cfg.transfer_timeout_s, layerwise=cfg.layerwise)
         self.queue = QueueClient(get_or_create_queue(cfg.queue_name, cfg.queue_namespace), cfg.queue_transport)
+        # A fresh start under this id (a Ray restart after a crash): whatever an earlier
+        # incarnation held is gone. Requeue it now, not when (or if) its lease expires.
+        try:
+            await self.queue.worker_gone(self.worker_id)
+            self._queue_instance = await self.queue.instance_id()
+        except Exception as exc:  # noqa: BLE001  (the queue restarting: its restart lost them anyway)
+            log.warning("could not reach the queue at start: %r", exc)
+        metrics_at = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
         self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s)
         info = WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
                           kv_layout=self.engine.runner.layout_info(),
-                          capacity={"max_num_batched_tokens": self.budget}, version=VERSION)
+                          capacity={"max_num_batched_tokens": self.budget}, version=VERSION,
+                          endpoints={"metrics": metrics_at} if metrics_at else {})
         await self.registry.clear_drain(self.worker_id)  # a fresh start under a drained id
         await self.registry.register(info, json.dumps(self.agent.local_info()).encode())
         self._decode_watch = await self.registry.watch_members(on_remove=self._decode_gone, role="decode")
@@ -150,151 +168,124 @@ class PrefillWorker:
             await self.queue.close()
         if self.agent is not None:
             self.agent.close()
+        self.metrics.close()
 
     def get_stats(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "draining": self.draining,
-                **self.stats.__dict__}
+                "loop_alive": self._loop_task is not None and not self._loop_task.done(),
+                "loop_error": self.loop_error, "metrics": self.metrics.address,
+                **{k: dict(v) if isinstance(v, dict) else v for k, v in self.stats.__dict__.items()}}
 
     def pid(self) -> int:
         return os.getpid()
 
     # -- the pull loop -------------------------------------------------------------------
     async def _run(self) -> None:
-        while not self.draining:
+        """Pull and serve batches until drained. No task can end this loop (a batch reports
+        its failures); should it end anyway (a bug), the worker leaves the registry and, when
+        `exit_on_loop_death`, exits so that Ray restarts it."""
+        try:
+            while not self.draining:
+                tasks = await self._next_batch()
+                if tasks:
+                    await self._serve(tasks)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001  (a bug: make it loud and recoverable)
+            await self._loop_died(exc)
+
+    async def _next_batch(self) -> list:
+        try:
+            return await self.queue.get_batch(self.worker_id, self.budget, self.cfg.poll_timeout_ms)
+        except Exception as exc:  # noqa: BLE001  (queue actor restarting, Ray hiccup)
+            log.warning("get_batch failed: %r; retrying", exc)
+            await asyncio.sleep(0.5)
+            return []
+
+    async def _serve(self, tasks: list) -> None:
+        new_peers: dict[str, dict] = {}
+        unusable: dict[str, str] = {}
+        for target in dict.fromkeys(t.target_worker_id for t in tasks):
+            problem = await self._peer_info(target, new_peers)
+            if problem is not None:
+                unusable[target] = problem
+        batch = asyncio.ensure_future(asyncio.to_thread(self._run_batch, tasks, new_peers, unusable))
+        result = await self._while_holding(batch, tasks)
+        self.metrics.observe_batch(result)
+        for f in result.failures:
+            # Through the queue too: the origin's failed-task poll (0.25 s) reaches it where NIXL
+            # could not (no channel, a broken connection). Not when a write may still land: the
+            # queue path frees the blocks at once; the decode worker's deadline quarantines them.
+            if f.writes_settled:
+                await self._queue_call("fail", self.worker_id, f.task.request_id, f.kind, f.detail)
+        await self._queue_call("complete", self.worker_id, [t.request_id for t in tasks])
+
+    def _run_batch(self, tasks, new_peers: dict, unusable: dict):
+        self._sync_peers(new_peers, unusable)
+        return self._batch.run(tasks, unusable)
+
+    async def _while_holding(self, batch: asyncio.Future, tasks: list):
+        """Wait for the batch; meanwhile, if the queue restarted (a new instance id), report the
+        tasks this worker holds so the new instance neither hands them out again nor loses them."""
+        while True:
+            done, _ = await asyncio.wait({batch}, timeout=HOLD_CHECK_S)
+            if done:
+                return batch.result()
             try:
-                tasks = await self.queue.get_batch(self.worker_id, self.budget, self.cfg.poll_timeout_ms)
-            except Exception as exc:  # noqa: BLE001  (queue actor restarting, Ray hiccup)
-                log.warning("get_batch failed: %r; retrying", exc)
-                await asyncio.sleep(0.5)
-                continue
-            if not tasks:
-                continue
-            new_peers: dict[str, dict] = {}
-            runnable = []
-            for t in tasks:
-                if await self._peer_info(t.target_worker_id, new_peers):
-                    runnable.append(t)
-            if runnable:
-                await asyncio.to_thread(self._prefill_batch, runnable, new_peers)
-            await self.queue.complete(self.worker_id, [t.request_id for t in tasks])
+                instance = await asyncio.wait_for(self.queue.instance_id(), HOLD_CHECK_S * 4)
+                if instance != self._queue_instance:
+                    n = await asyncio.wait_for(self.queue.hold(self.worker_id, tasks), HOLD_CHECK_S * 4)
+                    self._queue_instance = instance
+                    if n:
+                        log.warning("queue restarted (instance %s); reported %d held task(s)", instance, n)
+            except Exception as exc:  # noqa: BLE001  (the queue is still restarting: check again)
+                log.debug("queue instance check failed: %r", exc)
 
-    async def _peer_info(self, worker_id: str, new_peers: dict) -> bool:
-        """Fetch a decode worker's NIXL record from etcd the first time it is a target."""
+    async def _queue_call(self, method: str, *args) -> None:
+        try:
+            await getattr(self.queue, method)(*args)
+        except Exception as exc:  # noqa: BLE001  (a queue hiccup must not end the loop)
+            log.warning("queue %s failed: %r", method, exc)
+
+    async def _loop_died(self, exc: BaseException) -> None:
+        self.loop_error = f"{exc.__class__.__name__}: {exc}"
+        log.error("prefill worker %s: pull loop died (%s); leaving the registry%s", self.worker_id, self.loop_error,
+                  " and exiting so that Ray restarts it" if self.cfg.exit_on_loop_death else "", exc_info=exc)
+        if self.registry is not None:
+            try:
+                await asyncio.wait_for(self.registry.deregister(), 10.0)
+            except Exception as dereg_exc:  # noqa: BLE001  (the lease expires anyway)
+                log.error("could not leave the registry: %r", dereg_exc)
+        if self.cfg.exit_on_loop_death:
+            os._exit(70)  # EX_SOFTWARE; Ray restarts an actor that exits this way (max_restarts)
+
+    async def _peer_info(self, worker_id: str, new_peers: dict) -> str | None:
+        """Fetch a decode worker's NIXL record from etcd the first time it is a target;
+        why it cannot be used, or None."""
         if worker_id in self._known_peers or worker_id in new_peers:
-            return True
-        raw = await self.registry.get_nixl_metadata(worker_id)
+            return None
+        try:
+            raw = await asyncio.wait_for(self.registry.get_nixl_metadata(worker_id), PEER_LOOKUP_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001  (etcd down or slow)
+            return f"could not read its NIXL metadata from etcd: {exc!r}"
         if raw is None:
-            log.warning("decode worker %s has no NIXL metadata in etcd; skipping its task", worker_id)
-            self.stats.tasks_failed += 1
-            return False
-        new_peers[worker_id] = json.loads(raw)
-        return True
+            return f"decode worker {worker_id} has no NIXL metadata in etcd (not registered, or its lease expired)"
+        try:
+            new_peers[worker_id] = json.loads(raw)
+        except ValueError as exc:
+            return f"decode worker {worker_id}'s NIXL record is not JSON: {exc}"
+        return None
 
-    def _sync_peers(self, new_peers: dict) -> None:
+    def _sync_peers(self, new_peers: dict, unusable: dict) -> None:
+        """Apply peer changes (batch thread: the agent's only user). A record NIXL or the layout
+        check refuses makes that peer unusable for this batch, not the batch fail."""
         while self._peers_to_remove:
             self.agent.remove_peer(self._peers_to_remove.pop())
         for name, info in new_peers.items():
-            if name in self.agent.peers:  # re-registered decode worker: new metadata
-                self.agent.remove_peer(name)
-            self.agent.add_peer(info)
-            self._known_peers.add(name)
-
-    # -- one batch (worker thread) ---------------------------------------------------------
-    def _prefill_batch(self, tasks, new_peers: dict) -> None:
-        self._sync_peers(new_peers)
-        eng = self.engine
-        bs = eng.config.block_size
-        taken_at = time.time()
-        jobs = {}
-        for t in tasks:
-            params = SamplingParams.from_dict({**t.sampling_params, "max_tokens": 1, "stop": [], "logprobs": 0})
-            rid = f"{t.request_id}#{t.epoch}"
-            req = eng.make_request(t.token_ids, params, request_id=rid, priority=t.priority)
-            req.keep_kv = True
-            eng.scheduler.add(req)
-            jobs[rid] = {"task": t, "req": req, "stream": None}
-        t0 = time.perf_counter()
-        computed_before = eng.stats.num_prompt_tokens_computed
-        first: dict[str, tuple[int, float | None]] = {}
-        for _ in range(100_000):  # bounded: each step computes at least one token
-            if len(first) == len(jobs):
-                break
-            hook = self._layer_hook_factory(jobs) if self.cfg.layerwise else None
-            for d in eng.step(on_plan=hook):
-                if d.request_id in jobs and d.new_token_ids:
-                    lp = d.logprobs[0]["logprob"] if d.logprobs else None
-                    first[d.request_id] = (d.new_token_ids[0], lp)
-        prefill_ms = (time.perf_counter() - t0) * 1e3
-        batch_tokens = eng.stats.num_prompt_tokens_computed - computed_before
-        self.stats.batches += 1
-        pending = []
-        for rid, job in jobs.items():
-            t = job["task"]
-            tok, lp = first[rid]
-            self.stats.tokens_computed += t.num_prefill_tokens
-            done = PrefillDone(t.request_id, t.epoch, tok, lp, t.num_prefill_tokens,
-                               queue_wait_ms=max(0.0, (taken_at - t.arrival_time) * 1e3),
-                               prefill_ms=prefill_ms, prefill_worker=self.worker_id,
-                               batch_tokens=batch_tokens).encode()
             try:
-                if job.get("error") is not None:
-                    raise job["error"]
-                if job["stream"] is not None:
-                    handles = job["stream"].finish(self.cfg.transfer_timeout_s, notify=done)
-                    self.stats.layerwise_tasks += 1
-                else:
-                    local = eng.kv.block_ids(rid)[t.cached_len // bs:][: len(t.target_block_ids)]
-                    handles = [self.agent.write_blocks(t.target_worker_id, local, t.target_block_ids, notify=done)]
-                pending.append((rid, handles))
-            except (KVTransferError, ValueError) as exc:
-                self._give_up(rid, exc)
-                eng.free_kv(rid)
-                eng.release(rid)
-        for rid, handles in pending:
-            try:
-                for h in handles:
-                    self.agent.wait(h, self.cfg.transfer_timeout_s)
-                    self.stats.bytes_written += h.num_bytes
-                self.stats.tasks_done += 1
-            except TransferError as exc:
-                self._give_up(rid, exc)
-            finally:
-                eng.free_kv(rid)
-                eng.release(rid)
-
-    def _give_up(self, rid: str, exc: Exception) -> None:
-        # The decode worker falls back to a local prefill on its deadline or
-        # when the queue fails the task back; nothing to send it here.
-        log.warning("KV transfer for %s failed: %s", rid, exc)
-        self.stats.tasks_failed += 1
-
-    def _layer_hook_factory(self, jobs):
-        """on_plan callback: stream the pages of requests whose prefill ends in this step."""
-
-        def on_plan(scheduled):
-            bs = self.engine.config.block_size
-            jobs_now = []
-            for req, n in scheduled:
-                job = jobs.get(req.request_id)
-                if job is None or req.num_computed_tokens + n != req.num_tokens:
-                    continue
-                t = job["task"]
-                table = self.engine.kv.block_ids(req.request_id)
-                local = table[t.cached_len // bs:][: len(t.target_block_ids)]
-                job["stream"] = self.agent.begin_stream(t.target_worker_id, local, t.target_block_ids, None)
-                jobs_now.append(job)
-            if not jobs_now:
-                return None
-
-            def after_layer(layer: int) -> None:
-                for job in jobs_now:
-                    if job.get("error") is None:
-                        try:
-                            job["stream"].write_layer(layer)
-                        except KVTransferError as exc:  # this request fails; the batch goes on
-                            job["error"] = exc
-                            job["stream"].abort()
-
-            return after_layer
-
-        return on_plan
+                if name in self.agent.peers:  # re-registered decode worker: new metadata
+                    self.agent.remove_peer(name)
+                self.agent.add_peer(info)
+                self._known_peers.add(name)
+            except Exception as exc:  # noqa: BLE001  (LayoutMismatchError, MalformedMessageError, TransferError)
+                unusable[name] = f"its NIXL record was refused: {exc.__class__.__name__}: {exc}"

@@ -299,3 +299,59 @@ def test_a_poll_left_behind_by_a_vanished_worker_takes_nothing(queue):
     # A poll the same worker id starts afterwards (a restarted worker) is served again.
     assert queue.put(task(request_id="again")).ok
     assert ids(queue.get_batch("p-dead", 100, 1000)) == ["again"]
+
+
+def test_a_worker_fails_a_task_it_holds_back_to_its_origin_with_the_kind(queue):
+    queue.put(task(request_id="a", target="d0"))
+    queue.put(task(request_id="b", target="d0"))
+    assert ids(queue.get_batch("p0", max_tokens=30)) == ["a", "b"]
+    assert queue.fail("p0", "a", "transfer_error", "UCX endpoint closed")
+    assert not queue.fail("p1", "b", "bad_task")  # p1 does not hold it
+    failed = queue.take_failed("d0")
+    assert [(f.task.request_id, f.reason, f.detail) for f in failed] == [("a", "transfer_error", "UCX endpoint closed")]
+    assert queue.stats().in_flight == {"p0": 1}
+
+
+def test_fail_refuses_a_reason_that_is_not_a_short_name():
+    core = QueueCore()
+    core.put(task(request_id="a"))
+    core.take("p0", 100)
+    for reason in ("", "x" * 65, None):
+        with pytest.raises(ValueError, match="reason"):
+            core.fail("p0", "a", reason)
+    assert core.fail("p0", "a", "bad_task", "temperature: must be a finite number")
+
+
+def test_a_restarted_queue_reports_a_new_instance_and_held_tasks_are_not_handed_out_twice(ray_local, transport):
+    """A restart loses the queue's state; a prefill worker reports what it holds (`hold`) and
+    a decode worker re-puts what it awaits: the held one is a duplicate, the other runs once."""
+    q = new_queue(transport)
+    try:
+        a, b = task(request_id="a"), task(request_id="b")
+        q.put(a)
+        q.put(b)
+        assert ids(q.get_batch("p0", max_tokens=10, max_tasks=1)) == ["a"]
+        before = q.stats()
+        ray.kill(q.handle, no_restart=False)
+        wait_for = time.monotonic() + 60
+        while True:
+            try:  # ray.kill returns at once: the old instance may still answer first
+                if ray.get(q.handle.stats.remote(), timeout=5).instance_id != before.instance_id:
+                    break
+            except Exception:  # noqa: BLE001  (restarting)
+                assert time.monotonic() < wait_for, "the queue did not come back"
+                time.sleep(0.2)
+        after = q.stats()
+        assert after.instance_id != before.instance_id and after.depth == 0 and after.recovering
+        assert q.put(b).ok
+        assert q.put(a).ok  # re-put before its holder reported: queued, not yet handed out
+        assert q.get_batch("p1", max_tokens=100, max_wait_ms=100) == []  # recovering: nothing out
+        assert q.hold("p0", [a]) == 1  # the holder takes its task out of the queue
+        assert q.put(a).reason == "duplicate"
+        time.sleep(2.1)
+        assert ids(q.get_batch("p1", max_tokens=100)) == ["b"]
+        assert q.stats().in_flight == {"p0": 1, "p1": 1}
+        assert q.complete("p0", "a")
+    finally:
+        q.close()
+        ray.kill(q.handle)

@@ -1,0 +1,328 @@
+"""One prefill batch, run in the worker thread: admit, compute, push pages, report each task.
+
+Every task of a batch ends in exactly one of two ways: its pages are written
+and a `PrefillDone` rides behind them, or it fails and its decode worker is
+told at once with a `PrefillFailed` notice (kvtransfer.messages) so that it
+prefills locally instead of waiting out its remote deadline. A failure stays
+with its task where it can: a bad task, a request the sampler fails, or a
+page write that fails ends that task only; a forward pass that raises (OOM,
+device error) fails the tasks of its batch, whose engine state is then
+aborted and freed so the next batch starts clean.
+
+A `PrefillFailed` is sent only once no page write of that attempt can still
+land (posted writes are waited for; `writes_settled` says if one timed out),
+so the decode worker may hand the reserved blocks to another request at once.
+It goes over the NIXL notification channel when this worker has one to the
+target; the worker's loop (asyncio side) also fails the task back through
+the queue (`PrefillQueue.fail`), which reaches the decode worker's failed-task
+poll even when NIXL cannot (no peer metadata, a broken connection).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pdserve.engine import SamplingParams
+from pdserve.kvtransfer import KVTransferError, PrefillDone, PrefillFailed, TransferError, TransferTimeoutError
+from pdserve.kvtransfer.messages import BAD_TASK, BATCH_FAILED, PEER_MISSING, REQUEST_FAILED, TRANSFER_ERROR
+
+log = logging.getLogger(__name__)
+
+MAX_STEPS_PER_BATCH = 100_000  # each step computes at least one token: a bound, not a budget
+# NIXL runs without its progress thread: a bare notification leaves only while someone drives
+# the agent. Drive it this long after sending PrefillFailed notices (the queue path backs it up).
+NOTICE_FLUSH_S = 0.02
+
+
+@dataclass
+class PrefillStats:
+    """Counters of one prefill worker (get_stats, metrics)."""
+
+    tasks_done: int = 0
+    tasks_failed: int = 0
+    batches: int = 0
+    batches_failed: int = 0  # batches whose forward pass raised
+    tokens_computed: int = 0
+    bytes_written: int = 0
+    layerwise_tasks: int = 0
+    transfer_failures: int = 0  # page writes that failed or timed out
+    failure_notices_sent: int = 0  # PrefillFailed over NIXL
+    failed_by_kind: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class TaskFailure:
+    """A task that will not be written; `notified`: a PrefillFailed went out over NIXL."""
+
+    task: object  # PrefillTask
+    kind: str
+    detail: str
+    writes_settled: bool = True
+    notified: bool = False
+
+
+@dataclass
+class BatchResult:
+    done: int = 0
+    failures: list[TaskFailure] = field(default_factory=list)
+    batch_tokens: int = 0
+    prefill_ms: float = 0.0
+    num_tasks: int = 0
+
+
+class _Job:
+    """One admitted task: its engine request, its layer stream, its first token or its failure."""
+
+    def __init__(self, task, rid: str):
+        self.task = task
+        self.rid = rid
+        self.stream = None
+        self.first: tuple[int, float | None] | None = None
+        self.failure: tuple[str, str] | None = None  # (kind, detail)
+        self.handles: list = []
+        self.timed_out = False  # a write of this job timed out: NIXL may still be moving it
+
+    @property
+    def settled(self) -> bool:
+        return self.first is not None or self.failure is not None
+
+    def fail(self, kind: str, detail: str) -> None:
+        if self.failure is None:
+            self.failure = (kind, detail)
+        if self.stream is not None and not self.stream.finished:
+            self.stream.abort()  # nothing more is posted; what was posted is waited for later
+
+
+class PrefillBatch:
+    """Runs batches on one engine and one NIXL agent (both owned by the worker thread)."""
+
+    def __init__(self, worker_id: str, engine, agent, stats: PrefillStats, *, transfer_timeout_s: float,
+                 layerwise: bool):
+        self.worker_id = worker_id
+        self.engine = engine
+        self.agent = agent
+        self.stats = stats
+        self.transfer_timeout_s = transfer_timeout_s
+        self.layerwise = layerwise
+
+    def run(self, tasks: list, unusable: dict[str, str]) -> BatchResult:
+        """Prefill `tasks`; `unusable` maps target worker ids this worker cannot reach to why."""
+        eng = self.engine
+        result = BatchResult(num_tasks=len(tasks))
+        taken_at = time.time()
+        jobs: dict[str, _Job] = {}
+        failures: list[TaskFailure] = []
+        for t in tasks:
+            if t.target_worker_id in unusable:
+                failures.append(TaskFailure(t, PEER_MISSING, unusable[t.target_worker_id]))
+                continue
+            try:
+                rid = self._admit(t)
+            except Exception as exc:  # noqa: BLE001  (InvalidRequestError, TypeError: the task is bad)
+                failures.append(TaskFailure(t, BAD_TASK, f"{exc.__class__.__name__}: {exc}"))
+                continue
+            jobs[rid] = _Job(t, rid)
+        settled: dict[str, bool] = {}
+        try:
+            if jobs:
+                self._compute(jobs, result)
+                self._push(jobs, result, taken_at)
+        finally:
+            for job in jobs.values():
+                if job.failure is not None:  # before its blocks are freed: its writes read them
+                    settled[job.rid] = self._settle(job)
+            for job in jobs.values():  # success or failure, the batch leaves nothing behind
+                if job.rid in eng.requests and not eng.requests[job.rid].status.finished:
+                    eng.abort_request(job.rid)
+                eng.free_kv(job.rid)
+                eng.release(job.rid)
+        for job in jobs.values():
+            if job.failure is not None:
+                failures.append(TaskFailure(job.task, *job.failure, writes_settled=settled[job.rid]))
+        for f in failures:
+            self._notify(f)
+        self._progress(NOTICE_FLUSH_S if any(f.notified for f in failures) else 0.0)
+        self.stats.batches += 1
+        self.stats.tasks_done += result.done
+        result.failures = failures
+        return result
+
+    # -- admit ---------------------------------------------------------------------------
+    def _admit(self, t) -> str:
+        eng = self.engine
+        if not isinstance(t.sampling_params, dict):
+            raise TypeError(f"sampling_params must be a map, got {type(t.sampling_params).__name__}")
+        params = SamplingParams.from_dict({**t.sampling_params, "max_tokens": 1, "stop": [], "logprobs": 0})
+        params.validate(eng.model_config.vocab_size)  # a NaN temperature fails here, not in the sampler
+        if not t.target_block_ids or not all(isinstance(b, int) and b >= 0 for b in t.target_block_ids):
+            raise ValueError("target_block_ids must be a non-empty list of block ids")
+        rid = f"{t.request_id}#{t.epoch}"
+        req = eng.make_request(t.token_ids, params, request_id=rid, priority=t.priority)
+        req.keep_kv = True
+        eng.scheduler.add(req)
+        return rid
+
+    # -- compute ---------------------------------------------------------------------------
+    def _compute(self, jobs: dict[str, _Job], result: BatchResult) -> None:
+        eng = self.engine
+        t0 = time.perf_counter()
+        computed_before = eng.stats.num_prompt_tokens_computed
+        on_plan = self._layer_hook_factory(jobs) if self.layerwise else None
+        for _ in range(MAX_STEPS_PER_BATCH):
+            if all(job.settled for job in jobs.values()):
+                break
+            try:
+                deltas = eng.step(on_plan=on_plan)
+            except Exception as exc:  # noqa: BLE001  (StepError: the forward pass raised)
+                self._fail_batch(jobs, f"{exc.__class__.__name__}: {exc}")
+                break
+            if not deltas and not eng.scheduler.has_work():
+                self._fail_batch(jobs, "the engine has nothing left to schedule for this batch")
+                break
+            for d in deltas:
+                job = jobs.get(d.request_id)
+                if job is None or job.settled:
+                    continue
+                if d.finish_reason == "error":
+                    job.fail(REQUEST_FAILED, d.error or "the engine failed this request")
+                elif d.new_token_ids:
+                    job.first = (d.new_token_ids[0], d.logprobs[0]["logprob"] if d.logprobs else None)
+        else:
+            self._fail_batch(jobs, f"not prefilled within {MAX_STEPS_PER_BATCH} engine steps")
+        result.prefill_ms = (time.perf_counter() - t0) * 1e3
+        result.batch_tokens = eng.stats.num_prompt_tokens_computed - computed_before
+
+    def _fail_batch(self, jobs: dict[str, _Job], detail: str) -> None:
+        """The step failed: its requests are in an undefined state. Abort every unsettled one
+        (its blocks are freed with it); the engine itself goes on with the next batch."""
+        log.error("prefill batch failed (%d tasks): %s", len(jobs), detail)
+        self.stats.batches_failed += 1
+        for job in jobs.values():
+            if not job.settled:
+                job.fail(BATCH_FAILED, detail)
+                self.engine.abort_request(job.rid)
+
+    def _layer_hook_factory(self, jobs: dict[str, _Job]):
+        """on_plan callback: stream the pages of requests whose prefill ends in this step."""
+
+        def on_plan(scheduled):
+            bs = self.engine.config.block_size
+            jobs_now = []
+            for req, n in scheduled:
+                job = jobs.get(req.request_id)
+                if job is None or job.failure is not None or req.num_computed_tokens + n != req.num_tokens:
+                    continue
+                t = job.task
+                local = self.engine.kv.block_ids(req.request_id)[t.cached_len // bs:][: len(t.target_block_ids)]
+                try:
+                    job.stream = self.agent.begin_stream(t.target_worker_id, local, t.target_block_ids, None)
+                except ValueError as exc:  # the target blocks do not fit the peer's pool
+                    job.fail(BAD_TASK, f"{exc}")
+                    continue
+                except KVTransferError as exc:  # the peer was removed meanwhile
+                    job.fail(TRANSFER_ERROR, f"{exc.__class__.__name__}: {exc}")
+                    continue
+                jobs_now.append(job)
+            if not jobs_now:
+                return None
+
+            def after_layer(layer: int) -> None:
+                for job in jobs_now:
+                    if job.failure is None:
+                        try:
+                            job.stream.write_layer(layer)
+                        except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
+                            self.stats.transfer_failures += 1
+                            job.fail(TRANSFER_ERROR, f"{exc.__class__.__name__}: {exc}")
+
+            return after_layer
+
+        return on_plan
+
+    # -- push ----------------------------------------------------------------------------------
+    def _push(self, jobs: dict[str, _Job], result: BatchResult, taken_at: float) -> None:
+        eng = self.engine
+        bs = eng.config.block_size
+        pending = []
+        for job in jobs.values():
+            if job.failure is not None:
+                continue
+            t = job.task
+            tok, lp = job.first
+            done = PrefillDone(t.request_id, t.epoch, tok, lp, t.num_prefill_tokens,
+                               queue_wait_ms=max(0.0, (taken_at - t.arrival_time) * 1e3),
+                               prefill_ms=result.prefill_ms, prefill_worker=self.worker_id,
+                               batch_tokens=result.batch_tokens).encode()
+            try:
+                if job.stream is not None:
+                    job.handles = list(job.stream.handles.values())
+                    job.stream.finish(self.transfer_timeout_s, notify=done)  # waits the layers, then notifies
+                    self.stats.layerwise_tasks += 1
+                else:
+                    local = eng.kv.block_ids(job.rid)[t.cached_len // bs:][: len(t.target_block_ids)]
+                    job.handles = [self.agent.write_blocks(t.target_worker_id, local, t.target_block_ids,
+                                                           notify=done)]
+                pending.append(job)
+            except (KVTransferError, ValueError) as exc:
+                self.stats.transfer_failures += 1
+                job.timed_out = isinstance(exc, TransferTimeoutError)
+                job.fail(TRANSFER_ERROR, f"{exc.__class__.__name__}: {exc}")
+        for job in pending:
+            try:
+                for h in job.handles:
+                    self.agent.wait(h, self.transfer_timeout_s)
+                self.stats.bytes_written += sum(h.num_bytes for h in job.handles)
+                self.stats.tokens_computed += job.task.num_prefill_tokens
+                result.done += 1
+            except TransferError as exc:
+                self.stats.transfer_failures += 1
+                job.timed_out = isinstance(exc, TransferTimeoutError)
+                job.fail(TRANSFER_ERROR, f"{exc.__class__.__name__}: {exc}")
+
+    def _settle(self, job: _Job) -> bool:
+        """Wait until no posted write of a failed job can land; False if one may still (timed out)."""
+        handles = list(job.stream.handles.values()) if job.stream is not None else job.handles
+        settled = not job.timed_out
+        for h in handles:
+            if h.finished:
+                continue
+            try:
+                self.agent.wait(h, self.transfer_timeout_s)
+            except TransferTimeoutError:
+                settled = False
+            except TransferError:
+                pass  # failed: nothing more of it lands
+        return settled
+
+    def _progress(self, for_s: float) -> None:
+        """Drive the agent (sends go out) and drop the finished handles it keeps for `poll()`."""
+        until = time.monotonic() + for_s
+        while True:
+            try:
+                self.agent.poll()
+            except KVTransferError as exc:
+                log.warning("NIXL progress failed: %s", exc)
+                return
+            if time.monotonic() >= until:
+                return
+            time.sleep(0.001)
+
+    # -- failure notices ---------------------------------------------------------------------------
+    def _notify(self, f: TaskFailure) -> None:
+        t = f.task
+        self.stats.tasks_failed += 1
+        self.stats.failed_by_kind[f.kind] += 1
+        log.warning("prefill of %s (epoch %s) for %s failed [%s]: %s", t.request_id, t.epoch,
+                    t.target_worker_id, f.kind, f.detail)
+        if t.target_worker_id not in self.agent.peers:
+            return  # no NIXL channel: the queue's failed-task path carries it
+        try:
+            msg = PrefillFailed(t.request_id, t.epoch, f.kind, f.detail, self.worker_id, f.writes_settled)
+            self.agent.send_notification(t.target_worker_id, msg.encode())
+            f.notified = True
+            self.stats.failure_notices_sent += 1
+        except (KVTransferError, ValueError) as exc:
+            log.warning("could not send PrefillFailed for %s over NIXL (%s); the queue carries it", t.request_id, exc)

@@ -1,0 +1,387 @@
+"""The remote path under failure: a failed push falls back at once, the prefill loop
+survives its tasks, the queue survives its own death, no request hangs.
+
+1P1D on CPU with real etcd, NIXL and Ray. The prefill worker runs in this process
+on its own event loop (so a test can inject a fault into its engine or its NIXL
+agent); the decode worker too. The decode worker's remote deadline is 120 s: a
+fallback by deadline would show up as a client timeout or as the wrong cause, so
+every test asserts on the recorded cause and counters, never on wall-clock time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+from pdserve.api import AsyncClient
+from pdserve.cluster.etcd_server import EmbeddedEtcd
+from pdserve.cluster.queue import get_or_create_queue
+from pdserve.decode.worker import DecodeWorkerConfig
+from pdserve.engine import LLM, SamplingParams
+from pdserve.prefill.worker import PrefillWorker
+from tests.harness import WorkerThread, wait_until
+
+pytestmark = pytest.mark.timeout(600)
+
+UCX = {"UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
+TTL_S = 3
+CLUSTER = "e2e-failures"
+NAMESPACE = "pdserve-e2e-failures"
+QUEUE = "failures-queue"
+MAX_TOKENS = 6
+CLIENT_TIMEOUT_S = 90  # below the 120 s remote deadline: a deadline fallback fails the test
+
+
+class PrefillThread:
+    """A PrefillWorker on a private event loop in this process (faults can be injected)."""
+
+    def __init__(self, cfg: dict):
+        self.worker = PrefillWorker(cfg)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="prefill-worker-loop", daemon=True)
+
+    def start(self) -> "PrefillThread":
+        self._thread.start()
+        self.call(self.worker.start, 180)
+        return self
+
+    def call(self, fn, timeout_s: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        try:
+            self.call(self.worker.stop, 30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_dir, tmp_path_factory):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    etcd = EmbeddedEtcd(tmp_path_factory.mktemp("etcd") / "data").start()
+    common = dict(model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=CLUSTER, lease_ttl_s=TTL_S,
+                  ucx_env=UCX, queue_name=QUEUE, queue_namespace=NAMESPACE)
+    d = WorkerThread(DecodeWorkerConfig(worker_id="decode-0", remote_prefill=True, remote_timeout_s=120,
+                                        **common)).start()
+    p = PrefillThread(dict(worker_id="prefill-0", **common)).start()
+    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 1, 15)
+    state = SimpleNamespace(decode=d, prefill=p, etcd=etcd, common=common, llm=LLM(llama_dir))
+    yield state
+    if state.prefill is not None:
+        state.prefill.stop()
+    d.stop()
+    etcd.stop()
+    ray.shutdown()
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 31000 + 3 for i in range(n)]
+
+
+def reference(cluster, prompts):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in cluster.llm.generate(prompts, params)]
+
+
+def run_remote(cluster, prompts):
+    async def go():
+        async with AsyncClient(cluster.decode.grpc) as c:
+            return await asyncio.gather(*(
+                c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, route="remote",
+                           priority="high", timeout_s=CLIENT_TIMEOUT_S) for p in prompts), return_exceptions=True)
+
+    outs = asyncio.run(go())
+    errors = [o for o in outs if isinstance(o, BaseException)]
+    if errors:
+        raise errors[0]
+    return outs
+
+
+def remote_state(cluster):
+    r = cluster.decode.worker.remote
+    return dict(r.counters), dict(r.fallback_causes)
+
+
+def assert_clean(cluster):
+    """No request left and every block back, on both sides."""
+    for eng in (cluster.decode.worker.engine, cluster.prefill.worker.engine):
+        wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 15)
+
+
+def fails_one_request_with(cluster, kind: str, prompt: list[int]):
+    """Send one remote request; it must complete token-exact after a fallback caused by `kind`.
+    Returns how many PrefillFailed notices the prefill worker sent over NIXL (the queue's
+    failed-task path carries the failure too, whichever arrives first)."""
+    counters0, causes0 = remote_state(cluster)
+    failed0 = cluster.prefill.worker.stats.failed_by_kind[kind]
+    sent0 = cluster.prefill.worker.stats.failure_notices_sent
+    (out,) = run_remote(cluster, [prompt])
+    counters1, causes1 = remote_state(cluster)
+    assert out.token_ids == reference(cluster, [prompt])[0]
+    assert out.breakdown["route"] == "local" and out.breakdown["fell_back_to_local"]
+    assert kind in out.breakdown["reason"], out.breakdown["reason"]
+    assert causes1.get(kind, 0) - causes0.get(kind, 0) == 1, causes1
+    assert causes1.get("deadline", 0) == causes0.get("deadline", 0)
+    assert cluster.prefill.worker.stats.failed_by_kind[kind] - failed0 == 1
+    assert_clean(cluster)
+    return cluster.prefill.worker.stats.failure_notices_sent - sent0
+
+
+def test_missing_peer_metadata_fails_the_task_back_through_the_queue(cluster):
+    d, p = cluster.decode, cluster.prefill
+    reg = d.worker.registry
+    key = reg.keys.nixl("decode-0")
+    value = d.call(lambda: reg.get_nixl_metadata("decode-0"))
+    # The prefill worker forgets the decode worker (as when it left) and finds no record now.
+    p.worker._decode_gone(SimpleNamespace(worker_id="decode-0"))
+    d.call(lambda: reg.client().delete(key))
+    try:
+        notices = fails_one_request_with(cluster, "peer_missing", prompt_of(200, 1))
+    finally:
+        d.call(lambda: reg.client().put(key, value, lease=reg.lease_id))
+    assert notices == 0  # no NIXL channel: it came through the queue's failed-task list
+
+
+def test_a_task_with_a_nan_temperature_fails_alone_and_the_loop_goes_on(cluster, monkeypatch):
+    remote = cluster.decode.worker.remote
+    bad, good = prompt_of(180, 2), prompt_of(190, 3)
+    put = remote.queue.put
+
+    async def poisoned_put(task):
+        if len(task.token_ids) == len(bad):  # what an attacker or a buggy producer could enqueue
+            task.sampling_params = {**task.sampling_params, "temperature": math.nan}
+        return await put(task)
+
+    monkeypatch.setattr(remote.queue, "put", poisoned_put)
+    notices = fails_one_request_with(cluster, "bad_task", bad)
+    assert notices == 1  # the peer is known: PrefillFailed over NIXL
+    # Both at once: the bad one falls back, the good one is prefilled remotely as usual.
+    outs = run_remote(cluster, [bad, good])
+    assert [o.token_ids for o in outs] == reference(cluster, [bad, good])
+    assert [o.breakdown["route"] for o in outs] == ["local", "remote"]
+    assert cluster.prefill.worker.get_stats()["loop_alive"]
+    assert_clean(cluster)
+
+
+def test_a_failed_page_write_falls_back_at_once(cluster, monkeypatch):
+    agent = cluster.prefill.worker.agent
+    nixl_error = agent._errors[0]
+
+    def broken_transfer(xfer):  # what NIXL raises when UCX loses the endpoint
+        raise nixl_error("injected: UCX endpoint closed")
+
+    monkeypatch.setattr(agent._nixl, "transfer", broken_transfer)
+    failures0 = cluster.prefill.worker.stats.transfer_failures
+    metric0 = cluster.decode.worker.metrics.transfer_failures._value.get()
+    notices = fails_one_request_with(cluster, "transfer_error", prompt_of(220, 4))
+    assert notices == 1
+    assert cluster.prefill.worker.stats.transfer_failures > failures0
+    assert cluster.decode.worker.metrics.transfer_failures._value.get() == metric0 + 1
+
+
+def test_a_failed_forward_pass_fails_its_batch_and_the_next_batch_runs(cluster, monkeypatch):
+    runner = cluster.prefill.worker.engine.runner
+    execute = runner.execute
+    calls = {"n": 0}
+
+    def out_of_memory_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected: CUDA out of memory")
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", out_of_memory_once)
+    fails_one_request_with(cluster, "batch_failed", prompt_of(210, 5))
+    assert cluster.prefill.worker.stats.batches_failed == 1
+    (out,) = run_remote(cluster, [prompt_of(230, 6)])
+    assert out.breakdown["route"] == "remote" and out.token_ids == reference(cluster, [prompt_of(230, 6)])[0]
+    assert_clean(cluster)
+
+
+def test_prefill_metrics_count_failures_by_kind(cluster):
+    import urllib.request
+
+    address = cluster.prefill.worker.get_stats()["metrics"]
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    for kind, n in {"peer_missing": 1, "bad_task": 2, "transfer_error": 1, "batch_failed": 1}.items():
+        assert f'pdserve_prefill_tasks_failed_total{{kind="{kind}",worker_id="prefill-0"}} {n}.0' in text, kind
+    assert 'pdserve_kv_transfer_failures_total{worker_id="prefill-0"}' in text
+    assert "pdserve_prefill_batch_tasks_bucket" in text
+
+
+def _gate_prefill(cluster) -> threading.Event:
+    """Pause the prefill worker's pulls (it stays registered); set the event to resume."""
+    gate = threading.Event()
+    worker = cluster.prefill.worker
+    pull = worker._next_batch
+
+    async def gated():
+        while not gate.is_set():
+            await asyncio.sleep(0.05)
+        return await pull()
+
+    worker._next_batch = gated
+    time.sleep(worker.cfg.poll_timeout_ms / 1000 + 0.5)  # the poll under way ends first
+    return gate
+
+
+def test_queue_actor_killed_with_16_queued_tasks_all_complete_remotely(cluster):
+    d = cluster.decode
+    remote = d.worker.remote
+    prompts = [prompt_of(150 + 7 * i, 10 + i) for i in range(16)]
+    ref = reference(cluster, prompts)
+    counters0, causes0 = remote_state(cluster)
+    gate = _gate_prefill(cluster)
+    queue = get_or_create_queue(QUEUE, NAMESPACE)
+    instance0 = ray.get(queue.stats.remote(), timeout=30).instance_id
+    results = {}
+
+    def send():
+        results["outs"] = run_remote(cluster, prompts)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        wait_until(lambda: ray.get(queue.stats.remote(), timeout=30).depth == 16, 30, 0.1)
+        ray.kill(queue, no_restart=False)
+        wait_until(lambda: remote.counters["queue_restarts"] == counters0["queue_restarts"] + 1, 30, 0.1)
+        wait_until(lambda: remote.counters["reput"] - counters0["reput"] == 16, 10, 0.1)
+        stats = ray.get(queue.stats.remote(), timeout=30)
+        assert stats.instance_id != instance0 and stats.depth == 16
+    finally:
+        gate.set()
+        sender.join(CLIENT_TIMEOUT_S + 10)
+    outs = results["outs"]
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.breakdown["route"] == "remote" for o in outs), [o.breakdown.get("reason") for o in outs]
+    counters1, causes1 = remote_state(cluster)
+    assert causes1 == causes0  # no fallback at all, by deadline or otherwise
+    assert counters1["ready"] - counters0["ready"] == 16
+    assert_clean(cluster)
+    # The restarted queue serves its metrics: the 16 re-put tasks waited and were dispatched.
+    import urllib.request
+
+    address = ray.get(queue.stats.remote(), timeout=30).metrics
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    assert "pdserve_queue_depth 0.0" in text and "pdserve_queue_wait_seconds_count 16.0" in text
+
+
+def _pid_listening_on(port: int) -> int:
+    import psutil
+
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+            return conn.pid
+    raise LookupError(f"nobody listens on port {port}")
+
+
+def test_a_wedged_queue_holds_no_request_past_its_deadline(cluster):
+    """The queue actor stops answering (SIGSTOP) with requests queued and the prefill worker
+    paused: each request falls back by its deadline (plus a bounded cancel), not after the
+    queue call's 30 s slack or never."""
+    d = cluster.decode
+    remote = d.worker.remote
+    prompts = [prompt_of(160 + 5 * i, 40 + i) for i in range(4)]
+    ref = reference(cluster, prompts)
+    gate = _gate_prefill(cluster)
+    queue = get_or_create_queue(QUEUE, NAMESPACE)
+    pid = _pid_listening_on(ray.get(queue.wire_endpoint.remote(), timeout=30)["port"])
+    saved = (remote.cfg.timeout_s, remote.cfg.quarantine_s)
+    remote.cfg.timeout_s, remote.cfg.quarantine_s = 4.0, 3.0
+    counters0, causes0 = remote_state(cluster)
+    results = {}
+
+    async def go():
+        async with AsyncClient(d.grpc) as c:
+            results["outs"] = await asyncio.gather(*(
+                c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, route="remote",
+                           priority="high", timeout_s=20) for p in prompts))
+
+    try:
+        def stop_queue_when_queued():
+            wait_until(lambda: d.worker.frontend.cluster["prefill_queue_depth"] == len(prompts), 20, 0.05)
+            os.kill(pid, signal.SIGSTOP)
+
+        stopper = threading.Thread(target=stop_queue_when_queued, daemon=True)
+        stopper.start()
+        asyncio.run(go())
+        stopper.join(5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        remote.cfg.timeout_s, remote.cfg.quarantine_s = saved
+        gate.set()
+    outs = results["outs"]
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.breakdown["fell_back_to_local"] for o in outs)
+    counters1, causes1 = remote_state(cluster)
+    by_cause = {k: causes1.get(k, 0) - causes0.get(k, 0) for k in causes1}
+    assert by_cause.get("deadline", 0) + by_cause.get("queue_lost", 0) == len(prompts), by_cause
+    assert_clean(cluster)
+
+
+def test_a_dead_pull_loop_leaves_the_registry(cluster, monkeypatch, caplog):
+    d, p = cluster.decode, cluster.prefill
+    worker = p.worker
+
+    async def bug(tasks):
+        raise AssertionError("injected bug in the pull loop")
+
+    monkeypatch.setattr(worker, "_serve", bug)
+    with caplog.at_level("ERROR", logger="pdserve.prefill.worker"):
+        (out,) = run_remote(cluster, [prompt_of(200, 60)])
+        assert out.token_ids == reference(cluster, [prompt_of(200, 60)])[0]
+        wait_until(lambda: not worker.get_stats()["loop_alive"], 10)
+        wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 0, TTL_S + 5)
+    assert "pull loop died" in caplog.text and "injected bug" in worker.get_stats()["loop_error"]
+    p.stop()
+    cluster.prefill = None
+
+
+def test_a_killed_prefill_worker_actor_is_restarted_and_serves_again(cluster):
+    """Created as the launcher creates it: Ray restarts it and it starts and registers again."""
+    from pdserve.cluster.launcher import restartable, worker_actor_options
+    from pdserve.cluster.registry import Registry
+
+    d = cluster.decode
+    opts = worker_actor_options("failures-prefill-1", NAMESPACE, num_cpus=0)
+    opts.pop("lifetime")  # ends with this test's Ray
+    actor = ray.remote(restartable(PrefillWorker)).options(**opts).remote(
+        dict(worker_id="prefill-1", exit_on_loop_death=True, **cluster.common))
+    ray.get(actor.start.remote(), timeout=180)
+    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 1, 15)
+    pid0 = ray.get(actor.pid.remote(), timeout=30)
+    os.kill(pid0, signal.SIGKILL)
+
+    def restarted_and_registered():
+        try:
+            pid = ray.get(actor.pid.remote(), timeout=5)
+            stats = ray.get(actor.get_stats.remote(), timeout=5)
+        except Exception:  # noqa: BLE001  (restarting)
+            return False
+        if pid == pid0 or not stats["loop_alive"]:
+            return False
+
+        async def members():
+            async with Registry(cluster.common["etcd_endpoints"], CLUSTER) as reg:
+                return await reg.members("prefill")
+
+        return "prefill-1" in asyncio.run(members())
+
+    wait_until(restarted_and_registered, 180, 0.5)
+    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 1, 15)
+    prompt = prompt_of(240, 70)
+    (out,) = run_remote(cluster, [prompt])
+    assert out.breakdown["route"] == "remote" and out.breakdown["prefill_worker"] == "prefill-1"
+    assert out.token_ids == reference(cluster, [prompt])[0]
+    ray.get(actor.stop.remote(), timeout=30)
+    ray.kill(actor)
