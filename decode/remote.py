@@ -331,6 +331,8 @@ class RemotePrefill:
             self._quarantine[(rid, epoch)] = (key, time.monotonic() + self.cfg.quarantine_s)
         self.counters["fallbacks"] += 1
         self._count_fallback(why.split(" ")[0].strip(":"))
+        if why.startswith(TRANSFER_ERROR):  # told by NIXL or by the queue: counted once, here
+            self.metrics.transfer_failures.inc()
         self._info[rid] = {"route": "local", "fell_back_to_local": True, "attempts": epoch,
                            "reason": f"fallback after remote attempt {epoch}: {why}"}
         log.info("request %s: remote prefill attempt %d abandoned (%s); prefilling locally", rid, epoch, why)
@@ -369,8 +371,6 @@ class RemotePrefill:
     def _on_failed(self, eng, msg: PrefillFailed) -> None:
         """A prefill worker will not write this attempt: prefill locally now (engine thread)."""
         self.counters["prefill_failed"] += 1
-        if msg.kind == TRANSFER_ERROR:
-            self.metrics.transfer_failures.inc()
         quarantined = self._quarantine.get((msg.request_id, msg.epoch))
         if quarantined is not None:
             if msg.writes_settled:  # an abandoned attempt that is now over: its blocks are free

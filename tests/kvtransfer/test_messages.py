@@ -105,3 +105,41 @@ def test_malformed_peer_records_are_refused(change, message):
 
 def test_the_shim_prefers_the_cu12_build():
     assert load_nixl().module_name == "nixl_cu12._api"
+
+
+# -- PrefillFailed --------------------------------------------------------------------------
+from pdserve.kvtransfer import PrefillFailed, decode_notification  # noqa: E402
+from pdserve.kvtransfer.messages import FAILED_MAGIC, FAILURE_KINDS  # noqa: E402
+
+
+def test_prefill_failed_round_trips_and_is_told_apart_from_prefill_done():
+    failed = PrefillFailed("req-42", 3, "transfer_error", "UCX endpoint closed", "prefill-0", writes_settled=False)
+    payload = failed.encode()
+    assert payload.startswith(FAILED_MAGIC + b"\x01") and len(payload) < 160
+    assert decode_notification(payload) == failed
+    assert decode_notification(DONE.encode()) == DONE
+
+
+def test_prefill_failed_names_only_known_kinds_and_caps_its_detail():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        PrefillFailed("r", 1, "oops")
+    long = PrefillFailed("r", 1, FAILURE_KINDS[0], "x" * 5000)
+    assert len(long.encode()) <= MAX_NOTIFICATION_BYTES and long.detail.endswith("...")
+
+
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        (FAILED_MAGIC + b"\x02" + msgpack.packb({"request_id": "r", "epoch": 1, "kind": "bad_task"}), "version 2"),
+        (FAILED_MAGIC + b"\x01" + msgpack.packb({"request_id": "r", "epoch": 1}), "missing"),
+        (FAILED_MAGIC + b"\x01" + msgpack.packb({"request_id": "r", "epoch": 1, "kind": "bad_task", "x": 1}), "unknown"),
+        (FAILED_MAGIC + b"\x01" + msgpack.packb({"request_id": "r", "epoch": -1, "kind": "bad_task"}), "epoch"),
+        (FAILED_MAGIC + b"\x01" + msgpack.packb({"request_id": "r", "epoch": 1, "kind": "nope"}), "kind"),
+        (FAILED_MAGIC + b"\x01" + msgpack.packb([1, 2]), "map"),
+        (FAILED_MAGIC + b"\x01" + b"\xc1", "msgpack"),
+        (FAILED_MAGIC + b"\x01" + b"x" * MAX_NOTIFICATION_BYTES, "cap"),
+    ],
+)
+def test_malformed_prefill_failed_payloads_raise_a_typed_error(payload, match):
+    with pytest.raises(MalformedMessageError, match=match):
+        decode_notification(payload)
