@@ -87,6 +87,7 @@ class Fault:
     at_s: float
     detail: str = ""
     recovered_s: float | None = None  # seconds until the cluster had its members back
+    waiting_for: str = ""  # what was still missing at the last check (if it never recovered)
 
 
 @dataclass
@@ -146,6 +147,7 @@ class Cluster:
         self.cfg, self.work, self.log = cfg, work, log
         self.etcd = EmbeddedEtcd(work / "etcd-data").start()
         self.state = self.launcher = None
+        self.killed_pid: int | None = None
 
     def up(self, model_dir: str) -> None:
         from pdserve.cluster.launcher import Launcher
@@ -166,16 +168,34 @@ class Cluster:
         name = next(a["name"] for a in self.state.actors if a["role"] == role)
         return ray.get_actor(name, namespace=self.state.namespace)
 
-    def members(self) -> set[str]:
+    async def members(self) -> set[str]:
         from pdserve.cluster.registry import Registry
 
         async def read():
             async with Registry(self.state.etcd_endpoints, self.state.cluster) as reg:
                 return set(await reg.members())
         try:
-            return asyncio.run(asyncio.wait_for(read(), 5.0))
-        except Exception:  # noqa: BLE001  (etcd down: nobody is visible)
+            return await asyncio.wait_for(read(), 3.0)
+        except (Exception, asyncio.TimeoutError):  # noqa: BLE001  (etcd down: nobody is visible)
             return set()
+
+    def prefill_pid(self) -> int | None:
+        import ray
+
+        try:
+            return ray.get(self.actor("prefill").pid.remote(), timeout=3)
+        except Exception:  # noqa: BLE001  (restarting)
+            return None
+
+    def queue_answers(self) -> bool:
+        import ray
+
+        try:
+            handle = ray.get_actor(self.state.queue_name, namespace=self.state.namespace)
+            ray.get(handle.stats.remote(), timeout=3)
+            return True
+        except Exception:  # noqa: BLE001  (restarting)
+            return False
 
     def expected_members(self) -> set[str]:
         return {a["worker_id"] for a in self.state.actors}
@@ -197,6 +217,7 @@ def fire(cluster: Cluster, kind: str) -> str:
 
     if kind == "kill_prefill":
         pid = ray.get(cluster.actor("prefill").pid.remote(), timeout=10)
+        cluster.killed_pid = pid
         os.kill(pid, signal.SIGKILL)
         return f"SIGKILL prefill worker pid {pid}"
     if kind == "restart_etcd":
@@ -231,16 +252,24 @@ async def fault_loop(cluster: Cluster, cfg: ChaosConfig, t0: float, faults: list
 
 
 async def _watch_recovery(cluster: Cluster, f: Fault, t0: float, limit_s: float, log) -> None:
-    """How long until every worker is registered again (polled every 0.5 s, up to limit_s)."""
+    """How long until every worker is registered again (a killed prefill worker: by a new
+    process) and the queue answers (polled every 0.5 s, up to limit_s)."""
     loop = asyncio.get_running_loop()
     want = cluster.expected_members()
     await asyncio.sleep(1.0)  # a SIGKILLed worker's lease is still alive for a moment
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        if want <= await loop.run_in_executor(None, cluster.members):
+        seen = await cluster.members()
+        queue_ok = await loop.run_in_executor(None, cluster.queue_answers)
+        missing = sorted(want - seen) + ([] if queue_ok else ["queue"])
+        if f.kind == "kill_prefill" and await loop.run_in_executor(None, cluster.prefill_pid) in (
+                None, cluster.killed_pid):
+            missing.append("a new prefill process")  # the old lease outlives the kill for its TTL
+        f.waiting_for = ", ".join(missing)
+        if not f.waiting_for:
             f.recovered_s = time.monotonic() - t0 - f.at_s
-            log(f"  t={time.monotonic() - t0:6.1f}s all {len(want)} workers registered again "
-                f"({f.recovered_s:.1f} s after {f.kind})")
+            log(f"  t={time.monotonic() - t0:6.1f}s all {len(want)} workers registered and the queue "
+                f"answering ({f.recovered_s:.1f} s after {f.kind})")
             return
         await asyncio.sleep(0.5)
 
@@ -358,8 +387,8 @@ def format_report(r: Report) -> str:
     for label, t in r.ttft_ms.items():
         lines.append(f"TTFT {label.replace('_', ' '):<15} n={t['n']:<5} p50 {ms(t['p50']):>8}  p99 {ms(t['p99']):>8}")
     for f in r.faults:
-        rec = "-" if f["recovered_s"] is None else f"{f['recovered_s']:.1f} s"
-        lines.append(f"  t={f['at_s']:6.1f}s {f['kind']:<13} members back after {rec:>7}   {f['detail']}")
+        rec = f"never ({f['waiting_for']})" if f["recovered_s"] is None else f"{f['recovered_s']:.1f} s"
+        lines.append(f"  t={f['at_s']:6.1f}s {f['kind']:<13} recovered after {rec:>7}   {f['detail']}")
     lines += [f"  ! {d}" for d in r.lost_details]
     return "\n".join(lines)
 
