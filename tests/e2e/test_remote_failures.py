@@ -173,6 +173,40 @@ def test_a_task_with_a_nan_temperature_fails_alone_and_the_loop_goes_on(cluster,
     assert_clean(cluster)
 
 
+def test_extreme_sampling_values_on_the_remote_route(cluster):
+    """NaN / Infinity are refused at the edge before routing (the prefill worker never sees
+    them); tiny temperature and penalties pass validation and are prefilled remotely,
+    without a fallback, token-exact with the local route."""
+    import grpc
+
+    p = cluster.prefill.worker
+    tasks0 = p.stats.tasks_done + sum(p.stats.failed_by_kind.values())
+    prompt = prompt_of(210, 8)
+
+    async def go(route: str, **sampling):
+        async with AsyncClient(cluster.decode.grpc) as c:
+            return await c.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, route=route,
+                                    priority="high", timeout_s=CLIENT_TIMEOUT_S, **sampling)
+
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for value in (math.nan, math.inf, -math.inf):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                asyncio.run(go("remote", **{name: value}))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in info.value.details()
+    assert p.stats.tasks_done + sum(p.stats.failed_by_kind.values()) == tasks0
+    counters0, causes0 = remote_state(cluster)
+    out = asyncio.run(go("remote", temperature=1e-40))
+    assert out.breakdown["route"] == "remote" and not out.breakdown["fell_back_to_local"]
+    assert out.token_ids == reference(cluster, [prompt])[0]  # tiny temperature = greedy
+    seeded = dict(temperature=1.0, repetition_penalty=1e-40, top_p=0.9, seed=7)
+    remote, local = asyncio.run(go("remote", **seeded)), asyncio.run(go("local", **seeded))
+    assert remote.breakdown["route"] == "remote" and not remote.breakdown["fell_back_to_local"]
+    assert remote.token_ids == local.token_ids and len(remote.token_ids) == MAX_TOKENS
+    assert remote_state(cluster)[1] == causes0
+    assert p.get_stats()["loop_alive"] and cluster.decode.worker.async_engine.alive
+    assert_clean(cluster)
+
+
 def test_a_failed_page_write_falls_back_at_once(cluster, monkeypatch):
     agent = cluster.prefill.worker.agent
     nixl_error = agent._errors[0]
