@@ -55,6 +55,8 @@ def restartable(cls: type) -> type:
             ctx = ray.get_runtime_context()
             if ctx.was_current_actor_reconstructed:
                 log.warning("%s restarted by Ray; starting it again", cls.__name__)
+                # Its registration may still be alive (lease TTL): it is this worker's own.
+                self.cfg.replace_stale_registration = True
                 ctx.current_actor._start_after_restart.remote()
 
         async def _start_after_restart(self) -> None:

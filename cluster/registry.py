@@ -137,17 +137,31 @@ class Registry:
 
     # -- own registration -------------------------------------------------
 
-    async def register(self, info: WorkerInfo, nixl_metadata: bytes | None = None) -> None:
+    async def register(self, info: WorkerInfo, nixl_metadata: bytes | None = None, *,
+                       replace_stale: bool = False) -> None:
         """Write the record (+ NIXL metadata) under a new lease and start keep-alive.
 
         Raises WorkerIdConflictError if a live worker already holds the id, and
         a transient etcd error if etcd is unreachable (the caller decides
-        whether to retry the first registration).
+        whether to retry the first registration). ``replace_stale``: the record
+        under this id is known to be this worker's own earlier incarnation (a
+        supervisor restarted the dead process before its lease expired): its
+        lease is revoked and the id taken over.
         """
         if self._keepalive_task is not None:
             raise RuntimeError(f"worker {self._info.worker_id if self._info else '?'} is already registered")
         self._info, self._nixl_metadata = dataclasses.replace(info), nixl_metadata
-        await self._grant_and_put()
+        try:
+            await self._grant_and_put()
+        except WorkerIdConflictError:
+            if not replace_stale:
+                raise
+            current = await self.client().get(self.keys.worker(info.role, info.worker_id))
+            if current is not None and current.lease:
+                log.warning("worker %s: revoking the lease of its earlier incarnation (lease %x) to register again",
+                            info.worker_id, current.lease)
+                await self.client().revoke_lease(current.lease)
+            await self._grant_and_put()
         self.state = RegistrationState.REGISTERED
         self._keepalive_task = asyncio.get_running_loop().create_task(
             self._keepalive_loop(), name=f"pdserve-keepalive-{info.worker_id}"

@@ -64,6 +64,9 @@ class DecodeWorkerConfig:
     # supervisor (Ray max_restarts, Kubernetes) starts a fresh one. The launcher sets it;
     # a worker embedded in another program only reports.
     exit_on_engine_death: bool = False
+    # Take over a record under this worker_id left by this worker's own earlier process (set
+    # when Ray restarts the actor: the old lease may outlive the old process by up to its TTL).
+    replace_stale_registration: bool = False
 
 
 class DecodeWorker:
@@ -175,7 +178,7 @@ class DecodeWorker:
         self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s)
         nixl = json.dumps(self.agent.local_info()).encode() if self.agent is not None else None
         await self.registry.clear_drain(self.worker_id)  # a fresh start under a drained id
-        await self.registry.register(self._record(), nixl)
+        await self.registry.register(self._record(), nixl, replace_stale=cfg.replace_stale_registration)
         await self.registry.watch_drain(self.worker_id, lambda why: asyncio.ensure_future(self.drain()))
         policy = self.frontend.policy
         self.policy_watch = await self.registry.watch_policy(

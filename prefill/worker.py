@@ -59,6 +59,9 @@ class PrefillWorkerConfig:
     # supervisor (Ray max_restarts) starts a fresh one. The launcher sets it; a worker embedded
     # in another program (tests) only leaves the registry.
     exit_on_loop_death: bool = False
+    # Take over a record under this worker_id left by this worker's own earlier process (set
+    # when Ray restarts the actor: the old lease may outlive the old process by up to its TTL).
+    replace_stale_registration: bool = False
     metrics_port: int | None = None  # Prometheus /metrics: None = a free loopback port, 0 = off
     metrics_host: str = "127.0.0.1"
     ucx_env: dict = field(default_factory=lambda: {"UCX_MODULES": "^ib"})
@@ -121,7 +124,8 @@ class PrefillWorker:
                           capacity={"max_num_batched_tokens": self.budget}, version=VERSION,
                           endpoints={"metrics": metrics_at} if metrics_at else {})
         await self.registry.clear_drain(self.worker_id)  # a fresh start under a drained id
-        await self.registry.register(info, json.dumps(self.agent.local_info()).encode())
+        await self.registry.register(info, json.dumps(self.agent.local_info()).encode(),
+                                     replace_stale=cfg.replace_stale_registration)
         self._decode_watch = await self.registry.watch_members(on_remove=self._decode_gone, role="decode")
         await self.registry.watch_drain(self.worker_id, lambda why: asyncio.ensure_future(self.drain()))
         if cfg.freeze_gc:

@@ -99,6 +99,24 @@ async def test_a_second_live_worker_with_the_same_id_is_refused(etcd, cluster_na
             await second.register(worker("p0"))
 
 
+async def test_a_restarted_worker_takes_over_the_record_of_its_earlier_process(etcd, cluster_name):
+    """A process that died without deregistering leaves a live lease behind for up to its TTL;
+    its restarted successor (replace_stale) revokes it instead of failing on the conflict."""
+    async with Registry(etcd.endpoint, cluster_name, ttl_s=60, **FAST) as dead, \
+            Registry(etcd.endpoint, cluster_name, ttl_s=TTL_S, **FAST) as restarted:
+        await dead.register(worker("p0"), nixl_metadata=b"old")
+        dead._keepalive_task.cancel()  # the old process is gone: nothing keeps it alive any more
+        stale_lease = dead.lease_id
+        with pytest.raises(WorkerIdConflictError):
+            await restarted.register(worker("p0"), nixl_metadata=b"new")
+        await restarted.register(worker("p0"), nixl_metadata=b"new", replace_stale=True)
+        assert restarted.lease_id != stale_lease
+        assert set(await restarted.members()) == {"p0"}
+        assert await restarted.get_nixl_metadata("p0") == b"new"
+        ttl = await restarted.client().get_lease_info(stale_lease)
+        assert ttl.TTL == -1  # revoked
+
+
 async def test_keepalive_holds_the_record_well_past_the_ttl(etcd, cluster_name):
     async with Registry(etcd.endpoint, cluster_name, ttl_s=TTL_S, **FAST) as reg:
         await reg.register(worker("p0"))
