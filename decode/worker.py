@@ -243,16 +243,11 @@ class DecodeWorker:
         self._tasks.append(asyncio.ensure_future(self._leave_after_death()))
 
     async def _leave_after_death(self) -> None:
+        from pdserve.cluster.runtime import leave_and_maybe_exit
+
         await self.grpc.set_serving(False)
-        if self.registry is not None:
-            try:
-                await asyncio.wait_for(self.registry.deregister(), 10.0)
-            except Exception as exc:  # noqa: BLE001  (the lease expires anyway)
-                log.error("could not leave the registry after engine death: %r", exc)
-        if self.cfg.exit_on_engine_death:
-            await asyncio.sleep(0.5)  # let the error responses already queued reach their clients
-            log.critical("decode worker %s exits so that its supervisor restarts it", self.worker_id)
-            os._exit(70)  # EX_SOFTWARE; a Ray actor exiting this way is restarted (max_restarts)
+        await leave_and_maybe_exit(self.registry, f"decode worker {self.worker_id}", self.cfg.exit_on_engine_death,
+                                   flush_s=0.5)  # the error responses already queued reach their clients
 
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Stop taking new requests (health NOT_SERVING, 503), let in-flight ones

@@ -24,6 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from pdserve.cluster.runtime import leave_and_maybe_exit
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.kvtransfer import KVLayout, KVTransferAgent
 
@@ -255,13 +256,7 @@ class PrefillWorker:
         self.loop_error = f"{exc.__class__.__name__}: {exc}"
         log.error("prefill worker %s: pull loop died (%s); leaving the registry%s", self.worker_id, self.loop_error,
                   " and exiting so that Ray restarts it" if self.cfg.exit_on_loop_death else "", exc_info=exc)
-        if self.registry is not None:
-            try:
-                await asyncio.wait_for(self.registry.deregister(), 10.0)
-            except Exception as dereg_exc:  # noqa: BLE001  (the lease expires anyway)
-                log.error("could not leave the registry: %r", dereg_exc)
-        if self.cfg.exit_on_loop_death:
-            os._exit(70)  # EX_SOFTWARE; Ray restarts an actor that exits this way (max_restarts)
+        await leave_and_maybe_exit(self.registry, f"prefill worker {self.worker_id}", self.cfg.exit_on_loop_death)
 
     async def _peer_info(self, worker_id: str, new_peers: dict) -> str | None:
         """Fetch a decode worker's NIXL record from etcd the first time it is a target;

@@ -9,6 +9,16 @@ import time
 from pdserve.decode.worker import DecodeWorker, DecodeWorkerConfig
 
 
+# A router policy under which QoS admits everything (the QoS tests have their own).
+PERMISSIVE_POLICY = """
+router:
+  mode: conditional
+  policy: cost_model
+qos:
+  enable_early_rejection: false
+"""
+
+
 class WorkerThread:
     """Starts a DecodeWorker on a private event loop; `call(coro_fn)` runs code on it."""
 

@@ -5,16 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.decode.worker import DecodeWorkerConfig
-from tests.harness import WorkerThread, wait_until  # noqa: F401  (re-exported for the tests)
-
-
-PERMISSIVE_POLICY = """
-router:
-  mode: conditional
-  policy: cost_model
-qos:
-  enable_early_rejection: false
-"""
+from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until  # noqa: F401  (re-exported for the tests)
 
 
 @pytest.fixture(scope="module")

@@ -20,22 +20,14 @@ from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.decode.worker import DecodeWorkerConfig
 
 from tests.fuzz.profiles import examples
-from tests.harness import WorkerThread, wait_until
-
-POLICY = """
-router:
-  mode: conditional
-  policy: cost_model
-qos:
-  enable_early_rejection: false
-"""
+from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until
 
 
 @pytest.fixture(scope="module")
 def worker(llama_dir, tmp_path_factory):
     """A small-context worker so that any valid request is cheap to serve."""
     policy = tmp_path_factory.mktemp("policy") / "router.yaml"
-    policy.write_text(POLICY)
+    policy.write_text(PERMISSIVE_POLICY)
     cfg = DecodeWorkerConfig(model=llama_dir, engine_args={"max_model_len": 96}, router_policy=str(policy),
                              limits={"max_body_bytes": 65536})
     w = WorkerThread(cfg).start()
@@ -106,38 +98,26 @@ def generate_requests(draw):
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
-def test_grpc_generated_messages_get_typed_statuses(worker):
+@pytest.mark.parametrize("what", ["messages", "raw_bytes"])
+def test_grpc_inputs_get_typed_statuses(worker, what):
+    """Generated GenerateRequest messages with any field values, or raw bytes."""
     with grpc.insecure_channel(worker.grpc) as ch:
-        gen = ch.unary_stream("/pdserve.v1.Inference/Generate", request_serializer=pb.GenerateRequest.SerializeToString,
-                              response_deserializer=pb.GenerateResponse.FromString)
+        if what == "messages":
+            call, inputs = ch.unary_stream("/pdserve.v1.Inference/Generate",
+                                           request_serializer=pb.GenerateRequest.SerializeToString,
+                                           response_deserializer=pb.GenerateResponse.FromString), generate_requests()
+        else:
+            call, inputs = ch.unary_stream("/pdserve.v1.Inference/Generate"), st.binary(max_size=64)
 
         @settings(max_examples=examples(80))
-        @given(generate_requests())
-        def check(req):
+        @given(inputs)
+        def check(request):
             try:
-                list(gen(req, timeout=60))
+                list(call(request, timeout=60))
                 code = grpc.StatusCode.OK
             except grpc.RpcError as exc:
                 code = exc.code()
-            assert code in ALLOWED, (req, code)
-
-        check()
-    assert_alive_and_clean(worker)
-
-
-def test_grpc_random_bytes_get_typed_statuses(worker):
-    with grpc.insecure_channel(worker.grpc) as ch:
-        raw = ch.unary_stream("/pdserve.v1.Inference/Generate")
-
-        @settings(max_examples=examples(80))
-        @given(st.binary(max_size=64))
-        def check(body):
-            try:
-                list(raw(body, timeout=60))
-                code = grpc.StatusCode.OK
-            except grpc.RpcError as exc:
-                code = exc.code()
-            assert code in ALLOWED, (body, code)
+            assert code in ALLOWED, (request, code)
 
         check()
     assert_alive_and_clean(worker)
