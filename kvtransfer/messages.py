@@ -109,35 +109,7 @@ def check_notification(payload: bytes | None) -> None:
 
 def decode_prefill_done(payload: bytes) -> PrefillDone:
     """Parse a notification payload; raises MalformedMessageError on anything but a valid message."""
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise MalformedMessageError(f"payload must be bytes, got {type(payload).__name__}")
-    payload = bytes(payload)
-    if len(payload) > MAX_NOTIFICATION_BYTES:
-        raise MalformedMessageError(
-            f"payload is {len(payload)} bytes, over the {MAX_NOTIFICATION_BYTES}-byte cap"
-        )
-    if len(payload) < _HEADER_BYTES or not payload.startswith(MAGIC):
-        raise MalformedMessageError(f"payload does not start with {MAGIC!r}: {payload[:8]!r}")
-    version = payload[len(MAGIC)]
-    if version != PREFILL_DONE_VERSION:
-        raise MalformedMessageError(
-            f"PrefillDone version {version} is not supported (this build reads version "
-            f"{PREFILL_DONE_VERSION}); upgrade the older worker"
-        )
-    try:
-        body = msgpack.unpackb(payload[_HEADER_BYTES:], raw=False, strict_map_key=True)
-    except (msgpack.UnpackException, ValueError, TypeError) as exc:
-        raise MalformedMessageError(f"PrefillDone body is not valid msgpack: {exc}") from exc
-    if not isinstance(body, dict):
-        raise MalformedMessageError(f"PrefillDone body must be a map, got {type(body).__name__}")
-    missing = [name for name in _FIELDS if name not in body]
-    unknown = sorted(str(key) for key in body if key not in _FIELDS and key not in _OPTIONAL_FIELDS)
-    if missing or unknown:
-        raise MalformedMessageError(f"PrefillDone fields: missing {missing}, unknown {unknown}")
-    try:
-        return PrefillDone(version=version, **body)
-    except ValueError as exc:
-        raise MalformedMessageError(str(exc)) from exc
+    return _decode(payload, PrefillDone, MAGIC, PREFILL_DONE_VERSION, _FIELDS, _FIELDS + _OPTIONAL_FIELDS)
 
 
 def _field_problem(msg: PrefillDone) -> str | None:
@@ -244,27 +216,32 @@ def _failed_problem(msg: PrefillFailed) -> str | None:
 
 def decode_prefill_failed(payload: bytes) -> PrefillFailed:
     """Parse a PrefillFailed payload; MalformedMessageError on anything but a valid message."""
+    return _decode(payload, PrefillFailed, FAILED_MAGIC, PREFILL_FAILED_VERSION, ("request_id", "epoch", "kind"),
+                   _FAILED_FIELDS)
+
+
+def _decode(payload, cls, magic: bytes, version: int, required: tuple, allowed: tuple):
+    """``magic | version | msgpack map`` into ``cls``, or MalformedMessageError saying why."""
+    name = cls.__name__
     payload = _checked_bytes(payload)
-    if len(payload) < _HEADER_BYTES or not payload.startswith(FAILED_MAGIC):
-        raise MalformedMessageError(f"payload does not start with {FAILED_MAGIC!r}: {payload[:8]!r}")
-    version = payload[len(FAILED_MAGIC)]
-    if version != PREFILL_FAILED_VERSION:
+    if len(payload) < _HEADER_BYTES or not payload.startswith(magic):
+        raise MalformedMessageError(f"payload does not start with {magic!r}: {payload[:8]!r}")
+    got = payload[len(magic)]
+    if got != version:
         raise MalformedMessageError(
-            f"PrefillFailed version {version} is not supported (this build reads version "
-            f"{PREFILL_FAILED_VERSION}); upgrade the older worker"
-        )
+            f"{name} version {got} is not supported (this build reads version {version}); upgrade the older worker")
     try:
         body = msgpack.unpackb(payload[_HEADER_BYTES:], raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
-        raise MalformedMessageError(f"PrefillFailed body is not valid msgpack: {exc}") from exc
+        raise MalformedMessageError(f"{name} body is not valid msgpack: {exc}") from exc
     if not isinstance(body, dict):
-        raise MalformedMessageError(f"PrefillFailed body must be a map, got {type(body).__name__}")
-    missing = [name for name in ("request_id", "epoch", "kind") if name not in body]
-    unknown = sorted(str(key) for key in body if key not in _FAILED_FIELDS)
+        raise MalformedMessageError(f"{name} body must be a map, got {type(body).__name__}")
+    missing = [f for f in required if f not in body]
+    unknown = sorted(str(key) for key in body if key not in allowed)
     if missing or unknown:
-        raise MalformedMessageError(f"PrefillFailed fields: missing {missing}, unknown {unknown}")
+        raise MalformedMessageError(f"{name} fields: missing {missing}, unknown {unknown}")
     try:
-        return PrefillFailed(version=version, **body)
+        return cls(version=got, **body)
     except ValueError as exc:
         raise MalformedMessageError(str(exc)) from exc
 
