@@ -142,7 +142,7 @@ class AsyncEngine:
                 busy = self._drain_commands()
                 for poll in self.pollers:
                     busy = self._guarded(poll, "failed_polls") or busy
-                if eng.scheduler.has_work():
+                if eng.has_work():
                     self._step()
                 elif not busy:
                     self._wake.wait(self.idle_wait_s)
@@ -224,15 +224,15 @@ class AsyncEngine:
         """Send a delta to its stream (engine thread); finished requests are released."""
         final = None
         if d.finished:
-            req = self.engine.requests.get(d.request_id)
-            if req is not None:
+            out = self.engine.release(d.request_id)
+            if out is not None:
+                t = out.times
                 final = FinalInfo(
-                    prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_token_ids),
-                    cached_tokens=req.num_cached_tokens, arrival_time=req.arrival_time,
-                    first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
-                    finish_time=time.monotonic(), num_preemptions=req.num_preemptions,
+                    prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                    cached_tokens=out.num_cached_tokens, arrival_time=t.arrival_time,
+                    first_scheduled_time=t.first_scheduled_time, first_token_time=t.first_token_time,
+                    finish_time=time.monotonic(), num_preemptions=t.num_preemptions,
                 )
-            self.engine.release(d.request_id)
         self._emit(d.request_id, d, final)
 
     def _emit(self, rid: str, item, final) -> None:

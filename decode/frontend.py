@@ -17,14 +17,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
+from pdserve.common import Priority
 from pdserve.engine import InvalidRequestError, RequestLimits, SamplingParams, check_text
-from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, admit, decide
+from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, admit
 
 from .async_engine import AsyncEngine, EngineDeadError, FinalInfo
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
+from .prefill_pool import PrefillView
 
 log = logging.getLogger(__name__)
+_NO_PREFILL = PrefillView()  # what a worker without a remote path reports (never written)
 
 
 class RequestError(Exception):
@@ -89,7 +92,7 @@ class GenerateInput:
     messages: list[dict] | None = None
     request_id: str | None = None
     model: str | None = None
-    priority: str = "normal"
+    priority: Priority | str = Priority.NORMAL  # a name is parsed (and refused) by validate
     ttft_slo_ms: float | None = None
     route: str = "auto"
 
@@ -113,7 +116,7 @@ class Prepared:
     inp: GenerateInput
     prompt_ids: list[int]
     params: SamplingParams
-    priority: int
+    priority: Priority
     cached_len: int
     decision: object
     arrival: float
@@ -121,6 +124,8 @@ class Prepared:
 
 class RemotePath(Protocol):
     """What the remote-prefill path plugs in (issue: disaggregated path end to end)."""
+
+    view: PrefillView  # the prefill pool and queue as this worker sees them
 
     def available(self) -> bool: ...
 
@@ -133,7 +138,8 @@ class Frontend:
     """Shared request handling of one decode worker."""
 
     def __init__(self, engine: AsyncEngine, policy: PolicyState, metrics: WorkerMetrics,
-                 worker_id: str, served_model: str, limits: ServingLimits | None = None):
+                 worker_id: str, served_model: str, limits: ServingLimits | None = None,
+                 remote: RemotePath | None = None):
         self.engine = engine
         self.limits = limits or ServingLimits()
         eng = engine.engine
@@ -144,8 +150,7 @@ class Frontend:
         self.metrics = metrics
         self.worker_id = worker_id
         self.served_model = served_model
-        self.remote: RemotePath | None = None
-        self.cluster = {"prefill_queue_depth": 0, "prefill_queue_tokens": 0, "prefill_pool_size": 0}
+        self.remote = remote
         self.draining = False
         self.inflight: set[str] = set()
         self._via_remote: set[str] = set()
@@ -222,29 +227,34 @@ class Frontend:
             raise InvalidRequestError("messages", str(exc).removeprefix("messages: ")) from None
         return tokenizer.encode(text, add_special_tokens=False)
 
+    @property
+    def prefill_view(self) -> PrefillView:
+        """The prefill side as the remote path sees it (all zero without one)."""
+        return self.remote.view if self.remote is not None else _NO_PREFILL
+
     def snapshot(self) -> ClusterSnapshot:
-        eng = self.engine.engine
+        view = self.prefill_view
         return ClusterSnapshot(
             costs=self.policy.costs.snapshot(),
-            prefill_queue_depth=max(self.cluster["prefill_queue_depth"], self.pending_remote_requests),
-            prefill_queue_tokens=max(self.cluster["prefill_queue_tokens"], self.pending_remote_tokens),
-            prefill_pool_size=self.cluster["prefill_pool_size"] if self.remote and self.remote.available() else 0,
+            prefill_queue_depth=max(view.queue_depth, self.pending_remote_requests),
+            prefill_queue_tokens=max(view.queue_tokens, self.pending_remote_tokens),
+            prefill_pool_size=view.pool_size if self.remote and self.remote.available() else 0,
             decode_active_requests=self.num_decoding,
             decode_waiting_requests=self.num_prefilling,
             local_prefill_queue_tokens=self.pending_prefill_tokens,
-            decode_kv_usage=eng.kv.usage,
+            decode_kv_usage=self.engine.engine.load().kv_usage,
             arrival_rate_per_s=self.arrivals.rate(time.monotonic()),
         )
 
     def refresh_gauges(self) -> None:
-        m, sched = self.metrics, self.engine.engine.scheduler
-        m.running.set(len(sched.running))
-        m.waiting.set(len(sched.waiting))
-        m.waiting_remote.set(len(sched.remote))
-        m.kv_usage.set(self.engine.engine.kv.usage)
-        m.prefill_queue_depth.set(self.cluster["prefill_queue_depth"])
-        m.prefill_queue_tokens.set(self.cluster["prefill_queue_tokens"])
-        m.prefill_pool_size.set(self.cluster["prefill_pool_size"])
+        m, load, view = self.metrics, self.engine.engine.load(), self.prefill_view
+        m.running.set(load.running)
+        m.waiting.set(load.waiting)
+        m.waiting_remote.set(load.awaiting_remote_kv)
+        m.kv_usage.set(load.kv_usage)
+        m.prefill_queue_depth.set(view.queue_depth)
+        m.prefill_queue_tokens.set(view.queue_tokens)
+        m.prefill_pool_size.set(view.pool_size)
 
     def cached_len(self, ids: list[int]) -> int:
         """Prompt tokens this worker's prefix cache holds now (read-only lookup)."""
@@ -269,7 +279,7 @@ class Frontend:
         policy = self.policy.policy
         cached = self.cached_len(ids)
         self.arrivals.observe(arrival)
-        feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=inp.priority,
+        feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=prio,
                                 ttft_slo_ms=inp.ttft_slo_ms, override=inp.route, max_tokens=params.max_tokens)
         adm = admit(feats, self.snapshot(), policy)
         if not adm.ok:

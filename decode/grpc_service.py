@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.common import Priority
 from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.engine import SamplingParams
@@ -19,7 +20,7 @@ from .frontend import Chunk, Frontend, GenerateInput, RequestError
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-_PRIORITY = {pb.PRIORITY_NORMAL: "normal", pb.PRIORITY_HIGH: "high", pb.PRIORITY_LOW: "low"}
+_PRIORITY = {pb.PRIORITY_NORMAL: Priority.NORMAL, pb.PRIORITY_HIGH: Priority.HIGH, pb.PRIORITY_LOW: Priority.LOW}
 _ROUTE = {pb.ROUTE_AUTO: "auto", pb.ROUTE_LOCAL: "local", pb.ROUTE_REMOTE: "remote"}
 _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "logprobs")
@@ -144,7 +145,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         await _refuse_undecodable(request, context)
         eng = self.frontend.engine.engine
         card = pb.ModelCard(id=self.frontend.served_model, max_model_len=eng.max_model_len,
-                            vocab_size=eng.model_config.vocab_size, dtype=str(eng.runner.dtype).removeprefix("torch."))
+                            vocab_size=eng.model_config.vocab_size, dtype=eng.connector.layout_info()["dtype"])
         return pb.ListModelsResponse(models=[card])
 
 

@@ -99,15 +99,17 @@ class DecodeWorker:
         """Load the engine, start serving and register; returns the endpoints."""
         cfg = self.cfg
         self.engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
-        m = self.engine.model_config
-        kv_bytes_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * self.engine.runner.dtype.itemsize
-        policy = PolicyState(kv_bytes_per_token, path=cfg.router_policy)
+        policy = PolicyState(self.engine.connector.kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
         self.metrics = WorkerMetrics("decode", self.worker_id)
         self.async_engine = AsyncEngine(self.engine, on_step=self._on_step, on_death=self._on_engine_death)
         self.async_engine.start()
+        if cfg.remote_prefill:
+            if not cfg.etcd_endpoints:
+                raise ValueError("remote_prefill needs etcd_endpoints (prefill workers find this worker there)")
+            self._start_remote(policy)
         self.frontend = Frontend(self.async_engine, policy, self.metrics, self.worker_id, served,
-                                 ServingLimits.from_dict(cfg.limits))
+                                 ServingLimits.from_dict(cfg.limits), remote=self.remote)
         self.metrics.engine_alive.set(1)
         self.grpc = GrpcServer(self.frontend, cfg.host, cfg.grpc_port)
         await self.grpc.start()
@@ -115,10 +117,6 @@ class DecodeWorker:
         await self._start_http()
         if cfg.router_policy:
             self._tasks.append(asyncio.create_task(policy.watch_file(cfg.policy_poll_s)))
-        if cfg.remote_prefill:
-            if not cfg.etcd_endpoints:
-                raise ValueError("remote_prefill needs etcd_endpoints (prefill workers find this worker there)")
-            self._start_remote()
         if cfg.etcd_endpoints:
             await self._join_cluster()
         if cfg.freeze_gc:
@@ -146,7 +144,7 @@ class DecodeWorker:
             await asyncio.sleep(0.05)
         raise RuntimeError(f"HTTP server did not start on {self.http_address}")
 
-    def _start_remote(self) -> None:
+    def _start_remote(self, policy: PolicyState) -> None:
         import ray
 
         from pdserve.cluster.queue import get_or_create_queue
@@ -158,16 +156,13 @@ class DecodeWorker:
         if not ray.is_initialized():
             raise RuntimeError("remote_prefill needs Ray: run inside a Ray actor or call ray.init first")
         cfg = self.cfg
-        kv = self.engine.runner.kv_cache
+        kv = self.engine.connector.kv_tensor
         self.agent = KVTransferAgent(self.worker_id, kv, KVLayout.from_tensor(kv, self.engine.model_config.model_id),
                                      ucx_env=cfg.ucx_env)
-        queue = QueueClient(get_or_create_queue(cfg.queue_name, cfg.queue_namespace), cfg.queue_transport)
-        self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, queue, self.metrics,
-                                    self.frontend.cluster, RemoteConfig(timeout_s=cfg.remote_timeout_s))
-        self.remote.costs = self.frontend.policy.costs
+        self.queue = QueueClient(get_or_create_queue(cfg.queue_name, cfg.queue_namespace), cfg.queue_transport)
+        self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,
+                                    RemoteConfig(timeout_s=cfg.remote_timeout_s), costs=policy.costs)
         self.remote.start()
-        self.frontend.remote = self.remote
-        self.queue = queue
 
     async def _join_cluster(self) -> None:
         import json
@@ -194,7 +189,6 @@ class DecodeWorker:
 
     def _count_prefill(self) -> None:
         n = len(self.prefill_watch.members) if self.prefill_watch else 0
-        self.frontend.cluster["prefill_pool_size"] = n
         if self.remote is not None:
             self.remote.set_pool_size(n)
 
@@ -205,15 +199,15 @@ class DecodeWorker:
         return WorkerInfo(
             worker_id=self.worker_id, role="decode",
             endpoints={"grpc": self.grpc_address, "http": self.http_address},
-            model=self.frontend.served_model, kv_layout=eng.runner.layout_info(),
-            capacity={"num_blocks": eng.runner.num_blocks, "max_num_seqs": eng.config.max_num_seqs,
+            model=self.frontend.served_model, kv_layout=eng.connector.layout_info(),
+            capacity={"num_blocks": eng.load().num_blocks, "max_num_seqs": eng.config.max_num_seqs,
                       "max_model_len": eng.max_model_len},
             version=VERSION, load=self._load(),
         )
 
     def _load(self) -> dict:
-        sched = self.engine.scheduler
-        return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_usage": round(self.engine.kv.usage, 4),
+        load = self.engine.load()
+        return {"running": load.running, "waiting": load.waiting, "kv_usage": round(load.kv_usage, 4),
                 "inflight": len(self.frontend.inflight)}
 
     async def _report_load(self) -> None:
@@ -264,10 +258,10 @@ class DecodeWorker:
             await self.registry.deregister()
 
     def stats(self) -> dict:
-        eng = self.engine
+        eng, load = self.engine, self.engine.load()
         out = {"worker_id": self.worker_id, "inflight": len(self.frontend.inflight), **eng.stats.__dict__,
-               "kv_usage": eng.kv.usage, "num_blocks": eng.kv.pool.num_blocks,
-               "num_free_blocks": eng.kv.num_free_blocks, "policy_version": self.frontend.policy.version,
+               "kv_usage": load.kv_usage, "num_blocks": load.num_blocks,
+               "num_free_blocks": load.num_free_blocks, "policy_version": self.frontend.policy.version,
                "engine_alive": self.async_engine.alive, **{f"engine_{k}": v for k, v in self.async_engine.counters.items()}}
         if self.remote is not None:
             out["remote"] = dict(self.remote.counters)

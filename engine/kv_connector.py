@@ -22,6 +22,9 @@ Prefill side, the prompt's KV leaves for a decode worker:
     export_blocks(...)      the blocks holding positions [cached_len, n)
     release_export(rid)     free those blocks once written, and forget the request
 
+Both sides: ``kv_tensor`` / ``layout_info()`` (what NIXL registers and peers check),
+``kv_bytes(n)``, ``kv_bytes_per_token`` and ``cached_prefix_len``.
+
 Workers use only this seam and the engine's public request API
 (tests/cluster/test_layering.py checks it); the scheduler, the block manager and
 request internals stay the engine's.
@@ -32,10 +35,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.common import Priority
+
 from .block_manager import block_hashes
 from .request import Request, SamplingParams
+from .sampler import SampleResult
 
 if TYPE_CHECKING:
+    import torch
+
     from .llm_engine import LLMEngine, RequestDelta
 
 
@@ -57,6 +65,20 @@ class KVConnector:
     @property
     def block_size(self) -> int:
         return self._eng.config.block_size
+
+    @property
+    def kv_tensor(self) -> "torch.Tensor":
+        """The whole KV pool, one tensor (ARCHITECTURE.md, the KV pool): what NIXL registers."""
+        return self._eng.runner.kv_cache
+
+    def layout_info(self) -> dict:
+        """The pool's layout facts that peers compare before exchanging pages."""
+        return self._eng.runner.layout_info()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        m = self._eng.model_config
+        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * self._eng.runner.dtype.itemsize
 
     def kv_bytes(self, num_blocks: int) -> int:
         """Bytes of KV that ``num_blocks`` blocks hold across all layers."""
@@ -89,10 +111,24 @@ class KVConnector:
 
     def remote_ready(self, request_id: str, first_token_id: int,
                      first_logprob: float | None = None) -> "RequestDelta":
-        return self._eng.remote_kv_ready(request_id, first_token_id, first_logprob)
+        """The pages are written and the other worker sampled the first token: the request
+        joins the running batch from it (a first token the detokenizer refuses fails it)."""
+        eng = self._eng
+        req = eng.scheduler.remote_ready(request_id)
+        eng.stats.num_prompt_tokens_cached += req.num_cached_tokens
+        if req.generator is not None and not req.params.greedy:
+            # The remote worker drew the first token from a generator with the same
+            # seed; draw once here too so later tokens match the local path.
+            eng.sampler.skip_draw(req, eng.model_config.vocab_size)
+        try:
+            return eng._append(req, SampleResult(first_token_id, first_logprob))
+        except Exception as exc:  # noqa: BLE001
+            return eng.fail_request(req, exc)
 
     def fall_back(self, request_id: str, quarantine_as: str | None = None) -> None:
-        self._eng.remote_kv_failed(request_id, quarantine_as)
+        """Prefill locally; the reservation is released, or kept under ``quarantine_as``
+        (release it later with `free`)."""
+        self._eng.scheduler.remote_failed(request_id, quarantine_as)
 
     def abort(self, request_id: str, quarantine_as: str | None = None) -> bool:
         """Drop a request; an awaited reservation moves under ``quarantine_as`` first (when
@@ -108,7 +144,7 @@ class KVConnector:
 
     # -- prefill side ------------------------------------------------------------------------
     def add_export(self, token_ids: list[int], params: SamplingParams, request_id: str,
-                   priority: int = 0) -> Request:
+                   priority: Priority | str | int = Priority.NORMAL) -> Request:
         """Queue a prompt to prefill for another worker: its blocks stay after it finishes
         (until `release_export`), for the transfer to read."""
         req = self._eng.make_request(token_ids, params, request_id=request_id, priority=priority)

@@ -1,7 +1,8 @@
 """The engine: requests in, token deltas out, one `step()` at a time.
 
-`LLMEngine` is what serving loops drive (add / abort / step, plus the remote
-KV hooks the decode worker uses); `LLM` is the offline batch API on top.
+`LLMEngine` is what serving loops drive (add / abort / step / load); the
+remote-KV calls of disaggregated workers are its `connector` (kv_connector.py);
+`LLM` is the offline batch API on top.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pdserve.common import Priority
+
 from .block_manager import KVCacheManager
 from .kv_connector import KVConnector
 from .config import ConfigError, EngineConfig, ModelConfig
 from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput, RequestStatus,
-                      SamplingParams, check_text)
+                      RequestTimes, SamplingParams, check_text)
 from .runner import ModelRunner
 from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
@@ -23,7 +26,6 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-PRIORITY_LEVELS = {"high": -1, "normal": 0, "low": 1}
 
 
 @dataclass
@@ -50,6 +52,18 @@ class StepError(RuntimeError):
         super().__init__(f"engine step failed: {cause.__class__.__name__}: {cause}")
         self.cause = cause
         self.request_ids = request_ids
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a worker reports about its engine's load (registry record, status, metrics)."""
+
+    running: int
+    waiting: int
+    awaiting_remote_kv: int  # requests whose prompt KV another worker is writing
+    num_blocks: int
+    num_free_blocks: int
+    kv_usage: float  # fraction of the KV pool in use
 
 
 @dataclass
@@ -139,11 +153,12 @@ class LLMEngine:
             )
         return ids
 
-    def validate_input(self, prompt, params: SamplingParams | None = None, priority: int | str = 0,
-                       limits: RequestLimits | None = None) -> tuple[list[int], SamplingParams, int]:
+    def validate_input(self, prompt, params: SamplingParams | None = None,
+                       priority: Priority | str | int = Priority.NORMAL,
+                       limits: RequestLimits | None = None) -> tuple[list[int], SamplingParams, Priority]:
         """Check a request without touching engine state (safe from any thread).
 
-        Returns (prompt token ids, params, numeric priority) or raises
+        Returns (prompt token ids, params, priority) or raises
         `InvalidRequestError` naming the field. The parameters are checked
         before the prompt is tokenized.
         """
@@ -152,14 +167,14 @@ class LLMEngine:
             raise InvalidRequestError("params", "must be a SamplingParams")
         params.validate(self.model_config.vocab_size, limits)
         ids = self.tokenize_prompt(prompt)
-        if isinstance(priority, str):
-            if priority not in PRIORITY_LEVELS:
-                raise InvalidRequestError("priority", f"{priority!r}; use high, normal or low")
-            priority = PRIORITY_LEVELS[priority]
+        try:
+            priority = Priority.parse(priority)
+        except ValueError as exc:
+            raise InvalidRequestError("priority", str(exc).removeprefix("priority ")) from None
         return ids, params, priority
 
     def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     priority: int | str = 0, arrival: float | None = None) -> Request:
+                     priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None) -> Request:
         """Validate and build a request without queueing it."""
         ids, params, priority = self.validate_input(prompt, params, priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -173,7 +188,7 @@ class LLMEngine:
         return req
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int | str = 0, arrival: float | None = None) -> Request:
+                    priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None) -> Request:
         req = self.make_request(prompt, params, request_id, priority, arrival)
         self.scheduler.add(req)
         return req
@@ -191,33 +206,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    # -- remote KV (decode side of disaggregation) ----------------------------
-    def add_remote_request(self, req: Request) -> tuple[int, list[int]] | None:
-        """Reserve blocks for ``req`` (from `make_request`) whose prompt KV arrives remotely."""
-        return self.scheduler.add_remote(req)
+    def has_work(self) -> bool:
+        """True while a step would schedule something (requests running or waiting)."""
+        return self.scheduler.has_work()
 
-    def remote_kv_ready(self, request_id: str, first_token_id: int,
-                        first_logprob: float | None = None) -> RequestDelta:
-        """The remote worker wrote the prompt KV and sampled the first token."""
-        req = self.scheduler.remote_ready(request_id)
-        self.stats.num_prompt_tokens_cached += req.num_cached_tokens
-        if req.generator is not None and not req.params.greedy:
-            # The remote worker drew the first token from a generator with the same
-            # seed; draw once here too so later tokens match the local path.
-            self.sampler.skip_draw(req, self.model_config.vocab_size)
-        try:
-            return self._append(req, SampleResult(first_token_id, first_logprob))
-        except Exception as exc:  # noqa: BLE001  (e.g. a first token the detokenizer refuses)
-            return self.fail_request(req, exc)
-
-    def free_kv(self, request_id: str) -> None:
-        """Release the blocks a finished ``keep_kv`` request still holds."""
-        self.kv.free(request_id)
-
-    def remote_kv_failed(self, request_id: str, quarantine_as: str | None = None) -> None:
-        """Fall back to a local prefill; the reservation is released, or kept
-        under ``quarantine_as`` (free it later with `free_kv`)."""
-        self.scheduler.remote_failed(request_id, quarantine_as)
+    def load(self) -> EngineLoad:
+        kv = self.kv
+        return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                          awaiting_remote_kv=len(self.scheduler.remote), num_blocks=kv.pool.num_blocks,
+                          num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage)
 
     # -- the step --------------------------------------------------------------
     def step(self, layer_hook=None, on_plan=None) -> list[RequestDelta]:
@@ -326,6 +323,8 @@ class LLMEngine:
             token_ids=list(req.output_token_ids), text=self._detok[req.request_id].text,
             finish_reason=req.finish_reason, logprobs=req.logprobs,
             num_cached_tokens=req.num_cached_tokens, stop_reason=req.stop_reason,
+            times=RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                               req.num_preemptions),
         )
 
     def release(self, request_id: str) -> RequestOutput | None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.common import Priority
+
 
 # Temperatures below this sample greedily: logits / 1e-40 overflow float32 to inf and the
 # softmax turns into NaN. vLLM uses the same threshold (_SAMPLING_EPS).
@@ -171,7 +173,7 @@ class Request:
     """One generation request inside the engine: tokens, progress, status."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, arrival: float | None = None, cache_salt: bytes | None = None):
+                 priority: int = Priority.NORMAL, arrival: float | None = None, cache_salt: bytes | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -188,8 +190,8 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.finish_reason: str | None = None
-        # Prefill role: keep the KV blocks after finishing until `LLMEngine.free_kv`
-        # (they are read by the transfer to the decode worker).
+        # Prefill role: keep the KV blocks after finishing until the connector's
+        # `release_export` (they are read by the transfer to the decode worker).
         self.keep_kv = False
         # Monotonic timestamps for latency breakdowns (queue wait, TTFT).
         self.arrival_time = time.monotonic()
@@ -215,6 +217,16 @@ class Request:
 
 
 @dataclass
+class RequestTimes:
+    """When a request moved through the engine (monotonic seconds), for latency breakdowns."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    num_preemptions: int = 0
+
+
+@dataclass
 class RequestOutput:
     """The result of one request (what `LLM.generate` returns per prompt)."""
 
@@ -226,6 +238,7 @@ class RequestOutput:
     logprobs: list[dict] | None = None
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
+    times: RequestTimes | None = field(default=None, compare=False, repr=False)
 
     @property
     def finished(self) -> bool:

@@ -30,7 +30,7 @@ MAX_NOTIFICATION_BYTES = 1024
 
 _HEADER_BYTES = len(MAGIC) + 1
 # Sent only when non-zero; a reader that lacks them keeps the defaults.
-_OPTIONAL_FIELDS = ("queue_wait_ms", "prefill_ms", "transfer_ms", "prefill_worker", "batch_tokens")
+_OPTIONAL_FIELDS = ("queue_wait_ms", "prefill_ms", "sent_at", "prefill_worker", "batch_tokens")
 _FIELDS = (
     "request_id",
     "epoch",
@@ -44,8 +44,15 @@ _FIELDS = (
 class PrefillDone:
     """KV pages of one request attempt are in place on the decode worker.
 
-    `epoch` numbers the attempt; a decode worker that re-prefilled locally has
-    moved on to a newer epoch and must ignore older messages (`is_stale`).
+    `epoch` numbers the attempt: the decode worker's handoff table ignores a
+    message for an attempt it no longer awaits (decode/handoff.py).
+
+    `sent_at` (unix time on the prefill host) is when the write that carries
+    this message was posted: the prompt's KV was complete and leaving. The
+    decode worker's ``transfer_ms`` is its arrival time minus `sent_at`: the
+    transfer the request waited for (pages streamed during the forward pass
+    overlap it and are not counted). Across hosts it includes their clock
+    offset (NTP keeps it to about a millisecond), like ``queue_wait_ms``.
     """
 
     request_id: str
@@ -56,7 +63,7 @@ class PrefillDone:
     # Optional facts for the decode worker's per-request breakdown.
     queue_wait_ms: float = 0.0  # enqueue (decode clock) -> taken (prefill clock)
     prefill_ms: float = 0.0  # prefill compute of this request's batch
-    transfer_ms: float = 0.0  # page writes of this request
+    sent_at: float = 0.0  # unix time the last write (with this message) was posted; 0 = unknown
     prefill_worker: str = ""
     batch_tokens: int = 0  # tokens the prefill batch computed in prefill_ms (for cost calibration)
     version: int = PREFILL_DONE_VERSION
@@ -67,10 +74,6 @@ class PrefillDone:
             raise ValueError(f"invalid PrefillDone: {problem}")
         if isinstance(self.first_token_logprob, int):  # a caller passed 0 for 0.0
             object.__setattr__(self, "first_token_logprob", float(self.first_token_logprob))
-
-    def is_stale(self, current_epoch: int) -> bool:
-        """True when this message belongs to an attempt older than `current_epoch`."""
-        return self.epoch < current_epoch
 
     def encode(self) -> bytes:
         return encode_prefill_done(self)
@@ -130,9 +133,9 @@ def _field_problem(msg: PrefillDone) -> str | None:
             return f"first_token_logprob must be a float or None, got {logprob!r}"
         if math.isnan(logprob) or logprob > 0:
             return f"first_token_logprob must be <= 0 (a log-probability), got {logprob!r}"
-    for name in ("queue_wait_ms", "prefill_ms", "transfer_ms"):
+    for name in ("queue_wait_ms", "prefill_ms", "sent_at"):
         value = getattr(msg, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             return f"{name} must be a number >= 0, got {value!r}"
     if not is_int(msg.batch_tokens) or msg.batch_tokens < 0:
         return f"batch_tokens must be an int >= 0, got {msg.batch_tokens!r}"

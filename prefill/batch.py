@@ -135,10 +135,7 @@ class PrefillBatch:
                 if job.failure is not None:  # before its blocks are freed: its writes read them
                     settled[job.rid] = self._settle(job)
             for job in jobs.values():  # success or failure, the batch leaves nothing behind
-                if job.rid in eng.requests and not eng.requests[job.rid].status.finished:
-                    eng.abort_request(job.rid)
-                eng.free_kv(job.rid)
-                eng.release(job.rid)
+                eng.connector.release_export(job.rid)
         for job in jobs.values():
             if job.failure is not None:
                 failures.append(TaskFailure(job.task, *job.failure, writes_settled=settled[job.rid]))
@@ -160,9 +157,7 @@ class PrefillBatch:
         if not t.target_block_ids or not all(isinstance(b, int) and b >= 0 for b in t.target_block_ids):
             raise ValueError("target_block_ids must be a non-empty list of block ids")
         rid = f"{t.request_id}#{t.epoch}"
-        req = eng.make_request(t.token_ids, params, request_id=rid, priority=t.priority)
-        req.keep_kv = True
-        eng.scheduler.add(req)
+        eng.connector.add_export(t.token_ids, params, rid, t.priority)
         return rid
 
     # -- compute ---------------------------------------------------------------------------
@@ -179,7 +174,7 @@ class PrefillBatch:
             except Exception as exc:  # noqa: BLE001  (StepError: the forward pass raised)
                 self._fail_batch(jobs, f"{exc.__class__.__name__}: {exc}")
                 break
-            if not deltas and not eng.scheduler.has_work():
+            if not deltas and not eng.has_work():
                 self._fail_batch(jobs, "the engine has nothing left to schedule for this batch")
                 break
             for d in deltas:
@@ -208,15 +203,16 @@ class PrefillBatch:
     def _layer_hook_factory(self, jobs: dict[str, _Job]):
         """on_plan callback: stream the pages of requests whose prefill ends in this step."""
 
+        connector = self.engine.connector
+
         def on_plan(scheduled):
-            bs = self.engine.config.block_size
             jobs_now = []
-            for req, n in scheduled:
-                job = jobs.get(req.request_id)
-                if job is None or job.failure is not None or req.num_computed_tokens + n != req.num_tokens:
+            for rid in connector.finishing(scheduled):
+                job = jobs.get(rid)
+                if job is None or job.failure is not None:
                     continue
                 t = job.task
-                local = self.engine.kv.block_ids(req.request_id)[t.cached_len // bs:][: len(t.target_block_ids)]
+                local = connector.export_blocks(rid, t.cached_len, len(t.target_block_ids))
                 try:
                     job.stream = self.agent.begin_stream(t.target_worker_id, local, t.target_block_ids, None)
                 except ValueError as exc:  # the target blocks do not fit the peer's pool
@@ -244,8 +240,7 @@ class PrefillBatch:
 
     # -- push ----------------------------------------------------------------------------------
     def _push(self, jobs: dict[str, _Job], result: BatchResult, taken_at: float) -> None:
-        eng = self.engine
-        bs = eng.config.block_size
+        connector = self.engine.connector
         pending = []
         for job in jobs.values():
             if job.failure is not None:
@@ -255,14 +250,14 @@ class PrefillBatch:
             done = PrefillDone(t.request_id, t.epoch, tok, lp, t.num_prefill_tokens,
                                queue_wait_ms=max(0.0, (taken_at - t.arrival_time) * 1e3),
                                prefill_ms=result.prefill_ms, prefill_worker=self.worker_id,
-                               batch_tokens=result.batch_tokens).encode()
+                               batch_tokens=result.batch_tokens, sent_at=time.time()).encode()
             try:
                 if job.stream is not None:
                     job.handles = list(job.stream.handles.values())
                     job.stream.finish(self.transfer_timeout_s, notify=done)  # waits the layers, then notifies
                     self.stats.layerwise_tasks += 1
                 else:
-                    local = eng.kv.block_ids(job.rid)[t.cached_len // bs:][: len(t.target_block_ids)]
+                    local = connector.export_blocks(job.rid, t.cached_len, len(t.target_block_ids))
                     job.handles = [self.agent.write_blocks(t.target_worker_id, local, t.target_block_ids,
                                                            notify=done)]
                 pending.append(job)

@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import os
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -103,7 +102,7 @@ class PrefillWorker:
 
         cfg = self.cfg
         self.engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
-        kv = self.engine.runner.kv_cache
+        kv = self.engine.connector.kv_tensor
         layout = KVLayout.from_tensor(kv, self.engine.model_config.model_id)
         self.agent = KVTransferAgent(self.worker_id, kv, layout, ucx_env=cfg.ucx_env)
         if not ray.is_initialized():
@@ -121,7 +120,7 @@ class PrefillWorker:
         metrics_at = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
         self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s)
         info = WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
-                          kv_layout=self.engine.runner.layout_info(),
+                          kv_layout=self.engine.connector.layout_info(),
                           capacity={"max_num_batched_tokens": self.budget}, version=VERSION,
                           endpoints={"metrics": metrics_at} if metrics_at else {})
         await self.registry.clear_drain(self.worker_id)  # a fresh start under a drained id

@@ -23,14 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from pdserve.common import Priority
 from pdserve.router.costs import CostEstimates
 from pdserve.router.policy import RouterPolicy
 
-Priority = Literal["high", "normal", "low"]
 Override = Literal["auto", "local", "remote"]
 Route = Literal["local", "remote"]
 
-_PRIORITIES = ("high", "normal", "low")
 _OVERRIDES = ("auto", "local", "remote")
 
 # Score sums are compared after rounding to this many decimals, so that
@@ -47,7 +46,7 @@ class RequestFeatures:
 
     prompt_len: int
     cached_len: int = 0  # prompt tokens already held by this decode worker's prefix cache
-    priority: Priority = "normal"
+    priority: Priority = Priority.NORMAL  # a name ("high") is accepted and parsed
     ttft_slo_ms: float | None = None  # the request's own TTFT target; None = the policy's
     override: Override = "auto"
     max_tokens: int | None = None  # None = no explicit limit
@@ -57,8 +56,7 @@ class RequestFeatures:
             raise ValueError(
                 f"prompt_len and cached_len must be >= 0 (got {self.prompt_len}, {self.cached_len})"
             )
-        if self.priority not in _PRIORITIES:
-            raise ValueError(f"priority must be one of {_PRIORITIES} (got {self.priority!r})")
+        object.__setattr__(self, "priority", Priority.parse(self.priority))  # ValueError names the choices
         if self.override not in _OVERRIDES:
             raise ValueError(f"override must be one of {_OVERRIDES} (got {self.override!r})")
 
@@ -113,7 +111,7 @@ class Decision(NamedTuple):
 
 def bypasses_queue(features: RequestFeatures, policy: RouterPolicy) -> bool:
     """Whether this request ignores the prefill queue (high-priority override)."""
-    return features.priority == "high" and policy.router.overrides.high_priority_bypass_queue
+    return features.priority is Priority.HIGH and policy.router.overrides.high_priority_bypass_queue
 
 
 def pool_busy(snapshot: ClusterSnapshot, policy: RouterPolicy) -> bool:
@@ -206,7 +204,7 @@ def _route(features, snapshot, policy, pred, trace) -> _Routed:
     if r.mode == "always_remote":
         return "remote", "mode_always_remote", "router.mode is always_remote", None
     if trace is not None:
-        trace.append(f"mode conditional, policy {r.policy}, priority {features.priority}")
+        trace.append(f"mode conditional, policy {r.policy}, priority {features.priority.label}")
         if bypasses_queue(features, policy):
             trace.append("high priority bypasses the prefill queue: queue treated as empty")
     if r.policy == "threshold":
@@ -221,7 +219,7 @@ def _route(features, snapshot, policy, pred, trace) -> _Routed:
 def _keep_low_priority_local_when_busy(decided, features, snapshot, policy, trace) -> _Routed:
     if (
         decided[0] != "remote"
-        or features.priority != "low"
+        or features.priority is not Priority.LOW
         or not policy.qos.degrade.no_remote_prefill_for_low_priority_when_busy
     ):
         return decided

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from pdserve.common import Priority
 from pdserve.router.decide import ClusterSnapshot, Decision, RequestFeatures, decide
 from pdserve.router.policy import QosPolicy, RouterPolicy
 
@@ -68,7 +69,7 @@ def admit(features: RequestFeatures, snapshot: ClusterSnapshot, policy: RouterPo
     ttft = decision.predicted_ttft_ms
     slo = features.ttft_slo_ms if features.ttft_slo_ms is not None else q.ttft_slo_ms
 
-    if features.priority == "high":
+    if features.priority is Priority.HIGH:
         preempt = ttft > slo
         note = "; may preempt queued low-priority work" if preempt else ""
         return Admission(
@@ -87,7 +88,7 @@ def admit(features: RequestFeatures, snapshot: ClusterSnapshot, policy: RouterPo
             )
         limit, label = _ttft_limit(features, q)
         if limit is not None and ttft > limit:
-            code = "low_priority_ttft" if features.priority == "low" else "ttft_slo"
+            code = "low_priority_ttft" if features.priority is Priority.LOW else "ttft_slo"
             return _refuse(
                 code, f"predicted TTFT {ttft:.0f} ms exceeds {label} {limit:g} ms",
                 ttft - limit, features, decision,
@@ -105,7 +106,7 @@ def admit(features: RequestFeatures, snapshot: ClusterSnapshot, policy: RouterPo
 
 def _ttft_limit(features: RequestFeatures, q: QosPolicy) -> tuple[float | None, str]:
     own = features.ttft_slo_ms if q.reject_on_slo_violation else None
-    if features.priority == "low":
+    if features.priority is Priority.LOW:
         if own is not None and own < q.low_priority_threshold_ms:
             return own, "the request's ttft_slo_ms"
         return q.low_priority_threshold_ms, "low_priority_threshold_ms"
@@ -120,7 +121,7 @@ def _degrade(
     features: RequestFeatures, snapshot: ClusterSnapshot, q: QosPolicy, ttft: float, slo: float
 ) -> tuple[int | None, bool]:
     cap = q.degrade.low_priority_max_tokens
-    if features.priority != "low" or cap is None:
+    if features.priority is not Priority.LOW or cap is None:
         return features.max_tokens, False
     under_pressure = snapshot.costs.decode_step_ms > q.tpot_slo_ms or ttft > slo
     if not under_pressure or (features.max_tokens is not None and features.max_tokens <= cap):

@@ -12,8 +12,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.cluster.queue import PrefillTask
-from pdserve.cluster.queue_wire import WireError, from_wire, pack_frame, read_frame
+from pdserve.cluster.queue import PrefillTask, WireError, from_wire, pack_frame, read_frame
 from pdserve.cluster.topology import TopologyError, load_topology
 from pdserve.engine import LLM, InvalidRequestError, SamplingParams
 from pdserve.kvtransfer import MalformedMessageError, PrefillDone
@@ -98,7 +97,7 @@ def test_any_notification_bytes_decode_or_raise_malformed(payload):
                  first_token_id=st.integers(0, 2**31), first_token_logprob=st.one_of(
                      st.none(), st.floats(max_value=0, allow_nan=False, allow_infinity=False)),
                  num_tokens_written=st.integers(0, 2**31), queue_wait_ms=st.floats(0, 1e6),
-                 prefill_ms=st.floats(0, 1e6), prefill_worker=st.text(max_size=20)))
+                 prefill_ms=st.floats(0, 1e6), sent_at=st.floats(0, 4e9), prefill_worker=st.text(max_size=20)))
 def test_prefill_done_round_trips(msg):
     try:
         payload = msg.encode()

@@ -37,9 +37,12 @@ def test_a_missing_logprob_round_trips_as_none():
     assert decode_prefill_done(done.encode()).first_token_logprob is None
 
 
-def test_older_epochs_are_stale():
-    assert DONE.is_stale(current_epoch=4)
-    assert not DONE.is_stale(current_epoch=3)
+def test_sent_at_round_trips_and_must_be_a_finite_time():
+    done = PrefillDone("r", 1, 7, None, 16, sent_at=1_800_000_000.25)
+    assert decode_prefill_done(done.encode()).sent_at == 1_800_000_000.25
+    for bad in (-1.0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="sent_at"):
+            PrefillDone("r", 1, 7, None, 16, sent_at=bad)
 
 
 def test_encode_refuses_a_message_over_the_size_cap():

@@ -1,0 +1,155 @@
+"""The engine-thread half of the remote path: pages arrive, handoffs move, the engine follows.
+
+`KVArrival` runs as a poller of the decode worker's engine loop. It drives
+the NIXL agent, reads each notification (`PrefillDone`, `PrefillFailed`),
+feeds it to the worker's `Handoffs` table and applies the effect the table
+decides through the engine's KV connector: run the request from its first
+token, fall back to a local prefill, abort, or free a quarantine. It also
+expires quarantines and applies what the event-loop side decided
+(`apply`, posted with `AsyncEngine.call`). Engine state changes here only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from pdserve.kvtransfer import KVTransferAgent, MalformedMessageError
+from pdserve.kvtransfer.messages import TRANSFER_ERROR, PrefillDone, PrefillFailed, decode_notification
+
+from .async_engine import AsyncEngine
+from .handoff import Effect, Handoff, Handoffs, Step
+from .metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class KVArrival:
+    """Notifications in, engine changes out (engine thread; see the module docstring)."""
+
+    def __init__(self, engine: AsyncEngine, agent: KVTransferAgent, handoffs: Handoffs, metrics: WorkerMetrics,
+                 costs=None):
+        self.engine = engine
+        self.connector = engine.engine.connector
+        self.agent = agent
+        self.handoffs = handoffs
+        self.metrics = metrics
+        self.costs = costs  # the router's CostModel, fed with measured prefill/transfer costs
+        self.counters = {"notifications": 0, "stale": 0, "malformed": 0, "ready": 0, "fallbacks": 0,
+                         "bytes_received": 0, "prefill_failed": 0}
+        self.fallback_causes: dict[str, int] = {}  # fallback reason -> count (the metric's label)
+        self.info: dict[str, dict] = {}  # request -> its breakdown, handed to its stream
+        self.on_ready_reput = None  # callable(request_id): cancel a re-put copy (event loop)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def count_fallback(self, cause: str) -> None:
+        self.fallback_causes[cause] = self.fallback_causes.get(cause, 0) + 1
+        self.metrics.fallback(cause)
+
+    def abort(self, rid: str, writer_may_exist: bool) -> None:
+        """Drop a request (client gone); an awaited reservation is quarantined when a prefill
+        worker may still write it."""
+        step = self.handoffs.abort(rid, writer_may_exist)
+        if step.stale:  # no awaited attempt: a local (or already running) request
+            if self.connector.abort(rid):
+                self.engine.deliver_abort(rid)
+            return
+        self.apply(step)
+
+    def apply(self, step: Step, msg: PrefillDone | None = None) -> None:
+        """Do to the engine what a transition decided (engine thread only)."""
+        h, c = step.handoff, self.connector
+        if step.effect is Effect.RUN:
+            self._ready(h, msg)
+        elif step.effect in (Effect.FALL_BACK, Effect.FALL_BACK_QUARANTINE):
+            c.fall_back(h.request_id, h.quarantine_key if step.effect is Effect.FALL_BACK_QUARANTINE else None)
+            self._fell_back(h)
+        elif step.effect in (Effect.ABORT, Effect.ABORT_QUARANTINE):
+            if c.abort(h.request_id, h.quarantine_key if step.effect is Effect.ABORT_QUARANTINE else None):
+                self.engine.deliver_abort(h.request_id)
+        elif step.effect is Effect.FREE:
+            c.free(h.quarantine_key)
+
+    def _fell_back(self, h: Handoff) -> None:
+        why = h.reason
+        self.counters["fallbacks"] += 1
+        self.count_fallback(why.split(" ")[0].strip(":"))
+        if why.startswith(TRANSFER_ERROR):  # told by NIXL or by the queue: counted once, here
+            self.metrics.transfer_failures.inc()
+        self.info[h.request_id] = {"route": "local", "fell_back_to_local": True, "attempts": h.epoch,
+                                    "reason": f"fallback after remote attempt {h.epoch}: {why}"}
+        log.info("request %s: remote prefill attempt %d abandoned (%s); prefilling locally",
+                 h.request_id, h.epoch, why)
+
+    def _ready(self, h: Handoff, msg: PrefillDone) -> None:
+        """The pages are in place: the request runs from the first token the prefill sent."""
+        now = time.time()
+        # Whole pages land (the last one partly filled): count them as written.
+        kv_bytes = self.connector.kv_bytes(h.num_blocks)
+        if msg.sent_at > 0:  # the transfer itself: KV complete on the prefill host -> here
+            transfer_ms = max(0.0, (now - msg.sent_at) * 1e3)
+        else:  # a prefill worker that does not stamp it: what the total leaves
+            total_ms = (time.monotonic() - h.started) * 1e3
+            transfer_ms = max(0.0, total_ms - msg.queue_wait_ms - msg.prefill_ms)
+        self.info[h.request_id] = {
+            "route": "remote", "prefill_worker": msg.prefill_worker, "attempts": msg.epoch,
+            "queue_wait_ms": msg.queue_wait_ms, "prefill_ms": msg.prefill_ms,
+            "transfer_ms": transfer_ms, "transfer_bytes": kv_bytes,
+        }
+        self.counters["ready"] += 1
+        self.counters["bytes_received"] += kv_bytes
+        self.metrics.transfer_bytes.observe(kv_bytes)
+        self.metrics.transfer_seconds.observe(transfer_ms / 1e3)
+        self._observe(msg, kv_bytes, transfer_ms)
+        if h.reput and self.on_ready_reput is not None:  # a copy put after a queue restart may be queued
+            self.loop.call_soon_threadsafe(self.on_ready_reput, h.request_id)
+        self.engine.deliver(self.connector.remote_ready(h.request_id, msg.first_token_id, msg.first_token_logprob))
+
+    def _observe(self, msg: PrefillDone, kv_bytes: int, transfer_ms: float) -> None:
+        """Feed the router's cost model (on the event loop, which owns it)."""
+        if self.costs is None or self.loop is None:
+            return
+
+        def feed():
+            if msg.batch_tokens > 0 and msg.prefill_ms > 0:
+                self.costs.observe_prefill(msg.batch_tokens, msg.prefill_ms, "remote")
+            if transfer_ms > 0:
+                self.costs.observe_transfer(kv_bytes, transfer_ms)
+
+        self.loop.call_soon_threadsafe(feed)
+
+    def _on_notification(self, msg: PrefillDone | PrefillFailed) -> None:
+        if isinstance(msg, PrefillFailed):
+            self.counters["prefill_failed"] += 1
+            worker = f" on {msg.prefill_worker}" if msg.prefill_worker else ""
+            step = self.handoffs.failed(msg.request_id, msg.epoch, msg.writes_settled,
+                                        f"{msg.kind}{worker}: {msg.detail}")
+        else:
+            step = self.handoffs.done(msg.request_id, msg.epoch)
+        if step.effect is Effect.RUN and not self.connector.is_awaiting(msg.request_id):
+            step = Step(Effect.NONE)  # cannot happen while every change goes through the table
+            log.error("request %s: ready but the engine holds no reservation for it", msg.request_id)
+        if step.stale or step.effect is Effect.FREE:  # ignored, or the late end of an abandoned attempt
+            self.counters["stale"] += 1
+        self.apply(step, msg)
+
+    def poll(self) -> bool:
+        """Engine-thread poller: NIXL progress, notifications, quarantine expiry."""
+        res = self.agent.poll()
+        did = False
+        for note in res.notifications:
+            did = True
+            self.counters["notifications"] += 1
+            try:
+                msg = decode_notification(note.payload)
+            except MalformedMessageError as exc:
+                self.counters["malformed"] += 1
+                log.warning("malformed notification from %s ignored: %s", note.sender, exc)
+                continue
+            self._on_notification(msg)
+        for step in self.handoffs.expire():
+            self.apply(step)
+        # While pages are awaited, keep the loop polling briskly.
+        self.engine.idle_wait_s = 0.001 if self.handoffs.num_awaiting else 0.05
+        return did
