@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         decode = DecodeWorker(DecodeWorkerConfig(**common, worker_id="decode-0", remote_prefill=True))
         loop.run(decode.start())
         deadline = time.monotonic() + 30
-        while decode.frontend.cluster["prefill_pool_size"] < 1 and time.monotonic() < deadline:
+        while decode.frontend.prefill_view.pool_size < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         rng = random.Random(0)
         vocab = decode.engine.model_config.vocab_size

@@ -10,128 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator
 
-from pdserve.common import Priority
-from pdserve.engine import InvalidRequestError, RequestLimits, SamplingParams, check_text
+from pdserve.engine import InvalidRequestError, SamplingParams, check_text
 from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, admit
 
 from .async_engine import AsyncEngine, EngineDeadError, FinalInfo
+from .ingress import REQUEST_ID_CHARS, Chunk, GenerateInput, Prepared, RemotePath, RequestError, ServingLimits
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
 from .prefill_pool import PrefillView
 
+__all__ = ["Frontend", "Chunk", "GenerateInput", "Prepared", "RemotePath", "RequestError", "ServingLimits"]
+
 log = logging.getLogger(__name__)
 _NO_PREFILL = PrefillView()  # what a worker without a remote path reports (never written)
-
-
-class RequestError(Exception):
-    """A request that cannot be served, with the status the client should see.
-
-    ``code`` is one of: invalid_argument, resource_exhausted, unavailable, internal.
-    """
-
-    def __init__(self, code: str, message: str, field_name: str | None = None,
-                 predicted_ttft_ms: float | None = None, retry_after_ms: int | None = None):
-        super().__init__(message)
-        self.code = code
-        self.field = field_name
-        self.predicted_ttft_ms = predicted_ttft_ms
-        self.retry_after_ms = retry_after_ms
-
-
-REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:@/+=-]+")
-
-
-@dataclass(frozen=True)
-class ServingLimits:
-    """What one request may ask for, checked before any work is done for it.
-
-    ``max_prompt_chars`` None: ``max_model_len`` x the longest vocabulary entry,
-    a bound no prompt that fits the model can exceed, so it refuses a huge
-    prompt without tokenizing it. The stop limits bound the detokenizer's
-    per-token work; the body limit bounds JSON parsing (HTTP).
-    """
-
-    max_body_bytes: int = 8 << 20
-    max_prompt_chars: int | None = None
-    max_request_id_chars: int = 256
-    max_messages: int = 1024
-    max_stop_strings: int = 32
-    max_stop_chars: int = 256
-    max_stop_token_ids: int = 256
-    tokenizer_threads: int = 2  # tokenization runs here, never on the event loop
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> "ServingLimits":
-        d = dict(d or {})
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"limits: unknown key {unknown[0]!r}; known: {sorted(cls.__dataclass_fields__)}")
-        for k, v in d.items():
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"limits.{k}: must be an integer >= 1, got {v!r}")
-        return cls(**d)
-
-    @property
-    def request(self) -> RequestLimits:
-        return RequestLimits(self.max_stop_strings, self.max_stop_chars, self.max_stop_token_ids)
-
-
-@dataclass
-class GenerateInput:
-    """One request as the APIs parsed it (``messages`` instead of ``prompt`` for chat)."""
-
-    prompt: str | list[int] | None
-    params: SamplingParams
-    messages: list[dict] | None = None
-    request_id: str | None = None
-    model: str | None = None
-    priority: Priority | str = Priority.NORMAL  # a name is parsed (and refused) by validate
-    ttft_slo_ms: float | None = None
-    route: str = "auto"
-
-
-@dataclass
-class Chunk:
-    """One streamed piece of a completion; the last one has finish_reason and breakdown."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    logprobs: list[dict] = field(default_factory=list)
-    breakdown: dict | None = None
-
-
-@dataclass
-class Prepared:
-    """A validated, admitted request with its routing decision."""
-
-    request_id: str
-    inp: GenerateInput
-    prompt_ids: list[int]
-    params: SamplingParams
-    priority: Priority
-    cached_len: int
-    decision: object
-    arrival: float
-
-
-class RemotePath(Protocol):
-    """What the remote-prefill path plugs in (issue: disaggregated path end to end)."""
-
-    view: PrefillView  # the prefill pool and queue as this worker sees them
-
-    def available(self) -> bool: ...
-
-    def stream(self, prep: Prepared) -> AsyncIterator[tuple[object, FinalInfo | None, dict]]: ...
-
-    def abort(self, request_id: str) -> None: ...
 
 
 class Frontend:

@@ -15,7 +15,8 @@ from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.engine import SamplingParams
 
-from .frontend import Chunk, Frontend, GenerateInput, RequestError
+from .frontend import Frontend
+from .ingress import Chunk, GenerateInput, RequestError
 
 log = logging.getLogger(__name__)
 

@@ -8,15 +8,11 @@ Retry-After and the predicted TTFT), 503 draining.
 
 from __future__ import annotations
 
-import http
 import json
 import logging
 import time
 import uuid
 from typing import Annotated, Literal
-
-import h11
-import uvicorn.protocols.http.h11_impl
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdserve.engine import SamplingParams
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, UINT64_MAX
 
-from .frontend import Frontend, GenerateInput, RequestError
+from .frontend import Frontend
+from .http_guard import BodyLimit, H11Protocol, openai_error
+from .ingress import GenerateInput, RequestError
+
+__all__ = ["build_app", "H11Protocol"]
 
 log = logging.getLogger(__name__)
 
@@ -88,102 +88,13 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
-def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    kind = {429: "rate_limit_error", 503: "unavailable"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status, headers=headers)
-
-
 def _from_request_error(exc: RequestError) -> JSONResponse:
     headers = {}
     if exc.retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, -(-exc.retry_after_ms // 1000)))
     if exc.predicted_ttft_ms is not None:
         headers["X-Predicted-TTFT-Ms"] = f"{exc.predicted_ttft_ms:.1f}"
-    return _error(HTTP_STATUS[exc.code], str(exc), exc.field, headers)
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` gets 413 before anything parses it.
-
-    A declared Content-Length over the limit is refused at once; a chunked body
-    is counted as it arrives and refused as soon as it passes the limit.
-    """
-
-    def __init__(self, app, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
-            return await self.app(scope, receive, send)
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                if not value.isdigit():
-                    return await _send_json(send, _error(400, "Content-Length: not a number", "Content-Length"))
-                if int(value) > self.max_bytes:
-                    return await self._too_large(send)
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # client gone
-            size += len(msg.get("body", b""))
-            if size > self.max_bytes:
-                return await self._too_large(send)
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                break
-        body, sent = b"".join(chunks), False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: wait for the disconnect
-
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, send):
-        await _send_json(send, _error(413, f"body: larger than this worker's limit of {self.max_bytes} bytes "
-                                      "(limits.max_body_bytes)", "body"))
-
-
-async def _send_json(send, resp: JSONResponse) -> None:
-    await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
-    await send({"type": "http.response.body", "body": resp.body})
-
-
-class H11Protocol(uvicorn.protocols.http.h11_impl.H11Protocol):
-    """uvicorn's h11 protocol answering a bad request with h11's own status hint
-    (431 for headers past the size limit) instead of a bare 400 for everything."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._error_status = 400
-        next_event = self.conn.next_event
-
-        def next_event_noting_status():
-            try:
-                return next_event()
-            except h11.RemoteProtocolError as exc:
-                self._error_status = exc.error_status_hint
-                raise
-
-        self.conn.next_event = next_event_noting_status
-
-    def send_400_response(self, msg: str) -> None:
-        if self._error_status == 400:
-            return super().send_400_response(msg)
-        status = self._error_status
-        msg = "request headers too large" if status == 431 else msg
-        for event in (h11.Response(status_code=status, reason=http.HTTPStatus(status).phrase.encode(),
-                                   headers=[(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]),
-                      h11.Data(data=msg.encode("ascii")), h11.EndOfMessage()):
-            self.transport.write(self.conn.send(event))
-        self.transport.close()
+    return openai_error(HTTP_STATUS[exc.code], str(exc), exc.field, headers)
 
 
 def build_app(frontend: Frontend) -> FastAPI:
@@ -195,15 +106,15 @@ def build_app(frontend: Frontend) -> FastAPI:
         errs = exc.errors()
         first = errs[0] if errs else {}
         if first.get("type") == "json_invalid":
-            return _error(400, "body: malformed JSON", "body")
+            return openai_error(400, "body: malformed JSON", "body")
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if not loc:  # the body itself is unusable (not JSON, or not a JSON object)
-            return _error(400, f"body: malformed JSON or not a JSON object ({first.get('msg', '')})", "body")
+            return openai_error(400, f"body: malformed JSON or not a JSON object ({first.get('msg', '')})", "body")
         # The top-level field names the parameter; the rest of loc is the path inside it
         # (union members show as type names: "prompt", "str").
         field_name = loc[0]
         where = f" (at {'.'.join(loc)})" if len(loc) > 1 else ""
-        return _error(400, f"{field_name}: {first.get('msg', 'invalid value')}{where}", field_name)
+        return openai_error(400, f"{field_name}: {first.get('msg', 'invalid value')}{where}", field_name)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
@@ -215,13 +126,13 @@ def build_app(frontend: Frontend) -> FastAPI:
         # method) in the same OpenAI error shape as every other error.
         param = "body" if exc.status_code == 400 else None
         detail = f"body: {exc.detail}" if param else str(exc.detail)
-        return _error(exc.status_code, detail, param, headers=getattr(exc, "headers", None))
+        return openai_error(exc.status_code, detail, param, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):
         log.exception("%s %s failed", request.method, request.url.path)
         frontend.metrics.error("internal")
-        return _error(500, f"internal error: {exc.__class__.__name__}: {exc}")
+        return openai_error(500, f"internal error: {exc.__class__.__name__}: {exc}")
 
     async def run(inp: GenerateInput, stream: bool, kind: str):
         rid = inp.request_id or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -306,9 +217,9 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.get("/health")
     async def healthz():
         if not frontend.engine.alive:
-            return _error(503, f"engine is not running: {frontend.engine.error!r}")
+            return openai_error(503, f"engine is not running: {frontend.engine.error!r}")
         if frontend.draining:
-            return _error(503, "draining")
+            return openai_error(503, "draining")
         return {"status": "ok", "worker_id": frontend.worker_id}
 
     @app.get("/metrics")
