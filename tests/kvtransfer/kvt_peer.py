@@ -39,10 +39,16 @@ def blocks_digest(pool: np.ndarray, block_ids: list[int]) -> str:
 # ---- child side -----------------------------------------------------------
 
 
-def peer_main(conn: Any) -> None:
-    """Entry point of the child: serve commands until "exit"."""
-    os.environ.update(LOOPBACK_UCX_ENV)  # before this process creates any agent
-    peer = _Peer(conn)
+def peer_main(conn: Any, netns: str | None = None, ucx_env: dict | None = None) -> None:
+    """Entry point of the child: serve commands until "exit". With ``netns``, the child first
+    moves into that network namespace (a test host, tests/multihost/netns.py)."""
+    if netns is not None:
+        from netns import enter_netns  # tests/multihost, on sys.path in the multi-host suite
+
+        enter_netns(netns)  # before any thread or socket exists
+    ucx_env = dict(ucx_env or LOOPBACK_UCX_ENV)
+    os.environ.update(ucx_env)  # before this process creates any agent
+    peer = _Peer(conn, ucx_env)
     try:
         while True:
             # Like a worker's step loop: keep NIXL progressing between commands
@@ -71,8 +77,9 @@ def peer_main(conn: Any) -> None:
 
 
 class _Peer:
-    def __init__(self, conn: Any):
+    def __init__(self, conn: Any, ucx_env: dict):
         self.conn = conn
+        self.ucx_env = ucx_env
         self.agent = None
         self.kv = None
         self.unclaimed: list[dict] = []  # notifications that arrived while idle
@@ -97,7 +104,7 @@ class _Peer:
         self.layout = KVLayout.from_dict(layout)
         self.kv = torch.empty(self.layout.shape, dtype=getattr(torch, self.layout.dtype), device=device)
         self.fill(seed)
-        self.agent = KVTransferAgent(name, self.kv, self.layout, ucx_env=LOOPBACK_UCX_ENV)
+        self.agent = KVTransferAgent(name, self.kv, self.layout, ucx_env=self.ucx_env)
         return {"info": self.agent.local_info()}
 
     def fill(self, seed: int) -> None:
@@ -182,10 +189,10 @@ class _Peer:
 class PeerProcess:
     """Handle on one child process (spawn context) running `peer_main`."""
 
-    def __init__(self, ctx: Any, label: str):
+    def __init__(self, ctx: Any, label: str, netns: str | None = None, ucx_env: dict | None = None):
         self.label = label
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=peer_main, args=(child_conn,), name=label, daemon=True)
+        self.proc = ctx.Process(target=peer_main, args=(child_conn, netns, ucx_env), name=label, daemon=True)
         self.proc.start()
         child_conn.close()
         self.stopped = False
