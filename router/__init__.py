@@ -1,8 +1,7 @@
 """pdserve.router: pure routing and QoS policy.
 
-Decides, from plain values, whether to admit a request (``admit``), where to
-prefill it (``decide``) and which worker of a pool takes it
-(``select_worker``). Policies are validated YAML (``parse_policy``,
+Decides, from plain values, whether to admit a request (``admit``) and where
+to prefill it (``decide``). Policies are validated YAML (``parse_policy``,
 ``load_policy_file``); the only state is the ``CostModel`` the decode worker
 feeds with measured timings. Nothing here does I/O except ``load_*_file``
 and the ``pdserve policy`` CLI in ``router/cli.py``.
@@ -23,7 +22,6 @@ from pdserve.router.loader import (
 )
 from pdserve.router.policy import DEFAULT_POLICY, RouterPolicy
 from pdserve.router.qos import Admission, admit
-from pdserve.router.select import Selection, WorkerCandidate, select_worker
 
 __all__ = [
     "Admission",
@@ -38,8 +36,6 @@ __all__ = [
     "PolicyIssue",
     "RequestFeatures",
     "RouterPolicy",
-    "Selection",
-    "WorkerCandidate",
     "admit",
     "decide",
     "load_any_file",
@@ -48,5 +44,4 @@ __all__ = [
     "parse_any",
     "parse_autoscale",
     "parse_policy",
-    "select_worker",
 ]

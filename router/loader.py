@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pdserve.router.autoscale import AutoscalePolicy
-from pdserve.router.policy import RouterPolicy
+from pdserve.router.policy import NOT_YET_USED, RouterPolicy
 
 PolicyKind = Literal["router", "autoscale"]
 M = TypeVar("M", bound=BaseModel)
@@ -151,6 +151,8 @@ def _issue(err: dict, root: yaml.Node | None, model: type[BaseModel]) -> PolicyI
     loc = tuple(err["loc"])
     line = _line(_node_at(root, loc))
     if err["type"] == "extra_forbidden":
+        if model is RouterPolicy and loc in NOT_YET_USED:
+            return PolicyIssue(_dotted(loc), line, NOT_YET_USED[loc])
         return PolicyIssue(_dotted(loc), line, _unknown_key_message(model, loc))
     message = err["msg"]
     if message.startswith("Value error, "):

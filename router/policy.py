@@ -1,14 +1,19 @@
 """The router policy schema: every key an operator may write, with its default.
 
 One YAML file (or the etcd key ``/pdserve/<cluster>/config/router``) holds two
-top-level sections, ``router`` (POLICY.md sections 1-2: offload decision,
-overrides, worker selection) and ``qos`` (section 3: admission and
-degradation). Both are optional; an empty file is the all-defaults policy.
+top-level sections, ``router`` (POLICY.md section 1: offload decision and
+overrides) and ``qos`` (section 3: admission and degradation). Both are
+optional; an empty file is the all-defaults policy.
 
 Defaults live here and nowhere else. Every model forbids unknown keys and is
 strict (YAML ``"256"`` is not an integer), so a typo is an error naming the
 key instead of a silently ignored setting. Models are frozen: a loaded policy
 is swapped whole on reload, never edited in place.
+
+Every key here has a reader in the router (``decide``, ``admit``, the
+``CostModel``). A key that POLICY.md describes but nothing reads yet is not
+in the schema: ``NOT_YET_USED`` refuses it with the reason and what to do,
+so no operator believes a setting is live when it is not.
 
 Units are in the key names: ``*_ms`` milliseconds, ``*_ms_per_token``
 milliseconds per token, ``*_gb_per_s`` 10^9 bytes per second. Ratios used by
@@ -35,7 +40,6 @@ ScoreMetric = Literal[
     "prefill_pool_size",
 ]
 ScoreAction = Literal["prefer_remote", "prefer_local"]
-Strategy = Literal["round_robin", "least_requests", "prefix_aware", "kv_aware", "latency_cost"]
 
 # Score metrics that are fractions: a threshold above 1 is a percentage typo.
 FRACTION_METRICS = frozenset({"prefix_hit_ratio", "decode_kv_usage"})
@@ -171,35 +175,8 @@ class Overrides(StrictModel):
     busy_queue_depth_per_worker: float = Field(2.0, gt=0)
 
 
-# --- section 2: worker selection ------------------------------------------
-
-
-class LatencyCostWeights(StrictModel):
-    """Weights of ``latency_cost`` (lower total is better; inputs are 0-1)."""
-
-    kv_occupancy: float = 3.0
-    active_requests: float = 1.0
-    exact_prefix_match: float = -10.0
-    memory_bandwidth: float = 0.5
-    recent_prefix: float = -1.0
-
-
-class PoolSelection(StrictModel):
-    """How to pick one worker of a pool when there is a choice."""
-
-    strategy: Strategy = "latency_cost"
-    weights: LatencyCostWeights = LatencyCostWeights()
-
-
-class WorkerSelection(StrictModel):
-    """Per-pool selection; prefill and decode may weigh things differently."""
-
-    prefill: PoolSelection = PoolSelection()
-    decode: PoolSelection = PoolSelection()
-
-
 class RouterSection(StrictModel):
-    """The ``router`` block: mode, offload policy, overrides, worker choice.
+    """The ``router`` block: mode, offload policy, overrides.
 
     ``mode`` ``always_local`` / ``always_remote`` fix the route (except that a
     fully cached prompt or an empty pool is always local); ``conditional``
@@ -214,7 +191,6 @@ class RouterSection(StrictModel):
     disaggregated_router: ScoreParams = ScoreParams()
     cost_model: CostModelParams = CostModelParams()
     overrides: Overrides = Overrides()
-    worker_selection: WorkerSelection = WorkerSelection()
 
 
 # --- section 3: QoS --------------------------------------------------------
@@ -239,6 +215,20 @@ class QosPolicy(StrictModel):
     low_priority_threshold_ms: float = Field(500.0, gt=0)
     max_queue_wait_ms: float = Field(2000.0, gt=0)
     degrade: Degrade = Degrade()
+
+
+# --- keys refused until something reads them -----------------------------------
+
+# Key path -> why it is refused and what to do. The loader reports these instead
+# of a bare "unknown key" (pdserve policy check, reloads from file or etcd).
+NOT_YET_USED: dict[tuple[str, ...], str] = {
+    ("router", "worker_selection"): (
+        "not used yet: prefill workers pull tasks from one shared queue, so a decode worker "
+        "never chooses a prefill worker, and no other component picks a worker by policy "
+        "(POLICY.md section 2 has no caller in pdserve). Setting it would change nothing; "
+        "delete the worker_selection block from this file"
+    ),
+}
 
 
 class RouterPolicy(StrictModel):

@@ -38,6 +38,16 @@ def test_check_reports_key_and_line_and_fails(tmp_path, capsys):
     assert "score.yaml: OK" in out
 
 
+def test_check_refuses_worker_selection_saying_why_and_what_to_do(tmp_path, capsys):
+    old = tmp_path / "old-default.yaml"
+    old.write_text("router:\n  mode: conditional\n  worker_selection:\n    decode:\n      strategy: kv_aware\n")
+    assert run(["policy", "check", str(old)]) == 1
+    out = capsys.readouterr().out
+    assert f"{old}: INVALID" in out
+    assert f"{old}:3: router.worker_selection: not used yet:" in out
+    assert "delete the worker_selection block" in out
+
+
 def test_check_validates_autoscale_files_against_their_schema(tmp_path, capsys):
     bad = tmp_path / "scale.yaml"
     bad.write_text("autoscale:\n  max_step: 0\n")

@@ -171,3 +171,27 @@ def test_missing_required_key_points_at_the_item_lacking_it():
     )
     err = error_of(text)
     assert "p.yaml:4: router.disaggregated_router.policies[0].weight: Field required" in str(err)
+
+
+def test_worker_selection_is_refused_as_not_used_yet():
+    text = "router:\n  mode: conditional\n  worker_selection:\n    prefill:\n      strategy: round_robin\n"
+    err = error_of(text)
+    assert len(err.issues) == 1
+    issue = err.issues[0]
+    assert (issue.path, issue.line) == ("router.worker_selection", 3)
+    message = str(err)
+    assert message.startswith("p.yaml:3: router.worker_selection: not used yet: ")
+    assert "pull tasks from one shared queue" in message  # why
+    assert "delete the worker_selection block" in message  # what to do
+    assert "unknown key" not in message
+
+
+def test_worker_selection_is_refused_even_when_empty_or_beside_other_errors():
+    assert "not used yet" in str(error_of("router:\n  worker_selection:\n"))
+    err = error_of("router:\n  worker_selection: {}\nqos:\n  tpot_slo_ms: -1\n")
+    assert [i.path for i in err.issues] == ["router.worker_selection", "qos.tpot_slo_ms"]
+
+
+def test_worker_selection_elsewhere_is_an_ordinary_unknown_key():
+    err = error_of("qos:\n  worker_selection: {}\n")
+    assert "qos.worker_selection: unknown key" in str(err)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import get_args
 
 import pytest
+from pydantic import BaseModel
 
 from pdserve.router.autoscale import AutoscalePolicy
 from pdserve.router.loader import load_any_file, load_policy_file, parse_policy
@@ -32,12 +35,22 @@ def test_score_defaults_are_the_policy_md_example():
     ]
 
 
-def test_latency_cost_weights_default_to_the_policy_md_table():
-    for pool in (DEFAULT_POLICY.router.worker_selection.prefill, DEFAULT_POLICY.router.worker_selection.decode):
-        w = pool.weights
-        assert (w.kv_occupancy, w.active_requests, w.exact_prefix_match, w.memory_bandwidth, w.recent_prefix) == (
-            3.0, 1.0, -10.0, 0.5, -1.0,
-        )
+def test_every_schema_key_is_read_outside_the_schema():
+    """No dead settings: each field of the router/QoS models is read by router code."""
+    readers = "".join((REPO / "router" / f).read_text() for f in ("decide.py", "qos.py", "costs.py"))
+    unread = []
+    pending = [type(DEFAULT_POLICY)]
+    while pending:
+        model = pending.pop()
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                pending.append(sub)
+                continue
+            pending += [a for a in get_args(sub) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if not re.search(rf"\.{name}\b", readers):
+                unread.append(f"{model.__name__}.{name}")
+    assert unread == []
 
 
 def test_qos_defaults_are_the_policy_md_block():
