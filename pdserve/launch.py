@@ -1,14 +1,16 @@
-"""`pdserve up | status | down | demo`: run a topology and talk to it.
+"""`pdserve up | status | down | drain | demo`: run a topology and talk to it.
 
 This lives in the composition root because `up` may make the `auto` model
-with the engine's model maker, which the control plane must not import.
+with the engine's model maker, which the control plane must not import. The
+topology -> model directory step (`resolve_model`) is shared with the
+benchmarks, so it lives in pdserve.bench.sweep (bench may import both the
+engine and the control plane; nothing may import this package root).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import sys
@@ -77,23 +79,8 @@ def _load(path: str):
     return load_topology(path)
 
 
-def resolve_model(topo) -> str:
-    """The topology's model directory; `auto` makes a small model on first run."""
-    if not topo.model.is_auto:
-        return str(topo.model_path)
-    from pdserve.engine.model_maker import ModelSpec, make_model
-
-    spec = ModelSpec(**topo.model.make)
-    tag = hashlib.sha256(json.dumps(spec.__dict__, sort_keys=True).encode()).hexdigest()[:8]
-    path = topo.model_cache_path / f"pdserve-{spec.arch}-{tag}"
-    if not (path / "config.json").is_file():
-        print(f"model     making a {spec.arch} model ({spec.num_layers} layers, hidden {spec.hidden_size}) "
-              f"in {path} ...", flush=True)
-        make_model(str(path), spec)
-    return str(path)
-
-
 def _up(args) -> int:
+    from pdserve.bench.sweep import resolve_model
     from pdserve.cluster.launcher import Launcher
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
