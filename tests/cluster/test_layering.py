@@ -1,19 +1,320 @@
-"""The control plane stays below the workers (ARCHITECTURE.md, layout table)."""
+"""ARCHITECTURE.md's layout table, enforced: which folder may import which.
+
+Every ``.py`` file of each code folder is parsed (never imported); every
+``import`` / ``from ... import`` counts, at module level, inside functions and
+under ``if TYPE_CHECKING:`` alike (a type-only arrow is still an arrow; only
+the cycle check leaves type-only imports out, since they never run).
+Relative imports are resolved against the file's own package, so
+``from .core import X`` in ``cluster/queue/client.py`` is
+``pdserve.cluster.queue.core`` and ``from ..keys import Y`` is
+``pdserve.cluster.keys``.
+
+Rules (arrows point down the table; ``common/`` is below everything):
+
+- each folder imports only the pdserve folders ``ALLOWED`` lists for it
+  (itself always allowed);
+- no code folder imports the package root ``pdserve`` itself or one of its
+  modules (``pdserve.launch``, ``pdserve.cli``): the root is the composition
+  root, nothing imports it (tests may);
+- the modules inside ``cluster/`` (subpackages included) form no import cycle.
+
+Known exceptions are listed in ``KNOWN_EXCEPTIONS`` with their reason; the
+list can only shrink.
+
+The seam rule (workers touch only the engine's remote-KV seam) is checked by
+its own test, not here.
+"""
 
 from __future__ import annotations
 
 import ast
+from functools import lru_cache
 from pathlib import Path
 
-CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
-FORBIDDEN = ("pdserve.engine", "pdserve.router", "pdserve.prefill", "pdserve.decode", "pdserve.kvtransfer")
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROOT_PACKAGE = "pdserve"
+
+# folder -> the other pdserve folders it may import (ARCHITECTURE.md, layout table).
+ALLOWED: dict[str, frozenset[str]] = {
+    "common": frozenset(),
+    "engine": frozenset({"common"}),
+    "router": frozenset({"common"}),
+    "kvtransfer": frozenset({"common"}),
+    "cluster": frozenset({"common"}),
+    "api": frozenset({"common"}),
+    "prefill": frozenset({"engine", "kvtransfer", "cluster", "common"}),
+    "decode": frozenset({"engine", "kvtransfer", "cluster", "router", "api", "common"}),
+    # bench drives a cluster through the API and the launcher, and checks
+    # exactness against the engine (bench/chaos.py's greedy reference).
+    "bench": frozenset({"api", "cluster", "engine", "common"}),
+}
+FOLDERS = tuple(ALLOWED)
+
+# (file, folder it imports) -> why the layout table does not hold there yet.
+# Each one is reported, not hidden: test_known_exceptions_are_still_needed fails
+# once an entry is no longer needed, so the list can only shrink.
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("bench/handoff.py", "decode"): "handoff microbenchmark starts a DecodeWorker in-process",
+    ("bench/handoff.py", "prefill"): "handoff microbenchmark starts a PrefillWorker in-process",
+    ("bench/kv_transfer.py", "kvtransfer"): "NIXL transfer microbenchmark drives KVTransferAgent directly",
+    ("bench/router_decision.py", "router"): "router decision microbenchmark times decide/admit directly",
+}
 
 
-def test_cluster_never_imports_engine_router_or_workers():
-    offenders = []
-    for path in CLUSTER.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
-            offenders += [f"{path.name}: {n}" for n in names if n.startswith(FORBIDDEN)]
-    assert offenders == []
+def _module_name(path: Path) -> str:
+    """``cluster/queue/core.py`` -> ``pdserve.cluster.queue.core``; ``__init__`` names its package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([ROOT_PACKAGE, *parts])
+
+
+def _package_of(path: Path) -> str:
+    name = _module_name(path)
+    return name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+
+
+@lru_cache(maxsize=None)
+def _all_modules() -> frozenset[str]:
+    """Every module and package name under the code folders and the root package."""
+    names = {ROOT_PACKAGE}
+    for folder in (*FOLDERS, ROOT_PACKAGE):
+        for path in (ROOT / folder).rglob("*.py"):
+            if folder == ROOT_PACKAGE:
+                stem = path.relative_to(ROOT / ROOT_PACKAGE).with_suffix("")
+                if stem.parts[-1] != "__init__":
+                    names.add(".".join([ROOT_PACKAGE, *stem.parts]))
+            else:
+                names.add(_module_name(path))
+    return frozenset(names)
+
+
+def _resolve(path: Path, node: ast.ImportFrom) -> str | None:
+    """The absolute module a relative ``from`` import names (None if it escapes ``pdserve``)."""
+    package = _package_of(path).split(".")
+    if node.level - 1 >= len(package):
+        return None
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import node with whether it sits under ``if TYPE_CHECKING:`` (never run)."""
+    out: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+
+    def walk(node: ast.AST, type_only: bool) -> None:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append((node, type_only))
+            return
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                walk(child, True)
+            for child in node.orelse:
+                walk(child, type_only)
+            return
+        for child in ast.iter_child_nodes(node):
+            walk(child, type_only)
+
+    walk(tree, False)
+    return out
+
+
+@lru_cache(maxsize=None)
+def imports_of(path: Path, *, runtime_only: bool = False) -> tuple[tuple[int, str], ...]:
+    """(line, absolute module) of every import in one file, in source order.
+
+    ``from pkg import name`` yields ``pkg.name`` when that is a module of the
+    tree (a submodule import), else ``pkg``. ``runtime_only`` leaves out the
+    imports under ``if TYPE_CHECKING:``, which never execute.
+    """
+    out: list[tuple[int, str]] = []
+    for node, type_only in _import_nodes(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if runtime_only and type_only:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+            continue
+        module = (node.module or "") if node.level == 0 else _resolve(path, node)
+        if module is None:
+            out.append((node.lineno, f"<relative import beyond the top: level {node.level}>"))
+            continue
+        for alias in node.names:
+            sub = f"{module}.{alias.name}"
+            out.append((node.lineno, sub if sub in _all_modules() else module))
+    return tuple(out)
+
+
+def _files(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def _layer_of(module: str) -> str | None:
+    """The folder (or ``<root>``) a pdserve module belongs to; None for non-pdserve modules."""
+    parts = module.split(".")
+    if parts[0] != ROOT_PACKAGE:
+        return None
+    if len(parts) == 1 or parts[1] not in ALLOWED:
+        return "<root>"  # `pdserve` itself, `pdserve.launch`, `pdserve.cli`, ...
+    return parts[1]
+
+
+def forbidden_imports(folder: str) -> list[tuple[str, int, str, str]]:
+    """(file, line, module, its folder or ``<root>``) of each import the table forbids."""
+    allowed = ALLOWED[folder] | {folder}
+    out = []
+    for path in _files(folder):
+        rel = path.relative_to(ROOT).as_posix()
+        for line, module in dict.fromkeys(imports_of(path)):
+            layer = "<relative>" if module.startswith("<relative") else _layer_of(module)
+            if layer is not None and layer not in allowed:
+                out.append((rel, line, module, layer))
+    return out
+
+
+def layering_violations(folder: str, exceptions: dict[tuple[str, str], str] | None = None) -> list[str]:
+    """``FILE:LINE: imports MODULE (why not)`` for each forbidden import, in file order."""
+    bad = []
+    for rel, line, module, layer in forbidden_imports(folder):
+        if (rel, layer) in (exceptions or {}):
+            continue
+        if layer == "<root>":
+            why = "the package root is the composition root: nothing imports it"
+        elif layer == "<relative>":
+            why = "a relative import must stay inside pdserve"
+        else:
+            why = f"{folder}/ may import only {', '.join(sorted(ALLOWED[folder])) or 'no other pdserve folder'}"
+        bad.append(f"{rel}:{line}: imports {module} ({why})")
+    return bad
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_folder_imports_only_what_the_layout_table_allows(folder):
+    assert (ROOT / folder).is_dir(), f"{folder}/ is in ARCHITECTURE.md's layout table but missing"
+    bad = layering_violations(folder, KNOWN_EXCEPTIONS)
+    assert not bad, "forbidden imports (ARCHITECTURE.md, layout table):\n  " + "\n  ".join(bad)
+
+
+def test_known_exceptions_are_still_needed():
+    seen = {(rel, layer) for folder in FOLDERS for rel, _, _, layer in forbidden_imports(folder)}
+    stale = sorted(set(KNOWN_EXCEPTIONS) - seen)
+    assert not stale, f"no longer needed, delete from KNOWN_EXCEPTIONS: {stale}"
+
+
+def test_every_code_folder_of_the_package_is_checked():
+    """A new subpackage in pyproject must get a row in ALLOWED (and in the layout table)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    package_dir = pyproject["tool"]["setuptools"]["package-dir"]
+    mapped = {folder.split("/")[0] for name, folder in package_dir.items() if name != ROOT_PACKAGE}
+    assert mapped - set(FOLDERS) == set(), f"folders with no layering rule: {sorted(mapped - set(FOLDERS))}"
+
+
+def cluster_import_graph() -> dict[str, set[str]]:
+    """Module -> the cluster modules it imports when it runs.
+
+    Imports inside functions count (a lazy import still closes a runtime
+    circle); imports under ``if TYPE_CHECKING:`` do not (they never run: an
+    annotation naming a class of a module that imports this one is no circle).
+    """
+    graph: dict[str, set[str]] = {}
+    for path in _files("cluster"):
+        name = _module_name(path)
+        graph[name] = {m for _, m in imports_of(path, runtime_only=True)
+                       if m != name and (m == "pdserve.cluster" or m.startswith("pdserve.cluster."))}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (first module repeated at the end), or None."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = {n: WHITE for n in graph}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        color[node] = GREY
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if color.get(nxt, BLACK) == GREY:
+                return stack[stack.index(nxt):] + [nxt]
+            if color.get(nxt) == WHITE:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        color[node] = BLACK
+        return None
+
+    for start in sorted(graph):
+        if color[start] == WHITE:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_inside_cluster():
+    cycle = find_cycle(cluster_import_graph())
+    assert cycle is None, "import cycle inside cluster/ (function-level imports count): " + " -> ".join(cycle)
+
+
+# --- the checker itself --------------------------------------------------------
+
+
+def test_relative_imports_resolve_within_the_folder(tmp_path, monkeypatch):
+    import sys
+
+    mod = sys.modules[__name__]
+    pkg = tmp_path / "cluster" / "queue"
+    pkg.mkdir(parents=True)
+    (tmp_path / "cluster" / "__init__.py").write_text("")
+    (tmp_path / "cluster" / "keys.py").write_text("")
+    (pkg / "__init__.py").write_text("from .core import QueueCore\n")
+    (pkg / "core.py").write_text("from ..keys import DEFAULT_QUEUE_NAME\nfrom . import wire\n")
+    (pkg / "wire.py").write_text("def f():\n    from .core import QueueCore\n")
+    (pkg / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .core import QueueCore\n")
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    monkeypatch.setattr(mod, "FOLDERS", ("cluster",))
+    _all_modules.cache_clear()
+    imports_of.cache_clear()
+    try:
+        assert [m for _, m in imports_of(pkg / "core.py")] == ["pdserve.cluster.keys", "pdserve.cluster.queue.wire"]
+        assert [m for _, m in imports_of(pkg / "__init__.py")] == ["pdserve.cluster.queue.core"]
+        # A TYPE_CHECKING import is a layering arrow but never runs, so it closes no cycle.
+        assert [m for _, m in imports_of(pkg / "typed.py")] == ["typing", "pdserve.cluster.queue.core"]
+        assert cluster_import_graph()["pdserve.cluster.queue.typed"] == set()
+        assert find_cycle(cluster_import_graph()) == [
+            "pdserve.cluster.queue.core", "pdserve.cluster.queue.wire", "pdserve.cluster.queue.core"]
+    finally:
+        _all_modules.cache_clear()
+        imports_of.cache_clear()
+
+
+def test_a_violation_names_the_file_and_the_import(tmp_path, monkeypatch):
+    import sys
+
+    mod = sys.modules[__name__]
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "bad.py").write_text(
+        "def f():\n    from pdserve.engine import LLM\n    import pdserve.launch\n    from pdserve import cli\n")
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    monkeypatch.setattr(mod, "FOLDERS", ("router",))
+    _all_modules.cache_clear()
+    imports_of.cache_clear()
+    try:
+        bad = layering_violations("router")
+    finally:
+        _all_modules.cache_clear()
+        imports_of.cache_clear()
+    assert len(bad) == 3
+    assert bad[0].startswith("router/bad.py:2: imports pdserve.engine (router/ may import only common")
+    assert bad[1].startswith("router/bad.py:3: imports pdserve.launch (the package root")
+    assert bad[2].startswith("router/bad.py:4: imports pdserve (the package root")
