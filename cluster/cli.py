@@ -1,6 +1,9 @@
 """`pdserve topology check` and `pdserve etcd`: control-plane commands.
 
-`up` / `status` / `down` (the launcher) arrive with their own issue.
+`up` / `status` / `down` / `drain` / `demo` drive the launcher
+(``cluster/launcher.py``) and its state file, but live in the composition
+root, ``pdserve/launch.py``: `up` may make the topology's `auto` model with the
+engine's model maker, which the control plane must not import.
 """
 
 from __future__ import annotations
