@@ -17,16 +17,18 @@ import pytest
 import ray
 
 from pdserve.cluster.queue import (
-    PRIORITY_HIGH,
-    PRIORITY_LOW,
-    PRIORITY_NORMAL,
     PrefillTask,
+    QueueClient,
     QueueCore,
+    from_wire,
     get_or_create_queue,
+    pack_frame,
+    read_frame,
     requeue_on_worker_loss,
+    to_wire,
 )
-from pdserve.cluster.queue_wire import QueueClient
 from pdserve.cluster.registry import Registry, WorkerInfo
+from pdserve.common import Priority
 
 pytestmark = pytest.mark.timeout(120)  # any hang fails fast, not after the suite-wide 600 s
 _ids = itertools.count()
@@ -79,7 +81,7 @@ def queue(ray_local, transport):
     ray.kill(q.handle)
 
 
-def task(num_tokens: int = 10, *, cached: int = 0, priority=PRIORITY_NORMAL, deadline=None,
+def task(num_tokens: int = 10, *, cached: int = 0, priority=Priority.NORMAL, deadline=None,
          arrival: float | None = None, target: str = "d0", request_id: str | None = None) -> PrefillTask:
     return PrefillTask(
         request_id=request_id or f"r{next(_ids)}",
@@ -101,21 +103,35 @@ def ids(tasks) -> list[str]:
 
 def test_task_counts_only_uncached_tokens_and_round_trips():
     t = task(100, cached=32, priority="high")
-    assert t.num_prefill_tokens == 68 and t.priority == PRIORITY_HIGH and t.origin == "d0"
-    assert PrefillTask.from_dict(t.to_dict()) == t
+    assert t.num_prefill_tokens == 68 and t.priority is Priority.HIGH and t.origin == "d0"
+    assert task(priority=2).priority is Priority.LOW and task(priority=Priority.HIGH).priority is Priority.HIGH
+    # The one serialiser: the wire's (msgpack maps of the fields, the priority as its int).
+    body = asyncio.run(_read_frame(pack_frame(to_wire(t))))
+    assert body["priority"] == 0 and type(body["priority"]) is int
+    back = from_wire(PrefillTask, body, "task")
+    assert back == t and back.priority is Priority.HIGH
     with pytest.raises(ValueError, match="cached_len"):
         task(10, cached=11)
+    with pytest.raises(ValueError, match="high, normal, low"):
+        task(priority="urgent")
+
+
+async def _read_frame(frame: bytes):
+    reader = asyncio.StreamReader()
+    reader.feed_data(frame)
+    reader.feed_eof()
+    return await read_frame(reader)
 
 
 def test_tasks_leave_by_priority_then_deadline_then_arrival(queue):
     now = time.time()
     puts = [
-        task(request_id="low", priority=PRIORITY_LOW, arrival=now - 9),
+        task(request_id="low", priority=Priority.LOW, arrival=now - 9),
         task(request_id="normal-late-deadline", deadline=now + 60, arrival=now - 8),
         task(request_id="normal-no-deadline-old", arrival=now - 7),
         task(request_id="normal-no-deadline-new", arrival=now - 1),
         task(request_id="normal-early-deadline", deadline=now + 30, arrival=now),
-        task(request_id="high", priority=PRIORITY_HIGH, arrival=now),
+        task(request_id="high", priority=Priority.HIGH, arrival=now),
     ]
     for t in puts:
         assert queue.put(t).ok

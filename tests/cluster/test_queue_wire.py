@@ -12,13 +12,15 @@ import msgpack
 import pytest
 import ray
 
-from pdserve.cluster.queue import PrefillTask, QueueCore, get_or_create_queue
-from pdserve.cluster.queue_wire import (
+from pdserve.cluster.queue import (
     MAX_FRAME_BYTES,
+    PrefillTask,
     QueueCallError,
     QueueClient,
+    QueueCore,
     QueueUnavailableError,
     WireServer,
+    get_or_create_queue,
     pack_frame,
     read_frame,
     to_wire,

@@ -1,0 +1,74 @@
+"""The prefill queue: decode workers put `PrefillTask`s, prefill workers pull batches.
+
+One module per concern; each imports its siblings directly, never this file:
+
+- ``task``: `PrefillTask`, `PutResult`, `FailedTask`, `QueueStats`, the refusal and
+  failure reasons (plain dataclasses; no Ray).
+- ``core``: `QueueCore`, the whole policy (order, budgeted batches, in-flight
+  accounting, fail-back), pure and synchronous.
+- ``actor``: `PrefillQueue`, the named Ray actor around the core (long poll,
+  restarts), and `get_or_create_queue`.
+- ``frames``: the wire format: framing and the one serialiser of tasks and results
+  (msgpack, never pickle).
+- ``server``: `WireServer`, the wire inside the actor.
+- ``client``: `QueueClient`, what workers hold (the wire when reachable, else Ray calls).
+- ``requeue``: `requeue_on_worker_loss`, which connects the queue to the registry.
+
+This package re-exports their public names.
+"""
+
+from .actor import QUEUE_MAX_RESTARTS, RECOVERY_GRACE_S, WIRE_BINDS, PrefillQueue, get_or_create_queue
+from .client import (
+    CALL_SLACK_S,
+    CONNECT_TIMEOUT_S,
+    TRANSPORTS,
+    QueueCallError,
+    QueueClient,
+    QueueUnavailableError,
+)
+from .core import MAX_FAIL_DETAIL_CHARS, MAX_FAIL_REASON_CHARS, MAX_FAILED_PER_ORIGIN, QueueCore
+from .frames import (
+    CODECS,
+    HELLO_TIMEOUT_S,
+    MAX_FRAME_BYTES,
+    WIRE_VERSION,
+    MethodCodec,
+    WireError,
+    from_wire,
+    pack_frame,
+    read_frame,
+    to_wire,
+)
+from .requeue import requeue_on_worker_loss
+from .server import WireServer
+from .task import (
+    DEADLINE_EXPIRED,
+    DEADLINE_PASSED,
+    DUPLICATE,
+    NOTHING_TO_PREFILL,
+    QUEUE_FULL,
+    TARGET_GONE,
+    WORKER_VANISHED,
+    FailedTask,
+    PrefillTask,
+    PutResult,
+    QueueStats,
+)
+
+__all__ = [
+    # task
+    "PrefillTask", "PutResult", "FailedTask", "QueueStats",
+    "QUEUE_FULL", "DUPLICATE", "DEADLINE_PASSED", "NOTHING_TO_PREFILL",
+    "DEADLINE_EXPIRED", "WORKER_VANISHED", "TARGET_GONE",
+    # core
+    "QueueCore", "MAX_FAILED_PER_ORIGIN", "MAX_FAIL_REASON_CHARS", "MAX_FAIL_DETAIL_CHARS",
+    # actor
+    "PrefillQueue", "get_or_create_queue", "WIRE_BINDS", "RECOVERY_GRACE_S", "QUEUE_MAX_RESTARTS",
+    # frames
+    "WireError", "pack_frame", "read_frame", "to_wire", "from_wire", "CODECS", "MethodCodec",
+    "WIRE_VERSION", "MAX_FRAME_BYTES", "HELLO_TIMEOUT_S",
+    # server, client, requeue
+    "WireServer",
+    "QueueClient", "QueueCallError", "QueueUnavailableError", "TRANSPORTS", "CONNECT_TIMEOUT_S", "CALL_SLACK_S",
+    "requeue_on_worker_loss",
+]
