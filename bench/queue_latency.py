@@ -34,7 +34,7 @@ import uuid
 import ray
 
 from pdserve.cluster.queue import PrefillTask, get_or_create_queue
-from pdserve.cluster.queue_wire import QueueClient
+from pdserve.cluster.queue import QueueClient
 from pdserve.cluster.runtime import freeze_gc_heap
 
 

@@ -75,7 +75,7 @@ def with_prefill(cluster, llama_dir, etcd, worker_id="prefill-0"):
     if cluster["prefill"] is None:
         cluster["prefill"] = start_prefill(llama_dir, etcd, worker_id)
     d = cluster["decode"]
-    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] >= 1, 15)
+    wait_until(lambda: d.worker.frontend.prefill_view.pool_size >= 1, 15)
     return cluster["prefill"]
 
 
@@ -130,7 +130,7 @@ def assert_all_blocks_return(d):
 
 def test_empty_pool_routes_local_not_error(cluster, llama_dir):
     d = cluster["decode"]
-    assert d.worker.frontend.cluster["prefill_pool_size"] == 0
+    assert d.worker.frontend.prefill_view.pool_size == 0
     prompt = mixed_prompts(2, seed=1)[1]
     with Client(d.grpc) as c:
         out = c.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, route="remote")
@@ -200,7 +200,7 @@ def test_queue_full_routes_local_not_error(cluster, llama_dir, etcd):
         loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
         loop_thread.start()
         reg = asyncio.run_coroutine_threadsafe(fake_prefill_member(), loop).result(30)
-        wait_until(lambda: d2.worker.frontend.cluster["prefill_pool_size"] == 1, 10)
+        wait_until(lambda: d2.worker.frontend.prefill_view.pool_size == 1, 10)
         prompts = mixed_prompts(4, seed=4)[1::2]  # two long prompts: the first fills the queue
         ref = reference(llama_dir, prompts)
         t0 = time.monotonic()
@@ -248,7 +248,7 @@ def test_prefill_worker_killed_mid_flight_all_requests_complete_locally(cluster,
     assert [o.token_ids for o in outs] == ref
     assert any(o.breakdown["fell_back_to_local"] for o in outs)
     # The registry dropped the dead worker within TTL + 2 s of the kill.
-    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 0, TTL_S + 2)
+    wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 0, TTL_S + 2)
     # The empty pool's clean-up (cancel, fall back, free quarantines) runs on the decode worker's
     # engine thread just after the pool size drops: allow it a moment, far less than the 60 s a
     # quarantine would hold blocks.
@@ -290,10 +290,10 @@ def test_drained_prefill_worker_finishes_in_flight_work_and_takes_no_more(cluste
 
     asyncio.run(go())
     assert [o.token_ids for o in results["outs"]] == ref  # in-flight work finished (or fell back)
-    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 0, 10)
+    wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 0, 10)
     wait_until(lambda: ray.get(p.get_stats.remote())["draining"], 10)
     time.sleep(TTL_S + 1)  # a drained worker does not re-register after its lease is gone
-    assert d.worker.frontend.cluster["prefill_pool_size"] == 0
+    assert d.worker.frontend.prefill_view.pool_size == 0
     with Client(d.grpc) as c:
         out = c.generate(prompts[0], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, route="remote")
     assert out.breakdown["route"] == "local" and "empty_pool" in out.breakdown["reason"]

@@ -74,7 +74,7 @@ def cluster(llama_dir, tmp_path_factory):
     d = WorkerThread(DecodeWorkerConfig(worker_id="decode-0", remote_prefill=True, remote_timeout_s=120,
                                         **common)).start()
     p = PrefillThread(dict(worker_id="prefill-0", **common)).start()
-    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 1, 15)
+    wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 1, 15)
     state = SimpleNamespace(decode=d, prefill=p, etcd=etcd, common=common, llm=LLM(llama_dir))
     yield state
     if state.prefill is not None:
@@ -330,8 +330,8 @@ def test_a_wedged_queue_holds_no_request_past_its_deadline(cluster):
     gate = _gate_prefill(cluster)
     queue = get_or_create_queue(QUEUE, NAMESPACE)
     pid = _pid_listening_on(ray.get(queue.wire_endpoint.remote(), timeout=30)["port"])
-    saved = (remote.cfg.timeout_s, remote.cfg.quarantine_s)
-    remote.cfg.timeout_s, remote.cfg.quarantine_s = 4.0, 3.0
+    saved = (remote.cfg.timeout_s, remote.handoffs.quarantine_s)
+    remote.cfg.timeout_s, remote.handoffs.quarantine_s = 4.0, 3.0  # the deadline; the handoff table's quarantine
     counters0, causes0 = remote_state(cluster)
     results = {}
 
@@ -343,7 +343,7 @@ def test_a_wedged_queue_holds_no_request_past_its_deadline(cluster):
 
     try:
         def stop_queue_when_queued():
-            wait_until(lambda: d.worker.frontend.cluster["prefill_queue_depth"] == len(prompts), 20, 0.05)
+            wait_until(lambda: d.worker.frontend.prefill_view.queue_depth == len(prompts), 20, 0.05)
             os.kill(pid, signal.SIGSTOP)
 
         stopper = threading.Thread(target=stop_queue_when_queued, daemon=True)
@@ -352,7 +352,7 @@ def test_a_wedged_queue_holds_no_request_past_its_deadline(cluster):
         stopper.join(5)
     finally:
         os.kill(pid, signal.SIGCONT)
-        remote.cfg.timeout_s, remote.cfg.quarantine_s = saved
+        remote.cfg.timeout_s, remote.handoffs.quarantine_s = saved
         gate.set()
     outs = results["outs"]
     assert [o.token_ids for o in outs] == ref
@@ -375,7 +375,7 @@ def test_a_dead_pull_loop_leaves_the_registry(cluster, monkeypatch, caplog):
         (out,) = run_remote(cluster, [prompt_of(200, 60)])
         assert out.token_ids == reference(cluster, [prompt_of(200, 60)])[0]
         wait_until(lambda: not worker.get_stats()["loop_alive"], 10)
-        wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 0, TTL_S + 5)
+        wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 0, TTL_S + 5)
     assert "pull loop died" in caplog.text and "injected bug" in worker.get_stats()["loop_error"]
     p.stop()
     cluster.prefill = None
@@ -392,7 +392,7 @@ def test_a_killed_prefill_worker_actor_is_restarted_and_serves_again(cluster):
     actor = ray.remote(restartable(PrefillWorker)).options(**opts).remote(
         dict(worker_id="prefill-1", exit_on_loop_death=True, **cluster.common))
     ray.get(actor.start.remote(), timeout=180)
-    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 1, 15)
+    wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 1, 15)
     pid0 = ray.get(actor.pid.remote(), timeout=30)
     os.kill(pid0, signal.SIGKILL)
 
@@ -412,7 +412,7 @@ def test_a_killed_prefill_worker_actor_is_restarted_and_serves_again(cluster):
         return "prefill-1" in asyncio.run(members())
 
     wait_until(restarted_and_registered, 180, 0.5)
-    wait_until(lambda: d.worker.frontend.cluster["prefill_pool_size"] == 1, 15)
+    wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 1, 15)
     prompt = prompt_of(240, 70)
     (out,) = run_remote(cluster, [prompt])
     assert out.breakdown["route"] == "remote" and out.breakdown["prefill_worker"] == "prefill-1"
