@@ -147,7 +147,7 @@ def run_explain(args: argparse.Namespace) -> int:
     print(f"policy: {args.file} (mode {r.mode}, policy {r.policy})")
     print(
         f"request: prompt_len {features.prompt_len}, cached_len {features.cached_len}, "
-        f"eff_len {features.eff_len}, priority {features.priority}, override {features.override}"
+        f"eff_len {features.eff_len}, priority {features.priority.label}, override {features.override}"
     )
     print(
         f"cluster: prefill queue {snapshot.prefill_queue_depth} tasks / "
