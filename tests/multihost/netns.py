@@ -112,6 +112,32 @@ class Host:
         """Bring this host's link to the bridge down (a cable pulled) or up again."""
         _ip("-n", self.netns, "link", "set", "eth0", "up" if up else "down")
 
+    def kill_all(self) -> list[int]:
+        """SIGKILL every process living in this host (``ip netns pids``): what a test started
+        there, daemons included (Ray, sshd), and nothing outside it."""
+        out = _ip("netns", "pids", self.netns, check=False).stdout.split()
+        pids = [int(p) for p in out if p.isdigit() and int(p) != os.getpid()]
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def start_sshd(self, keys: "SshKeys") -> subprocess.Popen:
+        """An sshd for this host only (listening on its address), letting ``keys`` in as root."""
+        sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+        if not os.path.exists(sshd):
+            raise RuntimeError("sshd is not installed (Debian package openssh-server; .ci/run installs it)")
+        os.makedirs("/run/sshd", exist_ok=True)  # privilege separation directory
+        opts = {"ListenAddress": self.addr, "Port": "22", "HostKey": keys.host_key,
+                "AuthorizedKeysFile": keys.authorized, "PermitRootLogin": "prohibit-password",
+                "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no", "UsePAM": "no",
+                "StrictModes": "no", "PidFile": os.path.join(keys.dir, f"sshd-{self.name}.pid"),
+                "LogLevel": "ERROR", "MaxStartups": "100", "MaxSessions": "100"}
+        argv = [sshd, "-D", "-e", "-f", "/dev/null"] + [a for k, v in opts.items() for a in ("-o", f"{k}={v}")]
+        return subprocess.Popen(self.cmd(*argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
     def limit_rate(self, mbit: float | None) -> None:
         """Shape what this host sends to ``mbit`` Mbit/s (tc tbf); None removes the limit.
         (This kernel has no sch_netem, so latency cannot be added; a slower link can.)"""
@@ -121,6 +147,19 @@ class Host:
         else:
             self.run(*base, "replace", "dev", "eth0", "root", "tbf", "rate", f"{mbit}mbit",
                      "burst", "64kb", "latency", "400ms")
+
+
+class SshKeys:
+    """A throw-away SSH key pair (client) and host key in ``dir``, for sshd in test hosts."""
+
+    def __init__(self, dir: str):
+        self.dir = dir
+        self.private = os.path.join(dir, "id_ed25519")
+        self.host_key = os.path.join(dir, "host_ed25519")
+        self.authorized = os.path.join(dir, "authorized_keys")
+        for path in (self.private, self.host_key):
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", path], check=True, timeout=30)
+        shutil.copy(self.private + ".pub", self.authorized)
 
 
 class Network:
@@ -176,7 +215,10 @@ class Network:
             self.hosts[name] = Host(name, ns, f"{self.subnet}.{i + 1}", peer_if)
 
     def close(self) -> None:
-        """Delete every namespace made (their veth pairs go with them)."""
+        """Kill what runs in the hosts, then delete every namespace made (their veth pairs go
+        with them)."""
+        for host in self.hosts.values():
+            host.kill_all()
         for ns in reversed(self._made):
             _ip("netns", "del", ns, check=False)
         self._made.clear()
