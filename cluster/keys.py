@@ -1,5 +1,6 @@
 """Names and addresses of the control plane: the etcd keyspace of one cluster
-(ARCHITECTURE.md, "etcd keyspace"), etcd endpoints, the queue actor's name.
+(ARCHITECTURE.md, "etcd keyspace"), etcd endpoints, the queue actor's name and
+namespace, and the software version every worker advertises in its record.
 Dependency-free, so reading a topology costs no Ray or gRPC import.
 
     /pdserve/<cluster>/workers/<role>/<worker_id>   JSON WorkerInfo (leased)
@@ -16,6 +17,7 @@ from __future__ import annotations
 import re
 
 ROLES = ("prefill", "decode")
+VERSION = "0.1.0"  # the workers' software version, advertised in WorkerInfo.version
 DEFAULT_QUEUE_NAME = "pdserve-prefill-queue"
 DEFAULT_NAMESPACE = "pdserve"
 DEFAULT_QUEUE_CAPACITY = 1024

@@ -3,121 +3,42 @@
 `Launcher.up()` brings up, in order: etcd (embedded when the topology names
 no endpoint), Ray (joins `--ray-address`, else starts a head for this
 cluster), the prefill queue actor, the prefill and decode workers (detached
-Ray actors built from the topology's entry-point strings), then waits until
+Ray actors built from the topology's entry-point strings, cluster/actors.py,
+each given its config dict from cluster/worker_config.py), then waits until
 every worker is registered in etcd and every decode worker answers gRPC
-health. It writes what it started to a state file so that `status` and
-`down` work from any later process. The control plane never imports the
-workers: roles are `module:Class` strings whose class takes a config dict
-and has async `start() -> dict`, `drain()` and `stop()`.
+health. It writes what it started to a state file (cluster/state.py) so that
+`status` and `down` work from any later process. The control plane never
+imports the workers: roles are `module:Class` strings whose class takes a
+config dict and has async `start() -> dict`, `drain()` and `stop()`.
 
-Ray restarts a worker actor whose process dies (`WORKER_MAX_RESTARTS`); the
-restarted actor starts itself again (`restartable`), so it loads its engine
-and re-registers in etcd without anyone calling `start()`. The workers are
-told to exit when their engine or pull loop dies, for the same reason.
+Ray restarts a worker actor whose process dies; the restarted actor starts
+itself again (`restartable`). The workers are told to exit when their engine
+or pull loop dies, for the same reason.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import json
-import logging
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .actors import WORKER_MAX_RESTARTS, load_entrypoint, restartable, stop_actor, worker_actor_options
 from .etcd_server import EmbeddedEtcd, free_loopback_port
+from .state import ClusterState, state_path
 from .topology import Topology
+from .worker_config import launch_config
 
-log = logging.getLogger(__name__)
+# Also importable from here (tests, bench, the composition root).
+__all__ = ["Launcher", "ClusterState", "state_path", "restartable", "worker_actor_options", "load_entrypoint",
+           "WORKER_MAX_RESTARTS", "READY_TIMEOUT_S", "RAY_START_TIMEOUT_S"]
 
 READY_TIMEOUT_S = 300.0
 RAY_START_TIMEOUT_S = 60.0
-# Restarts of one worker actor over its life. Bounded: a worker that crashes at every start
-# (a bad model path, a port taken) must end up visibly dead, not loop forever.
-WORKER_MAX_RESTARTS = 10
-
-
-def restartable(cls: type) -> type:
-    """`cls` (an entry-point class) as an actor class that, when Ray restarts the actor after
-    its process died, calls its own `start()` again (Ray re-runs only `__init__`)."""
-
-    class Restartable(cls):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            import ray
-
-            ctx = ray.get_runtime_context()
-            if ctx.was_current_actor_reconstructed:
-                log.warning("%s restarted by Ray; starting it again", cls.__name__)
-                # Its registration may still be alive (lease TTL): it is this worker's own.
-                self.cfg.replace_stale_registration = True
-                ctx.current_actor._start_after_restart.remote()
-
-        async def _start_after_restart(self) -> None:
-            try:
-                await self.start()
-            except Exception:  # noqa: BLE001  (logged; the actor stays up for inspection)
-                log.exception("%s: start after a restart failed", cls.__name__)
-
-    Restartable.__name__ = Restartable.__qualname__ = cls.__name__
-    Restartable.__module__ = cls.__module__
-    return Restartable
-
-
-def worker_actor_options(name: str, namespace: str, num_cpus: float, num_gpus: float = 0) -> dict:
-    """Ray options of a worker actor: detached, restarted when its process dies, calls not
-    retried (a call caught by the death fails; `start` after a restart is the actor's own)."""
-    return dict(name=name, namespace=namespace, lifetime="detached", num_cpus=num_cpus, num_gpus=num_gpus,
-                max_concurrency=1000, max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0)
-
-
-@dataclass
-class ClusterState:
-    """What `up` started: written as JSON to `<run_dir>/<cluster>.state.json`."""
-
-    cluster: str
-    topology: str
-    namespace: str
-    ray_address: str
-    ray_head_pid: int | None  # set when `up` started the Ray head (down stops it)
-    etcd_endpoints: list[str]
-    etcd_pid: int | None  # set when `up` started etcd (down stops it)
-    queue_name: str
-    model: str
-    actors: list[dict] = field(default_factory=list)  # {name, role, worker_id, grpc, http}
-    started_at: float = field(default_factory=time.time)
-
-    @property
-    def decode_endpoints(self) -> list[dict]:
-        return [a for a in self.actors if a["role"] == "decode"]
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2))
-
-    @classmethod
-    def load(cls, path: Path) -> "ClusterState":
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no running cluster recorded there (run `pdserve up` first)")
-        return cls(**json.loads(path.read_text()))
-
-
-def state_path(topology: Topology) -> Path:
-    return topology.run_path / f"{topology.cluster}.state.json"
-
-
-def load_entrypoint(spec: str):
-    module, _, name = spec.partition(":")
-    obj = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 class Launcher:
@@ -211,27 +132,15 @@ class Launcher:
             role = getattr(t.roles, role_name)
             cls = ray.remote(restartable(load_entrypoint(role.entrypoint)))
             for i in range(role.replicas):
-                worker_id = f"{role_name}-{i}"
+                cfg = launch_config(t, role_name, i, model=self.model_path, etcd_endpoints=state.etcd_endpoints)
+                worker_id = cfg["worker_id"]
                 name = f"{t.cluster}-{worker_id}"
                 opts = worker_actor_options(name, t.ray.namespace, role.resources.num_cpus, role.resources.num_gpus)
-                actor = cls.options(**opts).remote(self._worker_config(role_name, role, i, worker_id, state))
+                actor = cls.options(**opts).remote(cfg)
                 handles.append((name, role_name, worker_id, actor, actor.start.remote()))
                 state.actors.append({"name": name, "role": role_name, "worker_id": worker_id})
                 self.progress(f"{role_name:<9} starting {worker_id} ({role.entrypoint})")
         return handles
-
-    def _worker_config(self, role_name: str, role, i: int, worker_id: str, state: ClusterState) -> dict:
-        t = self.topo
-        common = dict(model=self.model_path, engine_args=dict(role.engine), worker_id=worker_id,
-                      cluster=t.cluster, etcd_endpoints=state.etcd_endpoints, lease_ttl_s=t.etcd.lease_ttl_s,
-                      queue_name=t.queue.name, queue_namespace=t.ray.namespace, freeze_gc=True)
-        port = lambda key: role.ports.get(key, 0) + i if role.ports.get(key, 0) else 0  # noqa: E731
-        if role_name == "prefill":
-            return dict(common, batch_max_tokens=t.queue.batch_max_tokens, poll_timeout_ms=t.queue.poll_timeout_ms,
-                        exit_on_loop_death=True, metrics_port=port("metrics") or None)
-        return dict(common, grpc_port=port("grpc"), http_port=port("http"), router_policy=str(t.router_policy_path) if t.router_policy_path else None,
-                    served_model_name=t.model.name, remote_prefill=t.roles.prefill.replicas > 0,
-                    exit_on_engine_death=True)
 
     def _wait_ready(self, state: ClusterState, handles) -> None:
         import ray
@@ -257,7 +166,7 @@ class Launcher:
                 if not ray.is_initialized():
                     ray.init(address=state.ray_address, namespace=state.namespace, log_to_driver=False)
                 for rec in reversed(state.actors):  # decode first: stop taking requests
-                    _stop_actor(rec["name"], state.namespace, drain_timeout_s, self.progress)
+                    stop_actor(rec["name"], state.namespace, drain_timeout_s, self.progress)
                 try:
                     ray.kill(ray.get_actor(state.queue_name, namespace=state.namespace))
                 except ValueError:
@@ -271,22 +180,6 @@ class Launcher:
             _terminate_group(state.ray_head_pid, "ray head", self.progress)
         if state.etcd_pid:
             _terminate_group(state.etcd_pid, "etcd", self.progress, own_group=False)
-
-
-def _stop_actor(name: str, namespace: str, timeout_s: float, progress) -> None:
-    import ray
-
-    try:
-        actor = ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return
-    try:
-        ray.get(actor.drain.remote(), timeout=timeout_s)
-        ray.get(actor.stop.remote(), timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001  (a dead or stuck worker is killed anyway)
-        progress(f"worker    {name}: {exc.__class__.__name__} while draining; killing")
-    ray.kill(actor)
-    progress(f"worker    {name} stopped")
 
 
 async def _wait_registered(state: ClusterState, deadline: float) -> dict:

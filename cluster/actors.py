@@ -1,0 +1,84 @@
+"""Worker actors: entry points as restartable, detached Ray actors.
+
+The control plane never imports the workers: a role is a `module:Class` string
+(`load_entrypoint`) whose class takes a config dict (cluster/worker_config.py)
+and has async `start() -> dict`, `drain()` and `stop()`. Ray restarts a worker
+actor whose process dies (`WORKER_MAX_RESTARTS`); the restarted actor starts
+itself again (`restartable`), so it loads its engine and re-registers in etcd
+without anyone calling `start()`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+log = logging.getLogger(__name__)
+
+# Restarts of one worker actor over its life. Bounded: a worker that crashes at every start
+# (a bad model path, a port taken) must end up visibly dead, not loop forever.
+WORKER_MAX_RESTARTS = 10
+START_CALL_RETRIES = 5  # resends of a restarted actor's call to its own start() (see restartable)
+
+
+def load_entrypoint(spec: str):
+    module, _, name = spec.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def restartable(cls: type) -> type:
+    """`cls` (an entry-point class) as an actor class that, when Ray restarts the actor after
+    its process died, calls its own `start()` again (Ray re-runs only `__init__`)."""
+
+    class Restartable(cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            import ray
+
+            ctx = ray.get_runtime_context()
+            if ctx.was_current_actor_reconstructed:
+                log.warning("%s restarted by Ray; starting it again", cls.__name__)
+                # Its registration may still be alive (lease TTL): it is this worker's own.
+                self.cfg.replace_stale_registration = True
+                # Sent before this constructor returns: the actor may still read as RESTARTING
+                # when the call reaches it, which fails the call unless it may be resent. A
+                # resend never runs `start()` twice: only a call that did not run is resent,
+                # and the caller is this process, whose death ends its calls.
+                ctx.current_actor._start_after_restart.options(max_task_retries=START_CALL_RETRIES).remote()
+
+        async def _start_after_restart(self) -> None:
+            try:
+                await self.start()
+            except Exception:  # noqa: BLE001  (logged; the actor stays up for inspection)
+                log.exception("%s: start after a restart failed", cls.__name__)
+
+    Restartable.__name__ = Restartable.__qualname__ = cls.__name__
+    Restartable.__module__ = cls.__module__
+    return Restartable
+
+
+def worker_actor_options(name: str, namespace: str, num_cpus: float, num_gpus: float = 0) -> dict:
+    """Ray options of a worker actor: detached, restarted when its process dies, calls not
+    retried (a call caught by the death fails; `start` after a restart is the actor's own)."""
+    return dict(name=name, namespace=namespace, lifetime="detached", num_cpus=num_cpus, num_gpus=num_gpus,
+                max_concurrency=1000, max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0)
+
+
+def stop_actor(name: str, namespace: str, timeout_s: float, progress) -> None:
+    """Drain and stop the named worker actor, then kill it (a dead or stuck one is killed anyway)."""
+    import ray
+
+    try:
+        actor = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return
+    try:
+        ray.get(actor.drain.remote(), timeout=timeout_s)
+        ray.get(actor.stop.remote(), timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001  (a dead or stuck worker is killed anyway)
+        progress(f"worker    {name}: {exc.__class__.__name__} while draining; killing")
+    ray.kill(actor)
+    progress(f"worker    {name} stopped")

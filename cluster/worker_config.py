@@ -1,0 +1,77 @@
+"""What every worker role needs to start and join the cluster, and the launcher's configs.
+
+`WorkerConfig` holds the fields both roles share (model, engine arguments, cluster
+and etcd, the prefill queue, UCX, start-up settings); `DecodeWorkerConfig` and
+`PrefillWorkerConfig` extend it with their own. The launcher hands an entry-point
+class its config as a plain dict (`launch_config`), so the field names are an
+interface: the topology's values arrive under these names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_NAME
+
+if TYPE_CHECKING:
+    from .topology import Topology
+
+
+@dataclass
+class WorkerConfig:
+    """The role-independent part of a worker's config; defaults suit one local worker."""
+
+    model: str
+    engine_args: dict = field(default_factory=dict)
+    worker_id: str | None = None  # None: "<role>-<8 hex digits>"
+    cluster: str = "default"
+    etcd_endpoints: list[str] | None = None  # None: no registration (decode only; prefill needs etcd)
+    lease_ttl_s: float = 10.0
+    queue_name: str = DEFAULT_QUEUE_NAME
+    queue_namespace: str = DEFAULT_NAMESPACE
+    queue_transport: str = "auto"  # "auto" (the queue's wire when reachable) | "wire" | "ray"
+    ucx_env: dict = field(default_factory=lambda: {"UCX_MODULES": "^ib"})
+    # Freeze the start-up heap out of the cyclic GC (cluster.runtime.freeze_gc_heap): set by the
+    # launcher, whose workers own their process; off for a worker embedded in another program.
+    freeze_gc: bool = False
+    # Take over a record under this worker_id left by this worker's own earlier process (set
+    # when Ray restarts the actor: the old lease may outlive the old process by up to its TTL).
+    replace_stale_registration: bool = False
+
+    @classmethod
+    def of(cls, cfg: "WorkerConfig | dict[str, Any]"):
+        """`cfg` as this class: the launcher passes plain dicts (the entry-point contract)."""
+        return cfg if isinstance(cfg, cls) else cls(**cfg)
+
+    def worker_id_for(self, role: str) -> str:
+        """The configured worker id, or a fresh one for `role`."""
+        return self.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+
+
+def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
+                  etcd_endpoints: list[str]) -> dict[str, Any]:
+    """The config dict of replica `replica` of `role` ("prefill" | "decode") in `topology`:
+    every `WorkerConfig` field, plus the role's own keys the default entry points take."""
+    spec = getattr(topology.roles, role)
+    common = WorkerConfig(model=model, engine_args=dict(spec.engine), worker_id=f"{role}-{replica}",
+                          cluster=topology.cluster, etcd_endpoints=list(etcd_endpoints),
+                          lease_ttl_s=topology.etcd.lease_ttl_s, queue_name=topology.queue.name,
+                          queue_namespace=topology.ray.namespace, freeze_gc=True)
+    out = dataclasses.asdict(common)
+
+    def port(name: str) -> int:  # replica i listens on base + i; 0: any free port
+        base = spec.ports.get(name, 0)
+        return base + replica if base else 0
+
+    if role == "prefill":
+        out.update(batch_max_tokens=topology.queue.batch_max_tokens, poll_timeout_ms=topology.queue.poll_timeout_ms,
+                   exit_on_loop_death=True, metrics_port=port("metrics") or None)
+    else:
+        policy = topology.router_policy_path
+        out.update(grpc_port=port("grpc"), http_port=port("http"), router_policy=str(policy) if policy else None,
+                   served_model_name=topology.model.name, remote_prefill=topology.roles.prefill.replicas > 0,
+                   exit_on_engine_death=True)
+    return out
