@@ -1,11 +1,11 @@
-"""Process-level settings shared by the long-running processes (queue actor, workers)."""
+"""Process-level settings shared by the long-running processes (queue actor, workers).
+
+A worker's way into and out of the cluster (leave, exit for a restart) is in join.py."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +46,4 @@ class MetricsEndpoint:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5.0)
-
-
-EXIT_FOR_RESTART = 70  # EX_SOFTWARE: a Ray actor whose process exits this way is restarted (max_restarts)
-
-
-async def leave_and_maybe_exit(registry, what: str, exit_process: bool, flush_s: float = 0.0) -> None:
-    """A worker that can no longer work: leave the registry now (so nothing is routed to it),
-    then, with ``exit_process``, exit so that its supervisor starts a fresh process.
-    ``flush_s`` lets replies already queued reach their clients first."""
-    if registry is not None:
-        try:
-            await asyncio.wait_for(registry.deregister(), 10.0)
-        except Exception as exc:  # noqa: BLE001  (the lease expires anyway)
-            log.error("%s: could not leave the registry: %r", what, exc)
-    if exit_process:
-        await asyncio.sleep(flush_s)
-        log.critical("%s exits (code %d) so that its supervisor restarts it", what, EXIT_FOR_RESTART)
-        os._exit(EXIT_FOR_RESTART)
 

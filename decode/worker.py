@@ -8,14 +8,19 @@ its etcd registration. The remote-prefill path attaches to the frontend.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
-import uuid
 from dataclasses import dataclass, field
 
 import uvicorn
 
+from pdserve.cluster.join import join_cluster, leave_cluster, open_queue, publish_load
+from pdserve.cluster.keys import VERSION
+from pdserve.cluster.records import WorkerInfo
+from pdserve.cluster.runtime import freeze_gc_heap
+from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.router import parse_policy
 
@@ -28,55 +33,35 @@ from .policy_state import PolicyState
 
 log = logging.getLogger(__name__)
 
-VERSION = "0.1.0"
-
 
 @dataclass
-class DecodeWorkerConfig:
-    """Everything a decode worker needs to start; defaults suit one local worker."""
+class DecodeWorkerConfig(WorkerConfig):
+    """Everything a decode worker needs to start (the shared fields: cluster.worker_config)."""
 
-    model: str
-    engine_args: dict = field(default_factory=dict)
     host: str = "127.0.0.1"
     grpc_port: int = 0  # 0: pick a free port
     http_port: int = 0
     router_policy: str | None = None  # YAML file; None: the built-in default policy
-    worker_id: str | None = None
     served_model_name: str | None = None  # default: the model directory's name
-    cluster: str = "default"
-    etcd_endpoints: list[str] | None = None  # None: run without registration
-    lease_ttl_s: float = 10.0
     policy_poll_s: float = 1.0
     load_report_s: float = 2.0
     # Remote prefill (needs etcd_endpoints and Ray): register the KV pool with
     # NIXL and send REMOTE decisions to the prefill queue.
     remote_prefill: bool = False
-    queue_name: str = "pdserve-prefill-queue"
-    queue_namespace: str = "pdserve"
-    queue_transport: str = "auto"  # "auto" (the queue's wire when reachable) | "wire" | "ray"
-    # Freeze the start-up heap out of the cyclic GC (cluster.runtime.freeze_gc_heap): set by the
-    # launcher, whose workers own their process; off for a worker embedded in another program.
-    freeze_gc: bool = False
     remote_timeout_s: float = 30.0
-    ucx_env: dict = field(default_factory=lambda: {"UCX_MODULES": "^ib"})
     limits: dict = field(default_factory=dict)  # ServingLimits fields (request sizes, body bytes)
     # When the engine dies: leave etcd, report NOT_SERVING, then exit the process so its
     # supervisor (Ray max_restarts, Kubernetes) starts a fresh one. The launcher sets it;
     # a worker embedded in another program only reports.
     exit_on_engine_death: bool = False
-    # Take over a record under this worker_id left by this worker's own earlier process (set
-    # when Ray restarts the actor: the old lease may outlive the old process by up to its TTL).
-    replace_stale_registration: bool = False
 
 
 class DecodeWorker:
     """Owns every task, server and the engine thread of one decode worker."""
 
     def __init__(self, cfg: DecodeWorkerConfig | dict):
-        if isinstance(cfg, dict):  # the launcher passes plain dicts (entry-point contract)
-            cfg = DecodeWorkerConfig(**cfg)
-        self.cfg = cfg
-        self.worker_id = cfg.worker_id or f"decode-{uuid.uuid4().hex[:8]}"
+        self.cfg = cfg = DecodeWorkerConfig.of(cfg)
+        self.worker_id = cfg.worker_id_for("decode")
         self.engine: LLMEngine | None = None
         self.async_engine: AsyncEngine | None = None
         self.frontend: Frontend | None = None
@@ -120,8 +105,6 @@ class DecodeWorker:
         if cfg.etcd_endpoints:
             await self._join_cluster()
         if cfg.freeze_gc:
-            from pdserve.cluster.runtime import freeze_gc_heap
-
             freeze_gc_heap(f"decode worker {self.worker_id}")
         log.info("decode worker %s serving gRPC %s, HTTP %s", self.worker_id, self.grpc_address, self.http_address)
         return {"worker_id": self.worker_id, "grpc": self.grpc_address, "http": self.http_address, "pid": os.getpid()}
@@ -145,36 +128,23 @@ class DecodeWorker:
         raise RuntimeError(f"HTTP server did not start on {self.http_address}")
 
     def _start_remote(self, policy: PolicyState) -> None:
-        import ray
-
-        from pdserve.cluster.queue import get_or_create_queue
-        from pdserve.cluster.queue_wire import QueueClient
         from pdserve.kvtransfer import KVLayout, KVTransferAgent
 
         from .remote import RemoteConfig, RemotePrefill
 
-        if not ray.is_initialized():
-            raise RuntimeError("remote_prefill needs Ray: run inside a Ray actor or call ray.init first")
         cfg = self.cfg
+        self.queue = open_queue(cfg, "remote_prefill")
         kv = self.engine.connector.kv_tensor
         self.agent = KVTransferAgent(self.worker_id, kv, KVLayout.from_tensor(kv, self.engine.model_config.model_id),
                                      ucx_env=cfg.ucx_env)
-        self.queue = QueueClient(get_or_create_queue(cfg.queue_name, cfg.queue_namespace), cfg.queue_transport)
         self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,
                                     RemoteConfig(timeout_s=cfg.remote_timeout_s), costs=policy.costs)
         self.remote.start()
 
     async def _join_cluster(self) -> None:
-        import json
-
-        from pdserve.cluster.registry import Registry
-
         cfg = self.cfg
-        self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s)
         nixl = json.dumps(self.agent.local_info()).encode() if self.agent is not None else None
-        await self.registry.clear_drain(self.worker_id)  # a fresh start under a drained id
-        await self.registry.register(self._record(), nixl, replace_stale=cfg.replace_stale_registration)
-        await self.registry.watch_drain(self.worker_id, lambda why: asyncio.ensure_future(self.drain()))
+        self.registry = await join_cluster(cfg, self._record(), nixl, on_drain=self.drain)
         policy = self.frontend.policy
         self.policy_watch = await self.registry.watch_policy(
             "router", validate=lambda text: parse_policy(text, source=f"etcd:/pdserve/{cfg.cluster}/config/router"),
@@ -185,16 +155,14 @@ class DecodeWorker:
             from pdserve.cluster.queue import requeue_on_worker_loss
 
             self._requeue_watch = await requeue_on_worker_loss(self.registry, self.queue)
-        self._tasks.append(asyncio.create_task(self._report_load()))
+        self._tasks.append(asyncio.create_task(publish_load(self.registry, self._load, cfg.load_report_s)))
 
     def _count_prefill(self) -> None:
         n = len(self.prefill_watch.members) if self.prefill_watch else 0
         if self.remote is not None:
             self.remote.set_pool_size(n)
 
-    def _record(self):
-        from pdserve.cluster.records import WorkerInfo
-
+    def _record(self) -> WorkerInfo:
         eng = self.engine
         return WorkerInfo(
             worker_id=self.worker_id, role="decode",
@@ -209,14 +177,6 @@ class DecodeWorker:
         load = self.engine.load()
         return {"running": load.running, "waiting": load.waiting, "kv_usage": round(load.kv_usage, 4),
                 "inflight": len(self.frontend.inflight)}
-
-    async def _report_load(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.load_report_s)
-            info = self.registry.info
-            if info is not None:
-                info.load = self._load()
-                await self.registry.update(info)
 
     def _on_step(self, info: StepInfo) -> None:
         costs = self.frontend.policy.costs
@@ -237,11 +197,10 @@ class DecodeWorker:
         self._tasks.append(asyncio.ensure_future(self._leave_after_death()))
 
     async def _leave_after_death(self) -> None:
-        from pdserve.cluster.runtime import leave_and_maybe_exit
-
         await self.grpc.set_serving(False)
-        await leave_and_maybe_exit(self.registry, f"decode worker {self.worker_id}", self.cfg.exit_on_engine_death,
-                                   flush_s=0.5)  # the error responses already queued reach their clients
+        await leave_cluster(self.registry, f"decode worker {self.worker_id}",
+                            exit_process=self.cfg.exit_on_engine_death,
+                            flush_s=0.5)  # the error responses already queued reach their clients
 
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Stop taking new requests (health NOT_SERVING, 503), let in-flight ones

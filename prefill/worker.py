@@ -20,10 +20,13 @@ import asyncio
 import json
 import logging
 import os
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pdserve.cluster.runtime import leave_and_maybe_exit
+from pdserve.cluster.join import join_cluster, leave_cluster, open_queue
+from pdserve.cluster.keys import VERSION
+from pdserve.cluster.records import WorkerInfo
+from pdserve.cluster.runtime import freeze_gc_heap
+from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.kvtransfer import KVLayout, KVTransferAgent
 
@@ -32,25 +35,15 @@ from .metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 
-VERSION = "0.1.0"
 HOLD_CHECK_S = 0.5  # while a batch runs: how often to check that the queue did not restart
 PEER_LOOKUP_TIMEOUT_S = 5.0
 
 
 @dataclass
-class PrefillWorkerConfig:
-    """Everything a prefill worker needs; defaults suit a local CPU cluster."""
+class PrefillWorkerConfig(WorkerConfig):
+    """Everything a prefill worker needs (the shared fields: cluster.worker_config); it needs
+    `etcd_endpoints` and Ray. Defaults suit a local CPU cluster."""
 
-    model: str
-    engine_args: dict = field(default_factory=dict)
-    worker_id: str | None = None
-    cluster: str = "default"
-    etcd_endpoints: list[str] = field(default_factory=list)
-    lease_ttl_s: float = 10.0
-    queue_name: str = "pdserve-prefill-queue"
-    queue_namespace: str = "pdserve"
-    queue_transport: str = "auto"  # "auto" (the queue's wire when reachable) | "wire" | "ray"
-    freeze_gc: bool = False  # freeze the start-up heap out of the cyclic GC (the launcher sets it)
     batch_max_tokens: int | None = None  # default: the engine's max_num_batched_tokens
     poll_timeout_ms: float = 1000.0  # idle long poll of get_batch (a put wakes it at once)
     transfer_timeout_s: float = 30.0
@@ -59,22 +52,16 @@ class PrefillWorkerConfig:
     # supervisor (Ray max_restarts) starts a fresh one. The launcher sets it; a worker embedded
     # in another program (tests) only leaves the registry.
     exit_on_loop_death: bool = False
-    # Take over a record under this worker_id left by this worker's own earlier process (set
-    # when Ray restarts the actor: the old lease may outlive the old process by up to its TTL).
-    replace_stale_registration: bool = False
     metrics_port: int | None = None  # Prometheus /metrics: None = a free loopback port, 0 = off
     metrics_host: str = "127.0.0.1"
-    ucx_env: dict = field(default_factory=lambda: {"UCX_MODULES": "^ib"})
 
 
 class PrefillWorker:
     """Owns the engine, the NIXL agent, the registration and the pull loop."""
 
     def __init__(self, cfg: PrefillWorkerConfig | dict):
-        if isinstance(cfg, dict):
-            cfg = PrefillWorkerConfig(**cfg)
-        self.cfg = cfg
-        self.worker_id = cfg.worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        self.cfg = cfg = PrefillWorkerConfig.of(cfg)
+        self.worker_id = cfg.worker_id_for("prefill")
         self.stats = PrefillStats()
         self.draining = False
         self.engine: LLMEngine | None = None
@@ -93,23 +80,14 @@ class PrefillWorker:
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> dict:
-        import ray
-
-        from pdserve.cluster.queue import get_or_create_queue
-        from pdserve.cluster.queue_wire import QueueClient
-        from pdserve.cluster.records import WorkerInfo
-        from pdserve.cluster.registry import Registry
-
         cfg = self.cfg
         self.engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
         kv = self.engine.connector.kv_tensor
         layout = KVLayout.from_tensor(kv, self.engine.model_config.model_id)
         self.agent = KVTransferAgent(self.worker_id, kv, layout, ucx_env=cfg.ucx_env)
-        if not ray.is_initialized():
-            raise RuntimeError("the prefill worker needs Ray (run it as a Ray actor or call ray.init first)")
+        self.queue = open_queue(cfg, "the prefill worker")
         self._batch = PrefillBatch(self.worker_id, self.engine, self.agent, self.stats,
                                    transfer_timeout_s=cfg.transfer_timeout_s, layerwise=cfg.layerwise)
-        self.queue = QueueClient(get_or_create_queue(cfg.queue_name, cfg.queue_namespace), cfg.queue_transport)
         # A fresh start under this id (a Ray restart after a crash): whatever an earlier
         # incarnation held is gone. Requeue it now, not when (or if) its lease expires.
         try:
@@ -118,19 +96,14 @@ class PrefillWorker:
         except Exception as exc:  # noqa: BLE001  (the queue restarting: its restart lost them anyway)
             log.warning("could not reach the queue at start: %r", exc)
         metrics_at = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-        self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s)
         info = WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
                           kv_layout=self.engine.connector.layout_info(),
                           capacity={"max_num_batched_tokens": self.budget}, version=VERSION,
                           endpoints={"metrics": metrics_at} if metrics_at else {})
-        await self.registry.clear_drain(self.worker_id)  # a fresh start under a drained id
-        await self.registry.register(info, json.dumps(self.agent.local_info()).encode(),
-                                     replace_stale=cfg.replace_stale_registration)
+        self.registry = await join_cluster(cfg, info, json.dumps(self.agent.local_info()).encode(),
+                                           on_drain=self.drain)
         self._decode_watch = await self.registry.watch_members(on_remove=self._decode_gone, role="decode")
-        await self.registry.watch_drain(self.worker_id, lambda why: asyncio.ensure_future(self.drain()))
         if cfg.freeze_gc:
-            from pdserve.cluster.runtime import freeze_gc_heap
-
             freeze_gc_heap(f"prefill worker {self.worker_id}")
         self._loop_task = asyncio.create_task(self._run())
         log.info("prefill worker %s started (pid %d)", self.worker_id, os.getpid())
@@ -255,7 +228,7 @@ class PrefillWorker:
         self.loop_error = f"{exc.__class__.__name__}: {exc}"
         log.error("prefill worker %s: pull loop died (%s); leaving the registry%s", self.worker_id, self.loop_error,
                   " and exiting so that Ray restarts it" if self.cfg.exit_on_loop_death else "", exc_info=exc)
-        await leave_and_maybe_exit(self.registry, f"prefill worker {self.worker_id}", self.cfg.exit_on_loop_death)
+        await leave_cluster(self.registry, f"prefill worker {self.worker_id}", exit_process=self.cfg.exit_on_loop_death)
 
     async def _peer_info(self, worker_id: str, new_peers: dict) -> str | None:
         """Fetch a decode worker's NIXL record from etcd the first time it is a target;
