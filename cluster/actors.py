@@ -60,11 +60,14 @@ def restartable(cls: type) -> type:
     return Restartable
 
 
-def worker_actor_options(name: str, namespace: str, num_cpus: float, num_gpus: float = 0) -> dict:
+def worker_actor_options(name: str, namespace: str, num_cpus: float, num_gpus: float = 0,
+                         resources: dict[str, float] | None = None) -> dict:
     """Ray options of a worker actor: detached, restarted when its process dies, calls not
-    retried (a call caught by the death fails; `start` after a restart is the actor's own)."""
+    retried (a call caught by the death fails; `start` after a restart is the actor's own).
+    `resources`: Ray custom resources that place it (a node type's, or "node:<ip>")."""
     return dict(name=name, namespace=namespace, lifetime="detached", num_cpus=num_cpus, num_gpus=num_gpus,
-                max_concurrency=1000, max_restarts=WORKER_MAX_RESTARTS, max_task_retries=0)
+                resources=dict(resources or {}), max_concurrency=1000, max_restarts=WORKER_MAX_RESTARTS,
+                max_task_retries=0)
 
 
 def stop_actor(name: str, namespace: str, timeout_s: float, progress) -> None:

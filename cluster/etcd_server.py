@@ -63,15 +63,16 @@ def find_etcd_binary() -> Path:
     )
 
 
-def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+def free_loopback_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` (default loopback) that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
 class EmbeddedEtcd:
-    """Owns one single-member etcd child process bound to 127.0.0.1.
+    """Owns one single-member etcd child process bound to ``host`` (default 127.0.0.1; a
+    multi-host cluster gives the launcher host's address, see cluster/netaddr.py).
 
     Ports are chosen on the first `start()` (unless given) and kept, so
     `stop()` + `start()` or `restart()` bring etcd back at the same endpoint,
@@ -87,12 +88,14 @@ class EmbeddedEtcd:
         client_port: int | None = None,
         peer_port: int | None = None,
         name: str = "pdserve",
+        host: str = "127.0.0.1",
         binary: str | os.PathLike | None = None,
         log_path: str | os.PathLike | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     ):
         self.data_dir = Path(data_dir)
         self.name = name
+        self.host = host
         self.client_port = client_port
         self.peer_port = peer_port
         self._binary = Path(binary) if binary else None
@@ -106,7 +109,7 @@ class EmbeddedEtcd:
         """`host:port` of the client listener (the form pdserve configs use)."""
         if self.client_port is None:
             raise EtcdError("etcd has no client port yet: call start() first")
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def client_url(self) -> str:
@@ -131,9 +134,9 @@ class EmbeddedEtcd:
         last_error: EtcdError | None = None
         for _ in range(attempts):
             if self.client_port is None:
-                self.client_port = free_loopback_port()
+                self.client_port = free_loopback_port(self.host)
             if self.peer_port is None:
-                self.peer_port = free_loopback_port()
+                self.peer_port = free_loopback_port(self.host)
             try:
                 self._spawn(binary)
                 self._wait_healthy()
@@ -148,7 +151,7 @@ class EmbeddedEtcd:
         raise last_error
 
     def _spawn(self, binary: Path) -> None:
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        peer_url = f"http://{self.host}:{self.peer_port}"
         args = [
             str(binary),
             "--name", self.name,

@@ -29,6 +29,7 @@ from typing import Callable
 
 from .actors import WORKER_MAX_RESTARTS, load_entrypoint, restartable, stop_actor, worker_actor_options
 from .etcd_server import EmbeddedEtcd, free_loopback_port
+from .netaddr import resolve_bind
 from .state import ClusterState, state_path
 from .topology import Topology
 from .worker_config import launch_config
@@ -92,7 +93,9 @@ class Launcher:
             self.progress(f"etcd      using {', '.join(state.etcd_endpoints)}")
             return
         data_dir = Path(self.topo.etcd.data_dir) if self.topo.etcd.data_dir else run_dir / f"{self.topo.cluster}-etcd"
-        etcd = EmbeddedEtcd(data_dir).start()
+        # On this (the launcher's) host, at the address the workers can reach: network.bind.
+        host = resolve_bind(self.topo.network.bind, ray_address=self.ray_address)
+        etcd = EmbeddedEtcd(data_dir, host=host).start()
         # It must outlive this process: `down` stops it by pid.
         state.etcd_endpoints, state.etcd_pid = [etcd.endpoint], etcd.detach()
         self.progress(f"etcd      started at {state.etcd_endpoints[0]} (pid {state.etcd_pid}, data {data_dir})")
@@ -135,7 +138,8 @@ class Launcher:
                 cfg = launch_config(t, role_name, i, model=self.model_path, etcd_endpoints=state.etcd_endpoints)
                 worker_id = cfg["worker_id"]
                 name = f"{t.cluster}-{worker_id}"
-                opts = worker_actor_options(name, t.ray.namespace, role.resources.num_cpus, role.resources.num_gpus)
+                opts = worker_actor_options(name, t.ray.namespace, role.resources.num_cpus, role.resources.num_gpus,
+                                            role.resources.custom)
                 actor = cls.options(**opts).remote(cfg)
                 handles.append((name, role_name, worker_id, actor, actor.start.remote()))
                 state.actors.append({"name": name, "role": role_name, "worker_id": worker_id})

@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_NAME, check_name, parse_endpoints
+from .netaddr import LOOPBACK, check_bind
 
 AUTO_MODEL = "auto"
 DEFAULT_PREFILL_ENTRYPOINT = "pdserve.prefill.worker:PrefillWorker"
@@ -99,11 +100,35 @@ class QueueSpec(_Strict):
     wire: Literal["loopback", "node", "off"] = "loopback"
 
 
+class NetworkSpec(_Strict):
+    """Where every server binds and what it advertises in etcd (cluster/netaddr.py): loopback
+    for one host; node, an interface, a CIDR or an address when peers are on other hosts.
+    `ucx` holds UCX settings for every NIXL agent, applied over those the bind implies."""
+
+    bind: str = LOOPBACK
+    ucx: dict[str, str] = Field(default_factory=dict)
+
+    @pydantic.field_validator("bind")
+    @classmethod
+    def _bind_form(cls, value: str) -> str:
+        return check_bind(value)
+
+    @pydantic.field_validator("ucx")
+    @classmethod
+    def _ucx_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in value if not k.startswith("UCX_")]
+        if bad:
+            raise ValueError(f"keys must be UCX_* environment variables, got {bad}")
+        return value
+
+
 class ResourcesSpec(_Strict):
     """Ray resources of ONE replica."""
 
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    # Ray custom resources: a node type's ({"pdserve_prefill": 1}) or one host's own
+    # ({"node:10.0.0.2": 0.01}) to place the role there.
     custom: dict[str, float] = Field(default_factory=dict)
 
 
@@ -144,6 +169,7 @@ class Topology(_Strict):
     etcd: EtcdSpec = Field(default_factory=EtcdSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
     queue: QueueSpec = Field(default_factory=QueueSpec)
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
     run_dir: str | None = None  # logs, embedded etcd data; default ./runs
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
@@ -163,6 +189,13 @@ class Topology(_Strict):
                     other = taken.setdefault(port, f"roles.{role}.ports.{name}")
                     if other != f"roles.{role}.ports.{name}":
                         raise ValueError(f"roles.{role}.ports.{name}: port {port} is also used by {other}")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _multi_host_needs_reachable_servers(self) -> "Topology":
+        if self.network.bind != LOOPBACK and self.queue.wire == "loopback" and self.roles.prefill.replicas:
+            raise ValueError("queue.wire: 'loopback' serves only the queue's own host, but network.bind "
+                             f"{self.network.bind!r} puts workers on other hosts; set queue.wire: node")
         return self
 
     @property

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_NAME
+from .netaddr import LOOPBACK, resolve_bind, ucx_env
 
 if TYPE_CHECKING:
     from .topology import Topology
@@ -33,7 +34,12 @@ class WorkerConfig:
     queue_name: str = DEFAULT_QUEUE_NAME
     queue_namespace: str = DEFAULT_NAMESPACE
     queue_transport: str = "auto"  # "auto" (the queue's wire when reachable) | "wire" | "ray"
-    ucx_env: dict = field(default_factory=lambda: {"UCX_MODULES": "^ib"})
+    # Where this worker's servers bind and what it advertises: the topology's network.bind
+    # (loopback | node | interface | CIDR | address; cluster/netaddr.py).
+    bind: str = LOOPBACK
+    # UCX settings for the NIXL agent, over those the bind implies (netaddr.ucx_env): the
+    # topology's network.ucx. "" removes a setting.
+    ucx_env: dict = field(default_factory=dict)
     # Freeze the start-up heap out of the cyclic GC (cluster.runtime.freeze_gc_heap): set by the
     # launcher, whose workers own their process; off for a worker embedded in another program.
     freeze_gc: bool = False
@@ -45,6 +51,14 @@ class WorkerConfig:
     def of(cls, cfg: "WorkerConfig | dict[str, Any]"):
         """`cfg` as this class: the launcher passes plain dicts (the entry-point contract)."""
         return cfg if isinstance(cfg, cls) else cls(**cfg)
+
+    def address(self) -> str:
+        """The address this worker binds and advertises (resolved on its own host)."""
+        return resolve_bind(self.bind)
+
+    def agent_ucx_env(self, address: str) -> dict:
+        """The UCX settings of this worker's NIXL agent when it is bound to `address`."""
+        return ucx_env(address, self.ucx_env)
 
     def worker_id_for(self, role: str) -> str:
         """The configured worker id, or a fresh one for `role`."""
@@ -59,7 +73,8 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
     common = WorkerConfig(model=model, engine_args=dict(spec.engine), worker_id=f"{role}-{replica}",
                           cluster=topology.cluster, etcd_endpoints=list(etcd_endpoints),
                           lease_ttl_s=topology.etcd.lease_ttl_s, queue_name=topology.queue.name,
-                          queue_namespace=topology.ray.namespace, freeze_gc=True)
+                          queue_namespace=topology.ray.namespace, freeze_gc=True,
+                          bind=topology.network.bind, ucx_env=dict(topology.network.ucx))
     out = dataclasses.asdict(common)
 
     def port(name: str) -> int:  # replica i listens on base + i; 0: any free port

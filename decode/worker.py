@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 class DecodeWorkerConfig(WorkerConfig):
     """Everything a decode worker needs to start (the shared fields: cluster.worker_config)."""
 
-    host: str = "127.0.0.1"
+    host: str | None = None  # None: the address `bind` resolves to on this host
     grpc_port: int = 0  # 0: pick a free port
     http_port: int = 0
     router_policy: str | None = None  # YAML file; None: the built-in default policy
@@ -79,10 +79,12 @@ class DecodeWorker:
         self._http_task: asyncio.Task | None = None
         self.grpc_address = ""
         self.http_address = ""
+        self.host = ""  # the address it serves on (cfg.host or what cfg.bind resolves to)
 
     async def start(self) -> dict:
         """Load the engine, start serving and register; returns the endpoints."""
         cfg = self.cfg
+        self.host = cfg.host or cfg.address()
         self.engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
         policy = PolicyState(self.engine.connector.kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
@@ -96,7 +98,7 @@ class DecodeWorker:
         self.frontend = Frontend(self.async_engine, policy, self.metrics, self.worker_id, served,
                                  ServingLimits.from_dict(cfg.limits), remote=self.remote)
         self.metrics.engine_alive.set(1)
-        self.grpc = GrpcServer(self.frontend, cfg.host, cfg.grpc_port)
+        self.grpc = GrpcServer(self.frontend, self.host, cfg.grpc_port)
         await self.grpc.start()
         self.grpc_address = self.grpc.address
         await self._start_http()
@@ -113,9 +115,9 @@ class DecodeWorker:
         cfg = self.cfg
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((cfg.host, cfg.http_port))
+        sock.bind((self.host, cfg.http_port))
         self._http_sock = sock
-        self.http_address = f"{cfg.host}:{sock.getsockname()[1]}"
+        self.http_address = f"{self.host}:{sock.getsockname()[1]}"
         config = uvicorn.Config(build_app(self.frontend), log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=2, http=H11Protocol)
         self._http = uvicorn.Server(config)
@@ -136,7 +138,7 @@ class DecodeWorker:
         self.queue = open_queue(cfg, "remote_prefill")
         kv = self.engine.connector.kv_tensor
         self.agent = KVTransferAgent(self.worker_id, kv, KVLayout.from_tensor(kv, self.engine.model_config.model_id),
-                                     ucx_env=cfg.ucx_env)
+                                     ucx_env=cfg.agent_ucx_env(self.host))
         self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,
                                     RemoteConfig(timeout_s=cfg.remote_timeout_s), costs=policy.costs)
         self.remote.start()

@@ -53,7 +53,7 @@ class PrefillWorkerConfig(WorkerConfig):
     # in another program (tests) only leaves the registry.
     exit_on_loop_death: bool = False
     metrics_port: int | None = None  # Prometheus /metrics: None = a free loopback port, 0 = off
-    metrics_host: str = "127.0.0.1"
+    metrics_host: str | None = None  # None: the address `bind` resolves to on this host
 
 
 class PrefillWorker:
@@ -84,7 +84,8 @@ class PrefillWorker:
         self.engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
         kv = self.engine.connector.kv_tensor
         layout = KVLayout.from_tensor(kv, self.engine.model_config.model_id)
-        self.agent = KVTransferAgent(self.worker_id, kv, layout, ucx_env=cfg.ucx_env)
+        self.host = cfg.metrics_host or cfg.address()
+        self.agent = KVTransferAgent(self.worker_id, kv, layout, ucx_env=cfg.agent_ucx_env(self.host))
         self.queue = open_queue(cfg, "the prefill worker")
         self._batch = PrefillBatch(self.worker_id, self.engine, self.agent, self.stats,
                                    transfer_timeout_s=cfg.transfer_timeout_s, layerwise=cfg.layerwise)
@@ -95,7 +96,7 @@ class PrefillWorker:
             self._queue_instance = await self.queue.instance_id()
         except Exception as exc:  # noqa: BLE001  (the queue restarting: its restart lost them anyway)
             log.warning("could not reach the queue at start: %r", exc)
-        metrics_at = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        metrics_at = self.metrics.serve(self.host, cfg.metrics_port)
         info = WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
                           kv_layout=self.engine.connector.layout_info(),
                           capacity={"max_num_batched_tokens": self.budget}, version=VERSION,

@@ -56,8 +56,10 @@ class PrefillQueue:
             raise ValueError(f"wire_bind={wire_bind!r} must be one of {list(WIRE_BINDS)}")
         self._metrics = QueueMetrics(self)
         self._core = QueueCore(capacity, max_requeues=max_requeues, on_dispatch=self._metrics.wait.observe)
-        # /metrics on loopback (port None: a free one, 0: off); its address is in stats().
-        self._metrics_at = self._metrics.serve("127.0.0.1", metrics_port)
+        # /metrics (port None: a free one, 0: off) where the wire would listen: loopback, or the
+        # node's address when other hosts are served; its address is in stats().
+        host = "127.0.0.1" if wire_bind == "loopback" else ray.util.get_node_ip_address()
+        self._metrics_at = self._metrics.serve(host, metrics_port)
         self._arrived = asyncio.Condition()
         # A restarted queue is empty, but prefill workers may still hold tasks of the lost
         # instance: hand out nothing until they have had time to report them (`hold`).

@@ -1,0 +1,144 @@
+"""An XpYd cluster across hosts, brought up the way an operator would.
+
+`ray up deploy/ray/local.yaml` starts Ray on three namespace hosts; `pdserve up` on
+the head host then starts etcd and the queue there, the prefill worker on the prefill
+host and the decode worker on the decode host (placed by Ray's per-node resources),
+every server bound to its host's address (network.bind: node) and UCX on TCP. A
+client on the head host (neither worker's) streams requests to the decode host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from netns import Network
+from ray_up import VENV_BIN, clean_up, ray_up
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+MAX_TOKENS = 8
+NAMESPACE = "pdserve"
+CLUSTER = "mh"
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 31000 + 3 for i in range(n)]
+
+
+class MultiHostCluster:
+    def __init__(self, ray_cluster, topology: Path, state: dict):
+        self.ray = ray_cluster
+        self.net = ray_cluster.net
+        self.topology = topology
+        self.state = state
+
+    @property
+    def decode_grpc(self) -> str:
+        return next(a["grpc"] for a in self.state["actors"] if a["role"] == "decode")
+
+    def client(self, op: str, timeout: float = 300, **args) -> dict:
+        payload = json.dumps({"op": op, **args})
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(HERE)}
+        res = subprocess.run(self.net["head"].cmd(sys.executable, str(HERE / "mh_client.py"), payload),
+                             capture_output=True, text=True, timeout=timeout, env=env)
+        line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT=")), None)
+        if res.returncode != 0 or line is None:
+            raise RuntimeError(f"client {op} failed ({res.returncode}): {res.stderr[-3000:]}")
+        return json.loads(line.removeprefix("RESULT="))
+
+    def stats(self) -> dict:
+        return self.client("stats", ray=self.ray.address, namespace=NAMESPACE,
+                           actors={f"{CLUSTER}-decode-0": "stats", f"{CLUSTER}-prefill-0": "get_stats"})
+
+    def generate(self, prompts, route: str, **kw) -> list[dict]:
+        return self.client("generate", target=self.decode_grpc, prompts=prompts, route=route,
+                           max_tokens=MAX_TOKENS, **kw)["outs"]
+
+    def pdserve(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        return subprocess.run(self.net["head"].cmd(str(VENV_BIN / "pdserve"), *args), capture_output=True,
+                              text=True, timeout=timeout, env=env)
+
+
+def write_topology(path: Path, model: str, net: Network, ray_address: str, run_dir: str) -> None:
+    engine = {"device": "cpu", "attention_backend": "torch", "dtype": "float32",
+              "max_num_batched_tokens": 1024, "kv_cache_memory_bytes": 64 << 20}
+    topo = {
+        "cluster": CLUSTER,
+        "model": {"path": model},
+        "roles": {
+            "prefill": {"replicas": 1, "engine": engine,
+                        "resources": {"num_cpus": 1, "custom": {f"node:{net['prefill'].addr}": 0.01}}},
+            "decode": {"replicas": 1, "engine": engine,
+                       "resources": {"num_cpus": 1, "custom": {f"node:{net['decode'].addr}": 0.01}}},
+        },
+        "etcd": {"lease_ttl_s": 4},
+        "ray": {"address": ray_address, "namespace": NAMESPACE},
+        "queue": {"wire": "node", "batch_max_tokens": 1024},
+        # Every server on its host's address; UCX on TCP so that the pages cross the veth
+        # (the hosts share a kernel: shared memory would otherwise be a shortcut).
+        "network": {"bind": "node", "ucx": {"UCX_TLS": "tcp"}},
+        "run_dir": run_dir,
+    }
+    path.write_text(yaml.safe_dump(topo))
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_dir):
+    net = Network(["head", "prefill", "decode"]).__enter__()
+    ray_cluster = None
+    run_dir = tempfile.mkdtemp(prefix="pdserve-mh-")
+    try:
+        ray_cluster = ray_up(net, "head", ["prefill", "decode"])
+        topology = Path(run_dir) / "topology.yaml"
+        write_topology(topology, llama_dir, net, ray_cluster.address, run_dir)
+        mh = MultiHostCluster(ray_cluster, topology, {})
+        up = mh.pdserve("up", "--topology", str(topology))
+        Path(run_dir, "pdserve-up.log").write_text(up.stdout + up.stderr)
+        assert up.returncode == 0, f"pdserve up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
+        mh.state = json.loads(Path(run_dir, f"{CLUSTER}.state.json").read_text())
+        yield mh
+        down = mh.pdserve("down", "--topology", str(topology), timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+    finally:
+        net.close()
+        clean_up(ray_cluster, net)
+        subprocess.run(["rm", "-rf", run_dir])
+
+
+def test_workers_serve_on_their_hosts_addresses(cluster):
+    net, st = cluster.net, cluster.state
+    assert cluster.decode_grpc.split(":")[0] == net["decode"].addr
+    assert st["etcd_endpoints"][0].split(":")[0] == net["head"].addr
+    stats = cluster.stats()
+    assert stats[f"{CLUSTER}-prefill-0"]["metrics"].split(":")[0] == net["prefill"].addr
+
+
+def test_remote_prefill_crosses_hosts_token_exact(cluster):
+    net = cluster.net
+    prompts = [prompt_of(200 + 16 * i, seed=i) for i in range(4)]
+    local = cluster.generate(prompts, route="local")
+    before = cluster.stats()
+    tx0, rx0 = net["prefill"].link_stats()["tx_bytes"], net["decode"].link_stats()["rx_bytes"]
+    remote = cluster.generate(prompts, route="remote")
+    after = cluster.stats()
+    tx1, rx1 = net["prefill"].link_stats()["tx_bytes"], net["decode"].link_stats()["rx_bytes"]
+
+    assert all("error" not in o for o in local + remote), local + remote
+    assert [o["token_ids"] for o in remote] == [o["token_ids"] for o in local]
+    assert [o["breakdown"]["route"] for o in remote] == ["remote"] * len(prompts)
+    d0, d1 = before[f"{CLUSTER}-decode-0"], after[f"{CLUSTER}-decode-0"]
+    p0, p1 = before[f"{CLUSTER}-prefill-0"], after[f"{CLUSTER}-prefill-0"]
+    assert d1["num_prompt_tokens_computed"] == d0["num_prompt_tokens_computed"]  # decode computed none
+    received = d1["remote"]["bytes_received"] - d0["remote"]["bytes_received"]
+    written = p1["bytes_written"] - p0["bytes_written"]
+    assert received == written > 0
+    assert tx1 - tx0 >= written and rx1 - rx0 >= written, (tx1 - tx0, rx1 - rx0, written)
