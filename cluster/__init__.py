@@ -1,14 +1,15 @@
-"""pdserve.cluster: the control plane.
+"""pdserve.cluster: the control plane (docs/cluster.md has the full module table).
 
-Modules (import the one you need; nothing is imported eagerly, so a process
-that only reads topologies does not pay for Ray or gRPC):
+Import the module you need; nothing is imported eagerly, so a process that only
+reads topologies does not pay for Ray or gRPC. The main entry points:
 
-- ``registry``: ``Registry`` (etcd membership with leases, keep-alive,
-  re-registration, member views, policy distribution) and ``WorkerInfo``.
-- ``watch``: ``MemberWatch`` and ``PolicyWatch``, the self-healing watches.
-- ``keys``: the etcd keyspace of ARCHITECTURE.md.
-- ``etcd_server``: ``EmbeddedEtcd``, an etcd child process on loopback.
 - ``topology``: the XpYd topology schema and ``load_topology``.
-- ``queue``: ``PrefillTask`` and the ``PrefillQueue`` Ray actor.
+- ``launcher``: ``Launcher`` brings a topology up and down; ``state`` records it.
+- ``registry``: ``Registry`` (etcd membership, views, watches, policy, drain) and
+  ``WorkerInfo``; ``registration`` holds its lease and keep-alive.
+- ``queue``: the prefill queue package (task messages, pure core, Ray actor, wire).
+- ``worker_config`` / ``join``: what both worker roles share to start and join.
+- ``netaddr``: which address every server binds and advertises (network.bind).
+- ``keys``: the etcd keyspace of ARCHITECTURE.md; ``etcd_server``: ``EmbeddedEtcd``.
 - ``cli``: ``pdserve topology check`` and ``pdserve etcd``.
 """
