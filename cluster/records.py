@@ -41,6 +41,8 @@ class WorkerInfo:
     capacity: dict[str, Any] = field(default_factory=dict)
     version: str = ""
     load: dict[str, Any] = field(default_factory=dict)
+    hostname: str = ""  # the machine the worker runs on (`pdserve status`)
+    address: str = ""  # the address its servers bind and advertise (network.bind)
 
     def __post_init__(self) -> None:
         check_name("worker_id", self.worker_id)

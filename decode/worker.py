@@ -172,7 +172,7 @@ class DecodeWorker:
             model=self.frontend.served_model, kv_layout=eng.connector.layout_info(),
             capacity={"num_blocks": eng.load().num_blocks, "max_num_seqs": eng.config.max_num_seqs,
                       "max_model_len": eng.max_model_len},
-            version=VERSION, load=self._load(),
+            version=VERSION, load=self._load(), hostname=socket.gethostname(), address=self.host,
         )
 
     def _load(self) -> dict:

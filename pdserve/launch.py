@@ -158,11 +158,12 @@ def _status(args) -> int:
     if members is None:
         _print_queue(state, queue)
         return 1
-    print(f"{'worker':<14} {'role':<8} {'endpoints':<44} load")
+    print(f"{'worker':<14} {'role':<8} {'host (address)':<30} {'endpoints':<44} load")
     for wid, m in sorted(members.items()):
+        host = f"{m.get('hostname') or '?'} ({m.get('address') or '?'})"
         eps = " ".join(f"{k}={v}" for k, v in m["endpoints"].items()) or "-"
         load = " ".join(f"{k}={v}" for k, v in m["load"].items()) or "-"
-        print(f"{wid:<14} {m['role']:<8} {eps:<44} {load}")
+        print(f"{wid:<14} {m['role']:<8} {host:<30} {eps:<44} {load}")
     missing = {a["worker_id"] for a in state.actors} - set(members)
     for wid in sorted(missing):
         print(f"{wid:<14} MISSING  (started by `up`, not registered: dead or restarting)")
@@ -185,7 +186,8 @@ async def _members(state) -> dict:
 
     async with Registry(state.etcd_endpoints, state.cluster) as reg:
         members = await reg.members()
-    return {wid: {"role": m.role, "endpoints": m.endpoints, "load": m.load} for wid, m in members.items()}
+    return {wid: {"role": m.role, "hostname": m.hostname, "address": m.address, "endpoints": m.endpoints,
+                  "load": m.load} for wid, m in members.items()}
 
 
 def _queue_stats(state) -> dict | None:

@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 from pdserve.cluster.join import join_cluster, leave_cluster, open_queue
@@ -100,7 +101,8 @@ class PrefillWorker:
         info = WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
                           kv_layout=self.engine.connector.layout_info(),
                           capacity={"max_num_batched_tokens": self.budget}, version=VERSION,
-                          endpoints={"metrics": metrics_at} if metrics_at else {})
+                          endpoints={"metrics": metrics_at} if metrics_at else {},
+                          hostname=socket.gethostname(), address=self.host)
         self.registry = await join_cluster(cfg, info, json.dumps(self.agent.local_info()).encode(),
                                            on_drain=self.drain)
         self._decode_watch = await self.registry.watch_members(on_remove=self._decode_gone, role="decode")

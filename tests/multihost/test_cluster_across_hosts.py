@@ -120,6 +120,11 @@ def test_workers_serve_on_their_hosts_addresses(cluster):
     assert st["etcd_endpoints"][0].split(":")[0] == net["head"].addr
     stats = cluster.stats()
     assert stats[f"{CLUSTER}-prefill-0"]["metrics"].split(":")[0] == net["prefill"].addr
+    status = cluster.pdserve("status", "--topology", str(cluster.topology), "--json", timeout=120)
+    assert status.returncode == 0, status.stdout + status.stderr
+    members = json.loads(status.stdout)["members"]
+    assert {w: m["address"] for w, m in members.items()} == {"prefill-0": net["prefill"].addr,
+                                                              "decode-0": net["decode"].addr}
 
 
 def test_remote_prefill_crosses_hosts_token_exact(cluster):
