@@ -9,6 +9,7 @@ layer maps to gRPC / HTTP.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from pdserve.engine import InvalidRequestError, SamplingParams, check_text
+from pdserve.engine.request import INT64_MIN, UINT64_MAX
 from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, admit
 
 from .async_engine import AsyncEngine, EngineDeadError, FinalInfo
@@ -76,8 +78,8 @@ class Frontend:
                                    f"request_id: must be 1-{lim.max_request_id_chars} characters of "
                                    "A-Z a-z 0-9 . _ : @ / + = -", "request_id")
         if inp.model and inp.model != self.served_model:
-            raise RequestError("invalid_argument",
-                               f"model: {inp.model!r} is not served here; this worker serves {self.served_model!r}",
+            raise RequestError("not_found",
+                               f"model: {inp.model!r} does not exist here; this worker serves {self.served_model!r}",
                                "model")
         if inp.route not in ("auto", "local", "remote"):
             raise RequestError("invalid_argument", f"route: {inp.route!r}; use auto, local or remote", "route")
@@ -94,8 +96,12 @@ class Frontend:
                     f"(max_model_len {eng.max_model_len} tokens)")
             ids, params, prio = eng.validate_input(prompt, inp.params, inp.priority, lim.request)
         except InvalidRequestError as exc:
-            raise RequestError("invalid_argument", str(exc), exc.field) from None
+            # The engine names a bad token id "prompt_token_ids"; the client sent it as the prompt.
+            err = RequestError("invalid_argument", str(exc), exc.field)
+            raise err.renamed({"prompt_token_ids": "prompt"}) from None
         room = eng.max_model_len - len(ids)
+        if inp.fill_context:
+            params = dataclasses.replace(params, max_tokens=room)
         if params.max_tokens > room:
             raise RequestError(
                 "invalid_argument",
@@ -244,6 +250,63 @@ class Frontend:
                     self.engine.abort(rid)
                 self.engine.detach(rid)
 
+    async def generate_many(self, inputs: list[GenerateInput], n: int = 1) -> AsyncIterator[tuple[int, Chunk]]:
+        """Several prompts, ``n`` samples each: ``(index, chunk)`` as chunks come, where
+        index = prompt index * n + sample index (OpenAI's choice index).
+
+        Every sequence is validated and admitted before the first chunk is yielded, so a
+        refusal of any of them (RequestError) ends all of them before the client is
+        answered. Sample 0 of each prompt starts first; its siblings start once it has its
+        first token, when the prompt's full blocks are in the prefix cache: they share those
+        blocks instead of computing them again (and may route locally on that hit). With
+        several sequences, sequence i runs as request ``<request_id>-<i>``; with a seed,
+        sample j uses seed + j (vLLM's parallel sampling).
+        """
+        if len(inputs) == 1 and n == 1:
+            async for chunk in self.generate(inputs[0]):
+                yield 0, chunk
+            return
+        base = inputs[0].request_id or uuid.uuid4().hex
+        seqs: dict[int, AsyncIterator[Chunk]] = {}
+        firsts: dict[int, Chunk] = {}
+        pending: dict[asyncio.Future, int] = {}
+        try:
+            for wave in (range(1), range(1, n)):
+                started = [p * n + j for p in range(len(inputs)) for j in wave]
+                for i in started:
+                    seqs[i] = self.generate(_sample(inputs[i // n], i % n, f"{base}-{i}"))
+                got = await asyncio.gather(*(seqs[i].__anext__() for i in started), return_exceptions=True)
+                for item in got:
+                    if isinstance(item, BaseException):
+                        raise item
+                firsts.update(zip(started, got))
+            for i in sorted(firsts):
+                yield i, firsts[i]
+                if firsts[i].finish_reason is None:
+                    pending[asyncio.ensure_future(seqs[i].__anext__())] = i
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in sorted(done, key=pending.__getitem__):
+                    i = pending.pop(fut)
+                    try:
+                        chunk = fut.result()
+                    except StopAsyncIteration:
+                        continue
+                    yield i, chunk
+                    if chunk.finish_reason is None:
+                        pending[asyncio.ensure_future(seqs[i].__anext__())] = i
+        finally:  # a refusal, an error or the client gone: end every sequence (frees its blocks)
+            for fut in pending:
+                fut.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for gen in seqs.values():
+                await gen.aclose()
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """Text of token ids (special tokens skipped), in the tokenizer pool."""
+        tok = self.engine.engine.tokenizer
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, tok.decode, token_ids)
+
     def abort(self, request_id: str) -> bool:
         """Abort an in-flight request (Abort RPC); False if unknown."""
         if request_id not in self.inflight:
@@ -298,6 +361,15 @@ class Frontend:
             self.metrics.prefix_hit_tokens.inc(final.cached_tokens)
         self.metrics.e2e.observe(now - prep.arrival)
         return b
+
+
+def _sample(inp: GenerateInput, j: int, request_id: str) -> GenerateInput:
+    """Sample ``j`` of a prompt as its own request (seed + j, wrapped into the seed range)."""
+    params = inp.params
+    if params.seed is not None and j:
+        span = UINT64_MAX - INT64_MIN + 1
+        params = dataclasses.replace(params, seed=(params.seed + j - INT64_MIN) % span + INT64_MIN)
+    return dataclasses.replace(inp, params=params, request_id=request_id)
 
 
 def _as_request_error(item) -> RequestError:

@@ -1,4 +1,11 @@
-"""gRPC surface of a decode worker: Inference + grpc.health.v1 + reflection."""
+"""gRPC surface of a decode worker: Inference + grpc.health.v1 + server reflection (v1 and v1alpha).
+
+Status codes are the ones api/proto/pdserve/api/v1/inference.proto documents:
+INVALID_ARGUMENT (a bad field, named as the proto names it; bytes that do not
+parse), NOT_FOUND (an unknown model), RESOURCE_EXHAUSTED (QoS refusal, with
+predicted-ttft-ms and retry-after-ms trailers), UNAVAILABLE (draining, engine
+down), INTERNAL (a bug, or a failure inside the engine for this request only).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +14,9 @@ import logging
 import uuid
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pdserve.common import Priority
 from pdserve.api.v1 import inference_pb2 as pb
@@ -27,6 +35,7 @@ _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_pe
              "frequency_penalty", "repetition_penalty", "logprobs")
 STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "internal": grpc.StatusCode.INTERNAL,
@@ -122,6 +131,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             async for chunk in self.frontend.generate(inp):
                 yield chunk_to_proto(inp.request_id, chunk)
         except RequestError as exc:
+            # The frontend says "prompt"; this client sent text or token_ids.
+            exc = exc.renamed({"prompt": request.WhichOneof("prompt") or "prompt"})
             self.frontend.metrics.error(exc.code)
             md = []
             if exc.predicted_ttft_ms is not None:
@@ -150,6 +161,47 @@ class InferenceService(pb_grpc.InferenceServicer):
         return pb.ListModelsResponse(models=[card])
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+_ALPHA = reflection_pb2.DESCRIPTOR.package  # grpc.reflection.v1alpha
+
+
+def _reflection_v1_file() -> descriptor_pb2.FileDescriptorProto:
+    """grpc.reflection.v1's file, made from v1alpha's: the two protocols are the same
+    messages under another package (grpcio-reflection ships only v1alpha)."""
+    fdp = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(fdp)
+    fdp.name, fdp.package = "grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"
+    fdp.ClearField("options")
+    for msg in fdp.message_type:
+        for f in msg.field:
+            if f.HasField("type_name"):
+                f.type_name = f.type_name.replace(f".{_ALPHA}.", ".grpc.reflection.v1.")
+    for m in fdp.service[0].method:
+        m.input_type = m.input_type.replace(f".{_ALPHA}.", ".grpc.reflection.v1.")
+        m.output_type = m.output_type.replace(f".{_ALPHA}.", ".grpc.reflection.v1.")
+    return fdp
+
+
+def enable_reflection(server) -> None:
+    """Server reflection, v1 (what grpcurl and current clients ask for first) and v1alpha,
+    over a private pool that holds exactly the files this server serves."""
+    pool = descriptor_pool.DescriptorPool()
+    for file in (pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+        fdp = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(fdp)
+        pool.AddSerializedFile(fdp.SerializeToString())
+    pool.AddSerializedFile(_reflection_v1_file().SerializeToString())
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME, REFLECTION_V1)
+    servicer = reflection.aio.ReflectionServicer(names, pool=pool)
+    handlers = {"ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)}
+    for service in (reflection.SERVICE_NAME, REFLECTION_V1):  # same wire format, two names
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        server.add_registered_method_handlers(service, handlers)
+
+
 class GrpcServer:
     """A grpc.aio server with the Inference, health and reflection services."""
 
@@ -158,9 +210,7 @@ class GrpcServer:
         add_inference_service(InferenceService(frontend), self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server)
+        enable_reflection(self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind gRPC to {host}:{port}")

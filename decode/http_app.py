@@ -1,91 +1,112 @@
 """OpenAI-compatible HTTP surface of a decode worker (FastAPI).
 
-/v1/completions and /v1/chat/completions (SSE when ``stream``), /v1/models,
-/health, /metrics. Errors use OpenAI's JSON shape with ``param`` naming the
-field: 400 bad input (malformed JSON included), 429 QoS refusal (with
-Retry-After and the predicted TTFT), 503 draining.
+/v1/completions and /v1/chat/completions (server-sent events when ``stream``),
+/v1/models, /health, /metrics (Prometheus text). Request and response models
+are `pdserve.api.openai_types`, built with this worker's bounds, so
+/openapi.json describes exactly what the worker accepts and answers. Every
+error has OpenAI's JSON shape with ``param`` naming the field: 400 bad input
+(malformed JSON included), 404 unknown model or path, 413 body too large, 429
+QoS refusal (with Retry-After and the predicted TTFT), 503 draining or engine
+down, 500 a bug.
 """
 
-from __future__ import annotations
-
+import functools
 import json
 import logging
 import time
+import typing
 import uuid
-from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.api.openai_types import (LOGPROB_FLOOR, Bounds, ChatCompletion, ChatCompletionChunk, Completion,
+                                      CompletionChunk, ErrorResponse, Health, ModelList, request_models)
 from pdserve.engine import SamplingParams
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, UINT64_MAX
 
 from .frontend import Frontend
 from .http_guard import BodyLimit, H11Protocol, openai_error
-from .ingress import GenerateInput, RequestError
+from .ingress import Chunk, GenerateInput, RequestError
 
-__all__ = ["build_app", "H11Protocol"]
+__all__ = ["build_app", "bounds_of", "H11Protocol"]
 
 log = logging.getLogger(__name__)
 
-HTTP_STATUS = {"invalid_argument": 400, "resource_exhausted": 429, "unavailable": 503, "internal": 500}
+HTTP_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 429, "unavailable": 503,
+               "internal": 500}
+ERRORS = {
+    400: "a field is invalid (`param` names it), the body is not a JSON object, or prompt + max_tokens "
+         "exceed max_model_len",
+    404: "`model` is not served here (`param` is model), or an unknown path",
+    413: "the body is over this worker's limits.max_body_bytes",
+    429: "refused by QoS admission: Retry-After and X-Predicted-TTFT-Ms say when to retry",
+    500: "a bug in this worker; the request was not served",
+    503: "the worker is draining or its engine is down: retry on another decode worker",
+}
+SSE_NOTE = ("With `stream: true`: server-sent events, one `data: <{chunk} JSON>` per event (see the {chunk} "
+            "schema), then `data: [DONE]`. An error after the stream began is one `data: <ErrorResponse JSON>`.")
 
 
-class _Common(BaseModel):
-    # OpenAI clients send fields we do not use (user, ...): ignore those, but
-    # type-check every field we do use, strictly: `"max_tokens": true` or `"7"` is
-    # refused, not coerced, and NaN / Infinity (which Python's JSON parser accepts)
-    # are refused by name.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
-    # The ranges are the engine's (SamplingParams.validate), so the OpenAPI document
-    # tells clients exactly what is accepted.
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
-    seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
-    # pdserve extensions
-    priority: Literal["high", "normal", "low"] = "normal"
-    ttft_slo_ms: float | None = Field(None, gt=0)
-    route: Literal["auto", "local", "remote"] = "auto"
-    request_id: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9._:@/+=-]+$")
-
-    def sampling(self, logprobs: int | None) -> SamplingParams:
-        kw = {k: getattr(self, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
-                                            "presence_penalty", "frequency_penalty", "repetition_penalty")
-              if getattr(self, k) is not None}
-        return SamplingParams(**kw, logprobs=logprobs, stop=self.stop or [],
-                              stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
+def bounds_of(frontend: Frontend) -> Bounds:
+    """This worker's bounds: the model's context and vocabulary, its limits, the engine's ranges."""
+    eng, lim = frontend.engine.engine, frontend.limits
+    return Bounds(
+        max_model_len=eng.max_model_len, vocab_size=eng.model_config.vocab_size,
+        max_prompt_chars=frontend.max_prompt_chars, max_request_id_chars=lim.max_request_id_chars,
+        max_messages=lim.max_messages, max_stop_strings=lim.max_stop_strings, max_stop_chars=lim.max_stop_chars,
+        max_stop_token_ids=lim.max_stop_token_ids, max_n=lim.max_n, max_prompts=lim.max_prompts,
+        max_temperature=MAX_TEMPERATURE, max_repetition_penalty=MAX_REPETITION_PENALTY,
+        seed_min=INT64_MIN, seed_max=UINT64_MAX, int64_max=INT64_MAX)
 
 
-class CompletionRequest(_Common):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    logprobs: int | None = Field(None, ge=0, le=20)
+def _errors(*codes: int) -> dict:
+    return {c: {"model": ErrorResponse, "description": ERRORS[c]} for c in codes}
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "user", "assistant"]
-    content: str
+def _generation_responses(model, chunk) -> dict:
+    sse = {"schema": {"type": "string", "description": SSE_NOTE.format(chunk=chunk.__name__)}}
+    return {200: {"model": model, "description": "the completion (JSON), or its stream (server-sent events)",
+                  "content": {"text/event-stream": sse}},
+            **_errors(400, 404, 413, 429, 500, 503)}
 
 
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+def _field_names(model) -> set[str]:
+    """Every field name in a request model's tree."""
+    names: set[str] = set()
+    todo = [model]
+    while todo:
+        m = todo.pop()
+        for name, info in m.model_fields.items():
+            names.add(name)
+            todo.extend(t for t in _models_in(info.annotation) if t not in todo)
+    return names
+
+
+def _models_in(annotation) -> list:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in typing.get_args(annotation) for m in _models_in(a)]
+
+
+def _param_of(loc: list, field_names: set[str]) -> str:
+    """The parameter a validation error is about, as OpenAI names nested ones
+    ("messages[0].content"): pydantic's union-member tags ("constrained-str",
+    "list[int]") are dropped, and so is an index into a list of plain values (the
+    message says which element)."""
+    parts: list[str] = []
+    for k, part in enumerate(loc):
+        if isinstance(part, int):
+            if any(isinstance(p, str) and p in field_names for p in loc[k + 1:]):
+                parts.append(f"[{part}]")
+        elif part in field_names:
+            parts.append(f".{part}" if parts else part)
+    return "".join(parts) or str(loc[0])
 
 
 def _from_request_error(exc: RequestError) -> JSONResponse:
@@ -97,9 +118,114 @@ def _from_request_error(exc: RequestError) -> JSONResponse:
     return openai_error(HTTP_STATUS[exc.code], str(exc), exc.field, headers)
 
 
+def _finite(lp: float | None) -> float:
+    return LOGPROB_FLOOR if lp is None or lp != lp or lp < LOGPROB_FLOOR else lp
+
+
+class _Reply:
+    """Shapes one request's (choice index, Chunk) pairs as OpenAI's JSON (completion or chat)."""
+
+    def __init__(self, kind: str, rid: str, model: str, token_text, logprobs: int | None, echo: list[str]):
+        self.kind, self.rid, self.model, self.token_text = kind, rid, model, token_text
+        self.created = int(time.time())
+        self.logprobs = logprobs  # None: not asked; else how many alternatives per token
+        self.echo = echo  # per choice: text to prepend (completions' echo)
+        self.sent_chars: dict[int, int] = {}  # per choice: text sent so far (logprobs' text_offset)
+
+    def text_of(self, i: int, c: Chunk) -> str:
+        if i not in self.sent_chars:
+            self.sent_chars[i] = 0
+            if self.echo:
+                return self.echo[i] + c.text
+        return c.text
+
+    def logprobs_of(self, i: int, c: Chunk, text: str) -> dict | None:
+        if self.logprobs is None:
+            return None
+        tt = self.token_text
+        if self.kind == "chat":
+            content = []
+            for e in c.logprobs:
+                tok = tt(e["token_id"])
+                tops = sorted((e.get("top_logprobs") or {}).items(), key=lambda kv: -kv[1])[: self.logprobs]
+                content.append({"token": tok, "logprob": _finite(e["logprob"]), "bytes": list(tok.encode()),
+                                "top_logprobs": [{"token": tt(t), "logprob": _finite(v), "bytes": list(tt(t).encode())}
+                                                 for t, v in tops]})
+            return {"content": content}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self.sent_chars[i] + len(text) - len(c.text)  # after any echoed prompt
+        for e in c.logprobs:
+            tok, lp = tt(e["token_id"]), _finite(e["logprob"])
+            top = {tt(t): _finite(v) for t, v in (e.get("top_logprobs") or {}).items()}
+            top.setdefault(tok, lp)  # vLLM's shape: the sampled token and the N most likely
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(tok)
+        return out
+
+    def choice(self, i: int, c: Chunk, stream: bool) -> dict:
+        text = self.text_of(i, c)
+        lp = self.logprobs_of(i, c, text)
+        self.sent_chars[i] += len(text)
+        if self.kind == "chat":
+            body = {"delta": {"content": text}} if stream else {"message": {"role": "assistant", "content": text}}
+        else:
+            body = {"text": text}
+        out = {"index": i, **body, "logprobs": lp, "finish_reason": c.finish_reason, "token_ids": c.token_ids}
+        if c.breakdown is not None:
+            out["pdserve"] = c.breakdown
+        return out
+
+    def envelope(self, choices: list[dict], stream: bool) -> dict:
+        obj = {"chat": ("chat.completion.chunk", "chat.completion"),
+               "completion": ("text_completion", "text_completion")}[self.kind][0 if stream else 1]
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
+def _usage(chunks: list[tuple[int, Chunk]], n: int) -> dict:
+    """Prompt tokens once per prompt (not per sample), generated tokens of every choice."""
+    prompt = sum((c.breakdown or {}).get("prompt_tokens", 0) for i, c in chunks if i % n == 0)
+    completion = sum(len(c.token_ids) for _, c in chunks)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _merge(parts: list[dict]) -> dict:
+    """One choice from its per-chunk pieces (text, token ids, logprobs concatenated)."""
+    out = dict(parts[-1])
+    for key in ("text",):
+        if key in out:
+            out[key] = "".join(p[key] for p in parts)
+    if "message" in out:
+        out["message"] = {"role": "assistant", "content": "".join(p["message"]["content"] for p in parts)}
+    out["token_ids"] = [t for p in parts for t in p["token_ids"]]
+    if out["logprobs"] is not None:
+        out["logprobs"] = {k: [x for p in parts for x in p["logprobs"][k]] for k in out["logprobs"]}
+    return out
+
+
 def build_app(frontend: Frontend) -> FastAPI:
-    app = FastAPI(title="pdserve decode worker", docs_url=None, redoc_url=None)
+    models = request_models(bounds_of(frontend))
+    CompletionRequest, ChatRequest = models.completion, models.chat
+    app = FastAPI(title="pdserve decode worker", version="v1", docs_url=None, redoc_url=None,
+                  description="OpenAI-compatible API of one pdserve decode worker (reference: docs/api.md).")
     app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_body_bytes)
+    field_names = _field_names(CompletionRequest) | _field_names(ChatRequest)
+    started = int(time.time())
+
+    tokenizer = frontend.engine.engine.tokenizer
+    anchor = tokenizer.encode("a", add_special_tokens=False)
+    anchor_text = tokenizer.decode(anchor, skip_special_tokens=False)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(token_id: int) -> str:
+        """A token's text as it reads inside a sequence: decoded after an anchor, because
+        SentencePiece-style decoders drop a leading space at the start of a sequence."""
+        text = tokenizer.decode(anchor + [token_id], skip_special_tokens=False)
+        if text.startswith(anchor_text):
+            return text[len(anchor_text):]
+        return tokenizer.decode([token_id], skip_special_tokens=False)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -107,17 +233,21 @@ def build_app(frontend: Frontend) -> FastAPI:
         first = errs[0] if errs else {}
         if first.get("type") == "json_invalid":
             return openai_error(400, "body: malformed JSON", "body")
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # A union field reports one error per member: the member that got furthest says
+        # what is wrong ([1, true] as a prompt: "prompt[1] should be an integer").
+        same = [e for e in errs if e.get("loc", ())[:2] == first.get("loc", ())[:2]]
+        first = max(same or [first], key=lambda e: (len(e.get("loc", ())), not e.get("type", "").endswith("_type")))
+        loc = list(first.get("loc", ()))[1:]  # after "body"
         if not loc:  # the body itself is unusable (not JSON, or not a JSON object)
             return openai_error(400, f"body: malformed JSON or not a JSON object ({first.get('msg', '')})", "body")
-        # The top-level field names the parameter; the rest of loc is the path inside it
-        # (union members show as type names: "prompt", "str").
-        field_name = loc[0]
-        where = f" (at {'.'.join(loc)})" if len(loc) > 1 else ""
-        return openai_error(400, f"{field_name}: {first.get('msg', 'invalid value')}{where}", field_name)
+        param = _param_of(loc, field_names)
+        where = ".".join(map(str, loc))
+        where = f" (at {where})" if where != param else ""
+        return openai_error(400, f"{param}: {first.get('msg', 'invalid value')}{where}", param)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
+        frontend.metrics.error(exc.code)
         return _from_request_error(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -134,87 +264,122 @@ def build_app(frontend: Frontend) -> FastAPI:
         frontend.metrics.error("internal")
         return openai_error(500, f"internal error: {exc.__class__.__name__}: {exc}")
 
-    async def run(inp: GenerateInput, stream: bool, kind: str):
-        rid = inp.request_id or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        inp.request_id = rid
-        created = int(time.time())
-        gen = frontend.generate(inp)
-        # Run validation / admission before answering, so errors get their status code.
+    async def run(body, kind: str, inputs: list[GenerateInput], logprobs: int | None):
+        rid = body.request_id or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        for inp in inputs:
+            inp.request_id = rid
+        n = body.n
+        gen = frontend.generate_many(inputs, n)
+        # Validation and admission of every sequence happen before the first chunk, so
+        # errors get their status code.
         try:
             first = await gen.__anext__()
         except RequestError as exc:
             frontend.metrics.error(exc.code)
             return _from_request_error(exc)
-        if stream:
-            return StreamingResponse(_sse(rid, created, kind, first, gen), media_type="text/event-stream")
-        chunks = [first]
-        async for c in gen:
-            chunks.append(c)
-        return JSONResponse(_full(rid, created, kind, chunks))
+        echo = []
+        if getattr(body, "echo", False):
+            texts = [p if isinstance(p, str) else await frontend.detokenize(p) for p in (i.prompt for i in inputs)]
+            echo = [texts[i // n] for i in range(len(inputs) * n)]
+        reply = _Reply(kind, rid, frontend.served_model, token_text, logprobs, echo)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(reply, len(inputs) * n, n, usage, first, gen),
+                                     media_type="text/event-stream")
+        pieces: dict[int, list[dict]] = {}
+        seen = [first]
+        try:
+            pieces.setdefault(first[0], []).append(reply.choice(*first, stream=False))
+            async for i, c in gen:
+                seen.append((i, c))
+                pieces.setdefault(i, []).append(reply.choice(i, c, stream=False))
+        finally:
+            await gen.aclose()
+        out = reply.envelope([_merge(pieces[i]) for i in sorted(pieces)], stream=False)
+        out["usage"] = _usage(seen, n)
+        return JSONResponse(out)
 
-    def _choice(kind: str, text: str, finish, delta: bool) -> dict:
-        if kind == "chat":
-            body = {"delta": {"content": text}} if delta else {"message": {"role": "assistant", "content": text}}
-            return {"index": 0, **body, "finish_reason": finish}
-        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    async def _sse(reply: _Reply, num_choices: int, n: int, include_usage: bool, first, gen):
+        seen = []
 
-    def _full(rid, created, kind, chunks) -> dict:
-        last = chunks[-1]
-        text = "".join(c.text for c in chunks)
-        b = last.breakdown or {}
-        n_out = sum(len(c.token_ids) for c in chunks)
-        return {
-            "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": created, "model": frontend.served_model,
-            "choices": [_choice(kind, text, last.finish_reason, False)],
-            "usage": {"prompt_tokens": b.get("prompt_tokens", 0), "completion_tokens": n_out,
-                      "total_tokens": b.get("prompt_tokens", 0) + n_out},
-            "token_ids": [t for c in chunks for t in c.token_ids],
-            "pdserve": b,
-        }
-
-    async def _sse(rid, created, kind, first, gen):
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-        def event(c) -> str:
-            payload = {"id": rid, "object": obj, "created": created, "model": frontend.served_model,
-                       "choices": [_choice(kind, c.text, c.finish_reason, True)], "token_ids": c.token_ids}
-            if c.breakdown is not None:
-                payload["pdserve"] = c.breakdown
-            return f"data: {json.dumps(payload)}\n\n"
+        def event(choices: list[dict], usage=None) -> str:
+            payload = reply.envelope(choices, stream=True)
+            if include_usage:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload, allow_nan=False)}\n\n"
 
         try:
-            yield event(first)
-            async for c in gen:
-                yield event(c)
-            yield "data: [DONE]\n\n"
+            if reply.kind == "chat":  # OpenAI's first delta of each choice: the role, no content yet
+                for i in range(num_choices):
+                    yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None, "token_ids": []}])
+            seen.append(first)
+            yield event([reply.choice(*first, stream=True)])
+            async for i, c in gen:
+                seen.append((i, c))
+                yield event([reply.choice(i, c, stream=True)])
+            if include_usage:
+                yield event([], _usage(seen, n))
         except RequestError as exc:
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'param': exc.field}})}\n\n"
+            frontend.metrics.error(exc.code)
+            yield f"data: {_from_request_error(exc).body.decode()}\n\n"
+        except Exception as exc:  # noqa: BLE001  (a bug after the 200: the client still gets an error event)
+            log.exception("stream %s failed", reply.rid)
+            frontend.metrics.error("internal")
+            yield f"data: {openai_error(500, f'internal error: {exc.__class__.__name__}: {exc}').body.decode()}\n\n"
         finally:
-            await gen.aclose()  # client gone: the frontend aborts the request
+            await gen.aclose()  # client gone: the frontend aborts every sequence
+        yield "data: [DONE]\n\n"
 
-    @app.post("/v1/completions")
+    def common(body, prompt, messages=None, fill_context=False, logprobs=None) -> GenerateInput:
+        kw = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
+                                            "frequency_penalty", "repetition_penalty") if getattr(body, k) is not None}
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if max_tokens is not None:
+            kw["max_tokens"] = max_tokens
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        params = SamplingParams(**kw, logprobs=logprobs, stop=stop, stop_token_ids=body.stop_token_ids or [],
+                                ignore_eos=body.ignore_eos)
+        return GenerateInput(prompt=prompt, messages=messages, params=params, model=body.model,
+                             priority=body.priority, ttft_slo_ms=body.ttft_slo_ms, route=body.route,
+                             fill_context=fill_context and max_tokens is None)
+
+    def check_combinations(body) -> None:
+        if body.stream_options is not None and not body.stream:
+            raise RequestError("invalid_argument", "stream_options: only with stream: true", "stream_options")
+
+    @app.post("/v1/completions", response_model=None, responses=_generation_responses(Completion, CompletionChunk))
     async def completions(body: CompletionRequest):
-        inp = GenerateInput(prompt=body.prompt, params=body.sampling(body.logprobs), request_id=body.request_id,
-                            model=body.model, priority=body.priority, ttft_slo_ms=body.ttft_slo_ms, route=body.route)
-        return await run(inp, body.stream, "completion")
+        check_combinations(body)
+        if body.echo and body.logprobs is not None:
+            raise RequestError("invalid_argument", "echo: not with logprobs (prompt logprobs are not computed "
+                               "here); drop one of them", "echo")
+        p = body.prompt
+        prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else p
+        return await run(body, "completion", [common(body, q, logprobs=body.logprobs) for q in prompts],
+                         body.logprobs)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=_generation_responses(ChatCompletion, ChatCompletionChunk))
     async def chat(body: ChatRequest):
-        # The template is rendered and tokenized with the rest of validation, off the event loop.
+        check_combinations(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError("invalid_argument", "top_logprobs: needs logprobs: true", "top_logprobs")
+        # developer is OpenAI's newer name for system; text parts are joined with newlines.
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.content if isinstance(m.content, str) else "\n".join(x.text for x in m.content)}
+                    for m in body.messages]
         lp = (body.top_logprobs or 0) if body.logprobs else None
-        inp = GenerateInput(prompt=None, messages=[m.model_dump() for m in body.messages],
-                            params=body.sampling(lp), request_id=body.request_id, model=body.model,
-                            priority=body.priority, ttft_slo_ms=body.ttft_slo_ms, route=body.route)
-        return await run(inp, body.stream, "chat")
+        # The template is rendered and tokenized with the rest of validation, off the event loop.
+        return await run(body, "chat", [common(body, None, messages, fill_context=True, logprobs=lp)], lp)
 
-    @app.get("/v1/models")
-    async def models():
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **_errors(500)})
+    async def list_models():
         eng = frontend.engine.engine
-        return {"object": "list", "data": [{"id": frontend.served_model, "object": "model", "owned_by": "pdserve",
-                                            "max_model_len": eng.max_model_len}]}
+        return {"object": "list", "data": [{"id": frontend.served_model, "object": "model", "created": started,
+                                            "owned_by": "pdserve", "max_model_len": eng.max_model_len}]}
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": Health}, **_errors(500, 503)})
     async def healthz():
         if not frontend.engine.alive:
             return openai_error(503, f"engine is not running: {frontend.engine.error!r}")
@@ -222,9 +387,40 @@ def build_app(frontend: Frontend) -> FastAPI:
             return openai_error(503, "draining")
         return {"status": "ok", "worker_id": frontend.worker_id}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition format 0.0.4"}, **_errors(500)})
     async def metrics():
         frontend.refresh_gauges()
-        return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(frontend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+            for path, ops in doc["paths"].items():
+                for op in ops.values():
+                    # FastAPI documents 422 for every body; this server answers 400 instead.
+                    op["responses"].pop("422", None)
+                    for status, resp in op["responses"].items():
+                        if int(status) >= 400:
+                            resp["content"] = error
+            doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {
+                "type": "string"}}}
+            # The schemas as pydantic writes them (FastAPI's own pass turns integer bounds into
+            # floats, which loses 2**64 - 1), and the stream's events, which the
+            # text/event-stream responses refer to by name.
+            schemas = doc["components"]["schemas"]
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            _, defs = models_json_schema(
+                [(CompletionRequest, "validation"), (ChatRequest, "validation")]
+                + [(m, "serialization") for m in (Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk,
+                                                  ErrorResponse, ModelList, Health)],
+                ref_template="#/components/schemas/{model}")
+            schemas.update(defs["$defs"])
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
+

@@ -1,14 +1,16 @@
 """What guards the HTTP surface before FastAPI sees a request, and the error shape it shares.
 
 `BodyLimit` (ASGI middleware) refuses a body over the worker's limit with 413
-before anything parses it; `H11Protocol` answers oversized headers with 431
-instead of a bare 400; `openai_error` builds OpenAI's error JSON
+before anything parses it; `H11Protocol` answers a request h11 cannot parse
+with JSON in the same shape (431 for oversized headers instead of a bare
+plain-text 400); `openai_error` builds OpenAI's error JSON
 (``{"error": {"message", "type", "param", "code"}}``) used for every refusal.
 """
 
 from __future__ import annotations
 
 import http
+import json
 
 import h11
 import uvicorn.protocols.http.h11_impl
@@ -93,12 +95,15 @@ class H11Protocol(uvicorn.protocols.http.h11_impl.H11Protocol):
         self.conn.next_event = next_event_noting_status
 
     def send_400_response(self, msg: str) -> None:
-        if self._error_status == 400:
-            return super().send_400_response(msg)
+        # Requests h11 cannot parse never reach FastAPI: answer them in the same OpenAI
+        # error shape as everything else (uvicorn's default is a plain-text 400).
         status = self._error_status
         msg = "request headers too large" if status == 431 else msg
+        body = json.dumps({"error": {"message": msg, "type": "invalid_request_error", "param": None,
+                                     "code": status}}).encode()
         for event in (h11.Response(status_code=status, reason=http.HTTPStatus(status).phrase.encode(),
-                                   headers=[(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]),
-                      h11.Data(data=msg.encode("ascii")), h11.EndOfMessage()):
+                                   headers=[(b"content-type", b"application/json"), (b"connection", b"close"),
+                                            (b"content-length", str(len(body)).encode())]),
+                      h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()

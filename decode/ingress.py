@@ -23,7 +23,10 @@ from .prefill_pool import PrefillView
 class RequestError(Exception):
     """A request that cannot be served, with the status the client should see.
 
-    ``code`` is one of: invalid_argument, resource_exhausted, unavailable, internal.
+    ``code`` is one of: invalid_argument, not_found (an unknown model), resource_exhausted,
+    unavailable, internal. ``field`` names the request field at fault, as `GenerateInput`
+    names it ("prompt" for text and token ids alike); each API renames it to its own
+    field names (`renamed`).
     """
 
     def __init__(self, code: str, message: str, field_name: str | None = None,
@@ -33,6 +36,16 @@ class RequestError(Exception):
         self.field = field_name
         self.predicted_ttft_ms = predicted_ttft_ms
         self.retry_after_ms = retry_after_ms
+
+    def renamed(self, names: dict[str, str]) -> "RequestError":
+        """The same error naming the field as the client's API spells it."""
+        new = names.get(self.field or "")
+        if new is None:
+            return self
+        message = str(self)
+        if message.startswith(f"{self.field}:"):
+            message = new + message[len(self.field):]
+        return RequestError(self.code, message, new, self.predicted_ttft_ms, self.retry_after_ms)
 
 
 REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:@/+=-]+")
@@ -55,6 +68,8 @@ class ServingLimits:
     max_stop_strings: int = 32
     max_stop_chars: int = 256
     max_stop_token_ids: int = 256
+    max_n: int = 128  # choices per prompt (HTTP n; OpenAI's bound)
+    max_prompts: int = 64  # prompts in one batched /v1/completions request
     tokenizer_threads: int = 2  # tokenization runs here, never on the event loop
 
     @classmethod
@@ -85,6 +100,8 @@ class GenerateInput:
     priority: Priority | str = Priority.NORMAL  # a name is parsed (and refused) by validate
     ttft_slo_ms: float | None = None
     route: str = "auto"
+    # max_tokens not given by the client: generate up to the context's end (vLLM's chat default)
+    fill_context: bool = False
 
 
 @dataclass

@@ -41,7 +41,7 @@ def assert_healthy_and_exact(worker, reference):
         assert h.get("/health").status_code == 200
         r = h.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 12, "temperature": 0,
                                             "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["token_ids"] == ref[0]
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref[0]
     eng = worker.worker.engine
     wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 15.0)
     assert worker.worker.async_engine.alive
@@ -76,7 +76,7 @@ def test_http_tiny_values_are_served(worker, reference, route):
     with httpx.Client(base_url=worker.http, timeout=60) as h:
         r = h.post("/v1/completions", json={"prompt": prompts[1], "max_tokens": 12, "temperature": 1e-40,
                                             "ignore_eos": True, "route": route})
-        assert r.status_code == 200 and r.json()["token_ids"] == ref[1]  # tiny temperature = greedy
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref[1]  # tiny temperature = greedy
         for body in ({"repetition_penalty": 1e-40, "temperature": 1.0, "seed": 1},
                      {"repetition_penalty": 1e-40}, {"top_p": 1e-40, "temperature": 1.0}):
             r = h.post("/v1/completions", json={"prompt": prompts[1], "max_tokens": 5, "route": route, **body})
@@ -97,7 +97,8 @@ def test_http_tiny_values_are_served(worker, reference, route):
     ({"prompt": "hi", "stop_token_ids": list(range(10_000))}, "stop_token_ids"),
     ({"prompt": "hi", "request_id": "x" * 300}, "request_id"),
     ({"prompt": "hi", "request_id": "bad id\n"}, "request_id"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 10**6}, "n"),
 ])
 def test_http_bad_parameters_are_400_naming_the_field(worker, body, param):
     with httpx.Client(base_url=worker.http, timeout=60) as h:
@@ -150,6 +151,9 @@ def test_prompt_over_the_character_bound_is_refused_without_tokenizing(worker, r
         assert "characters" in r.json()["error"]["message"]
         r = h.post("/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "b" * (fe.max_prompt_chars + 1)}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+        many = [{"role": "user", "content": "b" * (fe.max_prompt_chars // 2 + 1)}] * 2  # the bound is on the total
+        r = h.post("/v1/chat/completions", json={"messages": many})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert calls == []
     monkeypatch.undo()
@@ -189,7 +193,7 @@ def test_tokenization_never_blocks_the_event_loop(worker, reference, monkeypatch
                 assert h2.get("/health").status_code == 200
                 r = h2.post("/v1/completions", json={"prompt": prompts[2], "max_tokens": 12, "temperature": 0,
                                                      "ignore_eos": True})
-                assert r.status_code == 200 and r.json()["token_ids"] == ref[2]
+                assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref[2]
             assert grpc_health(worker.grpc) == health_pb2.HealthCheckResponse.SERVING
         finally:
             release.set()

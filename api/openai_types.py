@@ -1,0 +1,395 @@
+"""The OpenAI-compatible HTTP API's request and response models (pydantic).
+
+Requests are strict: a value of the wrong JSON type is refused, never coerced
+(``"max_tokens": "7"``, ``true`` or ``7.5``), and NaN / Infinity are refused by
+name. The bounds that depend on the model and on the worker's limits (context
+length, vocabulary, list sizes) come from `Bounds`: `request_models` builds the
+request classes for one worker, so its OpenAPI document states exactly what it
+accepts. Fields OpenAI defines that pdserve does not implement (``suffix``,
+``tools``, ``logit_bias``, ...) are declared with the only values that mean
+"not used", so a client that relies on one gets a 400 naming it instead of
+silently different output. Unknown fields are ignored, as vLLM does.
+
+Response models describe the JSON the server sends (and document it): the
+server builds plain dicts for speed; the schema tests check them against these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "Bounds", "RequestModels", "request_models", "ErrorResponse", "ErrorBody", "Usage", "Breakdown",
+    "CompletionLogprobs", "CompletionChoice", "Completion", "CompletionChunk",
+    "ChatTopLogprob", "ChatTokenLogprob", "ChatLogprobs", "AssistantMessage", "ChatChoice", "ChatCompletion",
+    "ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "ModelCard", "ModelList", "Health",
+    "MAX_LOGPROBS", "LOGPROB_FLOOR",
+]
+
+MAX_LOGPROBS = 20  # OpenAI's bound on logprobs / top_logprobs
+LOGPROB_FLOOR = -9999.0  # what a -inf logprob is sent as (JSON has no infinity; vLLM's value)
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one worker accepts that depends on its model, engine and limits.
+
+    ``max_model_len``: prompt plus generated tokens; ``vocab_size``: token ids are
+    below it; the rest are the worker's `ServingLimits` and the engine's ranges.
+    """
+
+    max_model_len: int
+    vocab_size: int
+    max_prompt_chars: int
+    max_request_id_chars: int = 256
+    max_messages: int = 1024
+    max_stop_strings: int = 32
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 256
+    max_n: int = 128
+    max_prompts: int = 64
+    max_temperature: float = 1e4
+    max_repetition_penalty: float = 1e4
+    seed_min: int = -(2**63)
+    seed_max: int = 2**64 - 1
+    int64_max: int = 2**63 - 1
+
+
+def _only(value: Any, *allowed: Any) -> Any:
+    """A field pdserve does not implement: only the values that mean "not used" pass."""
+    if any(type(value) is type(a) and value == a for a in allowed):
+        return value
+    raise PydanticCustomError("unsupported", "is not supported by this server; leave it out (or null)")
+
+
+@dataclass(frozen=True)
+class RequestModels:
+    """The request classes of one worker (see `request_models`)."""
+
+    completion: type[BaseModel]
+    chat: type[BaseModel]
+
+
+def request_models(b: Bounds) -> RequestModels:
+    """Request classes whose constraints are this worker's: the OpenAPI document and
+    the validation come from the same declarations."""
+    max_out = b.max_model_len - 1  # at least one prompt token
+    Text = Annotated[str, Field(min_length=1, max_length=b.max_prompt_chars)]
+    TokenId = Annotated[int, Field(ge=0, le=b.vocab_size - 1)]
+    TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=b.max_model_len - 1)]
+    StopText = Annotated[str, Field(min_length=1, max_length=b.max_stop_chars)]
+    MaxTokens = Annotated[int, Field(ge=1, le=max_out)]
+
+    class StreamOptions(BaseModel):
+        """Options of a streamed response (only with ``stream: true``)."""
+
+        model_config = ConfigDict(extra="ignore", strict=True)
+        include_usage: bool | None = Field(
+            None, description="send a last chunk with empty `choices` and the request's `usage`; "
+                              "every other chunk then has `usage: null`")
+
+    class _Sampling(BaseModel):
+        model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+        model: str | None = Field(None, description="must name the served model if set (404 otherwise)")
+        max_tokens: MaxTokens | None = Field(
+            None, description="most tokens to generate (default 16 for completions; for chat the room left in "
+                              "the context); prompt + max_tokens must fit max_model_len (400 otherwise)")
+        temperature: Annotated[float, Field(ge=0, le=b.max_temperature)] | None = Field(
+            None, description="default 1.0; 0 (or below 1e-5) is greedy")
+        top_p: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="default 1.0")
+        top_k: Annotated[int, Field(ge=-1, le=b.int64_max)] | None = Field(
+            None, description="vLLM extension; 0 or -1 disables")
+        seed: Annotated[int, Field(ge=b.seed_min, le=b.seed_max)] | None = Field(
+            None, description="makes sampling reproducible; with n > 1, choice j of a prompt uses seed + j")
+        presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+        frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+        repetition_penalty: Annotated[float, Field(gt=0, le=b.max_repetition_penalty)] | None = Field(
+            None, description="vLLM extension; 1.0 disables")
+        stop: StopText | Annotated[list[StopText], Field(max_length=b.max_stop_strings)] | None = Field(
+            None, description="text that ends a choice (not included in it)")
+        stop_token_ids: Annotated[list[TokenId], Field(max_length=b.max_stop_token_ids)] | None = Field(
+            None, description="vLLM extension: token ids that end a choice")
+        ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-sequence")
+        n: Annotated[int, Field(ge=1, le=b.max_n)] = Field(
+            1, description="choices per prompt (parallel sampling: the siblings share the prompt's KV blocks)")
+        stream: bool = Field(False, description="answer with server-sent events, ending with `data: [DONE]`")
+        stream_options: StreamOptions | None = Field(None, description="only with `stream: true`")
+        user: str | None = Field(None, description="accepted and not used")
+        logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
+            None, description="not supported: only null or {}")
+        # pdserve extensions
+        priority: Literal["high", "normal", "low"] = Field("normal", description="pdserve: QoS class")
+        ttft_slo_ms: Annotated[float, Field(gt=0)] | None = Field(
+            None, description="pdserve: time-to-first-token objective for admission and routing")
+        route: Literal["auto", "local", "remote"] = Field(
+            "auto", description="pdserve: force local or remote prefill (tests, debugging)")
+        request_id: Annotated[str, Field(min_length=1, max_length=b.max_request_id_chars,
+                                         pattern=r"^[A-Za-z0-9._:@/+=-]+$")] | None = Field(
+            None, description="the response's id (with n > 1 or several prompts, sequence i runs as "
+                              "`<id>-<i>`); must not be in flight already")
+
+        @field_validator("logit_bias", mode="before")
+        @classmethod
+        def _no_logit_bias(cls, v):
+            return _only(v, None, {})
+
+    _stream_options_need_stream = {
+        "if": {"properties": {"stream_options": {"type": "object"}}, "required": ["stream_options"]},
+        "then": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+    }
+
+    class CompletionRequest(_Sampling):
+        """POST /v1/completions."""
+
+        model_config = ConfigDict(json_schema_extra={"allOf": [
+            _stream_options_need_stream,
+            {"if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+             "then": {"properties": {"logprobs": {"type": "null"}}}},
+        ]})
+
+        prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=b.max_prompts)] \
+            | Annotated[list[TokenIds], Field(min_length=1, max_length=b.max_prompts)] = Field(
+                description="text, token ids, or a list of either (one choice per prompt and n)")
+        logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+            None, description="log-probabilities of each generated token and of the N most likely ones")
+        echo: bool = Field(False, description="prepend the prompt to each choice's text (not with logprobs)")
+        suffix: None = Field(None, description="not supported: only null")
+        best_of: Annotated[int, Field(ge=1, le=1)] | None = Field(None, description="not supported: only 1")
+
+        @field_validator("suffix", mode="before")
+        @classmethod
+        def _no_suffix(cls, v):
+            return _only(v, None)
+
+        @field_validator("best_of", mode="before")
+        @classmethod
+        def _no_best_of(cls, v):
+            return _only(v, None, 1)
+
+    class TextPart(BaseModel):
+        model_config = ConfigDict(extra="ignore", strict=True)
+        type: Literal["text"]
+        text: Annotated[str, Field(max_length=b.max_prompt_chars)]
+
+    class ChatMessage(BaseModel):
+        """One message; ``developer`` is OpenAI's newer name for ``system`` and is sent to the
+        template as ``system``. Content parts must be text (joined with newlines)."""
+
+        model_config = ConfigDict(extra="ignore", strict=True)
+        role: Literal["system", "developer", "user", "assistant"]
+        content: Annotated[str, Field(max_length=b.max_prompt_chars)] | Annotated[
+            list[TextPart], Field(min_length=1, max_length=b.max_messages)]
+        name: str | None = Field(None, description="accepted and not used")
+
+    class ResponseFormat(BaseModel):
+        model_config = ConfigDict(extra="ignore", strict=True)
+        type: Literal["text"] = Field(description="only text: JSON modes are not supported")
+
+    class ChatRequest(_Sampling):
+        """POST /v1/chat/completions."""
+
+        model_config = ConfigDict(json_schema_extra={"allOf": [
+            _stream_options_need_stream,
+            {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+             "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
+        ]})
+
+        messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=b.max_messages)]
+        max_completion_tokens: MaxTokens | None = Field(
+            None, description="OpenAI's current name for max_tokens; wins over it when both are set")
+        logprobs: bool = Field(False, description="return the log-probability of each generated token")
+        top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+            None, description="with logprobs: also the N most likely tokens at each position")
+        response_format: ResponseFormat | None = None
+        tools: Annotated[list[Any], Field(max_length=0)] | None = Field(None, description="not supported")
+        tool_choice: Literal["none"] | None = Field(None, description="not supported: only none")
+        functions: Annotated[list[Any], Field(max_length=0)] | None = Field(None, description="not supported")
+        function_call: Literal["none"] | None = Field(None, description="not supported: only none")
+
+        @field_validator("tools", "functions", mode="before")
+        @classmethod
+        def _no_tools(cls, v):
+            return _only(v, None, [])
+
+        @field_validator("response_format", mode="before")
+        @classmethod
+        def _text_only(cls, v):
+            if isinstance(v, dict) and v.get("type") not in (None, "text"):
+                raise PydanticCustomError("unsupported", "only {\"type\": \"text\"} is supported")
+            return v
+
+    return RequestModels(CompletionRequest, ChatRequest)
+
+
+# -- responses ---------------------------------------------------------------------------------
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorBody(_Out):
+    message: str = Field(description="what was wrong and what to change")
+    type: str = Field(description="invalid_request_error, rate_limit_error, unavailable or server_error")
+    param: str | None = Field(description="the request field at fault, when one is")
+    code: int = Field(description="the HTTP status")
+
+
+class ErrorResponse(_Out):
+    """Every error, whatever its status (OpenAI's shape)."""
+
+    error: ErrorBody
+
+
+class Usage(_Out):
+    prompt_tokens: int = Field(description="prompt tokens, counted once per prompt whatever n is")
+    completion_tokens: int
+    total_tokens: int
+
+
+class Breakdown(BaseModel):
+    """pdserve extension: where one sequence's time went (on its final message)."""
+
+    model_config = ConfigDict(extra="allow")
+    route: str | None = Field(None, description="local | remote")
+    reason: str | None = Field(None, description="the router's reason code and text")
+    score: float | None = None
+    predicted_ttft_local_ms: float | None = None
+    predicted_ttft_remote_ms: float | None = None
+    queue_wait_ms: float | None = None
+    prefill_ms: float | None = None
+    transfer_ms: float | None = None
+    transfer_bytes: int | None = None
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = Field(None, description="prompt tokens served by the prefix cache")
+    prefill_worker: str | None = None
+    attempts: int | None = None
+    fell_back_to_local: bool | None = None
+    worker_id: str | None = None
+
+
+class CompletionLogprobs(_Out):
+    """OpenAI's legacy logprobs: one entry per token of the choice (of this chunk when streaming)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] = Field(
+        description="the sampled token and the N most likely ones, by token text")
+    text_offset: list[int] = Field(description="each token's character offset in the choice's text")
+
+
+class CompletionChoice(_Out):
+    index: int = Field(description="prompt index x n + sample index")
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    token_ids: list[int] = Field(description="pdserve extension: the generated token ids")
+    pdserve: Breakdown | None = Field(None, description="pdserve extension, on the choice's final message")
+
+
+class Completion(_Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(_Out):
+    """One server-sent event of a streamed completion (``data: <json>``)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, description="with stream_options.include_usage: null, then set on the "
+                                                  "last chunk (whose choices are empty)")
+
+
+class ChatTopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's UTF-8 bytes")
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(description="the top_logprobs most likely tokens")
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    token_ids: list[int] = Field(description="pdserve extension: the generated token ids")
+    pdserve: Breakdown | None = None
+
+
+class ChatCompletion(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Out):
+    role: Literal["assistant"] | None = Field(None, description="on each choice's first chunk only")
+    content: str | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    token_ids: list[int] = Field(default_factory=list, description="pdserve extension")
+    pdserve: Breakdown | None = None
+
+
+class ChatCompletionChunk(_Out):
+    """One server-sent event of a streamed chat completion (``data: <json>``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int = Field(description="vLLM extension: prompt plus generated tokens")
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(_Out):
+    status: Literal["ok"]
+    worker_id: str
