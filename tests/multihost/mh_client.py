@@ -2,7 +2,8 @@
 
 It connects to the cluster's Ray as a driver (worker stats) and to a decode worker over
 gRPC (requests), and prints one JSON line ``RESULT=...`` with what the test asserts on.
-Ops: "stats" (decode and prefill worker stats), "generate" (requests, token ids back).
+Ops: "stats" (decode and prefill worker stats), "generate" (requests, token ids back),
+"wait_member" (poll etcd until a worker is present or gone; how long it took).
 """
 
 from __future__ import annotations
@@ -37,7 +38,25 @@ def generate(args: dict) -> dict:
     return {"outs": asyncio.run(go())}
 
 
+def wait_member(args: dict) -> dict:
+    """Poll etcd until worker `worker` is present (or absent); seconds it took, or None on timeout."""
+    import time
+
+    from pdserve.cluster.registry import Registry
+
+    async def go():
+        t0 = time.monotonic()
+        async with Registry(args["etcd"], args["cluster"]) as reg:
+            while time.monotonic() - t0 < args["timeout_s"]:
+                if (args["worker"] in await reg.members()) == args["present"]:
+                    return time.monotonic() - t0
+                await asyncio.sleep(0.1)
+        return None
+
+    return {"elapsed_s": asyncio.run(go())}
+
+
 if __name__ == "__main__":
     request = json.loads(sys.argv[1])
-    result = {"stats": stats, "generate": generate}[request.pop("op")](request)
+    result = {"stats": stats, "generate": generate, "wait_member": wait_member}[request.pop("op")](request)
     print("RESULT=" + json.dumps(result, default=str))

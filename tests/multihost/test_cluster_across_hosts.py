@@ -27,6 +27,7 @@ ROOT = HERE.parents[1]
 MAX_TOKENS = 8
 NAMESPACE = "pdserve"
 CLUSTER = "mh"
+TTL_S = 4
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
@@ -62,10 +63,39 @@ class MultiHostCluster:
         return self.client("generate", target=self.decode_grpc, prompts=prompts, route=route,
                            max_tokens=MAX_TOKENS, **kw)["outs"]
 
+    def generate_in_background(self, prompts, route: str, **kw) -> subprocess.Popen:
+        payload = json.dumps({"op": "generate", "target": self.decode_grpc, "prompts": prompts, "route": route,
+                              "max_tokens": MAX_TOKENS, **kw})
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(HERE)}
+        return subprocess.Popen(self.net["head"].cmd(sys.executable, str(HERE / "mh_client.py"), payload),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    def wait_member(self, worker: str, present: bool, timeout_s: float) -> float | None:
+        return self.client("wait_member", etcd=self.state["etcd_endpoints"], cluster=CLUSTER, worker=worker,
+                           present=present, timeout_s=timeout_s, timeout=timeout_s + 120)["elapsed_s"]
+
     def pdserve(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
         return subprocess.run(self.net["head"].cmd(str(VENV_BIN / "pdserve"), *args), capture_output=True,
                               text=True, timeout=timeout, env=env)
+
+
+def worker_processes(net: Network) -> dict[str, list[str]]:
+    """Host -> the pdserve worker actor processes alive in it (Ray names them ray::<Class>)."""
+    out = {}
+    for name, host in net.hosts.items():
+        pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
+        found = []
+        for pid in pids:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "DecodeWorker" in cmd or "PrefillWorker" in cmd:
+                found.append(cmd.strip())
+        if found:
+            out[name] = found
+    return out
 
 
 def write_topology(path: Path, model: str, net: Network, ray_address: str, run_dir: str) -> None:
@@ -80,7 +110,7 @@ def write_topology(path: Path, model: str, net: Network, ray_address: str, run_d
             "decode": {"replicas": 1, "engine": engine,
                        "resources": {"num_cpus": 1, "custom": {f"node:{net['decode'].addr}": 0.01}}},
         },
-        "etcd": {"lease_ttl_s": 4},
+        "etcd": {"lease_ttl_s": TTL_S},
         "ray": {"address": ray_address, "namespace": NAMESPACE},
         "queue": {"wire": "node", "batch_max_tokens": 1024},
         # Every server on its host's address; UCX on TCP so that the pages cross the veth
@@ -108,6 +138,7 @@ def cluster(llama_dir):
         yield mh
         down = mh.pdserve("down", "--topology", str(topology), timeout=120)
         assert down.returncode == 0, down.stdout + down.stderr
+        assert worker_processes(net) == {}, "pdserve down left workers running"
     finally:
         net.close()
         clean_up(ray_cluster, net)
@@ -147,3 +178,48 @@ def test_remote_prefill_crosses_hosts_token_exact(cluster):
     written = p1["bytes_written"] - p0["bytes_written"]
     assert received == written > 0
     assert tx1 - tx0 >= written and rx1 - rx0 >= written, (tx1 - tx0, rx1 - rx0, written)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> list[dict]:
+    out, err = proc.communicate(timeout=timeout)
+    line = next((x for x in out.splitlines() if x.startswith("RESULT=")), None)
+    assert proc.returncode == 0 and line is not None, err[-3000:]
+    return json.loads(line.removeprefix("RESULT="))["outs"]
+
+
+def test_a_pulled_prefill_link_loses_no_request_and_leaks_no_block(cluster):
+    """8 remote requests in flight, their pages crawling over a 1 Mbit/s link; the prefill
+    host's link goes down: every request completes exactly (local fallback), the decode
+    host's free blocks return to their baseline, the prefill worker leaves etcd within its
+    TTL + 2 s; the link comes back: it registers again and serves remote prefill again."""
+    net = cluster.net
+    prompts = [prompt_of(300 + 8 * i, seed=100 + i) for i in range(8)]
+    reference = [o["token_ids"] for o in cluster.generate(prompts, route="local")]
+    free0 = cluster.stats()[f"{CLUSTER}-decode-0"]["num_free_blocks"]
+    prefill = net["prefill"]
+    prefill.limit_rate(1)
+    try:
+        tx0 = prefill.link_stats()["tx_bytes"]
+        proc = cluster.generate_in_background(prompts, route="remote", timeout_s=180)
+        deadline = time.monotonic() + 120
+        while prefill.link_stats()["tx_bytes"] - tx0 < 64_000:  # pages are on the wire
+            assert proc.poll() is None and time.monotonic() < deadline, "no KV transfer started"
+            time.sleep(0.05)
+        prefill.link(up=False)
+        gone = cluster.wait_member("prefill-0", present=False, timeout_s=TTL_S + 2)
+        outs = _finish(proc, 240)
+    finally:
+        prefill.link(up=True)
+        prefill.limit_rate(None)
+    assert gone is not None, f"prefill-0 still registered {TTL_S + 2} s after its link went down"
+    assert [o.get("token_ids") for o in outs] == reference, [o.get("error") for o in outs]
+    fell_back = [bool(o["breakdown"].get("fell_back_to_local")) for o in outs]
+    assert any(fell_back), [o["breakdown"] for o in outs]  # those whose pages were cut off
+    assert all(f or o["breakdown"]["route"] == "remote" for f, o in zip(fell_back, outs))
+    stats = cluster.stats()[f"{CLUSTER}-decode-0"]
+    assert stats["num_free_blocks"] == free0 and stats["inflight"] == 0
+
+    assert cluster.wait_member("prefill-0", present=True, timeout_s=60) is not None, "prefill-0 never came back"
+    again = cluster.generate(prompts[:2], route="remote")
+    assert [o["token_ids"] for o in again] == reference[:2]
+    assert [o["breakdown"]["route"] for o in again] == ["remote", "remote"], again
