@@ -43,7 +43,7 @@ def peer_main(conn: Any, netns: str | None = None, ucx_env: dict | None = None) 
     """Entry point of the child: serve commands until "exit". With ``netns``, the child first
     moves into that network namespace (a test host, tests/multihost/netns.py)."""
     if netns is not None:
-        from netns import enter_netns  # tests/multihost, on sys.path in the multi-host suite
+        from pdserve.bench.netns import enter_netns
 
         enter_netns(netns)  # before any thread or socket exists
     ucx_env = dict(ucx_env or LOOPBACK_UCX_ENV)

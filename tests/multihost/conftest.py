@@ -14,7 +14,7 @@ HERE = Path(__file__).parent
 # Spawned children import these helpers by module name; they inherit sys.path.
 sys.path[:0] = [str(HERE), str(HERE.parent / "kvtransfer")]
 
-from netns import Network, unavailable  # noqa: E402
+from pdserve.bench.netns import Network, unavailable  # noqa: E402
 
 _WHY_NOT = unavailable()
 

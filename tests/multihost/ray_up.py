@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from netns import Network, SshKeys
+from pdserve.bench.netns import Network, SshKeys
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

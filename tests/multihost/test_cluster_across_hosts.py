@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from netns import Network
+from pdserve.bench.netns import Network
 from ray_up import VENV_BIN, clean_up, ray_up
 
 HERE = Path(__file__).parent

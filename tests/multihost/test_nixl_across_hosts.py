@@ -11,7 +11,7 @@ import multiprocessing
 
 import pytest
 from kvt_peer import PeerProcess, assert_pool_equal, connect, expected_pool, llama8b, mapping, open_agent, snapshot
-from netns import TCP_UCX_ENV
+from pdserve.bench.netns import TCP_UCX_ENV
 
 WRITE_TIMEOUT_S = 30.0
 

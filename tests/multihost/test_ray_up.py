@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from netns import Network
+from pdserve.bench.netns import Network
 from ray_up import clean_up, ray_up
 
 
