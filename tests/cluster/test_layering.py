@@ -59,6 +59,7 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("bench/handoff.py", "decode"): "handoff microbenchmark starts a DecodeWorker in-process",
     ("bench/handoff.py", "prefill"): "handoff microbenchmark starts a PrefillWorker in-process",
     ("bench/kv_transfer.py", "kvtransfer"): "NIXL transfer microbenchmark drives KVTransferAgent directly",
+    ("bench/hosts.py", "kvtransfer"): "cross-host transfer microbenchmark drives KVTransferAgent directly",
     ("bench/router_decision.py", "router"): "router decision microbenchmark times decide/admit directly",
 }
 
