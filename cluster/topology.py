@@ -20,7 +20,6 @@ control plane never imports the workers.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -30,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_NAME, check_name, parse_endpoints
 from .netaddr import LOOPBACK, check_bind
+from .yaml_lines import duplicate_keys, issue_of, line_of
 
 AUTO_MODEL = "auto"
 DEFAULT_PREFILL_ENTRYPOINT = "pdserve.prefill.worker:PrefillWorker"
@@ -262,69 +262,20 @@ def load_topology(path: str | Path, *, check_files: bool = True) -> Topology:
         raise TopologyError(source, [("(yaml)", mark.line + 1 if mark else None, what or str(exc))]) from None
     if not isinstance(data, dict):
         raise TopologyError(source, [("(file)", 1, "a topology must be a YAML mapping of keys")])
-    issues = _duplicate_keys(root, ())
+    issues = duplicate_keys(root, ())
     if issues:
         raise TopologyError(source, issues)
     try:
         topology = Topology.model_validate(data)
     except pydantic.ValidationError as exc:
-        raise TopologyError(source, [_issue(root, err) for err in exc.errors()]) from None
+        raise TopologyError(source, [issue_of(root, err) for err in exc.errors()]) from None
     topology._base_dir = path.resolve().parent
     if check_files:
         missing = [
-            (key, _line_of(root, (key,)), f"file {value!r} not found (resolved to {topology.resolve(value)})")
+            (key, line_of(root, (key,)), f"file {value!r} not found (resolved to {topology.resolve(value)})")
             for key, value in (("router_policy", topology.router_policy), ("autoscale_policy", topology.autoscale_policy))
             if value is not None and not topology.resolve(value).is_file()
         ]
         if missing:
             raise TopologyError(source, missing)
     return topology
-
-
-def _issue(root: yaml.Node, err: dict) -> tuple[str, int | None, str]:
-    loc = tuple(err["loc"])
-    msg = err["msg"]
-    # Model-level validators put the key in their message ("roles.x.ports.y: ..."): use it.
-    m = re.match(r"^(?:Value error, )?([\w.]+): (.*)$", msg) if not loc else None
-    if m:
-        key = m.group(1)
-        return key, _line_of(root, tuple(key.split("."))), m.group(2)
-    msg = msg.removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        msg = "unknown key (check its spelling and indentation)"
-    key = ".".join(str(p) for p in loc) or "(top level)"
-    return key, _line_of(root, loc), msg
-
-
-def _line_of(root: yaml.Node | None, loc: tuple) -> int | None:
-    """1-based line of the deepest node along `loc` (the parent's, for a missing key)."""
-    node, line = root, None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
-            if match is None:
-                break
-            line, node = match[0].start_mark.line + 1, match[1]
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            break
-    return line if line is not None else (root.start_mark.line + 1 if root is not None else None)
-
-
-def _duplicate_keys(node: yaml.Node | None, loc: tuple) -> list[tuple[str, int | None, str]]:
-    """PyYAML keeps the last of two equal keys silently; a typo'd copy must be an error."""
-    issues = []
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key_node, value_node in node.value:
-            key = str(key_node.value)
-            if key in seen:
-                issues.append((".".join((*loc, key)), key_node.start_mark.line + 1, "duplicate key"))
-            seen.add(key)
-            issues += _duplicate_keys(value_node, (*loc, key))
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            issues += _duplicate_keys(item, (*loc, str(i)))
-    return issues
