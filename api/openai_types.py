@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 __all__ = [
@@ -60,8 +60,23 @@ class Bounds:
     int64_max: int = 2**63 - 1
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer includes 5.0 (a JSON number is a number): take an integral
+    float as that integer. Strings, booleans and 7.5 are still refused, not coerced."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+def Int(**bounds: int) -> Any:
+    """An integer field with its bounds: strict, except that an integral JSON number (5.0)
+    is the integer it equals. (The bounds sit on the int itself, so the JSON schema has them.)"""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
 def _only(value: Any, *allowed: Any) -> Any:
     """A field pdserve does not implement: only the values that mean "not used" pass."""
+    value = _integral(value)
     if any(type(value) is type(a) and value == a for a in allowed):
         return value
     raise PydanticCustomError("unsupported", "is not supported by this server; leave it out (or null)")
@@ -80,10 +95,10 @@ def request_models(b: Bounds) -> RequestModels:
     the validation come from the same declarations."""
     max_out = b.max_model_len - 1  # at least one prompt token
     Text = Annotated[str, Field(min_length=1, max_length=b.max_prompt_chars)]
-    TokenId = Annotated[int, Field(ge=0, le=b.vocab_size - 1)]
+    TokenId = Int(ge=0, le=b.vocab_size - 1)
     TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=b.max_model_len - 1)]
     StopText = Annotated[str, Field(min_length=1, max_length=b.max_stop_chars)]
-    MaxTokens = Annotated[int, Field(ge=1, le=max_out)]
+    MaxTokens = Int(ge=1, le=max_out)
 
     class StreamOptions(BaseModel):
         """Options of a streamed response (only with ``stream: true``)."""
@@ -103,9 +118,9 @@ def request_models(b: Bounds) -> RequestModels:
         temperature: Annotated[float, Field(ge=0, le=b.max_temperature)] | None = Field(
             None, description="default 1.0; 0 (or below 1e-5) is greedy")
         top_p: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="default 1.0")
-        top_k: Annotated[int, Field(ge=-1, le=b.int64_max)] | None = Field(
+        top_k: Int(ge=-1, le=b.int64_max) | None = Field(
             None, description="vLLM extension; 0 or -1 disables")
-        seed: Annotated[int, Field(ge=b.seed_min, le=b.seed_max)] | None = Field(
+        seed: Int(ge=b.seed_min, le=b.seed_max) | None = Field(
             None, description="makes sampling reproducible; with n > 1, choice j of a prompt uses seed + j")
         presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
         frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -116,7 +131,7 @@ def request_models(b: Bounds) -> RequestModels:
         stop_token_ids: Annotated[list[TokenId], Field(max_length=b.max_stop_token_ids)] | None = Field(
             None, description="vLLM extension: token ids that end a choice")
         ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-sequence")
-        n: Annotated[int, Field(ge=1, le=b.max_n)] = Field(
+        n: Int(ge=1, le=b.max_n) = Field(
             1, description="choices per prompt (parallel sampling: the siblings share the prompt's KV blocks)")
         stream: bool = Field(False, description="answer with server-sent events, ending with `data: [DONE]`")
         stream_options: StreamOptions | None = Field(None, description="only with `stream: true`")
@@ -156,11 +171,11 @@ def request_models(b: Bounds) -> RequestModels:
         prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=b.max_prompts)] \
             | Annotated[list[TokenIds], Field(min_length=1, max_length=b.max_prompts)] = Field(
                 description="text, token ids, or a list of either (one choice per prompt and n)")
-        logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
             None, description="log-probabilities of each generated token and of the N most likely ones")
         echo: bool = Field(False, description="prepend the prompt to each choice's text (not with logprobs)")
         suffix: None = Field(None, description="not supported: only null")
-        best_of: Annotated[int, Field(ge=1, le=1)] | None = Field(None, description="not supported: only 1")
+        best_of: Int(ge=1, le=1) | None = Field(None, description="not supported: only 1")
 
         @field_validator("suffix", mode="before")
         @classmethod
@@ -204,7 +219,7 @@ def request_models(b: Bounds) -> RequestModels:
         max_completion_tokens: MaxTokens | None = Field(
             None, description="OpenAI's current name for max_tokens; wins over it when both are set")
         logprobs: bool = Field(False, description="return the log-probability of each generated token")
-        top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
             None, description="with logprobs: also the N most likely tokens at each position")
         response_format: ResponseFormat | None = None
         tools: Annotated[list[Any], Field(max_length=0)] | None = Field(None, description="not supported")

@@ -69,8 +69,18 @@ def _errors(*codes: int) -> dict:
     return {c: {"model": ErrorResponse, "description": ERRORS[c]} for c in codes}
 
 
+def _sse_event(chunk) -> dict:
+    """One server-sent event, as OpenAPI 3.1 describes an event stream (the schema is of
+    each event): its data is a chunk, an error, or the last event's [DONE]."""
+    json_data = {"contentMediaType": "application/json", "contentSchema": {"anyOf": [
+        {"$ref": f"#/components/schemas/{chunk.__name__}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}}
+    return {"type": "object", "required": ["data"], "description": SSE_NOTE.format(chunk=chunk.__name__),
+            "properties": {"event": {"type": "string"}, "id": {"type": "string"},
+                           "data": {"type": "string", "if": {"not": {"const": "[DONE]"}}, "then": json_data}}}
+
+
 def _generation_responses(model, chunk) -> dict:
-    sse = {"schema": {"type": "string", "description": SSE_NOTE.format(chunk=chunk.__name__)}}
+    sse = {"schema": _sse_event(chunk)}
     return {200: {"model": model, "description": "the completion (JSON), or its stream (server-sent events)",
                   "content": {"text/event-stream": sse}},
             **_errors(400, 404, 413, 429, 500, 503)}

@@ -253,7 +253,7 @@ def test_values_meaning_not_used_are_accepted(worker, path, extra):
     ({"prompt": "hi", "n": True}, "n"),
     ({"prompt": "hi", "echo": 1}, "echo"),
     ({"prompt": "hi", "logprobs": True}, "logprobs"),
-    ({"prompt": "hi", "seed": 1.0}, "seed"),
+    ({"prompt": "hi", "seed": 1.5}, "seed"),
     ({"prompt": ["a", 5]}, "prompt"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
@@ -262,6 +262,12 @@ def test_wrong_json_types_are_refused_not_coerced(worker, body, param):
     r = post(worker, "/v1/completions", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_an_integral_json_number_is_that_integer(worker):
+    """JSON Schema's integer includes 3.0, so the schema and the server agree on it."""
+    r = post(worker, "/v1/completions", {"prompt": "hi", "max_tokens": 3.0, "n": 1.0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
 # -- one error shape ---------------------------------------------------------------------------

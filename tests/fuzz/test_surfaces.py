@@ -1,12 +1,19 @@
 """The client-facing surfaces fuzzed against a live decode worker (loopback).
 
 HTTP: schemathesis draws requests from the worker's own OpenAPI document, both
-schema-conforming ("positive") and schema-violating ("negative") ones. gRPC:
+schema-conforming ("positive") and schema-violating ("negative") ones, and runs
+every one of its checks on each answer (status codes, content types, response
+schemas and headers as documented; valid data accepted, invalid data refused;
+unsupported methods answered 405). One check is narrowed: a valid request may
+still be refused with 400 when prompt + max_tokens exceed the model's context,
+which depends on the tokenized prompt and no JSON schema can express. gRPC:
 Hypothesis builds GenerateRequest messages with any field values, plus raw bytes.
 After each surface: no 5xx / INTERNAL / UNKNOWN, the engine alive, no leaked block.
 """
 
 from __future__ import annotations
+
+import datetime
 
 import grpc
 import httpx
@@ -15,6 +22,9 @@ import schemathesis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
+from schemathesis.checks import CHECKS, load_all_checks
+from schemathesis.core.failures import FailureGroup
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.decode.worker import DecodeWorkerConfig
@@ -29,7 +39,7 @@ def worker(llama_dir, tmp_path_factory):
     policy = tmp_path_factory.mktemp("policy") / "router.yaml"
     policy.write_text(PERMISSIVE_POLICY)
     cfg = DecodeWorkerConfig(model=llama_dir, engine_args={"max_model_len": 96}, router_policy=str(policy),
-                             limits={"max_body_bytes": 65536})
+                             limits={"max_body_bytes": 65536, "max_n": 2, "max_prompts": 2})
     w = WorkerThread(cfg).start()
     yield w
     w.stop()
@@ -43,18 +53,44 @@ def assert_alive_and_clean(worker):
 
 
 # -- HTTP (OpenAPI) ---------------------------------------------------------------------
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_openapi_surface_never_answers_5xx(worker, path, mode):
-    schema = schemathesis.openapi.from_dict(httpx.get(f"{worker.http}/openapi.json", timeout=10).json())
-    strategy = schema[path]["POST"].as_strategy(generation_mode=mode)
-    statuses: dict[int, int] = {}
+CONTEXT_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens"}
 
-    @settings(max_examples=examples(40))
+
+def positive_data_accepted_within_context(ctx, response, case):
+    """schemathesis' positive_data_acceptance, except for the one refusal of valid data
+    the schema cannot state: the prompt's tokens plus max_tokens over max_model_len (the
+    message says so and names the field)."""
+    if response.status_code == 400 and case.meta is not None and case.meta.generation.mode.is_positive:
+        err = response.json()["error"]
+        if err["param"] in CONTEXT_PARAMS and "max_model_len" in err["message"]:
+            return None
+    return positive_data_acceptance(ctx, response, case)
+
+
+def all_checks():
+    load_all_checks()
+    return [c for c in CHECKS.get_all() if c is not positive_data_acceptance] + [
+        positive_data_accepted_within_context]
+
+
+OPERATIONS = [("POST", "/v1/completions", m) for m in GenerationMode] + \
+    [("POST", "/v1/chat/completions", m) for m in GenerationMode] + \
+    [("GET", path, GenerationMode.POSITIVE) for path in ("/v1/models", "/health", "/metrics")]
+
+
+@pytest.mark.parametrize("method, path, mode", OPERATIONS, ids=lambda x: getattr(x, "value", x))
+def test_openapi_surface_passes_every_schemathesis_check(worker, method, path, mode):
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{worker.http}/openapi.json", timeout=10).json())
+    strategy = schema[path][method].as_strategy(generation_mode=mode)
+    statuses: dict[int, int] = {}
+    checks = all_checks()
+
+    @settings(max_examples=examples(40 if method == "POST" else 5))
     @given(case=strategy)
     def check(case):
         resp = case.call(base_url=worker.http, timeout=60)
         statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
+        case.validate_response(resp, checks=checks, transport_kwargs={"base_url": worker.http})
         assert resp.status_code < 500, (case.body, resp.text[:300])
         if resp.status_code >= 400:
             err = resp.json()["error"]
@@ -66,6 +102,40 @@ def test_openapi_surface_never_answers_5xx(worker, path, mode):
     else:
         assert statuses.get(200, 0) > 0  # valid requests were served, not only refused
     assert_alive_and_clean(worker)
+
+
+def test_the_narrowed_check_still_fails_valid_data_refused_for_another_reason(worker):
+    """The exception is only the context: a valid request refused for anything else fails."""
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{worker.http}/openapi.json", timeout=10).json())
+    seen = []
+
+    @settings(max_examples=1)
+    @given(case=schema["/v1/completions"]["POST"].as_strategy(generation_mode=GenerationMode.POSITIVE))
+    def grab(case):
+        seen.append(case)
+
+    grab()
+    case = seen[0]
+    case.body = {"prompt": "hi", "max_tokens": 95}
+    context = case.call(base_url=worker.http, timeout=60)  # 'hi' + 95 tokens > max_model_len 96
+    assert context.status_code == 400 and context.json()["error"]["param"] == "max_tokens"
+    case.validate_response(context, checks=[positive_data_accepted_within_context])
+
+    def refused(param, message):
+        resp = httpx.Response(400, json={"error": {"message": message, "type": "invalid_request_error",
+                                                   "param": param, "code": 400}}, request=httpx.Request(
+            "POST", f"{worker.http}/v1/completions", json=case.body))
+        resp.read()
+        resp.elapsed = datetime.timedelta(seconds=context.elapsed)
+        return resp
+
+    for param, message in (("request_id", "request_id: already in flight"), ("max_tokens", "max_tokens: too big")):
+        try:
+            case.validate_response(refused(param, message), checks=[positive_data_accepted_within_context])
+        except FailureGroup as group:
+            assert [type(f).__name__ for f in group.exceptions] == ["RejectedPositiveData"]
+        else:
+            pytest.fail(f"a valid request refused for {param} passed the check")
 
 
 # -- gRPC ---------------------------------------------------------------------------------
@@ -95,7 +165,8 @@ def generate_requests(draw):
     return req
 
 
-ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+           grpc.StatusCode.RESOURCE_EXHAUSTED}  # NOT_FOUND: model "other-model"
 
 
 @pytest.mark.parametrize("what", ["messages", "raw_bytes"])
