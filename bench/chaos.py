@@ -24,8 +24,11 @@ What it does, in one run:
       seconds after each fault).
 
 A healthy build loses nothing, leaks nothing and answers every completed
-request token-exact. Link faults between hosts need the multi-host harness
-(network namespaces) and are not part of this single-host run.
+request token-exact.
+
+``--hosts`` (root) runs the same across three network-namespace hosts (head,
+prefill, decode; bench/chaos_hosts.py) and adds the fault ``link_prefill``:
+the prefill host's link pulled for ``--link-down`` seconds, then restored.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-FAULTS = ("kill_prefill", "restart_etcd", "kill_queue")
+FAULTS = ("kill_prefill", "restart_etcd", "kill_queue", "link_prefill")
+ONE_HOST_FAULTS = FAULTS[:3]  # link_prefill needs hosts (--hosts)
 RETRIABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
 
@@ -53,7 +57,7 @@ class ChaosConfig:
     topology: str = "configs/topologies/1p1d-local.yaml"
     duration_s: float = 600.0
     request_rate: float = 2.0
-    faults: tuple[str, ...] = FAULTS
+    faults: tuple[str, ...] = ONE_HOST_FAULTS
     fault_every_s: float = 30.0
     first_fault_s: float = 10.0
     fault_window_s: float = 15.0  # TTFT "during faults" counts requests sent this long after a fault
@@ -67,6 +71,8 @@ class ChaosConfig:
     seed: int = 0
     work_dir: str | None = None
     output: str | None = None
+    hosts: dict | None = None  # the host plan when run across hosts (bench/chaos_hosts.py)
+    link_down_s: float = 0.0  # link_prefill: seconds the link is down (0: lease TTL + 4 s)
 
 
 @dataclass
@@ -123,6 +129,10 @@ def derive_topology(cfg: ChaosConfig, model_dir: str, etcd_endpoint: str, work: 
     topo["etcd"].pop("data_dir", None)
     topo["queue"] = {**(base.get("queue") or {}), "name": f"{topo['cluster']}-queue"}
     topo["run_dir"] = str((work / "runs").resolve())
+    if cfg.hosts:
+        from pdserve.bench.chaos_hosts import place
+
+        topo = place(topo, cfg.hosts)
     path = work / "topology.yaml"
     path.write_text(yaml.safe_dump(topo, sort_keys=False))
     return path
@@ -145,7 +155,8 @@ class Cluster:
         from pdserve.cluster.etcd_server import EmbeddedEtcd
 
         self.cfg, self.work, self.log = cfg, work, log
-        self.etcd = EmbeddedEtcd(work / "etcd-data").start()
+        host = cfg.hosts["head"]["addr"] if cfg.hosts else "127.0.0.1"  # where the workers reach it
+        self.etcd = EmbeddedEtcd(work / "etcd-data", host=host).start()
         self.state = self.launcher = None
         self.killed_pid: int | None = None
 
@@ -229,6 +240,13 @@ def fire(cluster: Cluster, kind: str) -> str:
         handle = ray.get_actor(cluster.state.queue_name, namespace=cluster.state.namespace)
         ray.kill(handle, no_restart=False)
         return f"queue actor {cluster.state.queue_name} killed (restart allowed)"
+    if kind == "link_prefill":
+        if not cluster.cfg.hosts:
+            raise ValueError("link_prefill needs hosts: run with --hosts")
+        from pdserve.bench.chaos_hosts import pull_link
+
+        down = cluster.cfg.link_down_s or cluster.topo.etcd.lease_ttl_s + 4
+        return pull_link(cluster.cfg.hosts, "prefill", down)
     raise ValueError(f"unknown fault {kind!r}; known: {', '.join(FAULTS)}")
 
 
@@ -440,7 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topology", default=d.topology, help="base topology (1P1D; ports and etcd are replaced)")
     p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load (default 600)")
     p.add_argument("--rate", type=float, default=d.request_rate, help="requests/s, Poisson (default 2)")
-    p.add_argument("--faults", default=",".join(d.faults), help=f"comma list, fired round-robin ({', '.join(FAULTS)})")
+    p.add_argument("--faults", default=None,
+                   help=f"comma list, fired round-robin ({', '.join(FAULTS)}; default: the first three, "
+                        "all four with --hosts)")
     p.add_argument("--fault-every", type=float, default=d.fault_every_s, help="seconds between faults (default 30)")
     p.add_argument("--fault-window", type=float, default=d.fault_window_s,
                    help="requests sent this long after a fault count as 'during faults' (default 15)")
@@ -448,11 +468,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--work-dir", default=None, help="where etcd data and run files go (default runs/chaos-<time>)")
     p.add_argument("--output", default=None, help="write the report as JSON here")
+    p.add_argument("--hosts", action="store_true",
+                   help="run across three network-namespace hosts (root; adds the link_prefill fault)")
+    p.add_argument("--link-down", type=float, default=d.link_down_s,
+                   help="link_prefill: seconds the prefill host's link stays down (default: lease TTL + 4)")
+    p.add_argument("--host-plan", default=None, help=argparse.SUPPRESS)  # set by --hosts for its child
     a = p.parse_args(argv)
+    if a.hosts:
+        from pdserve.bench.chaos_hosts import run_on_hosts
+
+        rest = [x for x in (argv if argv is not None else sys.argv[1:]) if x != "--hosts"]
+        if a.faults is None:
+            rest += ["--faults", ",".join(FAULTS)]
+        return run_on_hosts(rest)
+    faults = a.faults.split(",") if a.faults else list(ONE_HOST_FAULTS)
     cfg = ChaosConfig(topology=a.topology, duration_s=a.duration, request_rate=a.rate,
-                      faults=tuple(f for f in a.faults.split(",") if f), fault_every_s=a.fault_every,
+                      faults=tuple(f for f in faults if f), fault_every_s=a.fault_every,
                       fault_window_s=a.fault_window, max_tokens=a.max_tokens, seed=a.seed,
-                      work_dir=a.work_dir, output=a.output)
+                      work_dir=a.work_dir, output=a.output, link_down_s=a.link_down,
+                      hosts=json.loads(a.host_plan) if a.host_plan else None)
     report = run_chaos(cfg)
     print(format_report(report))
     ok = report.lost == 0 and report.mismatch == 0 and report.leaked_blocks == 0
