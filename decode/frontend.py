@@ -96,9 +96,11 @@ class Frontend:
                     f"(max_model_len {eng.max_model_len} tokens)")
             ids, params, prio = eng.validate_input(prompt, inp.params, inp.priority, lim.request)
         except InvalidRequestError as exc:
-            # The engine names a bad token id "prompt_token_ids"; the client sent it as the prompt.
+            # The engine names a bad token id "prompt_token_ids"; the client sent it as the
+            # prompt, or sent the messages that became it.
             err = RequestError("invalid_argument", str(exc), exc.field)
-            raise err.renamed({"prompt_token_ids": "prompt"}) from None
+            client = "messages" if inp.messages is not None else "prompt"
+            raise err.renamed({"prompt_token_ids": client, "prompt": client}) from None
         room = eng.max_model_len - len(ids)
         if inp.fill_context:
             params = dataclasses.replace(params, max_tokens=room)

@@ -338,3 +338,10 @@ def test_openapi_document_describes_the_server(worker):
     assert req["seed"]["anyOf"][0]["maximum"] == 2**64 - 1  # exact, not a float
     assert s["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant"]
     assert {"CompletionChunk", "ChatCompletionChunk", "ErrorResponse"} <= set(s)
+
+
+def test_chat_over_the_context_names_messages(worker):
+    long = " ".join(f"word{i}" for i in range(400))
+    r = post(worker, "/v1/chat/completions", {"messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "max_model_len" in r.json()["error"]["message"]

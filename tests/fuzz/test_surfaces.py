@@ -14,6 +14,10 @@ After each surface: no 5xx / INTERNAL / UNKNOWN, the engine alive, no leaked blo
 from __future__ import annotations
 
 import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import httpx
@@ -136,6 +140,36 @@ def test_the_narrowed_check_still_fails_valid_data_refused_for_another_reason(wo
             assert [type(f).__name__ for f in group.exceptions] == ["RejectedPositiveData"]
         else:
             pytest.fail(f"a valid request refused for {param} passed the check")
+
+
+ST_CONFIG = """
+# A body over limits.max_body_bytes is refused before it is parsed: 413 is a rejection too.
+[checks.negative_data_rejection]
+expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
+"""
+ST_HOOKS = """
+import schemathesis
+from tests.fuzz.test_surfaces import positive_data_accepted_within_context
+
+schemathesis.check(positive_data_accepted_within_context)
+"""
+
+
+def test_schemathesis_cli_all_checks_all_phases(worker, tmp_path):
+    """`schemathesis run --checks all` as a user runs it: examples, coverage (the schema's
+    boundaries: longest strings, largest numbers, fullest lists) and fuzzing phases."""
+    (tmp_path / "st.toml").write_text(ST_CONFIG)
+    (tmp_path / "pdserve_st_hooks.py").write_text(ST_HOOKS)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "pdserve_st_hooks", "PYTHONPATH": f"{tmp_path}:{root}"}
+    run = subprocess.run(
+        [sys.executable, "-m", "schemathesis.cli", "--config-file", str(tmp_path / "st.toml"), "run",
+         f"{worker.http}/openapi.json", "--checks", "all",
+         "--exclude-checks", "positive_data_acceptance", "--phases", "examples,coverage,fuzzing",
+         "-n", str(examples(10)), "--seed", "1", "--generation-deterministic"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert "positive_data_accepted_within_context" in run.stdout or "5 passed" in run.stdout
+    assert_alive_and_clean(worker)
 
 
 # -- gRPC ---------------------------------------------------------------------------------
