@@ -59,6 +59,10 @@ def breakdown_dict(b: pb.Breakdown) -> dict:
     return {f.name: getattr(b, f.name) for f in b.DESCRIPTOR.fields}
 
 
+def _model_card(m: pb.ModelCard) -> dict:
+    return {"id": m.id, "max_model_len": m.max_model_len, "vocab_size": m.vocab_size, "dtype": m.dtype}
+
+
 def _accumulate(out: Completion, msg: pb.GenerateResponse) -> None:
     out.token_ids.extend(msg.token_ids)
     out.text += msg.text
@@ -99,8 +103,7 @@ class Client:
 
     def list_models(self) -> list[dict]:
         resp = self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s)
-        return [{"id": m.id, "max_model_len": m.max_model_len, "vocab_size": m.vocab_size,
-                 "dtype": m.dtype} for m in resp.models]
+        return [_model_card(m) for m in resp.models]
 
     def close(self) -> None:
         self._channel.close()
@@ -139,7 +142,7 @@ class AsyncClient:
 
     async def list_models(self) -> list[dict]:
         resp = await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s)
-        return [{"id": m.id, "max_model_len": m.max_model_len} for m in resp.models]
+        return [_model_card(m) for m in resp.models]
 
     async def close(self) -> None:
         await self._channel.close()

@@ -25,14 +25,15 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.api.openai_types import (LOGPROB_FLOOR, Bounds, ChatCompletion, ChatCompletionChunk, Completion,
+from pdserve.api.openai_reply import Reply, merge_choice, usage_of
+from pdserve.api.openai_types import (Bounds, ChatCompletion, ChatCompletionChunk, Completion,
                                       CompletionChunk, ErrorResponse, Health, ModelList, request_models)
 from pdserve.engine import SamplingParams
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, UINT64_MAX
 
 from .frontend import Frontend
 from .http_guard import BodyLimit, H11Protocol, openai_error
-from .ingress import Chunk, GenerateInput, RequestError
+from .ingress import GenerateInput, RequestError
 
 __all__ = ["build_app", "bounds_of", "H11Protocol"]
 
@@ -128,93 +129,6 @@ def _from_request_error(exc: RequestError) -> JSONResponse:
     return openai_error(HTTP_STATUS[exc.code], str(exc), exc.field, headers)
 
 
-def _finite(lp: float | None) -> float:
-    return LOGPROB_FLOOR if lp is None or lp != lp or lp < LOGPROB_FLOOR else lp
-
-
-class _Reply:
-    """Shapes one request's (choice index, Chunk) pairs as OpenAI's JSON (completion or chat)."""
-
-    def __init__(self, kind: str, rid: str, model: str, token_text, logprobs: int | None, echo: list[str]):
-        self.kind, self.rid, self.model, self.token_text = kind, rid, model, token_text
-        self.created = int(time.time())
-        self.logprobs = logprobs  # None: not asked; else how many alternatives per token
-        self.echo = echo  # per choice: text to prepend (completions' echo)
-        self.sent_chars: dict[int, int] = {}  # per choice: text sent so far (logprobs' text_offset)
-
-    def text_of(self, i: int, c: Chunk) -> str:
-        if i not in self.sent_chars:
-            self.sent_chars[i] = 0
-            if self.echo:
-                return self.echo[i] + c.text
-        return c.text
-
-    def logprobs_of(self, i: int, c: Chunk, text: str) -> dict | None:
-        if self.logprobs is None:
-            return None
-        tt = self.token_text
-        if self.kind == "chat":
-            content = []
-            for e in c.logprobs:
-                tok = tt(e["token_id"])
-                tops = sorted((e.get("top_logprobs") or {}).items(), key=lambda kv: -kv[1])[: self.logprobs]
-                content.append({"token": tok, "logprob": _finite(e["logprob"]), "bytes": list(tok.encode()),
-                                "top_logprobs": [{"token": tt(t), "logprob": _finite(v), "bytes": list(tt(t).encode())}
-                                                 for t, v in tops]})
-            return {"content": content}
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = self.sent_chars[i] + len(text) - len(c.text)  # after any echoed prompt
-        for e in c.logprobs:
-            tok, lp = tt(e["token_id"]), _finite(e["logprob"])
-            top = {tt(t): _finite(v) for t, v in (e.get("top_logprobs") or {}).items()}
-            top.setdefault(tok, lp)  # vLLM's shape: the sampled token and the N most likely
-            out["tokens"].append(tok)
-            out["token_logprobs"].append(lp)
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(offset)
-            offset += len(tok)
-        return out
-
-    def choice(self, i: int, c: Chunk, stream: bool) -> dict:
-        text = self.text_of(i, c)
-        lp = self.logprobs_of(i, c, text)
-        self.sent_chars[i] += len(text)
-        if self.kind == "chat":
-            body = {"delta": {"content": text}} if stream else {"message": {"role": "assistant", "content": text}}
-        else:
-            body = {"text": text}
-        out = {"index": i, **body, "logprobs": lp, "finish_reason": c.finish_reason, "token_ids": c.token_ids}
-        if c.breakdown is not None:
-            out["pdserve"] = c.breakdown
-        return out
-
-    def envelope(self, choices: list[dict], stream: bool) -> dict:
-        obj = {"chat": ("chat.completion.chunk", "chat.completion"),
-               "completion": ("text_completion", "text_completion")}[self.kind][0 if stream else 1]
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-
-def _usage(chunks: list[tuple[int, Chunk]], n: int) -> dict:
-    """Prompt tokens once per prompt (not per sample), generated tokens of every choice."""
-    prompt = sum((c.breakdown or {}).get("prompt_tokens", 0) for i, c in chunks if i % n == 0)
-    completion = sum(len(c.token_ids) for _, c in chunks)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _merge(parts: list[dict]) -> dict:
-    """One choice from its per-chunk pieces (text, token ids, logprobs concatenated)."""
-    out = dict(parts[-1])
-    for key in ("text",):
-        if key in out:
-            out[key] = "".join(p[key] for p in parts)
-    if "message" in out:
-        out["message"] = {"role": "assistant", "content": "".join(p["message"]["content"] for p in parts)}
-    out["token_ids"] = [t for p in parts for t in p["token_ids"]]
-    if out["logprobs"] is not None:
-        out["logprobs"] = {k: [x for p in parts for x in p["logprobs"][k]] for k in out["logprobs"]}
-    return out
-
-
 def build_app(frontend: Frontend) -> FastAPI:
     models = request_models(bounds_of(frontend))
     CompletionRequest, ChatRequest = models.completion, models.chat
@@ -291,7 +205,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         if getattr(body, "echo", False):
             texts = [p if isinstance(p, str) else await frontend.detokenize(p) for p in (i.prompt for i in inputs)]
             echo = [texts[i // n] for i in range(len(inputs) * n)]
-        reply = _Reply(kind, rid, frontend.served_model, token_text, logprobs, echo)
+        reply = Reply(kind, rid, frontend.served_model, token_text, logprobs, echo)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(reply, len(inputs) * n, n, usage, first, gen),
@@ -305,11 +219,11 @@ def build_app(frontend: Frontend) -> FastAPI:
                 pieces.setdefault(i, []).append(reply.choice(i, c, stream=False))
         finally:
             await gen.aclose()
-        out = reply.envelope([_merge(pieces[i]) for i in sorted(pieces)], stream=False)
-        out["usage"] = _usage(seen, n)
+        out = reply.envelope([merge_choice(pieces[i]) for i in sorted(pieces)], stream=False)
+        out["usage"] = usage_of(seen, n)
         return JSONResponse(out)
 
-    async def _sse(reply: _Reply, num_choices: int, n: int, include_usage: bool, first, gen):
+    async def _sse(reply: Reply, num_choices: int, n: int, include_usage: bool, first, gen):
         seen = []
 
         def event(choices: list[dict], usage=None) -> str:
@@ -329,7 +243,7 @@ def build_app(frontend: Frontend) -> FastAPI:
                 seen.append((i, c))
                 yield event([reply.choice(i, c, stream=True)])
             if include_usage:
-                yield event([], _usage(seen, n))
+                yield event([], usage_of(seen, n))
         except RequestError as exc:
             frontend.metrics.error(exc.code)
             yield f"data: {_from_request_error(exc).body.decode()}\n\n"

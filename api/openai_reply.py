@@ -1,0 +1,108 @@
+"""OpenAI's response JSON, shaped from the chunks a pdserve worker streams.
+
+`Reply` turns one request's ``(choice index, chunk)`` pairs into completion or
+chat objects (whole, or one server-sent event per chunk): text with any echoed
+prompt, logprobs in OpenAI's two shapes (legacy completions, chat), the
+pdserve extensions (``token_ids``, the ``pdserve`` breakdown). A chunk is
+anything with ``token_ids``, ``text``, ``finish_reason``, ``logprobs`` (the
+engine's ``{token_id, logprob, top_logprobs}`` entries) and ``breakdown``.
+The shapes are the models of `openai_types`; the schema tests hold them to it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from .openai_types import LOGPROB_FLOOR
+
+__all__ = ["Reply", "usage_of", "merge_choice"]
+
+
+def _finite(lp: float | None) -> float:
+    return LOGPROB_FLOOR if lp is None or lp != lp or lp < LOGPROB_FLOOR else lp
+
+
+class Reply:
+    """Shapes one request's (choice index, chunk) pairs as OpenAI's JSON; ``kind`` is
+    "completion" or "chat", ``token_text`` gives a token id's text (logprobs)."""
+
+    def __init__(self, kind: str, rid: str, model: str, token_text: Callable[[int], str],
+                 logprobs: int | None, echo: list[str]):
+        self.kind, self.rid, self.model, self.token_text = kind, rid, model, token_text
+        self.created = int(time.time())
+        self.logprobs = logprobs  # None: not asked; else how many alternatives per token
+        self.echo = echo  # per choice: text to prepend (completions' echo)
+        self.sent_chars: dict[int, int] = {}  # per choice: text sent so far (logprobs' text_offset)
+
+    def text_of(self, i: int, c) -> str:
+        if i not in self.sent_chars:
+            self.sent_chars[i] = 0
+            if self.echo:
+                return self.echo[i] + c.text
+        return c.text
+
+    def logprobs_of(self, i: int, c, text: str) -> dict | None:
+        if self.logprobs is None:
+            return None
+        tt = self.token_text
+        if self.kind == "chat":
+            content = []
+            for e in c.logprobs:
+                tok = tt(e["token_id"])
+                tops = sorted((e.get("top_logprobs") or {}).items(), key=lambda kv: -kv[1])[: self.logprobs]
+                content.append({"token": tok, "logprob": _finite(e["logprob"]), "bytes": list(tok.encode()),
+                                "top_logprobs": [{"token": tt(t), "logprob": _finite(v), "bytes": list(tt(t).encode())}
+                                                 for t, v in tops]})
+            return {"content": content}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self.sent_chars[i] + len(text) - len(c.text)  # after any echoed prompt
+        for e in c.logprobs:
+            tok, lp = tt(e["token_id"]), _finite(e["logprob"])
+            top = {tt(t): _finite(v) for t, v in (e.get("top_logprobs") or {}).items()}
+            top.setdefault(tok, lp)  # vLLM's shape: the sampled token and the N most likely
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(tok)
+        return out
+
+    def choice(self, i: int, c, stream: bool) -> dict:
+        text = self.text_of(i, c)
+        lp = self.logprobs_of(i, c, text)
+        self.sent_chars[i] += len(text)
+        if self.kind == "chat":
+            body = {"delta": {"content": text}} if stream else {"message": {"role": "assistant", "content": text}}
+        else:
+            body = {"text": text}
+        out = {"index": i, **body, "logprobs": lp, "finish_reason": c.finish_reason, "token_ids": c.token_ids}
+        if c.breakdown is not None:
+            out["pdserve"] = c.breakdown
+        return out
+
+    def envelope(self, choices: list[dict], stream: bool) -> dict:
+        obj = {"chat": ("chat.completion.chunk", "chat.completion"),
+               "completion": ("text_completion", "text_completion")}[self.kind][0 if stream else 1]
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
+def usage_of(chunks: list[tuple[int, Any]], n: int) -> dict:
+    """Prompt tokens once per prompt (not per sample), generated tokens of every choice."""
+    prompt = sum((c.breakdown or {}).get("prompt_tokens", 0) for i, c in chunks if i % n == 0)
+    completion = sum(len(c.token_ids) for _, c in chunks)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def merge_choice(parts: list[dict]) -> dict:
+    """One choice from its per-chunk pieces (text, token ids, logprobs concatenated)."""
+    out = dict(parts[-1])
+    for key in ("text",):
+        if key in out:
+            out[key] = "".join(p[key] for p in parts)
+    if "message" in out:
+        out["message"] = {"role": "assistant", "content": "".join(p["message"]["content"] for p in parts)}
+    out["token_ids"] = [t for p in parts for t in p["token_ids"]]
+    if out["logprobs"] is not None:
+        out["logprobs"] = {k: [x for p in parts for x in p["logprobs"][k]] for k in out["logprobs"]}
+    return out
