@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.api import openai_types
 from pdserve.api.reference import BLOCK, REFERENCE, regenerate
+from pdserve.decode.ingress import ServingLimits
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
@@ -29,3 +30,9 @@ def test_every_request_field_is_in_the_page():
     for model in (models.completion, models.chat):
         for name in model.model_fields:
             assert f"| `{name}` |" in page, name
+
+
+def test_every_serving_limit_is_in_the_page():
+    page = PAGE.read_text()
+    for name in ServingLimits.__dataclass_fields__:
+        assert f"`{name}`" in page, name
