@@ -15,6 +15,8 @@ import pytest
 
 from pdserve.api import Client
 
+from tests.harness import wait_until
+
 
 def post(worker, path, body, **kw):
     with httpx.Client(base_url=worker.http, timeout=120) as h:
@@ -190,7 +192,7 @@ def test_refused_sibling_ends_every_sequence(worker):
     r = post(worker, "/v1/completions", {"prompt": ["ok", "ok"], "max_tokens": 511, "n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     eng = worker.worker.engine
-    assert eng.load().running == 0 and eng.load().waiting == 0
+    wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 15.0)
 
 
 # -- chat parameters ---------------------------------------------------------------------------
@@ -345,3 +347,16 @@ def test_chat_over_the_context_names_messages(worker):
     r = post(worker, "/v1/chat/completions", {"messages": [{"role": "user", "content": long}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert "max_model_len" in r.json()["error"]["message"]
+
+
+def test_client_gone_mid_stream_ends_every_sequence(worker):
+    """Two prompts x two samples streaming; the client leaves after the first event: every
+    sequence is aborted and every block comes back."""
+    body = {"prompt": ["a long story", "another one"], "n": 2, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=worker.http, timeout=60) as h:
+        with h.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+    eng = worker.worker.engine
+    wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 15.0)
