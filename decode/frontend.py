@@ -9,22 +9,21 @@ layer maps to gRPC / HTTP.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
-from pdserve.engine import InvalidRequestError, SamplingParams, check_text
-from pdserve.engine.request import INT64_MIN, UINT64_MAX
+from pdserve.engine import SamplingParams
 from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, admit
 
-from .async_engine import AsyncEngine, EngineDeadError, FinalInfo
-from .ingress import REQUEST_ID_CHARS, Chunk, GenerateInput, Prepared, RemotePath, RequestError, ServingLimits
+from .async_engine import AsyncEngine, FinalInfo
+from .ingress import Chunk, as_request_error, sample_input, GenerateInput, Prepared, RemotePath, RequestError, ServingLimits
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
 from .prefill_pool import PrefillView
+from .validate import Validator
 
 __all__ = ["Frontend", "Chunk", "GenerateInput", "Prepared", "RemotePath", "RequestError", "ServingLimits"]
 
@@ -42,6 +41,7 @@ class Frontend:
         self.limits = limits or ServingLimits()
         eng = engine.engine
         self.max_prompt_chars = self.limits.max_prompt_chars or eng.max_model_len * eng.tokenizer.max_token_chars
+        self.validator = Validator(eng, self.limits, served_model, self.max_prompt_chars)
         # Bounded: a burst of huge prompts queues here instead of starving the event loop.
         self._tokenizer_pool = ThreadPoolExecutor(self.limits.tokenizer_threads, thread_name_prefix="pdserve-tokenize")
         self.policy = policy
@@ -64,72 +64,10 @@ class Frontend:
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    # -- validation ------------------------------------------------------------------
+    # -- validation (decode/validate.py) ------------------------------------------------
     def validate(self, inp: GenerateInput) -> tuple[list[int], SamplingParams, int]:
-        """Check and tokenize one request (CPU work: call it off the event loop, see
-        `generate`). Every size is checked before the work it bounds."""
-        eng = self.engine.engine
-        lim = self.limits
-        rid = inp.request_id
-        if rid is not None:
-            if not isinstance(rid, str) or not 0 < len(rid) <= lim.max_request_id_chars \
-                    or not REQUEST_ID_CHARS.fullmatch(rid):
-                raise RequestError("invalid_argument",
-                                   f"request_id: must be 1-{lim.max_request_id_chars} characters of "
-                                   "A-Z a-z 0-9 . _ : @ / + = -", "request_id")
-        if inp.model and inp.model != self.served_model:
-            raise RequestError("not_found",
-                               f"model: {inp.model!r} does not exist here; this worker serves {self.served_model!r}",
-                               "model")
-        if inp.route not in ("auto", "local", "remote"):
-            raise RequestError("invalid_argument", f"route: {inp.route!r}; use auto, local or remote", "route")
-        if inp.ttft_slo_ms is not None and not inp.ttft_slo_ms > 0:
-            raise RequestError("invalid_argument", f"ttft_slo_ms: must be > 0, got {inp.ttft_slo_ms}", "ttft_slo_ms")
-        try:
-            # Parameters first: a bad one is refused before the prompt costs anything.
-            inp.params.validate(eng.model_config.vocab_size, lim.request)
-            prompt = self._chat_prompt(inp.messages) if inp.messages is not None else inp.prompt
-            if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
-                raise InvalidRequestError(
-                    "messages" if inp.messages is not None else "prompt",
-                    f"has {len(prompt)} characters; this worker takes at most {self.max_prompt_chars} "
-                    f"(max_model_len {eng.max_model_len} tokens)")
-            ids, params, prio = eng.validate_input(prompt, inp.params, inp.priority, lim.request)
-        except InvalidRequestError as exc:
-            # The engine names a bad token id "prompt_token_ids"; the client sent it as the
-            # prompt, or sent the messages that became it.
-            err = RequestError("invalid_argument", str(exc), exc.field)
-            client = "messages" if inp.messages is not None else "prompt"
-            raise err.renamed({"prompt_token_ids": client, "prompt": client}) from None
-        room = eng.max_model_len - len(ids)
-        if inp.fill_context:
-            params = dataclasses.replace(params, max_tokens=room)
-        if params.max_tokens > room:
-            raise RequestError(
-                "invalid_argument",
-                f"max_tokens: {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
-                f"max_model_len {eng.max_model_len}; use max_tokens <= {room}", "max_tokens")
-        return ids, params, prio
-
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Render chat messages with the model's template, then tokenize (the template
-        already holds BOS, so no special tokens are added again)."""
-        if len(messages) > self.limits.max_messages:
-            raise InvalidRequestError("messages", f"{len(messages)} messages; at most {self.limits.max_messages}")
-        total = 0
-        for i, m in enumerate(messages):
-            check_text(f"messages[{i}].content", m["content"])
-            check_text(f"messages[{i}].role", m["role"])
-            total += len(m["content"])
-        if total > self.max_prompt_chars:
-            raise InvalidRequestError("messages", f"hold {total} characters; this worker takes at most "
-                                      f"{self.max_prompt_chars}")
-        tokenizer = self.engine.engine.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(messages)
-        except ValueError as exc:
-            raise InvalidRequestError("messages", str(exc).removeprefix("messages: ")) from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        """Check and tokenize one request (CPU work: call it off the event loop)."""
+        return self.validator.validate(inp)
 
     @property
     def prefill_view(self) -> PrefillView:
@@ -219,7 +157,7 @@ class Frontend:
             async for item, final, info in source:
                 extra.update(info)
                 if isinstance(item, BaseException) or item.finish_reason == "error":
-                    raise _as_request_error(item)
+                    raise as_request_error(item)
                 now = time.monotonic()
                 if item.new_token_ids and not state["first"]:
                     state["first"] = True
@@ -276,7 +214,7 @@ class Frontend:
             for wave in (range(1), range(1, n)):
                 started = [p * n + j for p in range(len(inputs)) for j in wave]
                 for i in started:
-                    seqs[i] = self.generate(_sample(inputs[i // n], i % n, f"{base}-{i}"))
+                    seqs[i] = self.generate(sample_input(inputs[i // n], i % n, f"{base}-{i}"))
                 got = await asyncio.gather(*(seqs[i].__anext__() for i in started), return_exceptions=True)
                 for item in got:
                     if isinstance(item, BaseException):
@@ -363,24 +301,3 @@ class Frontend:
             self.metrics.prefix_hit_tokens.inc(final.cached_tokens)
         self.metrics.e2e.observe(now - prep.arrival)
         return b
-
-
-def _sample(inp: GenerateInput, j: int, request_id: str) -> GenerateInput:
-    """Sample ``j`` of a prompt as its own request (seed + j, wrapped into the seed range)."""
-    params = inp.params
-    if params.seed is not None and j:
-        span = UINT64_MAX - INT64_MIN + 1
-        params = dataclasses.replace(params, seed=(params.seed + j - INT64_MIN) % span + INT64_MIN)
-    return dataclasses.replace(inp, params=params, request_id=request_id)
-
-
-def _as_request_error(item) -> RequestError:
-    """The status a client sees for a request the engine could not finish."""
-    if isinstance(item, InvalidRequestError):
-        return RequestError("invalid_argument", str(item), item.field)
-    if isinstance(item, EngineDeadError):
-        return RequestError("unavailable", f"the engine stopped: {item}; retry on another decode worker")
-    if isinstance(item, BaseException):
-        return RequestError("internal", f"engine error: {item.__class__.__name__}: {item}")
-    return RequestError("internal", f"this request failed in the engine ({item.error}); the worker is fine, "
-                        "retry or change its sampling parameters")

@@ -14,14 +14,12 @@ import functools
 import json
 import logging
 import time
-import typing
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -33,6 +31,7 @@ from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY,
 
 from .frontend import Frontend
 from .http_guard import BodyLimit, H11Protocol, openai_error
+from .http_schema import field_names, generation_responses, param_of, response_docs
 from .ingress import GenerateInput, RequestError
 
 __all__ = ["build_app", "bounds_of", "H11Protocol"]
@@ -41,19 +40,6 @@ log = logging.getLogger(__name__)
 
 HTTP_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 429, "unavailable": 503,
                "internal": 500}
-ERRORS = {
-    400: "a field is invalid (`param` names it), the body is not a JSON object, or prompt + max_tokens "
-         "exceed max_model_len",
-    404: "`model` is not served here (`param` is model), or an unknown path",
-    413: "the body is over this worker's limits.max_body_bytes",
-    429: "refused by QoS admission: Retry-After and X-Predicted-TTFT-Ms say when to retry",
-    500: "a bug in this worker; the request was not served",
-    503: "the worker is draining or its engine is down: retry on another decode worker",
-}
-SSE_NOTE = ("With `stream: true`: server-sent events, one `data: <{chunk} JSON>` per event (see the {chunk} "
-            "schema), then `data: [DONE]`. An error after the stream began is one `data: <ErrorResponse JSON>`.")
-
-
 def bounds_of(frontend: Frontend) -> Bounds:
     """This worker's bounds: the model's context and vocabulary, its limits, the engine's ranges."""
     eng, lim = frontend.engine.engine, frontend.limits
@@ -64,60 +50,6 @@ def bounds_of(frontend: Frontend) -> Bounds:
         max_stop_token_ids=lim.max_stop_token_ids, max_n=lim.max_n, max_prompts=lim.max_prompts,
         max_temperature=MAX_TEMPERATURE, max_repetition_penalty=MAX_REPETITION_PENALTY,
         seed_min=INT64_MIN, seed_max=UINT64_MAX, int64_max=INT64_MAX)
-
-
-def _errors(*codes: int) -> dict:
-    return {c: {"model": ErrorResponse, "description": ERRORS[c]} for c in codes}
-
-
-def _sse_event(chunk) -> dict:
-    """One server-sent event, as OpenAPI 3.1 describes an event stream (the schema is of
-    each event): its data is a chunk, an error, or the last event's [DONE]."""
-    json_data = {"contentMediaType": "application/json", "contentSchema": {"anyOf": [
-        {"$ref": f"#/components/schemas/{chunk.__name__}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}}
-    return {"type": "object", "required": ["data"], "description": SSE_NOTE.format(chunk=chunk.__name__),
-            "properties": {"event": {"type": "string"}, "id": {"type": "string"},
-                           "data": {"type": "string", "if": {"not": {"const": "[DONE]"}}, "then": json_data}}}
-
-
-def _generation_responses(model, chunk) -> dict:
-    sse = {"schema": _sse_event(chunk)}
-    return {200: {"model": model, "description": "the completion (JSON), or its stream (server-sent events)",
-                  "content": {"text/event-stream": sse}},
-            **_errors(400, 404, 413, 429, 500, 503)}
-
-
-def _field_names(model) -> set[str]:
-    """Every field name in a request model's tree."""
-    names: set[str] = set()
-    todo = [model]
-    while todo:
-        m = todo.pop()
-        for name, info in m.model_fields.items():
-            names.add(name)
-            todo.extend(t for t in _models_in(info.annotation) if t not in todo)
-    return names
-
-
-def _models_in(annotation) -> list:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for a in typing.get_args(annotation) for m in _models_in(a)]
-
-
-def _param_of(loc: list, field_names: set[str]) -> str:
-    """The parameter a validation error is about, as OpenAI names nested ones
-    ("messages[0].content"): pydantic's union-member tags ("constrained-str",
-    "list[int]") are dropped, and so is an index into a list of plain values (the
-    message says which element)."""
-    parts: list[str] = []
-    for k, part in enumerate(loc):
-        if isinstance(part, int):
-            if any(isinstance(p, str) and p in field_names for p in loc[k + 1:]):
-                parts.append(f"[{part}]")
-        elif part in field_names:
-            parts.append(f".{part}" if parts else part)
-    return "".join(parts) or str(loc[0])
 
 
 def _from_request_error(exc: RequestError) -> JSONResponse:
@@ -135,7 +67,7 @@ def build_app(frontend: Frontend) -> FastAPI:
     app = FastAPI(title="pdserve decode worker", version="v1", docs_url=None, redoc_url=None,
                   description="OpenAI-compatible API of one pdserve decode worker (reference: docs/api.md).")
     app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_body_bytes)
-    field_names = _field_names(CompletionRequest) | _field_names(ChatRequest)
+    known_fields = field_names(CompletionRequest) | field_names(ChatRequest)
     started = int(time.time())
 
     tokenizer = frontend.engine.engine.tokenizer
@@ -164,7 +96,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         loc = list(first.get("loc", ()))[1:]  # after "body"
         if not loc:  # the body itself is unusable (not JSON, or not a JSON object)
             return openai_error(400, f"body: malformed JSON or not a JSON object ({first.get('msg', '')})", "body")
-        param = _param_of(loc, field_names)
+        param = param_of(loc, known_fields)
         where = ".".join(map(str, loc))
         where = f" (at {where})" if where != param else ""
         return openai_error(400, f"{param}: {first.get('msg', 'invalid value')}{where}", param)
@@ -272,7 +204,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         if body.stream_options is not None and not body.stream:
             raise RequestError("invalid_argument", "stream_options: only with stream: true", "stream_options")
 
-    @app.post("/v1/completions", response_model=None, responses=_generation_responses(Completion, CompletionChunk))
+    @app.post("/v1/completions", response_model=None, responses=generation_responses(Completion, CompletionChunk))
     async def completions(body: CompletionRequest):
         check_combinations(body)
         if body.echo and body.logprobs is not None:
@@ -284,7 +216,7 @@ def build_app(frontend: Frontend) -> FastAPI:
                          body.logprobs)
 
     @app.post("/v1/chat/completions", response_model=None,
-              responses=_generation_responses(ChatCompletion, ChatCompletionChunk))
+              responses=generation_responses(ChatCompletion, ChatCompletionChunk))
     async def chat(body: ChatRequest):
         check_combinations(body)
         if body.top_logprobs is not None and not body.logprobs:
@@ -297,13 +229,13 @@ def build_app(frontend: Frontend) -> FastAPI:
         # The template is rendered and tokenized with the rest of validation, off the event loop.
         return await run(body, "chat", [common(body, None, messages, fill_context=True, logprobs=lp)], lp)
 
-    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **_errors(500)})
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **response_docs(500)})
     async def list_models():
         eng = frontend.engine.engine
         return {"object": "list", "data": [{"id": frontend.served_model, "object": "model", "created": started,
                                             "owned_by": "pdserve", "max_model_len": eng.max_model_len}]}
 
-    @app.get("/health", response_model=None, responses={200: {"model": Health}, **_errors(500, 503)})
+    @app.get("/health", response_model=None, responses={200: {"model": Health}, **response_docs(500, 503)})
     async def healthz():
         if not frontend.engine.alive:
             return openai_error(503, f"engine is not running: {frontend.engine.error!r}")
@@ -312,7 +244,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         return {"status": "ok", "worker_id": frontend.worker_id}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
-        200: {"description": "Prometheus text exposition format 0.0.4"}, **_errors(500)})
+        200: {"description": "Prometheus text exposition format 0.0.4"}, **response_docs(500)})
     async def metrics():
         frontend.refresh_gauges()
         return PlainTextResponse(frontend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

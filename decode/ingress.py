@@ -9,14 +9,16 @@ what the remote-prefill path offers the frontend.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from pdserve.common import Priority
-from pdserve.engine import RequestLimits, SamplingParams
+from pdserve.engine import InvalidRequestError, RequestLimits, SamplingParams
+from pdserve.engine.request import INT64_MIN, UINT64_MAX
 
-from .async_engine import FinalInfo
+from .async_engine import EngineDeadError, FinalInfo
 from .prefill_pool import PrefillView
 
 
@@ -139,3 +141,24 @@ class RemotePath(Protocol):
     def stream(self, prep: Prepared) -> AsyncIterator[tuple[object, FinalInfo | None, dict]]: ...
 
     def abort(self, request_id: str) -> None: ...
+
+
+def sample_input(inp: GenerateInput, j: int, request_id: str) -> GenerateInput:
+    """Sample ``j`` of a prompt as its own request (seed + j, wrapped into the seed range)."""
+    params = inp.params
+    if params.seed is not None and j:
+        span = UINT64_MAX - INT64_MIN + 1
+        params = dataclasses.replace(params, seed=(params.seed + j - INT64_MIN) % span + INT64_MIN)
+    return dataclasses.replace(inp, params=params, request_id=request_id)
+
+
+def as_request_error(item) -> RequestError:
+    """The status a client sees for a request the engine could not finish."""
+    if isinstance(item, InvalidRequestError):
+        return RequestError("invalid_argument", str(item), item.field)
+    if isinstance(item, EngineDeadError):
+        return RequestError("unavailable", f"the engine stopped: {item}; retry on another decode worker")
+    if isinstance(item, BaseException):
+        return RequestError("internal", f"engine error: {item.__class__.__name__}: {item}")
+    return RequestError("internal", f"this request failed in the engine ({item.error}); the worker is fine, "
+                        "retry or change its sampling parameters")

@@ -1,0 +1,88 @@
+"""Request validation at the decode worker's edge: every field checked, every size bounded
+before the work it bounds (ServingLimits), the prompt tokenized. Pure CPU work that
+touches no engine state: the frontend runs it in its tokenizer pool, off the event loop.
+Refusals are `RequestError`s naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdserve.engine import InvalidRequestError, SamplingParams, check_text
+
+from .ingress import REQUEST_ID_CHARS, GenerateInput, RequestError, ServingLimits
+
+
+class Validator:
+    """Checks requests for one engine (its vocabulary, context length, tokenizer)."""
+
+    def __init__(self, engine, limits: ServingLimits, served_model: str, max_prompt_chars: int):
+        self.eng = engine
+        self.limits = limits
+        self.served_model = served_model
+        self.max_prompt_chars = max_prompt_chars
+
+    def validate(self, inp: GenerateInput) -> tuple[list[int], SamplingParams, int]:
+        """Check and tokenize one request (CPU work: call it off the event loop, see
+        `generate`). Every size is checked before the work it bounds."""
+        eng = self.eng
+        lim = self.limits
+        rid = inp.request_id
+        if rid is not None:
+            if not isinstance(rid, str) or not 0 < len(rid) <= lim.max_request_id_chars \
+                    or not REQUEST_ID_CHARS.fullmatch(rid):
+                raise RequestError("invalid_argument",
+                                   f"request_id: must be 1-{lim.max_request_id_chars} characters of "
+                                   "A-Z a-z 0-9 . _ : @ / + = -", "request_id")
+        if inp.model and inp.model != self.served_model:
+            raise RequestError("not_found",
+                               f"model: {inp.model!r} does not exist here; this worker serves {self.served_model!r}",
+                               "model")
+        if inp.route not in ("auto", "local", "remote"):
+            raise RequestError("invalid_argument", f"route: {inp.route!r}; use auto, local or remote", "route")
+        if inp.ttft_slo_ms is not None and not inp.ttft_slo_ms > 0:
+            raise RequestError("invalid_argument", f"ttft_slo_ms: must be > 0, got {inp.ttft_slo_ms}", "ttft_slo_ms")
+        try:
+            # Parameters first: a bad one is refused before the prompt costs anything.
+            inp.params.validate(eng.model_config.vocab_size, lim.request)
+            prompt = self._chat_prompt(inp.messages) if inp.messages is not None else inp.prompt
+            if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+                raise InvalidRequestError(
+                    "messages" if inp.messages is not None else "prompt",
+                    f"has {len(prompt)} characters; this worker takes at most {self.max_prompt_chars} "
+                    f"(max_model_len {eng.max_model_len} tokens)")
+            ids, params, prio = eng.validate_input(prompt, inp.params, inp.priority, lim.request)
+        except InvalidRequestError as exc:
+            # The engine names a bad token id "prompt_token_ids"; the client sent it as the
+            # prompt, or sent the messages that became it.
+            err = RequestError("invalid_argument", str(exc), exc.field)
+            client = "messages" if inp.messages is not None else "prompt"
+            raise err.renamed({"prompt_token_ids": client, "prompt": client}) from None
+        room = eng.max_model_len - len(ids)
+        if inp.fill_context:
+            params = dataclasses.replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise RequestError(
+                "invalid_argument",
+                f"max_tokens: {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                f"max_model_len {eng.max_model_len}; use max_tokens <= {room}", "max_tokens")
+        return ids, params, prio
+
+    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Render chat messages with the model's template, then tokenize (the template
+        already holds BOS, so no special tokens are added again)."""
+        if len(messages) > self.limits.max_messages:
+            raise InvalidRequestError("messages", f"{len(messages)} messages; at most {self.limits.max_messages}")
+        total = 0
+        for i, m in enumerate(messages):
+            check_text(f"messages[{i}].content", m["content"])
+            check_text(f"messages[{i}].role", m["role"])
+            total += len(m["content"])
+        if total > self.max_prompt_chars:
+            raise InvalidRequestError("messages", f"hold {total} characters; this worker takes at most "
+                                      f"{self.max_prompt_chars}")
+        tokenizer = self.eng.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except ValueError as exc:
+            raise InvalidRequestError("messages", str(exc).removeprefix("messages: ")) from None
+        return tokenizer.encode(text, add_special_tokens=False)
