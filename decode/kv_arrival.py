@@ -104,7 +104,8 @@ class KVArrival:
         self._observe(msg, kv_bytes, transfer_ms)
         if h.reput and self.on_ready_reput is not None:  # a copy put after a queue restart may be queued
             self.loop.call_soon_threadsafe(self.on_ready_reput, h.request_id)
-        self.engine.deliver(self.connector.remote_ready(h.request_id, msg.first_token_id, msg.first_token_logprob))
+        self.engine.deliver(self.connector.remote_ready(h.request_id, msg.first_token_id, msg.first_token_logprob,
+                                                       dict(msg.first_top_logprobs)))
 
     def _observe(self, msg: PrefillDone, kv_bytes: int, transfer_ms: float) -> None:
         """Feed the router's cost model (on the event loop, which owns it)."""

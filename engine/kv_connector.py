@@ -109,8 +109,8 @@ class KVConnector:
         """True while the request's reservation waits for its remote KV."""
         return request_id in self._eng.scheduler.remote
 
-    def remote_ready(self, request_id: str, first_token_id: int,
-                     first_logprob: float | None = None) -> "RequestDelta":
+    def remote_ready(self, request_id: str, first_token_id: int, first_logprob: float | None = None,
+                     first_top_logprobs: dict[int, float] | None = None) -> "RequestDelta":
         """The pages are written and the other worker sampled the first token: the request
         joins the running batch from it (a first token the detokenizer refuses fails it)."""
         eng = self._eng
@@ -121,7 +121,7 @@ class KVConnector:
             # seed; draw once here too so later tokens match the local path.
             eng.sampler.skip_draw(req, eng.model_config.vocab_size)
         try:
-            return eng._append(req, SampleResult(first_token_id, first_logprob))
+            return eng._append(req, SampleResult(first_token_id, first_logprob, first_top_logprobs or None))
         except Exception as exc:  # noqa: BLE001
             return eng.fail_request(req, exc)
 

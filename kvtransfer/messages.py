@@ -30,7 +30,9 @@ MAX_NOTIFICATION_BYTES = 1024
 
 _HEADER_BYTES = len(MAGIC) + 1
 # Sent only when non-zero; a reader that lacks them keeps the defaults.
-_OPTIONAL_FIELDS = ("queue_wait_ms", "prefill_ms", "sent_at", "prefill_worker", "batch_tokens")
+_OPTIONAL_FIELDS = ("queue_wait_ms", "prefill_ms", "sent_at", "prefill_worker", "batch_tokens",
+                    "first_top_logprobs")
+MAX_TOP_LOGPROBS = 20  # the engine's own bound on logprobs
 _FIELDS = (
     "request_id",
     "epoch",
@@ -66,6 +68,9 @@ class PrefillDone:
     sent_at: float = 0.0  # unix time the last write (with this message) was posted; 0 = unknown
     prefill_worker: str = ""
     batch_tokens: int = 0  # tokens the prefill batch computed in prefill_ms (for cost calibration)
+    # The first token's most likely alternatives, (token id, logprob) pairs, when the request
+    # asked for logprobs: the decode side's first logprobs entry equals the local path's.
+    first_top_logprobs: tuple[tuple[int, float], ...] = ()
     version: int = PREFILL_DONE_VERSION
 
     def __post_init__(self) -> None:
@@ -74,6 +79,9 @@ class PrefillDone:
             raise ValueError(f"invalid PrefillDone: {problem}")
         if isinstance(self.first_token_logprob, int):  # a caller passed 0 for 0.0
             object.__setattr__(self, "first_token_logprob", float(self.first_token_logprob))
+        # msgpack gives lists back; keep one hashable, comparable form.
+        object.__setattr__(self, "first_top_logprobs",
+                           tuple((int(t), float(lp)) for t, lp in self.first_top_logprobs))
 
     def encode(self) -> bytes:
         return encode_prefill_done(self)
@@ -137,6 +145,13 @@ def _field_problem(msg: PrefillDone) -> str | None:
         value = getattr(msg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             return f"{name} must be a number >= 0, got {value!r}"
+    top = msg.first_top_logprobs
+    if not isinstance(top, (list, tuple)) or len(top) > MAX_TOP_LOGPROBS or not all(
+            isinstance(e, (list, tuple)) and len(e) == 2 and is_int(e[0]) and e[0] >= 0
+            and isinstance(e[1], (int, float)) and not isinstance(e[1], bool) and not math.isnan(e[1]) and e[1] <= 0
+            for e in top):
+        return (f"first_top_logprobs must be at most {MAX_TOP_LOGPROBS} (token id >= 0, logprob <= 0) "
+                f"pairs, got {top!r}"[:300])
     if not is_int(msg.batch_tokens) or msg.batch_tokens < 0:
         return f"batch_tokens must be an int >= 0, got {msg.batch_tokens!r}"
     if not isinstance(msg.prefill_worker, str):

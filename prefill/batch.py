@@ -80,7 +80,7 @@ class _Job:
         self.task = task
         self.rid = rid
         self.stream = None
-        self.first: tuple[int, float | None] | None = None
+        self.first: tuple[int, float | None, tuple] | None = None  # token, logprob, top alternatives
         self.failure: tuple[str, str] | None = None  # (kind, detail)
         self.handles: list = []
         self.timed_out = False  # a write of this job timed out: NIXL may still be moving it
@@ -152,7 +152,10 @@ class PrefillBatch:
         eng = self.engine
         if not isinstance(t.sampling_params, dict):
             raise TypeError(f"sampling_params must be a map, got {type(t.sampling_params).__name__}")
-        params = SamplingParams.from_dict({**t.sampling_params, "max_tokens": 1, "stop": [], "logprobs": 0})
+        # The first token's logprob always (the decode side reports it when asked), and its top-N
+        # alternatives when the request asked for them, so the remote path returns what local does.
+        asked = t.sampling_params.get("logprobs") or 0
+        params = SamplingParams.from_dict({**t.sampling_params, "max_tokens": 1, "stop": [], "logprobs": asked})
         params.validate(eng.model_config.vocab_size)  # a NaN temperature fails here, not in the sampler
         if not t.target_block_ids or not all(isinstance(b, int) and b >= 0 for b in t.target_block_ids):
             raise ValueError("target_block_ids must be a non-empty list of block ids")
@@ -184,7 +187,8 @@ class PrefillBatch:
                 if d.finish_reason == "error":
                     job.fail(REQUEST_FAILED, d.error or "the engine failed this request")
                 elif d.new_token_ids:
-                    job.first = (d.new_token_ids[0], d.logprobs[0]["logprob"] if d.logprobs else None)
+                    lp = d.logprobs[0] if d.logprobs else {}
+                    job.first = (d.new_token_ids[0], lp.get("logprob"), tuple(lp.get("top_logprobs", {}).items()))
         else:
             self._fail_batch(jobs, f"not prefilled within {MAX_STEPS_PER_BATCH} engine steps")
         result.prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -246,8 +250,8 @@ class PrefillBatch:
             if job.failure is not None:
                 continue
             t = job.task
-            tok, lp = job.first
-            done = PrefillDone(t.request_id, t.epoch, tok, lp, t.num_prefill_tokens,
+            tok, lp, top = job.first
+            done = PrefillDone(t.request_id, t.epoch, tok, lp, t.num_prefill_tokens, first_top_logprobs=top,
                                queue_wait_ms=max(0.0, (taken_at - t.arrival_time) * 1e3),
                                prefill_ms=result.prefill_ms, prefill_worker=self.worker_id,
                                batch_tokens=result.batch_tokens, sent_at=time.time()).encode()

@@ -176,6 +176,26 @@ def test_forced_remote_and_forced_local_give_the_same_tokens(cluster, llama_dir,
     assert_all_blocks_return(d)
 
 
+def test_remote_first_token_logprobs_equal_the_local_paths(cluster, llama_dir, etcd):
+    """With logprobs asked, the first token's logprob and its top alternatives come from the
+    prefill worker: the same entries (ids, and values to float tolerance) as a local prefill."""
+    with_prefill(cluster, llama_dir, etcd)
+    d = cluster["decode"]
+    prompts = mixed_prompts(4, seed=9)
+    remote = run_all(d, prompts, route="remote", logprobs=3)
+    local = run_all(d, prompts, route="local", logprobs=3)
+    assert all(o.breakdown["route"] == "remote" for o in remote)
+    for r, lo in zip(remote, local):
+        assert r.token_ids == lo.token_ids
+        first_r, first_l = r.logprobs[0], lo.logprobs[0]
+        assert first_r["token_id"] == first_l["token_id"] and len(first_r["top_logprobs"]) == 3
+        assert set(first_r["top_logprobs"]) == set(first_l["top_logprobs"])
+        assert first_r["logprob"] == pytest.approx(first_l["logprob"], abs=1e-4)
+        for tok, lp in first_l["top_logprobs"].items():
+            assert first_r["top_logprobs"][tok] == pytest.approx(lp, abs=1e-4)
+    assert_all_blocks_return(d)
+
+
 def test_queue_full_routes_local_not_error(cluster, llama_dir, etcd):
     """A second decode worker on a tiny queue that no prefill worker serves."""
     from pdserve.cluster.queue import get_or_create_queue

@@ -37,6 +37,15 @@ def test_a_missing_logprob_round_trips_as_none():
     assert decode_prefill_done(done.encode()).first_token_logprob is None
 
 
+def test_first_top_logprobs_round_trip_and_are_checked():
+    done = PrefillDone("r", 1, 7, -0.5, 16, first_top_logprobs=[(7, -0.5), (3, -1.25)])
+    assert done.first_top_logprobs == ((7, -0.5), (3, -1.25))
+    assert decode_prefill_done(done.encode()) == done
+    for bad in ([(1, 0.5)], [(-1, -0.5)], [(1, float("nan"))], [(1, -0.1)] * 21, [(1,)]):
+        with pytest.raises(ValueError, match="first_top_logprobs"):
+            PrefillDone("r", 1, 7, None, 16, first_top_logprobs=bad)
+
+
 def test_sent_at_round_trips_and_must_be_a_finite_time():
     done = PrefillDone("r", 1, 7, None, 16, sent_at=1_800_000_000.25)
     assert decode_prefill_done(done.encode()).sent_at == 1_800_000_000.25
