@@ -60,7 +60,10 @@ def _ray_start(host, *args: str) -> None:
         raise RuntimeError(f"ray start in {host.name} failed: {res.stderr[-2000:]}")
 
 
-def run_on_hosts(argv: list[str], log=lambda line: print(line, file=sys.stderr, flush=True)) -> int:
+def run_on_hosts(argv: list[str], log=lambda line: print(line, file=sys.stderr, flush=True),
+                 script: str | None = None) -> int:
+    """Make the hosts and their Ray nodes, then run ``script`` (default bench/chaos.py) with
+    ``argv`` + ``--host-plan`` inside the head host; its exit code."""
     from pdserve.bench.netns import Network, unavailable
 
     why = unavailable()
@@ -78,7 +81,8 @@ def run_on_hosts(argv: list[str], log=lambda line: print(line, file=sys.stderr, 
             plan = {"ray": f"{head.addr}:{RAY_PORT}",
                     **{n: {"netns": net[n].netns, "addr": net[n].addr} for n in HOSTS}}
             log(f"chaos: hosts {', '.join(f'{n} {net[n].addr}' for n in HOSTS)}; Ray head at {plan['ray']}")
-            child = [sys.executable, str(Path(__file__).with_name("chaos.py")), *argv, "--host-plan", json.dumps(plan)]
+            script = script or str(Path(__file__).with_name("chaos.py"))
+            child = [sys.executable, script, *argv, "--host-plan", json.dumps(plan)]
             return subprocess.run(head.cmd(*child)).returncode
         finally:
             for h in net.hosts.values():
