@@ -88,5 +88,6 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
         policy = topology.router_policy_path
         out.update(grpc_port=port("grpc"), http_port=port("http"), router_policy=str(policy) if policy else None,
                    served_model_name=topology.model.name, remote_prefill=topology.roles.prefill.replicas > 0,
+                   remote_timeout_s=spec.remote_timeout_s, remote_quarantine_s=spec.remote_quarantine_s,
                    exit_on_engine_death=True)
     return out

@@ -18,13 +18,15 @@ interleave.
                                                    prefill locally; the old blocks wait
     RESERVED | QUEUED --abort (no writer)--> ABORTED      request dropped, blocks released
     RESERVED | QUEUED --abort (writer alive)--> QUARANTINED  request dropped, blocks wait
-    QUARANTINED --done | fail (settled) | expire | pool_empty--> RELEASED  blocks freed
+    QUARANTINED --done | fail (settled) | expire--> RELEASED  blocks freed
 
 "Settled" means no write of the attempt can still land: the task was still
-queued when cancelled, the prefill pool is empty, or the prefill worker said
-so in its `PrefillFailed`. Otherwise the blocks stay quarantined until that
-attempt's own notification arrives (its writes are over) or `quarantine_s`
-passes, so a late write never lands in blocks another request owns.
+queued when cancelled, nobody ever took it, or the prefill worker said so in
+its `PrefillFailed`. A worker that left etcd is not settled: a partitioned
+worker's writes can still arrive when its link returns. Otherwise the blocks
+stay quarantined until that attempt's own notification arrives (its writes
+are over) or `quarantine_s` passes, so a late write never lands in blocks
+another request owns.
 
 Pure: no Ray, etcd, NIXL or engine; thread-safe (the event loop marks puts
 and reads the awaited set, the engine thread does the rest).
@@ -78,7 +80,6 @@ TRANSITIONS: dict[tuple[HandoffState, str], tuple[HandoffState, Effect]] = {
     (S.QUARANTINED, "done"): (S.RELEASED, E.FREE),
     (S.QUARANTINED, "fail_settled"): (S.RELEASED, E.FREE),
     (S.QUARANTINED, "expire"): (S.RELEASED, E.FREE),
-    (S.QUARANTINED, "pool_empty"): (S.RELEASED, E.FREE),
 }
 del S, E
 
@@ -177,12 +178,6 @@ class Handoffs:
                    if h.state is HandoffState.QUARANTINED and h.quarantine_until is not None
                    and now > h.quarantine_until]
         return [s for h in due if not (s := self._event(h.request_id, h.epoch, "expire")).stale]
-
-    def pool_empty(self) -> list[Step]:
-        """No prefill worker is alive: nobody can write a quarantined block any more."""
-        with self._lock:
-            held = [h for h in self._live.values() if h.state is HandoffState.QUARANTINED]
-        return [s for h in held if not (s := self._event(h.request_id, h.epoch, "pool_empty")).stale]
 
     # -- reads -----------------------------------------------------------------------------
     def awaiting(self) -> list[Handoff]:

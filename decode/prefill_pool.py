@@ -31,6 +31,13 @@ class PrefillView:
     queue_tokens: int = 0  # prompt tokens those tasks will prefill
 
 
+# Failed-task reasons after which no write of the attempt can still land: nobody took the task,
+# or the prefill worker failed it before posting a write. After any other (a worker that
+# vanished from etcd while holding it, a transfer error) a partitioned worker may still have
+# page writes in flight, so the reservation is quarantined, not freed.
+SETTLED_REASONS = frozenset({"deadline_expired", "peer_missing", "bad_task", "batch_failed", "request_failed"})
+
+
 def failure_reason(reason: str, detail: str) -> str:
     """The fallback reason for a task the queue failed back: a prefill worker's failure kind
     is the cause as it is; the queue's own reasons are prefixed ``queue:``."""
@@ -41,7 +48,7 @@ class QueueWatch:
     """The decode side's poll of the prefill queue (see the module docstring)."""
 
     def __init__(self, queue, worker_id: str, view: PrefillView, *, poll_s: float, call_s: float, lost_s: float,
-                 on_failed: Callable[[object, str], None],
+                 on_failed: Callable[[object, str, bool], None],
                  on_restart: Callable[[str], Awaitable[None]],
                  on_lost: Callable[[], None],
                  has_waiters: Callable[[], bool]):
@@ -70,7 +77,7 @@ class QueueWatch:
                 continue
             last_ok, lost = time.monotonic(), False
             for f in failed:
-                self._on_failed(f.task, failure_reason(f.reason, f.detail))
+                self._on_failed(f.task, failure_reason(f.reason, f.detail), f.reason in SETTLED_REASONS)
             self.view.queue_depth, self.view.queue_tokens = st.depth, st.queued_tokens
             if st.instance_id and st.instance_id != self.instance:
                 if self.instance is not None:

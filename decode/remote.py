@@ -94,14 +94,15 @@ class RemotePrefill:
             asyncio.ensure_future(self._pool_empty())
 
     async def _pool_empty(self) -> None:
-        """No prefill worker is alive, so nobody is writing. Each waiting request's task is
-        cancelled first (a dead worker's tasks are requeued by the queue, and a worker that
-        joins later must not take them), then it falls back with its blocks freed; the
-        quarantined blocks are freed too."""
-        await asyncio.gather(*(self._cancel_and_fallback(h.request_id, h.epoch, "prefill pool empty",
-                                                         release_anyway=True)
+        """No prefill worker is registered. Each waiting request's task is cancelled (a worker
+        that joins later must not take it) and the request falls back now. A lost lease does
+        not mean a dead process: a partitioned prefill worker may still have page writes in
+        its TCP send buffer that land when the link returns (measured: a write that timed out
+        on a throttled link was delivered after the throttle lifted). So only a task that was
+        still queued frees its blocks; the others are quarantined until their attempt's own
+        notification arrives or `quarantine_s` passes."""
+        await asyncio.gather(*(self._cancel_and_fallback(h.request_id, h.epoch, "prefill pool empty")
                                for h in self.handoffs.awaiting()))
-        self.engine.call(lambda eng: [self.arrival.apply(s) for s in self.handoffs.pool_empty()])
 
     # -- the asyncio side -------------------------------------------------------------
     async def stream(self, prep):
@@ -185,15 +186,14 @@ class RemotePrefill:
     def _on_deadline(self, rid: str, epoch: int) -> None:
         asyncio.ensure_future(self._cancel_and_fallback(rid, epoch, "deadline passed"))
 
-    async def _cancel_and_fallback(self, rid: str, epoch: int, why: str, release_anyway: bool = False) -> None:
-        """Cancel the queued task, then fall back. The blocks are freed at once when nobody
-        can write them any more: the task was still queued, or (``release_anyway``) no
-        prefill worker is alive; else quarantined."""
+    async def _cancel_and_fallback(self, rid: str, epoch: int, why: str) -> None:
+        """Cancel the queued task, then fall back. The blocks are freed at once only when the
+        task was still queued (nobody took it); else they are quarantined."""
         try:
             status = await asyncio.wait_for(self.queue.cancel(rid), self.cfg.queue_call_s)
         except Exception:  # noqa: BLE001  (unreachable or wedged queue: someone may hold the task)
             status = "unknown"
-        self._fallback(rid, epoch, why, release_now=release_anyway or status == "queued")
+        self._fallback(rid, epoch, why, release_now=status == "queued")
 
     def abort(self, rid: str) -> None:
         """Client gone or Abort RPC: drop the request; a reservation a prefill worker may
@@ -212,10 +212,11 @@ class RemotePrefill:
         self.engine.call(lambda eng: self.arrival.apply(self.handoffs.give_up(rid, epoch, release_now, why)))
 
     # -- what the queue tells us (QueueWatch callbacks, event loop) --------------------------
-    def _queue_failed(self, task, why: str) -> None:
-        """A task the queue failed back (expired, its worker vanished twice, or failed by a
-        prefill worker that could not tell us over NIXL): nothing writes it any more."""
-        self._fallback(task.request_id, task.epoch, why, release_now=True)
+    def _queue_failed(self, task, why: str, settled: bool) -> None:
+        """A task the queue failed back (expired, its worker vanished, or failed by a prefill
+        worker that could not tell us over NIXL): prefill locally now; its blocks are freed
+        only when no write can still land (prefill_pool.SETTLED_REASONS)."""
+        self._fallback(task.request_id, task.epoch, why, release_now=settled)
 
     async def _queue_restarted(self, instance: str) -> None:
         """The queue came back empty: put every awaited task again, same epoch (its blocks

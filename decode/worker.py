@@ -49,6 +49,7 @@ class DecodeWorkerConfig(WorkerConfig):
     # NIXL and send REMOTE decisions to the prefill queue.
     remote_prefill: bool = False
     remote_timeout_s: float = 30.0
+    remote_quarantine_s: float = 60.0  # abandoned blocks a late write could still reach stay unused
     limits: dict = field(default_factory=dict)  # ServingLimits fields (request sizes, body bytes)
     # When the engine dies: leave etcd, report NOT_SERVING, then exit the process so its
     # supervisor (Ray max_restarts, Kubernetes) starts a fresh one. The launcher sets it;
@@ -140,7 +141,7 @@ class DecodeWorker:
         self.agent = KVTransferAgent(self.worker_id, kv, KVLayout.from_tensor(kv, self.engine.model_config.model_id),
                                      ucx_env=cfg.agent_ucx_env(self.host))
         self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,
-                                    RemoteConfig(timeout_s=cfg.remote_timeout_s), costs=policy.costs)
+                                    RemoteConfig(timeout_s=cfg.remote_timeout_s, quarantine_s=cfg.remote_quarantine_s), costs=policy.costs)
         self.remote.start()
 
     async def _join_cluster(self) -> None:

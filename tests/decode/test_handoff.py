@@ -42,7 +42,7 @@ def test_the_transition_table_is_exactly_the_documented_one():
         expected[(s, "fail_unsettled")] = (S.QUARANTINED, E.FALL_BACK_QUARANTINE)
         expected[(s, "abort_settled")] = (S.ABORTED, E.ABORT)
         expected[(s, "abort_unsettled")] = (S.QUARANTINED, E.ABORT_QUARANTINE)
-    for event in ("done", "fail_settled", "expire", "pool_empty"):
+    for event in ("done", "fail_settled", "expire"):
         expected[(S.QUARANTINED, event)] = (S.RELEASED, E.FREE)
     assert TRANSITIONS == expected
 
@@ -121,17 +121,6 @@ def test_abort_releases_or_quarantines(table, writer, effect, state):
     h = queued(table)
     step = table.abort("r1", writer_may_exist=writer)
     assert step.effect is effect and h.state is state and table.num_awaiting == 0
-
-
-def test_pool_empty_frees_every_quarantine(table):
-    a = queued(table, "a")
-    b = queued(table, "b")
-    c = queued(table, "c")
-    table.abort("a", writer_may_exist=True)
-    table.give_up("b", 1, release_now=False, why="deadline passed")
-    steps = table.pool_empty()
-    assert {s.handoff.request_id for s in steps} == {"a", "b"} and all(s.effect is E.FREE for s in steps)
-    assert a.state is b.state is S.RELEASED and c.state is S.QUEUED and table.awaiting() == [c]
 
 
 def test_a_late_done_after_a_released_fallback_is_stale(table):

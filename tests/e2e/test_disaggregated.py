@@ -248,6 +248,9 @@ def test_prefill_worker_killed_mid_flight_all_requests_complete_locally(cluster,
     ref = reference(llama_dir, prompts)
     pid = ray.get(p.pid.remote())
     results = {}
+    # A worker that leaves etcd may only be partitioned: its taken attempts' blocks are
+    # quarantined (decode/handoff.py), here for 3 s instead of 60.
+    d.worker.remote.handoffs.quarantine_s = 3.0
 
     async def go():
         async with AsyncClient(d.grpc) as c:
@@ -269,13 +272,13 @@ def test_prefill_worker_killed_mid_flight_all_requests_complete_locally(cluster,
     assert any(o.breakdown["fell_back_to_local"] for o in outs)
     # The registry dropped the dead worker within TTL + 2 s of the kill.
     wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 0, TTL_S + 2)
-    # The empty pool's clean-up (cancel, fall back, free quarantines) runs on the decode worker's
-    # engine thread just after the pool size drops: allow it a moment, far less than the 60 s a
-    # quarantine would hold blocks.
+    # The empty pool's clean-up (cancel, fall back, quarantine what a worker took) runs just
+    # after the pool size drops; the quarantines end 3 s later.
     try:
-        wait_until(lambda: free_blocks(d) == baseline, 5)
+        wait_until(lambda: free_blocks(d) == baseline, 10)
     except TimeoutError:
         pass
+    d.worker.remote.handoffs.quarantine_s = 60.0
     assert free_blocks(d) == baseline
     assert_all_blocks_return(d)
     cluster["prefill"] = None

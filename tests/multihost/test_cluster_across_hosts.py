@@ -28,6 +28,7 @@ MAX_TOKENS = 8
 NAMESPACE = "pdserve"
 CLUSTER = "mh"
 TTL_S = 4
+QUARANTINE_S = 8  # blocks a partitioned prefill worker may still write stay unused this long
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
@@ -107,7 +108,7 @@ def write_topology(path: Path, model: str, net: Network, ray_address: str, run_d
         "roles": {
             "prefill": {"replicas": 1, "engine": engine,
                         "resources": {"num_cpus": 1, "custom": {f"node:{net['prefill'].addr}": 0.01}}},
-            "decode": {"replicas": 1, "engine": engine,
+            "decode": {"replicas": 1, "engine": engine, "remote_quarantine_s": QUARANTINE_S,
                        "resources": {"num_cpus": 1, "custom": {f"node:{net['decode'].addr}": 0.01}}},
         },
         "etcd": {"lease_ttl_s": TTL_S},
@@ -216,8 +217,15 @@ def test_a_pulled_prefill_link_loses_no_request_and_leaks_no_block(cluster):
     fell_back = [bool(o["breakdown"].get("fell_back_to_local")) for o in outs]
     assert any(fell_back), [o["breakdown"] for o in outs]  # those whose pages were cut off
     assert all(f or o["breakdown"]["route"] == "remote" for f, o in zip(fell_back, outs))
-    stats = cluster.stats()[f"{CLUSTER}-decode-0"]
-    assert stats["num_free_blocks"] == free0 and stats["inflight"] == 0
+    # Blocks the cut-off prefill worker had taken stay quarantined (its writes could still land
+    # when the link returns) until their late notification arrives or QUARANTINE_S passes.
+    deadline = time.monotonic() + QUARANTINE_S + 30
+    while True:
+        stats = cluster.stats()[f"{CLUSTER}-decode-0"]
+        if (stats["num_free_blocks"] == free0 and stats["inflight"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert stats["num_free_blocks"] == free0 and stats["inflight"] == 0, stats
 
     assert cluster.wait_member("prefill-0", present=True, timeout_s=60) is not None, "prefill-0 never came back"
     again = cluster.generate(prompts[:2], route="remote")
