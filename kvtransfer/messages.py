@@ -95,13 +95,15 @@ def encode_prefill_done(msg: PrefillDone) -> bytes:
         )
     fields = {name: getattr(msg, name) for name in _FIELDS}
     fields.update((name, getattr(msg, name)) for name in _OPTIONAL_FIELDS if getattr(msg, name))
-    body = msgpack.packb(fields, use_bin_type=True)
-    payload = MAGIC + bytes([msg.version]) + body
+    return _frame(MAGIC, msg.version, fields, "PrefillDone")
+
+
+def _frame(magic: bytes, version: int, fields: dict, name: str) -> bytes:
+    """magic | version | msgpack(fields), refused over the notification cap."""
+    payload = magic + bytes([version]) + msgpack.packb(fields, use_bin_type=True)
     if len(payload) > MAX_NOTIFICATION_BYTES:
-        raise ValueError(
-            f"PrefillDone encodes to {len(payload)} bytes, over the {MAX_NOTIFICATION_BYTES}-byte "
-            "notification cap; shorten request_id"
-        )
+        raise ValueError(f"{name} encodes to {len(payload)} bytes, over the {MAX_NOTIFICATION_BYTES}-byte "
+                         "notification cap; shorten request_id")
     return payload
 
 
@@ -205,14 +207,8 @@ class PrefillFailed:
     def encode(self) -> bytes:
         if self.version != PREFILL_FAILED_VERSION:
             raise ValueError(f"this build writes PrefillFailed version {PREFILL_FAILED_VERSION}, not {self.version}")
-        body = msgpack.packb({name: getattr(self, name) for name in _FAILED_FIELDS}, use_bin_type=True)
-        payload = FAILED_MAGIC + bytes([self.version]) + body
-        if len(payload) > MAX_NOTIFICATION_BYTES:
-            raise ValueError(
-                f"PrefillFailed encodes to {len(payload)} bytes, over the {MAX_NOTIFICATION_BYTES}-byte "
-                "notification cap; shorten request_id"
-            )
-        return payload
+        return _frame(FAILED_MAGIC, self.version, {name: getattr(self, name) for name in _FAILED_FIELDS},
+                      "PrefillFailed")
 
 
 def _failed_problem(msg: PrefillFailed) -> str | None:
