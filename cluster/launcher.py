@@ -24,8 +24,9 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .actors import WORKER_MAX_RESTARTS, load_entrypoint, restartable, stop_actor, worker_actor_options
 from .etcd_server import EmbeddedEtcd, free_loopback_port
@@ -35,7 +36,7 @@ from .topology import Topology
 from .worker_config import launch_config
 
 # Also importable from here (tests, bench, the composition root).
-__all__ = ["Launcher", "ClusterState", "state_path", "restartable", "worker_actor_options", "load_entrypoint",
+__all__ = ["Launcher", "ClusterState", "state_path", "StartedWorker", "start_worker_actor", "actor_name", "restartable", "worker_actor_options", "load_entrypoint",
            "WORKER_MAX_RESTARTS", "READY_TIMEOUT_S", "RAY_START_TIMEOUT_S"]
 
 READY_TIMEOUT_S = 300.0
@@ -127,23 +128,14 @@ class Launcher:
         self.progress(f"ray       started head at {state.ray_address} ({cpus} CPUs, pid {proc.pid})")
 
     def _start_workers(self, state: ClusterState) -> list:
-        import ray
-
         t = self.topo
         handles = []
         for role_name in ("prefill", "decode"):
-            role = getattr(t.roles, role_name)
-            cls = ray.remote(restartable(load_entrypoint(role.entrypoint)))
-            for i in range(role.replicas):
-                cfg = launch_config(t, role_name, i, model=self.model_path, etcd_endpoints=state.etcd_endpoints)
-                worker_id = cfg["worker_id"]
-                name = f"{t.cluster}-{worker_id}"
-                opts = worker_actor_options(name, t.ray.namespace, role.resources.num_cpus, role.resources.num_gpus,
-                                            role.resources.custom)
-                actor = cls.options(**opts).remote(cfg)
-                handles.append((name, role_name, worker_id, actor, actor.start.remote()))
-                state.actors.append({"name": name, "role": role_name, "worker_id": worker_id})
-                self.progress(f"{role_name:<9} starting {worker_id} ({role.entrypoint})")
+            for i in range(getattr(t.roles, role_name).replicas):
+                w = start_worker_actor(t, role_name, i, model=self.model_path, etcd_endpoints=state.etcd_endpoints)
+                handles.append((w.name, role_name, w.worker_id, w.actor, w.start_ref))
+                state.actors.append({"name": w.name, "role": role_name, "worker_id": w.worker_id})
+                self.progress(f"{role_name:<9} starting {w.worker_id} ({getattr(t.roles, role_name).entrypoint})")
         return handles
 
     def _wait_ready(self, state: ClusterState, handles) -> None:
@@ -184,6 +176,39 @@ class Launcher:
             _terminate_group(state.ray_head_pid, "ray head", self.progress)
         if state.etcd_pid:
             _terminate_group(state.etcd_pid, "etcd", self.progress, own_group=False)
+
+
+@dataclass
+class StartedWorker:
+    """A worker actor just created: its Ray name, worker id, handle and its `start()` call."""
+
+    name: str
+    worker_id: str
+    actor: Any
+    start_ref: Any  # ObjectRef of start() -> the worker's endpoints dict
+
+
+def actor_name(cluster: str, worker_id: str) -> str:
+    """The Ray actor name of a worker (unique in the cluster's namespace)."""
+    return f"{cluster}-{worker_id}"
+
+
+def start_worker_actor(topo: Topology, role: str, replica: int, *, model: str, etcd_endpoints: list[str],
+                       worker_id: str | None = None, resources: dict[str, float] | None = None) -> StartedWorker:
+    """Create replica `replica` of `role` as a detached, restartable Ray actor and call its
+    `start()`: the one way workers are started (`pdserve up`, the planner, `pdserve worker`).
+    `resources` adds Ray custom resources to the role's own (e.g. {"node:<ip>": 0.01} to
+    place it on one node)."""
+    import ray
+
+    spec = getattr(topo.roles, role)
+    cls = ray.remote(restartable(load_entrypoint(spec.entrypoint)))
+    cfg = launch_config(topo, role, replica, model=model, etcd_endpoints=etcd_endpoints, worker_id=worker_id)
+    name = actor_name(topo.cluster, cfg["worker_id"])
+    opts = worker_actor_options(name, topo.ray.namespace, spec.resources.num_cpus, spec.resources.num_gpus,
+                                {**spec.resources.custom, **(resources or {})})
+    actor = cls.options(**opts).remote(cfg)
+    return StartedWorker(name, cfg["worker_id"], actor, actor.start.remote())
 
 
 async def _wait_registered(state: ClusterState, deadline: float) -> dict:

@@ -66,11 +66,12 @@ class WorkerConfig:
 
 
 def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
-                  etcd_endpoints: list[str]) -> dict[str, Any]:
+                  etcd_endpoints: list[str], worker_id: str | None = None) -> dict[str, Any]:
     """The config dict of replica `replica` of `role` ("prefill" | "decode") in `topology`:
-    every `WorkerConfig` field, plus the role's own keys the default entry points take."""
+    every `WorkerConfig` field, plus the role's own keys the default entry points take.
+    The worker id is `<role>-<replica>` unless `worker_id` names another (a pod's name)."""
     spec = getattr(topology.roles, role)
-    common = WorkerConfig(model=model, engine_args=dict(spec.engine), worker_id=f"{role}-{replica}",
+    common = WorkerConfig(model=model, engine_args=dict(spec.engine), worker_id=worker_id or f"{role}-{replica}",
                           cluster=topology.cluster, etcd_endpoints=list(etcd_endpoints),
                           lease_ttl_s=topology.etcd.lease_ttl_s, queue_name=topology.queue.name,
                           queue_namespace=topology.ray.namespace, freeze_gc=True,
