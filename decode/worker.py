@@ -18,6 +18,7 @@ import uvicorn
 
 from pdserve.cluster.join import join_cluster, leave_cluster, open_queue, publish_load
 from pdserve.cluster.keys import VERSION
+from pdserve.cluster.load import BusyMeter, LatencyWindow, counter_value, histogram_buckets
 from pdserve.cluster.records import WorkerInfo
 from pdserve.cluster.runtime import freeze_gc_heap
 from pdserve.cluster.worker_config import WorkerConfig
@@ -81,6 +82,11 @@ class DecodeWorker:
         self.grpc_address = ""
         self.http_address = ""
         self.host = ""  # the address it serves on (cfg.host or what cfg.bind resolves to)
+        # What its etcd record's `load` reports (cluster/load.py): the planner reads it.
+        self.busy = BusyMeter()
+        self.decode_steps = self.decode_seqs = 0
+        self.decode_ms = 0.0
+        self._drained: asyncio.Future | None = None
 
     async def start(self) -> dict:
         """Load the engine, start serving and register; returns the endpoints."""
@@ -90,6 +96,7 @@ class DecodeWorker:
         policy = PolicyState(self.engine.connector.kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
         self.metrics = WorkerMetrics("decode", self.worker_id)
+        self._ttft_window, self._itl_window = LatencyWindow(self.metrics.ttft), LatencyWindow(self.metrics.itl)
         self.async_engine = AsyncEngine(self.engine, on_step=self._on_step, on_death=self._on_engine_death)
         self.async_engine.start()
         if cfg.remote_prefill:
@@ -177,14 +184,25 @@ class DecodeWorker:
         )
 
     def _load(self) -> dict:
-        load = self.engine.load()
+        load, m = self.engine.load(), self.metrics
         return {"running": load.running, "waiting": load.waiting, "kv_usage": round(load.kv_usage, 4),
-                "inflight": len(self.frontend.inflight)}
+                "inflight": len(self.frontend.inflight), **self.busy.snapshot(),
+                "requests": int(histogram_buckets(m.ttft)[-1][1]),
+                "prompt_tokens": int(counter_value(m.prompt_tokens)),
+                "output_tokens": int(counter_value(m.generation_tokens)),
+                "decode_steps": self.decode_steps, "decode_ms": round(self.decode_ms, 2),
+                "decode_seqs": self.decode_seqs,
+                **self._ttft_window.percentiles_ms("ttft"), **self._itl_window.percentiles_ms("itl")}
 
     def _on_step(self, info: StepInfo) -> None:
         costs = self.frontend.policy.costs
         if info.ms <= 0:
             return
+        self.busy.add(info.ms / 1e3)
+        if info.num_tokens == info.num_decode_seqs:
+            self.decode_steps += 1
+            self.decode_ms += info.ms
+            self.decode_seqs += info.num_seqs
         prefill_tokens = info.num_tokens - info.num_decode_seqs
         if prefill_tokens > 0:
             # Per-token cost from whole steps: a request's own prefill time would
@@ -209,15 +227,20 @@ class DecodeWorker:
         """Stop taking new requests (health NOT_SERVING, 503), let in-flight ones
         finish (up to ``timeout_s``), and leave the registry. Triggered by
         `pdserve drain` (its drain key in etcd) or `pdserve down`."""
-        if self.frontend.draining:
+        if self._drained is not None:  # a second call (a restarted planner, `down`) waits for the first
+            await asyncio.shield(self._drained)
             return
-        self.frontend.draining = True
-        await self.grpc.set_serving(False)
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self.frontend.inflight and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        if self.registry is not None:
-            await self.registry.deregister()
+        self._drained = asyncio.get_running_loop().create_future()
+        try:
+            self.frontend.draining = True
+            await self.grpc.set_serving(False)
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while self.frontend.inflight and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            if self.registry is not None:
+                await self.registry.deregister()
+        finally:
+            self._drained.set_result(None)
 
     def stats(self) -> dict:
         eng, load = self.engine, self.engine.load()

@@ -21,10 +21,12 @@ import json
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 
-from pdserve.cluster.join import join_cluster, leave_cluster, open_queue
+from pdserve.cluster.join import join_cluster, leave_cluster, open_queue, publish_load
 from pdserve.cluster.keys import VERSION
+from pdserve.cluster.load import BusyMeter
 from pdserve.cluster.records import WorkerInfo
 from pdserve.cluster.runtime import freeze_gc_heap
 from pdserve.cluster.worker_config import WorkerConfig
@@ -55,6 +57,7 @@ class PrefillWorkerConfig(WorkerConfig):
     exit_on_loop_death: bool = False
     metrics_port: int | None = None  # Prometheus /metrics: None = a free loopback port, 0 = off
     metrics_host: str | None = None  # None: the address `bind` resolves to on this host
+    load_report_s: float = 2.0  # how often the record's `load` is refreshed (cluster/load.py)
 
 
 class PrefillWorker:
@@ -78,6 +81,9 @@ class PrefillWorker:
         self._queue_instance: str | None = None
         self.loop_error: str | None = None
         self.metrics = PrefillMetrics(self.worker_id, self.stats)
+        self.busy = BusyMeter()  # time spent serving batches (compute and transfers)
+        self.holding = 0  # tasks of the batch being served
+        self._load_task: asyncio.Task | None = None
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> dict:
@@ -109,12 +115,17 @@ class PrefillWorker:
         if cfg.freeze_gc:
             freeze_gc_heap(f"prefill worker {self.worker_id}")
         self._loop_task = asyncio.create_task(self._run())
+        self._load_task = asyncio.create_task(publish_load(self.registry, self._load, cfg.load_report_s))
         log.info("prefill worker %s started (pid %d)", self.worker_id, os.getpid())
         return {"worker_id": self.worker_id, "pid": os.getpid()}
 
     @property
     def budget(self) -> int:
         return self.cfg.batch_max_tokens or self.engine.config.max_num_batched_tokens
+
+    def _load(self) -> dict:
+        return {**self.busy.snapshot(), "kv_usage": round(self.engine.load().kv_usage, 4), "inflight": self.holding,
+                "tokens": self.stats.tokens_computed, "tasks": self.stats.tasks_done}
 
     def _decode_gone(self, info) -> None:
         # A vanished decode worker's pages are gone: forget its NIXL agent.
@@ -139,6 +150,8 @@ class PrefillWorker:
 
     async def stop(self) -> None:
         self.draining = True
+        if self._load_task is not None:
+            self._load_task.cancel()
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -168,7 +181,12 @@ class PrefillWorker:
             while not self.draining:
                 tasks = await self._next_batch()
                 if tasks:
-                    await self._serve(tasks)
+                    t0, self.holding = time.monotonic(), len(tasks)
+                    try:
+                        await self._serve(tasks)
+                    finally:
+                        self.busy.add(time.monotonic() - t0)
+                        self.holding = 0
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001  (a bug: make it loud and recoverable)

@@ -12,6 +12,8 @@ exactly as POLICY.md writes them (``gpu_utilization: 80``).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from pdserve.router.policy import StrictModel
@@ -88,18 +90,46 @@ class DecodeScaling(RoleScaling):
     scale_down: ScaleThresholds = ScaleThresholds(queue_length=4, kv_cache_usage=30)
 
 
+class SlaTargets(StrictModel):
+    """SLA mode: the latency targets, and how close to them the planner may run.
+
+    Per-worker capacity is learned online from the workers' own figures: prefill
+    tokens per busy second, and decode sequences a worker holds at the ITL target.
+    Until a role has been measured, the optional priors stand in for it.
+    """
+
+    ttft_ms: float = Field(gt=0)
+    itl_ms: float = Field(gt=0)
+    # Run each worker at most this busy: queueing delay grows without bound near 1.
+    max_utilization: float = Field(0.8, gt=0, le=1)
+    # Scale down only when the load would fit in fewer replicas with this much room to
+    # spare (0.2: the smaller pool at most 80% of what it can take): no flapping at a boundary.
+    hysteresis: float = Field(0.2, ge=0, lt=1)
+    prefill_tokens_per_s: float | None = Field(None, gt=0)  # prior: one prefill worker's throughput
+    decode_seqs_per_worker: float | None = Field(None, gt=0)  # prior: sequences one decode worker holds at itl_ms
+
+
 class AutoscaleSection(StrictModel):
     """The ``autoscale`` block."""
 
     prefill: PrefillScaling = PrefillScaling()
     decode: DecodeScaling = DecodeScaling()
+    # threshold: POLICY.md section 4's thresholds; sla: replicas computed from `sla` targets.
+    mode: Literal["threshold", "sla"] = "threshold"
+    sla: SlaTargets | None = None
     interval_s: float = Field(10.0, gt=0)
     cooldown_s: float = Field(60.0, ge=0)
     max_step: int = Field(1, ge=1)
     gpu_budget: int = Field(32, ge=1)
+    # A scale-down drains: the worker finishes what it holds; past this it is stopped anyway.
+    drain_timeout_s: float = Field(120.0, gt=0)
+    # A new worker that is not registered within this is counted as failed (and retried).
+    start_timeout_s: float = Field(300.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> AutoscaleSection:
+        if self.mode == "sla" and self.sla is None:
+            raise ValueError("mode: sla needs an `sla` block with ttft_ms and itl_ms")
         floor = (
             self.prefill.min_replicas * self.prefill.gpus_per_replica
             + self.decode.min_replicas * self.decode.gpus_per_replica
