@@ -1,8 +1,17 @@
-"""A small Python client for the pdserve Inference gRPC API (sync and asyncio)."""
+"""A small Python client for the pdserve Inference gRPC API (sync and asyncio).
+
+Security (docs/security.md): ``api_key`` is sent as ``authorization: Bearer <key>``
+metadata on every call; ``ca_file`` turns TLS on and verifies the server with that CA
+(``tls=True`` without one: the system's trust store); ``client_cert`` / ``client_key``
+are presented under mutual TLS. Each falls back to the environment: PDSERVE_API_KEY,
+PDSERVE_CA_FILE, PDSERVE_CLIENT_CERT, PDSERVE_CLIENT_KEY.
+"""
 
 from __future__ import annotations
 
+import os
 import uuid
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import grpc
@@ -74,13 +83,49 @@ def _accumulate(out: Completion, msg: pb.GenerateResponse) -> None:
         out.breakdown = breakdown_dict(msg.breakdown)
 
 
-class Client:
-    """Blocking client: ``Client("127.0.0.1:50051").generate("Hello", max_tokens=16)``."""
+class _Connection:
+    """Target, credentials and per-call metadata, shared by both clients."""
 
-    def __init__(self, target: str, timeout_s: float = 120.0):
+    def __init__(self, target: str, timeout_s: float, api_key: str | None, ca_file: str | None,
+                 client_cert: str | None, client_key: str | None, tls: bool | None):
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target)
+        env = os.environ.get
+        api_key = api_key if api_key is not None else env("PDSERVE_API_KEY") or None
+        ca_file = ca_file if ca_file is not None else env("PDSERVE_CA_FILE") or None
+        client_cert = client_cert if client_cert is not None else env("PDSERVE_CLIENT_CERT") or None
+        client_key = client_key if client_key is not None else env("PDSERVE_CLIENT_KEY") or None
+        if bool(client_cert) != bool(client_key):
+            raise ValueError("client_cert and client_key: give both (mutual TLS) or neither")
+        self.tls = tls if tls is not None else bool(ca_file or client_cert)
+        if not self.tls and (ca_file or client_cert):
+            raise ValueError("tls=False with ca_file or client_cert: those are TLS settings")
+        self._creds = None
+        if self.tls:
+            read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+            self._creds = grpc.ssl_channel_credentials(root_certificates=read(ca_file), private_key=read(client_key),
+                                                       certificate_chain=read(client_cert))
+        # Metadata, not call credentials: grpc sends those only over TLS, and a key on a
+        # loopback worker without TLS is a valid setup.
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+    def channel(self, aio: bool):
+        mod = grpc.aio if aio else grpc
+        return mod.secure_channel(self.target, self._creds) if self.tls else mod.insecure_channel(self.target)
+
+
+class Client:
+    """Blocking client: ``Client("127.0.0.1:50051").generate("Hello", max_tokens=16)``;
+    ``Client(target, api_key=..., ca_file="ca.pem")`` against a secured worker."""
+
+    def __init__(self, target: str, timeout_s: float = 120.0, *, api_key: str | None = None,
+                 ca_file: str | None = None, client_cert: str | None = None, client_key: str | None = None,
+                 tls: bool | None = None):
+        self._conn = _Connection(target, timeout_s, api_key, ca_file, client_cert, client_key, tls)
+        self.target = target
+        self.timeout_s = timeout_s
+        self._md = self._conn.metadata
+        self._channel = self._conn.channel(aio=False)
         self._stub = pb_grpc.InferenceStub(self._channel)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
@@ -89,20 +134,20 @@ class Client:
     def stream(self, prompt, timeout_s: float | None = None, **kwargs):
         """Yield GenerateResponse messages as the server streams them."""
         req = build_request(prompt, **kwargs)
-        yield from self._stub.Generate(req, timeout=timeout_s or self.timeout_s)
+        yield from self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self._md)
 
     def generate(self, prompt, timeout_s: float | None = None, **kwargs) -> Completion:
         req = build_request(prompt, **kwargs)
         out = Completion(req.request_id)
-        for msg in self._stub.Generate(req, timeout=timeout_s or self.timeout_s):
+        for msg in self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self._md):
             _accumulate(out, msg)
         return out
 
     def abort(self, request_id: str) -> bool:
-        return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout_s).found
+        return self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout_s, metadata=self._md).found
 
     def list_models(self) -> list[dict]:
-        resp = self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s)
+        resp = self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s, metadata=self._md)
         return [_model_card(m) for m in resp.models]
 
     def close(self) -> None:
@@ -116,32 +161,36 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client with the same methods (for load generators and tests)."""
+    """asyncio client with the same methods and security settings (for load generators and tests)."""
 
-    def __init__(self, target: str, timeout_s: float = 120.0):
+    def __init__(self, target: str, timeout_s: float = 120.0, *, api_key: str | None = None,
+                 ca_file: str | None = None, client_cert: str | None = None, client_key: str | None = None,
+                 tls: bool | None = None):
+        self._conn = _Connection(target, timeout_s, api_key, ca_file, client_cert, client_key, tls)
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(target)
+        self._md = self._conn.metadata
+        self._channel = self._conn.channel(aio=True)
         self._stub = pb_grpc.InferenceStub(self._channel)
 
     async def stream(self, prompt, timeout_s: float | None = None, **kwargs):
         req = build_request(prompt, **kwargs)
-        async for msg in self._stub.Generate(req, timeout=timeout_s or self.timeout_s):
+        async for msg in self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self._md):
             yield msg
 
     async def generate(self, prompt, timeout_s: float | None = None, **kwargs) -> Completion:
         req = build_request(prompt, **kwargs)
         out = Completion(req.request_id)
-        async for msg in self._stub.Generate(req, timeout=timeout_s or self.timeout_s):
+        async for msg in self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self._md):
             _accumulate(out, msg)
         return out
 
     async def abort(self, request_id: str) -> bool:
-        resp = await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout_s)
+        resp = await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout_s, metadata=self._md)
         return resp.found
 
     async def list_models(self) -> list[dict]:
-        resp = await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s)
+        resp = await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout_s, metadata=self._md)
         return [_model_card(m) for m in resp.models]
 
     async def close(self) -> None:

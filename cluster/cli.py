@@ -1,4 +1,4 @@
-"""`pdserve topology check` and `pdserve etcd`: control-plane commands.
+"""`pdserve topology check`, `pdserve etcd` and `pdserve certs` (cluster/certs.py): control-plane commands.
 
 `up` / `status` / `down` / `drain` / `demo` drive the launcher
 (``cluster/launcher.py``) and its state file, but live in the composition
@@ -14,12 +14,13 @@ import sys
 import threading
 from pathlib import Path
 
+from pdserve.cluster import certs
 from pdserve.cluster.etcd_server import EmbeddedEtcd, EtcdError
 from pdserve.cluster.topology import TopologyError, load_topology
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``topology check`` and ``etcd``."""
+    """Add ``topology check``, ``etcd`` and ``certs``."""
     topology = subparsers.add_parser(
         "topology",
         help="validate XpYd topology files",
@@ -48,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     etcd.add_argument("--port", type=int, default=None, help="client port (default: a free one)")
     etcd.add_argument("--peer-port", type=int, default=None, help="peer port (default: a free one)")
     etcd.set_defaults(func=run_etcd)
+    certs.register(subparsers)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_NAME, check_name, parse_endpoints
 from .netaddr import LOOPBACK, check_bind
+from .security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 from .yaml_lines import duplicate_keys, issue_of, line_of
 
 AUTO_MODEL = "auto"
@@ -122,6 +123,50 @@ class NetworkSpec(_Strict):
         return value
 
 
+class TlsSpec(_Strict):
+    """TLS for the decode workers' gRPC and HTTP (PEM files). `client_ca` set: mutual TLS,
+    clients must present a certificate it signed. `ca`: what the cluster's own tools (the
+    launcher's health check, `pdserve demo`) verify the workers' certificate with; default
+    `client_ca`, and with neither the system's trust store."""
+
+    cert: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+    client_ca: str | None = None
+    ca: str | None = None
+
+
+class ApiKeysSpec(_Strict):
+    """API keys: a file of hashed keys, one per line (format: cluster/security.py,
+    docs/security.md), re-read by the workers when it changes."""
+
+    file: str = Field(min_length=1)
+
+
+class SecuritySpec(_Strict):
+    """Who may talk to the decode workers (docs/security.md). Off by default: fine on
+    loopback, required when hosts share a network with anything else. `open_paths` (HTTP,
+    exact paths) and `open_grpc_services` stay reachable without a key."""
+
+    tls: TlsSpec | None = None
+    api_keys: ApiKeysSpec | None = None
+    open_paths: list[str] = Field(default_factory=lambda: list(DEFAULT_OPEN_PATHS))
+    open_grpc_services: list[str] = Field(default_factory=lambda: list(DEFAULT_OPEN_GRPC_SERVICES))
+
+    @pydantic.field_validator("open_paths")
+    @classmethod
+    def _paths_are_absolute(cls, value: list[str]) -> list[str]:
+        bad = [p for p in value if not p.startswith("/")]
+        if bad:
+            raise ValueError(f"paths must start with '/', got {bad}")
+        return value
+
+    def files(self) -> list[tuple[str, str]]:
+        """(dotted key, path) of every file it names."""
+        out = [(f"security.tls.{k}", getattr(self.tls, k)) for k in ("cert", "key", "client_ca", "ca")
+               if self.tls is not None and getattr(self.tls, k)]
+        return out + ([("security.api_keys.file", self.api_keys.file)] if self.api_keys else [])
+
+
 class ResourcesSpec(_Strict):
     """Ray resources of ONE replica."""
 
@@ -174,6 +219,7 @@ class Topology(_Strict):
     ray: RaySpec = Field(default_factory=RaySpec)
     queue: QueueSpec = Field(default_factory=QueueSpec)
     network: NetworkSpec = Field(default_factory=NetworkSpec)
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
     run_dir: str | None = None  # logs, embedded etcd data; default ./runs
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
@@ -249,7 +295,7 @@ class TopologyError(ValueError):
 def load_topology(path: str | Path, *, check_files: bool = True) -> Topology:
     """Parse and validate a topology file (raises TopologyError naming key and line).
 
-    With `check_files`, the router/autoscale policy files must exist.
+    With `check_files`, the router/autoscale policy files and the security files must exist.
     """
     path = Path(path)
     source = str(path)
@@ -276,8 +322,9 @@ def load_topology(path: str | Path, *, check_files: bool = True) -> Topology:
     topology._base_dir = path.resolve().parent
     if check_files:
         missing = [
-            (key, line_of(root, (key,)), f"file {value!r} not found (resolved to {topology.resolve(value)})")
-            for key, value in (("router_policy", topology.router_policy), ("autoscale_policy", topology.autoscale_policy))
+            (key, line_of(root, tuple(key.split("."))), f"file {value!r} not found (resolved to {topology.resolve(value)})")
+            for key, value in (("router_policy", topology.router_policy), ("autoscale_policy", topology.autoscale_policy),
+                               *topology.security.files())
             if value is not None and not topology.resolve(value).is_file()
         ]
         if missing:

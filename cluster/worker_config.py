@@ -90,5 +90,15 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
         out.update(grpc_port=port("grpc"), http_port=port("http"), router_policy=str(policy) if policy else None,
                    served_model_name=topology.model.name, remote_prefill=topology.roles.prefill.replicas > 0,
                    remote_timeout_s=spec.remote_timeout_s, remote_quarantine_s=spec.remote_quarantine_s,
-                   exit_on_engine_death=True)
+                   exit_on_engine_death=True, **_decode_security(topology))
     return out
+
+
+def _decode_security(topology: "Topology") -> dict[str, Any]:
+    """The decode worker's security keys (DecodeWorkerConfig), files resolved like the topology's."""
+    sec = topology.security
+    path = lambda p: str(topology.resolve(p)) if p else None  # noqa: E731
+    return {"tls_cert": path(sec.tls and sec.tls.cert), "tls_key": path(sec.tls and sec.tls.key),
+            "tls_client_ca": path(sec.tls and sec.tls.client_ca),
+            "api_keys_file": path(sec.api_keys and sec.api_keys.file),
+            "open_paths": list(sec.open_paths), "open_grpc_services": list(sec.open_grpc_services)}

@@ -8,6 +8,8 @@ import json
 import logging
 import signal
 
+from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -35,6 +37,18 @@ def register(subparsers) -> None:
     p.add_argument("--engine-args", default="{}",
                    help='engine arguments as JSON, e.g. \'{"max_num_seqs": 64, "block_size": 16}\'')
     p.add_argument("--log-level", default="info")
+    sec = p.add_argument_group("security (docs/security.md; the topology's security: section)")
+    sec.add_argument("--tls-cert", default=None, help="server certificate chain (PEM): serve gRPC and HTTP over TLS")
+    sec.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    sec.add_argument("--tls-client-ca", default=None,
+                     help="CA (PEM) that clients' certificates must chain to: mutual TLS")
+    sec.add_argument("--api-keys-file", default=None,
+                     help="file of hashed API keys (pdserve certs hash-key); clients then send "
+                          "'Authorization: Bearer <key>'")
+    sec.add_argument("--open-paths", default=",".join(DEFAULT_OPEN_PATHS),
+                     help="HTTP paths served without a key, comma-separated (default: %(default)s)")
+    sec.add_argument("--open-grpc-services", default=",".join(DEFAULT_OPEN_GRPC_SERVICES),
+                     help="gRPC services served without a key, comma-separated (default: %(default)s)")
     p.set_defaults(func=_serve)
 
 
@@ -51,12 +65,16 @@ def _serve(args: argparse.Namespace) -> int:
         http_port=args.http_port, router_policy=args.router_policy, worker_id=args.worker_id,
         served_model_name=args.served_model_name, cluster=args.cluster,
         etcd_endpoints=args.etcd.split(",") if args.etcd else None, lease_ttl_s=args.lease_ttl,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+        api_keys_file=args.api_keys_file, open_paths=_names(args.open_paths),
+        open_grpc_services=_names(args.open_grpc_services),
     )
 
     async def main() -> None:
         worker = DecodeWorker(cfg)
         await worker.start()
-        print(f"decode worker {worker.worker_id}: gRPC {worker.grpc_address}  HTTP http://{worker.http_address}",
+        scheme = "https" if worker.security.tls else "http"
+        print(f"decode worker {worker.worker_id}: gRPC {worker.grpc_address}  HTTP {scheme}://{worker.http_address}",
               flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -69,3 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def _names(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]

@@ -23,7 +23,7 @@ from .ingress import Chunk, as_request_error, sample_input, GenerateInput, Prepa
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
 from .prefill_pool import PrefillView
-from .validate import Validator
+from .validate import Validator, check_privileges
 
 __all__ = ["Frontend", "Chunk", "GenerateInput", "Prepared", "RemotePath", "RequestError", "ServingLimits"]
 
@@ -51,6 +51,7 @@ class Frontend:
         self.remote = remote
         self.draining = False
         self.inflight: set[str] = set()
+        self.owners: dict[str, str] = {}  # request id -> the identity of the API key that sent it
         self._via_remote: set[str] = set()
         self.pending_prefill_tokens = 0  # admitted locally, first token not yet produced
         # Sent remote by this worker, first token not yet back: queue stats are
@@ -112,6 +113,7 @@ class Frontend:
         """Validate (in the tokenizer pool), admit and route; raises RequestError."""
         arrival = time.monotonic()
         self.check_serving()
+        check_privileges(inp)
         loop = asyncio.get_running_loop()
         ids, params, prio = await loop.run_in_executor(self._tokenizer_pool, self.validate, inp)
         self.check_serving()  # it may have changed while the prompt was tokenized
@@ -140,6 +142,8 @@ class Frontend:
         rid = prep.request_id
         eff = len(prep.prompt_ids) - prep.cached_len
         self.inflight.add(rid)
+        if inp.caller is not None:
+            self.owners[rid] = inp.caller.identity
         self.num_prefilling += 1
         state = {"first": False, "finished": False}
         extra: dict = {}
@@ -178,6 +182,7 @@ class Frontend:
                     return
         finally:
             self.inflight.discard(rid)
+            self.owners.pop(rid, None)
             self._via_remote.discard(rid)
             if not state["first"]:
                 self._prefill_done(eff, remote is not None)
@@ -247,9 +252,13 @@ class Frontend:
         tok = self.engine.engine.tokenizer
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, tok.decode, token_ids)
 
-    def abort(self, request_id: str) -> bool:
-        """Abort an in-flight request (Abort RPC); False if unknown."""
+    def abort(self, request_id: str, caller=None) -> bool:
+        """Abort an in-flight request (Abort RPC); False if unknown. With API keys, only
+        the key that sent it (or an operator key) may: for any other the request is as
+        unknown, so request ids of other clients cannot be probed this way."""
         if request_id not in self.inflight:
+            return False
+        if caller is not None and not caller.operator and self.owners.get(request_id) != caller.identity:
             return False
         if request_id in self._via_remote and self.remote is not None:
             self.remote.abort(request_id)

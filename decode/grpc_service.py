@@ -4,7 +4,9 @@ Status codes are the ones api/proto/pdserve/api/v1/inference.proto documents:
 INVALID_ARGUMENT (a bad field, named as the proto names it; bytes that do not
 parse), NOT_FOUND (an unknown model), RESOURCE_EXHAUSTED (QoS refusal, with
 predicted-ttft-ms and retry-after-ms trailers), UNAVAILABLE (draining, engine
-down), INTERNAL (a bug, or a failure inside the engine for this request only).
+down), INTERNAL (a bug, or a failure inside the engine for this request only); with API keys
+(decode/security.py): UNAUTHENTICATED (no valid key), PERMISSION_DENIED (a route override
+or raised priority without an operator key).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pdserve.engine import SamplingParams
 
 from .frontend import Frontend
 from .ingress import Chunk, GenerateInput, RequestError
+from .security import ApiKeyInterceptor, ServerSecurity
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ STATUS = {
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "internal": grpc.StatusCode.INTERNAL,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -120,14 +124,16 @@ def add_inference_service(servicer: "InferenceService", server) -> None:
 class InferenceService(pb_grpc.InferenceServicer):
     """Maps the Inference RPCs onto the shared `Frontend`."""
 
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Frontend, security: ServerSecurity | None = None):
         self.frontend = frontend
+        self.security = security or ServerSecurity()
 
     async def Generate(self, request, context):
         await _refuse_undecodable(request, context)
         try:
             inp = input_from_proto(request)
             inp.request_id = inp.request_id or uuid.uuid4().hex
+            inp.caller = self.security.caller_of_metadata(context.invocation_metadata())
             async for chunk in self.frontend.generate(inp):
                 yield chunk_to_proto(inp.request_id, chunk)
         except RequestError as exc:
@@ -151,7 +157,8 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def Abort(self, request, context):
         await _refuse_undecodable(request, context)
-        return pb.AbortResponse(found=self.frontend.abort(request.request_id))
+        caller = self.security.caller_of_metadata(context.invocation_metadata())
+        return pb.AbortResponse(found=self.frontend.abort(request.request_id, caller))
 
     async def ListModels(self, request, context):
         await _refuse_undecodable(request, context)
@@ -203,15 +210,20 @@ def enable_reflection(server) -> None:
 
 
 class GrpcServer:
-    """A grpc.aio server with the Inference, health and reflection services."""
+    """A grpc.aio server with the Inference, health and reflection services; TLS and API
+    keys as `security` says."""
 
-    def __init__(self, frontend: Frontend, host: str, port: int):
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        add_inference_service(InferenceService(frontend), self.server)
+    def __init__(self, frontend: Frontend, host: str, port: int, security: ServerSecurity | None = None):
+        security = security or ServerSecurity()
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                      interceptors=[ApiKeyInterceptor(security)] if security.keys else None)
+        add_inference_service(InferenceService(frontend, security), self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        creds = security.grpc_credentials()
+        self.port = (self.server.add_secure_port(f"{host}:{port}", creds) if creds is not None
+                     else self.server.add_insecure_port(f"{host}:{port}"))
         if self.port == 0:
             raise OSError(f"cannot bind gRPC to {host}:{port}")
         self.address = f"{host}:{self.port}"

@@ -7,7 +7,9 @@ are `pdserve.api.openai_types`, built with this worker's bounds, so
 error has OpenAI's JSON shape with ``param`` naming the field: 400 bad input
 (malformed JSON included), 404 unknown model or path, 413 body too large, 429
 QoS refusal (with Retry-After and the predicted TTFT), 503 draining or engine
-down, 500 a bug.
+down, 500 a bug. With API keys (decode/security.py): 401 without a valid key
+(except on the open paths), 403 for a privilege the key lacks; /openapi.json then
+declares the bearer scheme.
 """
 
 import functools
@@ -31,15 +33,16 @@ from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY,
 
 from .frontend import Frontend
 from .http_guard import BodyLimit, H11Protocol, openai_error
-from .http_schema import field_names, generation_responses, param_of, response_docs
+from .http_schema import ERRORS, field_names, generation_responses, param_of, response_docs
 from .ingress import GenerateInput, RequestError
+from .security import ApiKeyAuth, ServerSecurity
 
 __all__ = ["build_app", "bounds_of", "H11Protocol"]
 
 log = logging.getLogger(__name__)
 
 HTTP_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 429, "unavailable": 503,
-               "internal": 500}
+               "internal": 500, "permission_denied": 403}
 def bounds_of(frontend: Frontend) -> Bounds:
     """This worker's bounds: the model's context and vocabulary, its limits, the engine's ranges."""
     eng, lim = frontend.engine.engine, frontend.limits
@@ -61,12 +64,14 @@ def _from_request_error(exc: RequestError) -> JSONResponse:
     return openai_error(HTTP_STATUS[exc.code], str(exc), exc.field, headers)
 
 
-def build_app(frontend: Frontend) -> FastAPI:
+def build_app(frontend: Frontend, security: ServerSecurity | None = None) -> FastAPI:
+    security = security or ServerSecurity()
     models = request_models(bounds_of(frontend))
     CompletionRequest, ChatRequest = models.completion, models.chat
     app = FastAPI(title="pdserve decode worker", version="v1", docs_url=None, redoc_url=None,
                   description="OpenAI-compatible API of one pdserve decode worker (reference: docs/api.md).")
     app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_body_bytes)
+    app.add_middleware(ApiKeyAuth, security=security)  # outermost: no key, no body read
     known_fields = field_names(CompletionRequest) | field_names(ChatRequest)
     started = int(time.time())
 
@@ -120,10 +125,12 @@ def build_app(frontend: Frontend) -> FastAPI:
         frontend.metrics.error("internal")
         return openai_error(500, f"internal error: {exc.__class__.__name__}: {exc}")
 
-    async def run(body, kind: str, inputs: list[GenerateInput], logprobs: int | None):
+    async def run(request: Request, body, kind: str, inputs: list[GenerateInput], logprobs: int | None):
         rid = body.request_id or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        caller = getattr(request.state, "caller", None)  # ApiKeyAuth's; None: API keys are off
         for inp in inputs:
             inp.request_id = rid
+            inp.caller = caller
         n = body.n
         gen = frontend.generate_many(inputs, n)
         # Validation and admission of every sequence happen before the first chunk, so
@@ -205,19 +212,19 @@ def build_app(frontend: Frontend) -> FastAPI:
             raise RequestError("invalid_argument", "stream_options: only with stream: true", "stream_options")
 
     @app.post("/v1/completions", response_model=None, responses=generation_responses(Completion, CompletionChunk))
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         check_combinations(body)
         if body.echo and body.logprobs is not None:
             raise RequestError("invalid_argument", "echo: not with logprobs (prompt logprobs are not computed "
                                "here); drop one of them", "echo")
         p = body.prompt
         prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else p
-        return await run(body, "completion", [common(body, q, logprobs=body.logprobs) for q in prompts],
+        return await run(request, body, "completion", [common(body, q, logprobs=body.logprobs) for q in prompts],
                          body.logprobs)
 
     @app.post("/v1/chat/completions", response_model=None,
               responses=generation_responses(ChatCompletion, ChatCompletionChunk))
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         check_combinations(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("invalid_argument", "top_logprobs: needs logprobs: true", "top_logprobs")
@@ -227,7 +234,7 @@ def build_app(frontend: Frontend) -> FastAPI:
                     for m in body.messages]
         lp = (body.top_logprobs or 0) if body.logprobs else None
         # The template is rendered and tokenized with the rest of validation, off the event loop.
-        return await run(body, "chat", [common(body, None, messages, fill_context=True, logprobs=lp)], lp)
+        return await run(request, body, "chat", [common(body, None, messages, fill_context=True, logprobs=lp)], lp)
 
     @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **response_docs(500)})
     async def list_models():
@@ -274,9 +281,27 @@ def build_app(frontend: Frontend) -> FastAPI:
                                                   ErrorResponse, ModelList, Health)],
                 ref_template="#/components/schemas/{model}")
             schemas.update(defs["$defs"])
+            if security.keys is not None:
+                _document_api_keys(doc, security.open_paths, error)
             app.openapi_schema = doc
         return app.openapi_schema
 
     app.openapi = openapi
     return app
 
+
+def _document_api_keys(doc: dict, open_paths, error_content: dict) -> None:
+    """The bearer scheme on every operation but the open paths', with its 401 (and 403
+    where privileged fields exist)."""
+    doc["components"]["securitySchemes"] = {"bearer": {
+        "type": "http", "scheme": "bearer",
+        "description": "an API key from this cluster's keys file (docs/security.md)"}}
+    for path, ops in doc["paths"].items():
+        if path in open_paths:
+            continue
+        for op in ops.values():
+            op["security"] = [{"bearer": []}]
+            codes = (401, 403) if "requestBody" in op else (401,)
+            for code in codes:
+                op["responses"][str(code)] = {"description": ERRORS[code], "content": error_content}
+            op["responses"] = dict(sorted(op["responses"].items()))

@@ -41,7 +41,7 @@ class BodyLimit:
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if not value.isdigit():
-                    return await _send_json(send, openai_error(400, "Content-Length: not a number", "Content-Length"))
+                    return await send_json(send, openai_error(400, "Content-Length: not a number", "Content-Length"))
                 if int(value) > self.max_bytes:
                     return await self._too_large(send)
         chunks, size = [], 0
@@ -67,11 +67,11 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send):
-        await _send_json(send, openai_error(413, f"body: larger than this worker's limit of {self.max_bytes} bytes "
+        await send_json(send, openai_error(413, f"body: larger than this worker's limit of {self.max_bytes} bytes "
                                       "(limits.max_body_bytes)", "body"))
 
 
-async def _send_json(send, resp: JSONResponse) -> None:
+async def send_json(send, resp: JSONResponse) -> None:
     await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
     await send({"type": "http.response.body", "body": resp.body})
 

@@ -17,6 +17,8 @@ from pdserve.api.openai_types import ErrorResponse
 ERRORS = {
     400: "a field is invalid (`param` names it), the body is not a JSON object, or prompt + max_tokens "
          "exceed max_model_len",
+    401: "no valid API key: send `Authorization: Bearer <API key>` (only when the worker has API keys)",
+    403: "`route` other than auto, or `priority: high`, needs an operator API key (`param` names the field)",
     404: "`model` is not served here (`param` is model), or an unknown path",
     413: "the body is over this worker's limits.max_body_bytes",
     429: "refused by QoS admission: Retry-After and X-Predicted-TTFT-Ms say when to retry",

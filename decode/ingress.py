@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
+from pdserve.cluster.security import ApiKey
 from pdserve.common import Priority
 from pdserve.engine import InvalidRequestError, RequestLimits, SamplingParams
 from pdserve.engine.request import INT64_MIN, UINT64_MAX
@@ -25,8 +26,8 @@ from .prefill_pool import PrefillView
 class RequestError(Exception):
     """A request that cannot be served, with the status the client should see.
 
-    ``code`` is one of: invalid_argument, not_found (an unknown model), resource_exhausted,
-    unavailable, internal. ``field`` names the request field at fault, as `GenerateInput`
+    ``code`` is one of: invalid_argument, not_found (an unknown model), permission_denied
+    (a privilege the caller's API key lacks), resource_exhausted, unavailable, internal. ``field`` names the request field at fault, as `GenerateInput`
     names it ("prompt" for text and token ids alike); each API renames it to its own
     field names (`renamed`).
     """
@@ -104,6 +105,8 @@ class GenerateInput:
     route: str = "auto"
     # max_tokens not given by the client: generate up to the context's end (vLLM's chat default)
     fill_context: bool = False
+    # The API key it came with (decode/security.py); None: API keys are off, nothing is checked.
+    caller: ApiKey | None = None
 
 
 @dataclass

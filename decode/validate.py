@@ -7,9 +7,28 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdserve.common import Priority
 from pdserve.engine import InvalidRequestError, SamplingParams, check_text
 
 from .ingress import REQUEST_ID_CHARS, GenerateInput, RequestError, ServingLimits
+
+
+def check_privileges(inp: GenerateInput) -> None:
+    """Route overrides and priority above normal are an operator key's (only while API
+    keys are on: ``inp.caller`` None means nothing is checked). Cheap: runs before tokenizing."""
+    caller = inp.caller
+    if caller is None or caller.operator:
+        return
+    if inp.route != "auto":
+        raise RequestError("permission_denied", f"route: {inp.route!r} overrides the router and needs an operator "
+                           "API key (marked `operator` in the keys file); leave route at auto", "route")
+    try:
+        prio = Priority.parse(inp.priority)
+    except ValueError:
+        return  # not a priority at all: validation names it
+    if prio < Priority.NORMAL:
+        raise RequestError("permission_denied", f"priority: {prio.label!r} is above normal and needs an operator "
+                           "API key (marked `operator` in the keys file); use normal or low", "priority")
 
 
 class Validator:

@@ -21,6 +21,7 @@ from pdserve.cluster.keys import VERSION
 from pdserve.cluster.load import BusyMeter, LatencyWindow, counter_value, histogram_buckets
 from pdserve.cluster.records import WorkerInfo
 from pdserve.cluster.runtime import freeze_gc_heap
+from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.router import parse_policy
@@ -31,6 +32,7 @@ from .grpc_service import GrpcServer
 from .http_app import H11Protocol, build_app
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
+from .security import ServerSecurity
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,14 @@ class DecodeWorkerConfig(WorkerConfig):
     # supervisor (Ray max_restarts, Kubernetes) starts a fresh one. The launcher sets it;
     # a worker embedded in another program only reports.
     exit_on_engine_death: bool = False
+    # Security (decode/security.py, docs/security.md): TLS for gRPC and HTTP (client_ca: mutual
+    # TLS), a file of hashed API keys, and what stays reachable without a key.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    api_keys_file: str | None = None
+    open_paths: list[str] = field(default_factory=lambda: list(DEFAULT_OPEN_PATHS))
+    open_grpc_services: list[str] = field(default_factory=lambda: list(DEFAULT_OPEN_GRPC_SERVICES))
 
 
 class DecodeWorker:
@@ -92,6 +102,8 @@ class DecodeWorker:
         """Load the engine, start serving and register; returns the endpoints."""
         cfg = self.cfg
         self.host = cfg.host or cfg.address()
+        self.security = ServerSecurity.from_config(cfg)  # bad files fail before the engine loads
+        self.security.warn_if_plaintext(self.host, self.worker_id)
         self.engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
         policy = PolicyState(self.engine.connector.kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
@@ -106,7 +118,7 @@ class DecodeWorker:
         self.frontend = Frontend(self.async_engine, policy, self.metrics, self.worker_id, served,
                                  ServingLimits.from_dict(cfg.limits), remote=self.remote)
         self.metrics.engine_alive.set(1)
-        self.grpc = GrpcServer(self.frontend, self.host, cfg.grpc_port)
+        self.grpc = GrpcServer(self.frontend, self.host, cfg.grpc_port, self.security)
         await self.grpc.start()
         self.grpc_address = self.grpc.address
         await self._start_http()
@@ -126,8 +138,8 @@ class DecodeWorker:
         sock.bind((self.host, cfg.http_port))
         self._http_sock = sock
         self.http_address = f"{self.host}:{sock.getsockname()[1]}"
-        config = uvicorn.Config(build_app(self.frontend), log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=2, http=H11Protocol)
+        config = uvicorn.Config(build_app(self.frontend, self.security), log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=2, http=H11Protocol, **self.security.uvicorn_ssl())
         self._http = uvicorn.Server(config)
         self._http.install_signal_handlers = lambda: None  # the process owner handles signals
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))

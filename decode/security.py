@@ -1,0 +1,193 @@
+"""Who may use a decode worker's surfaces: TLS (optionally mutual) for gRPC and HTTP, API
+keys as ``Authorization: Bearer <key>`` (HTTP) or ``authorization`` metadata (gRPC).
+
+`ServerSecurity` is built from the worker's config; `ApiKeyAuth` (ASGI middleware) and
+`ApiKeyInterceptor` (grpc.aio) refuse a missing or unknown key (401 / UNAUTHENTICATED)
+before any body is read, except on the open paths and services, and hand the caller's
+`ApiKey` on (HTTP: ``request.state.caller``; gRPC: `caller_of` reads the metadata again).
+Privileges (route overrides, raised priority, whose requests Abort may end) follow from
+that key in the frontend. Nothing here logs or echoes a presented key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pdserve.cluster.security import (ANONYMOUS, DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS, ApiKey,
+                                      KeyRing)
+
+from .http_guard import openai_error, send_json
+
+log = logging.getLogger(__name__)
+
+BEARER = "bearer"
+WWW_AUTHENTICATE = 'Bearer realm="pdserve"'
+
+
+class Unauthenticated(Exception):
+    """A request without a valid key; the message says what to send, never what was sent."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The server's certificate chain and key, and the CA its clients' certificates must
+    chain to (mutual TLS) when set."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+
+@dataclass
+class ServerSecurity:
+    """One worker's security settings, loaded and checked at start."""
+
+    tls: TlsFiles | None = None
+    keys: KeyRing | None = None
+    open_paths: frozenset[str] = frozenset(DEFAULT_OPEN_PATHS)
+    open_grpc_services: frozenset[str] = field(default_factory=lambda: frozenset(DEFAULT_OPEN_GRPC_SERVICES))
+
+    @classmethod
+    def from_config(cls, cfg) -> "ServerSecurity":
+        """From a DecodeWorkerConfig's tls_* / api_keys_file / open_* fields (files are read
+        now: a missing or bad one fails the start, naming the setting)."""
+        tls = None
+        if cfg.tls_cert or cfg.tls_key:
+            if not (cfg.tls_cert and cfg.tls_key):
+                raise ValueError("tls_cert and tls_key: set both (security.tls.cert and .key) or neither")
+            for name in ("tls_cert", "tls_key", "tls_client_ca"):
+                path = getattr(cfg, name)
+                if path and not Path(path).is_file():
+                    raise FileNotFoundError(f"{name}: {path}: no such file")
+            tls = TlsFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        elif cfg.tls_client_ca:
+            raise ValueError("tls_client_ca: needs tls_cert and tls_key (mutual TLS is TLS first)")
+        keys = KeyRing(cfg.api_keys_file) if cfg.api_keys_file else None
+        return cls(tls, keys, frozenset(cfg.open_paths), frozenset(cfg.open_grpc_services))
+
+    # -- keys -------------------------------------------------------------------------
+    def authenticate(self, authorization: str | None) -> ApiKey | None:
+        """The caller an ``Authorization`` value names; None when keys are off;
+        Unauthenticated when keys are on and it names none."""
+        if self.keys is None:
+            return None
+        if not authorization:
+            raise Unauthenticated("Authorization: missing; send 'Authorization: Bearer <API key>'")
+        scheme, _, token = authorization.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != BEARER or not token:
+            raise Unauthenticated("Authorization: expected 'Bearer <API key>'")
+        key = self.keys.identify(token)
+        if key is None:
+            raise Unauthenticated("Authorization: the API key is not valid for this server")
+        return key
+
+    def caller_of_metadata(self, metadata) -> ApiKey | None:
+        """The caller of a gRPC call whose key the interceptor already checked
+        (ANONYMOUS on an open service without a valid key)."""
+        if self.keys is None:
+            return None
+        value = next((v for k, v in metadata or () if k == "authorization"), None)
+        try:
+            return self.authenticate(value)
+        except Unauthenticated:
+            return ANONYMOUS
+
+    # -- TLS --------------------------------------------------------------------------
+    def grpc_credentials(self) -> grpc.ServerCredentials | None:
+        if self.tls is None:
+            return None
+        t = self.tls
+        return grpc.ssl_server_credentials(
+            [(Path(t.key).read_bytes(), Path(t.cert).read_bytes())],
+            root_certificates=Path(t.client_ca).read_bytes() if t.client_ca else None,
+            require_client_auth=t.client_ca is not None)
+
+    def uvicorn_ssl(self) -> dict:
+        """uvicorn.Config keywords: TLS, and client certificates required under mutual TLS."""
+        if self.tls is None:
+            return {}
+        t = self.tls
+        return {"ssl_certfile": t.cert, "ssl_keyfile": t.key, "ssl_ca_certs": t.client_ca,
+                "ssl_cert_reqs": ssl.CERT_REQUIRED if t.client_ca else ssl.CERT_NONE}
+
+    def warn_if_plaintext(self, host: str, worker_id: str) -> bool:
+        """Log once (per start) that a non-loopback address is served without TLS."""
+        if self.tls is not None or _is_loopback(host):
+            return False
+        log.warning("decode worker %s serves gRPC and HTTP on %s without TLS: prompts, completions%s cross the "
+                    "network in clear text; set security.tls in the topology (serve-decode: --tls-cert/--tls-key)",
+                    worker_id, host, " and API keys" if self.keys is not None else "")
+        return True
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ApiKeyAuth:
+    """ASGI middleware: a request without a valid API key gets 401 before its body is read
+    (open paths pass, as ANONYMOUS unless they carry a valid key); the caller's `ApiKey`
+    goes to ``request.state.caller``."""
+
+    def __init__(self, app, security: ServerSecurity):
+        self.app = app
+        self.security = security
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.security.keys is None:
+            return await self.app(scope, receive, send)
+        value = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        try:
+            caller = self.security.authenticate(value.decode("latin-1") if value is not None else None)
+        except Unauthenticated as exc:
+            if scope["path"] not in self.security.open_paths:
+                return await send_json(send, openai_error(401, str(exc), headers={
+                    "WWW-Authenticate": WWW_AUTHENTICATE}))
+            caller = ANONYMOUS
+        scope.setdefault("state", {})["caller"] = caller
+        await self.app(scope, receive, send)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses a call without a valid ``authorization: Bearer <key>`` with UNAUTHENTICATED
+    before its request is parsed; open services (health by default) pass."""
+
+    def __init__(self, security: ServerSecurity):
+        self.security = security
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        service = details.method.lstrip("/").split("/", 1)[0]
+        if handler is None or self.security.keys is None or service in self.security.open_grpc_services:
+            return handler
+        value = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        try:
+            self.security.authenticate(value)
+        except Unauthenticated as exc:
+            return _refusal(handler, str(exc))
+        return handler
+
+
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers UNAUTHENTICATED; requests are
+    left as bytes (no deserializer): nothing of an unauthenticated call is parsed."""
+
+    async def refuse(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return make[(handler.request_streaming, handler.response_streaming)](
+        refuse, request_deserializer=None, response_serializer=handler.response_serializer)

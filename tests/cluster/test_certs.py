@@ -1,0 +1,177 @@
+"""`pdserve certs` (cluster/certs.py), the API keys file and key ring (cluster/security.py),
+and the topology's `security:` section down to a decode worker's launch config."""
+
+from __future__ import annotations
+
+import io
+import os
+import textwrap
+import time
+
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from pdserve.cli import main
+from pdserve.cluster.certs import append_key, make_certs, new_key
+from pdserve.cluster.security import (DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS, KeyRing, hash_key,
+                                      internal_client_tls, parse_keys)
+from pdserve.cluster.topology import TopologyError, load_topology
+from pdserve.cluster.worker_config import launch_config
+
+KEY = "pds-an-example-key-that-is-long-enough"
+
+
+# -- certificates -----------------------------------------------------------------------
+def _cert(path) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(open(path, "rb").read())
+
+
+def test_make_certs_signs_every_role_with_one_ca_for_the_hosts(tmp_path):
+    paths = make_certs(tmp_path, ["localhost", "127.0.0.1", "10.1.2.3"])
+    ca = _cert(paths["ca"])
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    for role in ("decode", "prefill", "etcd", "client"):
+        cert = _cert(paths[role])
+        cert.verify_directly_issued_by(ca)  # raises when not signed by the CA
+        usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+        assert ExtendedKeyUsageOID.CLIENT_AUTH in usages
+        assert (ExtendedKeyUsageOID.SERVER_AUTH in usages) == (role != "client")
+        assert oct(os.stat(paths[f"{role}-key"]).st_mode & 0o777) == "0o600"
+    sans = _cert(paths["decode"]).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == ["localhost"]
+    assert [str(a) for a in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "10.1.2.3"]
+
+
+def test_make_certs_does_not_replace_a_ca_unless_forced(tmp_path, capsys):
+    assert main(["certs", "make", str(tmp_path), "--hosts", "127.0.0.1"]) == 0
+    before = (tmp_path / "ca.pem").read_bytes()
+    assert main(["certs", "make", str(tmp_path)]) == 2
+    assert "--force" in capsys.readouterr().err and (tmp_path / "ca.pem").read_bytes() == before
+    assert main(["certs", "make", str(tmp_path), "--force"]) == 0
+    assert (tmp_path / "ca.pem").read_bytes() != before
+
+
+# -- API keys ---------------------------------------------------------------------------
+def test_hash_key_reads_stdin_and_prints_the_keys_file_line(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO(KEY + "\n"))
+    assert main(["certs", "hash-key", "--operator"]) == 0
+    out = capsys.readouterr().out
+    assert out == f"{hash_key(KEY)}  operator\n" and KEY not in out
+    assert parse_keys(out, "x")[0].operator
+
+
+def test_hash_key_refuses_a_short_key(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hunter2\n"))
+    assert main(["certs", "hash-key"]) == 2
+    assert "at least 16" in capsys.readouterr().err
+
+
+def test_new_key_appends_its_hash_and_prints_the_key_once(tmp_path, capsys):
+    keys = tmp_path / "keys.txt"
+    assert main(["certs", "new-key", str(keys)]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("pds-") and len(key) > 40
+    assert keys.read_text() == hash_key(key) + "\n" and oct(keys.stat().st_mode & 0o777) == "0o600"
+    assert KeyRing(keys).identify(key) is not None
+
+
+def test_keys_file_format(tmp_path):
+    text = f"""\
+    # the ops team
+    {hash_key('a' * 20).upper()}  operator   # case does not matter
+
+    {hash_key('b' * 20)}
+    """
+    keys = parse_keys(textwrap.dedent(text), "keys.txt")
+    assert [(k.line, k.operator) for k in keys] == [(2, True), (4, False)]
+    assert keys[0].identity == f"key:{hash_key('a' * 20)[:12]}"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "no keys"),
+    ("# only a comment\n", "no keys"),
+    ("sk-plaintext-key-by-mistake\n", "keys.txt:1: expected the key's SHA-256"),
+    (f"{hash_key(KEY)} admin\n", "keys.txt:1: after the hash only the word 'operator'"),
+    (f"{hash_key(KEY)}\n{hash_key(KEY)} operator\n", "keys.txt:2: the same key is already on line 1"),
+])
+def test_keys_file_errors_name_the_line(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_keys(text, "keys.txt")
+
+
+def test_key_ring_identifies_only_listed_keys(tmp_path):
+    append_key(tmp_path / "k", KEY, operator=True)
+    ring = KeyRing(tmp_path / "k")
+    assert ring.identify(KEY).operator
+    assert ring.identify(KEY + "x") is None and ring.identify("") is None and ring.identify(hash_key(KEY)) is None
+
+
+def test_key_ring_follows_the_file_and_keeps_its_keys_when_it_breaks(tmp_path, caplog):
+    path, old, new = tmp_path / "keys.txt", new_key(), new_key()
+    append_key(path, old)
+    ring = KeyRing(path, reload_s=0.0)
+    path.write_text(hash_key(new) + "\n")  # rotation: the new key in, the old one out
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # a distinct mtime even on coarse clocks
+    assert ring.identify(new) is not None and ring.identify(old) is None
+    path.write_text("not a hash\n")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    assert ring.identify(new) is not None  # a broken file keeps the keys in force
+    assert "keeping the 1 keys in force" in caplog.text and new not in caplog.text
+
+
+# -- topology -> launch config ----------------------------------------------------------
+TOPOLOGY = """\
+cluster: sec
+model:
+  path: auto
+roles:
+  prefill:
+    replicas: 0
+  decode:
+    replicas: 1
+"""
+
+
+def test_security_is_off_by_default(tmp_path):
+    (tmp_path / "t.yaml").write_text(TOPOLOGY)
+    topo = load_topology(tmp_path / "t.yaml")
+    cfg = launch_config(topo, "decode", 0, model="/m", etcd_endpoints=[])
+    assert cfg["tls_cert"] is None and cfg["tls_client_ca"] is None and cfg["api_keys_file"] is None
+    assert cfg["open_paths"] == list(DEFAULT_OPEN_PATHS)
+    assert cfg["open_grpc_services"] == list(DEFAULT_OPEN_GRPC_SERVICES)
+    assert internal_client_tls(topo.security) is None
+    assert "tls_cert" not in launch_config(topo, "prefill", 0, model="/m", etcd_endpoints=[])
+
+
+def test_security_section_reaches_the_decode_config_with_resolved_paths(tmp_path):
+    make_certs(tmp_path / "pki")
+    append_key(tmp_path / "keys.txt", KEY)
+    (tmp_path / "t.yaml").write_text(TOPOLOGY + textwrap.dedent("""\
+    security:
+      tls: {cert: pki/decode.pem, key: pki/decode-key.pem, client_ca: pki/ca.pem}
+      api_keys: {file: keys.txt}
+      open_paths: [/health]
+    """))
+    topo = load_topology(tmp_path / "t.yaml")
+    cfg = launch_config(topo, "decode", 0, model="/m", etcd_endpoints=[])
+    assert cfg["tls_cert"] == str(tmp_path / "pki" / "decode.pem")
+    assert cfg["tls_client_ca"] == str(tmp_path / "pki" / "ca.pem")
+    assert cfg["api_keys_file"] == str(tmp_path / "keys.txt") and cfg["open_paths"] == ["/health"]
+    own = internal_client_tls(topo.security, topo.resolve)  # launcher and demo: the CA, and the worker's cert
+    assert (own.ca_file, own.cert_file) == (str(tmp_path / "pki" / "ca.pem"), str(tmp_path / "pki" / "decode.pem"))
+
+
+@pytest.mark.parametrize("section, where, message", [
+    ("security:\n  tls: {cert: nope.pem, key: nope-key.pem}\n", "security.tls.cert", "not found"),
+    ("security:\n  api_keys: {file: missing.txt}\n", "security.api_keys.file", "not found"),
+    ("security:\n  tls: {cert: a.pem}\n", "security.tls.key", "Field required"),
+    ("security:\n  tls: {cert: a.pem, key: b.pem, verify: true}\n", "security.tls.verify", "unknown key"),
+    ("security:\n  open_paths: [health]\n", "security.open_paths", "must start with '/'"),
+])
+def test_bad_security_settings_name_the_key_and_line(tmp_path, section, where, message):
+    (tmp_path / "t.yaml").write_text(TOPOLOGY + section)
+    with pytest.raises(TopologyError) as exc:
+        load_topology(tmp_path / "t.yaml")
+    key, line, msg = exc.value.issues[0]
+    assert key == where and message in msg and line is not None and line > TOPOLOGY.count("\n")

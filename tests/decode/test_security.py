@@ -1,0 +1,308 @@
+"""A decode worker with TLS and API keys (decode/security.py), attacked and used the way
+clients do, on loopback with real certificates (`pdserve certs make`): no key or a wrong
+key is refused (401 / UNAUTHENTICATED) without echoing it, a valid key works over HTTP,
+gRPC, the OpenAI SDK and `pdserve.api.Client`; plaintext clients and clients that do not
+trust the CA fail; only operator keys override routing or raise priority; only the key
+that sent a request may abort it; no key ever reaches the logs."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.api import AsyncClient, Client
+from pdserve.api.v1 import inference_pb2 as pb
+from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
+from pdserve.cluster.certs import append_key, make_certs, new_key
+from pdserve.cluster.security import ClientTLS, grpc_channel
+from pdserve.decode.worker import DecodeWorkerConfig
+from tests.harness import PERMISSIVE_POLICY, WorkerThread
+
+
+class _Records(logging.Handler):
+    """Every log record of the module's workers, formatted with its arguments and traceback."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+
+    def emit(self, record):
+        self.lines.append(self.format(record))
+
+
+@pytest.fixture(scope="module")
+def logs():
+    handler, root = _Records(), logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    yield handler
+    root.removeHandler(handler)
+    root.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    paths = {k: str(v) for k, v in make_certs(d).items()}
+    keys = {"user": new_key(), "other": new_key(), "operator": new_key(), "wrong": new_key()}
+    for name in ("user", "other", "operator"):
+        append_key(d / "keys.txt", keys[name], operator=name == "operator")
+    return paths | {"keys_file": str(d / "keys.txt"), "keys": keys}
+
+
+def _start(llama_dir, tmp_path_factory, pki, **security) -> WorkerThread:
+    policy = tmp_path_factory.mktemp("policy") / "router.yaml"
+    policy.write_text(PERMISSIVE_POLICY)
+    cfg = DecodeWorkerConfig(model=llama_dir, engine_args={"max_model_len": 512}, router_policy=str(policy),
+                             host="127.0.0.1", tls_cert=pki["decode"], tls_key=pki["decode-key"],
+                             api_keys_file=pki["keys_file"], **security)
+    return WorkerThread(cfg).start()
+
+
+@pytest.fixture(scope="module")
+def secure(llama_dir, tmp_path_factory, pki, logs):
+    """TLS (server certificate only) and API keys."""
+    w = _start(llama_dir, tmp_path_factory, pki)
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def https(secure, pki):
+    ctx = ssl.create_default_context(cafile=pki["ca"])
+    with httpx.Client(base_url=f"https://{secure.worker.http_address}", verify=ctx, timeout=60) as h:
+        yield h
+
+
+def bearer(pki, who: str) -> dict:
+    return {"Authorization": f"Bearer {pki['keys'][who]}"}
+
+
+def md(pki, who: str) -> tuple:
+    return (("authorization", f"Bearer {pki['keys'][who]}"),)
+
+
+COMPLETION = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+
+
+# -- HTTP -------------------------------------------------------------------------------
+def test_http_without_a_key_is_401_naming_the_header(https):
+    r = https.post("/v1/completions", json=COMPLETION)
+    assert r.status_code == 401, r.text
+    err = r.json()["error"]
+    assert err["message"].startswith("Authorization: missing") and err["code"] == 401
+    assert r.headers["WWW-Authenticate"].startswith("Bearer")
+    assert https.get("/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("value", ["Bearer {wrong}", "Basic {wrong}", "{wrong}", "Bearer"])
+def test_http_wrong_key_is_401_and_never_echoed(https, pki, value):
+    sent = value.format(wrong=pki["keys"]["wrong"])
+    r = https.post("/v1/completions", json=COMPLETION, headers={"Authorization": sent})
+    assert r.status_code == 401, r.text
+    assert pki["keys"]["wrong"] not in r.text and "Authorization:" in r.json()["error"]["message"]
+
+
+def test_http_valid_key_is_served(https, pki):
+    r = https.post("/v1/completions", json=COMPLETION, headers=bearer(pki, "user"))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_open_paths_need_no_key(https):
+    assert https.get("/health").status_code == 200
+    assert https.get("/metrics").status_code == 200
+
+
+def test_plaintext_http_client_fails_against_tls(secure):
+    with httpx.Client(base_url=f"http://{secure.worker.http_address}", timeout=10) as h:
+        with pytest.raises(httpx.TransportError):
+            h.get("/health")
+
+
+def test_client_that_does_not_trust_the_ca_fails(secure):
+    with httpx.Client(base_url=f"https://{secure.worker.http_address}", timeout=10) as h:  # system trust store
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            h.get("/health")
+
+
+@pytest.mark.parametrize("field, body", [("route", {"route": "remote"}), ("route", {"route": "local"}),
+                                         ("priority", {"priority": "high"})])
+def test_http_privileged_fields_need_an_operator_key(https, pki, field, body):
+    r = https.post("/v1/completions", json={**COMPLETION, **body}, headers=bearer(pki, "user"))
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["param"] == field and "operator" in r.json()["error"]["message"]
+    r = https.post("/v1/completions", json={**COMPLETION, **body}, headers=bearer(pki, "operator"))
+    assert r.status_code == 200, r.text
+
+
+def test_low_priority_needs_no_privilege(https, pki):
+    r = https.post("/v1/completions", json={**COMPLETION, "priority": "low"}, headers=bearer(pki, "user"))
+    assert r.status_code == 200, r.text
+
+
+def test_openapi_declares_the_bearer_scheme(https, pki):
+    assert https.get("/openapi.json").status_code == 401  # not an open path by default
+    doc = https.get("/openapi.json", headers=bearer(pki, "user")).json()
+    assert doc["components"]["securitySchemes"]["bearer"] == {**doc["components"]["securitySchemes"]["bearer"],
+                                                               "type": "http", "scheme": "bearer"}
+    op = doc["paths"]["/v1/completions"]["post"]
+    assert op["security"] == [{"bearer": []}] and {"401", "403"} <= set(op["responses"])
+    assert "security" not in doc["paths"]["/health"]["get"] and "401" not in doc["paths"]["/health"]["get"]["responses"]
+
+
+# -- OpenAI SDK -------------------------------------------------------------------------
+def _sdk(secure, pki, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"https://{secure.worker.http_address}/v1", api_key=key, max_retries=0,
+                         timeout=60, http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(
+                             cafile=pki["ca"])))
+
+
+def test_openai_sdk_with_key_and_ca(secure, pki):
+    with _sdk(secure, pki, pki["keys"]["user"]) as sdk:
+        out = sdk.completions.create(model="llama", prompt="Hello", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens == 3
+        with pytest.raises(openai.PermissionDeniedError) as exc:
+            sdk.completions.create(model="llama", prompt="Hello", max_tokens=3, extra_body={"route": "remote"})
+        assert exc.value.body["param"] == "route"
+    with _sdk(secure, pki, pki["keys"]["wrong"]) as sdk:
+        with pytest.raises(openai.AuthenticationError) as exc:
+            sdk.models.list()
+        assert exc.value.status_code == 401 and pki["keys"]["wrong"] not in str(exc.value)
+
+
+# -- gRPC -------------------------------------------------------------------------------
+def _stub(secure, pki, ca=True):
+    creds = grpc.ssl_channel_credentials(root_certificates=open(pki["ca"], "rb").read() if ca else None)
+    channel = grpc.secure_channel(secure.grpc, creds)
+    return channel, pb_grpc.InferenceStub(channel)
+
+
+@pytest.mark.parametrize("who", [None, "wrong"])
+def test_grpc_without_a_valid_key_is_unauthenticated(secure, pki, who):
+    channel, stub = _stub(secure, pki)
+    metadata = md(pki, who) if who else None
+    with channel:
+        for call in (lambda: stub.ListModels(pb.ListModelsRequest(), timeout=30, metadata=metadata),
+                     lambda: list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=30, metadata=metadata)),
+                     lambda: stub.Abort(pb.AbortRequest(request_id="x"), timeout=30, metadata=metadata)):
+            with pytest.raises(grpc.RpcError) as exc:
+                call()
+            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "authorization" in exc.value.details().lower() and pki["keys"]["wrong"] not in exc.value.details()
+
+
+def test_grpc_health_stays_open_over_tls(secure, pki):
+    with grpc_channel(secure.grpc, ClientTLS(ca_file=pki["ca"])) as ch:  # what the launcher's check uses
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_pdserve_client_with_key_and_ca(secure, pki, monkeypatch):
+    with Client(secure.grpc, api_key=pki["keys"]["user"], ca_file=pki["ca"]) as c:
+        assert c.list_models()[0]["id"] == "llama"
+        assert len(c.generate("Hello", max_tokens=3, temperature=0.0).token_ids) == 3
+    monkeypatch.setenv("PDSERVE_API_KEY", pki["keys"]["user"])
+    monkeypatch.setenv("PDSERVE_CA_FILE", pki["ca"])
+    with Client(secure.grpc) as c:  # the same from the environment
+        assert c.list_models()[0]["id"] == "llama"
+
+
+async def test_pdserve_async_client_with_key_and_ca(secure, pki):
+    async with AsyncClient(secure.grpc, api_key=pki["keys"]["user"], ca_file=pki["ca"]) as c:
+        out = await c.generate("Hello", max_tokens=2, temperature=0.0)
+    assert len(out.token_ids) == 2
+
+
+def test_plaintext_grpc_client_fails_against_tls(secure, pki):
+    with Client(secure.grpc, api_key=pki["keys"]["user"], timeout_s=5) as c:
+        with pytest.raises(grpc.RpcError) as exc:
+            c.list_models()
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_grpc_privileged_fields_need_an_operator_key(secure, pki):
+    with Client(secure.grpc, api_key=pki["keys"]["user"], ca_file=pki["ca"]) as c:
+        for kwargs, field in (({"route": "remote"}, "route"), ({"priority": "high"}, "priority")):
+            with pytest.raises(grpc.RpcError) as exc:
+                c.generate("Hello", max_tokens=2, **kwargs)
+            assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert exc.value.details().startswith(f"{field}:")
+    with Client(secure.grpc, api_key=pki["keys"]["operator"], ca_file=pki["ca"]) as c:
+        assert c.generate("Hello", max_tokens=2, route="local", priority="high").breakdown["route"] == "local"
+
+
+def test_abort_only_by_the_key_that_sent_it(secure, pki):
+    tls = {"ca_file": pki["ca"]}
+    with Client(secure.grpc, api_key=pki["keys"]["user"], **tls) as owner, \
+            Client(secure.grpc, api_key=pki["keys"]["other"], **tls) as other:
+        stream = owner.stream("A long story begins", max_tokens=400, temperature=0.0, ignore_eos=True,
+                              request_id="owned-by-user")
+        assert next(stream).token_ids
+        assert other.abort("owned-by-user") is False  # as if unknown: another key's request
+        assert owner.abort("owned-by-user") is True
+        rest = list(stream)
+        assert rest and rest[-1].finish_reason == "abort"
+
+
+def test_operator_key_may_abort_any_request(secure, pki):
+    tls = {"ca_file": pki["ca"]}
+    with Client(secure.grpc, api_key=pki["keys"]["user"], **tls) as owner, \
+            Client(secure.grpc, api_key=pki["keys"]["operator"], **tls) as op:
+        stream = owner.stream("Another long story", max_tokens=400, temperature=0.0, ignore_eos=True,
+                              request_id="ended-by-operator")
+        assert next(stream).token_ids
+        assert op.abort("ended-by-operator") is True
+        assert list(stream)[-1].finish_reason == "abort"
+
+
+# -- mutual TLS -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mutual(llama_dir, tmp_path_factory, pki, logs):
+    w = _start(llama_dir, tmp_path_factory, pki, tls_client_ca=pki["ca"])
+    yield w
+    w.stop()
+
+
+def test_mtls_refuses_a_client_without_a_certificate(mutual, pki):
+    ctx = ssl.create_default_context(cafile=pki["ca"])
+    with httpx.Client(base_url=f"https://{mutual.worker.http_address}", verify=ctx, timeout=10) as h:
+        with pytest.raises(httpx.TransportError):
+            h.get("/health")
+    with Client(mutual.grpc, api_key=pki["keys"]["user"], ca_file=pki["ca"], timeout_s=5) as c:
+        with pytest.raises(grpc.RpcError) as exc:
+            c.list_models()
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_serves_a_client_with_a_certificate(mutual, pki):
+    ctx = ssl.create_default_context(cafile=pki["ca"])
+    ctx.load_cert_chain(pki["client"], pki["client-key"])
+    with httpx.Client(base_url=f"https://{mutual.worker.http_address}", verify=ctx, timeout=60) as h:
+        assert h.get("/health").status_code == 200
+        assert h.post("/v1/completions", json=COMPLETION).status_code == 401  # a certificate is not a key
+        assert h.post("/v1/completions", json=COMPLETION, headers=bearer(pki, "user")).status_code == 200
+    with Client(mutual.grpc, api_key=pki["keys"]["user"], ca_file=pki["ca"], client_cert=pki["client"],
+                client_key=pki["client-key"]) as c:
+        assert c.list_models()[0]["id"] == "llama"
+    # The launcher's health check under mutual TLS presents the worker's own certificate.
+    tls = ClientTLS(ca_file=pki["ca"], cert_file=pki["decode"], key_file=pki["decode-key"])
+    with grpc_channel(mutual.grpc, tls) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- logs (last: every test above has run against these workers) ------------------------
+def test_no_key_reaches_the_logs(logs, pki, secure):
+    text = "\n".join(logs.lines)
+    assert "serving gRPC" in text  # the capture saw the workers' own records
+    for key in pki["keys"].values():
+        assert key not in text
