@@ -18,7 +18,6 @@ COMMAND_MODULES = (
     "pdserve.decode.cli",
     "pdserve.cluster.cli",
     "pdserve.launch",
-    "pdserve.planner_cmd",
     "pdserve.worker_cmd",
     "pdserve.bench.cli",
 )

@@ -93,13 +93,9 @@ def _up(args) -> int:
     topo = _load(args.topology)
     t0 = time.monotonic()
     model = resolve_model(topo)
-    autoscale = _autoscale_policy(topo)
-    max_replicas = {r: getattr(autoscale.autoscale, r).max_replicas for r in ("prefill", "decode")} if autoscale else None
     launcher = Launcher(topo, args.topology, model, ray_address=args.ray_address,
-                        progress=lambda line: print(line, flush=True), max_replicas=max_replicas)
+                        progress=lambda line: print(line, flush=True))
     state = launcher.up()
-    if autoscale is not None:
-        _start_planner(topo, args.topology, state, launcher)
     print(f"\ncluster {state.cluster!r} is up in {time.monotonic() - t0:.1f} s; model {model}")
     for rec in state.decode_endpoints:
         print(f"  {rec['worker_id']}: gRPC {rec['grpc']}   HTTP http://{rec['http']}/v1/completions")
@@ -111,37 +107,6 @@ def _up(args) -> int:
         except KeyboardInterrupt:
             _down(args)
     return 0
-
-
-def _autoscale_policy(topo):
-    """The topology's autoscale policy, parsed (an invalid one stops `up` before it starts anything)."""
-    if topo.autoscale_policy_path is None:
-        return None
-    from pdserve.router.loader import load_autoscale_file
-
-    return load_autoscale_file(topo.autoscale_policy_path)
-
-
-def _start_planner(topo, topology_file: str, state, launcher) -> None:
-    """Start the planner actor on this node (it reads the topology and policy files here)."""
-    import ray
-
-    from pdserve.cluster.planner.actor import PlannerConfig, start_planner_actor
-
-    cfg = PlannerConfig(topology=os.path.abspath(topology_file), model=state.model,
-                        etcd_endpoints=state.etcd_endpoints, known_workers=[a["worker_id"] for a in state.actors])
-    try:
-        _, ref = start_planner_actor(cfg, topo.ray.namespace, topo.cluster, ray.util.get_node_ip_address())
-        info = ray.get(ref, timeout=60)
-    except BaseException:
-        print("planner did not start; stopping the cluster", flush=True)
-        from pdserve.cluster.state import state_path
-
-        launcher.down(state)
-        state_path(topo).unlink(missing_ok=True)
-        raise
-    print(f"planner   {info['planner']} started (policy {topo.autoscale_policy}; "
-          f"`pdserve planner explain` shows its reasoning)", flush=True)
 
 
 def _down(args) -> int:
@@ -226,29 +191,11 @@ def _status(args) -> int:
         eps = " ".join(f"{k}={v}" for k, v in m["endpoints"].items()) or "-"
         load = " ".join(f"{k}={v}" for k, v in m["load"].items()) or "-"
         print(f"{wid:<14} {m['role']:<8} {host:<30} {eps:<44} {load}")
-    planner, drained = _planner_lines(state)
-    # Workers the planner drained on purpose are not missing.
-    missing = {a["worker_id"] for a in state.actors} - set(members) - drained
+    missing = {a["worker_id"] for a in state.actors} - set(members)
     for wid in sorted(missing):
         print(f"{wid:<14} MISSING  (started by `up`, not registered: dead or restarting)")
     _print_queue(state, queue)
-    for line in planner:
-        print(line)
     return 0 if not missing else 1
-
-
-def _planner_lines(state) -> tuple[list[str], set[str]]:
-    from pdserve.cluster.registry import Registry
-    from pdserve.planner_cmd import planner_summary
-
-    async def go():
-        async with Registry(state.etcd_endpoints, state.cluster) as reg:
-            return await planner_summary(reg)
-
-    try:
-        return asyncio.run(asyncio.wait_for(go(), STATUS_ETCD_TIMEOUT_S))
-    except Exception as exc:  # noqa: BLE001  (status shows the rest anyway)
-        return [f"planner: unknown ({exc.__class__.__name__})"], set()
 
 
 def _print_queue(state, queue: dict | None) -> None:
@@ -295,28 +242,18 @@ def _demo(args) -> int:
     from pdserve.api import AsyncClient
 
     target = args.target
-    tls = {}  # with --target: the client's own settings (PDSERVE_CA_FILE, ...; docs/security.md)
     if target is None:
         from pdserve.cluster.launcher import ClusterState, state_path
-        from pdserve.cluster.security import internal_client_tls
 
-        topo = _load(args.topology)
-        state = ClusterState.load(state_path(topo))
+        state = ClusterState.load(state_path(_load(args.topology)))
         target = state.decode_endpoints[0]["grpc"]
-        # The cluster's own workers: trust and present what the topology names (an API key,
-        # if the workers need one, comes from PDSERVE_API_KEY: the topology holds only hashes).
-        own = internal_client_tls(topo.security, topo.resolve)
-        if own is not None:
-            tls = {"tls": True, "ca_file": os.environ.get("PDSERVE_CA_FILE") or own.ca_file,
-                   "client_cert": os.environ.get("PDSERVE_CLIENT_CERT") or own.cert_file,
-                   "client_key": os.environ.get("PDSERVE_CLIENT_KEY") or own.key_file}
     n_rep = max(1, args.long_tokens // 30)
     prompts = DEMO_SHORT[:2] + [f"Document {i}: " + DEMO_DOC * n_rep + "Summarise it." for i in range(2)] + DEMO_SHORT[2:]
     # A long prompt sharing the first document's prefix: the prefix cache at work.
     prompts.append(prompts[2][:-len("Summarise it.")] + "List its key terms.")
 
     async def run():
-        async with AsyncClient(target, timeout_s=300, **tls) as c:
+        async with AsyncClient(target, timeout_s=300) as c:
             await c.list_models()
             return await asyncio.gather(*(c.generate(p, max_tokens=args.max_tokens, temperature=0.0,
                                                      ignore_eos=True, route=args.route) for p in prompts))
