@@ -4,8 +4,8 @@
 The keys file holds the SHA-256 of each key, never the key itself (docs/security.md):
 
     # pdserve API keys: <sha256 of the key, 64 hex digits> [operator]   (# starts a comment)
-    9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08  operator  # ops team
-    60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752            # web frontend
+    4c1f0e6a9d2b7c3e5f8a1b0d6e9c2f4a7b3d8e1c5f0a9b6d2e7c4f1a8b5d3e0c  operator  # ops team
+    b7e2d9c4a1f6e3b8d5c0a7f2e9b4d1c6a3f8e5b2d7c4a9f6e1b3d8c5a2f7e0b9            # web frontend
 
 `operator` marks a key allowed to override routing and raise priority. Make a line
 with `pdserve certs hash-key` (reads the key on stdin) or `pdserve certs new-key`.

@@ -175,3 +175,11 @@ def test_bad_security_settings_name_the_key_and_line(tmp_path, section, where, m
         load_topology(tmp_path / "t.yaml")
     key, line, msg = exc.value.issues[0]
     assert key == where and message in msg and line is not None and line > TOPOLOGY.count("\n")
+
+
+def test_the_documented_keys_file_example_parses():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    block = doc.split("The keys file holds the SHA-256 of each key, never the key:\n\n```\n", 1)[1].split("```")[0]
+    assert [k.operator for k in parse_keys(block, "docs/security.md")] == [True, False]
