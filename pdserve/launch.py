@@ -242,18 +242,28 @@ def _demo(args) -> int:
     from pdserve.api import AsyncClient
 
     target = args.target
+    tls = {}  # with --target: the client's own settings (PDSERVE_CA_FILE, ...; docs/security.md)
     if target is None:
         from pdserve.cluster.launcher import ClusterState, state_path
+        from pdserve.cluster.security import internal_client_tls
 
-        state = ClusterState.load(state_path(_load(args.topology)))
+        topo = _load(args.topology)
+        state = ClusterState.load(state_path(topo))
         target = state.decode_endpoints[0]["grpc"]
+        # The cluster's own workers: trust and present what the topology names (an API key,
+        # if the workers need one, comes from PDSERVE_API_KEY: the topology holds only hashes).
+        own = internal_client_tls(topo.security, topo.resolve)
+        if own is not None:
+            tls = {"tls": True, "ca_file": os.environ.get("PDSERVE_CA_FILE") or own.ca_file,
+                   "client_cert": os.environ.get("PDSERVE_CLIENT_CERT") or own.cert_file,
+                   "client_key": os.environ.get("PDSERVE_CLIENT_KEY") or own.key_file}
     n_rep = max(1, args.long_tokens // 30)
     prompts = DEMO_SHORT[:2] + [f"Document {i}: " + DEMO_DOC * n_rep + "Summarise it." for i in range(2)] + DEMO_SHORT[2:]
     # A long prompt sharing the first document's prefix: the prefix cache at work.
     prompts.append(prompts[2][:-len("Summarise it.")] + "List its key terms.")
 
     async def run():
-        async with AsyncClient(target, timeout_s=300) as c:
+        async with AsyncClient(target, timeout_s=300, **tls) as c:
             await c.list_models()
             return await asyncio.gather(*(c.generate(p, max_tokens=args.max_tokens, temperature=0.0,
                                                      ignore_eos=True, route=args.route) for p in prompts))
