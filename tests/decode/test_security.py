@@ -300,6 +300,31 @@ def test_mtls_serves_a_client_with_a_certificate(mutual, pki):
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_pdserve_demo_reaches_a_mutual_tls_worker_from_the_topology(mutual, pki, tmp_path, monkeypatch, capsys):
+    from pdserve.cli import main
+    from pdserve.cluster.state import ClusterState
+
+    topology = tmp_path / "t.yaml"
+    topology.write_text(f"""\
+cluster: demo-sec
+model: {{path: auto}}
+roles: {{prefill: {{replicas: 0}}, decode: {{replicas: 1}}}}
+security:
+  tls: {{cert: {pki['decode']}, key: {pki['decode-key']}, client_ca: {pki['ca']}}}
+  api_keys: {{file: {pki['keys_file']}}}
+run_dir: {tmp_path}
+""")
+    ClusterState(cluster="demo-sec", topology=str(topology), namespace="n", ray_address="", ray_head_pid=None,
+                 etcd_endpoints=[], etcd_pid=None, queue_name="q", model="m",
+                 actors=[{"role": "decode", "worker_id": "decode-0", "grpc": mutual.grpc}]).save(
+                     tmp_path / "demo-sec.state.json")
+    for name in ("PDSERVE_CA_FILE", "PDSERVE_CLIENT_CERT", "PDSERVE_CLIENT_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PDSERVE_API_KEY", pki["keys"]["user"])
+    assert main(["demo", "--topology", str(topology), "--max-tokens", "2", "--long-tokens", "60"]) == 0
+    assert "routes used: local" in capsys.readouterr().out
+
+
 # -- logs (last: every test above has run against these workers) ------------------------
 def test_no_key_reaches_the_logs(logs, pki, secure):
     text = "\n".join(logs.lines)
