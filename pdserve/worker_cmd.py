@@ -251,9 +251,10 @@ class Worker:
 
 
 def _wait_idle(actor, role: str, deadline: float) -> None:
-    """Until the worker holds no request, or `deadline`. A decode worker whose drain was
-    already started by its etcd drain key (the preStop hook's `pdserve drain`) returns from
-    a second drain() at once; its `stats()` still says how many requests are in flight."""
+    """Until the worker holds no request, or `deadline`. A decode worker's drain started by
+    its etcd drain key (the preStop hook's `pdserve drain`) waits only the worker's default
+    time, and a second drain() waits for that first one: requests longer than it would be
+    cut by stop(). Its `stats()` says how many are still in flight."""
     import ray
 
     if role != "decode":

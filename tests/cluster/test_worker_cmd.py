@@ -46,7 +46,7 @@ def ray_head(tmp_path):
         assert proc.poll() is None, (tmp_path / "ray-head.log").read_text()[-2000:]
         yield f"127.0.0.1:{port}"
     finally:
-        _stop_group(proc)
+        _stop_group(proc, timeout_s=5.0)  # then SIGKILL to the group: a test head holds nothing
 
 
 def pdserve_proc(*args, log: Path) -> subprocess.Popen:
@@ -142,6 +142,17 @@ def test_drain_with_etcd_needs_cluster_and_checks_both(capsys):
     assert "--etcd" in capsys.readouterr().err
     assert main(["drain", "pod-1", "--etcd", "e:2379", "--cluster", "p/d", "--check"]) == 2
     assert "--cluster" in capsys.readouterr().err
+
+
+def test_drain_without_etcd_flags_still_reads_the_state_file_of_up(tmp_path, topology, cluster_name, capsys):
+    from pdserve.cluster.launcher import ClusterState, state_path
+    from pdserve.cluster.topology import load_topology
+
+    ClusterState(cluster=cluster_name, topology=str(topology), namespace="ns", ray_address="127.0.0.1:1",
+                 ray_head_pid=None, etcd_endpoints=["127.0.0.1:23790"], etcd_pid=None, queue_name="q",
+                 model="m").save(state_path(load_topology(topology)))
+    assert main(["drain", "prefill-0", "--topology", str(topology), "--check"]) == 0
+    assert f"OK: drain prefill-0 of cluster {cluster_name} (etcd 127.0.0.1:23790)" in capsys.readouterr().out
 
 
 # -- helpers --------------------------------------------------------------------------------
