@@ -325,6 +325,23 @@ def test_monitors_and_network_policies_select_what_exists(rendered):
         assert release.items() <= workload["spec"]["template"]["metadata"]["labels"].items()
 
 
+def test_every_value_is_described_in_the_docs():
+    """docs/deploy.md's Helm section names every value (maps the user fills are not walked)."""
+    opaque = {"engine", "make", "resources", "probes", "ucx", "env", "nodeSelector", "tolerations", "affinity",
+              "podAnnotations", "annotations", "labels", "podDisruptionBudget", "strategy", "policies", "head"}
+    docs = (ROOT / "docs" / "deploy.md").read_text().split("## Kubernetes (Helm)", 1)[1]
+
+    def keys(tree, path=()):
+        for key, value in tree.items():
+            yield path + (key,)
+            if isinstance(value, dict) and key not in opaque:
+                yield from keys(value, path + (key,))
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    missing = [".".join(p) for p in keys(values) if f"`{p[-1]}" not in docs and f".{p[-1]}" not in docs]
+    assert not missing, f"values not described in docs/deploy.md: {missing}"
+
+
 # -- helpers ----------------------------------------------------------------------------------------
 def mount_config_maps(objs: list[dict], workload: dict, root: Path) -> str:
     """Write the ConfigMaps `workload` mounts under `root` + their mount paths; returns `root`."""
