@@ -1,5 +1,8 @@
 """Worker actors: entry points as restartable, detached Ray actors.
 
+`start_worker_actor` is the one way a worker actor is created: `pdserve up`
+(launcher.py), the planner's Ray backend and `pdserve worker` all call it.
+
 The control plane never imports the workers: a role is a `module:Class` string
 (`load_entrypoint`) whose class takes a config dict (cluster/worker_config.py)
 and has async `start() -> dict`, `drain()` and `stop()`. Ray restarts a worker
@@ -12,6 +15,13 @@ from __future__ import annotations
 
 import importlib
 import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .worker_config import launch_config
+
+if TYPE_CHECKING:
+    from .topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +52,8 @@ def restartable(cls: type) -> type:
             if ctx.was_current_actor_reconstructed:
                 log.warning("%s restarted by Ray; starting it again", cls.__name__)
                 # Its registration may still be alive (lease TTL): it is this worker's own.
-                self.cfg.replace_stale_registration = True
+                if hasattr(getattr(self, "cfg", None), "replace_stale_registration"):
+                    self.cfg.replace_stale_registration = True
                 # Sent before this constructor returns: the actor may still read as RESTARTING
                 # when the call reaches it, which fails the call unless it may be resent. A
                 # resend never runs `start()` twice: only a call that did not run is resent,
@@ -85,3 +96,36 @@ def stop_actor(name: str, namespace: str, timeout_s: float, progress) -> None:
         progress(f"worker    {name}: {exc.__class__.__name__} while draining; killing")
     ray.kill(actor)
     progress(f"worker    {name} stopped")
+
+
+@dataclass
+class StartedWorker:
+    """A worker actor just created: its Ray name, worker id, handle and its `start()` call."""
+
+    name: str
+    worker_id: str
+    actor: Any
+    start_ref: Any  # ObjectRef of start() -> the worker's endpoints dict
+
+
+def actor_name(cluster: str, worker_id: str) -> str:
+    """The Ray actor name of a worker (unique in the cluster's namespace)."""
+    return f"{cluster}-{worker_id}"
+
+
+def start_worker_actor(topo: "Topology", role: str, replica: int, *, model: str, etcd_endpoints: list[str],
+                       worker_id: str | None = None, resources: dict[str, float] | None = None) -> StartedWorker:
+    """Create replica `replica` of `role` as a detached, restartable Ray actor and call its
+    `start()`: the one way workers are started (`pdserve up`, the planner, `pdserve worker`).
+    `resources` adds Ray custom resources to the role's own (e.g. {"node:<ip>": 0.01} to
+    place it on one node)."""
+    import ray
+
+    spec = getattr(topo.roles, role)
+    cls = ray.remote(restartable(load_entrypoint(spec.entrypoint)))
+    cfg = launch_config(topo, role, replica, model=model, etcd_endpoints=etcd_endpoints, worker_id=worker_id)
+    name = actor_name(topo.cluster, cfg["worker_id"])
+    opts = worker_actor_options(name, topo.ray.namespace, spec.resources.num_cpus, spec.resources.num_gpus,
+                                {**spec.resources.custom, **(resources or {})})
+    actor = cls.options(**opts).remote(cfg)
+    return StartedWorker(name, cfg["worker_id"], actor, actor.start.remote())

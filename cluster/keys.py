@@ -7,7 +7,10 @@ Dependency-free, so reading a topology costs no Ray or gRPC import.
     /pdserve/<cluster>/nixl/<worker_id>             raw NIXL agent metadata (leased)
     /pdserve/<cluster>/config/router                router + QoS policy YAML
     /pdserve/<cluster>/config/autoscale             autoscale policy YAML
-    /pdserve/<cluster>/planner/leader               planner election
+    /pdserve/<cluster>/planner/leader               planner election (leased: the running planner)
+    /pdserve/<cluster>/planner/state                planner state: drains and starts in progress, memory
+    /pdserve/<cluster>/planner/snapshots            the last two snapshots it decided on (explain)
+    /pdserve/<cluster>/planner/decisions/<seq>      decision history (bounded)
 
 Every key is built here and nowhere else.
 """
@@ -76,6 +79,19 @@ class Keyspace:
 
     def planner_leader(self) -> bytes:
         return f"{self.root}/planner/leader".encode()
+
+    def planner_state(self) -> bytes:
+        return f"{self.root}/planner/state".encode()
+
+    def planner_snapshots(self) -> bytes:
+        return f"{self.root}/planner/snapshots".encode()
+
+    def planner_decisions_prefix(self) -> bytes:
+        return f"{self.root}/planner/decisions/".encode()
+
+    def planner_decision(self, seq: int) -> bytes:
+        """Zero-padded so that keys sort in decision order."""
+        return self.planner_decisions_prefix() + f"{seq:012d}".encode()
 
     def parse_worker(self, key: bytes) -> tuple[str, str] | None:
         """(role, worker_id) of a worker key, or None for anything else."""

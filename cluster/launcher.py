@@ -24,16 +24,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from .actors import WORKER_MAX_RESTARTS, load_entrypoint, restartable, stop_actor, worker_actor_options
+from .actors import (WORKER_MAX_RESTARTS, StartedWorker, actor_name, load_entrypoint, restartable,
+                     start_worker_actor, stop_actor, worker_actor_options)
 from .etcd_server import EmbeddedEtcd, free_loopback_port
 from .netaddr import resolve_bind
+from .security import grpc_channel, internal_client_tls
 from .state import ClusterState, state_path
 from .topology import Topology
-from .worker_config import launch_config
 
 # Also importable from here (tests, bench, the composition root).
 __all__ = ["Launcher", "ClusterState", "state_path", "StartedWorker", "start_worker_actor", "actor_name", "restartable", "worker_actor_options", "load_entrypoint",
@@ -47,8 +47,12 @@ class Launcher:
     """Brings a topology up and down; `progress` receives one line per stage."""
 
     def __init__(self, topology: Topology, topology_file: str, model_path: str, *,
-                 ray_address: str | None = None, progress: Callable[[str], None] = print):
+                 ray_address: str | None = None, progress: Callable[[str], None] = print,
+                 max_replicas: dict[str, int] | None = None):
+        """`max_replicas`: per role, the most replicas the planner may run (the autoscale
+        policy's max_replicas): a Ray head started here gets CPUs for them."""
         self.topo = topology
+        self.max_replicas = dict(max_replicas or {})
         self.topology_file = topology_file
         self.model_path = model_path
         self.ray_address = ray_address or topology.ray.address
@@ -107,7 +111,9 @@ class Launcher:
             self.progress(f"ray       joining {self.ray_address}")
             return
         port = free_loopback_port()
-        need = sum(r.replicas * r.resources.num_cpus for r in (self.topo.roles.prefill, self.topo.roles.decode))
+        roles = self.topo.roles
+        need = sum(max(getattr(roles, r).replicas, self.max_replicas.get(r, 0)) * getattr(roles, r).resources.num_cpus
+                   for r in ("prefill", "decode"))
         cpus = max(2, int(need + 0.999))
         env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
                "RAY_worker_niceness": str(self.topo.ray.worker_niceness)}
@@ -149,8 +155,9 @@ class Launcher:
                                                              if role == "decode" else ""))
         members = asyncio.run(_wait_registered(state, deadline))
         self.progress(f"registry  {len(members)} workers registered in etcd")
+        tls = internal_client_tls(self.topo.security, self.topo.resolve)  # None: plaintext
         for rec in state.decode_endpoints:
-            _wait_grpc_health(rec["grpc"], deadline)
+            _wait_grpc_health(rec["grpc"], deadline, tls)
         self.progress("ready")
 
     # -- down ---------------------------------------------------------------------------
@@ -161,8 +168,14 @@ class Launcher:
             try:
                 if not ray.is_initialized():
                     ray.init(address=state.ray_address, namespace=state.namespace, log_to_driver=False)
-                for rec in reversed(state.actors):  # decode first: stop taking requests
-                    stop_actor(rec["name"], state.namespace, drain_timeout_s, self.progress)
+                # The planner first: it would replace the workers stopped below.
+                stop_planner(state.cluster, state.namespace, self.progress)
+                names = [rec["name"] for rec in reversed(state.actors)]  # decode first: stop taking requests
+                # Workers the planner started are not in the state file: every actor of this cluster.
+                names += sorted(n for n in ray.util.list_named_actors()
+                                if n.startswith(f"{state.cluster}-") and n not in names and n != state.queue_name)
+                for name in names:
+                    stop_actor(name, state.namespace, drain_timeout_s, self.progress)
                 try:
                     ray.kill(ray.get_actor(state.queue_name, namespace=state.namespace))
                 except ValueError:
@@ -178,37 +191,25 @@ class Launcher:
             _terminate_group(state.etcd_pid, "etcd", self.progress, own_group=False)
 
 
-@dataclass
-class StartedWorker:
-    """A worker actor just created: its Ray name, worker id, handle and its `start()` call."""
-
-    name: str
-    worker_id: str
-    actor: Any
-    start_ref: Any  # ObjectRef of start() -> the worker's endpoints dict
+def planner_actor_name(cluster: str) -> str:
+    """The Ray actor name of a cluster's planner (cluster/planner/actor.py)."""
+    return f"{cluster}-planner"
 
 
-def actor_name(cluster: str, worker_id: str) -> str:
-    """The Ray actor name of a worker (unique in the cluster's namespace)."""
-    return f"{cluster}-{worker_id}"
-
-
-def start_worker_actor(topo: Topology, role: str, replica: int, *, model: str, etcd_endpoints: list[str],
-                       worker_id: str | None = None, resources: dict[str, float] | None = None) -> StartedWorker:
-    """Create replica `replica` of `role` as a detached, restartable Ray actor and call its
-    `start()`: the one way workers are started (`pdserve up`, the planner, `pdserve worker`).
-    `resources` adds Ray custom resources to the role's own (e.g. {"node:<ip>": 0.01} to
-    place it on one node)."""
+def stop_planner(cluster: str, namespace: str, progress) -> None:
+    """Stop the cluster's planner actor, if one runs (graceful stop, then kill)."""
     import ray
 
-    spec = getattr(topo.roles, role)
-    cls = ray.remote(restartable(load_entrypoint(spec.entrypoint)))
-    cfg = launch_config(topo, role, replica, model=model, etcd_endpoints=etcd_endpoints, worker_id=worker_id)
-    name = actor_name(topo.cluster, cfg["worker_id"])
-    opts = worker_actor_options(name, topo.ray.namespace, spec.resources.num_cpus, spec.resources.num_gpus,
-                                {**spec.resources.custom, **(resources or {})})
-    actor = cls.options(**opts).remote(cfg)
-    return StartedWorker(name, cfg["worker_id"], actor, actor.start.remote())
+    try:
+        actor = ray.get_actor(planner_actor_name(cluster), namespace=namespace)
+    except ValueError:
+        return
+    try:
+        ray.get(actor.stop.remote(), timeout=15)
+    except Exception as exc:  # noqa: BLE001  (killed anyway)
+        progress(f"planner   {exc.__class__.__name__} while stopping; killing")
+    ray.kill(actor, no_restart=True)
+    progress("planner   stopped")
 
 
 async def _wait_registered(state: ClusterState, deadline: float) -> dict:
@@ -225,11 +226,13 @@ async def _wait_registered(state: ClusterState, deadline: float) -> dict:
             await asyncio.sleep(0.2)
 
 
-def _wait_grpc_health(target: str, deadline: float) -> None:
+def _wait_grpc_health(target: str, deadline: float, tls=None) -> None:
+    """Until the decode worker at `target` reports SERVING (over TLS when the topology has it:
+    the health service needs no API key)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(target) as ch:
+    with grpc_channel(target, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:

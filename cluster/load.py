@@ -5,7 +5,8 @@ write them every `load_report_s` through `join.publish_load`. Cumulative figures
 (`*_s`, counts, token totals) let a reader compute rates over its own interval;
 windowed figures (`busy`, latency percentiles) describe the last `WINDOW_S`.
 
-    both roles   busy            fraction of the window the engine was working (0-1)
+    both roles   t               wall-clock time of this reading (rates are timed by it)
+                 busy            fraction of the window the engine was working (0-1)
                  busy_s          cumulative seconds of work
                  kv_usage        fraction of KV blocks in use (0-1)
                  inflight        requests (decode) or tasks (prefill) held now
@@ -66,7 +67,7 @@ class BusyMeter:
     def snapshot(self) -> dict:
         span = self._window.add(self.busy_s)
         busy = 0.0 if span is None else min(1.0, max(0.0, (span[2] - span[1]) / span[0]))
-        return {"busy": round(busy, 4), "busy_s": round(self.busy_s, 3)}
+        return {"t": round(time.time(), 3), "busy": round(busy, 4), "busy_s": round(self.busy_s, 3)}
 
 
 def histogram_buckets(hist) -> list[tuple[float, float]]:

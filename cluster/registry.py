@@ -115,13 +115,18 @@ class Registry(Registration):
         self._track(watch)
         return watch
 
-    async def request_drain(self, worker_id: str, reason: str = "drain requested") -> bool:
-        """Ask a worker to drain: write its drain key, then revoke its lease so
-        peers stop sending it work now. Returns False if it is not registered."""
+    async def request_drain(self, worker_id: str, reason: str = "drain requested", *,
+                            revoke_lease: bool = True) -> bool:
+        """Ask a worker to drain: write its drain key, then (by default) revoke its lease so
+        peers stop sending it work now. Without `revoke_lease` the worker stays visible while
+        it finishes what it holds (its peers keep its NIXL agent for in-flight transfers) and
+        leaves the registry when done: the planner's drain. False if it is not registered."""
         await self.client().put(self.keys.drain(worker_id), reason.encode())
         members = await self.members()
         if worker_id not in members:
             return False
+        if not revoke_lease:
+            return True
         reply = await self.client().get(self.keys.worker(members[worker_id].role, worker_id))
         if reply is not None and reply.lease:
             try:

@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "pdserve.decode.cli",
     "pdserve.cluster.cli",
     "pdserve.launch",
+    "pdserve.planner_cmd",
     "pdserve.worker_cmd",
     "pdserve.bench.cli",
 )

@@ -93,12 +93,17 @@ def _up(args) -> int:
     topo = _load(args.topology)
     t0 = time.monotonic()
     model = resolve_model(topo)
+    autoscale = _autoscale_policy(topo)
+    max_replicas = {r: getattr(autoscale.autoscale, r).max_replicas for r in ("prefill", "decode")} if autoscale else None
     launcher = Launcher(topo, args.topology, model, ray_address=args.ray_address,
-                        progress=lambda line: print(line, flush=True))
+                        progress=lambda line: print(line, flush=True), max_replicas=max_replicas)
     state = launcher.up()
+    if autoscale is not None:
+        _start_planner(topo, args.topology, state, launcher)
     print(f"\ncluster {state.cluster!r} is up in {time.monotonic() - t0:.1f} s; model {model}")
+    scheme = "https" if topo.security is not None and topo.security.tls is not None else "http"
     for rec in state.decode_endpoints:
-        print(f"  {rec['worker_id']}: gRPC {rec['grpc']}   HTTP http://{rec['http']}/v1/completions")
+        print(f"  {rec['worker_id']}: gRPC {rec['grpc']}   HTTP {scheme}://{rec['http']}/v1/completions")
     print(f"\nnext: pdserve demo --topology {args.topology}   |   pdserve status   |   pdserve down")
     if args.foreground:
         try:
@@ -107,6 +112,37 @@ def _up(args) -> int:
         except KeyboardInterrupt:
             _down(args)
     return 0
+
+
+def _autoscale_policy(topo):
+    """The topology's autoscale policy, parsed (an invalid one stops `up` before it starts anything)."""
+    if topo.autoscale_policy_path is None:
+        return None
+    from pdserve.router.loader import load_autoscale_file
+
+    return load_autoscale_file(topo.autoscale_policy_path)
+
+
+def _start_planner(topo, topology_file: str, state, launcher) -> None:
+    """Start the planner actor on this node (it reads the topology and policy files here)."""
+    import ray
+
+    from pdserve.cluster.planner.actor import PlannerConfig, start_planner_actor
+
+    cfg = PlannerConfig(topology=os.path.abspath(topology_file), model=state.model,
+                        etcd_endpoints=state.etcd_endpoints, known_workers=[a["worker_id"] for a in state.actors])
+    try:
+        _, ref = start_planner_actor(cfg, topo.ray.namespace, topo.cluster, ray.util.get_node_ip_address())
+        info = ray.get(ref, timeout=60)
+    except BaseException:
+        print("planner did not start; stopping the cluster", flush=True)
+        from pdserve.cluster.state import state_path
+
+        launcher.down(state)
+        state_path(topo).unlink(missing_ok=True)
+        raise
+    print(f"planner   {info['planner']} started (policy {topo.autoscale_policy}; "
+          f"`pdserve planner explain` shows its reasoning)", flush=True)
 
 
 def _down(args) -> int:
@@ -191,11 +227,29 @@ def _status(args) -> int:
         eps = " ".join(f"{k}={v}" for k, v in m["endpoints"].items()) or "-"
         load = " ".join(f"{k}={v}" for k, v in m["load"].items()) or "-"
         print(f"{wid:<14} {m['role']:<8} {host:<30} {eps:<44} {load}")
-    missing = {a["worker_id"] for a in state.actors} - set(members)
+    planner, drained = _planner_lines(state)
+    # Workers the planner drained on purpose are not missing.
+    missing = {a["worker_id"] for a in state.actors} - set(members) - drained
     for wid in sorted(missing):
         print(f"{wid:<14} MISSING  (started by `up`, not registered: dead or restarting)")
     _print_queue(state, queue)
+    for line in planner:
+        print(line)
     return 0 if not missing else 1
+
+
+def _planner_lines(state) -> tuple[list[str], set[str]]:
+    from pdserve.cluster.registry import Registry
+    from pdserve.planner_cmd import planner_summary
+
+    async def go():
+        async with Registry(state.etcd_endpoints, state.cluster) as reg:
+            return await planner_summary(reg)
+
+    try:
+        return asyncio.run(asyncio.wait_for(go(), STATUS_ETCD_TIMEOUT_S))
+    except Exception as exc:  # noqa: BLE001  (status shows the rest anyway)
+        return [f"planner: unknown ({exc.__class__.__name__})"], set()
 
 
 def _print_queue(state, queue: dict | None) -> None:
