@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
 WAIT_S = 90.0
+MAX_TOKENS = 600  # ~4 s of decoding on CPU: SIGTERM comes mid-request, stop() would cut it
 
 
 @pytest.fixture
@@ -32,9 +33,11 @@ def topology(tmp_path, cluster_name):
     return path
 
 
-@pytest.fixture
-def ray_head(tmp_path):
-    """A Ray head of this test's own on loopback (what the chart's ray-head pod runs)."""
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A Ray head for this module's workers (what the chart's ray-head pod runs); each test
+    has a cluster name of its own."""
+    tmp_path = tmp_path_factory.mktemp("ray-head")
     port = free_loopback_port()
     log = open(tmp_path / "ray-head.log", "wb")
     proc = subprocess.Popen(
@@ -95,6 +98,49 @@ def test_worker_registers_and_a_sigterm_or_a_prestop_drain_takes_it_out(topology
     finally:
         for p in procs.values():
             _stop_group(p)
+
+
+def test_sigterm_lets_a_decode_workers_in_flight_request_finish(tmp_path, ray_head, etcd, cluster_name):
+    import json
+    import threading
+
+    from pdserve.api import Client
+    from pdserve.bench.sweep import resolve_model
+    from pdserve.cluster.topology import load_topology
+
+    topo = tmp_path / "decode-only.yaml"  # 0P1D: the decode worker needs no queue and no NIXL peer
+    topo.write_text(small_topology_yaml(cluster_name, tmp_path).replace("replicas: 1", "replicas: 0", 1))
+    model = resolve_model(load_topology(topo))
+    log = tmp_path / "decode.log"
+    proc = pdserve_proc("worker", "--role", "decode", "--topology", str(topo), "--ray-address", ray_head,
+                        "--etcd", etcd.endpoint, "--model", model, "--worker-id", "pod-decode-a",
+                        "--drain-timeout", "60", log=log)
+    try:
+        _wait(lambda: "ready {" in log.read_text() or proc.poll() is not None, WAIT_S, "decode worker ready")
+        assert proc.poll() is None, log.read_text()
+        ready = json.loads(log.read_text().split("ready ", 1)[1].splitlines()[0])
+        tokens, first, done = [], threading.Event(), {}
+
+        def generate():
+            with Client(ready["grpc"], timeout_s=120) as c:
+                for msg in c.stream("Drain me gently", max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0):
+                    tokens.extend(msg.token_ids)
+                    first.set()
+                    done["finish_reason"] = msg.finish_reason or done.get("finish_reason")
+
+        client = threading.Thread(target=generate, daemon=True)
+        client.start()
+        assert first.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        at_sigterm = len(tokens)
+        client.join(90)
+        assert not client.is_alive()
+        assert at_sigterm < MAX_TOKENS  # the request was in flight when the pod was told to stop
+        assert len(tokens) == MAX_TOKENS and done["finish_reason"] == "length"
+        assert proc.wait(60) == 0, log.read_text()
+        assert "pod-decode-a" not in _members(etcd.endpoint, cluster_name)
+    finally:
+        _stop_group(proc)
 
 
 def test_check_accepts_the_chart_arguments_and_starts_nothing(topology, capsys):
