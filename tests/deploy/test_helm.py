@@ -265,6 +265,22 @@ def test_the_rendered_topologies_follow_the_values(rendered, tmp_path):
     assert not of_kind(ext, "StatefulSet")
 
 
+def test_zero_prefill_replicas_render_no_prefill_workers_and_a_local_only_topology(tmp_path):
+    from pdserve.cluster.topology import load_topology
+
+    files = render({"prefill": {"replicas": 0}, "decode": {"replicas": 2},
+                    "networkPolicy": {"enabled": True}, "metrics": {"serviceMonitor": {"enabled": True}}})
+    objs = [o for p, t in files.items() if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
+    assert not [o for o in objs if o["metadata"]["name"].endswith("-prefill") and o["kind"] != "PodMonitor"]
+    decode = named(objs, "Deployment", "-decode")
+    root = Path(mount_config_maps(objs, decode, tmp_path))
+    topo = load_topology(root / "etc/pdserve/topology/decode.yaml")
+    assert (topo.roles.prefill.replicas, topo.roles.decode.replicas) == (0, 2)
+    for obj in objs:
+        if obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
 def test_gpus_placement_and_volumes_per_role(rendered):
     objs = rendered["4p8d-gpu"]
     prefill = named(objs, "Deployment", "-prefill")
