@@ -113,19 +113,40 @@ def actor_name(cluster: str, worker_id: str) -> str:
     return f"{cluster}-{worker_id}"
 
 
+# The worker that can change role in place (pdserve/role_flip.py), named, never imported here.
+FLEX_ENTRYPOINT = "pdserve.role_flip:FlexWorker"
+
+
 def start_worker_actor(topo: "Topology", role: str, replica: int, *, model: str, etcd_endpoints: list[str],
-                       worker_id: str | None = None, resources: dict[str, float] | None = None) -> StartedWorker:
+                       worker_id: str | None = None, resources: dict[str, float] | None = None,
+                       flexible: bool = False) -> StartedWorker:
     """Create replica `replica` of `role` as a detached, restartable Ray actor and call its
     `start()`: the one way workers are started (`pdserve up`, the planner, `pdserve worker`).
     `resources` adds Ray custom resources to the role's own (e.g. {"node:<ip>": 0.01} to
-    place it on one node)."""
+    place it on one node). `flexible`: a `FlexWorker` that the planner may move to the other
+    role later without reloading its weights (the autoscale policy's allow_role_flip); it
+    needs the default entry points of both roles."""
     import ray
 
+    from .topology import DEFAULT_DECODE_ENTRYPOINT, DEFAULT_PREFILL_ENTRYPOINT
+
     spec = getattr(topo.roles, role)
-    cls = ray.remote(restartable(load_entrypoint(spec.entrypoint)))
     cfg = launch_config(topo, role, replica, model=model, etcd_endpoints=etcd_endpoints, worker_id=worker_id)
-    name = actor_name(topo.cluster, cfg["worker_id"])
+    wid = cfg["worker_id"]
+    entrypoint = spec.entrypoint
+    if flexible:
+        if (topo.roles.prefill.entrypoint, topo.roles.decode.entrypoint) != (DEFAULT_PREFILL_ENTRYPOINT,
+                                                                             DEFAULT_DECODE_ENTRYPOINT):
+            raise ValueError("allow_role_flip needs the default entry points of both roles "
+                             f"({DEFAULT_PREFILL_ENTRYPOINT}, {DEFAULT_DECODE_ENTRYPOINT}); set "
+                             "allow_role_flip: false in the autoscale policy to use others")
+        other = "decode" if role == "prefill" else "prefill"
+        # The other role's config; the planner names its worker id when it flips the worker.
+        alt = launch_config(topo, other, replica, model=model, etcd_endpoints=etcd_endpoints)
+        cfg, entrypoint = {"role": role, "configs": {role: cfg, other: alt}}, FLEX_ENTRYPOINT
+    cls = ray.remote(restartable(load_entrypoint(entrypoint)))
+    name = actor_name(topo.cluster, wid)
     opts = worker_actor_options(name, topo.ray.namespace, spec.resources.num_cpus, spec.resources.num_gpus,
                                 {**spec.resources.custom, **(resources or {})})
     actor = cls.options(**opts).remote(cfg)
-    return StartedWorker(name, cfg["worker_id"], actor, actor.start.remote())
+    return StartedWorker(name, wid, actor, actor.start.remote())

@@ -48,11 +48,13 @@ class Launcher:
 
     def __init__(self, topology: Topology, topology_file: str, model_path: str, *,
                  ray_address: str | None = None, progress: Callable[[str], None] = print,
-                 max_replicas: dict[str, int] | None = None):
+                 max_replicas: dict[str, int] | None = None, flexible: bool = False):
         """`max_replicas`: per role, the most replicas the planner may run (the autoscale
-        policy's max_replicas): a Ray head started here gets CPUs for them."""
+        policy's max_replicas): a Ray head started here gets CPUs for them. `flexible`: start
+        workers that can change role in place (the policy's allow_role_flip)."""
         self.topo = topology
         self.max_replicas = dict(max_replicas or {})
+        self.flexible = flexible
         self.topology_file = topology_file
         self.model_path = model_path
         self.ray_address = ray_address or topology.ray.address
@@ -138,7 +140,8 @@ class Launcher:
         handles = []
         for role_name in ("prefill", "decode"):
             for i in range(getattr(t.roles, role_name).replicas):
-                w = start_worker_actor(t, role_name, i, model=self.model_path, etcd_endpoints=state.etcd_endpoints)
+                w = start_worker_actor(t, role_name, i, model=self.model_path, etcd_endpoints=state.etcd_endpoints,
+                                       flexible=self.flexible)
                 handles.append((w.name, role_name, w.worker_id, w.actor, w.start_ref))
                 state.actors.append({"name": w.name, "role": role_name, "worker_id": w.worker_id})
                 self.progress(f"{role_name:<9} starting {w.worker_id} ({getattr(t.roles, role_name).entrypoint})")

@@ -98,13 +98,14 @@ class DecodeWorker:
         self.decode_ms = 0.0
         self._drained: asyncio.Future | None = None
 
-    async def start(self) -> dict:
-        """Load the engine, start serving and register; returns the endpoints."""
+    async def start(self, engine: LLMEngine | None = None) -> dict:
+        """Load the engine (or take `engine`, already loaded: a worker changing role keeps its
+        weights and KV pool), start serving and register; returns the endpoints."""
         cfg = self.cfg
         self.host = cfg.host or cfg.address()
         self.security = ServerSecurity.from_config(cfg)  # bad files fail before the engine loads
         self.security.warn_if_plaintext(self.host, self.worker_id)
-        self.engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
+        self.engine = engine or await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
         policy = PolicyState(self.engine.connector.kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
         self.metrics = WorkerMetrics("decode", self.worker_id)

@@ -96,7 +96,8 @@ def _up(args) -> int:
     autoscale = _autoscale_policy(topo)
     max_replicas = {r: getattr(autoscale.autoscale, r).max_replicas for r in ("prefill", "decode")} if autoscale else None
     launcher = Launcher(topo, args.topology, model, ray_address=args.ray_address,
-                        progress=lambda line: print(line, flush=True), max_replicas=max_replicas)
+                        progress=lambda line: print(line, flush=True), max_replicas=max_replicas,
+                        flexible=bool(autoscale and autoscale.autoscale.allow_role_flip))
     state = launcher.up()
     if autoscale is not None:
         _start_planner(topo, args.topology, state, launcher)

@@ -86,9 +86,11 @@ class PrefillWorker:
         self._load_task: asyncio.Task | None = None
 
     # -- lifecycle -------------------------------------------------------------------
-    async def start(self) -> dict:
+    async def start(self, engine: LLMEngine | None = None) -> dict:
+        """Load the engine (or take `engine`, already loaded: a worker changing role keeps its
+        weights and KV pool), join the cluster and start pulling; returns its id and pid."""
         cfg = self.cfg
-        self.engine = await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
+        self.engine = engine or await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
         kv = self.engine.connector.kv_tensor
         layout = KVLayout.from_tensor(kv, self.engine.model_config.model_id)
         self.host = cfg.metrics_host or cfg.address()

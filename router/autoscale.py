@@ -119,12 +119,19 @@ class AutoscaleSection(StrictModel):
     sla: SlaTargets | None = None
     interval_s: float = Field(10.0, gt=0)
     cooldown_s: float = Field(60.0, ge=0)
+    # Scale down only once the down condition has held this long without a break (like the
+    # Kubernetes HPA's scale-down stabilization window): a lull is not a trend.
+    down_stable_s: float = Field(30.0, ge=0)
     max_step: int = Field(1, ge=1)
     gpu_budget: int = Field(32, ge=1)
     # A scale-down drains: the worker finishes what it holds; past this it is stopped anyway.
     drain_timeout_s: float = Field(120.0, gt=0)
     # A new worker that is not registered within this is counted as failed (and retried).
     start_timeout_s: float = Field(300.0, gt=0)
+    # When one role scales up while the other scales down in the same decision, move workers
+    # from one role to the other in place (drain, re-register, serve) instead of stopping one
+    # and starting another: no weights reloaded. Needs the default worker entry points.
+    allow_role_flip: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> AutoscaleSection:

@@ -1,8 +1,9 @@
 """How the planner acts: backends that start and stop workers.
 
-A backend has async `start(role, worker_id)` (begin starting one worker; the
-planner sees it arrive in etcd) and `stop(worker_id)` (end its process, after
-the planner drained it through etcd). Draining itself is backend-independent
+A backend has async `start(role, worker_id, flexible)` (begin starting one
+worker; the planner sees it arrive in etcd), `stop(worker_id, actor)` (end its
+process, after the planner drained it through etcd) and `flip(worker_id, role,
+new_worker_id, actor)` (a FlexWorker drains and comes back as the other role). Draining itself is backend-independent
 (the worker's drain key), so every backend drains the same way.
 
 `RayBackend` starts workers as detached Ray actors through
@@ -39,26 +40,53 @@ class RayBackend:
         self.model = model
         self.etcd_endpoints = list(etcd_endpoints)
 
-    async def start(self, role: str, worker_id: str) -> None:
+    def actor_name(self, worker_id: str) -> str:
+        from ..actors import actor_name
+
+        return actor_name(self.topo.cluster, worker_id)
+
+    async def start(self, role: str, worker_id: str, flexible: bool = False) -> None:
         from ..actors import start_worker_actor
 
         await asyncio.to_thread(start_worker_actor, self.topo, role, replica_index(worker_id), model=self.model,
-                                etcd_endpoints=self.etcd_endpoints, worker_id=worker_id)
+                                etcd_endpoints=self.etcd_endpoints, worker_id=worker_id, flexible=flexible)
 
-    async def stop(self, worker_id: str) -> None:
+    def _actor(self, worker_id: str, actor: str | None):
         import ray
 
-        from ..actors import actor_name
-
         try:
-            actor = ray.get_actor(actor_name(self.topo.cluster, worker_id), namespace=self.topo.ray.namespace)
+            return ray.get_actor(actor or self.actor_name(worker_id), namespace=self.topo.ray.namespace)
         except ValueError:
-            return  # never started, or already gone
+            return None  # never started, or already gone
+
+    async def stop(self, worker_id: str, actor: str | None = None) -> None:
+        import ray
+
+        handle = self._actor(worker_id, actor)
+        if handle is None:
+            return
         try:  # the worker drained already; stop() closes its servers before the kill
-            await asyncio.wait_for(actor.stop.remote(), 20.0)
+            await asyncio.wait_for(handle.stop.remote(), 20.0)
         except Exception as exc:  # noqa: BLE001  (dead or stuck: killed anyway)
             log.warning("stop of %s: %r; killing it", worker_id, exc)
-        ray.kill(actor)
+        ray.kill(handle)
+
+    async def flip(self, worker_id: str, role: str, new_worker_id: str, actor: str | None = None) -> None:
+        """Ask a FlexWorker to drain and come back as `role` under `new_worker_id`; returns at
+        once (the planner follows the flip through etcd). Failures are logged."""
+        handle = self._actor(worker_id, actor)
+        if handle is None:
+            raise RuntimeError(f"no process for {worker_id} (actor {actor or self.actor_name(worker_id)})")
+        ref = handle.flip.remote(role, new_worker_id)
+
+        async def follow():
+            try:
+                info = await ref
+                log.warning("%s now serves as %s %s", worker_id, role, info.get("worker_id"))
+            except Exception as exc:  # noqa: BLE001
+                log.error("flip of %s to %s failed: %r", worker_id, role, exc)
+
+        self._follow = asyncio.ensure_future(follow())
 
 
 class RecordingBackend:
@@ -67,10 +95,16 @@ class RecordingBackend:
     name = "recording"
 
     def __init__(self):
-        self.calls: list[tuple[str, str, str]] = []
+        self.calls: list[tuple] = []
 
-    async def start(self, role: str, worker_id: str) -> None:
+    def actor_name(self, worker_id: str) -> str:
+        return worker_id
+
+    async def start(self, role: str, worker_id: str, flexible: bool = False) -> None:
         self.calls.append(("start", role, worker_id))
 
-    async def stop(self, worker_id: str) -> None:
+    async def stop(self, worker_id: str, actor: str | None = None) -> None:
         self.calls.append(("stop", "", worker_id))
+
+    async def flip(self, worker_id: str, role: str, new_worker_id: str, actor: str | None = None) -> None:
+        self.calls.append(("flip", role, worker_id, new_worker_id))

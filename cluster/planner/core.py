@@ -65,6 +65,9 @@ class PlannerState:
     last: dict[str, dict] = field(default_factory=dict)  # role -> its latest decision (any action)
     desired: dict[str, int] = field(default_factory=dict)
     stopped: list[str] = field(default_factory=list)  # workers it drained and stopped (newest last, bounded)
+    # worker_id -> the process (Ray actor name) serving it, for workers that changed role in
+    # place: their process keeps the name of the id it started under.
+    actor_of: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         body = asdict(self)
@@ -80,7 +83,7 @@ class PlannerState:
                    next_index={k: int(v) for k, v in (body.get("next_index") or {}).items()},
                    seq=int(body.get("seq", 0)), last=dict(body.get("last") or {}),
                    desired={k: int(v) for k, v in (body.get("desired") or {}).items()},
-                   stopped=list(body.get("stopped") or []))
+                   stopped=list(body.get("stopped") or []), actor_of=dict(body.get("actor_of") or {}))
 
     def pending_ids(self, role: str, state: str) -> list[str]:
         return sorted(w for w, p in self.pending.items() if p["role"] == role and p["state"] == state)
@@ -118,10 +121,11 @@ class PlannerMetrics:
 
 def current_replicas(snapshot: Snapshot, state: PlannerState) -> tuple[dict[str, int], dict[str, list[str]]]:
     """(replicas counted per role, serving worker ids per role): registered workers that are
-    not draining, plus workers the planner started that have not registered yet."""
+    not draining or changing role, plus workers starting (or arriving from the other role)
+    that have not registered yet."""
     serving = {r: [] for r in ROLES}
     for wid, rec in snapshot.workers.items():
-        if rec.get("role") in serving and state.pending.get(wid, {}).get("state") != "draining":
+        if rec.get("role") in serving and state.pending.get(wid, {}).get("state") not in ("draining", "flipping"):
             serving[rec["role"]].append(wid)
     counted = {r: len(serving[r]) + sum(1 for w in state.pending_ids(r, "starting") if w not in snapshot.workers)
                for r in ROLES}
@@ -346,9 +350,7 @@ class Planner:
         decisions = self.decide(obs, snap, now)
         await self.record(decisions, snap)
         if not self.dry_run:
-            for d in decisions:
-                if d.action != "hold":
-                    await self.act(d, snap)
+            await self.act_all(decisions, snap)
         self.prev = snap
         await self.save_state()
         self._export(snap)
@@ -391,22 +393,58 @@ class Planner:
         await client.put(self.keys.planner_snapshots(), json.dumps(snaps).encode())
 
     # -- acting ----------------------------------------------------------------------------
-    async def act(self, d: Decision, snap: Snapshot) -> None:
+    async def act_all(self, decisions: list[Decision], snap: Snapshot) -> None:
+        """Act on one tick's decisions: role flips first (paired up/down), then the rest."""
+        by = {d.role: d for d in decisions}
+        flips = 0
+        if all(d.reason == "role_flip" for d in decisions):
+            up = next(d for d in decisions if d.action == "up")
+            down = by["prefill" if up.role == "decode" else "decode"]
+            flips = up.figures.get("flip", 0)
+            for d in (up, down):
+                self.state.memory.last_action_at[d.role] = d.at
+            for victim in self._drain_victims(down.role, flips, snap):
+                await self.flip(victim, up.role, snap)
+        for d in decisions:
+            if d.action != "hold":
+                await self.act(d, snap, skip=flips)
+
+    async def flip(self, wid: str, role: str, snap: Snapshot) -> None:
+        """Move worker `wid` to `role` in place under a new worker id."""
+        new = self._next_worker_id(role, snap)
+        actor = self.state.actor_of.pop(wid, None)
+        now = self.clock()
+        self.state.pending[wid] = {"role": snap.workers[wid]["role"], "state": "flipping", "since": now,
+                                   "reason": "role_flip", "into": new}
+        self.state.pending[new] = {"role": role, "state": "starting", "since": now, "reason": "role_flip",
+                                   "flipped_from": wid}
+        self.state.actor_of[new] = actor or self.backend.actor_name(wid)
+        await self.save_state()
+        self._event(f"flipping {wid} -> {new} (drains as {snap.workers[wid]['role']}, then serves as {role}; "
+                    "engine kept)")
+        try:
+            await self.backend.flip(wid, role, new, actor=self.state.actor_of[new])
+        except Exception as exc:  # noqa: BLE001  (the start timeout cleans up after it)
+            self.metrics.events.labels(event="flip_failed").inc()
+            self._event(f"flip of {wid} failed: {exc!r}", level=logging.ERROR)
+
+    async def act(self, d: Decision, snap: Snapshot, skip: int = 0) -> None:
+        """Start or drain `d.step` workers, less `skip` already moved by role flips."""
         self.state.memory.last_action_at[d.role] = d.at
         if d.action == "up":
-            for _ in range(d.step):
+            for _ in range(d.step - skip):
                 wid = self._next_worker_id(d.role, snap)
                 self.state.pending[wid] = {"role": d.role, "state": "starting", "since": self.clock(), "reason": d.reason}
                 await self.save_state()  # before acting: a crash after the start still knows it
                 self._event(f"starting {wid} ({d.reason})")
                 try:
-                    await self.backend.start(d.role, wid)
+                    await self.backend.start(d.role, wid, flexible=bool(getattr(self.section, "allow_role_flip", False)))
                 except Exception as exc:  # noqa: BLE001  (the backend refused: counted, retried later)
                     self.state.pending.pop(wid, None)
                     self.metrics.events.labels(event="start_failed").inc()
                     self._event(f"start of {wid} failed: {exc!r}", level=logging.ERROR)
         else:
-            for wid in self._drain_victims(d.role, -d.step, snap):
+            for wid in self._drain_victims(d.role, -d.step - skip, snap):
                 self.state.pending[wid] = {"role": d.role, "state": "draining", "since": self.clock(), "reason": d.reason}
                 await self.save_state()
                 self._event(f"draining {wid} ({d.reason})")
@@ -449,6 +487,17 @@ class Planner:
                                 f"{self.section.start_timeout_s:g}; stopped", level=logging.ERROR)
                 else:
                     continue
+            elif p["state"] == "flipping":
+                if wid in snap.workers and age <= self.section.drain_timeout_s:
+                    continue
+                del self.state.pending[wid]
+                self.state.stopped = [w for w in self.state.stopped if w != wid][-99:] + [wid]
+                if wid in snap.workers:
+                    self.metrics.events.labels(event="flip_drain_timeout").inc()
+                    self._event(f"{wid} did not leave within drain_timeout_s while changing role", level=logging.ERROR)
+                else:
+                    self.metrics.events.labels(event="flipped").inc()
+                    self._event(f"{wid} drained and left its role ({age:.1f} s); it comes back as {p.get('into')}")
             else:
                 if wid not in snap.workers:
                     await self._stop(wid)
@@ -473,7 +522,7 @@ class Planner:
             return
         self.state.stopped = [w for w in self.state.stopped if w != wid][-99:] + [wid]
         try:
-            await self.backend.stop(wid)
+            await self.backend.stop(wid, actor=self.state.actor_of.pop(wid, None))
         except Exception as exc:  # noqa: BLE001  (already gone)
             log.warning("planner: stopping %s: %r", wid, exc)
 

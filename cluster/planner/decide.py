@@ -39,6 +39,7 @@ class Memory:
     """What the planner learns and remembers across ticks (persisted in etcd with its state)."""
 
     last_action_at: dict[str, float] = field(default_factory=dict)  # role -> wall time of its last action
+    down_since: dict[str, float] = field(default_factory=dict)  # role -> since when its down condition holds
     prefill_tokens_per_busy_s: float | None = None  # EWMA of one prefill worker's throughput
     prefill_task_tokens: float | None = None  # EWMA of prompt tokens per prefill task
     decode_points: list[list[float]] = field(default_factory=list)  # recent [mean batch, mean step ms]
@@ -49,8 +50,8 @@ class Memory:
     @classmethod
     def from_dict(cls, body: dict | None) -> "Memory":
         body = body or {}
-        known = {k: body[k] for k in ("last_action_at", "prefill_tokens_per_busy_s", "prefill_task_tokens",
-                                      "decode_points") if k in body}
+        known = {k: body[k] for k in ("last_action_at", "down_since", "prefill_tokens_per_busy_s",
+                                      "prefill_task_tokens", "decode_points") if k in body}
         return cls(**known)
 
 
@@ -239,12 +240,24 @@ def decide(policy: AutoscaleSection, obs: Observation, memory: Memory, *, curren
             want, reason, lines = _threshold_target(scaling, view, cur, policy.max_step)
         desired = want
         last = memory.last_action_at.get(role)
+        if want < cur:
+            since = memory.down_since.setdefault(role, now)
+        else:
+            memory.down_since.pop(role, None)
+        stable_s = getattr(policy, "down_stable_s", 0.0)
         if cur < scaling.min_replicas:
             desired, reason = scaling.min_replicas, "below_min"
             lines.append(f"{cur} replicas < min_replicas {scaling.min_replicas}: repair at once (no cooldown)")
         elif cur > scaling.max_replicas:
             desired, reason = scaling.max_replicas, "above_max"
             lines.append(f"{cur} replicas > max_replicas {scaling.max_replicas}")
+        elif desired < cur and view.interval_s is None:
+            lines.append(f"no {role} rates measured yet (a worker's record refreshes every few seconds): "
+                         "no scale-down on start-up figures")
+            desired, reason = cur, "no_data"
+        elif desired < cur and cur > scaling.min_replicas and now - since < stable_s:
+            lines.append(f"down condition held {now - since:.0f} s < down_stable_s {stable_s:g}: wait")
+            desired, reason = cur, "stabilizing"
         elif desired != cur and in_progress.get(role, 0) > 0:
             lines.append(f"{in_progress[role]} start(s)/drain(s) of {role} still in progress: wait for them")
             desired, reason = cur, "in_progress"
@@ -275,7 +288,23 @@ def decide(policy: AutoscaleSection, obs: Observation, memory: Memory, *, curren
         action = "up" if desired > cur else "down" if desired < cur else "hold"
         out.append(Decision(role=role, mode=policy.mode, current=cur, desired=desired, action=action,
                             reason=reason, explanation=lines, figures=figures, at=now))
+    if getattr(policy, "allow_role_flip", False):
+        _pair_flips(out)
     return out
+
+
+def _pair_flips(decisions: list[Decision]) -> None:
+    """One role up and the other down in the same decision: move workers across instead
+    (each flip is one of the down role's workers re-registering as the up role)."""
+    by = {d.role: d for d in decisions}
+    for up, down in ((by["prefill"], by["decode"]), (by["decode"], by["prefill"])):
+        if up.action == "up" and down.action == "down":
+            n = min(up.step, -down.step)
+            for d, other in ((up, down), (down, up)):
+                d.figures["flip"] = n
+                d.explanation.append(f"role flip: {n} {down.role} worker(s) move to {up.role} in place "
+                                     "(allow_role_flip; no weights reloaded)")
+            up.reason = down.reason = "role_flip"
 
 
 def _fmt(value: float | None) -> str:

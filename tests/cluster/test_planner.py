@@ -33,6 +33,7 @@ autoscale:
     scale_down: {queue_length: 0}
   interval_s: 1
   cooldown_s: 5
+  down_stable_s: 0
   max_step: 1
   gpu_budget: 4
 """
@@ -83,13 +84,19 @@ class Backend:
         self.workers = workers
         self.calls: list[tuple[str, str]] = []
 
-    async def start(self, role: str, wid: str) -> None:
+    def actor_name(self, wid: str) -> str:
+        return f"actor-{wid}"
+
+    async def start(self, role: str, wid: str, flexible: bool = False) -> None:
         self.calls.append(("start", wid))
         await self.workers.add(role, wid, busy_s=0.0, tokens=0, tasks=0)
 
-    async def stop(self, wid: str) -> None:
+    async def stop(self, wid: str, actor: str | None = None) -> None:
         self.calls.append(("stop", wid))
         await self.workers.remove(wid)
+
+    async def flip(self, wid: str, role: str, new: str, actor: str | None = None) -> None:
+        self.calls.append(("flip", wid, new, actor))
 
 
 def make_planner(etcd, cluster, backend, clock, queue: dict, text: str = POLICY, **kw) -> Planner:
@@ -141,6 +148,8 @@ async def test_one_planner_per_cluster_and_a_restarted_one_finishes_the_drain(et
     second = make_planner(etcd, cluster_name, Backend(workers), clock, queue)
     try:
         assert not await second.acquire(timeout_s=1.5)  # the first one holds the leader key
+        assert {d.reason for d in await first.tick()} == {"no_data"}  # no rates yet: no scale-down
+        clock.t += 1.0
         await first.tick()  # idle: prefill 2 -> 1, drains the newest
         st = (await read_planner(first.registry))["state"]
         assert st.pending == {"prefill-1": {"role": "prefill", "state": "draining", "since": clock.t,
@@ -206,3 +215,54 @@ async def _until(cond, timeout_s: float = 10.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.05)
+
+
+FLIP_POLICY = """\
+autoscale:
+  prefill:
+    min_replicas: 0
+    max_replicas: 2
+    scale_up: {queue_length: 4}
+    scale_down: {queue_length: 0}
+  decode:
+    min_replicas: 1
+    max_replicas: 2
+    scale_up: {queue_length: 5}
+    scale_down: {queue_length: 0}
+  interval_s: 1
+  cooldown_s: 5
+  down_stable_s: 0
+  max_step: 1
+  gpu_budget: 2
+"""
+
+
+async def test_a_flip_is_followed_through_etcd_and_the_process_keeps_its_name(etcd, cluster_name):
+    fw = FakeWorkers([etcd.endpoint], cluster_name)
+    await fw.add("prefill", "prefill-0", busy_s=0.0, tokens=0, tasks=0)
+    await fw.add("decode", "decode-0", running=20, waiting=9, kv_usage=0.5, busy_s=0.0)
+    fw.hold_drain.add("prefill-0")
+    clock, backend = Clock(), Backend(fw)
+    planner = make_planner(etcd, cluster_name, backend, clock, {"depth": 0, "queued_tokens": 0}, text=FLIP_POLICY)
+    await planner.start(acquire_timeout_s=10)
+    try:
+        await planner.tick()
+        clock.t += 1.0
+        decisions = await planner.tick()
+        assert {d.role: d.reason for d in decisions} == {"prefill": "role_flip", "decode": "role_flip"}
+        assert backend.calls == [("flip", "prefill-0", "decode-1", "actor-prefill-0")]
+        assert planner.state.pending["prefill-0"]["state"] == "flipping"
+        # While it drains as prefill, nothing else is decided for either role.
+        clock.t += 10
+        again = await planner.tick()
+        assert {d.reason for d in again} == {"in_progress"}
+        # The worker leaves as prefill-0 and comes back as decode-1 (same process).
+        await fw.remove("prefill-0")
+        await fw.add("decode", "decode-1", running=0, waiting=0, kv_usage=0.0, busy_s=0.0)
+        await planner.tick()
+        assert planner.state.pending == {}
+        assert "prefill-0" in planner.state.stopped and ("stop", "prefill-0") not in backend.calls
+        assert planner.state.actor_of == {"decode-1": "actor-prefill-0"}
+    finally:
+        await planner.close()
+        await fw.close()

@@ -29,6 +29,7 @@ autoscale:
     scale_down: {queue_length: 4, kv_cache_usage: 30}
   interval_s: 1
   cooldown_s: 30
+  down_stable_s: 0
   max_step: 1
   gpu_budget: 6
 """
@@ -41,6 +42,7 @@ autoscale:
   decode: {min_replicas: 1, max_replicas: 8}
   interval_s: 1
   cooldown_s: 0
+  down_stable_s: 0
   max_step: 4
   gpu_budget: 16
 """
@@ -239,3 +241,58 @@ def test_bounds_hold_under_any_load_sequence(loads, max_step, cooldown, budget):
                 memory.last_action_at[d.role] = now
                 current[d.role] = d.desired
         assert current["prefill"] + current["decode"] <= max(budget, 2)
+
+
+FLIP = """\
+autoscale:
+  prefill:
+    min_replicas: 0
+    max_replicas: 2
+    scale_up: {queue_length: 4, gpu_utilization: 70}
+    scale_down: {queue_length: 0, gpu_utilization: 10}
+  decode:
+    min_replicas: 1
+    max_replicas: 2
+    scale_up: {gpu_utilization: 60}
+    scale_down: {gpu_utilization: 5}
+  interval_s: 1
+  cooldown_s: 5
+  down_stable_s: 0
+  max_step: 1
+  gpu_budget: 2
+  allow_role_flip: {flip}
+"""
+
+
+def test_an_idle_role_and_a_saturated_one_within_the_budget_flip_a_worker():
+    idle_prefill = [{"busy_s": 0.0, "tokens": 0, "tasks": 0}]
+    busy_decode = [{"running": 30, "waiting": 0, "kv_usage": 0.4, "busy_s": 9.0}]
+    prev, cur = snapshots(idle_prefill, busy_decode, {"depth": 0, "queued_tokens": 0})
+    d = run_decide(policy(FLIP.replace("{flip}", "true")), prev, cur)
+    assert (d["prefill"].action, d["prefill"].reason, d["decode"].action, d["decode"].reason) == (
+        "down", "role_flip", "up", "role_flip")
+    assert d["decode"].figures["flip"] == 1
+    assert any("role flip: 1 prefill worker(s) move to decode" in line for line in d["decode"].explanation)
+    # Without flips: the same load is a plain drain of the prefill worker and a start of a decode one.
+    d = run_decide(policy(FLIP.replace("{flip}", "false")), prev, cur)
+    assert (d["prefill"].reason, d["decode"].reason) == ("threshold_down", "threshold_up")
+    assert "flip" not in d["decode"].figures
+
+
+def test_a_scale_down_waits_until_the_down_condition_has_held_for_down_stable_s():
+    pol = policy(THRESHOLD.replace("down_stable_s: 0", "down_stable_s: 20"))
+    quiet = [{"busy_s": 1.0, "tokens": 100, "tasks": 1}] * 2
+    prev, cur = snapshots(quiet, idle_decode(), {"depth": 0, "queued_tokens": 0})
+    memory = Memory()
+    first = run_decide(pol, prev, cur, memory=memory, now=2000.0)["prefill"]
+    assert (first.action, first.reason) == ("hold", "stabilizing")
+    assert any("down_stable_s 20" in line for line in first.explanation)
+    assert run_decide(pol, prev, cur, memory=memory, now=2015.0)["prefill"].reason == "stabilizing"
+    # A busy reading in between restarts the clock.
+    busy_prev, busy_cur = snapshots([{"busy_s": 5.0, "tokens": 100, "tasks": 1}] * 2, idle_decode(),
+                                    {"depth": 0, "queued_tokens": 0})
+    assert run_decide(pol, busy_prev, busy_cur, memory=memory, now=2016.0)["prefill"].action == "hold"
+    assert run_decide(pol, prev, cur, memory=memory, now=2030.0)["prefill"].reason == "stabilizing"
+    assert run_decide(pol, prev, cur, memory=memory, now=2049.0)["prefill"].reason == "stabilizing"
+    done = run_decide(pol, prev, cur, memory=memory, now=2050.5)["prefill"]
+    assert (done.action, done.desired) == ("down", 1)

@@ -35,9 +35,14 @@ autoscale:
     scale_down: {queue_length: 0}
   interval_s: 1
   cooldown_s: 6
+  down_stable_s: 2
   max_step: 1
   gpu_budget: 3          # CPUs on this CPU cluster: 2 prefill + 1 decode
 """
+
+# Admit everything: these tests overload the cluster on purpose, and a refusal (429 /
+# RESOURCE_EXHAUSTED, the router's QoS doing its job) would read as a lost request.
+ADMIT_ALL = "qos:\n  enable_early_rejection: false\n"
 
 PROMPTS = [f"Report {i}: " + "the planner watches the queue and the workers, and scales the pool. " * 60
            for i in range(4)]
@@ -122,8 +127,10 @@ def test_planner_scales_prefill_up_under_load_and_drains_it_after(tmp_path):
     import ray
 
     (tmp_path / "autoscale.yaml").write_text(POLICY)
+    (tmp_path / "router.yaml").write_text(ADMIT_ALL)
     topo = tmp_path / "topology.yaml"
-    topo.write_text(small_topology_yaml("planner-e2e", tmp_path) + f"autoscale_policy: {tmp_path / 'autoscale.yaml'}\n")
+    topo.write_text(small_topology_yaml("planner-e2e", tmp_path, tmp_path / "router.yaml")
+                    + f"autoscale_policy: {tmp_path / 'autoscale.yaml'}\n")
     up = pdserve("up", "--topology", str(topo))
     state_file = tmp_path / "runs" / "planner-e2e.state.json"
     try:
@@ -199,6 +206,150 @@ def test_planner_scales_prefill_up_under_load_and_drains_it_after(tmp_path):
         status = pdserve("status", "--topology", str(topo))
         assert status.returncode == 0, status.stdout + status.stderr  # prefill-1 drained on purpose: not MISSING
         assert "planner: planner-" in status.stdout and "prefill  desired 1" in status.stdout, status.stdout
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        down = pdserve("down", "--topology", str(topo))
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
+FLIP_POLICY = """\
+autoscale:
+  prefill:
+    min_replicas: 0
+    max_replicas: 2
+    scale_up: {queue_length: 4, gpu_utilization: 70}
+    scale_down: {queue_length: 0, gpu_utilization: 10}
+  decode:
+    min_replicas: 1
+    max_replicas: 2
+    scale_up: {gpu_utilization: 60}
+    scale_down: {gpu_utilization: 5}
+  interval_s: 1
+  cooldown_s: 5
+  down_stable_s: 6       # prefill must stay idle this long before it is given away
+  max_step: 1
+  gpu_budget: 2          # two workers' CPUs: the only way to grow decode is to take prefill's
+  allow_role_flip: true
+"""
+
+CHAT = [f"Question {i}: name a colour and say why it matters." for i in range(6)]
+CHAT_TOKENS = 48
+
+
+async def mixed_load(target_of, prompts, max_tokens, route, stop, results, failures, concurrency):
+    from pdserve.api import AsyncClient
+
+    async def one(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            prompt = prompts[(i + n) % len(prompts)]
+            n += 1
+            try:
+                async with AsyncClient(target_of(), timeout_s=120) as client:
+                    out = await client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                route=route)
+                results.append((prompt, list(out.token_ids), out.finish_reason))
+            except Exception as exc:  # noqa: BLE001  (counted: the test asserts there are none)
+                failures.append(repr(exc))
+
+    await asyncio.gather(*(one(i) for i in range(concurrency)))
+
+
+@pytest.mark.timeout(420)
+def test_a_prefill_worker_becomes_a_decode_worker_when_the_mix_turns_decode_heavy(tmp_path):
+    import ray
+
+    from pdserve.api import AsyncClient
+
+    (tmp_path / "autoscale.yaml").write_text(FLIP_POLICY)
+    (tmp_path / "router.yaml").write_text(ADMIT_ALL)
+    topo = tmp_path / "topology.yaml"
+    topo.write_text(small_topology_yaml("flip-e2e", tmp_path, tmp_path / "router.yaml")
+                    + f"autoscale_policy: {tmp_path / 'autoscale.yaml'}\n")
+    up = pdserve("up", "--topology", str(topo))
+    state_file = tmp_path / "runs" / "flip-e2e.state.json"
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        state = json.loads(state_file.read_text())
+        etcd = Etcd(state["etcd_endpoints"], "flip-e2e")
+        decode0 = next(a for a in state["actors"] if a["worker_id"] == "decode-0")["grpc"]
+        prefill_pid = next(a for a in state["actors"] if a["worker_id"] == "prefill-0")["pid"]
+
+        async def references():
+            async with AsyncClient(decode0, timeout_s=120) as c:
+                out = {}
+                for p in PROMPTS:
+                    out[p] = list((await c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                                    route="local")).token_ids)
+                for p in CHAT:
+                    out[p] = list((await c.generate(p, max_tokens=CHAT_TOKENS, temperature=0.0, ignore_eos=True,
+                                                    route="local")).token_ids)
+                return out
+
+        results, failures = [], []
+
+        def decode_targets():
+            return [m.endpoints["grpc"] for w, m in sorted(etcd.members().items()) if m.role == "decode"]
+
+        async def phases():
+            # Long-prompt heavy: every prompt prefilled remotely, for a while.
+            stop = asyncio.Event()
+            task = asyncio.ensure_future(mixed_load(lambda: decode0, PROMPTS, MAX_TOKENS, "remote", stop,
+                                                    results, failures, 4))
+            await asyncio.sleep(10)
+            stop.set()
+            await task
+            early = await asyncio.to_thread(etcd.decisions)
+            assert not [d for d in early if d["reason"] == "role_flip"], "flipped while prefill was busy"
+            # Decode heavy: short prompts, long outputs, spread over the decode workers there are.
+            targets = {"list": [decode0]}
+            stop = asyncio.Event()
+            counter = {"n": 0}
+
+            def pick():
+                counter["n"] += 1
+                return targets["list"][counter["n"] % len(targets["list"])]
+
+            task = asyncio.ensure_future(mixed_load(pick, CHAT, CHAT_TOKENS, "auto", stop, results, failures, 8))
+            try:
+                deadline = time.monotonic() + 150
+                while time.monotonic() < deadline:
+                    found = await asyncio.to_thread(decode_targets)
+                    targets["list"] = found or [decode0]
+                    if len(found) == 2:
+                        await asyncio.sleep(3)  # both serve the mix for a moment
+                        return found
+                    await asyncio.sleep(1.0)
+                got = await asyncio.to_thread(etcd.decisions)
+                raise AssertionError("no second decode worker; decisions: " + json.dumps(got)[-3000:])
+            finally:
+                stop.set()
+                await task
+
+        targets = asyncio.run(phases())
+        # The local path on decode-0 after the fact: greedy outputs do not depend on when.
+        expected = asyncio.run(references())
+        flips = [d for d in etcd.decisions() if d["reason"] == "role_flip"]
+        assert {(d["role"], d["action"]) for d in flips} == {("prefill", "down"), ("decode", "up")}, flips
+        assert set(etcd.members()) == {"decode-0", "decode-1"}
+        ray.init(address=state["ray_address"], namespace=state["namespace"], log_to_driver=False)
+        moved = ray.get(ray.get_actor("flip-e2e-prefill-0", namespace=state["namespace"]).describe.remote())
+        # The same process, its engine kept: no second load of the weights.
+        assert moved == {"role": "decode", "worker_id": "decode-1", "flips": 1, "pid": prefill_pid}, moved
+        # The new decode worker serves, and every request of both phases completed token-exact.
+        new = next(t for t in targets if t != decode0)
+
+        async def ask_new():
+            async with AsyncClient(new, timeout_s=120) as c:
+                return list((await c.generate(CHAT[0], max_tokens=CHAT_TOKENS, temperature=0.0,
+                                              ignore_eos=True)).token_ids)
+
+        assert asyncio.run(ask_new()) == expected[CHAT[0]]
+        assert not failures, failures[:5]
+        assert sum(1 for p, _, _ in results if p in CHAT) >= 10 and sum(1 for p, _, _ in results if p in PROMPTS) >= 4
+        bad = [(p[:30], t, r) for p, t, r in results if t != expected[p] or r != "length"]
+        assert not bad, bad[:3]
     finally:
         if ray.is_initialized():
             ray.shutdown()
