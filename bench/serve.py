@@ -154,11 +154,12 @@ async def _send(client, rec: RequestRecord, req: SampleRequest, cfg: LoadConfig,
 
 
 async def run_load(targets: list[str], requests: list[SampleRequest], cfg: LoadConfig,
-                   label: str = "") -> tuple[list[RequestRecord], float]:
+                   label: str = "", offsets: np.ndarray | None = None) -> tuple[list[RequestRecord], float]:
     """Send `requests` to `targets`; returns the records of the requests released and the duration (s).
 
     The duration runs from the first release to the end of the last request,
-    whatever its outcome (vLLM's `benchmark_duration`).
+    whatever its outcome (vLLM's `benchmark_duration`). `offsets`: release times (s)
+    to use instead of the config's arrival process (a trace whose rate changes).
     """
     from pdserve.api import AsyncClient
 
@@ -166,7 +167,9 @@ async def run_load(targets: list[str], requests: list[SampleRequest], cfg: LoadC
         raise ValueError("no target: give --target HOST:PORT or --topology FILE of a running cluster")
     if cfg.max_concurrency is not None and cfg.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {cfg.max_concurrency}")
-    offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+    if offsets is None:
+        offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+    offsets = np.asarray(offsets)[:len(requests)]
     if cfg.duration_s is not None:
         offsets = offsets[offsets <= cfg.duration_s]
     n = len(offsets)

@@ -80,7 +80,8 @@ class Launcher:
             state.save(path)  # from here on, `down` can clean up whatever follows
             from .queue import get_or_create_queue
 
-            get_or_create_queue(t.queue.name, t.ray.namespace, t.queue.capacity, detached=True, wire_bind=t.queue.wire)
+            get_or_create_queue(t.queue.name, t.ray.namespace, t.queue.capacity, detached=True, wire_bind=t.queue.wire,
+                                on_head=True)
             self.progress(f"queue     {t.queue.name} (capacity {t.queue.capacity}, wire {t.queue.wire})")
             handles = self._start_workers(state)
             state.save(path)

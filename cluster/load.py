@@ -9,6 +9,8 @@ windowed figures (`busy`, latency percentiles) describe the last `WINDOW_S`.
                  busy            fraction of the window the engine was working (0-1)
                  busy_s          cumulative seconds of work
                  kv_usage        fraction of KV blocks in use (0-1)
+                 gpu_util        the GPU's utilisation as NVML reports it (0-1); only on a
+                                 CUDA device where NVML answers
                  inflight        requests (decode) or tasks (prefill) held now
     prefill      tokens          cumulative prompt tokens computed
                  tasks           cumulative tasks served
@@ -126,3 +128,17 @@ def counter_value(counter) -> float:
             if s.name.endswith("_total"):
                 return s.value
     return 0.0
+
+
+def gpu_load(device) -> dict:
+    """{"gpu_util": 0-1} for a CUDA `device` whose utilisation NVML reports (through
+    torch.cuda.utilization, which needs the nvidia-ml-py package); {} anywhere else."""
+    try:
+        import torch
+
+        dev = torch.device(device)
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            return {}
+        return {"gpu_util": round(torch.cuda.utilization(dev) / 100.0, 4)}
+    except Exception:  # noqa: BLE001  (no NVML, no driver: the busy fraction stands in)
+        return {}

@@ -18,7 +18,7 @@ import uvicorn
 
 from pdserve.cluster.join import join_cluster, leave_cluster, open_queue, publish_load
 from pdserve.cluster.keys import VERSION
-from pdserve.cluster.load import BusyMeter, LatencyWindow, counter_value, histogram_buckets
+from pdserve.cluster.load import BusyMeter, LatencyWindow, counter_value, gpu_load, histogram_buckets
 from pdserve.cluster.records import WorkerInfo
 from pdserve.cluster.runtime import freeze_gc_heap
 from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
@@ -200,6 +200,7 @@ class DecodeWorker:
         load, m = self.engine.load(), self.metrics
         return {"running": load.running, "waiting": load.waiting, "kv_usage": round(load.kv_usage, 4),
                 "inflight": len(self.frontend.inflight), **self.busy.snapshot(),
+                **gpu_load(self.engine.connector.kv_tensor.device),
                 "requests": int(histogram_buckets(m.ttft)[-1][1]),
                 "prompt_tokens": int(counter_value(m.prompt_tokens)),
                 "output_tokens": int(counter_value(m.generation_tokens)),

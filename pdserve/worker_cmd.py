@@ -195,7 +195,8 @@ class Worker:
         from pdserve.cluster.queue import get_or_create_queue
 
         q = self.p.topology.queue
-        get_or_create_queue(q.name, self.p.topology.ray.namespace, q.capacity, detached=True, wire_bind=q.wire)
+        get_or_create_queue(q.name, self.p.topology.ray.namespace, q.capacity, detached=True, wire_bind=q.wire,
+                            on_head=True)
 
     def _serve(self, model: str, node: str) -> int:
         import ray

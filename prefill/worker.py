@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from pdserve.cluster.join import join_cluster, leave_cluster, open_queue, publish_load
 from pdserve.cluster.keys import VERSION
-from pdserve.cluster.load import BusyMeter
+from pdserve.cluster.load import BusyMeter, gpu_load
 from pdserve.cluster.records import WorkerInfo
 from pdserve.cluster.runtime import freeze_gc_heap
 from pdserve.cluster.worker_config import WorkerConfig
@@ -126,7 +126,8 @@ class PrefillWorker:
         return self.cfg.batch_max_tokens or self.engine.config.max_num_batched_tokens
 
     def _load(self) -> dict:
-        return {**self.busy.snapshot(), "kv_usage": round(self.engine.load().kv_usage, 4), "inflight": self.holding,
+        return {**self.busy.snapshot(), **gpu_load(self.engine.connector.kv_tensor.device),
+                "kv_usage": round(self.engine.load().kv_usage, 4), "inflight": self.holding,
                 "tokens": self.stats.tokens_computed, "tasks": self.stats.tasks_done}
 
     def _decode_gone(self, info) -> None:

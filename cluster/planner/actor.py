@@ -114,10 +114,22 @@ class PlannerActor:
             await self.planner.close()
 
 
-def start_planner_actor(cfg: PlannerConfig, namespace: str, cluster: str, node_ip: str | None = None):
+def start_planner_actor(cfg: PlannerConfig, namespace: str, cluster: str, node_ip: str | None = None,
+                        fresh: bool = True):
     """Create the detached, restartable planner actor (on `node_ip`, where the files are) and
-    call its start(); returns (actor, start ObjectRef)."""
+    call its start(); returns (actor, start ObjectRef). `fresh`: first forget what a planner
+    of an earlier cluster under this name left in etcd (a new `pdserve up`)."""
     import ray
+
+    if fresh:
+        from ..registry import Registry
+        from .core import reset_planner
+
+        async def reset():
+            async with Registry(cfg.etcd_endpoints, cluster) as reg:
+                await reset_planner(reg)
+
+        asyncio.run(reset())
 
     cls = ray.remote(restartable(PlannerActor))
     resources = {f"node:{node_ip}": 0.001} if node_ip else {}

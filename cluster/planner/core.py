@@ -560,6 +560,16 @@ def _mtime(path: str) -> int | None:
         return None
 
 
+async def reset_planner(registry: Registry) -> None:
+    """Forget a previous cluster's planner: its state, snapshots and decisions (not the leader
+    key, which is leased). `pdserve up` calls it before it starts a new planner, since etcd's
+    data directory outlives `down`; a planner restarted by Ray must not, and does not."""
+    client = registry.client()
+    await client.delete(registry.keys.planner_state())
+    await client.delete(registry.keys.planner_snapshots())
+    await client.delete_prefix(registry.keys.planner_decisions_prefix())
+
+
 async def read_decisions(registry: Registry, limit: int = 20) -> list[dict]:
     """The last `limit` recorded decisions, oldest first."""
     reply = await registry.client().get_prefix(registry.keys.planner_decisions_prefix())

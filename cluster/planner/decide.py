@@ -229,6 +229,7 @@ def decide(policy: AutoscaleSection, obs: Observation, memory: Memory, *, curren
         view = obs.role(role)
         cur = current[role]
         figures: dict = {"replicas": cur, "queue_length": view.queue_length, "utilization": view.utilization,
+                         "utilization_source": view.utilization_source,
                          "kv_cache_usage": view.kv_cache_usage, "ttft_p90_ms": view.ttft_p90_ms,
                          "itl_p90_ms": view.itl_p90_ms}
         if policy.mode == "sla":

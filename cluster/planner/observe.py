@@ -43,7 +43,8 @@ class RoleView:
     workers: list[str]  # registered worker ids (serving or draining)
     queue_length: float | None = None  # prefill: tasks waiting in the queue; decode: waiting per worker
     in_system: float | None = None  # decode: sequences running + waiting, all workers
-    utilization: float | None = None  # mean busy % of the role's engines
+    utilization: float | None = None  # mean busy % of the role's engines (NVML's GPU % when all report it)
+    utilization_source: str = "busy"  # "busy" (engine loop) | "nvml"
     kv_cache_usage: float | None = None  # mean KV usage %
     # Rates: each worker's counters against its own earlier reading (see `observe`).
     interval_s: float | None = None  # mean span of those readings
@@ -162,6 +163,9 @@ def observe(past: Snapshot | list[Snapshot] | None, cur: Snapshot, min_span_s: f
         view.utilization = _scale(_mean(busy))
         if view.utilization is None:  # no earlier reading yet: each worker's own window
             view.utilization = _scale(_mean(ld.get("busy") for ld in loads))
+        gpu = [ld.get("gpu_util") for ld in loads]
+        if loads and all(isinstance(g, (int, float)) for g in gpu):  # GPUs, as NVML sees them
+            view.utilization, view.utilization_source = _scale(_mean(gpu)), "nvml"
         if pairs:
             view.interval_s = sum(spans) / len(spans)
             view.busy_s = _sum_deltas(pairs, "busy_s")

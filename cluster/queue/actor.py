@@ -203,7 +203,8 @@ def _check_poll_args(worker_id, max_tokens, max_wait_ms, max_tasks) -> None:
 
 def get_or_create_queue(name: str = DEFAULT_QUEUE_NAME, namespace: str = DEFAULT_NAMESPACE,
                         capacity: int = DEFAULT_QUEUE_CAPACITY, *, detached: bool = False,
-                        max_requeues: int = 1, wire_bind: str = "loopback", metrics_port: int | None = None):
+                        max_requeues: int = 1, wire_bind: str = "loopback", metrics_port: int | None = None,
+                        on_head: bool = False):
     """Handle to the named queue actor, creating it if absent (race-safe).
 
     An existing actor keeps the capacity and wire_bind it was created with. `detached`
@@ -211,10 +212,15 @@ def get_or_create_queue(name: str = DEFAULT_QUEUE_NAME, namespace: str = DEFAULT
     The actor reserves no CPU: it is I/O-bound and must not take a worker's slot.
     Ray restarts it when it dies (`QUEUE_MAX_RESTARTS`); calls are not retried
     (`max_task_retries` 0): a call caught by the death fails at once, and every
-    caller already treats a failed queue call as "try again or go local".
+    caller already treats a failed queue call as "try again or go local". `on_head`
+    places it on the Ray head node (Ray's `node:__internal_head__` resource): an actor
+    that reserves nothing may otherwise land on any node, and a worker node scaled
+    away (a pod, a `ray up` worker) would take the queue with it.
     """
     options: dict[str, Any] = dict(name=name, namespace=namespace, get_if_exists=True, num_cpus=0,
                                    max_restarts=QUEUE_MAX_RESTARTS, max_task_retries=0)
+    if on_head:
+        options["resources"] = {"node:__internal_head__": 0.001}
     if detached:
         options["lifetime"] = "detached"
     return PrefillQueue.options(**options).remote(capacity=capacity, max_requeues=max_requeues,

@@ -296,3 +296,19 @@ def test_a_scale_down_waits_until_the_down_condition_has_held_for_down_stable_s(
     assert run_decide(pol, prev, cur, memory=memory, now=2049.0)["prefill"].reason == "stabilizing"
     done = run_decide(pol, prev, cur, memory=memory, now=2050.5)["prefill"]
     assert (done.action, done.desired) == ("down", 1)
+
+
+def test_gpu_utilization_comes_from_nvml_when_every_worker_reports_it():
+    prev, cur = snapshots([{"busy_s": 1.0, "tokens": 0, "tasks": 0, "gpu_util": 0.9}] * 2, idle_decode(),
+                          {"depth": 0, "queued_tokens": 0})
+    d = run_decide(policy(), prev, cur)["prefill"]
+    assert d.figures["utilization"] == 90.0 and d.figures["utilization_source"] == "nvml"
+    assert d.action == "up"  # 90% >= 80 by NVML, though the engine loop was busy 10%
+    cur.workers["prefill-1"]["load"].pop("gpu_util")  # one worker without NVML: the busy fraction for all
+    assert run_decide(policy(), prev, cur)["prefill"].figures["utilization_source"] == "busy"
+
+
+def test_gpu_load_is_empty_on_cpu():
+    from pdserve.cluster.load import gpu_load
+
+    assert gpu_load("cpu") == {}

@@ -95,6 +95,28 @@ class Etcd:
         return self._run(lambda reg: read_decisions(reg, 1000))
 
 
+def assert_bounds(decisions: list[dict], policy_text: str) -> None:
+    """The policy's bounds, from the decisions the planner recorded: never above max_replicas
+    or the budget (units: CPUs here), at most max_step per decision, no two actions of a role
+    within cooldown_s (a repair below min_replicas excepted)."""
+    import yaml
+
+    pol = yaml.safe_load(policy_text)["autoscale"]
+    last: dict[str, float] = {}
+    for d in decisions:
+        assert d["desired"] <= pol[d["role"]]["max_replicas"], d
+        assert abs(d["desired"] - d["current"]) <= pol["max_step"], d
+        if d["action"] != "hold" and d["reason"] != "below_min":
+            if d["role"] in last:
+                assert d["at"] - last[d["role"]] >= pol["cooldown_s"], (d, last)
+            last[d["role"]] = d["at"]
+    by_time: dict[float, dict[str, int]] = {}
+    for d in decisions:
+        by_time.setdefault(d["at"], {})[d["role"]] = d["desired"]
+    for at, roles in by_time.items():
+        assert sum(roles.values()) <= pol["gpu_budget"] or len(roles) < 2, (at, roles)
+
+
 async def load(target: str, stop: asyncio.Event, results: list, failures: list, concurrency: int = 6) -> None:
     from pdserve.api import AsyncClient
 
@@ -194,6 +216,7 @@ def test_planner_scales_prefill_up_under_load_and_drains_it_after(tmp_path):
         assert any("prefill-1 drained" in e for e in events), events
         downs = [d for d in etcd.decisions() if d["role"] == "prefill" and d["action"] == "down"]
         assert len(downs) == 1, downs  # the restarted planner did not start a second drain
+        assert_bounds(etcd.decisions(), POLICY)
         assert set(etcd.members()) == {"prefill-0", "decode-0"}
 
         # Nothing lost: every request finished, token for token what the local path gives.
@@ -332,6 +355,7 @@ def test_a_prefill_worker_becomes_a_decode_worker_when_the_mix_turns_decode_heav
         expected = asyncio.run(references())
         flips = [d for d in etcd.decisions() if d["reason"] == "role_flip"]
         assert {(d["role"], d["action"]) for d in flips} == {("prefill", "down"), ("decode", "up")}, flips
+        assert_bounds(etcd.decisions(), FLIP_POLICY)
         assert set(etcd.members()) == {"decode-0", "decode-1"}
         ray.init(address=state["ray_address"], namespace=state["namespace"], log_to_driver=False)
         moved = ray.get(ray.get_actor("flip-e2e-prefill-0", namespace=state["namespace"]).describe.remote())
