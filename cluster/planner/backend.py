@@ -87,24 +87,3 @@ class RayBackend:
                 log.error("flip of %s to %s failed: %r", worker_id, role, exc)
 
         self._follow = asyncio.ensure_future(follow())
-
-
-class RecordingBackend:
-    """Acts on nothing: records what it was asked (dry runs, tests of the decision path)."""
-
-    name = "recording"
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-
-    def actor_name(self, worker_id: str) -> str:
-        return worker_id
-
-    async def start(self, role: str, worker_id: str, flexible: bool = False) -> None:
-        self.calls.append(("start", role, worker_id))
-
-    async def stop(self, worker_id: str, actor: str | None = None) -> None:
-        self.calls.append(("stop", "", worker_id))
-
-    async def flip(self, worker_id: str, role: str, new_worker_id: str, actor: str | None = None) -> None:
-        self.calls.append(("flip", role, worker_id, new_worker_id))
