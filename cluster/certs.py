@@ -8,6 +8,9 @@ it (ECDSA P-256, PEM):
     prefill.pem prefill-key.pem       (the later control-plane increments use these)
     etcd.pem    etcd-key.pem
     client.pem  client-key.pem        a client-only certificate for mutual TLS
+    etcd-root.pem      etcd-root-key.pem       etcd client certificates, one per etcd identity
+    etcd-operator.pem  etcd-operator-key.pem   (client use only; the common name is the etcd
+    etcd-worker.pem    etcd-worker-key.pem     user: cluster/etcd_auth.py, docs/security.md)
 
 `hash-key` prints the keys-file line of a key read on stdin; `new-key` makes a random
 key, appends its line to a keys file and prints the key once (cluster/security.py has
@@ -25,10 +28,13 @@ import secrets
 import sys
 from pathlib import Path
 
+from .etcd_auth import IDENTITIES as ETCD_IDENTITIES
 from .security import key_line
 
 SERVER_ROLES = ("decode", "prefill", "etcd")
 CLIENT_ROLE = "client"
+# etcd takes the user name from a client certificate's common name: CN = the identity.
+ETCD_CLIENTS = {f"etcd-{identity}": identity for identity in ETCD_IDENTITIES}
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 KEY_PREFIX = "pds-"
 
@@ -43,7 +49,7 @@ def make_certs(out_dir: str | os.PathLike, hosts: list[str] | tuple[str, ...] = 
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     out = Path(out_dir)
-    names = ["ca", *SERVER_ROLES, CLIENT_ROLE]
+    names = ["ca", *SERVER_ROLES, CLIENT_ROLE, *ETCD_CLIENTS]
     paths = {n: out / f"{n}.pem" for n in names} | {f"{n}-key": out / f"{n}-key.pem" for n in names}
     existing = sorted(str(p) for p in paths.values() if p.exists())
     if existing and not force:
@@ -69,17 +75,19 @@ def make_certs(out_dir: str | os.PathLike, hosts: list[str] | tuple[str, ...] = 
                .sign(ca_key, hashes.SHA256()))
     _write(paths["ca"], ca_cert, paths["ca-key"], ca_key)
     sans = [_san(h) for h in hosts]
-    for role in (*SERVER_ROLES, CLIENT_ROLE):
+    for role in (*SERVER_ROLES, CLIENT_ROLE, *ETCD_CLIENTS):
         key = ec.generate_private_key(ec.SECP256R1())
-        usages = [ExtendedKeyUsageOID.CLIENT_AUTH] if role == CLIENT_ROLE else \
-            [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-        b = (x509.CertificateBuilder().subject_name(name(f"pdserve {role}")).issuer_name(ca_cert.subject)
+        server = role in SERVER_ROLES
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else \
+            [ExtendedKeyUsageOID.CLIENT_AUTH]
+        cn = ETCD_CLIENTS.get(role, f"pdserve {role}")
+        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca_cert.subject)
              .public_key(key.public_key()).serial_number(x509.random_serial_number())
              .not_valid_before(start).not_valid_after(end)
              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
              .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False))
-        if role != CLIENT_ROLE:
+        if server:
             b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         _write(paths[role], b.sign(ca_key, hashes.SHA256()), paths[f"{role}-key"], key)
     return paths
@@ -129,7 +137,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     make = sub.add_parser("make", help="a CA and decode/prefill/etcd/client certificates in DIR",
                           description="Write ca.pem, and <role>.pem + <role>-key.pem for the roles "
                           f"{', '.join(SERVER_ROLES)} (server and client use) and {CLIENT_ROLE} (client use "
-                          "only), all signed by the CA, valid for the hosts given.")
+                          "only), all signed by the CA, valid for the hosts given; and the etcd client "
+                          f"certificates {', '.join(n + '.pem' for n in ETCD_CLIENTS)} whose common names "
+                          "are the etcd users pdserve's processes act as (docs/security.md).")
     make.add_argument("dir")
     make.add_argument("--hosts", default=",".join(DEFAULT_HOSTS),
                       help="comma-separated DNS names and IP addresses the server certificates name "

@@ -1,4 +1,5 @@
-"""`pdserve topology check`, `pdserve etcd` and `pdserve certs` (cluster/certs.py): control-plane commands.
+"""`pdserve topology check`, `pdserve etcd`, `pdserve etcd-auth` and `pdserve certs` (cluster/certs.py):
+control-plane commands.
 
 `up` / `status` / `down` / `drain` / `demo` drive the launcher
 (``cluster/launcher.py``) and its state file, but live in the composition
@@ -49,6 +50,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     etcd.add_argument("--port", type=int, default=None, help="client port (default: a free one)")
     etcd.add_argument("--peer-port", type=int, default=None, help="peer port (default: a free one)")
     etcd.set_defaults(func=run_etcd)
+
+    auth = subparsers.add_parser(
+        "etcd-auth",
+        help="set up etcd users, roles and authentication for a topology (TLS etcd)",
+        description="Connect to the topology's etcd as etcd.tls.root and create the users root, "
+        "operator and worker (certificate login only), the roles pdserve-operator (writes the "
+        "cluster's prefix) and pdserve-worker (reads it, writes workers/ and nixl/), then turn "
+        "authentication on. Idempotent. `pdserve up` does this itself for the etcd it starts; "
+        "run this once for an etcd you run yourself (docs/security.md).",
+    )
+    auth.add_argument("--topology", required=True, metavar="FILE", help="topology YAML with etcd.tls")
+    auth.add_argument("--etcd", default=None, metavar="ENDPOINT",
+                      help="host:port of one etcd member (default: the topology's first etcd.endpoints)")
+    auth.set_defaults(func=run_etcd_auth)
     certs.register(subparsers)
 
 
@@ -75,6 +90,33 @@ def run_topology_check(args: argparse.Namespace) -> int:
             f"{topo.roles.decode.replicas}D, model {model}, etcd {etcd}"
         )
     return 1 if failed else 0
+
+
+def run_etcd_auth(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.cluster.etcd_auth import EtcdAccessDenied, bootstrap_rbac
+    from pdserve.cluster.keys import parse_endpoints
+
+    try:
+        topo = load_topology(args.topology)
+    except TopologyError as exc:
+        raise ValueError(str(exc)) from None
+    if topo.etcd.tls is None:
+        raise ValueError(f"{args.topology}: etcd.tls is not set (etcd RBAC needs TLS with client certificates)")
+    endpoint = args.etcd or (topo.etcd.endpoints[0] if topo.etcd.endpoints else None)
+    if endpoint is None:
+        raise ValueError("no etcd endpoint: pass --etcd HOST:PORT or set etcd.endpoints (`pdserve up` sets up "
+                         "the etcd it starts itself)")
+    host, port = parse_endpoints([endpoint])[0]
+    try:
+        asyncio.run(bootstrap_rbac(f"{host}:{port}", topo.etcd_tls("root"), [topo.cluster]))
+    except EtcdAccessDenied as exc:
+        print(f"pdserve etcd-auth: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"etcd at {host}:{port}: users root, operator, worker; roles for cluster {topo.cluster}; "
+          "authentication on")
+    return 0
 
 
 def run_etcd(args: argparse.Namespace) -> int:

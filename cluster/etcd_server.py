@@ -14,10 +14,12 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,30 @@ def find_etcd_binary() -> Path:
     )
 
 
+@dataclass(frozen=True)
+class EtcdServerTLS:
+    """TLS of an embedded etcd (PEM paths): its certificate and key, used for both the client
+    and the peer listener, and the CA whose client certificates it accepts. etcd then serves
+    only TLS and refuses clients without a certificate that CA signed (--client-cert-auth).
+    The health check presents the server's own certificate, so it must allow client
+    authentication (the one `pdserve certs make` writes does)."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    def flags(self) -> list[str]:
+        return ["--cert-file", self.cert_file, "--key-file", self.key_file, "--trusted-ca-file", self.ca_file,
+                "--client-cert-auth",
+                "--peer-cert-file", self.cert_file, "--peer-key-file", self.key_file,
+                "--peer-trusted-ca-file", self.ca_file, "--peer-client-cert-auth"]
+
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
+
+
 def free_loopback_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` (default loopback) that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -78,7 +104,8 @@ class EmbeddedEtcd:
     `stop()` + `start()` or `restart()` bring etcd back at the same endpoint,
     which is what a real etcd restart looks like to clients. The data dir is
     kept too; delete it between `stop()` and `start()` to simulate a lost
-    etcd. Use as a context manager or call `start()`/`stop()`.
+    etcd. Use as a context manager or call `start()`/`stop()`. With `tls`, both
+    listeners serve TLS only and require client certificates (EtcdServerTLS).
     """
 
     def __init__(
@@ -92,8 +119,11 @@ class EmbeddedEtcd:
         binary: str | os.PathLike | None = None,
         log_path: str | os.PathLike | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        tls: EtcdServerTLS | None = None,
     ):
         self.data_dir = Path(data_dir)
+        self.tls = tls
+        self._scheme = "https" if tls else "http"
         self.name = name
         self.host = host
         self.client_port = client_port
@@ -113,7 +143,7 @@ class EmbeddedEtcd:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{self._scheme}://{self.endpoint}"
 
     @property
     def pid(self) -> int | None:
@@ -151,7 +181,7 @@ class EmbeddedEtcd:
         raise last_error
 
     def _spawn(self, binary: Path) -> None:
-        peer_url = f"http://{self.host}:{self.peer_port}"
+        peer_url = f"{self._scheme}://{self.host}:{self.peer_port}"
         args = [
             str(binary),
             "--name", self.name,
@@ -163,6 +193,7 @@ class EmbeddedEtcd:
             "--initial-cluster", f"{self.name}={peer_url}",
             "--initial-cluster-state", "new",
             "--log-level", "warn",
+            *(self.tls.flags() if self.tls else ()),
         ]
         log_file = open(self.log_path, "ab")
         try:
@@ -175,6 +206,11 @@ class EmbeddedEtcd:
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         url = f"{self.client_url}/health"
+        try:
+            context = self.tls.ssl_context() if self.tls else None
+        except (OSError, ssl.SSLError) as exc:
+            raise EtcdError(f"etcd TLS files unusable ({exc}); check etcd.tls.server and etcd.tls.ca") from None
+        last_error = ""
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
@@ -183,14 +219,15 @@ class EmbeddedEtcd:
                     f"{self._log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(url, timeout=0.5) as resp:
+                with urllib.request.urlopen(url, timeout=0.5, context=context) as resp:
                     if json.loads(resp.read() or b"{}").get("health") == "true":
                         return
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                # A certificate that does not name this host fails here on every try: say so.
+                last_error = f"; last health check: {exc}" if self.tls else ""
             time.sleep(0.05)
         raise EtcdError(
-            f"etcd at {self.endpoint} not healthy after {self.startup_timeout_s:.1f} s; "
+            f"etcd at {self.endpoint} not healthy after {self.startup_timeout_s:.1f} s{last_error}; "
             f"see {self.log_path}: {self._log_tail()}"
         )
 

@@ -46,11 +46,14 @@ async def join_cluster(cfg: WorkerConfig, info: WorkerInfo, nixl_metadata: bytes
     drain key; returns the Registry, which the worker owns from then on (`close()` it)."""
     if not cfg.etcd_endpoints:
         raise ValueError(f"{info.role} worker {info.worker_id}: joining the cluster needs etcd_endpoints")
-    registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s)
+    registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s, tls=cfg.etcd_tls)
     try:
-        await registry.clear_drain(info.worker_id)  # a fresh start under a drained id
+        # A fresh start under a drained id: forget that drain (or, when etcd RBAC keeps a worker
+        # from deleting drain keys, ignore the one left there; a later drain still counts).
+        stale_drain = await registry.clear_drain(info.worker_id)
         await registry.register(info, nixl_metadata, replace_stale=cfg.replace_stale_registration)
-        await registry.watch_drain(info.worker_id, lambda why: asyncio.ensure_future(on_drain()))
+        await registry.watch_drain(info.worker_id, lambda why: asyncio.ensure_future(on_drain()),
+                                   ignore_through_revision=stale_drain)
     except BaseException:
         await registry.close()
         raise

@@ -11,6 +11,10 @@ Dependency-free, so reading a topology costs no Ray or gRPC import.
     /pdserve/<cluster>/planner/state                planner state: drains and starts in progress, memory
     /pdserve/<cluster>/planner/snapshots            the last two snapshots it decided on (explain)
     /pdserve/<cluster>/planner/decisions/<seq>      decision history (bounded)
+    /pdserve/<cluster>/drain/<worker_id>            an operator's drain request (not leased)
+
+With etcd RBAC (cluster/etcd_auth.py) workers write only workers/ and nixl/; the
+operator identity writes everything.
 
 Every key is built here and nowhere else.
 """
@@ -59,6 +63,10 @@ class Keyspace:
         self.cluster = check_name("cluster", cluster)
         self.root = f"/pdserve/{cluster}"
 
+    def prefix(self) -> bytes:
+        """Every key of this cluster (etcd RBAC grants ranges of it: cluster/etcd_auth.py)."""
+        return f"{self.root}/".encode()
+
     def workers_prefix(self, role: str | None = None) -> bytes:
         if role is None:
             return f"{self.root}/workers/".encode()
@@ -67,8 +75,11 @@ class Keyspace:
     def worker(self, role: str, worker_id: str) -> bytes:
         return self.workers_prefix(role) + check_name("worker_id", worker_id).encode()
 
+    def nixl_prefix(self) -> bytes:
+        return f"{self.root}/nixl/".encode()
+
     def nixl(self, worker_id: str) -> bytes:
-        return f"{self.root}/nixl/{check_name('worker_id', worker_id)}".encode()
+        return self.nixl_prefix() + check_name("worker_id", worker_id).encode()
 
     def policy(self, kind: str) -> bytes:
         return f"{self.root}/config/{check_policy_kind(kind)}".encode()

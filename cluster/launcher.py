@@ -29,6 +29,7 @@ from typing import Callable
 
 from .actors import (WORKER_MAX_RESTARTS, StartedWorker, actor_name, load_entrypoint, restartable,
                      start_worker_actor, stop_actor, worker_actor_options)
+from .etcd_auth import bootstrap_rbac
 from .etcd_server import EmbeddedEtcd, free_loopback_port
 from .netaddr import resolve_bind
 from .security import grpc_channel, internal_client_tls
@@ -68,6 +69,9 @@ class Launcher:
         path = state_path(t)
         if path.exists():
             raise RuntimeError(f"{path} exists: cluster {t.cluster!r} looks up already; run `pdserve down` first")
+        # With etcd TLS, `up` acts as the operator and its workers as the worker identity:
+        # a topology missing either fails here (naming the setting), before anything starts.
+        t.etcd_tls("operator"), t.etcd_tls("worker")
         run_dir = t.run_path
         run_dir.mkdir(parents=True, exist_ok=True)
         state = ClusterState(cluster=t.cluster, topology=self.topology_file, namespace=t.ray.namespace, ray_address="",
@@ -103,10 +107,14 @@ class Launcher:
         data_dir = Path(self.topo.etcd.data_dir) if self.topo.etcd.data_dir else run_dir / f"{self.topo.cluster}-etcd"
         # On this (the launcher's) host, at the address the workers can reach: network.bind.
         host = resolve_bind(self.topo.network.bind, ray_address=self.ray_address)
-        etcd = EmbeddedEtcd(data_dir, host=host).start()
+        etcd = EmbeddedEtcd(data_dir, host=host, tls=self.topo.embedded_etcd_tls()).start()
         # It must outlive this process: `down` stops it by pid.
         state.etcd_endpoints, state.etcd_pid = [etcd.endpoint], etcd.detach()
         self.progress(f"etcd      started at {state.etcd_endpoints[0]} (pid {state.etcd_pid}, data {data_dir})")
+        if self.topo.etcd.tls is not None:
+            # Before any worker starts: from here on only the topology's identities get in.
+            asyncio.run(bootstrap_rbac(etcd.endpoint, self.topo.etcd_tls("root"), [self.topo.cluster]))
+            self.progress("etcd      TLS with client certificates; RBAC on (users root, operator, worker)")
 
     def _start_ray(self, state: ClusterState, run_dir: Path) -> None:
         if self.ray_address:
@@ -157,7 +165,7 @@ class Launcher:
             rec.update({k: v for k, v in info.items() if k in ("grpc", "http", "pid")})
             self.progress(f"{role:<9} {worker_id} started" + (f": gRPC {info['grpc']}  HTTP http://{info['http']}"
                                                              if role == "decode" else ""))
-        members = asyncio.run(_wait_registered(state, deadline))
+        members = asyncio.run(_wait_registered(state, deadline, self.topo.etcd_tls("operator", "worker")))
         self.progress(f"registry  {len(members)} workers registered in etcd")
         tls = internal_client_tls(self.topo.security, self.topo.resolve)  # None: plaintext
         for rec in state.decode_endpoints:
@@ -216,11 +224,11 @@ def stop_planner(cluster: str, namespace: str, progress) -> None:
     progress("planner   stopped")
 
 
-async def _wait_registered(state: ClusterState, deadline: float) -> dict:
+async def _wait_registered(state: ClusterState, deadline: float, tls=None) -> dict:
     from .registry import Registry
 
     want = {a["worker_id"] for a in state.actors}
-    async with Registry(state.etcd_endpoints, state.cluster) as reg:
+    async with Registry(state.etcd_endpoints, state.cluster, tls=tls) as reg:
         while True:
             members = await reg.members()
             if want <= set(members):

@@ -16,6 +16,7 @@ import enum
 import logging
 import math
 
+from .etcd_auth import EtcdAccessDenied
 from .etcd_client import EtcdConnection
 from .records import TRANSIENT_ERRORS, WorkerInfo, short_error
 
@@ -29,6 +30,7 @@ class RegistrationState(enum.Enum):
     REGISTERED = "registered"  # lease refreshed within the last interval
     RECOVERING = "recovering"  # etcd unreachable or lease lost: retrying
     CONFLICT = "conflict"  # another live worker holds our worker_id: gave up
+    DENIED = "denied"  # etcd refused this process's identity (RBAC): gave up
     DEREGISTERED = "deregistered"  # deregister() revoked the lease
 
 
@@ -65,7 +67,8 @@ class Registration(EtcdConnection):
                        replace_stale: bool = False) -> None:
         """Write the record (+ NIXL metadata) under a new lease and start keep-alive.
 
-        Raises WorkerIdConflictError if a live worker already holds the id, and
+        Raises WorkerIdConflictError if a live worker already holds the id,
+        EtcdAccessDenied if etcd's RBAC refuses this identity the worker's keys, and
         a transient etcd error if etcd is unreachable (the caller decides
         whether to retry the first registration). ``replace_stale``: the record
         under this id is known to be this worker's own earlier incarnation (a
@@ -101,18 +104,19 @@ class Registration(EtcdConnection):
             nixl_key = self.keys.nixl(info.worker_id)
             ops.append(client.transactions.put(nixl_key, self._nixl_metadata, lease=lease.id))
         # Create only if absent: two live processes must never share one id.
-        ok, _ = await client.transaction(
-            compare=[client.transactions.create(worker_key) == 0], success=ops, failure=[]
-        )
-        if not ok:
-            # The key may still be ours, under the lease we are replacing.
-            current = await client.get(worker_key)
-            if current is not None and self._lease_id is not None and current.lease == self._lease_id:
-                ok, _ = await client.transaction(
-                    compare=[client.transactions.mod(worker_key) == current.mod_revision],
-                    success=ops,
-                    failure=[],
-                )
+        with self.refused_as_error(worker_key):
+            ok, _ = await client.transaction(
+                compare=[client.transactions.create(worker_key) == 0], success=ops, failure=[]
+            )
+            if not ok:
+                # The key may still be ours, under the lease we are replacing.
+                current = await client.get(worker_key)
+                if current is not None and self._lease_id is not None and current.lease == self._lease_id:
+                    ok, _ = await client.transaction(
+                        compare=[client.transactions.mod(worker_key) == current.mod_revision],
+                        success=ops,
+                        failure=[],
+                    )
         if not ok:
             await client.revoke_lease(lease.id)
             raise WorkerIdConflictError(
@@ -157,6 +161,10 @@ class Registration(EtcdConnection):
                 await self._grant_and_put()
             except WorkerIdConflictError as exc:
                 self.state = RegistrationState.CONFLICT
+                log.error("giving up re-registration: %s", exc)
+                return False
+            except EtcdAccessDenied as exc:
+                self.state = RegistrationState.DENIED
                 log.error("giving up re-registration: %s", exc)
                 return False
             except TRANSIENT_ERRORS as exc:

@@ -21,6 +21,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+import aetcd
+
+from .etcd_auth import EtcdAccessDenied, access_denied
 from .etcd_client import CHANNEL_OPTIONS
 from .keys import check_policy_kind, parse_endpoints
 from .records import TRANSIENT_ERRORS, WorkerInfo, decode_members
@@ -36,6 +39,7 @@ __all__ = [
     "PolicyWatch",
     "DrainWatch",
     "CHANNEL_OPTIONS",
+    "EtcdAccessDenied",
     "parse_endpoints",
 ]
 
@@ -51,7 +55,8 @@ class Registry(Registration):
     """
 
     def __init__(self, endpoints: str | list[str], cluster: str, ttl_s: float = 10.0, **connection):
-        """``connection``: `EtcdConnection`'s request_timeout_s, backoff_initial_s, backoff_max_s."""
+        """``connection``: `EtcdConnection`'s tls (an EtcdTLS: the identity this process acts as),
+        request_timeout_s, backoff_initial_s, backoff_max_s."""
         super().__init__(endpoints, cluster, ttl_s, **connection)
         self._watches: set[MemberWatch | PolicyWatch | DrainWatch] = set()
 
@@ -88,7 +93,9 @@ class Registry(Registration):
 
     async def put_policy(self, kind: str, yaml_text: str) -> int:
         """Publish a policy document (not leased: it outlives workers). Returns its revision."""
-        reply = await self.client().put(self.keys.policy(kind), yaml_text.encode())
+        key = self.keys.policy(kind)
+        with self.refused_as_error(key):
+            reply = await self.client().put(key, yaml_text.encode())
         return reply.header.revision
 
     async def get_policy(self, kind: str) -> str | None:
@@ -109,9 +116,11 @@ class Registry(Registration):
 
     # -- draining ---------------------------------------------------------
 
-    async def watch_drain(self, worker_id: str, on_drain: Callable[[str], Any]) -> DrainWatch:
-        """Call `on_drain(reason)` once an operator asks this worker to drain."""
-        watch = DrainWatch(self, worker_id, on_drain)
+    async def watch_drain(self, worker_id: str, on_drain: Callable[[str], Any], *,
+                          ignore_through_revision: int = 0) -> DrainWatch:
+        """Call `on_drain(reason)` once an operator asks this worker to drain. A request whose
+        etcd mod_revision is at most `ignore_through_revision` is an old one (`clear_drain`)."""
+        watch = DrainWatch(self, worker_id, on_drain, ignore_through_revision)
         self._track(watch)
         return watch
 
@@ -121,7 +130,9 @@ class Registry(Registration):
         peers stop sending it work now. Without `revoke_lease` the worker stays visible while
         it finishes what it holds (its peers keep its NIXL agent for in-flight transfers) and
         leaves the registry when done: the planner's drain. False if it is not registered."""
-        await self.client().put(self.keys.drain(worker_id), reason.encode())
+        key = self.keys.drain(worker_id)
+        with self.refused_as_error(key):
+            await self.client().put(key, reason.encode())
         members = await self.members()
         if worker_id not in members:
             return False
@@ -135,9 +146,19 @@ class Registry(Registration):
                 log.warning("drain %s: lease revoke failed (%s); it expires within its TTL", worker_id, exc)
         return True
 
-    async def clear_drain(self, worker_id: str) -> None:
-        """Forget a drain request (before starting a worker under the same id again)."""
-        await self.client().delete(self.keys.drain(worker_id))
+    async def clear_drain(self, worker_id: str) -> int:
+        """Forget a drain request (before starting a worker under the same id again). Returns 0,
+        or, when this identity may not delete it (etcd RBAC: a worker cannot write drain/), the
+        mod_revision of the request left in place (0 if none): pass it to `watch_drain`."""
+        key = self.keys.drain(worker_id)
+        try:
+            await self.client().delete(key)
+        except aetcd.ClientError as exc:
+            if not access_denied(exc):
+                raise
+            reply = await self.client().get(key)
+            return 0 if reply is None else reply.mod_revision
+        return 0
 
     def _track(self, watch) -> None:
         self._watches.add(watch)

@@ -27,6 +27,8 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from .etcd_auth import IDENTITIES as ETCD_IDENTITIES
+from .etcd_auth import EtcdTLS
 from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_NAME, check_name, parse_endpoints
 from .netaddr import LOOPBACK, check_bind
 from .security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
@@ -59,12 +61,46 @@ class ModelSpec(_Strict):
         return self.path == AUTO_MODEL
 
 
+class CertKeySpec(_Strict):
+    """A certificate (PEM chain) and its private key."""
+
+    cert: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+
+
+class EtcdTlsSpec(_Strict):
+    """TLS, client certificates and RBAC for etcd (cluster/etcd_auth.py, docs/security.md).
+    `ca` signed etcd's server certificate and every client certificate. Each process
+    connects as one identity, the user etcd reads from its certificate's common name:
+    workers as `worker`, the `pdserve` commands, the launcher and the planner as
+    `operator`; `root` only sets up users and roles (the launcher, for an embedded etcd).
+    List the identities this host's processes use; `server` is the embedded etcd's own."""
+
+    ca: str = Field(min_length=1)
+    server: CertKeySpec | None = None
+    root: CertKeySpec | None = None
+    operator: CertKeySpec | None = None
+    worker: CertKeySpec | None = None
+
+    def files(self) -> list[tuple[str, str]]:
+        """(dotted key, path) of every file it names."""
+        out = [("etcd.tls.ca", self.ca)]
+        for name in ("server", *ETCD_IDENTITIES):
+            spec = getattr(self, name)
+            if spec is not None:
+                out += [(f"etcd.tls.{name}.cert", spec.cert), (f"etcd.tls.{name}.key", spec.key)]
+        return out
+
+
 class EtcdSpec(_Strict):
-    """etcd endpoints ("host:port"); none = start an embedded etcd on loopback."""
+    """etcd endpoints ("host:port"); none = start an embedded etcd on loopback. `tls`:
+    TLS with client certificates and RBAC (an embedded etcd then needs `tls.server` and
+    `tls.root`)."""
 
     endpoints: list[str] = Field(default_factory=list)
     data_dir: str | None = None  # embedded only; default <run_dir>/etcd
     lease_ttl_s: float = Field(10.0, ge=2.0)
+    tls: EtcdTlsSpec | None = None
 
     @pydantic.field_validator("endpoints")
     @classmethod
@@ -72,6 +108,15 @@ class EtcdSpec(_Strict):
         if value:
             parse_endpoints(value)
         return value
+
+    @pydantic.model_validator(mode="after")
+    def _embedded_tls_is_complete(self) -> "EtcdSpec":
+        if self.tls is not None and not self.endpoints:
+            missing = [f"tls.{k}" for k in ("server", "root") if getattr(self.tls, k) is None]
+            if missing:
+                raise ValueError(f"an embedded etcd (no endpoints) with tls needs {' and '.join(missing)}: its "
+                                 "own certificate, and the root identity that sets up its users and roles")
+        return self
 
 
 class RaySpec(_Strict):
@@ -281,6 +326,33 @@ class Topology(_Strict):
     def embedded_etcd(self) -> bool:
         return not self.etcd.endpoints
 
+    def etcd_tls(self, *identities: str) -> EtcdTLS | None:
+        """How a process acting as the first of `identities` the topology lists reaches etcd
+        (files resolved); None without `etcd.tls` (plaintext). ValueError naming the setting
+        when `etcd.tls` lists none of them."""
+        tls = self.etcd.tls
+        if tls is None:
+            return None
+        for identity in identities:
+            spec = getattr(tls, identity)
+            if spec is not None:
+                return EtcdTLS(ca_file=str(self.resolve(tls.ca)), cert_file=str(self.resolve(spec.cert)),
+                               key_file=str(self.resolve(spec.key)), identity=identity,
+                               setting=f"etcd.tls.{identity}")
+        wanted = " or ".join(f"etcd.tls.{i}" for i in identities)
+        raise ValueError(f"the topology's etcd has TLS but no client certificate for this process: set {wanted} "
+                         "(cert and key; `pdserve certs make` writes etcd-<identity>.pem)")
+
+    def embedded_etcd_tls(self):
+        """The embedded etcd's EtcdServerTLS (None without etcd.tls)."""
+        from .etcd_server import EtcdServerTLS
+
+        tls = self.etcd.tls
+        if tls is None or tls.server is None:
+            return None
+        return EtcdServerTLS(cert_file=str(self.resolve(tls.server.cert)), key_file=str(self.resolve(tls.server.key)),
+                             ca_file=str(self.resolve(tls.ca)))
+
 
 class TopologyError(ValueError):
     """A topology file that does not validate; `issues` holds (key, line, message)."""
@@ -324,7 +396,7 @@ def load_topology(path: str | Path, *, check_files: bool = True) -> Topology:
         missing = [
             (key, line_of(root, tuple(key.split("."))), f"file {value!r} not found (resolved to {topology.resolve(value)})")
             for key, value in (("router_policy", topology.router_policy), ("autoscale_policy", topology.autoscale_policy),
-                               *topology.security.files())
+                               *topology.security.files(), *(topology.etcd.tls.files() if topology.etcd.tls else ()))
             if value is not None and not topology.resolve(value).is_file()
         ]
         if missing:

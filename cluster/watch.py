@@ -243,22 +243,34 @@ class DrainWatch(_ResyncingWatch):
     lease: peers drop the worker at once, and the worker, seeing the key,
     stops taking work, finishes what it holds and leaves instead of
     re-registering (which is what it does after an ordinary lease loss).
+
+    A request at or below `ignore_through_revision` (etcd mod_revision) predates this
+    worker: one it could not delete at start (etcd RBAC), ignored like a deleted one.
+    Once the key is seen gone, every later request counts (even after an etcd that lost
+    its data starts its revisions again).
     """
 
-    def __init__(self, registry: "Registry", worker_id: str, on_drain):
+    def __init__(self, registry: "Registry", worker_id: str, on_drain, ignore_through_revision: int = 0):
         super().__init__(registry, registry.keys.drain(worker_id), prefix=False)
         self._on_drain = on_drain
+        self._ignore_through = ignore_through_revision
         self.requested = False
 
     async def _apply_listing(self, kvs: list) -> None:
+        if not kvs:
+            self._ignore_through = 0
         for kv in kvs:
-            await self._fire(kv.value)
+            await self._fire(kv.value, kv.mod_revision)
 
     async def _apply_event(self, event) -> None:
-        if event.kind != "DELETE":
-            await self._fire(event.kv.value)
+        if event.kind == "DELETE":
+            self._ignore_through = 0
+        else:
+            await self._fire(event.kv.value, event.kv.mod_revision)
 
-    async def _fire(self, value: bytes) -> None:
+    async def _fire(self, value: bytes, mod_revision: int) -> None:
+        if mod_revision <= self._ignore_through:
+            return
         if not self.requested:
             self.requested = True
             await _call(self._on_drain, value.decode(errors="replace") or "drain requested")

@@ -30,6 +30,8 @@ class WorkerConfig:
     worker_id: str | None = None  # None: "<role>-<8 hex digits>"
     cluster: str = "default"
     etcd_endpoints: list[str] | None = None  # None: no registration (decode only; prefill needs etcd)
+    # TLS to etcd as the `worker` identity (etcd_auth.EtcdTLS as a dict); None: plaintext.
+    etcd_tls: dict | None = None
     lease_ttl_s: float = 10.0
     queue_name: str = DEFAULT_QUEUE_NAME
     queue_namespace: str = DEFAULT_NAMESPACE
@@ -73,7 +75,8 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
     spec = getattr(topology.roles, role)
     common = WorkerConfig(model=model, engine_args=dict(spec.engine), worker_id=worker_id or f"{role}-{replica}",
                           cluster=topology.cluster, etcd_endpoints=list(etcd_endpoints),
-                          lease_ttl_s=topology.etcd.lease_ttl_s, queue_name=topology.queue.name,
+                          etcd_tls=_worker_etcd_tls(topology), lease_ttl_s=topology.etcd.lease_ttl_s,
+                          queue_name=topology.queue.name,
                           queue_namespace=topology.ray.namespace, freeze_gc=True,
                           bind=topology.network.bind, ucx_env=dict(topology.network.ucx))
     out = dataclasses.asdict(common)
@@ -92,6 +95,11 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
                    remote_timeout_s=spec.remote_timeout_s, remote_quarantine_s=spec.remote_quarantine_s,
                    exit_on_engine_death=True, **_decode_security(topology))
     return out
+
+
+def _worker_etcd_tls(topology: "Topology") -> dict | None:
+    tls = topology.etcd_tls("worker")  # ValueError naming etcd.tls.worker when TLS lacks it
+    return None if tls is None else tls.to_dict()
 
 
 def _decode_security(topology: "Topology") -> dict[str, Any]:

@@ -34,6 +34,10 @@ def register(subparsers) -> None:
     p.add_argument("--cluster", default="default", help="cluster name in etcd keys")
     p.add_argument("--etcd", default=None, help="etcd endpoints, comma-separated host:port (default: no registry)")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="etcd lease TTL seconds")
+    p.add_argument("--etcd-ca", default=None, help="CA (PEM) of a TLS etcd (the topology's etcd.tls.ca)")
+    p.add_argument("--etcd-cert", default=None,
+                   help="client certificate (PEM) for a TLS etcd: the worker identity (etcd.tls.worker.cert)")
+    p.add_argument("--etcd-key", default=None, help="its private key (PEM)")
     p.add_argument("--engine-args", default="{}",
                    help='engine arguments as JSON, e.g. \'{"max_num_seqs": 64, "block_size": 16}\'')
     p.add_argument("--log-level", default="info")
@@ -52,6 +56,17 @@ def register(subparsers) -> None:
     p.set_defaults(func=_serve)
 
 
+def _etcd_tls(args: argparse.Namespace) -> dict | None:
+    """--etcd-ca/--etcd-cert/--etcd-key: all three or none."""
+    given = [args.etcd_ca, args.etcd_cert, args.etcd_key]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError("--etcd-ca, --etcd-cert and --etcd-key go together (TLS to etcd as the worker identity)")
+    return {"ca_file": args.etcd_ca, "cert_file": args.etcd_cert, "key_file": args.etcd_key, "identity": "worker",
+            "setting": "--etcd-cert/--etcd-key"}
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .worker import DecodeWorker, DecodeWorkerConfig
 
@@ -64,7 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model, engine_args=engine_args, host=args.host, grpc_port=args.grpc_port,
         http_port=args.http_port, router_policy=args.router_policy, worker_id=args.worker_id,
         served_model_name=args.served_model_name, cluster=args.cluster,
-        etcd_endpoints=args.etcd.split(",") if args.etcd else None, lease_ttl_s=args.lease_ttl,
+        etcd_endpoints=args.etcd.split(",") if args.etcd else None, etcd_tls=_etcd_tls(args),
+        lease_ttl_s=args.lease_ttl,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         api_keys_file=args.api_keys_file, open_paths=_names(args.open_paths),
         open_grpc_services=_names(args.open_grpc_services),

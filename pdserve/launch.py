@@ -158,8 +158,9 @@ def _down(args) -> int:
     return 0
 
 
-def _drain_target(args) -> tuple[list[str], str]:
-    """(etcd endpoints, cluster): from --etcd and --cluster, else from `up`'s state file."""
+def _drain_target(args):
+    """(etcd endpoints, cluster, etcd TLS as the operator): from --etcd and --cluster, else
+    from `up`'s state file. The TLS settings come from the topology (when its file exists)."""
     from pdserve.cluster.keys import check_name, parse_endpoints
 
     check_name("worker_id", args.worker_id)
@@ -168,26 +169,29 @@ def _drain_target(args) -> tuple[list[str], str]:
     if args.etcd is None:
         from pdserve.cluster.launcher import ClusterState, state_path
 
-        state = ClusterState.load(state_path(_load(args.topology)))
-        return state.etcd_endpoints, state.cluster
+        topo = _load(args.topology)
+        state = ClusterState.load(state_path(topo))
+        return state.etcd_endpoints, state.cluster, topo.etcd_tls("operator")
     endpoints = [e.strip() for e in args.etcd.split(",") if e.strip()]
     try:
         parse_endpoints(endpoints)
     except ValueError as exc:
         raise ValueError(f"--etcd {args.etcd!r}: {exc}") from None
-    return endpoints, check_name("--cluster", args.cluster)
+    tls = _load(args.topology).etcd_tls("operator") if Path(args.topology).is_file() else None
+    return endpoints, check_name("--cluster", args.cluster), tls
 
 
 def _drain(args) -> int:
     from pdserve.cluster.registry import Registry
 
-    endpoints, cluster = _drain_target(args)
+    endpoints, cluster, tls = _drain_target(args)
     if args.check:
-        print(f"OK: drain {args.worker_id} of cluster {cluster} (etcd {','.join(endpoints)})")
+        print(f"OK: drain {args.worker_id} of cluster {cluster} (etcd {','.join(endpoints)}"
+              f"{', TLS as ' + tls.identity if tls else ''})")
         return 0
 
     async def go() -> bool:
-        async with Registry(endpoints, cluster) as reg:
+        async with Registry(endpoints, cluster, tls=tls) as reg:
             return await reg.request_drain(args.worker_id, f"pdserve drain at {time.ctime()}")
 
     if not asyncio.run(go()):
@@ -207,7 +211,7 @@ def _status(args) -> int:
     topo = _load(args.topology)
     state = ClusterState.load(state_path(topo))
     try:
-        members = asyncio.run(asyncio.wait_for(_members(state), STATUS_ETCD_TIMEOUT_S))
+        members = asyncio.run(asyncio.wait_for(_members(state, _status_tls(topo)), STATUS_ETCD_TIMEOUT_S))
     except (*TRANSIENT_ERRORS, asyncio.TimeoutError) as exc:
         # etcd down or restarting: say so in one line and still show the queue.
         print(f"pdserve status: etcd at {', '.join(state.etcd_endpoints)} did not answer within "
@@ -228,7 +232,7 @@ def _status(args) -> int:
         eps = " ".join(f"{k}={v}" for k, v in m["endpoints"].items()) or "-"
         load = " ".join(f"{k}={v}" for k, v in m["load"].items()) or "-"
         print(f"{wid:<14} {m['role']:<8} {host:<30} {eps:<44} {load}")
-    planner, drained = _planner_lines(state)
+    planner, drained = _planner_lines(state, _status_tls(topo))
     # Workers the planner drained on purpose are not missing.
     missing = {a["worker_id"] for a in state.actors} - set(members) - drained
     for wid in sorted(missing):
@@ -239,12 +243,17 @@ def _status(args) -> int:
     return 0 if not missing else 1
 
 
-def _planner_lines(state) -> tuple[list[str], set[str]]:
+def _status_tls(topo):
+    """`status` only reads: as the operator, or as a worker on a host that has only that."""
+    return topo.etcd_tls("operator", "worker")
+
+
+def _planner_lines(state, tls=None) -> tuple[list[str], set[str]]:
     from pdserve.cluster.registry import Registry
     from pdserve.planner_cmd import planner_summary
 
     async def go():
-        async with Registry(state.etcd_endpoints, state.cluster) as reg:
+        async with Registry(state.etcd_endpoints, state.cluster, tls=tls) as reg:
             return await planner_summary(reg)
 
     try:
@@ -263,10 +272,10 @@ def _print_queue(state, queue: dict | None) -> None:
               f"{c.get('wire_calls', 0)} calls, {c.get('wire_errors', 0)} errors")
 
 
-async def _members(state) -> dict:
+async def _members(state, tls=None) -> dict:
     from pdserve.cluster.registry import Registry
 
-    async with Registry(state.etcd_endpoints, state.cluster) as reg:
+    async with Registry(state.etcd_endpoints, state.cluster, tls=tls) as reg:
         members = await reg.members()
     return {wid: {"role": m.role, "hostname": m.hostname, "address": m.address, "endpoints": m.endpoints,
                   "load": m.load} for wid, m in members.items()}

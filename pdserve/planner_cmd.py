@@ -119,7 +119,7 @@ def _explain(args) -> int:
     async def go():
         import ray
 
-        async with Registry(state.etcd_endpoints, state.cluster) as reg:
+        async with Registry(state.etcd_endpoints, state.cluster, tls=topo.etcd_tls("operator", "worker")) as reg:
             if args.policy:
                 policy, source = parse_autoscale(_policy_text(args.policy), args.policy), args.policy
             elif (text := await reg.get_policy("autoscale")) is not None:
@@ -186,10 +186,10 @@ def _history(args) -> int:
     from pdserve.cluster.planner.core import read_decisions
     from pdserve.cluster.registry import Registry
 
-    _, state = _cluster(args)
+    topo, state = _cluster(args)
 
     async def go():
-        async with Registry(state.etcd_endpoints, state.cluster) as reg:
+        async with Registry(state.etcd_endpoints, state.cluster, tls=topo.etcd_tls("operator", "worker")) as reg:
             return await read_decisions(reg, args.n)
 
     decisions = asyncio.run(go())

@@ -94,6 +94,10 @@ def plan(args) -> WorkerPlan:
         topo = load_topology(args.topology)
     except TopologyError as exc:
         raise ValueError(f"--topology {exc}") from None
+    try:
+        topo.etcd_tls("worker")  # with etcd TLS, the worker's own certificate must be listed
+    except ValueError as exc:
+        raise ValueError(f"--topology {args.topology}: {exc}") from None
     role = args.role
     if role == "prefill" and topo.roles.prefill.replicas == 0:
         raise ValueError(f"--role prefill: the topology {args.topology} has roles.prefill.replicas 0, so its decode "
@@ -267,16 +271,22 @@ def _wait_idle(actor, role: str, deadline: float) -> None:
 
 
 def _clear_drain_key(p: WorkerPlan) -> None:
-    """The drain key is not leased; a pod's worker id never comes back, so remove it now."""
+    """The drain key is not leased; a pod's worker id never comes back, so remove it now.
+    Under etcd RBAC the worker identity may not (drain/ is the operator's): the key stays,
+    and a worker started again under this id ignores it (cluster/join.py)."""
     import asyncio
 
     from pdserve.cluster.registry import Registry
 
-    async def go() -> None:
-        async with Registry(p.etcd_endpoints, p.topology.cluster) as reg:
-            await reg.clear_drain(p.worker_id)
+    async def go() -> int:
+        async with Registry(p.etcd_endpoints, p.topology.cluster, tls=p.topology.etcd_tls("worker")) as reg:
+            return await reg.clear_drain(p.worker_id)
 
     try:
-        asyncio.run(asyncio.wait_for(go(), 10.0))
+        left = asyncio.run(asyncio.wait_for(go(), 10.0))
     except Exception as exc:  # noqa: BLE001  (a left-over key only matters if the id is reused)
         print(f"pdserve worker: could not clear the drain key of {p.worker_id}: {exc!r}", file=sys.stderr)
+        return
+    if left:
+        print(f"pdserve worker: the drain key of {p.worker_id} stays (the worker identity may not delete it)",
+              file=sys.stderr)

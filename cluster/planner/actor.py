@@ -80,7 +80,7 @@ def build_planner(cfg: PlannerConfig, *, metrics_port: int | None = None) -> Pla
                    queue_stats=queue_stats_fn(topo.queue.name, topo.ray.namespace), units=cpu_units(topo),
                    parse_policy=parse, policy_path=path, dry_run=cfg.dry_run,
                    metrics_host=resolve_bind(topo.network.bind), metrics_port=metrics_port,
-                   known_workers=cfg.known_workers)
+                   known_workers=cfg.known_workers, etcd_tls=topo.etcd_tls("operator"))
 
 
 class PlannerActor:
@@ -125,8 +125,10 @@ def start_planner_actor(cfg: PlannerConfig, namespace: str, cluster: str, node_i
         from ..registry import Registry
         from .core import reset_planner
 
+        tls = load_topology(cfg.topology).etcd_tls("operator")
+
         async def reset():
-            async with Registry(cfg.etcd_endpoints, cluster) as reg:
+            async with Registry(cfg.etcd_endpoints, cluster, tls=tls) as reg:
                 await reset_planner(reg)
 
         asyncio.run(reset())

@@ -150,9 +150,9 @@ class Planner:
                  parse_policy: Callable[[str, str], Any] | None = None, policy_path: str | None = None,
                  dry_run: bool = False, clock: Callable[[], float] = time.time, history: int = HISTORY,
                  leader_ttl_s: int = LEADER_TTL_S, metrics_host: str = "127.0.0.1", metrics_port: int | None = 0,
-                 known_workers: list[str] = ()):
+                 known_workers: list[str] = (), etcd_tls=None):
         self.cluster = cluster
-        self.registry = Registry(etcd_endpoints, cluster)
+        self.registry = Registry(etcd_endpoints, cluster, tls=etcd_tls)  # etcd_tls: the operator identity
         self.keys = self.registry.keys
         self.policy = policy  # the parsed AutoscalePolicy; `.autoscale` is what decide() reads
         self.policy_source = policy_path or "initial"

@@ -1,4 +1,5 @@
-"""Fixtures for control-plane tests: a real etcd child process, a local Ray, unique cluster names."""
+"""Fixtures for control-plane tests: a real etcd child process (plaintext, or TLS with client
+certificates and RBAC), a local Ray, unique cluster names."""
 
 from __future__ import annotations
 
@@ -25,6 +26,44 @@ def fresh_etcd(tmp_path):
     server = EmbeddedEtcd(tmp_path / "etcd-data")
     with server:
         yield server
+
+
+class SecureEtcd:
+    """A TLS etcd with client-certificate auth and RBAC, as `pdserve up` starts one: the
+    certificates `pdserve certs make` writes, and a bootstrap per cluster (`grant`)."""
+
+    def __init__(self, server: EmbeddedEtcd, certs: dict):
+        self.server = server
+        self.certs = certs
+        self.endpoint = server.endpoint
+
+    def identity(self, name: str, cert: str | None = None):
+        """The EtcdTLS of identity `name` (root, operator, worker); `cert`: another of the
+        certificates by its `certs make` name (e.g. "client": signed by the CA, not a user)."""
+        from pdserve.cluster.etcd_auth import EtcdTLS
+
+        stem = cert or f"etcd-{name}"
+        return EtcdTLS(ca_file=str(self.certs["ca"]), cert_file=str(self.certs[stem]),
+                       key_file=str(self.certs[f"{stem}-key"]), identity=name, setting=f"etcd.tls.{name}")
+
+    async def grant(self, cluster: str) -> None:
+        """Users, roles and grants for `cluster`, authentication on (idempotent)."""
+        from pdserve.cluster.etcd_auth import bootstrap_rbac
+
+        await bootstrap_rbac(self.endpoint, self.identity("root"), [cluster])
+
+
+@pytest.fixture(scope="module")
+def secure_etcd(tmp_path_factory):
+    """One TLS + RBAC etcd per test module, on loopback; stopped however the module ends."""
+    from pdserve.cluster.certs import make_certs
+    from pdserve.cluster.etcd_server import EtcdServerTLS
+
+    root = tmp_path_factory.mktemp("secure-etcd")
+    certs = make_certs(root / "certs", ["127.0.0.1", "localhost"])
+    tls = EtcdServerTLS(cert_file=str(certs["etcd"]), key_file=str(certs["etcd-key"]), ca_file=str(certs["ca"]))
+    with EmbeddedEtcd(root / "data", tls=tls) as server:
+        yield SecureEtcd(server, certs)
 
 
 @pytest.fixture
