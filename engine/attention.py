@@ -253,62 +253,149 @@ def _gather_blocks(half: torch.Tensor, group: _PagedGroup, buf: torch.Tensor) ->
     return dst.view(g, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 
-class FlashInferAttention(AttentionBackend):
-    """FlashInfer paged attention (CUDA only, imported lazily).
+# FlashInfer's paged kernels take 16-bit (or fp8) KV; float32 has no kernel.
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+# Query heads per KV head from which the decode wrapper runs on tensor cores (the prefill
+# kernels with one query row per sequence): FlashInfer's CUDA-core decode kernel is the
+# faster one only for small groups. SGLang switches at 4 too; Llama-3-8B's group is 4.
+TENSOR_CORE_MIN_GROUP = 4
 
-    One ``BatchPrefillWithPagedKVCacheWrapper`` covers prefill chunks and
-    decode tokens alike (a decode token is a query of length 1), so mixed
-    steps need a single plan per step. New K/V are appended with the same
-    slot mapping as the torch path, keeping one pool layout for both.
+
+@dataclass
+class FlashInferMeta:
+    """One step's FlashInfer inputs, shared by every layer: which wrapper was planned and
+    where each new token's K/V goes (`append_paged_kv_cache`'s page-table inputs)."""
+
+    wrapper: object  # the planned decode or prefill wrapper
+    decode: bool  # every sequence has one query token: the decode wrapper
+    batch_indices: torch.Tensor  # [T] int32: the sequence of each new token
+    positions: torch.Tensor  # [T] int32: its position in that sequence
+    kv_indices: torch.Tensor  # [nnz pages] int32
+    kv_indptr: torch.Tensor  # [B+1] int32
+    kv_last_page_len: torch.Tensor  # [B] int32
+
+
+@dataclass
+class PagedPlan:
+    """FlashInfer's CSR view of a step's page tables, on the host (numpy int32)."""
+
+    qo_indptr: np.ndarray  # [B+1]
+    kv_indptr: np.ndarray  # [B+1] pages of sequence i: kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices: np.ndarray  # [nnz]
+    kv_last_page_len: np.ndarray  # [B], in 1..block_size
+    batch_indices: np.ndarray  # [T] sequence of each new token
+    positions: np.ndarray  # [T] position of each new token in its sequence
+
+    @classmethod
+    def from_layout(cls, layout: BatchLayout) -> PagedPlan:
+        bs = layout.block_size
+        qsl = layout.query_start_loc
+        qlens = np.diff(qsl)
+        total = layout.context_lens + qlens  # every sequence's KV length after this step
+        nblk = -(-total // bs)
+        # Each sequence's used blocks, concatenated in order (boolean indexing is row-major).
+        used = np.arange(layout.block_tables.shape[1])[None, :] < nblk[:, None]
+        batch = np.repeat(np.arange(len(qlens)), qlens)
+        i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+        return cls(
+            qo_indptr=i32(qsl),
+            kv_indptr=i32(np.concatenate(([0], np.cumsum(nblk)))),
+            kv_indices=i32(layout.block_tables[used]),
+            kv_last_page_len=i32(total - (nblk - 1) * bs),
+            batch_indices=i32(batch),
+            positions=i32(layout.context_lens[batch] + np.arange(int(qsl[-1])) - qsl[batch]),
+        )
+
+
+def _host_i32(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a)
+
+
+class FlashInferAttention(AttentionBackend):
+    """FlashInfer paged attention (CUDA only, imported lazily), following its documentation:
+
+    - decode-only steps (one query token per sequence) run the batch *decode* wrapper, on
+      tensor cores when a KV head serves at least `TENSOR_CORE_MIN_GROUP` query heads;
+      steps with a prefill chunk run the batch *prefill* wrapper (causal, aligned to the
+      end of each sequence's KV, so cached context and decode tokens in the same step
+      are right);
+    - `plan` gets host (CPU) int32 inputs, built once per step with numpy: FlashInfer
+      plans on the host and copies them to the device itself (device inputs would cost a
+      device-to-host synchronisation per step);
+    - new K/V go into the pool with `flashinfer.append_paged_kv_cache`, whose page-table
+      inputs are copied to the device once per step and reused by every layer.
+    The pool layout is the torch path's (NHD, K and V stacked on dim 1), so the two
+    backends and NIXL peers read the same bytes.
     """
 
     name = "flashinfer"
 
     def __init__(self, scale: float, num_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, workspace_bytes: int = 256 << 20):
-        import flashinfer  # noqa: F401  (lazy: only on CUDA)
+        if dtype not in FLASHINFER_DTYPES:
+            raise ValueError(
+                f"attention_backend='flashinfer' runs float16/bfloat16 KV, not {dtype}; set dtype to "
+                "bfloat16 (or float16), or use attention_backend='torch'"
+            )
+        import flashinfer  # lazy: only on CUDA
 
+        self._fi = flashinfer
         self.scale = scale
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.device = device
+        self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        # One float workspace for both wrappers: a step runs one of them.
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
 
-    def plan(self, layout: BatchLayout, device: torch.device):
-        bs = layout.block_size
-        total = layout.context_lens + layout.query_lens
-        nblk = -(-total // bs)
-        # Each sequence's used blocks, concatenated in order (boolean indexing is row-major).
-        used = np.arange(layout.block_tables.shape[1])[None, :] < nblk[:, None]
-        indices = layout.block_tables[used]
-        indptr = np.concatenate(([0], np.cumsum(nblk)))
-        last_len = total - (nblk - 1) * bs
-        as_i32 = lambda xs: torch.from_numpy(np.asarray(xs, dtype=np.int32)).to(device)  # noqa: E731
-        self._wrapper.plan(
-            as_i32(layout.query_start_loc), as_i32(indptr), as_i32(indices), as_i32(last_len),
-            self.num_heads, self.num_kv_heads, self.head_dim, bs,
-            causal=True, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+    def plan(self, layout: BatchLayout, device: torch.device) -> FlashInferMeta:
+        p = PagedPlan.from_layout(layout)
+        decode = bool(np.all(np.diff(p.qo_indptr) == 1))
+        if decode:
+            self._decode.plan(
+                _host_i32(p.kv_indptr), _host_i32(p.kv_indices), _host_i32(p.kv_last_page_len),
+                self.num_heads, self.num_kv_heads, self.head_dim, layout.block_size,
+                q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
+            )
+            wrapper = self._decode
+        else:
+            self._prefill.plan(
+                _host_i32(p.qo_indptr), _host_i32(p.kv_indptr), _host_i32(p.kv_indices),
+                _host_i32(p.kv_last_page_len), self.num_heads, self.num_kv_heads, self.head_dim,
+                layout.block_size, causal=True, sm_scale=self.scale,
+                q_data_type=self.dtype, kv_data_type=self.dtype,
+            )
+            wrapper = self._prefill
+        return self.append_meta(p, wrapper, decode, device)
+
+    @staticmethod
+    def append_meta(p: PagedPlan, wrapper, decode: bool, device: torch.device) -> FlashInferMeta:
+        """The step's append inputs on ``device``: one host-to-device copy, viewed five ways."""
+        parts = (p.batch_indices, p.positions, p.kv_indices, p.kv_indptr, p.kv_last_page_len)
+        flat = torch.from_numpy(np.concatenate(parts)).to(device)
+        views = torch.split(flat, [len(x) for x in parts])
+        return FlashInferMeta(wrapper, decode, *views)
+
+    def forward(self, layer_kv, q, k, v, meta: FlashInferMeta) -> torch.Tensor:
+        self._fi.append_paged_kv_cache(
+            k, v, meta.batch_indices, meta.positions, layer_kv,
+            meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, "NHD",
         )
-        k_rows, v_rows = _kv_rows(layout.slot_mapping, bs)
-        return k_rows, v_rows
-
-    def forward(self, layer_kv, q, k, v, meta) -> torch.Tensor:
-        k_rows, v_rows = meta
-        pool = _flat_pool(layer_kv)
-        pool.index_copy_(0, k_rows, k)
-        pool.index_copy_(0, v_rows, v)
         # q is a view into the fused qkv projection (RoPE runs in place there).
-        return self._wrapper.run(q.contiguous(), layer_kv)
+        return meta.wrapper.run(q.contiguous(), layer_kv)
 
 
 def make_backend(name: str, *, device: torch.device, scale: float, num_heads: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> AttentionBackend:
-    """`auto` picks FlashInfer on CUDA when it is installed, else torch."""
+    """`auto` picks FlashInfer on CUDA with a 16-bit dtype when it is installed, else torch."""
     if name == "auto":
         name = "torch"
-        if device.type == "cuda":
+        if device.type == "cuda" and dtype in FLASHINFER_DTYPES:
             try:
                 import flashinfer  # noqa: F401
 

@@ -209,6 +209,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto (float32 on CPU, the config's dtype on GPU) | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     scheduling_policy: str = "fcfs"  # fcfs | priority
+    # Decode-only steps replay CUDA graphs captured per padded batch size (engine/cuda_graphs.py);
+    # needs device cuda and the flashinfer backend. Capture costs start-up time and some memory.
+    cuda_graphs: bool = False
+    cuda_graph_max_batch: int = 64  # the largest captured batch (capped at max_num_seqs)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -237,6 +241,8 @@ class EngineConfig:
             raise ConfigError(f"scheduling_policy={self.scheduling_policy!r}; use fcfs or priority")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.cuda_graph_max_batch < 1:
+            raise ConfigError(f"cuda_graph_max_batch={self.cuda_graph_max_batch} must be >= 1")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

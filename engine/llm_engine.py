@@ -90,6 +90,9 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config)
         self.max_model_len = self._max_model_len()
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        if config.cuda_graphs:
+            self.runner.enable_decode_graphs(self.kv, min(config.cuda_graph_max_batch, config.max_num_seqs),
+                                             self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.scheduling_policy)
         self.sampler = Sampler(config.seed)
@@ -222,7 +225,8 @@ class LLMEngine:
 
         ``on_plan(scheduled)``, when given, sees the step's plan (list of
         (request, new tokens)) before the forward pass and may return a
-        per-layer hook for this step (the prefill worker streams KV with it).
+        per-layer hook for this step, called as ``hook(layer, ready)`` (the prefill
+        worker streams KV with it; ``ready``: engine/kv_ready.py).
         """
         plan = self.scheduler.schedule()
         self.stats.num_preemptions += len(plan.preempted)

@@ -18,6 +18,7 @@ from torch import nn
 
 from .attention import AttentionBackend
 from .config import ConfigError, ModelConfig, RopeConfig
+from .kv_ready import layer_ready
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -133,15 +134,17 @@ class CausalLM(nn.Module):
                 layer_hook=None) -> torch.Tensor:
         """Return logits [len(logits_indices), vocab] in float32.
 
-        ``layer_hook(l)``, when given, runs right after layer ``l`` has written
-        its KV (used to stream pages layer by layer to a decode worker).
+        ``layer_hook(l, ready)``, when given, runs right after layer ``l`` was
+        issued (used to stream pages layer by layer to a decode worker); its KV
+        pages are final once ``ready`` says so (engine/kv_ready.py: a CUDA event
+        recorded after the layer; on CPU always ready).
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         for l, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[l], backend, meta)
             if layer_hook is not None:
-                layer_hook(l)
+                layer_hook(l, layer_ready(x.device))
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
 

@@ -96,10 +96,29 @@ class ModelRunner:
             "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "block_bytes": self.block_bytes,
         }
 
+    def enable_decode_graphs(self, kv: KVCacheManager, max_batch: int, max_model_len: int) -> None:
+        """Capture decode CUDA graphs (engine arg cuda_graphs; engine/cuda_graphs.py)."""
+        if self.device.type != "cuda" or self.backend.name != "flashinfer":
+            raise ConfigError(
+                f"cuda_graphs=True needs device='cuda' and attention_backend='flashinfer' (with dtype "
+                f"bfloat16 or float16); this engine runs {self.backend.name} on {self.device}: "
+                "set cuda_graphs=False"
+            )
+        from .cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, kv, max_batch, max_model_len)
+        self.graphs.capture()
+
+    graphs = None  # DecodeGraphs once enabled
+
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager,
                 layer_hook=None) -> tuple[torch.Tensor, list[Request]]:
         """Run one step; return logits for the requests that sample, and those requests."""
         batch = build_step_batch(scheduled, kv, self.block_size, self.device)
+        if self.graphs is not None and layer_hook is None:
+            size = self.graphs.size_for(batch.layout)
+            if size is not None:
+                return self.graphs.run(batch, size), batch.sampling
         meta = self.backend.plan(batch.layout, self.device)
         logits = self.model(
             batch.input_ids, batch.positions, self.kv_cache, self.backend, meta,

@@ -6,13 +6,16 @@ busy-polls a core), so progress happens inside `poll()` / `wait()`: the
 *target* must keep calling `poll()` (its step loop does), or connection
 wireup with a new peer never completes and notifications are not delivered.
 
-Not thread-safe: one owner (the worker's step loop) drives it.
+One owner (the worker's step loop) drives it; the only other thread is its
+`LayerPoster` (kvtransfer/poster.py), which posts layer writes once the device
+has computed them. A lock serialises every call into NIXL between the two.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -31,10 +34,22 @@ from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.messages import check_notification
 from pdserve.kvtransfer.nixl_shim import apply_ucx_env, load_nixl
 from pdserve.kvtransfer.peer import PeerInfo
+from pdserve.kvtransfer.poster import LayerPoster
 from pdserve.kvtransfer.stream import LayerStream
 from pdserve.kvtransfer.transfer import Notification, PollResult, TransferHandle, TransferState
 
 log = logging.getLogger(__name__)
+
+
+def _locked(method):
+    """Run an agent method under the agent's lock (see the module docstring)."""
+
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    run.__name__, run.__doc__, run.__wrapped__ = method.__name__, method.__doc__, method
+    return run
 
 
 class KVTransferAgent:
@@ -96,9 +111,12 @@ class KVTransferAgent:
         self._inbox: list[Notification] = []
         self._unreleased: list[Any] = []  # NIXL handles whose release failed; retried at close
         self._closed = False
+        self._lock = threading.RLock()  # NIXL calls: the owner's thread and the layer poster's
+        self._poster: LayerPoster | None = None
 
     # ---- membership -------------------------------------------------------
 
+    @_locked
     def local_info(self) -> dict[str, Any]:
         """JSON-serializable record that a peer passes to `add_peer` (published in etcd)."""
         self._check_open()
@@ -116,6 +134,7 @@ class KVTransferAgent:
     def peers(self) -> tuple[str, ...]:
         return tuple(self._peers)
 
+    @_locked
     def add_peer(self, info: Mapping[str, Any] | PeerInfo) -> str:
         """Check the peer's layout against ours, then load its NIXL metadata. Returns its name.
 
@@ -151,6 +170,7 @@ class KVTransferAgent:
             log.warning("NIXL could not pre-connect to peer %s (the first write will): %r", peer.name, exc)
         return peer.name
 
+    @_locked
     def remove_peer(self, name: str) -> bool:
         """Forget a peer (its lease is gone); its in-flight writes fail. False if unknown."""
         self._check_open()
@@ -223,6 +243,7 @@ class KVTransferAgent:
         plan = plan_block_write(self.layout, target.layout, local_block_ids, remote_block_ids, layers)
         return LayerStream(self, target.name, plan, notify)
 
+    @_locked
     def _post(self, peer: PeerInfo, plan: WritePlan, notify: bytes | None) -> TransferHandle:
         self._check_open()
         check_notification(notify)
@@ -252,8 +273,17 @@ class KVTransferAgent:
         self._settle(handle, state)
         return handle
 
+    def _layer_poster(self) -> LayerPoster:
+        """The thread that posts layers once ready (started on first use)."""
+        with self._lock:
+            self._check_open()
+            if self._poster is None:
+                self._poster = LayerPoster(self.name)
+            return self._poster
+
     # ---- progress ---------------------------------------------------------
 
+    @_locked
     def poll(self) -> PollResult:
         """Drive NIXL; return writes that finished and notifications received since the last poll.
 
@@ -282,6 +312,7 @@ class KVTransferAgent:
             raise TransferError(f"write to {handle.peer!r} failed: {handle.error}")
         return handle
 
+    @_locked
     def send_notification(self, peer: str, payload: bytes) -> None:
         """Send bytes to a peer outside any write (the stream's final message)."""
         target = self._peer(peer)
@@ -292,6 +323,7 @@ class KVTransferAgent:
             raise TransferError(f"could not notify peer {peer!r}: {exc!r}") from exc
         self._progress()  # push it out now; nobody may poll for a while
 
+    @_locked
     def _progress(self) -> None:
         self._check_open()
         for handle in list(self._inflight.values()):
@@ -316,6 +348,7 @@ class KVTransferAgent:
         elif state == "ERR":
             self._fail(handle, "NIXL reported the write as failed (peer gone or transport error)")
 
+    @_locked
     def _fail(self, handle: TransferHandle, reason: str) -> None:
         handle.error = reason
         self._finish(handle, TransferState.FAILED)
@@ -340,6 +373,13 @@ class KVTransferAgent:
 
     def close(self) -> None:
         """Fail in-flight writes, drop peers, deregister the pool, destroy the NIXL agent."""
+        poster, self._poster = self._poster, None
+        if poster is not None:  # outside the lock: a post under way needs it to finish
+            poster.close()
+        self._close()
+
+    @_locked
+    def _close(self) -> None:
         if self._closed:
             return
         for handle in list(self._inflight.values()):

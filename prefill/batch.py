@@ -229,11 +229,13 @@ class PrefillBatch:
             if not jobs_now:
                 return None
 
-            def after_layer(layer: int) -> None:
+            def after_layer(layer: int, ready) -> None:
+                # `ready`: the layer's pages are final once it says so (a CUDA event on a
+                # GPU); the stream posts the write only then (kvtransfer/poster.py).
                 for job in jobs_now:
                     if job.failure is None:
                         try:
-                            job.stream.write_layer(layer)
+                            job.stream.write_layer(layer, ready)
                         except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
                             self.stats.transfer_failures += 1
                             job.fail(TRANSFER_ERROR, f"{exc.__class__.__name__}: {exc}")
@@ -257,10 +259,12 @@ class PrefillBatch:
                                batch_tokens=result.batch_tokens, sent_at=time.time()).encode()
             try:
                 if job.stream is not None:
-                    job.handles = list(job.stream.handles.values())
                     job.stream.finish(self.transfer_timeout_s, notify=done)  # waits the layers, then notifies
+                    job.handles = list(job.stream.handles.values())
                     self.stats.layerwise_tasks += 1
                 else:
+                    # Whole-request write after the step: its pages are final, the step's first
+                    # token was copied to the host, which waited for every kernel of the stream.
                     local = connector.export_blocks(job.rid, t.cached_len, len(t.target_block_ids))
                     job.handles = [self.agent.write_blocks(t.target_worker_id, local, t.target_block_ids,
                                                            notify=done)]
@@ -283,8 +287,13 @@ class PrefillBatch:
 
     def _settle(self, job: _Job) -> bool:
         """Wait until no posted write of a failed job can land; False if one may still (timed out)."""
-        handles = list(job.stream.handles.values()) if job.stream is not None else job.handles
         settled = not job.timed_out
+        if job.stream is not None:
+            # Layers still waiting for their KV are dropped; one being posted right now is
+            # waited for, so that every write that can land is among the handles below.
+            job.stream.abort()
+            settled = job.stream.settle_posts(self.transfer_timeout_s) and settled
+        handles = list(job.stream.handles.values()) if job.stream is not None else job.handles
         for h in handles:
             if h.finished:
                 continue
