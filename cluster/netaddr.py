@@ -10,11 +10,13 @@ written to etcd for peers to reach:
     <CIDR>          this host's address inside that network, e.g. 10.0.0.0/8
     <IPv4>          exactly that address (it must be one of this host's)
 
-`ucx_env` builds the UCX settings of a NIXL agent for the same choice:
-loopback keeps UCX on `lo`; otherwise UCX uses the interface that holds the
-bound address (UCX_NET_DEVICES), so the KV pages take the network the
-operator chose; the topology's `network.ucx` is applied last (an empty value
-removes a setting, e.g. `UCX_MODULES: ""` to allow InfiniBand).
+`ucx_env` builds the UCX settings of a NIXL agent from the topology's
+`network.kv_transport` and the same choice: devices `auto` keeps UCX on `lo`
+on loopback and otherwise on the interface that holds the bound address
+(UCX_NET_DEVICES), so the KV pages take the network the operator chose;
+`rdma: false` (the default) excludes UCX's InfiniBand modules; `transports`
+sets UCX_TLS. The topology's `network.ucx` is applied last. An empty value
+removes a setting from the agent's environment, inherited ones included.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import struct
 LOOPBACK = "loopback"
 NODE = "node"
 LOOPBACK_ADDRESS = "127.0.0.1"
-# Applied to every agent unless the topology overrides it: without it a process can crash at
-# exit where RDMA libraries are installed but unused (ENVIRONMENT.md).
-DEFAULT_UCX = {"UCX_MODULES": "^ib"}
+# UCX_MODULES without RDMA (kv_transport.rdma false): a process can crash at exit where RDMA
+# libraries are installed but unused (ENVIRONMENT.md).
+NO_RDMA_MODULES = "^ib"
 _SIOCGIFADDR = 0x8915
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 
@@ -115,14 +117,21 @@ def interface_of(address: str) -> str | None:
     return next((name for name, a in interface_addresses().items() if a == address), None)
 
 
-def ucx_env(address: str, overrides: dict[str, str] | None = None) -> dict[str, str]:
-    """UCX settings for a NIXL agent whose worker is bound to ``address`` (module docstring)."""
-    env = dict(DEFAULT_UCX)
-    device = "lo" if address == LOOPBACK_ADDRESS else interface_of(address)
-    if device:
-        env["UCX_NET_DEVICES"] = device
+def ucx_env(address: str, overrides: dict[str, str] | None = None, *, rdma: bool = False,
+            devices: str = "auto", transports: str | None = None) -> dict[str, str]:
+    """UCX settings for a NIXL agent whose worker is bound to ``address`` (module docstring).
+    A value "" means: remove that variable from the agent's environment."""
+    env = {"UCX_MODULES": "" if rdma else NO_RDMA_MODULES}
+    if devices == "auto":
+        device = "lo" if address == LOOPBACK_ADDRESS else interface_of(address)
+        if device:
+            env["UCX_NET_DEVICES"] = device
+    else:
+        env["UCX_NET_DEVICES"] = "" if devices == "all" else devices
+    if transports:
+        env["UCX_TLS"] = transports
     env.update(overrides or {})
-    return {k: v for k, v in env.items() if v != ""}
+    return env
 
 
 def _describe(addrs: dict[str, str]) -> str:

@@ -146,13 +146,30 @@ class QueueSpec(_Strict):
     wire: Literal["loopback", "node", "off"] = "loopback"
 
 
+class KVTransportSpec(_Strict):
+    """The KV data plane: how every NIXL agent's UCX moves pages (cluster/netaddr.py `ucx_env`).
+    It has no authentication: keep it on a private network (docs/security.md)."""
+
+    # true on InfiniBand/RoCE hosts: UCX loads its IB modules. false sets UCX_MODULES=^ib: a host
+    # with RDMA libraries but no RDMA device can otherwise crash at exit (ENVIRONMENT.md).
+    rdma: bool = False
+    # UCX_NET_DEVICES. auto: the interface of the bound address (lo on loopback); all: whatever
+    # UCX finds; or a UCX device list, e.g. mlx5_0:1 or eth1.
+    devices: str = Field("auto", min_length=1)
+    # UCX_TLS, e.g. tcp, or rc,cuda_copy,cuda_ipc; unset: UCX picks.
+    transports: str | None = Field(None, min_length=1)
+
+
 class NetworkSpec(_Strict):
     """Where every server binds and what it advertises in etcd (cluster/netaddr.py): loopback
     for one host; node, an interface, a CIDR or an address when peers are on other hosts.
-    `ucx` holds UCX settings for every NIXL agent, applied over those the bind implies."""
+    `kv_transport` picks the KV pages' network; `ucx` holds any other UCX settings for every
+    NIXL agent, applied last ("" removes a setting)."""
 
     bind: str = LOOPBACK
+    kv_transport: KVTransportSpec = Field(default_factory=KVTransportSpec)
     ucx: dict[str, str] = Field(default_factory=dict)
+
 
     @pydantic.field_validator("bind")
     @classmethod

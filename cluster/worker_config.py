@@ -39,8 +39,9 @@ class WorkerConfig:
     # Where this worker's servers bind and what it advertises: the topology's network.bind
     # (loopback | node | interface | CIDR | address; cluster/netaddr.py).
     bind: str = LOOPBACK
-    # UCX settings for the NIXL agent, over those the bind implies (netaddr.ucx_env): the
-    # topology's network.ucx. "" removes a setting.
+    # The KV data plane (netaddr.ucx_env): the topology's network.kv_transport (rdma, devices,
+    # transports), then any other UCX settings, its network.ucx ("" removes a setting).
+    kv_transport: dict = field(default_factory=dict)
     ucx_env: dict = field(default_factory=dict)
     # Freeze the start-up heap out of the cyclic GC (cluster.runtime.freeze_gc_heap): set by the
     # launcher, whose workers own their process; off for a worker embedded in another program.
@@ -60,7 +61,7 @@ class WorkerConfig:
 
     def agent_ucx_env(self, address: str) -> dict:
         """The UCX settings of this worker's NIXL agent when it is bound to `address`."""
-        return ucx_env(address, self.ucx_env)
+        return ucx_env(address, self.ucx_env, **self.kv_transport)
 
     def worker_id_for(self, role: str) -> str:
         """The configured worker id, or a fresh one for `role`."""
@@ -78,7 +79,8 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
                           etcd_tls=_worker_etcd_tls(topology), lease_ttl_s=topology.etcd.lease_ttl_s,
                           queue_name=topology.queue.name,
                           queue_namespace=topology.ray.namespace, freeze_gc=True,
-                          bind=topology.network.bind, ucx_env=dict(topology.network.ucx))
+                          bind=topology.network.bind, ucx_env=dict(topology.network.ucx),
+                          kv_transport=topology.network.kv_transport.model_dump())
     out = dataclasses.asdict(common)
 
     def port(name: str) -> int:  # replica i listens on base + i; 0: any free port

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -92,6 +93,9 @@ class KVTransferAgent:
             )
         self.name = name
         self.layout = layout
+        # What the operator needs to see when pages take the wrong network (no secrets in UCX_*).
+        log.info("NIXL agent %s: backends %s, %s", name, list(backends),
+                 {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")} or "UCX defaults")
         self._kv = kv_tensor  # keep the registered memory alive as long as the agent
         self.mem_type = "VRAM" if kv_tensor.is_cuda else "DRAM"
         self._device_id = max(kv_tensor.get_device(), 0)

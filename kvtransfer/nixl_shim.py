@@ -71,6 +71,10 @@ def _wrap(name: str, module: ModuleType) -> NixlApi:
 
 
 def apply_ucx_env(env: Mapping[str, str] | None) -> None:
-    """Put UCX settings into this process's environment (UCX reads them when an agent starts)."""
+    """Put UCX settings into this process's environment (UCX reads them when an agent starts);
+    an empty value removes the variable (an inherited UCX_MODULES=^ib, say)."""
     for key, value in (env or {}).items():
-        os.environ[key] = str(value)
+        if value == "":
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = str(value)

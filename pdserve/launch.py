@@ -89,7 +89,6 @@ def _up(args) -> int:
     from pdserve.cluster.launcher import Launcher
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("UCX_MODULES", "^ib")
     topo = _load(args.topology)
     t0 = time.monotonic()
     model = resolve_model(topo)

@@ -156,7 +156,6 @@ class Worker:
 
         p = self.p
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        os.environ.setdefault("UCX_MODULES", "^ib")
         self._handle_signals()
         model = self._model()
         ray.init(address=p.ray_address, namespace=p.topology.ray.namespace, log_to_driver=False)
