@@ -42,6 +42,8 @@ class WorkerMetrics:
         self.prefill_queue_tokens = gauge("pdserve_prefill_queue_tokens", "Prefill queue token backlog seen by this worker")
         self.prefill_pool_size = gauge("pdserve_prefill_pool_size", "Live prefill workers seen by this worker")
         self.engine_alive = gauge("pdserve_engine_alive", "1 while the engine loop runs, 0 once it died")
+        self.local_prefill_budget = gauge("pdserve_local_prefill_budget_tokens",
+                                          "Prompt tokens one engine step may take (decode/prefill_budget.py)")
         names = list(labels)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens received", names, registry=r).labels(**labels)
         self.prefix_hit_tokens = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache", names, registry=r).labels(**labels)

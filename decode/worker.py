@@ -32,6 +32,7 @@ from .grpc_service import GrpcServer
 from .http_app import H11Protocol, build_app
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
+from .prefill_budget import PrefillBudget
 from .security import ServerSecurity
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class DecodeWorkerConfig(WorkerConfig):
     remote_prefill: bool = False
     remote_timeout_s: float = 30.0
     remote_quarantine_s: float = 60.0  # abandoned blocks a late write could still reach stay unused
+    # Prompt tokens one engine step may take (decode/prefill_budget.py); None: derived from the
+    # measured costs and the policy's qos.tpot_slo_ms.
+    local_prefill_budget_tokens: int | None = None
     limits: dict = field(default_factory=dict)  # ServingLimits fields (request sizes, body bytes)
     # When the engine dies: leave etcd, report NOT_SERVING, then exit the process so its
     # supervisor (Ray max_restarts, Kubernetes) starts a fresh one. The launcher sets it;
@@ -111,6 +115,10 @@ class DecodeWorker:
         self.metrics = WorkerMetrics("decode", self.worker_id)
         self._ttft_window, self._itl_window = LatencyWindow(self.metrics.ttft), LatencyWindow(self.metrics.itl)
         self.async_engine = AsyncEngine(self.engine, on_step=self._on_step, on_death=self._on_engine_death)
+        self.prefill_budget = PrefillBudget(self._apply_prefill_budget, self.engine.config.max_num_batched_tokens,
+                                            fixed=cfg.local_prefill_budget_tokens)
+        self._policy = policy
+        self._update_prefill_budget()  # before the first step: the seeded costs
         self.async_engine.start()
         if cfg.remote_prefill:
             if not cfg.etcd_endpoints:
@@ -219,11 +227,24 @@ class DecodeWorker:
             self.decode_seqs += info.num_seqs
         prefill_tokens = info.num_tokens - info.num_decode_seqs
         if prefill_tokens > 0:
-            # Per-token cost from whole steps: a request's own prefill time would
-            # also count the prompts batched with it.
-            costs.observe_prefill(info.num_tokens, info.ms, "local")
+            # Per-token cost from whole steps (a request's own prefill time would also count the
+            # prompts batched with it), less what the step's decode tokens cost on their own: the
+            # marginal cost of a prompt token, which the prefill budget and the router both use.
+            decode_part = costs.snapshot().decode_step_ms if info.num_decode_seqs else 0.0
+            if info.ms > decode_part:
+                costs.observe_prefill(prefill_tokens, info.ms - decode_part, "local")
         elif info.num_decode_seqs:
             costs.observe_decode_step(info.ms, info.num_seqs)
+        self._update_prefill_budget()
+
+    def _update_prefill_budget(self) -> None:
+        est = self._policy.costs.snapshot()
+        self.prefill_budget.update(self._policy.policy.qos.tpot_slo_ms, est.decode_step_ms,
+                                   est.prefill_local_ms_per_token)
+
+    def _apply_prefill_budget(self, tokens: int) -> None:
+        self.metrics.local_prefill_budget.set(tokens)
+        self.async_engine.call(lambda eng: eng.set_prefill_token_budget(tokens))
 
     def _on_engine_death(self, exc: BaseException) -> None:
         """The engine thread died (event loop): make it visible everywhere at once."""

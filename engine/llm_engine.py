@@ -219,6 +219,18 @@ class LLMEngine:
                           awaiting_remote_kv=len(self.scheduler.remote), num_blocks=kv.pool.num_blocks,
                           num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage)
 
+    def set_prefill_token_budget(self, tokens: int | None) -> None:
+        """Cap the prompt (and recompute) tokens of one step at ``tokens``, decode tokens
+        untouched; None removes the cap. A decode worker sets it so that no step stalls its
+        running streams past their TPOT target (decode/prefill_budget.py)."""
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(f"prefill token budget must be an int >= 1 or None, got {tokens!r}")
+        self.scheduler.prefill_token_budget = tokens
+
+    @property
+    def prefill_token_budget(self) -> int | None:
+        return self.scheduler.prefill_token_budget
+
     # -- the step --------------------------------------------------------------
     def step(self, layer_hook=None, on_plan=None) -> list[RequestDelta]:
         """Run one scheduled step and return what it added to each request.

@@ -5,7 +5,10 @@ There are no separate prefill and decode phases. Each request has
 output); a step gives each scheduled request ``num_tokens -
 num_computed_tokens`` new tokens, capped by what is left of
 ``max_num_batched_tokens``, so long prompts are prefilled in chunks next to
-other requests' decode tokens. When the pool runs out, the least important
+other requests' decode tokens. ``prefill_token_budget`` (None: no cap) caps the
+prompt tokens of one step separately, so that a worker serving streams can keep
+every step short (a decode worker sets it from its TPOT target): decode tokens
+are always scheduled first. When the pool runs out, the least important
 running request (lowest priority, then latest arrival) is preempted: its
 blocks are freed and it is recomputed later.
 
@@ -45,6 +48,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefill_token_budget: int | None = None  # prompt tokens per step; None: no cap
 
     # -- queue management ---------------------------------------------------
     def add(self, req: Request) -> None:
@@ -110,11 +114,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prefill_left = self.prefill_token_budget if self.prefill_token_budget is not None else budget
         scheduled_ids = set()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            chunk = req.num_tokens - req.num_computed_tokens > 1  # prefill (or recompute), not decode
+            if chunk:
+                n = min(n, prefill_left)
             if n <= 0:
                 i += 1
                 continue
@@ -129,15 +137,17 @@ class Scheduler:
                 out.scheduled.append((req, n))
                 scheduled_ids.add(req.request_id)
                 budget -= n
+                if chunk:
+                    prefill_left -= n
                 i += 1
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
         if self.policy == "priority" and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._urgency))
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, cached = self.kv.computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
-            n = min(req.num_tokens - cached, budget)
+            n = min(req.num_tokens - cached, budget, prefill_left)
             if not self.kv.allocate(req.request_id, cached + n, hits):
                 break
             self.waiting.popleft()
@@ -148,6 +158,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
+            prefill_left -= n
         return out
 
     def _preempt(self, req: Request) -> None:

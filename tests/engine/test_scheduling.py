@@ -258,3 +258,35 @@ def test_connector_export_side(llama_dir):
     c.release_export("long")
     c.release_export("short")  # still running: stopped and freed
     assert_no_leak(llm)
+
+
+def test_prefill_token_budget_caps_prompt_chunks_but_never_decode_tokens(llama_dir):
+    """A long prompt arriving next to running streams is prefilled in chunks of the budget while
+    every running request still gets its decode token each step; tokens stay greedy-exact."""
+    prompts = [[5 + i, 6, 7, 8] for i in range(3)]
+    long_prompt = [(11 * j) % 290 + 3 for j in range(200)]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    ref = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).generate(prompts + [long_prompt], params)
+
+    eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
+    with pytest.raises(ValueError, match="prefill token budget"):
+        eng.set_prefill_token_budget(0)
+    eng.set_prefill_token_budget(48)
+    outputs, steps = {}, []
+
+    def step():
+        for d in eng.step():
+            outputs.setdefault(d.request_id, []).extend(d.new_token_ids)
+        _, tokens, decodes = eng.last_step
+        steps.append((tokens - decodes, decodes))
+
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params, request_id=f"s{i}")
+    step()  # the short prompts: 12 tokens, within the budget
+    eng.add_request(long_prompt, params, request_id="long")
+    while eng.has_work():
+        step()
+    chunks = [p for p, _ in steps[1:] if p > 0]
+    assert chunks == [48, 48, 48, 48, 8]  # 200 prompt tokens, 48 per step at most
+    assert all(d == 3 for _, d in steps[1:5]), f"running streams lost decode tokens: {steps[1:5]}"
+    assert [outputs[f"s{i}"] for i in range(3)] + [outputs["long"]] == [r.token_ids for r in ref]
