@@ -3,9 +3,13 @@
 Three Ray actors on this machine: a producer (stands in for a decode worker),
 the PrefillQueue, and a consumer (a prefill worker) that long-polls
 `get_batch`. Both talk to the queue through a `QueueClient`, over each
-transport in turn (`--transports wire,ray`: the queue's socket, Ray actor
-calls), alternating the order round by round so that both see the same
-machine. One run measures, per transport,
+transport in turn (`--transports wire,wire-tls,ray`: the queue's socket, the
+same over TLS (a second queue actor serving `queue.tls` with throw-away
+certificates from `pdserve certs make`), Ray actor calls), alternating the
+order round by round so that all see the same machine. As the workers do,
+the producer signs every task (Ed25519, cluster/queue/signing.py) and the
+consumer verifies it before taking its arrival time (`--no-sign` to leave
+that out). One run measures, per transport,
 
 0. baseline: the round trip of an empty actor call between the two actors,
    the floor that any queue hop sits on (it moves with machine load);
@@ -15,7 +19,10 @@ machine. One run measures, per transport,
 2. throughput: the producer puts as fast as it can (a window of concurrent
    puts); tasks/s from the first put to the last task received.
 
+and, once, the cost of signing and verifying one task (`signing_us`).
+
     python bench/queue_latency.py            # defaults: ~1 min on 2 cores
+    python bench/queue_latency.py --transports wire,wire-tls   # plaintext vs TLS wire
     python bench/queue_latency.py --transports wire --rounds 1
     python bench/queue_latency.py --json out.json
 """
@@ -28,18 +35,23 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+import timeit
 import uuid
 
 import ray
 
-from pdserve.cluster.queue import PrefillTask, get_or_create_queue
-from pdserve.cluster.queue import QueueClient
+from pdserve.cluster.certs import make_certs
+from pdserve.cluster.queue import PrefillTask, QueueClient, TaskSigner, get_or_create_queue, verify_task
 from pdserve.cluster.runtime import freeze_gc_heap
+from pdserve.cluster.security import ClientTLS
+
+TRANSPORTS = ("wire", "wire-tls", "ray")
 
 
-def make_task(i: int, num_tokens: int) -> PrefillTask:
-    return PrefillTask(
+def make_task(i: int, num_tokens: int, signer: TaskSigner | None = None) -> PrefillTask:
+    task = PrefillTask(
         request_id=f"bench-{i}",
         epoch=0,
         token_ids=list(range(num_tokens)),
@@ -47,30 +59,48 @@ def make_task(i: int, num_tokens: int) -> PrefillTask:
         target_worker_id="decode-0",
         target_block_ids=list(range(num_tokens // 16 + 1)),
         sampling_params={"temperature": 0.0, "max_tokens": 1},
-        arrival_time=time.time(),  # stamped just before put: the latency start
+        deadline=time.time() + 600,
+        arrival_time=time.time(),  # stamped just before put (and signing): the latency start
     )
+    return signer.sign(task) if signer is not None else task
+
+
+class _Clients:
+    """One QueueClient per transport: "wire-tls" is the TLS queue's wire, verified with the CA."""
+
+    def __init__(self, queues: dict, ca_file: str | None):
+        self.queues, self.ca_file = queues, ca_file
+        self.clients: dict[str, QueueClient] = {}
+
+    def __call__(self, transport: str) -> QueueClient:
+        if transport not in self.clients:
+            if transport == "wire-tls":
+                client = QueueClient(self.queues["tls"], "wire", tls=ClientTLS(ca_file=self.ca_file))
+            else:
+                client = QueueClient(self.queues["plain"], transport)
+            self.clients[transport] = client
+        return self.clients[transport]
 
 
 @ray.remote(num_cpus=0)
 class Producer:
-    """Puts tasks on the queue: paced (latency) or windowed flat out (throughput)."""
+    """Puts tasks on the queue (signed, as a decode worker does): paced (latency) or windowed
+    flat out (throughput)."""
 
-    def __init__(self, queue, freeze_gc: bool = True):
-        self.handle = queue
-        self.clients: dict[str, QueueClient] = {}
+    def __init__(self, queues: dict, ca_file: str | None = None, sign: bool = True, freeze_gc: bool = True):
+        self.client = _Clients(queues, ca_file)
+        self.signer = TaskSigner() if sign else None
         if freeze_gc:  # as the workers do after start-up
             freeze_gc_heap(type(self).__name__)
 
-    def client(self, transport: str) -> QueueClient:
-        if transport not in self.clients:
-            self.clients[transport] = QueueClient(self.handle, transport)
-        return self.clients[transport]
+    def public_key(self) -> str | None:
+        return self.signer.public_key if self.signer is not None else None
 
     async def paced(self, transport: str, first_id: int, count: int, rate_hz: float, num_tokens: int) -> int:
         queue = self.client(transport)
         period_s, start, rejected = 1.0 / rate_hz, time.perf_counter(), 0
         for i in range(count):
-            result = await queue.put(make_task(first_id + i, num_tokens))
+            result = await queue.put(make_task(first_id + i, num_tokens, self.signer))
             rejected += not result.ok
             sleep_s = start + (i + 1) * period_s - time.perf_counter()
             if sleep_s > 0:
@@ -91,7 +121,8 @@ class Producer:
         rejected, i = 0, 0
         while i < count:
             n = min(window, count - i)
-            results = await asyncio.gather(*[queue.put(make_task(first_id + i + k, num_tokens)) for k in range(n)])
+            results = await asyncio.gather(*[queue.put(make_task(first_id + i + k, num_tokens, self.signer))
+                                             for k in range(n)])
             rejected += sum(not r.ok for r in results)
             i += n
         return rejected
@@ -99,11 +130,13 @@ class Producer:
 
 @ray.remote(num_cpus=0)
 class Consumer:
-    """Long-polls get_batch; records when each task arrived in hand."""
+    """Long-polls get_batch; verifies each task's signature (as a prefill worker does), then
+    records when it arrived in hand."""
 
-    def __init__(self, queue, freeze_gc: bool = True):
-        self.handle = queue
-        self.clients: dict[str, QueueClient] = {}
+    def __init__(self, queues: dict, ca_file: str | None = None, public_key: str | None = None,
+                 freeze_gc: bool = True):
+        self.client = _Clients(queues, ca_file)
+        self.public_key = public_key
         if freeze_gc:  # as the workers do after start-up
             freeze_gc_heap(type(self).__name__)
 
@@ -119,9 +152,7 @@ class Consumer:
         to one more round trip. A second outstanding poll is always waiting
         at the queue, which is what an idle prefill worker can afford.
         """
-        if transport not in self.clients:
-            self.clients[transport] = QueueClient(self.handle, transport)
-        queue = self.clients[transport]
+        queue = self.client(transport)
         latencies_ms, batch_sizes, received = [], [], 0
         deadline = time.time() + timeout_s
         first_receive = last_receive = None
@@ -137,10 +168,14 @@ class Consumer:
         pending = {poll() for _ in range(polls)}
         while received < count and time.time() < deadline:
             finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            now = time.time()
             for fut in finished:
                 batch = fut.result()
                 pending.add(poll())
+                if self.public_key is not None:
+                    bad = [t.request_id for t in batch if verify_task(t, self.public_key) is not None]
+                    if bad:
+                        raise RuntimeError(f"tasks {bad[:3]} failed verification")
+                now = time.time()
                 done.extend(task.request_id for task in batch)
                 if not batch:
                     continue
@@ -162,9 +197,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100.0 * (len(ordered) - 1))))]
 
 
+def signing_us(num_tokens: int, repeat: int = 2000) -> dict:
+    """Microseconds to sign and to verify one task of `num_tokens` tokens (best of 5 runs)."""
+    signer = TaskSigner()
+    task = make_task(0, num_tokens, signer)
+    sign = min(timeit.repeat(lambda: signer.sign(task), number=repeat, repeat=5)) / repeat * 1e6
+    verify = min(timeit.repeat(lambda: verify_task(task, signer.public_key), number=repeat, repeat=5)) / repeat * 1e6
+    return {"tokens": num_tokens, "sign_us": sign, "verify_us": verify}
+
+
 def run_transport(producer, consumer, transport: str, args, round_no: int) -> dict:
     """One latency phase and one throughput phase over `transport`."""
-    base = (round_no * 2 + (transport == "ray")) * 10_000_000
+    base = (round_no * len(TRANSPORTS) + TRANSPORTS.index(transport)) * 10_000_000
     drained = consumer.drain.remote(transport, args.latency_tasks, args.batch_tokens, args.max_wait_ms, 300, args.polls)
     rejected = ray.get(producer.paced.remote(transport, base, args.latency_tasks, args.rate_hz, args.prompt_tokens))
     lat = ray.get(drained)
@@ -198,7 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         description="PrefillQueue microbenchmark: put->get_batch latency (p50/p99) between two Ray actors and "
         "tasks/s throughput, over the queue's wire and over Ray actor calls, side by side in one run.")
     parser.add_argument("--transports", default="wire,ray",
-                        help="comma-separated QueueClient transports to compare (default %(default)s)")
+                        help="comma-separated transports to compare: wire, wire-tls (the wire over TLS), ray "
+                        "(default %(default)s)")
+    parser.add_argument("--no-sign", dest="sign", action="store_false",
+                        help="put unsigned tasks and skip verification (the workers always sign and verify)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="rounds; each runs every transport once, the order alternating (default %(default)s)")
     parser.add_argument("--latency-tasks", type=int, default=1000, help="tasks per latency phase (default %(default)s)")
@@ -218,17 +265,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    bad = [t for t in transports if t not in ("wire", "ray")]
+    bad = [t for t in transports if t not in TRANSPORTS]
     if bad or not transports:
-        parser.error(f"--transports: {bad or 'nothing'} given; choose from wire, ray")
+        parser.error(f"--transports: {bad or 'nothing'} given; choose from {', '.join(TRANSPORTS)}")
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["RAY_worker_niceness"] = str(args.ray_worker_niceness)  # read by the raylet Ray starts
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, namespace="pdserve-bench")
     capacity = max(args.throughput_tasks, args.latency_tasks) + 1
-    queue = get_or_create_queue(f"bench-{uuid.uuid4().hex[:6]}", "pdserve-bench", capacity=capacity)
-    producer, consumer = Producer.remote(queue), Consumer.remote(queue)
-    ray.get([queue.stats.remote(), producer.__ray_ready__.remote(), consumer.__ray_ready__.remote()])
+    name = f"bench-{uuid.uuid4().hex[:6]}"
+    queues = {"plain": get_or_create_queue(name, "pdserve-bench", capacity=capacity)}
+    ca_file = None
+    if "wire-tls" in transports:  # a second queue whose wire speaks TLS (queue.tls), throw-away certificates
+        pki = make_certs(tempfile.mkdtemp(prefix="pdserve-bench-pki-"), ["127.0.0.1"], days=1)
+        ca_file = str(pki["ca"])
+        queues["tls"] = get_or_create_queue(f"{name}-tls", "pdserve-bench", capacity=capacity,
+                                            wire_tls={"cert": str(pki["queue"]), "key": str(pki["queue-key"])})
+    producer = Producer.remote(queues, ca_file, args.sign)
+    consumer = Consumer.remote(queues, ca_file, ray.get(producer.public_key.remote()))
+    ray.get([q.stats.remote() for q in queues.values()] + [consumer.__ray_ready__.remote()])
+    queue = queues["plain"]
 
     # Warm-up: first calls pay for connections and imports.
     for transport in transports:
@@ -248,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ping_ms += ray.get(producer.ping_rtt_ms.remote(consumer, 1000))
     stats = ray.get(queue.stats.remote())
     ray.shutdown()
+    signing = [signing_us(args.prompt_tokens), signing_us(2048)] if args.prompt_tokens != 2048 else [signing_us(2048)]
 
     result = {
         "transports": {t: summarize(r, args.rate_hz) for t, r in runs.items()},
@@ -255,14 +312,21 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_1m": os.getloadavg()[0],
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "queue_counters": stats.counters,
+        "signing_us": signing,
     }
+    if "wire" in runs and "wire-tls" in runs:
+        w, t = result["transports"]["wire"], result["transports"]["wire-tls"]
+        result["tls_over_wire"] = {
+            "p50": t["latency"]["p50_ms"] / w["latency"]["p50_ms"], "p99": t["latency"]["p99_ms"] / w["latency"]["p99_ms"],
+            "throughput": t["throughput"]["tasks_per_s"] / w["throughput"]["tasks_per_s"]}
     if "wire" in runs and "ray" in runs:
         w, r = result["transports"]["wire"], result["transports"]["ray"]
         result["ray_over_wire"] = {
             "p50": r["latency"]["p50_ms"] / w["latency"]["p50_ms"], "p99": r["latency"]["p99_ms"] / w["latency"]["p99_ms"],
             "throughput": w["throughput"]["tasks_per_s"] / r["throughput"]["tasks_per_s"]}
     print(f"prefill queue, {args.prompt_tokens}-token tasks, budget {args.batch_tokens} tokens, {os.cpu_count()} CPUs, "
-          f"ray {ray.__version__}, worker niceness {args.ray_worker_niceness}, {args.rounds} round(s)")
+          f"ray {ray.__version__}, worker niceness {args.ray_worker_niceness}, {args.rounds} round(s), "
+          f"tasks {'signed and verified' if args.sign else 'unsigned'}")
     base = result["baseline_actor_rtt"]
     print(f"baseline  empty Ray actor call round trip: p50 {base['p50_ms']:.2f} ms  p99 {base['p99_ms']:.2f} ms  "
           f"(1-min load average {result['load_avg_1m']:.2f})")
@@ -273,10 +337,15 @@ def main(argv: list[str] | None = None) -> int:
         rounds = " ".join(f"{x:.2f}" for x in lr["p99_ms_per_round"])
         print(f"{t:10s} {lr['p50_ms']:16.2f} ms {lr['p99_ms']:6.2f} ms {lr['max_ms']:6.2f} ms   {rounds:18s} "
               f"{tr['tasks_per_s']:8.0f} {tr['mean_batch_size']:10.1f}")
-        if res["in_use"] != [t]:
+        if res["in_use"] != [t.split("-")[0]]:
             print(f"warning: transport {t} ran as {res['in_use']}", file=sys.stderr)
         if res["rejected_puts"]:
             print(f"warning: {res['rejected_puts']} puts rejected over {t}", file=sys.stderr)
+    if "tls_over_wire" in result:
+        ratio = result["tls_over_wire"]
+        print(f"wire-tls vs wire: p50 {ratio['p50']:.2f}x, p99 {ratio['p99']:.2f}x, throughput {ratio['throughput']:.2f}x")
+    for sig in signing:
+        print(f"signing   a {sig['tokens']}-token task: sign {sig['sign_us']:.0f} us, verify {sig['verify_us']:.0f} us")
     if "ray_over_wire" in result:
         ratio = result["ray_over_wire"]
         print(f"wire vs ray: p50 {ratio['p50']:.1f}x lower, p99 {ratio['p99']:.1f}x lower, "

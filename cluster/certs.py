@@ -7,6 +7,7 @@ it (ECDSA P-256, PEM):
     decode.pem  decode-key.pem        server + client certificates for the hosts given
     prefill.pem prefill-key.pem       (the later control-plane increments use these)
     etcd.pem    etcd-key.pem
+    queue.pem   queue-key.pem         the prefill queue's wire (topology queue.tls)
     client.pem  client-key.pem        a client-only certificate for mutual TLS
     etcd-root.pem      etcd-root-key.pem       etcd client certificates, one per etcd identity
     etcd-operator.pem  etcd-operator-key.pem   (client use only; the common name is the etcd
@@ -31,7 +32,7 @@ from pathlib import Path
 from .etcd_auth import IDENTITIES as ETCD_IDENTITIES
 from .security import key_line
 
-SERVER_ROLES = ("decode", "prefill", "etcd")
+SERVER_ROLES = ("decode", "prefill", "etcd", "queue")
 CLIENT_ROLE = "client"
 # etcd takes the user name from a client certificate's common name: CN = the identity.
 ETCD_CLIENTS = {f"etcd-{identity}": identity for identity in ETCD_IDENTITIES}
@@ -134,7 +135,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "keys file holds (docs/security.md).")
     certs.set_defaults(func=lambda args: (certs.print_help(), 2)[1])
     sub = certs.add_subparsers(dest="certs_command", metavar="SUBCOMMAND")
-    make = sub.add_parser("make", help="a CA and decode/prefill/etcd/client certificates in DIR",
+    make = sub.add_parser("make", help="a CA and decode/prefill/etcd/queue/client certificates in DIR",
                           description="Write ca.pem, and <role>.pem + <role>-key.pem for the roles "
                           f"{', '.join(SERVER_ROLES)} (server and client use) and {CLIENT_ROLE} (client use "
                           "only), all signed by the CA, valid for the hosts given; and the etcd client "

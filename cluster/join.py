@@ -34,10 +34,12 @@ def open_queue(cfg: WorkerConfig, who: str):
     import ray
 
     from .queue import QueueClient, get_or_create_queue
+    from .security import ClientTLS
 
     if not ray.is_initialized():
         raise RuntimeError(f"{who} needs Ray: run it as a Ray actor or call ray.init first")
-    return QueueClient(get_or_create_queue(cfg.queue_name, cfg.queue_namespace), cfg.queue_transport)
+    tls = ClientTLS(**cfg.queue_tls) if cfg.queue_tls is not None else None
+    return QueueClient(get_or_create_queue(cfg.queue_name, cfg.queue_namespace), cfg.queue_transport, tls=tls)
 
 
 async def join_cluster(cfg: WorkerConfig, info: WorkerInfo, nixl_metadata: bytes | None = None, *,

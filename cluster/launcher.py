@@ -84,9 +84,12 @@ class Launcher:
             state.save(path)  # from here on, `down` can clean up whatever follows
             from .queue import get_or_create_queue
 
-            get_or_create_queue(t.queue.name, t.ray.namespace, t.queue.capacity, detached=True, wire_bind=t.queue.wire,
-                                on_head=True)
-            self.progress(f"queue     {t.queue.name} (capacity {t.queue.capacity}, wire {t.queue.wire})")
+            queue = get_or_create_queue(t.queue.name, t.ray.namespace, t.queue.capacity, detached=True,
+                                        wire_bind=t.queue.wire, on_head=True, wire_tls=t.queue.server_tls(t.resolve))
+            if t.queue.tls is not None:  # a certificate that does not load fails here, not in every worker
+                ray.get(queue.wire_endpoint.remote(), timeout=60)
+            self.progress(f"queue     {t.queue.name} (capacity {t.queue.capacity}, wire {t.queue.wire}"
+                          f"{', TLS' if t.queue.tls else ''})")
             handles = self._start_workers(state)
             state.save(path)
             self._wait_ready(state, handles)

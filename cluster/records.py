@@ -31,6 +31,9 @@ class WorkerInfo:
     block_size, num_kv_heads, head_dim); `capacity` is static (KV blocks,
     max batch tokens); `load` is free-form and refreshed with
     `Registry.update()`. `version` is the worker's software version.
+    `task_key` (decode workers with remote prefill): the Ed25519 public key
+    that signs its prefill tasks (queue/signing.py), base64; prefill workers
+    write only into blocks of tasks it signed.
     """
 
     worker_id: str
@@ -43,6 +46,7 @@ class WorkerInfo:
     load: dict[str, Any] = field(default_factory=dict)
     hostname: str = ""  # the machine the worker runs on (`pdserve status`)
     address: str = ""  # the address its servers bind and advertise (network.bind)
+    task_key: str = ""  # public key of its prefill-task signatures (decode; "" = signs none)
 
     def __post_init__(self) -> None:
         check_name("worker_id", self.worker_id)

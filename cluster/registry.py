@@ -67,6 +67,11 @@ class Registry(Registration):
         reply = await self.client().get_prefix(self.keys.workers_prefix(role))
         return dict(decode_members(self.keys, reply))
 
+    async def member(self, role: str, worker_id: str) -> WorkerInfo | None:
+        """One worker's record as etcd holds it now (None: not registered); ValueError if malformed."""
+        reply = await self.client().get(self.keys.worker(role, worker_id))
+        return None if reply is None else WorkerInfo.from_json(reply.value)
+
     async def get_nixl_metadata(self, worker_id: str) -> bytes | None:
         reply = await self.client().get(self.keys.nixl(worker_id))
         return None if reply is None else reply.value

@@ -130,6 +130,30 @@ class RaySpec(_Strict):
     worker_niceness: int = Field(0, ge=0, le=19)
 
 
+class QueueTlsSpec(_Strict):
+    """TLS for the prefill queue's wire (PEM files; docs/security.md). `cert`/`key`: the queue
+    actor's certificate, which must name the address the wire advertises (127.0.0.1 with
+    `wire: loopback`, the Ray head's IP with `wire: node`). `ca`: what the workers verify it
+    with (default: the system's trust store). `client_ca` set: mutual TLS, workers present
+    `client_cert`/`client_key`, which that CA must have signed."""
+
+    cert: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+    ca: str | None = None
+    client_ca: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _mutual_tls_is_complete(self) -> "QueueTlsSpec":
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("client_cert and client_key go together")
+        if self.client_ca is not None and self.client_cert is None:
+            raise ValueError("client_ca (mutual TLS) needs client_cert and client_key: the certificate the "
+                             "workers present to the queue")
+        return self
+
+
 class QueueSpec(_Strict):
     """The prefill queue actor, and how prefill workers pull from it."""
 
@@ -144,6 +168,29 @@ class QueueSpec(_Strict):
     # actor calls): "loopback" (clients on the queue's Ray node; others use Ray calls),
     # "node" (the node's IP: every node of a multi-node cluster) or "off" (Ray calls only).
     wire: Literal["loopback", "node", "off"] = "loopback"
+    # The wire over TLS (or mutual TLS); its token is still required. Off by default: set it
+    # whenever the wire's address is reachable by anything but the cluster (wire: node).
+    tls: QueueTlsSpec | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _tls_needs_a_wire(self) -> "QueueSpec":
+        if self.tls is not None and self.wire == "off":
+            raise ValueError("tls: the queue serves no wire (wire: off); remove queue.tls or set queue.wire")
+        return self
+
+    def files(self) -> list[tuple[str, str]]:
+        """(dotted key, path) of every file it names."""
+        return [(f"queue.tls.{k}", getattr(self.tls, k)) for k in ("cert", "key", "ca", "client_ca", "client_cert",
+                                                                    "client_key")
+                if self.tls is not None and getattr(self.tls, k)]
+
+    def server_tls(self, resolve) -> dict | None:
+        """The queue actor's `wire_tls` (files resolved with `resolve`); None: plaintext."""
+        tls = self.tls
+        if tls is None:
+            return None
+        return {"cert": str(resolve(tls.cert)), "key": str(resolve(tls.key)),
+                "client_ca": str(resolve(tls.client_ca)) if tls.client_ca else None}
 
 
 class KVTransportSpec(_Strict):
@@ -416,7 +463,8 @@ def load_topology(path: str | Path, *, check_files: bool = True) -> Topology:
         missing = [
             (key, line_of(root, tuple(key.split("."))), f"file {value!r} not found (resolved to {topology.resolve(value)})")
             for key, value in (("router_policy", topology.router_policy), ("autoscale_policy", topology.autoscale_policy),
-                               *topology.security.files(), *(topology.etcd.tls.files() if topology.etcd.tls else ()))
+                               *topology.security.files(), *(topology.etcd.tls.files() if topology.etcd.tls else ()),
+                               *topology.queue.files())
             if value is not None and not topology.resolve(value).is_file()
         ]
         if missing:

@@ -36,6 +36,9 @@ class WorkerConfig:
     queue_name: str = DEFAULT_QUEUE_NAME
     queue_namespace: str = DEFAULT_NAMESPACE
     queue_transport: str = "auto"  # "auto" (the queue's wire when reachable) | "wire" | "ray"
+    # TLS to the queue's wire (security.ClientTLS fields: ca_file, cert_file, key_file), from the
+    # topology's queue.tls; None: plaintext (a client then refuses a TLS wire, and vice versa).
+    queue_tls: dict | None = None
     # Where this worker's servers bind and what it advertises: the topology's network.bind
     # (loopback | node | interface | CIDR | address; cluster/netaddr.py).
     bind: str = LOOPBACK
@@ -80,7 +83,8 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
                           queue_name=topology.queue.name,
                           queue_namespace=topology.ray.namespace, freeze_gc=True,
                           bind=topology.network.bind, ucx_env=dict(topology.network.ucx),
-                          kv_transport=topology.network.kv_transport.model_dump())
+                          kv_transport=topology.network.kv_transport.model_dump(),
+                          queue_tls=_queue_client_tls(topology))
     out = dataclasses.asdict(common)
 
     def port(name: str) -> int:  # replica i listens on base + i; 0: any free port
@@ -103,6 +107,16 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
 def _worker_etcd_tls(topology: "Topology") -> dict | None:
     tls = topology.etcd_tls("worker")  # ValueError naming etcd.tls.worker when TLS lacks it
     return None if tls is None else tls.to_dict()
+
+
+def _queue_client_tls(topology: "Topology") -> dict | None:
+    """How workers reach a queue wire that speaks TLS (queue.tls): its CA and, under mutual
+    TLS, the client certificate they present; files resolved like the topology's."""
+    tls = topology.queue.tls
+    if tls is None:
+        return None
+    path = lambda p: str(topology.resolve(p)) if p else None  # noqa: E731
+    return {"ca_file": path(tls.ca), "cert_file": path(tls.client_cert), "key_file": path(tls.client_key)}
 
 
 def _decode_security(topology: "Topology") -> dict[str, Any]:

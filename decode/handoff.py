@@ -28,6 +28,12 @@ stay quarantined until that attempt's own notification arrives (its writes
 are over) or `quarantine_s` passes, so a late write never lands in blocks
 another request owns.
 
+A `PrefillDone` is checked before it counts (`check_done`): it must name a
+live attempt of this worker (request id + epoch) and the number of tokens the
+task it signed asked for. Anything else (an attempt never started or already
+over, a forged or confused notice) is refused, and the caller counts it; it
+changes nothing here.
+
 Pure: no Ray, etcd, NIXL or engine; thread-safe (the event loop marks puts
 and reads the awaited set, the engine thread does the rest).
 """
@@ -67,6 +73,10 @@ class Effect(str, enum.Enum):
     ABORT_QUARANTINE = "abort_quarantine"  # connector.abort(request, quarantine_key)
     FREE = "free"  # connector.free(quarantine_key)
 
+
+# Why a PrefillDone was refused (`Handoffs.check_done`; the metric's `reason` label).
+UNKNOWN_ATTEMPT = "unknown_attempt"  # no live attempt (request, epoch) here: never started, or over
+WRONG_SIZE = "wrong_size"  # it claims a token count other than the signed task's
 
 S, E = HandoffState, Effect
 # (state, event) -> (new state, effect): every transition there is, in one place.
@@ -148,6 +158,20 @@ class Handoffs:
         if not step.stale and task is not None:
             step.handoff.task = task
         return step
+
+    def check_done(self, request_id: str, epoch: int, num_tokens_written: int) -> str | None:
+        """Why a `PrefillDone` for (request_id, epoch) saying it wrote `num_tokens_written` tokens
+        must be refused (UNKNOWN_ATTEMPT, WRONG_SIZE), or None. An attempt still live may be
+        awaited or quarantined (a late done frees its blocks); a READY, fallen back or aborted
+        one is over: a second done for it is refused, not applied."""
+        with self._lock:
+            h = self._live.get((request_id, epoch))
+        if h is None:
+            return UNKNOWN_ATTEMPT
+        expected = getattr(h.task, "num_prefill_tokens", None)  # the task this worker signed and put
+        if expected is not None and num_tokens_written != expected:
+            return WRONG_SIZE
+        return None
 
     def done(self, request_id: str, epoch: int) -> Step:
         """The attempt's `PrefillDone` arrived: its writes are over."""

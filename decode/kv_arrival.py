@@ -7,6 +7,13 @@ decides through the engine's KV connector: run the request from its first
 token, fall back to a local prefill, abort, or free a quarantine. It also
 expires quarantines and applies what the event-loop side decided
 (`apply`, posted with `AsyncEngine.call`). Engine state changes here only.
+
+A `PrefillDone` this worker did not ask for (no live attempt with that
+request id and epoch, or a token count other than the task it signed) is
+refused before it touches anything, and counted
+(`pdserve_remote_notifications_refused_total{reason}`, counter `refused_done`).
+NIXL notifications are not authenticated: this catches confusion and stray
+notices, not an attacker on the data-plane network (docs/security.md).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ class KVArrival:
         self.metrics = metrics
         self.costs = costs  # the router's CostModel, fed with measured prefill/transfer costs
         self.counters = {"notifications": 0, "stale": 0, "malformed": 0, "ready": 0, "fallbacks": 0,
-                         "bytes_received": 0, "prefill_failed": 0}
+                         "bytes_received": 0, "prefill_failed": 0, "refused_done": 0}
+        self.refused_causes: dict[str, int] = {}  # why PrefillDone notices were refused -> count
         self.fallback_causes: dict[str, int] = {}  # fallback reason -> count (the metric's label)
         self.info: dict[str, dict] = {}  # request -> its breakdown, handed to its stream
         self.on_ready_reput = None  # callable(request_id): cancel a re-put copy (event loop)
@@ -120,13 +128,17 @@ class KVArrival:
 
         self.loop.call_soon_threadsafe(feed)
 
-    def _on_notification(self, msg: PrefillDone | PrefillFailed) -> None:
+    def _on_notification(self, msg: PrefillDone | PrefillFailed, sender: str = "") -> None:
         if isinstance(msg, PrefillFailed):
             self.counters["prefill_failed"] += 1
             worker = f" on {msg.prefill_worker}" if msg.prefill_worker else ""
             step = self.handoffs.failed(msg.request_id, msg.epoch, msg.writes_settled,
                                         f"{msg.kind}{worker}: {msg.detail}")
         else:
+            refused = self.handoffs.check_done(msg.request_id, msg.epoch, msg.num_tokens_written)
+            if refused is not None:
+                self._refuse(msg, sender, refused)
+                return
             step = self.handoffs.done(msg.request_id, msg.epoch)
         if step.effect is Effect.RUN and not self.connector.is_awaiting(msg.request_id):
             step = Step(Effect.NONE)  # cannot happen while every change goes through the table
@@ -134,6 +146,13 @@ class KVArrival:
         if step.stale or step.effect is Effect.FREE:  # ignored, or the late end of an abandoned attempt
             self.counters["stale"] += 1
         self.apply(step, msg)
+
+    def _refuse(self, msg: PrefillDone, sender: str, reason: str) -> None:
+        self.counters["refused_done"] += 1
+        self.refused_causes[reason] = self.refused_causes.get(reason, 0) + 1
+        self.metrics.refused_notification(reason)
+        log.warning("PrefillDone from %s for request %s attempt %d (%d tokens) refused: %s", sender or "?",
+                    msg.request_id, msg.epoch, msg.num_tokens_written, reason)
 
     def poll(self) -> bool:
         """Engine-thread poller: NIXL progress, notifications, quarantine expiry."""
@@ -148,7 +167,7 @@ class KVArrival:
                 self.counters["malformed"] += 1
                 log.warning("malformed notification from %s ignored: %s", note.sender, exc)
                 continue
-            self._on_notification(msg)
+            self._on_notification(msg, note.sender)
         for step in self.handoffs.expire():
             self.apply(step)
         # While pages are awaited, keep the loop polling briskly.

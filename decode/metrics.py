@@ -56,6 +56,10 @@ class WorkerMetrics:
         self.transfer_bytes = hist("pdserve_kv_transfer_bytes", "KV bytes received per remote prefill", _BYTES_BUCKETS)
         self.transfer_seconds = hist("pdserve_kv_transfer_seconds", "KV transfer duration per remote prefill", _LATENCY_BUCKETS_S)
         self.transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV transfers", names, registry=r).labels(**labels)
+        self._refused_notifications = Counter(
+            "pdserve_remote_notifications_refused",
+            "PrefillDone notices refused: no live attempt (request, epoch) here, or a token count other than the "
+            "signed task's", names + ["reason"], registry=r)
 
     def request_finished(self, reason: str) -> None:
         self._requests.labels(finish_reason=reason, **self.labels).inc()
@@ -71,6 +75,9 @@ class WorkerMetrics:
 
     def fallback(self, reason: str) -> None:
         self.fallbacks.labels(reason=reason, **self.labels).inc()
+
+    def refused_notification(self, reason: str) -> None:
+        self._refused_notifications.labels(reason=reason, **self.labels).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

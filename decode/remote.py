@@ -17,6 +17,10 @@ kind. If the queue restarts, the tasks still awaited are put again under the
 same epoch (their blocks are still reserved for them); if it stays
 unreachable for `queue_lost_s`, they fall back. Every await here is bounded,
 so a remote request ends by its deadline whatever dies on the way.
+
+Every task is signed (`TaskSigner`, cluster/queue/signing.py) with the key
+this worker publishes in its etcd record: prefill workers write only into
+blocks this worker reserved and signed for, whatever else reaches the queue.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pdserve.cluster.queue import PrefillTask
+from pdserve.cluster.queue import PrefillTask, TaskSigner
 from pdserve.engine import Reservation
 from pdserve.kvtransfer import KVTransferAgent
 
@@ -59,6 +63,7 @@ class RemotePrefill:
         self.engine = engine
         self.queue = queue
         self.cfg = cfg or RemoteConfig()
+        self.signer = TaskSigner()  # its public key goes into this worker's etcd record (task_key)
         self.view = PrefillView()
         self.handoffs = Handoffs(self.cfg.quarantine_s)
         self.arrival = KVArrival(engine, agent, self.handoffs, metrics, costs)  # the engine-thread half
@@ -171,6 +176,7 @@ class RemotePrefill:
             sampling_params=prep.params.to_dict(), priority=prep.priority,
             deadline=time.time() + self.cfg.timeout_s,
         )
+        self.signer.sign(task)  # binds the blocks to this worker: the prefill worker checks it
         h.task = task
         try:
             put = await asyncio.wait_for(self.queue.put(task), self.cfg.queue_call_s)

@@ -202,6 +202,7 @@ class DecodeWorker:
             capacity={"num_blocks": eng.load().num_blocks, "max_num_seqs": eng.config.max_num_seqs,
                       "max_model_len": eng.max_model_len},
             version=VERSION, load=self._load(), hostname=socket.gethostname(), address=self.host,
+            task_key=self.remote.signer.public_key if self.remote is not None else "",
         )
 
     def _load(self) -> dict:

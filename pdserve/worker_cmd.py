@@ -197,9 +197,10 @@ class Worker:
         The first worker of the cluster creates it; an existing queue keeps its settings."""
         from pdserve.cluster.queue import get_or_create_queue
 
-        q = self.p.topology.queue
-        get_or_create_queue(q.name, self.p.topology.ray.namespace, q.capacity, detached=True, wire_bind=q.wire,
-                            on_head=True)
+        t = self.p.topology
+        q = t.queue
+        get_or_create_queue(q.name, t.ray.namespace, q.capacity, detached=True, wire_bind=q.wire,
+                            on_head=True, wire_tls=q.server_tls(t.resolve))
 
     def _serve(self, model: str, node: str) -> int:
         import ray

@@ -51,6 +51,9 @@ class PrefillStats:
     transfer_failures: int = 0  # page writes that failed or timed out
     failure_notices_sent: int = 0  # PrefillFailed over NIXL
     failed_by_kind: Counter = field(default_factory=Counter)
+    # Tasks refused before any work: not signed by their target decode worker (prefill/worker.py)
+    tasks_rejected: int = 0
+    rejected_by_reason: Counter = field(default_factory=Counter)
 
 
 @dataclass

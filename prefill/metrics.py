@@ -18,7 +18,8 @@ _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0
 
 
 class _StatsCollector:
-    """Exposes the worker's counters (tasks done/failed by kind, transfer failures, bytes)."""
+    """Exposes the worker's counters (tasks done/failed by kind, rejected by reason, transfer
+    failures, bytes)."""
 
     def __init__(self, worker_id: str, stats):
         self.worker_id = worker_id
@@ -39,6 +40,12 @@ class _StatsCollector:
         for kind, n in sorted(s.failed_by_kind.items()):
             failed.add_metric(w + [kind], n)
         yield failed
+        rejected = CounterMetricFamily("pdserve_prefill_tasks_rejected",
+                                       "Tasks refused before any work: not signed by the decode worker they "
+                                       "target, by reason", labels=labels + ["reason"])
+        for reason, n in sorted(s.rejected_by_reason.items()):
+            rejected.add_metric(w + [reason], n)
+        yield rejected
         yield counter("pdserve_kv_transfer_failures", "KV page writes that failed or timed out", s.transfer_failures)
         yield counter("pdserve_kv_transfer_bytes_written", "KV bytes written to decode workers", s.bytes_written)
         yield counter("pdserve_prefill_batches", "Prefill batches run", s.batches)

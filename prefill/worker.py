@@ -9,6 +9,11 @@ notification with the first sampled token rides behind the pages. A task that
 cannot be delivered ends with a `PrefillFailed` notice instead (prefill/batch.py),
 so its decode worker prefills locally at once; no task ends the pull loop.
 
+Before anything is computed or written, every task must carry a valid signature
+of the decode worker it targets (the key in that worker's etcd record;
+cluster/queue/signing.py): a task that names blocks its decode worker did not
+reserve and sign is dropped and counted (`pdserve_prefill_tasks_rejected`).
+
 Runs as a Ray actor (``pdserve.prefill.worker:PrefillWorker`` is the
 topology's default entry point) or in-process; the engine work happens in
 one worker thread so the asyncio side (keep-alive, watches) stays responsive.
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from pdserve.cluster.join import join_cluster, leave_cluster, open_queue, publish_load
 from pdserve.cluster.keys import VERSION
 from pdserve.cluster.load import BusyMeter, gpu_load
+from pdserve.cluster.queue import BAD_SIGNATURE, NO_KEY, verify_task
 from pdserve.cluster.records import WorkerInfo
 from pdserve.cluster.runtime import freeze_gc_heap
 from pdserve.cluster.worker_config import WorkerConfig
@@ -77,6 +83,7 @@ class PrefillWorker:
         # Peer changes are applied by the batch thread, the only user of the NIXL agent.
         self._peers_to_remove: set[str] = set()
         self._known_peers: set[str] = set()
+        self._task_keys: dict[str, str] = {}  # decode worker id -> its published task key, as last read
         self._batch: PrefillBatch | None = None
         self._queue_instance: str | None = None
         self.loop_error: str | None = None
@@ -132,6 +139,7 @@ class PrefillWorker:
 
     def _decode_gone(self, info) -> None:
         # A vanished decode worker's pages are gone: forget its NIXL agent.
+        self._task_keys.pop(info.worker_id, None)
         if info.worker_id in self._known_peers:
             self._known_peers.discard(info.worker_id)
             self._peers_to_remove.add(info.worker_id)
@@ -204,6 +212,49 @@ class PrefillWorker:
             return []
 
     async def _serve(self, tasks: list) -> None:
+        accepted = await self._authenticate(tasks)
+        if accepted:
+            await self._prefill(accepted)
+        await self._queue_call("complete", self.worker_id, [t.request_id for t in tasks])
+
+    async def _authenticate(self, tasks: list) -> list:
+        """The tasks their target decode worker signed. The others are dropped here, before any
+        compute, NIXL peer or write, and counted; nobody is told (a PrefillFailed, or a `fail`
+        through the queue, for a forged task would let its forger end the attempt it names of
+        some other request). The queue forgets them when the batch completes."""
+        accepted, refreshed = [], set()
+        for t in tasks:
+            target = t.target_worker_id
+            reason = verify_task(t, await self._task_key(target))
+            if reason in (BAD_SIGNATURE, NO_KEY) and target not in refreshed:
+                refreshed.add(target)  # its key may be new (it restarted): read the record again, once a batch
+                reason = verify_task(t, await self._task_key(target, refresh=True))
+            if reason is None:
+                accepted.append(t)
+                continue
+            self.stats.tasks_rejected += 1
+            self.stats.rejected_by_reason[reason] += 1
+            log.warning("task %s (epoch %s) for %s, blocks %s, refused before any work: %s", t.request_id, t.epoch,
+                        target, t.target_block_ids[:8], reason)
+        return accepted
+
+    async def _task_key(self, worker_id: str, refresh: bool = False) -> str | None:
+        """The task key decode worker `worker_id` publishes in its etcd record (None: none)."""
+        if not refresh and worker_id in self._task_keys:
+            return self._task_keys[worker_id]
+        try:
+            info = await asyncio.wait_for(self.registry.member("decode", worker_id), PEER_LOOKUP_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001  (etcd down or slow, a malformed record: no key to trust)
+            log.warning("could not read the task key of decode worker %s: %r", worker_id, exc)
+            return None
+        key = info.task_key if info is not None and info.task_key else None
+        if key is None:
+            self._task_keys.pop(worker_id, None)
+        else:
+            self._task_keys[worker_id] = key
+        return key
+
+    async def _prefill(self, tasks: list) -> None:
         new_peers: dict[str, dict] = {}
         unusable: dict[str, str] = {}
         for target in dict.fromkeys(t.target_worker_id for t in tasks):
@@ -219,7 +270,6 @@ class PrefillWorker:
             # queue path frees the blocks at once; the decode worker's deadline quarantines them.
             if f.writes_settled:
                 await self._queue_call("fail", self.worker_id, f.task.request_id, f.kind, f.detail)
-        await self._queue_call("complete", self.worker_id, [t.request_id for t in tasks])
 
     def _run_batch(self, tasks, new_peers: dict, unusable: dict):
         self._sync_peers(new_peers, unusable)

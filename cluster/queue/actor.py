@@ -26,7 +26,7 @@ from ..keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_NAME
 from ..queue_metrics import QueueMetrics
 from ..runtime import freeze_gc_heap
 from .core import QueueCore
-from .server import WireServer
+from .server import WireServer, server_tls
 from .task import FailedTask, PrefillTask, PutResult, QueueStats
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,15 @@ class PrefillQueue:
     `QueueClient`, which uses the actor's wire (see `server`) when it can:
     `wire_bind` is "loopback" (127.0.0.1: clients on this Ray node), "node"
     (the node's IP: every node; multi-node clusters) or "off" (Ray calls only).
+    `wire_tls` ({"cert", "key", "client_ca"}: PEM paths on the queue's node, the
+    topology's `queue.tls`) makes the wire TLS only (`server.server_tls`).
     """
 
     def __init__(self, capacity: int = DEFAULT_QUEUE_CAPACITY, max_requeues: int = 1,
-                 wire_bind: str = "loopback", metrics_port: int | None = None):
+                 wire_bind: str = "loopback", metrics_port: int | None = None, wire_tls: dict | None = None):
         if wire_bind not in WIRE_BINDS:
             raise ValueError(f"wire_bind={wire_bind!r} must be one of {list(WIRE_BINDS)}")
+        self._wire_tls = wire_tls
         self._metrics = QueueMetrics(self)
         self._core = QueueCore(capacity, max_requeues=max_requeues, on_dispatch=self._metrics.wait.observe)
         # /metrics (port None: a free one, 0: off) where the wire would listen: loopback, or the
@@ -74,8 +77,9 @@ class PrefillQueue:
         freeze_gc_heap("prefill queue actor")  # no 30 ms full-collection pauses in the hot path
 
     async def wire_endpoint(self) -> dict | None:
-        """Where the wire listens: {"host", "port", "token", "node_id"}, started on first
-        call; None when wire_bind is "off"."""
+        """Where the wire listens: {"host", "port", "token", "node_id", "tls"}, started on first
+        call; None when wire_bind is "off". A `wire_tls` file that does not load raises here,
+        naming its `queue.tls` key."""
         if self._wire_bind == "off":
             return None
         if self._wire is None:
@@ -84,11 +88,18 @@ class PrefillQueue:
 
     async def _start_wire(self) -> dict:
         host = "127.0.0.1" if self._wire_bind == "loopback" else ray.util.get_node_ip_address()
-        self._wire_server = WireServer(self, on_undelivered=self._undelivered)
+        tls = server_tls(**self._wire_tls) if self._wire_tls else None
+        self._wire_server = WireServer(self, on_undelivered=self._undelivered, tls=tls)
         host, port = await self._wire_server.start(host)
         node_id = ray.get_runtime_context().get_node_id()
-        log.info("prefill queue wire on %s:%d (node %s)", host, port, node_id[:12])
-        return {"host": host, "port": port, "token": self._wire_server.token, "node_id": node_id}
+        log.info("prefill queue wire on %s:%d (node %s, %s)", host, port, node_id[:12],
+                 "TLS" + (", client certificates required" if self._wire_tls.get("client_ca") else "")
+                 if tls else "plaintext")
+        if tls is None and self._wire_bind == "node":
+            log.warning("the prefill queue wire serves %s:%d without TLS: its token and the tasks cross the network "
+                        "in clear text; set queue.tls in the topology (docs/security.md)", host, port)
+        return {"host": host, "port": port, "token": self._wire_server.token, "node_id": node_id,
+                "tls": tls is not None}
 
     def _undelivered(self, worker_id: str, tasks: list[PrefillTask]) -> None:
         if self._core.untake(worker_id, tasks):
@@ -204,10 +215,10 @@ def _check_poll_args(worker_id, max_tokens, max_wait_ms, max_tasks) -> None:
 def get_or_create_queue(name: str = DEFAULT_QUEUE_NAME, namespace: str = DEFAULT_NAMESPACE,
                         capacity: int = DEFAULT_QUEUE_CAPACITY, *, detached: bool = False,
                         max_requeues: int = 1, wire_bind: str = "loopback", metrics_port: int | None = None,
-                        on_head: bool = False):
+                        on_head: bool = False, wire_tls: dict | None = None):
     """Handle to the named queue actor, creating it if absent (race-safe).
 
-    An existing actor keeps the capacity and wire_bind it was created with. `detached`
+    An existing actor keeps the capacity, wire_bind and wire_tls it was created with. `detached`
     lets the queue outlive the driver that created it (the launcher's choice).
     The actor reserves no CPU: it is I/O-bound and must not take a worker's slot.
     Ray restarts it when it dies (`QUEUE_MAX_RESTARTS`); calls are not retried
@@ -224,4 +235,5 @@ def get_or_create_queue(name: str = DEFAULT_QUEUE_NAME, namespace: str = DEFAULT
     if detached:
         options["lifetime"] = "detached"
     return PrefillQueue.options(**options).remote(capacity=capacity, max_requeues=max_requeues,
-                                                  wire_bind=wire_bind, metrics_port=metrics_port)
+                                                  wire_bind=wire_bind, metrics_port=metrics_port,
+                                                  wire_tls=wire_tls)

@@ -5,6 +5,13 @@ queue's wire (`server`, `frames`) when the actor serves one this process can
 reach, else over Ray calls. A lost connection fails the calls in flight on it
 at once (`QueueUnavailableError`, no hang) and is reopened on the next call;
 an error the actor raised comes back as `QueueCallError` with its type name.
+
+TLS: the actor's `wire_endpoint()` says whether its wire speaks TLS. A client
+made with `tls` (the topology's `queue.tls`: the CA, and under mutual TLS a
+client certificate) verifies the queue's certificate against the address it
+connects to; a client without it refuses a TLS wire, and a client with it
+refuses a plaintext one (it would send its token in clear text), each with an
+error naming the setting to change, never a silent fallback.
 """
 
 from __future__ import annotations
@@ -12,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import ssl
 from typing import Any
 
+from ..security import ClientTLS
 from .frames import CODECS, HELLO_TIMEOUT_S, WIRE_VERSION, WireError, pack_frame, read_frame
 
 log = logging.getLogger(__name__)
@@ -34,6 +43,24 @@ class QueueCallError(RuntimeError):
     def __init__(self, type_name: str, message: str):
         super().__init__(f"{type_name}: {message}")
         self.type = type_name
+
+
+def client_tls(tls: ClientTLS) -> ssl.SSLContext:
+    """A TLS 1.2+ client context that verifies the queue with `tls.ca_file` (None: the system's
+    trust store) and checks its certificate names the address dialled; with `tls.cert_file`,
+    presents that certificate (mutual TLS). A file that does not load: ValueError naming it."""
+    try:
+        ctx = ssl.create_default_context(cafile=tls.ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"queue.tls.ca: cannot load {tls.ca_file}: {exc}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if tls.cert_file:
+        try:
+            ctx.load_cert_chain(tls.cert_file, tls.key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"queue.tls.client_cert/queue.tls.client_key: cannot load {tls.cert_file} "
+                             f"with {tls.key_file}: {exc}") from None
+    return ctx
 
 
 def _is_loopback(host: str) -> bool:
@@ -109,11 +136,13 @@ class QueueClient:
     reopened on the next call, an unreachable actor raises Ray's error.
     """
 
-    def __init__(self, handle: Any, transport: str = "auto"):
+    def __init__(self, handle: Any, transport: str = "auto", tls: ClientTLS | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"queue transport {transport!r} must be one of {list(TRANSPORTS)}")
         self.handle = handle
         self.transport = transport
+        self.tls = tls
+        self._tls_context: ssl.SSLContext | None = None
         self.in_use: str | None = None  # "wire" | "ray" once resolved
         self._conn: _Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -196,11 +225,18 @@ class QueueClient:
                 log.info("queue: using Ray calls (%s)", reason)
                 self.in_use = "ray"
                 return None
+            host, port = endpoint["host"], endpoint["port"]
+            tls = self._tls_for(endpoint)
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(endpoint["host"], endpoint["port"], limit=1 << 20), CONNECT_TIMEOUT_S)
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                    host, port, limit=1 << 20, **tls), CONNECT_TIMEOUT_S)
                 writer.write(pack_frame({"hello": endpoint["token"], "v": WIRE_VERSION}))
                 reply = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)
+            except ssl.SSLError as exc:  # never a silent fallback: the setting is wrong, or someone is in between
+                raise QueueUnavailableError(
+                    f"TLS with the queue wire at {host}:{port} failed: {exc}. Check queue.tls.ca (it must have "
+                    f"signed the queue's certificate), that queue.tls.cert names {host}, and under mutual TLS "
+                    "queue.tls.client_cert") from None
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, WireError) as exc:
                 if self.transport == "wire":
                     raise QueueUnavailableError(f"queue wire at {endpoint['host']}:{endpoint['port']}: {exc!r}") from exc
@@ -214,6 +250,26 @@ class QueueClient:
             self._conn = _Connection(reader, writer)
             self.in_use = "wire"
             return self._conn
+
+    def _tls_for(self, endpoint: dict) -> dict:
+        """open_connection's TLS arguments for `endpoint`; QueueUnavailableError when this client's
+        TLS settings and the wire's disagree."""
+        where = f"{endpoint['host']}:{endpoint['port']}"
+        if not endpoint.get("tls"):
+            if self.tls is not None:
+                raise QueueUnavailableError(
+                    f"the queue wire at {where} is plaintext but this client expects TLS (queue.tls is set): "
+                    "refusing to send its token in clear text. The queue actor was started without queue.tls; "
+                    "restart the cluster with the same topology")
+            return {}
+        if self.tls is None:
+            raise QueueUnavailableError(
+                f"the queue wire at {where} requires TLS but this client has no queue TLS settings: set queue.tls "
+                "in the topology (worker config queue_tls)")
+        if self._tls_context is None:
+            self._tls_context = client_tls(self.tls)
+        return {"ssl": self._tls_context, "server_hostname": endpoint["host"],
+                "ssl_handshake_timeout": CONNECT_TIMEOUT_S}
 
     @staticmethod
     def _unreachable(endpoint: dict | None) -> str | None:

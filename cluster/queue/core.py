@@ -12,6 +12,12 @@ is queued, even if that task alone exceeds `max_tokens`: otherwise a prompt
 longer than the budget would starve forever. Tasks whose deadline has passed
 are never handed out; they are failed back to their origin with reason
 DEADLINE_EXPIRED.
+
+Replays: a task whose (request_id, epoch) this queue has settled (completed,
+failed back or cancelled) is refused (ALREADY_DONE) until its deadline; after
+that, put() refuses it as DEADLINE_PASSED anyway. A copy of a signed task
+(`signing`) therefore cannot be put again to write blocks its decode worker
+has since given to another request.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Callable
 
 from ..keys import DEFAULT_QUEUE_CAPACITY
 from .task import (
+    ALREADY_DONE,
     DEADLINE_EXPIRED,
     DEADLINE_PASSED,
     DUPLICATE,
@@ -40,6 +47,7 @@ from .task import (
 MAX_FAILED_PER_ORIGIN = 10_000  # failed tasks nobody collects must not grow without bound
 MAX_FAIL_REASON_CHARS = 64
 MAX_FAIL_DETAIL_CHARS = 300
+MAX_SETTLED_REMEMBERED = 200_000  # settled keys kept until their deadline (the oldest go first beyond this)
 
 
 class QueueCore:
@@ -66,6 +74,8 @@ class QueueCore:
         self._requeues: Counter = Counter()
         self._failed: dict[str, list[FailedTask]] = {}
         self._gone: Counter = Counter()  # worker_id -> how often worker_gone was called for it
+        self._settled: dict[tuple[str, int], float] = {}  # key -> deadline: refused by put/hold until then
+        self._settled_heap: list[tuple[float, tuple[str, int]]] = []
         self.counters: Counter = Counter()
         self.on_dispatch = on_dispatch  # called with each dispatched task's queue wait (s)
 
@@ -80,6 +90,8 @@ class QueueCore:
             reason = DUPLICATE
         elif task.deadline is not None and task.deadline <= self._clock():
             reason = DEADLINE_PASSED
+        elif self._was_settled(task.key):
+            reason = ALREADY_DONE
         elif len(self._queued) >= self.capacity:
             reason = QUEUE_FULL
         if reason is not None:
@@ -108,6 +120,22 @@ class QueueCore:
     def _remove(self, task: PrefillTask) -> None:
         del self._queued[task.key]
         self._queued_tokens -= task.num_prefill_tokens
+
+    def _settle(self, task: PrefillTask) -> None:
+        """`task` left the queue for good: refuse it again until its deadline (see the docstring)."""
+        if task.deadline is None or task.deadline <= self._clock():
+            return
+        if task.key not in self._settled:
+            heapq.heappush(self._settled_heap, (task.deadline, task.key))
+        self._settled[task.key] = task.deadline
+        while len(self._settled) > MAX_SETTLED_REMEMBERED:
+            self._settled.pop(heapq.heappop(self._settled_heap)[1], None)
+
+    def _was_settled(self, key: tuple[str, int]) -> bool:
+        now = self._clock()
+        while self._settled_heap and self._settled_heap[0][0] <= now:
+            self._settled.pop(heapq.heappop(self._settled_heap)[1], None)
+        return key in self._settled
 
     def take(self, worker_id: str, max_tokens: int, max_tasks: int | None = None) -> list[PrefillTask]:
         """The next batch for `worker_id` (see the module docstring); [] if none queued."""
@@ -141,7 +169,7 @@ class QueueCore:
         taken = self._in_flight.get(worker_id, {})
         keys = [key for key in taken if key[0] in wanted]
         for key in keys:
-            del taken[key]
+            self._settle(taken.pop(key))
             self._requeues.pop(key, None)
         if not taken:
             self._in_flight.pop(worker_id, None)
@@ -155,11 +183,12 @@ class QueueCore:
         queued = [entry[1] for key, entry in self._queued.items() if key[0] == request_id]
         for task in queued:
             self._remove(task)
+            self._settle(task)
         in_flight = False
         for worker_id in list(self._in_flight):
             taken = self._in_flight[worker_id]
             for key in [k for k in taken if k[0] == request_id]:
-                del taken[key]
+                self._settle(taken.pop(key))
                 self._requeues.pop(key, None)
                 in_flight = True
             if not taken:
@@ -198,6 +227,7 @@ class QueueCore:
                 "dropped_failed": dropped_failed}
 
     def _fail(self, task: PrefillTask, reason: str, detail: str) -> None:
+        self._settle(task)
         pending = self._failed.setdefault(task.origin, [])
         pending.append(FailedTask(task, reason, detail, self._clock()))
         del pending[:-MAX_FAILED_PER_ORIGIN]
@@ -234,6 +264,8 @@ class QueueCore:
         new = 0
         for task in tasks:
             if task.key in taken or any(task.key in t for w, t in self._in_flight.items() if w != worker_id):
+                continue
+            if self._was_settled(task.key):  # finished here already: not a task anybody still holds
                 continue
             if task.key in self._queued:
                 self._remove(self._queued[task.key][1])

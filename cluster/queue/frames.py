@@ -3,7 +3,10 @@
 Frame: ``u32 big-endian length | msgpack body`` (never pickle), at most
 `MAX_FRAME_BYTES`. The first frame on a connection is the hello
 ``{"hello": token, "v": WIRE_VERSION}``, the token being the one the actor
-hands out through its `wire_endpoint()` Ray method. Then:
+hands out through its `wire_endpoint()` Ray method; it may be at most
+`MAX_HELLO_BYTES`, and the server checks that from the length prefix alone,
+so a peer without the token never makes it read or allocate a large body.
+Then:
 
     request   {"id": n, "m": method, "a": [args]}
     response  {"id": n, "ok": true, "r": result}
@@ -28,6 +31,9 @@ from .task import FailedTask, PrefillTask, PutResult, QueueStats
 
 WIRE_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20
+# The hello is ~60 bytes; anything larger before a valid hello closes the connection
+# unread (a peer without the token gets no more than this much of the server's memory).
+MAX_HELLO_BYTES = 1024
 HELLO_TIMEOUT_S = 10.0
 
 
@@ -43,11 +49,14 @@ def pack_frame(body: Any) -> bytes:
     return len(payload).to_bytes(4, "big") + payload
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Any:
-    """The next frame's body; IncompleteReadError at end of stream, WireError if malformed."""
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES,
+                     what: str = "MAX_FRAME_BYTES", why: str = "") -> Any:
+    """The next frame's body; IncompleteReadError at end of stream, WireError if malformed.
+    A length over `max_bytes` (named `what` in the error, then `why`) is refused before any
+    of the body is read."""
     size = int.from_bytes(await reader.readexactly(4), "big")
-    if size > MAX_FRAME_BYTES:
-        raise WireError(f"frame of {size} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+    if size > max_bytes:
+        raise WireError(f"frame of {size} bytes exceeds {what}={max_bytes}{why}")
     payload = await reader.readexactly(size)
     try:
         return msgpack.unpackb(payload, raw=False)

@@ -21,9 +21,10 @@ from typing import Any
 
 from pdserve.common.priority import Priority
 
-# Why put() refused a task (PutResult.reason).
-QUEUE_FULL, DUPLICATE, DEADLINE_PASSED, NOTHING_TO_PREFILL = (
-    "queue_full", "duplicate", "deadline_passed", "nothing_to_prefill")
+# Why put() refused a task (PutResult.reason). ALREADY_DONE: this queue already settled that
+# (request_id, epoch) and its deadline has not passed (a replayed copy; core.QueueCore).
+QUEUE_FULL, DUPLICATE, DEADLINE_PASSED, NOTHING_TO_PREFILL, ALREADY_DONE = (
+    "queue_full", "duplicate", "deadline_passed", "nothing_to_prefill", "already_done")
 
 # Why the queue itself failed a task back to its origin (FailedTask.reason); a prefill
 # worker's `fail` gives its own kind instead (kvtransfer.messages.FAILURE_KINDS).
@@ -39,6 +40,8 @@ class PrefillTask:
     completion it sends carries (request_id, epoch), so the decode worker can
     ignore late results of an abandoned attempt. `origin` (default: the
     target) is where failed tasks are returned, via `take_failed(origin)`.
+    `signature`: the target decode worker's Ed25519 signature over the task
+    (`signing`); a prefill worker refuses a task without a valid one.
     """
 
     request_id: str
@@ -52,9 +55,12 @@ class PrefillTask:
     deadline: float | None = None  # absolute unix time; None = no deadline
     arrival_time: float = field(default_factory=time.time)
     origin: str = ""
+    signature: bytes = b""
 
     def __post_init__(self) -> None:
         self.priority = Priority.parse(self.priority)  # ValueError naming the choices
+        if not isinstance(self.signature, bytes):
+            raise ValueError(f"signature must be bytes, got {type(self.signature).__name__}")
         if not 0 <= self.cached_len <= len(self.token_ids):
             raise ValueError(f"cached_len={self.cached_len} outside [0, {len(self.token_ids)}]")
         if not self.origin:

@@ -183,3 +183,36 @@ def test_the_documented_keys_file_example_parses():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
     block = doc.split("The keys file holds the SHA-256 of each key, never the key:\n\n```\n", 1)[1].split("```")[0]
     assert [k.operator for k in parse_keys(block, "docs/security.md")] == [True, False]
+
+
+def test_queue_tls_reaches_the_queue_actor_and_every_worker_with_resolved_paths(tmp_path):
+    make_certs(tmp_path / "pki")
+    (tmp_path / "t.yaml").write_text(TOPOLOGY + textwrap.dedent("""\
+    queue:
+      tls: {cert: pki/queue.pem, key: pki/queue-key.pem, ca: pki/ca.pem, client_ca: pki/ca.pem,
+            client_cert: pki/client.pem, client_key: pki/client-key.pem}
+    """))
+    topo = load_topology(tmp_path / "t.yaml")
+    pki = tmp_path / "pki"
+    assert topo.queue.server_tls(topo.resolve) == {"cert": str(pki / "queue.pem"), "key": str(pki / "queue-key.pem"),
+                                                   "client_ca": str(pki / "ca.pem")}
+    for role in ("prefill", "decode"):
+        assert launch_config(topo, role, 0, model="/m", etcd_endpoints=[])["queue_tls"] == {
+            "ca_file": str(pki / "ca.pem"), "cert_file": str(pki / "client.pem"), "key_file": str(pki / "client-key.pem")}
+    (tmp_path / "plain.yaml").write_text(TOPOLOGY)
+    plain = load_topology(tmp_path / "plain.yaml")
+    assert plain.queue.server_tls(plain.resolve) is None
+    assert launch_config(plain, "prefill", 0, model="/m", etcd_endpoints=[])["queue_tls"] is None
+
+
+@pytest.mark.parametrize("queue, message", [
+    ("{wire: 'off', tls: {cert: pki/queue.pem, key: pki/queue-key.pem}}", "tls: the queue serves no wire (wire: off)"),
+    ("{tls: {cert: pki/queue.pem, key: pki/queue-key.pem, client_ca: pki/ca.pem}}", "needs client_cert and client_key"),
+    ("{tls: {cert: pki/nope.pem, key: pki/queue-key.pem}}", "queue.tls.cert: file 'pki/nope.pem' not found"),
+])
+def test_a_bad_queue_tls_section_is_refused_naming_the_key(tmp_path, queue, message):
+    make_certs(tmp_path / "pki")
+    (tmp_path / "t.yaml").write_text(TOPOLOGY + f"queue: {queue}\n")
+    with pytest.raises(TopologyError) as err:
+        load_topology(tmp_path / "t.yaml")
+    assert message in str(err.value)

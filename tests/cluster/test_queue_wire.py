@@ -1,5 +1,5 @@
 """The queue's wire (queue calls over a socket the Ray actor serves): hostile and broken
-clients, dead callers, the fallback to Ray calls. The API itself is covered for both
+clients, TLS, dead callers, the fallback to Ray calls. The API itself is covered for both
 transports in test_queue.py."""
 
 from __future__ import annotations
@@ -12,19 +12,25 @@ import msgpack
 import pytest
 import ray
 
+from pdserve.cluster.certs import make_certs
 from pdserve.cluster.queue import (
     MAX_FRAME_BYTES,
+    MAX_HELLO_BYTES,
     PrefillTask,
     QueueCallError,
     QueueClient,
     QueueCore,
     QueueUnavailableError,
+    WireError,
     WireServer,
     get_or_create_queue,
     pack_frame,
     read_frame,
     to_wire,
 )
+from pdserve.cluster.join import open_queue
+from pdserve.cluster.security import ClientTLS
+from pdserve.cluster.worker_config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,6 +65,23 @@ async def test_the_wire_listens_on_loopback_only_and_wants_the_token(handle):
     client = QueueClient(handle, "wire")
     assert (await client.put(task("a"))).ok and client.in_use == "wire"
     await client.close()
+
+
+async def test_a_huge_first_frame_is_refused_from_its_length_before_any_body_is_read(handle):
+    """Without the token, a peer gets the server to read 4 bytes: a 60 MiB length prefix closes
+    the connection at once (the server does not wait for, read or allocate the body)."""
+    endpoint = await handle.wire_endpoint.remote()
+    reader, writer = await asyncio.open_connection(endpoint["host"], endpoint["port"])
+    writer.write((60 << 20).to_bytes(4, "big") + b"\x00" * 1024)  # the header and a little of the "body"
+    await writer.drain()
+    # Well within HELLO_TIMEOUT_S (10 s), which is what a server waiting for the body would take.
+    reply = await asyncio.wait_for(read_frame(reader), 3)
+    assert reply["ok"] is False and reply["error"]["type"] == "WireError"
+    assert f"MAX_HELLO_BYTES={MAX_HELLO_BYTES}" in reply["error"]["message"]
+    assert await asyncio.wait_for(reader.read(), 3) == b""
+    writer.close()
+    counters = (await handle.stats.remote()).counters
+    assert counters["wire_bad_hello"] == 1 and counters["wire_connections"] == 0
 
 
 async def test_malformed_frames_close_that_connection_and_nothing_else(handle):
@@ -222,3 +245,72 @@ def test_tasks_cross_the_wire_as_plain_msgpack_unchanged():
     assert int.from_bytes(frame[:4], "big") == len(frame) - 4
     body = msgpack.unpackb(frame[4:], raw=False)  # any msgpack reader can decode it
     assert PrefillTask(**body["a"][0]) == t
+
+
+# -- TLS --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA and certificates for 127.0.0.1 (the loopback wire), and a CA that signed none of them."""
+    root = tmp_path_factory.mktemp("pki")
+    return make_certs(root / "ours", ["127.0.0.1"]), make_certs(root / "theirs", ["127.0.0.1"])
+
+
+def tls_queue(pki, client_ca: bool = False, name: str | None = None):
+    ours = pki[0]
+    return get_or_create_queue(name or f"w-{uuid.uuid4().hex[:8]}", "pdserve-tests", capacity=16, wire_tls={
+        "cert": str(ours["queue"]), "key": str(ours["queue-key"]), "client_ca": str(ours["ca"]) if client_ca else None})
+
+
+async def test_a_tls_wire_serves_clients_with_the_ca_and_refuses_plaintext_ones(ray_local, pki):
+    ours, theirs = pki
+    name = f"w-{uuid.uuid4().hex[:8]}"
+    h = tls_queue(pki, name=name)
+    try:
+        endpoint = await h.wire_endpoint.remote()
+        assert endpoint["tls"] is True
+        # What a worker opens from its config (the topology's queue.tls, as launch_config passes it).
+        good = open_queue(WorkerConfig(model="m", queue_name=name, queue_namespace="pdserve-tests",
+                                       queue_transport="wire", queue_tls={"ca_file": str(ours["ca"])}), "a test")
+        assert (await good.put(task("a"))).ok and good.in_use == "wire"
+        # pdserve's own client without TLS settings: refused, naming the setting, in "auto" too (no silent
+        # fallback to Ray calls: the topology is wrong and should be fixed).
+        for transport in ("wire", "auto"):
+            with pytest.raises(QueueUnavailableError, match="requires TLS.*set queue.tls"):
+                await QueueClient(h, transport).stats()
+        # A hand-written plaintext client: its hello is not TLS, the handshake fails, it is never served.
+        reader, writer = await asyncio.open_connection(endpoint["host"], endpoint["port"])
+        writer.write(pack_frame({"hello": endpoint["token"], "v": 1}))
+        with pytest.raises((asyncio.IncompleteReadError, ConnectionError, WireError)):
+            await asyncio.wait_for(read_frame(reader), 10)  # EOF, a reset, or a TLS alert (not a frame)
+        writer.close()
+        # A CA that did not sign the queue's certificate: the client refuses the server.
+        with pytest.raises(QueueUnavailableError, match="certificate verify failed.*queue.tls.ca"):
+            await QueueClient(h, "wire", tls=ClientTLS(ca_file=str(theirs["ca"]))).stats()
+        stats = await good.stats()
+        assert stats.depth == 1 and stats.counters["wire_connections"] == 1
+        assert stats.counters["wire_bad_hello"] == 0  # nobody else got as far as a hello
+        await good.close()
+    finally:
+        ray.kill(h)
+
+
+async def test_mutual_tls_wants_a_client_certificate_from_the_ca(ray_local, pki):
+    ours, theirs = pki
+    h = tls_queue(pki, client_ca=True)
+    try:
+        with pytest.raises(QueueUnavailableError):  # the server's CA is right, but no client certificate
+            await QueueClient(h, "wire", tls=ClientTLS(ca_file=str(ours["ca"]))).stats()
+        foreign = ClientTLS(ca_file=str(ours["ca"]), cert_file=str(theirs["client"]), key_file=str(theirs["client-key"]))
+        with pytest.raises(QueueUnavailableError):
+            await QueueClient(h, "wire", tls=foreign).stats()
+        good = QueueClient(h, "wire", tls=ClientTLS(ca_file=str(ours["ca"]), cert_file=str(ours["client"]),
+                                                    key_file=str(ours["client-key"])))
+        assert (await good.put(task("a"))).ok and good.in_use == "wire"
+        await good.close()
+    finally:
+        ray.kill(h)
+
+
+async def test_a_client_expecting_tls_refuses_a_plaintext_wire(handle, pki):
+    with pytest.raises(QueueUnavailableError, match="plaintext but this client expects TLS"):
+        await QueueClient(handle, "auto", tls=ClientTLS(ca_file=str(pki[0]["ca"]))).stats()

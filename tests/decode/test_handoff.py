@@ -158,3 +158,19 @@ def test_one_awaited_attempt_per_request(table):
 def test_abort_of_a_request_without_an_attempt_is_a_no_op_not_stale(table):
     step = table.abort("local-only", writer_may_exist=True)
     assert step.effect is E.NONE and "stale" not in table.counts
+
+
+def test_a_done_is_checked_against_the_live_attempt_and_its_signed_task(table):
+    from types import SimpleNamespace
+
+    from pdserve.decode.handoff import UNKNOWN_ATTEMPT, WRONG_SIZE
+
+    table.reserve("r1", 1, num_blocks=4)
+    table.queued("r1", 1, task=SimpleNamespace(num_prefill_tokens=50))
+    assert table.check_done("r1", 1, 50) is None
+    assert table.check_done("r1", 1, 64) == WRONG_SIZE  # claims other positions than it was asked for
+    assert table.check_done("r1", 2, 50) == UNKNOWN_ATTEMPT  # an epoch never started
+    assert table.check_done("nobody", 1, 50) == UNKNOWN_ATTEMPT
+    assert table.awaited("r1").state is S.QUEUED  # checking changes nothing
+    table.done("r1", 1)
+    assert table.check_done("r1", 1, 50) == UNKNOWN_ATTEMPT  # over: a second done is refused

@@ -1,5 +1,6 @@
 """The remote path under failure: a failed push falls back at once, the prefill loop
-survives its tasks, the queue survives its own death, no request hangs.
+survives its tasks, the queue survives its own death, no request hangs; and under attack:
+a task its decode worker did not sign writes nothing, a notice it did not ask for is refused.
 
 1P1D on CPU with real etcd, NIXL and Ray. The prefill worker runs in this process
 on its own event loop (so a test can inject a fault into its engine or its NIXL
@@ -20,12 +21,14 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+import torch
 
 from pdserve.api import AsyncClient
 from pdserve.cluster.etcd_server import EmbeddedEtcd
-from pdserve.cluster.queue import get_or_create_queue
+from pdserve.cluster.queue import PrefillTask, QueueClient, TaskSigner, get_or_create_queue
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
+from pdserve.kvtransfer import PrefillDone
 from pdserve.prefill.worker import PrefillWorker
 from tests.harness import WorkerThread, wait_until
 
@@ -158,8 +161,9 @@ def test_a_task_with_a_nan_temperature_fails_alone_and_the_loop_goes_on(cluster,
     put = remote.queue.put
 
     async def poisoned_put(task):
-        if len(task.token_ids) == len(bad):  # what an attacker or a buggy producer could enqueue
+        if len(task.token_ids) == len(bad):  # what a buggy decode worker could sign and enqueue
             task.sampling_params = {**task.sampling_params, "temperature": math.nan}
+            remote.signer.sign(task)
         return await put(task)
 
     monkeypatch.setattr(remote.queue, "put", poisoned_put)
@@ -251,6 +255,74 @@ def test_prefill_metrics_count_failures_by_kind(cluster):
         assert f'pdserve_prefill_tasks_failed_total{{kind="{kind}",worker_id="prefill-0"}} {n}.0' in text, kind
     assert 'pdserve_kv_transfer_failures_total{worker_id="prefill-0"}' in text
     assert "pdserve_prefill_batch_tasks_bucket" in text
+
+
+def test_a_task_its_decode_worker_did_not_sign_writes_nothing(cluster):
+    """The attack of issue #20: a process that can read the queue's token puts tasks naming
+    blocks of decode-0 that no request of decode-0 reserved. The prefill worker refuses each
+    before computing or writing anything: decode-0's KV pool is unchanged, byte for byte."""
+    d, p = cluster.decode.worker, cluster.prefill.worker
+    kv = d.engine.connector.kv_tensor
+    before = kv.clone()
+    num_blocks = d.engine.kv.pool.num_blocks
+    theirs = list(range(num_blocks - 4, num_blocks))  # 4 blocks x 16 tokens of decode-0's pool
+    rejected0, reasons0 = p.stats.tasks_rejected, dict(p.stats.rejected_by_reason)
+    counters0 = dict(d.remote.counters)
+
+    def crafted(rid: str, signer: TaskSigner | None, blocks: list[int]) -> PrefillTask:
+        t = PrefillTask(request_id=rid, epoch=1, token_ids=prompt_of(64, 90), cached_len=0,
+                        target_worker_id="decode-0", target_block_ids=blocks, deadline=time.time() + 60)
+        return signer.sign(t) if signer is not None else t
+
+    tampered = crafted("attack-tampered", d.remote.signer, [0, 1, 2, 3])  # decode-0 signed other blocks
+    tampered.target_block_ids = theirs
+    tasks = [crafted("attack-unsigned", None, theirs), crafted("attack-forged", TaskSigner(), theirs), tampered]
+
+    queue = get_or_create_queue(QUEUE, NAMESPACE)
+    completed0 = ray.get(queue.stats.remote(), timeout=30).counters.get("completed", 0)
+
+    async def put_all():
+        client = QueueClient(queue, "wire")  # with the token, as any local process can
+        try:
+            return [(await client.put(t)).ok for t in tasks]
+        finally:
+            await client.close()
+
+    assert asyncio.run(put_all()) == [True, True, True]
+    # The prefill worker took all three and is done with them (it completes a batch after its writes).
+    wait_until(lambda: ray.get(queue.stats.remote(), timeout=30).counters.get("completed", 0) == completed0 + 3, 30)
+    assert torch.equal(kv, before)
+    assert p.stats.tasks_rejected == rejected0 + 3
+    reasons = {k: v - reasons0.get(k, 0) for k, v in p.stats.rejected_by_reason.items()}
+    assert {k: v for k, v in reasons.items() if v} == {"unsigned": 1, "bad_signature": 2}
+    assert dict(d.remote.counters) == counters0  # decode-0 heard nothing (no notice, no fallback)
+    stats = ray.get(queue.stats.remote(), timeout=30)
+    assert stats.depth == 0 and stats.in_flight == {}  # taken, refused and completed
+    text = p.metrics.render().decode()
+    assert 'pdserve_prefill_tasks_rejected_total{reason="bad_signature",worker_id="prefill-0"} 2.0' in text
+    # The same worker still prefills decode-0's own (signed) tasks.
+    (out,) = run_remote(cluster, [prompt_of(120, 91)])
+    assert out.breakdown["route"] == "remote" and out.token_ids == reference(cluster, [prompt_of(120, 91)])[0]
+    assert_clean(cluster)
+
+
+def test_decode_refuses_and_counts_a_prefill_done_it_did_not_ask_for(cluster):
+    """A PrefillDone for an attempt decode-0 never started changes nothing there and is counted."""
+    d, p = cluster.decode.worker, cluster.prefill.worker
+    if "decode-0" not in p.agent.peers:  # run alone: one request connects the two agents
+        run_remote(cluster, [prompt_of(100, 92)])
+    arrival = d.remote.arrival
+    refused0 = arrival.refused_causes.get("unknown_attempt", 0)
+    counters0 = {k: v for k, v in d.remote.counters.items() if k not in ("notifications", "refused_done")}
+    kv = d.engine.connector.kv_tensor
+    before = kv.clone()
+    p.agent.send_notification("decode-0", PrefillDone("nobody-asked", 1, 5, None, 16, prefill_worker="x").encode())
+    wait_until(lambda: arrival.refused_causes.get("unknown_attempt", 0) == refused0 + 1, 10)
+    assert {k: v for k, v in d.remote.counters.items() if k not in ("notifications", "refused_done")} == counters0
+    assert not d.engine.requests and torch.equal(kv, before)
+    text = d.metrics.render().decode()
+    assert 'pdserve_remote_notifications_refused_total{reason="unknown_attempt",role="decode",worker_id="decode-0"}' \
+        in text
 
 
 def _gate_prefill(cluster) -> threading.Event:
