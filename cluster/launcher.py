@@ -32,6 +32,8 @@ from .actors import (WORKER_MAX_RESTARTS, StartedWorker, actor_name, load_entryp
 from .etcd_auth import bootstrap_rbac
 from .etcd_server import EmbeddedEtcd, free_loopback_port
 from .netaddr import resolve_bind
+from .protection import exposure_warnings
+from .ray_auth import apply_ray_auth, child_env
 from .security import grpc_channel, internal_client_tls
 from .state import ClusterState, state_path
 from .topology import Topology
@@ -72,6 +74,9 @@ class Launcher:
         # With etcd TLS, `up` acts as the operator and its workers as the worker identity:
         # a topology missing either fails here (naming the setting), before anything starts.
         t.etcd_tls("operator"), t.etcd_tls("worker")
+        for warning in exposure_warnings(t, self.ray_address):
+            self.progress(f"WARNING   {warning}")
+        ray_auth = apply_ray_auth(t)  # before Ray starts; no token: fails here, naming the setting
         run_dir = t.run_path
         run_dir.mkdir(parents=True, exist_ok=True)
         state = ClusterState(cluster=t.cluster, topology=self.topology_file, namespace=t.ray.namespace, ray_address="",
@@ -80,6 +85,7 @@ class Launcher:
         try:
             self._start_etcd(state, run_dir)
             self._start_ray(state, run_dir)
+            self.progress(f"ray       {ray_auth}")
             ray.init(address=state.ray_address, namespace=t.ray.namespace, log_to_driver=False)
             state.save(path)  # from here on, `down` can clean up whatever follows
             from .queue import get_or_create_queue
@@ -129,8 +135,8 @@ class Launcher:
         need = sum(max(getattr(roles, r).replicas, self.max_replicas.get(r, 0)) * getattr(roles, r).resources.num_cpus
                    for r in ("prefill", "decode"))
         cpus = max(2, int(need + 0.999))
-        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-               "RAY_worker_niceness": str(self.topo.ray.worker_niceness)}
+        # The head and every process it spawns authenticate as the topology says (ray.auth).
+        env = {**child_env(self.topo), "RAY_worker_niceness": str(self.topo.ray.worker_niceness)}
         log_file = open(run_dir / f"{self.topo.cluster}-ray.log", "ab")
         # `--block` keeps this head's processes under one process we own, so
         # `down` stops exactly this cluster's Ray and nothing else on the host.
@@ -181,6 +187,7 @@ class Launcher:
 
         if state.ray_address:
             try:
+                apply_ray_auth(self.topo)
                 if not ray.is_initialized():
                     ray.init(address=state.ray_address, namespace=state.namespace, log_to_driver=False)
                 # The planner first: it would replace the workers stopped below.

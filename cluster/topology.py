@@ -120,7 +120,10 @@ class EtcdSpec(_Strict):
 
 
 class RaySpec(_Strict):
-    """Where the Ray cluster is: none = start one in-process; "auto" = join the local one."""
+    """Where the Ray cluster is: none = start one in-process; "auto" = join the local one.
+    `auth: token`: Ray's own token authentication on every Ray process pdserve starts or
+    joins with (cluster/ray_auth.py, docs/security.md); the token is read from `token_file`,
+    else from Ray's own sources (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."""
 
     address: str | None = None
     namespace: str = DEFAULT_NAMESPACE
@@ -128,6 +131,18 @@ class RaySpec(_Strict):
     # queue actor). Ray's own default, 15, ranks the serving path below every other process
     # on the host; 0 keeps it level. Not applied when joining an existing Ray (address).
     worker_niceness: int = Field(0, ge=0, le=19)
+    auth: Literal["disabled", "token"] = "disabled"
+    token_file: str | None = Field(None, min_length=1)
+
+    @pydantic.model_validator(mode="after")
+    def _token_file_needs_token_auth(self) -> "RaySpec":
+        if self.token_file is not None and self.auth != "token":
+            raise ValueError("token_file is only read with auth: token; set ray.auth: token or remove ray.token_file")
+        return self
+
+    def files(self) -> list[tuple[str, str]]:
+        """(dotted key, path) of every file it names."""
+        return [("ray.token_file", self.token_file)] if self.token_file else []
 
 
 class QueueTlsSpec(_Strict):
@@ -464,7 +479,8 @@ def load_topology(path: str | Path, *, check_files: bool = True) -> Topology:
             (key, line_of(root, tuple(key.split("."))), f"file {value!r} not found (resolved to {topology.resolve(value)})")
             for key, value in (("router_policy", topology.router_policy), ("autoscale_policy", topology.autoscale_policy),
                                *topology.security.files(), *(topology.etcd.tls.files() if topology.etcd.tls else ()),
-                               *topology.queue.files())
+                               *topology.queue.files(),
+                               *topology.ray.files())
             if value is not None and not topology.resolve(value).is_file()
         ]
         if missing:

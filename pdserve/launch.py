@@ -88,8 +88,7 @@ def _up(args) -> int:
     from pdserve.bench.sweep import resolve_model
     from pdserve.cluster.launcher import Launcher
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    topo = _load(args.topology)
+    topo = _load(args.topology)  # the launcher sets Ray's authentication from it (ray.auth)
     t0 = time.monotonic()
     model = resolve_model(topo)
     autoscale = _autoscale_policy(topo)
@@ -209,6 +208,7 @@ def _status(args) -> int:
 
     topo = _load(args.topology)
     state = ClusterState.load(state_path(topo))
+    security = _security(topo)
     try:
         members = asyncio.run(asyncio.wait_for(_members(state, _status_tls(topo)), STATUS_ETCD_TIMEOUT_S))
     except (*TRANSIENT_ERRORS, asyncio.TimeoutError) as exc:
@@ -217,13 +217,15 @@ def _status(args) -> int:
               f"{STATUS_ETCD_TIMEOUT_S:.0f} s ({short_error(exc)}); membership unknown. Is etcd running? "
               "(`pdserve up` starts it for local clusters)", file=sys.stderr)
         members = None
-    queue = _queue_stats(state)
+    queue = _queue_stats_as(topo, state)
     if args.json:
-        print(json.dumps({"cluster": state.cluster, "members": members, "queue": queue}, indent=2))
+        print(json.dumps({"cluster": state.cluster, "members": members, "queue": queue,
+                          "security": [s.to_dict() for s in security]}, indent=2))
         return 0 if members is not None else 1
     print(f"cluster {state.cluster}  (etcd {', '.join(state.etcd_endpoints)}, ray {state.ray_address})")
     if members is None:
         _print_queue(state, queue)
+        _print_security(security, topo.network.bind)
         return 1
     print(f"{'worker':<14} {'role':<8} {'host (address)':<30} {'endpoints':<44} load")
     for wid, m in sorted(members.items()):
@@ -239,7 +241,35 @@ def _status(args) -> int:
     _print_queue(state, queue)
     for line in planner:
         print(line)
+    _print_security(security, topo.network.bind)
     return 0 if not missing else 1
+
+
+def _security(topo):
+    from pdserve.cluster.protection import surfaces
+
+    return surfaces(topo)
+
+
+def _print_security(security, bind: str) -> None:
+    """Which surfaces the topology protects and how (docs/security.md, "What is protected")."""
+    print(f"security (as the topology configures it; servers bind {bind}; docs/security.md):")
+    width = max(len(s.name) for s in security)
+    for s in security:
+        hint = f"  [set {s.setting}]" if s.setting else ""
+        print(f"  {s.name:<{width}}  {s.protected:<6} {s.how}{hint}")
+
+
+def _queue_stats_as(topo, state) -> dict | None:
+    """The queue's stats, reached through Ray with the topology's authentication (ray.auth)."""
+    from pdserve.cluster.ray_auth import RayAuthError, apply_ray_auth
+
+    try:
+        apply_ray_auth(topo)
+    except RayAuthError as exc:
+        print(f"(prefill queue not reachable: {exc})", file=sys.stderr)
+        return None
+    return _queue_stats(state)
 
 
 def _status_tls(topo):

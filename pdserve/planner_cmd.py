@@ -70,10 +70,12 @@ def _run(args) -> int:
     import ray
 
     from pdserve.cluster.planner.actor import PlannerConfig, build_planner
+    from pdserve.cluster.ray_auth import apply_ray_auth
 
     topo, state = _cluster(args)
     if args.policy:
         _policy_text(args.policy)
+    apply_ray_auth(topo)
     ray.init(address=state.ray_address, namespace=state.namespace, log_to_driver=False)
     cfg = PlannerConfig(topology=os.path.abspath(args.topology), model=state.model, etcd_endpoints=state.etcd_endpoints,
                         policy=args.policy, dry_run=args.dry_run, known_workers=[a["worker_id"] for a in state.actors])
@@ -111,10 +113,12 @@ def _explain(args) -> int:
     from pdserve.cluster.planner.core import read_planner, take_snapshot
     from pdserve.cluster.planner.decide import decide, learn
     from pdserve.cluster.planner.observe import observe
+    from pdserve.cluster.ray_auth import apply_ray_auth
     from pdserve.cluster.registry import Registry
     from pdserve.router.loader import parse_autoscale
 
     topo, state = _cluster(args)
+    apply_ray_auth(topo)  # the queue's stats come through Ray
 
     async def go():
         import ray

@@ -20,7 +20,6 @@ runs on a node (pod) of its own with its own address.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import sys
@@ -52,7 +51,8 @@ class WorkerPlan:
     def describe(self) -> str:
         t = self.topology
         return (f"{self.role} worker {self.worker_id} of cluster {t.cluster}: model {self.model}, "
-                f"etcd {','.join(self.etcd_endpoints)}, ray {self.ray_address}, namespace {t.ray.namespace}, "
+                f"etcd {','.join(self.etcd_endpoints)}, ray {self.ray_address} (auth {t.ray.auth}), "
+                f"namespace {t.ray.namespace}, "
                 f"drain timeout {self.drain_timeout_s:g} s")
 
 
@@ -86,6 +86,7 @@ def register(subparsers) -> None:
 def plan(args) -> WorkerPlan:
     """Validate `args` (ValueError naming the flag at fault); imports neither Ray nor torch."""
     from pdserve.cluster.keys import check_name, parse_endpoints
+    from pdserve.cluster.ray_auth import token_source
     from pdserve.cluster.topology import TopologyError, load_topology
 
     if not Path(args.topology).is_file():
@@ -96,6 +97,7 @@ def plan(args) -> WorkerPlan:
         raise ValueError(f"--topology {exc}") from None
     try:
         topo.etcd_tls("worker")  # with etcd TLS, the worker's own certificate must be listed
+        token_source(topo.ray, topo.resolve)  # with ray.auth: token, a token must be there
     except ValueError as exc:
         raise ValueError(f"--topology {args.topology}: {exc}") from None
     role = args.role
@@ -154,8 +156,14 @@ class Worker:
     def run(self) -> int:
         import ray
 
+        from pdserve.cluster.protection import exposure_warnings
+        from pdserve.cluster.ray_auth import apply_ray_auth
+
         p = self.p
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray_auth = apply_ray_auth(p.topology)  # before ray.init: this driver and its workers
+        for warning in exposure_warnings(p.topology, p.ray_address):
+            self.say(f"WARNING: {warning}")
+        self.say(f"ray {p.ray_address}: {ray_auth}")
         self._handle_signals()
         model = self._model()
         ray.init(address=p.ray_address, namespace=p.topology.ray.namespace, log_to_driver=False)

@@ -32,3 +32,65 @@ def test_status_with_etcd_down_says_so_in_one_line(tmp_path, monkeypatch, capsys
     assert rc == 1
     assert "did not answer" in err and "Is etcd running?" in err
     assert "Traceback" not in err
+
+
+SECURE = """\
+network: {bind: 10.0.0.0/8}
+queue: {wire: node}
+security:
+  tls: {cert: decode.pem, key: decode-key.pem, client_ca: ca.pem}
+  api_keys: {file: keys.txt}
+ray: {auth: token, token_file: ray-token}
+"""
+
+
+def secure_topology(tmp_path, extra: str = SECURE):
+    for name in ("decode.pem", "decode-key.pem", "ca.pem", "keys.txt"):
+        (tmp_path / name).write_text("placeholder\n")  # status reads none of them
+    (tmp_path / "ray-token").write_text("f" * 64)
+    path = tmp_path / "topology.yaml"
+    path.write_text(small_topology_yaml("status-security", tmp_path).replace("etcd: {lease_ttl_s: 3}\n", "") + extra)
+    return path
+
+
+def test_status_shows_which_surfaces_are_protected_and_how(tmp_path, monkeypatch, capsys):
+    import json
+
+    topo_file = secure_topology(tmp_path)
+    topo = load_topology(topo_file)
+    ClusterState(cluster=topo.cluster, topology=str(topo_file), namespace="ns", ray_address="127.0.0.1:1",
+                 ray_head_pid=None, etcd_endpoints=[f"127.0.0.1:{free_port()}"], etcd_pid=None,
+                 queue_name="q", model="m").save(state_path(topo))
+    # Neither Ray (nor this process's Ray settings: the topology asks for token auth) is in play.
+    monkeypatch.setattr(launch, "_queue_stats_as", lambda topo, state: None)
+    monkeypatch.setattr(launch, "STATUS_ETCD_TIMEOUT_S", 1.0)
+    main(["status", "--topology", str(topo_file)])  # etcd is down: membership unknown, security still shown
+    out = capsys.readouterr().out
+    line = lambda name: next(ln for ln in out.splitlines() if ln.startswith(f"  {name} "))  # noqa: E731
+    assert " yes " in line("decode gRPC/HTTP") and "mutual TLS" in line("decode gRPC/HTTP")
+    assert "API keys (keys.txt)" in line("decode gRPC/HTTP") and "/health" in line("decode gRPC/HTTP")
+    assert " no " in line("etcd") and line("etcd").endswith("[set etcd.tls]")
+    assert " partly " in line("prefill queue wire") and line("prefill queue wire").endswith("[set queue.tls]")
+    assert " yes " in line("Ray") and "ray.token_file" in line("Ray")
+    assert " no " in line("NIXL data plane") and "private" in line("NIXL data plane")
+
+    main(["status", "--topology", str(topo_file), "--json"])
+    security = {s["name"]: s for s in json.loads(capsys.readouterr().out)["security"]}
+    assert security["Ray"]["protected"] == "yes" and security["etcd"]["setting"] == "etcd.tls"
+    assert security["NIXL data plane (KV pages)"]["protected"] == "no"
+
+
+def test_surfaces_served_beyond_loopback_without_protection_are_warned_about(tmp_path):
+    from pdserve.cluster.protection import exposure_warnings
+
+    open_topo = load_topology(secure_topology(tmp_path, "network: {bind: 10.0.0.0/8}\nqueue: {wire: node}\n"))
+    warnings = exposure_warnings(open_topo)
+    for setting in ("security.tls", "etcd.tls", "ray.auth: token", "queue.tls"):
+        assert sum(setting in w for w in warnings) == 1, (setting, warnings)
+    assert exposure_warnings(load_topology(secure_topology(tmp_path, ""))) == []  # loopback: nothing to warn
+    # TLS and Ray token set: only the plaintext etcd (embedded at the bound address) and the queue remain.
+    secure = exposure_warnings(load_topology(secure_topology(tmp_path)))
+    assert len(secure) == 2 and "etcd.tls" in secure[0] and "queue.tls" in secure[1]
+    # A loopback cluster that joins Ray on another host: Ray is exposed, the rest is not.
+    assert [w for w in exposure_warnings(load_topology(secure_topology(tmp_path, "")), "10.0.0.5:6379")
+            if "ray.auth" in w]
