@@ -34,7 +34,8 @@ CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor"}  # monitoring.coreos.com/v1: no 
 BUILT_IN_KINDS = {"ConfigMap", "Service", "StatefulSet", "Deployment", "PodDisruptionBudget", "NetworkPolicy"}
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
-SAMPLE_ENV = {"POD_IP": "10.1.2.3"}  # what the downward API gives a pod (POD_NAME: its own name)
+SAMPLE_ENV = {"POD_IP": "10.1.2.3"}
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")  # what the downward API gives a pod (POD_NAME: its own name)
 
 CPU_ENGINE = {"device": "cpu", "dtype": "float32", "attention_backend": "torch", "kv_cache_memory_bytes": 268435456}
 VALUE_SETS = {
@@ -77,6 +78,14 @@ VALUE_SETS = {
                           "prometheus": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
         "decode": {"service": {"type": "LoadBalancer"}},
+    },
+    # Every credential as an existing Secret: decode mutual TLS and API keys, etcd client
+    # certificates (with the operator identity for the preStop drain), Ray's token.
+    "secured": {
+        "etcd": {"endpoints": ["etcd.infra:2379"]},
+        "security": {"tls": {"secretName": "pd-decode-tls", "mutual": True}, "apiKeys": {"secretName": "pd-api-keys"},
+                     "etcd": {"secretName": "pd-etcd-client", "operator": True}},
+        "ray": {"auth": {"tokenSecretName": "pd-ray-token"}},
     },
 }
 
@@ -174,6 +183,8 @@ def test_a_long_model_name_is_cut_so_that_every_name_stays_a_dns_label():
     ({"model": {"path": "models/llama"}}, "/model/path"),
     ({"prefill": {"ucx": {"NIXL_X": "1"}}}, "/prefill/ucx"),
     ({"drain": {"timeoutSeconds": 0}}, "/drain/timeoutSeconds"),
+    ({"ray": {"env": {"RAY_AUTH_MODE": "token"}}}, "/ray/env"),  # ray.auth.tokenSecretName says that
+    ({"security": {"tls": {"secret": "x"}}}, "secret"),
 ])
 def test_a_value_that_breaks_the_schema_is_refused_at_install(values, key):
     with pytest.raises(helm_python.HelmError, match=re.escape(key)):
@@ -186,13 +197,14 @@ def test_a_value_that_breaks_the_schema_is_refused_at_install(values, key):
 def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, name, tmp_path, capsys):
     """Each command line as the pod would run it (its ConfigMaps mounted, its env expanded)."""
     objs = rendered[name]
-    seen = {"pdserve worker": 0, "pdserve drain": 0, "ray start": 0, "etcd": 0}
+    seen = {"pdserve worker": 0, "pdserve drain": 0, "ray start": 0, "etcd": 0, "health probe": 0}
     for workload, c in containers(objs):
         root = mount_config_maps(objs, workload, tmp_path / workload["metadata"]["name"])
         env = {**SAMPLE_ENV, "POD_NAME": f"{workload['metadata']['name']}-7c9f8d6b5-x2x7q"}
         commands = [c["command"] + c.get("args", [])]
         if "lifecycle" in c:
             commands.append(c["lifecycle"]["preStop"]["exec"]["command"])
+        commands += [c[p]["exec"]["command"] for p in PROBES if "exec" in c.get(p, {})]
         for argv in commands:
             for line in command_lines(argv, env):
                 line = [root + a if a.startswith("/etc/pdserve/") else a for a in line]
@@ -200,6 +212,11 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
                     rc = main(line[1:] + ["--check"])
                     assert rc == 0, (line, capsys.readouterr().err)
                     seen[" ".join(line[:2])] += 1
+                elif line[:3] == ["python3", "-m", "pdserve.cluster.health_probe"]:
+                    from pdserve.cluster.health_probe import main as probe_main
+
+                    assert probe_main(line[3:] + ["--check"]) == 0, (line, capsys.readouterr().err)
+                    seen["health probe"] += 1
                 elif line[:2] == ["ray", "start"]:
                     from ray.scripts.scripts import start
 
@@ -213,6 +230,7 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
     assert seen["pdserve worker"] == seen["pdserve drain"] == 2  # one Deployment per role
     assert seen["ray start"] == 3  # head, prefill, decode
     assert seen["etcd"] == (0 if VALUE_SETS[name].get("etcd", {}).get("endpoints") else 1)
+    assert seen["health probe"] == (3 if name == "secured" else 0)  # mutual TLS: decode's three probes
 
 
 def test_check_refuses_a_rendered_command_with_a_broken_flag(rendered, tmp_path, capsys):
@@ -358,19 +376,90 @@ def test_every_value_is_described_in_the_docs():
     assert not missing, f"values not described in docs/deploy.md: {missing}"
 
 
+# -- credentials as Secrets ---------------------------------------------------------------------------
+def test_secrets_are_mounted_where_the_rendered_topology_names_them(rendered, tmp_path):
+    from pdserve.cluster.topology import load_topology
+
+    objs = rendered["secured"]
+    secrets = {"pd-decode-tls": {"tls.crt", "tls.key", "ca.crt"}, "pd-api-keys": {"keys.txt"},
+               "pd-etcd-client": {"ca.crt", "worker.crt", "worker.key", "operator.crt", "operator.key"},
+               "pd-ray-token": {"token"}}
+    for role in ("prefill", "decode"):
+        workload = named(objs, "Deployment", f"-{role}")
+        spec = workload["spec"]["template"]["spec"]
+        mounted = {v["secret"]["secretName"]: {i["key"] for i in v["secret"]["items"]}
+                   for v in spec["volumes"] if "secret" in v}
+        assert mounted == secrets
+        root = Path(mount_config_maps(objs, workload, tmp_path / role))
+        t = load_topology(root / f"etc/pdserve/topology/{role}.yaml")  # every file it names exists
+        etc = root / "etc/pdserve"
+        assert (t.resolve(t.security.tls.cert), t.resolve(t.security.tls.client_ca)) == \
+            (etc / "tls/tls.crt", etc / "tls/ca.crt")
+        assert t.resolve(t.security.api_keys.file) == etc / "api-keys/keys.txt"
+        assert t.etcd_tls("worker").cert_file == str(etc / "etcd/worker.crt")
+        assert t.etcd_tls("operator").key_file == str(etc / "etcd/operator.key")
+        assert (t.ray.auth, t.resolve(t.ray.token_file)) == ("token", etc / "ray/token")
+        env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == "/etc/pdserve/ray/token"
+    head = named(objs, "Deployment", "-ray-head")["spec"]["template"]["spec"]
+    assert [v["secret"]["secretName"] for v in head["volumes"] if "secret" in v] == ["pd-ray-token"]
+    assert {"name": "RAY_AUTH_MODE", "value": "token"} in head["containers"][0]["env"]
+    default = named(rendered["default"], "Deployment", "-decode")["spec"]["template"]["spec"]
+    assert not [v for v in default["volumes"] if "secret" in v]
+    assert {"name": "RAY_AUTH_MODE", "value": "disabled"} in default["containers"][0]["env"]
+
+
+def test_probes_reach_a_tls_decode_worker(rendered):
+    """The kubelet's gRPC probe speaks no TLS: TLS probes GET /health over HTTPS; under
+    mutual TLS an exec probe presents the workers' certificate (cluster/health_probe.py)."""
+    tls_only = render({"security": {"tls": {"secretName": "pd-decode-tls"}}})
+    decode = named([o for p, t in tls_only.items() if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o],
+                   "Deployment", "-decode")
+    c = decode["spec"]["template"]["spec"]["containers"][0]
+    for probe in PROBES:
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+    kubernetes_validate.validate(decode, KUBE_VERSION, strict=True)
+    mutual = named(rendered["secured"], "Deployment", "-decode")["spec"]["template"]["spec"]["containers"][0]
+    for probe in PROBES:
+        argv = mutual[probe]["exec"]["command"]
+        assert argv[:3] == ["python3", "-m", "pdserve.cluster.health_probe"]
+        assert argv[3] == "https://127.0.0.1:8000/health" and "/etc/pdserve/tls/tls.crt" in argv
+
+
+def test_etcd_client_certificates_need_an_etcd_that_speaks_tls():
+    with pytest.raises(helm_python.HelmError, match="security.etcd.secretName: the chart's own etcd serves plaintext"):
+        render({"security": {"etcd": {"secretName": "pd-etcd-client"}}})
+
+
+def test_etcd_tls_without_the_operator_identity_leaves_the_drain_to_sigterm(rendered):
+    files = render({"etcd": {"endpoints": ["etcd.infra:2379"]}, "security": {"etcd": {"secretName": "pd-etcd"}}})
+    objs = [o for p, t in files.items() if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
+    c = named(objs, "Deployment", "-decode")["spec"]["template"]["spec"]["containers"][0]
+    assert "lifecycle" not in c
+    pre_stop = named(rendered["secured"], "Deployment", "-decode")["spec"]["template"]["spec"]["containers"][0]
+    assert "--topology /etc/pdserve/topology/decode.yaml" in pre_stop["lifecycle"]["preStop"]["exec"]["command"][2]
+
+
 # -- helpers ----------------------------------------------------------------------------------------
 def mount_config_maps(objs: list[dict], workload: dict, root: Path) -> str:
-    """Write the ConfigMaps `workload` mounts under `root` + their mount paths; returns `root`."""
+    """Write the ConfigMaps `workload` mounts under `root` + their mount paths, and a stand-in
+    file for each key of each Secret it mounts (the Secrets exist outside the chart); returns
+    `root`."""
     spec = workload["spec"]["template"]["spec"]
     maps = {o["metadata"]["name"]: o["data"] for o in of_kind(objs, "ConfigMap")}
     sources = {v["name"]: v["configMap"]["name"] for v in spec.get("volumes", []) if "configMap" in v}
+    secrets = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
     for c in spec["containers"]:
         for m in c.get("volumeMounts", []):
+            target = root / m["mountPath"].lstrip("/")
             if m["name"] in sources:
-                target = root / m["mountPath"].lstrip("/")
                 target.mkdir(parents=True, exist_ok=True)
                 for key, text in maps[sources[m["name"]]].items():
                     (target / key).write_text(text)
+            elif m["name"] in secrets:
+                target.mkdir(parents=True, exist_ok=True)
+                for item in secrets[m["name"]]["items"]:
+                    (target / item["path"]).write_text(f"stand-in for {item['key']}: {'x' * 32}\n")
     return str(root)
 
 

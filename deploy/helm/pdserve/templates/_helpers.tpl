@@ -121,9 +121,21 @@ autoscale_policy: {{ if $v.policies.autoscale }}../policies/autoscale.yaml{{ els
 etcd:
   endpoints: {{ toJson (splitList "," (include "pdserve.etcdEndpoints" .ctx)) }}
   lease_ttl_s: {{ $v.topology.leaseTtlSeconds }}
+  {{- if $v.security.etcd.secretName }}
+  tls:
+    ca: ../etcd/ca.crt
+    worker: {cert: ../etcd/worker.crt, key: ../etcd/worker.key}
+    {{- if $v.security.etcd.operator }}
+    operator: {cert: ../etcd/operator.crt, key: ../etcd/operator.key}
+    {{- end }}
+  {{- end }}
 ray:
   address: {{ include "pdserve.rayAddress" .ctx | quote }}
   namespace: {{ $v.topology.rayNamespace | quote }}
+  {{- if $v.ray.auth.tokenSecretName }}
+  auth: token
+  token_file: ../ray/token
+  {{- end }}
 queue:
   capacity: {{ $v.topology.queue.capacity }}
   batch_max_tokens: {{ $v.topology.queue.batchMaxTokens }}
@@ -132,4 +144,119 @@ queue:
 network:
   bind: node
   ucx: {{ toJson $ucx }}
+{{- if or $v.security.tls.secretName $v.security.apiKeys.secretName }}
+security:
+  {{- if $v.security.tls.secretName }}
+  tls:
+    cert: ../tls/tls.crt
+    key: ../tls/tls.key
+    {{- if $v.security.tls.mutual }}
+    client_ca: ../tls/ca.crt
+    {{- end }}
+  {{- end }}
+  {{- if $v.security.apiKeys.secretName }}
+  api_keys: {file: ../api-keys/keys.txt}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The Secrets (values `security.*`, `ray.auth`) a pod mounts, as volumes and volumeMounts:
+call with (dict "ctx" $ "rayOnly" true) for the Ray head, which needs only Ray's token.
+Each Secret's keys are listed (`items`), so a missing key fails the pod's start naming it.
+The topology above names them relative to its own directory (/etc/pdserve/topology).
+*/}}
+{{- define "pdserve.secretVolumes" -}}
+{{- $s := .ctx.Values.security -}}
+{{- with .ctx.Values.ray.auth.tokenSecretName }}
+- name: ray-token
+  secret: {secretName: {{ . }}, defaultMode: 0400, items: [{key: token, path: token}]}
+{{- end }}
+{{- if not .rayOnly }}
+{{- with $s.tls.secretName }}
+- name: tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0400
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      {{- if $s.tls.mutual }}
+      - {key: ca.crt, path: ca.crt}
+      {{- end }}
+{{- end }}
+{{- with $s.apiKeys.secretName }}
+- name: api-keys
+  secret: {secretName: {{ . }}, defaultMode: 0400, items: [{key: keys.txt, path: keys.txt}]}
+{{- end }}
+{{- with $s.etcd.secretName }}
+- name: etcd-tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0400
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: worker.crt, path: worker.crt}
+      - {key: worker.key, path: worker.key}
+      {{- if $s.etcd.operator }}
+      - {key: operator.crt, path: operator.crt}
+      - {key: operator.key, path: operator.key}
+      {{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.secretMounts" -}}
+{{- $s := .ctx.Values.security -}}
+{{- if .ctx.Values.ray.auth.tokenSecretName }}
+- {name: ray-token, mountPath: /etc/pdserve/ray, readOnly: true}
+{{- end }}
+{{- if not .rayOnly }}
+{{- if $s.tls.secretName }}
+- {name: tls, mountPath: /etc/pdserve/tls, readOnly: true}
+{{- end }}
+{{- if $s.apiKeys.secretName }}
+- {name: api-keys, mountPath: /etc/pdserve/api-keys, readOnly: true}
+{{- end }}
+{{- if $s.etcd.secretName }}
+- {name: etcd-tls, mountPath: /etc/pdserve/etcd, readOnly: true}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Env of every Ray process (head, and the worker pods' `ray start`): Ray's authentication
+from ray.auth, then ray.env. */}}
+{{- define "pdserve.rayEnv" -}}
+{{- if .Values.ray.auth.tokenSecretName }}
+- {name: RAY_AUTH_MODE, value: token}
+- {name: RAY_AUTH_TOKEN_PATH, value: /etc/pdserve/ray/token}
+{{- else }}
+- {name: RAY_AUTH_MODE, value: disabled}
+{{- end }}
+{{- range $k, $v := .Values.ray.env }}
+- {name: {{ $k }}, value: {{ $v | quote }}}
+{{- end }}
+{{- end -}}
+
+{{/*
+How the kubelet checks a decode worker's health, by security.tls: plaintext: the gRPC
+health service (`grpc`) or GET /health; TLS: GET /health over HTTPS (the kubelet does not
+verify the certificate); mutual TLS: the kubelet cannot present a client certificate, so an
+exec probe (cluster/health_probe.py) GETs /health presenting the workers' own certificate.
+Call with (dict "ctx" $ "grpc" true) for the startup and readiness probes.
+*/}}
+{{- define "pdserve.decodeHealthProbe" -}}
+{{- $v := .ctx.Values -}}
+{{- if not $v.security.tls.secretName -}}
+{{- if .grpc -}}
+grpc: {port: {{ $v.decode.ports.grpc }}}
+{{- else -}}
+httpGet: {path: /health, port: http}
+{{- end -}}
+{{- else if not $v.security.tls.mutual -}}
+httpGet: {path: /health, port: http, scheme: HTTPS}
+{{- else -}}
+exec:
+  command: ["python3", "-m", "pdserve.cluster.health_probe", "https://127.0.0.1:{{ $v.decode.ports.http }}/health", "--cert", "/etc/pdserve/tls/tls.crt", "--key", "/etc/pdserve/tls/tls.key"]
+{{- end -}}
 {{- end -}}
