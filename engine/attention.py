@@ -255,6 +255,8 @@ def _gather_blocks(half: torch.Tensor, group: _PagedGroup, buf: torch.Tensor) ->
 
 # FlashInfer's paged kernels take 16-bit (or fp8) KV; float32 has no kernel.
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+# Head sizes FlashInfer's kernels are built for (its DISPATCH_HEAD_DIM); others fail at run time.
+FLASHINFER_HEAD_DIMS = (64, 128, 256, 512)
 # Query heads per KV head from which the decode wrapper runs on tensor cores (the prefill
 # kernels with one query row per sequence): FlashInfer's CUDA-core decode kernel is the
 # faster one only for small groups. SGLang switches at 4 too; Llama-3-8B's group is 4.
@@ -320,10 +322,13 @@ class FlashInferAttention(AttentionBackend):
       end of each sequence's KV, so cached context and decode tokens in the same step
       are right);
     - `plan` gets host (CPU) int32 inputs, built once per step with numpy: FlashInfer
-      plans on the host and copies them to the device itself (device inputs would cost a
-      device-to-host synchronisation per step);
+      plans on the host and copies them to the device itself (device inputs would make
+      it copy them back first);
     - new K/V go into the pool with `flashinfer.append_paged_kv_cache`, whose page-table
       inputs are copied to the device once per step and reused by every layer.
+    A plan writes into the wrapper's pinned host buffer and queues its copy without
+    waiting; two plans of one wrapper are safe because every step ends with the sampler
+    copying tokens to the host, which waits for the stream.
     The pool layout is the torch path's (NHD, K and V stacked on dim 1), so the two
     backends and NIXL peers read the same bytes.
     """
@@ -336,6 +341,11 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(
                 f"attention_backend='flashinfer' runs float16/bfloat16 KV, not {dtype}; set dtype to "
                 "bfloat16 (or float16), or use attention_backend='torch'"
+            )
+        if head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(
+                f"attention_backend='flashinfer' needs head_dim in {FLASHINFER_HEAD_DIMS}; this model's is "
+                f"{head_dim}: use attention_backend='torch'"
             )
         import flashinfer  # lazy: only on CUDA
 
@@ -392,10 +402,11 @@ class FlashInferAttention(AttentionBackend):
 
 def make_backend(name: str, *, device: torch.device, scale: float, num_heads: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> AttentionBackend:
-    """`auto` picks FlashInfer on CUDA with a 16-bit dtype when it is installed, else torch."""
+    """`auto` picks FlashInfer on CUDA with a 16-bit dtype and a head size it supports, when it
+    is installed; else torch."""
     if name == "auto":
         name = "torch"
-        if device.type == "cuda" and dtype in FLASHINFER_DTYPES:
+        if device.type == "cuda" and dtype in FLASHINFER_DTYPES and head_dim in FLASHINFER_HEAD_DIMS:
             try:
                 import flashinfer  # noqa: F401
 

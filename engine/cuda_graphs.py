@@ -14,15 +14,18 @@ How a replay stays correct:
   and rewrites those buffers in place; the captured kernels read them.
 - K/V are appended with `append_paged_kv_cache` reading the same buffers, plus
   static token-to-sequence and position buffers.
-- Padding rows are sequences of one token in a *scratch block* taken from the pool
-  once and never freed: their K/V land where no request reads and their logits
-  are dropped.
+- Padding rows are sequences of one token in a *scratch block* taken from the block
+  pool once, outside every request's table, and never freed: their K/V land where
+  no request reads and their logits are dropped.
+- Every graph writes its logits into one static buffer (its first rows), so the
+  graphs share their memory pool instead of each keeping a [size, vocab] output.
 - Steps with a prefill chunk, a layer hook (the prefill worker streams KV per
   layer) or more sequences than the largest graph run eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -32,9 +35,6 @@ import torch
 from .attention import FlashInferAttention, FlashInferMeta, PagedPlan
 
 log = logging.getLogger(__name__)
-
-SCRATCH_KEY = "__cuda_graph_padding__"  # the block manager's owner of the scratch block
-
 
 def capture_sizes(max_batch: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, then multiples of 8 up to ``max_batch`` (included)."""
@@ -57,9 +57,11 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         dev = runner.device
         bs = runner.block_size
-        if not kv.allocate(SCRATCH_KEY, 1):
+        if kv.pool.num_free < 1:
             raise RuntimeError("the KV pool has no block left for the CUDA-graph padding block")
-        self.scratch_block = kv.block_ids(SCRATCH_KEY)[0]
+        # Taken from the pool itself: no request id (a client's included) can name or free it.
+        self._scratch = kv.pool.allocate(1)
+        self.scratch_block = self._scratch[0].block_id
         self.max_pages = self.max_batch * -(-max_model_len // bs)
         i32 = dict(dtype=torch.int32, device=dev)
         # Shared static inputs; graph P reads the first P (or P + 1) entries.
@@ -71,19 +73,21 @@ class DecodeGraphs:
         self.kv_indices = torch.zeros(self.max_pages, **i32)
         self.kv_last_page_len = torch.ones(self.max_batch, **i32)
         self.logits_rows = torch.arange(self.max_batch, dtype=torch.long, device=dev)
+        self.logits = torch.empty(self.max_batch, runner.model_cfg.vocab_size, dtype=torch.float32, device=dev)
         self.wrappers: dict[int, object] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
         self._pool = None
 
     # -- capture ---------------------------------------------------------------------------
     def capture(self) -> None:
         """Capture one graph per size, largest first (the smaller ones reuse its memory)."""
         t0 = time.perf_counter()
-        for size in reversed(self.sizes):
-            self._capture(size)
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
+        dev = self.runner.device
+        with torch.cuda.device(dev) if dev.type == "cuda" else _nothing():
+            for size in reversed(self.sizes):
+                self._capture(size)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.sizes),
                  ",".join(map(str, self.sizes)), time.perf_counter() - t0)
 
@@ -104,10 +108,11 @@ class DecodeGraphs:
             kv_last_page_len=self.kv_last_page_len[:size],
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> None:
         r = self.runner
-        return r.model(self.input_ids[:size], self.positions[:size], r.kv_cache, self.backend,
-                       self._meta(size), self.logits_rows[:size])
+        logits = r.model(self.input_ids[:size], self.positions[:size], r.kv_cache, self.backend,
+                         self._meta(size), self.logits_rows[:size])
+        self.logits[:size].copy_(logits)
 
     def _capture(self, size: int) -> None:
         self.wrappers[size] = self._wrapper(size)
@@ -125,8 +130,9 @@ class DecodeGraphs:
                 self._forward(size)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        # capture() made `dev` current: the capture stream is created on it.
         with torch.cuda.graph(graph, pool=self._pool):
-            self.outputs[size] = self._forward(size)
+            self._forward(size)
         if self._pool is None:
             self._pool = graph.pool()
         return graph
@@ -146,7 +152,7 @@ class DecodeGraphs:
         """Replay graph ``size`` for a decode-only step; the logits of ``batch.logits_indices``."""
         self._load(self._pad(PagedPlan.from_layout(batch.layout), size), size, batch.input_ids, batch.positions)
         self.graphs[size].replay()
-        return self.outputs[size].index_select(0, batch.logits_indices)
+        return self.logits.index_select(0, batch.logits_indices)
 
     def _padding_plan(self, b: int, size: int) -> PagedPlan:
         """Rows b..size-1 only: each a one-token sequence in the scratch block."""
@@ -190,3 +196,7 @@ class DecodeGraphs:
             torch.from_numpy(p.kv_last_page_len), fi.num_heads, fi.num_kv_heads, fi.head_dim,
             self.runner.block_size, q_data_type=fi.dtype, kv_data_type=fi.dtype, sm_scale=fi.scale,
         )
+
+
+def _nothing():
+    return contextlib.nullcontext()

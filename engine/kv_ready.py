@@ -15,7 +15,7 @@ import time
 
 import torch
 
-_SPIN_SLEEP_S = 20e-6  # between event queries in wait(): a layer takes tens of microseconds or more
+_SPIN_SLEEP_S = 100e-6  # between event queries in wait(): a layer takes about this long or more
 
 
 class HostReady:
@@ -38,20 +38,24 @@ class CudaReady:
     """A CUDA event recorded on the stream that computed the layer."""
 
     def __init__(self, stream: torch.cuda.Stream):
+        self.device = stream.device
         self.event = torch.cuda.Event()
         self.event.record(stream)
 
     def query(self) -> bool:
-        return self.event.query()
+        with torch.cuda.device(self.device):  # another thread's current device may be GPU 0
+            return self.event.query()
 
     def wait(self, timeout_s: float) -> bool:
         """Poll the event (a CUDA event cannot be waited on with a deadline) until it
-        completes; False if `timeout_s` passes first."""
+        completes; False if `timeout_s` passes first. Sleeps between polls, releasing the
+        GIL to the engine thread that is launching the next layers."""
         deadline = time.monotonic() + timeout_s
-        while not self.event.query():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_SPIN_SLEEP_S)
+        with torch.cuda.device(self.device):
+            while not self.event.query():
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(_SPIN_SLEEP_S)
         return True
 
 

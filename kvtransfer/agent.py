@@ -306,6 +306,7 @@ class KVTransferAgent:
             if handle.id not in self._inflight:
                 raise ValueError(f"transfer {handle.id} does not belong to agent {self.name!r}")
             self._progress()
+            time.sleep(0)  # let the layer poster take the lock between polls
             if not handle.finished and time.monotonic() >= deadline:
                 self._fail(handle, f"write to {handle.peer!r} not complete after {timeout_s} s")
                 raise TransferTimeoutError(

@@ -38,6 +38,12 @@ MODEL_SPECS = {
                        intermediate_size=256, tie_word_embeddings=True, seed=2),
     "mistral": ModelSpec(arch="mistral", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=1,
                          intermediate_size=256, seed=3),
+    # GPU tests: FlashInfer's kernels take head_dim 64/128/256/512 only. GQA 4:1 (its decode
+    # wrapper on tensor cores) and 2:1 (its CUDA-core decode kernel).
+    "llama_gpu": ModelSpec(arch="llama", num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2,
+                           intermediate_size=1024, rope_type="llama3", seed=4),
+    "qwen2_gpu": ModelSpec(arch="qwen2", num_layers=3, hidden_size=512, num_heads=8, num_kv_heads=4,
+                           intermediate_size=1024, tie_word_embeddings=True, seed=5),
 }
 
 

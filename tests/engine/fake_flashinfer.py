@@ -124,6 +124,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
         calls.append(("plan_decode", {"batch": len(self.last), "tensor_cores": self.use_tensor_cores}))
 
     def run(self, q: torch.Tensor, paged_kv_cache: torch.Tensor) -> torch.Tensor:
+        if self.use_cuda_graph:  # a replayed graph reads the static buffers, not what plan() saw
+            ip, ix, lp = self.buffers
+            self.kv_indptr, self.last = ip.tolist(), lp.tolist()
+            self.kv_indices = ix[:self.kv_indptr[-1]].tolist()
         self._check_run(q, paged_kv_cache)
         assert q.shape[0] == len(self.last), "decode: one query token per sequence"
         out = torch.empty_like(q)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fake_flashinfer  # noqa: E402
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from pdserve.engine import attention, cuda_graphs  # noqa: E402
+from pdserve.engine import attention  # noqa: E402
 from pdserve.engine.attention import BatchLayout, FlashInferAttention, PagedPlan  # noqa: E402
 from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 
@@ -28,6 +28,7 @@ from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 def fake_fi(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
     monkeypatch.setattr(attention, "FLASHINFER_DTYPES", (torch.float32,))  # the stand-in runs float32
+    monkeypatch.setattr(attention, "FLASHINFER_HEAD_DIMS", (16,))  # and the CPU suite's small heads
     fake_flashinfer.calls.clear()
     return fake_flashinfer.calls
 
@@ -56,9 +57,11 @@ def test_paged_plan_matches_the_layout():
     assert all(a.dtype == np.int32 for a in (p.qo_indptr, p.kv_indptr, p.kv_indices, p.positions))
 
 
-def test_float32_is_refused_with_the_setting_to_change():
+def test_what_flashinfer_has_no_kernel_for_is_refused_with_the_setting_to_change():
     with pytest.raises(ValueError, match="bfloat16"):
-        FlashInferAttention(1.0, 4, 2, 8, torch.float32, torch.device("cpu"))
+        FlashInferAttention(1.0, 4, 2, 64, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"head_dim in \(64, 128, 256, 512\); this model's is 16"):
+        FlashInferAttention(1.0, 4, 2, 16, torch.bfloat16, torch.device("cpu"))
 
 
 def test_steps_plan_the_right_wrapper_and_tokens_equal_the_torch_path(llama_dir, fake_fi):
@@ -97,9 +100,9 @@ class _EagerGraphs(DecodeGraphs):
         class Replay:
             def replay(self):
                 graphs.replays.append(size)
-                graphs.outputs[size] = graphs._forward(size)
+                graphs._forward(size)
 
-        self.outputs[size] = self._forward(size)
+        self._forward(size)  # what capture runs once
         return Replay()
 
 
@@ -121,7 +124,9 @@ def test_decode_graphs_pad_into_the_scratch_block_and_keep_tokens_exact(llama_di
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert graphs.replays and set(graphs.replays) <= {4}, "3 decoding sequences replay the 4-row graph"
-    assert kv.block_ids(cuda_graphs.SCRATCH_KEY) == [graphs.scratch_block]
+    # the scratch block is held by the pool outside every request's table, and stays held
+    assert all(graphs.scratch_block not in kv.block_ids(rid) for rid in kv.tables)
+    assert kv.pool.blocks[graphs.scratch_block].ref_cnt == 1
     assert graphs.size_for(BatchLayout(np.arange(10), np.ones(9, dtype=np.int64), np.zeros((9, 1), np.int64),
                                        torch.zeros(9), 16)) is None  # more rows than the largest graph
 

@@ -165,10 +165,14 @@ def test_gpu_layer_writes_carry_what_the_kernels_wrote():
     try:
         sender.add_peer(receiver.local_info())
         stream = sender.begin_stream("order-gr", LOCAL, REMOTE)
+        local = torch.tensor(LOCAL, device="cuda")  # on the device already: indexing does not sync
+        torch.cuda.synchronize()
+        posted_at_once = []
         for layer in range(layout.num_layers):
             torch.cuda._sleep(20_000_000)  # the device is busy: the fill below runs much later
-            sent_kv[layer, LOCAL] = float(layer + 1)
-            stream.write_layer(layer, layer_ready(torch.device("cuda")))
+            sent_kv[layer].index_fill_(0, local, float(layer + 1))
+            posted_at_once.append(stream.write_layer(layer, layer_ready(torch.device("cuda"))) is not None)
+        assert not posted_at_once[0], "layer 0 was ready at once: the device did not lag, the test proves nothing"
         stream.finish(30.0, notify=b"gpu-order")
         deadline = time.monotonic() + 10
         while not any(n.payload == b"gpu-order" for n in notes):
