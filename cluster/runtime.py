@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,64 @@ def freeze_gc_heap(what: str) -> int:
     frozen = gc.get_freeze_count()
     log.info("%s: froze %d start-up objects out of the cyclic GC", what, frozen)
     return frozen
+
+
+def available_cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worker_cpus(cpus: list[int] | str | None, slot: int, slots: int) -> list[int] | None:
+    """The cores a worker owns: an explicit list as given; "auto": the cores this process may
+    use, split evenly between ``slots`` workers, this one being number ``slot`` (wrapping
+    around when there are more workers than cores); None: no pinning."""
+    if cpus is None or isinstance(cpus, list):
+        return cpus
+    if cpus != "auto":
+        raise ValueError(f"cpus={cpus!r}: a list of CPU ids, 'auto' or None")
+    avail = sorted(os.sched_getaffinity(0))
+    per = max(1, len(avail) // max(1, slots))
+    start = (slot * per) % len(avail)
+    return [avail[(start + j) % len(avail)] for j in range(per)]
+
+
+def pin_process(cpus: list[int], what: str) -> list[int]:
+    """Pin every thread of this process to ``cpus`` (threads started later inherit it) and size
+    torch's intra-op pool to them; returns the cores now owned. A CPU id this host lacks is an
+    error naming the setting."""
+    allowed = set(os.sched_getaffinity(0)) | set(range(os.cpu_count() or 1))
+    missing = sorted(set(cpus) - allowed)
+    if missing:
+        raise ValueError(f"roles.*.cpus: CPU ids {missing} do not exist on this host "
+                         f"({os.cpu_count()} CPUs: 0-{(os.cpu_count() or 1) - 1})")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            pass
+    import torch
+
+    torch.set_num_threads(len(cpus))
+    log.info("%s: pinned to CPUs %s, %d torch threads", what, cpu_list(cpus), len(cpus))
+    return sorted(cpus)
+
+
+def cpu_list(cpus) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5`` (the form `taskset` and /proc use)."""
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
 
 
 class MetricsEndpoint:

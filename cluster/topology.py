@@ -31,6 +31,7 @@ from .etcd_auth import IDENTITIES as ETCD_IDENTITIES
 from .etcd_auth import EtcdTLS
 from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_NAME, check_name, parse_endpoints
 from .netaddr import LOOPBACK, check_bind
+from .runtime import available_cpu_count
 from .security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 from .yaml_lines import duplicate_keys, issue_of, line_of
 
@@ -232,7 +233,6 @@ class NetworkSpec(_Strict):
     kv_transport: KVTransportSpec = Field(default_factory=KVTransportSpec)
     ucx: dict[str, str] = Field(default_factory=dict)
 
-
     @pydantic.field_validator("bind")
     @classmethod
     def _bind_form(cls, value: str) -> str:
@@ -307,6 +307,18 @@ class _RoleSpec(_Strict):
     engine: dict[str, Any] = Field(default_factory=dict)
     # name -> base port; replica i listens on base + i; 0 = any free port.
     ports: dict[str, Port] = Field(default_factory=dict)
+    # The cores each replica's process owns (cluster/runtime.py `pin_process`): a list of CPU ids,
+    # or "auto": the host's cores split evenly between the topology's workers (prefill replicas
+    # first), one worker per core where there are too few. Unset: no pinning. With cores set,
+    # resources.num_cpus defaults to their number (Ray's accounting matches the pinning).
+    cpus: list[Annotated[int, Field(ge=0)]] | Literal["auto"] | None = None
+
+    @pydantic.field_validator("cpus")
+    @classmethod
+    def _cpus_form(cls, value):
+        if isinstance(value, list) and (not value or len(set(value)) != len(value)):
+            raise ValueError(f"a non-empty list of distinct CPU ids, or 'auto'; got {value}")
+        return value
 
 
 class PrefillRoleSpec(_RoleSpec):
@@ -367,6 +379,36 @@ class Topology(_Strict):
                     if other != f"roles.{role}.ports.{name}":
                         raise ValueError(f"roles.{role}.ports.{name}: port {port} is also used by {other}")
         return self
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _ray_cpus_follow_pinned_cores(cls, data):
+        """A role with `cpus` asks Ray for that many CPUs unless resources.num_cpus says
+        otherwise; a list that disagrees with an explicit num_cpus is refused."""
+        roles = data.get("roles") if isinstance(data, dict) else None
+        if not isinstance(roles, dict):
+            return data
+        workers = sum(r.get("replicas", 1) if isinstance(r, dict) and isinstance(r.get("replicas", 1), int) else 1
+                      for r in (roles.get("prefill"), roles.get("decode")))
+        roles = dict(roles)
+        for role in ("prefill", "decode"):
+            spec = roles.get(role)
+            cpus = spec.get("cpus") if isinstance(spec, dict) else None
+            if isinstance(cpus, list) and cpus and all(isinstance(c, int) for c in cpus):
+                cores = len(set(cpus))
+            elif cpus == "auto":
+                cores = max(1, available_cpu_count() // max(1, workers))
+            else:
+                continue
+            res = spec.get("resources", {})
+            if not isinstance(res, dict):
+                continue
+            if "num_cpus" not in res:
+                roles[role] = {**spec, "resources": {**res, "num_cpus": float(cores)}}
+            elif isinstance(cpus, list) and res["num_cpus"] != cores:
+                raise ValueError(f"roles.{role}.resources.num_cpus ({res['num_cpus']}) differs from the {cores} "
+                                 f"cores of roles.{role}.cpus; drop num_cpus (it follows cpus) or match it")
+        return {**data, "roles": roles}
 
     @pydantic.model_validator(mode="after")
     def _multi_host_needs_reachable_servers(self) -> "Topology":

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_NAME
 from .netaddr import LOOPBACK, resolve_bind, ucx_env
+from .runtime import pin_process, worker_cpus
 
 if TYPE_CHECKING:
     from .topology import Topology
@@ -42,6 +43,11 @@ class WorkerConfig:
     # Where this worker's servers bind and what it advertises: the topology's network.bind
     # (loopback | node | interface | CIDR | address; cluster/netaddr.py).
     bind: str = LOOPBACK
+    # Cores this worker's process owns (runtime.worker_cpus / pin_process): a CPU-id list, "auto"
+    # (slot `cpu_slot` of `cpu_slots` workers sharing the host's cores) or None (no pinning).
+    cpus: list[int] | str | None = None
+    cpu_slot: int = 0
+    cpu_slots: int = 1
     # The KV data plane (netaddr.ucx_env): the topology's network.kv_transport (rdma, devices,
     # transports), then any other UCX settings, its network.ucx ("" removes a setting).
     kv_transport: dict = field(default_factory=dict)
@@ -66,6 +72,11 @@ class WorkerConfig:
         """The UCX settings of this worker's NIXL agent when it is bound to `address`."""
         return ucx_env(address, self.ucx_env, **self.kv_transport)
 
+    def pin_cpus(self, what: str) -> list[int] | None:
+        """Pin this process to its cores (before the engine loads); the cores, or None."""
+        cores = worker_cpus(self.cpus, self.cpu_slot, self.cpu_slots)
+        return None if cores is None else pin_process(cores, what)
+
     def worker_id_for(self, role: str) -> str:
         """The configured worker id, or a fresh one for `role`."""
         return self.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
@@ -86,6 +97,9 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
                           kv_transport=topology.network.kv_transport.model_dump(),
                           queue_tls=_queue_client_tls(topology))
     out = dataclasses.asdict(common)
+    # Cores: slot of this replica among the topology's workers, prefill replicas first.
+    out.update(cpus=spec.cpus, cpu_slots=max(1, topology.roles.prefill.replicas + topology.roles.decode.replicas),
+               cpu_slot=replica if role == "prefill" else topology.roles.prefill.replicas + replica)
 
     def port(name: str) -> int:  # replica i listens on base + i; 0: any free port
         base = spec.ports.get(name, 0)

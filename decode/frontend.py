@@ -70,6 +70,9 @@ class Frontend:
         """Check and tokenize one request (CPU work: call it off the event loop)."""
         return self.validator.validate(inp)
 
+    # The worker's current local prefill budget (decode/prefill_budget.py); None: no cap.
+    prefill_budget_tokens = staticmethod(lambda: None)
+
     @property
     def prefill_view(self) -> PrefillView:
         """The prefill side as the remote path sees it (all zero without one)."""
@@ -87,6 +90,7 @@ class Frontend:
             local_prefill_queue_tokens=self.pending_prefill_tokens,
             decode_kv_usage=self.engine.engine.load().kv_usage,
             arrival_rate_per_s=self.arrivals.rate(time.monotonic()),
+            local_prefill_budget_tokens=self.prefill_budget_tokens(),
         )
 
     def refresh_gauges(self) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 TARGET_FRACTION = 0.8  # of tpot_slo_ms: room for step-to-step noise
-MIN_TOKENS = 32  # a prefill chunk never goes below this (progress, and fixed costs per step)
+MIN_TOKENS = 16  # a prefill chunk never goes below this (progress; one block of the default size)
 HYSTERESIS = 0.1  # re-apply only when the budget moves by more than this fraction
 
 

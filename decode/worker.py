@@ -20,7 +20,7 @@ from pdserve.cluster.join import join_cluster, leave_cluster, open_queue, publis
 from pdserve.cluster.keys import VERSION
 from pdserve.cluster.load import BusyMeter, LatencyWindow, counter_value, gpu_load, histogram_buckets
 from pdserve.cluster.records import WorkerInfo
-from pdserve.cluster.runtime import freeze_gc_heap
+from pdserve.cluster.runtime import cpu_list, freeze_gc_heap
 from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
@@ -79,6 +79,7 @@ class DecodeWorker:
         self.cfg = cfg = DecodeWorkerConfig.of(cfg)
         self.worker_id = cfg.worker_id_for("decode")
         self.engine: LLMEngine | None = None
+        self.cpus: list[int] | None = None  # the cores this process owns (topology roles.*.cpus)
         self.async_engine: AsyncEngine | None = None
         self.frontend: Frontend | None = None
         self.grpc: GrpcServer | None = None
@@ -109,6 +110,8 @@ class DecodeWorker:
         self.host = cfg.host or cfg.address()
         self.security = ServerSecurity.from_config(cfg)  # bad files fail before the engine loads
         self.security.warn_if_plaintext(self.host, self.worker_id)
+        # Own its cores before any engine thread exists (threads inherit the mask; topology cpus).
+        self.cpus = cfg.pin_cpus(f"decode worker {self.worker_id}")
         self.engine = engine or await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
         policy = PolicyState(self.engine.connector.kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
@@ -126,6 +129,8 @@ class DecodeWorker:
             self._start_remote(policy)
         self.frontend = Frontend(self.async_engine, policy, self.metrics, self.worker_id, served,
                                  ServingLimits.from_dict(cfg.limits), remote=self.remote)
+        # The router predicts a local prefill as the chunks this budget cuts it into.
+        self.frontend.prefill_budget_tokens = lambda: self.prefill_budget.current and self.prefill_budget.current.tokens
         self.metrics.engine_alive.set(1)
         self.grpc = GrpcServer(self.frontend, self.host, cfg.grpc_port, self.security)
         await self.grpc.start()
@@ -208,6 +213,7 @@ class DecodeWorker:
     def _load(self) -> dict:
         load, m = self.engine.load(), self.metrics
         return {"running": load.running, "waiting": load.waiting, "kv_usage": round(load.kv_usage, 4),
+                **({"cpus": cpu_list(self.cpus)} if self.cpus else {}),
                 "inflight": len(self.frontend.inflight), **self.busy.snapshot(),
                 **gpu_load(self.engine.connector.kv_tensor.device),
                 "requests": int(histogram_buckets(m.ttft)[-1][1]),

@@ -8,7 +8,8 @@ num_computed_tokens`` new tokens, capped by what is left of
 other requests' decode tokens. ``prefill_token_budget`` (None: no cap) caps the
 prompt tokens of one step separately, so that a worker serving streams can keep
 every step short (a decode worker sets it from its TPOT target): decode tokens
-are always scheduled first. When the pool runs out, the least important
+are always scheduled first, and a long prefill leaves half of the budget to
+prompts that are waiting. When the pool runs out, the least important
 running request (lowest priority, then latest arrival) is preempted: its
 blocks are freed and it is recomputed later.
 
@@ -115,6 +116,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         prefill_left = self.prefill_token_budget if self.prefill_token_budget is not None else budget
+        # Under a prefill budget, a running prefill continues with at most half of it while prompts
+        # wait, so that a short prompt arriving behind a long one starts in the next step.
+        chunk_cap = prefill_left
+        if self.prefill_token_budget is not None and self.waiting:
+            chunk_cap = max(1, self.prefill_token_budget // 2)
         scheduled_ids = set()
         i = 0
         while i < len(self.running) and budget > 0:
@@ -122,7 +128,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             chunk = req.num_tokens - req.num_computed_tokens > 1  # prefill (or recompute), not decode
             if chunk:
-                n = min(n, prefill_left)
+                n = min(n, prefill_left, chunk_cap)
             if n <= 0:
                 i += 1
                 continue

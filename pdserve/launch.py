@@ -331,6 +331,9 @@ DEMO_DOC = ("Disaggregated serving splits the prefill phase, which is compute bo
             "phase, which is memory-bandwidth bound, so each runs on workers sized for it. ")
 
 
+DEMO_SHORT_TOKENS = 64  # the demo's summary line calls prompts up to this long short
+
+
 def _demo(args) -> int:
     from pdserve.api import AsyncClient
 
@@ -375,4 +378,11 @@ def _demo(args) -> int:
         print(f"    completion ({len(o.token_ids)} tokens, {o.finish_reason}): {o.text[:80]!r}")
     routes = sorted({o.breakdown["route"] for o in outs})
     print(f"\nroutes used: {', '.join(routes)}")
+    short = [o.breakdown["ttft_ms"] for o in outs if o.breakdown["prompt_tokens"] <= DEMO_SHORT_TOKENS]
+    long_ = [o.breakdown["ttft_ms"] for o in outs if o.breakdown["prompt_tokens"] > DEMO_SHORT_TOKENS]
+    if short and long_:
+        # A decode worker chunks its local prefills (decode/prefill_budget.py), so short prompts
+        # do not wait behind a long one.
+        print(f"TTFT: short prompts (<= {DEMO_SHORT_TOKENS} tokens) max {max(short):.0f} ms; long prompts "
+              f"{', '.join(f'{t:.0f}' for t in sorted(long_))} ms, all sent at once")
     return 0

@@ -34,7 +34,7 @@ from pdserve.cluster.keys import VERSION
 from pdserve.cluster.load import BusyMeter, gpu_load
 from pdserve.cluster.queue import BAD_SIGNATURE, NO_KEY, verify_task
 from pdserve.cluster.records import WorkerInfo
-from pdserve.cluster.runtime import freeze_gc_heap
+from pdserve.cluster.runtime import cpu_list, freeze_gc_heap
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.kvtransfer import KVLayout, KVTransferAgent
@@ -75,6 +75,7 @@ class PrefillWorker:
         self.stats = PrefillStats()
         self.draining = False
         self.engine: LLMEngine | None = None
+        self.cpus: list[int] | None = None  # the cores this process owns (topology roles.*.cpus)
         self.agent: KVTransferAgent | None = None
         self.registry = None
         self.queue = None
@@ -97,6 +98,8 @@ class PrefillWorker:
         """Load the engine (or take `engine`, already loaded: a worker changing role keeps its
         weights and KV pool), join the cluster and start pulling; returns its id and pid."""
         cfg = self.cfg
+        # Own its cores before any engine thread exists (threads inherit the mask; topology cpus).
+        self.cpus = cfg.pin_cpus(f"prefill worker {self.worker_id}")
         self.engine = engine or await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
         kv = self.engine.connector.kv_tensor
         layout = KVLayout.from_tensor(kv, self.engine.model_config.model_id)
@@ -134,6 +137,7 @@ class PrefillWorker:
 
     def _load(self) -> dict:
         return {**self.busy.snapshot(), **gpu_load(self.engine.connector.kv_tensor.device),
+                **({"cpus": cpu_list(self.cpus)} if self.cpus else {}),
                 "kv_usage": round(self.engine.load().kv_usage, 4), "inflight": self.holding,
                 "tokens": self.stats.tokens_computed, "tasks": self.stats.tasks_done}
 

@@ -80,6 +80,8 @@ class ClusterSnapshot:
     decode_backlog_tokens: int = 0  # decode tokens ahead of a new request's slot (0 = room now)
     decode_kv_usage: float = 0.0  # fraction 0-1 of this worker's KV blocks in use
     arrival_rate_per_s: float = 0.0  # requests/s this decode worker receives (recent average)
+    # Prompt tokens one step of this worker may take (decode/prefill_budget.py); None: no cap.
+    local_prefill_budget_tokens: int | None = None
 
 
 class Decision(NamedTuple):
@@ -129,6 +131,8 @@ def predict(
     in ms, where
 
     local  = local prefill backlog x t_local + decode wait + eff_len x t_local
+             + ceil(eff_len / budget) x decode step   (chunks of the prefill budget
+               beside decoding requests: each chunk's step also runs their tokens)
     remote = queue tokens x t_remote / pool size + decode wait
              + eff_len x t_remote + kv_bytes(eff_len) / bandwidth + setup
     decode wait = decode_backlog_tokens x decode ms per token (both routes)
@@ -143,6 +147,9 @@ def predict(
     t_remote = c.prefill_remote_ms_per_token
     decode_wait = snapshot.decode_backlog_tokens * c.decode_ms_per_token
     local_prefill = eff * t_local
+    budget = snapshot.local_prefill_budget_tokens
+    if budget and snapshot.decode_active_requests and eff:
+        local_prefill += -(-eff // budget) * c.decode_step_ms
     local_wait = snapshot.local_prefill_queue_tokens * t_local + decode_wait
     queue_tokens = 0 if bypasses_queue(features, policy) else snapshot.prefill_queue_tokens
     pool = snapshot.prefill_pool_size if snapshot.prefill_pool_size > 1 else 1

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cluster.runtime import cpu_list
 from tests.harness import small_topology_yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +38,9 @@ def nice(pid: int) -> int:
 @pytest.fixture
 def topology(tmp_path):
     path = tmp_path / "topology.yaml"
-    path.write_text(small_topology_yaml("launcher-test", tmp_path, REPO / "configs" / "router" / "default.yaml"))
+    text = small_topology_yaml("launcher-test", tmp_path, REPO / "configs" / "router" / "default.yaml")
+    # Each worker owns its cores (issue 16), as in the shipped 1p1d-local topology.
+    path.write_text(text.replace("    resources: {num_cpus: 1}\n", "    cpus: auto\n"))
     return path
 
 
@@ -54,6 +57,14 @@ def test_up_status_demo_down(topology, tmp_path):
         assert status.returncode == 0, status.stderr
         body = json.loads(status.stdout)
         assert {m["role"] for m in body["members"].values()} == {"prefill", "decode"}
+        # Core ownership: each worker process is pinned to the cores its load record shows.
+        owned = {}
+        for actor in state["actors"]:
+            member = body["members"][actor["worker_id"]]
+            owned[actor["worker_id"]] = sorted(os.sched_getaffinity(actor["pid"]))
+            assert member["load"]["cpus"] == cpu_list(owned[actor["worker_id"]]), member["load"]
+        if len(os.sched_getaffinity(0)) >= 2:
+            assert not set(owned["prefill-0"]) & set(owned["decode-0"]), owned
         assert body["queue"]["depth"] == 0
 
         demo = pdserve("demo", "--topology", str(topology), "--route", "remote", "--long-tokens", "300",

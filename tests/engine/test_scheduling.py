@@ -290,3 +290,16 @@ def test_prefill_token_budget_caps_prompt_chunks_but_never_decode_tokens(llama_d
     assert chunks == [48, 48, 48, 48, 8]  # 200 prompt tokens, 48 per step at most
     assert all(d == 3 for _, d in steps[1:5]), f"running streams lost decode tokens: {steps[1:5]}"
     assert [outputs[f"s{i}"] for i in range(3)] + [outputs["long"]] == [r.token_ids for r in ref]
+
+
+def test_under_a_prefill_budget_a_short_prompt_starts_beside_a_long_prefill(llama_dir):
+    eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
+    eng.set_prefill_token_budget(64)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    eng.add_request([(7 * j) % 290 + 3 for j in range(400)], params, request_id="long")
+    eng.step()  # the long prompt's first chunk: the whole budget (nothing waits)
+    assert eng.last_step[1] == 64
+    eng.add_request([5, 6, 7], params, request_id="short")
+    firsts = {d.request_id for d in eng.step() if d.new_token_ids}
+    assert "short" in firsts, "the short prompt waited behind the long prefill"
+    assert eng.last_step[1] == 32 + 3  # the long chunk took half the budget, the short prompt its 3 tokens

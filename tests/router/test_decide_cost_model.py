@@ -220,3 +220,15 @@ def test_tpot_pressure_is_explained(rt, tpot_policy):
     d = decide(rt.req(64), pressed(rt, tpot_policy, 45.0), tpot_policy, explain=True)
     assert any("TPOT pressure: decode step 45.0 ms" in line for line in d.trace)
     assert "near tpot_slo_ms 50" in d.detail
+
+
+def test_a_chunked_local_prefill_costs_a_decode_step_per_chunk(rt, policy):
+    """Beside decoding requests, a local prefill runs in chunks of the worker's prefill budget,
+    each in a step that also runs their decode tokens (seed decode step: 25 ms)."""
+    plain = rt.snap(policy, decode_active_requests=2)
+    chunked = rt.snap(policy, decode_active_requests=2, local_prefill_budget_tokens=150)
+    idle = rt.snap(policy, local_prefill_budget_tokens=150)
+    base = decide(rt.req(2000), plain, policy).predicted_ttft_local_ms
+    assert decide(rt.req(2000), chunked, policy).predicted_ttft_local_ms == from_seed(base + 14 * 25.0)
+    assert decide(rt.req(2000), idle, policy).predicted_ttft_local_ms == from_seed(2000 * 0.1)  # no one decoding
+    assert decide(rt.req(2000), chunked, policy).route == "remote"
