@@ -32,7 +32,7 @@ from .grpc_service import GrpcServer
 from .http_app import H11Protocol, build_app
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
-from .prefill_budget import PrefillBudget
+from .prefill_budget import IDLE_TOKENS, PrefillBudget
 from .security import ServerSecurity
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,8 @@ class DecodeWorker:
 
     def _apply_prefill_budget(self, tokens: int) -> None:
         self.metrics.local_prefill_budget.set(tokens)
-        self.async_engine.call(lambda eng: eng.set_prefill_token_budget(tokens))
+        idle = min(max(tokens, IDLE_TOKENS), self.engine.config.max_num_batched_tokens)
+        self.async_engine.call(lambda eng: eng.set_prefill_token_budget(tokens, idle))
 
     def _on_engine_death(self, exc: BaseException) -> None:
         """The engine thread died (event loop): make it visible everywhere at once."""

@@ -219,13 +219,16 @@ class LLMEngine:
                           awaiting_remote_kv=len(self.scheduler.remote), num_blocks=kv.pool.num_blocks,
                           num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage)
 
-    def set_prefill_token_budget(self, tokens: int | None) -> None:
+    def set_prefill_token_budget(self, tokens: int | None, idle_tokens: int | None = None) -> None:
         """Cap the prompt (and recompute) tokens of one step at ``tokens``, decode tokens
-        untouched; None removes the cap. A decode worker sets it so that no step stalls its
-        running streams past their TPOT target (decode/prefill_budget.py)."""
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-            raise ValueError(f"prefill token budget must be an int >= 1 or None, got {tokens!r}")
+        untouched; None removes the cap. ``idle_tokens`` replaces it while no running request
+        is decoding. A decode worker sets both so that no step stalls its running streams past
+        their TPOT target, nor a newly arrived prompt for long (decode/prefill_budget.py)."""
+        for name, value in (("prefill token budget", tokens), ("idle prefill token budget", idle_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         self.scheduler.prefill_token_budget = tokens
+        self.scheduler.idle_prefill_token_budget = idle_tokens
 
     @property
     def prefill_token_budget(self) -> int | None:

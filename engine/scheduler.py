@@ -50,6 +50,9 @@ class Scheduler:
         self.remote: dict[str, Request] = {}
         self.num_preemptions = 0
         self.prefill_token_budget: int | None = None  # prompt tokens per step; None: no cap
+        # The cap while no running request is decoding (no stream to keep fast, only arrivals to
+        # let in); None: the same as prefill_token_budget.
+        self.idle_prefill_token_budget: int | None = None
 
     # -- queue management ---------------------------------------------------
     def add(self, req: Request) -> None:
@@ -115,12 +118,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        prefill_left = self.prefill_token_budget if self.prefill_token_budget is not None else budget
+        cap = self.prefill_token_budget
+        if cap is not None and self.idle_prefill_token_budget is not None and not any(
+                r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            cap = self.idle_prefill_token_budget  # nobody decoding: bigger, more efficient chunks
+        prefill_left = cap if cap is not None else budget
         # Under a prefill budget, a running prefill continues with at most half of it while prompts
         # wait, so that a short prompt arriving behind a long one starts in the next step.
         chunk_cap = prefill_left
-        if self.prefill_token_budget is not None and self.waiting:
-            chunk_cap = max(1, self.prefill_token_budget // 2)
+        if cap is not None and self.waiting:
+            chunk_cap = max(1, cap // 2)
         scheduled_ids = set()
         i = 0
         while i < len(self.running) and budget > 0:

@@ -303,3 +303,17 @@ def test_under_a_prefill_budget_a_short_prompt_starts_beside_a_long_prefill(llam
     firsts = {d.request_id for d in eng.step() if d.new_token_ids}
     assert "short" in firsts, "the short prompt waited behind the long prefill"
     assert eng.last_step[1] == 32 + 3  # the long chunk took half the budget, the short prompt its 3 tokens
+
+
+def test_the_idle_prefill_budget_applies_while_nothing_decodes(llama_dir):
+    eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
+    eng.set_prefill_token_budget(16, idle_tokens=96)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    eng.add_request([(7 * j) % 290 + 3 for j in range(300)], params, request_id="long")
+    eng.step()
+    assert eng.last_step[1] == 96  # alone: the idle budget
+    eng.add_request([5, 6, 7], params, request_id="short")
+    eng.step()  # the short prompt arrives: half of the idle budget for the long one, 3 tokens for it
+    assert eng.last_step[1] == 48 + 3
+    eng.step()  # now the short one decodes: the tight budget protects it
+    assert eng.last_step[1:] == (16 + 1, 1)
