@@ -83,6 +83,9 @@ def register(subparsers) -> None:
     s.add_argument("--interleave", action="store_true",
                    help="start every mode's cluster at once and let the modes take turns at each rate, so that "
                         "foreign load on a shared host hits all modes alike (needs memory for all clusters)")
+    s.add_argument("--repeats", type=int, default=1,
+                   help="runs per mode and rate, each with its own prompts (interleaved with --interleave); "
+                        "the table shows the median run by goodput, with min-max over the runs")
     s.add_argument("--wait-load-below", type=float, default=None, metavar="LOAD",
                    help="before each run, wait until the host's 1-minute load average is under LOAD (a shared "
                         "host's other jobs then fall between runs rather than in them); default: do not wait")
@@ -282,7 +285,7 @@ def _sweep(args) -> int:
         num_workers=args.num_workers,
         prefill_workers=args.prefill_workers, conditional_policy=args.conditional_policy,
         admission=args.admission, slos=parse_goodput(args.goodput), percentiles=_percentiles(args.metric_percentiles),
-        cdf_rate=args.cdf_rate, warmup=args.warmup, interleave=args.interleave,
+        cdf_rate=args.cdf_rate, warmup=args.warmup, interleave=args.interleave, repeats=args.repeats,
         wait_load_below=args.wait_load_below, wait_load_timeout_s=args.wait_load_timeout_s,
         ray_worker_niceness=args.ray_worker_niceness, dataset=dataset_config(args), load=load_config(args))
     if cfg.dataset.name == "sharegpt" and not cfg.dataset.path:

@@ -22,6 +22,7 @@ def sweep_table(results: dict) -> list[dict]:
                                          "mean_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")},
                 "remote_fraction": mix["remote_fraction"], "fell_back_to_local": mix["fell_back_to_local"],
                 "load_avg_1m_before": m["load_avg_before"][0], "load_avg_1m_max": m.get("load_avg_1m_max"),
+                "runs": len(m.get("repeats") or [m]), "spread": m.get("spread") or {},
             })
     return rows
 
@@ -93,6 +94,21 @@ def markdown_table(doc: dict) -> str:
             f"{fmt(r['p99_ttft_ms'], 0)} | {fmt(r['mean_tpot_ms'], 1)} / {fmt(r['p90_tpot_ms'], 1)} / "
             f"{fmt(r['p99_tpot_ms'], 1)} | {pct(r['remote_fraction'])} | {r['load_avg_1m_before']:.1f} / "
             f"{fmt(r['load_avg_1m_max'], 1)} |")
+    spread_rows = [r for r in doc["table"] if r.get("runs", 1) > 1]
+    if spread_rows:
+        lines += ["", f"Median run of {spread_rows[0]['runs']} per cell (by goodput); min-max over the runs:", "",
+                  "| mode | rate | goodput (req/s) | SLO met | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in spread_rows:
+            sp = r["spread"]
+
+            def mm(key, digits=0, scale=1.0):
+                lo, hi = sp.get(key, (None, None))
+                return "-" if lo is None else f"{lo * scale:.{digits}f}-{hi * scale:.{digits}f}"
+
+            lines.append(f"| {r['mode']} | {r['request_rate']:g} | {mm('request_goodput', 2)} | "
+                         f"{mm('slo_attainment', 0, 100)}% | {mm('median_ttft_ms')} | {mm('p99_ttft_ms')} | "
+                         f"{mm('median_itl_ms', 1)} | {mm('p99_itl_ms')} |")
     lines += ["", "| mode | rate | kind | done/sent | SLO met | TTFT median / p90 (ms) | TPOT median / p90 (ms) | routes |",
               "|---|---|---|---|---|---|---|---|"]
     for mode, runs in doc["results"].items():

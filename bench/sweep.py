@@ -74,6 +74,7 @@ class SweepConfig:
     cdf_rate: float | None = None  # default: the middle rate
     warmup: bool = True
     interleave: bool = False  # all modes' clusters up at once, modes taking turns per rate
+    repeats: int = 1  # runs per (mode, rate), each with its own prompts; the table shows the median run
     wait_load_below: float | None = None  # hold each run until the 1-min load average is under this
     wait_load_timeout_s: float = 600.0
     ray_worker_niceness: int | None = 0  # None: Ray's default (15, below every other process on the host)
@@ -95,6 +96,8 @@ class SweepConfig:
             raise ValueError(f"--prefill-workers {p}: must be between 1 and --num-workers - 1")
         if self.admission not in ("slo", "policy", "off"):
             raise ValueError(f"--admission {self.admission!r}: use slo, policy or off")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats {self.repeats}: must be >= 1")
         if self.cdf_rate is not None and self.cdf_rate not in self.request_rates:
             raise ValueError(f"--cdf-rate {self.cdf_rate:g} is not one of --request-rates")
 
@@ -291,10 +294,12 @@ async def _load_with_load_samples(targets, reqs, load, label, period_s: float = 
     return records, duration, samples
 
 
-def run_rate(cfg: SweepConfig, cluster: ModeCluster, i: int, model_dir: str, log) -> dict:
-    """Run rate number i on one mode's cluster; returns the run's metrics with its raw samples."""
+def run_rate(cfg: SweepConfig, cluster: ModeCluster, i: int, model_dir: str, log, rep: int = 0) -> dict:
+    """Run rate number i (repetition ``rep``) on one mode's cluster; returns the run's metrics
+    with its raw samples. Every mode gets the same prompts for (i, rep); no two (i, rep) share any."""
     rate = cfg.request_rates[i]
-    reqs = load_dataset(replace(cfg.dataset, seed=cfg.dataset.seed + 1000 * i), cluster.vocab_size, model_dir)
+    reqs = load_dataset(replace(cfg.dataset, seed=cfg.dataset.seed + 1000 * i + 100 * rep), cluster.vocab_size,
+                        model_dir)
     load = replace(cfg.load, request_rate=rate, seed=cfg.load.seed + i)
     wait_for_quiet(cfg, log)
     load_before = os.getloadavg()
@@ -307,7 +312,9 @@ def run_rate(cfg: SweepConfig, cluster: ModeCluster, i: int, model_dir: str, log
              decode_workers=len(cluster.targets), started_at=started, load_avg_before=list(load_before),
              load_avg_after=list(os.getloadavg()), load_avg_1m_max=max(load_samples, default=None),
              requests=records_json(records))
-    log(f"  [{cluster.mode}] rate {rate:g}/s: {m['completed']}/{m['num_prompts']} completed, "
+    m["repeat"] = rep
+    log(f"  [{cluster.mode}] rate {rate:g}/s{f' (run {rep + 1})' if cfg.repeats > 1 else ''}: "
+        f"{m['completed']}/{m['num_prompts']} completed, "
         f"goodput {fmt(m['request_goodput'])} req/s, mean TTFT {fmt(m['mean_ttft_ms'], 0)} ms, "
         f"mean TPOT {fmt(m['mean_tpot_ms'], 1)} ms, remote {pct(m['route_mix']['remote_fraction'])}, "
         f"load {load_before[0]:.1f} -> max {fmt(m['load_avg_1m_max'], 1)}")
@@ -351,8 +358,13 @@ def run_sweep(cfg: SweepConfig, log=lambda line: print(line, file=sys.stderr, fl
                 log(f"mode {mode}: {cfg.roles(mode)[0]} prefill + {cfg.roles(mode)[1]} decode workers")
                 clusters[mode] = start_mode(cfg, mode, model_dir, work, log)
             for i in rates:
-                for mode in cfg.modes[i % len(cfg.modes):] + cfg.modes[: i % len(cfg.modes)]:
-                    doc["results"][mode][_rate_key(cfg.request_rates[i])] = run_rate(cfg, clusters[mode], i, model_dir, log)
+                runs: dict[str, list[dict]] = {mode: [] for mode in cfg.modes}
+                for rep in range(cfg.repeats):  # repetitions interleaved too, the order rotating
+                    k = (i * cfg.repeats + rep) % len(cfg.modes)
+                    for mode in cfg.modes[k:] + cfg.modes[:k]:
+                        runs[mode].append(run_rate(cfg, clusters[mode], i, model_dir, log, rep))
+                for mode in cfg.modes:
+                    doc["results"][mode][_rate_key(cfg.request_rates[i])] = median_run(runs[mode])
                 _save(out_dir, doc)  # keep what finished if a later run fails
         finally:
             for cluster in clusters.values():
@@ -363,7 +375,8 @@ def run_sweep(cfg: SweepConfig, log=lambda line: print(line, file=sys.stderr, fl
             cluster = start_mode(cfg, mode, model_dir, work, log)
             try:
                 for i in rates:
-                    doc["results"][mode][_rate_key(cfg.request_rates[i])] = run_rate(cfg, cluster, i, model_dir, log)
+                    doc["results"][mode][_rate_key(cfg.request_rates[i])] = median_run(
+                        [run_rate(cfg, cluster, i, model_dir, log, rep) for rep in range(cfg.repeats)])
             finally:
                 stop_mode(cluster)
             _save(out_dir, doc)
@@ -376,6 +389,24 @@ def run_sweep(cfg: SweepConfig, log=lambda line: print(line, file=sys.stderr, fl
     doc["plots"] = write_plots(doc, out_dir, cdf_rate)
     _save(out_dir, doc)
     return doc
+
+
+# Figures whose spread over the repetitions the table reports (min, max beside the median run's).
+SPREAD_KEYS = ("request_goodput", "slo_attainment", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+               "mean_tpot_ms")
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median goodput (the lower middle for an even count), with the other
+    runs' key figures as ``spread`` {key: [min, max]} and ``repeats`` (one dict per run)."""
+    if len(runs) == 1:
+        return runs[0]
+    ordered = sorted(runs, key=lambda m: (m["request_goodput"], m["slo_attainment"]))
+    mid = dict(ordered[(len(ordered) - 1) // 2])
+    mid["repeats"] = [{k: m.get(k) for k in ("repeat", *SPREAD_KEYS)} for m in runs]
+    mid["spread"] = {k: [min(v), max(v)] for k in SPREAD_KEYS
+                     if (v := [m[k] for m in runs if m.get(k) is not None])}
+    return mid
 
 
 def _rate_key(rate: float) -> str:

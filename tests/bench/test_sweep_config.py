@@ -70,3 +70,18 @@ def test_bad_sweep_configs_are_refused(tmp_path, kw, message):
     base = dict(output_dir=str(tmp_path), request_rates=[1.0, 2.0])
     with pytest.raises(ValueError, match=message):
         SweepConfig(**{**base, **kw}).check()
+
+
+def test_repeats_keep_the_median_run_and_the_spread():
+    from pdserve.bench.sweep import median_run
+
+    runs = [{"repeat": i, "request_goodput": g, "slo_attainment": a, "median_ttft_ms": t, "p99_ttft_ms": 2 * t,
+             "median_itl_ms": 40.0, "p99_itl_ms": 90.0 + i, "mean_tpot_ms": 45.0}
+            for i, (g, a, t) in enumerate([(1.2, 0.9, 300.0), (0.8, 0.7, 500.0), (1.0, 0.8, 400.0)])]
+    mid = median_run(runs)
+    assert mid["repeat"] == 2 and mid["request_goodput"] == 1.0  # the middle goodput, whole run kept
+    assert mid["spread"]["request_goodput"] == [0.8, 1.2] and mid["spread"]["p99_itl_ms"] == [90.0, 92.0]
+    assert [r["repeat"] for r in mid["repeats"]] == [0, 1, 2]
+    assert median_run(runs[:1]) is runs[0]
+    with pytest.raises(ValueError, match="--repeats 0"):
+        SweepConfig(output_dir="x", request_rates=[1.0], repeats=0).check()
