@@ -56,13 +56,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="set up etcd users, roles and authentication for a topology (TLS etcd)",
         description="Connect to the topology's etcd as etcd.tls.root and create the users root, "
         "operator and worker (certificate login only), the roles pdserve-operator (writes the "
-        "cluster's prefix) and pdserve-worker (reads it, writes workers/ and nixl/), then turn "
-        "authentication on. Idempotent. `pdserve up` does this itself for the etcd it starts; "
-        "run this once for an etcd you run yourself (docs/security.md).",
+        "cluster's prefix) and pdserve-worker (reads it, writes workers/ and nixl/: only while the "
+        "topology lists etcd.tls.worker, else that grant is revoked), a user and role per worker slot "
+        "(etcd.tls.workers: worker/<cluster>/<id>, writes only that worker's record and NIXL "
+        "metadata), then turn authentication on. Idempotent. `pdserve up` does this itself for "
+        "the etcd it starts; run this for an etcd you run yourself, again after changing the "
+        "slots (docs/security.md).",
     )
     auth.add_argument("--topology", required=True, metavar="FILE", help="topology YAML with etcd.tls")
     auth.add_argument("--etcd", default=None, metavar="ENDPOINT",
                       help="host:port of one etcd member (default: the topology's first etcd.endpoints)")
+    auth.add_argument("--check", action="store_true",
+                      help="validate the topology and print what would be set up, without connecting")
     auth.set_defaults(func=run_etcd_auth)
     certs.register(subparsers)
 
@@ -95,8 +100,9 @@ def run_topology_check(args: argparse.Namespace) -> int:
 def run_etcd_auth(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pdserve.cluster.etcd_auth import EtcdAccessDenied, bootstrap_rbac
+    from pdserve.cluster.etcd_auth import ClusterAccess, EtcdAccessDenied, bootstrap_rbac
     from pdserve.cluster.keys import parse_endpoints
+    from pdserve.cluster.worker_config import autoscale_max_replicas, worker_slots
 
     try:
         topo = load_topology(args.topology)
@@ -109,13 +115,21 @@ def run_etcd_auth(args: argparse.Namespace) -> int:
         raise ValueError("no etcd endpoint: pass --etcd HOST:PORT or set etcd.endpoints (`pdserve up` sets up "
                          "the etcd it starts itself)")
     host, port = parse_endpoints([endpoint])[0]
+    root = topo.etcd_tls("root")
+    tls = topo.etcd.tls
+    slots = worker_slots(topo, autoscale_max_replicas(topo)) if tls.workers is not None else []
+    access = ClusterAccess(topo.cluster, tuple(slots), shared_worker=tls.worker is not None)
+    what = (f"users root, operator, worker ({'granted' if access.shared_worker else 'no grant'} in cluster "
+            f"{topo.cluster}) and {len(access.workers)} per-worker users")
+    if args.check:
+        print(f"OK: etcd at {host}:{port} as {root.cert_file}: {what}")
+        return 0
     try:
-        asyncio.run(bootstrap_rbac(f"{host}:{port}", topo.etcd_tls("root"), [topo.cluster]))
+        asyncio.run(bootstrap_rbac(f"{host}:{port}", root, [access]))
     except EtcdAccessDenied as exc:
         print(f"pdserve etcd-auth: error: {exc}", file=sys.stderr)
         return 1
-    print(f"etcd at {host}:{port}: users root, operator, worker; roles for cluster {topo.cluster}; "
-          "authentication on")
+    print(f"etcd at {host}:{port}: {what}; authentication on")
     return 0
 
 

@@ -48,7 +48,7 @@ async def join_cluster(cfg: WorkerConfig, info: WorkerInfo, nixl_metadata: bytes
     drain key; returns the Registry, which the worker owns from then on (`close()` it)."""
     if not cfg.etcd_endpoints:
         raise ValueError(f"{info.role} worker {info.worker_id}: joining the cluster needs etcd_endpoints")
-    registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s, tls=cfg.etcd_tls)
+    registry = Registry(cfg.etcd_endpoints, cfg.cluster, ttl_s=cfg.lease_ttl_s, tls=cfg.etcd_tls_for(info.worker_id))
     try:
         # A fresh start under a drained id: forget that drain (or, when etcd RBAC keeps a worker
         # from deleting drain keys, ignore the one left there; a later drain still counts).

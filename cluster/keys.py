@@ -13,7 +13,9 @@ Dependency-free, so reading a topology costs no Ray or gRPC import.
     /pdserve/<cluster>/planner/decisions/<seq>      decision history (bounded)
     /pdserve/<cluster>/drain/<worker_id>            an operator's drain request (not leased)
 
-With etcd RBAC (cluster/etcd_auth.py) workers write only workers/ and nixl/; the
+With etcd RBAC (cluster/etcd_auth.py) a worker with an identity of its own
+(`etcd.tls.workers`) writes only its own two keys, workers/<role>/<worker_id> and
+nixl/<worker_id>; the shared worker identity writes all of workers/ and nixl/; the
 operator identity writes everything.
 
 Every key is built here and nowhere else.

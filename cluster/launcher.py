@@ -29,7 +29,7 @@ from typing import Callable
 
 from .actors import (WORKER_MAX_RESTARTS, StartedWorker, actor_name, load_entrypoint, restartable,
                      start_worker_actor, stop_actor, worker_actor_options)
-from .etcd_auth import bootstrap_rbac
+from .etcd_auth import ClusterAccess, bootstrap_rbac
 from .etcd_server import EmbeddedEtcd, free_loopback_port
 from .netaddr import resolve_bind
 from .protection import exposure_warnings
@@ -37,6 +37,7 @@ from .ray_auth import apply_ray_auth, child_env
 from .security import grpc_channel, internal_client_tls
 from .state import ClusterState, state_path
 from .topology import Topology
+from .worker_config import worker_slots
 
 # Also importable from here (tests, bench, the composition root).
 __all__ = ["Launcher", "ClusterState", "state_path", "StartedWorker", "start_worker_actor", "actor_name", "restartable", "worker_actor_options", "load_entrypoint",
@@ -71,9 +72,10 @@ class Launcher:
         path = state_path(t)
         if path.exists():
             raise RuntimeError(f"{path} exists: cluster {t.cluster!r} looks up already; run `pdserve down` first")
-        # With etcd TLS, `up` acts as the operator and its workers as the worker identity:
-        # a topology missing either fails here (naming the setting), before anything starts.
-        t.etcd_tls("operator"), t.etcd_tls("worker")
+        # With etcd TLS, `up` acts as the operator and each worker as its own identity (or the
+        # shared one): a topology missing one fails here (naming the setting), before anything starts.
+        t.etcd_tls("operator")
+        self._check_worker_identities()
         for warning in exposure_warnings(t, self.ray_address):
             self.progress(f"WARNING   {warning}")
         ray_auth = apply_ray_auth(t)  # before Ray starts; no token: fails here, naming the setting
@@ -122,8 +124,29 @@ class Launcher:
         self.progress(f"etcd      started at {state.etcd_endpoints[0]} (pid {state.etcd_pid}, data {data_dir})")
         if self.topo.etcd.tls is not None:
             # Before any worker starts: from here on only the topology's identities get in.
-            asyncio.run(bootstrap_rbac(etcd.endpoint, self.topo.etcd_tls("root"), [self.topo.cluster]))
-            self.progress("etcd      TLS with client certificates; RBAC on (users root, operator, worker)")
+            access = self.etcd_access()
+            asyncio.run(bootstrap_rbac(etcd.endpoint, self.topo.etcd_tls("root"), [access]))
+            users = ["root", "operator"] + (["worker"] if access.shared_worker else [])
+            own = f", and one per worker id: {len(access.workers)}" if access.workers else ""
+            self.progress(f"etcd      TLS with client certificates; RBAC on (users {', '.join(users)}{own})")
+
+    def etcd_access(self) -> ClusterAccess:
+        """What etcd's RBAC bootstrap sets up for this topology: a user per worker slot
+        (etcd.tls.workers), and the shared worker identity's grants while it is listed."""
+        tls = self.topo.etcd.tls
+        return ClusterAccess(self.topo.cluster, tuple(worker_slots(self.topo, self.max_replicas)),
+                             shared_worker=tls is not None and tls.worker is not None)
+
+    def _check_worker_identities(self) -> None:
+        """Every worker id this topology can run has an etcd identity (its own certificate, or
+        the shared one): ValueError naming the settings otherwise."""
+        t = self.topo
+        if t.etcd.tls is None:
+            return
+        ids = [wid for _, wid in worker_slots(t, self.max_replicas)]
+        ids += [f"{role}-{i}" for role in ("prefill", "decode") for i in range(getattr(t.roles, role).replicas)]
+        for wid in dict.fromkeys(ids):
+            t.worker_etcd_tls(wid)
 
     def _start_ray(self, state: ClusterState, run_dir: Path) -> None:
         if self.ray_address:

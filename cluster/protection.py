@@ -98,6 +98,8 @@ def _etcd(t) -> Surface:
         return Surface("etcd", NO, "plaintext, no authentication: anyone who reaches it can drain workers and "
                        "rewrite policies", "etcd.tls")
     ids = [i for i in ("root", "operator", "worker") if getattr(t.etcd.tls, i) is not None]
+    if t.etcd.tls.workers is not None:
+        ids.append("one per worker")
     return Surface("etcd", YES, f"TLS, client certificates, RBAC (identities here: {', '.join(ids) or 'none'})")
 
 

@@ -150,6 +150,7 @@ class ClientTLS:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    server_name: str | None = None  # the name the server's certificate must carry (None: the address dialled)
 
 
 def internal_client_tls(security: "SecuritySpec | None", resolve=lambda p: p) -> ClientTLS | None:

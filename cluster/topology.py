@@ -28,7 +28,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from .etcd_auth import IDENTITIES as ETCD_IDENTITIES
-from .etcd_auth import EtcdTLS
+from .etcd_auth import WORKER, EtcdTLS, WorkerCerts, worker_identity
 from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_NAME, check_name, parse_endpoints
 from .netaddr import LOOPBACK, check_bind
 from .runtime import available_cpu_count
@@ -69,19 +69,32 @@ class CertKeySpec(_Strict):
     key: str = Field(min_length=1)
 
 
+class EtcdWorkersSpec(_Strict):
+    """One etcd identity per worker id (cluster/etcd_auth.py): `dir` holds `<worker_id>.pem`
+    and `<worker_id>-key.pem` (CN `worker/<cluster>/<worker_id>`), and each worker may write
+    only its own record and NIXL metadata. `slots`: per role, how many ids (`<role>-0` ..
+    `<role>-N-1`) get a user and a certificate; default: the larger of the role's replicas and
+    the autoscale policy's max_replicas."""
+
+    dir: str = Field(min_length=1)
+    slots: dict[Literal["prefill", "decode"], Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+
+
 class EtcdTlsSpec(_Strict):
     """TLS, client certificates and RBAC for etcd (cluster/etcd_auth.py, docs/security.md).
     `ca` signed etcd's server certificate and every client certificate. Each process
     connects as one identity, the user etcd reads from its certificate's common name:
-    workers as `worker`, the `pdserve` commands, the launcher and the planner as
-    `operator`; `root` only sets up users and roles (the launcher, for an embedded etcd).
-    List the identities this host's processes use; `server` is the embedded etcd's own."""
+    workers as their own (`workers`) or as the shared `worker`, the `pdserve` commands, the
+    launcher and the planner as `operator`; `root` only sets up users and roles (the launcher,
+    for an embedded etcd). List the identities this host's processes use; `server` is the
+    embedded etcd's own."""
 
     ca: str = Field(min_length=1)
     server: CertKeySpec | None = None
     root: CertKeySpec | None = None
     operator: CertKeySpec | None = None
     worker: CertKeySpec | None = None
+    workers: EtcdWorkersSpec | None = None
 
     def files(self) -> list[tuple[str, str]]:
         """(dotted key, path) of every file it names."""
@@ -151,7 +164,9 @@ class QueueTlsSpec(_Strict):
     actor's certificate, which must name the address the wire advertises (127.0.0.1 with
     `wire: loopback`, the Ray head's IP with `wire: node`). `ca`: what the workers verify it
     with (default: the system's trust store). `client_ca` set: mutual TLS, workers present
-    `client_cert`/`client_key`, which that CA must have signed."""
+    `client_cert`/`client_key`, which that CA must have signed. `server_name`: the name the
+    workers check the certificate for instead of the address dialled (a Ray head whose IP
+    changes, as on Kubernetes: its Service's name)."""
 
     cert: str = Field(min_length=1)
     key: str = Field(min_length=1)
@@ -159,6 +174,7 @@ class QueueTlsSpec(_Strict):
     client_ca: str | None = None
     client_cert: str | None = None
     client_key: str | None = None
+    server_name: str | None = Field(None, min_length=1)
 
     @pydantic.model_validator(mode="after")
     def _mutual_tls_is_complete(self) -> "QueueTlsSpec":
@@ -467,6 +483,24 @@ class Topology(_Strict):
         raise ValueError(f"the topology's etcd has TLS but no client certificate for this process: set {wanted} "
                          "(cert and key; `pdserve certs make` writes etcd-<identity>.pem)")
 
+    def etcd_worker_certs(self) -> WorkerCerts | None:
+        """Where each worker finds its own etcd certificate (etcd.tls.workers, resolved); None
+        without it."""
+        tls = self.etcd.tls
+        if tls is None or tls.workers is None:
+            return None
+        return WorkerCerts(ca_file=str(self.resolve(tls.ca)), dir=str(self.resolve(tls.workers.dir)),
+                           cluster=self.cluster)
+
+    def worker_etcd_tls(self, worker_id: str) -> EtcdTLS | None:
+        """How worker `worker_id` reaches etcd: as its own identity when etcd.tls.workers holds
+        its certificate, else as the shared etcd.tls.worker; None without etcd.tls. ValueError
+        naming the settings when it has neither."""
+        tls = self.etcd.tls
+        if tls is None:
+            return None
+        return worker_identity(worker_id, self.etcd_worker_certs(), self.etcd_tls(WORKER) if tls.worker else None)
+
     def embedded_etcd_tls(self):
         """The embedded etcd's EtcdServerTLS (None without etcd.tls)."""
         from .etcd_server import EtcdServerTLS
@@ -525,6 +559,10 @@ def load_topology(path: str | Path, *, check_files: bool = True) -> Topology:
                                *topology.ray.files())
             if value is not None and not topology.resolve(value).is_file()
         ]
+        workers = topology.etcd.tls.workers if topology.etcd.tls else None
+        if workers is not None and not topology.resolve(workers.dir).is_dir():
+            missing.append(("etcd.tls.workers.dir", line_of(root, ("etcd", "tls", "workers", "dir")),
+                            f"directory {workers.dir!r} not found (resolved to {topology.resolve(workers.dir)})"))
         if missing:
             raise TopologyError(source, missing)
     return topology

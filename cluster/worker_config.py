@@ -5,6 +5,11 @@ and etcd, the prefill queue, UCX, start-up settings); `DecodeWorkerConfig` and
 `PrefillWorkerConfig` extend it with their own. The launcher hands an entry-point
 class its config as a plain dict (`launch_config`), so the field names are an
 interface: the topology's values arrive under these names.
+
+`worker_slots` lists the worker ids a topology can ever run that get an etcd identity of
+their own (`etcd.tls.workers`, cluster/etcd_auth.py): the launcher creates their etcd users,
+`pdserve certs make --topology` their certificates, and the planner never starts an id
+outside them.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_NAME
+from .etcd_auth import EtcdTLS, WorkerCerts, no_worker_identity, worker_identity
+from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_NAME, ROLES
 from .netaddr import LOOPBACK, resolve_bind, ucx_env
 from .runtime import pin_process, worker_cpus
 
@@ -31,8 +37,11 @@ class WorkerConfig:
     worker_id: str | None = None  # None: "<role>-<8 hex digits>"
     cluster: str = "default"
     etcd_endpoints: list[str] | None = None  # None: no registration (decode only; prefill needs etcd)
-    # TLS to etcd as the `worker` identity (etcd_auth.EtcdTLS as a dict); None: plaintext.
+    # TLS to etcd (etcd_tls_for): this worker's own identity when `etcd_worker_certs`
+    # (etcd_auth.WorkerCerts as a dict) holds its certificate, else the shared `worker` identity
+    # `etcd_tls` (etcd_auth.EtcdTLS as a dict); both None: plaintext.
     etcd_tls: dict | None = None
+    etcd_worker_certs: dict | None = None
     lease_ttl_s: float = 10.0
     queue_name: str = DEFAULT_QUEUE_NAME
     queue_namespace: str = DEFAULT_NAMESPACE
@@ -81,6 +90,15 @@ class WorkerConfig:
         """The configured worker id, or a fresh one for `role`."""
         return self.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
 
+    def etcd_tls_for(self, worker_id: str) -> EtcdTLS | None:
+        """The identity worker `worker_id` reaches etcd as (chosen when it joins, so that a
+        worker that changes role in place, under a new id, takes that id's certificate);
+        None: plaintext. ValueError naming the settings when TLS is on and it has none."""
+        own, shared = WorkerCerts.of(self.etcd_worker_certs), EtcdTLS.of(self.etcd_tls)
+        if own is None and shared is None:
+            return None
+        return worker_identity(worker_id, own, shared)
+
 
 def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
                   etcd_endpoints: list[str], worker_id: str | None = None) -> dict[str, Any]:
@@ -90,7 +108,7 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
     spec = getattr(topology.roles, role)
     common = WorkerConfig(model=model, engine_args=dict(spec.engine), worker_id=worker_id or f"{role}-{replica}",
                           cluster=topology.cluster, etcd_endpoints=list(etcd_endpoints),
-                          etcd_tls=_worker_etcd_tls(topology), lease_ttl_s=topology.etcd.lease_ttl_s,
+                          **_worker_etcd(topology), lease_ttl_s=topology.etcd.lease_ttl_s,
                           queue_name=topology.queue.name,
                           queue_namespace=topology.ray.namespace, freeze_gc=True,
                           bind=topology.network.bind, ucx_env=dict(topology.network.ucx),
@@ -118,9 +136,57 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
     return out
 
 
-def _worker_etcd_tls(topology: "Topology") -> dict | None:
-    tls = topology.etcd_tls("worker")  # ValueError naming etcd.tls.worker when TLS lacks it
-    return None if tls is None else tls.to_dict()
+def _worker_etcd(topology: "Topology") -> dict[str, dict | None]:
+    """The workers' etcd identities (WorkerConfig.etcd_tls, etcd_worker_certs); ValueError naming
+    the settings when etcd has TLS and the topology gives the workers no identity."""
+    tls = topology.etcd.tls
+    if tls is None:
+        return {"etcd_tls": None, "etcd_worker_certs": None}
+    own = topology.etcd_worker_certs()
+    shared = topology.etcd_tls("worker") if tls.worker is not None else None
+    if own is None and shared is None:
+        raise no_worker_identity()
+    return {"etcd_tls": shared and shared.to_dict(), "etcd_worker_certs": own and own.to_dict()}
+
+
+def worker_slot_counts(topology: "Topology", max_replicas: dict[str, int] | None = None) -> dict[str, int]:
+    """Per role, how many worker ids (`<role>-0` .. `<role>-N-1`) get an etcd identity of their
+    own: etcd.tls.workers.slots, else the larger of the role's replicas and `max_replicas` (the
+    autoscale policy's). {} without etcd.tls.workers. ValueError when a slot count leaves out
+    one of the topology's own replicas."""
+    tls = topology.etcd.tls
+    if tls is None or tls.workers is None:
+        return {}
+    out = {}
+    for role in ROLES:
+        replicas = getattr(topology.roles, role).replicas
+        n = tls.workers.slots.get(role, max(replicas, (max_replicas or {}).get(role, 0)))
+        if n < replicas:
+            raise ValueError(f"etcd.tls.workers.slots.{role} is {n}, fewer than roles.{role}.replicas ({replicas}): "
+                             f"every worker needs an etcd identity; set it to at least {replicas}")
+        out[role] = n
+    return out
+
+
+def worker_slots(topology: "Topology", max_replicas: dict[str, int] | None = None) -> list[tuple[str, str]]:
+    """(role, worker_id) of every worker id with an etcd identity of its own (worker_slot_counts)."""
+    return [(role, f"{role}-{i}") for role, n in worker_slot_counts(topology, max_replicas).items() for i in range(n)]
+
+
+def autoscale_max_replicas(topology: "Topology") -> dict[str, int] | None:
+    """The topology's autoscale policy's max_replicas per role (None without a policy), read
+    with the planner's policy parser (named by string: the control plane does not import the
+    router package)."""
+    import importlib
+
+    from .planner.core import DEFAULT_POLICY_PARSER
+
+    path = topology.autoscale_policy_path
+    if path is None:
+        return None
+    module, _, name = DEFAULT_POLICY_PARSER.partition(":")
+    policy = getattr(importlib.import_module(module), name)(path.read_text(encoding="utf-8"), str(path))
+    return {role: getattr(policy.autoscale, role).max_replicas for role in ROLES}
 
 
 def _queue_client_tls(topology: "Topology") -> dict | None:
@@ -130,7 +196,8 @@ def _queue_client_tls(topology: "Topology") -> dict | None:
     if tls is None:
         return None
     path = lambda p: str(topology.resolve(p)) if p else None  # noqa: E731
-    return {"ca_file": path(tls.ca), "cert_file": path(tls.client_cert), "key_file": path(tls.client_key)}
+    out = {"ca_file": path(tls.ca), "cert_file": path(tls.client_cert), "key_file": path(tls.client_key)}
+    return out | ({"server_name": tls.server_name} if tls.server_name else {})
 
 
 def _decode_security(topology: "Topology") -> dict[str, Any]:

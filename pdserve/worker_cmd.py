@@ -96,7 +96,6 @@ def plan(args) -> WorkerPlan:
     except TopologyError as exc:
         raise ValueError(f"--topology {exc}") from None
     try:
-        topo.etcd_tls("worker")  # with etcd TLS, the worker's own certificate must be listed
         token_source(topo.ray, topo.resolve)  # with ray.auth: token, a token must be there
     except ValueError as exc:
         raise ValueError(f"--topology {args.topology}: {exc}") from None
@@ -117,6 +116,10 @@ def plan(args) -> WorkerPlan:
                          f"{args.topology} (a worker started on its own cannot start an embedded etcd)")
     worker_id = args.worker_id if args.worker_id is not None else f"{role}-{socket.gethostname()}"
     check_name("--worker-id", worker_id)
+    try:
+        topo.worker_etcd_tls(worker_id)  # with etcd TLS, this worker's certificate (or the shared one)
+    except ValueError as exc:
+        raise ValueError(f"--topology {args.topology}: {exc}") from None
     ray_address = args.ray_address or topo.ray.address or "auto"
     if ray_address != "auto":
         host, sep, port = ray_address.rpartition(":")
@@ -287,7 +290,7 @@ def _clear_drain_key(p: WorkerPlan) -> None:
     from pdserve.cluster.registry import Registry
 
     async def go() -> int:
-        async with Registry(p.etcd_endpoints, p.topology.cluster, tls=p.topology.etcd_tls("worker")) as reg:
+        async with Registry(p.etcd_endpoints, p.topology.cluster, tls=p.topology.worker_etcd_tls(p.worker_id)) as reg:
             return await reg.clear_drain(p.worker_id)
 
     try:

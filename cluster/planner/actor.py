@@ -18,6 +18,7 @@ from ..actors import load_entrypoint, restartable
 from ..launcher import planner_actor_name
 from ..keys import ROLES
 from ..topology import Topology, load_topology
+from ..worker_config import autoscale_max_replicas, worker_slot_counts
 from .backend import RayBackend
 from .core import DEFAULT_POLICY_PARSER, Planner
 
@@ -80,7 +81,16 @@ def build_planner(cfg: PlannerConfig, *, metrics_port: int | None = None) -> Pla
                    queue_stats=queue_stats_fn(topo.queue.name, topo.ray.namespace), units=cpu_units(topo),
                    parse_policy=parse, policy_path=path, dry_run=cfg.dry_run,
                    metrics_host=resolve_bind(topo.network.bind), metrics_port=metrics_port,
-                   known_workers=cfg.known_workers, etcd_tls=topo.etcd_tls("operator"))
+                   known_workers=cfg.known_workers, etcd_tls=topo.etcd_tls("operator"),
+                   worker_slots=_worker_slots(topo))
+
+
+def _worker_slots(topo: Topology) -> dict[str, int]:
+    """Per role, the worker ids with an etcd identity of their own: as many as `pdserve up`
+    created users for (from the topology and its autoscale policy); {} without etcd.tls.workers."""
+    if topo.etcd_worker_certs() is None:
+        return {}
+    return worker_slot_counts(topo, autoscale_max_replicas(topo))
 
 
 class PlannerActor:

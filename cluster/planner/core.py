@@ -53,6 +53,10 @@ class PlannerStateError(RuntimeError):
     """The planner's etcd state could not be read or written."""
 
 
+class NoWorkerSlot(RuntimeError):
+    """Every worker id of a role that has an etcd identity (etcd.tls.workers) is in use."""
+
+
 @dataclass
 class PlannerState:
     """What a planner must not forget across a restart (JSON at planner/state)."""
@@ -150,7 +154,7 @@ class Planner:
                  parse_policy: Callable[[str, str], Any] | None = None, policy_path: str | None = None,
                  dry_run: bool = False, clock: Callable[[], float] = time.time, history: int = HISTORY,
                  leader_ttl_s: int = LEADER_TTL_S, metrics_host: str = "127.0.0.1", metrics_port: int | None = 0,
-                 known_workers: list[str] = (), etcd_tls=None):
+                 known_workers: list[str] = (), etcd_tls=None, worker_slots: dict[str, int] | None = None):
         self.cluster = cluster
         self.registry = Registry(etcd_endpoints, cluster, tls=etcd_tls)  # etcd_tls: the operator identity
         self.keys = self.registry.keys
@@ -170,6 +174,9 @@ class Planner:
         self.metrics = PlannerMetrics()
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.known_workers = list(known_workers)  # ids started outside the planner (the topology's)
+        # Per role, how many ids <role>-0.. have an etcd identity (etcd.tls.workers): new workers
+        # take the lowest free one, never one beyond. {}: ids are not bounded (they only grow).
+        self.worker_slots = dict(worker_slots or {})
         self.prev: Snapshot | None = None  # the snapshot of the last decision
         self.recent: list[Snapshot] = []  # every tick's snapshot over the last few intervals (rates)
         self.last_decision_at: float | None = None
@@ -411,7 +418,12 @@ class Planner:
 
     async def flip(self, wid: str, role: str, snap: Snapshot) -> None:
         """Move worker `wid` to `role` in place under a new worker id."""
-        new = self._next_worker_id(role, snap)
+        try:
+            new = self._next_worker_id(role, snap)
+        except NoWorkerSlot as exc:
+            self.metrics.events.labels(event="no_worker_slot").inc()
+            self._event(f"not flipping {wid}: {exc}", level=logging.ERROR)
+            return
         actor = self.state.actor_of.pop(wid, None)
         now = self.clock()
         self.state.pending[wid] = {"role": snap.workers[wid]["role"], "state": "flipping", "since": now,
@@ -433,7 +445,12 @@ class Planner:
         self.state.memory.last_action_at[d.role] = d.at
         if d.action == "up":
             for _ in range(d.step - skip):
-                wid = self._next_worker_id(d.role, snap)
+                try:
+                    wid = self._next_worker_id(d.role, snap)
+                except NoWorkerSlot as exc:
+                    self.metrics.events.labels(event="no_worker_slot").inc()
+                    self._event(f"not starting a {d.role} worker: {exc}", level=logging.ERROR)
+                    break
                 self.state.pending[wid] = {"role": d.role, "state": "starting", "since": self.clock(), "reason": d.reason}
                 await self.save_state()  # before acting: a crash after the start still knows it
                 self._event(f"starting {wid} ({d.reason})")
@@ -451,12 +468,31 @@ class Planner:
                 await self.registry.request_drain(wid, f"planner {self.id}: {d.reason}", revoke_lease=False)
 
     def _next_worker_id(self, role: str, snap: Snapshot) -> str:
+        if role in self.worker_slots:
+            return self._free_slot(role, snap)
         taken = set(snap.workers) | set(self.state.pending) | set(self.known_workers)
         start = self.state.next_index.get(role, 0)
         indexes = [i for i in (_index_of(w, role) for w in taken) if i is not None]
         n = max([start, *(i + 1 for i in indexes)])
         self.state.next_index[role] = n + 1
         return f"{role}-{n}"
+
+    def _free_slot(self, role: str, snap: Snapshot) -> str:
+        """The lowest `<role>-<n>` below the role's slot count that is free: not registered,
+        not starting, draining or changing role, not the process of a worker that changed role
+        (it keeps the actor name of the id it started under), and not one of the topology's
+        own workers unless the planner stopped it (a restarting one is briefly unregistered)."""
+        taken = set(snap.workers) | set(self.state.pending) | (set(self.known_workers) - set(self.state.stopped))
+        taken |= {name.removeprefix(f"{self.cluster}-") for name in self.state.actor_of.values()}
+        slots = self.worker_slots[role]
+        for n in range(slots):
+            if f"{role}-{n}" not in taken:
+                return f"{role}-{n}"
+        raise NoWorkerSlot(
+            f"all {slots} {role} worker ids with an etcd identity ({role}-0 .. {role}-{slots - 1}) are in use; "
+            f"raise etcd.tls.workers.slots.{role} (default: the larger of roles.{role}.replicas and the autoscale "
+            "policy's max_replicas), issue the new ids' certificates (`pdserve certs workers DIR --topology FILE`) "
+            "and restart the cluster so that etcd gets their users")
 
     def _drain_victims(self, role: str, n: int, snap: Snapshot) -> list[str]:
         """The `n` serving workers of `role` holding the least work (newest first on ties)."""

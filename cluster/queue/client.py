@@ -235,7 +235,8 @@ class QueueClient:
             except ssl.SSLError as exc:  # never a silent fallback: the setting is wrong, or someone is in between
                 raise QueueUnavailableError(
                     f"TLS with the queue wire at {host}:{port} failed: {exc}. Check queue.tls.ca (it must have "
-                    f"signed the queue's certificate), that queue.tls.cert names {host}, and under mutual TLS "
+                    f"signed the queue's certificate), that queue.tls.cert names "
+                    f"{(self.tls and self.tls.server_name) or host}, and under mutual TLS "
                     "queue.tls.client_cert") from None
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, WireError) as exc:
                 if self.transport == "wire":
@@ -268,7 +269,7 @@ class QueueClient:
                 "in the topology (worker config queue_tls)")
         if self._tls_context is None:
             self._tls_context = client_tls(self.tls)
-        return {"ssl": self._tls_context, "server_hostname": endpoint["host"],
+        return {"ssl": self._tls_context, "server_hostname": self.tls.server_name or endpoint["host"],
                 "ssl_handshake_timeout": CONNECT_TIMEOUT_S}
 
     @staticmethod

@@ -205,6 +205,40 @@ def test_queue_tls_reaches_the_queue_actor_and_every_worker_with_resolved_paths(
     assert launch_config(plain, "prefill", 0, model="/m", etcd_endpoints=[])["queue_tls"] is None
 
 
+def test_queue_tls_server_name_checks_the_certificate_for_a_name_instead_of_the_address_dialled(tmp_path):
+    """On Kubernetes the wire advertises the Ray head pod's IP, which no certificate can name
+    in advance: the workers check it for the head's Service name (queue.tls.server_name)."""
+    import asyncio
+    import ssl
+
+    from pdserve.cluster.queue.client import QueueClient
+    from pdserve.cluster.security import ClientTLS
+
+    pki = make_certs(tmp_path / "pki", ["pd-ray-head"])
+    (tmp_path / "t.yaml").write_text(TOPOLOGY + "queue: {wire: node, tls: {cert: pki/queue.pem, "
+                                                "key: pki/queue-key.pem, ca: pki/ca.pem, server_name: pd-ray-head}}\n")
+    tls = ClientTLS(**launch_config(load_topology(tmp_path / "t.yaml"), "decode", 0, model="/m",
+                                    etcd_endpoints=[])["queue_tls"])
+    assert tls.server_name == "pd-ray-head"
+
+    async def handshake(client_tls: ClientTLS) -> None:
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_ctx.load_cert_chain(pki["queue"], pki["queue-key"])
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0, ssl=server_ctx)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            endpoint = {"host": "127.0.0.1", "port": port, "tls": True}
+            _, writer = await asyncio.open_connection("127.0.0.1", port, **QueueClient(None, "wire", client_tls)
+                                                      ._tls_for(endpoint))
+            writer.close()
+        finally:
+            server.close()
+
+    asyncio.run(handshake(tls))
+    with pytest.raises(ssl.SSLCertVerificationError, match="127.0.0.1"):  # the address dialled is not named
+        asyncio.run(handshake(ClientTLS(ca_file=tls.ca_file)))
+
+
 @pytest.mark.parametrize("queue, message", [
     ("{wire: 'off', tls: {cert: pki/queue.pem, key: pki/queue-key.pem}}", "tls: the queue serves no wire (wire: off)"),
     ("{tls: {cert: pki/queue.pem, key: pki/queue-key.pem, client_ca: pki/ca.pem}}", "needs client_cert and client_key"),
@@ -216,3 +250,59 @@ def test_a_bad_queue_tls_section_is_refused_naming_the_key(tmp_path, queue, mess
     with pytest.raises(TopologyError) as err:
         load_topology(tmp_path / "t.yaml")
     assert message in str(err.value)
+
+
+# -- per-worker etcd certificates ---------------------------------------------------------
+WORKERS_TOPOLOGY = """\
+cluster: edge
+model: {path: auto}
+roles: {prefill: {replicas: 2}, decode: {replicas: 1}}
+etcd:
+  endpoints: [127.0.0.1:2379]
+  tls:
+    ca: pki/ca.pem
+    root: {cert: pki/etcd-root.pem, key: pki/etcd-root-key.pem}
+    workers: {dir: pki/etcd-workers, slots: {prefill: SLOTS}}
+"""
+
+
+def test_certs_make_and_certs_workers_issue_one_etcd_certificate_per_worker_slot(tmp_path, capsys):
+    from cryptography.x509.oid import NameOID
+
+    topo = tmp_path / "t.yaml"
+    topo.write_text(WORKERS_TOPOLOGY.replace("SLOTS", "2"))
+    assert main(["certs", "make", str(tmp_path / "pki"), "--topology", str(topo)]) == 0
+    ca, workers = _cert(tmp_path / "pki/ca.pem"), tmp_path / "pki/etcd-workers"
+    assert sorted(p.name for p in workers.iterdir()) == [f"{w}{s}.pem" for w in ("decode-0", "prefill-0", "prefill-1")
+                                                         for s in ("-key", "")]
+    for wid in ("prefill-0", "decode-0"):
+        cert = _cert(workers / f"{wid}.pem")
+        cert.verify_directly_issued_by(ca)
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == f"worker/edge/{wid}"  # etcd user
+        assert list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == \
+            [ExtendedKeyUsageOID.CLIENT_AUTH]
+        assert oct(os.stat(workers / f"{wid}-key.pem").st_mode & 0o777) == "0o600"
+    # More slots later: only the new ids are issued, from the same CA; --force renews them all.
+    before = (workers / "prefill-0.pem").read_bytes(), (tmp_path / "pki/ca.pem").read_bytes()
+    topo.write_text(WORKERS_TOPOLOGY.replace("SLOTS", "3"))
+    capsys.readouterr()
+    assert main(["certs", "workers", str(tmp_path / "pki"), "--topology", str(topo)]) == 0
+    assert "1 written (prefill-2), 3 kept" in capsys.readouterr().out
+    assert ((workers / "prefill-0.pem").read_bytes(), (tmp_path / "pki/ca.pem").read_bytes()) == before
+    _cert(workers / "prefill-2.pem").verify_directly_issued_by(ca)
+    assert main(["certs", "workers", str(tmp_path / "pki"), "--topology", str(topo), "--force"]) == 0
+    assert (workers / "prefill-0.pem").read_bytes() != before[0]
+    # What `pdserve etcd-auth` would set up for it, without an etcd.
+    assert main(["etcd-auth", "--topology", str(topo), "--check"]) == 0
+    assert "worker (no grant in cluster edge) and 4 per-worker users" in capsys.readouterr().out
+
+
+def test_per_worker_certificates_refuse_a_common_name_etcd_could_not_read(tmp_path, capsys):
+    topo = tmp_path / "t.yaml"
+    topo.write_text(WORKERS_TOPOLOGY.replace("SLOTS", "2").replace("cluster: edge", "cluster: " + "e" * 60))
+    assert main(["certs", "make", str(tmp_path / "pki"), "--topology", str(topo)]) == 2
+    assert "at most 64: use a shorter cluster name" in capsys.readouterr().err
+    assert not (tmp_path / "pki").exists()
+    topo.write_text(WORKERS_TOPOLOGY.replace("    workers: {dir: pki/etcd-workers, slots: {prefill: SLOTS}}\n", ""))
+    assert main(["certs", "make", str(tmp_path / "pki"), "--topology", str(topo)]) == 2
+    assert "etcd.tls.workers is not set" in capsys.readouterr().err

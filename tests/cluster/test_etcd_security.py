@@ -1,11 +1,15 @@
 """etcd with TLS, client certificates and RBAC (cluster/etcd_auth.py, docs/security.md),
 against a real etcd started as `pdserve up` starts it. Each attack of issue #20 on etcd
 (drain a worker, rewrite the policy, register a fake worker) is tried without credentials
-and with the worker identity, and refused; the operator and the workers still do their jobs."""
+and with the worker identity, and refused; the operator and the workers still do their jobs.
+With an identity per worker (etcd.tls.workers) a worker cannot touch another worker's record
+or NIXL metadata either, which the shared worker identity could."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import shutil
 import textwrap
 
 import aetcd
@@ -13,7 +17,8 @@ import grpc
 import pytest
 from aetcd import rpc
 
-from pdserve.cluster.etcd_auth import EtcdAccessDenied
+from pdserve.cluster.certs import issue_worker_certs
+from pdserve.cluster.etcd_auth import ClusterAccess, EtcdAccessDenied, WorkerCerts, bootstrap_rbac
 from pdserve.cluster.join import join_cluster
 from pdserve.cluster.registry import Registry, WorkerInfo
 from pdserve.cluster.worker_config import WorkerConfig
@@ -136,12 +141,136 @@ async def test_a_worker_ignores_a_drain_request_older_than_itself_and_obeys_a_ne
             await reg.close()
 
 
+# -- one identity per worker (etcd.tls.workers) -------------------------------------------
+SLOTS = (("prefill", "prefill-0"), ("prefill", "prefill-1"), ("decode", "decode-0"))
+
+
+def worker_certs(secure, cluster: str, worker_ids, where) -> WorkerCerts:
+    """Certificates of `cluster`'s worker ids from the etcd's CA, under `where`/etcd-workers
+    (`pdserve certs workers` beside a copy of the CA)."""
+    where.mkdir()
+    for name in ("ca.pem", "ca-key.pem"):
+        shutil.copy(secure.certs["ca"].parent / name, where / name)
+    issue_worker_certs(where, cluster, worker_ids)
+    return WorkerCerts(ca_file=str(secure.certs["ca"]), dir=str(where / "etcd-workers"), cluster=cluster)
+
+
+@pytest.fixture
+async def own(secure_etcd, cluster_name, tmp_path) -> WorkerCerts:
+    """This test's cluster with a user per worker slot and no shared worker grant, and the
+    slots' certificates."""
+    await bootstrap_rbac(secure_etcd.endpoint, secure_etcd.identity("root"),
+                         [ClusterAccess(cluster_name, SLOTS, shared_worker=False)])
+    return worker_certs(secure_etcd, cluster_name, [wid for _, wid in SLOTS], tmp_path / "pki")
+
+
+def as_worker(secure, own: WorkerCerts, worker_id: str) -> Registry:
+    return Registry(secure.endpoint, own.cluster, ttl_s=TTL_S, tls=own.tls(worker_id), **FAST)
+
+
+async def test_a_worker_identity_of_its_own_writes_its_own_keys_and_no_other_workers(secure_etcd, own):
+    c = own.cluster
+    async with as_worker(secure_etcd, own, "prefill-0") as p0, as_worker(secure_etcd, own, "prefill-1") as p1, \
+            registry(secure_etcd, c, "operator") as operator:
+        await p1.register(worker("prefill-1"), nixl_metadata=b"p1-agent")
+        await p0.register(worker("prefill-0"), nixl_metadata=b"p0-agent")
+        info = p0.info
+        info.load = {"tasks": 3}
+        assert await p0.update(info)  # its own record, load included
+        p1_lease = (await p0.client().get(worker_key(c, "prefill-1"))).lease
+        nixl_p1 = f"/pdserve/{c}/nixl/prefill-1".encode()
+        for attempt in (lambda: p0.client().put(worker_key(c, "prefill-1"), worker("prefill-1").to_json()),
+                        lambda: p0.client().delete(worker_key(c, "prefill-1")),
+                        lambda: p0.client().put(nixl_p1, b"evil-agent"),
+                        lambda: p0.client().delete(nixl_p1),
+                        lambda: p0.client().revoke_lease(p1_lease),
+                        # its own id under another role
+                        lambda: p0.client().put(f"/pdserve/{c}/workers/decode/prefill-0".encode(), b"{}"),
+                        lambda: p1.client().put(nixl_p1 + b"0", b"x")):  # exact keys: nixl/prefill-10 is not p1's
+            with pytest.raises(aetcd.ClientError, match="permission denied"):
+                await attempt()
+        async with as_worker(secure_etcd, own, "prefill-0") as fake:
+            with pytest.raises(EtcdAccessDenied, match=r"identity 'worker/.*/prefill-0'.*role pdserve-worker/"):
+                await fake.register(worker("prefill-9"))
+        members = await operator.members()
+        assert set(members) == {"prefill-0", "prefill-1"} and members["prefill-0"].load == {"tasks": 3}
+        assert await operator.get_nixl_metadata("prefill-1") == b"p1-agent"
+        await p0.deregister()  # revoking its own lease: it holds only its own keys
+        assert set(await operator.members()) == {"prefill-1"}
+
+
+async def test_the_shared_worker_identity_could_replace_a_decode_workers_task_key_and_its_own_cannot(
+        secure_etcd, own):
+    """The attack the role-level grant left open: a prefill host rewrites decode-0's record
+    (its task-signing key, endpoints) and NIXL metadata, so that its own forged tasks verify
+    and KV pages go where it says. With the shared identity it works; with its own it does not."""
+    forged = WorkerInfo(worker_id="decode-0", role="decode", endpoints={"grpc": "10.6.6.6:1"}, task_key="Zm9yZ2Vk")
+    old = f"{own.cluster}-shared"
+    await secure_etcd.grant(old)  # the grants before per-worker identities
+    for cluster, attacker in ((old, registry(secure_etcd, old, "worker")), (own.cluster,
+                                                                          as_worker(secure_etcd, own, "prefill-0"))):
+        async with as_worker(secure_etcd, own, "decode-0") as d0, attacker, \
+                registry(secure_etcd, cluster, "operator") as operator:
+            if cluster == own.cluster:
+                await d0.register(worker("decode-0", "decode"), nixl_metadata=b"d0-agent")
+            else:  # the shared cluster's decode-0 (the per-worker user holds no grant there)
+                await operator.register(worker("decode-0", "decode"), nixl_metadata=b"d0-agent")
+            key = f"/pdserve/{cluster}/workers/decode/decode-0".encode()
+            lease = (await operator.client().get(key)).lease
+            attack = [lambda: attacker.client().put(key, forged.to_json(), lease=lease),
+                      lambda: attacker.client().put(f"/pdserve/{cluster}/nixl/decode-0".encode(), b"evil-agent",
+                                                    lease=lease)]
+            if cluster == old:
+                for step in attack:
+                    await step()
+                assert (await operator.members())["decode-0"].task_key == forged.task_key
+                assert await operator.get_nixl_metadata("decode-0") == b"evil-agent"
+                continue
+            for step in attack:
+                with pytest.raises(aetcd.ClientError, match="permission denied"):
+                    await step()
+            assert (await operator.members())["decode-0"] == worker("decode-0", "decode")
+            assert await operator.get_nixl_metadata("decode-0") == b"d0-agent"
+
+
+async def test_moving_a_cluster_to_per_worker_identities_revokes_the_shared_worker_grant(secure_etcd, cluster_name):
+    await secure_etcd.grant(cluster_name)
+    async with registry(secure_etcd, cluster_name, "worker") as shared:
+        await shared.register(worker("prefill-0"))
+        await shared.deregister()
+        access = ClusterAccess(cluster_name, SLOTS, shared_worker=False)
+        for _ in range(2):  # idempotent, the revocation included
+            await bootstrap_rbac(secure_etcd.endpoint, secure_etcd.identity("root"), [access])
+        with pytest.raises(EtcdAccessDenied, match="identity 'worker'"):
+            await shared.register(worker("prefill-0"))
+
+
+async def test_a_worker_joins_as_the_identity_of_its_worker_id(secure_etcd, own):
+    """The config carries where the certificates are; the id picks one when the worker joins,
+    so a worker that changes role in place (a new id) joins as that id."""
+    cfg = WorkerConfig(model="unused", cluster=own.cluster, etcd_endpoints=[secure_etcd.endpoint],
+                       etcd_worker_certs=own.to_dict(), lease_ttl_s=TTL_S)
+    async def on_drain():
+        pass
+
+    for info in (worker("prefill-1"), worker("decode-0", "decode")):
+        reg = await join_cluster(cfg, info, b"agent", on_drain=on_drain)
+        try:
+            assert reg.tls.identity == f"worker/{own.cluster}/{info.worker_id}"
+        finally:
+            await reg.close()
+    with pytest.raises(ValueError, match=r"worker prefill-7 has no etcd identity.*etcd.tls.workers.slots"):
+        await join_cluster(cfg, worker("prefill-7"), on_drain=on_drain)
+
+
 def test_pdserve_up_starts_its_etcd_with_tls_and_rbac(secure_etcd, tmp_path):
-    """The launcher's etcd step: TLS listeners, users and roles before any worker starts."""
+    """The launcher's etcd step: TLS listeners, users and roles before any worker starts: one
+    per worker id the topology and its autoscale policy can run, and none shared."""
     from pdserve.cluster.launcher import ClusterState, Launcher, _terminate_group
     from pdserve.cluster.topology import load_topology
 
     c = secure_etcd.certs
+    own = worker_certs(secure_etcd, "launched", ["prefill-0", "prefill-1", "decode-0"], tmp_path / "pki")
     (tmp_path / "t.yaml").write_text(textwrap.dedent(f"""\
         cluster: launched
         model: {{path: auto}}
@@ -153,23 +282,34 @@ def test_pdserve_up_starts_its_etcd_with_tls_and_rbac(secure_etcd, tmp_path):
             server: {{cert: {c['etcd']}, key: {c['etcd-key']}}}
             root: {{cert: {c['etcd-root']}, key: {c['etcd-root-key']}}}
             operator: {{cert: {c['etcd-operator']}, key: {c['etcd-operator-key']}}}
-            worker: {{cert: {c['etcd-worker']}, key: {c['etcd-worker-key']}}}
+            workers: {{dir: {own.dir}}}
         """))
     topo = load_topology(tmp_path / "t.yaml")
     state = ClusterState(cluster="launched", topology="t.yaml", namespace="x", ray_address="", ray_head_pid=None,
                          etcd_endpoints=[], etcd_pid=None, queue_name="q", model="m")
-    Launcher(topo, "t.yaml", "m", progress=lambda line: None)._start_etcd(state, tmp_path / "runs")
+    lines = []
+    launcher = Launcher(topo, "t.yaml", "m", progress=lines.append, max_replicas={"prefill": 2, "decode": 1})
+    launcher._check_worker_identities()
+    launcher._start_etcd(state, tmp_path / "runs")
+    assert "RBAC on (users root, operator, and one per worker id: 3)" in lines[-1]
     try:
         async def attempts():
-            async with Registry(state.etcd_endpoints, "launched", tls=topo.etcd_tls("worker"), **FAST) as w, \
+            tls = {wid: topo.worker_etcd_tls(wid) for wid in ("prefill-0", "prefill-1")}
+            async with Registry(state.etcd_endpoints, "launched", tls=tls["prefill-1"], **FAST) as p1, \
+                    Registry(state.etcd_endpoints, "launched", tls=tls["prefill-0"], **FAST) as p0, \
+                    Registry(state.etcd_endpoints, "launched", tls=secure_etcd.identity("worker"), **FAST) as shared, \
                     Registry(state.etcd_endpoints, "launched", tls=topo.etcd_tls("operator"), **FAST) as op, \
                     Registry(state.etcd_endpoints, "launched", **FAST) as plaintext:
-                await w.register(worker("p0"))
-                with pytest.raises(EtcdAccessDenied):
-                    await w.request_drain("p0")
+                await p1.register(worker("prefill-1"))  # a slot the autoscale policy's max_replicas adds
+                await p0.register(worker("prefill-0"))
+                for attempt in (lambda: p0.request_drain("prefill-0"),
+                                lambda: p0.client().delete(worker_key("launched", "prefill-1")),
+                                lambda: shared.register(worker("prefill-2"))):  # the shared identity: no grant here
+                    with pytest.raises((EtcdAccessDenied, aetcd.ClientError), match="permission denied"):
+                        await attempt()
                 with pytest.raises(aetcd.ClientError):
                     await plaintext.members()
-                assert await op.request_drain("p0")
+                assert await op.request_drain("prefill-0")
 
         asyncio.run(attempts())
     finally:
@@ -245,3 +385,97 @@ def test_bad_etcd_tls_settings_name_the_key(tmp_path, section, where, message):
         load_topology(tmp_path / "t.yaml")
     key, _, msg = exc.value.issues[0]
     assert key == where and message in msg, exc.value.issues
+
+
+# -- worker slots: the ids that get an identity, and what the planner does with them -------
+AUTOSCALE = """\
+autoscale:
+  prefill: {min_replicas: 1, max_replicas: 3, scale_up: {queue_length: 8}, scale_down: {queue_length: 1}}
+  decode: {min_replicas: 1, max_replicas: 1, scale_up: {queue_length: 1000}, scale_down: {queue_length: 0}}
+"""
+
+
+def per_worker_topology(tmp_path, workers: str = "{dir: pki/etcd-workers}", extra: str = ""):
+    from pdserve.cluster.certs import make_certs
+    from pdserve.cluster.topology import load_topology
+    from pdserve.cluster.worker_config import autoscale_max_replicas, worker_slots
+
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "autoscale.yaml").write_text(AUTOSCALE)
+    (tmp_path / "t.yaml").write_text(TOPOLOGY + "autoscale_policy: autoscale.yaml\n" + textwrap.dedent(f"""\
+        etcd:
+          endpoints: [10.0.0.5:2379]
+          tls:
+            ca: pki/ca.pem
+            workers: {workers}
+        """) + extra)
+    topo = load_topology(tmp_path / "t.yaml", check_files=False)
+    ids = [wid for _, wid in worker_slots(topo, autoscale_max_replicas(topo))]
+    make_certs(tmp_path / "pki", cluster="sec", worker_ids=ids)
+    return load_topology(tmp_path / "t.yaml"), ids
+
+
+def test_every_id_the_topology_and_its_autoscale_policy_can_run_gets_an_identity(tmp_path):
+    from pdserve.cluster.worker_config import worker_slot_counts
+
+    from pdserve.cluster.topology import load_topology
+
+    topo, ids = per_worker_topology(tmp_path / "a")
+    assert ids == ["prefill-0", "prefill-1", "prefill-2", "decode-0"]  # max_replicas 3 and 1
+    assert worker_slot_counts(topo) == {"prefill": 1, "decode": 1}  # no policy: the replicas
+    _, ids = per_worker_topology(tmp_path / "b", "{dir: pki/etcd-workers, slots: {prefill: 5}}")
+    assert ids == [f"prefill-{i}" for i in range(5)] + ["decode-0"]  # explicit slots win over max_replicas
+    (tmp_path / "b/t.yaml").write_text((tmp_path / "b/t.yaml").read_text().replace("prefill: 5", "decode: 0"))
+    with pytest.raises(ValueError, match=r"etcd.tls.workers.slots.decode is 0, fewer than roles.decode.replicas"):
+        worker_slot_counts(load_topology(tmp_path / "b/t.yaml"))
+
+
+def test_each_worker_config_picks_the_certificate_of_its_worker_id(tmp_path):
+    from pdserve.cluster.worker_config import launch_config
+
+    topo, _ = per_worker_topology(tmp_path)
+    cfg = WorkerConfig.of({k: v for k, v in launch_config(topo, "prefill", 0, model="/m", etcd_endpoints=["h:1"])
+                           .items() if k in WorkerConfig.__dataclass_fields__})
+    assert cfg.etcd_tls is None  # no shared worker identity in this topology
+    tls = cfg.etcd_tls_for("decode-0")  # the same config under another id (a role flip)
+    assert (tls.identity, tls.cert_file) == ("worker/sec/decode-0", str(tmp_path / "pki/etcd-workers/decode-0.pem"))
+    with pytest.raises(ValueError, match=r"worker decode-1 has no etcd identity.*etcd.tls.workers.slots"):
+        cfg.etcd_tls_for("decode-1")
+    with pytest.raises(ValueError, match=r"--topology .*worker prefill-9 has no etcd identity"):
+        from pdserve.worker_cmd import plan
+
+        plan(argparse.Namespace(topology=str(tmp_path / "t.yaml"), role="prefill", worker_id="prefill-9", etcd=None,
+                                ray_address=None, model=None, drain_timeout=10.0))
+    # Both listed: ids without a certificate of their own fall back to the shared identity.
+    both, _ = per_worker_topology(tmp_path / "both", extra="    worker: {cert: pki/etcd-worker.pem, "
+                                                           "key: pki/etcd-worker-key.pem}\n")
+    assert both.worker_etcd_tls("prefill-0").identity == "worker/sec/prefill-0"
+    assert both.worker_etcd_tls("prefill-pod-x7").identity == "worker"
+
+
+def test_the_planner_reuses_free_ids_within_the_slots_and_names_the_setting_when_none_is_left():
+    from pdserve.cluster.planner.core import NoWorkerSlot, Planner
+    from pdserve.cluster.planner.decide import Decision
+    from pdserve.cluster.planner.observe import Snapshot
+
+    class Backend:
+        calls: list = []
+
+        def actor_name(self, wid):
+            return f"c-{wid}"
+
+        async def start(self, role, wid, flexible=False):
+            self.calls.append(wid)
+
+    planner = Planner(cluster="c", etcd_endpoints=["127.0.0.1:1"], policy=None, backend=Backend(),
+                      queue_stats=None, units={}, known_workers=["prefill-0", "prefill-1"], worker_slots={"prefill": 3})
+    snap = Snapshot(t=0.0, queue=None, workers={"prefill-2": {"role": "prefill"}})
+    planner.state.stopped = ["prefill-0"]  # the planner drained and stopped it: its id is free again
+    assert planner._next_worker_id("prefill", snap) == "prefill-0"
+    planner.state.actor_of["decode-0"] = "c-prefill-0"  # prefill-0's process serves as decode-0 now
+    with pytest.raises(NoWorkerSlot, match=r"all 3 prefill worker ids.*raise etcd.tls.workers.slots.prefill"):
+        planner._next_worker_id("prefill", snap)
+    up = Decision(role="prefill", mode="threshold", current=2, desired=3, action="up", reason="threshold_up",
+                  explanation=[], figures={}, at=0.0)
+    asyncio.run(planner.act(up, snap))
+    assert Backend.calls == [] and "etcd.tls.workers.slots.prefill" in planner.log[-1]

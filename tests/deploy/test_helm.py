@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from pdserve.cli import main
+from pdserve.cluster.topology import load_topology
 
 # Importing Ray's CLI (to parse `ray start` lines) imports Ray Serve, which warns about pydantic.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
@@ -31,7 +32,7 @@ CHART = ROOT / "deploy" / "helm" / "pdserve"
 KUBE_VERSION = "1.30.0"  # the oldest Kubernetes the chart is validated against (Chart.yaml: >=1.27)
 RELEASE, NAMESPACE = "demo", "llm"
 CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor"}  # monitoring.coreos.com/v1: no schema shipped
-BUILT_IN_KINDS = {"ConfigMap", "Service", "StatefulSet", "Deployment", "PodDisruptionBudget", "NetworkPolicy"}
+BUILT_IN_KINDS = {"ConfigMap", "Service", "StatefulSet", "Deployment", "PodDisruptionBudget", "NetworkPolicy", "Job"}
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 SAMPLE_ENV = {"POD_IP": "10.1.2.3"}
@@ -87,7 +88,14 @@ VALUE_SETS = {
                      "etcd": {"secretName": "pd-etcd-client", "operator": True}},
         "ray": {"auth": {"tokenSecretName": "pd-ray-token"}},
     },
+    # The chart's own etcd with TLS, client certificates and the RBAC Job; the queue's wire over
+    # mutual TLS.
+    "own-etcd-tls-queue-tls": {
+        "etcd": {"replicas": 3, "tls": {"secretName": "pd-etcd-server", "rootSecretName": "pd-etcd-root"}},
+        "security": {"etcd": {"secretName": "pd-etcd-client"}, "queue": {"secretName": "pd-queue", "mutual": True}},
+    },
 }
+TLS_VALUES = VALUE_SETS["own-etcd-tls-queue-tls"]
 
 
 def render(values: dict | None) -> dict[str, str]:
@@ -118,7 +126,7 @@ def named(objs, kind, suffix):
 def containers(objs):
     """(workload, container) of every Deployment and StatefulSet."""
     for o in objs:
-        if o["kind"] in ("Deployment", "StatefulSet"):
+        if o["kind"] in ("Deployment", "StatefulSet", "Job"):
             for c in o["spec"]["template"]["spec"]["containers"]:
                 yield o, c
 
@@ -185,6 +193,8 @@ def test_a_long_model_name_is_cut_so_that_every_name_stays_a_dns_label():
     ({"drain": {"timeoutSeconds": 0}}, "/drain/timeoutSeconds"),
     ({"ray": {"env": {"RAY_AUTH_MODE": "token"}}}, "/ray/env"),  # ray.auth.tokenSecretName says that
     ({"security": {"tls": {"secret": "x"}}}, "secret"),
+    ({"etcd": {"tls": {"secretname": "x"}}}, "secretname"),
+    ({"security": {"queue": {"mutual": "yes"}}}, "/security/queue/mutual"),
 ])
 def test_a_value_that_breaks_the_schema_is_refused_at_install(values, key):
     with pytest.raises(helm_python.HelmError, match=re.escape(key)):
@@ -197,7 +207,8 @@ def test_a_value_that_breaks_the_schema_is_refused_at_install(values, key):
 def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, name, tmp_path, capsys):
     """Each command line as the pod would run it (its ConfigMaps mounted, its env expanded)."""
     objs = rendered[name]
-    seen = {"pdserve worker": 0, "pdserve drain": 0, "ray start": 0, "etcd": 0, "health probe": 0}
+    seen = {"pdserve worker": 0, "pdserve drain": 0, "ray start": 0, "etcd": 0, "health probe": 0,
+            "pdserve etcd-auth": 0}
     for workload, c in containers(objs):
         root = mount_config_maps(objs, workload, tmp_path / workload["metadata"]["name"])
         env = {**SAMPLE_ENV, "POD_NAME": f"{workload['metadata']['name']}-7c9f8d6b5-x2x7q"}
@@ -208,7 +219,7 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
         for argv in commands:
             for line in command_lines(argv, env):
                 line = [root + a if a.startswith("/etc/pdserve/") else a for a in line]
-                if line[:2] == ["pdserve", "worker"] or line[:2] == ["pdserve", "drain"]:
+                if line[:2] in (["pdserve", "worker"], ["pdserve", "drain"], ["pdserve", "etcd-auth"]):
                     rc = main(line[1:] + ["--check"])
                     assert rc == 0, (line, capsys.readouterr().err)
                     seen[" ".join(line[:2])] += 1
@@ -227,10 +238,14 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
                     seen["etcd"] += 1
                 else:
                     pytest.fail(f"{workload['metadata']['name']}/{c['name']} runs {line[0]!r}, which no test checks")
-    assert seen["pdserve worker"] == seen["pdserve drain"] == 2  # one Deployment per role
+    etcd_client = VALUE_SETS[name].get("security", {}).get("etcd", {})
+    assert seen["pdserve worker"] == 2  # one Deployment per role
+    # With etcd TLS the preStop drain needs the operator identity; without it SIGTERM drains.
+    assert seen["pdserve drain"] == (0 if etcd_client.get("secretName") and not etcd_client.get("operator") else 2)
     assert seen["ray start"] == 3  # head, prefill, decode
     assert seen["etcd"] == (0 if VALUE_SETS[name].get("etcd", {}).get("endpoints") else 1)
     assert seen["health probe"] == (3 if name == "secured" else 0)  # mutual TLS: decode's three probes
+    assert seen["pdserve etcd-auth"] == (1 if VALUE_SETS[name].get("etcd", {}).get("tls") else 0)  # the RBAC Job
 
 
 def test_check_refuses_a_rendered_command_with_a_broken_flag(rendered, tmp_path, capsys):
@@ -438,6 +453,100 @@ def test_etcd_tls_without_the_operator_identity_leaves_the_drain_to_sigterm(rend
     assert "lifecycle" not in c
     pre_stop = named(rendered["secured"], "Deployment", "-decode")["spec"]["template"]["spec"]["containers"][0]
     assert "--topology /etc/pdserve/topology/decode.yaml" in pre_stop["lifecycle"]["preStop"]["exec"]["command"][2]
+
+
+def test_the_charts_etcd_speaks_only_tls_with_client_certificates_from_a_secret(rendered, tmp_path):
+    def etcd(objs):
+        sts = named(objs, "StatefulSet", "-etcd")
+        return sts, sts["spec"]["template"]["spec"]["containers"][0]
+
+    sts, c = etcd(rendered["own-etcd-tls-queue-tls"])
+    flags = dict(a.split("=", 1) for a in c["command"][1:])
+    assert {k: v for k, v in flags.items() if "urls" in k or k == "--initial-cluster"} and all(
+        v.startswith("https://") or "=https://" in v for k, v in flags.items()
+        if k in ("--listen-client-urls", "--advertise-client-urls", "--listen-peer-urls",
+                 "--initial-advertise-peer-urls", "--initial-cluster"))
+    assert flags["--client-cert-auth"] == flags["--peer-client-cert-auth"] == "true"
+    [volume] = [v for v in sts["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "pd-etcd-server"
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
+    for flag, key in (("--cert-file", "tls.crt"), ("--key-file", "tls.key"), ("--trusted-ca-file", "ca.crt"),
+                      ("--peer-cert-file", "tls.crt"), ("--peer-trusted-ca-file", "ca.crt")):
+        assert flags[flag] == f"{mount['mountPath']}/{key}" and key in {i["path"] for i in volume["secret"]["items"]}
+    # The kubelet presents no certificate: /health on a plaintext metrics port of its own.
+    assert flags["--listen-metrics-urls"] == "http://0.0.0.0:2381"
+    assert c["readinessProbe"]["httpGet"] == c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    assert {"name": "metrics", "containerPort": 2381} in c["ports"]
+    # The workers reach it over TLS with their client certificates.
+    workload = named(rendered["own-etcd-tls-queue-tls"], "Deployment", "-decode")
+    root = Path(mount_config_maps(rendered["own-etcd-tls-queue-tls"], workload, tmp_path))
+    topo = load_topology(root / "etc/pdserve/topology/decode.yaml")
+    assert topo.etcd_tls("worker").cert_file == str(root / "etc/pdserve/etcd/worker.crt")
+    # Off by default: plaintext, no Secret, probes on the client port.
+    sts, c = etcd(rendered["default"])
+    assert "--listen-client-urls=http://0.0.0.0:2379" in c["command"]
+    assert not [a for a in c["command"] if "cert" in a or "metrics" in a]
+    assert "volumes" not in sts["spec"]["template"]["spec"]
+    assert c["readinessProbe"]["httpGet"]["port"] == "client"
+
+
+def test_etcd_rbac_runs_as_a_hook_job_that_alone_holds_the_root_certificate(rendered, tmp_path, capsys):
+    objs = rendered["own-etcd-tls-queue-tls"]
+    [job] = of_kind(objs, "Job")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    spec = job["spec"]["template"]["spec"]
+    argv = spec["containers"][0]["command"]
+    assert argv[:2] == ["pdserve", "etcd-auth"] and argv[argv.index("--etcd") + 1] == \
+        "demo-llama-3-1-8b-instruct-etcd:2379"
+    root = Path(mount_config_maps(objs, job, tmp_path))
+    topo = load_topology(root / "etc/pdserve/topology/etcd-auth.yaml")
+    assert topo.etcd_tls("root").cert_file == str(root / "etc/pdserve/etcd-root/root.crt")
+    assert topo.etcd.tls.worker is not None  # the chart's pods share the worker identity: its grant stays
+    assert main(["etcd-auth", "--topology", str(root / "etc/pdserve/topology/etcd-auth.yaml"), "--check"]) == 0
+    assert "worker (granted in cluster demo-llama-3-1-8b-instruct)" in capsys.readouterr().out
+    for workload in of_kind(objs, "Deployment") + of_kind(objs, "StatefulSet"):
+        secrets = [v["secret"]["secretName"] for v in workload["spec"]["template"]["spec"].get("volumes", [])
+                   if "secret" in v]
+        assert "pd-etcd-root" not in secrets, workload["metadata"]["name"]
+    assert not [o for name in VALUE_SETS if not VALUE_SETS[name].get("etcd", {}).get("tls")
+                for o in of_kind(rendered[name], "Job")]
+
+
+def test_queue_tls_from_a_secret_reaches_the_workers_and_the_ray_head_that_runs_the_queue(rendered, tmp_path):
+    from pdserve.cluster.worker_config import launch_config
+
+    objs = rendered["own-etcd-tls-queue-tls"]
+    for role in ("prefill", "decode"):
+        workload = named(objs, "Deployment", f"-{role}")
+        root = Path(mount_config_maps(objs, workload, tmp_path / role))
+        topo = load_topology(root / f"etc/pdserve/topology/{role}.yaml")  # every file it names is mounted
+        queue = root / "etc/pdserve/queue"
+        assert topo.queue.server_tls(topo.resolve) == {"cert": str(queue / "tls.crt"), "key": str(queue / "tls.key"),
+                                                       "client_ca": str(queue / "ca.crt")}
+        assert launch_config(topo, role, 0, model="/m", etcd_endpoints=["e:1"])["queue_tls"] == {
+            "ca_file": str(queue / "ca.crt"), "cert_file": str(queue / "client.crt"),
+            "key_file": str(queue / "client.key"), "server_name": "demo-llama-3-1-8b-instruct-ray-head"}
+    # The queue actor runs on the Ray head (on_head) and reads its certificate there, at the same path.
+    head = named(objs, "Deployment", "-ray-head")["spec"]["template"]["spec"]
+    [volume] = [v for v in head["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "pd-queue"
+    assert {"name": volume["name"], "mountPath": "/etc/pdserve/queue", "readOnly": True} in \
+        head["containers"][0]["volumeMounts"]
+    assert named(objs, "Service", "-ray-head")["metadata"]["name"] == "demo-llama-3-1-8b-instruct-ray-head"
+    # Off by default.
+    root = Path(mount_config_maps(rendered["default"], named(rendered["default"], "Deployment", "-decode"),
+                                  tmp_path / "default"))
+    assert load_topology(root / "etc/pdserve/topology/decode.yaml").queue.tls is None
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"etcd": {"tls": {"secretName": "pd-etcd-server"}}}, "etcd.tls: the workers need etcd client certificates"),
+    ({"etcd": {"endpoints": ["etcd.infra:2379"], "tls": {"secretName": "pd-etcd-server"}},
+      "security": {"etcd": {"secretName": "pd-etcd-client"}}}, "etcd.tls.secretName: the chart deploys no etcd"),
+])
+def test_etcd_tls_values_that_cannot_work_are_refused_naming_the_value(values, message):
+    with pytest.raises(helm_python.HelmError, match=re.escape(message)):
+        render(values)
 
 
 # -- helpers ----------------------------------------------------------------------------------------

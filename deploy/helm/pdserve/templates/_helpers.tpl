@@ -121,14 +121,7 @@ autoscale_policy: {{ if $v.policies.autoscale }}../policies/autoscale.yaml{{ els
 etcd:
   endpoints: {{ toJson (splitList "," (include "pdserve.etcdEndpoints" .ctx)) }}
   lease_ttl_s: {{ $v.topology.leaseTtlSeconds }}
-  {{- if $v.security.etcd.secretName }}
-  tls:
-    ca: ../etcd/ca.crt
-    worker: {cert: ../etcd/worker.crt, key: ../etcd/worker.key}
-    {{- if $v.security.etcd.operator }}
-    operator: {cert: ../etcd/operator.crt, key: ../etcd/operator.key}
-    {{- end }}
-  {{- end }}
+  {{- include "pdserve.etcdTls" .ctx }}
 ray:
   address: {{ include "pdserve.rayAddress" .ctx | quote }}
   namespace: {{ $v.topology.rayNamespace | quote }}
@@ -141,6 +134,19 @@ queue:
   batch_max_tokens: {{ $v.topology.queue.batchMaxTokens }}
   poll_timeout_ms: {{ $v.topology.queue.pollTimeoutMs }}
   wire: node
+  {{- if $v.security.queue.secretName }}
+  # The wire advertises the Ray head pod's IP: its certificate names the head's Service instead.
+  tls:
+    cert: ../queue/tls.crt
+    key: ../queue/tls.key
+    ca: ../queue/ca.crt
+    server_name: {{ include "pdserve.rayHeadName" .ctx }}
+    {{- if $v.security.queue.mutual }}
+    client_ca: ../queue/ca.crt
+    client_cert: ../queue/client.crt
+    client_key: ../queue/client.key
+    {{- end }}
+  {{- end }}
 network:
   bind: node
   ucx: {{ toJson $ucx }}
@@ -161,8 +167,42 @@ security:
 {{- end -}}
 
 {{/*
+etcd.tls of a topology (security.etcd.secretName: the workers' client certificates); with
+"root" true, the root identity too (etcd.tls.rootSecretName: the RBAC bootstrap Job).
+*/}}
+{{- define "pdserve.etcdTls" -}}
+{{- $v := .Values -}}
+{{- if $v.security.etcd.secretName }}
+  tls:
+    ca: ../etcd/ca.crt
+    worker: {cert: ../etcd/worker.crt, key: ../etcd/worker.key}
+    {{- if $v.security.etcd.operator }}
+    operator: {cert: ../etcd/operator.crt, key: ../etcd/operator.key}
+    {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The topology `pdserve etcd-auth` reads in the RBAC bootstrap Job: the cluster, its replicas and
+etcd with the root identity added (the files the Job mounts), nothing else.
+*/}}
+{{- define "pdserve.etcdAuthTopology" -}}
+{{- $v := .Values -}}
+cluster: {{ include "pdserve.cluster" . }}
+model: {path: {{ $v.model.path | quote }}}
+roles:
+  prefill: {replicas: {{ $v.prefill.replicas }}}
+  decode: {replicas: {{ $v.decode.replicas }}}
+etcd:
+  endpoints: {{ toJson (splitList "," (include "pdserve.etcdEndpoints" .)) }}
+  {{- include "pdserve.etcdTls" . }}
+    root: {cert: ../etcd-root/root.crt, key: ../etcd-root/root.key}
+{{- end -}}
+
+{{/*
 The Secrets (values `security.*`, `ray.auth`) a pod mounts, as volumes and volumeMounts:
-call with (dict "ctx" $ "rayOnly" true) for the Ray head, which needs only Ray's token.
+call with (dict "ctx" $ "rayOnly" true) for the Ray head, which needs only Ray's token and
+the queue's certificate (the prefill queue actor runs on the head).
 Each Secret's keys are listed (`items`), so a missing key fails the pod's start naming it.
 The topology above names them relative to its own directory (/etc/pdserve/topology).
 */}}
@@ -171,6 +211,20 @@ The topology above names them relative to its own directory (/etc/pdserve/topolo
 {{- with .ctx.Values.ray.auth.tokenSecretName }}
 - name: ray-token
   secret: {secretName: {{ . }}, defaultMode: 0400, items: [{key: token, path: token}]}
+{{- end }}
+{{- with $s.queue.secretName }}
+- name: queue-tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0400
+    items:
+      - {key: ca.crt, path: ca.crt}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      {{- if $s.queue.mutual }}
+      - {key: client.crt, path: client.crt}
+      - {key: client.key, path: client.key}
+      {{- end }}
 {{- end }}
 {{- if not .rayOnly }}
 {{- with $s.tls.secretName }}
@@ -210,6 +264,9 @@ The topology above names them relative to its own directory (/etc/pdserve/topolo
 {{- $s := .ctx.Values.security -}}
 {{- if .ctx.Values.ray.auth.tokenSecretName }}
 - {name: ray-token, mountPath: /etc/pdserve/ray, readOnly: true}
+{{- end }}
+{{- if $s.queue.secretName }}
+- {name: queue-tls, mountPath: /etc/pdserve/queue, readOnly: true}
 {{- end }}
 {{- if not .rayOnly }}
 {{- if $s.tls.secretName }}
