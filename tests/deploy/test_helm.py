@@ -11,6 +11,7 @@ checks what matters about them by hand: they select the objects and ports that e
 from __future__ import annotations
 
 import copy
+import fnmatch
 import re
 import shlex
 import subprocess
@@ -96,6 +97,7 @@ VALUE_SETS = {
     },
 }
 TLS_VALUES = VALUE_SETS["own-etcd-tls-queue-tls"]
+PER_WORKER = {"etcd": {"endpoints": ["etcd.infra:2379"]}}  # + security.etcd: a TLS etcd of one's own
 
 
 def render(values: dict | None) -> dict[str, str]:
@@ -151,7 +153,7 @@ def test_every_object_passes_strict_schema_validation(rendered, name):
 
 
 def test_strict_validation_refuses_a_misspelt_field(rendered):
-    deployment = copy.deepcopy(named(rendered["default"], "Deployment", "-decode"))
+    deployment = copy.deepcopy(named(rendered["default"], "StatefulSet", "-decode"))
     deployment["spec"]["template"]["spec"]["containers"][0]["comand"] = ["pdserve"]
     with pytest.raises(kubernetes_validate.ValidationError, match="comand"):
         kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
@@ -169,7 +171,7 @@ def test_names_and_labels_are_valid_and_sanitised(rendered, name):
         for value in obj["metadata"].get("labels", {}).values():
             assert LABEL_VALUE.match(value) and len(value) <= 63, value
     if name == "4p8d-gpu":  # "meta-llama/Llama-3.1-8B-Instruct"
-        assert named(rendered[name], "Deployment", "-decode")["metadata"]["name"] == \
+        assert named(rendered[name], "StatefulSet", "-decode")["metadata"]["name"] == \
             "demo-meta-llama-llama-3-1-8b-instruct-decode"
 
 
@@ -182,6 +184,17 @@ def test_a_long_model_name_is_cut_so_that_every_name_stays_a_dns_label():
 
 
 # -- values.schema.json ------------------------------------------------------------------------
+def test_the_schema_accepts_the_worker_identity_and_statefulset_values():
+    values = {"etcd": {"endpoints": ["etcd.infra:2379"]},
+              "decode": {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 1}}},
+              "prefill": {"updateStrategy": {"type": "OnDelete"}},
+              "security": {"etcd": {"secretName": "pd-etcd", "sharedWorkerIdentity": False, "workers": {
+                  "secretName": "pd-etcd-workers", "slots": {"prefill": 2, "decode": 3}}}}}
+    assert helm_python.lint(CHART, values, kube_version=f"v{KUBE_VERSION}")["errors"] == []
+    assert helm_python.lint(CHART, {**values, "security": {"etcd": {"secretName": "pd-etcd",
+                                                                    "sharedWorkerIdentity": True}}})["errors"] == []
+
+
 @pytest.mark.parametrize("values, key", [
     ({"decode": {"replicas": 0}}, "/decode/replicas"),  # the decode workers are the ingress
     ({"decode": {"replica": 2}}, "replica"),  # a typo is refused, not ignored
@@ -195,6 +208,8 @@ def test_a_long_model_name_is_cut_so_that_every_name_stays_a_dns_label():
     ({"security": {"tls": {"secret": "x"}}}, "secret"),
     ({"etcd": {"tls": {"secretname": "x"}}}, "secretname"),
     ({"security": {"queue": {"mutual": "yes"}}}, "/security/queue/mutual"),
+    ({"security": {"etcd": {"workers": {"slots": {"decode": -1}}}}}, "/security/etcd/workers/slots/decode"),
+    ({"decode": {"strategy": {"type": "RollingUpdate"}}}, "strategy"),  # a Deployment's: updateStrategy now
 ])
 def test_a_value_that_breaks_the_schema_is_refused_at_install(values, key):
     with pytest.raises(helm_python.HelmError, match=re.escape(key)):
@@ -207,11 +222,11 @@ def test_a_value_that_breaks_the_schema_is_refused_at_install(values, key):
 def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, name, tmp_path, capsys):
     """Each command line as the pod would run it (its ConfigMaps mounted, its env expanded)."""
     objs = rendered[name]
-    seen = {"pdserve worker": 0, "pdserve drain": 0, "ray start": 0, "etcd": 0, "health probe": 0,
-            "pdserve etcd-auth": 0}
+    seen = {"pdserve worker": 0, "pdserve drain": 0, "ray start": 0, "ray kill-actor": 0, "etcd": 0,
+            "health probe": 0, "pdserve etcd-auth": 0}
     for workload, c in containers(objs):
-        root = mount_config_maps(objs, workload, tmp_path / workload["metadata"]["name"])
-        env = {**SAMPLE_ENV, "POD_NAME": f"{workload['metadata']['name']}-7c9f8d6b5-x2x7q"}
+        root = mount_config_maps(objs, workload, tmp_path / workload["metadata"]["name"])  # runs init containers
+        env = pod_env(workload)
         commands = [c["command"] + c.get("args", [])]
         if "lifecycle" in c:
             commands.append(c["lifecycle"]["preStop"]["exec"]["command"])
@@ -233,13 +248,18 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
 
                     start.make_context("start", line[2:])  # click's parser: unknown/bad options raise
                     seen["ray start"] += 1
+                elif line[:2] == ["ray", "kill-actor"]:
+                    from ray.scripts.scripts import kill_actor
+
+                    kill_actor.make_context("kill-actor", line[2:])
+                    seen["ray kill-actor"] += 1
                 elif line[0] == "etcd":
                     assert set(flag_names(line[1:])) <= etcd_flags(), line
                     seen["etcd"] += 1
                 else:
                     pytest.fail(f"{workload['metadata']['name']}/{c['name']} runs {line[0]!r}, which no test checks")
     etcd_client = VALUE_SETS[name].get("security", {}).get("etcd", {})
-    assert seen["pdserve worker"] == 2  # one Deployment per role
+    assert seen["pdserve worker"] == seen["ray kill-actor"] == 2  # one StatefulSet per role
     # With etcd TLS the preStop drain needs the operator identity; without it SIGTERM drains.
     assert seen["pdserve drain"] == (0 if etcd_client.get("secretName") and not etcd_client.get("operator") else 2)
     assert seen["ray start"] == 3  # head, prefill, decode
@@ -251,10 +271,10 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
 def test_check_refuses_a_rendered_command_with_a_broken_flag(rendered, tmp_path, capsys):
     """The command test can fail: the same decode command with a bad --etcd is refused."""
     objs = rendered["default"]
-    workload = named(objs, "Deployment", "-decode")
+    workload = named(objs, "StatefulSet", "-decode")
     c = workload["spec"]["template"]["spec"]["containers"][0]
     root = mount_config_maps(objs, workload, tmp_path)
-    [line] = [ln for ln in command_lines(c["command"] + c["args"], {**SAMPLE_ENV, "POD_NAME": "p-0"})
+    [line] = [ln for ln in command_lines(c["command"] + c["args"], pod_env(workload))
               if ln[:2] == ["pdserve", "worker"]]
     line = [root + a if a.startswith("/etc/pdserve/") else a for a in line]
     line[line.index("--etcd") + 1] = "etcd-without-port"
@@ -281,7 +301,7 @@ def test_the_rendered_topologies_follow_the_values(rendered, tmp_path):
     from pdserve.cluster.topology import load_topology
 
     objs = rendered["4p8d-gpu"]
-    root = Path(mount_config_maps(objs, named(objs, "Deployment", "-decode"), tmp_path))
+    root = Path(mount_config_maps(objs, named(objs, "StatefulSet", "-decode"), tmp_path))
     topo = {role: load_topology(root / f"etc/pdserve/topology/{role}.yaml") for role in ("prefill", "decode")}
     for t in topo.values():
         assert (t.roles.prefill.replicas, t.roles.decode.replicas) == (4, 8)
@@ -292,10 +312,11 @@ def test_the_rendered_topologies_follow_the_values(rendered, tmp_path):
     assert topo["prefill"].network.ucx == {"UCX_MODULES": "", "UCX_NET_DEVICES": "mlx5_0:1"}
     assert topo["decode"].network.ucx == {"UCX_MODULES": ""}
     ext = rendered["external-etcd-netpol-monitor"]
-    root = Path(mount_config_maps(ext, named(ext, "Deployment", "-decode"), tmp_path / "ext"))
+    root = Path(mount_config_maps(ext, named(ext, "StatefulSet", "-decode"), tmp_path / "ext"))
     assert load_topology(root / "etc/pdserve/topology/decode.yaml").etcd.endpoints == \
         ["etcd-0.etcd.infra:2379", "etcd-1.etcd.infra:2379"]
-    assert not of_kind(ext, "StatefulSet")
+    assert {s["metadata"]["name"] for s in of_kind(ext, "StatefulSet")} == \
+        {"demo-llama-3-1-8b-instruct-prefill", "demo-llama-3-1-8b-instruct-decode"}  # no etcd of its own
 
 
 def test_zero_prefill_replicas_render_no_prefill_workers_and_a_local_only_topology(tmp_path):
@@ -305,7 +326,7 @@ def test_zero_prefill_replicas_render_no_prefill_workers_and_a_local_only_topolo
                     "networkPolicy": {"enabled": True}, "metrics": {"serviceMonitor": {"enabled": True}}})
     objs = [o for p, t in files.items() if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
     assert not [o for o in objs if o["metadata"]["name"].endswith("-prefill") and o["kind"] != "PodMonitor"]
-    decode = named(objs, "Deployment", "-decode")
+    decode = named(objs, "StatefulSet", "-decode")
     root = Path(mount_config_maps(objs, decode, tmp_path))
     topo = load_topology(root / "etc/pdserve/topology/decode.yaml")
     assert (topo.roles.prefill.replicas, topo.roles.decode.replicas) == (0, 2)
@@ -316,16 +337,16 @@ def test_zero_prefill_replicas_render_no_prefill_workers_and_a_local_only_topolo
 
 def test_gpus_placement_and_volumes_per_role(rendered):
     objs = rendered["4p8d-gpu"]
-    prefill = named(objs, "Deployment", "-prefill")
+    prefill = named(objs, "StatefulSet", "-prefill")
     spec = prefill["spec"]["template"]["spec"]
-    assert prefill["spec"]["replicas"] == 4 and named(objs, "Deployment", "-decode")["spec"]["replicas"] == 8
+    assert prefill["spec"]["replicas"] == 4 and named(objs, "StatefulSet", "-decode")["spec"]["replicas"] == 8
     assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert spec["nodeSelector"] == {"pdserve.io/pool": "prefill"} and spec["tolerations"] and spec["affinity"]
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["model"]["hostPath"]["path"] == "/mnt/models"
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
     assert {"name": "NIXL_LOG_LEVEL", "value": "WARN"} in spec["containers"][0]["env"]
-    cpu = named(rendered["1p1d-cpu"], "Deployment", "-decode")["spec"]["template"]["spec"]
+    cpu = named(rendered["1p1d-cpu"], "StatefulSet", "-decode")["spec"]["template"]["spec"]
     assert "nvidia.com/gpu" not in str(cpu["containers"][0]["resources"])
     assert "model" not in {v["name"] for v in cpu["volumes"]} and "model-cache" in {v["name"] for v in cpu["volumes"]}
 
@@ -333,24 +354,27 @@ def test_gpus_placement_and_volumes_per_role(rendered):
 def test_scale_down_drains_within_a_grace_period_derived_from_values(rendered):
     for name, extra in (("default", 120), ("4p8d-gpu", 600)):
         for role in ("prefill", "decode"):
-            d = named(rendered[name], "Deployment", f"-{role}")
+            d = named(rendered[name], "StatefulSet", f"-{role}")
             spec = d["spec"]["template"]["spec"]
             assert spec["terminationGracePeriodSeconds"] == extra + 30
             pre_stop = " ".join(spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"])
-            assert "exec pdserve drain ${POD_NAME}" in pre_stop
+            assert f"exec pdserve drain {role}-${{POD_NAME##*-}} " in pre_stop  # the worker id, not the pod
             assert f"--drain-timeout {extra}" in spec["containers"][0]["args"][0]
 
 
 def test_probes_use_the_workers_own_health_endpoints(rendered):
-    decode = named(rendered["default"], "Deployment", "-decode")["spec"]["template"]["spec"]["containers"][0]
+    decode = named(rendered["default"], "StatefulSet", "-decode")["spec"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in decode["ports"]}
     assert decode["readinessProbe"]["grpc"]["port"] == decode["startupProbe"]["grpc"]["port"] == ports["grpc"]
     assert decode["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    prefill = named(rendered["default"], "Deployment", "-prefill")["spec"]["template"]["spec"]["containers"][0]
+    prefill = named(rendered["default"], "StatefulSet", "-prefill")["spec"]["template"]["spec"]["containers"][0]
     assert prefill["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
     service = named(rendered["default"], "Service", "-decode")
     assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "http"}
-    assert not [s for s in of_kind(rendered["default"], "Service") if "prefill" in s["metadata"]["name"]]
+    # Prefill workers serve nothing through a Service: theirs only governs the StatefulSet (DNS, no ports).
+    [governing] = [s for s in of_kind(rendered["default"], "Service") if "prefill" in s["metadata"]["name"]]
+    assert governing["metadata"]["name"] == named(rendered["default"], "StatefulSet", "-prefill")["spec"]["serviceName"]
+    assert "ports" not in governing["spec"] and governing["spec"]["clusterIP"] == "None"
 
 
 def test_monitors_and_network_policies_select_what_exists(rendered):
@@ -361,7 +385,7 @@ def test_monitors_and_network_policies_select_what_exists(rendered):
     assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert {e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
     pm = named(objs, "PodMonitor", "-prefill")
-    prefill = named(objs, "Deployment", "-prefill")["spec"]["template"]
+    prefill = named(objs, "StatefulSet", "-prefill")["spec"]["template"]
     assert pm["spec"]["selector"]["matchLabels"].items() <= prefill["metadata"]["labels"].items()
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] in {p["name"] for p in prefill["spec"]["containers"][0]["ports"]}
     policies = {o["metadata"]["name"].rsplit("-", 1)[1]: o["spec"] for o in of_kind(objs, "NetworkPolicy")}
@@ -370,14 +394,18 @@ def test_monitors_and_network_policies_select_what_exists(rendered):
     assert policies["clients"]["ingress"][0]["from"] == VALUE_SETS["external-etcd-netpol-monitor"]["networkPolicy"]["clients"]
     assert {p["port"] for p in policies["metrics"]["ingress"][0]["ports"]} == {9100}
     release = policies["internal"]["podSelector"]["matchLabels"]
-    for workload in of_kind(objs, "Deployment"):
+    for workload in of_kind(objs, "Deployment") + of_kind(objs, "StatefulSet"):
         assert release.items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+    # The worker StatefulSets' governing Services (no ports) are not scraped a second time.
+    selected = [s["metadata"]["name"] for s in of_kind(objs, "Service")
+                if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+    assert selected == ["demo-llama-3-1-8b-instruct-decode"]
 
 
 def test_every_value_is_described_in_the_docs():
     """docs/deploy.md's Helm section names every value (maps the user fills are not walked)."""
     opaque = {"engine", "make", "resources", "probes", "ucx", "env", "nodeSelector", "tolerations", "affinity",
-              "podAnnotations", "annotations", "labels", "podDisruptionBudget", "strategy", "policies", "head"}
+              "podAnnotations", "annotations", "labels", "podDisruptionBudget", "updateStrategy", "policies", "head"}
     docs = (ROOT / "docs" / "deploy.md").read_text().split("## Kubernetes (Helm)", 1)[1]
 
     def keys(tree, path=()):
@@ -396,22 +424,23 @@ def test_secrets_are_mounted_where_the_rendered_topology_names_them(rendered, tm
     from pdserve.cluster.topology import load_topology
 
     objs = rendered["secured"]
-    secrets = {"pd-decode-tls": {"tls.crt", "tls.key", "ca.crt"}, "pd-api-keys": {"keys.txt"},
-               "pd-etcd-client": {"ca.crt", "worker.crt", "worker.key", "operator.crt", "operator.key"},
-               "pd-ray-token": {"token"}}
+    secrets = {"tls": ("pd-decode-tls", {"tls.crt", "tls.key", "ca.crt"}), "api-keys": ("pd-api-keys", {"keys.txt"}),
+               "etcd-tls": ("pd-etcd-client", {"ca.crt", "operator.crt", "operator.key"}),
+               "ray-token": ("pd-ray-token", {"token"})}
     for role in ("prefill", "decode"):
-        workload = named(objs, "Deployment", f"-{role}")
+        workload = named(objs, "StatefulSet", f"-{role}")
         spec = workload["spec"]["template"]["spec"]
-        mounted = {v["secret"]["secretName"]: {i["key"] for i in v["secret"]["items"]}
+        mounted = {v["name"]: (v["secret"]["secretName"], {i["key"] for i in v["secret"]["items"]})
                    for v in spec["volumes"] if "secret" in v}
-        assert mounted == secrets
+        # + the role's slots of the per-worker certificates (the init container's, test below)
+        assert mounted == secrets | {"etcd-workers": ("pd-etcd-client", {f"{role}-0.pem", f"{role}-0-key.pem"})}
         root = Path(mount_config_maps(objs, workload, tmp_path / role))
         t = load_topology(root / f"etc/pdserve/topology/{role}.yaml")  # every file it names exists
         etc = root / "etc/pdserve"
         assert (t.resolve(t.security.tls.cert), t.resolve(t.security.tls.client_ca)) == \
             (etc / "tls/tls.crt", etc / "tls/ca.crt")
         assert t.resolve(t.security.api_keys.file) == etc / "api-keys/keys.txt"
-        assert t.etcd_tls("worker").cert_file == str(etc / "etcd/worker.crt")
+        assert t.worker_etcd_tls(f"{role}-0").cert_file == str(etc / f"etcd-worker/{role}-0.pem")
         assert t.etcd_tls("operator").key_file == str(etc / "etcd/operator.key")
         assert (t.ray.auth, t.resolve(t.ray.token_file)) == ("token", etc / "ray/token")
         env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
@@ -419,7 +448,7 @@ def test_secrets_are_mounted_where_the_rendered_topology_names_them(rendered, tm
     head = named(objs, "Deployment", "-ray-head")["spec"]["template"]["spec"]
     assert [v["secret"]["secretName"] for v in head["volumes"] if "secret" in v] == ["pd-ray-token"]
     assert {"name": "RAY_AUTH_MODE", "value": "token"} in head["containers"][0]["env"]
-    default = named(rendered["default"], "Deployment", "-decode")["spec"]["template"]["spec"]
+    default = named(rendered["default"], "StatefulSet", "-decode")["spec"]["template"]["spec"]
     assert not [v for v in default["volumes"] if "secret" in v]
     assert {"name": "RAY_AUTH_MODE", "value": "disabled"} in default["containers"][0]["env"]
 
@@ -429,12 +458,12 @@ def test_probes_reach_a_tls_decode_worker(rendered):
     mutual TLS an exec probe presents the workers' certificate (cluster/health_probe.py)."""
     tls_only = render({"security": {"tls": {"secretName": "pd-decode-tls"}}})
     decode = named([o for p, t in tls_only.items() if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o],
-                   "Deployment", "-decode")
+                   "StatefulSet", "-decode")
     c = decode["spec"]["template"]["spec"]["containers"][0]
     for probe in PROBES:
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
     kubernetes_validate.validate(decode, KUBE_VERSION, strict=True)
-    mutual = named(rendered["secured"], "Deployment", "-decode")["spec"]["template"]["spec"]["containers"][0]
+    mutual = named(rendered["secured"], "StatefulSet", "-decode")["spec"]["template"]["spec"]["containers"][0]
     for probe in PROBES:
         argv = mutual[probe]["exec"]["command"]
         assert argv[:3] == ["python3", "-m", "pdserve.cluster.health_probe"]
@@ -449,9 +478,9 @@ def test_etcd_client_certificates_need_an_etcd_that_speaks_tls():
 def test_etcd_tls_without_the_operator_identity_leaves_the_drain_to_sigterm(rendered):
     files = render({"etcd": {"endpoints": ["etcd.infra:2379"]}, "security": {"etcd": {"secretName": "pd-etcd"}}})
     objs = [o for p, t in files.items() if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
-    c = named(objs, "Deployment", "-decode")["spec"]["template"]["spec"]["containers"][0]
+    c = named(objs, "StatefulSet", "-decode")["spec"]["template"]["spec"]["containers"][0]
     assert "lifecycle" not in c
-    pre_stop = named(rendered["secured"], "Deployment", "-decode")["spec"]["template"]["spec"]["containers"][0]
+    pre_stop = named(rendered["secured"], "StatefulSet", "-decode")["spec"]["template"]["spec"]["containers"][0]
     assert "--topology /etc/pdserve/topology/decode.yaml" in pre_stop["lifecycle"]["preStop"]["exec"]["command"][2]
 
 
@@ -478,10 +507,10 @@ def test_the_charts_etcd_speaks_only_tls_with_client_certificates_from_a_secret(
     assert c["readinessProbe"]["httpGet"] == c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
     assert {"name": "metrics", "containerPort": 2381} in c["ports"]
     # The workers reach it over TLS with their client certificates.
-    workload = named(rendered["own-etcd-tls-queue-tls"], "Deployment", "-decode")
+    workload = named(rendered["own-etcd-tls-queue-tls"], "StatefulSet", "-decode")
     root = Path(mount_config_maps(rendered["own-etcd-tls-queue-tls"], workload, tmp_path))
     topo = load_topology(root / "etc/pdserve/topology/decode.yaml")
-    assert topo.etcd_tls("worker").cert_file == str(root / "etc/pdserve/etcd/worker.crt")
+    assert topo.worker_etcd_tls("decode-0").cert_file == str(root / "etc/pdserve/etcd-worker/decode-0.pem")
     # Off by default: plaintext, no Secret, probes on the client port.
     sts, c = etcd(rendered["default"])
     assert "--listen-client-urls=http://0.0.0.0:2379" in c["command"]
@@ -501,9 +530,13 @@ def test_etcd_rbac_runs_as_a_hook_job_that_alone_holds_the_root_certificate(rend
     root = Path(mount_config_maps(objs, job, tmp_path))
     topo = load_topology(root / "etc/pdserve/topology/etcd-auth.yaml")
     assert topo.etcd_tls("root").cert_file == str(root / "etc/pdserve/etcd-root/root.crt")
-    assert topo.etcd.tls.worker is not None  # the chart's pods share the worker identity: its grant stays
+    # One identity per worker slot; the shared worker identity gets no grant (revoked if it had one).
+    assert topo.etcd.tls.worker is None and topo.etcd.tls.workers.slots == {"prefill": 1, "decode": 1}
     assert main(["etcd-auth", "--topology", str(root / "etc/pdserve/topology/etcd-auth.yaml"), "--check"]) == 0
-    assert "worker (granted in cluster demo-llama-3-1-8b-instruct)" in capsys.readouterr().out
+    assert "worker (no grant in cluster demo-llama-3-1-8b-instruct) and 2 per-worker users" in capsys.readouterr().out
+    # It needs no worker's certificate: etcd.tls.workers.dir is an empty directory.
+    assert {i["key"] for v in spec["volumes"] if "secret" in v for i in v["secret"]["items"]} == \
+        {"ca.crt", "root.crt", "root.key"}
     for workload in of_kind(objs, "Deployment") + of_kind(objs, "StatefulSet"):
         secrets = [v["secret"]["secretName"] for v in workload["spec"]["template"]["spec"].get("volumes", [])
                    if "secret" in v]
@@ -517,7 +550,7 @@ def test_queue_tls_from_a_secret_reaches_the_workers_and_the_ray_head_that_runs_
 
     objs = rendered["own-etcd-tls-queue-tls"]
     for role in ("prefill", "decode"):
-        workload = named(objs, "Deployment", f"-{role}")
+        workload = named(objs, "StatefulSet", f"-{role}")
         root = Path(mount_config_maps(objs, workload, tmp_path / role))
         topo = load_topology(root / f"etc/pdserve/topology/{role}.yaml")  # every file it names is mounted
         queue = root / "etc/pdserve/queue"
@@ -534,13 +567,17 @@ def test_queue_tls_from_a_secret_reaches_the_workers_and_the_ray_head_that_runs_
         head["containers"][0]["volumeMounts"]
     assert named(objs, "Service", "-ray-head")["metadata"]["name"] == "demo-llama-3-1-8b-instruct-ray-head"
     # Off by default.
-    root = Path(mount_config_maps(rendered["default"], named(rendered["default"], "Deployment", "-decode"),
+    root = Path(mount_config_maps(rendered["default"], named(rendered["default"], "StatefulSet", "-decode"),
                                   tmp_path / "default"))
     assert load_topology(root / "etc/pdserve/topology/decode.yaml").queue.tls is None
 
 
 @pytest.mark.parametrize("values, message", [
     ({"etcd": {"tls": {"secretName": "pd-etcd-server"}}}, "etcd.tls: the workers need etcd client certificates"),
+    ({**PER_WORKER, "decode": {"replicas": 3}, "security": {"etcd": {"secretName": "pd-etcd", "workers": {
+        "slots": {"decode": 2}}}}}, "security.etcd.workers.slots.decode is 2, fewer than decode.replicas (3)"),
+    ({**PER_WORKER, "clusterName": "c" * 50, "security": {"etcd": {"secretName": "pd-etcd"}}},
+     "clusterName: the etcd user worker/" + "c" * 50 + "/prefill-0 of the last prefill slot is 67 characters"),
     ({"etcd": {"endpoints": ["etcd.infra:2379"], "tls": {"secretName": "pd-etcd-server"}},
       "security": {"etcd": {"secretName": "pd-etcd-client"}}}, "etcd.tls.secretName: the chart deploys no etcd"),
 ])
@@ -549,42 +586,200 @@ def test_etcd_tls_values_that_cannot_work_are_refused_naming_the_value(values, m
         render(values)
 
 
+# -- one etcd identity per worker pod ---------------------------------------------------------------
+def render_objs(values: dict) -> list[dict]:
+    return [o for p, t in render(values).items() if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
+
+
+def test_workers_are_statefulsets_whose_pods_run_the_worker_id_of_their_ordinal(rendered):
+    objs = rendered["4p8d-gpu"]
+    assert [d["metadata"]["name"] for d in of_kind(objs, "Deployment")] == ["demo-meta-llama-llama-3-1-8b-instruct-ray-head"]
+    services = {s["metadata"]["name"]: s for s in of_kind(objs, "Service")}
+    cluster = "demo-meta-llama-llama-3-1-8b-instruct"
+    for role, replicas in (("prefill", 4), ("decode", 8)):
+        sts = named(objs, "StatefulSet", f"-{role}")
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert sts["spec"]["replicas"] == replicas and sts["spec"]["podManagementPolicy"] == "Parallel"
+        assert sts["spec"]["updateStrategy"] == {"type": "RollingUpdate"}
+        governing = services[sts["spec"]["serviceName"]]["spec"]
+        assert governing["clusterIP"] == "None" and governing["selector"].items() <= labels.items()
+        assert named(objs, "PodDisruptionBudget", f"-{role}")["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        c = sts["spec"]["template"]["spec"]["containers"][0]
+        for n in (0, replicas - 1):
+            env = pod_env(sts, n)
+            assert env["POD_NAME"] == f"{sts['metadata']['name']}-{n}"
+            lines = {" ".join(ln[:2]): ln for ln in command_lines(c["command"] + c["args"], env)}
+            worker = lines["pdserve worker"]
+            assert worker[worker.index("--worker-id") + 1] == f"{role}-{n}"
+            # an actor of this id left by an earlier run of the pod is killed first: its name is reused
+            assert f"--name={cluster}-{role}-{n}" in lines["ray kill-actor"]
+            [drain] = command_lines(c["lifecycle"]["preStop"]["exec"]["command"], env)
+            assert drain[:3] == ["pdserve", "drain", f"{role}-{n}"]
+    assert services["demo-meta-llama-llama-3-1-8b-instruct-decode"]["spec"]["selector"].items() <= \
+        named(objs, "StatefulSet", "-decode")["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_each_worker_pod_holds_only_its_own_etcd_certificate(tmp_path, capsys):
+    """The worker container mounts a memory volume into which the init container copied the
+    certificate of its own ordinal's worker id, out of the role's slots in the Secret."""
+    objs = render_objs({**PER_WORKER, "decode": {"replicas": 3}, "security": {"etcd": {
+        "secretName": "pd-etcd-client", "workers": {"secretName": "pd-etcd-workers", "slots": {"decode": 5}}}}})
+    for obj in objs:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    sts = named(objs, "StatefulSet", "-decode")
+    spec = sts["spec"]["template"]["spec"]
+    [init] = spec["initContainers"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    workers = volumes["etcd-workers"]["secret"]
+    assert workers["secretName"] == "pd-etcd-workers" and workers["optional"]  # a missing slot stops only its pod
+    assert {i["key"] for i in workers["items"]} == {f"decode-{n}{s}.pem" for n in range(5) for s in ("", "-key")}
+    assert {m["name"] for m in init["volumeMounts"]} == {"etcd-workers", "etcd-worker"}
+    mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+    assert "etcd-workers" not in mounts and mounts["etcd-worker"]["readOnly"]
+    assert volumes["etcd-worker"]["emptyDir"]["medium"] == "Memory"
+    assert {i["key"] for i in volumes["etcd-tls"]["secret"]["items"]} == {"ca.crt"}
+    prefill = {v["name"]: v for v in named(objs, "StatefulSet", "-prefill")["spec"]["template"]["spec"]["volumes"]}
+    assert {i["key"] for i in prefill["etcd-workers"]["secret"]["items"]} == {"prefill-0.pem", "prefill-0-key.pem"}
+
+    root = Path(mount_config_maps(objs, sts, tmp_path / "pod-2", ordinal=2))  # runs the init container
+    own = root / "etc/pdserve/etcd-worker"
+    assert sorted(p.name for p in own.iterdir()) == ["decode-2-key.pem", "decode-2.pem"]
+    assert (own / "decode-2.pem").read_text().startswith("stand-in for decode-2.pem")
+    assert (own / "decode-2-key.pem").stat().st_mode & 0o777 == 0o400
+    topo = load_topology(root / "etc/pdserve/topology/decode.yaml")
+    assert topo.etcd.tls.worker is None and topo.etcd.tls.workers.slots == {"prefill": 1, "decode": 5}
+    tls = topo.worker_etcd_tls("decode-2")
+    assert (tls.identity, tls.cert_file) == ("worker/demo-llama-3-1-8b-instruct/decode-2", str(own / "decode-2.pem"))
+    with pytest.raises(ValueError, match="worker decode-1 has no etcd identity"):
+        topo.worker_etcd_tls("decode-1")  # another worker's certificate is not in this pod
+    c = spec["containers"][0]
+    [line] = [ln for ln in command_lines(c["command"] + c["args"], pod_env(sts, 2)) if ln[:2] == ["pdserve", "worker"]]
+    assert main([str(root) + a if a.startswith("/etc/pdserve/") else a for a in line][1:] + ["--check"]) == 0, \
+        capsys.readouterr().err
+    # A pod beyond the slots (kubectl scale) has no identity: its init container fails, saying why.
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        mount_config_maps(objs, sts, tmp_path / "pod-5", ordinal=5)
+    assert "worker decode-5 has no etcd identity" in failed.value.stderr
+    assert "security.etcd.workers.slots.decode" in failed.value.stderr
+
+
+def test_worker_slots_cover_the_autoscale_policys_max_replicas_and_the_rbac_job_creates_them(tmp_path, capsys):
+    objs = render_objs({**TLS_VALUES, "prefill": {"replicas": 2},
+                        "policies": {"autoscale": {"autoscale": {"prefill": {"max_replicas": 3}}}}})
+    job = of_kind(objs, "Job")[0]
+    root = Path(mount_config_maps(objs, job, tmp_path))
+    topo = load_topology(root / "etc/pdserve/topology/etcd-auth.yaml")
+    assert topo.etcd.tls.workers.slots == {"prefill": 3, "decode": 24}  # decode: the policy's default max
+    assert main(["etcd-auth", "--topology", str(root / "etc/pdserve/topology/etcd-auth.yaml"), "--check"]) == 0
+    assert "and 27 per-worker users" in capsys.readouterr().out
+    for role, slots in (("prefill", 3), ("decode", 24)):
+        spec = named(objs, "StatefulSet", f"-{role}")["spec"]["template"]["spec"]
+        [items] = [v["secret"]["items"] for v in spec["volumes"] if v["name"] == "etcd-workers"]
+        assert len(items) == 2 * slots
+
+
+def test_the_shared_worker_identity_is_only_an_explicit_opt_out(rendered, tmp_path, capsys):
+    for name in VALUE_SETS:  # with etcd TLS, no pod of the default chart holds the shared identity
+        for o in of_kind(rendered[name], "StatefulSet") + of_kind(rendered[name], "Job"):
+            keys = {i["key"] for v in o["spec"]["template"]["spec"].get("volumes", []) if "secret" in v
+                    for i in v["secret"]["items"]}
+            assert "worker.crt" not in keys, (name, o["metadata"]["name"])
+    objs = render_objs({**TLS_VALUES, "security": {"etcd": {"secretName": "pd-etcd-client",
+                                                            "sharedWorkerIdentity": True}}})
+    for obj in objs:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    sts = named(objs, "StatefulSet", "-decode")
+    spec = sts["spec"]["template"]["spec"]
+    assert "initContainers" not in spec and "etcd-workers" not in {v["name"] for v in spec["volumes"]}
+    [etcd] = [v["secret"] for v in spec["volumes"] if v["name"] == "etcd-tls"]
+    assert {i["key"] for i in etcd["items"]} == {"ca.crt", "worker.crt", "worker.key"}
+    root = Path(mount_config_maps(objs, sts, tmp_path / "pod"))
+    topo = load_topology(root / "etc/pdserve/topology/decode.yaml")
+    assert topo.etcd.tls.workers is None and topo.worker_etcd_tls("decode-0").identity == "worker"
+    c = spec["containers"][0]
+    [line] = [ln for ln in command_lines(c["command"] + c["args"], pod_env(sts)) if ln[:2] == ["pdserve", "worker"]]
+    assert main([str(root) + a if a.startswith("/etc/pdserve/") else a for a in line][1:] + ["--check"]) == 0
+    job_root = Path(mount_config_maps(objs, of_kind(objs, "Job")[0], tmp_path / "job"))
+    assert main(["etcd-auth", "--topology", str(job_root / "etc/pdserve/topology/etcd-auth.yaml"), "--check"]) == 0
+    assert "worker (granted in cluster demo-llama-3-1-8b-instruct) and 0 per-worker users" in capsys.readouterr().out
+
+
 # -- helpers ----------------------------------------------------------------------------------------
-def mount_config_maps(objs: list[dict], workload: dict, root: Path) -> str:
-    """Write the ConfigMaps `workload` mounts under `root` + their mount paths, and a stand-in
-    file for each key of each Secret it mounts (the Secrets exist outside the chart); returns
-    `root`."""
+def mount_config_maps(objs: list[dict], workload: dict, root: Path, ordinal: int | None = None) -> str:
+    """Write the ConfigMaps `workload` mounts under `root` + their mount paths, a stand-in file
+    for each key of each Secret it mounts (the Secrets exist outside the chart) and an empty
+    directory for any other volume; then run its init containers' scripts there, as pod
+    `ordinal` (default: the last replica) of a StatefulSet. Returns `root`."""
     spec = workload["spec"]["template"]["spec"]
     maps = {o["metadata"]["name"]: o["data"] for o in of_kind(objs, "ConfigMap")}
     sources = {v["name"]: v["configMap"]["name"] for v in spec.get("volumes", []) if "configMap" in v}
     secrets = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
-    for c in spec["containers"]:
+    for c in spec.get("initContainers", []) + spec["containers"]:
         for m in c.get("volumeMounts", []):
             target = root / m["mountPath"].lstrip("/")
+            target.mkdir(parents=True, exist_ok=True)
             if m["name"] in sources:
-                target.mkdir(parents=True, exist_ok=True)
                 for key, text in maps[sources[m["name"]]].items():
                     (target / key).write_text(text)
             elif m["name"] in secrets:
-                target.mkdir(parents=True, exist_ok=True)
                 for item in secrets[m["name"]]["items"]:
                     (target / item["path"]).write_text(f"stand-in for {item['key']}: {'x' * 32}\n")
+    for c in spec.get("initContainers", []):
+        run_script(c, root, pod_env(workload, ordinal))
     return str(root)
+
+
+def pod_env(workload: dict, ordinal: int | None = None) -> dict[str, str]:
+    """What the downward API gives a pod of `workload`: POD_NAME of a StatefulSet's pod is
+    <name>-<ordinal>; other pods get a generated suffix."""
+    name = workload["metadata"]["name"]
+    if workload["kind"] == "StatefulSet":
+        n = workload["spec"]["replicas"] - 1 if ordinal is None else ordinal
+        return {**SAMPLE_ENV, "POD_NAME": f"{name}-{n}"}
+    return {**SAMPLE_ENV, "POD_NAME": f"{name}-7c9f8d6b5-x2x7q"}
+
+
+def run_script(container: dict, root: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run a `/bin/sh -ec SCRIPT` container for real, its /etc/pdserve/ paths under `root`."""
+    argv = container["command"] + container.get("args", [])
+    assert argv[:2] == ["/bin/sh", "-ec"] and len(argv) == 3, argv
+    script = argv[2].replace("/etc/pdserve/", f"{root}/etc/pdserve/")
+    return subprocess.run(["sh", "-ec", script], env={"PATH": "/usr/bin:/bin", **env}, check=True,
+                          capture_output=True, text=True, timeout=30)
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """${NAME} and ${NAME##PATTERN} (the longest prefix matching PATTERN removed) as sh does."""
+    def one(m: re.Match) -> str:
+        value, pattern = env[m.group(1)], m.group(2)
+        if pattern is None:
+            return value
+        cut = next((i for i in range(len(value), -1, -1) if fnmatch.fnmatchcase(value[:i], pattern)), 0)
+        return value[cut:]
+
+    return re.sub(r"\$\{(\w+)(?:##([^}]*))?\}", one, text)
 
 
 def command_lines(argv: list[str], env: dict[str, str]) -> list[list[str]]:
     """The commands `argv` runs: a `sh -c SCRIPT` is syntax-checked by sh and split into its
-    lines (env expanded as the shell would, `exec` dropped); anything else is one command."""
+    lines, and each line into the commands of its `&&` / `||` list (env expanded as the shell
+    would, `exec`, redirections, `echo` and `true` dropped); anything else is one command."""
     if argv[:1] == ["/bin/sh"] and argv[1].startswith("-") and "c" in argv[1]:
         script = argv[2]
         subprocess.run(["sh", "-n", "-c", script], check=True)
         out = []
         for line in script.splitlines():
-            words = shlex.split(re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], line))
-            if words[:1] == ["exec"]:
-                words = words[1:]
-            if words:
-                out.append(words)
+            cmds: list[list[str]] = [[]]
+            for word in shlex.split(expand(line, env)):
+                if word in ("&&", "||"):
+                    cmds.append([])
+                elif not re.match(r"^[0-9]?>", word):
+                    cmds[-1].append(word)
+            for cmd in cmds:
+                if cmd[:1] == ["exec"]:
+                    cmd = cmd[1:]
+                if cmd and cmd[0] not in ("echo", "true"):
+                    out.append(cmd)
         return out
     return [[re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in argv]]
 

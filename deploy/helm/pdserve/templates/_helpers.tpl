@@ -168,18 +168,118 @@ security:
 
 {{/*
 etcd.tls of a topology (security.etcd.secretName: the workers' client certificates); with
-"root" true, the root identity too (etcd.tls.rootSecretName: the RBAC bootstrap Job).
+"root" true, the root identity too (etcd.tls.rootSecretName: the RBAC bootstrap Job). The
+workers connect as their own identity (etcd.tls.workers: each pod's init container puts its
+<worker_id>.pem there, pdserve.etcdIdentityInit) unless security.etcd.sharedWorkerIdentity.
 */}}
 {{- define "pdserve.etcdTls" -}}
 {{- $v := .Values -}}
 {{- if $v.security.etcd.secretName }}
   tls:
     ca: ../etcd/ca.crt
+    {{- if $v.security.etcd.sharedWorkerIdentity }}
     worker: {cert: ../etcd/worker.crt, key: ../etcd/worker.key}
+    {{- else }}
+    workers:
+      dir: ../etcd-worker
+      slots: {prefill: {{ include "pdserve.workerSlots" (dict "ctx" . "role" "prefill") }}, decode: {{ include "pdserve.workerSlots" (dict "ctx" . "role" "decode") }}}
+    {{- end }}
     {{- if $v.security.etcd.operator }}
     operator: {cert: ../etcd/operator.crt, key: ../etcd/operator.key}
     {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* "true" when each worker pod connects to etcd as its own identity (the default with etcd TLS). */}}
+{{- define "pdserve.perWorkerEtcd" -}}
+{{- if and .Values.security.etcd.secretName (not .Values.security.etcd.sharedWorkerIdentity) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+How many worker ids of a role (<role>-0 .. <role>-N-1) get an etcd identity of their own:
+security.etcd.workers.slots.<role>, else the larger of <role>.replicas and the autoscale
+policy's max_replicas (its defaults: prefill 12, decode 24), as `etcd.tls.workers.slots`
+defaults in a topology. Call with (dict "ctx" $ "role" "decode").
+*/}}
+{{- define "pdserve.workerSlots" -}}
+{{- $v := .ctx.Values -}}
+{{- $set := $v.security.etcd.workers.slots -}}
+{{- if hasKey $set .role -}}
+{{- int (index $set .role) -}}
+{{- else -}}
+{{- $n := int (index $v .role).replicas -}}
+{{- if $v.policies.autoscale -}}
+{{- $n = max $n (int (dig "autoscale" .role "max_replicas" (ternary 12 24 (eq .role "prefill")) $v.policies.autoscale)) -}}
+{{- end -}}
+{{- $n -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The items of the etcd client Secret (security.etcd.secretName) that the topology names. */}}
+{{- define "pdserve.etcdClientItems" -}}
+{{- $e := .Values.security.etcd -}}
+- {key: ca.crt, path: ca.crt}
+{{- if $e.sharedWorkerIdentity }}
+- {key: worker.crt, path: worker.crt}
+- {key: worker.key, path: worker.key}
+{{- end }}
+{{- if $e.operator }}
+- {key: operator.crt, path: operator.crt}
+- {key: operator.key, path: operator.key}
+{{- end }}
+{{- end -}}
+
+{{/*
+A worker pod's own etcd identity (pdserve.perWorkerEtcd): an init container that copies the
+certificate of worker <role>-<ordinal> out of the role's slots in the workers' Secret into a
+memory volume, the only one the worker container mounts. Call with (dict "ctx" $ "role" "decode")
+for the init container; "pdserve.etcdIdentityVolumes" gives its two volumes.
+*/}}
+{{- define "pdserve.etcdIdentityInit" -}}
+{{- $v := .ctx.Values -}}
+{{- $slots := int (include "pdserve.workerSlots" .) -}}
+- name: etcd-identity
+  image: {{ include "pdserve.image" .ctx }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command: ["/bin/sh", "-ec"]
+  args:
+    - |
+      id={{ .role }}-${POD_NAME##*-}
+      if [ ! -f /etc/pdserve/etcd-workers/$id.pem ] || [ ! -f /etc/pdserve/etcd-workers/$id-key.pem ]; then
+        echo "pod $POD_NAME: worker $id has no etcd identity: no $id.pem and $id-key.pem in the Secret {{ include "pdserve.etcdWorkersSecret" .ctx }} among the {{ $slots }} slots of {{ .role }} ({{ .role }}-0 to {{ .role }}-{{ sub $slots 1 }}, security.etcd.workers.slots.{{ .role }}): keep {{ .role }}.replicas within the slots, or raise them, and put every slot's certificate in the Secret" >&2
+        exit 1
+      fi
+      cp /etc/pdserve/etcd-workers/$id.pem /etc/pdserve/etcd-workers/$id-key.pem /etc/pdserve/etcd-worker/
+      chmod 0400 /etc/pdserve/etcd-worker/$id.pem /etc/pdserve/etcd-worker/$id-key.pem
+      echo "pod $POD_NAME: etcd identity worker/{{ include "pdserve.cluster" .ctx }}/$id"
+  env:
+    - name: POD_NAME
+      valueFrom: {fieldRef: {fieldPath: metadata.name}}
+  volumeMounts:
+    - {name: etcd-workers, mountPath: /etc/pdserve/etcd-workers, readOnly: true}
+    - {name: etcd-worker, mountPath: /etc/pdserve/etcd-worker}
+{{- end -}}
+
+{{- define "pdserve.etcdWorkersSecret" -}}
+{{- default .Values.security.etcd.secretName .Values.security.etcd.workers.secretName -}}
+{{- end -}}
+
+{{- define "pdserve.etcdIdentityVolumes" -}}
+{{- $slots := int (include "pdserve.workerSlots" .) -}}
+- name: etcd-workers
+  secret:
+    secretName: {{ include "pdserve.etcdWorkersSecret" .ctx }}
+    defaultMode: 0400
+    # A slot's certificate missing from the Secret stops only the pod of that slot (its init
+    # container says which), not every pod of the role.
+    optional: true
+    items:
+      {{- range $i := until $slots }}
+      - {key: {{ $.role }}-{{ $i }}.pem, path: {{ $.role }}-{{ $i }}.pem}
+      - {key: {{ $.role }}-{{ $i }}-key.pem, path: {{ $.role }}-{{ $i }}-key.pem}
+      {{- end }}
+- name: etcd-worker
+  emptyDir: {medium: Memory, sizeLimit: 1Mi}
 {{- end -}}
 
 {{/*
@@ -249,13 +349,7 @@ The topology above names them relative to its own directory (/etc/pdserve/topolo
     secretName: {{ . }}
     defaultMode: 0400
     items:
-      - {key: ca.crt, path: ca.crt}
-      - {key: worker.crt, path: worker.crt}
-      - {key: worker.key, path: worker.key}
-      {{- if $s.etcd.operator }}
-      - {key: operator.crt, path: operator.crt}
-      - {key: operator.key, path: operator.key}
-      {{- end }}
+      {{- include "pdserve.etcdClientItems" $.ctx | nindent 6 }}
 {{- end }}
 {{- end }}
 {{- end -}}
@@ -277,6 +371,9 @@ The topology above names them relative to its own directory (/etc/pdserve/topolo
 {{- end }}
 {{- if $s.etcd.secretName }}
 - {name: etcd-tls, mountPath: /etc/pdserve/etcd, readOnly: true}
+{{- end }}
+{{- if include "pdserve.perWorkerEtcd" .ctx }}
+- {name: etcd-worker, mountPath: /etc/pdserve/etcd-worker, readOnly: true}
 {{- end }}
 {{- end }}
 {{- end -}}
