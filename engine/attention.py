@@ -13,11 +13,14 @@ The pool for one layer is ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,12 +93,22 @@ class _PagedGroup:
 
 
 @dataclass
+class _NativeDecode:
+    """Decode sequences for the native kernel (engine/native.py): host arrays it reads."""
+
+    qidx: np.ndarray  # [n] int64 query token row of each sequence
+    lens: np.ndarray  # [n] int32 KV length after this step (context + the token)
+    tables: np.ndarray  # [n, max_blocks] int32 block ids, C-contiguous
+
+
+@dataclass
 class _TorchMeta:
     k_rows: torch.Tensor  # [T] rows in the flat pool where new K goes
     v_rows: torch.Tensor
     fresh: list[tuple[int, int]] = field(default_factory=list)  # (q0, q1): prefills with no context
     paged: list[_PagedGroup] = field(default_factory=list)  # decode groups, prefill chunks after context
     max_group_blocks: int = 0
+    native: _NativeDecode | None = None  # decode sequences the native kernel attends
 
 
 class TorchAttention(AttentionBackend):
@@ -110,9 +123,14 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, scale: float, dtype: torch.dtype = torch.float32):
+    def __init__(self, scale: float, dtype: torch.dtype = torch.float32, native=None):
         self.scale = scale
         self.dtype = dtype
+        # With the native kernel library (engine/native.py), decode tokens attend in place in
+        # the pool instead of through gathered copies (float32 on CPU only).
+        self.native = native
+        if native is not None:
+            self.name = "native"
         # Gather destinations for K and V, grown on demand and reused by every
         # layer and step: fresh multi-MB tensors per layer cost page faults on CPU.
         self._k_buf = torch.empty(0)
@@ -129,7 +147,15 @@ class TorchAttention(AttentionBackend):
             else:
                 meta.paged.append(self._chunk_group(layout, i, device))
         decode = np.flatnonzero(is_decode)
-        if decode.size:
+        if decode.size and self.native is not None and device.type == "cpu":
+            total = ctx[decode] + 1
+            nblk = int(-(-total.max() // layout.block_size))
+            meta.native = _NativeDecode(
+                qidx=np.ascontiguousarray(qsl[decode], dtype=np.int64),
+                lens=np.ascontiguousarray(total, dtype=np.int32),
+                tables=np.ascontiguousarray(layout.block_tables[decode, :nblk], dtype=np.int32),
+            )
+        elif decode.size:
             meta.paged.extend(self._decode_groups(layout, decode, device))
         meta.max_group_blocks = max((g.block_ids.numel() for g in meta.paged), default=0)
         return meta
@@ -174,7 +200,14 @@ class TorchAttention(AttentionBackend):
         pool = _flat_pool(layer_kv)
         pool.index_copy_(0, meta.k_rows, k)
         pool.index_copy_(0, meta.v_rows, v)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.native is not None:
+            from .native import paged_decode
+
+            if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+                q = q.contiguous()
+            n = meta.native
+            paged_decode(self.native, q, layer_kv, out, n.qidx, n.lens, n.tables, self.scale)
         for q0, q1 in meta.fresh:
             qs, ks, vs = (t[q0:q1].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
@@ -403,9 +436,17 @@ class FlashInferAttention(AttentionBackend):
 def make_backend(name: str, *, device: torch.device, scale: float, num_heads: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> AttentionBackend:
     """`auto` picks FlashInfer on CUDA with a 16-bit dtype and a head size it supports, when it
-    is installed; else torch."""
+    is installed; on the CPU in float32 the torch path with the native paged decode kernel
+    (engine/native.py) when it builds; else torch."""
     if name == "auto":
         name = "torch"
+        if device.type == "cpu" and dtype == torch.float32:
+            from . import native
+
+            if native.load() is not None:
+                name = "native"
+            else:
+                log.info("attention: torch path (native decode kernel unavailable: %s)", native.why_unavailable())
         if device.type == "cuda" and dtype in FLASHINFER_DTYPES and head_dim in FLASHINFER_HEAD_DIMS:
             try:
                 import flashinfer  # noqa: F401
@@ -415,6 +456,16 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
                 pass
     if name == "torch":
         return TorchAttention(scale, dtype)
+    if name == "native":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"attention_backend='native' runs float32 on the CPU, not {dtype} on {device}; "
+                             "use 'auto' or 'torch'")
+        from . import native
+
+        lib = native.load()
+        if lib is None:
+            raise ValueError(f"attention_backend='native': {native.why_unavailable()}; use 'auto' or 'torch'")
+        return TorchAttention(scale, dtype, native=lib)
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' needs device='cuda'; use 'torch' on CPU")
@@ -425,4 +476,4 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
                 "attention_backend='flashinfer' but flashinfer is not installed; "
                 "install the gpu extra: pip install 'pdserve[gpu]'"
             ) from exc
-    raise ValueError(f"attention_backend={name!r}; use auto, torch or flashinfer")
+    raise ValueError(f"attention_backend={name!r}; use auto, torch, native or flashinfer")

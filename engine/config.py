@@ -205,7 +205,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     num_gpu_blocks_override: int | None = None  # exact pool size (tests, benchmarks)
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | torch | flashinfer
+    attention_backend: str = "auto"  # auto | torch | native (CPU float32 decode kernel) | flashinfer
     dtype: str = "auto"  # auto (float32 on CPU, the config's dtype on GPU) | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     scheduling_policy: str = "fcfs"  # fcfs | priority
@@ -213,6 +213,9 @@ class EngineConfig:
     # needs device cuda and the flashinfer backend. Capture costs start-up time and some memory.
     cuda_graphs: bool = False
     cuda_graph_max_batch: int = 64  # the largest captured batch (capped at max_num_seqs)
+    # Linear layers: auto (oneDNN-packed weights for float32 on CPU, else torch) | torch | onednn
+    # (engine/linear.py: MKL's small-batch sgemm is slow on the CPU; oneDNN is not bit-identical).
+    linear_backend: str = "auto"
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -233,10 +236,12 @@ class EngineConfig:
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError(f"num_gpu_blocks_override={self.num_gpu_blocks_override} must be >= 1")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+        if self.attention_backend not in ("auto", "torch", "native", "flashinfer"):
             raise ConfigError(
-                f"attention_backend={self.attention_backend!r}; use auto, torch or flashinfer"
+                f"attention_backend={self.attention_backend!r}; use auto, torch, native or flashinfer"
             )
+        if self.linear_backend not in ("auto", "torch", "onednn"):
+            raise ConfigError(f"linear_backend={self.linear_backend!r}; use auto, torch or onednn")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy={self.scheduling_policy!r}; use fcfs or priority")
         if self.dtype != "auto":

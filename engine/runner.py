@@ -14,6 +14,7 @@ import torch
 from .attention import make_backend
 from .block_manager import KVCacheManager
 from .config import ConfigError, EngineConfig, ModelConfig, dtype_name, parse_dtype
+from .linear import pack_linears
 from .model import load_model
 from .request import Request
 from .step_batch import build_step_batch
@@ -51,6 +52,7 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
         self.model = load_model(model_cfg, self.dtype, self.device)
+        self.linear_backend = pack_linears(self.model, self.device, self.dtype, cfg.linear_backend)
         self.backend = make_backend(
             cfg.attention_backend, device=self.device, scale=model_cfg.head_dim ** -0.5,
             num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
