@@ -76,6 +76,11 @@ def _kv_rows(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.
     return k_rows, k_rows + block_size
 
 
+# Query tokens from which a sequence's prefill (chunk) goes to SDPA instead of the native
+# kernel: measured on the 2-core CPU, a 2,000-token prompt prefilled 7% faster with SDPA,
+# while batches of 16-384-token prompts prefill faster through the kernel.
+NATIVE_MAX_QUERY = 512
+
 # Fixed cost of one more decode group (a handful of small ops per layer) counted
 # in padded KV positions of equal cost. Splitting the decode batch by length
 # trades it against attending over padding; on a 2-core CPU step time is flat
@@ -94,11 +99,12 @@ class _PagedGroup:
 
 @dataclass
 class _NativeDecode:
-    """Decode sequences for the native kernel (engine/native.py): host arrays it reads."""
+    """Query tokens for the native kernel (engine/native.py): host arrays it reads."""
 
-    qidx: np.ndarray  # [n] int64 query token row of each sequence
-    lens: np.ndarray  # [n] int32 KV length after this step (context + the token)
-    tables: np.ndarray  # [n, max_blocks] int32 block ids, C-contiguous
+    qidx: np.ndarray  # [n] int64 row of each query token in q
+    lens: np.ndarray  # [n] int32 KV rows it attends (its position + 1: causal)
+    tables: np.ndarray  # [n, max_blocks] int32 its sequence's block ids, C-contiguous
+    max_len: int = 0  # lens.max()
 
 
 @dataclass
@@ -129,6 +135,7 @@ class TorchAttention(AttentionBackend):
         # With the native kernel library (engine/native.py), decode tokens attend in place in
         # the pool instead of through gathered copies (float32 on CPU only).
         self.native = native
+        self.native_prefill = True  # prompts up to NATIVE_MAX_QUERY tokens through it too (benchmarks: False)
         if native is not None:
             self.name = "native"
         # Gather destinations for K and V, grown on demand and reused by every
@@ -140,25 +147,40 @@ class TorchAttention(AttentionBackend):
         k_rows, v_rows = _kv_rows(layout.slot_mapping, layout.block_size)
         meta = _TorchMeta(k_rows=k_rows, v_rows=v_rows)
         qsl, ctx = layout.query_start_loc, layout.context_lens
-        is_decode = (layout.query_lens == 1) & (ctx > 0)
-        for i in np.flatnonzero(~is_decode).tolist():
+        qlens = layout.query_lens
+        native = np.zeros(len(qlens), dtype=bool)
+        if self.native is not None and device.type == "cpu":
+            # The kernel takes decode tokens and short prompts (chunks); SDPA's blocked
+            # kernel is faster for long ones (docs/PERFORMANCE.md).
+            native = qlens <= NATIVE_MAX_QUERY if self.native_prefill else (qlens == 1) & (ctx > 0)
+            if native.any():
+                meta.native = self._native_plan(layout, np.flatnonzero(native))
+        is_decode = (qlens == 1) & (ctx > 0) & ~native
+        for i in np.flatnonzero(~is_decode & ~native).tolist():
             if ctx[i] == 0:
                 meta.fresh.append((int(qsl[i]), int(qsl[i + 1])))
             else:
                 meta.paged.append(self._chunk_group(layout, i, device))
         decode = np.flatnonzero(is_decode)
-        if decode.size and self.native is not None and device.type == "cpu":
-            total = ctx[decode] + 1
-            nblk = int(-(-total.max() // layout.block_size))
-            meta.native = _NativeDecode(
-                qidx=np.ascontiguousarray(qsl[decode], dtype=np.int64),
-                lens=np.ascontiguousarray(total, dtype=np.int32),
-                tables=np.ascontiguousarray(layout.block_tables[decode, :nblk], dtype=np.int32),
-            )
-        elif decode.size:
+        if decode.size:
             meta.paged.extend(self._decode_groups(layout, decode, device))
         meta.max_group_blocks = max((g.block_ids.numel() for g in meta.paged), default=0)
         return meta
+
+    @staticmethod
+    def _native_plan(layout: BatchLayout, seqs: np.ndarray) -> _NativeDecode:
+        """Every query token of ``seqs`` as one kernel row: the token at position ``p`` of
+        its sequence attends the ``p + 1`` first KV rows (causal), through its block table."""
+        qsl, ctx = layout.query_start_loc, layout.context_lens
+        qlens = qsl[seqs + 1] - qsl[seqs]
+        seq = np.repeat(seqs, qlens)
+        # Token rows of the listed sequences, in order: each run starts at its qsl.
+        qidx = np.arange(int(qlens.sum()), dtype=np.int64) + np.repeat(qsl[seqs] - (np.cumsum(qlens) - qlens), qlens)
+        lens = ctx[seq] + qidx - qsl[seq] + 1
+        nblk = int(-(-lens.max() // layout.block_size))
+        return _NativeDecode(qidx=np.ascontiguousarray(qidx, dtype=np.int64),
+                             lens=np.ascontiguousarray(lens, dtype=np.int32),
+                             tables=np.ascontiguousarray(layout.block_tables[seq, :nblk], dtype=np.int32))
 
     def _chunk_group(self, layout: BatchLayout, i: int, device) -> _PagedGroup:
         """A prefill chunk whose first position follows ``context_lens[i]`` cached tokens."""
@@ -202,12 +224,16 @@ class TorchAttention(AttentionBackend):
         pool.index_copy_(0, meta.v_rows, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.native is not None:
-            from .native import paged_decode
+            from .native import check_rows, paged_decode
 
             if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
                 q = q.contiguous()
             n = meta.native
-            paged_decode(self.native, q, layer_kv, out, n.qidx, n.lens, n.tables, self.scale)
+            if not n.max_len:  # checked once per step, not per layer
+                check_rows(n.qidx, n.lens, n.tables, q.shape[0], layer_kv.shape[0], layer_kv.shape[2])
+                n.max_len = int(n.lens.max())
+            paged_decode(self.native, q, layer_kv, out, n.qidx, n.lens, n.tables, self.scale, checked=True,
+                         max_len=n.max_len)
         for q0, q1 in meta.fresh:
             qs, ks, vs = (t[q0:q1].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)

@@ -122,28 +122,42 @@ def why_unavailable() -> str | None:
     return _state.get("why")
 
 
+def check_rows(qidx: np.ndarray, lens: np.ndarray, tables: np.ndarray, num_rows: int, num_blocks: int,
+               block_size: int) -> None:
+    """Refuse inputs that would make the kernel read outside the pool or write outside
+    ``out`` (once per step: every layer reuses the same arrays)."""
+    if qidx.dtype != np.int64 or lens.dtype != np.int32 or tables.dtype != np.int32 or not tables.flags.c_contiguous:
+        raise TypeError("paged decode attention: qidx int64, lens int32, tables C-contiguous int32")
+    if not len(qidx) == len(lens) == tables.shape[0]:
+        raise ValueError("paged decode attention: qidx, lens and tables disagree on the number of rows")
+    if len(lens) and (lens.min() < 1 or lens.max() > tables.shape[1] * block_size or tables.min() < 0
+                      or tables.max() >= num_blocks or qidx.min() < 0 or qidx.max() >= num_rows):
+        raise ValueError("paged decode attention: a sequence length, block id or query row is out of range")
+
+
 def paged_decode(lib, q: torch.Tensor, layer_kv: torch.Tensor, out: torch.Tensor, qidx: np.ndarray,
-                 lens: np.ndarray, tables: np.ndarray, scale: float) -> None:
-    """Decode attention for the sequences listed (see csrc/paged_decode.c for the layouts).
+                 lens: np.ndarray, tables: np.ndarray, scale: float, checked: bool = False,
+                 max_len: int = 0) -> None:
+    """Attention for the listed query rows (see csrc/paged_decode.c for the layouts).
 
     ``q`` [T, Hq, D] float32 with unit stride inside a token; ``layer_kv`` one layer's pool,
     contiguous; ``out`` [T, Hq, D] contiguous (rows ``qidx`` written); ``qidx`` int64,
-    ``lens`` int32 and ``tables`` int32 [n, max_blocks] C-contiguous numpy arrays.
+    ``lens`` int32 and ``tables`` int32 [n, max_blocks] C-contiguous numpy arrays, checked by
+    `check_rows` unless the caller did (``checked``, then ``max_len`` = ``lens.max()``).
     """
     num_blocks, _, block_size, num_kv_heads, head_dim = layer_kv.shape
     num_heads = q.shape[1]
-    assert q.dtype == layer_kv.dtype == out.dtype == torch.float32
-    assert q.stride(2) == 1 and q.stride(1) == head_dim and layer_kv.is_contiguous() and out.is_contiguous()
-    assert qidx.dtype == np.int64 and lens.dtype == np.int32 and tables.dtype == np.int32
-    assert tables.flags.c_contiguous and len(qidx) == len(lens) == tables.shape[0]
-    # The kernel trusts these: out-of-range values would read outside the pool.
-    if len(lens) and (lens.min() < 1 or lens.max() > tables.shape[1] * block_size
-                      or tables.min() < 0 or tables.max() >= num_blocks or qidx.max() >= q.shape[0]):
-        raise ValueError("paged decode attention: a sequence length, block id or query row is out of range")
+    if q.dtype != torch.float32 or layer_kv.dtype != torch.float32 or out.dtype != torch.float32:
+        raise TypeError("paged decode attention runs float32 only")
+    if not (q.stride(2) == 1 and q.stride(1) == head_dim and layer_kv.is_contiguous() and out.is_contiguous()
+            and out.shape == q.shape and num_heads % num_kv_heads == 0):
+        raise ValueError("paged decode attention: q, the pool or out has an unexpected layout")
+    if not checked:
+        check_rows(qidx, lens, tables, q.shape[0], num_blocks, block_size)
     rc = lib.pdserve_paged_decode_f32(
         q.data_ptr(), q.stride(0), layer_kv.data_ptr(), out.data_ptr(),
         qidx.ctypes.data, lens.ctypes.data, tables.ctypes.data, tables.shape[1], len(qidx),
-        num_heads, num_kv_heads, head_dim, block_size, scale, int(lens.max(initial=1)),
+        num_heads, num_kv_heads, head_dim, block_size, scale, max_len or int(lens.max(initial=1)),
         torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged decode attention: could not allocate its score buffers")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import LLM, SamplingParams, native
-from pdserve.engine.attention import BatchLayout, TorchAttention, make_backend
+from pdserve.engine.attention import NATIVE_MAX_QUERY, BatchLayout, TorchAttention, make_backend
 from pdserve.engine.config import ConfigError
 from pdserve.engine.linear import PackedLinear, pack_linears, resolve_linear_backend
 
@@ -72,18 +72,23 @@ def test_the_kernel_refuses_out_of_range_inputs_instead_of_reading_outside_the_p
                        ("lens", np.array([0], dtype=np.int32)), ("qidx", np.array([1], dtype=np.int64))):
         with pytest.raises(ValueError, match="out of range"):
             native.paged_decode(lib, q, pool, out, scale=1.0, **{**ok, field: bad})
+    with pytest.raises(TypeError, match="int32"):
+        native.paged_decode(lib, q, pool, out, scale=1.0, **{**ok, "lens": np.array([20])})
 
 
 @needs_kernel
 def test_a_mixed_step_attends_the_same_with_and_without_the_kernel():
-    """Decode tokens (kernel), a fresh prefill and a chunk after cached context in one step."""
+    """Decode tokens, a short fresh prefill and a chunk after cached context (kernel) and a
+    long prompt (SDPA) in one step."""
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, bs = 6, 2, 64, 16
-    ctx = np.array([40, 0, 33, 7], dtype=np.int64)
-    new = np.array([1, 12, 5, 1], dtype=np.int64)
+    ctx = np.array([40, 0, 33, 7, 0], dtype=np.int64)
+    new = np.array([1, 12, 5, 1, NATIVE_MAX_QUERY + 8], dtype=np.int64)
     qsl = np.concatenate(([0], np.cumsum(new)))
+    long_blocks = list(range(12, 12 + -(-(NATIVE_MAX_QUERY + 8) // bs)))
     tables = np.array([[5, 2, 9, 0], [11, 0, 0, 0], [1, 3, 7, 0], [4, 0, 0, 0]], dtype=np.int64)
-    seq = np.repeat(np.arange(4), new)
+    tables = np.concatenate([np.pad(tables, ((0, 0), (0, len(long_blocks) - 4))), [long_blocks]])
+    seq = np.repeat(np.arange(len(new)), new)
     pos = np.arange(qsl[-1]) - np.repeat(qsl[:-1] - ctx, new)
     slots = tables[seq, pos // bs] * bs + pos % bs
     layout = BatchLayout(qsl, ctx, tables, torch.from_numpy(slots), bs)
@@ -91,12 +96,16 @@ def test_a_mixed_step_attends_the_same_with_and_without_the_kernel():
     q = torch.randn(t, hq, d, generator=g)
     k = torch.randn(t, hkv, d, generator=g)
     v = torch.randn(t, hkv, d, generator=g)
-    base = torch.randn(12, 2, bs, hkv, d, generator=g)
+    base = torch.randn(12 + len(long_blocks), 2, bs, hkv, d, generator=g)
     outs = []
     for backend in (TorchAttention(d ** -0.5), TorchAttention(d ** -0.5, native=lib)):
         pool = base.clone()
         meta = backend.plan(layout, CPU)
-        assert (meta.native is not None) == (backend.native is not None)
+        if backend.native is not None:
+            assert len(meta.native.qidx) == int(new[:4].sum()) and meta.fresh == [(int(qsl[4]), int(qsl[5]))]
+            assert not meta.paged
+        else:
+            assert meta.native is None
         outs.append(backend.forward(pool, q, k, v, meta))
     assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5), (outs[0] - outs[1]).abs().max()
 
