@@ -20,6 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import native
+from .native import check_rows, paged_decode
+
 log = logging.getLogger(__name__)
 
 
@@ -98,7 +101,7 @@ class _PagedGroup:
 
 
 @dataclass
-class _NativeDecode:
+class _NativeRows:
     """Query tokens for the native kernel (engine/native.py): host arrays it reads."""
 
     qidx: np.ndarray  # [n] int64 row of each query token in q
@@ -114,7 +117,7 @@ class _TorchMeta:
     fresh: list[tuple[int, int]] = field(default_factory=list)  # (q0, q1): prefills with no context
     paged: list[_PagedGroup] = field(default_factory=list)  # decode groups, prefill chunks after context
     max_group_blocks: int = 0
-    native: _NativeDecode | None = None  # decode sequences the native kernel attends
+    native: _NativeRows | None = None  # query tokens the native kernel attends
 
 
 class TorchAttention(AttentionBackend):
@@ -132,7 +135,7 @@ class TorchAttention(AttentionBackend):
     def __init__(self, scale: float, dtype: torch.dtype = torch.float32, native=None):
         self.scale = scale
         self.dtype = dtype
-        # With the native kernel library (engine/native.py), decode tokens attend in place in
+        # With the native kernel library (engine/native.py), decode tokens and short prompts attend in place in
         # the pool instead of through gathered copies (float32 on CPU only).
         self.native = native
         self.native_prefill = True  # prompts up to NATIVE_MAX_QUERY tokens through it too (benchmarks: False)
@@ -148,15 +151,15 @@ class TorchAttention(AttentionBackend):
         meta = _TorchMeta(k_rows=k_rows, v_rows=v_rows)
         qsl, ctx = layout.query_start_loc, layout.context_lens
         qlens = layout.query_lens
-        native = np.zeros(len(qlens), dtype=bool)
+        to_kernel = np.zeros(len(qlens), dtype=bool)
         if self.native is not None and device.type == "cpu":
             # The kernel takes decode tokens and short prompts (chunks); SDPA's blocked
             # kernel is faster for long ones (docs/PERFORMANCE.md).
-            native = qlens <= NATIVE_MAX_QUERY if self.native_prefill else (qlens == 1) & (ctx > 0)
-            if native.any():
-                meta.native = self._native_plan(layout, np.flatnonzero(native))
-        is_decode = (qlens == 1) & (ctx > 0) & ~native
-        for i in np.flatnonzero(~is_decode & ~native).tolist():
+            to_kernel = qlens <= NATIVE_MAX_QUERY if self.native_prefill else (qlens == 1) & (ctx > 0)
+            if to_kernel.any():
+                meta.native = self._native_plan(layout, np.flatnonzero(to_kernel))
+        is_decode = (qlens == 1) & (ctx > 0) & ~to_kernel
+        for i in np.flatnonzero(~is_decode & ~to_kernel).tolist():
             if ctx[i] == 0:
                 meta.fresh.append((int(qsl[i]), int(qsl[i + 1])))
             else:
@@ -168,7 +171,7 @@ class TorchAttention(AttentionBackend):
         return meta
 
     @staticmethod
-    def _native_plan(layout: BatchLayout, seqs: np.ndarray) -> _NativeDecode:
+    def _native_plan(layout: BatchLayout, seqs: np.ndarray) -> _NativeRows:
         """Every query token of ``seqs`` as one kernel row: the token at position ``p`` of
         its sequence attends the ``p + 1`` first KV rows (causal), through its block table."""
         qsl, ctx = layout.query_start_loc, layout.context_lens
@@ -178,7 +181,7 @@ class TorchAttention(AttentionBackend):
         qidx = np.arange(int(qlens.sum()), dtype=np.int64) + np.repeat(qsl[seqs] - (np.cumsum(qlens) - qlens), qlens)
         lens = ctx[seq] + qidx - qsl[seq] + 1
         nblk = int(-(-lens.max() // layout.block_size))
-        return _NativeDecode(qidx=np.ascontiguousarray(qidx, dtype=np.int64),
+        return _NativeRows(qidx=np.ascontiguousarray(qidx, dtype=np.int64),
                              lens=np.ascontiguousarray(lens, dtype=np.int32),
                              tables=np.ascontiguousarray(layout.block_tables[seq, :nblk], dtype=np.int32))
 
@@ -224,8 +227,6 @@ class TorchAttention(AttentionBackend):
         pool.index_copy_(0, meta.v_rows, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.native is not None:
-            from .native import check_rows, paged_decode
-
             if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
                 q = q.contiguous()
             n = meta.native
@@ -467,8 +468,6 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
     if name == "auto":
         name = "torch"
         if device.type == "cpu" and dtype == torch.float32:
-            from . import native
-
             if native.load() is not None:
                 name = "native"
             else:
@@ -486,8 +485,6 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"attention_backend='native' runs float32 on the CPU, not {dtype} on {device}; "
                              "use 'auto' or 'torch'")
-        from . import native
-
         lib = native.load()
         if lib is None:
             raise ValueError(f"attention_backend='native': {native.why_unavailable()}; use 'auto' or 'torch'")
