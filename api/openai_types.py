@@ -147,7 +147,7 @@ def request_models(b: Bounds) -> RequestModels:
         request_id: Annotated[str, Field(min_length=1, max_length=b.max_request_id_chars,
                                          pattern=r"^[A-Za-z0-9._:@/+=-]+$")] | None = Field(
             None, description="the response's id (with n > 1 or several prompts, sequence i runs as "
-                              "`<id>-<i>`); must not be in flight already")
+                              "`<id>-<i>`); must not be in flight for the same API key (else 409)")
 
         @field_validator("logit_bias", mode="before")
         @classmethod

@@ -9,6 +9,7 @@ layer maps to gRPC / HTTP.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -50,9 +51,15 @@ class Frontend:
         self.served_model = served_model
         self.remote = remote
         self.draining = False
-        self.inflight: set[str] = set()
-        self.owners: dict[str, str] = {}  # request id -> the identity of the API key that sent it
+        # Identity: what a client names (request_id) is a label scoped to its API key; the
+        # engine, the handoff and result delivery key on an id minted here per admission, so
+        # a label reused while its old sequence is still being torn down (or by another
+        # tenant) can never be attached to that sequence's output.
+        self.inflight: dict[tuple[str | None, str], str] = {}  # (key identity, label) -> engine id
+        self.owners: dict[str, str] = {}  # engine id -> the identity of the API key that sent it
         self._via_remote: set[str] = set()
+        self._id_prefix = uuid.uuid4().hex[:8]  # per worker process: ids never repeat across restarts
+        self._admissions = itertools.count(1)
         self.pending_prefill_tokens = 0  # admitted locally, first token not yet produced
         # Sent remote by this worker, first token not yet back: queue stats are
         # polled, so a burst would otherwise see an empty queue for every request.
@@ -121,9 +128,10 @@ class Frontend:
         loop = asyncio.get_running_loop()
         ids, params, prio = await loop.run_in_executor(self._tokenizer_pool, self.validate, inp)
         self.check_serving()  # it may have changed while the prompt was tokenized
-        rid = inp.request_id or uuid.uuid4().hex
-        if rid in self.inflight:
-            raise RequestError("invalid_argument", f"request_id: {rid!r} is already in flight", "request_id")
+        label = inp.request_id or uuid.uuid4().hex
+        if (_identity(inp.caller), label) in self.inflight:
+            raise RequestError("already_exists", f"request_id: {label!r} is still in flight on this worker; "
+                               "wait for it to end (or abort it) before reusing the id", "request_id")
         policy = self.policy.policy
         cached = self.cached_len(ids)
         self.arrivals.observe(arrival)
@@ -138,14 +146,20 @@ class Frontend:
         decision = adm.decision
         self.metrics.decision(decision.route, decision.reason)
         self.metrics.prompt_tokens.inc(len(ids))
-        return Prepared(rid, inp, ids, params, prio, cached, decision, arrival)
+        rid = f"{self._id_prefix}-{next(self._admissions):x}"
+        return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label)
+
+    def engine_id(self, label: str, caller=None) -> str | None:
+        """The engine's id of the in-flight request a client calls `label` (None: none)."""
+        return self.inflight.get((_identity(caller), label))
 
     # -- running -----------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
         prep = await self.prepare(inp)
         rid = prep.request_id
+        key = (_identity(inp.caller), prep.label)
         eff = len(prep.prompt_ids) - prep.cached_len
-        self.inflight.add(rid)
+        self.inflight[key] = rid  # no await since prepare() checked the label is free
         if inp.caller is not None:
             self.owners[rid] = inp.caller.identity
         self.num_prefilling += 1
@@ -185,7 +199,8 @@ class Frontend:
                 if item.finished:
                     return
         finally:
-            self.inflight.discard(rid)
+            if self.inflight.get(key) == rid:
+                del self.inflight[key]
             self.owners.pop(rid, None)
             self._via_remote.discard(rid)
             if not state["first"]:
@@ -257,18 +272,20 @@ class Frontend:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, tok.decode, token_ids)
 
     def abort(self, request_id: str, caller=None) -> bool:
-        """Abort an in-flight request (Abort RPC); False if unknown. With API keys, only
-        the key that sent it (or an operator key) may: for any other the request is as
-        unknown, so request ids of other clients cannot be probed this way."""
-        if request_id not in self.inflight:
-            return False
-        if caller is not None and not caller.operator and self.owners.get(request_id) != caller.identity:
-            return False
-        if request_id in self._via_remote and self.remote is not None:
-            self.remote.abort(request_id)
+        """Abort an in-flight request by the id its client gave (Abort RPC); False if unknown.
+        With API keys, ids are scoped to the key that sent them: another key's request is as
+        unknown, so request ids of other clients cannot be probed this way; an operator key
+        aborts every in-flight request of that id."""
+        if caller is not None and caller.operator:
+            rids = [rid for (_, label), rid in self.inflight.items() if label == request_id]
         else:
-            self.engine.abort(request_id)
-        return True
+            rids = [rid] if (rid := self.inflight.get((_identity(caller), request_id))) else []
+        for rid in rids:
+            if rid in self._via_remote and self.remote is not None:
+                self.remote.abort(rid)
+            else:
+                self.engine.abort(rid)
+        return bool(rids)
 
     async def _local(self, prep: Prepared):
         q = self.engine.submit(prep.request_id, prep.prompt_ids, prep.params, prep.priority)
@@ -314,3 +331,8 @@ class Frontend:
             self.metrics.prefix_hit_tokens.inc(final.cached_tokens)
         self.metrics.e2e.observe(now - prep.arrival)
         return b
+
+
+def _identity(caller) -> str | None:
+    """Whose request-id namespace a request lives in: its API key's identity (None: keys off)."""
+    return None if caller is None else caller.identity

@@ -39,6 +39,7 @@ _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_pe
 STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,
+    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "internal": grpc.StatusCode.INTERNAL,

@@ -41,8 +41,9 @@ __all__ = ["build_app", "bounds_of", "H11Protocol"]
 
 log = logging.getLogger(__name__)
 
-HTTP_STATUS = {"invalid_argument": 400, "not_found": 404, "resource_exhausted": 429, "unavailable": 503,
-               "internal": 500, "permission_denied": 403}
+HTTP_STATUS = {"invalid_argument": 400, "not_found": 404, "already_exists": 409, "resource_exhausted": 429,
+               "unavailable": 503, "internal": 500, "permission_denied": 403}
+
 def bounds_of(frontend: Frontend) -> Bounds:
     """This worker's bounds: the model's context and vocabulary, its limits, the engine's ranges."""
     eng, lim = frontend.engine.engine, frontend.limits

@@ -20,6 +20,7 @@ ERRORS = {
     401: "no valid API key: send `Authorization: Bearer <API key>` (only when the worker has API keys)",
     403: "`route` other than auto, or `priority: high`, needs an operator API key (`param` names the field)",
     404: "`model` is not served here (`param` is model), or an unknown path",
+    409: "`request_id` names a request of the same API key still in flight on this worker",
     413: "the body is over this worker's limits.max_body_bytes",
     429: "refused by QoS admission: Retry-After and X-Predicted-TTFT-Ms say when to retry",
     500: "a bug in this worker; the request was not served",
@@ -48,7 +49,7 @@ def generation_responses(model, chunk) -> dict:
     sse = {"schema": sse_event(chunk)}
     return {200: {"model": model, "description": "the completion (JSON), or its stream (server-sent events)",
                   "content": {"text/event-stream": sse}},
-            **response_docs(400, 404, 413, 429, 500, 503)}
+            **response_docs(400, 404, 409, 413, 429, 500, 503)}
 
 
 def field_names(model) -> set[str]:

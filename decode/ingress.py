@@ -26,8 +26,9 @@ from .prefill_pool import PrefillView
 class RequestError(Exception):
     """A request that cannot be served, with the status the client should see.
 
-    ``code`` is one of: invalid_argument, not_found (an unknown model), permission_denied
-    (a privilege the caller's API key lacks), resource_exhausted, unavailable, internal. ``field`` names the request field at fault, as `GenerateInput`
+    ``code`` is one of: invalid_argument, not_found (an unknown model), already_exists (a
+    request_id still in flight), permission_denied (a privilege the caller's API key lacks),
+    resource_exhausted, unavailable, internal. ``field`` names the request field at fault, as `GenerateInput`
     names it ("prompt" for text and token ids alike); each API renames it to its own
     field names (`renamed`).
     """
@@ -122,7 +123,10 @@ class Chunk:
 
 @dataclass
 class Prepared:
-    """A validated, admitted request with its routing decision."""
+    """A validated, admitted request with its routing decision.
+
+    ``request_id`` is the id this worker minted for the admission (what the engine, the
+    handoff and delivery key on); ``label`` is the id the client named it by."""
 
     request_id: str
     inp: GenerateInput
@@ -132,6 +136,7 @@ class Prepared:
     cached_len: int
     decision: object
     arrival: float
+    label: str = ""
 
 
 class RemotePath(Protocol):

@@ -324,7 +324,7 @@ def test_openapi_document_describes_the_server(worker):
     assert "422" not in json.dumps(doc["paths"]) and "HTTPValidationError" not in doc["components"]["schemas"]
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = doc["paths"][path]["post"]["responses"]
-        assert set(responses) == {"200", "400", "404", "413", "429", "500", "503"}
+        assert set(responses) == {"200", "400", "404", "409", "413", "429", "500", "503"}
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
         for status in ("400", "404", "413", "429", "500", "503"):
             assert responses[status]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")

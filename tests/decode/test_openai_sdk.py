@@ -131,7 +131,7 @@ def test_error_inside_a_stream_raises_api_error(sdk, worker):
     def sabotage(engine):
         def push(token_id):
             raise TypeError("injected detokenizer failure")
-        engine._detok[f"{victim}"].push = push
+        engine._detok[worker.worker.frontend.engine_id(victim)].push = push
 
     stream = sdk.completions.create(model="llama", prompt="Tell me", max_tokens=50, stream=True,
                                     extra_body={"request_id": victim, "ignore_eos": True})

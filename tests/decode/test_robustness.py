@@ -250,7 +250,7 @@ def test_injected_failure_in_a_running_batch_fails_one_stream_only(worker, refer
     victim = "victim-stream"
 
     def sabotage(engine):
-        detok = engine._detok[victim]
+        detok = engine._detok[worker.worker.frontend.engine_id(victim)]
 
         def push(token_id):
             raise TypeError("injected detokenizer failure")

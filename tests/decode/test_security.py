@@ -253,6 +253,22 @@ def test_abort_only_by_the_key_that_sent_it(secure, pki):
         assert rest and rest[-1].finish_reason == "abort"
 
 
+def test_the_same_request_id_from_two_keys_never_crosses(secure, pki):
+    """Request ids are scoped to the API key: two tenants may use the same id at once, each
+    gets its own prompt's tokens, and neither learns the other's id is in use."""
+    tls = {"ca_file": pki["ca"]}
+    kw = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with Client(secure.grpc, api_key=pki["keys"]["user"], **tls) as a, \
+            Client(secure.grpc, api_key=pki["keys"]["other"], **tls) as b:
+        alone = [a.generate(p, **kw).token_ids for p in ("Tenant A asks", "Tenant B asks something else")]
+        sa = a.stream("Tenant A asks", request_id="shared-id", **kw)
+        first_a = next(sa)
+        sb = b.stream("Tenant B asks something else", request_id="shared-id", **kw)
+        got_b = [t for m in sb for t in m.token_ids]
+        got_a = list(first_a.token_ids) + [t for m in sa for t in m.token_ids]
+    assert [list(x) for x in alone] == [got_a, got_b]
+
+
 def test_operator_key_may_abort_any_request(secure, pki):
     tls = {"ca_file": pki["ca"]}
     with Client(secure.grpc, api_key=pki["keys"]["user"], **tls) as owner, \
