@@ -93,7 +93,8 @@ class Launcher:
             from .queue import get_or_create_queue
 
             queue = get_or_create_queue(t.queue.name, t.ray.namespace, t.queue.capacity, detached=True,
-                                        wire_bind=t.queue.wire, on_head=True, wire_tls=t.queue.server_tls(t.resolve))
+                                        wire_bind=t.queue.wire, on_head=True, wire_tls=t.queue.server_tls(t.resolve),
+                                        stall_s=t.queue.stall_timeout_s)
             if t.queue.tls is not None:  # a certificate that does not load fails here, not in every worker
                 ray.get(queue.wire_endpoint.remote(), timeout=60)
             self.progress(f"queue     {t.queue.name} (capacity {t.queue.capacity}, wire {t.queue.wire}"

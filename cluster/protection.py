@@ -34,7 +34,7 @@ class Surface:
 def surfaces(topology) -> list[Surface]:
     """Every surface of `topology`, in the order docs/security.md lists them."""
     return [_decode(topology), _etcd(topology), _queue(topology), _ray(topology), _nixl(topology),
-            Surface("prefill /metrics", NO, "plaintext and open (load and counters only)")]
+            *_metrics(topology)]
 
 
 def exposure_warnings(topology, ray_address: str | None = None) -> list[str]:
@@ -132,3 +132,16 @@ def _nixl(t) -> Surface:
     return Surface("NIXL data plane (KV pages)", NO,
                    f"no authentication or encryption by design: keep its network private "
                    f"(network.bind {t.network.bind}{devices})")
+
+
+def _metrics(t) -> list[Surface]:
+    """The Prometheus endpoints that no security setting covers (scrapers connect without
+    credentials): what they expose and where they listen, so an operator can firewall them."""
+    queue_at = "the Ray head's address" if t.queue.wire == "node" else "loopback on the Ray head"
+    return [
+        Surface("prefill /metrics", NO, f"plaintext and open on network.bind {t.network.bind} "
+                "(load and counters only)"),
+        Surface("queue /metrics", NO, f"plaintext and open on {queue_at} (depth, waits, counters; no token ids)"),
+        Surface("planner /metrics", NO, f"plaintext and open on network.bind {t.network.bind} "
+                "(desired and actual replicas, decisions)"),
+    ]

@@ -196,6 +196,11 @@ class QueueSpec(_Strict):
     # wakes the waiting call at once, so this bounds idle polling (actor calls per second), not
     # latency: a short value only burns CPU on idle clusters.
     poll_timeout_ms: float = Field(1000.0, gt=0)
+    # Liveness beyond the lease: a prefill worker holding tasks that the queue has not heard
+    # from for this long (it calls every 0.5 s while serving a batch) is taken as hung; its
+    # tasks are failed back and their decode workers prefill locally at once, instead of
+    # waiting for the worker's lease (which another etcd client may even keep alive).
+    stall_timeout_s: float = Field(3.0, gt=0)
     # Where the queue actor serves its wire (queue calls over a socket, ~6x faster than Ray
     # actor calls): "loopback" (clients on the queue's Ray node; others use Ray calls),
     # "node" (the node's IP: every node of a multi-node cluster) or "off" (Ray calls only).

@@ -58,12 +58,20 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     """Owns the engine thread; the asyncio side submits requests and streams deltas.
 
-    Failure containment: a request whose sampling or detokenization fails ends
-    alone (finish_reason "error"); a failed step (forward pass) fails the
-    requests in it and the loop goes on; a command or poller that raises is
-    logged and skipped. Only `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a
-    row, or a bug in the loop itself, kill the thread: then `alive` is False,
-    every stream gets the error, and ``on_death(exc)`` runs on the event loop.
+    Failure containment, by whose failure it is:
+
+    - one request's: its add, its abort, its sampling or detokenization, indexing its
+      blocks for prefix reuse. It ends alone (finish_reason "error", blocks freed); the
+      loop goes on. A failed step (forward pass) fails the requests in it.
+    - a command or poller of another layer (the remote path's calls and pollers): logged,
+      counted and skipped; the remote path turns its own failures into fallbacks.
+    - the engine's own state: the scheduler (`EngineStateError`), an abort whose request
+      cannot even be failed, `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row, or a
+      bug in the loop itself. The thread stops: `alive` is False, every stream gets the
+      error, and ``on_death(exc)`` runs on the event loop (the decode worker goes
+      NOT_SERVING, leaves etcd and exits for its supervisor to restart it).
+
+    Nothing ends the thread silently: every path out of it runs ``on_death``.
     """
 
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepInfo], None] | None = None,
@@ -142,9 +150,10 @@ class AsyncEngine:
                 busy = self._drain_commands()
                 for poll in self.pollers:
                     busy = self._guarded(poll, "failed_polls") or busy
-                if eng.has_work():
-                    self._step()
-                elif not busy:
+                # Work that cannot be scheduled (the waiting head has no blocks and nothing
+                # runs) waits like an idle loop for a command or a poller, never spins.
+                stepped = self._step() if eng.has_work() else False
+                if not stepped and not busy:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001  (fail every stream, then stop)
@@ -182,19 +191,36 @@ class AsyncEngine:
                 except Exception as exc:  # noqa: BLE001  (this request's error, not the engine's)
                     self._emit(rid, exc, None)
             elif kind == "abort":
-                if eng.abort_request(cmd[1]):
-                    self.deliver_abort(cmd[1])
+                self._abort(cmd[1])
             elif kind == "call":
                 self._guarded(cmd[1], "failed_commands", eng)
 
-    def _step(self) -> None:
+    def _abort(self, rid: str) -> None:
+        """Abort one request; if that raises, fail it (its error, its stream ends); if even
+        that raises, the engine's state is broken (raised: the loop stops)."""
+        eng = self.engine
+        try:
+            if eng.abort_request(rid):
+                self.deliver_abort(rid)
+            return
+        except Exception as exc:  # noqa: BLE001
+            self.counters["failed_commands"] += 1
+            log.exception("engine thread: aborting request %s failed; failing it instead", rid)
+            delta = eng.fail_request_id(rid, exc) or RequestDelta(
+                rid, [], "", "error", error=f"abort failed: {exc.__class__.__name__}: {exc}")
+            self._emit(rid, delta, None)
+
+    def _step(self) -> bool:
+        """One engine step; False if it scheduled nothing."""
         eng = self.engine
         t0 = time.perf_counter()
         try:
             deltas = eng.step()
         except StepError as exc:
             self._step_failed(exc)
-            return
+            return True
+        if eng.last_step[0] == 0:
+            return False
         self.step_failures = 0
         seqs, tokens, decodes = eng.last_step
         info = StepInfo(ms=(time.perf_counter() - t0) * 1e3, num_seqs=seqs, num_tokens=tokens,
@@ -203,6 +229,7 @@ class AsyncEngine:
             self.deliver(d)
         if self.on_step is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.on_step, info)
+        return True
 
     def _step_failed(self, exc: StepError) -> None:
         """Fail the step's requests with the error; the loop goes on unless it keeps failing."""

@@ -179,6 +179,7 @@ class Frontend:
             async for item, final, info in source:
                 extra.update(info)
                 if isinstance(item, BaseException) or item.finish_reason == "error":
+                    state["end"] = "error"
                     raise as_request_error(item)
                 now = time.monotonic()
                 if item.new_token_ids and not state["first"]:
@@ -208,6 +209,8 @@ class Frontend:
             else:
                 self.num_decoding -= 1
             if not state["finished"]:  # client went away or error: free its blocks
+                # the client left (cancelled, or its generator closed): counted as an abort
+                self.metrics.request_finished(state.get("end", "abort"))
                 if remote is not None:
                     remote.abort(rid)
                 else:
@@ -226,6 +229,11 @@ class Frontend:
         several sequences, sequence i runs as request ``<request_id>-<i>``; with a seed,
         sample j uses seed + j (vLLM's parallel sampling).
         """
+        cap = self.limits.max_sequences_per_request
+        if len(inputs) * n > cap:
+            raise RequestError("invalid_argument", f"n: {len(inputs)} prompt(s) x n={n} = {len(inputs) * n} "
+                               f"sequences, over this worker's limit of {cap} "
+                               "(limits.max_sequences_per_request); send fewer prompts or a smaller n", "n")
         if len(inputs) == 1 and n == 1:
             async for chunk in self.generate(inputs[0]):
                 yield 0, chunk

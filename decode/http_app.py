@@ -12,6 +12,7 @@ down, 500 a bug. With API keys (decode/security.py): 401 without a valid key
 declares the bearer scheme.
 """
 
+import asyncio
 import functools
 import json
 import logging
@@ -21,7 +22,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,6 +33,7 @@ from pdserve.engine import SamplingParams
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, UINT64_MAX
 
 from .frontend import Frontend
+from .disconnect import ClientWatch
 from .http_guard import BodyLimit, H11Protocol, openai_error
 from .http_schema import ERRORS, field_names, generation_responses, param_of, response_docs
 from .ingress import GenerateInput, RequestError
@@ -134,31 +136,40 @@ def build_app(frontend: Frontend, security: ServerSecurity | None = None) -> Fas
             inp.caller = caller
         n = body.n
         gen = frontend.generate_many(inputs, n)
-        # Validation and admission of every sequence happen before the first chunk, so
-        # errors get their status code.
+        watch = ClientWatch(request.receive)  # until the response starts: a client that leaves stops its work
         try:
-            first = await gen.__anext__()
-        except RequestError as exc:
-            frontend.metrics.error(exc.code)
-            return _from_request_error(exc)
-        echo = []
-        if getattr(body, "echo", False):
-            texts = [p if isinstance(p, str) else await frontend.detokenize(p) for p in (i.prompt for i in inputs)]
-            echo = [texts[i // n] for i in range(len(inputs) * n)]
-        reply = Reply(kind, rid, frontend.served_model, token_text, logprobs, echo)
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(reply, len(inputs) * n, n, usage, first, gen),
-                                     media_type="text/event-stream")
-        pieces: dict[int, list[dict]] = {}
-        seen = [first]
-        try:
+            # Validation and admission of every sequence happen before the first chunk, so
+            # errors get their status code.
+            try:
+                first = await gen.__anext__()
+            except RequestError as exc:
+                frontend.metrics.error(exc.code)
+                return _from_request_error(exc)
+            echo = []
+            if getattr(body, "echo", False):
+                texts = [p if isinstance(p, str) else await frontend.detokenize(p)
+                         for p in (i.prompt for i in inputs)]
+                echo = [texts[i // n] for i in range(len(inputs) * n)]
+            reply = Reply(kind, rid, frontend.served_model, token_text, logprobs, echo)
+            if body.stream:
+                if watch.close():
+                    return _client_gone(rid)
+                usage = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(_sse(reply, len(inputs) * n, n, usage, first, gen),
+                                         media_type="text/event-stream")
+            pieces: dict[int, list[dict]] = {}
+            seen = [first]
             pieces.setdefault(first[0], []).append(reply.choice(*first, stream=False))
             async for i, c in gen:
                 seen.append((i, c))
                 pieces.setdefault(i, []).append(reply.choice(i, c, stream=False))
+        except asyncio.CancelledError:
+            if not watch.gone():
+                raise
+            return _client_gone(rid)
         finally:
-            await gen.aclose()
+            if watch.close() or not body.stream:
+                await gen.aclose()  # ends every sequence still running (none when it completed)
         out = reply.envelope([merge_choice(pieces[i]) for i in sorted(pieces)], stream=False)
         out["usage"] = usage_of(seen, n)
         return JSONResponse(out)
@@ -289,6 +300,13 @@ def build_app(frontend: Frontend, security: ServerSecurity | None = None) -> Fas
 
     app.openapi = openapi
     return app
+
+
+def _client_gone(rid: str) -> Response:
+    """What a handler returns for a client that left (nobody reads it): its sequences were
+    aborted where they waited, and the generator is closed by the handler's finally."""
+    log.debug("request %s: client gone before the response; its sequences were aborted", rid)
+    return Response(status_code=499)
 
 
 def _document_api_keys(doc: dict, open_paths, error_content: dict) -> None:

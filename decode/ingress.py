@@ -74,6 +74,9 @@ class ServingLimits:
     max_stop_token_ids: int = 256
     max_n: int = 128  # choices per prompt (HTTP n; OpenAI's bound)
     max_prompts: int = 64  # prompts in one batched /v1/completions request
+    # prompts x n: the sequences one request starts (each bounded by max_model_len), checked
+    # before any is admitted; 64 prompts x n=128 would otherwise hold a worker for minutes
+    max_sequences_per_request: int = 128
     tokenizer_threads: int = 2  # tokenization runs here, never on the event loop
 
     @classmethod

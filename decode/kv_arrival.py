@@ -31,6 +31,8 @@ from .metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
+BAD_FIRST_TOKEN = "bad_first_token"  # a PrefillDone whose first token is outside the vocabulary
+
 
 class KVArrival:
     """Notifications in, engine changes out (engine thread; see the module docstring)."""
@@ -39,6 +41,7 @@ class KVArrival:
                  costs=None):
         self.engine = engine
         self.connector = engine.engine.connector
+        self.vocab_size = engine.engine.model_config.vocab_size
         self.agent = agent
         self.handoffs = handoffs
         self.metrics = metrics
@@ -138,6 +141,15 @@ class KVArrival:
             refused = self.handoffs.check_done(msg.request_id, msg.epoch, msg.num_tokens_written)
             if refused is not None:
                 self._refuse(msg, sender, refused)
+                return
+            if not 0 <= msg.first_token_id < self.vocab_size:
+                # A token the model does not have would fail the whole next step (and a CUDA
+                # context): refused; its writes are over, so the request prefills locally now.
+                self._refuse(msg, sender, BAD_FIRST_TOKEN)
+                step = self.handoffs.failed(msg.request_id, msg.epoch, True,
+                                            f"{BAD_FIRST_TOKEN}: first token {msg.first_token_id} is not in the "
+                                            f"vocabulary of {self.vocab_size} from {sender or '?'}")
+                self.apply(step, msg)
                 return
             step = self.handoffs.done(msg.request_id, msg.epoch)
         if step.effect is Effect.RUN and not self.connector.is_awaiting(msg.request_id):

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from pdserve.cluster.queue.task import WORKER_STALLED
 from pdserve.kvtransfer.messages import FAILURE_KINDS
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ SETTLED_REASONS = frozenset({"deadline_expired", "peer_missing", "bad_task", "ba
 
 def failure_reason(reason: str, detail: str) -> str:
     """The fallback reason for a task the queue failed back: a prefill worker's failure kind
-    is the cause as it is; the queue's own reasons are prefixed ``queue:``."""
-    return f"{reason}: {detail}" if reason in FAILURE_KINDS else f"queue: {reason}"
+    is the cause as it is, and so is a stalled prefill worker (an operator looks for it by
+    name); the queue's other reasons are prefixed ``queue:``."""
+    return f"{reason}: {detail}" if reason in FAILURE_KINDS or reason == WORKER_STALLED else f"queue: {reason}"
 
 
 class QueueWatch:

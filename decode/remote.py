@@ -69,7 +69,11 @@ class RemotePrefill:
         self.arrival = KVArrival(engine, agent, self.handoffs, metrics, costs)  # the engine-thread half
         self.arrival.on_ready_reput = lambda rid: asyncio.ensure_future(self._cancel_quietly(rid))
         self.counters = self.arrival.counters
-        self.counters.update(queue_restarts=0, reput=0, queue_lost=0)
+        self.counters.update(queue_restarts=0, reput=0, queue_lost=0, withdrawn_queued=0, withdrawn_held=0)
+        # Event-loop bookkeeping of aborts: requests whose task put was issued, and requests
+        # aborted (a put not yet issued for them is skipped). Both end with the stream.
+        self._put_issued: set[str] = set()
+        self._withdrawn: set[str] = set()
         self.fallback_causes = self.arrival.fallback_causes
         self._info = self.arrival.info
         self._watch = QueueWatch(queue, worker_id, self.view, poll_s=self.cfg.queue_poll_s,
@@ -127,21 +131,25 @@ class RemotePrefill:
             raise res
         info = {"route": "remote", "attempts": 1}
         timer = None
-        if res is None:
-            info.update(route="local", fell_back_to_local=True, reason="fallback: no KV space for a reservation")
-            self.arrival.count_fallback("no_kv_space")
-        else:
-            h, reservation = res
-            # The deadline covers the put too: a put stuck on a restarting queue ends with it.
-            timer = loop.call_later(self.cfg.timeout_s, self._on_deadline, rid, h.epoch)
-            ok, why, maybe_queued = await self._enqueue(prep, h, reservation)
-            if not ok:
-                # A put that timed out may still reach the queue: then a prefill worker may
-                # write the blocks, so they wait in quarantine (and the task is cancelled).
-                self._fallback(rid, h.epoch, why, release_now=not maybe_queued)
-                if maybe_queued:
-                    asyncio.ensure_future(self._cancel_quietly(rid))
+        ended = False  # a last delta was yielded: no abort follows, so the bookkeeping ends here
         try:
+            if rid in self._withdrawn:  # aborted while reserving: the abort frees the blocks, no put
+                pass
+            elif res is None:
+                info.update(route="local", fell_back_to_local=True,
+                            reason="fallback: no KV space for a reservation")
+                self.arrival.count_fallback("no_kv_space")
+            else:
+                h, reservation = res
+                # The deadline covers the put too: a put stuck on a restarting queue ends with it.
+                timer = loop.call_later(self.cfg.timeout_s, self._on_deadline, rid, h.epoch)
+                ok, why, maybe_queued = await self._enqueue(prep, h, reservation)
+                if not ok:
+                    # A put that timed out may still reach the queue: then a prefill worker may
+                    # write the blocks, so they wait in quarantine (and the task is cancelled).
+                    self._fallback(rid, h.epoch, why, release_now=not maybe_queued)
+                    if maybe_queued:
+                        asyncio.ensure_future(self._cancel_quietly(rid))
             first = True
             while True:
                 item, final = await q.get()
@@ -150,13 +158,17 @@ class RemotePrefill:
                     info.update(self._info.pop(rid, {}))
                     if timer is not None:
                         timer.cancel()
+                ended = isinstance(item, BaseException) or item.finished
                 yield item, final, info
-                if isinstance(item, BaseException) or item.finished:
+                if ended:
                     return
         finally:
             if timer is not None:
                 timer.cancel()
             self._info.pop(rid, None)
+            self._withdrawn.discard(rid)  # the stream is over: no put can follow
+            if ended:  # else the frontend's abort reads (and clears) whether a put was issued
+                self._put_issued.discard(rid)
 
     async def _engine_answer(self, fut: asyncio.Future):
         """The engine thread's answer to a posted call; EngineDeadError if the engine dies first
@@ -178,6 +190,7 @@ class RemotePrefill:
         )
         self.signer.sign(task)  # binds the blocks to this worker: the prefill worker checks it
         h.task = task
+        self._put_issued.add(prep.request_id)  # from here an abort must ask the queue
         try:
             put = await asyncio.wait_for(self.queue.put(task), self.cfg.queue_call_s)
         except asyncio.TimeoutError:
@@ -202,11 +215,24 @@ class RemotePrefill:
         self._fallback(rid, epoch, why, release_now=status == "queued")
 
     def abort(self, rid: str) -> None:
-        """Client gone or Abort RPC: drop the request; a reservation a prefill worker may
-        still write is quarantined, not freed."""
-        writer_may_exist = self.view.pool_size > 0
-        self.engine.call(lambda eng: self.arrival.abort(rid, writer_may_exist))
-        asyncio.ensure_future(self._cancel_quietly(rid))
+        """Client gone or Abort RPC: drop the request. Its task is withdrawn first: blocks
+        are freed at once when no write can land (no put was issued, or the queue still held
+        the task: nobody took it), and quarantined only when a prefill worker holds the task
+        or a put's answer never came."""
+        self._withdrawn.add(rid)  # a put not yet issued for it never will be (see stream)
+        if rid not in self._put_issued:
+            self.engine.call(lambda eng: self.arrival.abort(rid, False))
+            return
+        self._put_issued.discard(rid)
+        asyncio.ensure_future(self._withdraw(rid))
+
+    async def _withdraw(self, rid: str) -> None:
+        try:
+            status = await asyncio.wait_for(self.queue.cancel(rid), self.cfg.queue_call_s)
+        except Exception:  # noqa: BLE001  (unreachable or wedged queue: someone may hold the task)
+            status = "unknown"
+        self.counters["withdrawn_queued" if status == "queued" else "withdrawn_held"] += 1
+        self.engine.call(lambda eng: self.arrival.abort(rid, status != "queued"))
 
     async def _cancel_quietly(self, rid: str) -> None:
         try:

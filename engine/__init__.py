@@ -5,12 +5,12 @@ Public API: ``from pdserve.engine import LLM, SamplingParams``.
 
 from .config import ConfigError, EngineConfig, ModelConfig
 from .kv_connector import KVConnector, Reservation
-from .llm_engine import LLM, EngineLoad, EngineStats, LLMEngine, RequestDelta, StepError
+from .llm_engine import LLM, EngineLoad, EngineStateError, EngineStats, LLMEngine, RequestDelta, StepError
 from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput, RequestStatus,
                       RequestTimes, SamplingParams, check_text)
 
 __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput",
     "Request", "RequestStatus", "RequestDelta", "EngineLoad", "EngineStats", "ConfigError", "InvalidRequestError",
-    "RequestLimits", "RequestTimes", "StepError", "check_text", "KVConnector", "Reservation",
+    "RequestLimits", "RequestTimes", "EngineStateError", "StepError", "check_text", "KVConnector", "Reservation",
 ]

@@ -54,6 +54,11 @@ class StepError(RuntimeError):
         self.request_ids = request_ids
 
 
+class EngineStateError(RuntimeError):
+    """The engine's own state failed (the scheduler, the block pool), not one request's:
+    its serving loop must stop and the worker be replaced (decode/async_engine.py)."""
+
+
 @dataclass(frozen=True)
 class EngineLoad:
     """What a worker reports about its engine's load (registry record, status, metrics)."""
@@ -243,7 +248,10 @@ class LLMEngine:
         per-layer hook for this step, called as ``hook(layer, ready)`` (the prefill
         worker streams KV with it; ``ready``: engine/kv_ready.py).
         """
-        plan = self.scheduler.schedule()
+        try:
+            plan = self.scheduler.schedule()
+        except Exception as exc:  # the scheduler's own state: no single request to blame
+            raise EngineStateError(f"scheduler failed: {exc.__class__.__name__}: {exc}") from exc
         self.stats.num_preemptions += len(plan.preempted)
         self.last_step = (len(plan.scheduled), plan.num_tokens,
                           sum(1 for r, n in plan.scheduled if n == 1 and r.output_token_ids))
@@ -262,6 +270,8 @@ class LLMEngine:
             raise StepError(exc, [r.request_id for r, _ in plan.scheduled]) from exc
         self.stats.num_steps += 1
         bs = self.config.block_size
+        deltas = []
+        failed: set[str] = set()
         for req, n in plan.scheduled:
             prompt_left = req.num_prompt_tokens - req.num_computed_tokens
             if prompt_left > 0:
@@ -271,11 +281,17 @@ class LLMEngine:
             before = req.num_computed_tokens
             req.num_computed_tokens += n
             if req.num_computed_tokens // bs > before // bs:
-                self.kv.cache_full_blocks(req.request_id, req.all_token_ids,
-                                          req.num_computed_tokens, req.cache_salt)
-        deltas = []
+                try:  # indexing this request's full blocks for prefix reuse: its own failure
+                    self.kv.cache_full_blocks(req.request_id, req.all_token_ids,
+                                              req.num_computed_tokens, req.cache_salt)
+                except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
+                    failed.add(req.request_id)
+                    deltas.append(self.fail_request(req, exc))
         if sampling:
-            for req, res in zip(sampling, self._sample(logits, sampling)):
+            live = [i for i, req in enumerate(sampling) if req.request_id not in failed]
+            if len(live) < len(sampling):
+                logits, sampling = logits[live], [sampling[i] for i in live]
+            for req, res in zip(sampling, self._sample(logits, sampling) if sampling else []):
                 try:
                     if isinstance(res, BaseException):
                         raise res
@@ -298,6 +314,16 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001
                 out.append(SamplingError(f"{exc.__class__.__name__}: {exc}"))
         return out
+
+    def fail_request_id(self, request_id: str, exc: BaseException) -> RequestDelta | None:
+        """Finish a live request with finish_reason "error" and forget it (blocks freed);
+        None if it is unknown or already done."""
+        req = self.requests.get(request_id)
+        if req is None or req.finish_reason is not None:
+            return None
+        delta = self.fail_request(req, exc)
+        self._forget(req)
+        return delta
 
     def fail_request(self, req: Request, exc: BaseException) -> RequestDelta:
         """Finish one request with finish_reason "error" (blocks freed unless ``keep_kv``)."""

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from .config import ConfigError
+from .stops import StopAutomaton, automaton_for
 
 # Prompt tokens given to a new decode stream as context, so that the first
 # generated token keeps its leading space ("Hello" -> " world").
@@ -99,11 +100,13 @@ class IncrementalDetokenizer:
         self.text = ""  # all final text (stop strings excluded)
         self._pending = ""  # decoded, but possibly the start of a stop string
         self._stops: list[str] = []
-        self._max_stop = 0
+        self._automaton: StopAutomaton | None = None
+        self._state = 0  # the automaton's state after all text so far: its depth is held back
 
     def set_stops(self, stops: list[str]) -> None:
         self._stops = list(stops)
-        self._max_stop = max((len(s) for s in stops), default=0)
+        self._automaton = automaton_for(tuple(stops)) if stops else None
+        self._state = 0
 
     def push(self, token_id: int) -> tuple[str, str | None]:
         """Add one token; return (text delta, matched stop string or None)."""
@@ -119,13 +122,9 @@ class IncrementalDetokenizer:
                 self.text += delta
                 self._pending = ""
                 return delta, stop
-        # Hold back the longest tail that is a prefix of some stop string.
-        keep = 0
-        for n in range(min(len(buf), self._max_stop - 1), 0, -1):
-            tail = buf[-n:]
-            if any(s.startswith(tail) for s in self._stops):
-                keep = n
-                break
+        # Hold back the longest tail that is a prefix of some stop string (engine/stops.py).
+        self._state = self._automaton.feed(self._state, piece)
+        keep = self._automaton.depth[self._state]
         delta = buf[: len(buf) - keep]
         self._pending = buf[len(buf) - keep:]
         self.text += delta

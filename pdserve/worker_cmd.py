@@ -211,7 +211,7 @@ class Worker:
         t = self.p.topology
         q = t.queue
         get_or_create_queue(q.name, t.ray.namespace, q.capacity, detached=True, wire_bind=q.wire,
-                            on_head=True, wire_tls=q.server_tls(t.resolve))
+                            on_head=True, wire_tls=q.server_tls(t.resolve), stall_s=q.stall_timeout_s)
 
     def _serve(self, model: str, node: str) -> int:
         import ray

@@ -44,7 +44,7 @@ from .metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 
-HOLD_CHECK_S = 0.5  # while a batch runs: how often to check that the queue did not restart
+HOLD_CHECK_S = 0.5  # while a batch is served: heartbeat to the queue (it also says whether it restarted)
 PEER_LOOKUP_TIMEOUT_S = 5.0
 
 
@@ -216,9 +216,13 @@ class PrefillWorker:
             return []
 
     async def _serve(self, tasks: list) -> None:
-        accepted = await self._authenticate(tasks)
-        if accepted:
-            await self._prefill(accepted)
+        beat = asyncio.ensure_future(self._heartbeat(tasks))
+        try:
+            accepted = await self._authenticate(tasks)
+            if accepted:
+                await self._prefill(accepted)
+        finally:
+            beat.cancel()
         await self._queue_call("complete", self.worker_id, [t.request_id for t in tasks])
 
     async def _authenticate(self, tasks: list) -> list:
@@ -266,7 +270,7 @@ class PrefillWorker:
             if problem is not None:
                 unusable[target] = problem
         batch = asyncio.ensure_future(asyncio.to_thread(self._run_batch, tasks, new_peers, unusable))
-        result = await self._while_holding(batch, tasks)
+        result = await batch
         self.metrics.observe_batch(result)
         for f in result.failures:
             # Through the queue too: the origin's failed-task poll (0.25 s) reaches it where NIXL
@@ -279,22 +283,24 @@ class PrefillWorker:
         self._sync_peers(new_peers, unusable)
         return self._batch.run(tasks, unusable)
 
-    async def _while_holding(self, batch: asyncio.Future, tasks: list):
-        """Wait for the batch; meanwhile, if the queue restarted (a new instance id), report the
-        tasks this worker holds so the new instance neither hands them out again nor loses them."""
+    async def _heartbeat(self, tasks: list) -> None:
+        """While this worker serves a batch (the compute runs in a thread): tell the queue it is
+        alive every HOLD_CHECK_S, or it fails the batch back as stalled (cluster/queue/core.py
+        `fail_stalled`); and if the queue restarted (a new instance id), report the tasks held
+        so the new instance neither hands them out again nor loses them."""
         while True:
-            done, _ = await asyncio.wait({batch}, timeout=HOLD_CHECK_S)
-            if done:
-                return batch.result()
+            await asyncio.sleep(HOLD_CHECK_S)
             try:
-                instance = await asyncio.wait_for(self.queue.instance_id(), HOLD_CHECK_S * 4)
+                instance = await asyncio.wait_for(self.queue.alive(self.worker_id), HOLD_CHECK_S * 4)
                 if instance != self._queue_instance:
                     n = await asyncio.wait_for(self.queue.hold(self.worker_id, tasks), HOLD_CHECK_S * 4)
                     self._queue_instance = instance
                     if n:
                         log.warning("queue restarted (instance %s); reported %d held task(s)", instance, n)
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:  # noqa: BLE001  (the queue is still restarting: check again)
-                log.debug("queue instance check failed: %r", exc)
+                log.debug("queue heartbeat failed: %r", exc)
 
     async def _queue_call(self, method: str, *args) -> None:
         try:

@@ -25,7 +25,7 @@ import ray
 from ..keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_NAME
 from ..queue_metrics import QueueMetrics
 from ..runtime import freeze_gc_heap
-from .core import QueueCore
+from .core import DEFAULT_STALL_S, QueueCore
 from .server import WireServer, server_tls
 from .task import FailedTask, PrefillTask, PutResult, QueueStats
 
@@ -53,12 +53,14 @@ class PrefillQueue:
     """
 
     def __init__(self, capacity: int = DEFAULT_QUEUE_CAPACITY, max_requeues: int = 1,
-                 wire_bind: str = "loopback", metrics_port: int | None = None, wire_tls: dict | None = None):
+                 wire_bind: str = "loopback", metrics_port: int | None = None, wire_tls: dict | None = None,
+                 stall_s: float = DEFAULT_STALL_S):
         if wire_bind not in WIRE_BINDS:
             raise ValueError(f"wire_bind={wire_bind!r} must be one of {list(WIRE_BINDS)}")
         self._wire_tls = wire_tls
         self._metrics = QueueMetrics(self)
-        self._core = QueueCore(capacity, max_requeues=max_requeues, on_dispatch=self._metrics.wait.observe)
+        self._core = QueueCore(capacity, max_requeues=max_requeues, on_dispatch=self._metrics.wait.observe,
+                               stall_s=stall_s)
         # /metrics (port None: a free one, 0: off) where the wire would listen: loopback, or the
         # node's address when other hosts are served; its address is in stats().
         host = "127.0.0.1" if wire_bind == "loopback" else ray.util.get_node_ip_address()
@@ -172,7 +174,18 @@ class PrefillQueue:
         return result
 
     async def take_failed(self, origin: str) -> list[FailedTask]:
+        self._fail_stalled()
         return self._core.take_failed(origin)
+
+    def _fail_stalled(self) -> None:
+        """Checked whenever a decode worker collects its failed tasks (every 0.25 s each)."""
+        for worker_id, n in self._core.fail_stalled().items():
+            log.warning("prefill worker %s holds %d task(s) but has not been heard from for over %.1f s: "
+                        "failed back to their decode workers", worker_id, n, self._core.stall_s)
+
+    async def alive(self, worker_id: str) -> str:
+        """A prefill worker's heartbeat while it serves a batch; returns the instance id."""
+        return self._core.alive(worker_id)
 
     async def fail(self, worker_id: str, request_id: str, reason: str, detail: str = "") -> bool:
         return self._core.fail(worker_id, request_id, reason, detail)
@@ -189,6 +202,7 @@ class PrefillQueue:
     async def take_failed_and_stats(self, origin: str) -> tuple[list[FailedTask], QueueStats]:
         """`take_failed(origin)` and `stats()` in one call: a decode worker's periodic poll
         costs one actor round trip, not two."""
+        self._fail_stalled()
         return self._core.take_failed(origin), await self.stats()
 
     async def stats(self) -> QueueStats:
@@ -215,7 +229,7 @@ def _check_poll_args(worker_id, max_tokens, max_wait_ms, max_tasks) -> None:
 def get_or_create_queue(name: str = DEFAULT_QUEUE_NAME, namespace: str = DEFAULT_NAMESPACE,
                         capacity: int = DEFAULT_QUEUE_CAPACITY, *, detached: bool = False,
                         max_requeues: int = 1, wire_bind: str = "loopback", metrics_port: int | None = None,
-                        on_head: bool = False, wire_tls: dict | None = None):
+                        on_head: bool = False, wire_tls: dict | None = None, stall_s: float = DEFAULT_STALL_S):
     """Handle to the named queue actor, creating it if absent (race-safe).
 
     An existing actor keeps the capacity, wire_bind and wire_tls it was created with. `detached`
@@ -236,4 +250,4 @@ def get_or_create_queue(name: str = DEFAULT_QUEUE_NAME, namespace: str = DEFAULT
         options["lifetime"] = "detached"
     return PrefillQueue.options(**options).remote(capacity=capacity, max_requeues=max_requeues,
                                                   wire_bind=wire_bind, metrics_port=metrics_port,
-                                                  wire_tls=wire_tls)
+                                                  wire_tls=wire_tls, stall_s=stall_s)

@@ -178,6 +178,10 @@ class QueueClient:
     async def instance_id(self) -> str:
         return await self._call("instance_id")
 
+    async def alive(self, worker_id: str) -> str:
+        """Heartbeat of a prefill worker serving a batch; the queue's instance id."""
+        return await self._call("alive", worker_id)
+
     async def take_failed_and_stats(self, origin: str):
         return await self._call("take_failed_and_stats", origin)
 

@@ -37,6 +37,7 @@ from .task import (
     NOTHING_TO_PREFILL,
     QUEUE_FULL,
     TARGET_GONE,
+    WORKER_STALLED,
     WORKER_VANISHED,
     FailedTask,
     PrefillTask,
@@ -47,7 +48,10 @@ from .task import (
 MAX_FAILED_PER_ORIGIN = 10_000  # failed tasks nobody collects must not grow without bound
 MAX_FAIL_REASON_CHARS = 64
 MAX_FAIL_DETAIL_CHARS = 300
-MAX_SETTLED_REMEMBERED = 200_000  # settled keys kept until their deadline (the oldest go first beyond this)
+MAX_SETTLED_REMEMBERED = 200_000
+# A worker holding tasks must be heard from this often (it calls `alive` every 0.5 s while it
+# serves a batch, its compute running in a thread): past it, its tasks are failed back.
+DEFAULT_STALL_S = 3.0  # settled keys kept until their deadline (the oldest go first beyond this)
 
 
 class QueueCore:
@@ -59,9 +63,14 @@ class QueueCore:
     """
 
     def __init__(self, capacity: int = DEFAULT_QUEUE_CAPACITY, *, max_requeues: int = 1,
-                 clock: Callable[[], float] = time.time, on_dispatch: Callable[[float], None] | None = None):
+                 clock: Callable[[], float] = time.time, on_dispatch: Callable[[float], None] | None = None,
+                 stall_s: float = DEFAULT_STALL_S):
         if capacity < 1:
             raise ValueError(f"capacity={capacity} must be >= 1")
+        if not stall_s > 0:
+            raise ValueError(f"stall_s={stall_s} must be > 0")
+        self.stall_s = stall_s
+        self._seen: dict[str, float] = {}  # worker id -> when it last called (clock)
         self.instance_id = uuid.uuid4().hex[:12]
         self.capacity = capacity
         self.max_requeues = max_requeues
@@ -140,6 +149,7 @@ class QueueCore:
     def take(self, worker_id: str, max_tokens: int, max_tasks: int | None = None) -> list[PrefillTask]:
         """The next batch for `worker_id` (see the module docstring); [] if none queued."""
         now = self._clock()
+        self._seen[worker_id] = now
         batch: list[PrefillTask] = []
         tokens = 0
         while (task := self._pop_head()) is not None:
@@ -165,6 +175,7 @@ class QueueCore:
     def complete(self, worker_id: str, request_id: str | list[str]) -> bool:
         """The worker finished (or gave up on) a task, or a list of them: stop
         tracking them. True if any was in flight on that worker."""
+        self.alive(worker_id)
         wanted = {request_id} if isinstance(request_id, str) else set(request_id)
         taken = self._in_flight.get(worker_id, {})
         keys = [key for key in taken if key[0] in wanted]
@@ -221,6 +232,7 @@ class QueueCore:
                 self._fail(task, TARGET_GONE, f"decode worker {worker_id} that was to receive its KV is gone")
         dropped_failed = len(self._failed.pop(worker_id, []))
         self._gone[worker_id] += 1
+        self._seen.pop(worker_id, None)
         self.counters["requeued"] += requeued
         self.counters["dropped_target_gone"] += len(orphans)
         return {"requeued": requeued, "failed": failed, "dropped_queued": len(orphans),
@@ -246,6 +258,7 @@ class QueueCore:
                              f"chars, got {reason!r}")
         if not isinstance(detail, str):
             raise ValueError(f"fail: detail must be a str, got {type(detail).__name__}")
+        self.alive(worker_id)
         taken = self._in_flight.get(worker_id, {})
         keys = [key for key in taken if key[0] == request_id]
         for key in keys:
@@ -260,6 +273,7 @@ class QueueCore:
         restarted while they were in flight): track them as in flight on that worker, taking a
         copy that a decode worker re-put out of the queue, so nobody else prefills them.
         Returns how many were not tracked as in flight on that worker before."""
+        self.alive(worker_id)
         taken = self._in_flight.setdefault(worker_id, {})
         new = 0
         for task in tasks:
@@ -290,6 +304,29 @@ class QueueCore:
             self._in_flight.pop(worker_id, None)
         self.counters["returned_undelivered"] += back
         return back
+
+    def alive(self, worker_id: str) -> str:
+        """`worker_id` is making progress (its heartbeat while it serves a batch); returns this
+        queue's instance id, so the same call tells the worker whether the queue restarted."""
+        self._seen[worker_id] = self._clock()
+        return self.instance_id
+
+    def fail_stalled(self) -> dict[str, int]:
+        """Liveness beyond the lease: a worker holding tasks that has not called for `stall_s`
+        (hung, SIGSTOPped, wedged; its etcd lease may well still be kept alive) gets its tasks
+        failed back to their origins now (WORKER_STALLED: not settled, as it may resume and
+        write), so decode workers fall back within this bound instead of their deadline.
+        Returns {worker id: tasks failed back}."""
+        now = self._clock()
+        out: dict[str, int] = {}
+        for worker_id in [w for w in self._in_flight if now - self._seen.get(w, now) > self.stall_s]:
+            tasks = self._in_flight.pop(worker_id)
+            for key, task in tasks.items():
+                self._requeues.pop(key, None)
+                self._fail(task, WORKER_STALLED, f"prefill worker {worker_id} holds it but has not been heard "
+                           f"from for {now - self._seen[worker_id]:.1f} s (stall bound {self.stall_s:g} s)")
+            out[worker_id] = len(tasks)
+        return out
 
     def gone_count(self, worker_id: str) -> int:
         """How often `worker_gone(worker_id)` was called: a long poll that started before a

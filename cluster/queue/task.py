@@ -29,6 +29,9 @@ QUEUE_FULL, DUPLICATE, DEADLINE_PASSED, NOTHING_TO_PREFILL, ALREADY_DONE = (
 # Why the queue itself failed a task back to its origin (FailedTask.reason); a prefill
 # worker's `fail` gives its own kind instead (kvtransfer.messages.FAILURE_KINDS).
 DEADLINE_EXPIRED, WORKER_VANISHED, TARGET_GONE = "deadline_expired", "worker_vanished", "target_gone"
+# A prefill worker that holds tasks but has not been heard from within the queue's stall bound
+# (alive, get_batch, complete, fail or hold): its tasks are failed back; it may resume and write.
+WORKER_STALLED = "worker_stalled"
 
 
 @dataclass

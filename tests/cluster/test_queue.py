@@ -279,6 +279,29 @@ def test_expired_tasks_are_failed_back_instead_of_dispatched():
     assert failed.task.request_id == "soon" and failed.reason == "deadline_expired"
 
 
+def test_a_worker_not_heard_from_within_the_stall_bound_has_its_tasks_failed_back():
+    """Liveness beyond the lease: p0 took a task and then went silent (hung, SIGSTOPped),
+    p1 took one and keeps calling `alive`. Past the bound only p0's task is failed back,
+    unsettled (WORKER_STALLED: p0 may resume and write), and p0's late complete is a no-op."""
+    now = [1000.0]
+    core = QueueCore(capacity=8, clock=lambda: now[0], stall_s=3.0)
+    for rid in ("held-by-p0", "held-by-p1"):
+        assert core.put(task(request_id=rid, deadline=5000.0)).ok
+    assert ids(core.take("p0", max_tokens=10)) == ["held-by-p0"]
+    assert ids(core.take("p1", max_tokens=10)) == ["held-by-p1"]
+    for t in (1001.0, 1002.0, 1002.9):
+        now[0] = t
+        assert core.alive("p1") == core.instance_id
+        assert core.fail_stalled() == {}
+    now[0] = 1003.6  # p0: 3.6 s silent; p1: 0.7 s
+    assert core.fail_stalled() == {"p0": 1}
+    [failed] = core.take_failed("d0")
+    assert failed.task.request_id == "held-by-p0" and failed.reason == "worker_stalled"
+    assert core.stats().in_flight == {"p1": 1}
+    assert core.complete("p0", "held-by-p0") is False  # resumed too late: nothing to complete
+    assert core.put(task(request_id="held-by-p0", deadline=5000.0)).reason == "already_done"
+
+
 async def test_worker_removed_from_the_registry_gets_its_tasks_requeued(ray_local, transport, etcd, cluster_name):
     handle = get_or_create_queue(f"q-{uuid.uuid4().hex[:8]}", "pdserve-tests", capacity=64)
     client = QueueClient(handle, transport)  # on this test's event loop, as in a decode worker

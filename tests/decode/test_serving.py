@@ -139,6 +139,40 @@ def test_client_disconnect_frees_blocks(worker):
     assert_blocks_return(worker)
 
 
+def _aborts_counted(worker) -> float:
+    text = worker.worker.metrics.render().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve_requests_total{") and 'finish_reason="abort"' in line)
+
+
+def test_http_non_streaming_client_that_leaves_stops_its_request(worker):
+    """A non-streaming request whose client gave up is aborted at once (counted as an abort),
+    not generated to its max_tokens for nobody."""
+    eng = worker.worker.engine
+    max_tokens = 480
+    tokens0, aborts0 = eng.stats.num_generation_tokens, _aborts_counted(worker)
+    with httpx.Client(base_url=worker.http) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            h.post("/v1/completions", json={"prompt": "x y", "max_tokens": max_tokens, "ignore_eos": True},
+                   timeout=httpx.Timeout(60, read=0.5))
+    assert_blocks_return(worker)
+    assert eng.stats.num_generation_tokens - tokens0 < max_tokens // 2
+    wait_until(lambda: _aborts_counted(worker) == aborts0 + 1, 5)
+
+
+def test_too_many_sequences_in_one_request_are_refused_before_any_work(worker):
+    """64 prompts x n=128 (each within its own limit) would be 8,192 sequences: refused
+    by name before any is admitted, so no prompt token is computed for it."""
+    eng = worker.worker.engine
+    computed0 = eng.stats.num_prompt_tokens_computed
+    with httpx.Client(base_url=worker.http, timeout=60) as h:
+        r = h.post("/v1/completions", json={"prompt": [f"prompt {i}" for i in range(64)], "n": 128,
+                                            "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert "8192 sequences" in r.json()["error"]["message"]
+    assert eng.stats.num_prompt_tokens_computed == computed0
+
+
 BAD_GRPC = [  # the field as the proto names it
     (dict(prompt=""), "text"),
     (dict(prompt=[5] * 600), "token_ids"),

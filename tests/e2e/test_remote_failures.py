@@ -325,6 +325,64 @@ def test_decode_refuses_and_counts_a_prefill_done_it_did_not_ask_for(cluster):
         in text
 
 
+def test_a_first_token_outside_the_vocabulary_falls_back_not_fails(cluster, monkeypatch):
+    """A PrefillDone naming a token the model does not have (a buggy prefill worker) is
+    refused and the request prefills locally, token-exact; no engine step fails."""
+    import pdserve.prefill.batch as batch
+
+    real = batch.PrefillDone
+
+    def bad_token(rid, epoch, tok, *args, **kwargs):
+        return real(rid, epoch, 10**6 + tok, *args, **kwargs)
+
+    monkeypatch.setattr(batch, "PrefillDone", bad_token)
+    d = cluster.decode.worker
+    failed_steps0 = d.async_engine.counters["failed_steps"]
+    _, causes0 = remote_state(cluster)
+    prompt = prompt_of(130, 93)
+    (out,) = run_remote(cluster, [prompt])
+    assert out.token_ids == reference(cluster, [prompt])[0]
+    assert out.breakdown["fell_back_to_local"] and "bad_first_token" in out.breakdown["reason"]
+    _, causes1 = remote_state(cluster)
+    assert causes1.get("bad_first_token", 0) - causes0.get("bad_first_token", 0) == 1
+    assert d.async_engine.counters["failed_steps"] == failed_steps0
+    assert_clean(cluster)
+
+
+def test_a_hung_prefill_worker_is_failed_back_within_the_stall_bound(cluster, monkeypatch):
+    """The prefill worker takes a task and then hangs in its batch without a heartbeat, as a
+    SIGSTOPped process would (its etcd lease may still be kept alive). The queue fails the task
+    back as worker_stalled after its stall bound (3 s): the request prefills locally,
+    token-exact, instead of waiting for the remote deadline (120 s here: the client's 90 s
+    timeout would fail the test). When the worker resumes, its late write lands in the
+    quarantined blocks, and its PrefillDone frees them."""
+    p = cluster.prefill.worker
+    release = threading.Event()
+    real_run = p._run_batch
+
+    def hung(*args):
+        release.wait(60)
+        return real_run(*args)
+
+    async def no_heartbeat(tasks):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(p, "_run_batch", hung)
+    monkeypatch.setattr(p, "_heartbeat", no_heartbeat)
+    _, causes0 = remote_state(cluster)
+    prompt = prompt_of(140, 94)
+    try:
+        (out,) = run_remote(cluster, [prompt])
+    finally:
+        release.set()
+    assert out.token_ids == reference(cluster, [prompt])[0]
+    assert out.breakdown["fell_back_to_local"] and "worker_stalled" in out.breakdown["reason"]
+    _, causes1 = remote_state(cluster)
+    assert causes1.get("worker_stalled", 0) - causes0.get("worker_stalled", 0) == 1
+    assert causes1.get("deadline", 0) == causes0.get("deadline", 0)
+    assert_clean(cluster)
+
+
 def _gate_prefill(cluster) -> threading.Event:
     """Pause the prefill worker's pulls (it stays registered); set the event to resume."""
     gate = threading.Event()
@@ -433,6 +491,63 @@ def test_a_wedged_queue_holds_no_request_past_its_deadline(cluster):
     by_cause = {k: causes1.get(k, 0) - causes0.get(k, 0) for k in causes1}
     assert by_cause.get("deadline", 0) + by_cause.get("queue_lost", 0) == len(prompts), by_cause
     assert_clean(cluster)
+
+
+def _queued_then_dropped(cluster, n: int, send_one) -> None:
+    """Start `n` remote requests with `send_one(i)` while the prefill worker is paused, drop
+    every client once all n tasks are queued, then require (prefill still paused) that the
+    queue is empty, no attempt is quarantined and every decode block is back: each task was
+    withdrawn and its blocks freed at once, not quarantined for quarantine_s (60 s here). The
+    prefill worker never computes any of them."""
+    d = cluster.decode
+    remote, eng = d.worker.remote, d.worker.engine
+    counters0 = dict(remote.counters)
+    computed0 = cluster.prefill.worker.engine.stats.num_prompt_tokens_computed
+    gate = _gate_prefill(cluster)
+    try:
+        async def go():
+            calls = [asyncio.ensure_future(send_one(i)) for i in range(n)]
+            await asyncio.to_thread(wait_until, lambda: d.worker.frontend.prefill_view.queue_depth == n, 30, 0.05)
+            for call in calls:
+                call.cancel()  # the client goes away (the connection or the RPC is closed)
+            await asyncio.gather(*calls, return_exceptions=True)
+
+        asyncio.run(go())
+        wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 5)
+        wait_until(lambda: d.worker.frontend.prefill_view.queue_depth == 0, 5)
+        assert not remote.handoffs.quarantined()
+        assert remote.counters["withdrawn_queued"] - counters0["withdrawn_queued"] == n
+    finally:
+        gate.set()
+    assert_clean(cluster)
+    assert cluster.prefill.worker.engine.stats.num_prompt_tokens_computed == computed0
+
+
+def test_cancelled_grpc_requests_still_queued_free_their_blocks_at_once(cluster):
+    prompts = [prompt_of(40 + i, 300 + i) for i in range(50)]
+
+    async def send_one(i):
+        async with AsyncClient(cluster.decode.grpc) as c:
+            await c.generate(prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, route="remote",
+                             priority="high", timeout_s=60)
+
+    _queued_then_dropped(cluster, len(prompts), send_one)
+
+
+def test_http_streams_dropped_before_the_first_token_free_their_queue_entries(cluster):
+    import httpx
+
+    prompts = [prompt_of(40 + i, 400 + i) for i in range(50)]
+
+    async def send_one(i):
+        async with httpx.AsyncClient(base_url=cluster.decode.http, timeout=60) as h:
+            async with h.stream("POST", "/v1/completions", json={
+                    "prompt": prompts[i], "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True,
+                    "route": "remote", "priority": "high"}) as r:
+                async for _ in r.aiter_lines():
+                    pass
+
+    _queued_then_dropped(cluster, len(prompts), send_one)
 
 
 def test_a_dead_pull_loop_leaves_the_registry(cluster, monkeypatch, caplog):

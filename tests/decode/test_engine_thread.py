@@ -1,0 +1,154 @@
+"""The engine thread's entry points, contained by whose failure it is (decode/async_engine.py):
+a failure of one request's abort or of indexing its blocks fails that request alone; a
+failure of the scheduler stops the engine visibly (on_death, every stream told); work that
+cannot be scheduled waits instead of spinning."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.decode.async_engine import AsyncEngine
+from pdserve.engine import LLM, EngineStateError, SamplingParams
+from pdserve.engine.scheduler import SchedulerOutput
+
+
+@pytest.fixture
+def llm(llama_dir):
+    return LLM(llama_dir, max_model_len=256)
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def drain(q: asyncio.Queue, timeout_s: float = 60.0) -> list:
+    """Every item of one stream up to its last (a finished delta or an exception)."""
+    items = []
+    while True:
+        item, _ = await asyncio.wait_for(q.get(), timeout_s)
+        items.append(item)
+        if isinstance(item, BaseException) or item.finished:
+            return items
+
+
+def run(llm, body, **kwargs):
+    async def main():
+        ae = AsyncEngine(llm.engine, **kwargs)
+        ae.start()
+        try:
+            return await body(ae)
+        finally:
+            ae.stop()
+    return asyncio.run(main())
+
+
+def tokens(items) -> list[int]:
+    return [t for d in items for t in d.new_token_ids]
+
+
+def assert_no_leak(llm):
+    eng = llm.engine
+    assert not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_an_abort_that_raises_fails_that_request_alone(llm, monkeypatch):
+    ref = llm.generate([[5, 6, 7, 8]], params(8))[0].token_ids
+    real = llm.engine.abort_request
+
+    def abort(rid):
+        if rid == "victim":
+            raise RuntimeError("injected abort failure")
+        return real(rid)
+
+    monkeypatch.setattr(llm.engine, "abort_request", abort)
+
+    async def body(ae):
+        victim = ae.submit("victim", [9, 10, 11], params(200), 0)
+        other = ae.submit("other", [5, 6, 7, 8], params(8), 0)
+        first = await victim.get()
+        ae.abort("victim")
+        return [first[0]] + await drain(victim), await drain(other), ae.alive
+
+    got_victim, got_other, alive = run(llm, body)
+    assert got_victim[-1].finish_reason == "error" and "injected abort failure" in got_victim[-1].error
+    assert tokens(got_other) == ref and got_other[-1].finish_reason == "length"
+    assert alive
+    assert_no_leak(llm)
+
+
+def test_a_block_indexing_failure_fails_that_request_alone(llm, monkeypatch):
+    prompt = list(range(3, 43))  # 40 tokens: its prefill fills two blocks
+    ref = llm.generate([prompt], params(6))[0].token_ids
+    real = llm.engine.kv.cache_full_blocks
+
+    def index(rid, *args):
+        if rid == "victim":
+            raise RuntimeError("injected prefix-cache failure")
+        return real(rid, *args)
+
+    monkeypatch.setattr(llm.engine.kv, "cache_full_blocks", index)
+
+    async def body(ae):
+        victim = ae.submit("victim", list(range(50, 90)), params(6), 0)
+        other = ae.submit("other", prompt, params(6), 0)
+        return await drain(victim), await drain(other), ae.alive
+
+    got_victim, got_other, alive = run(llm, body)
+    assert got_victim[-1].finish_reason == "error" and "injected prefix-cache failure" in got_victim[-1].error
+    assert tokens(got_other) == ref
+    assert alive
+    assert_no_leak(llm)
+
+
+def test_a_scheduler_failure_stops_the_engine_visibly(llm, monkeypatch):
+    def broken():
+        raise RuntimeError("injected scheduler bug")
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", broken)
+    deaths = []
+
+    async def body(ae):
+        q = ae.submit("r", [5, 6, 7], params(4), 0)
+        items = await drain(q)
+        for _ in range(100):  # on_death is called on the event loop
+            if deaths:
+                break
+            await asyncio.sleep(0.01)
+        return items, ae.alive
+
+    items, alive = run(llm, body, on_death=deaths.append)
+    assert isinstance(items[-1], EngineStateError) and "injected scheduler bug" in str(items[-1])
+    assert not alive and len(deaths) == 1 and isinstance(deaths[0], EngineStateError)
+
+
+def test_work_that_cannot_be_scheduled_waits_instead_of_spinning(llm, monkeypatch):
+    """The waiting head cannot get blocks and nothing runs: schedule() plans nothing while
+    has_work() stays true. Each loop turn then waits for a command or a poller (at most one
+    step per idle wait); a spinning loop would step thousands of times without waiting."""
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", lambda: SchedulerOutput())
+    counts = {"steps": 0, "waits": 0}
+    real_step = llm.engine.step
+
+    def step(*args, **kwargs):
+        counts["steps"] += 1
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "step", step)
+
+    async def body(ae):
+        wait = ae._wake.wait
+
+        def counted_wait(timeout=None):
+            counts["waits"] += 1
+            return wait(timeout)
+
+        ae._wake.wait = counted_wait
+        ae.idle_wait_s = 0.05
+        ae.submit("stuck", [5, 6, 7], params(4), 0)
+        await asyncio.sleep(0.5)
+        return dict(counts)
+
+    seen = run(llm, body)
+    assert seen["steps"] >= 1 and seen["steps"] <= seen["waits"] + 2, seen
