@@ -26,6 +26,12 @@ What it does, in one run:
 A healthy build loses nothing, leaks nothing and answers every completed
 request token-exact.
 
+The faults of clients and hung processes (bench/chaos_faults.py):
+``stop_prefill`` (SIGSTOP of the prefill worker for ``--stop`` seconds: hung, its
+lease still alive), ``abort_storm`` (50 remote streams dropped by their clients
+within 3 s) and ``reuse_ids`` (request ids sent again right after a disconnect:
+a reused id answered with another request's tokens counts as crossed, must be 0).
+
 ``--hosts`` (root) runs the same across three network-namespace hosts (head,
 prefill, decode; bench/chaos_hosts.py) and adds the fault ``link_prefill``:
 the prefill host's link pulled for ``--link-down`` seconds, then restored.
@@ -47,8 +53,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-FAULTS = ("kill_prefill", "restart_etcd", "kill_queue", "link_prefill")
-ONE_HOST_FAULTS = FAULTS[:3]  # link_prefill needs hosts (--hosts)
+FAULTS = ("kill_prefill", "restart_etcd", "kill_queue", "stop_prefill", "abort_storm", "reuse_ids", "link_prefill")
+ONE_HOST_FAULTS = FAULTS[:-1]  # link_prefill needs hosts (--hosts)
 RETRIABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
 
@@ -73,6 +79,9 @@ class ChaosConfig:
     output: str | None = None
     hosts: dict | None = None  # the host plan when run across hosts (bench/chaos_hosts.py)
     link_down_s: float = 0.0  # link_prefill: seconds the link is down (0: lease TTL + 4 s)
+    stop_s: float = 8.0  # stop_prefill: seconds the prefill worker stays SIGSTOPped
+    storm_size: int = 50  # abort_storm: streams dropped
+    reuse_pairs: int = 8  # reuse_ids: ids reused after a disconnect
 
 
 @dataclass
@@ -109,6 +118,7 @@ class Report:
     faults: list = field(default_factory=list)
     lost_details: list = field(default_factory=list)
     elapsed_s: float = 0.0
+    client_faults: dict = field(default_factory=dict)  # chaos_faults.ClientFaultStats: aborted, reused, crossed
 
 
 # -- the cluster --------------------------------------------------------------------------
@@ -240,6 +250,11 @@ def fire(cluster: Cluster, kind: str) -> str:
         handle = ray.get_actor(cluster.state.queue_name, namespace=cluster.state.namespace)
         ray.kill(handle, no_restart=False)
         return f"queue actor {cluster.state.queue_name} killed (restart allowed)"
+    if kind == "stop_prefill":
+        from pdserve.bench.chaos_faults import stop_prefill
+
+        cluster.killed_pid = None
+        return stop_prefill(ray.get(cluster.actor("prefill").pid.remote(), timeout=10), cluster.cfg.stop_s)
     if kind == "link_prefill":
         if not cluster.cfg.hosts:
             raise ValueError("link_prefill needs hosts: run with --hosts")
@@ -250,7 +265,9 @@ def fire(cluster: Cluster, kind: str) -> str:
     raise ValueError(f"unknown fault {kind!r}; known: {', '.join(FAULTS)}")
 
 
-async def fault_loop(cluster: Cluster, cfg: ChaosConfig, t0: float, faults: list[Fault], log) -> None:
+async def fault_loop(cluster: Cluster, cfg: ChaosConfig, t0: float, faults: list[Fault], log, ctx) -> None:
+    from pdserve.bench import chaos_faults
+
     loop = asyncio.get_running_loop()
     at = cfg.first_fault_s
     n = 0
@@ -259,7 +276,10 @@ async def fault_loop(cluster: Cluster, cfg: ChaosConfig, t0: float, faults: list
         kind = cfg.faults[n % len(cfg.faults)]
         f = Fault(kind, time.monotonic() - t0)
         try:
-            f.detail = await loop.run_in_executor(None, fire, cluster, kind)
+            if kind in chaos_faults.ASYNC_FAULTS:
+                f.detail = await getattr(chaos_faults, kind)(ctx)
+            else:
+                f.detail = await loop.run_in_executor(None, fire, cluster, kind)
         except Exception as exc:  # noqa: BLE001  (recorded: a fault that cannot fire is a finding too)
             f.detail = f"could not fire: {exc.__class__.__name__}: {exc}"
         log(f"  t={f.at_s:6.1f}s fault {kind}: {f.detail}")
@@ -319,8 +339,9 @@ async def one_request(client, o: Outcome, prompt: list[int], ref: list[int], cfg
         o.detail = f"client error {exc.__class__.__name__}: {exc}"
 
 
-async def drive(cluster: Cluster, cfg: ChaosConfig, prompts, refs, log) -> tuple[list[Outcome], list[Fault]]:
+async def drive(cluster: Cluster, cfg: ChaosConfig, prompts, refs, log, stats) -> tuple[list[Outcome], list[Fault]]:
     from pdserve.api import AsyncClient
+    from pdserve.bench.chaos_faults import FaultContext
 
     rng = np.random.default_rng(cfg.seed)
     route_rng = random.Random(cfg.seed + 1)
@@ -329,7 +350,9 @@ async def drive(cluster: Cluster, cfg: ChaosConfig, prompts, refs, log) -> tuple
     tasks = []
     async with AsyncClient(cluster.target, timeout_s=cfg.request_timeout_s) as client:
         t0 = time.monotonic()
-        fault_task = asyncio.ensure_future(fault_loop(cluster, cfg, t0, faults, log))
+        ctx = FaultContext(client, prompts, refs, stats, random.Random(cfg.seed + 2), storm_size=cfg.storm_size,
+                           reuse_pairs=cfg.reuse_pairs, max_tokens=cfg.max_tokens)
+        fault_task = asyncio.ensure_future(fault_loop(cluster, cfg, t0, faults, log, ctx))
         next_at, i, last_note = 0.0, 0, 0.0
         while next_at < cfg.duration_s:
             await asyncio.sleep(max(0.0, t0 + next_at - time.monotonic()))
@@ -402,6 +425,16 @@ def format_report(r: Report) -> str:
         f"lost                        {r.lost}   (must be 0)",
         f"KV blocks leaked            {'-' if r.leaked_blocks is None else r.leaked_blocks}   (must be 0)",
     ]
+    c = r.client_faults
+    if c.get("aborted") or c.get("reused"):
+        lines += [f"streams dropped on purpose  {c['aborted']}",
+                  f"ids reused after a drop     {c['reused']}: crossed {c['crossed']}   (must be 0), "
+                  f"ended in an error {c['reuse_failed']}"]
+        probes = c.get("storm_probe_ttft_ms") or []
+        if probes:
+            lines.append("short-request TTFT around each abort storm (before -> right after): "
+                         + ", ".join(f"{b:.0f} -> {a:.0f} ms" for b, a in probes))
+        lines += [f"  ! {d}" for d in c["details"][:10]]
     for label, t in r.ttft_ms.items():
         lines.append(f"TTFT {label.replace('_', ' '):<15} n={t['n']:<5} p50 {ms(t['p50']):>8}  p99 {ms(t['p99']):>8}")
     for f in r.faults:
@@ -431,12 +464,15 @@ def run_chaos(cfg: ChaosConfig, log=lambda line: print(line, file=sys.stderr, fl
         max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True))]
     del llm
     cluster = Cluster(cfg, work, log)
+    from pdserve.bench.chaos_faults import ClientFaultStats
+
+    stats = ClientFaultStats()
     t_start = time.monotonic()
     try:
         log("chaos: starting the cluster")
         cluster.up(model_dir)
         log(f"chaos: load for {cfg.duration_s:.0f} s at {cfg.request_rate:g} req/s, faults {list(cfg.faults)}")
-        outcomes, faults = asyncio.run(drive(cluster, cfg, prompts, refs, log))
+        outcomes, faults = asyncio.run(drive(cluster, cfg, prompts, refs, log, stats))
         log("chaos: load done; waiting for the decode worker's KV pool to drain")
         leaked = wait_for_free_kv(cluster, cfg.settle_timeout_s, log)
     finally:
@@ -445,6 +481,7 @@ def run_chaos(cfg: ChaosConfig, log=lambda line: print(line, file=sys.stderr, fl
         finally:
             ray.shutdown()
     report = summarize(cfg, outcomes, faults, leaked, time.monotonic() - t_start)
+    report.client_faults = asdict(stats)
     if cfg.output:
         Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.output).write_text(json.dumps(asdict(report), indent=2))
@@ -459,8 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load (default 600)")
     p.add_argument("--rate", type=float, default=d.request_rate, help="requests/s, Poisson (default 2)")
     p.add_argument("--faults", default=None,
-                   help=f"comma list, fired round-robin ({', '.join(FAULTS)}; default: the first three, "
-                        "all four with --hosts)")
+                   help=f"comma list, fired round-robin ({', '.join(FAULTS)}; default: all but link_prefill, "
+                        "all with --hosts)")
     p.add_argument("--fault-every", type=float, default=d.fault_every_s, help="seconds between faults (default 30)")
     p.add_argument("--fault-window", type=float, default=d.fault_window_s,
                    help="requests sent this long after a fault count as 'during faults' (default 15)")
@@ -472,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run across three network-namespace hosts (root; adds the link_prefill fault)")
     p.add_argument("--link-down", type=float, default=d.link_down_s,
                    help="link_prefill: seconds the prefill host's link stays down (default: lease TTL + 4)")
+    p.add_argument("--stop", type=float, default=d.stop_s,
+                   help="stop_prefill: seconds the prefill worker stays SIGSTOPped (default 8)")
     p.add_argument("--host-plan", default=None, help=argparse.SUPPRESS)  # set by --hosts for its child
     a = p.parse_args(argv)
     if a.hosts:
@@ -485,11 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ChaosConfig(topology=a.topology, duration_s=a.duration, request_rate=a.rate,
                       faults=tuple(f for f in faults if f), fault_every_s=a.fault_every,
                       fault_window_s=a.fault_window, max_tokens=a.max_tokens, seed=a.seed,
-                      work_dir=a.work_dir, output=a.output, link_down_s=a.link_down,
+                      work_dir=a.work_dir, output=a.output, link_down_s=a.link_down, stop_s=a.stop,
                       hosts=json.loads(a.host_plan) if a.host_plan else None)
     report = run_chaos(cfg)
     print(format_report(report))
-    ok = report.lost == 0 and report.mismatch == 0 and report.leaked_blocks == 0
+    ok = report.lost == 0 and report.mismatch == 0 and report.leaked_blocks == 0 \
+        and report.client_faults.get("crossed", 0) == 0
     return 0 if ok else 1
 
 

@@ -215,6 +215,17 @@ class QueueSpec(_Strict):
             raise ValueError("tls: the queue serves no wire (wire: off); remove queue.tls or set queue.wire")
         return self
 
+    @pydantic.model_validator(mode="after")
+    def _idle_polls_within_the_stall_bound(self) -> "QueueSpec":
+        # An idle prefill worker is heard from once per poll: a poll longer than half the stall
+        # bound would make idle workers look hung (not live: decode workers would stop routing
+        # remote) between two polls.
+        if self.poll_timeout_ms > self.stall_timeout_s * 500:
+            raise ValueError(f"poll_timeout_ms: {self.poll_timeout_ms:g} ms is over half of stall_timeout_s "
+                             f"({self.stall_timeout_s:g} s): idle prefill workers would look hung; lower "
+                             "queue.poll_timeout_ms or raise queue.stall_timeout_s")
+        return self
+
     def files(self) -> list[tuple[str, str]]:
         """(dotted key, path) of every file it names."""
         return [(f"queue.tls.{k}", getattr(self.tls, k)) for k in ("cert", "key", "ca", "client_ca", "client_cert",

@@ -167,6 +167,8 @@ class Frontend:
         extra: dict = {}
         remote = self.remote if (prep.decision.route == "remote" and self.remote is not None
                                  and self.remote.available()) else None
+        if prep.decision.route == "remote" and remote is None:  # e.g. forced remote, no live prefill worker
+            extra.update(route="local", reason="remote chosen but no live prefill worker: prefilled locally")
         if remote is not None:
             self._via_remote.add(rid)
             self.pending_remote_tokens += eff

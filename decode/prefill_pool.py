@@ -30,13 +30,17 @@ class PrefillView:
     pool_size: int = 0  # live prefill workers in the registry
     queue_depth: int = 0  # tasks waiting on the queue (all decode workers)
     queue_tokens: int = 0  # prompt tokens those tasks will prefill
+    # prefill workers the queue heard from lately (None: not polled yet): a registered worker
+    # that makes no progress (hung, its lease kept alive) is not counted
+    live_workers: int | None = None
 
 
 # Failed-task reasons after which no write of the attempt can still land: nobody took the task,
 # or the prefill worker failed it before posting a write. After any other (a worker that
 # vanished from etcd while holding it, a transfer error) a partitioned worker may still have
 # page writes in flight, so the reservation is quarantined, not freed.
-SETTLED_REASONS = frozenset({"deadline_expired", "peer_missing", "bad_task", "batch_failed", "request_failed"})
+SETTLED_REASONS = frozenset({"deadline_expired", "no_live_worker", "peer_missing", "bad_task", "batch_failed",
+                             "request_failed"})
 
 
 def failure_reason(reason: str, detail: str) -> str:
@@ -81,6 +85,7 @@ class QueueWatch:
             for f in failed:
                 self._on_failed(f.task, failure_reason(f.reason, f.detail), f.reason in SETTLED_REASONS)
             self.view.queue_depth, self.view.queue_tokens = st.depth, st.queued_tokens
+            self.view.live_workers = st.live_workers
             if st.instance_id and st.instance_id != self.instance:
                 if self.instance is not None:
                     await self._on_restart(st.instance_id)

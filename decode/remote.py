@@ -95,7 +95,8 @@ class RemotePrefill:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def available(self) -> bool:
-        return self.view.pool_size > 0
+        """A registered prefill worker that the queue also hears from (progress, not only a lease)."""
+        return self.view.pool_size > 0 and (self.view.live_workers is None or self.view.live_workers > 0)
 
     def set_pool_size(self, n: int) -> None:
         was, self.view.pool_size = self.view.pool_size, n

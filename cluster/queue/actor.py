@@ -128,6 +128,7 @@ class PrefillQueue:
         loop (finish a batch, ask for the next) then costs one call, not two.
         """
         _check_poll_args(worker_id, max_tokens, max_wait_ms, max_tasks)
+        self._core.alive(worker_id)  # polling is progress, also while the queue recovers
         if completed:
             self._core.complete(worker_id, completed)
         recovering_s = self._recover_until - time.monotonic()
@@ -180,6 +181,10 @@ class PrefillQueue:
     def _fail_stalled(self) -> None:
         """Checked whenever a decode worker collects its failed tasks (every 0.25 s each)."""
         for worker_id, n in self._core.fail_stalled().items():
+            if not worker_id:
+                log.warning("%d queued task(s) failed back: no prefill worker heard from for %.1f s", n,
+                            self._core.stall_s)
+                continue
             log.warning("prefill worker %s holds %d task(s) but has not been heard from for over %.1f s: "
                         "failed back to their decode workers", worker_id, n, self._core.stall_s)
 

@@ -36,6 +36,7 @@ from .task import (
     DUPLICATE,
     NOTHING_TO_PREFILL,
     QUEUE_FULL,
+    NO_LIVE_WORKER,
     TARGET_GONE,
     WORKER_STALLED,
     WORKER_VANISHED,
@@ -326,7 +327,19 @@ class QueueCore:
                 self._fail(task, WORKER_STALLED, f"prefill worker {worker_id} holds it but has not been heard "
                            f"from for {now - self._seen[worker_id]:.1f} s (stall bound {self.stall_s:g} s)")
             out[worker_id] = len(tasks)
+        if self.live_workers() == 0:  # nobody can take what waits: fail it back (nobody took it)
+            stale = [entry[1] for entry in self._queued.values() if now - entry[2] > self.stall_s]
+            for task in stale:
+                self._remove(task)
+                self._fail(task, NO_LIVE_WORKER, f"queued {self.stall_s:g} s with no prefill worker heard from")
+            if stale:
+                out[""] = len(stale)
         return out
+
+    def live_workers(self) -> int:
+        """Prefill workers heard from within the stall bound."""
+        now = self._clock()
+        return sum(1 for t in self._seen.values() if now - t <= self.stall_s)
 
     def gone_count(self, worker_id: str) -> int:
         """How often `worker_gone(worker_id)` was called: a long poll that started before a
@@ -346,4 +359,5 @@ class QueueCore:
             capacity=self.capacity,
             counters=dict(self.counters),
             instance_id=self.instance_id,
+            live_workers=self.live_workers(),
         )

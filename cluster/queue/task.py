@@ -32,6 +32,8 @@ DEADLINE_EXPIRED, WORKER_VANISHED, TARGET_GONE = "deadline_expired", "worker_van
 # A prefill worker that holds tasks but has not been heard from within the queue's stall bound
 # (alive, get_batch, complete, fail or hold): its tasks are failed back; it may resume and write.
 WORKER_STALLED = "worker_stalled"
+# Queued past the stall bound while no prefill worker was heard from: nobody took it.
+NO_LIVE_WORKER = "no_live_worker"
 
 
 @dataclass
@@ -117,3 +119,6 @@ class QueueStats:
     instance_id: str = ""  # new on every start of the queue actor: a change means its state was lost
     recovering: bool = False  # just restarted: handing out nothing until held tasks are reported
     metrics: str = ""  # "host:port" of the actor's Prometheus /metrics, "" when off
+    # Prefill workers heard from within the stall bound (polling, or serving with heartbeats):
+    # liveness from progress, which an etcd lease kept alive by someone else cannot fake.
+    live_workers: int = 0

@@ -302,6 +302,26 @@ def test_a_worker_not_heard_from_within_the_stall_bound_has_its_tasks_failed_bac
     assert core.put(task(request_id="held-by-p0", deadline=5000.0)).reason == "already_done"
 
 
+def test_liveness_comes_from_progress_and_queued_tasks_fail_back_when_nobody_is_live():
+    """`live_workers` counts the prefill workers heard from within the stall bound, whatever
+    their etcd leases say. When none is, a task queued longer than the bound is failed back
+    as no_live_worker (settled: nobody took it), so its decode worker frees its blocks and
+    prefills locally instead of waiting for the deadline."""
+    now = [1000.0]
+    core = QueueCore(capacity=8, clock=lambda: now[0], stall_s=3.0)
+    assert core.stats().live_workers == 0
+    core.alive("p0")
+    assert core.stats().live_workers == 1
+    assert core.put(task(request_id="waits", deadline=5000.0)).ok
+    now[0] = 1002.0
+    assert core.fail_stalled() == {} and len(core) == 1  # p0 is live: it may still take it
+    now[0] = 1003.5  # p0 silent for 3.5 s, the task queued for 3.5 s
+    assert core.stats().live_workers == 0
+    assert core.fail_stalled() == {"": 1} and len(core) == 0
+    [failed] = core.take_failed("d0")
+    assert failed.task.request_id == "waits" and failed.reason == "no_live_worker"
+
+
 async def test_worker_removed_from_the_registry_gets_its_tasks_requeued(ray_local, transport, etcd, cluster_name):
     handle = get_or_create_queue(f"q-{uuid.uuid4().hex[:8]}", "pdserve-tests", capacity=64)
     client = QueueClient(handle, transport)  # on this test's event loop, as in a decode worker

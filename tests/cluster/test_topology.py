@@ -134,6 +134,7 @@ def test_policy_paths_resolve_against_the_topology_directory(tmp_path):
         ("etcd:\n  lease_ttl_s: 0.5\n", "etcd.lease_ttl_s"),
         ("cluster: has/slash\n", "cluster"),
         ("queue:\n  capacity: 0\n", "queue.capacity"),
+        ("queue:\n  poll_timeout_ms: 2000\n  stall_timeout_s: 3\n", "queue"),  # idle workers would look hung
     ],
 )
 def test_bad_values_name_their_key(tmp_path, extra, key):

@@ -370,11 +370,18 @@ def test_a_hung_prefill_worker_is_failed_back_within_the_stall_bound(cluster, mo
     monkeypatch.setattr(p, "_run_batch", hung)
     monkeypatch.setattr(p, "_heartbeat", no_heartbeat)
     _, causes0 = remote_state(cluster)
-    prompt = prompt_of(140, 94)
+    prompt, later = prompt_of(140, 94), prompt_of(90, 95)
     try:
         (out,) = run_remote(cluster, [prompt])
+        # Still registered (its lease is alive) but silent: the queue no longer counts it live,
+        # so a request asking for remote prefill is served locally at once, not queued.
+        wait_until(lambda: not cluster.decode.worker.remote.available(), 10)
+        (second,) = run_remote(cluster, [later])
+        assert cluster.decode.worker.frontend.prefill_view.pool_size == 1
     finally:
         release.set()
+    assert second.token_ids == reference(cluster, [later])[0]
+    assert second.breakdown["route"] == "local" and "no live prefill worker" in second.breakdown["reason"]
     assert out.token_ids == reference(cluster, [prompt])[0]
     assert out.breakdown["fell_back_to_local"] and "worker_stalled" in out.breakdown["reason"]
     _, causes1 = remote_state(cluster)
@@ -384,14 +391,20 @@ def test_a_hung_prefill_worker_is_failed_back_within_the_stall_bound(cluster, mo
 
 
 def _gate_prefill(cluster) -> threading.Event:
-    """Pause the prefill worker's pulls (it stays registered); set the event to resume."""
+    """Pause the prefill worker's pulls (it stays registered, and tells the queue it is alive,
+    as a worker busy with a long batch does: a silent one would be failed back as stalled);
+    set the event to resume."""
     gate = threading.Event()
     worker = cluster.prefill.worker
     pull = worker._next_batch
 
     async def gated():
         while not gate.is_set():
-            await asyncio.sleep(0.05)
+            try:
+                await asyncio.wait_for(worker.queue.alive(worker.worker_id), 1.0)
+            except Exception:  # noqa: BLE001  (a stopped or restarting queue: try again)
+                pass
+            await asyncio.sleep(0.2)
         return await pull()
 
     worker._next_batch = gated

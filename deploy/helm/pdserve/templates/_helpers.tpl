@@ -133,6 +133,7 @@ queue:
   capacity: {{ $v.topology.queue.capacity }}
   batch_max_tokens: {{ $v.topology.queue.batchMaxTokens }}
   poll_timeout_ms: {{ $v.topology.queue.pollTimeoutMs }}
+  stall_timeout_s: {{ $v.topology.queue.stallTimeoutSeconds }}
   wire: node
   {{- if $v.security.queue.secretName }}
   # The wire advertises the Ray head pod's IP: its certificate names the head's Service instead.
