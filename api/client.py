@@ -132,9 +132,15 @@ class Client:
         grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
 
     def stream(self, prompt, timeout_s: float | None = None, **kwargs):
-        """Yield GenerateResponse messages as the server streams them."""
+        """Yield GenerateResponse messages as the server streams them. Closing the generator
+        early (or leaving a ``for`` loop over it and dropping it) cancels the call, so the
+        server stops generating for nobody."""
         req = build_request(prompt, **kwargs)
-        yield from self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self._md)
+        call = self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self._md)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # no-op once the call has ended
 
     def generate(self, prompt, timeout_s: float | None = None, **kwargs) -> Completion:
         req = build_request(prompt, **kwargs)
@@ -174,9 +180,14 @@ class AsyncClient:
         self._stub = pb_grpc.InferenceStub(self._channel)
 
     async def stream(self, prompt, timeout_s: float | None = None, **kwargs):
+        """As `Client.stream`: `aclose()` before the end cancels the call."""
         req = build_request(prompt, **kwargs)
-        async for msg in self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self._md):
-            yield msg
+        call = self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self._md)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()  # no-op once the call has ended
 
     async def generate(self, prompt, timeout_s: float | None = None, **kwargs) -> Completion:
         req = build_request(prompt, **kwargs)

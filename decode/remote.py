@@ -74,6 +74,7 @@ class RemotePrefill:
         # aborted (a put not yet issued for them is skipped). Both end with the stream.
         self._put_issued: set[str] = set()
         self._withdrawn: set[str] = set()
+        self._streaming: set[str] = set()  # requests whose stream() is still running
         self.fallback_causes = self.arrival.fallback_causes
         self._info = self.arrival.info
         self._watch = QueueWatch(queue, worker_id, self.view, poll_s=self.cfg.queue_poll_s,
@@ -122,12 +123,15 @@ class RemotePrefill:
         q = self.engine.attach(rid)
         fut = loop.create_future()
         self.engine.call(lambda eng: self._reserve(prep, fut))
+        self._streaming.add(rid)
         try:
             res = await self._engine_answer(fut)
         except BaseException:
+            self._streaming.discard(rid)
             self.engine.detach(rid)
             raise
         if isinstance(res, BaseException):
+            self._streaming.discard(rid)
             self.engine.detach(rid)
             raise res
         info = {"route": "remote", "attempts": 1}
@@ -167,6 +171,7 @@ class RemotePrefill:
             if timer is not None:
                 timer.cancel()
             self._info.pop(rid, None)
+            self._streaming.discard(rid)
             self._withdrawn.discard(rid)  # the stream is over: no put can follow
             if ended:  # else the frontend's abort reads (and clears) whether a put was issued
                 self._put_issued.discard(rid)
@@ -209,18 +214,27 @@ class RemotePrefill:
     async def _cancel_and_fallback(self, rid: str, epoch: int, why: str) -> None:
         """Cancel the queued task, then fall back. The blocks are freed at once only when the
         task was still queued (nobody took it); else they are quarantined."""
+        self._fallback(rid, epoch, why, release_now=await self._withdrawn_unseen(rid))
+
+    async def _withdrawn_unseen(self, rid: str) -> bool:
+        """Cancel `rid`'s task on the queue: True only if no prefill worker can hold it (the
+        queue removed it before anyone took it, and it was never put again after a queue
+        restart: a worker may still hold the copy of the lost queue, reported only later)."""
+        h = self.handoffs.awaited(rid)
+        reput = h is not None and h.reput
         try:
             status = await asyncio.wait_for(self.queue.cancel(rid), self.cfg.queue_call_s)
         except Exception:  # noqa: BLE001  (unreachable or wedged queue: someone may hold the task)
             status = "unknown"
-        self._fallback(rid, epoch, why, release_now=status == "queued")
+        return status == "queued" and not reput
 
     def abort(self, rid: str) -> None:
         """Client gone or Abort RPC: drop the request. Its task is withdrawn first: blocks
         are freed at once when no write can land (no put was issued, or the queue still held
         the task: nobody took it), and quarantined only when a prefill worker holds the task
         or a put's answer never came."""
-        self._withdrawn.add(rid)  # a put not yet issued for it never will be (see stream)
+        if rid in self._streaming:  # a put not yet issued for it never will be (see stream)
+            self._withdrawn.add(rid)
         if rid not in self._put_issued:
             self.engine.call(lambda eng: self.arrival.abort(rid, False))
             return
@@ -228,12 +242,9 @@ class RemotePrefill:
         asyncio.ensure_future(self._withdraw(rid))
 
     async def _withdraw(self, rid: str) -> None:
-        try:
-            status = await asyncio.wait_for(self.queue.cancel(rid), self.cfg.queue_call_s)
-        except Exception:  # noqa: BLE001  (unreachable or wedged queue: someone may hold the task)
-            status = "unknown"
-        self.counters["withdrawn_queued" if status == "queued" else "withdrawn_held"] += 1
-        self.engine.call(lambda eng: self.arrival.abort(rid, status != "queued"))
+        unseen = await self._withdrawn_unseen(rid)
+        self.counters["withdrawn_queued" if unseen else "withdrawn_held"] += 1
+        self.engine.call(lambda eng: self.arrival.abort(rid, not unseen))
 
     async def _cancel_quietly(self, rid: str) -> None:
         try:

@@ -156,7 +156,8 @@ class QueueCore:
         while (task := self._pop_head()) is not None:
             if task.deadline is not None and task.deadline <= now:
                 self._remove(task)
-                self._fail(task, DEADLINE_EXPIRED, "deadline passed before any worker took it")
+                self._fail(task, *self._never_taken_or(task, DEADLINE_EXPIRED,
+                                                       "deadline passed before any worker took it"))
                 continue
             if batch and (tokens + task.num_prefill_tokens > max_tokens
                           or (max_tasks is not None and len(batch) >= max_tasks)):
@@ -331,10 +332,20 @@ class QueueCore:
             stale = [entry[1] for entry in self._queued.values() if now - entry[2] > self.stall_s]
             for task in stale:
                 self._remove(task)
-                self._fail(task, NO_LIVE_WORKER, f"queued {self.stall_s:g} s with no prefill worker heard from")
+                self._fail(task, *self._never_taken_or(
+                    task, NO_LIVE_WORKER, f"queued {self.stall_s:g} s with no prefill worker heard from"))
             if stale:
                 out[""] = len(stale)
         return out
+
+    def _never_taken_or(self, task: PrefillTask, reason: str, detail: str) -> tuple[str, str]:
+        """The reason to fail a queued task back with. `reason` says nobody took it (its decode
+        worker frees the blocks at once), which is false for a task requeued after its worker
+        left the registry: a partitioned or stopped worker may still hold it and write, so
+        that one goes back as WORKER_VANISHED (its blocks are quarantined)."""
+        if self._requeues.pop(task.key, 0):  # (it leaves the queue for good either way)
+            return WORKER_VANISHED, f"{detail}; requeued after its prefill worker vanished holding it"
+        return reason, detail
 
     def live_workers(self) -> int:
         """Prefill workers heard from within the stall bound."""

@@ -322,6 +322,22 @@ def test_liveness_comes_from_progress_and_queued_tasks_fail_back_when_nobody_is_
     assert failed.task.request_id == "waits" and failed.reason == "no_live_worker"
 
 
+def test_a_requeued_task_is_never_failed_back_as_untaken():
+    """A task requeued after its worker left the registry may still be held by that worker
+    (partitioned, stopped): failed back for want of a live worker or by its deadline, it
+    goes as worker_vanished (its decode worker quarantines), never as an untaken task."""
+    now = [1000.0]
+    core = QueueCore(capacity=8, clock=lambda: now[0], stall_s=3.0)
+    assert core.put(task(request_id="held", deadline=1010.0)).ok
+    assert core.put(task(request_id="plain", deadline=1010.0)).ok
+    assert ids(core.take("p0", max_tokens=10)) == ["held"]
+    assert core.worker_gone("p0")["requeued"] == 1
+    now[0] = 1004.0  # nobody live for 4 s: both fail back
+    assert core.fail_stalled() == {"": 2}
+    assert {f.task.request_id: f.reason for f in core.take_failed("d0")} == {
+        "held": "worker_vanished", "plain": "no_live_worker"}
+
+
 async def test_worker_removed_from_the_registry_gets_its_tasks_requeued(ray_local, transport, etcd, cluster_name):
     handle = get_or_create_queue(f"q-{uuid.uuid4().hex[:8]}", "pdserve-tests", capacity=64)
     client = QueueClient(handle, transport)  # on this test's event loop, as in a decode worker

@@ -139,6 +139,31 @@ def test_client_disconnect_frees_blocks(worker):
     assert_blocks_return(worker)
 
 
+def test_closing_a_client_stream_early_cancels_the_call(worker):
+    """pdserve.api's stream generators cancel their RPC when closed early: the server stops
+    generating at once, with the channel still open."""
+    eng = worker.worker.engine
+    tokens0 = eng.stats.num_generation_tokens
+    with Client(worker.grpc) as c:
+        stream = c.stream(prompts_of([30], seed=5)[0], max_tokens=400, temperature=0.0, ignore_eos=True)
+        assert next(stream).token_ids
+        stream.close()
+        assert_blocks_return(worker)
+        assert eng.stats.num_generation_tokens - tokens0 < 200
+        assert c.generate("still here", max_tokens=2).finish_reason  # the channel is fine
+
+    async def run():
+        async with AsyncClient(worker.grpc) as ac:
+            agen = ac.stream(prompts_of([30], seed=6)[0], max_tokens=400, temperature=0.0, ignore_eos=True)
+            await agen.__anext__()
+            await agen.aclose()
+            t1 = eng.stats.num_generation_tokens
+            await asyncio.to_thread(assert_blocks_return, worker)
+            return eng.stats.num_generation_tokens - t1
+
+    assert asyncio.run(run()) < 200
+
+
 def _aborts_counted(worker) -> float:
     text = worker.worker.metrics.render().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
