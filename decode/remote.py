@@ -259,8 +259,13 @@ class RemotePrefill:
     def _queue_failed(self, task, why: str, settled: bool) -> None:
         """A task the queue failed back (expired, its worker vanished, or failed by a prefill
         worker that could not tell us over NIXL): prefill locally now; its blocks are freed
-        only when no write can still land (prefill_pool.SETTLED_REASONS)."""
-        self._fallback(task.request_id, task.epoch, why, release_now=settled)
+        only when no write can still land (prefill_pool.SETTLED_REASONS), and never for a task
+        put again after a queue restart: whatever the new queue says of its copy, a prefill
+        worker may still hold the old queue's and write it (freed blocks would then be
+        overwritten, possibly while they serve another request or sit in the prefix cache)."""
+        h = self.handoffs.awaited(task.request_id)
+        reput = h is not None and h.epoch == task.epoch and h.reput
+        self._fallback(task.request_id, task.epoch, why, release_now=settled and not reput)
 
     async def _queue_restarted(self, instance: str) -> None:
         """The queue came back empty: put every awaited task again, same epoch (its blocks

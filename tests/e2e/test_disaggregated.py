@@ -75,7 +75,9 @@ def with_prefill(cluster, llama_dir, etcd, worker_id="prefill-0"):
     if cluster["prefill"] is None:
         cluster["prefill"] = start_prefill(llama_dir, etcd, worker_id)
     d = cluster["decode"]
-    wait_until(lambda: d.worker.frontend.prefill_view.pool_size >= 1, 15)
+    # Registered in etcd, and heard from by the queue (what remote routing needs: a prefill
+    # worker that makes no progress gets no traffic, whatever its lease says).
+    wait_until(lambda: d.worker.frontend.prefill_view.pool_size >= 1 and d.worker.remote.available(), 15)
     return cluster["prefill"]
 
 
@@ -215,12 +217,22 @@ def test_queue_full_routes_local_not_error(cluster, llama_dir, etcd):
             await r.register(WorkerInfo(worker_id="idle-prefill", role="prefill"))
             return r
 
-        # A registered prefill member that never pulls: its keep-alive needs a running loop.
+        # A registered prefill member that never pulls, but tells the queue it is alive (as a
+        # worker busy with a long batch does): its keep-alive needs a running loop.
         loop = asyncio.new_event_loop()
         loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
         loop_thread.start()
         reg = asyncio.run_coroutine_threadsafe(fake_prefill_member(), loop).result(30)
-        wait_until(lambda: d2.worker.frontend.prefill_view.pool_size == 1, 10)
+        beating = threading.Event()
+
+        def heartbeat():
+            while not beating.is_set():
+                ray.get(tiny.alive.remote("idle-prefill"), timeout=10)
+                beating.wait(0.5)
+
+        beat = threading.Thread(target=heartbeat, daemon=True)
+        beat.start()
+        wait_until(lambda: d2.worker.frontend.prefill_view.pool_size == 1 and d2.worker.remote.available(), 10)
         prompts = mixed_prompts(4, seed=4)[1::2]  # two long prompts: the first fills the queue
         ref = reference(llama_dir, prompts)
         t0 = time.monotonic()
@@ -233,6 +245,8 @@ def test_queue_full_routes_local_not_error(cluster, llama_dir, etcd):
         assert_all_blocks_return(d2)
     finally:
         if reg is not None:
+            beating.set()
+            beat.join(15)
             asyncio.run_coroutine_threadsafe(reg.close(), loop).result(30)
             loop.call_soon_threadsafe(loop.stop)
             loop_thread.join(10)

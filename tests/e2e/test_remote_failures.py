@@ -77,7 +77,7 @@ def cluster(llama_dir, tmp_path_factory):
     d = WorkerThread(DecodeWorkerConfig(worker_id="decode-0", remote_prefill=True, remote_timeout_s=120,
                                         **common)).start()
     p = PrefillThread(dict(worker_id="prefill-0", **common)).start()
-    wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 1, 15)
+    wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 1 and d.worker.remote.available(), 15)
     state = SimpleNamespace(decode=d, prefill=p, etcd=etcd, common=common, llm=LLM(llama_dir))
     yield state
     if state.prefill is not None:
@@ -592,7 +592,7 @@ def test_a_killed_prefill_worker_actor_is_restarted_and_serves_again(cluster):
     actor = ray.remote(restartable(PrefillWorker)).options(**opts).remote(
         dict(worker_id="prefill-1", exit_on_loop_death=True, **cluster.common))
     ray.get(actor.start.remote(), timeout=180)
-    wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 1, 15)
+    wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 1 and d.worker.remote.available(), 15)
     pid0 = ray.get(actor.pid.remote(), timeout=30)
     os.kill(pid0, signal.SIGKILL)
 
@@ -612,7 +612,7 @@ def test_a_killed_prefill_worker_actor_is_restarted_and_serves_again(cluster):
         return "prefill-1" in asyncio.run(members())
 
     wait_until(restarted_and_registered, 180, 0.5)
-    wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 1, 15)
+    wait_until(lambda: d.worker.frontend.prefill_view.pool_size == 1 and d.worker.remote.available(), 15)
     prompt = prompt_of(240, 70)
     (out,) = run_remote(cluster, [prompt])
     assert out.breakdown["route"] == "remote" and out.breakdown["prefill_worker"] == "prefill-1"
