@@ -56,7 +56,6 @@ class Frontend:
         # a label reused while its old sequence is still being torn down (or by another
         # tenant) can never be attached to that sequence's output.
         self.inflight: dict[tuple[str | None, str], str] = {}  # (key identity, label) -> engine id
-        self.owners: dict[str, str] = {}  # engine id -> the identity of the API key that sent it
         self._via_remote: set[str] = set()
         self._id_prefix = uuid.uuid4().hex[:8]  # per worker process: ids never repeat across restarts
         self._admissions = itertools.count(1)
@@ -160,8 +159,6 @@ class Frontend:
         key = (_identity(inp.caller), prep.label)
         eff = len(prep.prompt_ids) - prep.cached_len
         self.inflight[key] = rid  # no await since prepare() checked the label is free
-        if inp.caller is not None:
-            self.owners[rid] = inp.caller.identity
         self.num_prefilling += 1
         state = {"first": False, "finished": False}
         extra: dict = {}
@@ -204,7 +201,6 @@ class Frontend:
         finally:
             if self.inflight.get(key) == rid:
                 del self.inflight[key]
-            self.owners.pop(rid, None)
             self._via_remote.discard(rid)
             if not state["first"]:
                 self._prefill_done(eff, remote is not None)
