@@ -367,9 +367,12 @@ class DecodeRoleSpec(_RoleSpec):
     replicas: int = Field(1, ge=1)
     remote_timeout_s: float = Field(30.0, gt=0)
     remote_quarantine_s: float = Field(60.0, gt=0)
-    # Prompt tokens one decode-worker step may take; unset: derived from the measured costs and
-    # the router policy's qos.tpot_slo_ms (decode/prefill_budget.py).
+    # Prompt tokens one decode-worker step may take; unset: planned every step from the measured
+    # step costs and the router policy's qos.tpot_slo_ms / ttft_slo_ms (decode/prefill_budget.py).
     local_prefill_budget_tokens: int | None = Field(None, ge=1)
+    # Time a few engine steps at boot so that the first requests are routed on this machine's
+    # costs, not the policy's seeds (engine/calibrate.py).
+    calibrate: bool = True
     entrypoint: str = Field(DEFAULT_DECODE_ENTRYPOINT, pattern=_ENTRYPOINT)
 
 

@@ -131,7 +131,7 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
         out.update(grpc_port=port("grpc"), http_port=port("http"), router_policy=str(policy) if policy else None,
                    served_model_name=topology.model.name, remote_prefill=topology.roles.prefill.replicas > 0,
                    remote_timeout_s=spec.remote_timeout_s, remote_quarantine_s=spec.remote_quarantine_s,
-                   local_prefill_budget_tokens=spec.local_prefill_budget_tokens,
+                   local_prefill_budget_tokens=spec.local_prefill_budget_tokens, calibrate=spec.calibrate,
                    exit_on_engine_death=True, **_decode_security(topology))
     return out
 

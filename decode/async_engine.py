@@ -49,6 +49,7 @@ class StepInfo:
     num_seqs: int
     num_tokens: int
     num_decode_seqs: int
+    prefill_pairs: int = 0  # the prompt tokens' attention work (LLMEngine.last_step_pairs)
 
 
 class EngineDeadError(RuntimeError):
@@ -224,7 +225,7 @@ class AsyncEngine:
         self.step_failures = 0
         seqs, tokens, decodes = eng.last_step
         info = StepInfo(ms=(time.perf_counter() - t0) * 1e3, num_seqs=seqs, num_tokens=tokens,
-                        num_decode_seqs=decodes)
+                        num_decode_seqs=decodes, prefill_pairs=eng.last_step_pairs)
         for d in deltas:
             self.deliver(d)
         if self.on_step is not None and self._loop is not None:

@@ -41,8 +41,12 @@ def register(subparsers) -> None:
     p.add_argument("--engine-args", default="{}",
                    help='engine arguments as JSON, e.g. \'{"max_num_seqs": 64, "block_size": 16}\'')
     p.add_argument("--local-prefill-budget-tokens", type=int, default=None,
-                   help="prompt tokens one engine step may take (default: derived from the measured costs and "
-                        "the policy's qos.tpot_slo_ms so that running streams keep their TPOT)")
+                   help="prompt tokens one engine step may take (default: planned every step from the measured "
+                        "step costs and the policy's qos.tpot_slo_ms / ttft_slo_ms: running streams keep their "
+                        "TPOT, waiting prompts their TTFT; decode/prefill_budget.py)")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="skip the boot calibration (~0.5 s of timed engine steps that replace the policy's seed "
+                        "costs with this machine's before the first request)")
     p.add_argument("--log-level", default="info")
     sec = p.add_argument_group("security (docs/security.md; the topology's security: section)")
     sec.add_argument("--tls-cert", default=None, help="server certificate chain (PEM): serve gRPC and HTTP over TLS")
@@ -84,6 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, cluster=args.cluster,
         etcd_endpoints=args.etcd.split(",") if args.etcd else None, etcd_tls=_etcd_tls(args),
         lease_ttl_s=args.lease_ttl, local_prefill_budget_tokens=args.local_prefill_budget_tokens,
+        calibrate=args.calibrate,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         api_keys_file=args.api_keys_file, open_paths=_names(args.open_paths),
         open_grpc_services=_names(args.open_grpc_services),

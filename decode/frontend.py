@@ -76,16 +76,20 @@ class Frontend:
         """Check and tokenize one request (CPU work: call it off the event loop)."""
         return self.validator.validate(inp)
 
-    # The worker's current local prefill budget (decode/prefill_budget.py); None: no cap.
-    prefill_budget_tokens = staticmethod(lambda: None)
+    # The prompt tokens per step the worker's engine would give a local prefill of (tokens,
+    # cached) now (decode/prefill_budget.py); None: no cap.
+    prefill_budget_tokens = staticmethod(lambda tokens=0, cached=0: None)
 
     @property
     def prefill_view(self) -> PrefillView:
         """The prefill side as the remote path sees it (all zero without one)."""
         return self.remote.view if self.remote is not None else _NO_PREFILL
 
-    def snapshot(self) -> ClusterSnapshot:
+    def snapshot(self, tokens: int = 0, cached: int = 0) -> ClusterSnapshot:
+        """The cluster as this worker sees it, for a prompt of ``tokens`` uncached tokens after
+        ``cached`` ones (the local prefill budget the engine would plan for it)."""
         view = self.prefill_view
+        load = self.engine.engine.load()
         return ClusterSnapshot(
             costs=self.policy.costs.snapshot(),
             prefill_queue_depth=max(view.queue_depth, self.pending_remote_requests),
@@ -94,9 +98,11 @@ class Frontend:
             decode_active_requests=self.num_decoding,
             decode_waiting_requests=self.num_prefilling,
             local_prefill_queue_tokens=self.pending_prefill_tokens,
-            decode_kv_usage=self.engine.engine.load().kv_usage,
+            local_prefill_queue_requests=self.num_prefilling - self.pending_remote_requests,
+            decode_kv_usage=load.kv_usage,
+            kv_free_tokens=load.num_free_blocks * self.engine.engine.config.block_size,
             arrival_rate_per_s=self.arrivals.rate(time.monotonic()),
-            local_prefill_budget_tokens=self.prefill_budget_tokens(),
+            local_prefill_budget_tokens=self.prefill_budget_tokens(tokens, cached),
         )
 
     def refresh_gauges(self) -> None:
@@ -136,7 +142,8 @@ class Frontend:
         self.arrivals.observe(arrival)
         feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=prio,
                                 ttft_slo_ms=inp.ttft_slo_ms, override=inp.route, max_tokens=params.max_tokens)
-        adm = admit(feats, self.snapshot(), policy)
+        snap = self.snapshot(max(0, len(ids) - cached), cached)
+        adm = admit(feats, snap, policy)
         if not adm.ok:
             self.metrics.refused(adm.reason)
             raise RequestError("resource_exhausted", adm.detail, None, adm.predicted_ttft_ms, adm.retry_after_ms)
@@ -146,7 +153,9 @@ class Frontend:
         self.metrics.decision(decision.route, decision.reason)
         self.metrics.prompt_tokens.inc(len(ids))
         rid = f"{self._id_prefix}-{next(self._admissions):x}"
-        return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label)
+        residual = (snap.costs.ttft_residual_remote_ms if decision.route == "remote"
+                    else snap.costs.ttft_residual_local_ms) if len(ids) > cached else 0.0
+        return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, residual_ms=residual)
 
     def engine_id(self, label: str, caller=None) -> str | None:
         """The engine's id of the in-flight request a client calls `label` (None: none)."""
@@ -186,6 +195,7 @@ class Frontend:
                     self._prefill_done(eff, remote is not None)
                     self.num_decoding += 1
                     self.metrics.ttft.observe(now - prep.arrival)
+                    self._check_prediction(prep, remote is not None, extra, (now - prep.arrival) * 1e3)
                 elif item.new_token_ids and last_t is not None:
                     self.metrics.itl.observe(now - last_t)
                 if item.new_token_ids:
@@ -300,6 +310,28 @@ class Frontend:
             yield item, final, {}
             if isinstance(item, BaseException) or item.finished:
                 return
+
+    def _check_prediction(self, prep: Prepared, went_remote: bool, extra: dict, measured_ms: float) -> None:
+        """Compare the route's predicted TTFT with the measured one: the ratio histogram, a log
+        line when it is off by more than 2x, and the route's residual (router/costs.py)."""
+        d = prep.decision
+        route = "remote" if went_remote else "local"
+        if route != d.route or extra.get("fell_back_to_local") or len(prep.prompt_ids) <= prep.cached_len:
+            return  # not the route that was predicted, or nothing to prefill: no lesson in it
+        predicted = d.predicted_ttft_ms
+        if predicted <= 0:
+            return
+        ratio = measured_ms / predicted
+        self.metrics.ttft_prediction(route, ratio)
+        if not 0.5 <= ratio <= 2.0:
+            log.info("TTFT prediction off %.1fx: route %s predicted %.0f ms, measured %.0f ms "
+                     "(prompt %d tokens, %d cached; %s)", ratio, route, predicted, measured_ms,
+                     len(prep.prompt_ids), prep.cached_len, d.detail)
+        formula = predicted - prep.residual_ms
+        outlier = self.policy.policy.router.cost_model.ema_outlier_factor
+        if formula > 0:  # one pathological request (a fault, a stall) moves the residual little
+            measured_ms = min(max(measured_ms, formula / outlier), formula * outlier)
+        self.policy.costs.observe_ttft(route, measured_ms, formula)
 
     def _prefill_done(self, eff: int, was_remote: bool) -> None:
         """The request's prefill is over (first token, or it ended before one)."""

@@ -140,6 +140,7 @@ class Prepared:
     decision: object
     arrival: float
     label: str = ""
+    residual_ms: float = 0.0  # the learned TTFT residual of the decision's route, included in its prediction
 
 
 class RemotePath(Protocol):

@@ -112,20 +112,23 @@ class KVArrival:
         self.counters["bytes_received"] += kv_bytes
         self.metrics.transfer_bytes.observe(kv_bytes)
         self.metrics.transfer_seconds.observe(transfer_ms / 1e3)
-        self._observe(msg, kv_bytes, transfer_ms)
+        self._observe(msg, kv_bytes, transfer_ms, h.task)
         if h.reput and self.on_ready_reput is not None:  # a copy put after a queue restart may be queued
             self.loop.call_soon_threadsafe(self.on_ready_reput, h.request_id)
         self.engine.deliver(self.connector.remote_ready(h.request_id, msg.first_token_id, msg.first_token_logprob,
                                                        dict(msg.first_top_logprobs)))
 
-    def _observe(self, msg: PrefillDone, kv_bytes: int, transfer_ms: float) -> None:
+    def _observe(self, msg: PrefillDone, kv_bytes: int, transfer_ms: float, task=None) -> None:
         """Feed the router's cost model (on the event loop, which owns it)."""
         if self.costs is None or self.loop is None:
             return
+        # The prefill worker's speed relative to this worker's curve, from batches that held
+        # this prompt alone (a batch of several has another shape of attention work).
+        alone = task is not None and msg.batch_tokens == len(task.token_ids) - task.cached_len
 
         def feed():
-            if msg.batch_tokens > 0 and msg.prefill_ms > 0:
-                self.costs.observe_prefill(msg.batch_tokens, msg.prefill_ms, "remote")
+            if alone and msg.prefill_ms > 0:
+                self.costs.observe_remote_prefill(msg.batch_tokens, task.cached_len, msg.prefill_ms)
             if transfer_ms > 0:
                 self.costs.observe_transfer(kv_bytes, transfer_ms)
 

@@ -13,6 +13,8 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
 _TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
                             0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))
+# measured TTFT / predicted TTFT of the route taken: 1 is a perfect prediction
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 
 class WorkerMetrics:
@@ -45,6 +47,10 @@ class WorkerMetrics:
         self.local_prefill_budget = gauge("pdserve_local_prefill_budget_tokens",
                                           "Prompt tokens one engine step may take (decode/prefill_budget.py)")
         names = list(labels)
+        self._ttft_prediction = Histogram(
+            "pdserve_ttft_prediction_ratio",
+            "Measured TTFT / the router's predicted TTFT for the route it took (1: exact; docs/router.md)",
+            names + ["route"], buckets=_RATIO_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens received", names, registry=r).labels(**labels)
         self.prefix_hit_tokens = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache", names, registry=r).labels(**labels)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", names, registry=r).labels(**labels)
@@ -60,6 +66,9 @@ class WorkerMetrics:
             "pdserve_remote_notifications_refused",
             "PrefillDone notices refused: no live attempt (request, epoch) here, or a token count other than the "
             "signed task's", names + ["reason"], registry=r)
+
+    def ttft_prediction(self, route: str, ratio: float) -> None:
+        self._ttft_prediction.labels(route=route, **self.labels).observe(ratio)
 
     def request_finished(self, reason: str) -> None:
         self._requests.labels(finish_reason=reason, **self.labels).inc()

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -24,6 +25,7 @@ from pdserve.cluster.runtime import cpu_list, freeze_gc_heap
 from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine.calibrate import measure_steps
 from pdserve.router import parse_policy
 
 from .async_engine import AsyncEngine, StepInfo
@@ -32,7 +34,7 @@ from .grpc_service import GrpcServer
 from .http_app import H11Protocol, build_app
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
-from .prefill_budget import IDLE_TOKENS, PrefillBudget
+from .prefill_budget import StepPlanFeed
 from .security import ServerSecurity
 
 log = logging.getLogger(__name__)
@@ -54,9 +56,12 @@ class DecodeWorkerConfig(WorkerConfig):
     remote_prefill: bool = False
     remote_timeout_s: float = 30.0
     remote_quarantine_s: float = 60.0  # abandoned blocks a late write could still reach stay unused
-    # Prompt tokens one engine step may take (decode/prefill_budget.py); None: derived from the
-    # measured costs and the policy's qos.tpot_slo_ms.
+    # Prompt tokens one engine step may take (decode/prefill_budget.py); None: planned every
+    # step from the measured step cost curve and the policy's qos.tpot_slo_ms / ttft_slo_ms.
     local_prefill_budget_tokens: int | None = None
+    # Time a few engine steps before serving (engine/calibrate.py) so that routing, admission
+    # and the step plan start from this machine's costs, not the policy's seeds (~0.5 s).
+    calibrate: bool = True
     limits: dict = field(default_factory=dict)  # ServingLimits fields (request sizes, body bytes)
     # When the engine dies: leave etcd, report NOT_SERVING, then exit the process so its
     # supervisor (Ray max_restarts, Kubernetes) starts a fresh one. The launcher sets it;
@@ -118,10 +123,12 @@ class DecodeWorker:
         self.metrics = WorkerMetrics("decode", self.worker_id)
         self._ttft_window, self._itl_window = LatencyWindow(self.metrics.ttft), LatencyWindow(self.metrics.itl)
         self.async_engine = AsyncEngine(self.engine, on_step=self._on_step, on_death=self._on_engine_death)
-        self.prefill_budget = PrefillBudget(self._apply_prefill_budget, self.engine.config.max_num_batched_tokens,
-                                            fixed=cfg.local_prefill_budget_tokens)
         self._policy = policy
-        self._update_prefill_budget()  # before the first step: the seeded costs
+        if cfg.calibrate:
+            await self._calibrate(policy)
+        self.step_plan = StepPlanFeed(self._apply_step_plan, self._apply_fixed_budget,
+                                      fixed=cfg.local_prefill_budget_tokens)
+        self._update_step_plan()  # before the first step
         self.async_engine.start()
         if cfg.remote_prefill:
             if not cfg.etcd_endpoints:
@@ -129,8 +136,8 @@ class DecodeWorker:
             self._start_remote(policy)
         self.frontend = Frontend(self.async_engine, policy, self.metrics, self.worker_id, served,
                                  ServingLimits.from_dict(cfg.limits), remote=self.remote)
-        # The router predicts a local prefill as the chunks this budget cuts it into.
-        self.frontend.prefill_budget_tokens = lambda: self.prefill_budget.current and self.prefill_budget.current.tokens
+        # The router predicts a local prefill as the chunks the engine's step plan would cut it into.
+        self.frontend.prefill_budget_tokens = self._predicted_budget
         self.metrics.engine_alive.set(1)
         self.grpc = GrpcServer(self.frontend, self.host, cfg.grpc_port, self.security)
         await self.grpc.start()
@@ -233,26 +240,43 @@ class DecodeWorker:
             self.decode_ms += info.ms
             self.decode_seqs += info.num_seqs
         prefill_tokens = info.num_tokens - info.num_decode_seqs
-        if prefill_tokens > 0:
-            # Per-token cost from whole steps (a request's own prefill time would also count the
-            # prompts batched with it), less what the step's decode tokens cost on their own: the
-            # marginal cost of a prompt token, which the prefill budget and the router both use.
-            decode_part = costs.snapshot().decode_step_ms if info.num_decode_seqs else 0.0
-            if info.ms > decode_part:
-                costs.observe_prefill(prefill_tokens, info.ms - decode_part, "local")
-        elif info.num_decode_seqs:
+        costs.observe_step(info.ms, info.num_decode_seqs, prefill_tokens, info.prefill_pairs)
+        if prefill_tokens == 0 and info.num_decode_seqs:
             costs.observe_decode_step(info.ms, info.num_seqs)
-        self._update_prefill_budget()
+        budget = self.engine.prefill_token_budget
+        if budget is not None:
+            self.metrics.local_prefill_budget.set(budget)
+        self._update_step_plan()
 
-    def _update_prefill_budget(self) -> None:
-        est = self._policy.costs.snapshot()
-        self.prefill_budget.update(self._policy.policy.qos.tpot_slo_ms, est.decode_step_ms,
-                                   est.prefill_local_ms_per_token)
+    async def _calibrate(self, policy) -> None:
+        """Replace the policy's seed costs with this machine's (engine/calibrate.py)."""
+        t0 = time.monotonic()
+        steps = await asyncio.to_thread(measure_steps, self.engine)
+        policy.costs.calibrate(steps)
+        est, seeds = policy.costs.snapshot(), policy.policy.router.cost_model
+        log.info("decode worker %s: calibrated in %.2f s from %d steps: a step costs %.1f ms + %.2f ms per "
+                 "stream + %.3f ms per prompt token + %.3f ms per 1000 attention pairs (policy seeds: "
+                 "%.1f + %.2f + %.3f + %.3f)", self.worker_id, time.monotonic() - t0, len(steps), est.step_fixed_ms,
+                 est.step_decode_ms_per_seq, est.prefill_local_ms_per_token, est.prefill_attention_ms_per_kpair,
+                 seeds.step_fixed_ms, seeds.step_decode_ms_per_seq, seeds.prefill_local_ms_per_token,
+                 seeds.prefill_attention_ms_per_kpair)
 
-    def _apply_prefill_budget(self, tokens: int) -> None:
+    def _predicted_budget(self, tokens: int, cached: int) -> int | None:
+        """What the engine's step plan would give a prompt arriving now (the router's local
+        prediction), behind the local prompts already waiting."""
+        fe = self.frontend
+        return self.engine.predicted_prefill_budget(tokens, cached, fe.num_decoding, fe.pending_prefill_tokens)
+
+    def _update_step_plan(self) -> None:
+        qos = self._policy.policy.qos
+        self.step_plan.update(self._policy.costs.snapshot(), qos.tpot_slo_ms, qos.ttft_slo_ms)
+
+    def _apply_step_plan(self, cost, targets) -> None:
+        self.async_engine.call(lambda eng: eng.set_step_targets(cost, targets))
+
+    def _apply_fixed_budget(self, tokens: int) -> None:
         self.metrics.local_prefill_budget.set(tokens)
-        idle = min(max(tokens, IDLE_TOKENS), self.engine.config.max_num_batched_tokens)
-        self.async_engine.call(lambda eng: eng.set_prefill_token_budget(tokens, idle))
+        self.async_engine.call(lambda eng: eng.set_prefill_token_budget(tokens))
 
     def _on_engine_death(self, exc: BaseException) -> None:
         """The engine thread died (event loop): make it visible everywhere at once."""

@@ -22,6 +22,7 @@ from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput
 from .runner import ModelRunner
 from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
+from .step_budget import StepCost, StepTargets, attention_pairs, plan_budget
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,10 @@ class LLMEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self.last_step = (0, 0, 0)  # (sequences, tokens, decode sequences) of the last step
+        # Its prompt (and recompute) tokens' attention work: sum over them of the positions each
+        # attends to (a chunk of n tokens from position s: n x s + n(n+1)/2). The step cost
+        # curve's quadratic part (engine/step_budget.py).
+        self.last_step_pairs = 0
         eos = list(self.model_config.eos_token_ids)
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
@@ -235,8 +240,33 @@ class LLMEngine:
         self.scheduler.prefill_token_budget = tokens
         self.scheduler.idle_prefill_token_budget = idle_tokens
 
+    def set_step_targets(self, cost: StepCost | None, targets: StepTargets | None) -> None:
+        """Plan every step's prompt tokens from the SLOs (engine/step_budget.py): ``cost`` is
+        the measured step cost curve, ``targets`` the TPOT and TTFT SLOs. None for either goes
+        back to the fixed caps of ``set_prefill_token_budget``."""
+        if cost is not None and not (cost.fixed_ms >= 0 and cost.decode_ms >= 0 and cost.prefill_ms > 0):
+            raise ValueError(f"step cost must have fixed_ms >= 0, decode_ms >= 0, prefill_ms > 0, got {cost}")
+        if targets is not None and not (targets.tpot_ms > 0 and targets.ttft_ms > 0):
+            raise ValueError(f"step targets must be > 0 ms, got {targets}")
+        self.scheduler.step_cost, self.scheduler.step_targets = cost, targets
+
+    def predicted_prefill_budget(self, tokens: int, cached: int, decodes: int, backlog: int) -> int | None:
+        """The prompt tokens per step the step plan would give a prompt of ``tokens`` after
+        ``cached`` arriving now behind ``backlog`` waiting prompt tokens, beside ``decodes``
+        streams with the least TPOT slack of the latest step (for the router's local
+        prediction; engine/step_budget.py). With a fixed cap: the cap (None: none)."""
+        sched = self.scheduler
+        if sched.step_cost is None or sched.step_targets is None:
+            return sched.prefill_token_budget
+        slack_s = (sched.last_min_slack_ms or 0.0) / 1e3
+        return plan_budget(sched.step_cost, sched.step_targets, [(0, -slack_s)] * decodes,
+                           [(backlog + tokens, 0.0, cached)], self.config.max_num_batched_tokens).tokens
+
     @property
     def prefill_token_budget(self) -> int | None:
+        """The prompt-token cap of the latest step (planned, or the fixed one)."""
+        if self.scheduler.last_budget is not None and self.scheduler.step_cost is not None:
+            return self.scheduler.last_budget.tokens
         return self.scheduler.prefill_token_budget
 
     # -- the step --------------------------------------------------------------
@@ -255,6 +285,8 @@ class LLMEngine:
         self.stats.num_preemptions += len(plan.preempted)
         self.last_step = (len(plan.scheduled), plan.num_tokens,
                           sum(1 for r, n in plan.scheduled if n == 1 and r.output_token_ids))
+        self.last_step_pairs = sum(attention_pairs(n, r.num_computed_tokens) for r, n in plan.scheduled
+                                   if not (n == 1 and r.output_token_ids))
         if not plan.scheduled:
             return []
         now = time.monotonic()

@@ -19,11 +19,13 @@ WAITING_FOR_REMOTE_KV) and are left out of steps until marked ready.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import KVCacheManager
 from .request import Request, RequestStatus
+from .step_budget import FRACTION as STEP_FRACTION, Budget, StepCost, StepTargets, plan_budget
 
 
 @dataclass
@@ -53,6 +55,12 @@ class Scheduler:
         # The cap while no running request is decoding (no stream to keep fast, only arrivals to
         # let in); None: the same as prefill_token_budget.
         self.idle_prefill_token_budget: int | None = None
+        # SLO-aware budget (engine/step_budget.py): set, it replaces the two caps above and is
+        # planned every step from the cost curve, the streams' TPOT slack and the prompts' TTFT.
+        self.step_cost: StepCost | None = None
+        self.step_targets: StepTargets | None = None
+        self.last_budget: Budget | None = None  # the plan of the latest step (explain, metrics)
+        self.last_min_slack_ms: float | None = None  # the decoding streams' least TPOT slack then
 
     # -- queue management ---------------------------------------------------
     def add(self, req: Request) -> None:
@@ -119,7 +127,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         cap = self.prefill_token_budget
-        if cap is not None and self.idle_prefill_token_budget is not None and not any(
+        if self.step_cost is not None and self.step_targets is not None:
+            cap = self._plan_budget()
+        elif cap is not None and self.idle_prefill_token_budget is not None and not any(
                 r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
             cap = self.idle_prefill_token_budget  # nobody decoding: bigger, more efficient chunks
         prefill_left = cap if cap is not None else budget
@@ -173,6 +183,24 @@ class Scheduler:
             budget -= n
             prefill_left -= n
         return out
+
+    def _plan_budget(self) -> int:
+        """This step's prompt-token cap from the SLOs (engine/step_budget.py)."""
+        now = time.monotonic()
+        decoding, prompts = [], []
+        for r in self.running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left == 1 and r.first_token_time is not None:
+                decoding.append((len(r.output_token_ids) - 1, now - r.first_token_time))
+            elif left > 1:
+                prompts.append((left, now - r.arrival_time, r.num_computed_tokens))
+        prompts.extend((r.num_tokens - r.num_computed_tokens, now - r.arrival_time, r.num_computed_tokens)
+                       for r in self.waiting)
+        tpot = self.step_targets.tpot_ms * STEP_FRACTION
+        self.last_min_slack_ms = min((tpot * k - age * 1e3 for k, age in decoding), default=None)
+        self.last_budget = plan_budget(self.step_cost, self.step_targets, decoding, prompts,
+                                       self.max_num_batched_tokens)
+        return self.last_budget.tokens
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

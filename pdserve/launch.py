@@ -372,6 +372,8 @@ def _demo(args) -> int:
         print(f"- prompt {b['prompt_tokens']} tokens ({b['cached_tokens']} cached): route {b['route'].upper()}"
               f"  TTFT {b['ttft_ms']:.0f} ms")
         print(f"    why: {b['reason']}")
+        print(f"    predicted TTFT: local {b['predicted_ttft_local_ms']:.0f} ms, remote "
+              f"{b['predicted_ttft_remote_ms']:.0f} ms; measured {b['ttft_ms']:.0f} ms on the {b['route']} route")
         if b["route"] == "remote":
             print(f"    transfer: {b['transfer_bytes'] / 1e6:.2f} MB in {b['transfer_ms']:.1f} ms from "
                   f"{b['prefill_worker']} (queue {b['queue_wait_ms']:.1f} ms, prefill {b['prefill_ms']:.1f} ms)")

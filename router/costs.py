@@ -33,6 +33,17 @@ class CostEstimates:
     transfer_bytes_per_ms: float
     transfer_setup_ms: float
     kv_bytes_per_token: int  # property of the model, not learned
+    # The step cost curve: step ms = step_fixed_ms + step_decode_ms_per_seq x decoding streams
+    # + prefill_local_ms_per_token x prompt tokens (fitted over whole steps, ``StepCurveFit``).
+    step_fixed_ms: float = 0.0
+    step_decode_ms_per_seq: float = 0.0
+    # attention: ms per 1000 (prompt token, earlier position) pairs; a prompt of n tokens from
+    # position s has n x s + n(n+1)/2 of them (its later chunks cost more)
+    prefill_attention_ms_per_kpair: float = 0.0
+    # Learned per-route residual: measured TTFT - the formula's prediction (queue hops,
+    # notifications, the first decode step), so predictions hold (``observe_ttft``).
+    ttft_residual_local_ms: float = 0.0
+    ttft_residual_remote_ms: float = 0.0
 
     @classmethod
     def seed(cls, params: CostModelParams, kv_bytes_per_token: int) -> CostEstimates:
@@ -45,7 +56,29 @@ class CostEstimates:
             transfer_bytes_per_ms=params.transfer_bandwidth_gb_per_s * BYTES_PER_MS_PER_GB_PER_S,
             transfer_setup_ms=params.transfer_setup_ms,
             kv_bytes_per_token=kv_bytes_per_token,
+            step_fixed_ms=params.step_fixed_ms,
+            step_decode_ms_per_seq=params.step_decode_ms_per_seq,
+            prefill_attention_ms_per_kpair=params.prefill_attention_ms_per_kpair,
         )
+
+    def step_ms(self, decodes: int, prefill_tokens: int, pairs: int = 0) -> float:
+        """Predicted time of one step running ``decodes`` streams and ``prefill_tokens`` prompt
+        tokens with ``pairs`` attention pairs."""
+        return (self.step_fixed_ms + self.step_decode_ms_per_seq * decodes
+                + self.prefill_local_ms_per_token * prefill_tokens + self.prefill_attention_ms_per_kpair * pairs / 1e3)
+
+    def prefill_compute_ms(self, tokens: int, start: int = 0, where: str = "local") -> float:
+        """The prompt-token part of prefilling ``tokens`` positions from ``start`` (no step base).
+        Remote: the local curve scaled by remote / local per-token cost (the prefill workers'
+        measured speed relative to this worker's)."""
+        pairs = tokens * start + tokens * (tokens + 1) // 2
+        local = self.prefill_local_ms_per_token * tokens + self.prefill_attention_ms_per_kpair * pairs / 1e3
+        return local if where == "local" else local * self.remote_ratio
+
+    @property
+    def remote_ratio(self) -> float:
+        """How much slower (> 1) or faster a prefill worker computes a prompt than this worker."""
+        return self.prefill_remote_ms_per_token / self.prefill_local_ms_per_token
 
     def transfer_ms(self, tokens: int) -> float:
         """Predicted time to move the KV of ``tokens`` positions, setup included."""
@@ -74,6 +107,11 @@ class CostModel:
         self._outlier = params.ema_outlier_factor
         self._est = CostEstimates.seed(params, kv_bytes_per_token)
         self._samples = {name: 0 for name in _ESTIMATE_NAMES}
+        self._curve = StepCurveFit((params.step_fixed_ms, params.step_decode_ms_per_seq,
+                                    params.prefill_local_ms_per_token, params.prefill_attention_ms_per_kpair))
+        # remote / local compute time of the same prompt, once calibrated or measured (None:
+        # the remote per-token cost is the policy's seed, on its own)
+        self._remote_ratio: float | None = None
         # Exponentially weighted sums of (bytes, ms) for the transfer fit.
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
 
@@ -90,6 +128,71 @@ class CostModel:
             self._update("prefill_remote_ms_per_token", ms / tokens)
         else:
             raise ValueError(f"where must be 'local' or 'remote' (got {where!r})")
+
+    def observe_remote_prefill(self, tokens: int, start: int, ms: float) -> None:
+        """A prefill worker computed one prompt's ``tokens`` positions from ``start`` alone in
+        ``ms`` (its step included): its speed relative to this worker's step curve, as the
+        ratio the remote route's prediction scales the local curve by."""
+        _check_sample(ms=ms, tokens=tokens)
+        if tokens == 0:
+            return
+        est = self._est
+        local = est.step_fixed_ms + est.prefill_compute_ms(tokens, start)
+        if local <= 0:
+            return
+        sample = ms / local
+        old = self._remote_ratio if self._remote_ratio is not None else est.remote_ratio
+        if self._samples["prefill_remote_ms_per_token"] >= _FREE_SAMPLES:
+            sample = min(max(sample, old / self._outlier), old * self._outlier)
+        self._remote_ratio = old + self._alpha * (sample - old)
+        self._set("prefill_remote_ms_per_token", est.prefill_local_ms_per_token * self._remote_ratio)
+
+    def observe_step(self, ms: float, decodes: int, prefill_tokens: int, pairs: int = 0) -> None:
+        """One engine step of this worker: ``decodes`` streams and ``prefill_tokens`` prompt
+        tokens took ``ms``. Refits the step cost curve (its slope is the local per-token
+        prefill cost the router and the step budget use)."""
+        _check_sample(ms=ms, tokens=decodes)
+        _check_sample(ms=ms, tokens=prefill_tokens)
+        if decodes == 0 and prefill_tokens == 0:
+            return
+        est = self._est
+        if self._curve.samples >= _FREE_SAMPLES:  # one stalled step (GC, a page fault) moves it little
+            pred = est.step_ms(decodes, prefill_tokens, pairs)
+            if pred > 0:
+                ms = min(max(ms, pred / self._outlier), pred * self._outlier)
+        self._adopt_curve(self._curve.observe(ms, decodes, prefill_tokens, pairs))
+
+    def calibrate(self, steps: list[tuple[float, int, int, int]]) -> None:
+        """Replace the seeded step curve with a fit of ``steps`` ((ms, decodes, prompt tokens,
+        attention pairs) measured at boot): the first minute is then decided on this machine's
+        figures, not on the policy's priors. Later steps refine it as usual. A remote per-token
+        cost never measured yet is set to the local one (same engine, until a prefill worker
+        reports its own)."""
+        self._curve = StepCurveFit.fitted(steps, self._curve.theta())
+        if self._samples["prefill_remote_ms_per_token"] == 0:
+            self._remote_ratio = 1.0
+        self._adopt_curve(self._curve.theta())
+        decode_only = [ms for ms, d, p, _ in steps if p == 0 and d > 0]
+        if decode_only:
+            self._set("decode_step_ms", sorted(decode_only)[len(decode_only) // 2])
+
+    def _adopt_curve(self, theta: tuple[float, ...]) -> None:
+        fixed, per_seq, per_token, per_kpair = theta
+        changes = dict(step_fixed_ms=fixed, step_decode_ms_per_seq=per_seq, prefill_local_ms_per_token=per_token,
+                       prefill_attention_ms_per_kpair=per_kpair)
+        if self._remote_ratio is not None:  # remote follows the local curve at its measured ratio
+            changes["prefill_remote_ms_per_token"] = per_token * self._remote_ratio
+        self._est = replace(self._est, **changes)
+        self._samples["prefill_local_ms_per_token"] += 1
+
+    def observe_ttft(self, route: Literal["local", "remote"], measured_ms: float, formula_ms: float) -> None:
+        """A request's measured TTFT against what the formula (without residual) predicted for
+        its route: the residual EMA absorbs what the formula leaves out."""
+        _check_sample(ms=measured_ms, tokens=0)
+        name = f"ttft_residual_{route}_ms"
+        old = getattr(self._est, name)
+        self._samples[name] += 1
+        self._est = replace(self._est, **{name: old + self._alpha * ((measured_ms - formula_ms) - old)})
 
     def observe_decode_step(self, ms: float, batch: int) -> None:
         """One decode step over ``batch`` running requests took ``ms``."""
@@ -155,6 +258,12 @@ class CostModel:
         changes = {
             name: getattr(seeded, name) for name in _ESTIMATE_NAMES if self._samples[name] == 0
         }
+        if self._curve.samples == 0:
+            changes.update(step_fixed_ms=params.step_fixed_ms, step_decode_ms_per_seq=params.step_decode_ms_per_seq)
+            self._curve = StepCurveFit((params.step_fixed_ms, params.step_decode_ms_per_seq,
+                                        changes.get("prefill_local_ms_per_token", self._est.prefill_local_ms_per_token),
+                                        params.prefill_attention_ms_per_kpair))
+            changes["prefill_attention_ms_per_kpair"] = params.prefill_attention_ms_per_kpair
         self._est = replace(self._est, **changes)
 
     def _update(self, name: str, sample: float) -> None:
@@ -200,7 +309,90 @@ class ArrivalRate:
         return self._value * math.exp(-max(0.0, now_s - self._at) / self.tau_s)
 
 
+class StepCurveFit:
+    """Fits step ms = fixed + per_seq x decoding streams + per_token x prompt tokens
+    + per_kpair x attention pairs / 1000 (engine/step_budget.py ``StepCost``).
+
+    Exponentially weighted least squares over recent steps (each older step's weight decays
+    by ``DECAY``), pulled toward the current coefficients with weight ``RIDGE``: a direction
+    recent steps do not exercise (no prompt token for a while, or always the same batch)
+    keeps its value instead of drifting. Features are scaled (per 8 streams, per 256 tokens,
+    per 10^5 pairs) so that the pull weighs them alike. Coefficients are kept physical (>= 0;
+    a per-token cost > 0).
+    """
+
+    DECAY = 0.98  # a step's weight halves over ~35 steps
+    RIDGE = 0.5  # about half a step's worth of pull toward the current coefficients
+    _SCALE = (1.0, 8.0, 256.0, 100.0)  # theta units -> per scaled feature (pairs: per kpair -> per 1e5)
+    _N = 4
+    _MIN_PER_TOKEN = 1e-4
+
+    def __init__(self, theta: tuple[float, ...]):
+        self._theta = [v * k for v, k in zip(theta, self._SCALE)]
+        self._a = [[0.0] * self._N for _ in range(self._N)]
+        self._b = [0.0] * self._N
+        self.samples = 0
+
+    @classmethod
+    def fitted(cls, steps, prior: tuple[float, ...]) -> StepCurveFit:
+        """A fit of ``steps`` ((ms, decodes, prompt tokens, pairs)) alone, as a calibration:
+        the prior only breaks the ties the steps cannot."""
+        fit = cls(prior)
+        for ms, d, p, pairs in steps:
+            _check_sample(ms=ms, tokens=d)
+            fit._add(ms, d, p, pairs, decay=1.0)
+        fit._solve(ridge=1e-3)
+        return fit
+
+    def theta(self) -> tuple[float, float, float, float]:
+        return tuple(v / k for v, k in zip(self._theta, self._SCALE))  # type: ignore[return-value]
+
+    def observe(self, ms: float, decodes: int, prefill_tokens: int, pairs: int) -> tuple[float, ...]:
+        self._add(ms, decodes, prefill_tokens, pairs, decay=self.DECAY)
+        self._solve(ridge=self.RIDGE)
+        return self.theta()
+
+    def _add(self, ms: float, d: int, p: int, pairs: int, decay: float) -> None:
+        x = (1.0, d / 8.0, p / 256.0, pairs / 1e5)
+        for i in range(self._N):
+            self._b[i] = self._b[i] * decay + x[i] * ms
+            row = self._a[i]
+            for j in range(self._N):
+                row[j] = row[j] * decay + x[i] * x[j]
+        self.samples += 1
+
+    def _solve(self, ridge: float) -> None:
+        m = [row[:] + [self._b[i] + ridge * self._theta[i]] for i, row in enumerate(self._a)]
+        for i in range(self._N):
+            m[i][i] += ridge
+        sol = _solve_linear(m)
+        if sol is None:
+            return
+        floor = (0.0, 0.0, self._MIN_PER_TOKEN * self._SCALE[2], 0.0)
+        self._theta = [max(v, f) for v, f in zip(sol, floor)]
+
+
+def _solve_linear(m: list[list[float]]) -> list[float] | None:
+    """Solve a small system given as an augmented matrix (Gaussian elimination, partial pivoting)."""
+    n = len(m)
+    for c in range(n):
+        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[piv][c]) < 1e-12:
+            return None
+        m[c], m[piv] = m[piv], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for k in range(c, n + 1):
+                m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
+
+
 _ESTIMATE_NAMES = (
+    "ttft_residual_local_ms",
+    "ttft_residual_remote_ms",
     "prefill_local_ms_per_token",
     "prefill_remote_ms_per_token",
     "decode_ms_per_token",

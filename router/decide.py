@@ -77,8 +77,10 @@ class ClusterSnapshot:
     decode_active_requests: int = 0  # running on this decode worker
     decode_waiting_requests: int = 0  # admitted here, not yet running (reported by explain)
     local_prefill_queue_tokens: int = 0  # tokens waiting for a local prefill here
+    local_prefill_queue_requests: int = 0  # the requests they belong to (0: count them as one)
     decode_backlog_tokens: int = 0  # decode tokens ahead of a new request's slot (0 = room now)
     decode_kv_usage: float = 0.0  # fraction 0-1 of this worker's KV blocks in use
+    kv_free_tokens: int | None = None  # token slots in this worker's free KV blocks (None: unknown)
     arrival_rate_per_s: float = 0.0  # requests/s this decode worker receives (recent average)
     # Prompt tokens one step of this worker may take (decode/prefill_budget.py); None: no cap.
     local_prefill_budget_tokens: int | None = None
@@ -128,42 +130,93 @@ def predict(
     """Predicted timings of both routes (POLICY.md section 1, cost_model).
 
     Returns ``(local_wait, ttft_local, remote_wait, ttft_remote, itl_penalty)``
-    in ms, where
+    in ms. With B the local prefill budget (prompt tokens per step; no budget:
+    one step), base = step_fixed_ms + step_decode_ms_per_seq x decoding requests
+    (the part of each step that is not prompt tokens), compute(n) = n x t_local
+    + attention pairs of n tokens after the cached ones / 1000 x
+    prefill_attention_ms_per_kpair, and r = t_remote / t_local (how much slower a
+    prefill worker computes the same prompt, measured):
 
-    local  = local prefill backlog x t_local + decode wait + eff_len x t_local
-             + ceil(eff_len / budget) x decode step   (chunks of the prefill budget
-               beside decoding requests: each chunk's step also runs their tokens)
-    remote = queue tokens x t_remote / pool size + decode wait
-             + eff_len x t_remote + kv_bytes(eff_len) / bandwidth + setup
+    local  = min(behind, beside) + decode wait + residual_local, where
+             behind = ceil((backlog + eff_len) / B) x base + backlog compute + compute(eff_len)
+                      (first come, first served), and, with a budget and a backlog,
+             beside = ceil(eff_len / (B / 2)) x (base + B x t_local) + compute(eff_len)
+                      - eff_len x t_local (the scheduler gives a waiting prompt half of
+                      each step beside a running prefill: it starts within one step)
+    remote = r x (queue depth x step_fixed_ms + queue compute) / pool size + decode wait
+             + r x (step_fixed_ms + compute(eff_len)) + kv_bytes(eff_len) / bandwidth
+             + setup + residual_remote
     decode wait = decode_backlog_tokens x decode ms per token (both routes)
-    itl_penalty = itl_penalty_weight x decoding requests x eff_len x t_local
-                  + blocking_penalty_weight x arrival rate (per ms) x (eff_len x t_local)^2 / 2
+    itl_penalty = itl_penalty_weight x decoding requests x (local prefill ms)
+                  + blocking_penalty_weight x arrival rate (per ms) x (local prefill ms)
+                    x (its longest step ms) / 2
+    (requests arriving during the local prefill each wait for the step under way, half
+    of it on average: with a budget, one chunk's step; without, the whole prefill)
+
+    The residuals are what measured TTFTs of each route exceeded the rest of the
+    formula by, on average (``CostModel.observe_ttft``): 0 until requests finish.
+    ``local_wait`` is the backlog's part of the local TTFT.
     """
+    # t_remote enters as r (CostEstimates.remote_ratio) and through the queue
     c = snapshot.costs
     eff = features.prompt_len - features.cached_len
     if eff < 0:
         eff = 0
     t_local = c.prefill_local_ms_per_token
-    t_remote = c.prefill_remote_ms_per_token
     decode_wait = snapshot.decode_backlog_tokens * c.decode_ms_per_token
-    local_prefill = eff * t_local
-    budget = snapshot.local_prefill_budget_tokens
-    if budget and snapshot.decode_active_requests and eff:
-        local_prefill += -(-eff // budget) * c.decode_step_ms
-    local_wait = snapshot.local_prefill_queue_tokens * t_local + decode_wait
-    queue_tokens = 0 if bypasses_queue(features, policy) else snapshot.prefill_queue_tokens
+    backlog = snapshot.local_prefill_queue_tokens
+    base = c.step_fixed_ms + c.step_decode_ms_per_seq * snapshot.decode_active_requests
+    budget = snapshot.local_prefill_budget_tokens or 0
+    compute = c.prefill_compute_ms(eff, features.cached_len)
+    local_wait = (_steps(backlog, budget) * base + _backlog_ms(c, backlog, snapshot.local_prefill_queue_requests)
+                  + decode_wait)
+    local_prefill = (_steps(backlog + eff, budget) - _steps(backlog, budget)) * base + compute
+    if budget and backlog and eff:
+        half = max(1, budget // 2)
+        beside = -(-eff // half) * (base + budget * t_local) + compute - eff * t_local
+        if beside < local_wait - decode_wait + local_prefill:
+            local_wait = min(local_wait, base + budget * t_local + decode_wait)  # one shared step
+            local_prefill = max(0.0, beside - (local_wait - decode_wait))
+    bypass = bypasses_queue(features, policy)
+    queue_tokens = 0 if bypass else snapshot.prefill_queue_tokens
     pool = snapshot.prefill_pool_size if snapshot.prefill_pool_size > 1 else 1
-    remote_wait = queue_tokens * t_remote / pool + decode_wait
-    ttft_remote = remote_wait + eff * t_remote
-    if eff:  # nothing to prefill means nothing to transfer, setup included
-        ttft_remote += c.transfer_ms(eff)
+    queue_ms = 0.0
+    if queue_tokens:
+        depth = max(1, snapshot.prefill_queue_depth)
+        queue_ms = c.remote_ratio * (depth * c.step_fixed_ms + _backlog_ms(c, queue_tokens, depth))
+    remote_wait = queue_ms / pool + decode_wait
+    ttft_remote = remote_wait
+    if eff:  # nothing to prefill means nothing to compute or transfer, setup included
+        ratio = c.remote_ratio
+        ttft_remote += ratio * (c.step_fixed_ms + compute) + c.transfer_ms(eff) + c.ttft_residual_remote_ms
+        local_prefill += c.ttft_residual_local_ms
+    ttft_remote = max(ttft_remote, remote_wait)
+    local_prefill = max(local_prefill, 0.0)
     cm = policy.router.cost_model
     penalty = cm.itl_penalty_weight * snapshot.decode_active_requests * local_prefill
-    if cm.blocking_penalty_weight and snapshot.arrival_rate_per_s > 0:
+    if cm.blocking_penalty_weight and snapshot.arrival_rate_per_s > 0 and local_prefill > 0:
+        step = local_prefill
+        if budget and eff > budget:  # chunked: an arrival waits one chunk's step at most
+            step = min(step, base + c.prefill_compute_ms(budget, features.cached_len + eff - budget))
         # Requests arriving during the local prefill wait on it, half of it on average.
         arrivals = snapshot.arrival_rate_per_s / 1000.0 * local_prefill
-        penalty += cm.blocking_penalty_weight * arrivals * local_prefill / 2.0
+        penalty += cm.blocking_penalty_weight * arrivals * step / 2.0
     return local_wait, local_wait + local_prefill, remote_wait, ttft_remote, penalty
+
+
+def _backlog_ms(c: CostEstimates, tokens: int, requests: int) -> float:
+    """Prompt compute of ``tokens`` in ``requests`` prompts of equal length (0: one prompt)."""
+    if tokens <= 0:
+        return 0.0
+    n = max(1, min(requests, tokens))
+    return n * c.prefill_compute_ms(tokens // n)
+
+
+def _steps(tokens: int, budget: int) -> int:
+    """Steps that prefill ``tokens`` at most ``budget`` (0: no cap) at a time."""
+    if tokens <= 0:
+        return 0
+    return -(-tokens // budget) if budget else 1
 
 
 def decide(

@@ -128,16 +128,27 @@ class CostModelParams(StrictModel):
     prefill_remote_ms_per_token: float = Field(0.1, gt=0)
     decode_ms_per_token: float = Field(1.0, gt=0)
     decode_step_ms: float = Field(25.0, gt=0)
+    # The rest of a step's cost curve (with prefill_local_ms_per_token as its per-prompt-token
+    # slope): step ms = step_fixed_ms + step_decode_ms_per_seq x decoding streams + prompt tokens
+    # x prefill_local_ms_per_token + attention pairs / 1000 x prefill_attention_ms_per_kpair.
+    # Seeds too: fitted from every step, and replaced at boot by the worker's calibration.
+    step_fixed_ms: float = Field(10.0, ge=0)
+    step_decode_ms_per_seq: float = Field(0.5, ge=0)
+    # Attention: ms per 1000 (prompt token, earlier position) pairs (a prompt of n tokens has
+    # n(n+1)/2): what makes a long prompt cost more per token than a short one.
+    prefill_attention_ms_per_kpair: float = Field(0.0, ge=0)
     transfer_bandwidth_gb_per_s: float = Field(10.0, gt=0)
     transfer_setup_ms: float = Field(2.0, ge=0)
     # Cost charged for the decode stall a local prefill inflicts: this weight
     # x requests D is decoding x local prefill ms. 0 ignores the harm.
     itl_penalty_weight: float = Field(0.1, ge=0)
     # Cost charged for the requests expected to ARRIVE while a local prefill
-    # occupies this worker: weight x arrival rate x (local prefill ms)^2 / 2
-    # (arrivals during the prefill, each waiting half of it on average).
-    # Quadratic in the prefill time: short prompts barely pay it, long ones
-    # under steady traffic do. 0 ignores it (pure TTFT of this request).
+    # occupies this worker: weight x arrival rate x local prefill ms x its
+    # longest step ms / 2 (arrivals during the prefill, each waiting for the step
+    # under way, half of it on average). Unchunked, that step is the whole
+    # prefill (quadratic: short prompts barely pay it, long ones under steady
+    # traffic do); chunked by the step plan, one chunk's step, so a long local
+    # prefill no longer blocks arrivals. 0 ignores it (pure TTFT of this request).
     blocking_penalty_weight: float = Field(1.0, ge=0)
     # TPOT pressure: when the measured decode step is at least this fraction
     # of qos.tpot_slo_ms, every local prefill would push running requests
@@ -206,14 +217,24 @@ class Degrade(StrictModel):
 
 
 class QosPolicy(StrictModel):
-    """The ``qos`` block: admission, refusal and degradation (section 3)."""
+    """The ``qos`` block: admission, refusal and degradation (section 3).
 
-    ttft_slo_ms: float = Field(500.0, gt=0)
+    The defaults admit every request the worker can serve and refuse only what would hurt
+    the requests already admitted: a predicted queue wait over ``max_queue_wait_ms``, or a
+    prompt the KV pool cannot hold without evicting running streams (docs/router.md, "How the
+    defaults were chosen"). The SLOs steer the step plan and the router; refusing a request
+    because its own predicted TTFT misses the SLO is opt-in (``reject_on_slo_violation``).
+    """
+
+    ttft_slo_ms: float = Field(1000.0, gt=0)
     tpot_slo_ms: float = Field(50.0, gt=0)
     enable_early_rejection: bool = True
-    reject_on_slo_violation: bool = True
-    low_priority_threshold_ms: float = Field(500.0, gt=0)
+    reject_on_slo_violation: bool = False
+    low_priority_threshold_ms: float = Field(1000.0, gt=0)
     max_queue_wait_ms: float = Field(2000.0, gt=0)
+    # Refuse (kv_pool_full) a prompt that would not fit in the KV pool's free blocks (with the
+    # prompts already waiting) while streams hold the rest: admitted, it would only preempt them.
+    reject_when_kv_full: bool = True
     degrade: Degrade = Degrade()
 
 

@@ -50,7 +50,10 @@ def admit(features: RequestFeatures, snapshot: ClusterSnapshot, policy: RouterPo
        over its SLO it is flagged ``preempt_low_priority``.
     2. ``enable_early_rejection: false`` admits everything else.
     3. W > ``max_queue_wait_ms`` refuses ``normal`` and ``low``
-       (``queue_wait_exceeded``).
+       (``queue_wait_exceeded``); so does a prompt whose uncached tokens, with the
+       local prompts already waiting, exceed the KV pool's free token slots while
+       streams are decoding (``kv_pool_full``, when ``reject_when_kv_full``): it
+       could only run by preempting them.
     4. ``low``: refused when P > ``low_priority_threshold_ms``, or > the
        request's own ``ttft_slo_ms`` when it set one and
        ``reject_on_slo_violation`` is on (``low_priority_ttft``).
@@ -85,6 +88,15 @@ def admit(features: RequestFeatures, snapshot: ClusterSnapshot, policy: RouterPo
                 f"predicted queue wait {wait:.0f} ms exceeds max_queue_wait_ms {q.max_queue_wait_ms:g} "
                 f"(predicted TTFT {ttft:.0f} ms)",
                 wait - q.max_queue_wait_ms, features, decision,
+            )
+        free = snapshot.kv_free_tokens
+        need = features.eff_len + snapshot.local_prefill_queue_tokens
+        if q.reject_when_kv_full and free is not None and need > free and snapshot.decode_active_requests:
+            return _refuse(
+                "kv_pool_full",
+                f"the KV pool has {free} free token slots; this prompt needs {features.eff_len} beside "
+                f"{snapshot.local_prefill_queue_tokens} waiting (predicted TTFT {ttft:.0f} ms)",
+                max(ttft, snapshot.costs.decode_step_ms), features, decision,
             )
         limit, label = _ttft_limit(features, q)
         if limit is not None and ttft > limit:

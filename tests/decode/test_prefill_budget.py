@@ -1,55 +1,88 @@
-"""The decode worker's local prefill budget: derived from its measured costs and the policy's
-TPOT target (or fixed by the topology), handed to its engine, exposed as a metric."""
+"""The decode worker's step plan: calibrated at boot, fed to its engine from the measured step
+cost curve and the policy's SLOs (or fixed by the topology), exposed as metrics; and the
+router's TTFT predictions checked against every request."""
 
 from __future__ import annotations
 
+import json
 import urllib.request
 
 import pytest
 
-from pdserve.decode.prefill_budget import MIN_TOKENS, TARGET_FRACTION, PrefillBudget, derive_budget
+from pdserve.decode.prefill_budget import StepPlanFeed, step_cost
 from pdserve.decode.worker import DecodeWorkerConfig
+from pdserve.engine.step_budget import StepTargets
+from pdserve.router.costs import CostEstimates
+from pdserve.router.policy import CostModelParams
 from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until
 
 
-def test_budget_fills_the_step_up_to_the_tpot_target():
-    d = derive_budget(tpot_slo_ms=50, decode_step_ms=10, prefill_ms_per_token=0.25, max_tokens=2048)
-    assert d.tokens == int((50 * TARGET_FRACTION - 10) / 0.25) == 120
-    assert "tpot_slo_ms 50" in d.reason and "decode step 10.0 ms" in d.reason
+def estimates(**changes) -> CostEstimates:
+    import dataclasses
+    return dataclasses.replace(CostEstimates.seed(CostModelParams(), 1024), **changes)
 
 
-@pytest.mark.parametrize("decode_ms, per_token, max_tokens, expect", [
-    (45.0, 0.25, 2048, MIN_TOKENS),  # no room left: the minimum chunk, so prefills still progress
-    (1.0, 0.001, 2048, 2048),  # cheap tokens: capped at the engine's step budget
-    (10.0, 0.0, 512, 512),  # nothing measured yet
-])
-def test_budget_is_clamped(decode_ms, per_token, max_tokens, expect):
-    assert derive_budget(50, decode_ms, per_token, max_tokens).tokens == expect
-
-
-def test_fixed_budget_wins_and_small_moves_are_not_reapplied():
-    assert derive_budget(50, 45, 1.0, 2048, fixed=256).tokens == 256
+def test_the_feed_reapplies_only_when_the_curve_or_the_slos_move():
     applied = []
-    budget = PrefillBudget(applied.append, max_tokens=2048)
-    budget.update(50, 10, 0.25)  # 120
-    budget.update(50, 10, 0.26)  # 115: within the hysteresis, kept
-    budget.update(50, 20, 0.25)  # 80
-    assert applied == [120, 80]
+    feed = StepPlanFeed(lambda c, t: applied.append((c, t)), apply_fixed=None)
+    assert feed.update(estimates(prefill_local_ms_per_token=0.30), 50, 1000)
+    assert not feed.update(estimates(prefill_local_ms_per_token=0.32), 50, 1000)  # within 10 %
+    assert feed.update(estimates(prefill_local_ms_per_token=0.40), 50, 1000)
+    assert feed.update(estimates(prefill_local_ms_per_token=0.40), 40, 1000)  # a new TPOT SLO
+    assert not feed.update(estimates(prefill_local_ms_per_token=0.40, step_fixed_ms=10.3), 40, 1000)
+    assert [t for _, t in applied] == [StepTargets(50, 1000), StepTargets(50, 1000), StepTargets(40, 1000)]
+    assert applied[-1][0] == step_cost(estimates(prefill_local_ms_per_token=0.40))
 
 
-def test_the_worker_gives_its_engine_the_derived_budget(llama_dir, tmp_path):
+def test_a_fixed_budget_is_applied_once_and_never_planned():
+    fixed, planned = [], []
+    feed = StepPlanFeed(lambda c, t: planned.append(c), apply_fixed=fixed.append, fixed=256)
+    assert not feed.update(estimates(), 50, 1000)
+    assert (fixed, planned) == ([256], [])
+
+
+def metric(body: str, name: str, **labels) -> float:
+    for line in body.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def test_a_worker_calibrates_at_boot_and_plans_its_engine_steps(llama_dir, tmp_path):
     policy = tmp_path / "router.yaml"
     policy.write_text(PERMISSIVE_POLICY + "  tpot_slo_ms: 40\n")
     w = WorkerThread(DecodeWorkerConfig(model=llama_dir, engine_args={"max_model_len": 512},
                                         router_policy=str(policy))).start()
     try:
         worker = w.worker
+        seeds = CostModelParams()
         est = worker._policy.costs.snapshot()
-        expected = derive_budget(40, est.decode_step_ms, est.prefill_local_ms_per_token,
-                                 worker.engine.config.max_num_batched_tokens).tokens
-        wait_until(lambda: worker.engine.prefill_token_budget == expected)
-        body = urllib.request.urlopen(f"{w.http}/metrics", timeout=10).read().decode()
-        line = next(x for x in body.splitlines() if x.startswith("pdserve_local_prefill_budget_tokens{"))
-        assert float(line.rsplit(" ", 1)[1]) == expected
+        # calibration replaced the seeds with this machine's figures
+        assert (est.step_fixed_ms, est.prefill_local_ms_per_token) != (seeds.step_fixed_ms,
+                                                                       seeds.prefill_local_ms_per_token)
+        assert worker._policy.costs.samples("prefill_local_ms_per_token") > 0
+        sched = worker.engine.scheduler
+        wait_until(lambda: sched.step_targets == StepTargets(40, 1000))
+        assert sched.step_cost == worker.step_plan.cost
+        body = json.dumps({"model": worker.frontend.served_model, "prompt": "hello there " * 20, "max_tokens": 4})
+        req = urllib.request.Request(f"{w.http}/v1/completions", body.encode(), {"Content-Type": "application/json"})
+        assert urllib.request.urlopen(req, timeout=30).status == 200
+        text = urllib.request.urlopen(f"{w.http}/metrics", timeout=10).read().decode()
+        assert metric(text, "pdserve_local_prefill_budget_tokens") >= 16
+        # the request's measured TTFT was compared with the local route's prediction
+        assert metric(text, "pdserve_ttft_prediction_ratio_count", route="local") == 1
+        assert worker._policy.costs.samples("ttft_residual_local_ms") == 1
+    finally:
+        w.stop()
+
+
+@pytest.mark.parametrize("fixed", [48])
+def test_a_topology_can_fix_the_budget_instead(llama_dir, fixed):
+    w = WorkerThread(DecodeWorkerConfig(model=llama_dir, engine_args={"max_model_len": 512}, calibrate=False,
+                                        local_prefill_budget_tokens=fixed)).start()
+    try:
+        eng = w.worker.engine
+        wait_until(lambda: eng.prefill_token_budget == fixed)
+        assert eng.scheduler.step_cost is None
     finally:
         w.stop()

@@ -20,7 +20,12 @@ def make_policy(router: dict | None = None, qos: dict | None = None) -> RouterPo
 
 
 def seed_costs(policy: RouterPolicy, **changes) -> CostEstimates:
+    """The policy's seed costs, except that a step's fixed and per-stream parts are 0 unless a
+    test sets them: a local prefill then costs exactly eff_len x prefill_local_ms_per_token,
+    which keeps the arithmetic of most tests simple (tests of the step curve set them)."""
     costs = CostEstimates.seed(policy.router.cost_model, KV_BYTES_PER_TOKEN)
+    changes.setdefault("step_fixed_ms", 0.0)
+    changes.setdefault("step_decode_ms_per_seq", 0.0)
     return dataclasses.replace(costs, **changes)
 
 

@@ -70,7 +70,7 @@ def test_explain_prints_decision_predictions_and_reasoning(capsys):
     assert "eff_len = max(0, prompt_len 300 - cached_len 20) = 280" in out
     assert "eff_len 280 >= prefill_length_threshold 256: True" in out
     assert "decision: remote (threshold_long_prompt)" in out
-    assert "predicted TTFT: local 28.0 ms, remote" in out
+    assert "predicted TTFT: local 38.0 ms, remote" in out  # 280 x 0.1 + one step's fixed 10 ms
     assert "admission: admit (admitted)" in out
 
 
@@ -82,9 +82,10 @@ def test_explain_shows_a_forced_override(capsys):
 
 def test_explain_shows_a_refusal_with_the_predicted_ttft(capsys):
     run(["policy", "explain", str(REPO / "configs/router/always-local.yaml"), "--prompt-len", "1000",
-         "--priority", "low", "--local-queue-tokens", "8000"])
+         "--priority", "low", "--local-queue-tokens", "12000"])
     out = capsys.readouterr().out
-    assert "admission: refuse (low_priority_ttft): predicted TTFT 900 ms" in out
+    # (12000 + 1000) x 0.1 ms + one step's fixed 10 ms, over the default threshold of 1000 ms
+    assert "admission: refuse (low_priority_ttft): predicted TTFT 1310 ms exceeds low_priority_threshold_ms 1000" in out
 
 
 def test_explain_uses_calibrated_costs_given_on_the_command_line(capsys):

@@ -169,3 +169,95 @@ def test_first_measurements_replace_a_far_off_seed_freely():
     m = model(prefill_local_ms_per_token=0.01, ema_alpha=1.0)
     m.observe_prefill(tokens=100, ms=100.0, where="local")  # 1 ms/token, 100x the seed
     assert m.snapshot().prefill_local_ms_per_token == pytest.approx(1.0)
+
+
+# -- the step cost curve (issue 28) -------------------------------------------------------------
+
+def curve(m: CostModel) -> tuple[float, float, float, float]:
+    e = m.snapshot()
+    return e.step_fixed_ms, e.step_decode_ms_per_seq, e.prefill_local_ms_per_token, e.prefill_attention_ms_per_kpair
+
+
+TRUE = (12.0, 0.8, 0.3, 0.5)  # the curve the tests' "machine" follows
+
+
+def pairs(p: int, start: int = 0) -> int:
+    return p * start + p * (p + 1) // 2
+
+
+def true_step(d: int, p: int, start: int = 0) -> float:
+    return TRUE[0] + TRUE[1] * d + TRUE[2] * p + TRUE[3] * pairs(p, start) / 1e3
+
+
+def mixed_steps(n: int):
+    for i in range(n):  # decode-only steps, prefill-only steps (some deep into a prompt), mixed ones
+        d, p, s = [(4, 0, 0), (0, 256, 0), (8, 64, 512), (1, 0, 0), (0, 32, 0), (2, 512, 1024)][i % 6]
+        yield true_step(d, p, s), d, p, pairs(p, s)
+
+
+def test_the_step_curve_is_recovered_from_mixed_steps():
+    m = model(step_fixed_ms=1.0, step_decode_ms_per_seq=5.0, prefill_local_ms_per_token=2.0)
+    for ms, d, p, q in mixed_steps(120):
+        m.observe_step(ms, d, p, q)
+    assert curve(m) == pytest.approx(TRUE, rel=0.02)
+    assert m.snapshot().step_ms(3, 100, pairs(100, 300)) == pytest.approx(true_step(3, 100, 300), rel=0.02)
+
+
+def test_a_direction_recent_steps_do_not_exercise_keeps_its_value():
+    m = model()
+    for ms, d, p, q in mixed_steps(120):
+        m.observe_step(ms, d, p, q)
+    for _ in range(500):  # a long decode-only stretch with one batch size: says nothing of prompts
+        m.observe_step(true_step(4, 0), 4, 0)
+    assert m.snapshot().prefill_local_ms_per_token == pytest.approx(0.3, rel=0.05)
+    assert m.snapshot().step_ms(4, 0) == pytest.approx(true_step(4, 0), rel=0.01)
+
+
+def test_one_stalled_step_moves_the_curve_little():
+    m = model()
+    for ms, d, p, q in mixed_steps(60):
+        m.observe_step(ms, d, p, q)
+    before = m.snapshot().step_ms(4, 0)
+    m.observe_step(100 * true_step(4, 0), 4, 0)  # a GC pause
+    assert m.snapshot().step_ms(4, 0) < 1.5 * before
+
+
+def test_calibration_replaces_the_seeds():
+    seeds = dict(step_fixed_ms=10.0, step_decode_ms_per_seq=0.5, prefill_local_ms_per_token=0.1, decode_step_ms=25.0)
+    m = model(**seeds)
+    steps = [(true_step(d, p), d, p, pairs(p)) for d, p in [(0, 32), (0, 128), (0, 512), (0, 128), (8, 0), (8, 0),
+                                                            (8, 128), (1, 0), (1, 0)]]
+    m.calibrate(steps)
+    assert curve(m) == pytest.approx(TRUE, rel=0.01)
+    assert m.snapshot().remote_ratio == pytest.approx(1.0)  # no prefill worker measured yet: same engine
+    assert m.snapshot().decode_step_ms == pytest.approx(true_step(8, 0))  # the median decode-only step
+    # a policy reload afterwards keeps the calibrated figures (they are measured, not seeds)
+    m.update_params(CostModelParams(**{**seeds, "step_fixed_ms": 99.0, "prefill_local_ms_per_token": 9.0}))
+    assert curve(m) == pytest.approx(TRUE, rel=0.01)
+
+
+def test_the_curve_stays_physical():
+    m = model()
+    m.calibrate([(5.0, 0, 100, pairs(100)), (5.0, 0, 200, pairs(200)), (5.0, 4, 0, 0)])  # flat: no cost visible
+    fixed, per_seq, per_token, per_kpair = curve(m)
+    assert fixed >= 0 and per_seq >= 0 and per_token > 0 and per_kpair >= 0
+
+
+def test_a_prefill_worker_twice_as_slow_doubles_the_remote_compute():
+    m = model(ema_alpha=0.5)
+    m.calibrate([(true_step(d, p), d, p, pairs(p)) for d, p in [(0, 32), (0, 128), (0, 512), (8, 0), (1, 0), (8, 128)]])
+    for _ in range(20):  # a prompt of 300 after 100 cached, alone in its batch, at half this worker's speed
+        m.observe_remote_prefill(300, 100, 2 * (TRUE[0] + TRUE[2] * 300 + TRUE[3] * pairs(300, 100) / 1e3))
+    e = m.snapshot()
+    assert e.remote_ratio == pytest.approx(2.0, rel=1e-3)
+    assert e.prefill_compute_ms(400, where="remote") == pytest.approx(2 * e.prefill_compute_ms(400), rel=1e-3)
+
+
+def test_ttft_residuals_learn_what_the_formula_leaves_out_per_route():
+    m = model(ema_alpha=0.5)
+    for _ in range(20):
+        m.observe_ttft("remote", measured_ms=130.0, formula_ms=100.0)
+        m.observe_ttft("local", measured_ms=95.0, formula_ms=100.0)
+    e = m.snapshot()
+    assert e.ttft_residual_remote_ms == pytest.approx(30.0, abs=0.01)
+    assert e.ttft_residual_local_ms == pytest.approx(-5.0, abs=0.01)

@@ -182,7 +182,8 @@ def pressed(rt, policy, step_ms: float, **fields):
 
 @pytest.fixture
 def tpot_policy(rt):
-    return rt.policy(router={"policy": "cost_model", "cost_model": {"tpot_pressure_fraction": 0.8}})
+    return rt.policy(router={"policy": "cost_model", "cost_model": {"tpot_pressure_fraction": 0.8}},
+                     qos={"ttft_slo_ms": 500})
 
 
 def test_tpot_pressure_is_off_by_default(rt, policy):
@@ -222,13 +223,60 @@ def test_tpot_pressure_is_explained(rt, tpot_policy):
     assert "near tpot_slo_ms 50" in d.detail
 
 
-def test_a_chunked_local_prefill_costs_a_decode_step_per_chunk(rt, policy):
-    """Beside decoding requests, a local prefill runs in chunks of the worker's prefill budget,
-    each in a step that also runs their decode tokens (seed decode step: 25 ms)."""
-    plain = rt.snap(policy, decode_active_requests=2)
-    chunked = rt.snap(policy, decode_active_requests=2, local_prefill_budget_tokens=150)
-    idle = rt.snap(policy, local_prefill_budget_tokens=150)
-    base = decide(rt.req(2000), plain, policy).predicted_ttft_local_ms
-    assert decide(rt.req(2000), chunked, policy).predicted_ttft_local_ms == from_seed(base + 14 * 25.0)
-    assert decide(rt.req(2000), idle, policy).predicted_ttft_local_ms == from_seed(2000 * 0.1)  # no one decoding
+def test_a_chunked_local_prefill_pays_the_step_base_per_chunk(rt, policy):
+    """A local prefill runs in chunks of the worker's prefill budget; each chunk's step pays the
+    step curve's fixed part plus the decoding requests' part (here 10 ms + 2 x 1 ms)."""
+    costs = rt.costs(policy, step_fixed_ms=10.0, step_decode_ms_per_seq=1.0)
+    plain = rt.snap(policy, costs, decode_active_requests=2)
+    chunked = rt.snap(policy, costs, decode_active_requests=2, local_prefill_budget_tokens=150)
+    idle = rt.snap(policy, costs, local_prefill_budget_tokens=150)
+    assert decide(rt.req(2000), plain, policy).predicted_ttft_local_ms == from_seed(2000 * 0.1 + 12)  # one step
+    assert decide(rt.req(2000), chunked, policy).predicted_ttft_local_ms == from_seed(2000 * 0.1 + 14 * 12)
+    assert decide(rt.req(2000), idle, policy).predicted_ttft_local_ms == from_seed(2000 * 0.1 + 14 * 10)
     assert decide(rt.req(2000), chunked, policy).route == "remote"
+
+
+def test_a_local_backlog_shares_its_chunks_with_the_new_prompt(rt, policy):
+    costs = rt.costs(policy, step_fixed_ms=10.0)
+    s = rt.snap(policy, costs, local_prefill_queue_tokens=100, local_prefill_budget_tokens=150)
+    d = decide(rt.req(100), s, policy)
+    # backlog alone: 1 step + 100 tokens; backlog + prompt: 2 steps + 200 tokens
+    assert d.predicted_queue_wait_ms == from_seed(10 + 100 * 0.1) or d.route == "remote"
+    assert d.predicted_ttft_local_ms == from_seed(2 * 10 + 200 * 0.1)
+
+
+def test_learned_residuals_are_added_to_each_route(rt, policy):
+    costs = rt.costs(policy, ttft_residual_local_ms=7.0, ttft_residual_remote_ms=30.0)
+    d = decide(rt.req(2000), rt.snap(policy, costs), policy)
+    assert d.predicted_ttft_local_ms == from_seed(2000 * 0.1 + 7)
+    assert d.predicted_ttft_remote_ms == from_seed(2000 * 0.1 + 2000 * 131072 / 1e7 + 2.0 + 30)
+    cached = decide(rt.req(100, cached_len=100), rt.snap(policy, costs), policy)
+    assert cached.predicted_ttft_local_ms == 0.0  # nothing to prefill: no residual either
+
+
+def test_a_chunked_local_prefill_blocks_arrivals_for_one_chunk_only(rt, policy):
+    """The blocking penalty prices arrivals waiting for the step under way: unchunked, the whole
+    prefill; chunked by the step plan, one chunk's step."""
+    costs = rt.costs(policy, step_fixed_ms=10.0)
+    whole = decide(rt.req(2000), rt.snap(policy, costs, arrival_rate_per_s=2.0), policy)
+    chunked = decide(rt.req(2000), rt.snap(policy, costs, arrival_rate_per_s=2.0, local_prefill_budget_tokens=200),
+                     policy)
+    local_whole = 10 + 200.0  # one step: 10 ms + 2000 x 0.1
+    assert whole.score == from_seed(local_whole + 2.0 / 1000 * local_whole * local_whole / 2 - whole.predicted_ttft_remote_ms)
+    local_chunked = 10 * 10 + 200.0  # ten steps
+    step = 10 + 200 * 0.1  # one chunk's step
+    assert chunked.score == from_seed(local_chunked + 2.0 / 1000 * local_chunked * step / 2
+                                      - chunked.predicted_ttft_remote_ms)
+
+
+def test_a_short_prompt_behind_a_local_backlog_is_predicted_beside_it(rt, policy):
+    """The scheduler gives a waiting prompt half of each step beside a running prefill: a short
+    prompt's local TTFT is a step or two, not the whole backlog."""
+    costs = rt.costs(policy, step_fixed_ms=10.0)
+    s = rt.snap(policy, costs, local_prefill_queue_tokens=4000, local_prefill_queue_requests=1,
+                local_prefill_budget_tokens=200)
+    d = decide(rt.req(50), s, policy)
+    assert d.predicted_ttft_local_ms == from_seed(10 + 200 * 0.1)  # one shared step: 50 <= 100
+    assert d.predicted_queue_wait_ms <= 30.0 or d.route == "remote"
+    long_ = decide(rt.req(4000), s, policy)  # as long as the backlog: behind it is no worse
+    assert long_.predicted_ttft_local_ms <= 40 * 10 + 8000 * 0.1 + 1e-6

@@ -53,10 +53,12 @@ def test_every_schema_key_is_read_outside_the_schema():
     assert unread == []
 
 
-def test_qos_defaults_are_the_policy_md_block():
+def test_qos_defaults_admit_what_can_be_served():
+    """Issue 28: the defaults refuse only a long predicted queue wait or a full KV pool; strict
+    per-request SLO refusal is opt-in (docs/router.md, "How the defaults were chosen")."""
     q = DEFAULT_POLICY.qos
-    assert (q.ttft_slo_ms, q.tpot_slo_ms, q.low_priority_threshold_ms, q.max_queue_wait_ms) == (500, 50, 500, 2000)
-    assert q.enable_early_rejection and q.reject_on_slo_violation
+    assert (q.ttft_slo_ms, q.tpot_slo_ms, q.low_priority_threshold_ms, q.max_queue_wait_ms) == (1000, 50, 1000, 2000)
+    assert q.enable_early_rejection and q.reject_when_kv_full and not q.reject_on_slo_violation
     assert q.degrade.low_priority_max_tokens == 200
     assert q.degrade.no_remote_prefill_for_low_priority_when_busy is True
 

@@ -2,7 +2,9 @@
 TTFT and a retry hint, degrade; high priority always admitted.
 
 Most tests use mode always_local so the prediction is simple arithmetic:
-TTFT = (local backlog + eff_len) x 0.1 ms + decode backlog x 1.0 ms.
+TTFT = (local backlog + eff_len) x 0.1 ms + decode backlog x 1.0 ms, and the
+strict, opt-in refusal of a request whose predicted TTFT misses the SLO
+(``STRICT``: the defaults only refuse a long queue wait or a full KV pool).
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import pytest
 from pdserve.router.qos import admit
 
 
+STRICT = {"ttft_slo_ms": 500, "reject_on_slo_violation": True, "low_priority_threshold_ms": 500}
+
+
 @pytest.fixture
 def local(rt):
-    return rt.policy(router={"mode": "always_local"})
+    return rt.policy(router={"mode": "always_local"}, qos=STRICT)
 
 
 def test_request_predicted_within_slo_is_admitted(rt, local):
@@ -122,7 +127,7 @@ def test_low_priority_without_a_limit_gets_the_cap_under_pressure(rt, local):
 
 
 def test_low_priority_over_ttft_slo_but_under_its_threshold_is_degraded(rt):
-    policy = rt.policy(router={"mode": "always_local"}, qos={"low_priority_threshold_ms": 2000})
+    policy = rt.policy(router={"mode": "always_local"}, qos={"low_priority_threshold_ms": 2000, "ttft_slo_ms": 500})
     a = admit(rt.req(1000, priority="low", max_tokens=500), rt.snap(policy, local_prefill_queue_tokens=5000), policy)
     assert (a.ok, a.max_tokens) == (True, 200)
 
@@ -182,3 +187,34 @@ def test_saturating_low_priority_burst_refuses_some_and_admits_every_high(rt):
     assert 0 < len(low_refused) < len(outcomes["low"])
     assert all("predicted TTFT" in a.detail and a.retry_after_ms >= 1 for a in low_refused)
     assert all(a.predicted_ttft_ms > 300 for a in low_refused)
+
+
+# -- the defaults (issue 28): refuse only what would hurt requests already admitted --------
+
+def test_by_default_a_request_predicted_over_the_slo_is_admitted(rt):
+    policy = rt.policy(router={"mode": "always_local"})
+    a = admit(rt.req(1000), rt.snap(policy, local_prefill_queue_tokens=12000), policy)  # 1300 ms > 1000 ms SLO
+    assert a.ok and a.predicted_ttft_ms == pytest.approx(1300.0)
+
+
+def test_by_default_a_long_predicted_queue_wait_is_refused_with_a_retry_hint(rt):
+    policy = rt.policy(router={"mode": "always_local"})
+    a = admit(rt.req(100), rt.snap(policy, local_prefill_queue_tokens=25000), policy)  # wait 2500 ms > 2000
+    assert (a.ok, a.reason, a.retry_after_ms) == (False, "queue_wait_exceeded", 500)
+    assert "predicted queue wait 2500 ms exceeds max_queue_wait_ms 2000" in a.detail
+
+
+def test_a_prompt_the_free_kv_cannot_hold_is_refused_only_while_streams_hold_the_pool(rt):
+    policy = rt.policy(router={"mode": "always_local"})
+    full = rt.snap(policy, kv_free_tokens=1000, local_prefill_queue_tokens=600, decode_active_requests=3)
+    a = admit(rt.req(500), full, policy)
+    assert (a.ok, a.reason) == (False, "kv_pool_full")
+    assert "1000 free token slots" in a.detail and a.retry_after_ms >= 1
+    assert admit(rt.req(400), full, policy).ok  # 400 + 600 fits exactly
+    idle = rt.snap(policy, kv_free_tokens=1000, local_prefill_queue_tokens=600)  # nobody to preempt
+    assert admit(rt.req(500), idle, policy).ok
+    unknown = rt.snap(policy, local_prefill_queue_tokens=600, decode_active_requests=3)
+    assert admit(rt.req(500), unknown, policy).ok
+    off = rt.policy(router={"mode": "always_local"}, qos={"reject_when_kv_full": False})
+    assert admit(rt.req(500), rt.snap(off, kv_free_tokens=1000, local_prefill_queue_tokens=600,
+                                      decode_active_requests=3), off).ok

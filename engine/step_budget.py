@@ -1,0 +1,163 @@
+"""How many prompt tokens one engine step takes: the chunk that serves both SLOs.
+
+A step runs every decoding stream's next token and some prompt tokens. Its time follows the
+measured cost curve (``StepCost``)::
+
+    step_ms = fixed_ms + decode_ms x decoding streams + prefill_ms x prompt tokens
+              + attention_ms_per_kpair x (prompt token, context token) pairs / 1000
+
+(the last term is attention: a chunk of n prompt tokens from position s attends to
+``n x s + n(n+1)/2`` earlier positions, so a long prompt's later chunks cost more).
+
+A long step stalls the running streams; a short one stretches a waiting prompt's prefill
+over many steps, each paying ``fixed_ms`` again (on the 2-core CI box the fixed part is about
+as much as 40 prompt tokens, so 40-token chunks double a prompt's prefill time). The budget
+weighs the two SLOs with what each side can afford (``plan_budget``):
+
+* **Streams keep their TPOT.** TPOT is judged per request as the mean time per output token
+  (``(e2e - ttft) / (tokens - 1)``: vLLM's benchmark and its goodput use it), so a stream that
+  has been running faster than its target has *slack* it can spend on one longer step without
+  missing it: ``slack = target x tokens since the first - time since the first``. A step may
+  last ``target + min(slack)`` (capped at ``MAX_STALL`` x target so ITL stays bounded); it is
+  assumed the stream may end right after (no credit is taken for its future tokens).
+* **Waiting prompts keep their TTFT.** For the waiting prompts in service order, with ``L``
+  their cumulative remaining prompt tokens and ``D`` the time left to the TTFT target of the
+  last of them, the chunk ``n`` must satisfy ``ceil(L / n) x base_step + prefill_ms x L <= D``.
+  The largest such need is the chunk the prompts require.
+* **The choice.** Without slack the streams allow ``n_free = (target - base_step) / prefill_ms``
+  tokens: the budget is at least that. When the prompts need more it spends slack, up to what
+  the streams allow; beyond that the streams win (a prompt that misses its TTFT is one lost
+  request; a step too long for every stream may be many). Nobody decoding: there is no stream
+  to protect, only arrivals, which wait at most one step, so a step may last
+  ``IDLE_WAIT x ttft target`` or what the prompts need, whichever is more.
+
+Targets are ``FRACTION`` of each SLO, for noise. The result is clamped to ``[MIN_TOKENS,
+max_tokens]`` so that a prefill always progresses. The scheduler applies it (and keeps half of
+it for prompts that wait behind a running prefill, so a short prompt starts within one step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+FRACTION = 0.8  # of each SLO: room for step-to-step noise
+MAX_STALL = 4.0  # a step never lasts more than this x the TPOT target (bounds ITL)
+IDLE_WAIT = 0.25  # nobody decoding: a step lasts at most this x the TTFT target
+MIN_TOKENS = 16  # a prefill chunk never goes below this (progress; one block of the default size)
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """The cost curve of one engine step (ms): fixed + per decoding stream + per prompt token."""
+
+    fixed_ms: float
+    decode_ms: float
+    prefill_ms: float
+    attention_ms_per_kpair: float = 0.0
+
+    def step_ms(self, decodes: int, prefill_tokens: int, start: int = 0) -> float:
+        return self.fixed_ms + self.decode_ms * decodes + self.compute_ms(prefill_tokens, start)
+
+    def compute_ms(self, tokens: int, start: int = 0) -> float:
+        """The prompt-token part of prefilling ``tokens`` positions from ``start`` (no step base)."""
+        return self.prefill_ms * tokens + self.attention_ms_per_kpair * attention_pairs(tokens, start) / 1e3
+
+    def prefill_time_ms(self, tokens: int, chunk: int, decodes: int, start: int = 0) -> float:
+        """Time to prefill ``tokens`` from ``start`` in chunks of ``chunk`` beside ``decodes`` streams."""
+        if tokens <= 0:
+            return 0.0
+        steps = math.ceil(tokens / max(1, chunk))
+        return steps * (self.fixed_ms + self.decode_ms * decodes) + self.compute_ms(tokens, start)
+
+    def tokens_within(self, room_ms: float, start: int) -> int:
+        """The most prompt tokens from ``start`` whose compute fits in ``room_ms``."""
+        if room_ms <= 0:
+            return 0
+        a = self.attention_ms_per_kpair / 2e3  # n^2 coefficient (n(n+1)/2 pairs, per 1000)
+        b = max(self.prefill_ms, 1e-6) + self.attention_ms_per_kpair * (start + 0.5) / 1e3
+        if a <= 0:
+            return int(room_ms / b)
+        return int((-b + math.sqrt(b * b + 4 * a * room_ms)) / (2 * a))
+
+
+def attention_pairs(tokens: int, start: int) -> int:
+    """(token, earlier position) pairs of ``tokens`` prompt tokens from position ``start``."""
+    return tokens * start + tokens * (tokens + 1) // 2
+
+
+@dataclass(frozen=True, slots=True)
+class StepTargets:
+    """The SLOs the step budget serves (ms)."""
+
+    tpot_ms: float
+    ttft_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    tokens: int
+    reason: str  # what it was derived from, for logs and `explain`
+
+
+def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple[int, float]],
+                prompts: Sequence[tuple[int, float, int]], max_tokens: int) -> Budget:
+    """The prompt tokens of the next step (module docstring).
+
+    ``decoding``: per decoding stream, (tokens since its first token, seconds since its first
+    token). ``prompts``: per waiting or prefilling request in service order, (prompt tokens
+    left, seconds since it arrived, position its prefill has reached).
+    """
+    tpot = targets.tpot_ms * FRACTION
+    ttft = targets.ttft_ms * FRACTION
+    d = len(decoding)
+    base = cost.fixed_ms + cost.decode_ms * d
+    start = prompts[0][2] if prompts else 0  # the chunk goes to the first prompt first
+    need, need_why = _prompts_need(cost, base, ttft, prompts)
+    if d == 0:
+        idle = cost.tokens_within(IDLE_WAIT * ttft - base, start)
+        tokens, why = (need, need_why) if need > idle else (
+            idle, f"nobody decoding: a step of <= {IDLE_WAIT:g} x TTFT target {ttft:.0f} ms = {idle} tokens")
+        return _clamp(tokens, why, max_tokens)
+    slack = min(tpot * k - age * 1e3 for k, age in decoding)
+    allowed = min(tpot + max(slack, -tpot), MAX_STALL * tpot)
+    free = cost.tokens_within(tpot - base, start)
+    most = cost.tokens_within(allowed - base, start)
+    if slack < 0:  # a stream is behind its target: only what it can still afford
+        return _clamp(most, f"a stream is {-slack:.0f} ms behind its TPOT target: a step of <= {allowed:.0f} ms "
+                      f"= {most} tokens", max_tokens)
+    if need <= free:
+        return _clamp(free, f"TPOT target {tpot:.0f} ms - step base {base:.1f} ms ({d} streams) "
+                      f"= {free} prompt tokens", max_tokens)
+    if need <= most:
+        return _clamp(need, f"{need_why}; the streams' slack ({slack:.0f} ms) affords it", max_tokens)
+    return _clamp(most, f"{need_why}, but the streams afford only {most} (slack {slack:.0f} ms, "
+                  f"a step <= {allowed:.0f} ms): the streams win", max_tokens)
+
+
+def _prompts_need(cost: StepCost, base: float, ttft: float,
+                  prompts: Sequence[tuple[int, float, int]]) -> tuple[int, str]:
+    """The chunk the waiting prompts need to meet their TTFT target (0: none they can meet)."""
+    need, why, cum, compute = 0, "", 0, 0.0
+    for left, age, start in prompts:
+        cum += left
+        compute += cost.compute_ms(left, start)
+        room = ttft - age * 1e3 - compute
+        steps = int(room // base) if base > 0 else cum
+        if steps < 1:
+            continue  # cannot make it whatever the chunk: not worth stalling anyone for
+        n = -(-cum // steps)
+        if n > need:
+            need = n
+            why = (f"{cum} prompt tokens due within {ttft - age * 1e3:.0f} ms need chunks of {n} "
+                   f"({steps} steps of {base:.1f} ms + {compute:.0f} ms of prompt compute)")
+    return need, why
+
+
+def _clamp(tokens: int, why: str, max_tokens: int) -> Budget:
+    if tokens < MIN_TOKENS:
+        return Budget(MIN_TOKENS, f"{why}; raised to the minimum chunk {MIN_TOKENS}")
+    if tokens > max_tokens:
+        return Budget(max_tokens, f"{why}; capped at max_num_batched_tokens {max_tokens}")
+    return Budget(tokens, why)
