@@ -5,7 +5,7 @@
 PYTHON ?= .venv/bin/python
 MODEL_DIR ?= .cache/models/pdserve-tiny-llama
 
-.PHONY: venv demo generate test bench bench-vllm vllm-venv clean
+.PHONY: venv demo generate test bench bench-vllm vllm-venv gpu-check gpu-bundle clean
 
 venv: .venv/.installed
 
@@ -48,6 +48,17 @@ vllm-venv: .venv-vllm/.installed
 
 bench-vllm: venv vllm-venv
 	.venv/bin/python bench/engine_throughput.py --peer vllm
+
+# Every gpu-marked test and the GPU benches (bench/gpu_check.sh), on a machine with a CUDA GPU
+# and a registry: FlashInfer comes with the [gpu] extra. Logs in runs/gpu-check.
+gpu-check: venv
+	.venv/bin/pip install -q -e '.[gpu]'
+	PYTHON=.venv/bin/python bash bench/gpu_check.sh
+
+# For a GPU machine that reaches no registry: what it lacks, packed into .gpu/ (Python 3.12
+# x86_64); there, `bash bench/gpu_check.sh` installs it and runs the same checks.
+gpu-bundle: venv
+	bash bench/gpu_bundle.sh .venv/bin/python
 
 clean:
 	rm -rf .venv .venv-vllm .cache .pytest_cache runs

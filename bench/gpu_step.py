@@ -22,6 +22,7 @@ KV geometry) between two processes whose pools are on this device (VRAM to VRAM 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -117,7 +118,10 @@ def decode_step_ms(eng, batch: int, args) -> float:
     """Median step time with ``batch`` sequences decoding over ``context_len`` tokens of KV."""
     from pdserve.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=args.steps + 4, temperature=0.0, ignore_eos=True)
+    # Long enough that the first prompts prefilled are still decoding when the last one is
+    # (a planned step takes a bounded chunk of prompt tokens); aborted after the timed steps.
+    params = SamplingParams(max_tokens=args.steps + 8 + batch * args.context_len // 64, temperature=0.0,
+                            ignore_eos=True)
     vocab = eng.model_config.vocab_size
     for i in range(batch):
         prompt = [(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(args.context_len)]
@@ -178,6 +182,10 @@ def main(argv=None) -> int:
     eng = None
     print(f"{'backend':<18} {'batch':>5} {'step ms':>9} {'floor ms':>9} {'x floor':>8} {'tok/s':>9}")
     for backend in args.backends:
+        eng = None  # the last backend's engine and its pool go before the next is sized
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
         t0 = time.perf_counter()
         eng = engine_for(path, args, backend, max_batch)
         start_s = time.perf_counter() - t0

@@ -201,7 +201,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    kv_cache_memory_bytes: int | None = None  # CPU pool size; default 256 MiB
+    kv_cache_memory_bytes: int | None = None  # KV pool size (default: 256 MiB on CPU, from the next on GPU)
+    # GPU: this engine's share of the device (weights + reserve + KV pool), never more than is free
+    # (engine/runner.py gpu_kv_budget)
     gpu_memory_utilization: float = 0.85
     num_gpu_blocks_override: int | None = None  # exact pool size (tests, benchmarks)
     enable_prefix_caching: bool = True

@@ -22,8 +22,41 @@ from .step_batch import build_step_batch
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 256 << 20
-# GPU memory kept back from the KV pool for activations and workspaces.
+# GPU memory kept back from the KV pool for activations and workspaces (at most a tenth of a
+# small device).
 GPU_ACTIVATION_RESERVE_BYTES = 2 << 30
+
+
+def gpu_kv_budget(cfg: EngineConfig, free: int, total: int, own_bytes: int) -> tuple[int, str, str]:
+    """The KV pool's bytes on a GPU, the engine argument that sets it, and how it was reached.
+
+    ``free``/``total`` are the device's (``torch.cuda.mem_get_info``) after this engine loaded
+    its weights, ``own_bytes`` what this engine itself holds so far (its weights).
+
+    ``gpu_memory_utilization`` is this engine's share of the device, as in vLLM: weights,
+    activation reserve and KV pool together stay within ``total x utilization``. What others
+    hold (another worker on the device, another engine in this process) is never taken: the
+    pool is also capped at what is free now, less the activation reserve. So a second engine
+    on a device gets what the first left (set each one's utilization, e.g. 0.45 and 0.45, for
+    an even split); an explicit ``kv_cache_memory_bytes`` is used as is when it fits.
+    """
+    reserve = min(GPU_ACTIVATION_RESERVE_BYTES, total // 10)
+    headroom = free - reserve
+    gib = 1 << 30
+    if cfg.kv_cache_memory_bytes is not None:
+        budget = cfg.kv_cache_memory_bytes
+        if budget > headroom:
+            raise ConfigError(
+                f"kv_cache_memory_bytes: {budget / gib:.2f} GiB asked, but only {max(headroom, 0) / gib:.2f} GiB "
+                f"of the device is free beyond the {reserve / gib:.2f} GiB activation reserve "
+                f"({free / gib:.2f} of {total / gib:.2f} GiB free): lower kv_cache_memory_bytes")
+        return budget, "kv_cache_memory_bytes", f"kv_cache_memory_bytes = {budget / gib:.2f} GiB"
+    share = int(total * cfg.gpu_memory_utilization) - own_bytes - reserve
+    budget = min(share, headroom)
+    how = (f"min(share {cfg.gpu_memory_utilization:g} x {total / gib:.1f} GiB - weights {own_bytes / gib:.2f} GiB "
+           f"- reserve {reserve / gib:.2f} GiB = {share / gib:.2f} GiB, free {free / gib:.2f} GiB - reserve "
+           f"= {headroom / gib:.2f} GiB) = {budget / gib:.2f} GiB")
+    return budget, "gpu_memory_utilization", how
 
 
 def resolve_device(name: str) -> torch.device:
@@ -51,7 +84,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg, model_cfg, self.device)
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
+        held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = load_model(model_cfg, self.dtype, self.device)
+        # What this engine holds before its pool: its weights (other engines' memory excluded).
+        self.own_bytes = torch.cuda.memory_allocated(self.device) - held if self.device.type == "cuda" else 0
         self.linear_backend = pack_linears(self.model, self.device, self.dtype, cfg.linear_backend)
         self.backend = make_backend(
             cfg.attention_backend, device=self.device, scale=model_cfg.head_dim ** -0.5,
@@ -77,16 +113,20 @@ class ModelRunner:
         per_block = self.block_bytes * self.model_cfg.num_layers
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - GPU_ACTIVATION_RESERVE_BYTES
-            field = "gpu_memory_utilization"
+            # memory this process's allocator keeps cached (freed engines) is free to this pool
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            budget, field, how = gpu_kv_budget(cfg, free, total, self.own_bytes)
+            log.info("KV pool on %s: %s", self.device, how)
         else:
             budget = cfg.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
-            field = "kv_cache_memory_bytes"
+            field, how = "kv_cache_memory_bytes", f"{budget} bytes"
         n = budget // per_block
         if n < 1:
+            hint = ("; other engines or processes hold the rest of the device: lower their "
+                    "gpu_memory_utilization, or set kv_cache_memory_bytes" if field == "gpu_memory_utilization" else "")
             raise ConfigError(
-                f"{field}: the KV budget ({budget} bytes) does not hold one block "
-                f"({per_block} bytes); raise {field}"
+                f"{field}: the KV budget ({how}) does not hold one block "
+                f"({per_block} bytes); raise {field}{hint}"
             )
         return int(n)
 

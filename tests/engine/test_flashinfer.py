@@ -25,6 +25,7 @@ from pdserve.engine import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 DTYPES = ["bfloat16", "float16"]
+KV = 1 << 30  # each test holds several engines at once: a fixed pool each, not a device share
 
 
 def _prompts(n=8, seed=0):
@@ -54,10 +55,18 @@ def _prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 MODELS = ["llama_gpu", "qwen2_gpu"]
 
 
+def needs_flashinfer() -> None:
+    """On a GPU machine a missing FlashInfer is a failure, never a skip (issue 31)."""
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"FlashInfer is not importable ({exc}): pip install '.[gpu]', or run make gpu-check")
+
+
 def _errors(model: str, dtype: str, prompts) -> tuple[LLM, float]:
     """The float32 reference engine and the torch path's own 16-bit logit error on ``prompts``."""
-    ref32 = LLM(model, device="cuda", dtype="float32", attention_backend="torch")
-    torch16 = LLM(model, device="cuda", dtype=dtype, attention_backend="torch")
+    ref32 = LLM(model, device="cuda", kv_cache_memory_bytes=KV, dtype="float32", attention_backend="torch")
+    torch16 = LLM(model, device="cuda", kv_cache_memory_bytes=KV, dtype=dtype, attention_backend="torch")
     err = max((_prefill_logits(torch16, p) - _prefill_logits(ref32, p)).abs().max().item() for p in prompts)
     return ref32, err
 
@@ -77,11 +86,11 @@ def _assert_same_or_tie(ref32: LLM, prompts, got, want, tol: float) -> None:
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_flashinfer_logits_within_the_torch_paths_own_16bit_error(model_dirs, name, dtype):
-    pytest.importorskip("flashinfer")
+    needs_flashinfer()
     model = model_dirs(name)
     prompts = _prompts(4, seed=1)
     ref32, err_torch = _errors(model, dtype, prompts)
-    fi16 = LLM(model, device="cuda", dtype=dtype, attention_backend="flashinfer")
+    fi16 = LLM(model, device="cuda", kv_cache_memory_bytes=KV, dtype=dtype, attention_backend="flashinfer")
     assert fi16.engine.runner.backend.name == "flashinfer"
     err_fi = max((_prefill_logits(fi16, p) - _prefill_logits(ref32, p)).abs().max().item() for p in prompts)
     print(f"{name} {dtype}: max |logit error| vs float32: torch {err_torch:.4g}, flashinfer {err_fi:.4g}")
@@ -91,26 +100,27 @@ def test_flashinfer_logits_within_the_torch_paths_own_16bit_error(model_dirs, na
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_flashinfer_greedy_matches_torch_backend(model_dirs, name, dtype):
-    pytest.importorskip("flashinfer")
+    needs_flashinfer()
     model = model_dirs(name)
     prompts = _prompts()
     params = SamplingParams(max_tokens=8, temperature=0.0)
     ref32, err = _errors(model, dtype, prompts[:2])
-    ref = LLM(model, device="cuda", dtype=dtype, attention_backend="torch").generate(prompts, params)
-    outs = LLM(model, device="cuda", dtype=dtype, attention_backend="flashinfer").generate(prompts, params)
+    ref = LLM(model, device="cuda", kv_cache_memory_bytes=KV, dtype=dtype, attention_backend="torch").generate(prompts, params)
+    outs = LLM(model, device="cuda", kv_cache_memory_bytes=KV, dtype=dtype, attention_backend="flashinfer").generate(prompts, params)
     _assert_same_or_tie(ref32, prompts, [o.token_ids for o in outs], [r.token_ids for r in ref], 4 * err)
 
 
 def test_flashinfer_chunked_prefill_and_prefix_cache(model_dirs):
-    pytest.importorskip("flashinfer")
+    needs_flashinfer()
     model = model_dirs("llama_gpu")
-    shared = _prompts(1, seed=3)[0][:200]
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 32000) for _ in range(200)]  # 12 full blocks of 16 and 8 tokens
     prompts = [shared + [5, 6, 7], shared + [8, 9]]
     params = SamplingParams(max_tokens=8, temperature=0.0)
     ref32, err = _errors(model, "bfloat16", prompts[:1])
-    ref = LLM(model, device="cuda", dtype="bfloat16", attention_backend="torch",
+    ref = LLM(model, device="cuda", kv_cache_memory_bytes=KV, dtype="bfloat16", attention_backend="torch",
               enable_prefix_caching=False).generate(prompts, params)
-    llm = LLM(model, device="cuda", dtype="bfloat16", attention_backend="flashinfer", max_num_batched_tokens=32)
+    llm = LLM(model, device="cuda", kv_cache_memory_bytes=KV, dtype="bfloat16", attention_backend="flashinfer", max_num_batched_tokens=32)
     outs = [llm.generate([p], params)[0] for p in prompts]
     assert outs[1].num_cached_tokens >= 192
     _assert_same_or_tie(ref32, prompts, [o.token_ids for o in outs], [r.token_ids for r in ref], 4 * err)
@@ -118,13 +128,13 @@ def test_flashinfer_chunked_prefill_and_prefix_cache(model_dirs):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_decode_cuda_graphs_match_eager(model_dirs, name):
-    pytest.importorskip("flashinfer")
+    needs_flashinfer()
     model = model_dirs(name)
     prompts = _prompts(11, seed=4)  # 11 sequences: replays the 16-row graph with 5 padding rows
     params = SamplingParams(max_tokens=12, temperature=0.0)
     ref32, err = _errors(model, "bfloat16", prompts[:2])
-    eager = LLM(model, device="cuda", dtype="bfloat16", attention_backend="flashinfer")
-    graphs = LLM(model, device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+    eager = LLM(model, device="cuda", kv_cache_memory_bytes=KV, dtype="bfloat16", attention_backend="flashinfer")
+    graphs = LLM(model, device="cuda", kv_cache_memory_bytes=KV, dtype="bfloat16", attention_backend="flashinfer",
                  cuda_graphs=True, cuda_graph_max_batch=16)
     runner = graphs.engine.runner
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8, 16]
@@ -138,9 +148,9 @@ def test_decode_cuda_graphs_match_eager(model_dirs, name):
 
 
 def test_auto_backend_picks_flashinfer_where_it_has_kernels(model_dirs, llama_dir):
-    pytest.importorskip("flashinfer")
+    needs_flashinfer()
     gpu_model = model_dirs("llama_gpu")
-    assert LLM(gpu_model, device="cuda", dtype="bfloat16").engine.runner.backend.name == "flashinfer"
-    assert LLM(gpu_model, device="cuda", dtype="float32").engine.runner.backend.name == "torch"
-    assert LLM(llama_dir, device="cuda", dtype="bfloat16").engine.runner.backend.name == "torch"  # head_dim 16
+    assert LLM(gpu_model, device="cuda", kv_cache_memory_bytes=KV, dtype="bfloat16").engine.runner.backend.name == "flashinfer"
+    assert LLM(gpu_model, device="cuda", kv_cache_memory_bytes=KV, dtype="float32").engine.runner.backend.name == "torch"
+    assert LLM(llama_dir, device="cuda", kv_cache_memory_bytes=KV, dtype="bfloat16").engine.runner.backend.name == "torch"  # head_dim 16
 

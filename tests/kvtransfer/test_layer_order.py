@@ -165,12 +165,16 @@ def test_gpu_layer_writes_carry_what_the_kernels_wrote():
     try:
         sender.add_peer(receiver.local_info())
         stream = sender.begin_stream("order-gr", LOCAL, REMOTE)
-        local = torch.tensor(LOCAL, device="cuda")  # on the device already: indexing does not sync
+        # Each layer's final bytes, made beforehand: the fill below is a plain device copy, which
+        # never waits for the host (an indexed fill may).
+        final = torch.zeros_like(sent_kv)
+        for layer in range(layout.num_layers):
+            final[layer, LOCAL] = float(layer + 1)
         torch.cuda.synchronize()
         posted_at_once = []
         for layer in range(layout.num_layers):
-            torch.cuda._sleep(20_000_000)  # the device is busy: the fill below runs much later
-            sent_kv[layer].index_fill_(0, local, float(layer + 1))
+            torch.cuda._sleep(200_000_000)  # ~0.1 s busy: the copy below runs much later
+            sent_kv[layer].copy_(final[layer], non_blocking=True)
             posted_at_once.append(stream.write_layer(layer, layer_ready(torch.device("cuda"))) is not None)
         assert not posted_at_once[0], "layer 0 was ready at once: the device did not lag, the test proves nothing"
         stream.finish(30.0, notify=b"gpu-order")

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Every `gpu`-marked test and the GPU benchmarks in one run: what to do when a GPU machine is
+# lent. Each part has its own time limit and log, and a failed part does not stop the others;
+# the exit code is non-zero if any part failed.
+#
+#   make gpu-check                       # a machine with a registry: installs .[gpu], then this
+#   bash bench/gpu_check.sh              # a machine without one: uses .gpu/ (make gpu-bundle)
+#
+# Logs and JSON go to $OUT (default runs/gpu-check). PYTHON picks the interpreter.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu-check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export RAY_AUTH_MODE=disabled UCX_MODULES='^ib' PYTHONUNBUFFERED=1
+export FLASHINFER_JIT_VERBOSE=${FLASHINFER_JIT_VERBOSE:-0} MAX_JOBS=${MAX_JOBS:-$(nproc)}
+if [ -d .gpu ]; then
+    site=${GPU_SITE:-/tmp/pdserve-gpu-site}
+    mkdir -p "$site"
+    for t in .gpu/*.tar.xz; do tar -xJf "$t" -C "$site"; done
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .gpu/*.whl \
+        || { echo "gpu-check: installing .gpu/*.whl failed"; exit 2; }
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# -P: the checkout's own pdserve/ folder must not shadow the installed package
+PYP=("$PY" -P)
+status=0
+part() {  # part NAME SECONDS CMD...: one part, its log in $OUT/NAME.log
+    local name=$1 secs=$2; shift 2
+    local t0=$SECONDS
+    echo "== gpu-check: $name (limit ${secs} s)"
+    timeout -k 10 "$secs" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n "${TAIL:-25}" "$OUT/$name.log"
+    echo "== gpu-check: $name rc=$rc in $((SECONDS - t0)) s"
+    [ $rc = 0 ] || status=1
+}
+part env 120 "${PYP[@]}" -c "
+import shutil, subprocess
+print('nvcc', shutil.which('nvcc'), subprocess.run(['nvcc', '--version'], capture_output=True, text=True).stdout.strip().splitlines()[-1:] if shutil.which('nvcc') else '')
+import torch, importlib
+print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.mem_get_info())
+for m in ('flashinfer', 'nixl_cu13._api', 'nixl_cu12._api', 'pdserve.engine', 'mistral_common'):
+    try:
+        mod = importlib.import_module(m); print('import', m, 'ok', getattr(mod, '__version__', ''))
+    except Exception as e:
+        print('import', m, 'FAILED', type(e).__name__, e)
+"
+GPU_TESTS=${GPU_TESTS:-"tests/engine/test_gpu_kv_budget.py tests/kvtransfer/test_vram.py tests/kvtransfer/test_layer_order.py tests/engine/test_flashinfer.py"}
+# shellcheck disable=SC2086
+part tests "${TESTS_LIMIT_S:-420}" "${PYP[@]}" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=15 \
+    -k "not default_settings" ${PYTEST_ARGS:-} $GPU_TESTS
+# engines at default settings take most of the device: alone, after the others
+part tests_alone 120 "${PYP[@]}" -m pytest -q -m gpu -p no:cacheprovider -rA -k default_settings $GPU_TESTS
+part gpu_step "${BENCH_LIMIT_S:-300}" "${PYP[@]}" bench/gpu_step.py --json "$OUT/gpu_step.json" ${GPU_STEP_ARGS:-}
+exit $status
