@@ -1,5 +1,7 @@
 """Running streams' inter-token latency while a decode worker prefills a long prompt locally:
-the derived prefill budget (decode/prefill_budget.py) against an unbounded step, side by side.
+the planned step budget (engine/step_budget.py, decode/prefill_budget.py) against an unbounded
+step and a fixed 16-token chunk (what the TPOT-only budget of issue 16 came to with 4 streams on
+one core), side by side.
 
 A decode worker (`pdserve serve-decode`, its own process, pinned to one core) streams
 ``--streams`` requests; once they are decoding, a ``--long-tokens`` prompt is sent with
@@ -24,7 +26,7 @@ import sys
 import tempfile
 import time
 
-MODES = {"unbounded": 4096, "budget": None}  # --local-prefill-budget-tokens; None: derived
+MODES = {"unbounded": 4096, "fixed-16": 16, "planned": None}  # --local-prefill-budget-tokens; None: planned
 
 
 def parse_args(argv=None):

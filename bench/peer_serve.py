@@ -158,6 +158,18 @@ class Server:
             time.sleep(1.0)
         raise TimeoutError(f"{self.system} not ready on {self.url} within {self.cfg.startup_timeout_s:.0f} s")
 
+    def prediction_ratios(self) -> dict:
+        """pdserve only: how its router's TTFT predictions held over the runs, per route, from the
+        decode worker's pdserve_ttft_prediction_ratio histogram (measured / predicted)."""
+        if self.system == "vllm":
+            return {}
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        return parse_prediction_ratios(text)
+
     def stop(self) -> None:
         if self.topology is not None:
             subprocess.run([sys.executable, "-m", "pdserve", "down", "--topology", str(self.topology)],
@@ -169,6 +181,26 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def parse_prediction_ratios(metrics_text: str) -> dict:
+    """Per route: requests, the share predicted within 20 % (measured / predicted in (0.833,
+    1.25]) and the share under-predicted by more than 2x, from a decode worker's /metrics."""
+    buckets: dict[str, dict[float, float]] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("pdserve_ttft_prediction_ratio_bucket{"):
+            labels, value = line.rsplit(" ", 1)
+            route = labels.split('route="', 1)[1].split('"', 1)[0]
+            le = labels.split('le="', 1)[1].split('"', 1)[0]
+            buckets.setdefault(route, {})[float(le)] = float(value)
+    out = {}
+    for route, b in buckets.items():
+        n = b.get(float("inf"), 0.0)
+        if n:
+            within = b.get(1.25, 0.0) - b.get(0.833, 0.0)
+            out[route] = {"requests": int(n), "within_20pct": round(within / n, 3),
+                          "under_predicted_2x": round((n - b.get(2.0, 0.0)) / n, 3)}
+    return out
 
 
 def run_client(cfg: PeerConfig, url: str, dataset: str, rate: float, num_prompts: int, seed: int,
@@ -243,6 +275,10 @@ def run_peer(cfg: PeerConfig, log=lambda line: print(line, file=sys.stderr, flus
                             f"{', '.join(f'{x:g}' for x in rates)}")
                         break
                 doc["results"][dataset][system] = per_rate
+                if pred := server.prediction_ratios():
+                    doc.setdefault("predictions", {}).setdefault(dataset, {})[system] = pred
+                    log(f"[{dataset}] {system}: TTFT predictions within 20 %: " + ", ".join(
+                        f"{route} {v['within_20pct']:.0%} of {v['requests']}" for route, v in pred.items()))
             finally:
                 server.stop()
             (work / "peer.json").write_text(json.dumps(doc, indent=1))
@@ -271,6 +307,9 @@ def format_table(doc: dict) -> str:
                     f"[{m['goodput_min']:.2f}-{m['goodput_max']:.2f}] | {ratio} | {m['p50_ttft_ms']:.0f} / "
                     f"{m['p99_ttft_ms']:.0f} | {m['p50_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | "
                     f"{m['p50_itl_ms']:.1f} / {m['p99_itl_ms']:.1f} |")
+        for system, pred in doc.get("predictions", {}).get(dataset, {}).items():
+            lines.append(f"\n{system}: router TTFT predictions within 20 % of the measured TTFT: " + ", ".join(
+                f"{route} {v['within_20pct']:.0%} of {v['requests']} requests" for route, v in pred.items()))
     return "\n".join(lines)
 
 

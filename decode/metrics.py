@@ -13,8 +13,9 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
 _TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
                             0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 34, 2))
-# measured TTFT / predicted TTFT of the route taken: 1 is a perfect prediction
-_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+# measured TTFT / predicted TTFT of the route taken: 1 is a perfect prediction; (0.833, 1.25]
+# is "within 20 %" (|measured - predicted| < 20 % of measured)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.833, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 
 class WorkerMetrics:

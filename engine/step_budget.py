@@ -27,7 +27,9 @@ weighs the two SLOs with what each side can afford (``plan_budget``):
 * **The choice.** Without slack the streams allow ``n_free = (target - base_step) / prefill_ms``
   tokens: the budget is at least that. When the prompts need more it spends slack, up to what
   the streams allow; beyond that the streams win (a prompt that misses its TTFT is one lost
-  request; a step too long for every stream may be many). Nobody decoding: there is no stream
+  request; a step too long for every stream may be many). A prompt that cannot make its TTFT
+  target whatever the chunk gets what the streams' slack affords: it is late anyway, and
+  draining it sooner lets the prompts queued behind it in sooner. Nobody decoding: there is no stream
   to protect, only arrivals, which wait at most one step, so a step may last
   ``IDLE_WAIT x ttft target`` or what the prompts need, whichever is more.
 
@@ -114,7 +116,7 @@ def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple[i
     d = len(decoding)
     base = cost.fixed_ms + cost.decode_ms * d
     start = prompts[0][2] if prompts else 0  # the chunk goes to the first prompt first
-    need, need_why = _prompts_need(cost, base, ttft, prompts)
+    need, need_why, late = _prompts_need(cost, base, ttft, prompts)
     if d == 0:
         idle = cost.tokens_within(IDLE_WAIT * ttft - base, start)
         tokens, why = (need, need_why) if need > idle else (
@@ -127,6 +129,9 @@ def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple[i
     if slack < 0:  # a stream is behind its target: only what it can still afford
         return _clamp(most, f"a stream is {-slack:.0f} ms behind its TPOT target: a step of <= {allowed:.0f} ms "
                       f"= {most} tokens", max_tokens)
+    if late and most > max(need, free):  # draining it sooner lets the prompts behind it in sooner
+        return _clamp(most, f"{late}: the streams' slack ({slack:.0f} ms) drains it in steps of <= "
+                      f"{allowed:.0f} ms = {most} tokens", max_tokens)
     if need <= free:
         return _clamp(free, f"TPOT target {tpot:.0f} ms - step base {base:.1f} ms ({d} streams) "
                       f"= {free} prompt tokens", max_tokens)
@@ -137,22 +142,24 @@ def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple[i
 
 
 def _prompts_need(cost: StepCost, base: float, ttft: float,
-                  prompts: Sequence[tuple[int, float, int]]) -> tuple[int, str]:
-    """The chunk the waiting prompts need to meet their TTFT target (0: none they can meet)."""
-    need, why, cum, compute = 0, "", 0, 0.0
+                  prompts: Sequence[tuple[int, float, int]]) -> tuple[int, str, str]:
+    """The chunk the waiting prompts need to meet their TTFT target (0: none they can meet),
+    why, and (non-empty) which prompt cannot make its target whatever the chunk."""
+    need, why, late, cum, compute = 0, "", "", 0, 0.0
     for left, age, start in prompts:
         cum += left
         compute += cost.compute_ms(left, start)
         room = ttft - age * 1e3 - compute
         steps = int(room // base) if base > 0 else cum
-        if steps < 1:
-            continue  # cannot make it whatever the chunk: not worth stalling anyone for
+        if steps < 1:  # cannot make it whatever the chunk
+            late = late or f"{cum} prompt tokens cannot make their TTFT target whatever the chunk"
+            continue
         n = -(-cum // steps)
         if n > need:
             need = n
             why = (f"{cum} prompt tokens due within {ttft - age * 1e3:.0f} ms need chunks of {n} "
                    f"({steps} steps of {base:.1f} ms + {compute:.0f} ms of prompt compute)")
-    return need, why
+    return need, why, late
 
 
 def _clamp(tokens: int, why: str, max_tokens: int) -> Budget:

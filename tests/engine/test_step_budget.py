@@ -57,10 +57,12 @@ def test_a_stream_behind_its_target_gets_shorter_steps_than_a_fresh_one():
     assert slightly.tokens == int((30 - 11) / 0.25) == 76
 
 
-def test_a_prompt_that_cannot_make_its_ttft_does_not_stall_the_streams():
-    # It arrived 2 s ago: past its target whatever the chunk.
+def test_a_prompt_past_its_ttft_target_is_drained_with_the_streams_slack():
+    # It arrived 2 s ago: past its target whatever the chunk; the stream has 500 ms of slack.
     b = plan(decoding=[(20, 0.3)], prompts=[(3000, 2.0)])
-    assert b.tokens == int((TPOT - 11) / 0.25)
+    assert b.tokens == int((MAX_STALL * TPOT - 11) / 0.25) and "cannot make" in b.reason
+    # a fresh stream has no slack to give: the late prompt gets what fits the TPOT target
+    assert plan(decoding=[(0, 0.0)], prompts=[(3000, 2.0)]).tokens == int((TPOT - 11) / 0.25)
 
 
 def test_prompts_waiting_together_need_the_chunk_of_their_cumulative_tokens():

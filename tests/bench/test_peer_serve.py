@@ -1,0 +1,44 @@
+"""bench/peer_serve.py without vLLM: the 1P1D topology it derives, the prediction figures it
+reads from a decode worker's /metrics, its table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from pdserve.bench.peer_serve import PeerConfig, Server, format_table, parse_prediction_ratios
+from pdserve.cluster.topology import load_topology
+from pdserve.decode.metrics import WorkerMetrics
+
+
+def test_the_derived_1p1d_topology_is_the_shipped_one_with_this_model_and_port(tmp_path, llama_dir):
+    cfg = PeerConfig(model=llama_dir, port=18123, cpus="0,1", work_dir=str(tmp_path))
+    topo = load_topology(Server(cfg, "1p1d", print)._topology())
+    assert topo.model_path == Path(llama_dir).resolve()
+    assert topo.roles.decode.ports["http"] == 18123
+    assert (topo.roles.prefill.cpus, topo.roles.decode.cpus) == ([0], [1])
+    assert topo.router_policy_path.name == "default.yaml"
+
+
+def test_prediction_figures_come_from_the_ratio_histogram():
+    m = WorkerMetrics("decode", "d0")
+    for ratio in (0.95, 1.05, 1.2, 0.7, 3.0):  # three within 20 %, one over, one 3x under-predicted
+        m.ttft_prediction("local", ratio)
+    m.ttft_prediction("remote", 1.0)
+    got = parse_prediction_ratios(generate_latest(m.registry).decode())
+    assert got == {"local": {"requests": 5, "within_20pct": 0.6, "under_predicted_2x": 0.2},
+                   "remote": {"requests": 1, "within_20pct": 1.0, "under_predicted_2x": 0.0}}
+
+
+def test_the_table_gives_goodput_ratios_against_vllm():
+    run = {"completed": 40, "num_prompts": 40, "request_throughput": 1.0, "p50_ttft_ms": 100.0, "p99_ttft_ms": 900.0,
+           "p50_tpot_ms": 20.0, "p99_tpot_ms": 40.0, "p50_itl_ms": 20.0, "p99_itl_ms": 60.0,
+           "goodput_min": 0.9, "goodput_max": 1.0}
+    doc = {"config": {"goodput": ["ttft:1500", "tpot:50"], "reps": 1}, "results": {"long-mix": {
+        "vllm": {"1": {"median": {**run, "request_goodput": 0.8}}},
+        "colocated": {"1": {"median": {**run, "request_goodput": 1.0}}}}},
+        "predictions": {"long-mix": {"colocated": {"local": {"requests": 40, "within_20pct": 0.75}}}}}
+    table = format_table(doc)
+    assert "| 1 | colocated | 40/40 | 1.00 [0.90-1.00] | 1.25x |" in table
+    assert "local 75% of 40 requests" in table
