@@ -140,9 +140,10 @@ def predict(
     local  = min(behind, beside) + decode wait + residual_local, where
              behind = ceil((backlog + eff_len) / B) x base + backlog compute + compute(eff_len)
                       (first come, first served), and, with a budget and a backlog,
-             beside = ceil(eff_len / (B / 2)) x (base + B x t_local) + compute(eff_len)
-                      - eff_len x t_local (the scheduler gives a waiting prompt half of
-                      each step beside a running prefill: it starts within one step)
+             beside = base + B x t_local + compute(eff_len) - eff_len x t_local, only for
+                      eff_len <= B / 2 (the scheduler gives a waiting prompt half of the
+                      step beside a running prefill; a longer one, once running, waits for
+                      the older prefill: behind)
     remote = r x (queue depth x step_fixed_ms + queue compute) / pool size + decode wait
              + r x (step_fixed_ms + compute(eff_len)) + kv_bytes(eff_len) / bandwidth
              + setup + residual_remote
@@ -171,9 +172,12 @@ def predict(
     local_wait = (_steps(backlog, budget) * base + _backlog_ms(c, backlog, snapshot.local_prefill_queue_requests)
                   + decode_wait)
     local_prefill = (_steps(backlog + eff, budget) - _steps(backlog, budget)) * base + compute
-    if budget and backlog and eff:
-        half = max(1, budget // 2)
-        beside = -(-eff // half) * (base + budget * t_local) + compute - eff * t_local
+    half = max(1, budget // 2)
+    if budget and backlog and 0 < eff <= half:
+        # It fits the half step the scheduler leaves it beside the running prefill. A longer
+        # prompt gets that half step once: as soon as it runs, the older prefill takes the
+        # whole budget again (first come, first served), so it finishes behind the backlog.
+        beside = base + budget * t_local + compute - eff * t_local
         if beside < local_wait - decode_wait + local_prefill:
             local_wait = min(local_wait, base + budget * t_local + decode_wait)  # one shared step
             local_prefill = max(0.0, beside - (local_wait - decode_wait))

@@ -278,5 +278,7 @@ def test_a_short_prompt_behind_a_local_backlog_is_predicted_beside_it(rt, policy
     d = decide(rt.req(50), s, policy)
     assert d.predicted_ttft_local_ms == from_seed(10 + 200 * 0.1)  # one shared step: 50 <= 100
     assert d.predicted_queue_wait_ms <= 30.0 or d.route == "remote"
-    long_ = decide(rt.req(4000), s, policy)  # as long as the backlog: behind it is no worse
-    assert long_.predicted_ttft_local_ms <= 40 * 10 + 8000 * 0.1 + 1e-6
+    long_ = decide(rt.req(4000), s, policy)  # longer than half a step: it finishes behind the backlog
+    assert long_.predicted_ttft_local_ms == from_seed(40 * 10 + 8000 * 0.1)
+    over_half = decide(rt.req(101), s, policy)  # just over half a step: behind too, not beside
+    assert over_half.predicted_ttft_local_ms > d.predicted_ttft_local_ms + 4000 * 0.1
