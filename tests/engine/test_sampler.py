@@ -50,6 +50,33 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent():
     assert [s(LOGITS[None], [r3])[0].token_id for _ in range(50)] != seq1
 
 
+def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token():
+    """The inverse-CDF draw: frequencies within 3 standard errors of every probability, and a
+    token of probability 0 (here every other one) is never drawn, whatever the uniform."""
+    probs = torch.tensor([0.0, 0.30, 0.0, 0.25, 0.15, 0.0, 0.10, 0.08, 0.06, 0.04, 0.02, 0.0])
+    n = 20000
+    seen = draw(SamplingParams(temperature=1.0), n, logits=probs.log())
+    counts = torch.bincount(torch.tensor(seen), minlength=len(probs)).double() / n
+    assert all(counts[i] == 0 for i in range(len(probs)) if probs[i] == 0)
+    se = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert bool(((counts - probs.double()).abs() <= 3 * se + 1e-12).all()), counts
+
+
+def test_a_row_without_a_distribution_fails_alone_and_draws_consume_one_number_each():
+    nan = torch.full((8,), float("nan"))
+    reqs = [Request(f"r{i}", [1], SamplingParams(temperature=1.0)) for i in range(3)]
+    out = Sampler(0)(torch.stack([LOGITS, nan, LOGITS]), reqs)
+    assert isinstance(out[1], RuntimeError) and "cannot sample" in str(out[1])
+    assert out[0].token_id in range(8) and out[2].token_id in range(8)
+    # skip_draw advances a seeded generator exactly as one drawn token does
+    p = SamplingParams(temperature=1.0, seed=3)
+    a, b = Request("a", [1], p), Request("b", [1], p)
+    s = Sampler(0)
+    s(LOGITS[None], [a])
+    Sampler.skip_draw(b, 8)
+    assert [s(LOGITS[None], [a])[0].token_id for _ in range(20)] == [s(LOGITS[None], [b])[0].token_id for _ in range(20)]
+
+
 def test_penalties_push_repeated_tokens_down():
     req = Request("r", [0], SamplingParams(temperature=0.0, repetition_penalty=2.0))
     assert Sampler()(LOGITS[None], [req])[0].token_id == 1  # token 0 is in the prompt
