@@ -220,12 +220,31 @@ def run_client(cfg: PeerConfig, url: str, dataset: str, rate: float, num_prompts
     return json.loads(result.read_text())
 
 
-FIELDS = ("completed", "request_goodput", "request_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms",
-          "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms")
+FIELDS = ("completed", "request_goodput", "request_throughput", "slo_attainment", "p50_ttft_ms", "p99_ttft_ms",
+          "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms")
 
 
 def summarize(raw: dict) -> dict:
-    return {k: raw.get(k) for k in FIELDS} | {"num_prompts": raw.get("num_prompts")}
+    """The figures of one `vllm bench serve` run; slo_attainment: the share of the prompts
+    served within every --goodput SLO (goodput x duration / prompts)."""
+    out = {k: raw.get(k) for k in FIELDS} | {"num_prompts": raw.get("num_prompts")}
+    if raw.get("request_goodput") is not None and raw.get("duration") and raw.get("num_prompts"):
+        out["slo_attainment"] = raw["request_goodput"] * raw["duration"] / raw["num_prompts"]
+    return out
+
+
+def resummarize(doc: dict, work: Path) -> dict:
+    """A finished run's document with each run's figures taken again from its raw client JSON
+    (``<system>-<dataset>-r<rate>-rep<k>.json`` in ``work``), so that figures added to
+    ``summarize`` since reach old runs."""
+    for dataset, by_system in doc["results"].items():
+        for system, per_rate in by_system.items():
+            for rate, entry in per_rate.items():
+                raws = [work / f"{system}-{dataset}-r{rate}-rep{k}.json" for k in range(len(entry["runs"]))]
+                if all(p.is_file() for p in raws):
+                    entry["runs"] = [summarize(json.loads(p.read_text())) for p in raws]
+                    entry["median"] = median_of(entry["runs"])
+    return doc
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -290,9 +309,9 @@ def format_table(doc: dict) -> str:
     for dataset, by_system in doc["results"].items():
         lines.append(f"\n## {dataset}  (goodput: {' '.join(doc['config']['goodput'])}; median of "
                      f"{doc['config']['reps']} runs, [min-max])")
-        lines.append("| rate | system | completed | goodput req/s | vs vLLM | TTFT p50 / p99 ms | "
+        lines.append("| rate | system | completed | within SLO | goodput req/s | vs vLLM | TTFT p50 / p99 ms | "
                      "TPOT p50 / p99 ms | ITL p50 / p99 ms |")
-        lines.append("|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         ref = by_system.get("vllm", {})
         rates = list(next(iter(by_system.values())).keys()) if by_system else []
         for rate in rates:
@@ -302,8 +321,9 @@ def format_table(doc: dict) -> str:
                     continue
                 base = ref.get(rate, {}).get("median", {}).get("request_goodput")
                 ratio = f"{m['request_goodput'] / base:.2f}x" if base else "-"
+                slo = f"{m['slo_attainment']:.0%}" if m.get("slo_attainment") is not None else "-"
                 lines.append(
-                    f"| {rate} | {system} | {m['completed']:.0f}/{m['num_prompts']} | {m['request_goodput']:.2f} "
+                    f"| {rate} | {system} | {m['completed']:.0f}/{m['num_prompts']} | {slo} | {m['request_goodput']:.2f} "
                     f"[{m['goodput_min']:.2f}-{m['goodput_max']:.2f}] | {ratio} | {m['p50_ttft_ms']:.0f} / "
                     f"{m['p99_ttft_ms']:.0f} | {m['p50_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | "
                     f"{m['p50_itl_ms']:.1f} / {m['p99_itl_ms']:.1f} |")
@@ -351,7 +371,16 @@ def main(argv=None) -> int:
     p.add_argument("--work-dir", default=d.work_dir)
     p.add_argument("--output", default=None, help="write the JSON document here too")
     p.add_argument("--plot", default=None, help="write the goodput-vs-rate plot (PNG) here")
+    p.add_argument("--report", default=None, metavar="PEER_JSON",
+                   help="run nothing: print the table (and --plot) of a finished run's JSON, its figures "
+                        "re-read from the raw client files beside it in --work-dir when they are there")
     args = p.parse_args(argv)
+    if args.report:
+        doc = resummarize(json.loads(Path(args.report).read_text()), Path(args.work_dir))
+        print(format_table(doc))
+        if args.plot:
+            plot(doc, Path(args.plot))
+        return 0
     cfg = PeerConfig(systems=args.systems.split(","), datasets=args.datasets.split(","),
                      rates=[float(r) for r in args.rates.split(",")], num_prompts=args.num_prompts, reps=args.reps,
                      goodput=args.goodput, cpus=args.cpus, model=args.model, vllm_python=args.vllm_python,

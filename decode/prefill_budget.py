@@ -20,6 +20,7 @@ every step's prompt tokens at that number and plans nothing.
 from __future__ import annotations
 
 import logging
+import time
 
 from pdserve.engine.step_budget import StepCost, StepTargets
 from pdserve.router.costs import CostEstimates
@@ -27,6 +28,7 @@ from pdserve.router.costs import CostEstimates
 log = logging.getLogger(__name__)
 
 HYSTERESIS = 0.1  # re-apply only when a coefficient or target moves by more than this fraction
+LOG_EVERY_S = 60.0  # a re-applied plan is logged at INFO at most this often (DEBUG otherwise)
 
 
 def step_cost(est: CostEstimates) -> StepCost:
@@ -48,6 +50,7 @@ class StepPlanFeed:
         self.fixed = fixed
         self.cost: StepCost | None = None
         self.targets: StepTargets | None = None
+        self._logged_at = float("-inf")
         if fixed is not None:
             apply_fixed(fixed)
             log.info("local prefill budget: fixed by the topology at %d tokens per step", fixed)
@@ -61,8 +64,11 @@ class StepPlanFeed:
             return False
         self.cost, self.targets = cost, targets
         self._apply(cost, targets)
-        log.info("step plan: %.1f ms + %.2f ms per stream + %.3f ms per prompt token; TPOT %g ms, TTFT %g ms",
-                 cost.fixed_ms, cost.decode_ms, cost.prefill_ms, tpot_slo_ms, ttft_slo_ms)
+        now = time.monotonic()  # the curve moves with every step at first: INFO once a minute
+        level = logging.INFO if now - self._logged_at >= LOG_EVERY_S else logging.DEBUG
+        self._logged_at = now if level == logging.INFO else self._logged_at
+        log.log(level, "step plan: %.1f ms + %.2f ms per stream + %.3f ms per prompt token; TPOT %g ms, TTFT %g ms",
+                cost.fixed_ms, cost.decode_ms, cost.prefill_ms, tpot_slo_ms, ttft_slo_ms)
         return True
 
 

@@ -40,5 +40,5 @@ def test_the_table_gives_goodput_ratios_against_vllm():
         "colocated": {"1": {"median": {**run, "request_goodput": 1.0}}}}},
         "predictions": {"long-mix": {"colocated": {"local": {"requests": 40, "within_20pct": 0.75}}}}}
     table = format_table(doc)
-    assert "| 1 | colocated | 40/40 | 1.00 [0.90-1.00] | 1.25x |" in table
+    assert "| 1 | colocated | 40/40 | - | 1.00 [0.90-1.00] | 1.25x |" in table
     assert "local 75% of 40 requests" in table
