@@ -1,8 +1,12 @@
-"""Build hook: generate the gRPC stubs from api/proto at build/install time.
+"""Build hook: the package layout and the gRPC stubs.
 
-Everything else about the package lives in pyproject.toml. The stubs are
-never hand-edited or committed; `pip install .` and `pip install -e .` both
-run `build_py`, which runs protoc (grpcio-tools) first.
+pdserve is one import package whose subpackages are the repository's top-level
+folders (PACKAGE_DIRS); every folder below them with an ``__init__.py`` is a
+package too, found here so that no package can be left out of the wheel by a
+hand-kept list. The gRPC stubs are generated from api/proto at build/install
+time, never hand-edited or committed; `pip install .` and `pip install -e .`
+both run `build_py`, which runs protoc (grpcio-tools) first. Everything else
+about the package lives in pyproject.toml.
 """
 
 import glob
@@ -10,10 +14,43 @@ import os
 import shutil
 import tempfile
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# subpackage -> folder (relative to this file)
+PACKAGE_DIRS = {
+    "pdserve": "pdserve",
+    "pdserve.common": "common",
+    "pdserve.engine": "engine",
+    "pdserve.kvtransfer": "kvtransfer",
+    "pdserve.router": "router",
+    "pdserve.cluster": "cluster",
+    "pdserve.prefill": "prefill",
+    "pdserve.decode": "decode",
+    "pdserve.api": "api",
+    "pdserve.bench": "bench",
+    "pdserve.configs": "configs",
+}
+PACKAGE_DATA = {
+    "pdserve.api": ["proto/pdserve/api/v1/*.proto"],
+    "pdserve.api.v1": ["*.pyi"],
+    "pdserve.engine": ["csrc/*.c"],
+    "pdserve.configs": ["topologies/*.yaml", "router/*.yaml", "autoscale/*.yaml"],
+    "pdserve.bench": ["policies/*.yaml"],
+}
+
+
+def discover_packages() -> list[str]:
+    """Every package: the mapped folders and each folder below them with an __init__.py."""
+    found = []
+    for name, folder in PACKAGE_DIRS.items():
+        root = os.path.join(HERE, folder)
+        if not os.path.isfile(os.path.join(root, "__init__.py")):
+            raise RuntimeError(f"{folder}/ is mapped to {name} but has no __init__.py")
+        found.append(name)
+        found += [f"{name}.{sub}" for sub in find_packages(root)]
+    return sorted(found)
 PROTO_ROOT = os.path.join(HERE, "api", "proto")
 # Protos under pdserve/api/v1 become modules of the `pdserve.api.v1` package (folder api/v1).
 PROTO_PACKAGE_DIR = os.path.join("pdserve", "api", "v1")
@@ -42,4 +79,9 @@ class BuildPyWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+setup(
+    packages=discover_packages(),
+    package_dir=PACKAGE_DIRS,
+    package_data=PACKAGE_DATA,
+    cmdclass={"build_py": BuildPyWithProtos},
+)

