@@ -45,11 +45,11 @@ import yaml
 from .datasets import DatasetConfig, load_dataset
 from .metrics import compute_metrics, json_safe, records_json
 from .report import fmt, pct, sweep_summary, sweep_table
-from pdserve import configs
+from pdserve.configs import path as shipped_config
 
 from .serve import LoadConfig, model_info, run_load
 
-DEFAULT_TOPOLOGY = configs.path("topologies", "1p1d-local.yaml")
+DEFAULT_TOPOLOGY = shipped_config("topologies", "1p1d-local.yaml")
 MODES = ("colocated", "always-remote", "conditional")
 _MODE_POLICY = {"colocated": {"router": {"mode": "always_local"}},
                 "always-remote": {"router": {"mode": "always_remote"}}}
@@ -120,7 +120,7 @@ def mode_policy(cfg: SweepConfig, mode: str) -> dict:
         policy = json.loads(json.dumps(_MODE_POLICY[mode]))
     else:
         given = cfg.extra_policies.get(mode) or cfg.conditional_policy
-        src = Path(given) if given else configs.path("router", "default.yaml")
+        src = Path(given) if given else shipped_config("router", "default.yaml")
         if given and not src.is_file():
             raise FileNotFoundError(f"policy file {src} (mode {mode}): no such file")
         policy = (yaml.safe_load(src.read_text()) if src.is_file() else None) or {"router": {"mode": "conditional"}}

