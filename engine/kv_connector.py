@@ -119,7 +119,7 @@ class KVConnector:
         if req.generator is not None and not req.params.greedy:
             # The remote worker drew the first token from a generator with the same
             # seed; draw once here too so later tokens match the local path.
-            eng.sampler.skip_draw(req, eng.model_config.vocab_size)
+            eng.sampler.skip_draw(req)
         try:
             return eng._append(req, SampleResult(first_token_id, first_logprob, first_top_logprobs or None))
         except Exception as exc:  # noqa: BLE001

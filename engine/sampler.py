@@ -102,9 +102,9 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     @staticmethod
-    def skip_draw(req: Request, vocab_size: int) -> None:
+    def skip_draw(req: Request) -> None:
         """Advance a request's generator exactly as one sampled token would: a draw takes
-        one float64 uniform from it, whatever the vocabulary (``vocab_size`` is unused)."""
+        one float64 uniform from it."""
         torch.rand(1, generator=req.generator, dtype=torch.float64)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult | SamplingError]:
@@ -139,16 +139,15 @@ class Sampler:
             shared = [j for j, i in enumerate(rand_rows) if reqs[i].generator is None]
             if shared:
                 u[shared] = torch.rand(len(shared), generator=self.generator, dtype=torch.float64)
-            for j, i in enumerate(rand_rows):
+            for j, (i, is_bad) in enumerate(zip(rand_rows, bad.tolist())):
                 if reqs[i].generator is not None:
                     u[j] = torch.rand(1, generator=reqs[i].generator, dtype=torch.float64)
+                if is_bad:  # NaN/inf in this row only: the others still sample
+                    failed[i] = SamplingError("cannot sample: the probabilities hold NaN or inf, or sum to 0")
             # the first token whose cumulative probability exceeds u x total: never one of
             # probability 0 (right=True skips the plateaus a zero leaves in the CDF)
             drawn = torch.searchsorted(cdf, (u * total).unsqueeze(1), right=True).squeeze(1)
             drawn = torch.minimum(drawn, (cdf < total.unsqueeze(1)).sum(dim=-1))  # u x total rounding up to total
-            for j, i in enumerate(rand_rows):
-                if bool(bad[j]):  # NaN/inf in this row only: the others still sample
-                    failed[i] = SamplingError("cannot sample: the probabilities hold NaN or inf, or sum to 0")
             tokens[idx] = drawn.to(tokens.device)
         token_list = tokens.tolist()
         results = []

@@ -73,7 +73,7 @@ def test_a_row_without_a_distribution_fails_alone_and_draws_consume_one_number_e
     a, b = Request("a", [1], p), Request("b", [1], p)
     s = Sampler(0)
     s(LOGITS[None], [a])
-    Sampler.skip_draw(b, 8)
+    Sampler.skip_draw(b)
     assert [s(LOGITS[None], [a])[0].token_id for _ in range(20)] == [s(LOGITS[None], [b])[0].token_id for _ in range(20)]
 
 
