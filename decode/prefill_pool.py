@@ -40,7 +40,7 @@ class PrefillView:
 # vanished from etcd while holding it, a transfer error) a partitioned worker may still have
 # page writes in flight, so the reservation is quarantined, not freed.
 SETTLED_REASONS = frozenset({"deadline_expired", "no_live_worker", "peer_missing", "bad_task", "batch_failed",
-                             "request_failed"})
+                             "request_failed", "cancelled"})
 
 
 def failure_reason(reason: str, detail: str) -> str:

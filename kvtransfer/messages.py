@@ -174,7 +174,8 @@ PEER_MISSING = "peer_missing"  # no usable NIXL record of the decode worker (etc
 BAD_TASK = "bad_task"  # the task itself is invalid (sampling params, token ids)
 REQUEST_FAILED = "request_failed"  # the engine failed this one request (sampling raised)
 BATCH_FAILED = "batch_failed"  # the forward pass of the task's batch raised (OOM, device error)
-FAILURE_KINDS = (TRANSFER_ERROR, PEER_MISSING, BAD_TASK, REQUEST_FAILED, BATCH_FAILED)
+CANCELLED = "cancelled"  # its decode worker aborted the request while the task was computed
+FAILURE_KINDS = (TRANSFER_ERROR, PEER_MISSING, BAD_TASK, REQUEST_FAILED, BATCH_FAILED, CANCELLED)
 
 _FAILED_FIELDS = ("request_id", "epoch", "kind", "detail", "prefill_worker", "writes_settled")
 

@@ -21,16 +21,19 @@ poll even when NIXL cannot (no peer metadata, a broken connection).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.engine import SamplingParams
 from pdserve.kvtransfer import KVTransferError, PrefillDone, PrefillFailed, TransferError, TransferTimeoutError
-from pdserve.kvtransfer.messages import BAD_TASK, BATCH_FAILED, PEER_MISSING, REQUEST_FAILED, TRANSFER_ERROR
+from pdserve.kvtransfer.messages import (BAD_TASK, BATCH_FAILED, CANCELLED, PEER_MISSING, REQUEST_FAILED,
+                                         TRANSFER_ERROR)
 
 log = logging.getLogger(__name__)
 
+MAX_CANCELLED_REMEMBERED = 10_000
 MAX_STEPS_PER_BATCH = 100_000  # each step computes at least one token: a bound, not a budget
 # NIXL runs without its progress thread: a bare notification leaves only while someone drives
 # the agent. Drive it this long after sending PrefillFailed notices (the queue path backs it up).
@@ -110,6 +113,31 @@ class PrefillBatch:
         self.stats = stats
         self.transfer_timeout_s = transfer_timeout_s
         self.layerwise = layerwise
+        # (request_id, epoch) of held tasks their decode worker aborted (the queue's heartbeat
+        # answer, set from the event loop): computed no further, see `_drop_cancelled`.
+        self._cancelled: set[tuple[str, int]] = set()
+        self._cancel_lock = threading.Lock()
+
+    def cancel(self, keys) -> None:
+        """Stop computing these tasks (request_id, epoch) at the next step (any thread)."""
+        with self._cancel_lock:
+            self._cancelled.update(keys)
+            if len(self._cancelled) > MAX_CANCELLED_REMEMBERED:  # keys of batches long over
+                self._cancelled = set(list(self._cancelled)[-MAX_CANCELLED_REMEMBERED // 2:])
+
+    def _drop_cancelled(self, jobs: dict[str, "_Job"]) -> None:
+        """Fail the unfinished jobs whose task was cancelled: their engine request is aborted
+        (its blocks freed), no further page is posted, and the PrefillFailed notice (sent once
+        every posted write is over) tells the decode worker its quarantined blocks are free."""
+        with self._cancel_lock:
+            if not self._cancelled:
+                return
+            hit = [job for job in jobs.values() if job.failure is None
+                   and (job.task.request_id, job.task.epoch) in self._cancelled]
+        for job in hit:
+            job.fail(CANCELLED, "its decode worker aborted the request while it was computed")
+            if job.first is None:
+                self.engine.abort_request(job.rid)
 
     def run(self, tasks: list, unusable: dict[str, str]) -> BatchResult:
         """Prefill `tasks`; `unusable` maps target worker ids this worker cannot reach to why."""
@@ -139,6 +167,8 @@ class PrefillBatch:
                     settled[job.rid] = self._settle(job)
             for job in jobs.values():  # success or failure, the batch leaves nothing behind
                 eng.connector.release_export(job.rid)
+            with self._cancel_lock:
+                self._cancelled.difference_update((job.task.request_id, job.task.epoch) for job in jobs.values())
         for job in jobs.values():
             if job.failure is not None:
                 failures.append(TaskFailure(job.task, *job.failure, writes_settled=settled[job.rid]))
@@ -173,6 +203,7 @@ class PrefillBatch:
         computed_before = eng.stats.num_prompt_tokens_computed
         on_plan = self._layer_hook_factory(jobs) if self.layerwise else None
         for _ in range(MAX_STEPS_PER_BATCH):
+            self._drop_cancelled(jobs)
             if all(job.settled for job in jobs.values()):
                 break
             try:
@@ -250,6 +281,7 @@ class PrefillBatch:
     # -- push ----------------------------------------------------------------------------------
     def _push(self, jobs: dict[str, _Job], result: BatchResult, taken_at: float) -> None:
         connector = self.engine.connector
+        self._drop_cancelled(jobs)  # (a whole-request write not yet posted is not posted at all)
         pending = []
         for job in jobs.values():
             if job.failure is not None:

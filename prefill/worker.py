@@ -44,7 +44,9 @@ from .metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 
-HOLD_CHECK_S = 0.5  # while a batch is served: heartbeat to the queue (it also says whether it restarted)
+# While a batch is served: heartbeat to the queue, which answers whether it restarted and which
+# held tasks were cancelled since (so a cancel stops the compute within about this long).
+HOLD_CHECK_S = 0.25
 PEER_LOOKUP_TIMEOUT_S = 5.0
 
 
@@ -274,7 +276,8 @@ class PrefillWorker:
         self.metrics.observe_batch(result)
         for f in result.failures:
             # Through the queue too: the origin's failed-task poll (0.25 s) reaches it where NIXL
-            # could not (no channel, a broken connection). Not when a write may still land: the
+            # could not (no channel, a broken connection, a notice this idle worker no longer
+            # drives out). Not when a write may still land: the
             # queue path frees the blocks at once; the decode worker's deadline quarantines them.
             if f.writes_settled:
                 await self._queue_call("fail", self.worker_id, f.task.request_id, f.kind, f.detail)
@@ -286,14 +289,19 @@ class PrefillWorker:
     async def _heartbeat(self, tasks: list) -> None:
         """While this worker serves a batch (the compute runs in a thread): tell the queue it is
         alive every HOLD_CHECK_S, or it fails the batch back as stalled (cluster/queue/core.py
-        `fail_stalled`); and if the queue restarted (a new instance id), report the tasks held
-        so the new instance neither hands them out again nor loses them."""
+        `fail_stalled`); hand the batch the tasks cancelled meanwhile (their decode worker
+        aborted them), which it stops computing; and if the queue restarted (a new instance
+        id), report the tasks held so the new instance neither hands them out again nor loses
+        them."""
         while True:
             await asyncio.sleep(HOLD_CHECK_S)
             try:
-                instance = await asyncio.wait_for(self.queue.alive(self.worker_id), HOLD_CHECK_S * 4)
+                beat = await asyncio.wait_for(self.queue.beat(self.worker_id), HOLD_CHECK_S * 8)
+                instance, cancelled = beat["instance"], beat["cancelled"]
+                if cancelled:
+                    self._batch.cancel((str(rid), int(epoch)) for rid, epoch in cancelled)
                 if instance != self._queue_instance:
-                    n = await asyncio.wait_for(self.queue.hold(self.worker_id, tasks), HOLD_CHECK_S * 4)
+                    n = await asyncio.wait_for(self.queue.hold(self.worker_id, tasks), HOLD_CHECK_S * 8)
                     self._queue_instance = instance
                     if n:
                         log.warning("queue restarted (instance %s); reported %d held task(s)", instance, n)

@@ -192,6 +192,11 @@ class PrefillQueue:
         """A prefill worker's heartbeat while it serves a batch; returns the instance id."""
         return self._core.alive(worker_id)
 
+    async def beat(self, worker_id: str) -> dict:
+        """A prefill worker's heartbeat while it serves a batch: the instance id, and the tasks
+        it holds that were cancelled since its last beat (QueueCore.beat)."""
+        return self._core.beat(worker_id)
+
     async def fail(self, worker_id: str, request_id: str, reason: str, detail: str = "") -> bool:
         return self._core.fail(worker_id, request_id, reason, detail)
 

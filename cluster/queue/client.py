@@ -182,6 +182,10 @@ class QueueClient:
         """Heartbeat of a prefill worker serving a batch; the queue's instance id."""
         return await self._call("alive", worker_id)
 
+    async def beat(self, worker_id: str) -> dict:
+        """Heartbeat of a prefill worker serving a batch: the instance id and its cancelled tasks."""
+        return await self._call("beat", worker_id)
+
     async def take_failed_and_stats(self, origin: str):
         return await self._call("take_failed_and_stats", origin)
 

@@ -72,6 +72,11 @@ class QueueCore:
             raise ValueError(f"stall_s={stall_s} must be > 0")
         self.stall_s = stall_s
         self._seen: dict[str, float] = {}  # worker id -> when it last called (clock)
+        # Tasks cancelled while a worker held them: told to that worker by its next `beat`, so it
+        # stops computing them (prefill/batch.py); kept until it `fail`s them (its writes are
+        # over: the origin frees their blocks) or completes its batch.
+        self._cancelled: dict[str, dict[tuple[str, int], PrefillTask]] = {}
+        self._untold: dict[str, list[tuple[str, int]]] = {}  # of those, the ones not yet told
         self.instance_id = uuid.uuid4().hex[:12]
         self.capacity = capacity
         self.max_requeues = max_requeues
@@ -186,13 +191,27 @@ class QueueCore:
             self._requeues.pop(key, None)
         if not taken:
             self._in_flight.pop(worker_id, None)
+        self._forget_cancelled(worker_id, wanted)
         self.counters["completed"] += len(keys)
         return bool(keys)
 
+    def _forget_cancelled(self, worker_id: str, request_ids: set[str] | None = None) -> None:
+        """The cancelled tasks of `worker_id` (those of `request_ids`, or all) are over there."""
+        held = self._cancelled.pop(worker_id, {})
+        untold = self._untold.pop(worker_id, [])
+        if request_ids is not None:
+            held = {k: t for k, t in held.items() if k[0] not in request_ids}
+            untold = [k for k in untold if k[0] not in request_ids]
+            if held:
+                self._cancelled[worker_id] = held
+            if untold:
+                self._untold[worker_id] = untold
+
     def cancel(self, request_id: str) -> str:
         """"queued" if removed before any worker took it, "in_flight" if a worker
-        already has it (it will not be requeued; its result will be ignored by
-        epoch), "unknown" otherwise. Covers every epoch of the request."""
+        already has it (it will not be requeued; the worker learns of the cancel from
+        its next `beat` and stops computing it), "unknown" otherwise. Covers every
+        epoch of the request."""
         queued = [entry[1] for key, entry in self._queued.items() if key[0] == request_id]
         for task in queued:
             self._remove(task)
@@ -201,8 +220,11 @@ class QueueCore:
         for worker_id in list(self._in_flight):
             taken = self._in_flight[worker_id]
             for key in [k for k in taken if k[0] == request_id]:
-                self._settle(taken.pop(key))
+                task = taken.pop(key)
+                self._settle(task)
                 self._requeues.pop(key, None)
+                self._cancelled.setdefault(worker_id, {})[key] = task
+                self._untold.setdefault(worker_id, []).append(key)
                 in_flight = True
             if not taken:
                 del self._in_flight[worker_id]
@@ -233,6 +255,7 @@ class QueueCore:
             if task.origin != worker_id:
                 self._fail(task, TARGET_GONE, f"decode worker {worker_id} that was to receive its KV is gone")
         dropped_failed = len(self._failed.pop(worker_id, []))
+        self._forget_cancelled(worker_id)  # (it may still write them: their blocks stay quarantined)
         self._gone[worker_id] += 1
         self._seen.pop(worker_id, None)
         self.counters["requeued"] += requeued
@@ -253,8 +276,10 @@ class QueueCore:
     def fail(self, worker_id: str, request_id: str, reason: str, detail: str = "") -> bool:
         """`worker_id` gives up on a task it holds and cannot tell the target itself (no NIXL
         channel to it): the task goes to its origin's failed list with `reason`, where the
-        origin's poll finds it and prefills locally at once. False if the worker holds no
-        such task (cancelled or already failed back)."""
+        origin's poll finds it and prefills locally at once. The same for a task cancelled
+        while it held it (it stopped computing it and no write of it can land: the origin
+        frees the blocks it had quarantined). False if the worker holds no such task (already
+        failed back, or never its own)."""
         if not isinstance(reason, str) or not reason or len(reason) > MAX_FAIL_REASON_CHARS:
             raise ValueError(f"fail: reason must be a non-empty str of at most {MAX_FAIL_REASON_CHARS} "
                              f"chars, got {reason!r}")
@@ -268,7 +293,11 @@ class QueueCore:
             self._fail(taken.pop(key), reason, detail[:MAX_FAIL_DETAIL_CHARS])
         if not taken:
             self._in_flight.pop(worker_id, None)
-        return bool(keys)
+        cancelled = [task for key, task in self._cancelled.get(worker_id, {}).items() if key[0] == request_id]
+        self._forget_cancelled(worker_id, {request_id})
+        for task in cancelled:
+            self._fail(task, reason, detail[:MAX_FAIL_DETAIL_CHARS])
+        return bool(keys or cancelled)
 
     def hold(self, worker_id: str, tasks: list[PrefillTask]) -> int:
         """`worker_id` still holds `tasks`, taken from an earlier instance of this queue (it
@@ -312,6 +341,13 @@ class QueueCore:
         queue's instance id, so the same call tells the worker whether the queue restarted."""
         self._seen[worker_id] = self._clock()
         return self.instance_id
+
+    def beat(self, worker_id: str) -> dict:
+        """`alive`, and the tasks cancelled since the last beat while `worker_id` held them:
+        {"instance": instance id, "cancelled": [[request_id, epoch], ...]} (each told once)."""
+        instance = self.alive(worker_id)
+        cancelled = self._untold.pop(worker_id, [])
+        return {"instance": instance, "cancelled": [list(key) for key in cancelled]}
 
     def fail_stalled(self) -> dict[str, int]:
         """Liveness beyond the lease: a worker holding tasks that has not called for `stall_s`

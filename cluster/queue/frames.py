@@ -157,6 +157,7 @@ CODECS: dict[str, MethodCodec] = {
     "hold": MethodCodec(lambda a: [a[0], _list_out(list(a[1]))], _hold_args_in, _same, _same),
     "instance_id": _PLAIN,
     "alive": _PLAIN,
+    "beat": _PLAIN,
     "take_failed_and_stats": MethodCodec(list, _same, _pair_out, _pair_in),
     "stats": MethodCodec(list, _same, to_wire, lambda b: from_wire(QueueStats, b, "stats")),
 }

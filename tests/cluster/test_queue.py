@@ -191,6 +191,30 @@ def test_cancel_removes_a_queued_task_and_reports_in_flight_ones(queue):
     assert queue.worker_gone("p0")["requeued"] == 0  # a cancelled task is not requeued
 
 
+def test_a_worker_learns_from_its_next_beat_which_held_tasks_were_cancelled(queue):
+    """Over both transports: a cancel of a task a worker holds is told to that worker (only to
+    it, once), so it can stop computing it; a cancel of a queued task tells nobody."""
+    for rid in ["a", "b", "queued"]:
+        queue.put(task(request_id=rid, priority=0 if rid != "queued" else 1))
+    assert ids(queue.get_batch("p0", max_tokens=20)) == ["a", "b"]
+    instance = queue.instance_id()
+    assert queue.beat("p0") == {"instance": instance, "cancelled": []}
+    assert queue.cancel("b") == "in_flight" and queue.cancel("queued") == "queued"
+    assert queue.beat("p1") == {"instance": instance, "cancelled": []}
+    assert queue.beat("p0") == {"instance": instance, "cancelled": [["b", 0]]}
+    assert queue.beat("p0")["cancelled"] == []
+    # The worker stops computing it and, its writes over, fails it: the origin frees its blocks.
+    assert not queue.fail("p1", "b", "cancelled", "not its task")
+    assert queue.fail("p0", "b", "cancelled", "stopped at step 3")
+    (failed,) = queue.take_failed("d0")
+    assert (failed.task.request_id, failed.reason, failed.detail) == ("b", "cancelled", "stopped at step 3")
+    assert not queue.fail("p0", "b", "cancelled")  # once
+    queue.cancel("a")
+    queue.complete("p0", ["a", "b"])  # the batch is over before the next beat: nothing left to tell
+    assert queue.beat("p0")["cancelled"] == [] and queue.stats().in_flight == {}
+    assert not queue.fail("p0", "a", "cancelled") and queue.take_failed("d0") == []
+
+
 def test_put_is_refused_explicitly_when_full_duplicate_or_late(ray_local, transport):
     small = new_queue(transport, capacity=2)
     try:

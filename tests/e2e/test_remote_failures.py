@@ -563,6 +563,53 @@ def test_http_streams_dropped_before_the_first_token_free_their_queue_entries(cl
     _queued_then_dropped(cluster, len(prompts), send_one)
 
 
+def test_a_task_being_computed_stops_when_its_request_is_cancelled(cluster, monkeypatch):
+    """The client drops a remote request while the prefill worker is computing its task (a
+    960-token prompt in 32-token steps of >= 0.1 s: 3 s of compute): the queue tells the worker
+    at its next heartbeat, the worker aborts the task at its next step and sends a
+    PrefillFailed("cancelled") once no write of it can land, and that notice frees the decode
+    worker's quarantined blocks at once instead of after quarantine_s (60 s). On a worker
+    that is never told, the whole prompt is computed (and written into quarantined blocks)."""
+    p, d = cluster.prefill.worker, cluster.decode
+    remote = d.worker.remote
+    steps = []
+    real_step = p.engine.step
+
+    def slow_step(*args, **kwargs):
+        steps.append(time.monotonic())
+        time.sleep(0.1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(p.engine, "step", slow_step)
+    monkeypatch.setattr(p.engine.scheduler, "max_num_batched_tokens", 32)
+    prompt = prompt_of(960, 97)
+    computed0 = p.engine.stats.num_prompt_tokens_computed
+    cancelled0 = p.stats.failed_by_kind["cancelled"]
+    counters0 = dict(remote.counters)
+
+    async def go():
+        async with AsyncClient(d.grpc) as c:
+            call = asyncio.ensure_future(c.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                                    route="remote", priority="high", timeout_s=60))
+            await asyncio.to_thread(wait_until, lambda: len(steps) >= 3, 30, 0.01)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+
+    asyncio.run(go())
+    wait_until(lambda: p.stats.failed_by_kind["cancelled"] - cancelled0 == 1, 10, 0.02)
+    computed = p.engine.stats.num_prompt_tokens_computed - computed0
+    assert computed <= len(prompt) // 2, f"computed {computed} of {len(prompt)} tokens after the cancel"
+    # Nothing of it is left quarantined on the decode side: its notice freed the blocks.
+    wait_until(lambda: not remote.handoffs.quarantined(), 5, 0.02)
+    assert remote.counters["ready"] == counters0["ready"]
+    monkeypatch.undo()
+    assert_clean(cluster)
+    # The worker goes on: the next remote request is served remotely, token-exact.
+    later = prompt_of(150, 98)
+    (out,) = run_remote(cluster, [later])
+    assert out.token_ids == reference(cluster, [later])[0] and out.breakdown["route"] == "remote"
+
+
 def test_a_dead_pull_loop_leaves_the_registry(cluster, monkeypatch, caplog):
     d, p = cluster.decode, cluster.prefill
     worker = p.worker
