@@ -114,13 +114,14 @@ class AsyncEngine:
 
     # -- asyncio side ---------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               priority: int) -> asyncio.Queue:
-        """Queue a validated request; returns the queue its (delta, FinalInfo|None) items arrive on."""
+               priority: int, tenant: str | None = None) -> asyncio.Queue:
+        """Queue a validated request; returns the queue its (delta, FinalInfo|None) items arrive on.
+        `tenant`: whose it is (the scheduler's fair share among API keys)."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
-        self._post(("add", request_id, prompt_ids, params, priority))
+        self._post(("add", request_id, prompt_ids, params, priority, tenant))
         return q
 
     def abort(self, request_id: str) -> None:
@@ -186,9 +187,9 @@ class AsyncEngine:
             did = True
             kind = cmd[0]
             if kind == "add":
-                _, rid, ids, params, priority = cmd
+                _, rid, ids, params, priority, tenant = cmd
                 try:
-                    eng.add_request(ids, params, request_id=rid, priority=priority)
+                    eng.add_request(ids, params, request_id=rid, priority=priority, tenant=tenant)
                 except Exception as exc:  # noqa: BLE001  (this request's error, not the engine's)
                     self._emit(rid, exc, None)
             elif kind == "abort":

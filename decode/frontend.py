@@ -9,11 +9,13 @@ layer maps to gRPC / HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from typing import AsyncIterator
 
 from pdserve.engine import SamplingParams
@@ -56,6 +58,7 @@ class Frontend:
         # a label reused while its old sequence is still being torn down (or by another
         # tenant) can never be attached to that sequence's output.
         self.inflight: dict[tuple[str | None, str], str] = {}  # (key identity, label) -> engine id
+        self.sequences_per_key: Counter = Counter()  # key identity -> sequences its calls hold (keys on)
         self._via_remote: set[str] = set()
         self._id_prefix = uuid.uuid4().hex[:8]  # per worker process: ids never repeat across restarts
         self._admissions = itertools.count(1)
@@ -155,14 +158,44 @@ class Frontend:
         rid = f"{self._id_prefix}-{next(self._admissions):x}"
         residual = (snap.costs.ttft_residual_remote_ms if decision.route == "remote"
                     else snap.costs.ttft_residual_local_ms) if len(ids) > cached else 0.0
-        return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, residual_ms=residual)
+        return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label,
+                        tenant=_identity(inp.caller), residual_ms=residual)
 
     def engine_id(self, label: str, caller=None) -> str | None:
         """The engine's id of the in-flight request a client calls `label` (None: none)."""
         return self.inflight.get((_identity(caller), label))
 
+    @contextlib.contextmanager
+    def _key_share(self, caller, sequences: int):
+        """Hold `sequences` of the caller's API key's share (limits.max_sequences_per_key) for
+        one call; refused (429) before any work when the key's calls would hold more. With keys
+        off every client is the same anonymous tenant: no per-key bound then."""
+        identity = _identity(caller)
+        if identity is None:
+            yield
+            return
+        cap, held = self.limits.max_sequences_per_key, self.sequences_per_key[identity]
+        if held + sequences > cap:
+            self.metrics.refused("key_sequences")
+            raise RequestError("resource_exhausted", f"this API key has {held} sequence(s) in flight on this "
+                               f"worker and this call adds {sequences}, over its limit of {cap} "
+                               "(limits.max_sequences_per_key); wait for some to finish", None, None, 1000)
+        self.sequences_per_key[identity] += sequences
+        try:
+            yield
+        finally:
+            self.sequences_per_key[identity] -= sequences
+            if self.sequences_per_key[identity] <= 0:
+                del self.sequences_per_key[identity]
+
     # -- running -----------------------------------------------------------------------
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
+        """One sequence: admitted, routed and streamed (within its key's share)."""
+        with self._key_share(inp.caller, 1):
+            async for chunk in self._generate(inp):
+                yield chunk
+
+    async def _generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
         prep = await self.prepare(inp)
         rid = prep.request_id
         key = (_identity(inp.caller), prep.label)
@@ -246,6 +279,11 @@ class Frontend:
             async for chunk in self.generate(inputs[0]):
                 yield 0, chunk
             return
+        with self._key_share(inputs[0].caller, len(inputs) * n):
+            async for item in self._generate_many(inputs, n):
+                yield item
+
+    async def _generate_many(self, inputs: list[GenerateInput], n: int) -> AsyncIterator[tuple[int, Chunk]]:
         base = inputs[0].request_id or uuid.uuid4().hex
         seqs: dict[int, AsyncIterator[Chunk]] = {}
         firsts: dict[int, Chunk] = {}
@@ -254,7 +292,7 @@ class Frontend:
             for wave in (range(1), range(1, n)):
                 started = [p * n + j for p in range(len(inputs)) for j in wave]
                 for i in started:
-                    seqs[i] = self.generate(sample_input(inputs[i // n], i % n, f"{base}-{i}"))
+                    seqs[i] = self._generate(sample_input(inputs[i // n], i % n, f"{base}-{i}"))
                 got = await asyncio.gather(*(seqs[i].__anext__() for i in started), return_exceptions=True)
                 for item in got:
                     if isinstance(item, BaseException):
@@ -304,7 +342,7 @@ class Frontend:
         return bool(rids)
 
     async def _local(self, prep: Prepared):
-        q = self.engine.submit(prep.request_id, prep.prompt_ids, prep.params, prep.priority)
+        q = self.engine.submit(prep.request_id, prep.prompt_ids, prep.params, prep.priority, prep.tenant)
         while True:
             item, final = await q.get()
             yield item, final, {}

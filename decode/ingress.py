@@ -77,6 +77,10 @@ class ServingLimits:
     # prompts x n: the sequences one request starts (each bounded by max_model_len), checked
     # before any is admitted; 64 prompts x n=128 would otherwise hold a worker for minutes
     max_sequences_per_request: int = 128
+    # sequences one API key may have in flight on this worker (all its calls together), checked
+    # before any is admitted; the engine also shares its sequence slots fairly among keys. Not
+    # applied with keys off (every client is then the same anonymous tenant).
+    max_sequences_per_key: int = 256
     tokenizer_threads: int = 2  # tokenization runs here, never on the event loop
 
     @classmethod
@@ -140,6 +144,7 @@ class Prepared:
     decision: object
     arrival: float
     label: str = ""
+    tenant: str | None = None  # the API key's identity (None: keys off): the engine's fair share
     residual_ms: float = 0.0  # the learned TTFT residual of the decision's route, included in its prediction
 
 

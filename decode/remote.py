@@ -306,7 +306,7 @@ class RemotePrefill:
         the request was queued for a local prefill) or an error."""
         try:
             req = self.engine.engine.make_request(prep.prompt_ids, prep.params, request_id=prep.request_id,
-                                                  priority=prep.priority)
+                                                  priority=prep.priority, tenant=prep.tenant)
             res = self.arrival.connector.reserve(req)
             if res is not None:
                 res = (self.handoffs.reserve(req.request_id, 1, len(res.block_ids)), res)

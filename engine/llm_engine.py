@@ -187,13 +187,14 @@ class LLMEngine:
         return ids, params, priority
 
     def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                     priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None) -> Request:
-        """Validate and build a request without queueing it."""
+                     priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None,
+                     tenant: str | None = None) -> Request:
+        """Validate and build a request without queueing it (`tenant`: see `Request.tenant`)."""
         ids, params, priority = self.validate_input(prompt, params, priority)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
-        req = Request(rid, ids, params, priority=priority, arrival=arrival)
+        req = Request(rid, ids, params, priority=priority, arrival=arrival, tenant=tenant)
         detok = self.tokenizer.stream(ids, params.skip_special_tokens)
         detok.set_stops(params.stop)
         self._detok[rid] = detok
@@ -201,8 +202,9 @@ class LLMEngine:
         return req
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None) -> Request:
-        req = self.make_request(prompt, params, request_id, priority, arrival)
+                    priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None,
+                    tenant: str | None = None) -> Request:
+        req = self.make_request(prompt, params, request_id, priority, arrival, tenant)
         self.scheduler.add(req)
         return req
 

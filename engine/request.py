@@ -173,8 +173,12 @@ class Request:
     """One generation request inside the engine: tokens, progress, status."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = Priority.NORMAL, arrival: float | None = None, cache_salt: bytes | None = None):
+                 priority: int = Priority.NORMAL, arrival: float | None = None, cache_salt: bytes | None = None,
+                 tenant: str | None = None):
         self.request_id = request_id
+        # Whose request it is (the API key's identity; None: keys off): the scheduler shares the
+        # sequence slots fairly among the tenants that wait (engine/scheduler.py).
+        self.tenant = tenant
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params

@@ -13,6 +13,14 @@ prompts that are waiting. When the pool runs out, the least important
 running request (lowest priority, then latest arrival) is preempted: its
 blocks are freed and it is recomputed later.
 
+Fair share among tenants: when waiting requests carry a tenant (the API key's
+identity on a decode worker with keys on), they are admitted in turns: each
+tenant's k-th waiting request counts as turn running(tenant) + k, and lower
+turns go first (priority first under the priority policy; arrival order breaks
+ties). One client's burst (128 sequences of one call) therefore cannot take
+every sequence slot ahead of another client's single request: that request
+gets the next free slot.
+
 Requests whose prompt KV another worker writes wait in ``remote`` (state
 WAITING_FOR_REMOTE_KV) and are left out of steps until marked ready.
 """
@@ -20,7 +28,7 @@ WAITING_FOR_REMOTE_KV) and are left out of steps until marked ready.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .block_manager import KVCacheManager
@@ -165,7 +173,9 @@ class Scheduler:
                 i += 1
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
-        if self.policy == "priority" and len(self.waiting) > 1:
+        if len(self.waiting) > 1 and self.waiting[0].tenant is not None:
+            self._fair_order()  # (keys are on for every request of a worker, or for none)
+        elif self.policy == "priority" and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._urgency))
         while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -183,6 +193,16 @@ class Scheduler:
             budget -= n
             prefill_left -= n
         return out
+
+    def _fair_order(self) -> None:
+        """Order the waiting requests in tenant turns (see the module docstring)."""
+        waiting = sorted(self.waiting, key=self._urgency) if self.policy == "priority" else list(self.waiting)
+        turns = Counter(r.tenant for r in self.running)
+        keyed = []
+        for pos, req in enumerate(waiting):
+            keyed.append((req.priority if self.policy == "priority" else 0, turns[req.tenant], pos))
+            turns[req.tenant] += 1
+        self.waiting = deque(waiting[k[2]] for k in sorted(keyed))
 
     def _plan_budget(self) -> int:
         """This step's prompt-token cap from the SLOs (engine/step_budget.py)."""

@@ -7,8 +7,11 @@ that sent a request may abort it; no key ever reaches the logs."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import ssl
+import time
 
 import grpc
 import httpx
@@ -22,7 +25,7 @@ from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.cluster.certs import append_key, make_certs, new_key
 from pdserve.cluster.security import ClientTLS, grpc_channel
 from pdserve.decode.worker import DecodeWorkerConfig
-from tests.harness import PERMISSIVE_POLICY, WorkerThread
+from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until
 
 
 class _Records(logging.Handler):
@@ -278,6 +281,63 @@ def test_operator_key_may_abort_any_request(secure, pki):
         assert next(stream).token_ids
         assert op.abort("ended-by-operator") is True
         assert list(stream)[-1].finish_reason == "abort"
+
+
+# -- one key's share -------------------------------------------------------------------
+def test_one_keys_calls_together_are_bounded_and_other_keys_are_not(secure, pki, https, monkeypatch):
+    """limits.max_sequences_per_key (3 here) bounds every call of one key together, before any
+    work: with one of its streams in flight, a call of 3 more is 429 naming the limit, while
+    another key's call of 3 is served; once the stream ends, the first key's call is served."""
+    frontend = secure.worker.frontend
+    monkeypatch.setattr(frontend, "limits", dataclasses.replace(frontend.limits, max_sequences_per_key=3))
+    three = {"prompt": ["One", "Two", "Three"], "max_tokens": 2, "temperature": 0}
+    with Client(secure.grpc, api_key=pki["keys"]["user"], ca_file=pki["ca"]) as owner:
+        stream = owner.stream("A long story begins", max_tokens=400, temperature=0.0, ignore_eos=True,
+                              request_id="holds-one")
+        assert next(stream).token_ids
+        r = https.post("/v1/completions", json=three, headers=bearer(pki, "user"))
+        assert r.status_code == 429, r.text
+        assert "limits.max_sequences_per_key" in r.json()["error"]["message"] and r.headers.get("retry-after")
+        other = https.post("/v1/completions", json=three, headers=bearer(pki, "other"))
+        assert other.status_code == 200 and len(other.json()["choices"]) == 3
+        assert owner.abort("holds-one") is True
+        assert list(stream)[-1].finish_reason == "abort"
+    wait_until(lambda: not frontend.sequences_per_key, 10)
+    again = https.post("/v1/completions", json=three, headers=bearer(pki, "user"))
+    assert again.status_code == 200 and len(again.json()["choices"]) == 3
+
+
+def test_another_keys_request_is_not_queued_behind_one_keys_burst(secure, pki, monkeypatch):
+    """With 4 sequence slots, key A's call of 12 prompts (3 waves of 4) and then key B's single
+    request: B gets the next free slot (the engine admits waiting sequences in turns per key),
+    so its stream ends before A's call is answered; in arrival order it would start 13th,
+    after A's last wave."""
+    eng = secure.worker.engine
+    monkeypatch.setattr(eng.scheduler, "max_num_seqs", 4)
+    ctx = ssl.create_default_context(cafile=pki["ca"])
+    base = f"https://{secure.worker.http_address}"
+    burst = {"prompt": [f"Burst prompt number {i}" for i in range(12)], "max_tokens": 24, "temperature": 0,
+             "ignore_eos": True}
+    ended: dict[str, float] = {}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=base, verify=ctx, timeout=120) as h:
+            async def call_a():
+                r = await h.post("/v1/completions", json=burst, headers=bearer(pki, "user"))
+                ended["A"] = time.monotonic()
+                return r
+
+            a = asyncio.ensure_future(call_a())
+            await asyncio.to_thread(wait_until, lambda: len(eng.scheduler.waiting) >= 8, 30, 0.002)
+            b = await h.post("/v1/completions", json={"prompt": "Just one question", "max_tokens": 4,
+                                                      "temperature": 0}, headers=bearer(pki, "other"))
+            ended["B"] = time.monotonic()
+            return await a, b
+
+    a, b = asyncio.run(go())
+    assert a.status_code == 200 and b.status_code == 200
+    assert len(a.json()["choices"]) == 12
+    assert ended["B"] < ended["A"]
 
 
 # -- mutual TLS -------------------------------------------------------------------------

@@ -100,6 +100,58 @@ def test_priority_policy_preempts_low_priority_first(llama_dir):
     assert high.finish_reason == "length" and low.finish_reason == "length"
 
 
+def _first_token_order(eng, reqs) -> list[str]:
+    """Step until done; the request ids in the order their first token came."""
+    order = []
+    for _ in range(2000):
+        for d in eng.step():
+            if d.new_token_ids and d.request_id not in order:
+                order.append(d.request_id)
+        if not eng.scheduler.has_work():
+            return order
+    raise AssertionError("the engine did not finish")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_sequence_slots_are_shared_in_turns_among_tenants(llama_dir, policy):
+    """Tenant A queues 12 sequences, then B queues 2, with 4 sequence slots: B's first starts
+    among the first 4 and its second within the first 8 (A's burst does not take every slot
+    ahead of it: on FCFS order B would start 13th and 14th). Without tenants (keys off) the
+    order stays FCFS. Outputs are the same either way."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = prompts_of([20] * 14, seed=21)
+    orders, outputs = {}, {}
+    for tenants in (True, False):
+        llm = LLM(llama_dir, max_num_seqs=4, scheduling_policy=policy)
+        eng = llm.engine
+        reqs = [eng.add_request(p, params, request_id=f"{'AB'[i >= 12]}{i}",
+                                tenant=("A" if i < 12 else "B") if tenants else None) for i, p in enumerate(prompts)]
+        orders[tenants] = _first_token_order(eng, reqs)
+        outputs[tenants] = [r.output_token_ids for r in reqs]
+        assert all(r.finish_reason == "length" for r in reqs)
+        assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+    fair, fifo = orders[True], orders[False]
+    assert outputs[True] == outputs[False]
+    assert fifo == [f"{'AB'[i >= 12]}{i}" for i in range(14)]
+    assert fair.index("B12") < 4 and fair.index("B13") < 8, fair
+    assert [r for r in fair if r.startswith("A")] == [f"A{i}" for i in range(12)]  # each tenant in its own order
+
+
+def test_tenant_turns_respect_priority_first(llama_dir):
+    """Under the priority policy a tenant's high-priority request still goes before another
+    tenant's normal ones; turns only order requests of equal priority."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = prompts_of([16] * 8, seed=22)
+    llm = LLM(llama_dir, max_num_seqs=2, scheduling_policy="priority")
+    eng = llm.engine
+    for i in range(6):
+        eng.add_request(prompts[i], params, request_id=f"A{i}", tenant="A")
+    eng.add_request(prompts[6], params, request_id="B-normal", tenant="B")
+    eng.add_request(prompts[7], params, request_id="A-high", tenant="A", priority="high")
+    order = _first_token_order(eng, [])
+    assert order[0] == "A-high" and order.index("B-normal") <= 2, order
+
+
 def test_mixed_prefill_and_decode_in_one_step(llama_dir):
     llm = LLM(llama_dir, max_num_batched_tokens=64)
     eng = llm.engine
