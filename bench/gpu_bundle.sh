@@ -3,7 +3,7 @@
 # bench/gpu_check.sh: pdserve's own wheel, FlashInfer (its kernel sources, without the
 # sub-projects the attention kernels never include: 62 MB wheel -> ~13 MB), NIXL for CUDA 13
 # (without its expert-parallel library: 59 MB wheel -> ~17 MB), and the few small packages the
-# machine's image does not hold. Python 3.12 x86_64, matching that image.
+# machine's image does not hold (py-spy: the host-side profile of a decode step, gpu_check.sh). Python 3.12 x86_64, matching that image.
 #
 #   make gpu-bundle              # or: bash bench/gpu_bundle.sh [PYTHON]
 set -euo pipefail
@@ -11,11 +11,12 @@ cd "$(dirname "$0")/.."
 PY=${1:-${PYTHON:-.venv/bin/python}}
 FLASHINFER=${FLASHINFER:-flashinfer-python==0.7.2.post1}
 NIXL=${NIXL:-nixl-cu13==1.5.1}
-SMALL=${SMALL:-"apache-tvm-ffi==0.1.15.post2 mistral-common pytest-asyncio"}
+SMALL=${SMALL:-"apache-tvm-ffi==0.1.15.post2 mistral-common pytest-asyncio py-spy"}
 dl() {
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$1" "${@:2}"
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
+        --platform manylinux1_x86_64 -d "$1" "${@:2}"
 }
 rm -rf .gpu && mkdir -p .gpu
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT

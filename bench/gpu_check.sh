@@ -46,6 +46,15 @@ for m in ('flashinfer', 'nixl_cu13._api', 'nixl_cu12._api', 'pdserve.engine', 'm
     except Exception as e:
         print('import', m, 'FAILED', type(e).__name__, e)
 "
+# Where the host's time goes in a CUDA-graph decode step at batch 1 (the gap to the HBM floor is
+# host work): py-spy samples bench/gpu_step.py; folded stacks in $OUT/profile-graphs-b1.txt
+# (`bench/profile_top.py` sums them by function). GPU_PROFILE=0 skips it.
+PYSPY=$(command -v py-spy || { [ -n "${site:-}" ] && [ -x "$site/bin/py-spy" ] && echo "$site/bin/py-spy"; } || true)
+if [ "${GPU_PROFILE:-1}" = 1 ] && [ -n "$PYSPY" ]; then
+    part profile "${PROFILE_LIMIT_S:-240}" "$PYSPY" record -r 250 -f raw -o "$OUT/profile-graphs-b1.txt" -- \
+        "${PYP[@]}" bench/gpu_step.py --backends flashinfer+graphs --batches 1 --steps "${PROFILE_STEPS:-4000}" \
+        --transfer-blocks 0 --json "$OUT/profile-step.json"
+fi
 GPU_TESTS=${GPU_TESTS:-"tests/engine/test_gpu_kv_budget.py tests/kvtransfer/test_vram.py tests/kvtransfer/test_layer_order.py tests/engine/test_flashinfer.py"}
 # shellcheck disable=SC2086
 part tests "${TESTS_LIMIT_S:-420}" "${PYP[@]}" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=15 \
