@@ -231,6 +231,10 @@ class ClusterAccess:
     cluster: str
     workers: tuple[tuple[str, str], ...] = ()
     shared_worker: bool = True
+    # Workers reach etcd only through the etcd gate (cluster/etcd_gate.py): their users get no
+    # permissions here (what an earlier bootstrap granted is revoked), so a worker certificate
+    # used directly against etcd reads and writes nothing.
+    gated: bool = False
 
     @classmethod
     def of(cls, value: "ClusterAccess | str") -> "ClusterAccess":
@@ -295,7 +299,7 @@ async def bootstrap_rbac(endpoint: str, root: EtcdTLS, clusters: Sequence[Cluste
             await user_with_role(identity, role)
         for a in access:
             for role, perms in grants(a.cluster).items():
-                if role == ROLE_OF[WORKER] and not a.shared_worker:
+                if role == ROLE_OF[WORKER] and (a.gated or not a.shared_worker):
                     for _, key, range_end in perms:  # a cluster moved to per-worker identities
                         await call("RoleRevokePermission", rpc.AuthRoleRevokePermissionRequest(
                             role=role, key=key, range_end=range_end), absent_ok=True)
@@ -304,6 +308,11 @@ async def bootstrap_rbac(endpoint: str, root: EtcdTLS, clusters: Sequence[Cluste
             for role, worker_id in a.workers:
                 user = worker_user(a.cluster, worker_id)
                 await user_with_role(user, role_of(user))
+                if a.gated:
+                    for _, key, range_end in worker_grants(a.cluster, role, worker_id):
+                        await call("RoleRevokePermission", rpc.AuthRoleRevokePermissionRequest(
+                            role=role_of(user), key=key, range_end=range_end), absent_ok=True)
+                    continue
                 await grant(role_of(user), worker_grants(a.cluster, role, worker_id))
                 slots += 1
         await call("AuthEnable", rpc.AuthEnableRequest())

@@ -45,6 +45,7 @@ __all__ = ["Launcher", "ClusterState", "state_path", "StartedWorker", "start_wor
 
 READY_TIMEOUT_S = 300.0
 RAY_START_TIMEOUT_S = 60.0
+GATE_START_TIMEOUT_S = 30.0
 
 
 class Launcher:
@@ -130,13 +131,38 @@ class Launcher:
             users = ["root", "operator"] + (["worker"] if access.shared_worker else [])
             own = f", and one per worker id: {len(access.workers)}" if access.workers else ""
             self.progress(f"etcd      TLS with client certificates; RBAC on (users {', '.join(users)}{own})")
+        if self.topo.etcd.gate is not None:
+            self._start_gate(state, run_dir, host)
+
+    def _start_gate(self, state: ClusterState, run_dir: Path, host: str) -> None:
+        """The etcd gate beside the embedded etcd (cluster/etcd_gate.py): workers get its
+        endpoint, the operator side keeps etcd's."""
+        access = self.etcd_access()
+        port = self.topo.etcd.gate.port or free_loopback_port(host)
+        log_file = open(run_dir / f"{self.topo.cluster}-etcd-gate.log", "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cluster.etcd_gate", "--topology", os.path.abspath(self.topology_file),
+             "--upstream", state.etcd_endpoints[0], "--host", host, "--port", str(port),
+             "--workers", ",".join(f"{role}:{wid}" for role, wid in access.workers),
+             *(["--shared-worker"] if access.shared_worker else [])],
+            stdout=log_file, stderr=subprocess.STDOUT, env=child_env(self.topo), start_new_session=True)
+        state.gate_pid, state.gate_endpoints = proc.pid, [f"{host}:{port}"]
+        deadline = time.monotonic() + GATE_START_TIMEOUT_S
+        while not _port_open(port, host):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the etcd gate did not start (see {log_file.name})")
+            time.sleep(0.1)
+        self.progress(f"etcd gate started at {state.gate_endpoints[0]} (pid {proc.pid}): workers reach etcd only "
+                      "through it, each scoped to its own keys and leases")
 
     def etcd_access(self) -> ClusterAccess:
         """What etcd's RBAC bootstrap sets up for this topology: a user per worker slot
-        (etcd.tls.workers), and the shared worker identity's grants while it is listed."""
+        (etcd.tls.workers), and the shared worker identity's grants while it is listed; with
+        the etcd gate, the workers' users get no grants (the gate checks them instead)."""
         tls = self.topo.etcd.tls
         return ClusterAccess(self.topo.cluster, tuple(worker_slots(self.topo, self.max_replicas)),
-                             shared_worker=tls is not None and tls.worker is not None)
+                             shared_worker=tls is not None and tls.worker is not None,
+                             gated=self.topo.etcd.gate is not None)
 
     def _check_worker_identities(self) -> None:
         """Every worker id this topology can run has an etcd identity (its own certificate, or
@@ -182,7 +208,8 @@ class Launcher:
         handles = []
         for role_name in ("prefill", "decode"):
             for i in range(getattr(t.roles, role_name).replicas):
-                w = start_worker_actor(t, role_name, i, model=self.model_path, etcd_endpoints=state.etcd_endpoints,
+                w = start_worker_actor(t, role_name, i, model=self.model_path,
+                                       etcd_endpoints=state.worker_etcd_endpoints,
                                        flexible=self.flexible)
                 handles.append((w.name, role_name, w.worker_id, w.actor, w.start_ref))
                 state.actors.append({"name": w.name, "role": role_name, "worker_id": w.worker_id})
@@ -233,6 +260,8 @@ class Launcher:
                     ray.shutdown()
         if state.ray_head_pid:
             _terminate_group(state.ray_head_pid, "ray head", self.progress)
+        if state.gate_pid:
+            _terminate_group(state.gate_pid, "etcd gate", self.progress)
         if state.etcd_pid:
             _terminate_group(state.etcd_pid, "etcd", self.progress, own_group=False)
 
@@ -291,12 +320,14 @@ def _wait_grpc_health(target: str, deadline: float, tls=None) -> None:
             time.sleep(0.2)
 
 
-def _port_open(port: int) -> bool:
+def _port_open(port: int, host: str = "127.0.0.1") -> bool:
     import socket
 
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
 
 
 def _terminate_group(pid: int, what: str, progress, own_group: bool = True, timeout_s: float = 20.0) -> None:

@@ -27,6 +27,14 @@ class ClusterState:
     model: str
     actors: list[dict] = field(default_factory=list)  # {name, role, worker_id, grpc, http}
     started_at: float = field(default_factory=time.time)
+    # The etcd gate (etcd.gate): the workers' etcd endpoints, and its pid (down stops it)
+    gate_endpoints: list[str] = field(default_factory=list)
+    gate_pid: int | None = None
+
+    @property
+    def worker_etcd_endpoints(self) -> list[str]:
+        """Where workers reach etcd: through the gate when there is one."""
+        return self.gate_endpoints or self.etcd_endpoints
 
     @property
     def decode_endpoints(self) -> list[dict]:

@@ -106,15 +106,25 @@ class EtcdTlsSpec(_Strict):
         return out
 
 
+class EtcdGateSpec(_Strict):
+    """Workers reach etcd only through the etcd gate (cluster/etcd_gate.py), which scopes
+    each to its own keys and leases and refuses compaction; their etcd users get no grants.
+    `port`: where the gate listens (0: a free port), on the embedded etcd's address."""
+
+    port: int = Field(0, ge=0, le=65535)
+
+
 class EtcdSpec(_Strict):
     """etcd endpoints ("host:port"); none = start an embedded etcd on loopback. `tls`:
     TLS with client certificates and RBAC (an embedded etcd then needs `tls.server` and
-    `tls.root`)."""
+    `tls.root`). `gate`: workers go through the etcd gate (needs `tls` with `server` and
+    `operator`, and an embedded etcd: `pdserve up` starts the gate beside it)."""
 
     endpoints: list[str] = Field(default_factory=list)
     data_dir: str | None = None  # embedded only; default <run_dir>/etcd
     lease_ttl_s: float = Field(10.0, ge=2.0)
     tls: EtcdTlsSpec | None = None
+    gate: EtcdGateSpec | None = None
 
     @pydantic.field_validator("endpoints")
     @classmethod
@@ -130,6 +140,16 @@ class EtcdSpec(_Strict):
             if missing:
                 raise ValueError(f"an embedded etcd (no endpoints) with tls needs {' and '.join(missing)}: its "
                                  "own certificate, and the root identity that sets up its users and roles")
+        if self.gate is not None:
+            missing = ["tls"] if self.tls is None else [
+                f"tls.{k}" for k in ("server", "operator") if getattr(self.tls, k) is None]
+            if missing:
+                raise ValueError(f"gate needs {' and '.join(missing)}: the gate serves workers over TLS with the "
+                                 "server certificate and acts as the operator identity towards etcd")
+            if self.endpoints:
+                raise ValueError("gate: `pdserve up` starts the gate beside the etcd it embeds; with etcd.endpoints "
+                                 "set, run `python -m pdserve.cluster.etcd_gate` yourself and give the workers its "
+                                 "endpoint (docs/security.md)")
         return self
 
 

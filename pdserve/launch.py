@@ -131,7 +131,8 @@ def _start_planner(topo, topology_file: str, state, launcher) -> None:
     from pdserve.cluster.planner.actor import PlannerConfig, start_planner_actor
 
     cfg = PlannerConfig(topology=os.path.abspath(topology_file), model=state.model,
-                        etcd_endpoints=state.etcd_endpoints, known_workers=[a["worker_id"] for a in state.actors])
+                        etcd_endpoints=state.etcd_endpoints, worker_etcd_endpoints=state.gate_endpoints,
+                        known_workers=[a["worker_id"] for a in state.actors])
     try:
         _, ref = start_planner_actor(cfg, topo.ray.namespace, topo.cluster, ray.util.get_node_ip_address())
         info = ray.get(ref, timeout=60)

@@ -78,7 +78,7 @@ def _run(args) -> int:
     apply_ray_auth(topo)
     ray.init(address=state.ray_address, namespace=state.namespace, log_to_driver=False)
     cfg = PlannerConfig(topology=os.path.abspath(args.topology), model=state.model, etcd_endpoints=state.etcd_endpoints,
-                        policy=args.policy, dry_run=args.dry_run, known_workers=[a["worker_id"] for a in state.actors])
+                        worker_etcd_endpoints=state.gate_endpoints, policy=args.policy, dry_run=args.dry_run, known_workers=[a["worker_id"] for a in state.actors])
     planner = build_planner(cfg)
 
     async def go() -> int:

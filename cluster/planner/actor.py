@@ -65,6 +65,7 @@ class PlannerConfig:
     dry_run: bool = False
     policy_parser: str = DEFAULT_POLICY_PARSER
     known_workers: list[str] = field(default_factory=list)
+    worker_etcd_endpoints: list[str] = field(default_factory=list)  # the etcd gate's (empty: etcd_endpoints)
     replace_stale_registration: bool = False  # set by `restartable` after a restart (unused)
 
 
@@ -77,7 +78,7 @@ def build_planner(cfg: PlannerConfig, *, metrics_port: int | None = None) -> Pla
     from ..netaddr import resolve_bind
 
     return Planner(cluster=topo.cluster, etcd_endpoints=cfg.etcd_endpoints, policy=read_policy(path, parse),
-                   backend=RayBackend(topo, cfg.model, cfg.etcd_endpoints),
+                   backend=RayBackend(topo, cfg.model, cfg.worker_etcd_endpoints or cfg.etcd_endpoints),
                    queue_stats=queue_stats_fn(topo.queue.name, topo.ray.namespace), units=cpu_units(topo),
                    parse_policy=parse, policy_path=path, dry_run=cfg.dry_run,
                    metrics_host=resolve_bind(topo.network.bind), metrics_port=metrics_port,
