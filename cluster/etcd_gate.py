@@ -283,8 +283,21 @@ class EtcdGate:
         await self._refuse(context, f"{who.name} may not compact the store")
 
     # -- leases -------------------------------------------------------------------------------
+    async def _prune(self, who: Identity) -> None:
+        """Forget `who`'s leases that etcd no longer holds (expired after a re-registration)."""
+        for lease_id in list(who.leases):
+            try:
+                ttl = await self._up.lease.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id),
+                                                           timeout=UPSTREAM_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                continue  # etcd unreachable: keep it (the grant below fails anyway)
+            if ttl.TTL <= 0:
+                who.leases.discard(lease_id)
+
     async def _lease_grant(self, req, context):
         who = await self._who(context)
+        if len(who.leases) >= MAX_LEASES_PER_IDENTITY:
+            await self._prune(who)
         if len(who.leases) >= MAX_LEASES_PER_IDENTITY:
             await self._refuse(context, f"{who.name} holds {len(who.leases)} leases already (the gate's limit)")
         resp = await self._forward(context, self._up.lease.LeaseGrant(req, timeout=UPSTREAM_TIMEOUT_S))
@@ -323,8 +336,13 @@ class EtcdGate:
                 if not await self._owns(who, req.ID):
                     await self._refuse(context, f"{who.name} may not keep lease {req.ID:x} alive, "
                                                 "which is not its own")
-                await upstream.write(req)
-                resp = await asyncio.wait_for(upstream.read(), UPSTREAM_TIMEOUT_S)
+                try:
+                    await upstream.write(req)
+                    resp = await asyncio.wait_for(upstream.read(), UPSTREAM_TIMEOUT_S)
+                except grpc.aio.AioRpcError as exc:  # etcd restarting: the worker re-registers
+                    await context.abort(exc.code(), exc.details() or "")
+                except asyncio.TimeoutError:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "etcd gate: etcd did not answer the keep-alive")
                 if resp is grpc.aio.EOF:
                     return
                 if resp.TTL <= 0:
@@ -357,9 +375,10 @@ class EtcdGate:
                 if refused:
                     read.cancel()
                     await self._refuse(context, refused[0])
-                if not read.done():
-                    await read
-                resp = read.result()
+                try:
+                    resp = await read
+                except grpc.aio.AioRpcError as exc:  # etcd restarting: the watch resumes from its revision
+                    await context.abort(exc.code(), exc.details() or "")
                 if resp is grpc.aio.EOF:
                     return
                 yield resp

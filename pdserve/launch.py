@@ -223,9 +223,11 @@ def _status(args) -> int:
     queue = _queue_stats_as(topo, state)
     if args.json:
         print(json.dumps({"cluster": state.cluster, "members": members, "queue": queue,
+                          "etcd": state.etcd_endpoints, "etcd_gate": state.gate_endpoints,
                           "security": [s.to_dict() for s in security]}, indent=2))
         return 0 if members is not None else 1
-    print(f"cluster {state.cluster}  (etcd {', '.join(state.etcd_endpoints)}, ray {state.ray_address})")
+    gate = f", workers through the etcd gate at {', '.join(state.gate_endpoints)}" if state.gate_endpoints else ""
+    print(f"cluster {state.cluster}  (etcd {', '.join(state.etcd_endpoints)}{gate}, ray {state.ray_address})")
     if members is None:
         _print_queue(state, queue)
         _print_security(security, topo.network.bind)

@@ -71,7 +71,8 @@ def register(subparsers) -> None:
                    help="the Ray head's GCS address (default: the topology's ray.address, else 'auto': "
                         "the Ray started on this node)")
     p.add_argument("--etcd", default=None, metavar="ENDPOINTS",
-                   help="etcd endpoints host:port[,host:port] (default: the topology's etcd.endpoints)")
+                   help="etcd endpoints host:port[,host:port] (default: the topology's etcd.endpoints; with "
+                        "etcd.gate: the gate's endpoint, which `pdserve up` prints)")
     p.add_argument("--worker-id", default=None, metavar="ID",
                    help="this worker's id in etcd, e.g. the pod name (default: <role>-<hostname>)")
     p.add_argument("--model", default=None, metavar="PATH",

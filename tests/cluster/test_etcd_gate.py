@@ -256,3 +256,32 @@ def test_a_gate_without_what_it_needs_is_refused_naming_the_setting(tmp_path):
                                      "decode: {replicas: 1}}\netcd: {gate: {}}\n")
     with pytest.raises(TopologyError, match="gate needs tls"):
         load_topology(tmp_path / "t.yaml")
+
+
+async def test_a_worker_behind_the_gate_outlives_an_etcd_restart(secure_etcd, gated):
+    """etcd stops for 2 s (its data kept, so the lease may survive or expire): the worker's
+    keep-alive and watch go through the gate's reconnecting channel and it stays, or is
+    again, registered, with a lease the gate still lets it keep alive."""
+    gate, own = gated
+    async with through(gate, own, "decode-0") as d0, through(gate, own, "prefill-0") as p0:
+        await d0.register(worker("decode-0", role="decode"))
+        seen = []
+        await p0.watch_members(on_add=lambda info: seen.append(info.worker_id), role="decode")
+        secure_etcd.server.stop()
+        await asyncio.sleep(2.0)
+        await asyncio.to_thread(secure_etcd.server.start)
+        for _ in range(300):
+            if d0.state.name == "REGISTERED" and await _registered(p0, "decode-0"):
+                break
+            await asyncio.sleep(0.05)
+        assert d0.state.name == "REGISTERED" and await _registered(p0, "decode-0")
+        await asyncio.sleep(TTL_S * 1.5)  # kept alive through the gate after the restart
+        assert await _registered(p0, "decode-0")
+        assert "decode-0" in seen
+
+
+async def _registered(reg: Registry, worker_id: str) -> bool:
+    try:
+        return (await reg.member("decode", worker_id)) is not None
+    except Exception:  # noqa: BLE001  (etcd still coming back)
+        return False
