@@ -29,7 +29,6 @@ and ``tpot_cdf.png``, and prints the table as Markdown.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import os
@@ -169,32 +168,10 @@ def derive_topology(cfg: SweepConfig, mode: str, model_dir: str, work: Path) -> 
     return path
 
 
-def resolve_model(topo) -> str:
-    """A loaded topology's model directory; `auto` makes a small model on first run.
-
-    Shared with `pdserve up` (pdserve/launch.py): the same make arguments give
-    the same directory, `pdserve-<arch>-<hash of the arguments>` under the
-    topology's model cache, so a sweep reuses the model `up` made and back.
-    It lives here, not in the control plane, because making a model needs the
-    engine's model maker, which `pdserve.cluster` must not import.
-    """
-    if not topo.model.is_auto:
-        return str(topo.model_path)
-    from pdserve.engine.model_maker import ModelSpec, make_model
-
-    spec = ModelSpec(**topo.model.make)
-    tag = hashlib.sha256(json.dumps(spec.__dict__, sort_keys=True).encode()).hexdigest()[:8]
-    path = topo.model_cache_path / f"pdserve-{spec.arch}-{tag}"
-    if not (path / "config.json").is_file():
-        print(f"model     making a {spec.arch} model ({spec.num_layers} layers, hidden {spec.hidden_size}) "
-              f"in {path} ...", flush=True)
-        make_model(str(path), spec)
-    return str(path)
-
-
 def base_model_dir(topology: str) -> str:
     """The base topology's model directory (an `auto` model is made on first use)."""
     from pdserve.cluster.topology import load_topology
+    from pdserve.engine.model_maker import resolve_model
 
     if not Path(topology).is_file():
         raise FileNotFoundError(f"--topology {topology}: no such file")

@@ -132,3 +132,30 @@ def make_model(out_dir: str, spec: ModelSpec) -> str:
     model = model.to(getattr(torch, spec.dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def cached_model(make: dict, cache_dir: str | os.PathLike) -> str:
+    """The directory of the model `make` describes (ModelSpec arguments) under `cache_dir`,
+    made on first use: `pdserve-<arch>-<hash of the arguments>`, so the same arguments give
+    the same directory (`pdserve up`, `pdserve worker` and the benchmarks share it)."""
+    import hashlib
+    from pathlib import Path
+
+    spec = ModelSpec(**make)
+    tag = hashlib.sha256(json.dumps(spec.__dict__, sort_keys=True).encode()).hexdigest()[:8]
+    path = Path(cache_dir) / f"pdserve-{spec.arch}-{tag}"
+    if not (path / "config.json").is_file():
+        print(f"model     making a {spec.arch} model ({spec.num_layers} layers, hidden {spec.hidden_size}) "
+              f"in {path} ...", flush=True)
+        make_model(str(path), spec)
+    return str(path)
+
+
+def resolve_model(topology) -> str:
+    """A loaded topology's model directory (anything with `model.is_auto`, `model.make`,
+    `model_path` and `model_cache_path`, as `cluster.topology.Topology` has: the engine does
+    not import the control plane); `auto` makes a small model on first use."""
+    if not topology.model.is_auto:
+        return str(topology.model_path)
+    return cached_model(topology.model.make, topology.model_cache_path)
+

@@ -1,10 +1,9 @@
 """`pdserve up | status | down | drain | demo`: run a topology and talk to it.
 
 This lives in the composition root because `up` may make the `auto` model
-with the engine's model maker, which the control plane must not import. The
-topology -> model directory step (`resolve_model`) is shared with the
-benchmarks, so it lives in pdserve.bench.sweep (bench may import both the
-engine and the control plane; nothing may import this package root).
+with the engine's model maker, which the control plane must not import
+(`engine.model_maker.resolve_model`, which the benchmarks use too: nothing in
+the product imports bench/).
 """
 
 from __future__ import annotations
@@ -87,8 +86,8 @@ def _load(path: str):
 
 
 def _up(args) -> int:
-    from pdserve.bench.sweep import resolve_model
     from pdserve.cluster.launcher import Launcher
+    from pdserve.engine.model_maker import resolve_model
 
     topo = _load(args.topology)  # the launcher sets Ray's authentication from it (ray.auth)
     t0 = time.monotonic()

@@ -187,7 +187,7 @@ class Worker:
 
     def _model(self) -> str:
         if self.p.model == "auto":
-            from pdserve.bench.sweep import resolve_model
+            from pdserve.engine.model_maker import resolve_model
 
             return resolve_model(self.p.topology)
         if not Path(self.p.model).is_dir():

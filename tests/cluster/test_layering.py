@@ -221,6 +221,19 @@ def test_every_code_folder_of_the_package_is_checked():
     assert mapped - set(FOLDERS) == set(), f"folders with no layering rule: {sorted(mapped - set(FOLDERS))}"
 
 
+def test_nothing_outside_bench_imports_bench():
+    """bench/ may import the product; the product may not import bench/: no code folder (the
+    table: no row lists it) and not the composition root either (pdserve/*.py). `pdserve
+    bench ...` reaches it by name through the CLI's command registry, like any plugin."""
+    bad = []
+    for path in sorted((ROOT / ROOT_PACKAGE).rglob("*.py")):
+        for line, module in imports_of(path):
+            if _layer_of(module) == "bench":
+                bad.append(f"{path.relative_to(ROOT).as_posix()}:{line}: imports {module}")
+    assert not any("bench" in allowed for allowed in ALLOWED.values())
+    assert not bad, "the product imports bench/:\n  " + "\n  ".join(bad)
+
+
 def cluster_import_graph() -> dict[str, set[str]]:
     """Module -> the cluster modules it imports when it runs.
 

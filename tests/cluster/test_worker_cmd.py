@@ -59,7 +59,7 @@ def pdserve_proc(*args, log: Path) -> subprocess.Popen:
 
 def test_worker_registers_and_a_sigterm_or_a_prestop_drain_takes_it_out(topology, ray_head, etcd, cluster_name,
                                                                          tmp_path):
-    from pdserve.bench.sweep import resolve_model
+    from pdserve.engine.model_maker import resolve_model
     from pdserve.cluster.topology import load_topology
 
     model = resolve_model(load_topology(topology))  # made once here: two workers must not race to make it
@@ -105,7 +105,7 @@ def test_sigterm_lets_a_decode_workers_in_flight_request_finish(tmp_path, ray_he
     import threading
 
     from pdserve.api import Client
-    from pdserve.bench.sweep import resolve_model
+    from pdserve.engine.model_maker import resolve_model
     from pdserve.cluster.topology import load_topology
 
     topo = tmp_path / "decode-only.yaml"  # 0P1D: the decode worker needs no queue and no NIXL peer
