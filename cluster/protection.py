@@ -1,10 +1,13 @@
 """What a topology protects, surface by surface (docs/security.md, "What is protected").
 
 `surfaces(topology)` says, for each way into the cluster, whether the topology protects it
-and how: `pdserve status` prints it. `exposure_warnings(topology, ...)` lists what is
-reachable from other hosts without protection: `pdserve up` and `pdserve worker` print
-each at start. Both read only the topology (pure: no socket, no file read), so they say
-what is configured, not what a running process does; the workers enforce it.
+and how: `pdserve status` prints it. Every socket a process of the cluster listens on belongs
+to one of them, Ray's own included (tests/e2e/test_listening_sockets.py lists a running
+cluster's listeners and fails on one that no surface names; docs/security.md, "Every
+listening socket"). `exposure_warnings(topology, ...)` lists what is reachable from other
+hosts without protection: `pdserve up` and `pdserve worker` print each at start. Both read
+only the topology (pure: no socket, no file read), so they say what is configured, not what
+a running process does; the workers enforce it.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ class Surface:
 
 def surfaces(topology) -> list[Surface]:
     """Every surface of `topology`, in the order docs/security.md lists them."""
-    return [_decode(topology), _etcd(topology), _queue(topology), _ray(topology), _nixl(topology),
-            *_metrics(topology)]
+    gate = [_etcd_gate(topology)] if topology.etcd.gate is not None else []
+    return [_decode(topology), _etcd(topology), *gate, _queue(topology), _ray(topology), _nixl(topology),
+            *_metrics(topology), _ray_metrics(topology)]
 
 
 def exposure_warnings(topology, ray_address: str | None = None) -> list[str]:
@@ -94,13 +98,25 @@ def _decode(t) -> Surface:
 
 
 def _etcd(t) -> Surface:
+    # The embedded etcd (`pdserve up`) has two listeners on network.bind, protected alike.
+    where = f"; its client and peer listeners on network.bind {t.network.bind}" if t.embedded_etcd else ""
     if t.etcd.tls is None:
         return Surface("etcd", NO, "plaintext, no authentication: anyone who reaches it can drain workers and "
-                       "rewrite policies", "etcd.tls")
+                       f"rewrite policies{where}", "etcd.tls")
     ids = [i for i in ("root", "operator", "worker") if getattr(t.etcd.tls, i) is not None]
     if t.etcd.tls.workers is not None:
         ids.append("one per worker")
-    return Surface("etcd", YES, f"TLS, client certificates, RBAC (identities here: {', '.join(ids) or 'none'})")
+    how = f"TLS, client certificates, RBAC (identities here: {', '.join(ids) or 'none'}){where}"
+    if t.etcd.gate is not None:
+        return Surface("etcd", YES, f"{how}; workers have no grants here: they reach it only through the etcd gate")
+    return Surface("etcd", PARTLY, f"{how}; etcd's RBAC covers keys, not leases: any identity may keep alive or "
+                   "read any lease and compact the store", "etcd.gate")
+
+
+def _etcd_gate(t) -> Surface:
+    return Surface("etcd gate", YES, "mutual TLS (the etcd CA); serves worker identities only, each scoped to its "
+                   "own keys and leases, no compaction or lease listing (cluster/etcd_gate.py); on network.bind "
+                   f"{t.network.bind}")
 
 
 def _queue(t) -> Surface:
@@ -117,20 +133,28 @@ def _queue(t) -> Surface:
                    f"{'mutual TLS' if tls.client_ca else 'TLS'} on {q.wire}, token")
 
 
+# Ray's own listeners: what every Ray node serves, whatever the topology says.
+RAY_LISTENERS = ("GCS, raylet, object manager, runtime-env agent, Ray client server (head, port 10001) "
+                 "and each worker's and actor's port")
+RAY_BINDS = "on every interface (or the node's address), whatever network.bind says"
+
+
 def _ray(t) -> Surface:
     if t.ray.auth == "token":
         src = f"token from ray.token_file ({t.ray.token_file})" if t.ray.token_file else \
             "token from RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token"
-        return Surface("Ray", YES, f"token authentication, {src}; not encrypted")
-    return Surface("Ray", NO, "no authentication: whoever reaches its ports runs code in every worker",
-                   "ray.auth: token")
+        return Surface("Ray", YES, f"token authentication, {src}, on {RAY_LISTENERS}; not encrypted; "
+                       f"they listen {RAY_BINDS}")
+    return Surface("Ray", NO, f"no authentication on {RAY_LISTENERS}, which listen {RAY_BINDS}: whoever "
+                   "reaches them runs code in every worker", "ray.auth: token")
 
 
 def _nixl(t) -> Surface:
     transport = getattr(t.network, "kv_transport", None)
     devices = f", devices {transport.devices}" if transport is not None and hasattr(transport, "devices") else ""
     return Surface("NIXL data plane (KV pages)", NO,
-                   f"no authentication or encryption by design: keep its network private "
+                   f"each worker's UCX listener (its port is in the worker's NIXL metadata in etcd): no "
+                   f"authentication or encryption by design: keep its network private "
                    f"(network.bind {t.network.bind}{devices})")
 
 
@@ -145,3 +169,12 @@ def _metrics(t) -> list[Surface]:
         Surface("planner /metrics", NO, f"plaintext and open on network.bind {t.network.bind} "
                 "(desired and actual replicas, decisions)"),
     ]
+
+
+def _ray_metrics(t) -> Surface:
+    """The Prometheus endpoint of Ray's autoscaler monitor, a process of every Ray head: no
+    pdserve or Ray setting protects it (Ray's AUTOSCALER_METRIC_PORT only moves it)."""
+    head = f"the Ray head ({t.ray.address})" if t.ray.address else "the Ray head"
+    return Surface("Ray autoscaler /metrics", NO,
+                   f"plaintext and open on {head}, port 44217 (AUTOSCALER_METRIC_PORT), every interface whatever "
+                   "network.bind says (node counts, pending and failed nodes, resources; no tokens): firewall it")

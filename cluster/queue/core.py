@@ -50,7 +50,7 @@ MAX_FAILED_PER_ORIGIN = 10_000  # failed tasks nobody collects must not grow wit
 MAX_FAIL_REASON_CHARS = 64
 MAX_FAIL_DETAIL_CHARS = 300
 MAX_SETTLED_REMEMBERED = 200_000
-# A worker holding tasks must be heard from this often (it calls `alive` every 0.5 s while it
+# A worker holding tasks must be heard from this often (it calls `beat` every 0.25 s while it
 # serves a batch, its compute running in a thread): past it, its tasks are failed back.
 DEFAULT_STALL_S = 3.0  # settled keys kept until their deadline (the oldest go first beyond this)
 
