@@ -227,11 +227,25 @@ class AsyncEngine:
         seqs, tokens, decodes = eng.last_step
         info = StepInfo(ms=(time.perf_counter() - t0) * 1e3, num_seqs=seqs, num_tokens=tokens,
                         num_decode_seqs=decodes, prefill_pairs=eng.last_step_pairs)
-        for d in deltas:
-            self.deliver(d)
-        if self.on_step is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self.on_step, info)
+        # One hand-over to the event loop per step, not one per stream: each
+        # call_soon_threadsafe writes the loop's wake-up pipe (a syscall) and takes the GIL.
+        batch = [(d.request_id, d, self._final(d)) for d in deltas]
+        if self._loop is not None and (batch or self.on_step is not None):
+            self._loop.call_soon_threadsafe(self._deliver_step, batch, info)
         return True
+
+    def _deliver_step(self, batch: list, info: "StepInfo") -> None:
+        """A step's deltas to their streams, then `on_step` (event loop)."""
+        for rid, item, final in batch:
+            q = self._streams.get(rid)
+            if q is None:
+                continue
+            if final is not None or item.finished:
+                self._finish_stream(rid, q, item, final)
+            else:
+                q.put_nowait((item, None))
+        if self.on_step is not None:
+            self.on_step(info)
 
     def _step_failed(self, exc: StepError) -> None:
         """Fail the step's requests with the error; the loop goes on unless it keeps failing."""
@@ -251,18 +265,22 @@ class AsyncEngine:
 
     def deliver(self, d: RequestDelta) -> None:
         """Send a delta to its stream (engine thread); finished requests are released."""
-        final = None
-        if d.finished:
-            out = self.engine.release(d.request_id)
-            if out is not None:
-                t = out.times
-                final = FinalInfo(
-                    prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                    cached_tokens=out.num_cached_tokens, arrival_time=t.arrival_time,
-                    first_scheduled_time=t.first_scheduled_time, first_token_time=t.first_token_time,
-                    finish_time=time.monotonic(), num_preemptions=t.num_preemptions,
-                )
-        self._emit(d.request_id, d, final)
+        self._emit(d.request_id, d, self._final(d))
+
+    def _final(self, d: RequestDelta) -> "FinalInfo | None":
+        """A finished request's figures (it is released from the engine here; engine thread)."""
+        if not d.finished:
+            return None
+        out = self.engine.release(d.request_id)
+        if out is None:
+            return None
+        t = out.times
+        return FinalInfo(
+            prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+            cached_tokens=out.num_cached_tokens, arrival_time=t.arrival_time,
+            first_scheduled_time=t.first_scheduled_time, first_token_time=t.first_token_time,
+            finish_time=time.monotonic(), num_preemptions=t.num_preemptions,
+        )
 
     def _emit(self, rid: str, item, final) -> None:
         q = self._streams.get(rid)

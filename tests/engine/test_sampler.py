@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler, filter_top_k_top_p
+from pdserve.engine.sampler import Sampler, filter_top_k_top_p, inverse_cdf
 
 # A fixed 8-token distribution: probabilities 0.30 0.25 0.15 0.10 0.08 0.06 0.04 0.02.
 PROBS = torch.tensor([0.30, 0.25, 0.15, 0.10, 0.08, 0.06, 0.04, 0.02])
@@ -60,6 +60,65 @@ def test_draws_follow_the_distribution_and_never_pick_a_zero_probability_token()
     assert all(counts[i] == 0 for i in range(len(probs)) if probs[i] == 0)
     se = (probs.double() * (1 - probs.double()) / n).sqrt()
     assert bool(((counts - probs.double()).abs() <= 3 * se + 1e-12).all()), counts
+
+
+def _one_level(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The definition: one float64 prefix sum per row, the first entry above u x total."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1]
+    drawn = torch.searchsorted(cdf, (u * total).unsqueeze(1), right=True).squeeze(1)
+    return torch.minimum(drawn, (cdf < total.unsqueeze(1)).sum(dim=-1))
+
+
+def test_the_two_level_draw_is_the_one_level_draw_and_never_a_zero():
+    """inverse_cdf over 8 slices of 256 against the one-level definition: rows with whole
+    slices at zero (top-k / top-p masks), a single surviving token, mass at the very ends;
+    uniforms at 0, at slice boundaries, just below 1, and random. Same token (a float64
+    rounding tie at a boundary may move it to a neighbour of the same probability: none here
+    on these rows), and never a token of probability 0."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 2048
+    rows = [torch.rand(vocab, generator=g)]
+    masked = torch.rand(vocab, generator=g)
+    masked[256:1024] = 0
+    masked[1800:] = 0
+    rows.append(masked)
+    single = torch.zeros(vocab)
+    single[1337] = 1.0
+    rows.append(single)
+    ends = torch.zeros(vocab)
+    ends[0], ends[-1] = 0.5, 0.5
+    rows.append(ends)
+    sparse = torch.zeros(vocab)
+    sparse[torch.randperm(vocab, generator=g)[:40]] = torch.rand(40, generator=g)
+    rows.append(sparse)
+    probs = torch.stack([r / r.sum() for r in rows])
+    us = [0.0, 1e-12, 0.125, 0.5, 0.875, 1 - 1e-12, *torch.rand(200, generator=g, dtype=torch.float64).tolist()]
+    for u in us:
+        uu = torch.full((len(rows),), u, dtype=torch.float64)
+        got, bad = inverse_cdf(probs, uu)
+        want = _one_level(probs, uu)
+        assert not bad.any()
+        assert bool((probs[torch.arange(len(rows)), got] > 0).all()), (u, got)
+        assert got.tolist() == want.tolist(), (u, got.tolist(), want.tolist())
+    nan = probs.clone()
+    nan[1, 5] = float("nan")
+    _, bad = inverse_cdf(torch.cat([nan, torch.zeros(1, vocab)]), torch.full((len(rows) + 1,), 0.5, dtype=torch.float64))
+    assert bad.tolist() == [False, True, False, False, False, True]
+
+
+def test_draws_over_a_large_vocabulary_follow_the_distribution():
+    """Through the Sampler, a 4096-token vocabulary (16 slices) whose mass sits in 6 tokens
+    spread over the slices: frequencies within 3 standard errors, nothing else drawn."""
+    probs = torch.zeros(4096)
+    hot = [3, 700, 701, 2048, 3000, 4095]
+    probs[hot] = torch.tensor([0.3, 0.2, 0.15, 0.15, 0.1, 0.1])
+    n = 12000
+    seen = draw(SamplingParams(temperature=1.0), n, logits=probs.log())
+    counts = torch.bincount(torch.tensor(seen), minlength=4096).double() / n
+    assert set(seen) <= set(hot)
+    se = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert bool(((counts - probs.double()).abs() <= 3 * se + 1e-12).all())
 
 
 def test_a_row_without_a_distribution_fails_alone_and_draws_consume_one_number_each():
