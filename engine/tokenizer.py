@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -11,6 +12,8 @@ from tokenizers.decoders import DecodeStream
 
 from .config import ConfigError
 from .stops import StopAutomaton, automaton_for
+
+log = logging.getLogger(__name__)
 
 # Prompt tokens given to a new decode stream as context, so that the first
 # generated token keeps its leading space ("Hello" -> " world").
@@ -78,6 +81,10 @@ class Tokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
 
+_OFFSET_WINDOW = 5  # ids decoded ahead of the new ones, for their spacing and merges
+_MAX_HELD = 8  # ids held back at most for an incomplete character (a UTF-8 character has <= 4 bytes)
+
+
 def _token_str(tok) -> str | None:
     if isinstance(tok, dict):  # {"content": "<s>", ...} in older configs
         return tok.get("content")
@@ -96,7 +103,14 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self._tk = tokenizer._tk
         context = prompt_ids[-_STREAM_CONTEXT_TOKENS:] if prompt_ids else None
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._skip_special = skip_special_tokens
+        self._stream: DecodeStream | None = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        # The ids so far (the prompt's tail, then every pushed id) and how many of them the
+        # text returned so far covers: what the offset decoder (`_offset_step`) resumes from
+        # when DecodeStream gives up on a byte sequence.
+        self._ids: list[int] = list(context or [])
+        self._emitted = len(self._ids)
+        self._prefix = max(0, self._emitted - _OFFSET_WINDOW)
         self.text = ""  # all final text (stop strings excluded)
         self._pending = ""  # decoded, but possibly the start of a stop string
         self._stops: list[str] = []
@@ -108,9 +122,43 @@ class IncrementalDetokenizer:
         self._automaton = automaton_for(tuple(stops)) if stops else None
         self._state = 0
 
+    def _step(self, token_id: int) -> str:
+        """The text `token_id` makes final: tokenizers' DecodeStream while it can, then the offset
+        decoder for the rest of the request. DecodeStream raises "Invalid prefix encountered"
+        on some byte-fallback sequences (an invalid UTF-8 run followed by a token whose
+        decoding merges with it: common in sampled text of small or random models); that
+        must not fail the request."""
+        self._ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._tk, token_id) or ""
+            except Exception as exc:  # noqa: BLE001  (tokenizers raises a bare Exception)
+                if "Invalid prefix" not in str(exc):
+                    raise
+                self._stream = None
+                log.debug("DecodeStream gave up (%s); decoding by offsets from here", exc)
+            else:
+                if piece:
+                    self._emitted = len(self._ids)
+                    self._prefix = max(0, self._emitted - _OFFSET_WINDOW)
+                return piece
+        return self._offset_step()
+
+    def _offset_step(self) -> str:
+        """Decode the window from `_prefix`: what goes past the text already returned is new,
+        unless it ends in an incomplete character (held until it completes or turns invalid
+        for good, then returned with its replacement character)."""
+        decode = lambda ids: self._tk.decode(ids, skip_special_tokens=self._skip_special)  # noqa: E731
+        before = decode(self._ids[self._prefix:self._emitted])
+        now = decode(self._ids[self._prefix:])
+        if len(now) <= len(before) or (now.endswith("\ufffd") and len(self._ids) - self._emitted < _MAX_HELD):
+            return ""
+        self._prefix, self._emitted = self._emitted, len(self._ids)
+        return now[len(before):]
+
     def push(self, token_id: int) -> tuple[str, str | None]:
         """Add one token; return (text delta, matched stop string or None)."""
-        piece = self._stream.step(self._tk, token_id) or ""
+        piece = self._step(token_id)
         if not self._stops:
             self.text += piece
             return piece, None
