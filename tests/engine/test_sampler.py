@@ -176,3 +176,28 @@ def test_stop_token_ids_and_stop_strings(llama_dir):
     assert out.text == base.text[: base.text.index(stop)]
     out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+@pytest.mark.gpu
+def test_the_draw_on_the_device_is_the_draw_on_the_host():
+    """On CUDA, inverse_cdf (searchsorted, the slice sums, the int8 argmax) gives the host's
+    tokens for the same probabilities and uniforms, and the Sampler serves greedy, random,
+    seeded and top-k/top-p rows of one batch there without a host copy of the logits."""
+    g = torch.Generator().manual_seed(11)
+    probs = torch.rand(6, 4096, generator=g)
+    probs[2, 1000:3000] = 0
+    probs = probs / probs.sum(-1, keepdim=True)
+    u = torch.rand(6, generator=g, dtype=torch.float64)
+    host, _ = inverse_cdf(probs, u)
+    dev, bad = inverse_cdf(probs.cuda(), u.cuda())
+    assert dev.tolist() == host.tolist() and not bad.any().item()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=1.0, top_k=5, top_p=0.9)]
+    reqs = [Request(f"r{i}", [1], p) for i, p in enumerate(params)]
+    logits = torch.randn(len(reqs), 4096, generator=g) * 3
+    out = Sampler(0)(logits.cuda(), reqs)
+    assert out[0].token_id == int(logits[0].argmax())
+    top5 = set(logits[3].topk(5).indices.tolist())
+    assert out[3].token_id in top5 and all(0 <= r.token_id < 4096 for r in out)
+    seeded = [Request("a", [1], params[2]), Request("b", [1], params[2])]
+    assert Sampler(0)(logits[2:3].cuda(), seeded[:1])[0].token_id == Sampler(5)(logits[2:3], seeded[1:])[0].token_id
