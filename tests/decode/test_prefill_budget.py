@@ -64,6 +64,16 @@ def test_a_worker_calibrates_at_boot_and_plans_its_engine_steps(llama_dir, tmp_p
         sched = worker.engine.scheduler
         wait_until(lambda: sched.step_targets == StepTargets(40, 1000))
         assert sched.step_cost == worker.step_plan.cost
+        # The router's local prediction plans a long prompt beside the streams that will be
+        # decoding by then: requests admitted ahead of it count, not only those decoding now.
+        fe = worker.frontend
+        alone = worker._predicted_budget(1600, 0)
+        fe.num_prefilling += 8
+        try:
+            crowded = worker._predicted_budget(1600, 0)  # (fails with num_decoding alone)
+        finally:
+            fe.num_prefilling -= 8
+        assert crowded < alone, (crowded, alone)
         body = json.dumps({"model": worker.frontend.served_model, "prompt": "hello there " * 20, "max_tokens": 4})
         req = urllib.request.Request(f"{w.http}/v1/completions", body.encode(), {"Content-Type": "application/json"})
         assert urllib.request.urlopen(req, timeout=30).status == 200
