@@ -384,6 +384,8 @@ class EtcdGate:
                 yield resp
         finally:
             sender.cancel()
+            if sender.done() and not sender.cancelled():
+                sender.exception()  # (a client gone mid-write: retrieved, not logged as unretrieved)
             upstream.cancel()
 
 
