@@ -17,7 +17,7 @@ from pdserve.cluster.etcd_auth import ClusterAccess, EtcdAccessDenied, bootstrap
 from pdserve.cluster.etcd_gate import EtcdGate, GatePolicy, _within
 from pdserve.cluster.keys import Keyspace
 from pdserve.cluster.registry import Registry
-from tests.cluster.test_etcd_security import FAST, SLOTS, TTL_S, worker, worker_certs
+from tests.cluster.test_etcd_security import FAST, SLOTS, TTL_S, launcher_topology, worker, worker_certs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -199,30 +199,9 @@ def test_pdserve_up_starts_the_gate_beside_its_etcd_and_workers_get_its_endpoint
     """The launcher's etcd step with `etcd.gate`: etcd, its RBAC with the workers' users
     granted nothing, and the gate; a worker registers through the gate's endpoint, the same
     certificate gets nothing from etcd directly, and the operator still reaches etcd."""
-    import textwrap
+    from pdserve.cluster.launcher import Launcher, _terminate_group
 
-    from pdserve.cluster.launcher import ClusterState, Launcher, _terminate_group
-    from pdserve.cluster.topology import load_topology
-
-    c = secure_etcd.certs
-    own = worker_certs(secure_etcd, "gated", ["prefill-0", "decode-0"], tmp_path / "pki")
-    (tmp_path / "t.yaml").write_text(textwrap.dedent(f"""\
-        cluster: gated
-        model: {{path: auto}}
-        roles: {{prefill: {{replicas: 1}}, decode: {{replicas: 1}}}}
-        run_dir: {tmp_path}/runs
-        etcd:
-          gate: {{}}
-          tls:
-            ca: {c['ca']}
-            server: {{cert: {c['etcd']}, key: {c['etcd-key']}}}
-            root: {{cert: {c['etcd-root']}, key: {c['etcd-root-key']}}}
-            operator: {{cert: {c['etcd-operator']}, key: {c['etcd-operator-key']}}}
-            workers: {{dir: {own.dir}}}
-        """))
-    topo = load_topology(tmp_path / "t.yaml")
-    state = ClusterState(cluster="gated", topology="t.yaml", namespace="x", ray_address="", ray_head_pid=None,
-                         etcd_endpoints=[], etcd_pid=None, queue_name="q", model="m")
+    topo, state = launcher_topology(secure_etcd, tmp_path, "gated", ["prefill-0", "decode-0"], "gate: {}")
     lines = []
     launcher = Launcher(topo, str(tmp_path / "t.yaml"), "m", progress=lines.append)
     try:

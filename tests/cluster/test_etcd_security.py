@@ -266,20 +266,21 @@ async def test_a_worker_joins_as_the_identity_of_its_worker_id(secure_etcd, own)
         await join_cluster(cfg, worker("prefill-7"), on_drain=on_drain)
 
 
-def test_pdserve_up_starts_its_etcd_with_tls_and_rbac(secure_etcd, tmp_path):
-    """The launcher's etcd step: TLS listeners, users and roles before any worker starts: one
-    per worker id the topology and its autoscale policy can run, and none shared."""
-    from pdserve.cluster.launcher import ClusterState, Launcher, _terminate_group
+def launcher_topology(secure, tmp_path, cluster: str, worker_ids: list[str], etcd_extra: str = ""):
+    """A topology whose embedded etcd has TLS, RBAC and a certificate per worker id (under
+    tmp_path/pki), at tmp_path/t.yaml; and the launcher's empty state for it."""
+    from pdserve.cluster.launcher import ClusterState
     from pdserve.cluster.topology import load_topology
 
-    c = secure_etcd.certs
-    own = worker_certs(secure_etcd, "launched", ["prefill-0", "prefill-1", "decode-0"], tmp_path / "pki")
+    c = secure.certs
+    own = worker_certs(secure, cluster, worker_ids, tmp_path / "pki")
     (tmp_path / "t.yaml").write_text(textwrap.dedent(f"""\
-        cluster: launched
+        cluster: {cluster}
         model: {{path: auto}}
         roles: {{prefill: {{replicas: 1}}, decode: {{replicas: 1}}}}
         run_dir: {tmp_path}/runs
         etcd:
+          {etcd_extra or "lease_ttl_s: 10"}
           tls:
             ca: {c['ca']}
             server: {{cert: {c['etcd']}, key: {c['etcd-key']}}}
@@ -287,9 +288,17 @@ def test_pdserve_up_starts_its_etcd_with_tls_and_rbac(secure_etcd, tmp_path):
             operator: {{cert: {c['etcd-operator']}, key: {c['etcd-operator-key']}}}
             workers: {{dir: {own.dir}}}
         """))
-    topo = load_topology(tmp_path / "t.yaml")
-    state = ClusterState(cluster="launched", topology="t.yaml", namespace="x", ray_address="", ray_head_pid=None,
+    state = ClusterState(cluster=cluster, topology="t.yaml", namespace="x", ray_address="", ray_head_pid=None,
                          etcd_endpoints=[], etcd_pid=None, queue_name="q", model="m")
+    return load_topology(tmp_path / "t.yaml"), state
+
+
+def test_pdserve_up_starts_its_etcd_with_tls_and_rbac(secure_etcd, tmp_path):
+    """The launcher's etcd step: TLS listeners, users and roles before any worker starts: one
+    per worker id the topology and its autoscale policy can run, and none shared."""
+    from pdserve.cluster.launcher import Launcher, _terminate_group
+
+    topo, state = launcher_topology(secure_etcd, tmp_path, "launched", ["prefill-0", "prefill-1", "decode-0"])
     lines = []
     launcher = Launcher(topo, "t.yaml", "m", progress=lines.append, max_replicas={"prefill": 2, "decode": 1})
     launcher._check_worker_identities()
