@@ -23,6 +23,7 @@ PACKAGE_DIRS = {
     "pdserve": "pdserve",
     "pdserve.common": "common",
     "pdserve.engine": "engine",
+    "pdserve.handoff": "handoff",
     "pdserve.kvtransfer": "kvtransfer",
     "pdserve.router": "router",
     "pdserve.cluster": "cluster",

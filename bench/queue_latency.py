@@ -43,7 +43,8 @@ import uuid
 import ray
 
 from pdserve.cluster.certs import make_certs
-from pdserve.cluster.queue import PrefillTask, QueueClient, TaskSigner, get_or_create_queue, verify_task
+from pdserve.handoff import PrefillTask
+from pdserve.cluster.queue import QueueClient, TaskSigner, get_or_create_queue, verify_task
 from pdserve.cluster.runtime import freeze_gc_heap
 from pdserve.cluster.security import ClientTLS
 

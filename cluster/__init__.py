@@ -10,6 +10,6 @@ reads topologies does not pay for Ray or gRPC. The main entry points:
 - ``queue``: the prefill queue package (task messages, pure core, Ray actor, wire).
 - ``worker_config`` / ``join``: what both worker roles share to start and join.
 - ``netaddr``: which address every server binds and advertises (network.bind).
-- ``keys``: the etcd keyspace of ARCHITECTURE.md; ``etcd_server``: ``EmbeddedEtcd``.
+- ``keys``: the etcd keyspace of docs/architecture.md; ``etcd_server``: ``EmbeddedEtcd``.
 - ``cli``: ``pdserve topology check`` and ``pdserve etcd``.
 """

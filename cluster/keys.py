@@ -1,5 +1,5 @@
 """Names and addresses of the control plane: the etcd keyspace of one cluster
-(ARCHITECTURE.md, "etcd keyspace"), etcd endpoints, the queue actor's name and
+(docs/architecture.md, "etcd keyspace"), etcd endpoints, the queue actor's name and
 namespace, and the software version every worker advertises in its record.
 Dependency-free, so reading a topology costs no Ray or gRPC import.
 

@@ -382,7 +382,7 @@ class PrefillRoleSpec(_RoleSpec):
 class DecodeRoleSpec(_RoleSpec):
     """Decode pool: the ingress, so at least one replica. `remote_timeout_s`: a remote prefill's
     deadline before the request prefills locally; `remote_quarantine_s`: how long blocks of an
-    abandoned attempt stay unused when a late page write could still land (decode/handoff.py)."""
+    abandoned attempt stay unused when a late page write could still land (handoff/decode_side.py)."""
 
     replicas: int = Field(1, ge=1)
     remote_timeout_s: float = Field(30.0, gt=0)

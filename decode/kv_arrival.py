@@ -1,10 +1,11 @@
 """The engine-thread half of the remote path: pages arrive, handoffs move, the engine follows.
 
 `KVArrival` runs as a poller of the decode worker's engine loop. It drives
-the NIXL agent, reads each notification (`PrefillDone`, `PrefillFailed`),
-feeds it to the worker's `Handoffs` table and applies the effect the table
-decides through the engine's KV connector: run the request from its first
-token, fall back to a local prefill, abort, or free a quarantine. It also
+the transport (a `KVReceiver`, handoff/transport.py; NIXL in production),
+reads each notice (`PrefillDone`, `PrefillFailed`), feeds it to the
+worker's `Handoffs` table and applies the effect the table decides through
+the engine's KV connector: run the request from its first token, fall back
+to a local prefill, abort, or free a quarantine. It also
 expires quarantines and applies what the event-loop side decided
 (`apply`, posted with `AsyncEngine.call`). Engine state changes here only.
 
@@ -22,11 +23,10 @@ import asyncio
 import logging
 import time
 
-from pdserve.kvtransfer import KVTransferAgent, MalformedMessageError
-from pdserve.kvtransfer.messages import TRANSFER_ERROR, PrefillDone, PrefillFailed, decode_notification
+from pdserve.handoff import (TRANSFER_ERROR, Effect, Handoff, Handoffs, KVReceiver, MalformedNoticeError, PrefillDone,
+                             PrefillFailed, Step, decode_notification)
 
 from .async_engine import AsyncEngine
-from .handoff import Effect, Handoff, Handoffs, Step
 from .metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ BAD_FIRST_TOKEN = "bad_first_token"  # a PrefillDone whose first token is outsid
 class KVArrival:
     """Notifications in, engine changes out (engine thread; see the module docstring)."""
 
-    def __init__(self, engine: AsyncEngine, agent: KVTransferAgent, handoffs: Handoffs, metrics: WorkerMetrics,
+    def __init__(self, engine: AsyncEngine, agent: KVReceiver, handoffs: Handoffs, metrics: WorkerMetrics,
                  costs=None):
         self.engine = engine
         self.connector = engine.engine.connector
@@ -94,7 +94,18 @@ class KVArrival:
                  h.request_id, h.epoch, why)
 
     def _ready(self, h: Handoff, msg: PrefillDone) -> None:
-        """The pages are in place: the request runs from the first token the prefill sent."""
+        """The pages are in place: the request runs from the first token the prefill sent.
+
+        The handoff table alone says an attempt is awaited (handoff/decode_side.py); the engine
+        only parks the request with its blocks. Every change of either goes through the table,
+        so the engine holds the request here; if it ever did not, that is logged, not raised
+        into the engine loop."""
+        try:
+            delta = self.connector.remote_ready(h.request_id, msg.first_token_id, msg.first_token_logprob,
+                                                dict(msg.first_top_logprobs))
+        except KeyError:
+            log.error("request %s: its attempt is ready but the engine parks no such request", h.request_id)
+            return
         now = time.time()
         # Whole pages land (the last one partly filled): count them as written.
         kv_bytes = self.connector.kv_bytes(h.num_blocks)
@@ -115,8 +126,7 @@ class KVArrival:
         self._observe(msg, kv_bytes, transfer_ms, h.task)
         if h.reput and self.on_ready_reput is not None:  # a copy put after a queue restart may be queued
             self.loop.call_soon_threadsafe(self.on_ready_reput, h.request_id)
-        self.engine.deliver(self.connector.remote_ready(h.request_id, msg.first_token_id, msg.first_token_logprob,
-                                                       dict(msg.first_top_logprobs)))
+        self.engine.deliver(delta)
 
     def _observe(self, msg: PrefillDone, kv_bytes: int, transfer_ms: float, task=None) -> None:
         """Feed the router's cost model (on the event loop, which owns it)."""
@@ -155,9 +165,6 @@ class KVArrival:
                 self.apply(step, msg)
                 return
             step = self.handoffs.done(msg.request_id, msg.epoch)
-        if step.effect is Effect.RUN and not self.connector.is_awaiting(msg.request_id):
-            step = Step(Effect.NONE)  # cannot happen while every change goes through the table
-            log.error("request %s: ready but the engine holds no reservation for it", msg.request_id)
         if step.stale or step.effect is Effect.FREE:  # ignored, or the late end of an abandoned attempt
             self.counters["stale"] += 1
         self.apply(step, msg)
@@ -170,7 +177,7 @@ class KVArrival:
                     msg.request_id, msg.epoch, msg.num_tokens_written, reason)
 
     def poll(self) -> bool:
-        """Engine-thread poller: NIXL progress, notifications, quarantine expiry."""
+        """Engine-thread poller: transport progress, notifications, quarantine expiry."""
         res = self.agent.poll()
         did = False
         for note in res.notifications:
@@ -178,7 +185,7 @@ class KVArrival:
             self.counters["notifications"] += 1
             try:
                 msg = decode_notification(note.payload)
-            except MalformedMessageError as exc:
+            except MalformedNoticeError as exc:
                 self.counters["malformed"] += 1
                 log.warning("malformed notification from %s ignored: %s", note.sender, exc)
                 continue

@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from pdserve.cluster.queue.task import WORKER_STALLED
-from pdserve.kvtransfer.messages import FAILURE_KINDS
+from pdserve.handoff.outcomes import fallback_reason, is_settled
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +32,6 @@ class PrefillView:
     # prefill workers the queue heard from lately (None: not polled yet): a registered worker
     # that makes no progress (hung, its lease kept alive) is not counted
     live_workers: int | None = None
-
-
-# Failed-task reasons after which no write of the attempt can still land: nobody took the task,
-# or the prefill worker failed it before posting a write. After any other (a worker that
-# vanished from etcd while holding it, a transfer error) a partitioned worker may still have
-# page writes in flight, so the reservation is quarantined, not freed.
-SETTLED_REASONS = frozenset({"deadline_expired", "no_live_worker", "peer_missing", "bad_task", "batch_failed",
-                             "request_failed", "cancelled"})
-
-
-def failure_reason(reason: str, detail: str) -> str:
-    """The fallback reason for a task the queue failed back: a prefill worker's failure kind
-    is the cause as it is, and so is a stalled prefill worker (an operator looks for it by
-    name); the queue's other reasons are prefixed ``queue:``."""
-    return f"{reason}: {detail}" if reason in FAILURE_KINDS or reason == WORKER_STALLED else f"queue: {reason}"
 
 
 class QueueWatch:
@@ -83,7 +67,8 @@ class QueueWatch:
                 continue
             last_ok, lost = time.monotonic(), False
             for f in failed:
-                self._on_failed(f.task, failure_reason(f.reason, f.detail), f.reason in SETTLED_REASONS)
+                # whether its blocks are free at once: the failure table (handoff/outcomes.py)
+                self._on_failed(f.task, fallback_reason(f.reason, f.detail), is_settled(f.reason))
             self.view.queue_depth, self.view.queue_tokens = st.depth, st.queued_tokens
             self.view.live_workers = st.live_workers
             if st.instance_id and st.instance_id != self.instance:

@@ -1,7 +1,7 @@
 """Decode side of disaggregation: reserve blocks, enqueue, receive pages, or fall back.
 
 Each remote attempt is a `Handoff` in this worker's `Handoffs` table
-(decode/handoff.py: the states, the transitions and why blocks are freed
+(handoff/decode_side.py: the states, the transitions and why blocks are freed
 or quarantined). This module feeds it events and applies what it decides:
 
 - the event loop reserves (through the engine thread), puts the task, arms
@@ -30,12 +30,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pdserve.cluster.queue import PrefillTask, TaskSigner
+from pdserve.cluster.queue import TaskSigner
 from pdserve.engine import Reservation
-from pdserve.kvtransfer import KVTransferAgent
+from pdserve.handoff import Handoff, Handoffs, KVReceiver, PrefillTask
 
 from .async_engine import AsyncEngine, EngineDeadError
-from .handoff import Handoff, Handoffs
 from .kv_arrival import KVArrival
 from .metrics import WorkerMetrics
 from .prefill_pool import PrefillView, QueueWatch
@@ -57,7 +56,7 @@ class RemoteConfig:
 class RemotePrefill:
     """The remote path a decode worker's frontend plugs in (see frontend.RemotePath)."""
 
-    def __init__(self, worker_id: str, engine: AsyncEngine, agent: KVTransferAgent, queue,
+    def __init__(self, worker_id: str, engine: AsyncEngine, agent: KVReceiver, queue,
                  metrics: WorkerMetrics, cfg: RemoteConfig | None = None, costs=None):
         self.worker_id = worker_id
         self.engine = engine
@@ -259,7 +258,7 @@ class RemotePrefill:
     def _queue_failed(self, task, why: str, settled: bool) -> None:
         """A task the queue failed back (expired, its worker vanished, or failed by a prefill
         worker that could not tell us over NIXL): prefill locally now; its blocks are freed
-        only when no write can still land (prefill_pool.SETTLED_REASONS), and never for a task
+        only when no write can still land (the failure table, handoff/outcomes.py), and never for a task
         put again after a queue restart: whatever the new queue says of its copy, a prefill
         worker may still hold the old queue's and write it (freed blocks would then be
         overwritten, possibly while they serve another request or sit in the prefix cache)."""

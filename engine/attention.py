@@ -8,7 +8,7 @@ into the paged pool (``slot_mapping``) and then attends over the whole
 sequence.
 
 The pool for one layer is ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``
-(FlashInfer's NHD layout with K and V stacked on dim 1), see ARCHITECTURE.md.
+(FlashInfer's NHD layout with K and V stacked on dim 1), see docs/architecture.md, "KV pool".
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class KVConnector:
 
     @property
     def kv_tensor(self) -> "torch.Tensor":
-        """The whole KV pool, one tensor (ARCHITECTURE.md, the KV pool): what NIXL registers."""
+        """The whole KV pool, one tensor (docs/architecture.md, "KV pool"): what NIXL registers."""
         return self._eng.runner.kv_cache
 
     def layout_info(self) -> dict:

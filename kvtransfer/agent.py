@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.handoff.transport import check_notification
 from pdserve.kvtransfer.descriptors import WritePlan, plan_block_write
 from pdserve.kvtransfer.errors import (
     KVTransferError,
@@ -32,7 +33,6 @@ from pdserve.kvtransfer.errors import (
     UnknownPeerError,
 )
 from pdserve.kvtransfer.layout import KVLayout
-from pdserve.kvtransfer.messages import check_notification
 from pdserve.kvtransfer.nixl_shim import apply_ucx_env, load_nixl
 from pdserve.kvtransfer.peer import PeerInfo
 from pdserve.kvtransfer.poster import LayerPoster

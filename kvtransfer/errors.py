@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pdserve.handoff.transport import TransportError, WriteFailed, WriteTimedOut
 
-class KVTransferError(Exception):
-    """Base class of every error this package raises on purpose."""
+
+class KVTransferError(TransportError):
+    """Base class of every error this package raises on purpose (a `TransportError` of the
+    handoff's transport contract, handoff/transport.py)."""
 
 
 class NixlUnavailableError(KVTransferError, ImportError):
@@ -28,14 +31,14 @@ class LayoutMismatchError(KVTransferError, ValueError):
         )
 
 
-class TransferError(KVTransferError):
+class TransferError(KVTransferError, WriteFailed):
     """A page write failed (peer gone, NIXL/UCX error) or did not finish in time.
 
     The agent stays usable: drop the peer (`remove_peer`) or retry elsewhere.
     """
 
 
-class TransferTimeoutError(TransferError):
+class TransferTimeoutError(TransferError, WriteTimedOut):
     """A wait ran out of time before the transfer completed."""
 
 
@@ -44,7 +47,5 @@ class UnknownPeerError(TransferError):
 
 
 class MalformedMessageError(KVTransferError, ValueError):
-    """A record or notification from another process is not valid for this version.
-
-    Covers `PrefillDone` payloads and peer records passed to `add_peer`.
-    """
+    """A peer record passed to `add_peer` is not valid for this version (the handoff's
+    notices have their own error, `pdserve.handoff.MalformedNoticeError`)."""

@@ -1,6 +1,6 @@
 """The KV pool layout that two workers must share to exchange pages.
 
-The engine allocates one pool per process (ARCHITECTURE.md, "KV pool"):
+The engine allocates one pool per process (docs/architecture.md, "KV pool"):
 
     kv = torch.empty(num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim, dtype)
 

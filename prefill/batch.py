@@ -2,17 +2,19 @@
 
 Every task of a batch ends in exactly one of two ways: its pages are written
 and a `PrefillDone` rides behind them, or it fails and its decode worker is
-told at once with a `PrefillFailed` notice (kvtransfer.messages) so that it
+told at once with a `PrefillFailed` notice (handoff/notices.py) so that it
 prefills locally instead of waiting out its remote deadline. A failure stays
 with its task where it can: a bad task, a request the sampler fails, or a
 page write that fails ends that task only; a forward pass that raises (OOM,
 device error) fails the tasks of its batch, whose engine state is then
-aborted and freed so the next batch starts clean.
+aborted and freed so the next batch starts clean. Each task is a `PrefillJob`
+(handoff/prefill_side.py: its states and the one table that moves them).
 
 A `PrefillFailed` is sent only once no page write of that attempt can still
 land (posted writes are waited for; `writes_settled` says if one timed out),
 so the decode worker may hand the reserved blocks to another request at once.
-It goes over the NIXL notification channel when this worker has one to the
+It goes over the transport's notification channel (a `KVSender`,
+handoff/transport.py; NIXL in production) when this worker has one to the
 target; the worker's loop (asyncio side) also fails the task back through
 the queue (`PrefillQueue.fail`), which reaches the decode worker's failed-task
 poll even when NIXL cannot (no peer metadata, a broken connection).
@@ -27,9 +29,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.engine import SamplingParams
-from pdserve.kvtransfer import KVTransferError, PrefillDone, PrefillFailed, TransferError, TransferTimeoutError
-from pdserve.kvtransfer.messages import (BAD_TASK, BATCH_FAILED, CANCELLED, PEER_MISSING, REQUEST_FAILED,
-                                         TRANSFER_ERROR)
+from pdserve.handoff import (BAD_TASK, BATCH_FAILED, CANCELLED, PEER_MISSING, REQUEST_FAILED, TRANSFER_ERROR, JobState,
+                             KVSender, PrefillDone, PrefillFailed, PrefillJob, TransportError, WriteFailed,
+                             WriteTimedOut)
 
 log = logging.getLogger(__name__)
 
@@ -79,33 +81,10 @@ class BatchResult:
     num_tasks: int = 0
 
 
-class _Job:
-    """One admitted task: its engine request, its layer stream, its first token or its failure."""
-
-    def __init__(self, task, rid: str):
-        self.task = task
-        self.rid = rid
-        self.stream = None
-        self.first: tuple[int, float | None, tuple] | None = None  # token, logprob, top alternatives
-        self.failure: tuple[str, str] | None = None  # (kind, detail)
-        self.handles: list = []
-        self.timed_out = False  # a write of this job timed out: NIXL may still be moving it
-
-    @property
-    def settled(self) -> bool:
-        return self.first is not None or self.failure is not None
-
-    def fail(self, kind: str, detail: str) -> None:
-        if self.failure is None:
-            self.failure = (kind, detail)
-        if self.stream is not None and not self.stream.finished:
-            self.stream.abort()  # nothing more is posted; what was posted is waited for later
-
-
 class PrefillBatch:
-    """Runs batches on one engine and one NIXL agent (both owned by the worker thread)."""
+    """Runs batches on one engine and one transport (both owned by the worker thread)."""
 
-    def __init__(self, worker_id: str, engine, agent, stats: PrefillStats, *, transfer_timeout_s: float,
+    def __init__(self, worker_id: str, engine, agent: KVSender, stats: PrefillStats, *, transfer_timeout_s: float,
                  layerwise: bool):
         self.worker_id = worker_id
         self.engine = engine
@@ -125,18 +104,17 @@ class PrefillBatch:
             if len(self._cancelled) > MAX_CANCELLED_REMEMBERED:  # keys of batches long over
                 self._cancelled = set(list(self._cancelled)[-MAX_CANCELLED_REMEMBERED // 2:])
 
-    def _drop_cancelled(self, jobs: dict[str, "_Job"]) -> None:
+    def _drop_cancelled(self, jobs: dict[str, PrefillJob]) -> None:
         """Fail the unfinished jobs whose task was cancelled: their engine request is aborted
         (its blocks freed), no further page is posted, and the PrefillFailed notice (sent once
         every posted write is over) tells the decode worker its quarantined blocks are free."""
         with self._cancel_lock:
             if not self._cancelled:
                 return
-            hit = [job for job in jobs.values() if job.failure is None
-                   and (job.task.request_id, job.task.epoch) in self._cancelled]
+            hit = [job for job in jobs.values() if job.key in self._cancelled]
         for job in hit:
-            job.fail(CANCELLED, "its decode worker aborted the request while it was computed")
-            if job.first is None:
+            computing = job.state.computing
+            if job.fail(CANCELLED, "its decode worker aborted the request while it was computed") and computing:
                 self.engine.abort_request(job.rid)
 
     def run(self, tasks: list, unusable: dict[str, str]) -> BatchResult:
@@ -144,7 +122,7 @@ class PrefillBatch:
         eng = self.engine
         result = BatchResult(num_tasks=len(tasks))
         taken_at = time.time()
-        jobs: dict[str, _Job] = {}
+        jobs: dict[str, PrefillJob] = {}
         failures: list[TaskFailure] = []
         for t in tasks:
             if t.target_worker_id in unusable:
@@ -155,7 +133,7 @@ class PrefillBatch:
             except Exception as exc:  # noqa: BLE001  (InvalidRequestError, TypeError: the task is bad)
                 failures.append(TaskFailure(t, BAD_TASK, f"{exc.__class__.__name__}: {exc}"))
                 continue
-            jobs[rid] = _Job(t, rid)
+            jobs[rid] = PrefillJob(t, rid)
         settled: dict[str, bool] = {}
         try:
             if jobs:
@@ -168,7 +146,7 @@ class PrefillBatch:
             for job in jobs.values():  # success or failure, the batch leaves nothing behind
                 eng.connector.release_export(job.rid)
             with self._cancel_lock:
-                self._cancelled.difference_update((job.task.request_id, job.task.epoch) for job in jobs.values())
+                self._cancelled.difference_update(job.key for job in jobs.values())
         for job in jobs.values():
             if job.failure is not None:
                 failures.append(TaskFailure(job.task, *job.failure, writes_settled=settled[job.rid]))
@@ -197,14 +175,14 @@ class PrefillBatch:
         return rid
 
     # -- compute ---------------------------------------------------------------------------
-    def _compute(self, jobs: dict[str, _Job], result: BatchResult) -> None:
+    def _compute(self, jobs: dict[str, PrefillJob], result: BatchResult) -> None:
         eng = self.engine
         t0 = time.perf_counter()
         computed_before = eng.stats.num_prompt_tokens_computed
         on_plan = self._layer_hook_factory(jobs) if self.layerwise else None
         for _ in range(MAX_STEPS_PER_BATCH):
             self._drop_cancelled(jobs)
-            if all(job.settled for job in jobs.values()):
+            if not any(job.state.computing for job in jobs.values()):
                 break
             try:
                 deltas = eng.step(on_plan=on_plan)
@@ -216,29 +194,29 @@ class PrefillBatch:
                 break
             for d in deltas:
                 job = jobs.get(d.request_id)
-                if job is None or job.settled:
+                if job is None or not job.state.computing:
                     continue
                 if d.finish_reason == "error":
                     job.fail(REQUEST_FAILED, d.error or "the engine failed this request")
                 elif d.new_token_ids:
                     lp = d.logprobs[0] if d.logprobs else {}
-                    job.first = (d.new_token_ids[0], lp.get("logprob"), tuple(lp.get("top_logprobs", {}).items()))
+                    job.computed(d.new_token_ids[0], lp.get("logprob"), tuple(lp.get("top_logprobs", {}).items()))
         else:
             self._fail_batch(jobs, f"not prefilled within {MAX_STEPS_PER_BATCH} engine steps")
         result.prefill_ms = (time.perf_counter() - t0) * 1e3
         result.batch_tokens = eng.stats.num_prompt_tokens_computed - computed_before
 
-    def _fail_batch(self, jobs: dict[str, _Job], detail: str) -> None:
+    def _fail_batch(self, jobs: dict[str, PrefillJob], detail: str) -> None:
         """The step failed: its requests are in an undefined state. Abort every unsettled one
         (its blocks are freed with it); the engine itself goes on with the next batch."""
         log.error("prefill batch failed (%d tasks): %s", len(jobs), detail)
         self.stats.batches_failed += 1
         for job in jobs.values():
-            if not job.settled:
+            if job.state.computing:
                 job.fail(BATCH_FAILED, detail)
                 self.engine.abort_request(job.rid)
 
-    def _layer_hook_factory(self, jobs: dict[str, _Job]):
+    def _layer_hook_factory(self, jobs: dict[str, PrefillJob]):
         """on_plan callback: stream the pages of requests whose prefill ends in this step."""
 
         connector = self.engine.connector
@@ -252,12 +230,12 @@ class PrefillBatch:
                 t = job.task
                 local = connector.export_blocks(rid, t.cached_len, len(t.target_block_ids))
                 try:
-                    job.stream = self.agent.begin_stream(t.target_worker_id, local, t.target_block_ids, None)
+                    job.streaming(self.agent.begin_stream(t.target_worker_id, local, t.target_block_ids, None))
+                except TransportError as exc:  # the peer was removed meanwhile
+                    job.fail(TRANSFER_ERROR, f"{exc.__class__.__name__}: {exc}")
+                    continue
                 except ValueError as exc:  # the target blocks do not fit the peer's pool
                     job.fail(BAD_TASK, f"{exc}")
-                    continue
-                except KVTransferError as exc:  # the peer was removed meanwhile
-                    job.fail(TRANSFER_ERROR, f"{exc.__class__.__name__}: {exc}")
                     continue
                 jobs_now.append(job)
             if not jobs_now:
@@ -279,12 +257,12 @@ class PrefillBatch:
         return on_plan
 
     # -- push ----------------------------------------------------------------------------------
-    def _push(self, jobs: dict[str, _Job], result: BatchResult, taken_at: float) -> None:
+    def _push(self, jobs: dict[str, PrefillJob], result: BatchResult, taken_at: float) -> None:
         connector = self.engine.connector
         self._drop_cancelled(jobs)  # (a whole-request write not yet posted is not posted at all)
         pending = []
         for job in jobs.values():
-            if job.failure is not None:
+            if job.state is not JobState.COMPUTED:
                 continue
             t = job.task
             tok, lp, top = job.first
@@ -295,34 +273,36 @@ class PrefillBatch:
             try:
                 if job.stream is not None:
                     job.stream.finish(self.transfer_timeout_s, notify=done)  # waits the layers, then notifies
-                    job.handles = list(job.stream.handles.values())
+                    job.posted(job.stream.handles.values())
                     self.stats.layerwise_tasks += 1
                 else:
                     # Whole-request write after the step: its pages are final, the step's first
                     # token was copied to the host, which waited for every kernel of the stream.
                     local = connector.export_blocks(job.rid, t.cached_len, len(t.target_block_ids))
-                    job.handles = [self.agent.write_blocks(t.target_worker_id, local, t.target_block_ids,
-                                                           notify=done)]
+                    job.posted([self.agent.write_blocks(t.target_worker_id, local, t.target_block_ids,
+                                                        notify=done)])
                 pending.append(job)
-            except (KVTransferError, ValueError) as exc:
+            except (TransportError, ValueError) as exc:
                 self.stats.transfer_failures += 1
-                job.timed_out = isinstance(exc, TransferTimeoutError)
-                job.fail(TRANSFER_ERROR, f"{exc.__class__.__name__}: {exc}")
+                job.fail(TRANSFER_ERROR, f"{exc.__class__.__name__}: {exc}",
+                         write_may_land=isinstance(exc, WriteTimedOut))
         for job in pending:
             try:
                 for h in job.handles:
                     self.agent.wait(h, self.transfer_timeout_s)
-                self.stats.bytes_written += sum(h.num_bytes for h in job.handles)
-                self.stats.tokens_computed += job.task.num_prefill_tokens
-                result.done += 1
-            except TransferError as exc:
+            except WriteFailed as exc:
                 self.stats.transfer_failures += 1
-                job.timed_out = isinstance(exc, TransferTimeoutError)
-                job.fail(TRANSFER_ERROR, f"{exc.__class__.__name__}: {exc}")
+                job.fail(TRANSFER_ERROR, f"{exc.__class__.__name__}: {exc}",
+                         write_may_land=isinstance(exc, WriteTimedOut))
+                continue
+            job.written()
+            self.stats.bytes_written += sum(h.num_bytes for h in job.handles)
+            self.stats.tokens_computed += job.task.num_prefill_tokens
+            result.done += 1
 
-    def _settle(self, job: _Job) -> bool:
+    def _settle(self, job: PrefillJob) -> bool:
         """Wait until no posted write of a failed job can land; False if one may still (timed out)."""
-        settled = not job.timed_out
+        settled = not job.write_may_land
         if job.stream is not None:
             # Layers still waiting for their KV are dropped; one being posted right now is
             # waited for, so that every write that can land is among the handles below.
@@ -334,9 +314,9 @@ class PrefillBatch:
                 continue
             try:
                 self.agent.wait(h, self.transfer_timeout_s)
-            except TransferTimeoutError:
+            except WriteTimedOut:
                 settled = False
-            except TransferError:
+            except WriteFailed:
                 pass  # failed: nothing more of it lands
         return settled
 
@@ -346,8 +326,8 @@ class PrefillBatch:
         while True:
             try:
                 self.agent.poll()
-            except KVTransferError as exc:
-                log.warning("NIXL progress failed: %s", exc)
+            except TransportError as exc:
+                log.warning("transport progress failed: %s", exc)
                 return
             if time.monotonic() >= until:
                 return
@@ -361,11 +341,12 @@ class PrefillBatch:
         log.warning("prefill of %s (epoch %s) for %s failed [%s]: %s", t.request_id, t.epoch,
                     t.target_worker_id, f.kind, f.detail)
         if t.target_worker_id not in self.agent.peers:
-            return  # no NIXL channel: the queue's failed-task path carries it
+            return  # no transport channel: the queue's failed-task path carries it
         try:
             msg = PrefillFailed(t.request_id, t.epoch, f.kind, f.detail, self.worker_id, f.writes_settled)
             self.agent.send_notification(t.target_worker_id, msg.encode())
             f.notified = True
             self.stats.failure_notices_sent += 1
-        except (KVTransferError, ValueError) as exc:
-            log.warning("could not send PrefillFailed for %s over NIXL (%s); the queue carries it", t.request_id, exc)
+        except (TransportError, ValueError) as exc:
+            log.warning("could not send PrefillFailed for %s over the transport (%s); the queue carries it",
+                        t.request_id, exc)

@@ -1,5 +1,6 @@
 """The module tables of the docs list exactly the modules of the tree: a module added, moved or
-removed without its row fails here (docs/cluster.md, docs/kvtransfer.md)."""
+removed without its row fails here (docs/cluster.md, docs/kvtransfer.md, docs/architecture.md's
+handoff table); and the walk of one request in docs/architecture.md names only files that exist."""
 
 from __future__ import annotations
 
@@ -9,17 +10,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLES = {"docs/cluster.md": "cluster", "docs/kvtransfer.md": "kvtransfer"}
+# doc -> (the folder its module table lists, the section holding the table; None: the whole doc)
+TABLES = {"docs/cluster.md": ("cluster", None), "docs/kvtransfer.md": ("kvtransfer", None),
+          "docs/architecture.md": ("handoff", "## The handoff protocol")}
+
+
+def section(doc: str, heading: str | None) -> str:
+    text = (ROOT / doc).read_text()
+    if heading is None:
+        return text
+    body = text[text.index(heading) + len(heading):]
+    return body[: body.index("\n## ")] if "\n## " in body else body
 
 
 def listed(doc: str) -> set[str]:
     """Rows of a module table: | `name.py` | or | `sub/name.py` | (folder rows `sub/` too)."""
-    return set(re.findall(r"^\| `([\w/]+\.py|\w+/)` \|", (ROOT / doc).read_text(), re.M))
+    return set(re.findall(r"^\| `([\w/]+\.py|\w+/)` \|", section(doc, TABLES[doc][1]), re.M))
 
 
 @pytest.mark.parametrize("doc", sorted(TABLES))
 def test_module_table_matches_the_tree(doc):
-    folder = ROOT / TABLES[doc]
+    folder = ROOT / TABLES[doc][0]
     tree = {p.relative_to(folder).as_posix() for p in folder.rglob("*.py") if p.name != "__init__.py"}
     rows = listed(doc)
     files = {r for r in rows if r.endswith(".py")}
@@ -27,3 +38,12 @@ def test_module_table_matches_the_tree(doc):
     assert files - tree == set(), f"{doc} lists modules that do not exist: {sorted(files - tree)}"
     folders = {r for r in rows if r.endswith("/")}
     assert folders == {p.parent.relative_to(folder).as_posix() + "/" for p in folder.rglob("*/__init__.py")}
+
+
+def test_the_request_walk_names_files_that_exist():
+    """docs/architecture.md follows one remote request file by file: each file it names is there."""
+    walk = section("docs/architecture.md", "## One remote request, file by file")
+    named = set(re.findall(r"`(\w+(?:/\w+)+\.py)`", walk))
+    assert len(named) >= 20, sorted(named)
+    missing = sorted(p for p in named if not (ROOT / p).is_file())
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"

@@ -2,8 +2,9 @@
 
 One module per concern; each imports its siblings directly, never this file:
 
-- ``task``: `PrefillTask`, `PutResult`, `FailedTask`, `QueueStats`, the refusal and
-  failure reasons (plain dataclasses; no Ray).
+- ``task``: `PutResult`, `FailedTask`, `QueueStats` and put()'s refusal reasons (plain
+  dataclasses; no Ray). The task itself and the failure reasons are the handoff's
+  (pdserve.handoff: task.py, outcomes.py).
 - ``core``: `QueueCore`, the whole policy (order, budgeted batches, in-flight
   accounting, fail-back), pure and synchronous.
 - ``actor``: `PrefillQueue`, the named Ray actor around the core (long poll,
@@ -61,26 +62,13 @@ from .signing import (
     signed_message,
     verify_task,
 )
-from .task import (
-    ALREADY_DONE,
-    DEADLINE_EXPIRED,
-    DEADLINE_PASSED,
-    DUPLICATE,
-    NOTHING_TO_PREFILL,
-    QUEUE_FULL,
-    TARGET_GONE,
-    WORKER_VANISHED,
-    FailedTask,
-    PrefillTask,
-    PutResult,
-    QueueStats,
-)
+from .task import (ALREADY_DONE, DEADLINE_PASSED, DUPLICATE, NOTHING_TO_PREFILL, QUEUE_FULL, FailedTask, PutResult,
+                   QueueStats)
 
 __all__ = [
     # task
-    "PrefillTask", "PutResult", "FailedTask", "QueueStats",
+    "PutResult", "FailedTask", "QueueStats",
     "QUEUE_FULL", "DUPLICATE", "DEADLINE_PASSED", "NOTHING_TO_PREFILL", "ALREADY_DONE",
-    "DEADLINE_EXPIRED", "WORKER_VANISHED", "TARGET_GONE",
     # core
     "QueueCore", "MAX_FAILED_PER_ORIGIN", "MAX_FAIL_REASON_CHARS", "MAX_FAIL_DETAIL_CHARS", "MAX_SETTLED_REMEMBERED",
     # actor

@@ -27,7 +27,9 @@ from ..queue_metrics import QueueMetrics
 from ..runtime import freeze_gc_heap
 from .core import DEFAULT_STALL_S, QueueCore
 from .server import WireServer, server_tls
-from .task import FailedTask, PrefillTask, PutResult, QueueStats
+from pdserve.handoff.task import PrefillTask
+
+from .task import FailedTask, PutResult, QueueStats
 
 log = logging.getLogger(__name__)
 

@@ -28,23 +28,12 @@ import uuid
 from collections import Counter
 from typing import Callable
 
+from pdserve.handoff.outcomes import DEADLINE_EXPIRED, NO_LIVE_WORKER, TARGET_GONE, WORKER_STALLED, WORKER_VANISHED
+from pdserve.handoff.task import PrefillTask
+
 from ..keys import DEFAULT_QUEUE_CAPACITY
-from .task import (
-    ALREADY_DONE,
-    DEADLINE_EXPIRED,
-    DEADLINE_PASSED,
-    DUPLICATE,
-    NOTHING_TO_PREFILL,
-    QUEUE_FULL,
-    NO_LIVE_WORKER,
-    TARGET_GONE,
-    WORKER_STALLED,
-    WORKER_VANISHED,
-    FailedTask,
-    PrefillTask,
-    PutResult,
-    QueueStats,
-)
+from .task import (ALREADY_DONE, DEADLINE_PASSED, DUPLICATE, NOTHING_TO_PREFILL, QUEUE_FULL, FailedTask, PutResult,
+                   QueueStats)
 
 MAX_FAILED_PER_ORIGIN = 10_000  # failed tasks nobody collects must not grow without bound
 MAX_FAIL_REASON_CHARS = 64

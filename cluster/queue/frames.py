@@ -12,8 +12,8 @@ Then:
     response  {"id": n, "ok": true, "r": result}
               {"id": n, "ok": false, "error": {"type": ..., "message": ...}}
 
-Values are plain msgpack: tasks and results travel as maps of their fields
-(`to_wire` / `from_wire`), a task's priority as its int. `CODECS` says, for
+Values are plain msgpack: results travel as maps of their fields (`to_wire` /
+`from_wire`), a task as the handoff's codec makes it (handoff/task.py). `CODECS` says, for
 every method the wire serves, how its arguments and its result are encoded
 and decoded on each side; the server and the client both use it, and nothing
 else serialises a task.
@@ -27,7 +27,9 @@ from typing import Any, Callable, NamedTuple
 
 import msgpack
 
-from .task import FailedTask, PrefillTask, PutResult, QueueStats
+from pdserve.handoff.task import PrefillTask, TaskFormatError, task_from_wire, task_to_wire
+
+from .task import FailedTask, PutResult, QueueStats
 
 WIRE_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20
@@ -71,18 +73,24 @@ def error_body(call_id: int, type_name: str, message: str) -> dict[str, Any]:
 
 # -- values -----------------------------------------------------------------------------
 def to_wire(obj: Any) -> dict[str, Any]:
-    """A queue dataclass (PrefillTask, PutResult, QueueStats, FailedTask) as a map of its
-    fields. Shallow on purpose: `dataclasses.asdict` deep-copies every token id (~0.8 ms
-    for a 512-token task). A Priority is an IntEnum: msgpack packs it as its int."""
+    """A queue value (PrefillTask, PutResult, QueueStats, FailedTask) as a map of its fields
+    (shallow: see `task_to_wire`)."""
+    if isinstance(obj, PrefillTask):
+        return task_to_wire(obj)
     out = {f.name: getattr(obj, f.name) for f in fields(obj)}
     if "task" in out:  # FailedTask
-        out["task"] = to_wire(out["task"])
+        out["task"] = task_to_wire(out["task"])
     return out
 
 
 def from_wire(cls: type, body: Any, what: str) -> Any:
     """Rebuild `cls` from its map; a clear WireError (naming the field) instead of a TypeError.
     A bad value is the class's own ValueError (a PrefillTask's cached_len, priority, ...)."""
+    if cls is PrefillTask:
+        try:
+            return task_from_wire(body, what)
+        except TaskFormatError as exc:
+            raise WireError(str(exc)) from None
     if not isinstance(body, dict):
         raise WireError(f"{what}: expected a map, got {type(body).__name__}")
     names = {f.name for f in fields(cls)}

@@ -41,7 +41,7 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .task import PrefillTask
+from pdserve.handoff.task import PrefillTask
 
 SIGNATURE_CONTEXT = b"pdserve prefill task v1\x00"  # a signature over a task is good for nothing else
 

@@ -1,4 +1,4 @@
-"""ARCHITECTURE.md's layout table, enforced: which folder may import which.
+"""docs/architecture.md's layout table, enforced: which folder imports which, exactly.
 
 Every ``.py`` file of each code folder is parsed (never imported); every
 ``import`` / ``from ... import`` counts, at module level, inside functions and
@@ -11,14 +11,17 @@ Relative imports are resolved against the file's own package, so
 
 Rules (arrows point down the table; ``common/`` is below everything):
 
-- each folder imports only the pdserve folders ``ALLOWED`` lists for it
-  (itself always allowed);
+- each folder imports only the pdserve folders its row lists (itself always
+  allowed), and every folder its row lists is imported somewhere: the table is
+  what the code does, not a looser bound;
 - no code folder imports the package root ``pdserve`` itself or one of its
   modules (``pdserve.launch``, ``pdserve.cli``): the root is the composition
   root, nothing imports it (tests may);
 - the modules inside ``cluster/`` (subpackages included) form no import cycle.
 
-Known exceptions are listed in ``KNOWN_EXCEPTIONS`` with their reason; the
+The table is parsed from docs/architecture.md (`layout_table`), so the map a
+newcomer reads and the rule the tests enforce are one text. Known exceptions
+are listed in ``KNOWN_EXCEPTIONS`` with their reason; the
 list can only shrink.
 
 The seam rule (workers touch only the engine's remote-KV seam) is checked by
@@ -28,6 +31,7 @@ its own test, not here.
 from __future__ import annotations
 
 import ast
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -36,34 +40,34 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 ROOT_PACKAGE = "pdserve"
 
-# folder -> the other pdserve folders it may import (ARCHITECTURE.md, layout table).
-ALLOWED: dict[str, frozenset[str]] = {
-    "common": frozenset(),
-    "engine": frozenset({"common"}),
-    "router": frozenset({"common"}),
-    "kvtransfer": frozenset({"common"}),
-    "cluster": frozenset({"common"}),
-    "api": frozenset({"common"}),
-    "prefill": frozenset({"engine", "kvtransfer", "cluster", "common"}),
-    "decode": frozenset({"engine", "kvtransfer", "cluster", "router", "api", "common"}),
-    # bench drives a cluster through the API and the launcher, and checks
-    # exactness against the engine (bench/chaos.py's greedy reference).
-    "bench": frozenset({"api", "cluster", "engine", "common", "configs"}),
-    # the shipped YAML and the helper that finds it (pdserve.configs): imports nothing
-    "configs": frozenset(),
-}
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def layout_table(doc: Path = DOC) -> dict[str, frozenset[str]]:
+    """docs/architecture.md's layout table: folder -> the pdserve folders it imports.
+
+    Rows look like ``| `engine/` | what it owns | `common` |``; the last cell lists
+    folders in backticks, or ``—`` for none. The root package's row is ``pdserve/``.
+    """
+    text = doc.read_text(encoding="utf-8")
+    section = text[text.index("## Layout"):]
+    section = section[: section.index("\n## ", 1)]
+    rows = {}
+    for m in re.finditer(r"^\| `(\w+)/` \|.*\| ([^|]*) \|$", section, re.M):
+        rows[m.group(1)] = frozenset(re.findall(r"`(\w+)`", m.group(2)))
+    return rows
+
+
+TABLE = layout_table()
+ROOT_IMPORTS = TABLE.get(ROOT_PACKAGE, frozenset())
+# folder -> the other pdserve folders it may import: the table, less the composition root's row
+ALLOWED: dict[str, frozenset[str]] = {k: v for k, v in TABLE.items() if k != ROOT_PACKAGE}
 FOLDERS = tuple(ALLOWED)
 
 # (file, folder it imports) -> why the layout table does not hold there yet.
 # Each one is reported, not hidden: test_known_exceptions_are_still_needed fails
 # once an entry is no longer needed, so the list can only shrink.
-KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("bench/handoff.py", "decode"): "handoff microbenchmark starts a DecodeWorker in-process",
-    ("bench/handoff.py", "prefill"): "handoff microbenchmark starts a PrefillWorker in-process",
-    ("bench/kv_transfer.py", "kvtransfer"): "NIXL transfer microbenchmark drives KVTransferAgent directly",
-    ("bench/hosts.py", "kvtransfer"): "cross-host transfer microbenchmark drives KVTransferAgent directly",
-    ("bench/router_decision.py", "router"): "router decision microbenchmark times decide/admit directly",
-}
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:
@@ -199,9 +203,33 @@ def layering_violations(folder: str, exceptions: dict[tuple[str, str], str] | No
 
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_folder_imports_only_what_the_layout_table_allows(folder):
-    assert (ROOT / folder).is_dir(), f"{folder}/ is in ARCHITECTURE.md's layout table but missing"
+    assert (ROOT / folder).is_dir(), f"{folder}/ is in docs/architecture.md's layout table but missing"
     bad = layering_violations(folder, KNOWN_EXCEPTIONS)
-    assert not bad, "forbidden imports (ARCHITECTURE.md, layout table):\n  " + "\n  ".join(bad)
+    assert not bad, "forbidden imports (docs/architecture.md, layout table):\n  " + "\n  ".join(bad)
+
+
+def imported_folders(folder: str) -> set[str]:
+    """The other pdserve folders the files of `folder` import (the root package's files for
+    ROOT_PACKAGE; a file of the root imports `<root>` modules freely)."""
+    paths = sorted((ROOT / ROOT_PACKAGE).glob("*.py")) if folder == ROOT_PACKAGE else _files(folder)
+    return {layer for path in paths for _, module in imports_of(path)
+            if (layer := _layer_of(module)) not in (None, "<root>", folder)}
+
+
+@pytest.mark.parametrize("folder", (*FOLDERS, ROOT_PACKAGE))
+def test_the_layout_table_is_exactly_what_the_code_imports(folder):
+    listed = ROOT_IMPORTS if folder == ROOT_PACKAGE else ALLOWED[folder]
+    used = imported_folders(folder) - {layer for (rel, layer) in KNOWN_EXCEPTIONS if rel.startswith(folder + "/")}
+    assert used == set(listed), (f"docs/architecture.md says {folder}/ imports {sorted(listed)}; the code imports "
+                                 f"{sorted(used)}: fix the row or the code")
+
+
+def test_the_table_has_no_cycle_and_names_only_folders():
+    assert set(FOLDERS) >= {"common", "engine", "handoff", "kvtransfer", "cluster", "prefill", "decode"}
+    for folder, listed in TABLE.items():
+        assert listed <= set(FOLDERS), f"{folder}/'s row names unknown folders {sorted(listed - set(FOLDERS))}"
+    graph = {f: set(v) for f, v in ALLOWED.items()}
+    assert find_cycle(graph) is None, find_cycle(graph)
 
 
 def test_known_exceptions_are_still_needed():

@@ -16,8 +16,8 @@ import uuid
 import pytest
 import ray
 
+from pdserve.handoff import PrefillTask
 from pdserve.cluster.queue import (
-    PrefillTask,
     QueueClient,
     QueueCore,
     from_wire,

@@ -13,10 +13,10 @@ import pytest
 import ray
 
 from pdserve.cluster.certs import make_certs
+from pdserve.handoff import PrefillTask
 from pdserve.cluster.queue import (
     MAX_FRAME_BYTES,
     MAX_HELLO_BYTES,
-    PrefillTask,
     QueueCallError,
     QueueClient,
     QueueCore,

@@ -10,6 +10,7 @@ import math
 import msgpack
 import pytest
 
+from pdserve.handoff import PrefillTask
 from pdserve.cluster.queue import (
     ALREADY_DONE,
     BAD_SIGNATURE,
@@ -17,7 +18,6 @@ from pdserve.cluster.queue import (
     NO_DEADLINE,
     NO_KEY,
     UNSIGNED,
-    PrefillTask,
     QueueCore,
     TaskSigner,
     from_wire,

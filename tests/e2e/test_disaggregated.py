@@ -263,7 +263,7 @@ def test_prefill_worker_killed_mid_flight_all_requests_complete_locally(cluster,
     pid = ray.get(p.pid.remote())
     results = {}
     # A worker that leaves etcd may only be partitioned: its taken attempts' blocks are
-    # quarantined (decode/handoff.py), here for 3 s instead of 60.
+    # quarantined (handoff/decode_side.py), here for 3 s instead of 60.
     d.worker.remote.handoffs.quarantine_s = 3.0
 
     async def go():

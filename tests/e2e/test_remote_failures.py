@@ -25,10 +25,10 @@ import torch
 
 from pdserve.api import AsyncClient
 from pdserve.cluster.etcd_server import EmbeddedEtcd
-from pdserve.cluster.queue import PrefillTask, QueueClient, TaskSigner, get_or_create_queue
+from pdserve.handoff import PrefillDone, PrefillTask
+from pdserve.cluster.queue import QueueClient, TaskSigner, get_or_create_queue
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
-from pdserve.kvtransfer import PrefillDone
 from pdserve.prefill.worker import PrefillWorker
 from tests.harness import WorkerThread, wait_until
 

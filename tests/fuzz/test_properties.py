@@ -12,11 +12,11 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.cluster.queue import PrefillTask, WireError, from_wire, pack_frame, read_frame
+from pdserve.handoff import PrefillTask
+from pdserve.cluster.queue import WireError, from_wire, pack_frame, read_frame
 from pdserve.cluster.topology import TopologyError, load_topology
 from pdserve.engine import LLM, InvalidRequestError, SamplingParams
-from pdserve.kvtransfer import MalformedMessageError, PrefillDone
-from pdserve.kvtransfer.messages import decode_prefill_done
+from pdserve.handoff.notices import MalformedNoticeError, PrefillDone, decode_prefill_done
 from pdserve.router.loader import PolicyError, parse_any
 
 from tests.fuzz.profiles import examples
@@ -87,7 +87,7 @@ def test_sampling_params_either_refused_by_name_or_sampled_safely(llm, kwargs):
 def test_any_notification_bytes_decode_or_raise_malformed(payload):
     try:
         msg = decode_prefill_done(payload)
-    except MalformedMessageError:
+    except MalformedNoticeError:
         return
     assert isinstance(msg, PrefillDone)
 

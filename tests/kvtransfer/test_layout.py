@@ -1,4 +1,4 @@
-"""KVLayout: the pool contract two workers must share (ARCHITECTURE.md, "KV pool")."""
+"""KVLayout: the pool contract two workers must share (docs/architecture.md, "KV pool")."""
 
 from __future__ import annotations
 

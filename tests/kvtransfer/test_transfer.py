@@ -24,7 +24,8 @@ from kvt_peer import (
     snapshot,
 )
 
-from pdserve.kvtransfer import KVLayout, PrefillDone, decode_prefill_done
+from pdserve.handoff.notices import PrefillDone, decode_prefill_done
+from pdserve.kvtransfer import KVLayout
 
 SMALL_SEND = KVLayout("tiny-llama", "float16", num_layers=3, num_blocks=24, block_size=4,
                       num_kv_heads=2, head_dim=8)

@@ -1,17 +1,19 @@
-"""The notifications a prefill worker sends a decode worker over NIXL.
+"""The notices a prefill worker sends a decode worker over the transport, and their codec.
 
 `PrefillDone` rides behind the last page write of an attempt; `PrefillFailed`
 says that an attempt will never be written, so the decode worker prefills
 locally at once instead of waiting out its remote deadline.
 
-Wire format (inside a NIXL notification, never pickle):
+Wire format (inside a transport notification, never pickle):
 
     b"PDKV" | version (1 byte) | msgpack map of the fields     PrefillDone
     b"PDKF" | version (1 byte) | msgpack map of the fields     PrefillFailed
 
-The whole payload is at most MAX_NOTIFICATION_BYTES: NIXL notifications ride
-on small active messages and should stay small. `decode_notification` reads
-either.
+The whole payload is at most MAX_NOTIFICATION_BYTES (the transport's
+contract, handoff/transport.py: notifications ride on small active messages).
+`decode_notification` reads either; anything else is a `MalformedNoticeError`.
+The failure kinds a `PrefillFailed` may carry are the table's
+(handoff/outcomes.py).
 """
 
 from __future__ import annotations
@@ -22,11 +24,17 @@ from typing import Any
 
 import msgpack
 
-from pdserve.kvtransfer.errors import MalformedMessageError
+from .outcomes import PREFILL_FAILURE_KINDS
+from .transport import MAX_NOTIFICATION_BYTES
+
+
+class MalformedNoticeError(ValueError):
+    """A notice from another process is not valid for this version (the receiver counts and
+    drops it)."""
+
 
 MAGIC = b"PDKV"
 PREFILL_DONE_VERSION = 1
-MAX_NOTIFICATION_BYTES = 1024
 
 _HEADER_BYTES = len(MAGIC) + 1
 # Sent only when non-zero; a reader that lacks them keeps the defaults.
@@ -47,7 +55,7 @@ class PrefillDone:
     """KV pages of one request attempt are in place on the decode worker.
 
     `epoch` numbers the attempt: the decode worker's handoff table ignores a
-    message for an attempt it no longer awaits (decode/handoff.py).
+    message for an attempt it no longer awaits (handoff/decode_side.py).
 
     `sent_at` (unix time on the prefill host) is when the write that carries
     this message was posted: the prompt's KV was complete and leaving. The
@@ -107,21 +115,8 @@ def _frame(magic: bytes, version: int, fields: dict, name: str) -> bytes:
     return payload
 
 
-def check_notification(payload: bytes | None) -> None:
-    """Refuse a notification that is not 1..MAX_NOTIFICATION_BYTES bytes (None means no notification)."""
-    if payload is None:
-        return
-    if not isinstance(payload, bytes):
-        raise TypeError(f"a notification must be bytes, got {type(payload).__name__}")
-    if not payload or len(payload) > MAX_NOTIFICATION_BYTES:
-        raise ValueError(
-            f"a notification must be 1..{MAX_NOTIFICATION_BYTES} bytes, got {len(payload)}; "
-            "send large data as pages, not notifications"
-        )
-
-
 def decode_prefill_done(payload: bytes) -> PrefillDone:
-    """Parse a notification payload; raises MalformedMessageError on anything but a valid message."""
+    """Parse a notification payload; raises MalformedNoticeError on anything but a valid message."""
     return _decode(payload, PrefillDone, MAGIC, PREFILL_DONE_VERSION, _FIELDS, _FIELDS + _OPTIONAL_FIELDS)
 
 
@@ -168,15 +163,6 @@ FAILED_MAGIC = b"PDKF"
 PREFILL_FAILED_VERSION = 1
 MAX_FAILURE_DETAIL_CHARS = 300  # the detail is for logs and the breakdown; the cap keeps it one message
 
-# Why a prefill attempt failed: the decode worker's fallback reason (metric label) is the kind.
-TRANSFER_ERROR = "transfer_error"  # a page write failed or timed out
-PEER_MISSING = "peer_missing"  # no usable NIXL record of the decode worker (etcd metadata absent or rejected)
-BAD_TASK = "bad_task"  # the task itself is invalid (sampling params, token ids)
-REQUEST_FAILED = "request_failed"  # the engine failed this one request (sampling raised)
-BATCH_FAILED = "batch_failed"  # the forward pass of the task's batch raised (OOM, device error)
-CANCELLED = "cancelled"  # its decode worker aborted the request while the task was computed
-FAILURE_KINDS = (TRANSFER_ERROR, PEER_MISSING, BAD_TASK, REQUEST_FAILED, BATCH_FAILED, CANCELLED)
-
 _FAILED_FIELDS = ("request_id", "epoch", "kind", "detail", "prefill_worker", "writes_settled")
 
 
@@ -217,8 +203,8 @@ def _failed_problem(msg: PrefillFailed) -> str | None:
         return f"request_id must be a non-empty str, got {msg.request_id!r}"
     if isinstance(msg.epoch, bool) or not isinstance(msg.epoch, int) or msg.epoch < 0:
         return f"epoch must be an int >= 0, got {msg.epoch!r}"
-    if msg.kind not in FAILURE_KINDS:
-        return f"kind must be one of {list(FAILURE_KINDS)}, got {msg.kind!r}"
+    if msg.kind not in PREFILL_FAILURE_KINDS:
+        return f"kind must be one of {list(PREFILL_FAILURE_KINDS)}, got {msg.kind!r}"
     for name in ("detail", "prefill_worker"):
         if not isinstance(getattr(msg, name), str):
             return f"{name} must be a str, got {getattr(msg, name)!r}"
@@ -230,39 +216,39 @@ def _failed_problem(msg: PrefillFailed) -> str | None:
 
 
 def decode_prefill_failed(payload: bytes) -> PrefillFailed:
-    """Parse a PrefillFailed payload; MalformedMessageError on anything but a valid message."""
+    """Parse a PrefillFailed payload; MalformedNoticeError on anything but a valid message."""
     return _decode(payload, PrefillFailed, FAILED_MAGIC, PREFILL_FAILED_VERSION, ("request_id", "epoch", "kind"),
                    _FAILED_FIELDS)
 
 
 def _decode(payload, cls, magic: bytes, version: int, required: tuple, allowed: tuple):
-    """``magic | version | msgpack map`` into ``cls``, or MalformedMessageError saying why."""
+    """``magic | version | msgpack map`` into ``cls``, or MalformedNoticeError saying why."""
     name = cls.__name__
     payload = _checked_bytes(payload)
     if len(payload) < _HEADER_BYTES or not payload.startswith(magic):
-        raise MalformedMessageError(f"payload does not start with {magic!r}: {payload[:8]!r}")
+        raise MalformedNoticeError(f"payload does not start with {magic!r}: {payload[:8]!r}")
     got = payload[len(magic)]
     if got != version:
-        raise MalformedMessageError(
+        raise MalformedNoticeError(
             f"{name} version {got} is not supported (this build reads version {version}); upgrade the older worker")
     try:
         body = msgpack.unpackb(payload[_HEADER_BYTES:], raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
-        raise MalformedMessageError(f"{name} body is not valid msgpack: {exc}") from exc
+        raise MalformedNoticeError(f"{name} body is not valid msgpack: {exc}") from exc
     if not isinstance(body, dict):
-        raise MalformedMessageError(f"{name} body must be a map, got {type(body).__name__}")
+        raise MalformedNoticeError(f"{name} body must be a map, got {type(body).__name__}")
     missing = [f for f in required if f not in body]
     unknown = sorted(str(key) for key in body if key not in allowed)
     if missing or unknown:
-        raise MalformedMessageError(f"{name} fields: missing {missing}, unknown {unknown}")
+        raise MalformedNoticeError(f"{name} fields: missing {missing}, unknown {unknown}")
     try:
         return cls(version=got, **body)
     except ValueError as exc:
-        raise MalformedMessageError(str(exc)) from exc
+        raise MalformedNoticeError(str(exc)) from exc
 
 
 def decode_notification(payload: bytes) -> PrefillDone | PrefillFailed:
-    """Either message, told apart by its magic; MalformedMessageError for anything else."""
+    """Either message, told apart by its magic; MalformedNoticeError for anything else."""
     payload = _checked_bytes(payload)
     if payload.startswith(FAILED_MAGIC):
         return decode_prefill_failed(payload)
@@ -271,8 +257,8 @@ def decode_notification(payload: bytes) -> PrefillDone | PrefillFailed:
 
 def _checked_bytes(payload) -> bytes:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise MalformedMessageError(f"payload must be bytes, got {type(payload).__name__}")
+        raise MalformedNoticeError(f"payload must be bytes, got {type(payload).__name__}")
     payload = bytes(payload)
     if len(payload) > MAX_NOTIFICATION_BYTES:
-        raise MalformedMessageError(f"payload is {len(payload)} bytes, over the {MAX_NOTIFICATION_BYTES}-byte cap")
+        raise MalformedNoticeError(f"payload is {len(payload)} bytes, over the {MAX_NOTIFICATION_BYTES}-byte cap")
     return payload

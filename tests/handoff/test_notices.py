@@ -1,23 +1,21 @@
-"""Messages that cross processes: PrefillDone notifications and peer records."""
+"""The handoff's notices cross processes: PrefillDone and PrefillFailed, their codec and its refusals."""
 
 from __future__ import annotations
-
-import base64
-import json
 
 import msgpack
 import pytest
 
-from pdserve.kvtransfer import (
-    MAX_NOTIFICATION_BYTES,
-    KVLayout,
-    MalformedMessageError,
-    PeerInfo,
+from pdserve.handoff.notices import (
+    FAILED_MAGIC,
+    MAGIC,
+    MalformedNoticeError,
     PrefillDone,
+    PrefillFailed,
+    decode_notification,
     decode_prefill_done,
-    load_nixl,
 )
-from pdserve.kvtransfer.messages import MAGIC
+from pdserve.handoff.outcomes import PREFILL_FAILURE_KINDS as FAILURE_KINDS
+from pdserve.handoff.transport import MAX_NOTIFICATION_BYTES
 
 DONE = PrefillDone("req-42", epoch=3, first_token_id=1234, first_token_logprob=-0.25, num_tokens_written=4096)
 
@@ -84,44 +82,10 @@ def test_encode_refuses_a_message_over_the_size_cap():
          "wrong-type", "empty-id", "nan", "oversize"],
 )
 def test_decode_rejects_malformed_payloads(payload, message):
-    with pytest.raises(MalformedMessageError, match=message):
+    with pytest.raises(MalformedNoticeError, match=message):
         decode_prefill_done(payload)
 
 
-LAYOUT = KVLayout("tiny", "float16", 3, 10, 4, 2, 8)
-INFO = PeerInfo("d0", b"\x00nixl-md\xff", LAYOUT, pool_addr=0x7F00_0000_0000,
-                pool_bytes=LAYOUT.pool_bytes, mem_type="DRAM", device_id=0)
-
-
-def test_peer_record_is_json_and_round_trips():
-    record = json.loads(json.dumps(INFO.to_dict()))
-    assert base64.b64decode(record["nixl_metadata"]) == b"\x00nixl-md\xff"
-    assert PeerInfo.from_dict(record) == INFO
-
-
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"format": "other/9"}, "format"),
-        ({"nixl_metadata": "not base64!"}, "bad peer record"),
-        ({"name": ""}, "name"),
-        ({"pool": {**INFO.to_dict()["pool"], "mem_type": "HBM"}}, "mem_type"),
-        ({"pool": {**INFO.to_dict()["pool"], "num_bytes": 1}}, "layout needs"),
-        ({"layout": {"model_id": "tiny"}}, "lacks"),
-    ],
-)
-def test_malformed_peer_records_are_refused(change, message):
-    with pytest.raises(MalformedMessageError, match=message):
-        PeerInfo.from_dict({**INFO.to_dict(), **change})
-
-
-def test_the_shim_prefers_the_cu12_build():
-    assert load_nixl().module_name == "nixl_cu12._api"
-
-
-# -- PrefillFailed --------------------------------------------------------------------------
-from pdserve.kvtransfer import PrefillFailed, decode_notification  # noqa: E402
-from pdserve.kvtransfer.messages import FAILED_MAGIC, FAILURE_KINDS  # noqa: E402
 
 
 def test_prefill_failed_round_trips_and_is_told_apart_from_prefill_done():
@@ -153,5 +117,5 @@ def test_prefill_failed_names_only_known_kinds_and_caps_its_detail():
     ],
 )
 def test_malformed_prefill_failed_payloads_raise_a_typed_error(payload, match):
-    with pytest.raises(MalformedMessageError, match=match):
+    with pytest.raises(MalformedNoticeError, match=match):
         decode_notification(payload)
