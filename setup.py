@@ -26,7 +26,9 @@ PACKAGE_DIRS = {
     "pdserve.handoff": "handoff",
     "pdserve.kvtransfer": "kvtransfer",
     "pdserve.router": "router",
-    "pdserve.cluster": "cluster",
+    "pdserve.control": "control",
+    "pdserve.taskqueue": "taskqueue",
+    "pdserve.planner": "planner",
     "pdserve.prefill": "prefill",
     "pdserve.decode": "decode",
     "pdserve.api": "api",
@@ -59,8 +61,8 @@ OUT_DIR = os.path.join(HERE, "api", "v1")
 
 
 def generate_protos() -> None:
-    from grpc_tools import protoc  # build requirement (pyproject [build-system])
     import grpc_tools
+    from grpc_tools import protoc  # build requirement (pyproject [build-system])
 
     protos = sorted(glob.glob(os.path.join(PROTO_ROOT, PROTO_PACKAGE_DIR, "*.proto")))
     well_known = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")

@@ -162,7 +162,7 @@ class Cluster:
     """The launched topology plus the handles the faults need."""
 
     def __init__(self, cfg: ChaosConfig, work: Path, log):
-        from pdserve.cluster.etcd_server import EmbeddedEtcd
+        from pdserve.control.etcd_server import EmbeddedEtcd
 
         self.cfg, self.work, self.log = cfg, work, log
         host = cfg.hosts["head"]["addr"] if cfg.hosts else "127.0.0.1"  # where the workers reach it
@@ -171,8 +171,8 @@ class Cluster:
         self.killed_pid: int | None = None
 
     def up(self, model_dir: str) -> None:
-        from pdserve.cluster.launcher import Launcher
-        from pdserve.cluster.topology import load_topology
+        from pdserve.control.topology import load_topology
+        from pdserve.launcher import Launcher
 
         path = derive_topology(self.cfg, model_dir, self.etcd.endpoint, self.work)
         self.topo = load_topology(path)
@@ -190,7 +190,7 @@ class Cluster:
         return ray.get_actor(name, namespace=self.state.namespace)
 
     async def members(self) -> set[str]:
-        from pdserve.cluster.registry import Registry
+        from pdserve.control.registry import Registry
 
         async def read():
             async with Registry(self.state.etcd_endpoints, self.state.cluster) as reg:
@@ -222,7 +222,7 @@ class Cluster:
         return {a["worker_id"] for a in self.state.actors}
 
     def down(self) -> None:
-        from pdserve.cluster.launcher import state_path
+        from pdserve.launcher import state_path
 
         try:
             if self.state is not None:

@@ -41,11 +41,11 @@ from pathlib import Path
 
 import yaml
 
+from pdserve.configs import path as shipped_config
+
 from .datasets import DatasetConfig, load_dataset
 from .metrics import compute_metrics, json_safe, records_json
 from .report import fmt, pct, sweep_summary, sweep_table
-from pdserve.configs import path as shipped_config
-
 from .serve import LoadConfig, model_info, run_load
 
 DEFAULT_TOPOLOGY = shipped_config("topologies", "1p1d-local.yaml")
@@ -170,7 +170,7 @@ def derive_topology(cfg: SweepConfig, mode: str, model_dir: str, work: Path) -> 
 
 def base_model_dir(topology: str) -> str:
     """The base topology's model directory (an `auto` model is made on first use)."""
-    from pdserve.cluster.topology import load_topology
+    from pdserve.control.topology import load_topology
     from pdserve.engine.model_maker import resolve_model
 
     if not Path(topology).is_file():
@@ -206,8 +206,8 @@ def start_mode(cfg: SweepConfig, mode: str, model_dir: str, work: Path, log) -> 
     """Derive the mode's topology, start it with the launcher, warm it up."""
     import ray
 
-    from pdserve.cluster.launcher import Launcher, state_path
-    from pdserve.cluster.topology import load_topology
+    from pdserve.control.topology import load_topology
+    from pdserve.launcher import Launcher, state_path
 
     path = derive_topology(cfg, mode, model_dir, work)
     topo = load_topology(path)
@@ -234,7 +234,7 @@ def start_mode(cfg: SweepConfig, mode: str, model_dir: str, work: Path, log) -> 
 
 
 def stop_mode(cluster: ModeCluster) -> None:
-    from pdserve.cluster.launcher import state_path
+    from pdserve.launcher import state_path
 
     cluster.launcher.down(cluster.state)
     state_path(cluster.topology).unlink(missing_ok=True)

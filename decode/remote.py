@@ -18,7 +18,7 @@ same epoch (their blocks are still reserved for them); if it stays
 unreachable for `queue_lost_s`, they fall back. Every await here is bounded,
 so a remote request ends by its deadline whatever dies on the way.
 
-Every task is signed (`TaskSigner`, cluster/queue/signing.py) with the key
+Every task is signed (`TaskSigner`, taskqueue/signing.py) with the key
 this worker publishes in its etcd record: prefill workers write only into
 blocks this worker reserved and signed for, whatever else reaches the queue.
 """
@@ -30,9 +30,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pdserve.cluster.queue import TaskSigner
 from pdserve.engine import Reservation
 from pdserve.handoff import Handoff, Handoffs, KVReceiver, PrefillTask
+from pdserve.taskqueue import TaskSigner
 
 from .async_engine import AsyncEngine, EngineDeadError
 from .kv_arrival import KVArrival

@@ -17,16 +17,17 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from pdserve.cluster.join import join_cluster, leave_cluster, open_queue, publish_load
-from pdserve.cluster.keys import VERSION
-from pdserve.cluster.load import BusyMeter, LatencyWindow, counter_value, gpu_load, histogram_buckets
-from pdserve.cluster.records import WorkerInfo
-from pdserve.cluster.runtime import cpu_list, freeze_gc_heap
-from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
-from pdserve.cluster.worker_config import WorkerConfig
+from pdserve.control.join import join_cluster, leave_cluster, publish_load
+from pdserve.control.keys import VERSION
+from pdserve.control.load import BusyMeter, LatencyWindow, counter_value, gpu_load, histogram_buckets
+from pdserve.control.records import WorkerInfo
+from pdserve.control.runtime import cpu_list, freeze_gc_heap
+from pdserve.control.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
+from pdserve.control.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.calibrate import measure_steps
 from pdserve.router import parse_policy
+from pdserve.taskqueue import open_queue
 
 from .async_engine import AsyncEngine, StepInfo
 from .frontend import Frontend, ServingLimits
@@ -102,7 +103,7 @@ class DecodeWorker:
         self.grpc_address = ""
         self.http_address = ""
         self.host = ""  # the address it serves on (cfg.host or what cfg.bind resolves to)
-        # What its etcd record's `load` reports (cluster/load.py): the planner reads it.
+        # What its etcd record's `load` reports (control/load.py): the planner reads it.
         self.busy = BusyMeter()
         self.decode_steps = self.decode_seqs = 0
         self.decode_ms = 0.0
@@ -195,7 +196,7 @@ class DecodeWorker:
         self.prefill_watch = await self.registry.watch_members(
             on_add=lambda _: self._count_prefill(), on_remove=lambda _: self._count_prefill(), role="prefill")
         if self.remote is not None:
-            from pdserve.cluster.queue import requeue_on_worker_loss
+            from pdserve.taskqueue import requeue_on_worker_loss
 
             self._requeue_watch = await requeue_on_worker_loss(self.registry, self.queue)
         self._tasks.append(asyncio.create_task(publish_load(self.registry, self._load, cfg.load_report_s)))

@@ -11,12 +11,16 @@ import argparse
 import importlib
 import sys
 
+# The planner's autoscale policy is a kind of policy file the router's loader reads once it is
+# registered: `pdserve policy check` (router/cli.py) validates autoscale files through it.
+import pdserve.planner.policy  # noqa: F401
+
 # Modules that contribute subcommands, in the order `pdserve --help` lists them.
 COMMAND_MODULES = (
     "pdserve.engine.cli",
     "pdserve.router.cli",
     "pdserve.decode.cli",
-    "pdserve.cluster.cli",
+    "pdserve.cluster_cli",
     "pdserve.launch",
     "pdserve.planner_cmd",
     "pdserve.worker_cmd",

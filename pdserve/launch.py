@@ -8,7 +8,6 @@ the product imports bench/).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -16,9 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve import configs
-
-DEFAULT_TOPOLOGY = configs.path("topologies", "1p1d-local.yaml")  # shipped with the package
+from pdserve.topology_args import add_topology_arg, load_topology_arg
 
 
 def register(subparsers) -> None:
@@ -30,18 +27,18 @@ def register(subparsers) -> None:
             "default, 1P1D on CPU with a small model made on first run. Ray is joined with "
             "--ray-address, else a Ray head is started for this cluster; etcd is started when "
             "the topology names no endpoint. `pdserve down` stops what `up` started."))
-    _topology_arg(up)
+    add_topology_arg(up)
     up.add_argument("--ray-address", default=None, help="join this Ray cluster (host:port) instead of starting one")
     up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the cluster")
     up.set_defaults(func=_up)
 
     st = subparsers.add_parser("status", help="show members, roles, load and queue depth of a running topology")
-    _topology_arg(st)
+    add_topology_arg(st)
     st.add_argument("--json", action="store_true", help="print machine-readable JSON")
     st.set_defaults(func=_status)
 
     down = subparsers.add_parser("down", help="stop everything `pdserve up` started for a topology")
-    _topology_arg(down)
+    add_topology_arg(down)
     down.set_defaults(func=_down)
 
     dr = subparsers.add_parser(
@@ -50,7 +47,7 @@ def register(subparsers) -> None:
                      "work at once; the worker finishes in-flight requests or prefill tasks, deregisters "
                      "and stays out (it does not re-register as after an ordinary lease loss)."))
     dr.add_argument("worker_id", help="e.g. prefill-0 (see `pdserve status`), or a pod's name")
-    _topology_arg(dr)
+    add_topology_arg(dr)
     dr.add_argument("--etcd", default=None, metavar="ENDPOINTS",
                     help="etcd endpoints host:port[,host:port]; with --cluster, drain without `pdserve up`'s "
                          "state file (a Kubernetes preStop hook)")
@@ -63,7 +60,7 @@ def register(subparsers) -> None:
         description=("Send short chat-like and long document-like prompts concurrently through the "
                      "gRPC API of the first decode worker, then print for each the route taken and why, "
                      "TTFT, KV transfer bytes and time, and the completion."))
-    _topology_arg(demo)
+    add_topology_arg(demo)
     demo.add_argument("--target", default=None, help="gRPC host:port (default: from the running topology)")
     demo.add_argument("--route", choices=["auto", "local", "remote"], default="auto")
     demo.add_argument("--max-tokens", type=int, default=24)
@@ -71,25 +68,11 @@ def register(subparsers) -> None:
     demo.set_defaults(func=_demo)
 
 
-def _topology_arg(p) -> None:
-    p.add_argument("--topology", default=str(DEFAULT_TOPOLOGY),
-                   help="topology YAML (default: the shipped topologies/1p1d-local.yaml, "
-                        f"{DEFAULT_TOPOLOGY})")
-
-
-def _load(path: str):
-    from pdserve.cluster.topology import load_topology
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--topology {path}: no such file")
-    return load_topology(path)
-
-
 def _up(args) -> int:
-    from pdserve.cluster.launcher import Launcher
     from pdserve.engine.model_maker import resolve_model
+    from pdserve.launcher import Launcher
 
-    topo = _load(args.topology)  # the launcher sets Ray's authentication from it (ray.auth)
+    topo = load_topology_arg(args.topology)  # the launcher sets Ray's authentication from it (ray.auth)
     t0 = time.monotonic()
     model = resolve_model(topo)
     autoscale = _autoscale_policy(topo)
@@ -118,7 +101,7 @@ def _autoscale_policy(topo):
     """The topology's autoscale policy, parsed (an invalid one stops `up` before it starts anything)."""
     if topo.autoscale_policy_path is None:
         return None
-    from pdserve.router.loader import load_autoscale_file
+    from pdserve.planner.policy import load_autoscale_file
 
     return load_autoscale_file(topo.autoscale_policy_path)
 
@@ -127,7 +110,7 @@ def _start_planner(topo, topology_file: str, state, launcher) -> None:
     """Start the planner actor on this node (it reads the topology and policy files here)."""
     import ray
 
-    from pdserve.cluster.planner.actor import PlannerConfig, start_planner_actor
+    from pdserve.planner.actor import PlannerConfig, start_planner_actor
 
     cfg = PlannerConfig(topology=os.path.abspath(topology_file), model=state.model,
                         etcd_endpoints=state.etcd_endpoints, worker_etcd_endpoints=state.gate_endpoints,
@@ -137,7 +120,7 @@ def _start_planner(topo, topology_file: str, state, launcher) -> None:
         info = ray.get(ref, timeout=60)
     except BaseException:
         print("planner did not start; stopping the cluster", flush=True)
-        from pdserve.cluster.state import state_path
+        from pdserve.state import state_path
 
         launcher.down(state)
         state_path(topo).unlink(missing_ok=True)
@@ -147,9 +130,9 @@ def _start_planner(topo, topology_file: str, state, launcher) -> None:
 
 
 def _down(args) -> int:
-    from pdserve.cluster.launcher import ClusterState, Launcher, state_path
+    from pdserve.launcher import ClusterState, Launcher, state_path
 
-    topo = _load(args.topology)
+    topo = load_topology_arg(args.topology)
     path = state_path(topo)
     state = ClusterState.load(path)
     Launcher(topo, args.topology, state.model, progress=lambda line: print(line, flush=True)).down(state)
@@ -161,15 +144,15 @@ def _down(args) -> int:
 def _drain_target(args):
     """(etcd endpoints, cluster, etcd TLS as the operator): from --etcd and --cluster, else
     from `up`'s state file. The TLS settings come from the topology (when its file exists)."""
-    from pdserve.cluster.keys import check_name, parse_endpoints
+    from pdserve.control.keys import check_name, parse_endpoints
 
     check_name("worker_id", args.worker_id)
     if (args.etcd is None) != (args.cluster is None):
         raise ValueError("--etcd and --cluster go together (or neither: read `pdserve up`'s state file)")
     if args.etcd is None:
-        from pdserve.cluster.launcher import ClusterState, state_path
+        from pdserve.launcher import ClusterState, state_path
 
-        topo = _load(args.topology)
+        topo = load_topology_arg(args.topology)
         state = ClusterState.load(state_path(topo))
         return state.etcd_endpoints, state.cluster, topo.etcd_tls("operator")
     endpoints = [e.strip() for e in args.etcd.split(",") if e.strip()]
@@ -177,12 +160,12 @@ def _drain_target(args):
         parse_endpoints(endpoints)
     except ValueError as exc:
         raise ValueError(f"--etcd {args.etcd!r}: {exc}") from None
-    tls = _load(args.topology).etcd_tls("operator") if Path(args.topology).is_file() else None
+    tls = load_topology_arg(args.topology).etcd_tls("operator") if Path(args.topology).is_file() else None
     return endpoints, check_name("--cluster", args.cluster), tls
 
 
 def _drain(args) -> int:
-    from pdserve.cluster.registry import Registry
+    from pdserve.control.registry import Registry
 
     endpoints, cluster, tls = _drain_target(args)
     if args.check:
@@ -205,10 +188,10 @@ STATUS_ETCD_TIMEOUT_S = 5.0
 
 
 def _status(args) -> int:
-    from pdserve.cluster.launcher import ClusterState, state_path
-    from pdserve.cluster.records import TRANSIENT_ERRORS, short_error
+    from pdserve.control.records import TRANSIENT_ERRORS, short_error
+    from pdserve.launcher import ClusterState, state_path
 
-    topo = _load(args.topology)
+    topo = load_topology_arg(args.topology)
     state = ClusterState.load(state_path(topo))
     security = _security(topo)
     try:
@@ -250,7 +233,7 @@ def _status(args) -> int:
 
 
 def _security(topo):
-    from pdserve.cluster.protection import surfaces
+    from pdserve.protection import surfaces
 
     return surfaces(topo)
 
@@ -266,7 +249,7 @@ def _print_security(security, bind: str) -> None:
 
 def _queue_stats_as(topo, state) -> dict | None:
     """The queue's stats, reached through Ray with the topology's authentication (ray.auth)."""
-    from pdserve.cluster.ray_auth import RayAuthError, apply_ray_auth
+    from pdserve.ray_auth import RayAuthError, apply_ray_auth
 
     try:
         apply_ray_auth(topo)
@@ -282,7 +265,7 @@ def _status_tls(topo):
 
 
 def _planner_lines(state, tls=None) -> tuple[list[str], set[str]]:
-    from pdserve.cluster.registry import Registry
+    from pdserve.control.registry import Registry
     from pdserve.planner_cmd import planner_summary
 
     async def go():
@@ -306,7 +289,7 @@ def _print_queue(state, queue: dict | None) -> None:
 
 
 async def _members(state, tls=None) -> dict:
-    from pdserve.cluster.registry import Registry
+    from pdserve.control.registry import Registry
 
     async with Registry(state.etcd_endpoints, state.cluster, tls=tls) as reg:
         members = await reg.members()
@@ -344,10 +327,10 @@ def _demo(args) -> int:
     target = args.target
     tls = {}  # with --target: the client's own settings (PDSERVE_CA_FILE, ...; docs/security.md)
     if target is None:
-        from pdserve.cluster.launcher import ClusterState, state_path
-        from pdserve.cluster.security import internal_client_tls
+        from pdserve.control.security import internal_client_tls
+        from pdserve.launcher import ClusterState, state_path
 
-        topo = _load(args.topology)
+        topo = load_topology_arg(args.topology)
         state = ClusterState.load(state_path(topo))
         target = state.decode_endpoints[0]["grpc"]
         # The cluster's own workers: trust and present what the topology names (an API key,

@@ -1,5 +1,5 @@
 """`pdserve planner run | explain | history`: the autoscaling planner by hand, and why it
-decides what it decides. The loop itself is cluster/planner/; `pdserve up` starts it as a
+decides what it decides. The loop itself is planner/; `pdserve up` starts it as a
 Ray actor when the topology names an `autoscale_policy`.
 
 This lives in the composition root because it reads autoscale policy files with the
@@ -14,7 +14,7 @@ import json
 import os
 import time
 
-from pdserve.launch import _load, _topology_arg
+from pdserve.topology_args import add_topology_arg, load_topology_arg
 
 
 def register(subparsers) -> None:
@@ -28,14 +28,14 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="planner_command", metavar="SUBCOMMAND")
 
     run = sub.add_parser("run", help="run the planner in the foreground (Ctrl-C stops it)")
-    _topology_arg(run)
+    add_topology_arg(run)
     run.add_argument("--policy", default=None, help="autoscale policy file (default: the topology's autoscale_policy)")
     run.add_argument("--dry-run", action="store_true", help="decide and record, but start or drain nothing")
     run.add_argument("--once", action="store_true", help="take one decision, print it and exit")
     run.set_defaults(func=_run)
 
     ex = sub.add_parser("explain", help="print what the planner would decide now, and every figure behind it")
-    _topology_arg(ex)
+    add_topology_arg(ex)
     ex.add_argument("--policy", default=None,
                     help="autoscale policy file (default: the one in etcd, else the topology's)")
     ex.add_argument("--sample-s", type=float, default=3.0,
@@ -44,7 +44,7 @@ def register(subparsers) -> None:
     ex.set_defaults(func=_explain)
 
     hist = sub.add_parser("history", help="print the planner's recorded decisions, oldest first")
-    _topology_arg(hist)
+    add_topology_arg(hist)
     hist.add_argument("-n", type=int, default=20, help="how many (default 20)")
     hist.add_argument("--json", action="store_true")
     hist.set_defaults(func=_history)
@@ -53,9 +53,9 @@ def register(subparsers) -> None:
 
 
 def _cluster(args):
-    from pdserve.cluster.state import ClusterState, state_path
+    from pdserve.state import ClusterState, state_path
 
-    topo = _load(args.topology)
+    topo = load_topology_arg(args.topology)
     return topo, ClusterState.load(state_path(topo))
 
 
@@ -69,8 +69,8 @@ def _policy_text(path: str) -> str:
 def _run(args) -> int:
     import ray
 
-    from pdserve.cluster.planner.actor import PlannerConfig, build_planner
-    from pdserve.cluster.ray_auth import apply_ray_auth
+    from pdserve.planner.actor import PlannerConfig, build_planner
+    from pdserve.ray_auth import apply_ray_auth
 
     topo, state = _cluster(args)
     if args.policy:
@@ -109,13 +109,13 @@ def _run(args) -> int:
 
 
 def _explain(args) -> int:
-    from pdserve.cluster.planner.actor import cpu_units, queue_stats_fn
-    from pdserve.cluster.planner.core import read_planner, take_snapshot
-    from pdserve.cluster.planner.decide import decide, learn
-    from pdserve.cluster.planner.observe import observe
-    from pdserve.cluster.ray_auth import apply_ray_auth
-    from pdserve.cluster.registry import Registry
-    from pdserve.router.loader import parse_autoscale
+    from pdserve.control.registry import Registry
+    from pdserve.planner.actor import cpu_units, queue_stats_fn
+    from pdserve.planner.core import read_planner, take_snapshot
+    from pdserve.planner.decide import decide, learn
+    from pdserve.planner.observe import observe
+    from pdserve.planner.policy import parse_autoscale
+    from pdserve.ray_auth import apply_ray_auth
 
     topo, state = _cluster(args)
     apply_ray_auth(topo)  # the queue's stats come through Ray
@@ -146,7 +146,7 @@ def _explain(args) -> int:
         memory = copy.deepcopy(pstate.memory)
         obs = observe(first, second)
         learn(memory, obs)
-        from pdserve.cluster.planner.core import current_replicas
+        from pdserve.planner.core import current_replicas
 
         counted, serving = current_replicas(second, pstate)
         units = {r: u or getattr(policy.autoscale, r).gpus_per_replica for r, u in cpu_units(topo).items()}
@@ -187,8 +187,8 @@ def _print_decision(d: dict) -> None:
 
 
 def _history(args) -> int:
-    from pdserve.cluster.planner.core import read_decisions
-    from pdserve.cluster.registry import Registry
+    from pdserve.control.registry import Registry
+    from pdserve.planner.core import read_decisions
 
     topo, state = _cluster(args)
 
@@ -211,7 +211,7 @@ def _history(args) -> int:
 async def planner_summary(registry) -> tuple[list[str], set[str]]:
     """(lines for `pdserve status`: the running planner, desired vs actual, the last decisions;
     the workers it drained and stopped on purpose)."""
-    from pdserve.cluster.planner.core import read_planner
+    from pdserve.planner.core import read_planner
 
     got = await read_planner(registry)
     leader, st = got["leader"], got["state"]

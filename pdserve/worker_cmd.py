@@ -86,9 +86,9 @@ def register(subparsers) -> None:
 
 def plan(args) -> WorkerPlan:
     """Validate `args` (ValueError naming the flag at fault); imports neither Ray nor torch."""
-    from pdserve.cluster.keys import check_name, parse_endpoints
-    from pdserve.cluster.ray_auth import token_source
-    from pdserve.cluster.topology import TopologyError, load_topology
+    from pdserve.control.keys import check_name, parse_endpoints
+    from pdserve.control.topology import TopologyError, load_topology
+    from pdserve.ray_auth import token_source
 
     if not Path(args.topology).is_file():
         raise ValueError(f"--topology {args.topology}: no such file")
@@ -160,8 +160,8 @@ class Worker:
     def run(self) -> int:
         import ray
 
-        from pdserve.cluster.protection import exposure_warnings
-        from pdserve.cluster.ray_auth import apply_ray_auth
+        from pdserve.protection import exposure_warnings
+        from pdserve.ray_auth import apply_ray_auth
 
         p = self.p
         ray_auth = apply_ray_auth(p.topology)  # before ray.init: this driver and its workers
@@ -207,7 +207,7 @@ class Worker:
     def _ensure_queue(self) -> None:
         """The prefill queue with the topology's settings, detached (it outlives this driver).
         The first worker of the cluster creates it; an existing queue keeps its settings."""
-        from pdserve.cluster.queue import get_or_create_queue
+        from pdserve.taskqueue import get_or_create_queue
 
         t = self.p.topology
         q = t.queue
@@ -217,7 +217,7 @@ class Worker:
     def _serve(self, model: str, node: str) -> int:
         import ray
 
-        from pdserve.cluster.launcher import start_worker_actor
+        from pdserve.launcher import start_worker_actor
 
         p = self.p
         self.started = start_worker_actor(p.topology, p.role, 0, model=model, etcd_endpoints=p.etcd_endpoints,
@@ -251,7 +251,7 @@ class Worker:
         """Drain (bounded by the drain timeout), stop the actor, clear this worker's drain key."""
         import ray
 
-        from pdserve.cluster.actors import stop_actor
+        from pdserve.control.actors import stop_actor
 
         p, name = self.p, self.started.name
         self.say(f"draining {p.worker_id} (up to {p.drain_timeout_s:g} s)")
@@ -285,10 +285,10 @@ def _wait_idle(actor, role: str, deadline: float) -> None:
 def _clear_drain_key(p: WorkerPlan) -> None:
     """The drain key is not leased; a pod's worker id never comes back, so remove it now.
     Under etcd RBAC the worker identity may not (drain/ is the operator's): the key stays,
-    and a worker started again under this id ignores it (cluster/join.py)."""
+    and a worker started again under this id ignores it (control/join.py)."""
     import asyncio
 
-    from pdserve.cluster.registry import Registry
+    from pdserve.control.registry import Registry
 
     async def go() -> int:
         async with Registry(p.etcd_endpoints, p.topology.cluster, tls=p.topology.worker_etcd_tls(p.worker_id)) as reg:

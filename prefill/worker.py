@@ -11,7 +11,7 @@ so its decode worker prefills locally at once; no task ends the pull loop.
 
 Before anything is computed or written, every task must carry a valid signature
 of the decode worker it targets (the key in that worker's etcd record;
-cluster/queue/signing.py): a task that names blocks its decode worker did not
+taskqueue/signing.py): a task that names blocks its decode worker did not
 reserve and sign is dropped and counted (`pdserve_prefill_tasks_rejected`).
 
 Runs as a Ray actor (``pdserve.prefill.worker:PrefillWorker`` is the
@@ -29,15 +29,15 @@ import socket
 import time
 from dataclasses import dataclass
 
-from pdserve.cluster.join import join_cluster, leave_cluster, open_queue, publish_load
-from pdserve.cluster.keys import VERSION
-from pdserve.cluster.load import BusyMeter, gpu_load
-from pdserve.cluster.queue import BAD_SIGNATURE, NO_KEY, verify_task
-from pdserve.cluster.records import WorkerInfo
-from pdserve.cluster.runtime import cpu_list, freeze_gc_heap
-from pdserve.cluster.worker_config import WorkerConfig
+from pdserve.control.join import join_cluster, leave_cluster, publish_load
+from pdserve.control.keys import VERSION
+from pdserve.control.load import BusyMeter, gpu_load
+from pdserve.control.records import WorkerInfo
+from pdserve.control.runtime import cpu_list, freeze_gc_heap
+from pdserve.control.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.kvtransfer import KVLayout, KVTransferAgent
+from pdserve.taskqueue import BAD_SIGNATURE, NO_KEY, open_queue, verify_task
 
 from .batch import PrefillBatch, PrefillStats
 from .metrics import PrefillMetrics
@@ -65,7 +65,7 @@ class PrefillWorkerConfig(WorkerConfig):
     exit_on_loop_death: bool = False
     metrics_port: int | None = None  # Prometheus /metrics: None = a free loopback port, 0 = off
     metrics_host: str | None = None  # None: the address `bind` resolves to on this host
-    load_report_s: float = 2.0  # how often the record's `load` is refreshed (cluster/load.py)
+    load_report_s: float = 2.0  # how often the record's `load` is refreshed (control/load.py)
 
 
 class PrefillWorker:
@@ -288,7 +288,7 @@ class PrefillWorker:
 
     async def _heartbeat(self, tasks: list) -> None:
         """While this worker serves a batch (the compute runs in a thread): tell the queue it is
-        alive every HOLD_CHECK_S, or it fails the batch back as stalled (cluster/queue/core.py
+        alive every HOLD_CHECK_S, or it fails the batch back as stalled (taskqueue/core.py
         `fail_stalled`); hand the batch the tasks cancelled meanwhile (their decode worker
         aborted them), which it stops computing; and if the queue restarted (a new instance
         id), report the tasks held so the new instance neither hands them out again nor loses

@@ -7,18 +7,17 @@ feeds with measured timings. Nothing here does I/O except ``load_*_file``
 and the ``pdserve policy`` CLI in ``router/cli.py``.
 """
 
-from pdserve.router.autoscale import AutoscalePolicy
 from pdserve.router.costs import ArrivalRate, CostEstimates, CostModel
 from pdserve.router.decide import ClusterSnapshot, Decision, RequestFeatures, decide
 from pdserve.router.loader import (
     PolicyError,
     PolicyIssue,
     load_any_file,
-    load_autoscale_file,
     load_policy_file,
     parse_any,
-    parse_autoscale,
+    parse_model,
     parse_policy,
+    register_kind,
 )
 from pdserve.router.policy import DEFAULT_POLICY, RouterPolicy
 from pdserve.router.qos import Admission, admit
@@ -26,7 +25,6 @@ from pdserve.router.qos import Admission, admit
 __all__ = [
     "Admission",
     "ArrivalRate",
-    "AutoscalePolicy",
     "ClusterSnapshot",
     "CostEstimates",
     "CostModel",
@@ -39,9 +37,9 @@ __all__ = [
     "admit",
     "decide",
     "load_any_file",
-    "load_autoscale_file",
     "load_policy_file",
     "parse_any",
-    "parse_autoscale",
+    "parse_model",
     "parse_policy",
+    "register_kind",
 ]

@@ -11,10 +11,9 @@ import dataclasses
 import math
 import sys
 
-from pdserve.router.autoscale import AutoscalePolicy
 from pdserve.router.costs import BYTES_PER_MS_PER_GB_PER_S, CostEstimates
 from pdserve.router.decide import ClusterSnapshot, RequestFeatures, decide
-from pdserve.router.loader import PolicyError, load_any_file, load_policy_file
+from pdserve.router.loader import PolicyError, detect_kind, load_policy_file, parse_any
 from pdserve.router.qos import admit
 
 # Llama-3-8B in bf16 (POLICY.md reference figures); the worker passes its model's value.
@@ -92,7 +91,9 @@ def run_check(args: argparse.Namespace) -> int:
     failed = 0
     for name in args.files:
         try:
-            policy = load_any_file(name)
+            with open(name, encoding="utf-8") as f:
+                text = f.read()
+            kind, policy = detect_kind(text, name), parse_any(text, name)
         except PolicyError as exc:
             failed += 1
             print(f"{name}: INVALID", file=sys.stdout)
@@ -102,7 +103,6 @@ def run_check(args: argparse.Namespace) -> int:
             failed += 1
             print(f"{name}: cannot read: {exc.strerror or exc}")
             continue
-        kind = "autoscale" if isinstance(policy, AutoscalePolicy) else "router"
         summary = ""
         if kind == "router":
             summary = f", mode {policy.router.mode}"

@@ -13,16 +13,18 @@ import difflib
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, Callable, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pdserve.router.autoscale import AutoscalePolicy
 from pdserve.router.policy import NOT_YET_USED, RouterPolicy
 
-PolicyKind = Literal["router", "autoscale"]
 M = TypeVar("M", bound=BaseModel)
+# Other kinds of policy document, by the top-level key that marks them: kind -> (key, parser).
+# The router's own kind is the default. The planner registers its autoscale policy
+# (pdserve.planner.policy) when imported; the router never imports the planner.
+_KINDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {}
 
 
 @dataclass(frozen=True)
@@ -57,25 +59,29 @@ class PolicyError(ValueError):
 
 def parse_policy(yaml_text: str, source: str = "<string>") -> RouterPolicy:
     """Parse and validate a router policy document."""
-    return _parse(yaml_text, source, RouterPolicy)
+    return parse_model(yaml_text, source, RouterPolicy)
 
 
-def parse_autoscale(yaml_text: str, source: str = "<string>") -> AutoscalePolicy:
-    """Parse and validate an autoscale policy document."""
-    return _parse(yaml_text, source, AutoscalePolicy)
+def register_kind(kind: str, top_key: str, parser: Callable[[str, str], Any]) -> None:
+    """Let `detect_kind` / `parse_any` / `load_any_file` (and `pdserve policy check`) read another
+    kind of policy document: one whose top level has `top_key`, parsed by `parser(text, source)`."""
+    _KINDS[kind] = (top_key, parser)
 
 
-def detect_kind(yaml_text: str, source: str = "<string>") -> PolicyKind:
-    """``autoscale`` if the document's top level has an ``autoscale`` key, else ``router``."""
+def detect_kind(yaml_text: str, source: str = "<string>") -> str:
+    """The registered kind whose top-level key the document has (``autoscale``), else ``router``."""
     data, _ = _compose(yaml_text, source)
-    return "autoscale" if isinstance(data, dict) and "autoscale" in data else "router"
+    if isinstance(data, dict):
+        for kind, (key, _) in _KINDS.items():
+            if key in data:
+                return kind
+    return "router"
 
 
-def parse_any(yaml_text: str, source: str = "<string>") -> RouterPolicy | AutoscalePolicy:
-    """Parse a document of either kind (see ``detect_kind``)."""
-    if detect_kind(yaml_text, source) == "autoscale":
-        return parse_autoscale(yaml_text, source)
-    return parse_policy(yaml_text, source)
+def parse_any(yaml_text: str, source: str = "<string>") -> Any:
+    """Parse a document of any registered kind (see ``detect_kind``)."""
+    kind = detect_kind(yaml_text, source)
+    return parse_policy(yaml_text, source) if kind == "router" else _KINDS[kind][1](yaml_text, source)
 
 
 def load_policy_file(path: str | Path) -> RouterPolicy:
@@ -84,14 +90,8 @@ def load_policy_file(path: str | Path) -> RouterPolicy:
     return parse_policy(path.read_text(encoding="utf-8"), str(path))
 
 
-def load_autoscale_file(path: str | Path) -> AutoscalePolicy:
-    """Read and validate an autoscale policy file."""
-    path = Path(path)
-    return parse_autoscale(path.read_text(encoding="utf-8"), str(path))
-
-
-def load_any_file(path: str | Path) -> RouterPolicy | AutoscalePolicy:
-    """Read and validate a policy file of either kind."""
+def load_any_file(path: str | Path) -> Any:
+    """Read and validate a policy file of any registered kind."""
     path = Path(path)
     return parse_any(path.read_text(encoding="utf-8"), str(path))
 
@@ -99,7 +99,9 @@ def load_any_file(path: str | Path) -> RouterPolicy | AutoscalePolicy:
 # --- internals ---------------------------------------------------------------
 
 
-def _parse(yaml_text: str, source: str, model: type[M]) -> M:
+def parse_model(yaml_text: str, source: str, model: type[M]) -> M:
+    """YAML text -> a validated `model`, or a PolicyError naming each key path and its line
+    (the parser of every policy kind: the router's, and the planner's autoscale policy)."""
     data, root = _compose(yaml_text, source)
     if data is None:
         data = {}  # an empty document (or only comments) is the all-defaults policy

@@ -6,9 +6,8 @@ import socket
 
 from pdserve import launch
 from pdserve.cli import main
-from pdserve.cluster.launcher import ClusterState, state_path
-from pdserve.cluster.topology import load_topology
-
+from pdserve.control.topology import load_topology
+from pdserve.launcher import ClusterState, state_path
 from tests.harness import small_topology_yaml
 
 
@@ -81,7 +80,7 @@ def test_status_shows_which_surfaces_are_protected_and_how(tmp_path, monkeypatch
 
 
 def test_surfaces_served_beyond_loopback_without_protection_are_warned_about(tmp_path):
-    from pdserve.cluster.protection import exposure_warnings
+    from pdserve.protection import exposure_warnings
 
     open_topo = load_topology(secure_topology(tmp_path, "network: {bind: 10.0.0.0/8}\nqueue: {wire: node}\n"))
     warnings = exposure_warnings(open_topo)

@@ -1,4 +1,4 @@
-"""The etcd gate (cluster/etcd_gate.py) in front of a real TLS + RBAC etcd: a worker does its
+"""The etcd gate (control/etcd_gate.py) in front of a real TLS + RBAC etcd: a worker does its
 whole part through it (register, keep alive, update, watch, leave) with the certificate of
 its own id, and with that certificate tries every operation on others' objects: every one is
 refused, through the gate and directly against etcd (which grants gated workers nothing).
@@ -13,10 +13,10 @@ import grpc
 import pytest
 from aetcd import rpc
 
-from pdserve.cluster.etcd_auth import ClusterAccess, EtcdAccessDenied, bootstrap_rbac
-from pdserve.cluster.etcd_gate import EtcdGate, GatePolicy, _within
-from pdserve.cluster.keys import Keyspace
-from pdserve.cluster.registry import Registry
+from pdserve.control.etcd_auth import ClusterAccess, EtcdAccessDenied, bootstrap_rbac
+from pdserve.control.etcd_gate import EtcdGate, GatePolicy, _within
+from pdserve.control.keys import Keyspace
+from pdserve.control.registry import Registry
 from tests.cluster.test_etcd_security import FAST, SLOTS, TTL_S, launcher_topology, worker, worker_certs
 
 pytestmark = pytest.mark.timeout(120)
@@ -199,7 +199,7 @@ def test_pdserve_up_starts_the_gate_beside_its_etcd_and_workers_get_its_endpoint
     """The launcher's etcd step with `etcd.gate`: etcd, its RBAC with the workers' users
     granted nothing, and the gate; a worker registers through the gate's endpoint, the same
     certificate gets nothing from etcd directly, and the operator still reaches etcd."""
-    from pdserve.cluster.launcher import Launcher, _terminate_group
+    from pdserve.launcher import Launcher, _terminate_group
 
     topo, state = launcher_topology(secure_etcd, tmp_path, "gated", ["prefill-0", "decode-0"], "gate: {}")
     lines = []
@@ -229,7 +229,7 @@ def test_pdserve_up_starts_the_gate_beside_its_etcd_and_workers_get_its_endpoint
 
 
 def test_a_gate_without_what_it_needs_is_refused_naming_the_setting(tmp_path):
-    from pdserve.cluster.topology import TopologyError, load_topology
+    from pdserve.control.topology import TopologyError, load_topology
 
     (tmp_path / "t.yaml").write_text("cluster: c\nmodel: {path: auto}\nroles: {prefill: {replicas: 1}, "
                                      "decode: {replicas: 1}}\netcd: {gate: {}}\n")

@@ -1,4 +1,4 @@
-"""cluster/health_probe.py, the chart's exec probe for a decode worker under mutual TLS, against
+"""control/health_probe.py, the chart's exec probe for a decode worker under mutual TLS, against
 a real TLS server that requires client certificates (as the decode worker's HTTP does)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from pdserve.cluster.certs import make_certs
-from pdserve.cluster.health_probe import main, probe
+from pdserve.certs import make_certs
+from pdserve.control.health_probe import main, probe
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.netaddr import ucx_env
-from pdserve.cluster.topology import TopologyError, load_topology
-from pdserve.cluster.worker_config import WorkerConfig, launch_config
+from pdserve.control.netaddr import ucx_env
+from pdserve.control.topology import TopologyError, load_topology
+from pdserve.control.worker_config import WorkerConfig, launch_config
 from pdserve.kvtransfer.nixl_shim import apply_ucx_env
 
 REPO = Path(__file__).resolve().parents[2]

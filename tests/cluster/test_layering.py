@@ -5,9 +5,9 @@ Every ``.py`` file of each code folder is parsed (never imported); every
 under ``if TYPE_CHECKING:`` alike (a type-only arrow is still an arrow; only
 the cycle check leaves type-only imports out, since they never run).
 Relative imports are resolved against the file's own package, so
-``from .core import X`` in ``cluster/queue/client.py`` is
-``pdserve.cluster.queue.core`` and ``from ..keys import Y`` is
-``pdserve.cluster.keys``.
+``from .core import X`` in ``taskqueue/client.py`` is
+``pdserve.taskqueue.core`` and ``from ..keys import Y`` is
+``pdserve.control.keys``.
 
 Rules (arrows point down the table; ``common/`` is below everything):
 
@@ -17,7 +17,8 @@ Rules (arrows point down the table; ``common/`` is below everything):
 - no code folder imports the package root ``pdserve`` itself or one of its
   modules (``pdserve.launch``, ``pdserve.cli``): the root is the composition
   root, nothing imports it (tests may);
-- the modules inside ``cluster/`` (subpackages included) form no import cycle.
+- the modules of the whole package (every folder, subpackages included, and the
+  root) form no import cycle.
 
 The table is parsed from docs/architecture.md (`layout_table`), so the map a
 newcomer reads and the rule the tests enforce are one text. Known exceptions
@@ -71,7 +72,7 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:
-    """``cluster/queue/core.py`` -> ``pdserve.cluster.queue.core``; ``__init__`` names its package."""
+    """``taskqueue/core.py`` -> ``pdserve.taskqueue.core``; ``__init__`` names its package."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -173,8 +174,9 @@ def _layer_of(module: str) -> str | None:
 
 
 def forbidden_imports(folder: str) -> list[tuple[str, int, str, str]]:
-    """(file, line, module, its folder or ``<root>``) of each import the table forbids."""
-    allowed = ALLOWED[folder] | {folder}
+    """(file, line, module, its folder or ``<root>``) of each import the table forbids (a row
+    that lists ``pdserve`` may import the composition root: only bench's does)."""
+    allowed = ALLOWED[folder] | {folder} | ({"<root>"} if ROOT_PACKAGE in ALLOWED[folder] else set())
     out = []
     for path in _files(folder):
         rel = path.relative_to(ROOT).as_posix()
@@ -212,8 +214,9 @@ def imported_folders(folder: str) -> set[str]:
     """The other pdserve folders the files of `folder` import (the root package's files for
     ROOT_PACKAGE; a file of the root imports `<root>` modules freely)."""
     paths = sorted((ROOT / ROOT_PACKAGE).glob("*.py")) if folder == ROOT_PACKAGE else _files(folder)
-    return {layer for path in paths for _, module in imports_of(path)
-            if (layer := _layer_of(module)) not in (None, "<root>", folder)}
+    own = (None, "<root>", folder) if folder == ROOT_PACKAGE else (None, folder)
+    return {ROOT_PACKAGE if layer == "<root>" else layer for path in paths for _, module in imports_of(path)
+            if (layer := _layer_of(module)) not in own}
 
 
 @pytest.mark.parametrize("folder", (*FOLDERS, ROOT_PACKAGE))
@@ -225,10 +228,12 @@ def test_the_layout_table_is_exactly_what_the_code_imports(folder):
 
 
 def test_the_table_has_no_cycle_and_names_only_folders():
-    assert set(FOLDERS) >= {"common", "engine", "handoff", "kvtransfer", "cluster", "prefill", "decode"}
+    assert set(FOLDERS) >= {"common", "engine", "handoff", "kvtransfer", "control", "taskqueue", "planner", "prefill",
+                            "decode"}
     for folder, listed in TABLE.items():
-        assert listed <= set(FOLDERS), f"{folder}/'s row names unknown folders {sorted(listed - set(FOLDERS))}"
-    graph = {f: set(v) for f, v in ALLOWED.items()}
+        known = set(FOLDERS) | ({ROOT_PACKAGE} if folder == "bench" else set())
+        assert listed <= known, f"{folder}/'s row names unknown folders {sorted(listed - known)}"
+    graph = {f: set(v) - {ROOT_PACKAGE} for f, v in ALLOWED.items()}
     assert find_cycle(graph) is None, find_cycle(graph)
 
 
@@ -262,19 +267,26 @@ def test_nothing_outside_bench_imports_bench():
     assert not bad, "the product imports bench/:\n  " + "\n  ".join(bad)
 
 
-def cluster_import_graph() -> dict[str, set[str]]:
-    """Module -> the cluster modules it imports when it runs.
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the pdserve modules it imports when it runs (every folder and the root).
 
     Imports inside functions count (a lazy import still closes a runtime
     circle); imports under ``if TYPE_CHECKING:`` do not (they never run: an
     annotation naming a class of a module that imports this one is no circle).
     """
     graph: dict[str, set[str]] = {}
-    for path in _files("cluster"):
-        name = _module_name(path)
+    paths = [p for folder in FOLDERS for p in _files(folder)]
+    paths += sorted((ROOT / ROOT_PACKAGE).glob("*.py")) if (ROOT / ROOT_PACKAGE).is_dir() else []
+    for path in paths:
+        name = _root_module_name(path) if path.parent == ROOT / ROOT_PACKAGE else _module_name(path)
         graph[name] = {m for _, m in imports_of(path, runtime_only=True)
-                       if m != name and (m == "pdserve.cluster" or m.startswith("pdserve.cluster."))}
+                       if m != name and (m == ROOT_PACKAGE or m.startswith(ROOT_PACKAGE + "."))}
     return graph
+
+
+def _root_module_name(path: Path) -> str:
+    """``pdserve/launcher.py`` -> ``pdserve.launcher``; ``pdserve/__init__.py`` -> ``pdserve``."""
+    return ROOT_PACKAGE if path.stem == "__init__" else f"{ROOT_PACKAGE}.{path.stem}"
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -305,9 +317,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycle_inside_cluster():
-    cycle = find_cycle(cluster_import_graph())
-    assert cycle is None, "import cycle inside cluster/ (function-level imports count): " + " -> ".join(cycle)
+def test_no_import_cycle_anywhere():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle (function-level imports count): " + " -> ".join(cycle)
 
 
 # --- the checker itself --------------------------------------------------------
@@ -317,27 +329,27 @@ def test_relative_imports_resolve_within_the_folder(tmp_path, monkeypatch):
     import sys
 
     mod = sys.modules[__name__]
-    pkg = tmp_path / "cluster" / "queue"
+    pkg = tmp_path / "control" / "queue"
     pkg.mkdir(parents=True)
-    (tmp_path / "cluster" / "__init__.py").write_text("")
-    (tmp_path / "cluster" / "keys.py").write_text("")
+    (tmp_path / "control" / "__init__.py").write_text("")
+    (tmp_path / "control" / "keys.py").write_text("")
     (pkg / "__init__.py").write_text("from .core import QueueCore\n")
     (pkg / "core.py").write_text("from ..keys import DEFAULT_QUEUE_NAME\nfrom . import wire\n")
     (pkg / "wire.py").write_text("def f():\n    from .core import QueueCore\n")
     (pkg / "typed.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .core import QueueCore\n")
     monkeypatch.setattr(mod, "ROOT", tmp_path)
-    monkeypatch.setattr(mod, "FOLDERS", ("cluster",))
+    monkeypatch.setattr(mod, "FOLDERS", ("control",))
     _all_modules.cache_clear()
     imports_of.cache_clear()
     try:
-        assert [m for _, m in imports_of(pkg / "core.py")] == ["pdserve.cluster.keys", "pdserve.cluster.queue.wire"]
-        assert [m for _, m in imports_of(pkg / "__init__.py")] == ["pdserve.cluster.queue.core"]
+        assert [m for _, m in imports_of(pkg / "core.py")] == ["pdserve.control.keys", "pdserve.control.queue.wire"]
+        assert [m for _, m in imports_of(pkg / "__init__.py")] == ["pdserve.control.queue.core"]
         # A TYPE_CHECKING import is a layering arrow but never runs, so it closes no cycle.
-        assert [m for _, m in imports_of(pkg / "typed.py")] == ["typing", "pdserve.cluster.queue.core"]
-        assert cluster_import_graph()["pdserve.cluster.queue.typed"] == set()
-        assert find_cycle(cluster_import_graph()) == [
-            "pdserve.cluster.queue.core", "pdserve.cluster.queue.wire", "pdserve.cluster.queue.core"]
+        assert [m for _, m in imports_of(pkg / "typed.py")] == ["typing", "pdserve.control.queue.core"]
+        assert import_graph()["pdserve.control.queue.typed"] == set()
+        assert find_cycle(import_graph()) == [
+            "pdserve.control.queue.core", "pdserve.control.queue.wire", "pdserve.control.queue.core"]
     finally:
         _all_modules.cache_clear()
         imports_of.cache_clear()

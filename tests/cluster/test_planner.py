@@ -2,7 +2,7 @@
 it recorded), one planner per cluster, a restarted planner finishing a drain it had begun,
 and policy reloads that refuse a bad version.
 
-The workers here are etcd records with the load keys real workers publish (cluster/load.py),
+The workers here are etcd records with the load keys real workers publish (control/load.py),
 registered under their own leases, and the backend registers them when asked to start one:
 this module tests the planner's own logic with a fake clock. tests/e2e/test_planner_e2e.py
 runs the planner against real workers on a real Ray cluster.
@@ -15,9 +15,9 @@ import json
 
 import pytest
 
-from pdserve.cluster.planner.core import Planner, read_decisions, read_planner
-from pdserve.cluster.registry import Registry, WorkerInfo
-from pdserve.router.loader import parse_autoscale
+from pdserve.control.registry import Registry, WorkerInfo
+from pdserve.planner.core import Planner, read_decisions, read_planner
+from pdserve.planner.policy import parse_autoscale
 
 POLICY = """\
 autoscale:

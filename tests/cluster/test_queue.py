@@ -16,8 +16,10 @@ import uuid
 import pytest
 import ray
 
+from pdserve.common import Priority
+from pdserve.control.registry import Registry, WorkerInfo
 from pdserve.handoff import PrefillTask
-from pdserve.cluster.queue import (
+from pdserve.taskqueue import (
     QueueClient,
     QueueCore,
     from_wire,
@@ -27,8 +29,6 @@ from pdserve.cluster.queue import (
     requeue_on_worker_loss,
     to_wire,
 )
-from pdserve.cluster.registry import Registry, WorkerInfo
-from pdserve.common import Priority
 
 pytestmark = pytest.mark.timeout(120)  # any hang fails fast, not after the suite-wide 600 s
 _ids = itertools.count()

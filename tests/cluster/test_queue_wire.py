@@ -12,9 +12,11 @@ import msgpack
 import pytest
 import ray
 
-from pdserve.cluster.certs import make_certs
+from pdserve.certs import make_certs
+from pdserve.control.security import ClientTLS
+from pdserve.control.worker_config import WorkerConfig
 from pdserve.handoff import PrefillTask
-from pdserve.cluster.queue import (
+from pdserve.taskqueue import (
     MAX_FRAME_BYTES,
     MAX_HELLO_BYTES,
     QueueCallError,
@@ -24,13 +26,11 @@ from pdserve.cluster.queue import (
     WireError,
     WireServer,
     get_or_create_queue,
+    open_queue,
     pack_frame,
     read_frame,
     to_wire,
 )
-from pdserve.cluster.join import open_queue
-from pdserve.cluster.security import ClientTLS
-from pdserve.cluster.worker_config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""Ray's token authentication from the topology (`ray.auth: token`, cluster/ray_auth.py): the
+"""Ray's token authentication from the topology (`ray.auth: token`, pdserve/ray_auth.py): the
 settings, and a real Ray head started the way `pdserve up` starts it, which refuses a caller
 without the token and serves one with it."""
 
@@ -14,9 +14,9 @@ import time
 import grpc
 import pytest
 
-from pdserve.cluster.launcher import ClusterState, Launcher
-from pdserve.cluster.ray_auth import RayAuthError, child_env, ray_auth_env, token_source
-from pdserve.cluster.topology import TopologyError, load_topology
+from pdserve.control.topology import TopologyError, load_topology
+from pdserve.launcher import ClusterState, Launcher
+from pdserve.ray_auth import RayAuthError, child_env, ray_auth_env, token_source
 from tests.harness import small_topology_yaml
 
 pytestmark = pytest.mark.timeout(120)
@@ -90,8 +90,8 @@ def test_a_head_started_with_token_auth_refuses_callers_without_the_token(tmp_pa
         # runs a task (on a worker process the head spawned: it must hold the token too).
         driver = textwrap.dedent(f"""
             import ray
-            from pdserve.cluster.ray_auth import apply_ray_auth
-            from pdserve.cluster.topology import load_topology
+            from pdserve.ray_auth import apply_ray_auth
+            from pdserve.control.topology import load_topology
             print(apply_ray_auth(load_topology({str(topo_file)!r})))
             ray.init(address={state.ray_address!r}, log_to_driver=False)
             print("task", ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=60))

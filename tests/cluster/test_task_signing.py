@@ -1,4 +1,4 @@
-"""Task signatures (cluster/queue/signing.py) and the queue's refusal of replayed copies: what
+"""Task signatures (taskqueue/signing.py) and the queue's refusal of replayed copies: what
 binds a prefill task to the decode worker that reserved its blocks. Pure: no Ray, no I/O."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from pdserve.handoff import PrefillTask
-from pdserve.cluster.queue import (
+from pdserve.taskqueue import (
     ALREADY_DONE,
     BAD_SIGNATURE,
     DEADLINE_PASSED,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.topology import (
+from pdserve.control.topology import (
     DEFAULT_DECODE_ENTRYPOINT,
     DEFAULT_PREFILL_ENTRYPOINT,
     TopologyError,
@@ -167,7 +167,7 @@ def test_duplicate_keys_and_broken_yaml_are_reported_with_lines(tmp_path):
 def test_topology_check_command_prints_ok_or_every_problem(tmp_path, capsys):
     import argparse
 
-    from pdserve.cluster import cli
+    from pdserve import cluster_cli as cli
 
     parser = argparse.ArgumentParser(prog="pdserve")
     cli.register(parser.add_subparsers(dest="command"))

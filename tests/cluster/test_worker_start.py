@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster import keys
-from pdserve.cluster.join import join_cluster, leave_cluster
-from pdserve.cluster.records import WorkerInfo
-from pdserve.cluster.registry import Registry, RegistrationState
-from pdserve.cluster.topology import load_topology
-from pdserve.cluster.worker_config import WorkerConfig, launch_config
+from pdserve.control import keys
+from pdserve.control.join import join_cluster, leave_cluster
+from pdserve.control.records import WorkerInfo
+from pdserve.control.registry import RegistrationState, Registry
+from pdserve.control.topology import load_topology
+from pdserve.control.worker_config import WorkerConfig, launch_config
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.prefill.worker import PrefillWorkerConfig
 from tests.harness import small_topology_yaml
@@ -61,7 +61,7 @@ def test_version_is_defined_once_in_keys():
         tree = ast.parse((ROOT / rel).read_text())
         assigned = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
                     for t in node.targets if isinstance(t, ast.Name)}
-        assert "VERSION" not in assigned, f"{rel} defines VERSION again: use pdserve.cluster.keys.VERSION"
+        assert "VERSION" not in assigned, f"{rel} defines VERSION again: use pdserve.control.keys.VERSION"
 
 
 def test_launch_configs_keep_every_key_and_build_the_role_configs(topology):

@@ -22,8 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.api import AsyncClient, Client
 from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
-from pdserve.cluster.certs import append_key, make_certs, new_key
-from pdserve.cluster.security import ClientTLS, grpc_channel
+from pdserve.certs import append_key, make_certs, new_key
+from pdserve.control.security import ClientTLS, grpc_channel
 from pdserve.decode.worker import DecodeWorkerConfig
 from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until
 
@@ -378,7 +378,7 @@ def test_mtls_serves_a_client_with_a_certificate(mutual, pki):
 
 def test_pdserve_demo_reaches_a_mutual_tls_worker_from_the_topology(mutual, pki, tmp_path, monkeypatch, capsys):
     from pdserve.cli import main
-    from pdserve.cluster.state import ClusterState
+    from pdserve.state import ClusterState
 
     topology = tmp_path / "t.yaml"
     topology.write_text(f"""\

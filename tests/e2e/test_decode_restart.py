@@ -12,12 +12,12 @@ import pytest
 import ray
 
 from pdserve.api import AsyncClient
-from pdserve.cluster.etcd_server import EmbeddedEtcd
-from pdserve.cluster.launcher import restartable, worker_actor_options
-from pdserve.cluster.registry import Registry
+from pdserve.control.etcd_server import EmbeddedEtcd
+from pdserve.control.registry import Registry
 from pdserve.decode.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine import LLM, SamplingParams
+from pdserve.launcher import restartable, worker_actor_options
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.timeout(600)

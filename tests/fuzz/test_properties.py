@@ -12,13 +12,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.handoff import PrefillTask
-from pdserve.cluster.queue import WireError, from_wire, pack_frame, read_frame
-from pdserve.cluster.topology import TopologyError, load_topology
+from pdserve.control.topology import TopologyError, load_topology
 from pdserve.engine import LLM, InvalidRequestError, SamplingParams
+from pdserve.handoff import PrefillTask
 from pdserve.handoff.notices import MalformedNoticeError, PrefillDone, decode_prefill_done
 from pdserve.router.loader import PolicyError, parse_any
-
+from pdserve.taskqueue import WireError, from_wire, pack_frame, read_frame
 from tests.fuzz.profiles import examples
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

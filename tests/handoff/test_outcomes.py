@@ -37,7 +37,7 @@ def test_the_fallback_reason_names_prefill_kinds_and_a_stalled_worker():
 
 def test_every_reason_the_queue_gives_is_in_the_table():
     """The queue's core fails tasks with the table's constants only (a new reason needs a row)."""
-    tree = ast.parse((ROOT / "cluster/queue/core.py").read_text())
+    tree = ast.parse((ROOT / "taskqueue/core.py").read_text())
     calls = [node for node in ast.walk(tree)
              if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "_fail"]
     used = {n.id for call in calls for arg in call.args[1:] for n in ast.walk(arg)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.loader import PolicyError, parse_autoscale
+from pdserve.planner.policy import parse_autoscale
+from pdserve.router.loader import PolicyError
 
 FULL = """\
 autoscale:

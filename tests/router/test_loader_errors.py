@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.planner.policy import parse_autoscale  # (also registers the autoscale kind)
 from pdserve.router.loader import (
     PolicyError,
     detect_kind,
     load_policy_file,
     parse_any,
-    parse_autoscale,
     parse_policy,
 )
 

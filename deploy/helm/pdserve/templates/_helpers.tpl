@@ -29,7 +29,7 @@ in 63.
 {{- end -}}
 {{- end -}}
 
-{{- define "pdserve.cluster" -}}
+{{- define "pdserve.control" -}}
 {{- default (include "pdserve.fullname" .) .Values.clusterName -}}
 {{- end -}}
 
@@ -101,7 +101,7 @@ Relative paths resolve against the file's directory (/etc/pdserve/topology).
 {{- define "pdserve.topology" -}}
 {{- $v := .ctx.Values -}}
 {{- $ucx := merge (deepCopy (index $v .role "ucx")) (deepCopy $v.ucx.common) -}}
-cluster: {{ include "pdserve.cluster" .ctx }}
+cluster: {{ include "pdserve.control" .ctx }}
 model:
   path: {{ $v.model.path | quote }}
   name: {{ $v.model.name | quote }}
@@ -258,7 +258,7 @@ for the init container; "pdserve.etcdIdentityVolumes" gives its two volumes.
       fi
       cp /etc/pdserve/etcd-workers/$id.pem /etc/pdserve/etcd-workers/$id-key.pem /etc/pdserve/etcd-worker/
       chmod 0400 /etc/pdserve/etcd-worker/$id.pem /etc/pdserve/etcd-worker/$id-key.pem
-      echo "pod $POD_NAME: etcd identity worker/{{ include "pdserve.cluster" .ctx }}/$id"
+      echo "pod $POD_NAME: etcd identity worker/{{ include "pdserve.control" .ctx }}/$id"
   env:
     - name: POD_NAME
       valueFrom: {fieldRef: {fieldPath: metadata.name}}
@@ -295,7 +295,7 @@ etcd with the root identity added (the files the Job mounts), nothing else.
 */}}
 {{- define "pdserve.etcdAuthTopology" -}}
 {{- $v := .Values -}}
-cluster: {{ include "pdserve.cluster" . }}
+cluster: {{ include "pdserve.control" . }}
 model: {path: {{ $v.model.path | quote }}}
 roles:
   prefill: {replicas: {{ $v.prefill.replicas }}}
@@ -403,7 +403,7 @@ from ray.auth, then ray.env. */}}
 How the kubelet checks a decode worker's health, by security.tls: plaintext: the gRPC
 health service (`grpc`) or GET /health; TLS: GET /health over HTTPS (the kubelet does not
 verify the certificate); mutual TLS: the kubelet cannot present a client certificate, so an
-exec probe (cluster/health_probe.py) GETs /health presenting the workers' own certificate.
+exec probe (control/health_probe.py) GETs /health presenting the workers' own certificate.
 Call with (dict "ctx" $ "grpc" true) for the startup and readiness probes.
 */}}
 {{- define "pdserve.decodeHealthProbe" -}}
@@ -418,6 +418,6 @@ httpGet: {path: /health, port: http}
 httpGet: {path: /health, port: http, scheme: HTTPS}
 {{- else -}}
 exec:
-  command: ["python3", "-m", "pdserve.cluster.health_probe", "https://127.0.0.1:{{ $v.decode.ports.http }}/health", "--cert", "/etc/pdserve/tls/tls.crt", "--key", "/etc/pdserve/tls/tls.key"]
+  command: ["python3", "-m", "pdserve.control.health_probe", "https://127.0.0.1:{{ $v.decode.ports.http }}/health", "--cert", "/etc/pdserve/tls/tls.crt", "--key", "/etc/pdserve/tls/tls.key"]
 {{- end -}}
 {{- end -}}
