@@ -113,10 +113,6 @@ def actor_name(cluster: str, worker_id: str) -> str:
     return f"{cluster}-{worker_id}"
 
 
-# The worker that can change role in place (pdserve/role_flip.py), named, never imported here.
-FLEX_ENTRYPOINT = "pdserve.role_flip:FlexWorker"
-
-
 def start_worker_actor(topo: "Topology", role: str, replica: int, *, model: str, etcd_endpoints: list[str],
                        worker_id: str | None = None, resources: dict[str, float] | None = None,
                        flexible: bool = False) -> StartedWorker:
@@ -128,7 +124,7 @@ def start_worker_actor(topo: "Topology", role: str, replica: int, *, model: str,
     needs the default entry points of both roles."""
     import ray
 
-    from .topology import DEFAULT_DECODE_ENTRYPOINT, DEFAULT_PREFILL_ENTRYPOINT
+    from .topology import DEFAULT_DECODE_ENTRYPOINT, DEFAULT_FLEX_ENTRYPOINT, DEFAULT_PREFILL_ENTRYPOINT
 
     spec = getattr(topo.roles, role)
     cfg = launch_config(topo, role, replica, model=model, etcd_endpoints=etcd_endpoints, worker_id=worker_id)
@@ -143,7 +139,7 @@ def start_worker_actor(topo: "Topology", role: str, replica: int, *, model: str,
         other = "decode" if role == "prefill" else "prefill"
         # The other role's config; the planner names its worker id when it flips the worker.
         alt = launch_config(topo, other, replica, model=model, etcd_endpoints=etcd_endpoints)
-        cfg, entrypoint = {"role": role, "configs": {role: cfg, other: alt}}, FLEX_ENTRYPOINT
+        cfg, entrypoint = {"role": role, "configs": {role: cfg, other: alt}}, DEFAULT_FLEX_ENTRYPOINT
     cls = ray.remote(restartable(load_entrypoint(entrypoint)))
     name = actor_name(topo.cluster, wid)
     opts = worker_actor_options(name, topo.ray.namespace, spec.resources.num_cpus, spec.resources.num_gpus,

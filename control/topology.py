@@ -36,8 +36,12 @@ from .security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 from .yaml_lines import duplicate_keys, issue_of, line_of
 
 AUTO_MODEL = "auto"
+# The workers' entry points (`module:Class`), the one place the control plane names them: it
+# never imports a worker; a topology's `roles.<role>.entrypoint` may name another class.
 DEFAULT_PREFILL_ENTRYPOINT = "pdserve.prefill.worker:PrefillWorker"
 DEFAULT_DECODE_ENTRYPOINT = "pdserve.decode.worker:DecodeWorker"
+# The worker that can change role in place (pdserve/role_flip.py; the autoscale policy's allow_role_flip).
+DEFAULT_FLEX_ENTRYPOINT = "pdserve.role_flip:FlexWorker"
 _ENTRYPOINT = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 
 Port = Annotated[int, Field(ge=0, le=65535)]

@@ -13,8 +13,8 @@ are the model's; batch limits are that role's). Ray restarts a crashed FlexWorke
 original role and id, and the planner rebalances from there.
 
 This lives in the composition root because it drives both worker packages (neither may
-import the other); the control plane refers to it by name only (`FLEX_ENTRYPOINT` in
-control/actors.py).
+import the other); the control plane refers to it by name only (`DEFAULT_FLEX_ENTRYPOINT` in
+control/topology.py, beside the other roles' entry points).
 """
 
 from __future__ import annotations

@@ -17,80 +17,14 @@ One module per concern; each imports its siblings directly, never this file:
   reserved its blocks (Ed25519 over its fields; no Ray, no I/O).
 - ``requeue``: `requeue_on_worker_loss`, which connects the queue to the registry.
 
-This package re-exports their public names.
+This package re-exports what the workers and the launcher use; import anything else
+from its module.
 """
 
-from .actor import QUEUE_MAX_RESTARTS, RECOVERY_GRACE_S, WIRE_BINDS, PrefillQueue, get_or_create_queue
-from .client import (
-    CALL_SLACK_S,
-    CONNECT_TIMEOUT_S,
-    TRANSPORTS,
-    QueueCallError,
-    QueueClient,
-    QueueUnavailableError,
-    client_tls,
-    open_queue,
-)
-from .core import (
-    MAX_FAIL_DETAIL_CHARS,
-    MAX_FAIL_REASON_CHARS,
-    MAX_FAILED_PER_ORIGIN,
-    MAX_SETTLED_REMEMBERED,
-    QueueCore,
-)
-from .frames import (
-    CODECS,
-    HELLO_TIMEOUT_S,
-    MAX_FRAME_BYTES,
-    MAX_HELLO_BYTES,
-    WIRE_VERSION,
-    MethodCodec,
-    WireError,
-    from_wire,
-    pack_frame,
-    read_frame,
-    to_wire,
-)
+from .actor import get_or_create_queue
+from .client import QueueClient, open_queue
 from .requeue import requeue_on_worker_loss
-from .server import WireServer, server_tls
-from .signing import (
-    BAD_SIGNATURE,
-    NO_DEADLINE,
-    NO_KEY,
-    REJECT_REASONS,
-    UNSIGNED,
-    TaskSigner,
-    signed_message,
-    verify_task,
-)
-from .task import (
-    ALREADY_DONE,
-    DEADLINE_PASSED,
-    DUPLICATE,
-    NOTHING_TO_PREFILL,
-    QUEUE_FULL,
-    FailedTask,
-    PutResult,
-    QueueStats,
-)
+from .signing import BAD_SIGNATURE, NO_KEY, TaskSigner, verify_task
 
-__all__ = [
-    # task
-    "PutResult", "FailedTask", "QueueStats",
-    "QUEUE_FULL", "DUPLICATE", "DEADLINE_PASSED", "NOTHING_TO_PREFILL", "ALREADY_DONE",
-    # core
-    "QueueCore", "MAX_FAILED_PER_ORIGIN", "MAX_FAIL_REASON_CHARS", "MAX_FAIL_DETAIL_CHARS", "MAX_SETTLED_REMEMBERED",
-    # actor
-    "PrefillQueue", "get_or_create_queue", "WIRE_BINDS", "RECOVERY_GRACE_S", "QUEUE_MAX_RESTARTS",
-    # frames
-    "WireError", "pack_frame", "read_frame", "to_wire", "from_wire", "CODECS", "MethodCodec",
-    "WIRE_VERSION", "MAX_FRAME_BYTES", "MAX_HELLO_BYTES", "HELLO_TIMEOUT_S",
-    # server, client, requeue
-    "WireServer", "server_tls",
-    "QueueClient", "QueueCallError", "QueueUnavailableError", "TRANSPORTS", "CONNECT_TIMEOUT_S", "CALL_SLACK_S",
-    "client_tls", "open_queue",
-    # signing
-    "TaskSigner", "verify_task", "signed_message", "REJECT_REASONS", "UNSIGNED", "NO_KEY", "NO_DEADLINE",
-    "BAD_SIGNATURE",
-    "requeue_on_worker_loss",
-]
+__all__ = ["BAD_SIGNATURE", "NO_KEY", "QueueClient", "TaskSigner", "get_or_create_queue", "open_queue",
+           "requeue_on_worker_loss", "verify_task"]

@@ -19,16 +19,9 @@ import ray
 from pdserve.common import Priority
 from pdserve.control.registry import Registry, WorkerInfo
 from pdserve.handoff import PrefillTask
-from pdserve.taskqueue import (
-    QueueClient,
-    QueueCore,
-    from_wire,
-    get_or_create_queue,
-    pack_frame,
-    read_frame,
-    requeue_on_worker_loss,
-    to_wire,
-)
+from pdserve.taskqueue import QueueClient, get_or_create_queue, requeue_on_worker_loss
+from pdserve.taskqueue.core import QueueCore
+from pdserve.taskqueue.frames import from_wire, pack_frame, read_frame, to_wire
 
 pytestmark = pytest.mark.timeout(120)  # any hang fails fast, not after the suite-wide 600 s
 _ids = itertools.count()

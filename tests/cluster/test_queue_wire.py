@@ -16,21 +16,11 @@ from pdserve.certs import make_certs
 from pdserve.control.security import ClientTLS
 from pdserve.control.worker_config import WorkerConfig
 from pdserve.handoff import PrefillTask
-from pdserve.taskqueue import (
-    MAX_FRAME_BYTES,
-    MAX_HELLO_BYTES,
-    QueueCallError,
-    QueueClient,
-    QueueCore,
-    QueueUnavailableError,
-    WireError,
-    WireServer,
-    get_or_create_queue,
-    open_queue,
-    pack_frame,
-    read_frame,
-    to_wire,
-)
+from pdserve.taskqueue import QueueClient, get_or_create_queue, open_queue
+from pdserve.taskqueue.client import QueueCallError, QueueUnavailableError
+from pdserve.taskqueue.core import QueueCore
+from pdserve.taskqueue.frames import MAX_FRAME_BYTES, MAX_HELLO_BYTES, WireError, pack_frame, read_frame, to_wire
+from pdserve.taskqueue.server import WireServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,21 +11,11 @@ import msgpack
 import pytest
 
 from pdserve.handoff import PrefillTask
-from pdserve.taskqueue import (
-    ALREADY_DONE,
-    BAD_SIGNATURE,
-    DEADLINE_PASSED,
-    NO_DEADLINE,
-    NO_KEY,
-    UNSIGNED,
-    QueueCore,
-    TaskSigner,
-    from_wire,
-    pack_frame,
-    read_frame,
-    to_wire,
-    verify_task,
-)
+from pdserve.taskqueue import BAD_SIGNATURE, NO_KEY, TaskSigner, verify_task
+from pdserve.taskqueue.core import QueueCore
+from pdserve.taskqueue.frames import from_wire, pack_frame, read_frame, to_wire
+from pdserve.taskqueue.signing import NO_DEADLINE, UNSIGNED
+from pdserve.taskqueue.task import ALREADY_DONE, DEADLINE_PASSED
 
 NOW = 1_000.0
 

@@ -17,7 +17,7 @@ from pdserve.engine import LLM, InvalidRequestError, SamplingParams
 from pdserve.handoff import PrefillTask
 from pdserve.handoff.notices import MalformedNoticeError, PrefillDone, decode_prefill_done
 from pdserve.router.loader import PolicyError, parse_any
-from pdserve.taskqueue import WireError, from_wire, pack_frame, read_frame
+from pdserve.taskqueue.frames import WireError, from_wire, pack_frame, read_frame
 from tests.fuzz.profiles import examples
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
