@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API's request and response models (pydantic).
+"""The OpenAI-compatible HTTP API's request models (pydantic; responses: openai_responses.py).
 
 Requests are strict: a value of the wrong JSON type is refused, never coerced
 (``"max_tokens": "7"``, ``true`` or ``7.5``), and NaN / Infinity are refused by
@@ -9,9 +9,6 @@ accepts. Fields OpenAI defines that pdserve does not implement (``suffix``,
 ``tools``, ``logit_bias``, ...) are declared with the only values that mean
 "not used", so a client that relies on one gets a 400 naming it instead of
 silently different output. Unknown fields are ignored, as vLLM does.
-
-Response models describe the JSON the server sends (and document it): the
-server builds plain dicts for speed; the schema tests check them against these.
 """
 
 from __future__ import annotations
@@ -22,17 +19,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = [
-    "Bounds", "RequestModels", "request_models", "ErrorResponse", "ErrorBody", "Usage", "Breakdown",
-    "CompletionLogprobs", "CompletionChoice", "Completion", "CompletionChunk",
-    "ChatTopLogprob", "ChatTokenLogprob", "ChatLogprobs", "AssistantMessage", "ChatChoice", "ChatCompletion",
-    "ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "ModelCard", "ModelList", "Health",
-    "MAX_LOGPROBS", "LOGPROB_FLOOR",
-]
+__all__ = ["Bounds", "RequestModels", "request_models", "MAX_LOGPROBS", "LOGPROB_FLOOR"]
 
 MAX_LOGPROBS = 20  # OpenAI's bound on logprobs / top_logprobs
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is sent as (JSON has no infinity; vLLM's value)
-FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)
@@ -240,171 +230,3 @@ def request_models(b: Bounds) -> RequestModels:
             return v
 
     return RequestModels(CompletionRequest, ChatRequest)
-
-
-# -- responses ---------------------------------------------------------------------------------
-class _Out(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ErrorBody(_Out):
-    message: str = Field(description="what was wrong and what to change")
-    type: str = Field(description="invalid_request_error, rate_limit_error, unavailable or server_error")
-    param: str | None = Field(description="the request field at fault, when one is")
-    code: int = Field(description="the HTTP status")
-
-
-class ErrorResponse(_Out):
-    """Every error, whatever its status (OpenAI's shape)."""
-
-    error: ErrorBody
-
-
-class Usage(_Out):
-    prompt_tokens: int = Field(description="prompt tokens, counted once per prompt whatever n is")
-    completion_tokens: int
-    total_tokens: int
-
-
-class Breakdown(BaseModel):
-    """pdserve extension: where one sequence's time went (on its final message)."""
-
-    model_config = ConfigDict(extra="allow")
-    route: str | None = Field(None, description="local | remote")
-    reason: str | None = Field(None, description="the router's reason code and text")
-    score: float | None = None
-    predicted_ttft_local_ms: float | None = None
-    predicted_ttft_remote_ms: float | None = None
-    queue_wait_ms: float | None = None
-    prefill_ms: float | None = None
-    transfer_ms: float | None = None
-    transfer_bytes: int | None = None
-    ttft_ms: float | None = None
-    e2e_ms: float | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = Field(None, description="prompt tokens served by the prefix cache")
-    prefill_worker: str | None = None
-    attempts: int | None = None
-    fell_back_to_local: bool | None = None
-    worker_id: str | None = None
-
-
-class CompletionLogprobs(_Out):
-    """OpenAI's legacy logprobs: one entry per token of the choice (of this chunk when streaming)."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None] = Field(
-        description="the sampled token and the N most likely ones, by token text")
-    text_offset: list[int] = Field(description="each token's character offset in the choice's text")
-
-
-class CompletionChoice(_Out):
-    index: int = Field(description="prompt index x n + sample index")
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: FinishReason | None
-    token_ids: list[int] = Field(description="pdserve extension: the generated token ids")
-    pdserve: Breakdown | None = Field(None, description="pdserve extension, on the choice's final message")
-
-
-class Completion(_Out):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class CompletionChunk(_Out):
-    """One server-sent event of a streamed completion (``data: <json>``)."""
-
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = Field(None, description="with stream_options.include_usage: null, then set on the "
-                                                  "last chunk (whose choices are empty)")
-
-
-class ChatTopLogprob(_Out):
-    token: str
-    logprob: float
-    bytes: list[int] | None = Field(description="the token's UTF-8 bytes")
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob] = Field(description="the top_logprobs most likely tokens")
-
-
-class ChatLogprobs(_Out):
-    content: list[ChatTokenLogprob] | None
-
-
-class AssistantMessage(_Out):
-    role: Literal["assistant"]
-    content: str
-
-
-class ChatChoice(_Out):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
-    token_ids: list[int] = Field(description="pdserve extension: the generated token ids")
-    pdserve: Breakdown | None = None
-
-
-class ChatCompletion(_Out):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(_Out):
-    role: Literal["assistant"] | None = Field(None, description="on each choice's first chunk only")
-    content: str | None = None
-
-
-class ChatChunkChoice(_Out):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
-    token_ids: list[int] = Field(default_factory=list, description="pdserve extension")
-    pdserve: Breakdown | None = None
-
-
-class ChatCompletionChunk(_Out):
-    """One server-sent event of a streamed chat completion (``data: <json>``)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(_Out):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    max_model_len: int = Field(description="vLLM extension: prompt plus generated tokens")
-
-
-class ModelList(_Out):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class Health(_Out):
-    status: Literal["ok"]
-    worker_id: str

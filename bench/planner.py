@@ -142,7 +142,7 @@ class Sampler(threading.Thread):
 
 def decisions(endpoints, cluster) -> list[dict]:
     from pdserve.control.registry import Registry
-    from pdserve.planner.core import read_decisions
+    from pdserve.planner.state import read_decisions
 
     async def go():
         async with Registry(endpoints, cluster) as reg:

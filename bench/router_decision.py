@@ -27,10 +27,11 @@ import time
 from pathlib import Path
 
 from pdserve.router.costs import CostModel
-from pdserve.router.decide import ClusterSnapshot, RequestFeatures, decide
+from pdserve.router.decide import decide
 from pdserve.router.loader import load_policy_file
 from pdserve.router.policy import DEFAULT_POLICY
 from pdserve.router.qos import admit
+from pdserve.router.values import ClusterSnapshot, RequestFeatures
 
 REPO = Path(__file__).resolve().parents[1]
 KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3-8B bf16

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .topology import SecuritySpec
+    from .topology_security import SecuritySpec
 
 log = logging.getLogger(__name__)
 

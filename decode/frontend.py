@@ -21,7 +21,8 @@ from typing import AsyncIterator
 from pdserve.engine import SamplingParams
 from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, admit
 
-from .async_engine import AsyncEngine, FinalInfo
+from .async_engine import AsyncEngine
+from .breakdown import breakdown, check_prediction
 from .ingress import Chunk, as_request_error, sample_input, GenerateInput, Prepared, RemotePath, RequestError, ServingLimits
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
@@ -228,7 +229,7 @@ class Frontend:
                     self._prefill_done(eff, remote is not None)
                     self.num_decoding += 1
                     self.metrics.ttft.observe(now - prep.arrival)
-                    self._check_prediction(prep, remote is not None, extra, (now - prep.arrival) * 1e3)
+                    check_prediction(prep, remote is not None, extra, (now - prep.arrival) * 1e3, self.metrics, self.policy)
                 elif item.new_token_ids and last_t is not None:
                     self.metrics.itl.observe(now - last_t)
                 if item.new_token_ids:
@@ -237,7 +238,7 @@ class Frontend:
                 if item.finished:
                     state["finished"] = True
                     self.metrics.request_finished(item.finish_reason)
-                    chunk.breakdown = self._finish(prep, final, extra, now)
+                    chunk.breakdown = breakdown(prep, final, extra, now, self.worker_id, self.metrics)
                 yield chunk
                 if item.finished:
                     return
@@ -349,28 +350,6 @@ class Frontend:
             if isinstance(item, BaseException) or item.finished:
                 return
 
-    def _check_prediction(self, prep: Prepared, went_remote: bool, extra: dict, measured_ms: float) -> None:
-        """Compare the route's predicted TTFT with the measured one: the ratio histogram, a log
-        line when it is off by more than 2x, and the route's residual (router/costs.py)."""
-        d = prep.decision
-        route = "remote" if went_remote else "local"
-        if route != d.route or extra.get("fell_back_to_local") or len(prep.prompt_ids) <= prep.cached_len:
-            return  # not the route that was predicted, or nothing to prefill: no lesson in it
-        predicted = d.predicted_ttft_ms
-        if predicted <= 0:
-            return
-        ratio = measured_ms / predicted
-        self.metrics.ttft_prediction(route, ratio)
-        if not 0.5 <= ratio <= 2.0:
-            log.info("TTFT prediction off %.1fx: route %s predicted %.0f ms, measured %.0f ms "
-                     "(prompt %d tokens, %d cached; %s)", ratio, route, predicted, measured_ms,
-                     len(prep.prompt_ids), prep.cached_len, d.detail)
-        formula = predicted - prep.residual_ms
-        outlier = self.policy.policy.router.cost_model.ema_outlier_factor
-        if formula > 0:  # one pathological request (a fault, a stall) moves the residual little
-            measured_ms = min(max(measured_ms, formula / outlier), formula * outlier)
-        self.policy.costs.observe_ttft(route, measured_ms, formula)
-
     def _prefill_done(self, eff: int, was_remote: bool) -> None:
         """The request's prefill is over (first token, or it ended before one)."""
         if was_remote:
@@ -379,35 +358,6 @@ class Frontend:
         else:
             self.pending_prefill_tokens -= eff
         self.num_prefilling -= 1
-
-    def _finish(self, prep: Prepared, final: FinalInfo | None, extra: dict, now: float) -> dict:
-        d = prep.decision
-        b = {
-            "route": extra.get("route", d.route), "reason": extra.get("reason", f"{d.reason}: {d.detail}"),
-            "score": d.score or 0.0, "predicted_ttft_local_ms": d.predicted_ttft_local_ms,
-            "predicted_ttft_remote_ms": d.predicted_ttft_remote_ms,
-            "e2e_ms": (now - prep.arrival) * 1e3, "worker_id": self.worker_id,
-            "prompt_tokens": len(prep.prompt_ids), "cached_tokens": prep.cached_len,
-        }
-        for k in ("transfer_ms", "transfer_bytes", "prefill_worker", "attempts", "fell_back_to_local",
-                  "queue_wait_ms", "prefill_ms"):
-            if k in extra:
-                b[k] = extra[k]
-        if final is not None:
-            b["completion_tokens"] = final.completion_tokens
-            if final.first_token_time is not None:
-                b["ttft_ms"] = (final.first_token_time - prep.arrival) * 1e3
-                b.setdefault("queue_wait_ms", ((final.first_scheduled_time or final.first_token_time) - prep.arrival) * 1e3)
-                if final.first_scheduled_time is not None:
-                    b.setdefault("prefill_ms", (final.first_token_time - final.first_scheduled_time) * 1e3)
-                self.metrics.queue_wait.observe(b["queue_wait_ms"] / 1e3)
-                if final.completion_tokens > 1:
-                    self.metrics.tpot.observe((final.finish_time - final.first_token_time) / (final.completion_tokens - 1))
-            self.metrics.generation_tokens.inc(final.completion_tokens)
-            self.metrics.prefix_hit_tokens.inc(final.cached_tokens)
-        self.metrics.e2e.observe(now - prep.arrival)
-        return b
-
 
 def _identity(caller) -> str | None:
     """Whose request-id namespace a request lives in: its API key's identity (None: keys off)."""

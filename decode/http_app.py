@@ -27,8 +27,9 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.api.openai_reply import Reply, merge_choice, usage_of
-from pdserve.api.openai_types import (Bounds, ChatCompletion, ChatCompletionChunk, Completion,
-                                      CompletionChunk, ErrorResponse, Health, ModelList, request_models)
+from pdserve.api.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk,
+                                          ErrorResponse, Health, ModelList)
+from pdserve.api.openai_types import Bounds, request_models
 from pdserve.engine import SamplingParams
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, UINT64_MAX
 

@@ -12,7 +12,7 @@ import typing
 
 from pydantic import BaseModel
 
-from pdserve.api.openai_types import ErrorResponse
+from pdserve.api.openai_responses import ErrorResponse
 
 ERRORS = {
     400: "a field is invalid (`param` names it), the body is not a JSON object, or prompt + max_tokens "

@@ -4,8 +4,10 @@ Public API: ``from pdserve.engine import LLM, SamplingParams``.
 """
 
 from .config import ConfigError, EngineConfig, ModelConfig
+from .engine_types import EngineLoad, EngineStateError, EngineStats, RequestDelta, StepError
 from .kv_connector import KVConnector, Reservation
-from .llm_engine import LLM, EngineLoad, EngineStateError, EngineStats, LLMEngine, RequestDelta, StepError
+from .llm_engine import LLMEngine
+from .offline import LLM
 from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput, RequestStatus,
                       RequestTimes, SamplingParams, check_text)
 

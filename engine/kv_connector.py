@@ -44,7 +44,8 @@ from .sampler import SampleResult
 if TYPE_CHECKING:
     import torch
 
-    from .llm_engine import LLMEngine, RequestDelta
+    from .engine_types import RequestDelta
+    from .llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 `LLMEngine` is what serving loops drive (add / abort / step / load); the
 remote-KV calls of disaggregated workers are its `connector` (kv_connector.py);
-`LLM` is the offline batch API on top.
+what a step hands back (deltas, errors) and the load and counters are in
+engine_types.py; `LLM`, the offline batch API on top, is in offline.py.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 from pdserve.common import Priority
 
 from .block_manager import KVCacheManager
 from .kv_connector import KVConnector
 from .config import ConfigError, EngineConfig, ModelConfig
+from .engine_types import EngineLoad, EngineStateError, EngineStats, RequestDelta, StepError
+from .prompts import prompt_token_ids
 from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput, RequestStatus,
-                      RequestTimes, SamplingParams, check_text)
+                      RequestTimes, SamplingParams)
 from .runner import ModelRunner
 from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
@@ -26,63 +28,6 @@ from .step_budget import StepCost, StepTargets, attention_pairs, plan_budget
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-
-@dataclass
-class RequestDelta:
-    """What one step added to a request (for streaming)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    logprobs: list[dict] = field(default_factory=list)
-    error: str | None = None  # with finish_reason "error": why this request failed
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class StepError(RuntimeError):
-    """The forward pass of a step failed. ``request_ids`` were in that step; the engine
-    left them as they were before it (the caller decides: abort them or retry)."""
-
-    def __init__(self, cause: BaseException, request_ids: list[str]):
-        super().__init__(f"engine step failed: {cause.__class__.__name__}: {cause}")
-        self.cause = cause
-        self.request_ids = request_ids
-
-
-class EngineStateError(RuntimeError):
-    """The engine's own state failed (the scheduler, the block pool), not one request's:
-    its serving loop must stop and the worker be replaced (decode/async_engine.py)."""
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """What a worker reports about its engine's load (registry record, status, metrics)."""
-
-    running: int
-    waiting: int
-    awaiting_remote_kv: int  # requests whose prompt KV another worker is writing
-    num_blocks: int
-    num_free_blocks: int
-    kv_usage: float  # fraction of the KV pool in use
-
-
-@dataclass
-class EngineStats:
-    """Counters that tests and metrics read."""
-
-    num_prompt_tokens_computed: int = 0  # prompt positions this engine ran through the model
-    num_prompt_tokens_cached: int = 0  # prompt positions served by the prefix cache
-    num_generation_tokens: int = 0
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_finished: int = 0
-    num_failed: int = 0  # requests finished with "error" (their sampling or detokenization raised)
 
 
 class LLMEngine:
@@ -138,33 +83,8 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "is empty")
-            check_text("prompt", prompt)
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            if len(prompt) >= self.max_model_len:  # before looking at each id: O(1) refusal
-                raise InvalidRequestError(
-                    "prompt", f"has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
-                    "(prompt plus at least one generated token must fit)")
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for t in ids:
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                    raise InvalidRequestError(
-                        "prompt_token_ids", f"{t!r} is not a token id of this model (vocab size {vocab})"
-                    )
-        else:
-            raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidRequestError("prompt", "is empty (no tokens)")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                "(prompt plus at least one generated token must fit)"
-            )
-        return ids
+        """The prompt's token ids, or `InvalidRequestError` naming the field (engine/prompts.py)."""
+        return prompt_token_ids(prompt, self.tokenizer, self.max_model_len, self.model_config.vocab_size)
 
     def validate_input(self, prompt, params: SamplingParams | None = None,
                        priority: Priority | str | int = Priority.NORMAL,
@@ -418,49 +338,3 @@ class LLMEngine:
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
-
-
-class LLM:
-    """Offline batch generation: ``LLM(model_dir, **engine_args).generate(prompts, params)``."""
-
-    def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
-
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 timeout_s: float | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise InvalidRequestError("prompts", "must be a non-empty list of strings or token-id lists")
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequestError("params", f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        eng = self.engine
-        reqs = []
-        try:  # validate everything before any work starts
-            for prompt, p in zip(prompts, params):
-                reqs.append(eng.make_request(prompt, p))
-        except Exception:
-            for r in reqs:
-                eng._forget(r)
-            raise
-        for r in reqs:
-            eng.scheduler.add(r)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pending = {r.request_id for r in reqs}
-        while pending:
-            for d in eng.step():
-                if d.finished:
-                    pending.discard(d.request_id)
-            if deadline is not None and time.monotonic() > deadline:
-                for rid in pending:
-                    eng.abort_request(rid)
-                raise TimeoutError(f"generate did not finish within timeout_s={timeout_s}")
-            if pending and not eng.scheduler.has_work():
-                raise RuntimeError("engine has unfinished requests but nothing schedulable")
-        return [eng.release(r.request_id) for r in reqs]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from .attention import AttentionBackend
+from .attention_base import AttentionBackend
 from .config import ConfigError, ModelConfig, RopeConfig
 from .kv_ready import layer_ready
 

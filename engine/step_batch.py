@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import BatchLayout
+from .attention_base import BatchLayout
 from .block_manager import KVCacheManager
 from .request import Request
 

@@ -13,7 +13,6 @@ has computed them. A lock serialises every call into NIXL between the two.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
@@ -25,19 +24,15 @@ import numpy as np
 
 from pdserve.handoff.transport import check_notification
 from pdserve.kvtransfer.descriptors import WritePlan, plan_block_write
-from pdserve.kvtransfer.errors import (
-    KVTransferError,
-    MalformedMessageError,
-    TransferError,
-    TransferTimeoutError,
-    UnknownPeerError,
-)
+from pdserve.kvtransfer.errors import KVTransferError, TransferError, TransferTimeoutError
+from pdserve.kvtransfer.inflight import InFlightWrites
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.nixl_shim import apply_ucx_env, load_nixl
 from pdserve.kvtransfer.peer import PeerInfo
+from pdserve.kvtransfer.peer_table import PeerTable
 from pdserve.kvtransfer.poster import LayerPoster
 from pdserve.kvtransfer.stream import LayerStream
-from pdserve.kvtransfer.transfer import Notification, PollResult, TransferHandle, TransferState
+from pdserve.kvtransfer.transfer import PollResult, TransferHandle
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +52,9 @@ class KVTransferAgent:
     """Registers one worker's whole KV pool with NIXL and writes pages into peers' pools.
 
     Owns: the NIXL agent, the pool registration, the table of known peers
-    (added from their `local_info()` records), the in-flight writes and the
-    notifications received since the last `poll()`.
+    (added from their `local_info()` records; kvtransfer/peer_table.py), the
+    in-flight writes and the notifications received since the last `poll()`
+    (kvtransfer/inflight.py).
     """
 
     def __init__(
@@ -107,13 +103,8 @@ class KVTransferAgent:
                 f"NIXL could not register the {self.mem_type} KV pool "
                 f"({layout.pool_bytes} bytes): {exc!r}"
             ) from exc
-        self._peers: dict[str, PeerInfo] = {}
-        self._inflight: dict[int, TransferHandle] = {}
-        self._ids = itertools.count(1)
-        self._completed: list[TransferHandle] = []
-        self._failed: list[TransferHandle] = []
-        self._inbox: list[Notification] = []
-        self._unreleased: list[Any] = []  # NIXL handles whose release failed; retried at close
+        self._peers = PeerTable(name, layout, self._errors)
+        self._writes = InFlightWrites(self._errors)
         self._closed = False
         self._lock = threading.RLock()  # NIXL calls: the owner's thread and the layer poster's
         self._poster: LayerPoster | None = None
@@ -136,7 +127,7 @@ class KVTransferAgent:
 
     @property
     def peers(self) -> tuple[str, ...]:
-        return tuple(self._peers)
+        return self._peers.names()
 
     @_locked
     def add_peer(self, info: Mapping[str, Any] | PeerInfo) -> str:
@@ -147,45 +138,22 @@ class KVTransferAgent:
         (the peer restarted) replaces the old entry.
         """
         self._check_open()
-        peer = info if isinstance(info, PeerInfo) else PeerInfo.from_dict(dict(info))
-        if peer.name == self.name:
-            raise ValueError(f"agent {self.name!r} cannot add itself as a peer")
-        self.layout.check_compatible(peer.layout)
-        known = self._peers.get(peer.name)
+        peer, known = self._peers.check(info)
         if known == peer:
             return peer.name
         if known is not None:
             self.remove_peer(peer.name)
-        try:
-            loaded = self._nixl.add_remote_agent(peer.nixl_metadata)
-        except self._errors as exc:
-            raise TransferError(f"NIXL rejected the metadata of peer {peer.name!r}: {exc!r}") from exc
-        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if loaded_name != peer.name:
-            if loaded_name not in self._peers:
-                self._nixl.remove_remote_agent(loaded_name)
-            raise MalformedMessageError(
-                f"peer record names {peer.name!r} but its NIXL metadata is for {loaded_name!r}"
-            )
-        self._peers[peer.name] = peer
-        try:  # start UCX wireup now (asynchronous) so the first write does not pay all of it
-            self._nixl.make_connection(peer.name)
-        except self._errors as exc:
-            log.warning("NIXL could not pre-connect to peer %s (the first write will): %r", peer.name, exc)
+        self._peers.load(self._nixl, peer)
         return peer.name
 
     @_locked
     def remove_peer(self, name: str) -> bool:
         """Forget a peer (its lease is gone); its in-flight writes fail. False if unknown."""
         self._check_open()
-        if self._peers.pop(name, None) is None:
+        if self._peers.pop(name) is None:
             return False
-        for handle in [h for h in self._inflight.values() if h.peer == name]:
-            self._fail(handle, f"peer {name!r} was removed while the write was in flight")
-        try:
-            self._nixl.remove_remote_agent(name)
-        except self._errors as exc:  # a dead peer may already be half torn down
-            log.warning("NIXL could not invalidate peer %s cleanly: %r", name, exc)
+        self._writes.fail_all(f"peer {name!r} was removed while the write was in flight", peer=name)
+        self._peers.unload(self._nixl, name)
         return True
 
     # ---- writes -----------------------------------------------------------
@@ -252,30 +220,7 @@ class KVTransferAgent:
         self._check_open()
         check_notification(notify)
         local = plan.local_rows(self._pool_addr, self._device_id)
-        remote = plan.remote_rows(peer.pool_addr, peer.device_id)
-        handle = TransferHandle(
-            id=next(self._ids),
-            peer=peer.name,
-            num_bytes=plan.num_bytes,
-            num_descriptors=plan.num_descriptors,
-            layers=plan.layers,
-            notify=notify,
-        )
-        try:
-            handle._xfer = self._nixl.initialize_xfer(
-                "WRITE",
-                self._nixl.get_xfer_descs(local, self.mem_type),
-                self._nixl.get_xfer_descs(remote, peer.mem_type),
-                peer.name,
-                notify or b"",
-            )
-            self._inflight[handle.id] = handle
-            state = self._nixl.transfer(handle._xfer)
-        except self._errors as exc:  # e.g. the peer disconnected: the caller learns it via the handle
-            self._fail(handle, f"NIXL could not post the write: {exc!r}")
-            return handle
-        self._settle(handle, state)
-        return handle
+        return self._writes.post(self._nixl, peer, plan, notify, local, self.mem_type)
 
     def _layer_poster(self) -> LayerPoster:
         """The thread that posts layers once ready (started on first use)."""
@@ -294,21 +239,20 @@ class KVTransferAgent:
         Handles finished inside `wait()` are reported here too (once).
         """
         self._progress()
-        result = PollResult(self._completed, self._failed, self._inbox)
-        self._completed, self._failed, self._inbox = [], [], []
-        return result
+        return self._writes.take()
 
     def wait(self, handle: TransferHandle, timeout_s: float) -> TransferHandle:
         """Drive NIXL until `handle` finishes. Raises TransferError if it failed,
         TransferTimeoutError (and abandons the write) if `timeout_s` passes first."""
         deadline = time.monotonic() + timeout_s
         while not handle.finished:
-            if handle.id not in self._inflight:
+            if handle.id not in self._writes.handles:
                 raise ValueError(f"transfer {handle.id} does not belong to agent {self.name!r}")
             self._progress()
             time.sleep(0)  # let the layer poster take the lock between polls
             if not handle.finished and time.monotonic() >= deadline:
-                self._fail(handle, f"write to {handle.peer!r} not complete after {timeout_s} s")
+                with self._lock:
+                    self._writes.fail(handle, f"write to {handle.peer!r} not complete after {timeout_s} s")
                 raise TransferTimeoutError(
                     f"write of {handle.num_bytes} bytes to {handle.peer!r} did not complete "
                     f"within {timeout_s} s; the peer may be dead: remove it or raise the timeout"
@@ -331,48 +275,7 @@ class KVTransferAgent:
     @_locked
     def _progress(self) -> None:
         self._check_open()
-        for handle in list(self._inflight.values()):
-            try:
-                state = self._nixl.check_xfer_state(handle._xfer)
-            except self._errors as exc:
-                self._fail(handle, f"NIXL reported {exc!r}")
-                continue
-            self._settle(handle, state)
-        try:
-            received = self._nixl.get_new_notifs()
-        except self._errors as exc:
-            raise TransferError(f"NIXL could not fetch notifications: {exc!r}") from exc
-        for sender, payloads in received.items():
-            sender_name = sender.decode() if isinstance(sender, bytes) else str(sender)
-            self._inbox.extend(Notification(sender_name, bytes(p)) for p in payloads)
-
-    def _settle(self, handle: TransferHandle, state: str) -> None:
-        if state == "DONE":
-            self._finish(handle, TransferState.DONE)
-            self._completed.append(handle)
-        elif state == "ERR":
-            self._fail(handle, "NIXL reported the write as failed (peer gone or transport error)")
-
-    @_locked
-    def _fail(self, handle: TransferHandle, reason: str) -> None:
-        handle.error = reason
-        self._finish(handle, TransferState.FAILED)
-        self._failed.append(handle)
-
-    def _finish(self, handle: TransferHandle, state: TransferState) -> None:
-        handle.state = state
-        handle.finished_at = time.perf_counter()
-        self._inflight.pop(handle.id, None)
-        xfer, handle._xfer = handle._xfer, None
-        if xfer is not None:
-            self._release(xfer)
-
-    def _release(self, xfer: Any) -> None:
-        try:
-            xfer.release()
-        except self._errors as exc:  # an unfinished write cannot always be cancelled at once
-            log.debug("NIXL transfer release deferred: %r", exc)
-            self._unreleased.append(xfer)
+        self._writes.progress(self._nixl)
 
     # ---- lifecycle --------------------------------------------------------
 
@@ -387,16 +290,10 @@ class KVTransferAgent:
     def _close(self) -> None:
         if self._closed:
             return
-        for handle in list(self._inflight.values()):
-            self._fail(handle, "agent closed while the write was in flight")
-        for name in list(self._peers):
+        self._writes.fail_all("agent closed while the write was in flight")
+        for name in self._peers.names():
             self.remove_peer(name)
-        pending, self._unreleased = self._unreleased, []
-        for xfer in pending:
-            try:
-                xfer.release()
-            except self._errors as exc:
-                log.warning("NIXL transfer handle could not be released at close: %r", exc)
+        self._writes.release_deferred()
         try:
             self._nixl.deregister_memory(self._registration)
         except self._errors as exc:
@@ -416,13 +313,7 @@ class KVTransferAgent:
 
     def _peer(self, name: str) -> PeerInfo:
         self._check_open()
-        try:
-            return self._peers[name]
-        except KeyError:
-            raise UnknownPeerError(
-                f"peer {name!r} is not known to agent {self.name!r} (never added, or removed "
-                f"when its lease expired); known peers: {sorted(self._peers)}"
-            ) from None
+        return self._peers.get(name)
 
 
 def _check_pool(kv: Any, layout: KVLayout) -> None:

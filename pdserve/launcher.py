@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ from pdserve.control.security import grpc_channel, internal_client_tls
 from pdserve.control.topology import Topology
 from pdserve.control.worker_config import worker_slots
 
+from .processes import port_open, terminate_group
 from .protection import exposure_warnings
 from .ray_auth import apply_ray_auth, child_env
 from .state import ClusterState, state_path
@@ -157,7 +157,7 @@ class Launcher:
             stdout=log_file, stderr=subprocess.STDOUT, env=child_env(self.topo), start_new_session=True)
         state.gate_pid, state.gate_endpoints = proc.pid, [f"{host}:{port}"]
         deadline = time.monotonic() + GATE_START_TIMEOUT_S
-        while not _port_open(port, host):
+        while not port_open(port, host):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the etcd gate did not start (see {log_file.name})")
             time.sleep(0.1)
@@ -206,7 +206,7 @@ class Launcher:
             stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         state.ray_address, state.ray_head_pid = f"127.0.0.1:{port}", proc.pid
         deadline = time.monotonic() + RAY_START_TIMEOUT_S
-        while not _port_open(port):
+        while not port_open(port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"Ray head did not start (see {log_file.name})")
             time.sleep(0.2)
@@ -268,11 +268,11 @@ class Launcher:
                 if ray.is_initialized():
                     ray.shutdown()
         if state.ray_head_pid:
-            _terminate_group(state.ray_head_pid, "ray head", self.progress, leader_first=True)
+            terminate_group(state.ray_head_pid, "ray head", self.progress, leader_first=True)
         if state.gate_pid:
-            _terminate_group(state.gate_pid, "etcd gate", self.progress)
+            terminate_group(state.gate_pid, "etcd gate", self.progress)
         if state.etcd_pid:
-            _terminate_group(state.etcd_pid, "etcd", self.progress, own_group=False)
+            terminate_group(state.etcd_pid, "etcd", self.progress, own_group=False)
 
 
 def stop_planner(cluster: str, namespace: str, progress) -> None:
@@ -324,69 +324,3 @@ def _wait_grpc_health(target: str, deadline: float, tls=None) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"decode worker at {target} never reported SERVING")
             time.sleep(0.2)
-
-
-def _port_open(port: int, host: str = "127.0.0.1") -> bool:
-    import socket
-
-    try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
-
-def _terminate_group(pid: int, what: str, progress, own_group: bool = True, timeout_s: float = 20.0,
-                     leader_first: bool = False) -> None:
-    """SIGTERM (the process group when it leads one), then SIGKILL after a timeout.
-
-    `leader_first`: SIGTERM the leader alone first and give it the timeout to stop its own
-    children (`ray start --block` stops its node in ~2 s on SIGTERM, but hangs when its
-    children are signalled at the same moment), then the group for whatever is left."""
-    if leader_first and own_group:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        if _wait_gone(pid, timeout_s):
-            try:  # leftovers of the group get a short grace, then SIGKILL
-                os.killpg(pid, signal.SIGTERM)
-                time.sleep(0.5)
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            progress(f"{what:<9} stopped (pid {pid})")
-            return
-    kill = os.killpg if own_group else os.kill
-    try:
-        kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    if not _wait_gone(pid, timeout_s):
-        try:
-            kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    progress(f"{what:<9} stopped (pid {pid})")
-
-
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-    """True once `pid` has exited (or is a zombie) within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-            if _is_zombie(pid):
-                return True
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] == "Z"
-    except OSError:
-        return False

@@ -111,10 +111,11 @@ def _run(args) -> int:
 def _explain(args) -> int:
     from pdserve.control.registry import Registry
     from pdserve.planner.actor import cpu_units, queue_stats_fn
-    from pdserve.planner.core import read_planner, take_snapshot
+    from pdserve.planner.core import take_snapshot
     from pdserve.planner.decide import decide, learn
     from pdserve.planner.observe import observe
     from pdserve.planner.policy import parse_autoscale
+    from pdserve.planner.state import read_planner
     from pdserve.ray_auth import apply_ray_auth
 
     topo, state = _cluster(args)
@@ -146,7 +147,7 @@ def _explain(args) -> int:
         memory = copy.deepcopy(pstate.memory)
         obs = observe(first, second)
         learn(memory, obs)
-        from pdserve.planner.core import current_replicas
+        from pdserve.planner.state import current_replicas
 
         counted, serving = current_replicas(second, pstate)
         units = {r: u or getattr(policy.autoscale, r).gpus_per_replica for r, u in cpu_units(topo).items()}
@@ -188,7 +189,7 @@ def _print_decision(d: dict) -> None:
 
 def _history(args) -> int:
     from pdserve.control.registry import Registry
-    from pdserve.planner.core import read_decisions
+    from pdserve.planner.state import read_decisions
 
     topo, state = _cluster(args)
 
@@ -211,7 +212,7 @@ def _history(args) -> int:
 async def planner_summary(registry) -> tuple[list[str], set[str]]:
     """(lines for `pdserve status`: the running planner, desired vs actual, the last decisions;
     the workers it drained and stopped on purpose)."""
-    from pdserve.planner.core import read_planner
+    from pdserve.planner.state import read_planner
 
     got = await read_planner(registry)
     leader, st = got["leader"], got["state"]

@@ -140,7 +140,7 @@ def start_planner_actor(cfg: PlannerConfig, namespace: str, cluster: str, node_i
     if fresh:
         from pdserve.control.registry import Registry
 
-        from .core import reset_planner
+        from .state import reset_planner
 
         tls = load_topology(cfg.topology).etcd_tls("operator")
 

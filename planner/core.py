@@ -21,6 +21,9 @@ reason). The policy is the router package's autoscale policy, parsed by a
 callable handed in (the control plane does not import the router); it is
 reloaded from its file and from etcd's `config/autoscale`, and a version that
 does not validate is refused with its key and line while the old one stays.
+
+The loop is here; `Planner` takes its election from leader.py (`Leadership`), its
+acting on decisions from act.py (`Acting`), and its state and metrics from state.py.
 """
 
 from __future__ import annotations
@@ -29,18 +32,19 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable
 
 from pdserve.control.keys import ROLES
 from pdserve.control.records import TRANSIENT_ERRORS, short_error
 from pdserve.control.registry import Registry
 
-from .decide import Decision, Memory, decide, learn
+from .act import Acting
+from .decide import Decision, decide, learn
+from .leader import Leadership
 from .observe import Observation, Snapshot, observe
+from .state import PlannerMetrics, PlannerState, PlannerStateError, current_replicas
 
 log = logging.getLogger(__name__)
 
@@ -49,100 +53,7 @@ HISTORY = 200
 RECONCILE_S = 1.0  # how often starts and drains in progress are checked between decisions
 
 
-class PlannerStateError(RuntimeError):
-    """The planner's etcd state could not be read or written."""
-
-
-class NoWorkerSlot(RuntimeError):
-    """Every worker id of a role that has an etcd identity (etcd.tls.workers) is in use."""
-
-
-@dataclass
-class PlannerState:
-    """What a planner must not forget across a restart (JSON at planner/state)."""
-
-    memory: Memory = field(default_factory=Memory)
-    # worker_id -> {"role", "state": "starting" | "draining", "since": wall time, "reason"}
-    pending: dict[str, dict] = field(default_factory=dict)
-    next_index: dict[str, int] = field(default_factory=dict)
-    seq: int = 0  # last decision sequence number written
-    last: dict[str, dict] = field(default_factory=dict)  # role -> its latest decision (any action)
-    desired: dict[str, int] = field(default_factory=dict)
-    stopped: list[str] = field(default_factory=list)  # workers it drained and stopped (newest last, bounded)
-    # worker_id -> the process (Ray actor name) serving it, for workers that changed role in
-    # place: their process keeps the name of the id it started under.
-    actor_of: dict[str, str] = field(default_factory=dict)
-
-    def to_json(self) -> bytes:
-        body = asdict(self)
-        body["memory"] = self.memory.to_dict()
-        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes | str | None) -> "PlannerState":
-        if not raw:
-            return cls()
-        body = json.loads(raw)
-        return cls(memory=Memory.from_dict(body.get("memory")), pending=dict(body.get("pending") or {}),
-                   next_index={k: int(v) for k, v in (body.get("next_index") or {}).items()},
-                   seq=int(body.get("seq", 0)), last=dict(body.get("last") or {}),
-                   desired={k: int(v) for k, v in (body.get("desired") or {}).items()},
-                   stopped=list(body.get("stopped") or []), actor_of=dict(body.get("actor_of") or {}))
-
-    def pending_ids(self, role: str, state: str) -> list[str]:
-        return sorted(w for w, p in self.pending.items() if p["role"] == role and p["state"] == state)
-
-
-class PlannerMetrics:
-    """Prometheus figures of the planner (its own registry; served by `serve`)."""
-
-    def __init__(self):
-        from prometheus_client import CollectorRegistry, Counter, Gauge
-
-        self.registry = r = CollectorRegistry()
-        self.desired = Gauge("pdserve_planner_desired_replicas", "Replicas the planner wants, per role", ["role"], registry=r)
-        self.actual = Gauge("pdserve_planner_actual_replicas", "Replicas serving (registered, not draining)", ["role"], registry=r)
-        self.starting = Gauge("pdserve_planner_starting_replicas", "Replicas started, not yet registered", ["role"], registry=r)
-        self.draining = Gauge("pdserve_planner_draining_replicas", "Replicas draining", ["role"], registry=r)
-        self.decisions = Counter("pdserve_planner_decisions", "Decisions by role, action and reason",
-                                 ["role", "action", "reason"], registry=r)
-        self.events = Counter("pdserve_planner_events", "Starts, drains and policy reloads by outcome", ["event"], registry=r)
-        self._endpoint = None
-
-    def serve(self, host: str, port: int | None) -> str | None:
-        from pdserve.control.runtime import MetricsEndpoint
-
-        if port == 0:
-            return None
-        self._endpoint = MetricsEndpoint(self.registry, host, port)
-        return self._endpoint.address
-
-    def close(self) -> None:
-        if self._endpoint is not None:
-            self._endpoint.close()
-            self._endpoint = None
-
-
-def current_replicas(snapshot: Snapshot, state: PlannerState) -> tuple[dict[str, int], dict[str, list[str]]]:
-    """(replicas counted per role, serving worker ids per role): registered workers that are
-    not draining or changing role, plus workers starting (or arriving from the other role)
-    that have not registered yet."""
-    serving = {r: [] for r in ROLES}
-    for wid, rec in snapshot.workers.items():
-        if rec.get("role") in serving and state.pending.get(wid, {}).get("state") not in ("draining", "flipping"):
-            serving[rec["role"]].append(wid)
-    counted = {r: len(serving[r]) + sum(1 for w in state.pending_ids(r, "starting") if w not in snapshot.workers)
-               for r in ROLES}
-    return counted, {r: sorted(v) for r, v in serving.items()}
-
-
-def _index_of(worker_id: str, role: str) -> int | None:
-    prefix = f"{role}-"
-    tail = worker_id[len(prefix):] if worker_id.startswith(prefix) else ""
-    return int(tail) if tail.isdigit() else None
-
-
-class Planner:
+class Planner(Leadership, Acting):
     """One cluster's planner. `backend` has async `start(role, worker_id)` and `stop(worker_id)`;
     `queue_stats()` returns the prefill queue's stats as a dict (None when unreachable);
     `parse_policy(text, source)` returns the autoscale policy (raises naming key and line);
@@ -191,56 +102,6 @@ class Planner:
     def section(self):
         return self.policy.autoscale
 
-    # -- leadership ------------------------------------------------------------------------
-    async def acquire(self, timeout_s: float | None = None) -> bool:
-        """Become the cluster's planner: create the leased leader key, or wait for the current
-        holder's lease to end (`timeout_s` None: wait for ever). True once leader."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        client = self.registry.client()
-        key, waited = self.keys.planner_leader(), False
-        while True:
-            try:
-                lease = await client.lease(self.leader_ttl_s)
-                value = json.dumps({"planner": self.id, "host": socket.gethostname(), "pid": os.getpid(),
-                                    "since": self.clock(), "metrics": self.metrics_address}).encode()
-                ok, _ = await client.transaction(compare=[client.transactions.create(key) == 0],
-                                                 success=[client.transactions.put(key, value, lease=lease.id)],
-                                                 failure=[])
-                if ok:
-                    self._lease, self.leader = lease.id, True
-                    self._keepalive = asyncio.get_running_loop().create_task(self._keep_leadership())
-                    log.info("planner %s is the planner of cluster %s", self.id, self.cluster)
-                    return True
-                await client.revoke_lease(lease.id)
-            except TRANSIENT_ERRORS as exc:
-                log.warning("planner: etcd unreachable while electing (%s)", short_error(exc))
-            if not waited:
-                holder = await self.leader_record()
-                log.info("planner %s: cluster %s already has a planner (%s); waiting for it to go",
-                         self.id, self.cluster, holder)
-                waited = True
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(1.0)
-
-    async def leader_record(self) -> dict | None:
-        reply = await self.registry.client().get(self.keys.planner_leader())
-        return None if reply is None else json.loads(reply.value)
-
-    async def _keep_leadership(self) -> None:
-        client = self.registry.client()
-        while True:
-            await asyncio.sleep(self.leader_ttl_s / 3)
-            try:
-                reply = await client.refresh_lease(self._lease)
-            except TRANSIENT_ERRORS as exc:
-                log.warning("planner: leader lease refresh failed (%s)", short_error(exc))
-                continue
-            if reply is None or reply.TTL <= 0:
-                log.error("planner %s lost its leader lease; it stops acting", self.id)
-                self.leader = False
-                return
-
     # -- lifecycle -------------------------------------------------------------------------
     @property
     def metrics_address(self) -> str | None:
@@ -263,15 +124,7 @@ class Planner:
                     f"{'dry run' if self.dry_run else 'acting through ' + getattr(self.backend, 'name', 'backend')})")
 
     async def close(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-            await asyncio.gather(self._keepalive, return_exceptions=True)
-        if self._lease is not None and self.leader:
-            try:
-                await self.registry.client().revoke_lease(self._lease)
-            except TRANSIENT_ERRORS:
-                pass
-        self.leader = False
+        await self._resign()
         await self.registry.close(deregister=False)
         self.metrics.close()
 
@@ -399,169 +252,6 @@ class Planner:
                  "current": json.loads(snap.to_json())}
         await client.put(self.keys.planner_snapshots(), json.dumps(snaps).encode())
 
-    # -- acting ----------------------------------------------------------------------------
-    async def act_all(self, decisions: list[Decision], snap: Snapshot) -> None:
-        """Act on one tick's decisions: role flips first (paired up/down), then the rest."""
-        by = {d.role: d for d in decisions}
-        flips = 0
-        if all(d.reason == "role_flip" for d in decisions):
-            up = next(d for d in decisions if d.action == "up")
-            down = by["prefill" if up.role == "decode" else "decode"]
-            flips = up.figures.get("flip", 0)
-            for d in (up, down):
-                self.state.memory.last_action_at[d.role] = d.at
-            for victim in self._drain_victims(down.role, flips, snap):
-                await self.flip(victim, up.role, snap)
-        for d in decisions:
-            if d.action != "hold":
-                await self.act(d, snap, skip=flips)
-
-    async def flip(self, wid: str, role: str, snap: Snapshot) -> None:
-        """Move worker `wid` to `role` in place under a new worker id."""
-        try:
-            new = self._next_worker_id(role, snap)
-        except NoWorkerSlot as exc:
-            self.metrics.events.labels(event="no_worker_slot").inc()
-            self._event(f"not flipping {wid}: {exc}", level=logging.ERROR)
-            return
-        actor = self.state.actor_of.pop(wid, None)
-        now = self.clock()
-        self.state.pending[wid] = {"role": snap.workers[wid]["role"], "state": "flipping", "since": now,
-                                   "reason": "role_flip", "into": new}
-        self.state.pending[new] = {"role": role, "state": "starting", "since": now, "reason": "role_flip",
-                                   "flipped_from": wid}
-        self.state.actor_of[new] = actor or self.backend.actor_name(wid)
-        await self.save_state()
-        self._event(f"flipping {wid} -> {new} (drains as {snap.workers[wid]['role']}, then serves as {role}; "
-                    "engine kept)")
-        try:
-            await self.backend.flip(wid, role, new, actor=self.state.actor_of[new])
-        except Exception as exc:  # noqa: BLE001  (the start timeout cleans up after it)
-            self.metrics.events.labels(event="flip_failed").inc()
-            self._event(f"flip of {wid} failed: {exc!r}", level=logging.ERROR)
-
-    async def act(self, d: Decision, snap: Snapshot, skip: int = 0) -> None:
-        """Start or drain `d.step` workers, less `skip` already moved by role flips."""
-        self.state.memory.last_action_at[d.role] = d.at
-        if d.action == "up":
-            for _ in range(d.step - skip):
-                try:
-                    wid = self._next_worker_id(d.role, snap)
-                except NoWorkerSlot as exc:
-                    self.metrics.events.labels(event="no_worker_slot").inc()
-                    self._event(f"not starting a {d.role} worker: {exc}", level=logging.ERROR)
-                    break
-                self.state.pending[wid] = {"role": d.role, "state": "starting", "since": self.clock(), "reason": d.reason}
-                await self.save_state()  # before acting: a crash after the start still knows it
-                self._event(f"starting {wid} ({d.reason})")
-                try:
-                    await self.backend.start(d.role, wid, flexible=bool(getattr(self.section, "allow_role_flip", False)))
-                except Exception as exc:  # noqa: BLE001  (the backend refused: counted, retried later)
-                    self.state.pending.pop(wid, None)
-                    self.metrics.events.labels(event="start_failed").inc()
-                    self._event(f"start of {wid} failed: {exc!r}", level=logging.ERROR)
-        else:
-            for wid in self._drain_victims(d.role, -d.step - skip, snap):
-                self.state.pending[wid] = {"role": d.role, "state": "draining", "since": self.clock(), "reason": d.reason}
-                await self.save_state()
-                self._event(f"draining {wid} ({d.reason})")
-                await self.registry.request_drain(wid, f"planner {self.id}: {d.reason}", revoke_lease=False)
-
-    def _next_worker_id(self, role: str, snap: Snapshot) -> str:
-        if role in self.worker_slots:
-            return self._free_slot(role, snap)
-        taken = set(snap.workers) | set(self.state.pending) | set(self.known_workers)
-        start = self.state.next_index.get(role, 0)
-        indexes = [i for i in (_index_of(w, role) for w in taken) if i is not None]
-        n = max([start, *(i + 1 for i in indexes)])
-        self.state.next_index[role] = n + 1
-        return f"{role}-{n}"
-
-    def _free_slot(self, role: str, snap: Snapshot) -> str:
-        """The lowest `<role>-<n>` below the role's slot count that is free: not registered,
-        not starting, draining or changing role, not the process of a worker that changed role
-        (it keeps the actor name of the id it started under), and not one of the topology's
-        own workers unless the planner stopped it (a restarting one is briefly unregistered)."""
-        taken = set(snap.workers) | set(self.state.pending) | (set(self.known_workers) - set(self.state.stopped))
-        taken |= {name.removeprefix(f"{self.cluster}-") for name in self.state.actor_of.values()}
-        slots = self.worker_slots[role]
-        for n in range(slots):
-            if f"{role}-{n}" not in taken:
-                return f"{role}-{n}"
-        raise NoWorkerSlot(
-            f"all {slots} {role} worker ids with an etcd identity ({role}-0 .. {role}-{slots - 1}) are in use; "
-            f"raise etcd.tls.workers.slots.{role} (default: the larger of roles.{role}.replicas and the autoscale "
-            "policy's max_replicas), issue the new ids' certificates (`pdserve certs workers DIR --topology FILE`) "
-            "and restart the cluster so that etcd gets their users")
-
-    def _drain_victims(self, role: str, n: int, snap: Snapshot) -> list[str]:
-        """The `n` serving workers of `role` holding the least work (newest first on ties)."""
-        _, serving = current_replicas(snap, self.state)
-
-        def held(wid: str) -> tuple:
-            load = snap.workers[wid].get("load") or {}
-            work = load.get("inflight", 0) + load.get("running", 0) + load.get("waiting", 0)
-            return work, -(_index_of(wid, role) or 0)
-
-        return sorted(serving[role], key=held)[:n]
-
-    async def reconcile(self, snap: Snapshot) -> None:
-        """Starts that registered or timed out; drains that finished or timed out."""
-        now, changed = self.clock(), False
-        for wid, p in sorted(self.state.pending.items()):
-            age = now - p["since"]
-            if p["state"] == "starting":
-                if wid in snap.workers:
-                    del self.state.pending[wid]
-                    self.metrics.events.labels(event="started").inc()
-                    self._event(f"{wid} registered {age:.1f} s after its start")
-                elif age > self.section.start_timeout_s:
-                    del self.state.pending[wid]
-                    await self._stop(wid)
-                    self.metrics.events.labels(event="start_timeout").inc()
-                    self._event(f"{wid} did not register within start_timeout_s "
-                                f"{self.section.start_timeout_s:g}; stopped", level=logging.ERROR)
-                else:
-                    continue
-            elif p["state"] == "flipping":
-                if wid in snap.workers and age <= self.section.drain_timeout_s:
-                    continue
-                del self.state.pending[wid]
-                self.state.stopped = [w for w in self.state.stopped if w != wid][-99:] + [wid]
-                if wid in snap.workers:
-                    self.metrics.events.labels(event="flip_drain_timeout").inc()
-                    self._event(f"{wid} did not leave within drain_timeout_s while changing role", level=logging.ERROR)
-                else:
-                    self.metrics.events.labels(event="flipped").inc()
-                    self._event(f"{wid} drained and left its role ({age:.1f} s); it comes back as {p.get('into')}")
-            else:
-                if wid not in snap.workers:
-                    await self._stop(wid)
-                    del self.state.pending[wid]
-                    self.metrics.events.labels(event="drained").inc()
-                    self._event(f"{wid} drained in {age:.1f} s and stopped")
-                elif age > self.section.drain_timeout_s:
-                    await self.registry.request_drain(wid, f"planner {self.id}: drain timed out")
-                    await self._stop(wid)
-                    del self.state.pending[wid]
-                    self.metrics.events.labels(event="drain_timeout").inc()
-                    self._event(f"{wid} still held work after drain_timeout_s {self.section.drain_timeout_s:g}; "
-                                "its lease was revoked and it was stopped", level=logging.ERROR)
-                else:
-                    continue
-            changed = True
-        if changed:
-            await self.save_state()
-
-    async def _stop(self, wid: str) -> None:
-        if self.dry_run:
-            return
-        self.state.stopped = [w for w in self.state.stopped if w != wid][-99:] + [wid]
-        try:
-            await self.backend.stop(wid, actor=self.state.actor_of.pop(wid, None))
-        except Exception as exc:  # noqa: BLE001  (already gone)
-            log.warning("planner: stopping %s: %r", wid, exc)
-
     def _export(self, snap: Snapshot) -> None:
         counted, serving = current_replicas(snap, self.state)
         for role in ROLES:
@@ -596,29 +286,3 @@ def _mtime(path: str) -> int | None:
         return None
 
 
-async def reset_planner(registry: Registry) -> None:
-    """Forget a previous cluster's planner: its state, snapshots and decisions (not the leader
-    key, which is leased). `pdserve up` calls it before it starts a new planner, since etcd's
-    data directory outlives `down`; a planner restarted by Ray must not, and does not."""
-    client = registry.client()
-    await client.delete(registry.keys.planner_state())
-    await client.delete(registry.keys.planner_snapshots())
-    await client.delete_prefix(registry.keys.planner_decisions_prefix())
-
-
-async def read_decisions(registry: Registry, limit: int = 20) -> list[dict]:
-    """The last `limit` recorded decisions, oldest first."""
-    reply = await registry.client().get_prefix(registry.keys.planner_decisions_prefix())
-    items = sorted((kv.key, kv.value) for kv in reply)
-    return [json.loads(v) for _, v in items[-limit:]]
-
-
-async def read_planner(registry: Registry) -> dict:
-    """The leader record, the state and the last snapshots, for `status` and `explain`."""
-    client = registry.client()
-    leader = await client.get(registry.keys.planner_leader())
-    state = await client.get(registry.keys.planner_state())
-    snaps = await client.get(registry.keys.planner_snapshots())
-    return {"leader": None if leader is None else json.loads(leader.value),
-            "state": PlannerState.from_json(None if state is None else state.value),
-            "snapshots": None if snaps is None else json.loads(snaps.value)}

@@ -8,7 +8,7 @@ and the ``pdserve policy`` CLI in ``router/cli.py``.
 """
 
 from pdserve.router.costs import ArrivalRate, CostEstimates, CostModel
-from pdserve.router.decide import ClusterSnapshot, Decision, RequestFeatures, decide
+from pdserve.router.decide import decide
 from pdserve.router.loader import (
     PolicyError,
     PolicyIssue,
@@ -21,6 +21,7 @@ from pdserve.router.loader import (
 )
 from pdserve.router.policy import DEFAULT_POLICY, RouterPolicy
 from pdserve.router.qos import Admission, admit
+from pdserve.router.values import ClusterSnapshot, Decision, RequestFeatures
 
 __all__ = [
     "Admission",

@@ -12,9 +12,10 @@ import math
 import sys
 
 from pdserve.router.costs import BYTES_PER_MS_PER_GB_PER_S, CostEstimates
-from pdserve.router.decide import ClusterSnapshot, RequestFeatures, decide
+from pdserve.router.decide import decide
 from pdserve.router.loader import PolicyError, detect_kind, load_policy_file, parse_any
 from pdserve.router.qos import admit
+from pdserve.router.values import ClusterSnapshot, RequestFeatures
 
 # Llama-3-8B in bf16 (POLICY.md reference figures); the worker passes its model's value.
 DEFAULT_KV_BYTES_PER_TOKEN = 128 * 1024

@@ -4,6 +4,8 @@ The decode worker owns one ``CostModel``, feeds it the timings it measured
 (prefill local or remote, KV transfers, decode steps) and passes
 ``snapshot()`` into every ``decide``/``admit`` call inside a
 ``ClusterSnapshot``. The model never reads a clock; it is fed numbers.
+The step cost curve it refits on every engine step, ``StepCurveFit``, is in
+router/stepfit.py.
 
 Every estimate starts at its seed from the policy's ``cost_model`` block and
 moves as an exponential moving average: ``new = old + alpha * (sample - old)``,
@@ -18,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from pdserve.router.policy import CostModelParams
+from pdserve.router.stepfit import StepCurveFit, check_sample
 
 BYTES_PER_MS_PER_GB_PER_S = 1e6  # 1 GB/s = 10^9 B / 10^3 ms
 
@@ -119,7 +122,7 @@ class CostModel:
 
     def observe_prefill(self, tokens: int, ms: float, where: Literal["local", "remote"]) -> None:
         """A prefill of ``tokens`` uncached positions took ``ms`` (compute only)."""
-        _check_sample(ms=ms, tokens=tokens)
+        check_sample(ms=ms, tokens=tokens)
         if tokens == 0:
             return  # nothing computed: no information about the per-token cost
         if where == "local":
@@ -133,7 +136,7 @@ class CostModel:
         """A prefill worker computed one prompt's ``tokens`` positions from ``start`` alone in
         ``ms`` (its step included): its speed relative to this worker's step curve, as the
         ratio the remote route's prediction scales the local curve by."""
-        _check_sample(ms=ms, tokens=tokens)
+        check_sample(ms=ms, tokens=tokens)
         if tokens == 0:
             return
         est = self._est
@@ -151,8 +154,8 @@ class CostModel:
         """One engine step of this worker: ``decodes`` streams and ``prefill_tokens`` prompt
         tokens took ``ms``. Refits the step cost curve (its slope is the local per-token
         prefill cost the router and the step budget use)."""
-        _check_sample(ms=ms, tokens=decodes)
-        _check_sample(ms=ms, tokens=prefill_tokens)
+        check_sample(ms=ms, tokens=decodes)
+        check_sample(ms=ms, tokens=prefill_tokens)
         if decodes == 0 and prefill_tokens == 0:
             return
         est = self._est
@@ -188,7 +191,7 @@ class CostModel:
     def observe_ttft(self, route: Literal["local", "remote"], measured_ms: float, formula_ms: float) -> None:
         """A request's measured TTFT against what the formula (without residual) predicted for
         its route: the residual EMA absorbs what the formula leaves out."""
-        _check_sample(ms=measured_ms, tokens=0)
+        check_sample(ms=measured_ms, tokens=0)
         name = f"ttft_residual_{route}_ms"
         old = getattr(self._est, name)
         self._samples[name] += 1
@@ -196,7 +199,7 @@ class CostModel:
 
     def observe_decode_step(self, ms: float, batch: int) -> None:
         """One decode step over ``batch`` running requests took ``ms``."""
-        _check_sample(ms=ms, tokens=batch)
+        check_sample(ms=ms, tokens=batch)
         if batch == 0:
             return
         self._update("decode_step_ms", ms)
@@ -204,7 +207,7 @@ class CostModel:
 
     def observe_transfer(self, num_bytes: int, ms: float) -> None:
         """A KV transfer of ``num_bytes`` took ``ms`` end to end (setup included)."""
-        _check_sample(ms=ms, tokens=num_bytes)
+        check_sample(ms=ms, tokens=num_bytes)
         if num_bytes == 0:
             return
         decay = 1.0 - self._alpha
@@ -309,87 +312,6 @@ class ArrivalRate:
         return self._value * math.exp(-max(0.0, now_s - self._at) / self.tau_s)
 
 
-class StepCurveFit:
-    """Fits step ms = fixed + per_seq x decoding streams + per_token x prompt tokens
-    + per_kpair x attention pairs / 1000 (engine/step_budget.py ``StepCost``).
-
-    Exponentially weighted least squares over recent steps (each older step's weight decays
-    by ``DECAY``), pulled toward the current coefficients with weight ``RIDGE``: a direction
-    recent steps do not exercise (no prompt token for a while, or always the same batch)
-    keeps its value instead of drifting. Features are scaled (per 8 streams, per 256 tokens,
-    per 10^5 pairs) so that the pull weighs them alike. Coefficients are kept physical (>= 0;
-    a per-token cost > 0).
-    """
-
-    DECAY = 0.98  # a step's weight halves over ~35 steps
-    RIDGE = 0.5  # about half a step's worth of pull toward the current coefficients
-    _SCALE = (1.0, 8.0, 256.0, 100.0)  # theta units -> per scaled feature (pairs: per kpair -> per 1e5)
-    _N = 4
-    _MIN_PER_TOKEN = 1e-4
-
-    def __init__(self, theta: tuple[float, ...]):
-        self._theta = [v * k for v, k in zip(theta, self._SCALE)]
-        self._a = [[0.0] * self._N for _ in range(self._N)]
-        self._b = [0.0] * self._N
-        self.samples = 0
-
-    @classmethod
-    def fitted(cls, steps, prior: tuple[float, ...]) -> StepCurveFit:
-        """A fit of ``steps`` ((ms, decodes, prompt tokens, pairs)) alone, as a calibration:
-        the prior only breaks the ties the steps cannot."""
-        fit = cls(prior)
-        for ms, d, p, pairs in steps:
-            _check_sample(ms=ms, tokens=d)
-            fit._add(ms, d, p, pairs, decay=1.0)
-        fit._solve(ridge=1e-3)
-        return fit
-
-    def theta(self) -> tuple[float, float, float, float]:
-        return tuple(v / k for v, k in zip(self._theta, self._SCALE))  # type: ignore[return-value]
-
-    def observe(self, ms: float, decodes: int, prefill_tokens: int, pairs: int) -> tuple[float, ...]:
-        self._add(ms, decodes, prefill_tokens, pairs, decay=self.DECAY)
-        self._solve(ridge=self.RIDGE)
-        return self.theta()
-
-    def _add(self, ms: float, d: int, p: int, pairs: int, decay: float) -> None:
-        x = (1.0, d / 8.0, p / 256.0, pairs / 1e5)
-        for i in range(self._N):
-            self._b[i] = self._b[i] * decay + x[i] * ms
-            row = self._a[i]
-            for j in range(self._N):
-                row[j] = row[j] * decay + x[i] * x[j]
-        self.samples += 1
-
-    def _solve(self, ridge: float) -> None:
-        m = [row[:] + [self._b[i] + ridge * self._theta[i]] for i, row in enumerate(self._a)]
-        for i in range(self._N):
-            m[i][i] += ridge
-        sol = _solve_linear(m)
-        if sol is None:
-            return
-        floor = (0.0, 0.0, self._MIN_PER_TOKEN * self._SCALE[2], 0.0)
-        self._theta = [max(v, f) for v, f in zip(sol, floor)]
-
-
-def _solve_linear(m: list[list[float]]) -> list[float] | None:
-    """Solve a small system given as an augmented matrix (Gaussian elimination, partial pivoting)."""
-    n = len(m)
-    for c in range(n):
-        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[piv][c]) < 1e-12:
-            return None
-        m[c], m[piv] = m[piv], m[c]
-        for r in range(c + 1, n):
-            f = m[r][c] / m[c][c]
-            for k in range(c, n + 1):
-                m[r][k] -= f * m[c][k]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
-    return x
-
-
 _ESTIMATE_NAMES = (
     "ttft_residual_local_ms",
     "ttft_residual_remote_ms",
@@ -401,9 +323,3 @@ _ESTIMATE_NAMES = (
     "transfer_setup_ms",
 )
 
-
-def _check_sample(ms: float, tokens: int) -> None:
-    if not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms >= 0):
-        raise ValueError(f"a timing must be a finite number of ms >= 0 (got {ms!r})")
-    if tokens < 0:
-        raise ValueError(f"a count must be >= 0 (got {tokens})")

@@ -14,8 +14,9 @@ import math
 from typing import NamedTuple
 
 from pdserve.common import Priority
-from pdserve.router.decide import ClusterSnapshot, Decision, RequestFeatures, decide
+from pdserve.router.decide import decide
 from pdserve.router.policy import QosPolicy, RouterPolicy
+from pdserve.router.values import ClusterSnapshot, Decision, RequestFeatures
 
 
 class Admission(NamedTuple):

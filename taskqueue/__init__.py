@@ -7,6 +7,10 @@ One module per concern; each imports its siblings directly, never this file:
   (pdserve.handoff: task.py, outcomes.py).
 - ``core``: `QueueCore`, the whole policy (order, budgeted batches, in-flight
   accounting, fail-back), pure and synchronous.
+- ``liveness``: `WorkerLiveness`, the core's view of each worker: when it last called
+  (the stall bound, `DEFAULT_STALL_S`), the cancels its next beat tells it of.
+- ``settled``: `SettledTasks`, the core's memory of settled tasks (replays refused
+  until their deadline).
 - ``actor``: `PrefillQueue`, the named Ray actor around the core (long poll,
   restarts), and `get_or_create_queue`.
 - ``frames``: the wire format: framing and the one serialiser of tasks and results

@@ -26,7 +26,8 @@ from pdserve.control.keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFA
 from pdserve.control.runtime import freeze_gc_heap
 from pdserve.handoff.task import PrefillTask
 
-from .core import DEFAULT_STALL_S, QueueCore
+from .core import QueueCore
+from .liveness import DEFAULT_STALL_S
 from .metrics import QueueMetrics
 from .server import WireServer, server_tls
 from .task import FailedTask, PutResult, QueueStats

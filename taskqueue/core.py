@@ -13,11 +13,10 @@ longer than the budget would starve forever. Tasks whose deadline has passed
 are never handed out; they are failed back to their origin with reason
 DEADLINE_EXPIRED.
 
-Replays: a task whose (request_id, epoch) this queue has settled (completed,
-failed back or cancelled) is refused (ALREADY_DONE) until its deadline; after
-that, put() refuses it as DEADLINE_PASSED anyway. A copy of a signed task
-(`signing`) therefore cannot be put again to write blocks its decode worker
-has since given to another request.
+Replays: a task this queue has settled is refused until its deadline (its
+memory is `settled.SettledTasks`). Each worker's liveness, the stall bound and
+the cancels a worker's beat tells it of are `liveness.WorkerLiveness`; what is
+failed back, and why, is all here.
 """
 
 from __future__ import annotations
@@ -32,6 +31,8 @@ from pdserve.control.keys import DEFAULT_QUEUE_CAPACITY
 from pdserve.handoff.outcomes import DEADLINE_EXPIRED, NO_LIVE_WORKER, TARGET_GONE, WORKER_STALLED, WORKER_VANISHED
 from pdserve.handoff.task import PrefillTask
 
+from .liveness import DEFAULT_STALL_S, WorkerLiveness
+from .settled import SettledTasks
 from .task import (
     ALREADY_DONE,
     DEADLINE_PASSED,
@@ -46,13 +47,9 @@ from .task import (
 MAX_FAILED_PER_ORIGIN = 10_000  # failed tasks nobody collects must not grow without bound
 MAX_FAIL_REASON_CHARS = 64
 MAX_FAIL_DETAIL_CHARS = 300
-MAX_SETTLED_REMEMBERED = 200_000
-# A worker holding tasks must be heard from this often (it calls `beat` every 0.25 s while it
-# serves a batch, its compute running in a thread): past it, its tasks are failed back.
-DEFAULT_STALL_S = 3.0  # settled keys kept until their deadline (the oldest go first beyond this)
 
 
-class QueueCore:
+class QueueCore(WorkerLiveness, SettledTasks):
     """Ordering, budgeted batching, in-flight accounting and fail-back; no I/O.
 
     Owns the heap of queued tasks (lazy deletion on cancel), the tasks each
@@ -65,15 +62,7 @@ class QueueCore:
                  stall_s: float = DEFAULT_STALL_S):
         if capacity < 1:
             raise ValueError(f"capacity={capacity} must be >= 1")
-        if not stall_s > 0:
-            raise ValueError(f"stall_s={stall_s} must be > 0")
-        self.stall_s = stall_s
-        self._seen: dict[str, float] = {}  # worker id -> when it last called (clock)
-        # Tasks cancelled while a worker held them: told to that worker by its next `beat`, so it
-        # stops computing them (prefill/batch.py); kept until it `fail`s them (its writes are
-        # over: the origin frees their blocks) or completes its batch.
-        self._cancelled: dict[str, dict[tuple[str, int], PrefillTask]] = {}
-        self._untold: dict[str, list[tuple[str, int]]] = {}  # of those, the ones not yet told
+        self._init_liveness(stall_s)  # stall bound, when each worker last called, cancels to tell
         self.instance_id = uuid.uuid4().hex[:12]
         self.capacity = capacity
         self.max_requeues = max_requeues
@@ -85,9 +74,7 @@ class QueueCore:
         self._in_flight: dict[str, dict[tuple[str, int], PrefillTask]] = {}
         self._requeues: Counter = Counter()
         self._failed: dict[str, list[FailedTask]] = {}
-        self._gone: Counter = Counter()  # worker_id -> how often worker_gone was called for it
-        self._settled: dict[tuple[str, int], float] = {}  # key -> deadline: refused by put/hold until then
-        self._settled_heap: list[tuple[float, tuple[str, int]]] = []
+        self._init_settled()
         self.counters: Counter = Counter()
         self.on_dispatch = on_dispatch  # called with each dispatched task's queue wait (s)
 
@@ -133,22 +120,6 @@ class QueueCore:
         del self._queued[task.key]
         self._queued_tokens -= task.num_prefill_tokens
 
-    def _settle(self, task: PrefillTask) -> None:
-        """`task` left the queue for good: refuse it again until its deadline (see the docstring)."""
-        if task.deadline is None or task.deadline <= self._clock():
-            return
-        if task.key not in self._settled:
-            heapq.heappush(self._settled_heap, (task.deadline, task.key))
-        self._settled[task.key] = task.deadline
-        while len(self._settled) > MAX_SETTLED_REMEMBERED:
-            self._settled.pop(heapq.heappop(self._settled_heap)[1], None)
-
-    def _was_settled(self, key: tuple[str, int]) -> bool:
-        now = self._clock()
-        while self._settled_heap and self._settled_heap[0][0] <= now:
-            self._settled.pop(heapq.heappop(self._settled_heap)[1], None)
-        return key in self._settled
-
     def take(self, worker_id: str, max_tokens: int, max_tasks: int | None = None) -> list[PrefillTask]:
         """The next batch for `worker_id` (see the module docstring); [] if none queued."""
         now = self._clock()
@@ -191,18 +162,6 @@ class QueueCore:
         self._forget_cancelled(worker_id, wanted)
         self.counters["completed"] += len(keys)
         return bool(keys)
-
-    def _forget_cancelled(self, worker_id: str, request_ids: set[str] | None = None) -> None:
-        """The cancelled tasks of `worker_id` (those of `request_ids`, or all) are over there."""
-        held = self._cancelled.pop(worker_id, {})
-        untold = self._untold.pop(worker_id, [])
-        if request_ids is not None:
-            held = {k: t for k, t in held.items() if k[0] not in request_ids}
-            untold = [k for k in untold if k[0] not in request_ids]
-            if held:
-                self._cancelled[worker_id] = held
-            if untold:
-                self._untold[worker_id] = untold
 
     def cancel(self, request_id: str) -> str:
         """"queued" if removed before any worker took it, "in_flight" if a worker
@@ -333,19 +292,6 @@ class QueueCore:
         self.counters["returned_undelivered"] += back
         return back
 
-    def alive(self, worker_id: str) -> str:
-        """`worker_id` is making progress (its heartbeat while it serves a batch); returns this
-        queue's instance id, so the same call tells the worker whether the queue restarted."""
-        self._seen[worker_id] = self._clock()
-        return self.instance_id
-
-    def beat(self, worker_id: str) -> dict:
-        """`alive`, and the tasks cancelled since the last beat while `worker_id` held them:
-        {"instance": instance id, "cancelled": [[request_id, epoch], ...]} (each told once)."""
-        instance = self.alive(worker_id)
-        cancelled = self._untold.pop(worker_id, [])
-        return {"instance": instance, "cancelled": [list(key) for key in cancelled]}
-
     def fail_stalled(self) -> dict[str, int]:
         """Liveness beyond the lease: a worker holding tasks that has not called for `stall_s`
         (hung, SIGSTOPped, wedged; its etcd lease may well still be kept alive) gets its tasks
@@ -379,16 +325,6 @@ class QueueCore:
         if self._requeues.pop(task.key, 0):  # (it leaves the queue for good either way)
             return WORKER_VANISHED, f"{detail}; requeued after its prefill worker vanished holding it"
         return reason, detail
-
-    def live_workers(self) -> int:
-        """Prefill workers heard from within the stall bound."""
-        now = self._clock()
-        return sum(1 for t in self._seen.values() if now - t <= self.stall_s)
-
-    def gone_count(self, worker_id: str) -> int:
-        """How often `worker_gone(worker_id)` was called: a long poll that started before a
-        change of this value belongs to a worker the cluster has given up on."""
-        return self._gone[worker_id]
 
     def stats(self) -> QueueStats:
         now = self._clock()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from pdserve import launch
+from pdserve import status_cmd
 from pdserve.cli import main
 from pdserve.control.topology import load_topology
 from pdserve.launcher import ClusterState, state_path
@@ -24,8 +24,8 @@ def test_status_with_etcd_down_says_so_in_one_line(tmp_path, monkeypatch, capsys
     ClusterState(cluster=topo.cluster, topology=str(topo_file), namespace="ns", ray_address="127.0.0.1:1",
                  ray_head_pid=None, etcd_endpoints=[f"127.0.0.1:{free_port()}"], etcd_pid=None,
                  queue_name="q", model="m").save(state_path(topo))
-    monkeypatch.setattr(launch, "_queue_stats", lambda state: None)  # Ray is not what this test is about
-    monkeypatch.setattr(launch, "STATUS_ETCD_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(status_cmd, "_queue_stats", lambda state: None)  # Ray is not what this test is about
+    monkeypatch.setattr(status_cmd, "STATUS_ETCD_TIMEOUT_S", 2.0)
     rc = main(["status", "--topology", str(topo_file)])
     err = capsys.readouterr().err
     assert rc == 1
@@ -61,8 +61,8 @@ def test_status_shows_which_surfaces_are_protected_and_how(tmp_path, monkeypatch
                  ray_head_pid=None, etcd_endpoints=[f"127.0.0.1:{free_port()}"], etcd_pid=None,
                  queue_name="q", model="m").save(state_path(topo))
     # Neither Ray (nor this process's Ray settings: the topology asks for token auth) is in play.
-    monkeypatch.setattr(launch, "_queue_stats_as", lambda topo, state: None)
-    monkeypatch.setattr(launch, "STATUS_ETCD_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(status_cmd, "_queue_stats_as", lambda topo, state: None)
+    monkeypatch.setattr(status_cmd, "STATUS_ETCD_TIMEOUT_S", 1.0)
     main(["status", "--topology", str(topo_file)])  # etcd is down: membership unknown, security still shown
     out = capsys.readouterr().out
     line = lambda name: next(ln for ln in out.splitlines() if ln.startswith(f"  {name} "))  # noqa: E731

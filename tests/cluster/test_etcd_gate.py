@@ -14,7 +14,8 @@ import pytest
 from aetcd import rpc
 
 from pdserve.control.etcd_auth import ClusterAccess, EtcdAccessDenied, bootstrap_rbac
-from pdserve.control.etcd_gate import EtcdGate, GatePolicy, _within
+from pdserve.control.etcd_gate_policy import GatePolicy, _within
+from pdserve.control.etcd_gate_server import EtcdGate
 from pdserve.control.keys import Keyspace
 from pdserve.control.registry import Registry
 from tests.cluster.test_etcd_security import FAST, SLOTS, TTL_S, launcher_topology, worker, worker_certs
@@ -199,7 +200,8 @@ def test_pdserve_up_starts_the_gate_beside_its_etcd_and_workers_get_its_endpoint
     """The launcher's etcd step with `etcd.gate`: etcd, its RBAC with the workers' users
     granted nothing, and the gate; a worker registers through the gate's endpoint, the same
     certificate gets nothing from etcd directly, and the operator still reaches etcd."""
-    from pdserve.launcher import Launcher, _terminate_group
+    from pdserve.launcher import Launcher
+    from pdserve.processes import terminate_group
 
     topo, state = launcher_topology(secure_etcd, tmp_path, "gated", ["prefill-0", "decode-0"], "gate: {}")
     lines = []
@@ -223,9 +225,9 @@ def test_pdserve_up_starts_the_gate_beside_its_etcd_and_workers_get_its_endpoint
         asyncio.run(attempts())
     finally:
         if state.gate_pid:
-            _terminate_group(state.gate_pid, "etcd gate", lambda line: None)
+            terminate_group(state.gate_pid, "etcd gate", lambda line: None)
         if state.etcd_pid:
-            _terminate_group(state.etcd_pid, "etcd", lambda line: None, own_group=False)
+            terminate_group(state.etcd_pid, "etcd", lambda line: None, own_group=False)
 
 
 def test_a_gate_without_what_it_needs_is_refused_naming_the_setting(tmp_path):

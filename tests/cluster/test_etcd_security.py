@@ -296,7 +296,8 @@ def launcher_topology(secure, tmp_path, cluster: str, worker_ids: list[str], etc
 def test_pdserve_up_starts_its_etcd_with_tls_and_rbac(secure_etcd, tmp_path):
     """The launcher's etcd step: TLS listeners, users and roles before any worker starts: one
     per worker id the topology and its autoscale policy can run, and none shared."""
-    from pdserve.launcher import Launcher, _terminate_group
+    from pdserve.launcher import Launcher
+    from pdserve.processes import terminate_group
 
     topo, state = launcher_topology(secure_etcd, tmp_path, "launched", ["prefill-0", "prefill-1", "decode-0"])
     lines = []
@@ -325,7 +326,7 @@ def test_pdserve_up_starts_its_etcd_with_tls_and_rbac(secure_etcd, tmp_path):
 
         asyncio.run(attempts())
     finally:
-        _terminate_group(state.etcd_pid, "etcd", lambda line: None, own_group=False)
+        terminate_group(state.etcd_pid, "etcd", lambda line: None, own_group=False)
 
 
 # -- certificates and settings (no etcd) ------------------------------------------------
@@ -466,7 +467,8 @@ def test_each_worker_config_picks_the_certificate_of_its_worker_id(tmp_path):
 
 
 def test_the_planner_reuses_free_ids_within_the_slots_and_names_the_setting_when_none_is_left():
-    from pdserve.planner.core import NoWorkerSlot, Planner
+    from pdserve.planner.act import NoWorkerSlot
+    from pdserve.planner.core import Planner
     from pdserve.planner.decide import Decision
     from pdserve.planner.observe import Snapshot
 

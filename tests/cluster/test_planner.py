@@ -16,8 +16,9 @@ import json
 import pytest
 
 from pdserve.control.registry import Registry, WorkerInfo
-from pdserve.planner.core import Planner, read_decisions, read_planner
+from pdserve.planner.core import Planner
 from pdserve.planner.policy import parse_autoscale
+from pdserve.planner.state import read_decisions, read_planner
 
 POLICY = """\
 autoscale:

@@ -85,12 +85,12 @@ class Etcd:
         return self._run(lambda reg: reg.members())
 
     def planner(self) -> dict:
-        from pdserve.planner.core import read_planner
+        from pdserve.planner.state import read_planner
 
         return self._run(read_planner)
 
     def decisions(self) -> list[dict]:
-        from pdserve.planner.core import read_decisions
+        from pdserve.planner.state import read_decisions
 
         return self._run(lambda reg: read_decisions(reg, 1000))
 

@@ -20,7 +20,8 @@ import fake_flashinfer  # noqa: E402
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine import attention  # noqa: E402
-from pdserve.engine.attention import BatchLayout, FlashInferAttention, PagedPlan  # noqa: E402
+from pdserve.engine.attention import FlashInferAttention, PagedPlan  # noqa: E402
+from pdserve.engine.attention_base import BatchLayout  # noqa: E402
 from pdserve.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 
 

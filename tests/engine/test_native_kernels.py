@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import LLM, SamplingParams, native
-from pdserve.engine.attention import NATIVE_MAX_QUERY, BatchLayout, TorchAttention, make_backend
+from pdserve.engine.attention import make_backend
+from pdserve.engine.attention_base import BatchLayout
 from pdserve.engine.config import ConfigError
 from pdserve.engine.linear import PackedLinear, pack_linears, resolve_linear_backend
+from pdserve.engine.torch_attention import NATIVE_MAX_QUERY, TorchAttention
 
 CPU = torch.device("cpu")
 lib = native.load()

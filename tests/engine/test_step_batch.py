@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention import BatchLayout, TorchAttention, split_by_length
+from pdserve.engine.attention_base import BatchLayout
 from pdserve.engine.block_manager import KVCacheManager
 from pdserve.engine.model import apply_rope_
 from pdserve.engine.request import Request, SamplingParams
 from pdserve.engine.sampler import first_argmax
 from pdserve.engine.step_batch import build_step_batch
+from pdserve.engine.torch_attention import TorchAttention, split_by_length
 
 BS = 4  # small blocks: every sequence spans several
 

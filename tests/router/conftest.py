@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.router.costs import CostEstimates
-from pdserve.router.decide import ClusterSnapshot, RequestFeatures
 from pdserve.router.policy import RouterPolicy
+from pdserve.router.values import ClusterSnapshot, RequestFeatures
 
 KV_BYTES_PER_TOKEN = 128 * 1024
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.decide import RequestFeatures, decide
+from pdserve.router.decide import decide
+from pdserve.router.values import RequestFeatures
 
 
 def test_fully_cached_prompt_is_local_even_when_forced_remote(rt):

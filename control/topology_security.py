@@ -1,0 +1,154 @@
+"""The topology's security sections: etcd (endpoints, TLS and RBAC identities, the gate)
+and who may talk to the decode workers (their TLS and API keys).
+
+What each identity may do is control/etcd_auth.py's, the gate's checks control/etcd_gate_policy.py's,
+the API keys file's format control/security.py's; this module only holds the settings and
+checks that they fit together. The queue wire's TLS is the queue's section (topology_sections.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import pydantic
+from pydantic import Field
+
+from .etcd_auth import IDENTITIES as ETCD_IDENTITIES
+from .keys import parse_endpoints
+from .security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
+from .topology_sections import _Strict
+
+
+class CertKeySpec(_Strict):
+    """A certificate (PEM chain) and its private key."""
+
+    cert: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+
+
+class EtcdWorkersSpec(_Strict):
+    """One etcd identity per worker id (control/etcd_auth.py): `dir` holds `<worker_id>.pem`
+    and `<worker_id>-key.pem` (CN `worker/<cluster>/<worker_id>`), and each worker may write
+    only its own record and NIXL metadata. `slots`: per role, how many ids (`<role>-0` ..
+    `<role>-N-1`) get a user and a certificate; default: the larger of the role's replicas and
+    the autoscale policy's max_replicas."""
+
+    dir: str = Field(min_length=1)
+    slots: dict[Literal["prefill", "decode"], Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+
+
+class EtcdTlsSpec(_Strict):
+    """TLS, client certificates and RBAC for etcd (control/etcd_auth.py, docs/security.md).
+    `ca` signed etcd's server certificate and every client certificate. Each process
+    connects as one identity, the user etcd reads from its certificate's common name:
+    workers as their own (`workers`) or as the shared `worker`, the `pdserve` commands, the
+    launcher and the planner as `operator`; `root` only sets up users and roles (the launcher,
+    for an embedded etcd). List the identities this host's processes use; `server` is the
+    embedded etcd's own."""
+
+    ca: str = Field(min_length=1)
+    server: CertKeySpec | None = None
+    root: CertKeySpec | None = None
+    operator: CertKeySpec | None = None
+    worker: CertKeySpec | None = None
+    workers: EtcdWorkersSpec | None = None
+
+    def files(self) -> list[tuple[str, str]]:
+        """(dotted key, path) of every file it names."""
+        out = [("etcd.tls.ca", self.ca)]
+        for name in ("server", *ETCD_IDENTITIES):
+            spec = getattr(self, name)
+            if spec is not None:
+                out += [(f"etcd.tls.{name}.cert", spec.cert), (f"etcd.tls.{name}.key", spec.key)]
+        return out
+
+
+class EtcdGateSpec(_Strict):
+    """Workers reach etcd only through the etcd gate (control/etcd_gate.py), which scopes
+    each to its own keys and leases and refuses compaction; their etcd users get no grants.
+    `port`: where the gate listens (0: a free port), on the embedded etcd's address."""
+
+    port: int = Field(0, ge=0, le=65535)
+
+
+class EtcdSpec(_Strict):
+    """etcd endpoints ("host:port"); none = start an embedded etcd on loopback. `tls`:
+    TLS with client certificates and RBAC (an embedded etcd then needs `tls.server` and
+    `tls.root`). `gate`: workers go through the etcd gate (needs `tls` with `server` and
+    `operator`, and an embedded etcd: `pdserve up` starts the gate beside it)."""
+
+    endpoints: list[str] = Field(default_factory=list)
+    data_dir: str | None = None  # embedded only; default <run_dir>/etcd
+    lease_ttl_s: float = Field(10.0, ge=2.0)
+    tls: EtcdTlsSpec | None = None
+    gate: EtcdGateSpec | None = None
+
+    @pydantic.field_validator("endpoints")
+    @classmethod
+    def _endpoints_parse(cls, value: list[str]) -> list[str]:
+        if value:
+            parse_endpoints(value)
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _embedded_tls_is_complete(self) -> "EtcdSpec":
+        if self.tls is not None and not self.endpoints:
+            missing = [f"tls.{k}" for k in ("server", "root") if getattr(self.tls, k) is None]
+            if missing:
+                raise ValueError(f"an embedded etcd (no endpoints) with tls needs {' and '.join(missing)}: its "
+                                 "own certificate, and the root identity that sets up its users and roles")
+        if self.gate is not None:
+            missing = ["tls"] if self.tls is None else [
+                f"tls.{k}" for k in ("server", "operator") if getattr(self.tls, k) is None]
+            if missing:
+                raise ValueError(f"gate needs {' and '.join(missing)}: the gate serves workers over TLS with the "
+                                 "server certificate and acts as the operator identity towards etcd")
+            if self.endpoints:
+                raise ValueError("gate: `pdserve up` starts the gate beside the etcd it embeds; with etcd.endpoints "
+                                 "set, run `python -m pdserve.control.etcd_gate` yourself and give the workers its "
+                                 "endpoint (docs/security.md)")
+        return self
+
+
+class TlsSpec(_Strict):
+    """TLS for the decode workers' gRPC and HTTP (PEM files). `client_ca` set: mutual TLS,
+    clients must present a certificate it signed. `ca`: what the cluster's own tools (the
+    launcher's health check, `pdserve demo`) verify the workers' certificate with; default
+    `client_ca`, and with neither the system's trust store."""
+
+    cert: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+    client_ca: str | None = None
+    ca: str | None = None
+
+
+class ApiKeysSpec(_Strict):
+    """API keys: a file of hashed keys, one per line (format: control/security.py,
+    docs/security.md), re-read by the workers when it changes."""
+
+    file: str = Field(min_length=1)
+
+
+class SecuritySpec(_Strict):
+    """Who may talk to the decode workers (docs/security.md). Off by default: fine on
+    loopback, required when hosts share a network with anything else. `open_paths` (HTTP,
+    exact paths) and `open_grpc_services` stay reachable without a key."""
+
+    tls: TlsSpec | None = None
+    api_keys: ApiKeysSpec | None = None
+    open_paths: list[str] = Field(default_factory=lambda: list(DEFAULT_OPEN_PATHS))
+    open_grpc_services: list[str] = Field(default_factory=lambda: list(DEFAULT_OPEN_GRPC_SERVICES))
+
+    @pydantic.field_validator("open_paths")
+    @classmethod
+    def _paths_are_absolute(cls, value: list[str]) -> list[str]:
+        bad = [p for p in value if not p.startswith("/")]
+        if bad:
+            raise ValueError(f"paths must start with '/', got {bad}")
+        return value
+
+    def files(self) -> list[tuple[str, str]]:
+        """(dotted key, path) of every file it names."""
+        out = [(f"security.tls.{k}", getattr(self.tls, k)) for k in ("cert", "key", "client_ca", "ca")
+               if self.tls is not None and getattr(self.tls, k)]
+        return out + ([("security.api_keys.file", self.api_keys.file)] if self.api_keys else [])

@@ -1,0 +1,143 @@
+"""`pdserve status`: what a running topology looks like from etcd, the queue and the planner.
+
+Members and their load (etcd), workers `up` started that are not registered, the
+prefill queue's depth and counters (through Ray), the planner's summary, and which
+surfaces the topology protects (docs/security.md). `--json` prints it as one object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from pdserve.topology_args import load_topology_arg
+
+STATUS_ETCD_TIMEOUT_S = 5.0
+
+
+def status(args) -> int:
+    """`pdserve status`: members, the queue, the planner and what the topology protects; 0 when
+    every worker `up` started is registered."""
+    from pdserve.control.records import TRANSIENT_ERRORS, short_error
+    from pdserve.launcher import ClusterState, state_path
+
+    topo = load_topology_arg(args.topology)
+    state = ClusterState.load(state_path(topo))
+    security = _security(topo)
+    try:
+        members = asyncio.run(asyncio.wait_for(_members(state, _status_tls(topo)), STATUS_ETCD_TIMEOUT_S))
+    except (*TRANSIENT_ERRORS, asyncio.TimeoutError) as exc:
+        # etcd down or restarting: say so in one line and still show the queue.
+        print(f"pdserve status: etcd at {', '.join(state.etcd_endpoints)} did not answer within "
+              f"{STATUS_ETCD_TIMEOUT_S:.0f} s ({short_error(exc)}); membership unknown. Is etcd running? "
+              "(`pdserve up` starts it for local clusters)", file=sys.stderr)
+        members = None
+    queue = _queue_stats_as(topo, state)
+    if args.json:
+        print(json.dumps({"cluster": state.cluster, "members": members, "queue": queue,
+                          "etcd": state.etcd_endpoints, "etcd_gate": state.gate_endpoints,
+                          "security": [s.to_dict() for s in security]}, indent=2))
+        return 0 if members is not None else 1
+    gate = f", workers through the etcd gate at {', '.join(state.gate_endpoints)}" if state.gate_endpoints else ""
+    print(f"cluster {state.cluster}  (etcd {', '.join(state.etcd_endpoints)}{gate}, ray {state.ray_address})")
+    if members is None:
+        _print_queue(state, queue)
+        _print_security(security, topo.network.bind)
+        return 1
+    print(f"{'worker':<14} {'role':<8} {'host (address)':<30} {'endpoints':<44} load")
+    for wid, m in sorted(members.items()):
+        host = f"{m.get('hostname') or '?'} ({m.get('address') or '?'})"
+        eps = " ".join(f"{k}={v}" for k, v in m["endpoints"].items()) or "-"
+        load = " ".join(f"{k}={v}" for k, v in m["load"].items()) or "-"
+        print(f"{wid:<14} {m['role']:<8} {host:<30} {eps:<44} {load}")
+    planner, drained = _planner_lines(state, _status_tls(topo))
+    # Workers the planner drained on purpose are not missing.
+    missing = {a["worker_id"] for a in state.actors} - set(members) - drained
+    for wid in sorted(missing):
+        print(f"{wid:<14} MISSING  (started by `up`, not registered: dead or restarting)")
+    _print_queue(state, queue)
+    for line in planner:
+        print(line)
+    _print_security(security, topo.network.bind)
+    return 0 if not missing else 1
+
+
+def _security(topo):
+    from pdserve.protection import surfaces
+
+    return surfaces(topo)
+
+
+def _print_security(security, bind: str) -> None:
+    """Which surfaces the topology protects and how (docs/security.md, "What is protected")."""
+    print(f"security (as the topology configures it; servers bind {bind}; docs/security.md):")
+    width = max(len(s.name) for s in security)
+    for s in security:
+        hint = f"  [set {s.setting}]" if s.setting else ""
+        print(f"  {s.name:<{width}}  {s.protected:<6} {s.how}{hint}")
+
+
+def _queue_stats_as(topo, state) -> dict | None:
+    """The queue's stats, reached through Ray with the topology's authentication (ray.auth)."""
+    from pdserve.ray_auth import RayAuthError, apply_ray_auth
+
+    try:
+        apply_ray_auth(topo)
+    except RayAuthError as exc:
+        print(f"(prefill queue not reachable: {exc})", file=sys.stderr)
+        return None
+    return _queue_stats(state)
+
+
+def _status_tls(topo):
+    """`status` only reads: as the operator, or as a worker on a host that has only that."""
+    return topo.etcd_tls("operator", "worker")
+
+
+def _planner_lines(state, tls=None) -> tuple[list[str], set[str]]:
+    from pdserve.control.registry import Registry
+    from pdserve.planner_cmd import planner_summary
+
+    async def go():
+        async with Registry(state.etcd_endpoints, state.cluster, tls=tls) as reg:
+            return await planner_summary(reg)
+
+    try:
+        return asyncio.run(asyncio.wait_for(go(), STATUS_ETCD_TIMEOUT_S))
+    except Exception as exc:  # noqa: BLE001  (status shows the rest anyway)
+        return [f"planner: unknown ({exc.__class__.__name__})"], set()
+
+
+def _print_queue(state, queue: dict | None) -> None:
+    if queue:
+        print(f"prefill queue {state.queue_name}: depth {queue['depth']}, {queue['queued_tokens']} tokens queued, "
+              f"in flight {queue['in_flight']}, oldest wait {queue['oldest_wait_ms']:.0f} ms")
+        c = queue["counters"]
+        print(f"  tasks put {c.get('put', 0)}, dispatched {c.get('dispatched', 0)}, completed {c.get('completed', 0)}, "
+              f"requeued {c.get('requeued', 0)}; wire: {c.get('wire_connections', 0)} connections, "
+              f"{c.get('wire_calls', 0)} calls, {c.get('wire_errors', 0)} errors")
+
+
+async def _members(state, tls=None) -> dict:
+    from pdserve.control.registry import Registry
+
+    async with Registry(state.etcd_endpoints, state.cluster, tls=tls) as reg:
+        members = await reg.members()
+    return {wid: {"role": m.role, "hostname": m.hostname, "address": m.address, "endpoints": m.endpoints,
+                  "load": m.load} for wid, m in members.items()}
+
+
+def _queue_stats(state) -> dict | None:
+    import ray
+
+    try:
+        ray.init(address=state.ray_address, namespace=state.namespace, log_to_driver=False)
+        st = ray.get(ray.get_actor(state.queue_name, namespace=state.namespace).stats.remote(), timeout=10)
+        return {"depth": st.depth, "queued_tokens": st.queued_tokens, "in_flight": st.in_flight,
+                "oldest_wait_ms": st.oldest_wait_ms, "counters": st.counters}
+    except Exception as exc:  # noqa: BLE001  (status must still show the members)
+        print(f"(prefill queue not reachable: {exc.__class__.__name__})", file=sys.stderr)
+        return None
+    finally:
+        ray.shutdown()
