@@ -218,6 +218,13 @@ class EngineConfig:
     # Linear layers: auto (oneDNN-packed weights for float32 on CPU, else torch) | torch | onednn
     # (engine/linear.py: MKL's small-batch sgemm is slow on the CPU; oneDNN is not bit-identical).
     linear_backend: str = "auto"
+    # Tensor parallelism inside this worker (engine/tensor_parallel.py): ranks are processes on this
+    # host; rank 0 is this process (it schedules and samples). tp_comm: auto (NCCL on GPU, shared
+    # memory on CPU) | shm | gloo | nccl. tp_threads_per_rank: CPU threads of each rank (default:
+    # this process's cores / ranks).
+    tensor_parallel_size: int = 1
+    tp_comm: str = "auto"
+    tp_threads_per_rank: int | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -248,6 +255,15 @@ class EngineConfig:
             raise ConfigError(f"scheduling_policy={self.scheduling_policy!r}; use fcfs or priority")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.tp_comm not in ("auto", "shm", "gloo", "nccl"):
+            raise ConfigError(f"tp_comm={self.tp_comm!r}; use auto, shm, gloo or nccl")
+        if self.tp_threads_per_rank is not None and self.tp_threads_per_rank < 1:
+            raise ConfigError(f"tp_threads_per_rank={self.tp_threads_per_rank} must be >= 1")
+        if self.tensor_parallel_size > 1 and self.cuda_graphs:
+            raise ConfigError("cuda_graphs=True is not supported with tensor_parallel_size > 1 yet; "
+                              "set cuda_graphs=False")
         if self.cuda_graph_max_batch < 1:
             raise ConfigError(f"cuda_graph_max_batch={self.cuda_graph_max_batch} must be >= 1")
 

@@ -26,6 +26,7 @@ from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
 from .step_budget import StepCost, StepTargets, attention_pairs, plan_budget
 from .tokenizer import Tokenizer
+from .tp_group import TPGroupBroken
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ class LLMEngine:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = set(eos)
         self.connector = KVConnector(self)  # the remote-KV seam disaggregated workers use
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (engine/tp_group.py); a no-op at TP=1."""
+        self.runner.close()
 
     def _max_model_len(self) -> int:
         m = self.model_config
@@ -219,6 +224,8 @@ class LLMEngine:
             if on_plan is not None:
                 layer_hook = on_plan(plan.scheduled) or layer_hook
             logits, sampling = self.runner.execute(plan.scheduled, self.kv, layer_hook)
+        except TPGroupBroken:
+            raise  # not this step's requests' fault: the engine cannot step again (the worker exits)
         except Exception as exc:
             # Nothing of the step was committed (computed counts move only below).
             raise StepError(exc, [r.request_id for r, _ in plan.scheduled]) from exc

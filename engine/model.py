@@ -19,6 +19,7 @@ from torch import nn
 from .attention_base import AttentionBackend
 from .config import ConfigError, ModelConfig, RopeConfig
 from .kv_ready import layer_ready
+from .tensor_parallel import Shard, whole
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -76,20 +77,26 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """One layer, or its tensor-parallel shard (engine/tensor_parallel.py): this rank's heads
+    and intermediate rows; ``comm`` sums the row-parallel outputs over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm=None):
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.comm = comm
+        self.num_heads = len(shard.q_heads)
+        self.num_kv_heads = len(shard.kv_heads)
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        inter = len(shard.inter)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # q, k, v fused into one matmul; gate and up likewise.
+        # q, k, v fused into one matmul; gate and up likewise. Row-parallel biases: rank 0's only.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.architecture != "qwen2")
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size,
+                                bias=cfg.attention_bias and cfg.architecture != "qwen2" and shard.is_root)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias and shard.is_root)
 
     def forward(self, x, cos, sin, layer_kv, backend: AttentionBackend, meta) -> torch.Tensor:
         t = x.shape[0]
@@ -103,22 +110,31 @@ class DecoderLayer(nn.Module):
         attn = backend.forward(layer_kv, q, k, v, meta)
         # Residual adds and the MLP activation run in place on fresh matmul outputs
         # (a + b == b + a bit for bit) to avoid a new activation-sized tensor each.
-        x = self.o_proj(attn.reshape(t, self.q_size)).add_(x)
+        o = self.o_proj(attn.reshape(t, self.q_size))
+        if self.comm is not None:
+            self.comm.all_reduce_(o)
+        x = o.add_(x)
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up)).add_(x)
+        d = self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        if self.comm is not None:
+            self.comm.all_reduce_(d)
+        return d.add_(x)
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head."""
+    """Embedding, decoder layers, final norm and LM head (of one tensor-parallel rank when
+    ``shard`` is given: a vocabulary slice of the embedding and LM head)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard | None = None, comm=None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.shard = shard or whole(cfg)
+        self.comm = comm
+        self.embed_tokens = nn.Embedding(self.shard.vocab_per_rank, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.shard.vocab_per_rank, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
@@ -129,33 +145,64 @@ class CausalLM(nn.Module):
         # [T, 1, D]: broadcast over heads.
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: ids outside this rank's slice embed to zero; the sum has one term.
+        local = input_ids - self.shard.vocab.start
+        inside = (local >= 0) & (local < len(self.shard.vocab))
+        x = self.embed_tokens(local.clamp_(0, self.shard.vocab_per_rank - 1))
+        x.mul_(inside[:, None].to(x.dtype))
+        return self.comm.all_reduce_(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits over the whole vocabulary (at rank 0; None on the other ranks)."""
+        local = self.lm_head(x).float()
+        if self.comm is None:
+            return local
+        parts = self.comm.gather(local)
+        if parts is None:
+            return None
+        return torch.cat(parts, dim=1)[:, : self.cfg.vocab_size]
+
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, backend, meta, logits_indices,
-                layer_hook=None) -> torch.Tensor:
-        """Return logits [len(logits_indices), vocab] in float32.
+                layer_hook=None) -> torch.Tensor | None:
+        """Return logits [len(logits_indices), vocab] in float32 (None on a rank other than 0).
 
         ``layer_hook(l, ready)``, when given, runs right after layer ``l`` was
         issued (used to stream pages layer by layer to a decode worker); its KV
         pages are final once ``ready`` says so (engine/kv_ready.py: a CUDA event
         recorded after the layer; on CPU always ready).
         """
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         for l, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[l], backend, meta)
             if layer_hook is not None:
                 layer_hook(l, layer_ready(x.device))
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        return self.logits(self.norm(x[logits_indices]))
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the model and load HF safetensors weights, fusing q/k/v and gate/up."""
+def _rows(t: torch.Tensor, part: range, per: int = 1) -> torch.Tensor:
+    """Rows ``[part.start * per, part.stop * per)`` of ``t`` (dim 0)."""
+    return t[part.start * per:part.stop * per]
+
+
+def _cols(t: torch.Tensor, part: range, per: int = 1) -> torch.Tensor:
+    return t[:, part.start * per:part.stop * per]
+
+
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard: Shard | None = None,
+               comm=None) -> CausalLM:
+    """Build the model (or one rank's shard of it) and load HF safetensors weights, fusing
+    q/k/v and gate/up."""
     files = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
     if not files:
         raise ConfigError(f"model={cfg.path!r}: no *.safetensors weight files in that directory")
+    shard = shard or whole(cfg)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, shard, comm)
     model = model.to_empty(device=device).to(dtype)
     model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
     tensors: dict[str, torch.Tensor] = {}
@@ -179,10 +226,20 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Ca
         with torch.no_grad():
             param.copy_(value.to(dtype))
 
-    put(model.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+    def vocab_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+        if t.shape[0] != cfg.vocab_size:
+            raise ConfigError(f"model={cfg.path!r}: weight {name} has {t.shape[0]} rows, config.json "
+                              f"says vocab_size={cfg.vocab_size}")
+        part = _rows(t, shard.vocab)
+        pad = shard.vocab_per_rank - part.shape[0]
+        return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part
+
+    hd = cfg.head_dim
+    put(model.embed_tokens.weight, vocab_rows(take("model.embed_tokens.weight"), "embed_tokens"),
+        "model.embed_tokens.weight")
     put(model.norm.weight, take("model.norm.weight"), "model.norm.weight")
     if not cfg.tie_word_embeddings:
-        put(model.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        put(model.lm_head.weight, vocab_rows(take("lm_head.weight"), "lm_head"), "lm_head.weight")
     else:
         model.lm_head.weight = model.embed_tokens.weight
         tensors.pop("lm_head.weight", None)
@@ -190,18 +247,26 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Ca
         p = f"model.layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
             put(getattr(layer, norm).weight, take(p + norm + ".weight"), p + norm)
-        qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        heads = {"q": shard.q_heads, "k": shard.kv_heads, "v": shard.kv_heads}
+        qkv = [_rows(take(p + f"self_attn.{n}_proj.weight"), heads[n], hd) for n in "qkv"]
         put(layer.qkv_proj.weight, torch.cat(qkv), p + "self_attn.qkv")
         if layer.qkv_proj.bias is not None:
-            put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "qkv.bias")
-        put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj")
+            bias = [_rows(take(p + f"self_attn.{n}_proj.bias"), heads[n], hd) for n in "qkv"]
+            put(layer.qkv_proj.bias, torch.cat(bias), p + "qkv.bias")
+        put(layer.o_proj.weight, _cols(take(p + "self_attn.o_proj.weight"), shard.q_heads, hd), p + "self_attn.o_proj")
+        o_bias = tensors.pop(p + "self_attn.o_proj.bias", None)
         if layer.o_proj.bias is not None:
-            put(layer.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "o_proj.bias")
-        gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+            if o_bias is None:
+                raise ConfigError(f"model={cfg.path!r}: weight {p}self_attn.o_proj.bias is missing")
+            put(layer.o_proj.bias, o_bias, p + "o_proj.bias")
+        gate, up = (_rows(take(p + f"mlp.{n}_proj.weight"), shard.inter) for n in ("gate", "up"))
         put(layer.gate_up_proj.weight, torch.cat([gate, up]), p + "mlp.gate_up")
-        put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj")
+        put(layer.down_proj.weight, _cols(take(p + "mlp.down_proj.weight"), shard.inter), p + "mlp.down_proj")
         if layer.gate_up_proj.bias is not None:
-            put(layer.gate_up_proj.bias, torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]), p + "gate_up.bias")
-            put(layer.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "down.bias")
+            gate_b, up_b = (_rows(take(p + f"mlp.{n}_proj.bias"), shard.inter) for n in ("gate", "up"))
+            put(layer.gate_up_proj.bias, torch.cat([gate_b, up_b]), p + "gate_up.bias")
+            down_b = take(p + "mlp.down_proj.bias")
+            if layer.down_proj.bias is not None:
+                put(layer.down_proj.bias, down_b, p + "down.bias")
     model.eval()
     return model

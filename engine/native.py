@@ -34,7 +34,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_decode.c")
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCE = os.path.join(CSRC, "paged_decode.c")
 BUILD_TIMEOUT_S = 120.0
 _lock = threading.Lock()
 _state: dict = {}
@@ -66,22 +67,23 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(cc: str) -> str:
-    with open(SOURCE, "rb") as f:
+def _build(cc: str, source_path: str = SOURCE) -> str:
+    with open(source_path, "rb") as f:
         source = f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
     key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()
                          + _cpu_flags().encode() + platform.machine().encode()).hexdigest()[:16]
     out_dir = cache_dir()
-    path = os.path.join(out_dir, f"paged_decode-{key}.so")
+    stem = os.path.splitext(os.path.basename(source_path))[0]
+    path = os.path.join(out_dir, f"{stem}-{key}.so")
     if os.path.isfile(path):
         return path
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *flags, "-o", tmp, SOURCE], capture_output=True, text=True,
+        res = subprocess.run([cc, *flags, "-o", tmp, source_path], capture_output=True, text=True,
                              timeout=BUILD_TIMEOUT_S)
         if res.returncode != 0:
             raise RuntimeError(f"{os.path.basename(cc)} failed: {res.stderr.strip()[-500:]}")
@@ -89,15 +91,17 @@ def _build(cc: str) -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built the native CPU kernels: %s", path)
+    log.info("built the native CPU library %s", path)
     return path
 
 
-def load():
-    """The kernel library (ctypes), building it on first use; None when it cannot be had."""
+def load_library(source_name: str, declare):
+    """The library built from ``csrc/<source_name>`` (ctypes), building it on first use and
+    calling ``declare(lib)`` to set its functions' signatures; None when it cannot be had
+    (the reason: ``why_unavailable(source_name)``)."""
     with _lock:
-        if "lib" in _state:
-            return _state["lib"]
+        if source_name in _state:
+            return _state[source_name][0]
         lib, why = None, None
         if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"):
             why = f"native kernels are built for Linux x86_64/aarch64, not {platform.system()} {platform.machine()}"
@@ -105,21 +109,33 @@ def load():
             why = "no C compiler found ($CC, cc or gcc)"
         else:
             try:
-                lib = ctypes.CDLL(_build(cc))
-                fn = lib.pdserve_paged_decode_f32
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                               ctypes.c_float, i64, ctypes.c_int]
-                fn.restype = ctypes.c_int
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                lib, why = None, f"building the native kernels failed: {exc}"
-        _state["lib"], _state["why"] = lib, why
+                lib = ctypes.CDLL(_build(cc, os.path.join(CSRC, source_name)))
+                declare(lib)
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+                lib, why = None, f"building {source_name} failed: {exc}"
+        _state[source_name] = (lib, why)
         return lib
 
 
-def why_unavailable() -> str | None:
-    load()
-    return _state.get("why")
+def _declare_paged_decode(lib) -> None:
+    fn = lib.pdserve_paged_decode_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+
+
+def load():
+    """The kernel library (ctypes), building it on first use; None when it cannot be had."""
+    return load_library("paged_decode.c", _declare_paged_decode)
+
+
+def why_unavailable(source_name: str = "paged_decode.c") -> str | None:
+    """Why that library could not be had (None when it loaded or was never asked for); asking
+    about the kernels builds them first."""
+    if source_name == "paged_decode.c":
+        load()
+    entry = _state.get(source_name)
+    return entry[1] if entry else None
 
 
 def check_rows(qidx: np.ndarray, lens: np.ndarray, tables: np.ndarray, num_rows: int, num_blocks: int,

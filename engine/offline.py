@@ -24,6 +24,16 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any (also on ``with LLM(...)`` exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  timeout_s: float | None = None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

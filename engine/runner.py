@@ -17,7 +17,9 @@ from .config import ConfigError, EngineConfig, ModelConfig, dtype_name, parse_dt
 from .linear import pack_linears
 from .model import load_model
 from .request import Request
-from .step_batch import build_step_batch
+from .step_batch import StepBatch, build_step_batch
+from .tensor_parallel import check_tp, make_shard
+from .tp_group import TPGroup, TPGroupBroken
 
 log = logging.getLogger(__name__)
 
@@ -77,35 +79,72 @@ def resolve_dtype(cfg: EngineConfig, model_cfg: ModelConfig, device: torch.devic
 
 
 class ModelRunner:
-    """Owns the model weights, the KV pool tensor and the attention backend."""
+    """Owns the model weights, the KV pool tensor and the attention backend.
 
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig):
+    With ``tensor_parallel_size > 1`` this is one rank's runner: rank 0 (``rank=0``, the
+    engine's) starts the other ranks (engine/tp_group.py) and sends them each step; they run
+    `run_step` (engine/tp_rank.py). Each rank's pool holds only its KV heads.
+    """
+
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, rank: int = 0, comm=None):
         self.device = resolve_device(cfg.device)
+        tp = cfg.tensor_parallel_size
+        if self.device.type == "cuda" and tp > 1:
+            self.device = torch.device("cuda", (self.device.index or 0) + rank)
         self.dtype = resolve_dtype(cfg, model_cfg, self.device)
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
+        check_tp(model_cfg, tp)
+        self.shard = make_shard(model_cfg, rank, tp)
+        self.group = TPGroup.start(cfg, self.device) if tp > 1 and rank == 0 else None
+        self.comm = self.group.comm if self.group is not None else comm
+        try:
+            self._load(cfg, model_cfg)
+        except BaseException as exc:
+            if self.group is not None:
+                self.group.fail(exc)
+            raise
+        if self.group is not None:
+            self.group.started()
+
+    def _load(self, cfg: EngineConfig, model_cfg: ModelConfig) -> None:
         held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.model = load_model(model_cfg, self.dtype, self.device)
+        self.model = load_model(model_cfg, self.dtype, self.device, self.shard, self.comm)
         # What this engine holds before its pool: its weights (other engines' memory excluded).
         self.own_bytes = torch.cuda.memory_allocated(self.device) - held if self.device.type == "cuda" else 0
         self.linear_backend = pack_linears(self.model, self.device, self.dtype, cfg.linear_backend)
+        self.num_kv_heads = len(self.shard.kv_heads)  # this rank's
         self.backend = make_backend(
             cfg.attention_backend, device=self.device, scale=model_cfg.head_dim ** -0.5,
-            num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
+            num_heads=len(self.shard.q_heads), num_kv_heads=self.num_kv_heads,
             head_dim=model_cfg.head_dim, dtype=self.dtype,
         )
         self.num_blocks = self._num_blocks(cfg)
+        if self.comm is not None:
+            self.num_blocks = self._agree_on_blocks(self.num_blocks)
         # One pool per process: [layers, blocks, K/V, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(
             model_cfg.num_layers, self.num_blocks, 2, cfg.block_size,
-            model_cfg.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=self.device,
+            self.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=self.device,
         )
+
+    def _agree_on_blocks(self, mine: int) -> int:
+        """Every rank's pool has the same number of blocks: the smallest any rank can hold (the
+        first collective, so it also waits for every rank to have loaded its shard)."""
+        device = self.device if self.comm.name == "nccl" else torch.device("cpu")
+        counts = self.comm.gather(torch.tensor([mine], dtype=torch.int64, device=device))
+        agreed = torch.tensor([min(int(c) for c in counts) if counts else 0], dtype=torch.int64, device=device)
+        return int(self.comm.broadcast_(agreed))
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.shard.size
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of one layer (K and V)."""
+        """Bytes of one block of one layer (K and V) in this rank's pool."""
         m = self.model_cfg
-        return 2 * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return 2 * self.block_size * self.num_kv_heads * m.head_dim * self.dtype.itemsize
 
     def _num_blocks(self, cfg: EngineConfig) -> int:
         if cfg.num_gpu_blocks_override is not None:
@@ -161,9 +200,25 @@ class ModelRunner:
             size = self.graphs.size_for(batch.layout)
             if size is not None:
                 return self.graphs.run(batch, size), batch.sampling
+        if self.group is None:
+            return self.run_step(batch, layer_hook), batch.sampling
+        try:
+            self.group.send_step(batch)
+            return self.run_step(batch, layer_hook), batch.sampling
+        except TPGroupBroken:
+            raise
+        except BaseException as exc:
+            raise self.group.fail(exc) from exc
+
+    def run_step(self, batch: StepBatch, layer_hook=None) -> torch.Tensor | None:
+        """Plan attention and run the model on one step's batch; logits at rank 0, None elsewhere."""
         meta = self.backend.plan(batch.layout, self.device)
-        logits = self.model(
+        return self.model(
             batch.input_ids, batch.positions, self.kv_cache, self.backend, meta,
             batch.logits_indices, layer_hook=layer_hook,
         )
-        return logits, batch.sampling
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at TP=1)."""
+        if self.group is not None:
+            self.group.close()

@@ -1,0 +1,72 @@
+"""How a model splits over the tensor-parallel ranks of one worker (Megatron-style).
+
+Each rank holds (engine/model.py builds the layers from a `Shard`, `load_model` slices the
+checkpoint by it):
+
+- attention: its query heads and the KV heads they read (`pdserve.common.heads`: split when
+  there are at least as many KV heads as ranks, replicated when fewer); the fused QKV
+  projection is column-parallel, ``o_proj`` row-parallel (one all-reduce);
+- MLP: a slice of the intermediate rows; gate/up column-parallel, ``down_proj``
+  row-parallel (one all-reduce);
+- embedding and LM head: a slice of the vocabulary (``ceil(vocab / tp)`` rows, the last
+  padded with zero rows); the embedding zeroes ids outside its slice and all-reduces, the
+  LM head's logits are gathered at rank 0, which samples;
+- a row-parallel layer's bias is added by rank 0 only (once in the sum);
+- the norms and RoPE tables are replicated.
+
+So a step costs ``2 x layers + 1`` all-reduces of ``[tokens, hidden]`` and one gather of
+``[sampled rows, vocab / tp]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.common.heads import HeadShardingError, check_tp_heads, kv_head_range, q_head_range
+
+from .config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    size: int
+    q_heads: range  # global query heads
+    kv_heads: range  # global KV heads (the pool's heads, in order)
+    inter: range  # rows of the MLP's intermediate dimension
+    vocab: range  # vocabulary rows held (the last rank's may be short)
+    vocab_per_rank: int  # rows of every rank's embedding / LM head (padded)
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """`ConfigError` naming what to change when the model cannot be split over ``tp`` ranks."""
+    try:
+        check_tp_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+    except HeadShardingError as exc:
+        raise ConfigError(f"{exc} (model {cfg.model_id})") from None
+    if cfg.intermediate_size % tp:
+        raise ConfigError(f"tensor_parallel_size={tp} must divide the model's intermediate_size="
+                          f"{cfg.intermediate_size} (model {cfg.model_id})")
+
+
+def make_shard(cfg: ModelConfig, rank: int, tp: int) -> Shard:
+    check_tp(cfg, tp)
+    inter = cfg.intermediate_size // tp
+    vocab_per = -(-cfg.vocab_size // tp)
+    return Shard(
+        rank=rank, size=tp,
+        q_heads=q_head_range(cfg.num_heads, tp, rank),
+        kv_heads=kv_head_range(cfg.num_kv_heads, tp, rank),
+        inter=range(rank * inter, (rank + 1) * inter),
+        vocab=range(min(rank * vocab_per, cfg.vocab_size), min((rank + 1) * vocab_per, cfg.vocab_size)),
+        vocab_per_rank=vocab_per,
+    )
+
+
+def whole(cfg: ModelConfig) -> Shard:
+    """The single-rank 'shard': everything."""
+    return make_shard(cfg, 0, 1)

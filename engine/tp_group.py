@@ -1,0 +1,194 @@
+"""The tensor-parallel ranks of one worker, as rank 0 (the engine's process) sees them.
+
+Rank 0 is the process that runs the engine: it schedules, samples, and sends each step's
+plan (engine/tp_step.py) to ranks 1..N-1, which are child processes running
+engine/tp_rank.py on the same host. `TPGroup.start` creates the communicator
+(engine/tp_comm.py) and spawns the ranks; `close` stops them (and a finalizer kills them
+if the engine is dropped without closing). A rank that exits breaks the group: rank 0's
+next collective raises `TPRankLost` naming it, and the group refuses every later step; the
+worker then exits and is restarted whole (Ray restarts the actor), as a rank's death
+takes the worker out.
+
+CPU threads: each rank runs ``tp_threads_per_rank`` torch threads (default: the cores this
+process may use, divided by the ranks). Ranks 1..N-1 are pinned to disjoint cores when
+there are enough; rank 0 is not pinned, since it also serves requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import asdict
+
+import torch
+
+from .config import ConfigError, EngineConfig
+from .tp_comm import Comm, ProcessGroupComm, ShmComm, TPRankLost, new_segment_name, shm_available
+from .tp_step import encode_step, stop_header
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0  # the other ranks load their weights within this
+STOP_TIMEOUT_S = 10.0
+
+
+class TPGroupBroken(RuntimeError):
+    """The ranks no longer run in step (one exited, or a step failed part-way): this engine
+    cannot run another step; restart the worker."""
+
+
+def usable_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def threads_per_rank(cfg: EngineConfig) -> int:
+    if cfg.tp_threads_per_rank:
+        return cfg.tp_threads_per_rank
+    return max(1, len(usable_cpus()) // cfg.tensor_parallel_size)
+
+
+def resolve_comm(cfg: EngineConfig, device: torch.device) -> str:
+    """``tp_comm`` after ``auto``: NCCL on GPU, shared memory on CPU (gloo when it cannot run)."""
+    want = cfg.tp_comm
+    if device.type == "cuda":
+        if want not in ("auto", "nccl"):
+            raise ConfigError(f"tp_comm={want!r} on a GPU engine; use tp_comm='nccl' (or 'auto')")
+        return "nccl"
+    if want == "nccl":
+        raise ConfigError("tp_comm='nccl' needs device='cuda'; on CPU use tp_comm='shm' or 'gloo' (or 'auto')")
+    if want in ("auto", "shm"):
+        why = shm_available()
+        if why is None:
+            return "shm"
+        if want == "shm":
+            raise ConfigError(f"tp_comm='shm' is unavailable here: {why}; use tp_comm='gloo'")
+        log.warning("tensor parallelism: shared-memory collectives unavailable (%s); using gloo", why)
+        return "gloo"
+    return want
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # the ranks of one worker share a host: loopback only
+        return s.getsockname()[1]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Last resort (finalizer): end the rank processes without talking to them."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class TPGroup:
+    def __init__(self, cfg: EngineConfig, comm: Comm, procs: list[subprocess.Popen], threads: int,
+                 restore_threads: int):
+        self.cfg, self.comm, self.procs = cfg, comm, procs
+        self.size = cfg.tensor_parallel_size
+        self.threads = threads
+        self.broken: str | None = None
+        self._restore_threads = restore_threads
+        self._finalizer = weakref.finalize(self, _stop, procs)
+
+    @classmethod
+    def start(cls, cfg: EngineConfig, device: torch.device) -> "TPGroup":
+        size = cfg.tensor_parallel_size
+        kind = resolve_comm(cfg, device)
+        threads = threads_per_rank(cfg)
+        cpus = usable_cpus()
+        spec = {"config": asdict(cfg), "size": size, "threads": threads, "comm": kind,
+                "device": str(device), "parent": os.getpid()}
+        procs: list[subprocess.Popen] = []
+
+        def alive() -> str | None:
+            for r, p in enumerate(procs, start=1):
+                code = p.poll()
+                if code is not None:
+                    return (f"tensor-parallel rank {r} (pid {p.pid}) exited with code {code}; "
+                            "its error, if any, is in this worker's log above")
+            return None
+
+        if kind == "shm":
+            segment = new_segment_name()
+            comm: Comm = ShmComm(segment, 0, size, alive, create=True, timeout_s=STARTUP_TIMEOUT_S)
+            spec["segment"] = segment
+        else:
+            spec["host"], spec["port"] = "127.0.0.1", _free_port()
+        try:
+            for rank in range(1, size):
+                rank_cpus = cpus[rank * threads:(rank + 1) * threads] if len(cpus) >= size * threads else None
+                env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "pdserve.engine.tp_rank",
+                     json.dumps({**spec, "rank": rank, "cpus": rank_cpus})], env=env))
+            if kind != "shm":
+                comm = ProcessGroupComm(kind, spec["host"], spec["port"], 0, size, timeout_s=STARTUP_TIMEOUT_S,
+                                        device=device)
+        except BaseException:
+            _stop(procs)
+            if kind == "shm":
+                comm.unlink()
+            raise
+        restore = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+        log.info("tensor parallelism: %d ranks (%s collectives, %d threads each), ranks 1..%d are pids %s",
+                 size, kind, threads, size - 1, [p.pid for p in procs])
+        return cls(cfg, comm, procs, threads, restore)
+
+    def started(self) -> None:
+        """Every rank has joined (its first collective returned): drop the start-up allowances."""
+        if isinstance(self.comm, ShmComm):
+            self.comm.unlink()  # every rank has it mapped
+        self.comm.timeout_s = 120.0
+
+    def check(self) -> None:
+        if self.broken:
+            raise TPGroupBroken(f"tensor-parallel group is broken: {self.broken}; restart the worker")
+
+    def send_step(self, batch) -> None:
+        self.check()
+        header, payload = encode_step(batch)
+        self.comm.broadcast_(header)
+        self.comm.broadcast_(payload)
+
+    def fail(self, exc: BaseException) -> TPGroupBroken:
+        """A step failed part-way on rank 0: the ranks are out of step; stop them."""
+        self.broken = str(exc) if isinstance(exc, TPRankLost) else f"a step failed on rank 0: {exc!r}"
+        _stop(self.procs)
+        return TPGroupBroken(f"tensor-parallel group is broken: {self.broken}; restart the worker")
+
+    def close(self) -> None:
+        if not self.broken and all(p.poll() is None for p in self.procs):
+            try:
+                self.comm.timeout_s = STOP_TIMEOUT_S
+                self.comm.broadcast_(stop_header())
+            except (TPRankLost, RuntimeError) as exc:
+                log.warning("tensor parallelism: stopping the ranks: %s", exc)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self._finalizer()
+        if isinstance(self.comm, ShmComm):
+            self.comm.unlink()
+        self.comm.close()
+        torch.set_num_threads(self._restore_threads)
+        self.broken = self.broken or "closed"
+

@@ -1,0 +1,55 @@
+"""Each step's plan, from rank 0 (which schedules and samples) to the other tensor-parallel ranks.
+
+A step is the flat batch of engine/step_batch.py: token ids, positions, KV slots, the
+layout (query starts, context lengths, block tables) and the rows whose logits are
+sampled. It travels as two int64 tensors over the group's broadcast (engine/tp_comm.py):
+a fixed header, then one payload of the concatenated arrays. No pickle: the other ranks
+rebuild the same `StepBatch` (without requests) and plan attention from it themselves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .attention_base import BatchLayout
+from .step_batch import StepBatch
+
+OP_STEP, OP_STOP = 1, 2
+HEADER_LEN = 8  # op, tokens, sequences, block-table width, sampled rows, block size, 2 spare
+
+
+def encode_step(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    lay = batch.layout
+    tables = lay.block_tables
+    num_tokens, num_seqs = batch.input_ids.numel(), lay.num_seqs
+    header = torch.tensor([OP_STEP, num_tokens, num_seqs, tables.shape[1] if tables.ndim == 2 else 0,
+                           batch.logits_indices.numel(), lay.block_size, 0, 0], dtype=torch.int64)
+    payload = torch.cat([
+        batch.input_ids.cpu(), batch.positions.cpu(), lay.slot_mapping.cpu(), batch.logits_indices.cpu(),
+        torch.from_numpy(lay.query_start_loc), torch.from_numpy(lay.context_lens),
+        torch.from_numpy(np.ascontiguousarray(tables).reshape(-1)),
+    ]).to(torch.int64)
+    return header, payload
+
+
+def stop_header() -> torch.Tensor:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0] = OP_STOP
+    return header
+
+
+def payload_len(header: torch.Tensor) -> int:
+    _, t, b, w, n = (int(v) for v in header[:5])
+    return 3 * t + n + (b + 1) + b + b * w
+
+
+def decode_step(header: torch.Tensor, payload: torch.Tensor, device: torch.device) -> StepBatch:
+    _, t, b, w, n, block_size = (int(v) for v in header[:6])
+    parts = torch.split(payload, [t, t, t, n, b + 1, b, b * w])
+    ids, pos, slots, logits_idx = (p.to(device) for p in parts[:4])
+    layout = BatchLayout(
+        query_start_loc=parts[4].numpy().copy(), context_lens=parts[5].numpy().copy(),
+        block_tables=parts[6].numpy().reshape(b, w).copy(), slot_mapping=slots, block_size=block_size,
+    )
+    return StepBatch(input_ids=ids, positions=pos, layout=layout, logits_indices=logits_idx, sampling=[])

@@ -1,0 +1,181 @@
+"""Tensor parallelism inside one worker (engine/tensor_parallel.py, tp_comm.py, tp_group.py):
+ranks are real processes; output is token-for-token that of TP=1 and HF transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import ConfigError
+from pdserve.engine.model_maker import ModelSpec, make_model
+from pdserve.engine.tp_comm import new_segment_name, shm_available
+from pdserve.engine.tp_group import TPGroupBroken
+
+from .test_hf_parity import hf_greedy, mixed_prompts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MAX_TOKENS = 12
+needs_shm = pytest.mark.skipif(shm_available() is not None, reason=f"shm collectives unavailable: {shm_available()}")
+
+
+def segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("pdserve-tp-")}
+
+
+def greedy(llm: LLM, prompts) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_dir(tmp_path_factory):
+    """A vocabulary no TP size divides (the last rank's slice is padded) and a 2:1 GQA."""
+    return make_model(str(tmp_path_factory.mktemp("tp") / "odd"), ModelSpec(
+        num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256,
+        vocab_size=32003, seed=11))
+
+
+# (model, tp): the split and the replicated KV heads, biases and tied embeddings (qwen2),
+# a single KV head replicated on 2 and 4 ranks (mistral), an unevenly split vocabulary.
+CASES = [("llama", 2), ("qwen2", 2), ("mistral", 2), ("mistral", 4), ("qwen2", 4), ("odd", 4)]
+
+
+@needs_shm
+@pytest.mark.parametrize("name,tp", CASES)
+def test_tp_greedy_equals_tp1_and_hf(model_dirs, odd_vocab_dir, name, tp):
+    model_dir = odd_vocab_dir if name == "odd" else model_dirs(name)
+    before = segments()
+    # Blocks of 16 over prompts of 1-230 tokens: partial last blocks, several chunks per prompt.
+    prompts = mixed_prompts(32000, seed=tp)[::3]
+    with LLM(model_dir, max_num_batched_tokens=128, tensor_parallel_size=tp) as llm:
+        assert llm.engine.runner.tensor_parallel_size == tp
+        got = greedy(llm, prompts)
+        again = greedy(llm, prompts)  # prefix-cache hits on the second pass
+    ref = greedy(LLM(model_dir, max_num_batched_tokens=128), prompts)
+    assert got == ref
+    assert again == ref
+    assert got == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert segments() == before  # the shared segment was unlinked
+
+
+def test_gloo_collectives_give_the_same_tokens(model_dirs):
+    prompts = mixed_prompts(32000, seed=5)[::4]
+    with LLM(model_dirs("qwen2"), tensor_parallel_size=2, tp_comm="gloo") as llm:
+        got = greedy(llm, prompts)
+    assert got == greedy(LLM(model_dirs("qwen2")), prompts)
+
+
+@pytest.mark.parametrize("args,word", [
+    ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 must divide the model's num_attention_heads=8"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be >= 1"),
+    ({"tensor_parallel_size": 2, "tp_comm": "mpi"}, "tp_comm='mpi'"),
+    ({"tensor_parallel_size": 2, "tp_comm": "nccl"}, "tp_comm='nccl' needs device='cuda'"),
+    ({"tensor_parallel_size": 2, "tp_threads_per_rank": 0}, "tp_threads_per_rank=0"),
+])
+def test_unusable_tp_settings_are_refused_naming_the_argument(model_dirs, args, word):
+    with pytest.raises(ConfigError, match=word.replace("(", r"\(").replace(")", r"\)")):
+        LLM(model_dirs("llama"), **args)
+
+
+@needs_shm
+def test_a_killed_rank_breaks_the_engine_with_an_error_naming_it(model_dirs):
+    before = segments()
+    llm = LLM(model_dirs("mistral"), tensor_parallel_size=2)
+    try:
+        greedy(llm, [[5, 6, 7]])
+        (proc,) = llm.engine.runner.group.procs
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        with pytest.raises(TPGroupBroken, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            greedy(llm, [[5, 6, 7]])
+        with pytest.raises(TPGroupBroken, match="restart the worker"):  # and every later step
+            greedy(llm, [[8, 9]])
+    finally:
+        llm.close()
+    assert segments() == before
+
+
+@needs_shm
+def test_ranks_exit_when_rank_0_is_killed(model_dirs, tmp_path):
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys, json, time\n"
+        "from pdserve.engine import LLM\n"
+        f"llm = LLM({model_dirs('mistral')!r}, tensor_parallel_size=4)\n"
+        "print(json.dumps([p.pid for p in llm.engine.runner.group.procs]), flush=True)\n"
+        "time.sleep(600)\n")
+    rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(rank0.stdout.readline())
+        assert len(pids) == 3
+        rank0.send_signal(signal.SIGKILL)
+        rank0.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and _running(p) for p in pids):
+            time.sleep(0.1)
+        assert not [p for p in pids if os.path.exists(f"/proc/{p}") and _running(p)], "orphaned ranks kept running"
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _run_peers(kind: str, size: int, tmp_path, slot: int) -> list[dict]:
+    where = new_segment_name() if kind == "shm" else str(_free_port())
+    outs = [tmp_path / f"{kind}{r}.pt" for r in range(size)]
+    procs = []
+    try:
+        for r in range(size):
+            procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "tp_comm_peer.py"), kind, str(r),
+                                           str(size), where, str(slot), str(outs[r])]))
+            deadline = time.monotonic() + 60
+            while kind == "shm" and r == 0 and not os.path.exists(f"/dev/shm/{where}"):
+                assert time.monotonic() < deadline and procs[0].poll() is None, "rank 0 did not create the segment"
+                time.sleep(0.05)
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [torch.load(o) for o in outs]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind,size", [pytest.param("shm", 2, marks=needs_shm), pytest.param("shm", 3, marks=needs_shm),
+                                       ("gloo", 2)])
+def test_collectives_agree_bit_for_bit_on_every_rank(kind, size, tmp_path):
+    before = segments()
+    res = _run_peers(kind, size, tmp_path, slot=4096)  # small slots: every big tensor goes in many chunks
+    for key in ("big", "small", "ints"):
+        want = res[0]["mine"][key].clone()
+        for r in range(1, size):
+            want += res[r]["mine"][key]
+        for r in range(size):
+            assert torch.equal(res[r][key], res[0][key]), f"rank {r} holds another {key} than rank 0"
+        torch.testing.assert_close(res[0][key], want, rtol=1e-6, atol=1e-3)
+    assert [int(g[0, 0]) for g in res[0]["gathered"]] == list(range(size))
+    assert all(r["gathered"] is None for r in res[1:])
+    assert all(torch.equal(r["header"], torch.arange(4000)) for r in res)
+    assert segments() == before
