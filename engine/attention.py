@@ -98,14 +98,15 @@ class FlashInferAttention(AttentionBackend):
     A plan writes into the wrapper's pinned host buffer and queues its copy without
     waiting; two plans of one wrapper are safe because every step ends with the sampler
     copying tokens to the host, which waits for the stream.
-    The pool layout is the torch path's (NHD, K and V stacked on dim 1), so the two
-    backends and NIXL peers read the same bytes.
+    The pool layout is the torch path's (K and V stacked on dim 1; NHD or HND by the engine
+    argument ``kv_layout``), so the two backends and NIXL peers read the same bytes.
     """
 
     name = "flashinfer"
 
     def __init__(self, scale: float, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, workspace_bytes: int = 256 << 20):
+                 dtype: torch.dtype, device: torch.device, workspace_bytes: int = 256 << 20,
+                 kv_layout: str = "NHD"):
         if dtype not in FLASHINFER_DTYPES:
             raise ValueError(
                 f"attention_backend='flashinfer' runs float16/bfloat16 KV, not {dtype}; set dtype to "
@@ -125,12 +126,13 @@ class FlashInferAttention(AttentionBackend):
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
+        self.kv_layout = kv_layout
         self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP
         # One float workspace for both wrappers: a step runs one of them.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+            self.workspace, kv_layout, use_tensor_cores=self.use_tensor_cores)
 
     def plan(self, layout: BatchLayout, device: torch.device) -> FlashInferMeta:
         p = PagedPlan.from_layout(layout)
@@ -163,14 +165,14 @@ class FlashInferAttention(AttentionBackend):
     def forward(self, layer_kv, q, k, v, meta: FlashInferMeta) -> torch.Tensor:
         self._fi.append_paged_kv_cache(
             k, v, meta.batch_indices, meta.positions, layer_kv,
-            meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, "NHD",
+            meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len, self.kv_layout,
         )
         # q is a view into the fused qkv projection (RoPE runs in place there).
         return meta.wrapper.run(q.contiguous(), layer_kv)
 
 
 def make_backend(name: str, *, device: torch.device, scale: float, num_heads: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> AttentionBackend:
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_layout: str = "NHD") -> AttentionBackend:
     """`auto` picks FlashInfer on CUDA with a 16-bit dtype and a head size it supports, when it
     is installed; on the CPU in float32 the torch path with the native paged decode kernel
     (engine/native.py) when it builds; else torch."""
@@ -189,7 +191,7 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
             except ImportError:
                 pass
     if name == "torch":
-        return TorchAttention(scale, dtype)
+        return TorchAttention(scale, dtype, kv_layout=kv_layout)
     if name == "native":
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"attention_backend='native' runs float32 on the CPU, not {dtype} on {device}; "
@@ -197,12 +199,12 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
         lib = native.load()
         if lib is None:
             raise ValueError(f"attention_backend='native': {native.why_unavailable()}; use 'auto' or 'torch'")
-        return TorchAttention(scale, dtype, native=lib)
+        return TorchAttention(scale, dtype, native=lib, kv_layout=kv_layout)
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' needs device='cuda'; use 'torch' on CPU")
         try:
-            return FlashInferAttention(scale, num_heads, num_kv_heads, head_dim, dtype, device)
+            return FlashInferAttention(scale, num_heads, num_kv_heads, head_dim, dtype, device, kv_layout=kv_layout)
         except ImportError as exc:
             raise ValueError(
                 "attention_backend='flashinfer' but flashinfer is not installed; "

@@ -223,8 +223,15 @@ class EngineConfig:
     # memory on CPU) | shm | gloo | nccl. tp_threads_per_rank: CPU threads of each rank (default:
     # this process's cores / ranks).
     tensor_parallel_size: int = 1
+    # KV pool order inside a block: NHD [token][head][dim] or HND [head][token][dim]. HND keeps a
+    # head's pages contiguous, which a handoff between different TP sizes needs (the workers
+    # exchanging KV must agree; docs/architecture.md "KV pool").
+    kv_layout: str = "NHD"
     tp_comm: str = "auto"
     tp_threads_per_rank: int | None = None
+    # "module:factory" of what ranks 1..N-1 run besides their shard (engine/tp_group.py): the
+    # workers set it to their KV transport's rank service; None for an engine on its own.
+    tp_rank_extension: str | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -255,6 +262,8 @@ class EngineConfig:
             raise ConfigError(f"scheduling_policy={self.scheduling_policy!r}; use fcfs or priority")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.kv_layout not in ("NHD", "HND"):
+            raise ConfigError(f"kv_layout={self.kv_layout!r}; use NHD or HND")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.tp_comm not in ("auto", "shm", "gloo", "nccl"):

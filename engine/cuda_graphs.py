@@ -94,7 +94,7 @@ class DecodeGraphs:
     def _wrapper(self, size: int):
         b = self.backend
         return b._fi.BatchDecodeWithPagedKVCacheWrapper(
-            b.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=b.use_tensor_cores,
+            b.workspace, b.kv_layout, use_cuda_graph=True, use_tensor_cores=b.use_tensor_cores,
             paged_kv_indptr_buffer=self.kv_indptr[:size + 1],
             paged_kv_indices_buffer=self.kv_indices,
             paged_kv_last_page_len_buffer=self.kv_last_page_len[:size],

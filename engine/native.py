@@ -120,7 +120,8 @@ def load_library(source_name: str, declare):
 def _declare_paged_decode(lib) -> None:
     fn = lib.pdserve_paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int,
+                   i64, i64]
     fn.restype = ctypes.c_int
 
 
@@ -156,8 +157,9 @@ def paged_decode(lib, q: torch.Tensor, layer_kv: torch.Tensor, out: torch.Tensor
                  max_len: int = 0) -> None:
     """Attention for the listed query rows (see csrc/paged_decode.c for the layouts).
 
-    ``q`` [T, Hq, D] float32 with unit stride inside a token; ``layer_kv`` one layer's pool,
-    contiguous; ``out`` [T, Hq, D] contiguous (rows ``qidx`` written); ``qidx`` int64,
+    ``q`` [T, Hq, D] float32 with unit stride inside a token; ``layer_kv`` one layer's pool
+    as [num_blocks, 2, block_size, Hkv, D]: contiguous (NHD storage) or the transposed view of
+    a contiguous HND pool (``pool.transpose(2, 3)``); ``out`` [T, Hq, D] contiguous (rows ``qidx`` written); ``qidx`` int64,
     ``lens`` int32 and ``tables`` int32 [n, max_blocks] C-contiguous numpy arrays, checked by
     `check_rows` unless the caller did (``checked``, then ``max_len`` = ``lens.max()``).
     """
@@ -165,7 +167,8 @@ def paged_decode(lib, q: torch.Tensor, layer_kv: torch.Tensor, out: torch.Tensor
     num_heads = q.shape[1]
     if q.dtype != torch.float32 or layer_kv.dtype != torch.float32 or out.dtype != torch.float32:
         raise TypeError("paged decode attention runs float32 only")
-    if not (q.stride(2) == 1 and q.stride(1) == head_dim and layer_kv.is_contiguous() and out.is_contiguous()
+    pool_ok = layer_kv.is_contiguous() or layer_kv.transpose(2, 3).is_contiguous()
+    if not (q.stride(2) == 1 and q.stride(1) == head_dim and pool_ok and out.is_contiguous()
             and out.shape == q.shape and num_heads % num_kv_heads == 0):
         raise ValueError("paged decode attention: q, the pool or out has an unexpected layout")
     if not checked:
@@ -174,6 +177,6 @@ def paged_decode(lib, q: torch.Tensor, layer_kv: torch.Tensor, out: torch.Tensor
         q.data_ptr(), q.stride(0), layer_kv.data_ptr(), out.data_ptr(),
         qidx.ctypes.data, lens.ctypes.data, tables.ctypes.data, tables.shape[1], len(qidx),
         num_heads, num_kv_heads, head_dim, block_size, scale, max_len or int(lens.max(initial=1)),
-        torch.get_num_threads())
+        torch.get_num_threads(), layer_kv.stride(2), layer_kv.stride(3))
     if rc != 0:
         raise MemoryError("paged decode attention: could not allocate its score buffers")

@@ -86,7 +86,7 @@ class ModelRunner:
     `run_step` (engine/tp_rank.py). Each rank's pool holds only its KV heads.
     """
 
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, rank: int = 0, comm=None):
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, rank: int = 0, comm=None, ctrl=None):
         self.device = resolve_device(cfg.device)
         tp = cfg.tensor_parallel_size
         if self.device.type == "cuda" and tp > 1:
@@ -98,6 +98,7 @@ class ModelRunner:
         self.shard = make_shard(model_cfg, rank, tp)
         self.group = TPGroup.start(cfg, self.device) if tp > 1 and rank == 0 else None
         self.comm = self.group.comm if self.group is not None else comm
+        self.ctrl = self.group.ctrl if self.group is not None else ctrl  # steps, control, agreement
         try:
             self._load(cfg, model_cfg)
         except BaseException as exc:
@@ -117,24 +118,26 @@ class ModelRunner:
         self.backend = make_backend(
             cfg.attention_backend, device=self.device, scale=model_cfg.head_dim ** -0.5,
             num_heads=len(self.shard.q_heads), num_kv_heads=self.num_kv_heads,
-            head_dim=model_cfg.head_dim, dtype=self.dtype,
+            head_dim=model_cfg.head_dim, dtype=self.dtype, kv_layout=cfg.kv_layout,
         )
         self.num_blocks = self._num_blocks(cfg)
         if self.comm is not None:
             self.num_blocks = self._agree_on_blocks(self.num_blocks)
-        # One pool per process: [layers, blocks, K/V, block_size, kv_heads, head_dim].
+        # One pool per process: [layers, blocks, K/V, block_size, kv_heads, head_dim] (NHD), or
+        # [layers, blocks, K/V, kv_heads, block_size, head_dim] (HND).
+        self.kv_layout = cfg.kv_layout
+        inner = ((cfg.block_size, self.num_kv_heads) if cfg.kv_layout == "NHD"
+                 else (self.num_kv_heads, cfg.block_size))
         self.kv_cache = torch.zeros(
-            model_cfg.num_layers, self.num_blocks, 2, cfg.block_size,
-            self.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=self.device,
+            model_cfg.num_layers, self.num_blocks, 2, *inner, model_cfg.head_dim, dtype=self.dtype, device=self.device,
         )
 
     def _agree_on_blocks(self, mine: int) -> int:
         """Every rank's pool has the same number of blocks: the smallest any rank can hold (the
         first collective, so it also waits for every rank to have loaded its shard)."""
-        device = self.device if self.comm.name == "nccl" else torch.device("cpu")
-        counts = self.comm.gather(torch.tensor([mine], dtype=torch.int64, device=device))
-        agreed = torch.tensor([min(int(c) for c in counts) if counts else 0], dtype=torch.int64, device=device)
-        return int(self.comm.broadcast_(agreed))
+        counts = self.ctrl.gather(torch.tensor([mine], dtype=torch.int64))
+        agreed = torch.tensor([min(int(c) for c in counts) if counts else 0], dtype=torch.int64)
+        return int(self.ctrl.broadcast_(agreed))
 
     @property
     def tensor_parallel_size(self) -> int:

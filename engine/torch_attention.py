@@ -16,6 +16,14 @@ import torch.nn.functional as F
 from .attention_base import AttentionBackend, BatchLayout
 from .native import check_rows, paged_decode
 
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def nhd_view(layer_kv: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """One layer's pool as [num_blocks, 2, block_size, Hkv, D], whatever its storage order
+    (HND storage is [num_blocks, 2, Hkv, block_size, D]: the view is strided)."""
+    return layer_kv if kv_layout == "NHD" else layer_kv.transpose(2, 3)
+
 
 def _flat_pool(layer_kv: torch.Tensor) -> torch.Tensor:
     """View one layer's pool as rows [num_blocks * 2 * block_size, H, D]."""
@@ -65,6 +73,8 @@ class _NativeRows:
 class _TorchMeta:
     k_rows: torch.Tensor  # [T] rows in the flat pool where new K goes
     v_rows: torch.Tensor
+    # HND storage: each new token's (block, offset), for writes through the NHD-ordered view
+    hnd_index: tuple[torch.Tensor, torch.Tensor] | None = None
     fresh: list[tuple[int, int]] = field(default_factory=list)  # (q0, q1): prefills with no context
     paged: list[_PagedGroup] = field(default_factory=list)  # decode groups, prefill chunks after context
     max_group_blocks: int = 0
@@ -83,9 +93,10 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, scale: float, dtype: torch.dtype = torch.float32, native=None):
+    def __init__(self, scale: float, dtype: torch.dtype = torch.float32, native=None, kv_layout: str = "NHD"):
         self.scale = scale
         self.dtype = dtype
+        self.kv_layout = kv_layout
         # With the native kernel library (engine/native.py), decode tokens and short prompts attend in place in
         # the pool instead of through gathered copies (float32 on CPU only).
         self.native = native
@@ -100,6 +111,9 @@ class TorchAttention(AttentionBackend):
     def plan(self, layout: BatchLayout, device: torch.device) -> _TorchMeta:
         k_rows, v_rows = _kv_rows(layout.slot_mapping, layout.block_size)
         meta = _TorchMeta(k_rows=k_rows, v_rows=v_rows)
+        if self.kv_layout == "HND":
+            block = torch.div(layout.slot_mapping, layout.block_size, rounding_mode="floor")
+            meta.hnd_index = (block, layout.slot_mapping - block * layout.block_size)
         qsl, ctx = layout.query_start_loc, layout.context_lens
         qlens = layout.query_lens
         to_kernel = np.zeros(len(qlens), dtype=bool)
@@ -173,9 +187,15 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, layer_kv, q, k, v, meta: _TorchMeta) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        pool = _flat_pool(layer_kv)
-        pool.index_copy_(0, meta.k_rows, k)
-        pool.index_copy_(0, meta.v_rows, v)
+        if self.kv_layout == "NHD":
+            pool = _flat_pool(layer_kv)
+            pool.index_copy_(0, meta.k_rows, k)
+            pool.index_copy_(0, meta.v_rows, v)
+        else:
+            layer_kv = nhd_view(layer_kv, self.kv_layout)
+            block, offset = meta.hnd_index
+            layer_kv[block, 0, offset] = k
+            layer_kv[block, 1, offset] = v
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.native is not None:
             if q.stride(2) != 1 or q.stride(1) != q.shape[2]:

@@ -38,6 +38,7 @@ SHM_DIR = "/dev/shm"
 HEADER_BYTES = 4096  # the counter, alone on its page
 DEFAULT_SLOT_BYTES = 4 << 20
 WAIT_SLICE_US = 100_000  # between liveness checks
+IDLE_SLICE_US = 2_000  # between calls of an idle hook (a NIXL agent's progress)
 SPINS_PER_WAIT = 20_000  # ~20-50 us of spinning before sleeping, when every rank has a core
 
 
@@ -144,15 +145,19 @@ class ShmComm(Comm):
         start = HEADER_BYTES + (parity * self.size + rank) * self.slot_bytes
         return self._buf[start:start + nbytes]
 
-    def _barrier(self, timeout_s: float | None = None) -> int:
-        """Arrive and wait for every rank; returns the parity of the slots this collective uses."""
+    def _barrier(self, timeout_s: float | None = None, idle: Callable[[], None] | None = None) -> int:
+        """Arrive and wait for every rank; returns the parity of the slots this collective uses.
+        ``idle`` runs between short slices of the wait (a rank's transport progress)."""
         self._calls += 1
         target = (self._calls * self.size) & 0xFFFFFFFF
         self._lib.pdserve_shm_arrive(self._counter, target)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         spins = self._spins
-        while self._lib.pdserve_shm_wait(self._counter, target, spins, WAIT_SLICE_US):
+        slice_us = WAIT_SLICE_US if idle is None else IDLE_SLICE_US
+        while self._lib.pdserve_shm_wait(self._counter, target, spins, slice_us):
             spins = 0
+            if idle is not None:
+                idle()
             why = self.alive()
             if why:
                 raise TPRankLost(why)
@@ -195,15 +200,16 @@ class ShmComm(Comm):
             return None
         return [torch.cat(p).view(t.dtype).view(t.shape) for p in parts]
 
-    def broadcast_(self, t: torch.Tensor, timeout_s: float | None = -1.0) -> torch.Tensor:
+    def broadcast_(self, t: torch.Tensor, timeout_s: float | None = -1.0,
+                   idle: Callable[[], None] | None = None) -> torch.Tensor:
         """``timeout_s=None``: wait without a deadline (an idle rank waiting for the next step;
-        rank 0's liveness is still checked every slice)."""
+        rank 0's liveness is still checked every slice, and ``idle`` called)."""
         timeout = self.timeout_s if timeout_s == -1.0 else timeout_s
         for chunk in self._chunks(t):
             n = chunk.numel()
             if self.rank == 0:
                 self._slot((self._calls + 1) % 2, 0, n).copy_(chunk)
-            parity = self._barrier(timeout)
+            parity = self._barrier(timeout, idle)
             if self.rank != 0:
                 chunk.copy_(self._slot(parity, 0, n))
         return t
@@ -253,7 +259,7 @@ class ProcessGroupComm(Comm):
         self._pg.allgather([outs], [t]).wait()
         return outs if self.rank == 0 else None
 
-    def broadcast_(self, t: torch.Tensor, timeout_s: float | None = -1.0) -> torch.Tensor:
+    def broadcast_(self, t: torch.Tensor, timeout_s: float | None = -1.0, idle=None) -> torch.Tensor:
         self._pg.broadcast(t, 0).wait()
         return t
 

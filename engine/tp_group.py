@@ -2,9 +2,18 @@
 
 Rank 0 is the process that runs the engine: it schedules, samples, and sends each step's
 plan (engine/tp_step.py) to ranks 1..N-1, which are child processes running
-engine/tp_rank.py on the same host. `TPGroup.start` creates the communicator
+engine/tp_rank.py on the same host. `TPGroup.start` creates the communicators
 (engine/tp_comm.py) and spawns the ranks; `close` stops them (and a finalizer kills them
-if the engine is dropped without closing). A rank that exits breaks the group: rank 0's
+if the engine is dropped without closing).
+
+Two channels: ``ctrl``, always shared memory, carries the steps and the control messages
+(`call`), and is where an idle rank waits (calling its extension's ``idle`` between
+slices, e.g. to progress its NIXL agent); ``comm`` carries the model's collectives: the
+same shared memory on CPU, NCCL on GPU, or gloo. An *extension* (engine arg
+``tp_rank_extension``, ``"module:factory"``) is what else a rank runs besides its shard:
+the workers use it for the rank's KV transport (kvtransfer/rank_service.py). Rank 0 talks
+to it with `call` (a request to every rank, each rank's reply back) and `attach` (data the
+ranks get with the next step, before its forward runs, e.g. which pages to stream). A rank that exits breaks the group: rank 0's
 next collective raises `TPRankLost` naming it, and the group refuses every later step; the
 worker then exits and is restarted whole (Ray restarts the actor), as a rank's death
 takes the worker out.
@@ -26,16 +35,21 @@ import time
 import weakref
 from dataclasses import asdict
 
+import msgpack
 import torch
 
 from .config import ConfigError, EngineConfig
 from .tp_comm import Comm, ProcessGroupComm, ShmComm, TPRankLost, new_segment_name, shm_available
-from .tp_step import encode_step, stop_header
+from .tp_step import control_header, encode_step, gather_bytes, stop_header, to_tensor
 
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # the other ranks load their weights within this
 STOP_TIMEOUT_S = 10.0
+
+
+class TPControlError(RuntimeError):
+    """A rank's extension failed a control request; the message names the rank."""
 
 
 class TPGroupBroken(RuntimeError):
@@ -59,21 +73,17 @@ def threads_per_rank(cfg: EngineConfig) -> int:
 def resolve_comm(cfg: EngineConfig, device: torch.device) -> str:
     """``tp_comm`` after ``auto``: NCCL on GPU, shared memory on CPU (gloo when it cannot run)."""
     want = cfg.tp_comm
+    why = shm_available()
+    if why is not None:
+        raise ConfigError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs shared memory between its ranks "
+                          f"(steps and control go through it): {why}")
     if device.type == "cuda":
         if want not in ("auto", "nccl"):
             raise ConfigError(f"tp_comm={want!r} on a GPU engine; use tp_comm='nccl' (or 'auto')")
         return "nccl"
     if want == "nccl":
         raise ConfigError("tp_comm='nccl' needs device='cuda'; on CPU use tp_comm='shm' or 'gloo' (or 'auto')")
-    if want in ("auto", "shm"):
-        why = shm_available()
-        if why is None:
-            return "shm"
-        if want == "shm":
-            raise ConfigError(f"tp_comm='shm' is unavailable here: {why}; use tp_comm='gloo'")
-        log.warning("tensor parallelism: shared-memory collectives unavailable (%s); using gloo", why)
-        return "gloo"
-    return want
+    return "shm" if want == "auto" else want
 
 
 def _free_port() -> int:
@@ -95,9 +105,10 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 class TPGroup:
-    def __init__(self, cfg: EngineConfig, comm: Comm, procs: list[subprocess.Popen], threads: int,
+    def __init__(self, cfg: EngineConfig, ctrl: ShmComm, comm: Comm, procs: list[subprocess.Popen], threads: int,
                  restore_threads: int):
-        self.cfg, self.comm, self.procs = cfg, comm, procs
+        self.cfg, self.ctrl, self.comm, self.procs = cfg, ctrl, comm, procs
+        self._attachments: list = []
         self.size = cfg.tensor_parallel_size
         self.threads = threads
         self.broken: str | None = None
@@ -110,8 +121,9 @@ class TPGroup:
         kind = resolve_comm(cfg, device)
         threads = threads_per_rank(cfg)
         cpus = usable_cpus()
-        spec = {"config": asdict(cfg), "size": size, "threads": threads, "comm": kind,
-                "device": str(device), "parent": os.getpid()}
+        segment = new_segment_name()
+        spec = {"config": asdict(cfg), "size": size, "threads": threads, "comm": kind, "segment": segment,
+                "device": str(device), "parent": os.getpid(), "extension": cfg.tp_rank_extension}
         procs: list[subprocess.Popen] = []
 
         def alive() -> str | None:
@@ -122,11 +134,9 @@ class TPGroup:
                             "its error, if any, is in this worker's log above")
             return None
 
-        if kind == "shm":
-            segment = new_segment_name()
-            comm: Comm = ShmComm(segment, 0, size, alive, create=True, timeout_s=STARTUP_TIMEOUT_S)
-            spec["segment"] = segment
-        else:
+        ctrl = ShmComm(segment, 0, size, alive, create=True, timeout_s=STARTUP_TIMEOUT_S)
+        comm: Comm = ctrl
+        if kind != "shm":
             spec["host"], spec["port"] = "127.0.0.1", _free_port()
         try:
             for rank in range(1, size):
@@ -140,31 +150,53 @@ class TPGroup:
                                         device=device)
         except BaseException:
             _stop(procs)
-            if kind == "shm":
-                comm.unlink()
+            ctrl.unlink()
             raise
         restore = torch.get_num_threads()
         if device.type == "cpu":
             torch.set_num_threads(threads)
         log.info("tensor parallelism: %d ranks (%s collectives, %d threads each), ranks 1..%d are pids %s",
                  size, kind, threads, size - 1, [p.pid for p in procs])
-        return cls(cfg, comm, procs, threads, restore)
+        return cls(cfg, ctrl, comm, procs, threads, restore)
 
     def started(self) -> None:
         """Every rank has joined (its first collective returned): drop the start-up allowances."""
-        if isinstance(self.comm, ShmComm):
-            self.comm.unlink()  # every rank has it mapped
-        self.comm.timeout_s = 120.0
+        self.ctrl.unlink()  # every rank has it mapped
+        self.ctrl.timeout_s = self.comm.timeout_s = 120.0
 
     def check(self) -> None:
         if self.broken:
             raise TPGroupBroken(f"tensor-parallel group is broken: {self.broken}; restart the worker")
 
+    def attach(self, item) -> None:
+        """Give the ranks' extensions ``item`` (msgpack-able) with the next step."""
+        self._attachments.append(item)
+
     def send_step(self, batch) -> None:
         self.check()
-        header, payload = encode_step(batch)
-        self.comm.broadcast_(header)
-        self.comm.broadcast_(payload)
+        blob = msgpack.packb(self._attachments) if self._attachments else b""
+        self._attachments = []
+        header, payload = encode_step(batch, len(blob))
+        self.ctrl.broadcast_(header)
+        self.ctrl.broadcast_(payload)
+        if blob:
+            self.ctrl.broadcast_(to_tensor(blob))
+
+    def call(self, op: str, **args) -> list[dict]:
+        """Run ``op`` in every other rank's extension; their replies, rank 1 first.
+        `TPControlError` when a rank's extension raised (the ranks stay in step)."""
+        self.check()
+        msg = msgpack.packb({"op": op, "args": args})
+        try:
+            self.ctrl.broadcast_(control_header(len(msg)))
+            self.ctrl.broadcast_(to_tensor(msg))
+            replies = [msgpack.unpackb(r) for r in gather_bytes(self.ctrl, b"")[1:]]
+        except BaseException as exc:
+            raise self.fail(exc) from exc
+        errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(replies, start=1) if "error" in rep]
+        if errors:
+            raise TPControlError(f"{op}: " + "; ".join(errors))
+        return replies
 
     def fail(self, exc: BaseException) -> TPGroupBroken:
         """A step failed part-way on rank 0: the ranks are out of step; stop them."""
@@ -175,8 +207,8 @@ class TPGroup:
     def close(self) -> None:
         if not self.broken and all(p.poll() is None for p in self.procs):
             try:
-                self.comm.timeout_s = STOP_TIMEOUT_S
-                self.comm.broadcast_(stop_header())
+                self.ctrl.timeout_s = STOP_TIMEOUT_S
+                self.ctrl.broadcast_(stop_header())
             except (TPRankLost, RuntimeError) as exc:
                 log.warning("tensor parallelism: stopping the ranks: %s", exc)
         deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -186,9 +218,9 @@ class TPGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
         self._finalizer()
-        if isinstance(self.comm, ShmComm):
-            self.comm.unlink()
+        self.ctrl.unlink()
         self.comm.close()
+        self.ctrl.close()
         torch.set_num_threads(self._restore_threads)
         self.broken = self.broken or "closed"
 

@@ -1,22 +1,44 @@
-"""A tensor-parallel rank other than 0: load this rank's shard, then run the steps rank 0 sends.
+"""A tensor-parallel rank other than 0: load this rank's shard, then run what rank 0 sends.
 
 Started by engine/tp_group.py as ``python -m pdserve.engine.tp_rank SPEC`` (SPEC: JSON with
-the engine config, this rank, the group's size and how to reach its communicator). It
+the engine config, this rank, the group's size and how to reach its communicators). It
 schedules nothing and samples nothing: each step it receives the batch
 (engine/tp_step.py), plans attention over its own heads, runs its shard (joining the
-all-reduces) and sends its logits slice to rank 0. It exits when rank 0 says stop, when
-rank 0's process is gone (checked between waits), or on any error (which breaks the group:
-rank 0 sees the exit and fails the worker).
+all-reduces) and sends its logits slice to rank 0.
+
+The extension (engine arg ``tp_rank_extension``, ``"module:factory"``) is called as
+``factory(runner, rank, size)`` and returns an object with:
+
+- ``handle(op, args) -> dict``: a control request from rank 0 (`TPGroup.call`); what it
+  raises goes back to rank 0 as ``{"error": ...}``;
+- ``on_step(attachments) -> layer_hook | None``: before each step's forward, with what rank
+  0 attached to it (`TPGroup.attach`); the hook is called as ``hook(layer, ready)``;
+- ``after_step()``: after the forward;
+- ``idle()``: every ~2 ms while the rank waits for rank 0 (transport progress);
+- ``close()``.
+
+The rank exits when rank 0 says stop, when rank 0's process is gone (checked between
+waits), or on any error in a step (which breaks the group: rank 0 sees the exit and fails
+the worker).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import sys
 
+import msgpack
 import torch
+
+
+def load_extension(name: str, runner, rank: int, size: int):
+    module, _, attr = name.partition(":")
+    if not attr:
+        raise ValueError(f"tp_rank_extension={name!r}: use 'module:factory'")
+    return getattr(importlib.import_module(module), attr)(runner, rank, size)
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +53,7 @@ def main(argv: list[str]) -> int:
     from .runner import ModelRunner
     from .tp_comm import ProcessGroupComm, ShmComm
     from .tp_group import STARTUP_TIMEOUT_S
-    from .tp_step import HEADER_LEN, OP_STOP, decode_step, payload_len
+    from .tp_step import ATTACH, HEADER_LEN, OP_CONTROL, OP_STOP, decode_step, gather_bytes, payload_len
 
     def alive() -> str | None:
         if os.getppid() != parent:
@@ -39,19 +61,45 @@ def main(argv: list[str]) -> int:
         return None
 
     cfg = EngineConfig(**spec["config"])
-    if spec["comm"] == "shm":
-        comm = ShmComm(spec["segment"], rank, size, alive, timeout_s=STARTUP_TIMEOUT_S)
-    else:
-        comm = ProcessGroupComm(spec["comm"], spec["host"], spec["port"], rank, size, timeout_s=STARTUP_TIMEOUT_S)
-    runner = ModelRunner(cfg, ModelConfig.from_dir(cfg.model), rank=rank, comm=comm)
-    comm.timeout_s = 120.0
+    ctrl = ShmComm(spec["segment"], rank, size, alive, timeout_s=STARTUP_TIMEOUT_S)
+    comm = ctrl
+    if spec["comm"] != "shm":
+        comm = ProcessGroupComm(spec["comm"], spec["host"], spec["port"], rank, size, timeout_s=STARTUP_TIMEOUT_S,
+                                device=torch.device(spec["device"]) if spec["comm"] == "nccl" else None)
+    runner = ModelRunner(cfg, ModelConfig.from_dir(cfg.model), rank=rank, comm=comm, ctrl=ctrl)
+    ctrl.timeout_s = comm.timeout_s = 120.0
+    ext = load_extension(spec["extension"], runner, rank, size) if spec.get("extension") else None
+    idle = ext.idle if ext is not None else None
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    while True:
-        comm.broadcast_(header, timeout_s=None)  # idle until the next step (rank 0's liveness checked)
-        if int(header[0]) == OP_STOP:
-            return 0
-        payload = comm.broadcast_(torch.empty(payload_len(header), dtype=torch.int64))
-        runner.run_step(decode_step(header, payload, runner.device))
+    try:
+        while True:
+            ctrl.broadcast_(header, timeout_s=None, idle=idle)  # until rank 0 sends something
+            op = int(header[0])
+            if op == OP_STOP:
+                return 0
+            if op == OP_CONTROL:
+                msg = msgpack.unpackb(bytes(ctrl.broadcast_(torch.empty(int(header[1]), dtype=torch.uint8)).numpy()))
+                try:
+                    if ext is None:
+                        raise RuntimeError("this rank runs no extension (engine arg tp_rank_extension)")
+                    reply = ext.handle(msg["op"], msg["args"]) or {}
+                except Exception as exc:  # noqa: BLE001  (reported to rank 0, which raises it there)
+                    logging.getLogger(__name__).exception("control request %s failed", msg.get("op"))
+                    reply = {"error": f"{exc.__class__.__name__}: {exc}"}
+                gather_bytes(ctrl, msgpack.packb(reply))
+                continue
+            payload = ctrl.broadcast_(torch.empty(payload_len(header), dtype=torch.int64))
+            attached = []
+            if int(header[ATTACH]):
+                blob = ctrl.broadcast_(torch.empty(int(header[ATTACH]), dtype=torch.uint8))
+                attached = msgpack.unpackb(bytes(blob.numpy()))
+            hook = ext.on_step(attached) if ext is not None else None
+            runner.run_step(decode_step(header, payload, runner.device), layer_hook=hook)
+            if ext is not None:
+                ext.after_step()
+    finally:
+        if ext is not None:
+            ext.close()
 
 
 if __name__ == "__main__":

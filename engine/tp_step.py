@@ -15,16 +15,19 @@ import torch
 from .attention_base import BatchLayout
 from .step_batch import StepBatch
 
-OP_STEP, OP_STOP = 1, 2
-HEADER_LEN = 8  # op, tokens, sequences, block-table width, sampled rows, block size, 2 spare
+OP_STEP, OP_STOP, OP_CONTROL = 1, 2, 3
+# op, tokens, sequences, block-table width, sampled rows, block size, attachment bytes, spare.
+# OP_CONTROL: op, message bytes, then zeros.
+HEADER_LEN = 8
+ATTACH = 6  # header slot: bytes of the step's attachment (engine/tp_group.py `attach`)
 
 
-def encode_step(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_step(batch: StepBatch, attachment_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     lay = batch.layout
     tables = lay.block_tables
     num_tokens, num_seqs = batch.input_ids.numel(), lay.num_seqs
     header = torch.tensor([OP_STEP, num_tokens, num_seqs, tables.shape[1] if tables.ndim == 2 else 0,
-                           batch.logits_indices.numel(), lay.block_size, 0, 0], dtype=torch.int64)
+                           batch.logits_indices.numel(), lay.block_size, attachment_bytes, 0], dtype=torch.int64)
     payload = torch.cat([
         batch.input_ids.cpu(), batch.positions.cpu(), lay.slot_mapping.cpu(), batch.logits_indices.cpu(),
         torch.from_numpy(lay.query_start_loc), torch.from_numpy(lay.context_lens),
@@ -37,6 +40,31 @@ def stop_header() -> torch.Tensor:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0] = OP_STOP
     return header
+
+
+def control_header(nbytes: int) -> torch.Tensor:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0], header[1] = OP_CONTROL, nbytes
+    return header
+
+
+def to_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def gather_bytes(comm, data: bytes) -> list[bytes] | None:
+    """Every rank's ``data`` (any lengths) at rank 0, in rank order; None on the other ranks.
+    Lengths first, then one padded gather of the longest."""
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    lengths = comm.gather(n)
+    longest = torch.tensor([max(int(x) for x in lengths) if lengths else 0], dtype=torch.int64)
+    comm.broadcast_(longest)
+    buf = torch.zeros(int(longest), dtype=torch.uint8)
+    buf[:len(data)] = to_tensor(data)
+    parts = comm.gather(buf)
+    if parts is None:
+        return None
+    return [bytes(p[:int(k)].numpy()) for p, k in zip(parts, lengths)]
 
 
 def payload_len(header: torch.Tensor) -> int:

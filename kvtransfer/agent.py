@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.handoff.transport import check_notification
-from pdserve.kvtransfer.descriptors import WritePlan, plan_block_write
+from pdserve.kvtransfer.descriptors import WritePlan, plan_block_write, plan_head_write
 from pdserve.kvtransfer.errors import KVTransferError, TransferError, TransferTimeoutError
 from pdserve.kvtransfer.inflight import InFlightWrites
 from pdserve.kvtransfer.layout import KVLayout
@@ -167,6 +167,7 @@ class KVTransferAgent:
         notify: bytes | None = None,
         *,
         coalesce: bool = True,
+        heads: tuple[int, int, int] | None = None,
     ) -> TransferHandle:
         """Write the K and V pages of `local_block_ids` into the peer's `remote_block_ids`.
 
@@ -174,13 +175,19 @@ class KVTransferAgent:
         become one descriptor per layer. `notify` (<= 1 KiB) reaches the peer
         after the data. NIXL failures are reported through the handle
         (`poll()`/`wait()`); a bad mapping raises ValueError, an unknown peer
-        UnknownPeerError.
+        UnknownPeerError. ``heads=(src_head, dst_head, num_heads)`` writes only that head range
+        (a handoff between different TP sizes, `handoff.head_plan`; both pools HND).
         """
         target = self._peer(peer)
-        plan = plan_block_write(
-            self.layout, target.layout, local_block_ids, remote_block_ids, layers, coalesce
-        )
+        plan = self._plan(target, local_block_ids, remote_block_ids, layers, heads, coalesce)
         return self._post(target, plan, notify)
+
+    def _plan(self, target: PeerInfo, local_block_ids, remote_block_ids, layers, heads, coalesce=True) -> WritePlan:
+        if heads is None:
+            return plan_block_write(self.layout, target.layout, local_block_ids, remote_block_ids, layers, coalesce)
+        src_head, dst_head, num_heads = heads
+        return plan_head_write(self.layout, target.layout, src_head, dst_head, num_heads, local_block_ids,
+                               remote_block_ids, layers)
 
     def write_bytes(
         self, peer: str, local_offset: int, remote_offset: int, num_bytes: int, notify: bytes | None = None
@@ -208,11 +215,12 @@ class KVTransferAgent:
         remote_block_ids: Sequence[int] | np.ndarray,
         notify: bytes | None = None,
         layers: Iterable[int] | None = None,
+        heads: tuple[int, int, int] | None = None,
     ) -> LayerStream:
         """Start a layer-by-layer write: call `write_layer(l)` as each layer is computed, then `finish()`."""
         target = self._peer(peer)
         check_notification(notify)
-        plan = plan_block_write(self.layout, target.layout, local_block_ids, remote_block_ids, layers)
+        plan = self._plan(target, local_block_ids, remote_block_ids, layers, heads)
         return LayerStream(self, target.name, plan, notify)
 
     @_locked

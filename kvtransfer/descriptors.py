@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.kvtransfer.errors import LayoutMismatchError
 from pdserve.kvtransfer.layout import KVLayout
 
 
@@ -114,6 +115,55 @@ def plan_block_write(
         local_offsets=local_offsets.reshape(-1),
         remote_offsets=remote_offsets.reshape(-1),
         lengths=np.ascontiguousarray(lengths).reshape(-1),
+        layers=layer_ids,
+    )
+
+
+def plan_head_write(
+    local: KVLayout,
+    remote: KVLayout,
+    src_head: int,
+    dst_head: int,
+    num_heads: int,
+    local_block_ids: Sequence[int] | np.ndarray,
+    remote_block_ids: Sequence[int] | np.ndarray,
+    layers: Iterable[int] | None = None,
+) -> WritePlan:
+    """Plan the write of heads ``[src_head, src_head + num_heads)`` of our pool's blocks into heads
+    ``[dst_head, ...)`` of the peer's (one `handoff.head_plan.HeadWrite`), for every layer.
+
+    When the range is every head of both pools this is `plan_block_write` (whole blocks,
+    runs coalesced). Otherwise both pools must be HND, where a head's pages in a half-block
+    are one contiguous run: two descriptors (K, V) per block and layer, never one per token.
+    """
+    local.check_compatible(remote)
+    for what, first, pool in (("src_head", src_head, local), ("dst_head", dst_head, remote)):
+        if num_heads < 1 or first < 0 or first + num_heads > pool.num_kv_heads:
+            raise ValueError(f"{what}={first} with num_heads={num_heads} is outside the pool's "
+                             f"{pool.num_kv_heads} KV heads")
+    if num_heads == local.num_kv_heads == remote.num_kv_heads:
+        return plan_block_write(local, remote, local_block_ids, remote_block_ids, layers)
+    if local.kv_layout != "HND":
+        raise LayoutMismatchError("kv_layout", local.kv_layout, "HND (a handoff between different TP sizes "
+                                  "writes head ranges, contiguous only in HND: set kv_layout: HND on both roles)")
+    src = _block_ids("local_block_ids", local_block_ids, local.num_blocks)
+    dst = _block_ids("remote_block_ids", remote_block_ids, remote.num_blocks)
+    if src.shape != dst.shape:
+        raise ValueError(f"local_block_ids has {src.shape[0]} ids but remote_block_ids has {dst.shape[0]}")
+    if np.unique(dst).shape[0] != dst.shape[0]:
+        raise ValueError("remote_block_ids repeats a block; two pages written into one block would race")
+    layer_ids = _layer_ids(layers, local.num_layers)
+    head_bytes = local.head_bytes
+    layer_col = np.asarray(layer_ids, dtype=np.int64)[:, None, None]
+    half = np.arange(2, dtype=np.int64)[None, None, :]  # K, V
+    local_offsets = ((layer_col * local.num_blocks + src[None, :, None]) * local.block_bytes
+                     + half * local.half_bytes + src_head * head_bytes)
+    remote_offsets = ((layer_col * remote.num_blocks + dst[None, :, None]) * remote.block_bytes
+                      + half * remote.half_bytes + dst_head * head_bytes)
+    return WritePlan(
+        local_offsets=local_offsets.reshape(-1),
+        remote_offsets=remote_offsets.reshape(-1),
+        lengths=np.full(local_offsets.size, num_heads * head_bytes, dtype=np.int64),
         layers=layer_ids,
     )
 

@@ -8,7 +8,11 @@
  * place, for all the query heads that share that KV head (grouped-query attention).
  *
  * Layouts (engine/attention.py, ARCHITECTURE.md):
- *   kv      one layer's pool [num_blocks][2 (K, V)][block_size][num_kv_heads][head_dim]
+ *   kv      one layer's pool [num_blocks][2 (K, V)][block_size][num_kv_heads][head_dim] (NHD), or
+ *           [num_blocks][2][num_kv_heads][block_size][head_dim] (HND): the caller passes the
+ *           floats between a head's consecutive tokens (tok_stride: num_kv_heads * head_dim or
+ *           head_dim) and between consecutive heads of a token (head_stride: head_dim or
+ *           block_size * head_dim)
  *   q       [tokens][num_heads][head_dim], row stride q_stride floats (a view into qkv)
  *   out     [tokens][num_heads][head_dim], contiguous
  *   tables  [num_seqs][max_blocks] int32 block ids; lens[i] tokens of sequence i in the pool;
@@ -151,10 +155,11 @@ int pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *kv, 
                              const int64_t *qidx, const int32_t *lens, const int32_t *tables,
                              int64_t max_blocks, int64_t num_seqs, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, int64_t max_len, int num_threads) {
+                             float scale, int64_t max_len, int num_threads, int64_t tok_stride,
+                             int64_t head_stride) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim;      /* one token of K (or V) in a block */
-    const int64_t half = block_size * row;             /* the K (or V) half of a block */
+    const int64_t row = tok_stride;                      /* from one token of a head to the next */
+    const int64_t half = block_size * num_kv_heads * head_dim; /* the K (or V) half of a block */
     const int64_t items = num_seqs * num_kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -175,7 +180,7 @@ int pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *kv, 
             const int64_t nblk = (len + block_size - 1) / block_size;
             /* scores[g][t] = scale * q_g . K_t, block by block */
             for (int64_t b = 0; b < nblk; b++) {
-                const float *kb = kv + (int64_t)table[b] * 2 * half + h * head_dim;
+                const float *kb = kv + (int64_t)table[b] * 2 * half + h * head_stride;
                 const int64_t t0 = b * block_size;
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;
                 for (int64_t g = 0; g < group; g++) {
@@ -194,7 +199,7 @@ int pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *kv, 
             for (int64_t g = 0; g < group; g++) invp[g] = 1.0f / softmax_unnormalised(scores + g * max_len, len);
             memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
             for (int64_t b = 0; b < nblk; b++) {
-                const float *vb = kv + ((int64_t)table[b] * 2 + 1) * half + h * head_dim;
+                const float *vb = kv + ((int64_t)table[b] * 2 + 1) * half + h * head_stride;
                 const int64_t t0 = b * block_size;
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;
                 for (int64_t g = 0; g < group; g++)

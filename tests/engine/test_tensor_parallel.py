@@ -179,3 +179,51 @@ def test_collectives_agree_bit_for_bit_on_every_rank(kind, size, tmp_path):
     assert all(r["gathered"] is None for r in res[1:])
     assert all(torch.equal(r["header"], torch.arange(4000)) for r in res)
     assert segments() == before
+
+
+@needs_shm
+def test_rank_extensions_get_control_requests_attachments_layer_hooks_and_idle_time(model_dirs, monkeypatch):
+    from pdserve.engine.tp_group import TPControlError
+
+    monkeypatch.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with LLM(model_dirs("qwen2"), tensor_parallel_size=4, tp_rank_extension="tp_echo_extension:Echo") as llm:
+        group = llm.engine.runner.group
+        first = group.call("echo", x=[1, 2])
+        assert [r["rank"] for r in first] == [1, 2, 3]
+        assert all(r["args"] == {"x": [1, 2]} and r["size"] == 4 and r["steps"] == 0 for r in first)
+        assert [len(r["big"]) for r in first] == [5000, 10000, 15000]  # replies of different lengths
+        assert [r["kv_heads"] for r in first] == [1, 1, 1]  # qwen2: 2 KV heads replicated over 4 ranks
+        group.attach({"stream": "a"})
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0.0))  # one step
+        time.sleep(0.05)  # idle long enough for a few idle calls
+        after = group.call("echo")
+        assert all(r["steps"] == 1 and r["attached"] == [{"stream": "a"}] for r in after)
+        assert all(r["layers"] == [0, 1] and r["idled"] for r in after)  # qwen2 test model: 2 layers
+        with pytest.raises(TPControlError, match=r"boom: rank 1: ValueError: boom on purpose; rank 2: .*rank 3"):
+            group.call("boom")
+        # The ranks are still in step after a failed request.
+        assert greedy(llm, [[5, 6, 7]]) == greedy(LLM(model_dirs("qwen2")), [[5, 6, 7]])
+
+
+@needs_shm
+def test_control_without_an_extension_is_an_error_not_a_hang(model_dirs):
+    from pdserve.engine.tp_group import TPControlError
+
+    with LLM(model_dirs("mistral"), tensor_parallel_size=2) as llm:
+        with pytest.raises(TPControlError, match="no extension"):
+            llm.engine.runner.group.call("echo")
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_an_hnd_pool_gives_the_tokens_of_an_nhd_pool_and_hf(model_dirs, backend):
+    from pdserve.engine import native
+
+    if backend == "native" and native.load() is None:
+        pytest.skip(f"native kernel unavailable: {native.why_unavailable()}")
+    prompts = mixed_prompts(32000, seed=9)[::2]
+    llm = LLM(model_dirs("llama"), kv_layout="HND", attention_backend=backend, max_num_batched_tokens=64)
+    pool = llm.engine.runner.kv_cache
+    assert tuple(pool.shape[2:5]) == (2, 2, 16)  # [.., K/V, heads, block_size, ..]
+    got = greedy(llm, prompts)
+    assert got == greedy(LLM(model_dirs("llama"), attention_backend=backend, max_num_batched_tokens=64), prompts)
+    assert got == hf_greedy(model_dirs("llama"), prompts, MAX_TOKENS)

@@ -31,6 +31,16 @@ def pool_bytes_from_seed(layout: KVLayout, seed: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8).reshape(shape).copy()
 
 
+def encoded_pool(layout: KVLayout, heads: list[int]) -> np.ndarray:
+    """An HND float32 pool [L, N, 2, H, block_size, D] whose value at (layer, block, K/V, local
+    head h, token, dim) encodes (global head heads[h], layer, block, K/V, token, dim) exactly."""
+    assert layout.kv_layout == "HND" and layout.dtype == "float32"
+    L, N, _, H, B, D = layout.shape
+    layer, block, kv, head, tok, dim = np.meshgrid(range(L), range(N), range(2), np.asarray(heads), range(B),
+                                                   range(D), indexing="ij")
+    return (((((head * L + layer) * N + block) * 2 + kv) * B + tok) * D + dim).astype(np.float32)
+
+
 def blocks_digest(pool: np.ndarray, block_ids: list[int]) -> str:
     """Hash of the given blocks across all layers of a `[L, N, block_bytes]` pool view."""
     return hashlib.blake2b(np.ascontiguousarray(pool[:, block_ids]).tobytes()).hexdigest()
@@ -106,6 +116,29 @@ class _Peer:
         self.fill(seed)
         self.agent = KVTransferAgent(name, self.kv, self.layout, ucx_env=self.ucx_env)
         return {"info": self.agent.local_info()}
+
+    def open_encoded(self, name: str, layout: dict, heads: list[int] | None) -> dict:
+        """A float32 pool whose every value encodes where it sits (`encoded_pool`): the given
+        global ``heads`` (a TP rank's), or all -1 when ``heads`` is None (a fresh target)."""
+        import torch
+
+        from pdserve.kvtransfer import KVTransferAgent
+
+        self.close()
+        self.unclaimed = []
+        self.layout = KVLayout.from_dict(layout)
+        values = np.full(self.layout.shape, -1.0, dtype=np.float32) if heads is None else \
+            encoded_pool(self.layout, heads)
+        self.kv = torch.from_numpy(values)
+        self.agent = KVTransferAgent(name, self.kv, self.layout, ucx_env=self.ucx_env)
+        return {"info": self.agent.local_info()}
+
+    def write_heads(self, peer, local, remote, src_head, dst_head, num_heads, notify=None, timeout_s=10.0) -> dict:
+        handle = self.agent.write_blocks(peer, local, remote, notify=notify, heads=(src_head, dst_head, num_heads))
+        self.agent.wait(handle, timeout_s)
+        self._drain()
+        return {"num_bytes": handle.num_bytes, "num_descriptors": handle.num_descriptors,
+                "elapsed_s": handle.elapsed_s}
 
     def fill(self, seed: int) -> None:
         import torch

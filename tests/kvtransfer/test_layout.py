@@ -48,7 +48,18 @@ def test_dict_round_trip_is_json_and_checks_block_bytes():
     with pytest.raises(ValueError, match="block_bytes"):
         KVLayout.from_dict({**record, "block_bytes": 1})
     with pytest.raises(ValueError, match="unknown keys"):
-        KVLayout.from_dict({**record, "tp_size": 2})
+        KVLayout.from_dict({**record, "pipeline_size": 2})
+    # A TP rank's pool: its share of the heads, the model's heads, its rank; records without
+    # the TP fields (TP=1 workers) read as TP=1 NHD.
+    rank = KVLayout("llama-3-8b", "bfloat16", 32, 100, 16, 4, 128, kv_layout="HND", total_kv_heads=8, tp_size=2,
+                    tp_rank=1)
+    assert KVLayout.from_dict(json.loads(json.dumps(rank.to_dict()))) == rank
+    assert rank.shape == (32, 100, 2, 4, 16, 128)
+    legacy = {k: v for k, v in record.items() if k not in ("kv_layout", "total_kv_heads", "tp_size", "tp_rank")}
+    assert KVLayout.from_dict(legacy) == LLAMA_8B
+    assert (LLAMA_8B.kv_layout, LLAMA_8B.total_kv_heads, LLAMA_8B.tp_size) == ("NHD", LLAMA_8B.num_kv_heads, 1)
+    with pytest.raises(ValueError, match="tp_rank"):
+        KVLayout("m", "float16", 1, 1, 16, 4, 64, tp_size=2, tp_rank=2)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,85 @@
+"""A handoff between TP sizes over real NIXL: each prefill rank (its own process and agent, an
+HND pool holding its KV heads) writes the head ranges `handoff.head_plan` gives it into the
+decode ranks' pools (their own processes and agents); every decode value is then checked
+against an encoding of (head, layer, block, K/V, token, dim)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from kvt_peer import PeerProcess, encoded_pool
+
+from pdserve.common.heads import kv_head_range
+from pdserve.handoff.head_plan import write_plan
+from pdserve.kvtransfer import KVLayout
+from pdserve.kvtransfer.descriptors import plan_head_write
+
+NUM_KV_HEADS, LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 4, 2, 8, 4, 4
+_names = itertools.count()
+
+
+def rank_layout(tp: int, rank: int, num_blocks: int = BLOCKS, kv_layout: str = "HND") -> KVLayout:
+    return KVLayout("tiny", "float32", num_layers=LAYERS, num_blocks=num_blocks, block_size=BLOCK_SIZE,
+                    num_kv_heads=len(kv_head_range(NUM_KV_HEADS, tp, rank)), head_dim=HEAD_DIM,
+                    kv_layout=kv_layout, total_kv_heads=NUM_KV_HEADS, tp_size=tp, tp_rank=rank)
+
+
+@pytest.fixture(scope="module")
+def ranks(spawn_ctx):
+    procs = [PeerProcess(spawn_ctx, f"r{i}") for i in range(5)]
+    yield procs
+    codes = [p.stop() for p in procs]
+    assert codes == [0] * len(procs)
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)])
+def test_every_decode_rank_holds_exactly_its_heads_after_the_plan(ranks, p_tp, d_tp):
+    prefill, decode = ranks[:p_tp], ranks[p_tp:p_tp + d_tp]
+    infos = []
+    for r, proc in enumerate(prefill):
+        lay = rank_layout(p_tp, r)
+        proc.ok("open_encoded", name=f"p{r}-{next(_names)}", layout=lay.to_dict(),
+                heads=list(kv_head_range(NUM_KV_HEADS, p_tp, r)))
+    for r, proc in enumerate(decode):
+        lay = rank_layout(d_tp, r, num_blocks=BLOCKS + 3)
+        proc.layout = lay
+        infos.append(proc.ok("open_encoded", name=f"d{r}-{next(_names)}", layout=lay.to_dict(), heads=None)["info"])
+    local, remote = [6, 1, 2, 3, 7], [0, 9, 4, 5, 10]  # non-contiguous on both sides, a run in the middle
+    plan = write_plan(NUM_KV_HEADS, p_tp, d_tp)
+    names = {}
+    for w in plan.writes:
+        key = (w.src_rank, w.dst_rank)
+        if key not in names:
+            names[key] = prefill[w.src_rank].ok("add_peer", info=infos[w.dst_rank])["name"]
+        res = prefill[w.src_rank].ok("write_heads", peer=names[key], local=local, remote=remote,
+                                     src_head=w.src_head, dst_head=w.dst_head, num_heads=w.num_heads)
+        whole = w.num_heads == rank_layout(p_tp, w.src_rank).num_kv_heads == rank_layout(d_tp, w.dst_rank).num_kv_heads
+        # Whole pools: one descriptor per layer and run; a head range: K and V per block and layer.
+        assert res["num_descriptors"] == (LAYERS * 4 if whole else LAYERS * len(local) * 2)
+        assert res["num_bytes"] == LAYERS * len(local) * 2 * w.num_heads * BLOCK_SIZE * HEAD_DIM * 4
+    for r, proc in enumerate(decode):
+        lay = proc.layout
+        got = np.frombuffer(proc.ok("snapshot")["data"], dtype=np.float32).reshape(lay.shape)
+        # What the source blocks hold, placed at the destination blocks; every other block untouched.
+        source = encoded_pool(rank_layout(d_tp, r), list(kv_head_range(NUM_KV_HEADS, d_tp, r)))
+        want = np.full(lay.shape, -1.0, dtype=np.float32)
+        want[:, remote] = source[:, local]
+        assert np.array_equal(got, want), f"decode rank {r} of {d_tp} (prefill TP {p_tp}) holds other values"
+
+
+def test_a_head_range_of_an_nhd_pool_is_refused_naming_kv_layout():
+    from pdserve.kvtransfer.errors import LayoutMismatchError
+
+    with pytest.raises(LayoutMismatchError, match="kv_layout"):
+        plan_head_write(rank_layout(1, 0, kv_layout="NHD"), rank_layout(2, 0, kv_layout="NHD"), 0, 0, 2, [0], [0])
+
+
+def test_pools_of_another_model_shape_are_refused():
+    from pdserve.kvtransfer.errors import LayoutMismatchError
+
+    other = KVLayout("tiny", "float32", num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK_SIZE,
+                     num_kv_heads=1, head_dim=HEAD_DIM, kv_layout="HND", total_kv_heads=8, tp_size=8)
+    with pytest.raises(LayoutMismatchError, match="num_kv_heads"):
+        plan_head_write(rank_layout(1, 0), other, 0, 0, 1, [0], [0])
