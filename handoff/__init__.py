@@ -32,8 +32,17 @@ The walk of one request through the files is in docs/architecture.md.
 
 from .decode_side import Effect, Handoff, Handoffs, HandoffState, Step
 from .notices import MalformedNoticeError, PrefillDone, PrefillFailed, decode_notification
-from .outcomes import (BAD_TASK, BATCH_FAILED, CANCELLED, PEER_MISSING, REQUEST_FAILED, TRANSFER_ERROR, FAILURES,
-                       fallback_reason, is_settled)
+from .outcomes import (
+                       BAD_TASK,
+                       BATCH_FAILED,
+                       CANCELLED,
+                       FAILURES,
+                       PEER_MISSING,
+                       REQUEST_FAILED,
+                       TRANSFER_ERROR,
+                       fallback_reason,
+                       is_settled,
+)
 from .prefill_side import JobState, PrefillJob
 from .task import PrefillTask
 from .transport import KVReceiver, KVSender, TransportError, WriteFailed, WriteTimedOut

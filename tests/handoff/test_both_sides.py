@@ -22,11 +22,34 @@ import pytest
 
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.handoff import (Effect, HandoffState, Handoffs, JobState, PrefillDone, PrefillTask, WriteFailed,
-                             WriteTimedOut, decode_notification, fallback_reason, is_settled)
-from pdserve.handoff.outcomes import (BAD_TASK, BATCH_FAILED, CANCELLED, DEADLINE_EXPIRED, FAILURES, NO_LIVE_WORKER,
-                                      PEER_MISSING, QUEUE, REQUEST_FAILED, TARGET_GONE, TRANSFER_ERROR,
-                                      WORKER_STALLED, WORKER_VANISHED)
+from pdserve.handoff import (
+    Effect,
+    Handoffs,
+    HandoffState,
+    JobState,
+    PrefillDone,
+    PrefillTask,
+    WriteFailed,
+    WriteTimedOut,
+    decode_notification,
+    fallback_reason,
+    is_settled,
+)
+from pdserve.handoff.outcomes import (
+    BAD_TASK,
+    BATCH_FAILED,
+    CANCELLED,
+    DEADLINE_EXPIRED,
+    FAILURES,
+    NO_LIVE_WORKER,
+    PEER_MISSING,
+    QUEUE,
+    REQUEST_FAILED,
+    TARGET_GONE,
+    TRANSFER_ERROR,
+    WORKER_STALLED,
+    WORKER_VANISHED,
+)
 from pdserve.prefill.batch import PrefillBatch, PrefillStats
 
 DECODE, PREFILL = "d0", "p0"

@@ -8,8 +8,15 @@ import pytest
 
 from pdserve.handoff import PrefillDone, PrefillFailed
 from pdserve.handoff.notices import MAX_TOP_LOGPROBS
-from pdserve.handoff.transport import (MAX_NOTIFICATION_BYTES, KVReceiver, KVSender, LayerWrites, TransportError,
-                                       WriteFailed, WriteTimedOut)
+from pdserve.handoff.transport import (
+    MAX_NOTIFICATION_BYTES,
+    KVReceiver,
+    KVSender,
+    LayerWrites,
+    TransportError,
+    WriteFailed,
+    WriteTimedOut,
+)
 from pdserve.kvtransfer import KVTransferAgent, LayerStream, TransferHandle
 from pdserve.kvtransfer.errors import KVTransferError, TransferError, TransferTimeoutError, UnknownPeerError
 
@@ -50,5 +57,9 @@ def test_the_largest_notices_fit_one_notification():
                        prefill_worker="p" * 64, batch_tokens=2**31,
                        first_top_logprobs=tuple((2**31 - i, -1.5) for i in range(MAX_TOP_LOGPROBS)))
     assert len(done.encode()) <= MAX_NOTIFICATION_BYTES
+    # Wrapped for a (prefill rank, decode rank) pair of a TP handoff (handoff/ranked.py): still fits.
+    from pdserve.handoff.ranked import wrap
+
+    assert len(wrap(done.encode(), 254, 255, 254, 255)) <= MAX_NOTIFICATION_BYTES
     failed = PrefillFailed(rid, 2**31, "transfer_error", "d" * 1000, "p" * 64, False)
     assert len(failed.encode()) <= MAX_NOTIFICATION_BYTES

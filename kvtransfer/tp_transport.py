@@ -1,0 +1,315 @@
+"""The transport of a worker whose KV pool, or whose peer's, is split over tensor-parallel ranks.
+
+Each rank has its own NIXL agent over its own pool (rank 0's lives in the worker process,
+the others' in their rank processes: kvtransfer/rank_service.py). A worker publishes one
+record listing its ranks' agents (`ranks_record`); a peer with one rank keeps publishing
+the plain agent record, and both read as `PeerRanks`.
+
+`TPSender` is the prefill side's `KVSender`: for a request it writes by the plan of
+handoff/head_plan.py: prefill rank ``s`` writes its head range into decode rank ``d``'s pool
+for every (s, d) of the plan, and each such pair ends with its own copy of the notice,
+wrapped with the pair (handoff/ranked.py). Rank 0's writes go through its local agent; the
+other ranks' are set up through the TP group: a stream's writes are attached to the step
+that computes the request (so each rank posts its layers as its own forward computes
+them), and finishing, settling or a whole-request write is a control request to every
+rank, answered with what became of its writes. Between two single-rank workers nothing of
+this applies: the calls go straight to the agent, unchanged.
+
+`TPReceiver` is the decode side's `KVReceiver`: it polls rank 0's agent and the other
+ranks (their agents received notices while idle) and passes every notice through
+`RankedArrivals`, so the handoff table sees one `PrefillDone` per attempt, when the pages
+are in place on every decode rank.
+
+``group`` is the engine's TP group (engine/tp_group.py; anything with ``call(op, **args)``
+and ``attach(item)``), or None for a single-rank worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.handoff.head_plan import HeadWrite, write_plan
+from pdserve.handoff.ranked import RankedArrivals, wrap
+from pdserve.kvtransfer.errors import MalformedMessageError, TransferError, TransferTimeoutError, UnknownPeerError
+from pdserve.kvtransfer.transfer import Notification, PollResult
+
+log = logging.getLogger(__name__)
+
+RANKS_FORMAT = "pdserve.kvtransfer.ranks/1"
+
+
+def rank_agent_name(worker_id: str, rank: int) -> str:
+    """Rank 0's agent is named after the worker (as a single-rank worker's is)."""
+    return worker_id if rank == 0 else f"{worker_id}.r{rank}"
+
+
+def ranks_record(worker_id: str, infos: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The record a worker publishes: its ranks' agent records, rank 0 first (one rank: the
+    plain agent record, which every version reads)."""
+    if len(infos) == 1:
+        return dict(infos[0])
+    return {"format": RANKS_FORMAT, "name": worker_id, "tp": len(infos), "ranks": [dict(i) for i in infos]}
+
+
+@dataclass(frozen=True)
+class PeerRanks:
+    name: str  # the worker
+    tp: int
+    infos: tuple[dict, ...]  # each rank's agent record, rank 0 first
+
+    @property
+    def agent_names(self) -> list[str]:
+        return [i["name"] for i in self.infos]
+
+
+def parse_peer_ranks(record: Mapping[str, Any]) -> PeerRanks:
+    """A worker's record (plain or ranked) as its ranks; MalformedMessageError when it is neither."""
+    if not isinstance(record, Mapping):
+        raise MalformedMessageError(f"a peer record must be a map, got {type(record).__name__}")
+    if record.get("format") != RANKS_FORMAT:
+        return PeerRanks(str(record.get("name")), 1, (dict(record),))
+    ranks = record.get("ranks")
+    tp = record.get("tp")
+    if not isinstance(ranks, list) or not isinstance(tp, int) or tp < 1 or len(ranks) != tp:
+        raise MalformedMessageError(f"ranked peer record: tp={tp!r} and {len(ranks or [])} rank records disagree")
+    return PeerRanks(str(record["name"]), tp, tuple(dict(r) for r in ranks))
+
+
+@dataclass
+class RankHandle:
+    """What another rank reported about its writes of one request (already over)."""
+
+    rank: int
+    num_bytes: int = 0
+    error: str | None = None
+    timed_out: bool = False
+    finished: bool = True
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+def _heads(w: HeadWrite) -> tuple[int, int, int]:
+    return (w.src_head, w.dst_head, w.num_heads)
+
+
+def _rank_handles(replies: list[dict]) -> list[RankHandle]:
+    return [RankHandle(rank, r.get("bytes", 0), r.get("failed"), bool(r.get("timed_out")))
+            for rank, r in enumerate(replies, start=1)]
+
+
+@dataclass
+class TPStream:
+    """A request's layer-by-layer writes on every prefill rank (`LayerWrites`)."""
+
+    sender: TPSender
+    key: int
+    peer: PeerRanks
+    mine: list[tuple[int, Any]]  # (decode rank, rank 0's LayerStream)
+    others: bool  # other prefill ranks write too (they were told with the step)
+    finished: bool = False
+    reported: dict = field(default_factory=dict)  # other ranks' outcomes, once finished
+
+    @property
+    def handles(self) -> dict:
+        """Every write of the request: rank 0's layer writes, then the other ranks' reports."""
+        out = {(d, layer): h for d, stream in self.mine for layer, h in stream.handles.items()}
+        out.update(self.reported)
+        return out
+
+    def write_layer(self, layer: int, ready: Any = None) -> None:
+        for _, stream in self.mine:
+            stream.write_layer(layer, ready)
+
+    def finish(self, timeout_s: float, notify: bytes | None = None) -> list:
+        self.finished = True
+        s = self.sender
+        handles: list = []
+        try:
+            for d, stream in self.mine:
+                note = None if notify is None else wrap(notify, 0, s.tp, d, self.peer.tp)
+                handles += stream.finish(timeout_s, notify=note)
+        finally:
+            if self.others:
+                replies = s.group.call("finish", key=self.key, notify=notify, timeout_s=timeout_s)
+                for h in _rank_handles(replies):
+                    self.reported[("rank", h.rank)] = h
+                    handles.append(h)
+        for h in handles:
+            if isinstance(h, RankHandle) and h.failed:
+                raise (TransferTimeoutError if h.timed_out else TransferError)(f"prefill rank {h.rank}: {h.error}")
+        return handles
+
+    def abort(self) -> None:
+        self.finished = True
+        for _, stream in self.mine:
+            stream.abort()
+        if self.others:
+            self.sender.group.call("abort", key=self.key)
+
+    def settle_posts(self, timeout_s: float) -> bool:
+        settled = all(stream.settle_posts(timeout_s) for _, stream in self.mine)
+        if self.others:
+            replies = self.sender.group.call("settle", key=self.key, timeout_s=timeout_s)
+            settled = settled and all(r.get("settled", False) for r in replies)
+        return settled
+
+
+@dataclass
+class TPWrite:
+    """A whole-request write on every prefill rank (`WriteHandle`)."""
+
+    mine: list
+    others: list[RankHandle]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(h.num_bytes for h in self.mine) + sum(h.num_bytes for h in self.others)
+
+    @property
+    def finished(self) -> bool:
+        return all(h.finished for h in self.mine)
+
+
+class TPSender:
+    """`KVSender` over this worker's ranks and its peers' ranks (see the module docstring)."""
+
+    def __init__(self, agent, num_kv_heads: int, tp: int = 1, group=None):
+        if tp > 1 and group is None:
+            raise ValueError("a prefill worker with tp > 1 needs its TP group")
+        self.agent, self.num_kv_heads, self.tp, self.group = agent, num_kv_heads, tp, group
+        self._peers: dict[str, PeerRanks] = {}
+        self._keys = itertools.count(1)
+
+    # -- peers -----------------------------------------------------------------------
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._peers)
+
+    def add_peer(self, record: Mapping[str, Any]) -> str:
+        """Add a worker (its plain or ranked record) on every rank of this one; returns its name."""
+        peer = parse_peer_ranks(record)
+        write_plan(self.num_kv_heads, self.tp, peer.tp)  # HeadShardingError: no plan fits the pair
+        for info in peer.infos:
+            self.agent.add_peer(info)
+        if self.tp > 1:
+            self.group.call("add_peer", infos=list(peer.infos))
+        self._peers[peer.name] = peer
+        return peer.name
+
+    def remove_peer(self, name: str) -> bool:
+        peer = self._peers.pop(name, None)
+        if peer is None:
+            return False
+        for agent_name in peer.agent_names:
+            self.agent.remove_peer(agent_name)
+        if self.tp > 1:
+            self.group.call("remove_peer", names=peer.agent_names)
+        return True
+
+    def _peer(self, name: str) -> PeerRanks:
+        peer = self._peers.get(name)
+        if peer is None:
+            raise UnknownPeerError(f"unknown peer {name!r}; add it (its etcd record) first")
+        return peer
+
+    def _single(self, peer: PeerRanks) -> bool:
+        return self.tp == 1 and peer.tp == 1
+
+    # -- writes ------------------------------------------------------------------------
+    def begin_stream(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
+                     notify: bytes | None = None) -> Any:
+        target = self._peer(peer)
+        if self._single(target):
+            return self.agent.begin_stream(target.agent_names[0], local_block_ids, remote_block_ids, notify)
+        plan = write_plan(self.num_kv_heads, self.tp, target.tp)
+        mine = [(w.dst_rank, self.agent.begin_stream(target.agent_names[w.dst_rank], local_block_ids,
+                                                     remote_block_ids, None, heads=_heads(w)))
+                for w in plan.writes_from(0)]
+        key = next(self._keys)
+        others = self.tp > 1
+        if others:
+            self.group.attach({"kind": "stream", "key": key, "peer": target.agent_names, "dst_tp": target.tp,
+                               "local": [int(b) for b in local_block_ids],
+                               "remote": [int(b) for b in remote_block_ids],
+                               "writes": [[w.src_rank, w.dst_rank, *_heads(w)] for w in plan.writes if w.src_rank]})
+        return TPStream(self, key, target, mine, others)
+
+    def write_blocks(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int], *,
+                     notify: bytes | None = None) -> Any:
+        target = self._peer(peer)
+        if self._single(target):
+            return self.agent.write_blocks(target.agent_names[0], local_block_ids, remote_block_ids, notify=notify)
+        plan = write_plan(self.num_kv_heads, self.tp, target.tp)
+        mine = [self.agent.write_blocks(target.agent_names[w.dst_rank], local_block_ids, remote_block_ids,
+                                        notify=None if notify is None else wrap(notify, 0, self.tp, w.dst_rank,
+                                                                                 target.tp),
+                                        heads=_heads(w))
+                for w in plan.writes_from(0)]
+        others: list[RankHandle] = []
+        if self.tp > 1:
+            replies = self.group.call(
+                "write", peer=target.agent_names, dst_tp=target.tp, local=[int(b) for b in local_block_ids],
+                remote=[int(b) for b in remote_block_ids], notify=notify, timeout_s=self.write_timeout_s,
+                writes=[[w.src_rank, w.dst_rank, *_heads(w)] for w in plan.writes if w.src_rank])
+            others = _rank_handles(replies)
+        return TPWrite(mine, others)
+
+    write_timeout_s = 30.0  # other ranks' whole-request writes (the worker sets its transfer timeout)
+
+    def wait(self, handle: Any, timeout_s: float) -> Any:
+        if isinstance(handle, RankHandle):
+            if handle.failed:
+                raise (TransferTimeoutError if handle.timed_out else TransferError)(
+                    f"prefill rank {handle.rank}: {handle.error}")
+            return handle
+        if isinstance(handle, TPWrite):
+            for h in handle.mine:
+                self.agent.wait(h, timeout_s)
+            for h in handle.others:
+                self.wait(h, timeout_s)
+            return handle
+        return self.agent.wait(handle, timeout_s)
+
+    def send_notification(self, peer: str, payload: bytes) -> None:
+        """To the peer's rank 0 (a PrefillFailed: never wrapped)."""
+        self.agent.send_notification(self._peer(peer).agent_names[0], payload)
+
+    def poll(self) -> PollResult:
+        return self.agent.poll()
+
+    def local_info(self) -> dict:
+        return self.agent.local_info()
+
+
+class TPReceiver:
+    """`KVReceiver`: rank 0's agent and the other ranks' notices, through `RankedArrivals`."""
+
+    def __init__(self, agent, num_kv_heads: int, tp: int = 1, group=None):
+        self.agent, self.tp, self.group = agent, tp, group
+        self.arrivals = RankedArrivals(num_kv_heads, decode_tp=tp)
+        self.malformed = 0
+
+    def poll(self) -> PollResult:
+        res = self.agent.poll()
+        notes: Iterable = res.notifications
+        if self.tp > 1:
+            replies = self.group.call("poll")
+            notes = list(notes) + [Notification(s, bytes(p)) for r in replies for s, p in r.get("notes", [])]
+        out = []
+        for n in notes:
+            try:
+                payload = self.arrivals.feed(n.payload)
+            except ValueError:  # MalformedNoticeError: the handoff layer counts and drops these
+                payload = n.payload
+            if payload is not None:
+                out.append(Notification(n.sender, payload))
+        return PollResult(completed=res.completed, failed=res.failed, notifications=out)
+
+    def __getattr__(self, name: str):
+        return getattr(self.agent, name)  # local_info, add_peer, close, ... of rank 0's agent
