@@ -136,12 +136,19 @@ def start_worker_actor(topo: "Topology", role: str, replica: int, *, model: str,
             raise ValueError("allow_role_flip needs the default entry points of both roles "
                              f"({DEFAULT_PREFILL_ENTRYPOINT}, {DEFAULT_DECODE_ENTRYPOINT}); set "
                              "allow_role_flip: false in the autoscale policy to use others")
+        p_tp, d_tp = topo.roles.prefill.tensor_parallel_size, topo.roles.decode.tensor_parallel_size
+        if p_tp != d_tp:
+            raise ValueError(f"allow_role_flip needs the same tensor_parallel_size on both roles (a flipped worker "
+                             f"keeps its ranks and KV pool); this topology has prefill {p_tp}, decode {d_tp}: set "
+                             "allow_role_flip: false in the autoscale policy, or one TP size")
         other = "decode" if role == "prefill" else "prefill"
         # The other role's config; the planner names its worker id when it flips the worker.
         alt = launch_config(topo, other, replica, model=model, etcd_endpoints=etcd_endpoints)
         cfg, entrypoint = {"role": role, "configs": {role: cfg, other: alt}}, DEFAULT_FLEX_ENTRYPOINT
     cls = ray.remote(restartable(load_entrypoint(entrypoint)))
     name = actor_name(topo.cluster, wid)
+    # A TP replica is one actor whose ranks are its child processes on the same node: its one bundle
+    # (num_gpus >= tensor_parallel_size, checked by the topology) is Ray's STRICT_PACK of its ranks.
     opts = worker_actor_options(name, topo.ray.namespace, spec.resources.num_cpus, spec.resources.num_gpus,
                                 {**spec.resources.custom, **(resources or {})})
     actor = cls.options(**opts).remote(cfg)

@@ -62,6 +62,10 @@ class _RoleSpec(_Strict):
     replicas: int = Field(1, ge=0)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     engine: dict[str, Any] = Field(default_factory=dict)
+    # Ranks of one replica (tensor parallelism inside the worker, engine/tensor_parallel.py): the
+    # engine's tensor_parallel_size. Prefill and decode may differ (the KV handoff maps heads:
+    # handoff/head_plan.py); both pools are then HND. On GPUs a replica holds this many devices.
+    tensor_parallel_size: int = Field(1, ge=1, le=255)
     # name -> base port; replica i listens on base + i; 0 = any free port.
     ports: dict[str, Port] = Field(default_factory=dict)
     # The cores each replica's process owns (control/runtime.py `pin_process`): a list of CPU ids,
@@ -127,6 +131,37 @@ class Topology(_Strict):
     @classmethod
     def _cluster_is_a_key_segment(cls, value: str) -> str:
         return check_name("cluster", value)
+
+    @pydantic.model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> "Topology":
+        tps = {role: getattr(self.roles, role).tensor_parallel_size for role in ("prefill", "decode")}
+        for role, tp in tps.items():
+            spec = getattr(self.roles, role)
+            engine = spec.engine
+            if 0 < spec.resources.num_gpus < tp:
+                raise ValueError(f"roles.{role}.resources.num_gpus={spec.resources.num_gpus:g} but "
+                                 f"roles.{role}.tensor_parallel_size={tp}: a replica's ranks each hold a GPU; set "
+                                 f"num_gpus: {tp}")
+            if "tensor_parallel_size" in engine and engine["tensor_parallel_size"] != tp:
+                raise ValueError(f"roles.{role}.engine.tensor_parallel_size={engine['tensor_parallel_size']} "
+                                 f"disagrees with roles.{role}.tensor_parallel_size={tp}; set the role's only")
+            if tps["prefill"] != tps["decode"] and engine.get("kv_layout", "HND") != "HND":
+                raise ValueError(f"roles.{role}.engine.kv_layout={engine['kv_layout']!r}: prefill and decode run "
+                                 f"different tensor_parallel_size ({tps['prefill']} and {tps['decode']}), so the "
+                                 "handoff writes head ranges, contiguous only in HND pools: remove kv_layout or "
+                                 "set it to HND")
+        return self
+
+    def engine_args(self, role: str) -> dict[str, Any]:
+        """The engine arguments of a replica of ``role``: its ``engine`` map, its TP size, and
+        the pool layout the handoff needs (HND when the roles' TP sizes differ)."""
+        spec = getattr(self.roles, role)
+        out = dict(spec.engine)
+        if spec.tensor_parallel_size > 1:
+            out["tensor_parallel_size"] = spec.tensor_parallel_size
+        if self.roles.prefill.tensor_parallel_size != self.roles.decode.tensor_parallel_size:
+            out.setdefault("kv_layout", "HND")
+        return out
 
     @pydantic.model_validator(mode="after")
     def _ports_do_not_collide(self) -> "Topology":

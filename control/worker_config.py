@@ -106,7 +106,7 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
     every `WorkerConfig` field, plus the role's own keys the default entry points take.
     The worker id is `<role>-<replica>` unless `worker_id` names another (a pod's name)."""
     spec = getattr(topology.roles, role)
-    common = WorkerConfig(model=model, engine_args=dict(spec.engine), worker_id=worker_id or f"{role}-{replica}",
+    common = WorkerConfig(model=model, engine_args=topology.engine_args(role), worker_id=worker_id or f"{role}-{replica}",
                           cluster=topology.cluster, etcd_endpoints=list(etcd_endpoints),
                           **_worker_etcd(topology), lease_ttl_s=topology.etcd.lease_ttl_s,
                           queue_name=topology.queue.name,

@@ -26,6 +26,7 @@ from pdserve.control.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PA
 from pdserve.control.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.calibrate import measure_steps
+from pdserve.kvtransfer.tp_transport import with_rank_transport
 from pdserve.router import parse_policy
 from pdserve.taskqueue import open_queue
 
@@ -95,6 +96,7 @@ class DecodeWorker:
         self.remote = None
         self.queue = None  # QueueClient, with remote prefill
         self.agent = None
+        self.transport_record: dict | None = None  # this worker's ranks' NIXL records (published in etcd)
         self._requeue_watch = None
         self._http: uvicorn.Server | None = None
         self._http_sock: socket.socket | None = None
@@ -118,7 +120,8 @@ class DecodeWorker:
         self.security.warn_if_plaintext(self.host, self.worker_id)
         # Own its cores before any engine thread exists (threads inherit the mask; topology cpus).
         self.cpus = cfg.pin_cpus(f"decode worker {self.worker_id}")
-        self.engine = engine or await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
+        self.engine = engine or await asyncio.to_thread(
+            LLMEngine, EngineConfig.from_kwargs(cfg.model, **with_rank_transport(cfg.engine_args)))
         policy = PolicyState(self.engine.connector.kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
         self.metrics = WorkerMetrics("decode", self.worker_id)
@@ -172,22 +175,23 @@ class DecodeWorker:
         raise RuntimeError(f"HTTP server did not start on {self.http_address}")
 
     def _start_remote(self, policy: PolicyState) -> None:
-        from pdserve.kvtransfer import KVLayout, KVTransferAgent
+        from pdserve.kvtransfer.tp_transport import open_worker_transport
 
         from .remote import RemoteConfig, RemotePrefill
 
         cfg = self.cfg
         self.queue = open_queue(cfg, "remote_prefill")
-        kv = self.engine.connector.kv_tensor
-        self.agent = KVTransferAgent(self.worker_id, kv, KVLayout.from_tensor(kv, self.engine.model_config.model_id),
-                                     ucx_env=cfg.agent_ucx_env(self.host))
+        # One agent per tensor-parallel rank; the receiver gathers every rank's notices (kvtransfer/tp_transport.py).
+        transport = open_worker_transport(self.worker_id, self.engine, cfg.agent_ucx_env(self.host))
+        self.transport_record = transport.record
+        self.agent = transport.receiver()
         self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,
                                     RemoteConfig(timeout_s=cfg.remote_timeout_s, quarantine_s=cfg.remote_quarantine_s), costs=policy.costs)
         self.remote.start()
 
     async def _join_cluster(self) -> None:
         cfg = self.cfg
-        nixl = json.dumps(self.agent.local_info()).encode() if self.agent is not None else None
+        nixl = json.dumps(self.transport_record).encode() if self.agent is not None else None
         self.registry = await join_cluster(cfg, self._record(), nixl, on_drain=self.drain)
         policy = self.frontend.policy
         self.policy_watch = await self.registry.watch_policy(

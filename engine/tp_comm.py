@@ -188,6 +188,8 @@ class ShmComm(Comm):
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         t = t.contiguous()
+        if t.numel() == 0:  # the same on every rank (a step that samples nothing): no collective
+            return [t.clone() for _ in range(self.size)] if self.rank == 0 else None
         parts: list[list[torch.Tensor]] = [[] for _ in range(self.size)]
         for chunk in self._chunks(t):
             n = chunk.numel()

@@ -283,8 +283,8 @@ class TPSender:
     def poll(self) -> PollResult:
         return self.agent.poll()
 
-    def local_info(self) -> dict:
-        return self.agent.local_info()
+    def __getattr__(self, name: str):
+        return getattr(self.agent, name)  # local_info, close, ... of rank 0's agent
 
 
 class TPReceiver:
@@ -313,3 +313,56 @@ class TPReceiver:
 
     def __getattr__(self, name: str):
         return getattr(self.agent, name)  # local_info, add_peer, close, ... of rank 0's agent
+
+
+RANK_EXTENSION = "pdserve.kvtransfer.rank_service:RankTransfer"
+
+
+def with_rank_transport(engine_args: Mapping[str, Any]) -> dict:
+    """A worker's engine arguments: a tensor-parallel engine's ranks also run the transport."""
+    out = dict(engine_args)
+    if int(out.get("tensor_parallel_size", 1) or 1) > 1:
+        out.setdefault("tp_rank_extension", RANK_EXTENSION)
+    return out
+
+
+@dataclass
+class WorkerTransport:
+    """One worker's transport over its engine's ranks: rank 0's agent here, the others' in their
+    rank processes; `record` is what the worker publishes for its peers."""
+
+    agent: Any  # rank 0's KVTransferAgent
+    record: dict
+    tp: int
+    num_kv_heads: int
+    group: Any
+
+    def sender(self) -> TPSender:
+        return TPSender(self.agent, self.num_kv_heads, self.tp, self.group)
+
+    def receiver(self) -> TPReceiver:
+        return TPReceiver(self.agent, self.num_kv_heads, self.tp, self.group)
+
+
+def open_worker_transport(worker_id: str, engine, ucx_env: Mapping[str, str] | None = None) -> WorkerTransport:
+    """Open an agent on every rank of ``engine`` (an `LLMEngine`, started with
+    `with_rank_transport` arguments when it has several ranks)."""
+    from pdserve.kvtransfer.agent import KVTransferAgent
+    from pdserve.kvtransfer.layout import KVLayout
+
+    m, runner = engine.model_config, engine.runner
+    tp = runner.tensor_parallel_size
+    kv = engine.connector.kv_tensor
+    layout = KVLayout.from_tensor(kv, m.model_id, kv_layout=runner.kv_layout, total_kv_heads=m.num_kv_heads,
+                                  tp_size=tp, tp_rank=0)
+    agent = KVTransferAgent(worker_id, kv, layout, ucx_env=ucx_env)
+    infos = [agent.local_info()]
+    if tp > 1:
+        try:
+            infos += [r["info"] for r in runner.group.call("open", worker_id=worker_id, model_id=m.model_id,
+                                                             total_kv_heads=m.num_kv_heads,
+                                                             ucx_env=dict(ucx_env or {}))]
+        except BaseException:
+            agent.close()
+            raise
+    return WorkerTransport(agent, ranks_record(worker_id, infos), tp, m.num_kv_heads, runner.group)

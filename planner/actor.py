@@ -29,12 +29,16 @@ PLANNER_MAX_RESTARTS = 10
 
 
 def cpu_units(topo: Topology) -> dict[str, int | None]:
-    """Budget units per replica: None for a GPU role (the policy's gpus_per_replica counts),
-    the role's whole CPUs on a CPU role (gpu_budget then counts CPUs)."""
+    """Budget units per replica: a GPU role's tensor_parallel_size when it is over 1 (a replica
+    holds that many GPUs), else None (the policy's gpus_per_replica counts); the role's whole
+    CPUs on a CPU role (gpu_budget then counts CPUs)."""
     out: dict[str, int | None] = {}
     for role in ROLES:
-        res = getattr(topo.roles, role).resources
-        out[role] = None if res.num_gpus > 0 else max(1, math.ceil(res.num_cpus))
+        spec = getattr(topo.roles, role)
+        if spec.resources.num_gpus > 0:
+            out[role] = spec.tensor_parallel_size if spec.tensor_parallel_size > 1 else None
+        else:
+            out[role] = max(1, math.ceil(spec.resources.num_cpus))
     return out
 
 

@@ -36,7 +36,8 @@ from pdserve.control.records import WorkerInfo
 from pdserve.control.runtime import cpu_list, freeze_gc_heap
 from pdserve.control.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
-from pdserve.kvtransfer import KVLayout, KVTransferAgent
+from pdserve.engine.tp_group import TPGroupBroken
+from pdserve.kvtransfer.tp_transport import TPSender, open_worker_transport, with_rank_transport
 from pdserve.taskqueue import BAD_SIGNATURE, NO_KEY, open_queue, verify_task
 
 from .batch import PrefillBatch, PrefillStats
@@ -78,7 +79,7 @@ class PrefillWorker:
         self.draining = False
         self.engine: LLMEngine | None = None
         self.cpus: list[int] | None = None  # the cores this process owns (topology roles.*.cpus)
-        self.agent: KVTransferAgent | None = None
+        self.agent: TPSender | None = None
         self.registry = None
         self.queue = None
         self._loop_task: asyncio.Task | None = None
@@ -102,11 +103,13 @@ class PrefillWorker:
         cfg = self.cfg
         # Own its cores before any engine thread exists (threads inherit the mask; topology cpus).
         self.cpus = cfg.pin_cpus(f"prefill worker {self.worker_id}")
-        self.engine = engine or await asyncio.to_thread(LLMEngine, EngineConfig.from_kwargs(cfg.model, **cfg.engine_args))
-        kv = self.engine.connector.kv_tensor
-        layout = KVLayout.from_tensor(kv, self.engine.model_config.model_id)
+        self.engine = engine or await asyncio.to_thread(
+            LLMEngine, EngineConfig.from_kwargs(cfg.model, **with_rank_transport(cfg.engine_args)))
         self.host = cfg.metrics_host or cfg.address()
-        self.agent = KVTransferAgent(self.worker_id, kv, layout, ucx_env=cfg.agent_ucx_env(self.host))
+        # One agent per tensor-parallel rank; the sender writes by the head plan (kvtransfer/tp_transport.py).
+        transport = await asyncio.to_thread(open_worker_transport, self.worker_id, self.engine,
+                                            cfg.agent_ucx_env(self.host))
+        self.agent = transport.sender()
         self.queue = open_queue(cfg, "the prefill worker")
         self._batch = PrefillBatch(self.worker_id, self.engine, self.agent, self.stats,
                                    transfer_timeout_s=cfg.transfer_timeout_s, layerwise=cfg.layerwise)
@@ -123,7 +126,7 @@ class PrefillWorker:
                           capacity={"max_num_batched_tokens": self.budget}, version=VERSION,
                           endpoints={"metrics": metrics_at} if metrics_at else {},
                           hostname=socket.gethostname(), address=self.host)
-        self.registry = await join_cluster(cfg, info, json.dumps(self.agent.local_info()).encode(),
+        self.registry = await join_cluster(cfg, info, json.dumps(transport.record).encode(),
                                            on_drain=self.drain)
         self._decode_watch = await self.registry.watch_members(on_remove=self._decode_gone, role="decode")
         if cfg.freeze_gc:
@@ -184,10 +187,16 @@ class PrefillWorker:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "draining": self.draining,
                 "loop_alive": self._loop_task is not None and not self._loop_task.done(),
                 "loop_error": self.loop_error, "metrics": self.metrics.address,
+                "tp_ranks": self.tp_rank_pids(),
                 **{k: dict(v) if isinstance(v, dict) else v for k, v in self.stats.__dict__.items()}}
 
     def pid(self) -> int:
         return os.getpid()
+
+    def tp_rank_pids(self) -> list[int]:
+        """Pids of this worker's tensor-parallel ranks 1..N-1 (none at TP=1)."""
+        group = self.engine.runner.group if self.engine is not None else None
+        return [p.pid for p in group.procs] if group is not None else []
 
     # -- the pull loop -------------------------------------------------------------------
     async def _run(self) -> None:
@@ -281,6 +290,12 @@ class PrefillWorker:
             # queue path frees the blocks at once; the decode worker's deadline quarantines them.
             if f.writes_settled:
                 await self._queue_call("fail", self.worker_id, f.task.request_id, f.kind, f.detail)
+        group = self.engine.runner.group
+        if group is not None and group.broken:
+            # A rank exited: this engine cannot step again. The loop dies, the worker leaves the
+            # registry and exits; Ray restarts it whole (its tasks were failed above, so their
+            # decode workers prefill them locally).
+            raise TPGroupBroken(f"tensor-parallel group broken: {group.broken}")
 
     def _run_batch(self, tasks, new_peers: dict, unusable: dict):
         self._sync_peers(new_peers, unusable)

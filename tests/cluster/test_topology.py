@@ -177,3 +177,57 @@ def test_topology_check_command_prints_ok_or_every_problem(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert f"{SHIPPED[0]}: OK: cluster" in out
     assert f"{bad}:6: roles.prefill.replicas:" in err
+
+
+TP = """\
+cluster: test
+model:
+  path: auto
+roles:
+  prefill:
+    replicas: 1
+    tensor_parallel_size: {p}
+    engine: {pe}
+  decode:
+    replicas: 1
+    tensor_parallel_size: {d}
+    engine: {de}
+"""
+
+
+def test_tensor_parallel_roles_give_their_engines_the_size_and_an_hnd_pool_when_they_differ(tmp_path):
+    topo = load_topology(write(tmp_path, TP.format(p=2, d=1, pe="{device: cpu}", de="{}")))
+    assert topo.engine_args("prefill") == {"device": "cpu", "tensor_parallel_size": 2, "kv_layout": "HND"}
+    assert topo.engine_args("decode") == {"kv_layout": "HND"}
+    same = load_topology(write(tmp_path, TP.format(p=2, d=2, pe="{}", de="{}")))
+    assert same.engine_args("decode") == {"tensor_parallel_size": 2}  # equal sizes: whole blocks, any layout
+
+
+@pytest.mark.parametrize("p,d,pe,de,words", [
+    (2, 1, "{kv_layout: NHD}", "{}", "roles.prefill.engine.kv_layout='NHD'.*set it to HND"),
+    (2, 2, "{tensor_parallel_size: 4}", "{}", "roles.prefill.engine.tensor_parallel_size=4 disagrees"),
+    (1, 2, "{}", "{}", None),
+])
+def test_tensor_parallel_settings_that_cannot_work_are_refused_naming_the_key(tmp_path, p, d, pe, de, words):
+    path = write(tmp_path, TP.format(p=p, d=d, pe=pe, de=de))
+    if words is None:
+        load_topology(path)
+        return
+    with pytest.raises(TopologyError, match=words):
+        load_topology(path)
+
+
+def test_a_gpu_replica_needs_a_gpu_per_rank(tmp_path):
+    text = TP.format(p=2, d=1, pe="{}", de="{}").replace("    tensor_parallel_size: 2\n",
+                                                          "    tensor_parallel_size: 2\n    resources: {num_gpus: 1}\n")
+    with pytest.raises(TopologyError, match="roles.prefill.resources.num_gpus=1 but .*set num_gpus: 2"):
+        load_topology(write(tmp_path, text))
+
+
+def test_the_planner_counts_a_gpu_tp_replica_as_its_gpus(tmp_path):
+    from pdserve.planner.actor import cpu_units
+
+    text = TP.format(p=4, d=1, pe="{}", de="{}").replace(
+        "    tensor_parallel_size: 4\n", "    tensor_parallel_size: 4\n    resources: {num_gpus: 4}\n").replace(
+        "    tensor_parallel_size: 1\n", "    tensor_parallel_size: 1\n    resources: {num_gpus: 1}\n")
+    assert cpu_units(load_topology(write(tmp_path, text))) == {"prefill": 4, "decode": None}
