@@ -95,6 +95,31 @@ class KVConnector:
         hashes = block_hashes(token_ids[: ((len(token_ids) - 1) // bs) * bs], bs, salt)
         return len(kv.pool.lookup(hashes)) * bs
 
+    # -- tensor parallelism (engine/tp_group.py) -------------------------------------------------
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._eng.runner.tensor_parallel_size
+
+    @property
+    def kv_layout(self) -> str:
+        """"NHD" or "HND": the order inside a block of ``kv_tensor`` (rank 0's pool)."""
+        return self._eng.runner.kv_layout
+
+    @property
+    def tp_group(self):
+        """The TP group (its ``call``/``attach`` reach the other ranks' transport), None at TP=1."""
+        return self._eng.runner.group
+
+    def tp_broken(self) -> str | None:
+        """Why the TP group is broken (a rank exited: the engine cannot step again), else None."""
+        group = self._eng.runner.group
+        return group.broken if group is not None else None
+
+    def tp_rank_pids(self) -> list[int]:
+        """Pids of ranks 1..N-1 (none at TP=1)."""
+        group = self._eng.runner.group
+        return [p.pid for p in group.procs] if group is not None else []
+
     # -- decode side -----------------------------------------------------------------------
     def reserve(self, req: Request) -> Reservation | None:
         """Reserve blocks for ``req`` (from `LLMEngine.make_request`), whose prompt KV another

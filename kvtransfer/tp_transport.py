@@ -350,19 +350,18 @@ def open_worker_transport(worker_id: str, engine, ucx_env: Mapping[str, str] | N
     from pdserve.kvtransfer.agent import KVTransferAgent
     from pdserve.kvtransfer.layout import KVLayout
 
-    m, runner = engine.model_config, engine.runner
-    tp = runner.tensor_parallel_size
-    kv = engine.connector.kv_tensor
-    layout = KVLayout.from_tensor(kv, m.model_id, kv_layout=runner.kv_layout, total_kv_heads=m.num_kv_heads,
+    m, conn = engine.model_config, engine.connector
+    tp, group = conn.tensor_parallel_size, conn.tp_group
+    kv = conn.kv_tensor
+    layout = KVLayout.from_tensor(kv, m.model_id, kv_layout=conn.kv_layout, total_kv_heads=m.num_kv_heads,
                                   tp_size=tp, tp_rank=0)
     agent = KVTransferAgent(worker_id, kv, layout, ucx_env=ucx_env)
     infos = [agent.local_info()]
     if tp > 1:
         try:
-            infos += [r["info"] for r in runner.group.call("open", worker_id=worker_id, model_id=m.model_id,
-                                                             total_kv_heads=m.num_kv_heads,
-                                                             ucx_env=dict(ucx_env or {}))]
+            infos += [r["info"] for r in group.call("open", worker_id=worker_id, model_id=m.model_id,
+                                                      total_kv_heads=m.num_kv_heads, ucx_env=dict(ucx_env or {}))]
         except BaseException:
             agent.close()
             raise
-    return WorkerTransport(agent, ranks_record(worker_id, infos), tp, m.num_kv_heads, runner.group)
+    return WorkerTransport(agent, ranks_record(worker_id, infos), tp, m.num_kv_heads, group)

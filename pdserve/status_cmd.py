@@ -45,12 +45,12 @@ def status(args) -> int:
         _print_queue(state, queue)
         _print_security(security, topo.network.bind)
         return 1
-    print(f"{'worker':<14} {'role':<8} {'host (address)':<30} {'endpoints':<44} load")
+    print(f"{'worker':<14} {'role':<8} {'ranks':<6} {'host (address)':<30} {'endpoints':<44} load")
     for wid, m in sorted(members.items()):
         host = f"{m.get('hostname') or '?'} ({m.get('address') or '?'})"
         eps = " ".join(f"{k}={v}" for k, v in m["endpoints"].items()) or "-"
         load = " ".join(f"{k}={v}" for k, v in m["load"].items()) or "-"
-        print(f"{wid:<14} {m['role']:<8} {host:<30} {eps:<44} {load}")
+        print(f"{wid:<14} {m['role']:<8} {tp_ranks(m):<6} {host:<30} {eps:<44} {load}")
     planner, drained = _planner_lines(state, _status_tls(topo))
     # Workers the planner drained on purpose are not missing.
     missing = {a["worker_id"] for a in state.actors} - set(members) - drained
@@ -125,7 +125,14 @@ async def _members(state, tls=None) -> dict:
     async with Registry(state.etcd_endpoints, state.cluster, tls=tls) as reg:
         members = await reg.members()
     return {wid: {"role": m.role, "hostname": m.hostname, "address": m.address, "endpoints": m.endpoints,
-                  "load": m.load} for wid, m in members.items()}
+                  "load": m.load, "kv_layout": m.kv_layout} for wid, m in members.items()}
+
+
+def tp_ranks(member: dict) -> str:
+    """A worker's tensor-parallel ranks and pool layout, e.g. "2 HND" ("1" for a plain worker)."""
+    layout = member.get("kv_layout") or {}
+    tp = layout.get("tensor_parallel_size", 1)
+    return f"{tp} {layout['kv_layout']}" if tp > 1 or layout.get("kv_layout") == "HND" else str(tp)
 
 
 def _queue_stats(state) -> dict | None:

@@ -195,8 +195,7 @@ class PrefillWorker:
 
     def tp_rank_pids(self) -> list[int]:
         """Pids of this worker's tensor-parallel ranks 1..N-1 (none at TP=1)."""
-        group = self.engine.runner.group if self.engine is not None else None
-        return [p.pid for p in group.procs] if group is not None else []
+        return self.engine.connector.tp_rank_pids() if self.engine is not None else []
 
     # -- the pull loop -------------------------------------------------------------------
     async def _run(self) -> None:
@@ -290,12 +289,12 @@ class PrefillWorker:
             # queue path frees the blocks at once; the decode worker's deadline quarantines them.
             if f.writes_settled:
                 await self._queue_call("fail", self.worker_id, f.task.request_id, f.kind, f.detail)
-        group = self.engine.runner.group
-        if group is not None and group.broken:
+        broken = self.engine.connector.tp_broken()
+        if broken:
             # A rank exited: this engine cannot step again. The loop dies, the worker leaves the
             # registry and exits; Ray restarts it whole (its tasks were failed above, so their
             # decode workers prefill them locally).
-            raise TPGroupBroken(f"tensor-parallel group broken: {group.broken}")
+            raise TPGroupBroken(f"tensor-parallel group broken: {broken}")
 
     def _run_batch(self, tasks, new_peers: dict, unusable: dict):
         self._sync_peers(new_peers, unusable)

@@ -93,3 +93,12 @@ def test_surfaces_served_beyond_loopback_without_protection_are_warned_about(tmp
     # A loopback cluster that joins Ray on another host: Ray is exposed, the rest is not.
     assert [w for w in exposure_warnings(load_topology(secure_topology(tmp_path, "")), "10.0.0.5:6379")
             if "ray.auth" in w]
+
+
+def test_the_ranks_column_shows_a_workers_tensor_parallel_size_and_pool_layout():
+    from pdserve.status_cmd import tp_ranks
+
+    assert tp_ranks({"kv_layout": {"tensor_parallel_size": 2, "kv_layout": "HND"}}) == "2 HND"
+    assert tp_ranks({"kv_layout": {"tensor_parallel_size": 1, "kv_layout": "HND"}}) == "1 HND"
+    assert tp_ranks({"kv_layout": {"tensor_parallel_size": 1, "kv_layout": "NHD"}}) == "1"
+    assert tp_ranks({"kv_layout": {}}) == "1"  # a worker of an older version

@@ -799,3 +799,14 @@ def etcd_flags() -> set[str]:
         text = subprocess.run([str(find_etcd_binary()), "--help"], capture_output=True, text=True, timeout=30).stdout
         _ETCD_FLAGS.update(re.findall(r"^\s+(--[a-z0-9-]+)", text, re.M))
     return _ETCD_FLAGS
+
+
+def test_tensor_parallel_roles_reach_the_topology_and_a_pod_needs_a_gpu_per_rank():
+    files = render({"prefill": {"tensorParallelSize": 4, "gpus": 4}, "decode": {"tensorParallelSize": 1}})
+    objs = [o for p, t in files.items() if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
+    topo = next(yaml.safe_load(o["data"]["prefill.yaml"]) for o in objs
+                if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-topology"))
+    assert topo["roles"]["prefill"]["tensor_parallel_size"] == 4 and topo["roles"]["prefill"]["resources"]["num_gpus"] == 4
+    assert topo["roles"]["decode"]["tensor_parallel_size"] == 1
+    with pytest.raises(helm_python.HelmError, match="prefill.gpus=1 but prefill.tensorParallelSize=2"):
+        render({"prefill": {"tensorParallelSize": 2, "gpus": 1}})

@@ -109,14 +109,22 @@ model:
   cache_dir: /var/cache/pdserve/models
   make: {{ toJson $v.model.make }}
   {{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- $r := index $v $role }}
+{{- if and (gt (int $r.gpus) 0) (lt (int $r.gpus) (int ($r.tensorParallelSize | default 1))) }}
+{{- fail (printf "%s.gpus=%v but %s.tensorParallelSize=%v: each rank of a worker holds a GPU; set %s.gpus to at least %v" $role $r.gpus $role $r.tensorParallelSize $role $r.tensorParallelSize) }}
+{{- end }}
+{{- end }}
 roles:
   prefill:
     replicas: {{ $v.prefill.replicas }}
+    tensor_parallel_size: {{ $v.prefill.tensorParallelSize | default 1 }}
     resources: {num_cpus: {{ $v.prefill.rayCpus }}, num_gpus: {{ $v.prefill.gpus }}}
     engine: {{ toJson $v.prefill.engine }}
     ports: {metrics: {{ $v.prefill.ports.metrics }}}
   decode:
     replicas: {{ $v.decode.replicas }}
+    tensor_parallel_size: {{ $v.decode.tensorParallelSize | default 1 }}
     resources: {num_cpus: {{ $v.decode.rayCpus }}, num_gpus: {{ $v.decode.gpus }}}
     engine: {{ toJson $v.decode.engine }}
     ports: {grpc: {{ $v.decode.ports.grpc }}, http: {{ $v.decode.ports.http }}}
