@@ -18,34 +18,19 @@ import pytest
 import ray
 
 from pdserve.control.actors import restartable
-from pdserve.control.etcd_server import EmbeddedEtcd
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.tp_comm import shm_available
 from pdserve.prefill.worker import PrefillWorker
 from tests.harness import WorkerThread, wait_until
 
-from .test_disaggregated import mixed_prompts, run_all
+from .test_disaggregated import etcd, mixed_prompts, ray_local, run_all  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(shm_available() is not None, reason=f"TP needs shm: {shm_available()}")
 
 UCX = {"UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
 TTL_S = 3
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="pdserve-tp", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    with EmbeddedEtcd(tmp_path_factory.mktemp("etcd") / "data") as server:
-        yield server
 
 
 def reference(model, prompts):

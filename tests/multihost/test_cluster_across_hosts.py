@@ -9,6 +9,7 @@ client on the head host (neither worker's) streams requests to the decode host.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -99,14 +100,14 @@ def worker_processes(net: Network) -> dict[str, list[str]]:
     return out
 
 
-def write_topology(path: Path, model: str, net: Network, ray_address: str, run_dir: str) -> None:
+def write_topology(path: Path, model: str, net: Network, ray_address: str, run_dir: str, prefill_tp: int = 1) -> None:
     engine = {"device": "cpu", "attention_backend": "torch", "dtype": "float32",
               "max_num_batched_tokens": 1024, "kv_cache_memory_bytes": 64 << 20}
     topo = {
         "cluster": CLUSTER,
         "model": {"path": model},
         "roles": {
-            "prefill": {"replicas": 1, "engine": engine,
+            "prefill": {"replicas": 1, "engine": engine, "tensor_parallel_size": prefill_tp,
                         "resources": {"num_cpus": 1, "custom": {f"node:{net['prefill'].addr}": 0.01}}},
             "decode": {"replicas": 1, "engine": engine, "remote_quarantine_s": QUARANTINE_S,
                        "resources": {"num_cpus": 1, "custom": {f"node:{net['decode'].addr}": 0.01}}},
@@ -122,15 +123,16 @@ def write_topology(path: Path, model: str, net: Network, ray_address: str, run_d
     path.write_text(yaml.safe_dump(topo))
 
 
-@pytest.fixture(scope="module")
-def cluster(llama_dir):
+@contextlib.contextmanager
+def brought_up(model: str, prefill_tp: int = 1):
+    """`ray up` over three namespace hosts, then `pdserve up`; `pdserve down` and teardown after."""
     net = Network(["head", "prefill", "decode"]).__enter__()
     ray_cluster = None
     run_dir = tempfile.mkdtemp(prefix="pdserve-mh-")
     try:
         ray_cluster = ray_up(net, "head", ["prefill", "decode"])
         topology = Path(run_dir) / "topology.yaml"
-        write_topology(topology, llama_dir, net, ray_cluster.address, run_dir)
+        write_topology(topology, model, net, ray_cluster.address, run_dir, prefill_tp)
         mh = MultiHostCluster(ray_cluster, topology, {})
         up = mh.pdserve("up", "--topology", str(topology))
         Path(run_dir, "pdserve-up.log").write_text(up.stdout + up.stderr)
@@ -144,6 +146,12 @@ def cluster(llama_dir):
         net.close()
         clean_up(ray_cluster, net)
         subprocess.run(["rm", "-rf", run_dir])
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_dir):
+    with brought_up(llama_dir) as mh:
+        yield mh
 
 
 def test_workers_serve_on_their_hosts_addresses(cluster):

@@ -9,61 +9,14 @@ remote come back as the local path makes them; the pages crossed the link.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import tempfile
-from pathlib import Path
-
 import pytest
-import yaml
-from ray_up import clean_up, ray_up
-from test_cluster_across_hosts import CLUSTER, NAMESPACE, TTL_S, MultiHostCluster, prompt_of, worker_processes
-
-from pdserve.bench.netns import Network
-
-
-def write_topology(path: Path, model: str, net: Network, ray_address: str, run_dir: str) -> None:
-    engine = {"device": "cpu", "dtype": "float32", "max_num_batched_tokens": 1024, "kv_cache_memory_bytes": 64 << 20}
-    topo = {
-        "cluster": CLUSTER,
-        "model": {"path": model},
-        "roles": {
-            "prefill": {"replicas": 1, "engine": engine, "tensor_parallel_size": 2,
-                        "resources": {"num_cpus": 1, "custom": {f"node:{net['prefill'].addr}": 0.01}}},
-            "decode": {"replicas": 1, "engine": engine,
-                       "resources": {"num_cpus": 1, "custom": {f"node:{net['decode'].addr}": 0.01}}},
-        },
-        "etcd": {"lease_ttl_s": TTL_S},
-        "ray": {"address": ray_address, "namespace": NAMESPACE},
-        "queue": {"wire": "node", "batch_max_tokens": 1024},
-        "network": {"bind": "node", "ucx": {"UCX_TLS": "tcp"}},
-        "run_dir": run_dir,
-    }
-    path.write_text(yaml.safe_dump(topo))
+from test_cluster_across_hosts import CLUSTER, brought_up, prompt_of
 
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir):
-    net = Network(["head", "prefill", "decode"]).__enter__()
-    ray_cluster = None
-    run_dir = tempfile.mkdtemp(prefix="pdserve-mh-tp-")
-    try:
-        ray_cluster = ray_up(net, "head", ["prefill", "decode"])
-        topology = Path(run_dir) / "topology.yaml"
-        write_topology(topology, llama_dir, net, ray_cluster.address, run_dir)
-        mh = MultiHostCluster(ray_cluster, topology, {})
-        up = mh.pdserve("up", "--topology", str(topology))
-        Path(run_dir, "pdserve-up.log").write_text(up.stdout + up.stderr)
-        assert up.returncode == 0, f"pdserve up failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
-        mh.state = json.loads(Path(run_dir, f"{CLUSTER}.state.json").read_text())
+    with brought_up(llama_dir, prefill_tp=2) as mh:
         yield mh
-        down = mh.pdserve("down", "--topology", str(topology), timeout=120)
-        assert down.returncode == 0, down.stdout + down.stderr
-        assert worker_processes(net) == {}, "pdserve down left workers running"
-    finally:
-        net.close()
-        clean_up(ray_cluster, net)
-        subprocess.run(["rm", "-rf", run_dir])
 
 
 def test_a_tp2_prefill_host_serves_a_tp1_decode_host_token_exact(cluster):
