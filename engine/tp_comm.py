@@ -22,6 +22,7 @@ the peers still run (rank 0: its rank processes; the others: rank 0), raising
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import datetime
 import mmap
@@ -71,23 +72,25 @@ def shm_available() -> str | None:
     return None
 
 
-class Comm:
-    """What the model and the step loop call; ``rank``/``size`` of this group."""
+class Comm(abc.ABC):
+    """What the model and the step loop call; ``rank``/``size`` of this group. Implemented by
+    `ShmComm` and `ProcessGroupComm`."""
 
     rank: int
     size: int
     name = "base"
 
+    @abc.abstractmethod
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Sum ``t`` over the ranks, in place (the same bits on every rank)."""
 
+    @abc.abstractmethod
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's ``t`` (same shape on all) at rank 0, in rank order; None elsewhere."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``t`` into ``t`` on every rank (same shape and dtype on all)."""
-        raise NotImplementedError
 
     def close(self) -> None:
         pass
