@@ -158,6 +158,17 @@ class KVTransportSpec(_Strict):
     devices: str = Field("auto", min_length=1)
     # UCX_TLS, e.g. tcp, or rc,cuda_copy,cuda_ipc; unset: UCX picks.
     transports: str | None = Field(None, min_length=1)
+    # Threads each NIXL agent posts a large write from (NIXL's UCX num_threads): a write of
+    # many descriptors (a head range per block, between TP sizes) is split over them. auto: the
+    # cores each rank owns, at most 4; 0 when it owns one (common/cores.py transfer_threads).
+    threads: int | Literal["auto"] = "auto"
+
+    @pydantic.field_validator("threads")
+    @classmethod
+    def _threads(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 0:
+            raise ValueError("use auto or a number >= 0")
+        return value
 
 
 class NetworkSpec(_Strict):

@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdserve.common.cores import transfer_threads
+
 from .etcd_auth import EtcdTLS, WorkerCerts, no_worker_identity, worker_identity
 from .keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_NAME, ROLES
 from .netaddr import LOOPBACK, resolve_bind, ucx_env
@@ -79,7 +81,12 @@ class WorkerConfig:
 
     def agent_ucx_env(self, address: str) -> dict:
         """The UCX settings of this worker's NIXL agent when it is bound to `address`."""
-        return ucx_env(address, self.ucx_env, **self.kv_transport)
+        spec = {k: v for k, v in self.kv_transport.items() if k != "threads"}
+        return ucx_env(address, self.ucx_env, **spec)
+
+    def agent_threads(self, ranks: int) -> int:
+        """NIXL posting threads of each of this worker's `ranks` agents (kv_transport.threads)."""
+        return transfer_threads(self.kv_transport.get("threads", "auto"), ranks)
 
     def pin_cpus(self, what: str) -> list[int] | None:
         """Pin this process to its cores (before the engine loads); the cores, or None."""

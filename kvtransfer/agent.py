@@ -66,19 +66,23 @@ class KVTransferAgent:
         *,
         ucx_env: Mapping[str, str] | None = None,
         num_threads: int = 0,
+        split_batch_size: int = 0,
     ):
         _check_pool(kv_tensor, layout)
+        if num_threads < 0 or split_batch_size < 0:
+            raise ValueError(f"num_threads={num_threads}, split_batch_size={split_batch_size}: use >= 0")
         self._api = load_nixl()
         self._errors = self._api.errors
         apply_ucx_env(ucx_env)
         config = self._api.config_cls(
             enable_prog_thread=False,  # ENVIRONMENT.md: it busy-polls a whole core
             enable_listen_thread=False,  # metadata travels through etcd, not NIXL's listener
-            backends=list(backends),
-            num_threads=num_threads,
+            backends=[],  # created below, with their parameters
         )
         try:
             self._nixl = self._api.agent_cls(name, config)
+            for backend in backends:
+                self._nixl.create_backend(backend, _backend_params(backend, num_threads, split_batch_size))
         except self._errors as exc:
             raise KVTransferError(f"could not create NIXL agent {name!r}: {exc!r}") from exc
         missing = [b for b in backends if b not in self._nixl.backends]
@@ -90,7 +94,7 @@ class KVTransferAgent:
         self.name = name
         self.layout = layout
         # What the operator needs to see when pages take the wrong network (no secrets in UCX_*).
-        log.info("NIXL agent %s: backends %s, %s", name, list(backends),
+        log.info("NIXL agent %s: backends %s, %d posting threads, %s", name, list(backends), num_threads,
                  {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")} or "UCX defaults")
         self._kv = kv_tensor  # keep the registered memory alive as long as the agent
         self.mem_type = "VRAM" if kv_tensor.is_cuda else "DRAM"
@@ -253,11 +257,15 @@ class KVTransferAgent:
         """Drive NIXL until `handle` finishes. Raises TransferError if it failed,
         TransferTimeoutError (and abandons the write) if `timeout_s` passes first."""
         deadline = time.monotonic() + timeout_s
+        polls = 0
         while not handle.finished:
             if handle.id not in self._writes.handles:
                 raise ValueError(f"transfer {handle.id} does not belong to agent {self.name!r}")
             self._progress()
-            time.sleep(0)  # let the layer poster take the lock between polls
+            polls += 1
+            # Yield (the layer poster takes the lock between polls); past the first polls nap,
+            # so that NIXL's posting threads (`num_threads`) get the cores this loop would spin on.
+            time.sleep(0 if polls < _SPIN_POLLS else _NAP_S)
             if not handle.finished and time.monotonic() >= deadline:
                 with self._lock:
                     self._writes.fail(handle, f"write to {handle.peer!r} not complete after {timeout_s} s")
@@ -322,6 +330,23 @@ class KVTransferAgent:
     def _peer(self, name: str) -> PeerInfo:
         self._check_open()
         return self._peers.get(name)
+
+
+# `wait()`: polls before it starts to nap between polls, and the nap (measured in
+# bench/tp_handoff.py: a spinning waiter took a core from NIXL's posting threads).
+_SPIN_POLLS = 32
+_NAP_S = 100e-6
+def _backend_params(backend: str, num_threads: int, split_batch_size: int) -> dict[str, str]:
+    """NIXL backend init parameters. With ``num_threads`` > 0 the UCX backend posts a write of at
+    least ``split_batch_size`` descriptors (NIXL's default 1024) from that many threads, in
+    chunks; its notification still follows the last chunk's data (docs/PERFORMANCE.md, the
+    handoff between TP sizes, for why a sender wants this)."""
+    if backend != "UCX" or num_threads == 0:
+        return {}
+    params = {"num_threads": str(num_threads)}
+    if split_batch_size:
+        params["split_batch_size"] = str(split_batch_size)
+    return params
 
 
 def _check_pool(kv: Any, layout: KVLayout) -> None:

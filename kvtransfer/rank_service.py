@@ -57,7 +57,8 @@ class RankTransfer:
             raise RuntimeError("this rank's transport agent is not open yet")
         return fn(**args) or {}
 
-    def _op_open(self, worker_id: str, model_id: str, total_kv_heads: int, ucx_env: dict | None = None) -> dict:
+    def _op_open(self, worker_id: str, model_id: str, total_kv_heads: int, ucx_env: dict | None = None,
+                 threads: int = 0) -> dict:
         from pdserve.kvtransfer.agent import KVTransferAgent
         from pdserve.kvtransfer.tp_transport import rank_agent_name
 
@@ -65,7 +66,7 @@ class RankTransfer:
         kv = self.runner.kv_cache
         layout = KVLayout.from_tensor(kv, model_id, kv_layout=self.runner.kv_layout, total_kv_heads=total_kv_heads,
                                       tp_size=self.size, tp_rank=self.rank)
-        self.agent = KVTransferAgent(name, kv, layout, ucx_env=ucx_env)
+        self.agent = KVTransferAgent(name, kv, layout, ucx_env=ucx_env, num_threads=threads)
         return {"info": self.agent.local_info()}
 
     def _op_add_peer(self, infos: list) -> dict:

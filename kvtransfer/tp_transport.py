@@ -344,9 +344,11 @@ class WorkerTransport:
         return TPReceiver(self.agent, self.num_kv_heads, self.tp, self.group)
 
 
-def open_worker_transport(worker_id: str, engine, ucx_env: Mapping[str, str] | None = None) -> WorkerTransport:
+def open_worker_transport(worker_id: str, engine, ucx_env: Mapping[str, str] | None = None,
+                          threads: int = 0) -> WorkerTransport:
     """Open an agent on every rank of ``engine`` (an `LLMEngine`, started with
-    `with_rank_transport` arguments when it has several ranks)."""
+    `with_rank_transport` arguments when it has several ranks), each posting large writes
+    from ``threads`` threads (`KVTransferAgent` num_threads)."""
     from pdserve.kvtransfer.agent import KVTransferAgent
     from pdserve.kvtransfer.layout import KVLayout
 
@@ -355,12 +357,13 @@ def open_worker_transport(worker_id: str, engine, ucx_env: Mapping[str, str] | N
     kv = conn.kv_tensor
     layout = KVLayout.from_tensor(kv, m.model_id, kv_layout=conn.kv_layout, total_kv_heads=m.num_kv_heads,
                                   tp_size=tp, tp_rank=0)
-    agent = KVTransferAgent(worker_id, kv, layout, ucx_env=ucx_env)
+    agent = KVTransferAgent(worker_id, kv, layout, ucx_env=ucx_env, num_threads=threads)
     infos = [agent.local_info()]
     if tp > 1:
         try:
             infos += [r["info"] for r in group.call("open", worker_id=worker_id, model_id=m.model_id,
-                                                      total_kv_heads=m.num_kv_heads, ucx_env=dict(ucx_env or {}))]
+                                                      total_kv_heads=m.num_kv_heads, ucx_env=dict(ucx_env or {}),
+                                                      threads=threads)]
         except BaseException:
             agent.close()
             raise

@@ -107,8 +107,9 @@ class PrefillWorker:
             LLMEngine, EngineConfig.from_kwargs(cfg.model, **with_rank_transport(cfg.engine_args)))
         self.host = cfg.metrics_host or cfg.address()
         # One agent per tensor-parallel rank; the sender writes by the head plan (kvtransfer/tp_transport.py).
-        transport = await asyncio.to_thread(open_worker_transport, self.worker_id, self.engine,
-                                            cfg.agent_ucx_env(self.host))
+        transport = await asyncio.to_thread(
+            open_worker_transport, self.worker_id, self.engine, cfg.agent_ucx_env(self.host),
+            cfg.agent_threads(self.engine.connector.tensor_parallel_size))
         self.agent = transport.sender()
         self.queue = open_queue(cfg, "the prefill worker")
         self._batch = PrefillBatch(self.worker_id, self.engine, self.agent, self.stats,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.common.cores import transfer_threads
 from pdserve.control.netaddr import ucx_env
 from pdserve.control.topology import TopologyError, load_topology
 from pdserve.control.worker_config import WorkerConfig, launch_config
@@ -32,10 +33,13 @@ def _topo(tmp_path, network: str = ""):
     return load_topology(path)
 
 
+def _worker_config(topo) -> WorkerConfig:
+    return WorkerConfig.of({k: v for k, v in launch_config(topo, "decode", 0, model="m", etcd_endpoints=["x:1"]).items()
+                            if k in WorkerConfig.__dataclass_fields__})
+
+
 def _agent_env(topo) -> dict:
-    cfg = WorkerConfig.of({k: v for k, v in launch_config(topo, "decode", 0, model="m", etcd_endpoints=["x:1"]).items()
-                           if k in WorkerConfig.__dataclass_fields__})
-    return cfg.agent_ucx_env("127.0.0.1")
+    return _worker_config(topo).agent_ucx_env("127.0.0.1")
 
 
 def test_loopback_default_keeps_ucx_on_lo_without_rdma(tmp_path):
@@ -51,6 +55,23 @@ def test_rdma_devices_and_transports_from_the_topology(tmp_path):
     assert _agent_env(topo) == {"UCX_MODULES": "", "UCX_NET_DEVICES": "mlx5_0:1",
                                 "UCX_TLS": "rc,cuda_copy,cuda_ipc", "UCX_IB_GID_INDEX": "3"}
     assert ucx_env("127.0.0.1", devices="all")["UCX_NET_DEVICES"] == ""  # all: UCX chooses
+
+
+def test_posting_threads_follow_the_cores_each_rank_owns(tmp_path, monkeypatch):
+    """kv_transport.threads: auto gives each rank's agent as many NIXL posting threads as the
+    rank has cores (at most 4), none with one core; a number is taken as is; neither is a UCX
+    variable."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    auto = _worker_config(_topo(tmp_path))
+    assert [auto.agent_threads(ranks) for ranks in (1, 2, 4, 8)] == [4, 4, 2, 0]
+    fixed = _worker_config(_topo(tmp_path, "network:\n  kv_transport: {threads: 0}\n"))
+    assert fixed.agent_threads(1) == 0 and "threads" not in str(fixed.agent_ucx_env("127.0.0.1"))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    assert transfer_threads("auto") == 0
+    with pytest.raises(TopologyError, match=r"network\.kv_transport\.threads"):
+        _topo(tmp_path, "network:\n  kv_transport: {threads: -1}\n")
+    with pytest.raises(TopologyError, match=r"network\.kv_transport\.threads"):
+        _topo(tmp_path, "network:\n  kv_transport: {threads: many}\n")
 
 
 def test_a_misspelt_transport_key_is_named(tmp_path):

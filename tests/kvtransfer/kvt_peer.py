@@ -117,9 +117,11 @@ class _Peer:
         self.agent = KVTransferAgent(name, self.kv, self.layout, ucx_env=self.ucx_env)
         return {"info": self.agent.local_info()}
 
-    def open_encoded(self, name: str, layout: dict, heads: list[int] | None) -> dict:
+    def open_encoded(self, name: str, layout: dict, heads: list[int] | None, threads: int = 0,
+                     split_batch_size: int = 0) -> dict:
         """A float32 pool whose every value encodes where it sits (`encoded_pool`): the given
-        global ``heads`` (a TP rank's), or all -1 when ``heads`` is None (a fresh target)."""
+        global ``heads`` (a TP rank's), or all -1 when ``heads`` is None (a fresh target); its
+        agent posts large writes from ``threads`` NIXL threads."""
         import torch
 
         from pdserve.kvtransfer import KVTransferAgent
@@ -130,7 +132,8 @@ class _Peer:
         values = np.full(self.layout.shape, -1.0, dtype=np.float32) if heads is None else \
             encoded_pool(self.layout, heads)
         self.kv = torch.from_numpy(values)
-        self.agent = KVTransferAgent(name, self.kv, self.layout, ucx_env=self.ucx_env)
+        self.agent = KVTransferAgent(name, self.kv, self.layout, ucx_env=self.ucx_env, num_threads=threads,
+                                     split_batch_size=split_batch_size)
         return {"info": self.agent.local_info()}
 
     def write_heads(self, peer, local, remote, src_head, dst_head, num_heads, notify=None, timeout_s=10.0) -> dict:

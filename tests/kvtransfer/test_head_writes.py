@@ -9,7 +9,7 @@ import itertools
 
 import numpy as np
 import pytest
-from kvt_peer import PeerProcess, encoded_pool
+from kvt_peer import PeerProcess, blocks_digest, encoded_pool
 
 from pdserve.common.heads import kv_head_range
 from pdserve.handoff.head_plan import write_plan
@@ -67,6 +67,34 @@ def test_every_decode_rank_holds_exactly_its_heads_after_the_plan(ranks, p_tp, d
         want = np.full(lay.shape, -1.0, dtype=np.float32)
         want[:, remote] = source[:, local]
         assert np.array_equal(got, want), f"decode rank {r} of {d_tp} (prefill TP {p_tp}) holds other values"
+
+
+@pytest.mark.parametrize("d_tp", [2, 4])
+def test_a_sender_posting_from_nixl_threads_lands_every_byte_before_its_notification(ranks, d_tp):
+    """1-N with the sender's writes split over NIXL's posting threads (network.kv_transport.threads;
+    a split every 2 descriptors here, so each write is several chunks): every decode rank holds
+    exactly its heads at the moment the write's notification reaches it, not only later."""
+    sender, decode = ranks[0], ranks[1:1 + d_tp]
+    sender.ok("open_encoded", name=f"p0-{next(_names)}", layout=rank_layout(1, 0).to_dict(),
+              heads=list(range(NUM_KV_HEADS)), threads=2, split_batch_size=2)
+    infos = []
+    for r, proc in enumerate(decode):
+        lay = rank_layout(d_tp, r, num_blocks=BLOCKS + 3)
+        infos.append(proc.ok("open_encoded", name=f"d{r}-{next(_names)}", layout=lay.to_dict(), heads=None)["info"])
+    local, remote = [5, 0, 1, 2, 6, 3], [10, 2, 3, 4, 0, 7]
+    for w in write_plan(NUM_KV_HEADS, 1, d_tp).writes:
+        name = sender.ok("add_peer", info=infos[w.dst_rank])["name"]
+        res = sender.ok("write_heads", peer=name, local=local, remote=remote, src_head=w.src_head,
+                        dst_head=w.dst_head, num_heads=w.num_heads, notify=f"done-{w.dst_rank}".encode())
+        assert res["num_descriptors"] == LAYERS * len(local) * 2
+    for r, proc in enumerate(decode):
+        got = proc.ok("collect", count=1, timeout_s=10.0, digest_blocks=remote)
+        assert [n["payload"] for n in got["notifications"]] == [f"done-{r}".encode()]
+        lay = rank_layout(d_tp, r, num_blocks=BLOCKS + 3)
+        want = np.full(lay.shape, -1.0, dtype=np.float32)
+        want[:, remote] = encoded_pool(rank_layout(d_tp, r), list(kv_head_range(NUM_KV_HEADS, d_tp, r)))[:, local]
+        view = want.reshape(-1).view(np.uint8).reshape(lay.num_layers, lay.num_blocks, lay.block_bytes)
+        assert got["digest_at_first"] == blocks_digest(view, remote), f"decode rank {r}: data after its notification"
 
 
 def test_a_head_range_of_an_nhd_pool_is_refused_naming_kv_layout():
