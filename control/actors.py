@@ -44,6 +44,8 @@ def restartable(cls: type) -> type:
     its process died, calls its own `start()` again (Ray re-runs only `__init__`)."""
 
     class Restartable(cls):
+        _restart_start_claimed = False  # this process has run (or is running) its own start()
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             import ray
@@ -55,12 +57,18 @@ def restartable(cls: type) -> type:
                 if hasattr(getattr(self, "cfg", None), "replace_stale_registration"):
                     self.cfg.replace_stale_registration = True
                 # Sent before this constructor returns: the actor may still read as RESTARTING
-                # when the call reaches it, which fails the call unless it may be resent. A
-                # resend never runs `start()` twice: only a call that did not run is resent,
-                # and the caller is this process, whose death ends its calls.
+                # when the call reaches it, which fails the call unless it may be resent. Ray
+                # can then deliver it twice (seen: a call reported failed "the actor was
+                # restarted" had run, and its resend ran too: two concurrent start()s, whose
+                # engines' rank processes were then driven from two threads), so only the
+                # first delivery starts the worker.
                 ctx.current_actor._start_after_restart.options(max_task_retries=START_CALL_RETRIES).remote()
 
         async def _start_after_restart(self) -> None:
+            if self._restart_start_claimed:  # set before any await: the actor's one event loop
+                log.warning("%s: a second delivery of the start after a restart ignored", cls.__name__)
+                return
+            self._restart_start_claimed = True
             try:
                 await self.start()
             except Exception:  # noqa: BLE001  (logged; the actor stays up for inspection)

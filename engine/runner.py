@@ -207,8 +207,9 @@ class ModelRunner:
         if self.group is None:
             return self.run_step(batch, layer_hook), batch.sampling
         try:
-            self.group.send_step(batch)
-            return self.run_step(batch, layer_hook), batch.sampling
+            with self.group.exchange:  # a control call from another thread waits for the step's end
+                self.group.send_step(batch)
+                return self.run_step(batch, layer_hook), batch.sampling
         except TPGroupBroken:
             raise
         except BaseException as exc:

@@ -31,6 +31,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from dataclasses import asdict
@@ -108,6 +109,12 @@ class TPGroup:
     def __init__(self, cfg: EngineConfig, ctrl: ShmComm, comm: Comm, procs: list[subprocess.Popen], threads: int,
                  restore_threads: int):
         self.cfg, self.ctrl, self.comm, self.procs = cfg, ctrl, comm, procs
+        # Held for one whole exchange with the ranks (a step, from its broadcast to its last
+        # collective, or a control call, from its request to the replies): they read one
+        # message stream, and on shm the step's collectives share its slots, so two threads'
+        # exchanges must not interleave (a worker's transport calls come from other threads
+        # than its engine's steps).
+        self.exchange = threading.RLock()
         self._attachments: list = []
         self.size = cfg.tensor_parallel_size
         self.threads = threads
@@ -185,14 +192,15 @@ class TPGroup:
     def call(self, op: str, **args) -> list[dict]:
         """Run ``op`` in every other rank's extension; their replies, rank 1 first.
         `TPControlError` when a rank's extension raised (the ranks stay in step)."""
-        self.check()
         msg = msgpack.packb({"op": op, "args": args})
-        try:
-            self.ctrl.broadcast_(control_header(len(msg)))
-            self.ctrl.broadcast_(to_tensor(msg))
-            replies = [msgpack.unpackb(r) for r in gather_bytes(self.ctrl, b"")[1:]]
-        except BaseException as exc:
-            raise self.fail(exc) from exc
+        with self.exchange:
+            self.check()
+            try:
+                self.ctrl.broadcast_(control_header(len(msg)))
+                self.ctrl.broadcast_(to_tensor(msg))
+                replies = [msgpack.unpackb(r) for r in gather_bytes(self.ctrl, b"")[1:]]
+            except BaseException as exc:
+                raise self.fail(exc) from exc
         errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(replies, start=1) if "error" in rep]
         if errors:
             raise TPControlError(f"{op}: " + "; ".join(errors))
@@ -207,8 +215,9 @@ class TPGroup:
     def close(self) -> None:
         if not self.broken and all(p.poll() is None for p in self.procs):
             try:
-                self.ctrl.timeout_s = STOP_TIMEOUT_S
-                self.ctrl.broadcast_(stop_header())
+                with self.exchange:
+                    self.ctrl.timeout_s = STOP_TIMEOUT_S
+                    self.ctrl.broadcast_(stop_header())
             except (TPRankLost, RuntimeError) as exc:
                 log.warning("tensor parallelism: stopping the ranks: %s", exc)
         deadline = time.monotonic() + STOP_TIMEOUT_S

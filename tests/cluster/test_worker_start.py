@@ -109,3 +109,32 @@ async def test_join_registers_clears_a_stale_drain_and_follows_drain_requests(et
 async def test_join_needs_etcd_endpoints():
     with pytest.raises(ValueError, match="needs etcd_endpoints"):
         await join_cluster(WorkerConfig(model="m"), WorkerInfo(worker_id="p0", role="prefill"), on_drain=None)
+
+
+def test_a_restarted_actor_starts_once_when_its_own_start_call_arrives_twice(monkeypatch):
+    """Ray can deliver a restarted actor's call to its own start() twice (a delivery reported
+    failed while the actor read as RESTARTING had run, and was resent): the second one must not
+    start a second engine beside the first (control/actors.py `restartable`)."""
+    import types
+
+    import ray
+
+    from pdserve.control.actors import restartable
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(was_current_actor_reconstructed=False))
+
+    class Worker:
+        def __init__(self, cfg):
+            self.starts = 0
+
+        async def start(self):
+            self.starts += 1
+            await asyncio.sleep(0.01)  # the second delivery arrives while the first is loading
+
+    worker = restartable(Worker)({})
+
+    async def twice():
+        await asyncio.gather(worker._start_after_restart(), worker._start_after_restart())
+
+    asyncio.run(twice())
+    assert worker.starts == 1

@@ -6,7 +6,8 @@ TP=2 decode worker; both decode workers use HND pools, as a topology with differ
 sizes sets them. Requests forced remote come back token for token as `LLM.generate` makes
 them, and the decode worker ends with every block free. Then one rank of the TP=2 prefill
 worker is killed: the requests in flight or sent next complete locally, token-exact, and
-the worker leaves etcd and is restarted whole by Ray.
+the worker leaves etcd and is restarted whole by Ray. The same when the rank dies in the
+middle of a request's write (after posting its first layer; tests/e2e/tp_fault_extension.py).
 """
 
 from __future__ import annotations
@@ -38,16 +39,19 @@ def reference(model, prompts):
     return [o.token_ids for o in LLM(model).generate(prompts, params)]
 
 
-def start(model, etcd, cluster: str, prefill_tp: int, decode_tp: int, restarts: int = 0):
+def start(model, etcd, cluster: str, prefill_tp: int, decode_tp: int, restarts: int = 0,
+          prefill_args: dict | None = None, prefill_env: dict | None = None, quarantine_s: float = 60.0):
     engine = {"kv_layout": "HND", "device": "cpu"}
     d = WorkerThread(DecodeWorkerConfig(
         model=model, etcd_endpoints=[etcd.endpoint], cluster=cluster, lease_ttl_s=TTL_S, worker_id="decode-0",
-        remote_prefill=True, ucx_env=UCX, remote_timeout_s=60,
+        remote_prefill=True, ucx_env=UCX, remote_timeout_s=60, remote_quarantine_s=quarantine_s,
         engine_args={**engine, "tensor_parallel_size": decode_tp})).start()
     # As `pdserve up` starts it (control/actors.py): Ray restarts the process, `restartable` starts it again.
-    actor = ray.remote(restartable(PrefillWorker)).options(num_cpus=0, max_restarts=restarts).remote(dict(
+    options = {"runtime_env": {"env_vars": prefill_env}} if prefill_env else {}
+    actor = ray.remote(restartable(PrefillWorker)).options(num_cpus=0, max_restarts=restarts, **options).remote(dict(
         model=model, etcd_endpoints=[etcd.endpoint], cluster=cluster, lease_ttl_s=TTL_S, worker_id="prefill-0",
-        ucx_env=UCX, engine_args={**engine, "tensor_parallel_size": prefill_tp}, exit_on_loop_death=True))
+        ucx_env=UCX, engine_args={**engine, "tensor_parallel_size": prefill_tp, **(prefill_args or {})},
+        exit_on_loop_death=True))
     ray.get(actor.start.remote(), timeout=180)
     wait_until(lambda: d.worker.frontend.prefill_view.pool_size >= 1 and d.worker.remote.available(), 30)
     return d, actor
@@ -93,24 +97,56 @@ def test_a_killed_prefill_rank_fails_over_to_local_and_the_worker_restarts(ray_l
         assert [o.token_ids for o in outs] == reference(llama_dir, prompts)
         assert any(o.breakdown["route"] == "local" for o in outs)
         assert_all_blocks_return(d)
-        # The worker left etcd and Ray restarted it with fresh ranks, back in the pool.
-        new_pid = None
-
-        def restarted():
-            nonlocal new_pid
-            try:
-                st = ray.get(actor.get_stats.remote(), timeout=5)
-            except Exception:  # noqa: BLE001  (restarting)
-                return False
-            new_pid = st["tp_ranks"][0] if st.get("tp_ranks") else None
-            return st["pid"] != stats["pid"] and new_pid is not None and st["loop_alive"]
-
-        wait_until(restarted, 120, interval_s=0.5)
-        assert new_pid != rank_pid
-        wait_until(lambda: d.worker.frontend.prefill_view.pool_size >= 1 and d.worker.remote.available(), 60)
-        again = mixed_prompts(4, seed=8)
-        outs = run_all(d, again, route="remote")
-        assert [o.token_ids for o in outs] == reference(llama_dir, again)
-        assert {o.breakdown["route"] for o in outs} == {"remote"}
+        assert_restarted(d, actor, stats, rank_pid)
     finally:
         stop(d, actor)
+
+
+def test_a_prefill_rank_killed_during_its_write_fails_over_to_local(ray_local, etcd, llama_dir, tmp_path):
+    """Rank 1 of the TP=2 prefill worker SIGKILLs itself right after posting the first layer of
+    a request's pages (tests/e2e/tp_fault_extension.py): part of the KV is in the decode pool,
+    the rest never comes. Every request completes, token-exact. The blocks that request had
+    reserved are quarantined, not reused at once (rank 0 cannot vouch that nothing of the
+    dead rank's is still in flight: over TCP its sent bytes can land after it died), and come
+    back when the quarantine ends: the decode pool ends whole. Ray brings the worker back."""
+    kill_file = tmp_path / "kill-mid-stream"
+    d, actor = start(llama_dir, etcd, "tpkillw", 2, 1, restarts=1, quarantine_s=10.0,
+                     prefill_args={"tp_rank_extension": "tests.e2e.tp_fault_extension:KillMidStream"},
+                     prefill_env={"PDSERVE_TEST_KILL_FILE": str(kill_file)})
+    try:
+        stats = ray.get(actor.get_stats.remote())
+        (rank_pid,) = stats["tp_ranks"]
+        kill_file.touch()
+        prompts = mixed_prompts(6, seed=11)
+        outs = run_all(d, prompts, route="remote")
+        assert not kill_file.exists(), "no rank reached a streamed layer: the fault never fired"
+        assert d.worker.remote.handoffs.quarantined(), "the half-written attempt's blocks were not held back"
+        assert [o.token_ids for o in outs] == reference(llama_dir, prompts)
+        assert any(o.breakdown["route"] == "local" for o in outs)
+        assert_all_blocks_return(d)
+        assert not d.worker.remote.handoffs.quarantined()
+        assert_restarted(d, actor, stats, rank_pid)
+    finally:
+        stop(d, actor)
+
+
+def assert_restarted(d, actor, stats, rank_pid) -> None:
+    """The worker left etcd and Ray restarted it with fresh ranks, back in the pool, serving remote."""
+    new_pid = None
+
+    def restarted():
+        nonlocal new_pid
+        try:
+            st = ray.get(actor.get_stats.remote(), timeout=5)
+        except Exception:  # noqa: BLE001  (restarting)
+            return False
+        new_pid = st["tp_ranks"][0] if st.get("tp_ranks") else None
+        return st["pid"] != stats["pid"] and new_pid is not None and st["loop_alive"]
+
+    wait_until(restarted, 120, interval_s=0.5)
+    assert new_pid != rank_pid
+    wait_until(lambda: d.worker.frontend.prefill_view.pool_size >= 1 and d.worker.remote.available(), 60)
+    again = mixed_prompts(4, seed=8)
+    outs = run_all(d, again, route="remote")
+    assert [o.token_ids for o in outs] == reference(d.worker.cfg.model, again)
+    assert {o.breakdown["route"] for o in outs} == {"remote"}

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -203,6 +204,39 @@ def test_rank_extensions_get_control_requests_attachments_layer_hooks_and_idle_t
             group.call("boom")
         # The ranks are still in step after a failed request.
         assert greedy(llm, [[5, 6, 7]]) == greedy(LLM(model_dirs("qwen2")), [[5, 6, 7]])
+
+
+@needs_shm
+def test_control_calls_from_another_thread_wait_for_the_step_in_flight(model_dirs, monkeypatch):
+    """A worker's transport calls (add_peer, poll, ...) come from other threads than its engine's
+    steps; on shm the two share one message stream and its slots, so each exchange must be
+    whole (TPGroup.exchange): steps stay token-exact and every call gets its own replies."""
+    monkeypatch.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]] * 2
+    want = greedy(LLM(model_dirs("qwen2")), prompts)
+    with LLM(model_dirs("qwen2"), tensor_parallel_size=2, tp_rank_extension="tp_echo_extension:Echo") as llm:
+        group, stop, replies, errors = llm.engine.runner.group, threading.Event(), [], []
+
+        def hammer():
+            i = 0
+            while not stop.is_set():
+                try:
+                    (rep,) = group.call("echo", i=i)
+                    replies.append(rep["args"] == {"i": i})
+                except Exception as exc:  # noqa: BLE001  (reported below)
+                    errors.append(repr(exc))
+                    return
+                i += 1
+
+        t = threading.Thread(target=hammer)
+        t.start()
+        try:
+            got = [greedy(llm, prompts) for _ in range(3)]
+        finally:
+            stop.set()
+            t.join(30)
+        assert errors == [] and len(replies) > 10 and all(replies)
+        assert got == [want] * 3
 
 
 @needs_shm
