@@ -25,6 +25,7 @@ PACKAGE_DIRS = {
     "pdserve.engine": "engine",
     "pdserve.handoff": "handoff",
     "pdserve.kvtransfer": "kvtransfer",
+    "pdserve.kvindex": "kvindex",
     "pdserve.router": "router",
     "pdserve.control": "control",
     "pdserve.taskqueue": "taskqueue",

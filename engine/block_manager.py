@@ -13,6 +13,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kv_events import KVEventLog
 
 
 @dataclass(eq=False)
@@ -76,13 +80,14 @@ def block_hashes(token_ids: list[int], block_size: int, salt: bytes | None = Non
 class BlockPool:
     """All KV blocks of the pool plus the prefix-cache index over them."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: "KVEventLog | None" = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.enable_caching = enable_caching
+        self.events = events  # engine/kv_events.py: what the prefix cache gains and loses
 
     @property
     def num_blocks(self) -> int:
@@ -121,6 +126,8 @@ class BlockPool:
             if b.block_hash is not None:  # lazy eviction of a cached prefix block
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
+                    if self.events is not None:
+                        self.events.removed(b.block_hash)
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
@@ -139,14 +146,17 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free.append(b)
 
-    def cache(self, block: Block, block_hash: bytes) -> None:
-        """Register a full block whose KV has been written under its content hash."""
+    def cache(self, block: Block, block_hash: bytes, parent: bytes | None = None, token_ids=()) -> None:
+        """Register a full block whose KV has been written under its content hash (``parent``:
+        the previous block's hash, ``token_ids`` its tokens: what its KV event says)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
             return  # an identical block is already cached; keep the first
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent, token_ids)
 
     def num_cached_free(self) -> int:
         return sum(1 for b in self.cached.values() if b.ref_cnt == 0)
@@ -160,9 +170,10 @@ class KVCacheManager:
     and reservations for KV that another worker will write.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 events: "KVEventLog | None" = None):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, events)
         self.tables: dict[str, list[Block]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already registered
         self.hashes: dict[str, list[bytes]] = {}
@@ -225,8 +236,9 @@ class KVCacheManager:
         if n_full <= done:
             return
         hs = self._hashes(req_id, token_ids[: n_full * self.block_size], salt)
+        bs = self.block_size
         for i in range(done, n_full):
-            self.pool.cache(table[i], hs[i])
+            self.pool.cache(table[i], hs[i], hs[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs])
         self.num_cached_blocks[req_id] = n_full
 
     def free(self, req_id: str) -> None:

@@ -207,6 +207,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     num_gpu_blocks_override: int | None = None  # exact pool size (tests, benchmarks)
     enable_prefix_caching: bool = True
+    # Record the prefix cache's changes as KV events (engine/kv_events.py; `LLMEngine.kv_events`)
+    # for a publisher to send (kvindex/publisher.py): the cluster's KV index reads them.
+    kv_events: bool = False
     attention_backend: str = "auto"  # auto | torch | native (CPU float32 decode kernel) | flashinfer
     dtype: str = "auto"  # auto (float32 on CPU, the config's dtype on GPU) | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N

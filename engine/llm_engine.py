@@ -13,14 +13,23 @@ import logging
 import time
 
 from pdserve.common import Priority
+from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_GPU
 
 from .block_manager import KVCacheManager
-from .kv_connector import KVConnector
 from .config import ConfigError, EngineConfig, ModelConfig
 from .engine_types import EngineLoad, EngineStateError, EngineStats, RequestDelta, StepError
+from .kv_connector import KVConnector
+from .kv_events import KVEventLog
 from .prompts import prompt_token_ids
-from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput, RequestStatus,
-                      RequestTimes, SamplingParams)
+from .request import (
+    InvalidRequestError,
+    Request,
+    RequestLimits,
+    RequestOutput,
+    RequestStatus,
+    RequestTimes,
+    SamplingParams,
+)
 from .runner import ModelRunner
 from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
@@ -41,7 +50,11 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model)
         self.runner = ModelRunner(config, self.model_config)
         self.max_model_len = self._max_model_len()
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        # What the prefix cache gains and loses, for the cluster's KV index (engine/kv_events.py).
+        self.kv_events = (KVEventLog(config.block_size, MEDIUM_GPU if self.runner.device.type == "cuda" else MEDIUM_CPU)
+                          if config.kv_events else None)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 self.kv_events)
         if config.cuda_graphs:
             self.runner.enable_decode_graphs(self.kv, min(config.cuda_graph_max_batch, config.max_num_seqs),
                                              self.max_model_len)
