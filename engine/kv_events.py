@@ -7,9 +7,10 @@ last call as one batch with the next sequence number. Recording is a list append
 lock; nothing here waits for a subscriber.
 
 Bounded: when more than ``max_pending`` events wait (the publisher is starved), they are
-dropped and a sequence number is skipped (the next batch goes out even if empty, so that
-the gap shows at once), so every subscriber sees a gap and resyncs from `snapshot`, which is consistent with the sequence numbers: a snapshot at ``seq`` holds
-exactly the blocks that the batches up to ``seq`` leave cached.
+dropped and a sequence number is skipped; the next batch goes out even if empty, so every
+subscriber sees the gap at once and resyncs from `snapshot`, which is consistent with the
+sequence numbers: a snapshot at ``seq`` holds exactly the blocks that the batches up to
+``seq`` leave cached.
 """
 
 from __future__ import annotations
