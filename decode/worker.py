@@ -26,6 +26,7 @@ from pdserve.control.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PA
 from pdserve.control.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.calibrate import measure_steps
+from pdserve.kvindex.publisher import record_endpoints, start_event_publisher
 from pdserve.kvtransfer.tp_transport import with_rank_transport
 from pdserve.router import parse_policy
 from pdserve.taskqueue import open_queue
@@ -96,6 +97,7 @@ class DecodeWorker:
         self.remote = None
         self.queue = None  # QueueClient, with remote prefill
         self.agent = None
+        self.kv_publisher = None  # kvindex/publisher.py, when the engine records KV events
         self.transport_record: dict | None = None  # this worker's ranks' NIXL records (published in etcd)
         self._requeue_watch = None
         self._http: uvicorn.Server | None = None
@@ -149,6 +151,8 @@ class DecodeWorker:
         await self._start_http()
         if cfg.router_policy:
             self._tasks.append(asyncio.create_task(policy.watch_file(cfg.policy_poll_s)))
+        # The engine's KV events (engine arg kv_events), for the cluster's KV index (kvindex/).
+        self.kv_publisher = start_event_publisher(self.engine, cfg.address())
         if cfg.etcd_endpoints:
             await self._join_cluster()
         if cfg.freeze_gc:
@@ -215,7 +219,7 @@ class DecodeWorker:
         eng = self.engine
         return WorkerInfo(
             worker_id=self.worker_id, role="decode",
-            endpoints={"grpc": self.grpc_address, "http": self.http_address},
+            endpoints={"grpc": self.grpc_address, "http": self.http_address, **record_endpoints(self.kv_publisher)},
             model=self.frontend.served_model, kv_layout=eng.connector.layout_info(),
             capacity={"num_blocks": eng.load().num_blocks, "max_num_seqs": eng.config.max_num_seqs,
                       "max_model_len": eng.max_model_len},
@@ -355,6 +359,8 @@ class DecodeWorker:
             self.frontend.close()
         if self.agent is not None:
             self.agent.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         if self._http_sock is not None:
             self._http_sock.close()
 

@@ -10,10 +10,10 @@ blocks 0..i-1 and the lookup stops at the first miss.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from pdserve.common.block_hash import block_hashes, hash_block  # noqa: F401  (the engine's names for them)
 
 if TYPE_CHECKING:
     from .kv_events import KVEventLog
@@ -55,26 +55,6 @@ class FreeBlockQueue:
         b = self.head.next
         self.remove(b)
         return b
-
-
-def hash_block(parent: bytes | None, token_ids, salt: bytes | None = None) -> bytes:
-    """Content hash of one full block, chained on its parent's hash."""
-    h = hashlib.sha256()
-    h.update(parent or b"\0" * 32)
-    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
-    if salt:
-        h.update(salt)
-    return h.digest()
-
-
-def block_hashes(token_ids: list[int], block_size: int, salt: bytes | None = None,
-                 start: list[bytes] | None = None) -> list[bytes]:
-    """Hashes of every full block of ``token_ids``, extending ``start`` if given."""
-    out = list(start or [])
-    for i in range(len(out), len(token_ids) // block_size):
-        parent = out[-1] if out else None
-        out.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], salt))
-    return out
 
 
 class BlockPool:

@@ -135,3 +135,20 @@ def _bind(sock, host: str, port: int) -> str:
     """Bind ``host:port`` (0: a free port); the endpoint bound (a subscriber's address)."""
     sock.bind(f"tcp://{host}:{port}")
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def start_event_publisher(engine, host: str) -> KVEventPublisher | None:
+    """The publisher of a worker whose engine records KV events (engine arg ``kv_events``),
+    bound on the worker's address at free ports; None when it records none."""
+    if getattr(engine, "kv_events", None) is None:
+        return None
+    return KVEventPublisher(engine.kv_events, host=host).start()
+
+
+def record_endpoints(pub: KVEventPublisher | None) -> dict[str, str]:
+    """The worker record's endpoints for its KV events (control/records.py `WorkerInfo`),
+    as "host:port" like its others; the index connects to them (kvindex/service.py)."""
+    if pub is None:
+        return {}
+    return {"kv_events": pub.endpoint.removeprefix("tcp://"),
+            "kv_events_replay": pub.replay_endpoint.removeprefix("tcp://")}

@@ -37,6 +37,7 @@ from pdserve.control.runtime import cpu_list, freeze_gc_heap
 from pdserve.control.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.tp_group import TPGroupBroken
+from pdserve.kvindex.publisher import record_endpoints, start_event_publisher
 from pdserve.kvtransfer.tp_transport import TPSender, open_worker_transport, with_rank_transport
 from pdserve.taskqueue import BAD_SIGNATURE, NO_KEY, open_queue, verify_task
 
@@ -95,6 +96,7 @@ class PrefillWorker:
         self.busy = BusyMeter()  # time spent serving batches (compute and transfers)
         self.holding = 0  # tasks of the batch being served
         self._load_task: asyncio.Task | None = None
+        self.kv_publisher = None  # kvindex/publisher.py, when the engine records KV events
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self, engine: LLMEngine | None = None) -> dict:
@@ -122,10 +124,13 @@ class PrefillWorker:
         except Exception as exc:  # noqa: BLE001  (the queue restarting: its restart lost them anyway)
             log.warning("could not reach the queue at start: %r", exc)
         metrics_at = self.metrics.serve(self.host, cfg.metrics_port)
+        # The engine's KV events (engine arg kv_events), for the cluster's KV index (kvindex/).
+        self.kv_publisher = start_event_publisher(self.engine, cfg.address())
         info = WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
                           kv_layout=self.engine.connector.layout_info(),
                           capacity={"max_num_batched_tokens": self.budget}, version=VERSION,
-                          endpoints={"metrics": metrics_at} if metrics_at else {},
+                          endpoints={**({"metrics": metrics_at} if metrics_at else {}),
+                                     **record_endpoints(self.kv_publisher)},
                           hostname=socket.gethostname(), address=self.host)
         self.registry = await join_cluster(cfg, info, json.dumps(transport.record).encode(),
                                            on_drain=self.drain)
@@ -182,6 +187,8 @@ class PrefillWorker:
             await self.queue.close()
         if self.agent is not None:
             self.agent.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         self.metrics.close()
 
     def get_stats(self) -> dict:

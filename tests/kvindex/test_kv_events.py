@@ -5,6 +5,7 @@ publisher no longer covers it starts from a snapshot. The worker is a real child
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import random
 import time
@@ -23,6 +24,7 @@ from pdserve.common.kv_events import (
     encode_batch,
 )
 from pdserve.engine import LLM, SamplingParams
+from pdserve.kvindex.index import ClusterKVIndex
 from pdserve.kvindex.subscriber import KVEventSubscriber
 from pdserve.kvindex.view import WorkerKVView
 
@@ -61,8 +63,9 @@ def test_decoding_takes_int_hashes_and_later_fields_and_names_what_is_malformed(
 
 def _workload(seed: int, n: int) -> list[list[int]]:
     """Prompts sharing a few system prefixes (cache hits) with random tails (misses, evictions)."""
+    fixed = random.Random(0)  # the same system prompts in every workload
+    systems = [[fixed.randrange(3, 200) for _ in range(12)] for _ in range(3)]
     rng = random.Random(seed)
-    systems = [[rng.randrange(3, 200) for _ in range(12)] for _ in range(3)]
     return [rng.choice(systems) + [rng.randrange(3, 200) for _ in range(rng.randrange(1, 14))] for _ in range(n)]
 
 
@@ -85,13 +88,12 @@ def test_the_event_log_and_a_view_of_its_batches_equal_the_prefix_cache(llama_di
     assert seq == 3 and fresh.blocks == view.blocks  # same blocks, same parents and media
 
 
-@pytest.fixture
-def kv_worker(llama_dir, request):
-    """The child: (pipe, endpoints); params (max_pending, interval_s) from the test's marker."""
-    max_pending, interval_s = getattr(request, "param", (100_000, 0.005))
+@contextlib.contextmanager
+def spawned_kv_worker(model: str, max_pending: int = 100_000, interval_s: float = 0.005):
+    """A KV worker child process: (its pipe, its publisher's endpoints); stopped on exit."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=kv_worker_main, args=(child, llama_dir, 24, max_pending, interval_s), daemon=True)
+    proc = ctx.Process(target=kv_worker_main, args=(child, model, 24, max_pending, interval_s), daemon=True)
     proc.start()
     try:
         assert parent.poll(120), "the KV worker did not start"
@@ -105,6 +107,13 @@ def kv_worker(llama_dir, request):
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+@pytest.fixture
+def kv_worker(llama_dir, request):
+    """The child: (pipe, endpoints); params (max_pending, interval_s) from the test's marker."""
+    with spawned_kv_worker(llama_dir, *getattr(request, "param", ())) as worker:
+        yield worker
 
 
 def _call(conn, **cmd):
@@ -184,3 +193,34 @@ def test_a_message_the_subscriber_lost_is_replayed_from_the_publishers_buffer(kv
             assert _call(conn, op="generate", prompts=_workload(20 + rnd, 4)) == "ok"
         _synced(sub, conn)
         assert sub.lost is not None and sub.gaps >= 1 and sub.replayed >= 1 and sub.snapshots == 1
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_cluster_index_is_the_union_of_the_workers_caches_and_finds_each_ones_prefix(llama_dir, seed):
+    """Two workers, random workloads over shared system prompts (each stores, hits and evicts):
+    the index built from their events holds exactly the union of their caches, and for random
+    prompts the prefix it reports per worker is what that worker's own cache holds."""
+    rng = random.Random(seed)
+    with spawned_kv_worker(llama_dir) as (c0, e0), spawned_kv_worker(llama_dir) as (c1, e1), \
+            KVEventSubscriber(e0["endpoint"], e0["replay_endpoint"]) as s0, \
+            KVEventSubscriber(e1["endpoint"], e1["replay_endpoint"]) as s1:
+        index = ClusterKVIndex(block_size=4)
+        conns, subs = {"w0": c0, "w1": c1}, {"w0": s0, "w1": s1}
+        for rnd in range(3):
+            for w, conn in conns.items():
+                assert _call(conn, op="generate", prompts=_workload(rng.randrange(1000), 5)) == "ok"
+        caches = {w: set(_synced(subs[w], conns[w])["pool"]) for w in conns}
+        for w, sub in subs.items():
+            index.set_view(w, sub.view)
+        assert index.hashes() == caches["w0"] | caches["w1"]
+        assert caches["w0"] != caches["w1"]  # different workloads: the union is more than either
+        found = 0
+        for prompt in _workload(seed, 12):
+            chain = index.prompt_hashes(prompt)
+            got = {h.worker_id: h.blocks for h in index.longest_prefixes(prompt)}
+            for w, cache in caches.items():
+                want = next((i for i, h in enumerate(chain) if h not in cache), len(chain))
+                assert got[w] == want, f"{w}: index says {got[w]} blocks, the cache holds {want}"
+                found += want
+        assert found > 0, "no prompt hit any cache: the prefix answers were never tested"
+        assert index.queries == 12 and sum(index.asked_blocks.values()) > 0
