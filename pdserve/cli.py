@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "pdserve.launch",
     "pdserve.planner_cmd",
     "pdserve.worker_cmd",
+    "pdserve.kv_cmd",
     "pdserve.bench.cli",
 )
 

@@ -1,0 +1,144 @@
+"""`pdserve kv ...`: the cluster's KV index (kvindex/service.py).
+
+    pdserve kv index --topology FILE        run the index of a running cluster (foreground)
+    pdserve kv index --etcd HOST:PORT --cluster NAME
+    pdserve kv status --url URL             per worker: blocks held by tier, the subscription
+    pdserve kv explain --url URL --prompt TEXT --model DIR   who holds this prompt's prefix
+    pdserve kv explain --url URL --token-ids 1,2,3
+
+Workers publish KV events when their engine arguments say ``kv_events: true``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+from .topology_args import add_topology_arg, load_topology_arg
+
+HTTP_TIMEOUT_S = 10.0
+
+
+def register(subparsers) -> None:
+    kv = subparsers.add_parser("kv", help="the cluster's KV index: run it, its status, who holds a prompt's prefix",
+                               description=__doc__, formatter_class=_raw())
+    sub = kv.add_subparsers(dest="kv_command", metavar="KV_COMMAND")
+    p = sub.add_parser("index", help="run the KV index of a cluster (until Ctrl-C)",
+                       description="Follow every worker that publishes KV events (engine arg kv_events: true; "
+                                   "its etcd record lists them) and answer over HTTP: GET /status, "
+                                   "POST /explain {token_ids}, GET /metrics.")
+    add_topology_arg(p)
+    p.add_argument("--etcd", help="etcd HOST:PORT[,HOST:PORT] (default: the cluster `pdserve up` started)")
+    p.add_argument("--cluster", help="cluster name (default: the topology's)")
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="HTTP port (default 0: a free one, printed)")
+    p.set_defaults(func=run_index)
+    p = sub.add_parser("status", help="per worker: KV blocks held by tier, and how its events are followed")
+    p.add_argument("--url", required=True, help="the index's address, as `pdserve kv index` printed it")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.set_defaults(func=status)
+    p = sub.add_parser("explain", help="each worker's cached prefix of a prompt, longest first")
+    p.add_argument("--url", required=True, help="the index's address, as `pdserve kv index` printed it")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="prompt text (tokenized with --model's tokenizer)")
+    what.add_argument("--token-ids", help="comma-separated token ids")
+    p.add_argument("--model", help="model directory whose tokenizer encodes --prompt")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.set_defaults(func=explain)
+    kv.set_defaults(func=lambda args: (kv.print_help(), 2)[1])
+
+
+def _raw():
+    import argparse
+
+    return argparse.RawDescriptionHelpFormatter
+
+
+def run_index(args) -> int:
+    from pdserve.kvindex.service import KVIndexService
+
+    etcd, cluster, tls = _cluster_of(args)
+
+    async def serve():
+        svc = await KVIndexService(etcd, cluster, args.host, args.port, tls=tls).start()
+        print(f"KV index of cluster {cluster} (etcd {', '.join(etcd)}): {svc.url}", flush=True)
+        print(f"  pdserve kv status --url {svc.url}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await svc.stop()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _cluster_of(args) -> tuple[list[str], str, object]:
+    if args.etcd:
+        if not args.cluster:
+            raise ValueError("--etcd needs --cluster (the cluster's name)")
+        return [e.strip() for e in args.etcd.split(",") if e.strip()], args.cluster, None
+    from pdserve.launcher import ClusterState, state_path
+
+    topo = load_topology_arg(args.topology)
+    state = ClusterState.load(state_path(topo))
+    return list(state.etcd_endpoints), args.cluster or state.cluster, topo.etcd_tls("operator", "worker")
+
+
+def _call(url: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(url.rstrip("/") + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raise ValueError(f"the KV index answered {exc.code}: {json.loads(exc.read()).get('error')}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise ValueError(f"--url {url}: the KV index did not answer ({exc}); is `pdserve kv index` running?") from exc
+
+
+def status(args) -> int:
+    st = _call(args.url, "/status")
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"cluster {st['cluster']}: {st['blocks']} distinct blocks of {st['block_size']} tokens, "
+          f"{st['queries']} prefix queries answered")
+    print(f"{'worker':<24} {'blocks':>8}  {'by tier':<24} {'synced':<7} {'gaps':>5} {'replayed':>8} {'snapshots':>9}")
+    for wid, w in st["workers"].items():
+        tiers = ", ".join(f"{m} {n}" for m, n in sorted(w["by_medium"].items())) or "-"
+        print(f"{wid:<24} {w['blocks']:>8}  {tiers:<24} {'yes' if w['synced'] else 'NO':<7} {w['gaps']:>5} "
+              f"{w['replayed']:>8} {w['snapshots']:>9}")
+    for wid, why in st.get("not_followed", {}).items():
+        print(f"{wid}: not followed: {why}")
+    return 0
+
+
+def explain(args) -> int:
+    if args.prompt is not None:
+        if not args.model:
+            raise ValueError("--prompt needs --model (the tokenizer that encodes it); or pass --token-ids")
+        from pdserve.engine.tokenizer import Tokenizer
+
+        tokens = Tokenizer(args.model).encode(args.prompt)
+    else:
+        try:
+            tokens = [int(t) for t in args.token_ids.split(",") if t.strip()]
+        except ValueError as exc:
+            raise ValueError(f"--token-ids {args.token_ids!r}: comma-separated integers") from exc
+    ans = _call(args.url, "/explain", {"token_ids": tokens})
+    if args.json:
+        print(json.dumps(ans, indent=2))
+        return 0
+    if not ans.get("workers"):
+        print(ans.get("note", "no worker publishes KV events"))
+        return 0
+    print(f"prompt: {ans['prompt_tokens']} tokens = {ans['blocks']} full blocks of {ans['block_size']}")
+    for w in ans["workers"]:
+        tiers = ", ".join(f"{m} {n}" for m, n in sorted(w["by_medium"].items())) or "-"
+        print(f"  {w['worker_id']:<24} {w['cached_blocks']:>5} blocks cached ({w['cached_tokens']} tokens; {tiers})")
+    return 0
