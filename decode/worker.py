@@ -186,8 +186,8 @@ class DecodeWorker:
         cfg = self.cfg
         self.queue = open_queue(cfg, "remote_prefill")
         # One agent per tensor-parallel rank; the receiver gathers every rank's notices (kvtransfer/tp_transport.py).
-        transport = open_worker_transport(self.worker_id, self.engine, cfg.agent_ucx_env(self.host),
-                                          cfg.agent_threads(self.engine.connector.tensor_parallel_size))
+        # No posting threads: a decode worker receives pages; it posts only notices.
+        transport = open_worker_transport(self.worker_id, self.engine, cfg.agent_ucx_env(self.host))
         self.transport_record = transport.record
         self.agent = transport.receiver()
         self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,

@@ -81,8 +81,12 @@ class KVTransferAgent:
         )
         try:
             self._nixl = self._api.agent_cls(name, config)
+            before = listening_ports() if num_threads else set()
             for backend in backends:
                 self._nixl.create_backend(backend, _backend_params(backend, num_threads, split_batch_size))
+            # With posting threads each thread's UCX worker listens on a TCP port of its own, which
+            # the NIXL metadata does not carry: the worker lists them all in its record (surfaces).
+            self.listen_ports = sorted(listening_ports() - before) if num_threads else []
         except self._errors as exc:
             raise KVTransferError(f"could not create NIXL agent {name!r}: {exc!r}") from exc
         missing = [b for b in backends if b not in self._nixl.backends]
@@ -336,6 +340,33 @@ class KVTransferAgent:
 # bench/tp_handoff.py: a spinning waiter took a core from NIXL's posting threads).
 _SPIN_POLLS = 32
 _NAP_S = 100e-6
+def listening_ports() -> set[int]:
+    """TCP ports this process listens on (Linux /proc; empty elsewhere)."""
+    inodes = set()
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return set()
+    ports = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def _backend_params(backend: str, num_threads: int, split_batch_size: int) -> dict[str, str]:
     """NIXL backend init parameters. With ``num_threads`` > 0 the UCX backend posts a write of at
     least ``split_batch_size`` descriptors (NIXL's default 1024) from that many threads, in

@@ -38,7 +38,7 @@ def surfaces(topology) -> list[Surface]:
     """Every surface of `topology`, in the order docs/security.md lists them."""
     gate = [_etcd_gate(topology)] if topology.etcd.gate is not None else []
     return [_decode(topology), _etcd(topology), *gate, _queue(topology), _ray(topology), _nixl(topology),
-            *_metrics(topology), _ray_metrics(topology)]
+            *_kv_events(topology), *_metrics(topology), _ray_metrics(topology)]
 
 
 def exposure_warnings(topology, ray_address: str | None = None) -> list[str]:
@@ -153,9 +153,19 @@ def _nixl(t) -> Surface:
     transport = getattr(t.network, "kv_transport", None)
     devices = f", devices {transport.devices}" if transport is not None and hasattr(transport, "devices") else ""
     return Surface("NIXL data plane (KV pages)", NO,
-                   f"each worker's UCX listener (its port is in the worker's NIXL metadata in etcd): no "
+                   f"each worker's UCX listeners (the main one's port is in the worker's NIXL metadata in "
+                   f"etcd; a prefill worker's posting threads' are its record's ucx_* endpoints): no "
                    f"authentication or encryption by design: keep its network private "
                    f"(network.bind {t.network.bind}{devices})")
+
+
+def _kv_events(t) -> list[Surface]:
+    """Workers whose engine records KV events (engine arg kv_events) publish them."""
+    if not any(getattr(t.roles, r).engine.get("kv_events") for r in ("prefill", "decode")):
+        return []
+    return [Surface("KV events", NO, f"each worker's PUB and replay sockets (its record's kv_events endpoints) on "
+                    f"network.bind {t.network.bind}: no authentication; they carry the token ids of cached "
+                    "prompts: keep them on a private network (docs/kvindex.md)")]
 
 
 def _metrics(t) -> list[Surface]:

@@ -130,7 +130,10 @@ class PrefillWorker:
                           kv_layout=self.engine.connector.layout_info(),
                           capacity={"max_num_batched_tokens": self.budget}, version=VERSION,
                           endpoints={**({"metrics": metrics_at} if metrics_at else {}),
-                                     **record_endpoints(self.kv_publisher)},
+                                     **record_endpoints(self.kv_publisher),
+                                     # the UCX listeners of the agent's posting threads
+                                     **{f"ucx_{i}": f"{cfg.address()}:{port}"
+                                        for i, port in enumerate(transport.agent.listen_ports)}},
                           hostname=socket.gethostname(), address=self.host)
         self.registry = await join_cluster(cfg, info, json.dumps(transport.record).encode(),
                                            on_drain=self.drain)

@@ -374,6 +374,9 @@ def classify(sockets: list[Listener], procs, state: dict, status: dict, facts: d
                 found = ("decode gRPC/HTTP", f"{wid} {named[0]} (etcd record)", True)
             elif named == ["metrics"]:
                 found = ("prefill /metrics", f"{wid} metrics (etcd record)", True)
+            elif named and named[0].startswith("ucx_"):
+                # the UCX listeners of the NIXL agent's posting threads (network.kv_transport.threads)
+                found = ("NIXL data plane (KV pages)", f"{wid} UCX listener of a posting thread (etcd record)", True)
             elif struct.pack(">H", s.port) in base64.b64decode(facts["nixl"][wid] or ""):
                 # UCX's address in the worker's NIXL metadata carries its listener's port.
                 found = ("NIXL data plane (KV pages)", f"{wid} UCX listener (NIXL metadata)", True)
