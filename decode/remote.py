@@ -69,6 +69,9 @@ class RemotePrefill:
         self.arrival.on_ready_reput = lambda rid: asyncio.ensure_future(self._cancel_quietly(rid))
         self.counters = self.arrival.counters
         self.counters.update(queue_restarts=0, reput=0, queue_lost=0, withdrawn_queued=0, withdrawn_held=0)
+        # Prefill workers' cached prefixes (their KV events, kvindex/service.py KVIndexFollower):
+        # each task carries them as its prefix_hint; None when none is followed.
+        self.prefix_view = None
         # Event-loop bookkeeping of aborts: requests whose task put was issued, and requests
         # aborted (a put not yet issued for them is skipped). Both end with the stream.
         self._put_issued: set[str] = set()
@@ -192,6 +195,7 @@ class RemotePrefill:
             target_worker_id=self.worker_id, target_block_ids=res.block_ids,
             sampling_params=prep.params.to_dict(), priority=prep.priority,
             deadline=time.time() + self.cfg.timeout_s,
+            prefix_hint=self.prefix_view.cached_tokens(prep.prompt_ids) if self.prefix_view is not None else {},
         )
         self.signer.sign(task)  # binds the blocks to this worker: the prefill worker checks it
         h.task = task

@@ -202,8 +202,26 @@ class DecodeWorker:
         self.policy_watch = await self.registry.watch_policy(
             "router", validate=lambda text: parse_policy(text, source=f"etcd:/pdserve/{cfg.cluster}/config/router"),
             on_change=lambda p: policy.set(p, "etcd"), on_reject=lambda r: policy.reject(str(r)))
-        self.prefill_watch = await self.registry.watch_members(
-            on_add=lambda _: self._count_prefill(), on_remove=lambda _: self._count_prefill(), role="prefill")
+        follower = None
+        if self.remote is not None:
+            # The prefill workers' KV events (those that publish them): each remote task carries
+            # their cached prefixes, so the queue can hand it to the one holding it (taskqueue/core.py).
+            from pdserve.kvindex.service import KVIndexFollower
+
+            follower = self.remote.prefix_view = KVIndexFollower().start()
+
+        def seen(info):
+            self._count_prefill()
+            if follower is not None:
+                follower.member(info)
+
+        def gone(info):
+            self._count_prefill()
+            if follower is not None:
+                follower.gone(info)
+
+        self.prefill_watch = await self.registry.watch_members(on_add=seen, on_update=seen, on_remove=gone,
+                                                               role="prefill")
         if self.remote is not None:
             from pdserve.taskqueue import requeue_on_worker_loss
 
@@ -343,6 +361,8 @@ class DecodeWorker:
             await self.grpc.stop(1.0)
         if self.remote is not None:
             await self.remote.stop()
+            if self.remote.prefix_view is not None:
+                self.remote.prefix_view.close()
         if self.registry is not None:
             await self.registry.close()
         if self.queue is not None:

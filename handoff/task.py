@@ -34,6 +34,10 @@ class PrefillTask:
     target) is where failed tasks are returned, via `take_failed(origin)`.
     `signature`: the target decode worker's Ed25519 signature over the task
     (`signing`); a prefill worker refuses a task without a valid one.
+    `prefix_hint`: prefill worker id -> tokens of this prompt's prefix it holds cached, as
+    the decode worker's view of their KV events says (kvindex/); the queue may keep the task
+    for the worker with the longest one (taskqueue/core.py). Advisory, so not signed: a
+    wrong hint can only cost scheduling, never what is computed or where it is written.
     """
 
     request_id: str
@@ -48,9 +52,14 @@ class PrefillTask:
     arrival_time: float = field(default_factory=time.time)
     origin: str = ""
     signature: bytes = b""
+    prefix_hint: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.priority = Priority.parse(self.priority)  # ValueError naming the choices
+        if not isinstance(self.prefix_hint, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in self.prefix_hint.items()):
+            raise ValueError("prefix_hint must map worker ids to token counts (ints >= 0)")
         if not isinstance(self.signature, bytes):
             raise ValueError(f"signature must be bytes, got {type(self.signature).__name__}")
         if not 0 <= self.cached_len <= len(self.token_ids):

@@ -32,56 +32,41 @@ log = logging.getLogger(__name__)
 MAX_EXPLAIN_TOKENS = 1 << 20
 
 
-class KVIndexService:
-    def __init__(self, etcd_endpoints, cluster: str, host: str = "127.0.0.1", port: int = 0, *,
-                 tls=None, poll_s: float = 0.005):
-        self.etcd_endpoints, self.cluster, self.tls, self.poll_s = etcd_endpoints, cluster, tls, poll_s
+class KVIndexFollower:
+    """Subscribers to a set of workers' KV events and the `ClusterKVIndex` over them, kept by a
+    thread of its own (ZMQ sockets belong to one thread: `add`/`drop` hand it work). The
+    service below feeds it from etcd; a decode worker feeds one from its prefill watch, to
+    hint each remote task with the prefill workers' cached prefixes."""
+
+    def __init__(self, poll_s: float = 0.005):
+        self.poll_s = poll_s
         self.index: ClusterKVIndex | None = None  # created with the first worker's block size
-        self.lock = threading.Lock()  # the index, between the follower and HTTP threads
+        self.lock = threading.Lock()  # the index, between the follower and the askers' threads
         self.subs: dict[str, tuple[tuple[str, str], KVEventSubscriber]] = {}
         self.skipped: dict[str, str] = {}  # worker id -> why it is not followed
         self._work: queue.Queue = queue.Queue()
         self._stop = threading.Event()
-        self._follower = threading.Thread(target=self._follow, name="kv-index", daemon=True)
-        self._http = ThreadingHTTPServer((host, port), _handler(self))
-        self._http.daemon_threads = True
-        self._http_thread = threading.Thread(target=self._http.serve_forever, name="kv-index-http", daemon=True)
-        self.registry: Registry | None = None
-        self._watch = None
+        self._thread = threading.Thread(target=self._follow, name="kv-index", daemon=True)
 
-    @property
-    def url(self) -> str:
-        host, port = self._http.server_address[:2]
-        return f"http://{host}:{port}"
-
-    async def start(self) -> "KVIndexService":
-        self._follower.start()
-        self._http_thread.start()
-        self.registry = Registry(self.etcd_endpoints, self.cluster, tls=self.tls)
-        self._watch = await self.registry.watch_members(on_add=self._member, on_update=self._member,
-                                                        on_remove=self._gone)
-        log.info("KV index of cluster %s: %s", self.cluster, self.url)
+    def start(self) -> "KVIndexFollower":
+        self._thread.start()
         return self
 
-    async def stop(self) -> None:
-        if self.registry is not None:
-            await self.registry.close(deregister=False)
+    def close(self) -> None:
         self._stop.set()
-        self._follower.join(10)
-        self._http.shutdown()
-        self._http.server_close()
+        if self._thread.is_alive():
+            self._thread.join(10)
 
-    # -- etcd (the event loop) -----------------------------------------------------------------
-    def _member(self, info) -> None:
+    def member(self, info) -> None:
+        """A worker record seen (added or updated): follow it if it publishes KV events."""
         eps = info.endpoints
         if "kv_events" in eps and "kv_events_replay" in eps:
             self._work.put(("add", info.worker_id, (eps["kv_events"], eps["kv_events_replay"]),
                             int(info.kv_layout.get("block_size", 0) or 0)))
 
-    def _gone(self, info) -> None:
+    def gone(self, info) -> None:
         self._work.put(("drop", info.worker_id, None, 0))
 
-    # -- the follower thread ---------------------------------------------------------------------
     def _follow(self) -> None:
         while not self._stop.is_set():
             try:
@@ -127,20 +112,37 @@ class KVIndexService:
                 self.subs[wid] = (eps, sub)
                 self.index.set_view(wid, sub.view)
 
-    # -- answers (HTTP threads) ----------------------------------------------------------------
+    def _refresh_views(self) -> None:
+        """A snapshot replaces a subscriber's view object: point the index at the current ones."""
+        for wid, (_, sub) in self.subs.items():
+            if self.index is not None and self.index.views.get(wid) is not sub.view:
+                self.index.set_view(wid, sub.view)
+
+    def cached_tokens(self, token_ids: list[int], wait_s: float = 0.002) -> dict[str, int]:
+        """Per followed worker, the tokens of this prompt's prefix it holds (0s left out);
+        not counted in the hit rates (a routing hint, not an operator's query). Asked on a
+        request's path: when the follower holds the index longer than ``wait_s`` (a snapshot
+        on its way), the answer is {} (no hint) rather than a wait."""
+        if not self.lock.acquire(timeout=wait_s):
+            return {}
+        try:
+            self._refresh_views()
+            if self.index is None:
+                return {}
+            return {h.worker_id: h.tokens for h in self.index.longest_prefixes(token_ids, count=False) if h.tokens}
+        finally:
+            self.lock.release()
+
     def status(self) -> dict:
         with self.lock:
             self._refresh_views()
             workers = {}
             for wid, (eps, sub) in sorted(self.subs.items()):
-                media: dict[str, int] = {}
-                for _, medium in sub.view.blocks.values():
-                    media[str(medium)] = media.get(str(medium), 0) + 1
-                workers[wid] = {"blocks": len(sub.view.blocks), "by_medium": media, "synced": sub.next_seq is not None,
-                                "next_seq": sub.next_seq, "gaps": sub.gaps, "replayed": sub.replayed,
-                                "snapshots": sub.snapshots, "endpoint": eps[0]}
+                workers[wid] = {"blocks": len(sub.view.blocks), "by_medium": _by_medium(sub.view),
+                                "synced": sub.next_seq is not None, "next_seq": sub.next_seq, "gaps": sub.gaps,
+                                "replayed": sub.replayed, "snapshots": sub.snapshots, "endpoint": eps[0]}
             idx = self.index
-            return {"cluster": self.cluster, "block_size": idx.block_size if idx else None,
+            return {"block_size": idx.block_size if idx else None,
                     "blocks": len(idx.hashes()) if idx else 0, "queries": idx.queries if idx else 0,
                     "workers": workers, "not_followed": dict(self.skipped)}
 
@@ -155,22 +157,13 @@ class KVIndexService:
                     "workers": [{"worker_id": h.worker_id, "cached_blocks": h.blocks, "cached_tokens": h.tokens,
                                  "by_medium": {str(k): v for k, v in h.by_medium().items()}} for h in hits]}
 
-    def _refresh_views(self) -> None:
-        """A snapshot replaces a subscriber's view object: point the index at the current ones."""
-        for wid, (_, sub) in self.subs.items():
-            if self.index is not None and self.index.views.get(wid) is not sub.view:
-                self.index.set_view(wid, sub.view)
-
     def metrics(self) -> str:
         with self.lock:
             self._refresh_views()
             lines = ["# HELP pdserve_kvindex_blocks Blocks a worker holds, by tier (from its KV events).",
                      "# TYPE pdserve_kvindex_blocks gauge"]
             for wid, (_, sub) in sorted(self.subs.items()):
-                media: dict[str, int] = {}
-                for _, medium in sub.view.blocks.values():
-                    media[str(medium)] = media.get(str(medium), 0) + 1
-                for medium, n in sorted(media.items()):
+                for medium, n in sorted(_by_medium(sub.view).items()):
                     lines.append(f'pdserve_kvindex_blocks{{worker="{wid}",medium="{medium}"}} {n}')
             idx = self.index
             lines += ["# HELP pdserve_kvindex_prefix_hit_blocks_total Prompt blocks found cached by the "
@@ -188,6 +181,60 @@ class KVIndexService:
             for wid, (_, sub) in sorted(self.subs.items()):
                 lines.append(f'pdserve_kvindex_resyncs_total{{worker="{wid}"}} {sub.snapshots}')
             return "\n".join(lines) + "\n"
+
+
+def _by_medium(view) -> dict[str, int]:
+    media: dict[str, int] = {}
+    for _, medium in view.blocks.values():
+        media[str(medium)] = media.get(str(medium), 0) + 1
+    return media
+
+
+class KVIndexService:
+    """The follower of every worker in a cluster's etcd, answering over HTTP."""
+
+    def __init__(self, etcd_endpoints, cluster: str, host: str = "127.0.0.1", port: int = 0, *,
+                 tls=None, poll_s: float = 0.005):
+        self.etcd_endpoints, self.cluster, self.tls = etcd_endpoints, cluster, tls
+        self.follower = KVIndexFollower(poll_s)
+        self._http = ThreadingHTTPServer((host, port), _handler(self))
+        self._http.daemon_threads = True
+        self._http_thread = threading.Thread(target=self._http.serve_forever, name="kv-index-http", daemon=True)
+        self.registry: Registry | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._http.server_address[:2]
+        return f"http://{host}:{port}"
+
+    @property
+    def index(self) -> ClusterKVIndex | None:
+        return self.follower.index
+
+    async def start(self) -> "KVIndexService":
+        self.follower.start()
+        self._http_thread.start()
+        self.registry = Registry(self.etcd_endpoints, self.cluster, tls=self.tls)
+        await self.registry.watch_members(on_add=self.follower.member, on_update=self.follower.member,
+                                          on_remove=self.follower.gone)
+        log.info("KV index of cluster %s: %s", self.cluster, self.url)
+        return self
+
+    async def stop(self) -> None:
+        if self.registry is not None:
+            await self.registry.close(deregister=False)
+        self.follower.close()
+        self._http.shutdown()
+        self._http.server_close()
+
+    def status(self) -> dict:
+        return {"cluster": self.cluster, **self.follower.status()}
+
+    def explain(self, token_ids: list[int]) -> dict:
+        return self.follower.explain(token_ids)
+
+    def metrics(self) -> str:
+        return self.follower.metrics()
 
 
 def _handler(svc: KVIndexService):

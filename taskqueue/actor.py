@@ -120,7 +120,10 @@ class PrefillQueue:
         result = self._core.put(task)
         if result.ok:
             async with self._arrived:
-                self._arrived.notify()
+                if task.prefix_hint:  # every poller: the one it may be kept for must get to look
+                    self._arrived.notify_all()
+                else:
+                    self._arrived.notify()
         return result
 
     async def get_batch(self, worker_id: str, max_tokens: int, max_wait_ms: float = 0.0,
@@ -217,6 +220,12 @@ class PrefillQueue:
         costs one actor round trip, not two."""
         self._fail_stalled()
         return self._core.take_failed(origin), await self.stats()
+
+    async def prefix_decisions(self, limit: int = 50) -> list[dict]:
+        """The last prefix-aware dispatch decisions that named another worker than the puller
+        (taskqueue/core.py `_keep_for_prefix`): who pulled, who holds the longest prefix, its
+        backlog, how long the task had waited, kept or not and why. Newest last."""
+        return list(self._core.prefix_decisions)[-max(0, int(limit)):]
 
     async def stats(self) -> QueueStats:
         stats = dataclasses.replace(self._core.stats(), recovering=self._recover_until > time.monotonic(),

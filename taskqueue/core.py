@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from typing import Callable
 
 from pdserve.control.keys import DEFAULT_QUEUE_CAPACITY
@@ -45,6 +45,14 @@ from .task import (
 )
 
 MAX_FAILED_PER_ORIGIN = 10_000  # failed tasks nobody collects must not grow without bound
+# Prefix-aware dispatch (`take`): a task is kept for the worker whose cache holds the longest
+# prefix of it when that saves at least PREFIX_MIN_TOKENS of compute more than the work that
+# worker has in hand, for at most PREFIX_MAX_HOLD_S of queueing; a take looks past at most
+# PREFIX_MAX_SKIPS such tasks. The decisions are kept (`prefix_decisions`) and counted.
+PREFIX_MIN_TOKENS = 16
+PREFIX_MAX_HOLD_S = 0.5
+PREFIX_MAX_SKIPS = 64
+PREFIX_DECISIONS_KEPT = 200
 MAX_FAIL_REASON_CHARS = 64
 MAX_FAIL_DETAIL_CHARS = 300
 
@@ -77,6 +85,8 @@ class QueueCore(WorkerLiveness, SettledTasks):
         self._init_settled()
         self.counters: Counter = Counter()
         self.on_dispatch = on_dispatch  # called with each dispatched task's queue wait (s)
+        self.prefix_min_tokens, self.prefix_max_hold_s = PREFIX_MIN_TOKENS, PREFIX_MAX_HOLD_S
+        self.prefix_decisions: deque[dict] = deque(maxlen=PREFIX_DECISIONS_KEPT)
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -126,6 +136,7 @@ class QueueCore(WorkerLiveness, SettledTasks):
         self._seen[worker_id] = now
         batch: list[PrefillTask] = []
         tokens = 0
+        kept: list[tuple] = []  # heap entries of tasks kept for another worker's cached prefix
         while (task := self._pop_head()) is not None:
             if task.deadline is not None and task.deadline <= now:
                 self._remove(task)
@@ -135,17 +146,51 @@ class QueueCore(WorkerLiveness, SettledTasks):
             if batch and (tokens + task.num_prefill_tokens > max_tokens
                           or (max_tasks is not None and len(batch) >= max_tasks)):
                 break
+            if task.prefix_hint and len(kept) < PREFIX_MAX_SKIPS and self._keep_for_prefix(task, worker_id, now):
+                kept.append(heapq.heappop(self._heap))  # the head: `_pop_head` dropped stale entries
+                continue
             if self.on_dispatch is not None:
                 self.on_dispatch(max(0.0, now - self._queued[task.key][2]))
             self._remove(task)
             batch.append(task)
             tokens += task.num_prefill_tokens
+        for entry in kept:
+            heapq.heappush(self._heap, entry)
         if batch:
             taken = self._in_flight.setdefault(worker_id, {})
             for task in batch:
                 taken[task.key] = task
             self.counters["dispatched"] += len(batch)
         return batch
+
+    def _keep_for_prefix(self, task: PrefillTask, worker_id: str, now: float) -> bool:
+        """Keep `task` out of `worker_id`'s batch for the live worker holding the longest cached
+        prefix of it? Yes when what that worker's cache saves over this one's (in tokens of
+        compute) exceeds the prefill tokens it has in hand (the wait before it pulls again),
+        by at least `prefix_min_tokens`, and the task has waited less than `prefix_max_hold_s`.
+        Each decision that names another worker is recorded with its figures."""
+        hint = task.prefix_hint
+        best = max(hint, key=lambda w: (hint[w], w))
+        mine = hint.get(worker_id, 0)
+        if best == worker_id or hint[best] <= mine:
+            if mine:
+                self.counters["prefix_routed"] += 1  # it goes where its prefix is
+            return False
+        gap = hint[best] - mine
+        backlog = sum(t.num_prefill_tokens for t in self._in_flight.get(best, {}).values())
+        waited = now - self._queued[task.key][2]
+        live = now - self._seen.get(best, -float("inf")) <= self.stall_s
+        keep = live and gap - backlog >= self.prefix_min_tokens and waited < self.prefix_max_hold_s
+        why = ("kept for the worker with the prefix" if keep else
+               f"{best} is not live" if not live else
+               f"held {waited:.2f} s, the most a prefix may hold it" if waited >= self.prefix_max_hold_s else
+               f"{best}'s {backlog} tokens in hand cost more than the {gap} its prefix saves")
+        self.counters["prefix_kept" if keep else "prefix_overridden"] += 1
+        self.prefix_decisions.append({
+            "request_id": task.request_id, "epoch": task.epoch, "puller": worker_id, "best": best,
+            "best_cached_tokens": hint[best], "puller_cached_tokens": mine, "best_backlog_tokens": backlog,
+            "waited_s": round(waited, 4), "kept": keep, "why": why, "at": now})
+        return keep
 
     def complete(self, worker_id: str, request_id: str | list[str]) -> bool:
         """The worker finished (or gave up on) a task, or a list of them: stop

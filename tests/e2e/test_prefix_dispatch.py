@@ -1,0 +1,69 @@
+"""Prefix-aware prefill dispatch, end to end (real etcd, Ray, NIXL; two prefill workers that
+publish KV events, one decode worker following them): after one prefill worker computed a
+long shared prefix, every later request with that prefix is kept for it by the queue
+(taskqueue/core.py) on the hint the decode worker attached from the workers' KV events; the
+output stays token-exact, and the queue recorded why."""
+
+from __future__ import annotations
+
+import random
+
+import ray
+
+from pdserve.decode.worker import DecodeWorkerConfig
+from pdserve.prefill.worker import PrefillWorker
+from tests.harness import WorkerThread, wait_until
+
+from .test_disaggregated import etcd, ray_local, reference, run_all  # noqa: F401  (fixtures)
+
+UCX = {"UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
+CLUSTER = "prefixd"
+
+
+def test_requests_sharing_a_prefix_go_to_the_prefill_worker_that_holds_it(ray_local, etcd, llama_dir):
+    engine = {"kv_events": True, "device": "cpu"}
+    d = WorkerThread(DecodeWorkerConfig(
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=CLUSTER, lease_ttl_s=3, worker_id="decode-0",
+        remote_prefill=True, ucx_env=UCX, remote_timeout_s=60, engine_args=engine)).start()
+    actors = {}
+    try:
+        for wid in ("prefill-0", "prefill-1"):
+            actors[wid] = ray.remote(PrefillWorker).options(num_cpus=0).remote(dict(
+                model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=CLUSTER, lease_ttl_s=3, worker_id=wid,
+                ucx_env=UCX, engine_args=engine))
+        ray.get([a.start.remote() for a in actors.values()], timeout=180)
+        view = d.worker.remote.prefix_view
+        wait_until(lambda: d.worker.frontend.prefill_view.pool_size >= 2 and d.worker.remote.available(), 30)
+        wait_until(lambda: all(w.get("synced") for w in view.status()["workers"].values())
+                   and len(view.status()["workers"]) == 2, 30)
+        rng = random.Random(5)
+        shared = [rng.randrange(3, 32000) for _ in range(320)]
+        first = shared + [rng.randrange(3, 32000) for _ in range(40)]
+        (out,) = run_all(d, [first], route="remote")
+        assert out.token_ids == reference(llama_dir, [first])[0]
+        done = {w: ray.get(a.get_stats.remote())["tasks_done"] for w, a in actors.items()}
+        (holder,) = [w for w, n in done.items() if n == 1]
+        # The decode worker's view of the holder now covers the shared prefix.
+        wait_until(lambda: view.cached_tokens(shared).get(holder, 0) >= 304, 20)
+        follow = [shared + [rng.randrange(3, 32000) for _ in range(rng.randint(20, 60))] for _ in range(6)]
+        for prompt in follow:  # one at a time: each is pulled by whichever worker asks first
+            (o,) = run_all(d, [prompt], route="remote")
+            assert o.token_ids == reference(llama_dir, [prompt])[0]
+            assert o.breakdown["route"] == "remote"
+        after = {w: ray.get(a.get_stats.remote())["tasks_done"] for w, a in actors.items()}
+        queue = ray.get_actor(d.worker.cfg.queue_name, namespace=d.worker.cfg.queue_namespace)
+        decisions = ray.get(queue.prefix_decisions.remote())
+        assert after[holder] == 1 + len(follow), f"the holder {holder} did not get them all: {after}, {decisions}"
+        counters = d.call(d.worker.queue.stats).counters
+        # Each follow-up went to the holder: pulled by it (routed) or kept from the other (kept).
+        assert counters.get("prefix_routed", 0) + counters.get("prefix_kept", 0) >= len(follow), counters
+        # What was kept from the other worker says so, with its figures.
+        assert all(x["best"] == holder and x["kept"] and x["best_cached_tokens"] >= 304 for x in decisions), decisions
+    finally:
+        for a in actors.values():
+            try:
+                ray.get(a.stop.remote(), timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+            ray.kill(a)
+        d.stop()
