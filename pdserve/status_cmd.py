@@ -117,6 +117,9 @@ def _print_queue(state, queue: dict | None) -> None:
         print(f"  tasks put {c.get('put', 0)}, dispatched {c.get('dispatched', 0)}, completed {c.get('completed', 0)}, "
               f"requeued {c.get('requeued', 0)}; wire: {c.get('wire_connections', 0)} connections, "
               f"{c.get('wire_calls', 0)} calls, {c.get('wire_errors', 0)} errors")
+        if any(k.startswith("prefix_") for k in c):  # prefix-aware dispatch (docs/kvindex.md)
+            print(f"  prefix-aware: to the worker holding the prefix {c.get('prefix_routed', 0)}, kept for it "
+                  f"{c.get('prefix_kept', 0)}, given to another {c.get('prefix_overridden', 0)}")
 
 
 async def _members(state, tls=None) -> dict:
