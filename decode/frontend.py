@@ -14,8 +14,8 @@ import itertools
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from pdserve.engine import SamplingParams
@@ -23,7 +23,16 @@ from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, admit
 
 from .async_engine import AsyncEngine
 from .breakdown import breakdown, check_prediction
-from .ingress import Chunk, as_request_error, sample_input, GenerateInput, Prepared, RemotePath, RequestError, ServingLimits
+from .ingress import (
+    Chunk,
+    GenerateInput,
+    Prepared,
+    RemotePath,
+    RequestError,
+    ServingLimits,
+    as_request_error,
+    sample_input,
+)
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
 from .prefill_pool import PrefillView
@@ -144,8 +153,12 @@ class Frontend:
         policy = self.policy.policy
         cached = self.cached_len(ids)
         self.arrivals.observe(arrival)
+        # The prefill workers' cached prefixes of it (their KV events; decode/remote.py prefix_view).
+        view = self.remote.prefix_view if self.remote is not None else None
+        remote_cached = max(view.cached_tokens(ids).values(), default=0) if view is not None else 0
         feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=prio,
-                                ttft_slo_ms=inp.ttft_slo_ms, override=inp.route, max_tokens=params.max_tokens)
+                                ttft_slo_ms=inp.ttft_slo_ms, override=inp.route, max_tokens=params.max_tokens,
+                                remote_cached_len=remote_cached)
         snap = self.snapshot(max(0, len(ids) - cached), cached)
         adm = admit(feats, snap, policy)
         if not adm.ok:

@@ -54,6 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     req.add_argument("--prompt-len", type=int, metavar="N", required=True, help="prompt tokens")
     req.add_argument("--cached-len", type=int, metavar="N", default=0,
                      help="prompt tokens already in the prefix cache")
+    req.add_argument("--remote-cached-len", type=int, metavar="N", default=0,
+                     help="prompt tokens the prefill worker with the longest cached prefix holds")
     req.add_argument("--priority", choices=("high", "normal", "low"), default="normal")
     req.add_argument("--override", choices=("auto", "local", "remote"), default="auto")
     req.add_argument("--ttft-slo-ms", type=float, metavar="MS", default=None,
@@ -120,7 +122,8 @@ def run_explain(args: argparse.Namespace) -> int:
         policy = load_policy_file(args.file)
         costs = _costs(args, policy)
         features = RequestFeatures(
-            prompt_len=args.prompt_len, cached_len=args.cached_len, priority=args.priority,
+            prompt_len=args.prompt_len, cached_len=args.cached_len, remote_cached_len=args.remote_cached_len,
+            priority=args.priority,
             ttft_slo_ms=args.ttft_slo_ms, override=args.override, max_tokens=args.max_tokens,
         )
         snapshot = ClusterSnapshot(
@@ -148,6 +151,7 @@ def run_explain(args: argparse.Namespace) -> int:
     print(f"policy: {args.file} (mode {r.mode}, policy {r.policy})")
     print(
         f"request: prompt_len {features.prompt_len}, cached_len {features.cached_len}, "
+        f"remote_cached_len {features.remote_cached_len}, "
         f"eff_len {features.eff_len}, priority {features.priority.label}, override {features.override}"
     )
     print(

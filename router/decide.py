@@ -66,8 +66,9 @@ def predict(
                       step beside a running prefill; a longer one, once running, waits for
                       the older prefill: behind)
     remote = r x (queue depth x step_fixed_ms + queue compute) / pool size + decode wait
-             + r x (step_fixed_ms + compute(eff_len)) + kv_bytes(eff_len) / bandwidth
-             + setup + residual_remote
+             + r x (step_fixed_ms + compute(remote_eff)) + kv_bytes(eff_len) / bandwidth
+             + setup + residual_remote, where remote_eff = prompt_len - max(cached_len,
+             remote_cached_len): a prefill worker holding a longer prefix computes only past it
     decode wait = decode_backlog_tokens x decode ms per token (both routes)
     itl_penalty = itl_penalty_weight x decoding requests x (local prefill ms)
                   + blocking_penalty_weight x arrival rate (per ms) x (local prefill ms)
@@ -113,7 +114,10 @@ def predict(
     ttft_remote = remote_wait
     if eff:  # nothing to prefill means nothing to compute or transfer, setup included
         ratio = c.remote_ratio
-        ttft_remote += ratio * (c.step_fixed_ms + compute) + c.transfer_ms(eff) + c.ttft_residual_remote_ms
+        held = max(features.cached_len, min(features.remote_cached_len, features.prompt_len - 1))
+        remote_compute = compute if held == features.cached_len else \
+            c.prefill_compute_ms(max(1, features.prompt_len - held), held)
+        ttft_remote += ratio * (c.step_fixed_ms + remote_compute) + c.transfer_ms(eff) + c.ttft_residual_remote_ms
         local_prefill += c.ttft_residual_local_ms
     ttft_remote = max(ttft_remote, remote_wait)
     local_prefill = max(local_prefill, 0.0)
@@ -154,6 +158,9 @@ def decide(
     """Local or remote prefill for one request; see the module docstring for precedence."""
     trace: list[str] | None = [] if explain else None
     pred = predict(features, snapshot, policy)
+    if trace is not None and features.remote_cached_len > features.cached_len:
+        trace.append(f"a prefill worker holds {features.remote_cached_len} prompt tokens cached (its KV "
+                     f"events) against {features.cached_len} here: a remote prefill computes only past them")
     route, reason, detail, score = _route(features, snapshot, policy, pred, trace)
     if trace is not None:
         trace.append(f"=> {route} ({reason}): {detail}")

@@ -31,11 +31,16 @@ class RequestFeatures:
     ttft_slo_ms: float | None = None  # the request's own TTFT target; None = the policy's
     override: Override = "auto"
     max_tokens: int | None = None  # None = no explicit limit
+    # Prompt tokens the prefill worker with the longest cached prefix holds (its KV events,
+    # kvindex/): a remote prefill computes only past them (it still sends every token past
+    # cached_len). 0: none known.
+    remote_cached_len: int = 0
 
     def __post_init__(self) -> None:
-        if self.prompt_len < 0 or self.cached_len < 0:
+        if self.prompt_len < 0 or self.cached_len < 0 or self.remote_cached_len < 0:
             raise ValueError(
-                f"prompt_len and cached_len must be >= 0 (got {self.prompt_len}, {self.cached_len})"
+                f"prompt_len, cached_len and remote_cached_len must be >= 0 (got {self.prompt_len}, "
+                f"{self.cached_len}, {self.remote_cached_len})"
             )
         object.__setattr__(self, "priority", Priority.parse(self.priority))  # ValueError names the choices
         if self.override not in _OVERRIDES:

@@ -282,3 +282,25 @@ def test_a_short_prompt_behind_a_local_backlog_is_predicted_beside_it(rt, policy
     assert long_.predicted_ttft_local_ms == from_seed(40 * 10 + 8000 * 0.1)
     over_half = decide(rt.req(101), s, policy)  # just over half a step: behind too, not beside
     assert over_half.predicted_ttft_local_ms > d.predicted_ttft_local_ms + 4000 * 0.1
+
+
+def test_a_prefill_worker_holding_the_prefix_computes_only_past_it(rt, policy):
+    """remote_cached_len (the prefill workers' KV events): the remote prediction drops the
+    compute of the tokens that worker holds, not their transfer, and can turn the choice."""
+    snapshot = rt.snap(policy)
+    blind = decide(rt.req(2000), snapshot, policy)
+    seen = decide(rt.req(2000, remote_cached_len=1500), snapshot, policy, explain=True)
+    transfer = 2000 * 131072 / 1e7 + 2.0
+    assert blind.predicted_ttft_remote_ms == from_seed(2000 * 0.1 + transfer)
+    assert seen.predicted_ttft_remote_ms == from_seed(500 * 0.1 + transfer)
+    assert seen.predicted_ttft_local_ms == blind.predicted_ttft_local_ms  # the local route gains nothing
+    assert (blind.route, seen.route) == ("local", "remote")
+    assert any("holds 1500 prompt tokens cached" in line for line in seen.trace)
+    # Held no further than what this worker holds itself: nothing changes; the last token is
+    # always computed.
+    same = decide(rt.req(2000, cached_len=1600, remote_cached_len=1500), snapshot, policy)
+    assert same.predicted_ttft_remote_ms == decide(rt.req(2000, cached_len=1600), snapshot, policy).predicted_ttft_remote_ms
+    whole = decide(rt.req(2000, remote_cached_len=2000), snapshot, policy)
+    assert whole.predicted_ttft_remote_ms == from_seed(1 * 0.1 + transfer)
+    with pytest.raises(ValueError, match="remote_cached_len"):
+        rt.req(10, remote_cached_len=-1)
