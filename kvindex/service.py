@@ -30,6 +30,7 @@ from .subscriber import KVEventSubscriber
 log = logging.getLogger(__name__)
 
 MAX_EXPLAIN_TOKENS = 1 << 20
+IDLE_POLL_S = 0.1  # the follower's pace while it follows no worker
 
 
 class KVIndexFollower:
@@ -75,8 +76,8 @@ class KVIndexFollower:
                 for wid, (_, sub) in list(self.subs.items()):
                     with self.lock:
                         busy |= sub.poll(0.0) > 0
-                if not busy:
-                    self._stop.wait(self.poll_s)
+                if not busy:  # nobody followed yet: a slower pace (a decode worker always runs one)
+                    self._stop.wait(self.poll_s if self.subs else IDLE_POLL_S)
             except Exception:  # noqa: BLE001  (logged; a bad worker must not stop the index)
                 log.exception("KV index: following the workers failed")
                 self._stop.wait(0.5)
