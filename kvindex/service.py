@@ -101,6 +101,9 @@ class KVIndexFollower:
             if op != "add" or wid in self.subs:
                 continue
             with self.lock:
+                if block_size < 1:
+                    self.skipped[wid] = "its record names no KV block size (kv_layout.block_size)"
+                    continue
                 if self.index is None:
                     self.index = ClusterKVIndex(block_size)
                 if block_size != self.index.block_size:
