@@ -155,7 +155,8 @@ class Frontend:
         self.arrivals.observe(arrival)
         # The prefill workers' cached prefixes of it (their KV events; decode/remote.py prefix_view).
         view = self.remote.prefix_view if self.remote is not None else None
-        remote_cached = max(view.cached_tokens(ids).values(), default=0) if view is not None else 0
+        hint = view.cached_tokens(ids) if view is not None else {}
+        remote_cached = max(hint.values(), default=0)
         feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=prio,
                                 ttft_slo_ms=inp.ttft_slo_ms, override=inp.route, max_tokens=params.max_tokens,
                                 remote_cached_len=remote_cached)
@@ -172,7 +173,7 @@ class Frontend:
         rid = f"{self._id_prefix}-{next(self._admissions):x}"
         residual = (snap.costs.ttft_residual_remote_ms if decision.route == "remote"
                     else snap.costs.ttft_residual_local_ms) if len(ids) > cached else 0.0
-        return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label,
+        return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, prefix_hint=hint,
                         tenant=_identity(inp.caller), residual_ms=residual)
 
     def engine_id(self, label: str, caller=None) -> str | None:

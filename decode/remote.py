@@ -195,7 +195,7 @@ class RemotePrefill:
             target_worker_id=self.worker_id, target_block_ids=res.block_ids,
             sampling_params=prep.params.to_dict(), priority=prep.priority,
             deadline=time.time() + self.cfg.timeout_s,
-            prefix_hint=self.prefix_view.cached_tokens(prep.prompt_ids) if self.prefix_view is not None else {},
+            prefix_hint=prep.prefix_hint,  # computed once at admission (decode/frontend.py)
         )
         self.signer.sign(task)  # binds the blocks to this worker: the prefill worker checks it
         h.task = task
