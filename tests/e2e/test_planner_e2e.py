@@ -75,11 +75,22 @@ class Etcd:
         self.endpoints, self.cluster, self.Registry = endpoints, cluster, Registry
 
     def _run(self, fn):
+        """One read. The box runs eight streams, a planner and workers starting on 2 cores, so a
+        connect can miss its 15 s; a read that found etcd unreachable is retried for up to 60 s."""
+        from aetcd.exceptions import ConnectionFailedError, ConnectionTimeoutError
+
         async def go():
-            async with self.Registry(self.endpoints, self.cluster) as reg:
+            async with self.Registry(self.endpoints, self.cluster, request_timeout_s=15.0) as reg:
                 return await fn(reg)
 
-        return asyncio.run(go())
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return asyncio.run(go())
+            except (ConnectionFailedError, ConnectionTimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
 
     def members(self) -> dict:
         return self._run(lambda reg: reg.members())
