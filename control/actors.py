@@ -13,6 +13,7 @@ without anyone calling `start()`.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 from dataclasses import dataclass
@@ -64,6 +65,12 @@ def restartable(cls: type) -> type:
                 # first delivery starts the worker.
                 ctx.current_actor._start_after_restart.options(max_task_retries=START_CALL_RETRIES).remote()
 
+        async def start(self, *args, **kwargs):
+            if not getattr(self, "_rank_devices_claimed", False):
+                self._rank_devices_claimed = True
+                await asyncio.to_thread(claim_rank_devices)
+            return await super().start(*args, **kwargs)
+
         async def _start_after_restart(self) -> None:
             if self._restart_start_claimed:  # set before any await: the actor's one event loop
                 log.warning("%s: a second delivery of the start after a restart ignored", cls.__name__)
@@ -77,6 +84,97 @@ def restartable(cls: type) -> type:
     Restartable.__name__ = Restartable.__qualname__ = cls.__name__
     Restartable.__module__ = cls.__module__
     return Restartable
+
+
+# Ray refuses a bundle whose resources are all zero; a rank of a worker that asks for no CPU
+# (num_cpus: 0) reserves this much in its bundle.
+RANK_BUNDLE_MIN_CPU = 0.01
+RANK_SLOT_TIMEOUT_S = 120.0  # the slots of a restarted worker wait for its old slots' GPUs to be freed
+
+
+def ranks_group_name(actor: str) -> str:
+    """The Ray placement group of a TP worker's ranks (named after its actor)."""
+    return f"{actor}-ranks"
+
+
+def rank_bundles(num_cpus: float, num_gpus: float, tp: int, custom: dict[str, float]) -> list[dict[str, float]]:
+    """One placement-group bundle per rank of a TP worker: the role's CPUs and GPUs shared out
+    evenly (a rank's cores, a rank's GPUs). Bundle 0 holds the worker's actor (rank 0), so it
+    also carries the custom resources that place the worker (a node type's, "node:<ip>")."""
+    bundles = []
+    for rank in range(tp):
+        bundle = {key: amount / tp for key, amount in (("CPU", num_cpus), ("GPU", num_gpus)) if amount > 0}
+        if rank == 0:
+            bundle.update(custom)
+        bundles.append(bundle or {"CPU": RANK_BUNDLE_MIN_CPU})
+    return bundles
+
+
+def remove_ranks_group(actor: str) -> bool:
+    """Remove the placement group of the named worker's ranks; False if it has none (a TP=1
+    worker, or removed already). Called after the worker's actor is killed: every path that
+    ends a worker (stop_actor, the planner's backend, `pdserve down`) goes through here."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    try:  # looked up in this driver's namespace: every pdserve driver joins the cluster's
+        group = get_placement_group(ranks_group_name(actor))
+    except ValueError:
+        return False
+    try:
+        remove_placement_group(group)
+    except Exception as exc:  # noqa: BLE001  (removed meanwhile; nothing to free)
+        log.warning("placement group %s: %r while removing it", ranks_group_name(actor), exc)
+        return False
+    return True
+
+
+class RankSlot:
+    """Holds one bundle of a TP worker's placement group (rank r > 0) for the worker's life and
+    says which GPUs Ray gave it. Ranks are the worker's child processes (engine/tp_group.py),
+    which Ray does not schedule; the slot is how the worker learns the GPUs of rank r's bundle."""
+
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(i) for i in ray.get_gpu_ids()]
+
+
+def claim_rank_devices() -> list[list[str]] | None:
+    """In a TP worker's actor (bundle 0 of its ranks' placement group): start a `RankSlot` in
+    every other bundle, and make CUDA_VISIBLE_DEVICES list each bundle's first GPU in rank order,
+    so that rank r's `cuda:r` (engine/runner.py) is a GPU Ray reserved for rank r. Returns the
+    GPU ids per bundle, or None outside a multi-bundle group or without GPUs (CPU ranks are
+    placed by their cores; their bundles only reserve them). Must run before CUDA is
+    initialised in this process; the actor is started with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
+    so that Ray does not narrow it to bundle 0's GPUs."""
+    import os
+
+    import ray
+    from ray.util.placement_group import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = get_current_placement_group()
+    if group is None or group.bundle_count < 2:
+        return None
+    per_rank = group.bundle_specs[0].get("GPU", 0)
+    if per_rank <= 0:
+        return None
+    slot_cls = ray.remote(RankSlot)
+    slots = [slot_cls.options(num_cpus=0, num_gpus=per_rank, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=index)).remote() for index in range(1, group.bundle_count)]
+    try:
+        ids = [[str(i) for i in ray.get_gpu_ids()]] + ray.get([s.gpu_ids.remote() for s in slots],
+                                                            timeout=RANK_SLOT_TIMEOUT_S)
+    except Exception:
+        for slot in slots:
+            ray.kill(slot)
+        raise
+    claim_rank_devices.slots = slots  # held for this process's life: they hold the bundles' GPUs
+    if any(not got for got in ids):
+        raise RuntimeError(f"a rank's bundle was given no GPU (GPU ids per rank: {ids})")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(got[0] for got in ids)
+    log.info("tensor-parallel ranks on GPUs %s (one placement-group bundle each)", os.environ["CUDA_VISIBLE_DEVICES"])
+    return ids
 
 
 def worker_actor_options(name: str, namespace: str, num_cpus: float, num_gpus: float = 0,
@@ -103,6 +201,7 @@ def stop_actor(name: str, namespace: str, timeout_s: float, progress) -> None:
     except Exception as exc:  # noqa: BLE001  (a dead or stuck worker is killed anyway)
         progress(f"worker    {name}: {exc.__class__.__name__} while draining; killing")
     ray.kill(actor)
+    remove_ranks_group(name)
     progress(f"worker    {name} stopped")
 
 
@@ -155,9 +254,51 @@ def start_worker_actor(topo: "Topology", role: str, replica: int, *, model: str,
         cfg, entrypoint = {"role": role, "configs": {role: cfg, other: alt}}, DEFAULT_FLEX_ENTRYPOINT
     cls = ray.remote(restartable(load_entrypoint(entrypoint)))
     name = actor_name(topo.cluster, wid)
-    # A TP replica is one actor whose ranks are its child processes on the same node: its one bundle
-    # (num_gpus >= tensor_parallel_size, checked by the topology) is Ray's STRICT_PACK of its ranks.
-    opts = worker_actor_options(name, topo.ray.namespace, spec.resources.num_cpus, spec.resources.num_gpus,
-                                {**spec.resources.custom, **(resources or {})})
-    actor = cls.options(**opts).remote(cfg)
-    return StartedWorker(name, wid, actor, actor.start.remote())
+    custom = {**spec.resources.custom, **(resources or {})}
+    tp = spec.tensor_parallel_size
+    if tp == 1:
+        opts = worker_actor_options(name, topo.ray.namespace, spec.resources.num_cpus, spec.resources.num_gpus, custom)
+        actor = cls.options(**opts).remote(cfg)
+        return StartedWorker(name, wid, actor, actor.start.remote())
+    bundles = rank_bundles(spec.resources.num_cpus, spec.resources.num_gpus, tp, custom)
+    group = ranks_group(name, topo.ray.namespace, bundles)
+    try:
+        actor = cls.options(**ranks_actor_options(name, topo.ray.namespace, group, bundles[0])).remote(cfg)
+        return StartedWorker(name, wid, actor, actor.start.remote())
+    except BaseException:
+        remove_ranks_group(name)
+        raise
+
+
+def ranks_group(name: str, namespace: str, bundles: list[dict[str, float]]):
+    """A TP worker's ranks as one detached STRICT_PACK placement group (one node, one bundle
+    per rank), named after the worker's actor. A group of that name left by a worker that no
+    longer exists (a launcher that died between the two) is removed first."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    group_name = ranks_group_name(name)
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        remove_ranks_group(name)
+    else:
+        raise ValueError(f"a worker actor named {name!r} exists already; stop it first (pdserve down)")
+    return placement_group(bundles, strategy="STRICT_PACK", name=group_name, lifetime="detached")
+
+
+def ranks_actor_options(name: str, namespace: str, group, bundle0: dict[str, float]) -> dict:
+    """Options of a TP worker's actor: `worker_actor_options` taking bundle 0 of its ranks'
+    group (rank 0 is this actor's process). With GPUs, Ray leaves CUDA_VISIBLE_DEVICES to the
+    worker (`claim_rank_devices` sets it to every rank's GPU)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = dict(bundle0)
+    cpus, gpus = bundle.pop("CPU", 0.0), bundle.pop("GPU", 0.0)
+    if gpus == 0 and cpus == RANK_BUNDLE_MIN_CPU and not bundle:
+        cpus = 0.0  # the bundle's placeholder CPU stays unclaimed
+    opts = worker_actor_options(name, namespace, cpus, gpus, bundle)
+    opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+    if gpus:
+        opts["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+    return opts

@@ -142,6 +142,10 @@ class Topology(_Strict):
                 raise ValueError(f"roles.{role}.resources.num_gpus={spec.resources.num_gpus:g} but "
                                  f"roles.{role}.tensor_parallel_size={tp}: a replica's ranks each hold a GPU; set "
                                  f"num_gpus: {tp}")
+            if tp > 1 and spec.resources.num_gpus > 0 and spec.resources.num_gpus % tp:
+                raise ValueError(f"roles.{role}.resources.num_gpus={spec.resources.num_gpus:g} is not a whole number "
+                                 f"of GPUs for each of the {tp} ranks (one placement-group bundle per rank); set "
+                                 f"num_gpus: {tp}")
             if "tensor_parallel_size" in engine and engine["tensor_parallel_size"] != tp:
                 raise ValueError(f"roles.{role}.engine.tensor_parallel_size={engine['tensor_parallel_size']} "
                                  f"disagrees with roles.{role}.tensor_parallel_size={tp}; set the role's only")

@@ -51,6 +51,7 @@ def status(args) -> int:
         eps = " ".join(f"{k}={v}" for k, v in m["endpoints"].items()) or "-"
         load = " ".join(f"{k}={v}" for k, v in m["load"].items()) or "-"
         print(f"{wid:<14} {m['role']:<8} {tp_ranks(m):<6} {host:<30} {eps:<44} {load}")
+    _print_rank_groups(queue)
     planner, drained = _planner_lines(state, _status_tls(topo))
     # Workers the planner drained on purpose are not missing.
     missing = {a["worker_id"] for a in state.actors} - set(members) - drained
@@ -138,6 +139,33 @@ def tp_ranks(member: dict) -> str:
     return f"{tp} {layout['kv_layout']}" if tp > 1 or layout.get("kv_layout") == "HND" else str(tp)
 
 
+def _rank_groups(state) -> dict[str, dict]:
+    """The Ray placement group of each TP worker `up` started (control/actors.py): its strategy,
+    state, bundles and the node addresses its bundles sit on (one, for STRICT_PACK)."""
+    import ray
+    from ray.util.placement_group import get_placement_group, placement_group_table
+
+    from pdserve.control.actors import ranks_group_name
+
+    ips = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
+    out = {}
+    for a in state.actors:
+        try:
+            table = placement_group_table(get_placement_group(ranks_group_name(a["name"])))
+        except ValueError:
+            continue  # a TP=1 worker: no group
+        nodes = sorted({ips.get(n, n) for n in table.get("bundles_to_node_id", {}).values()})
+        out[a["worker_id"]] = {"strategy": table["strategy"], "state": table["state"],
+                               "bundles": len(table["bundles"]), "nodes": nodes}
+    return out
+
+
+def _print_rank_groups(queue: dict | None) -> None:
+    for wid, g in sorted(((queue or {}).get("rank_groups") or {}).items()):
+        print(f"ranks of {wid}: placement group {g['strategy']} {g['state'].lower()}, {g['bundles']} bundles "
+              f"(one per rank) on node {', '.join(g['nodes']) or '(not placed yet)'}")
+
+
 def _queue_stats(state) -> dict | None:
     import ray
 
@@ -145,7 +173,7 @@ def _queue_stats(state) -> dict | None:
         ray.init(address=state.ray_address, namespace=state.namespace, log_to_driver=False)
         st = ray.get(ray.get_actor(state.queue_name, namespace=state.namespace).stats.remote(), timeout=10)
         return {"depth": st.depth, "queued_tokens": st.queued_tokens, "in_flight": st.in_flight,
-                "oldest_wait_ms": st.oldest_wait_ms, "counters": st.counters}
+                "oldest_wait_ms": st.oldest_wait_ms, "counters": st.counters, "rank_groups": _rank_groups(state)}
     except Exception as exc:  # noqa: BLE001  (status must still show the members)
         print(f"(prefill queue not reachable: {exc.__class__.__name__})", file=sys.stderr)
         return None

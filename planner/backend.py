@@ -62,6 +62,8 @@ class RayBackend:
     async def stop(self, worker_id: str, actor: str | None = None) -> None:
         import ray
 
+        from pdserve.control.actors import remove_ranks_group
+
         handle = self._actor(worker_id, actor)
         if handle is None:
             return
@@ -70,6 +72,7 @@ class RayBackend:
         except Exception as exc:  # noqa: BLE001  (dead or stuck: killed anyway)
             log.warning("stop of %s: %r; killing it", worker_id, exc)
         ray.kill(handle)
+        remove_ranks_group(actor or self.actor_name(worker_id))
 
     async def flip(self, worker_id: str, role: str, new_worker_id: str, actor: str | None = None) -> None:
         """Ask a FlexWorker to drain and come back as `role` under `new_worker_id`; returns at

@@ -26,6 +26,9 @@ def test_a_tp2_prefill_host_serves_a_tp1_decode_host_token_exact(cluster):
     status = cluster.pdserve("status", "--topology", str(cluster.topology), timeout=120)
     assert status.returncode == 0, status.stdout + status.stderr
     assert any(line.split()[:3] == ["prefill-0", "prefill", "2"] for line in status.stdout.splitlines()), status.stdout
+    # One placement group for the worker's ranks, packed onto the prefill host.
+    assert (f"ranks of prefill-0: placement group STRICT_PACK created, 2 bundles (one per rank) on node "
+            f"{net['prefill'].addr}") in status.stdout, status.stdout
     prompts = [prompt_of(150 + 16 * i, seed=i) for i in range(4)]
     local = cluster.generate(prompts, route="local")
     tx0, rx0 = net["prefill"].link_stats()["tx_bytes"], net["decode"].link_stats()["rx_bytes"]
