@@ -153,6 +153,8 @@ def claim_rank_devices() -> list[list[str]] | None:
     from ray.util.placement_group import get_current_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    if not ray.is_initialized():  # not in a Ray actor (an entry point driven directly)
+        return None
     group = get_current_placement_group()
     if group is None or group.bundle_count < 2:
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -157,10 +158,14 @@ class Frontend:
         view = self.remote.prefix_view if self.remote is not None else None
         hint = view.cached_tokens(ids) if view is not None else {}
         remote_cached = max(hint.values(), default=0)
+        connector = self.engine.engine.connector
         feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=prio,
                                 ttft_slo_ms=inp.ttft_slo_ms, override=inp.route, max_tokens=params.max_tokens,
-                                remote_cached_len=remote_cached)
+                                remote_cached_len=remote_cached, tier_cached_len=connector.tier_prefix_len(ids, cached))
         snap = self.snapshot(max(0, len(ids) - cached), cached)
+        if feats.tier_cached_len:  # the tier's measured load cost (engine/kv_tier.py)
+            snap = dataclasses.replace(snap, costs=dataclasses.replace(
+                snap.costs, tier_load_ms_per_token=connector.tier_load_ms_per_token()))
         adm = admit(feats, snap, policy)
         if not adm.ok:
             self.metrics.refused(adm.reason)

@@ -24,6 +24,12 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    # While cached: the previous block's hash and this block's tokens (its KV events say them).
+    parent_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
+    # Bumped each time the block is taken for new KV: a copy of it started before then is stale
+    # (engine/kv_tier.py).
+    generation: int = 0
     prev: "Block | None" = None
     next: "Block | None" = None
 
@@ -49,6 +55,14 @@ class FreeBlockQueue:
         b.prev = b.next = None
         self.size -= 1
 
+    def first(self, n: int):
+        """The next ``n`` blocks `popleft` would return, without taking them."""
+        b = self.head.next
+        while n > 0 and b is not self.tail:
+            yield b
+            b = b.next
+            n -= 1
+
     def popleft(self) -> Block:
         if self.size == 0:
             raise RuntimeError("no free KV blocks")
@@ -68,6 +82,7 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.enable_caching = enable_caching
         self.events = events  # engine/kv_events.py: what the prefix cache gains and loses
+        self.tier = None  # engine/kv_tier.py: told of each cached block before it is evicted
 
     @property
     def num_blocks(self) -> int:
@@ -105,10 +120,13 @@ class BlockPool:
             b = self.free.popleft()
             if b.block_hash is not None:  # lazy eviction of a cached prefix block
                 if self.cached.get(b.block_hash) is b:
+                    if self.tier is not None:
+                        self.tier.evicting(b)
                     del self.cached[b.block_hash]
                     if self.events is not None:
                         self.events.removed(b.block_hash)
-                b.block_hash = None
+                b.block_hash, b.parent_hash, b.token_ids = None, None, ()
+            b.generation += 1
             b.ref_cnt = 1
             out.append(b)
         return out
@@ -133,10 +151,10 @@ class BlockPool:
             return
         if block_hash in self.cached:
             return  # an identical block is already cached; keep the first
-        block.block_hash = block_hash
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, tuple(token_ids)
         self.cached[block_hash] = block
         if self.events is not None:
-            self.events.stored(block_hash, parent, token_ids)
+            self.events.stored(block_hash, parent, block.token_ids)
 
     def num_cached_free(self) -> int:
         return sum(1 for b in self.cached.values() if b.ref_cnt == 0)

@@ -210,6 +210,13 @@ class EngineConfig:
     # Record the prefix cache's changes as KV events (engine/kv_events.py; `LLMEngine.kv_events`)
     # for a publisher to send (kvindex/publisher.py): the cluster's KV index reads them.
     kv_events: bool = False
+    # A second KV tier (engine/kv_tier.py): full prefix blocks about to be evicted from the pool are
+    # copied there off the step, and a later prompt's prefix found there is loaded back instead of
+    # recomputed. 0 = off. kv_offload_backend: auto (host memory on GPU, a file on CPU) | memory |
+    # file; kv_offload_path: the file tier's directory (default: the system's temp directory).
+    kv_offload_bytes: int = 0
+    kv_offload_backend: str = "auto"
+    kv_offload_path: str | None = None
     attention_backend: str = "auto"  # auto | torch | native (CPU float32 decode kernel) | flashinfer
     dtype: str = "auto"  # auto (float32 on CPU, the config's dtype on GPU) | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -276,6 +283,15 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.cuda_graphs:
             raise ConfigError("cuda_graphs=True is not supported with tensor_parallel_size > 1 yet; "
                               "set cuda_graphs=False")
+        if self.kv_offload_bytes < 0:
+            raise ConfigError(f"kv_offload_bytes={self.kv_offload_bytes} must be >= 0 (0: no second tier)")
+        if self.kv_offload_backend not in ("auto", "memory", "file"):
+            raise ConfigError(f"kv_offload_backend={self.kv_offload_backend!r}; use auto, memory or file")
+        if self.kv_offload_bytes and not self.enable_prefix_caching:
+            raise ConfigError("kv_offload_bytes needs enable_prefix_caching=True (the tier holds prefix blocks)")
+        if self.kv_offload_bytes and self.tensor_parallel_size > 1:
+            raise ConfigError("kv_offload_bytes is not supported with tensor_parallel_size > 1 yet (each rank "
+                              "would need its own tier); set kv_offload_bytes: 0 or tensor_parallel_size: 1")
         if self.cuda_graph_max_batch < 1:
             raise ConfigError(f"cuda_graph_max_batch={self.cuda_graph_max_batch} must be >= 1")
 

@@ -95,6 +95,23 @@ class KVConnector:
         hashes = block_hashes(token_ids[: ((len(token_ids) - 1) // bs) * bs], bs, salt)
         return len(kv.pool.lookup(hashes)) * bs
 
+    def tier_prefix_len(self, token_ids: list[int], cached_len: int, salt: bytes | None = None) -> int:
+        """Prompt tokens the second KV tier (engine/kv_tier.py) holds right after the pool's
+        ``cached_len`` (read-only; 0 without a tier). The last token is always recomputed."""
+        tier = self._eng.tier
+        if tier is None:
+            return 0
+        bs = self._eng.kv.block_size
+        hashes = block_hashes(token_ids[: ((len(token_ids) - 1) // bs) * bs], bs, salt)
+        return tier.leading(hashes[cached_len // bs:]) * bs
+
+    def tier_load_ms_per_token(self) -> float:
+        """Measured cost of loading one token's KV back from the tier (0 before its first load)."""
+        tier = self._eng.tier
+        if tier is None or not tier.load_bytes_per_s:
+            return 0.0
+        return tier.block_bytes / self._eng.kv.block_size / tier.load_bytes_per_s * 1e3
+
     # -- tensor parallelism (engine/tp_group.py) -------------------------------------------------
     @property
     def tensor_parallel_size(self) -> int:

@@ -28,8 +28,9 @@ class KVEventLog:
         self.block_size, self.medium, self.max_pending = block_size, medium, max_pending
         self._lock = threading.Lock()
         self._pending: list[KVEvent] = []
-        # Every cached block now: hash -> (parent hash, its tokens), in the order they were stored.
-        self._live: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
+        # Every cached block now, per tier: (hash, medium) -> (parent hash, its tokens), in the
+        # order they were stored. ``medium``: the pool's; a second tier (engine/kv_tier.py) names its own.
+        self._live: dict[tuple[bytes, str], tuple[bytes | None, tuple[int, ...]]] = {}
         self._seq = -1  # the last sequence number handed out (or skipped)
         self._announce_gap = False  # a number was skipped: the next batch goes out even if empty
         self.batches = 0
@@ -37,16 +38,17 @@ class KVEventLog:
         self.gaps = 0
 
     # -- the engine thread ---------------------------------------------------------------
-    def stored(self, block_hash: bytes, parent: bytes | None, token_ids) -> None:
-        tokens = tuple(token_ids)
+    def stored(self, block_hash: bytes, parent: bytes | None, token_ids, medium: str | None = None) -> None:
+        tokens, medium = tuple(token_ids), medium or self.medium
         with self._lock:
-            self._live[block_hash] = (parent, tokens)
-            self._record(BlockStored((block_hash,), parent, tokens, self.block_size, self.medium))
+            self._live[(block_hash, medium)] = (parent, tokens)
+            self._record(BlockStored((block_hash,), parent, tokens, self.block_size, medium))
 
-    def removed(self, block_hash: bytes) -> None:
+    def removed(self, block_hash: bytes, medium: str | None = None) -> None:
+        medium = medium or self.medium
         with self._lock:
-            self._live.pop(block_hash, None)
-            self._record(BlockRemoved((block_hash,), self.medium))
+            self._live.pop((block_hash, medium), None)
+            self._record(BlockRemoved((block_hash,), medium))
 
     def cleared(self) -> None:
         with self._lock:
@@ -83,13 +85,15 @@ class KVEventLog:
         with self._lock:
             flushed = self._take()
             events: list[KVEvent] = [AllBlocksCleared()]  # then the blocks in the order they were stored
-            events += [BlockStored((h,), parent, tokens, self.block_size, self.medium)
-                       for h, (parent, tokens) in self._live.items()]
+            events += [BlockStored((h,), parent, tokens, self.block_size, medium)
+                       for (h, medium), (parent, tokens) in self._live.items()]
             return flushed, self._seq, KVEventBatch(time.time(), tuple(_coalesce(events)))
 
-    def cached_hashes(self) -> set[bytes]:
+    def cached_hashes(self, medium: str | None = None) -> set[bytes]:
+        """The blocks held now in ``medium`` (default: the pool's)."""
+        medium = medium or self.medium
         with self._lock:
-            return set(self._live)
+            return {h for h, m in self._live if m == medium}
 
 
 def _coalesce(events: list[KVEvent]) -> list[KVEvent]:

@@ -20,6 +20,7 @@ from .config import ConfigError, EngineConfig, ModelConfig
 from .engine_types import EngineLoad, EngineStateError, EngineStats, RequestDelta, StepError
 from .kv_connector import KVConnector
 from .kv_events import KVEventLog
+from .kv_tier import KVTier
 from .prompts import prompt_token_ids
 from .request import (
     InvalidRequestError,
@@ -60,6 +61,14 @@ class LLMEngine:
                                              self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.scheduling_policy)
+        # The second KV tier (engine/kv_tier.py): it copies the next blocks to be evicted, so
+        # it watches as many as two full steps could take.
+        self.tier = None
+        if config.kv_offload_bytes:
+            self.tier = KVTier(self.runner.kv_cache, config.kv_offload_bytes, config.kv_offload_backend,
+                               config.kv_offload_path, self.kv_events,
+                               window=max(64, 2 * -(-config.max_num_batched_tokens // config.block_size)))
+            self.scheduler.tier = self.kv.pool.tier = self.tier
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, object] = {}
@@ -77,7 +86,9 @@ class LLMEngine:
         self.connector = KVConnector(self)  # the remote-KV seam disaggregated workers use
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (engine/tp_group.py); a no-op at TP=1."""
+        """Stop the second tier's copy thread and the other tensor-parallel ranks (engine/tp_group.py)."""
+        if self.tier is not None:
+            self.tier.close()
         self.runner.close()
 
     def _max_model_len(self) -> int:
@@ -228,6 +239,8 @@ class LLMEngine:
         self.last_step_pairs = sum(attention_pairs(n, r.num_computed_tokens) for r, n in plan.scheduled
                                    if not (n == 1 and r.output_token_ids))
         if not plan.scheduled:
+            if self.scheduler.loading:
+                self.tier.wait_for_load()  # only loads in flight: wait for one, not spin
             return []
         now = time.monotonic()
         for req, _ in plan.scheduled:
@@ -261,6 +274,8 @@ class LLMEngine:
                 except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
                     failed.add(req.request_id)
                     deltas.append(self.fail_request(req, exc))
+        if self.tier is not None:
+            self.tier.offer_lru_head(self.kv.pool)  # copied while the next steps run
         if sampling:
             live = [i for i, req in enumerate(sampling) if req.request_id not in failed]
             if len(live) < len(sampling):

@@ -153,6 +153,7 @@ class SamplingParams:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    LOADING_KV = "loading_kv"  # its prefix is being loaded back from the second tier (engine/kv_tier.py)
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -197,6 +198,9 @@ class Request:
         # Prefill role: keep the KV blocks after finishing until the connector's
         # `release_export` (they are read by the transfer to the decode worker).
         self.keep_kv = False
+        # Its prefix was looked up in the second KV tier at its latest admission (engine/kv_tier.py):
+        # one load per admission, then it computes whatever the pool still lacks.
+        self.tier_tried = False
         # Monotonic timestamps for latency breakdowns (queue wait, TTFT).
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None

@@ -23,6 +23,10 @@ gets the next free slot.
 
 Requests whose prompt KV another worker writes wait in ``remote`` (state
 WAITING_FOR_REMOTE_KV) and are left out of steps until marked ready.
+
+With a second KV tier (``tier``, engine/kv_tier.py), a waiting request whose prefix goes on
+in the tier past the pool's hit waits in ``loading`` (state LOADING_KV) while those blocks
+are copied back, then is admitted first in line with them as pool hits.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .block_manager import KVCacheManager
+from .kv_tier import KVTier
 from .request import Request, RequestStatus
-from .step_budget import FRACTION as STEP_FRACTION, Budget, StepCost, StepTargets, plan_budget
+from .step_budget import FRACTION as STEP_FRACTION
+from .step_budget import Budget, StepCost, StepTargets, plan_budget
 
 
 @dataclass
@@ -58,6 +64,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}
+        self.tier: KVTier | None = None  # the second KV tier (engine/kv_tier.py), if any
+        self.loading: dict[str, Request] = {}  # requests whose prefix the tier is loading back
+        self.tier_min_blocks = 1  # a tier hit shorter than this is computed instead
+        self.tier_loaded_tokens = 0  # prompt tokens loaded back from the tier (stats)
         self.num_preemptions = 0
         self.prefill_token_budget: int | None = None  # prompt tokens per step; None: no cap
         # The cap while no running request is decoding (no stream to keep fast, only arrivals to
@@ -79,7 +89,7 @@ class Scheduler:
         return (req.priority, req.arrival) if self.policy == "priority" else (0, req.arrival)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out of every queue and free its blocks."""
@@ -89,6 +99,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.remote.pop(req.request_id, None)
+        self.loading.pop(req.request_id, None)  # its load finishes on its own (engine/kv_tier.py)
         if not (req.keep_kv and status != RequestStatus.FINISHED_ABORTED):
             self.kv.free(req.request_id)
 
@@ -132,6 +143,8 @@ class Scheduler:
 
     # -- the step plan --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.tier is not None:
+            self._finish_loads()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         cap = self.prefill_token_budget
@@ -180,6 +193,11 @@ class Scheduler:
         while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, cached = self.kv.computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
+            if self.tier is not None and not req.tier_tried:
+                req.tier_tried = True
+                if self._start_load(req, hits):
+                    self.waiting.popleft()
+                    continue
             n = min(req.num_tokens - cached, budget, prefill_left)
             if not self.kv.allocate(req.request_id, cached + n, hits):
                 break
@@ -222,8 +240,56 @@ class Scheduler:
                                        self.max_num_batched_tokens)
         return self.last_budget.tokens
 
+    # -- the second tier ------------------------------------------------------------
+    def _start_load(self, req: Request, hits: list) -> bool:
+        """Start loading back the blocks that follow the pool's hit in the tier; True when a
+        load started (the request then waits in ``loading``)."""
+        kv, tier, bs = self.kv, self.tier, self.kv.block_size
+        hashes = kv.hashes.get(req.request_id, [])
+        rest = hashes[len(hits):(req.num_tokens - 1) // bs]  # the last token is always computed
+        n = tier.leading(rest)
+        if n < self.tier_min_blocks:
+            return False
+        per_token = self.step_cost.prefill_ms / 1e3 if self.step_cost is not None else None
+        if not tier.worth_loading(n, per_token, bs):
+            return False
+        pool = kv.pool
+        free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if n > pool.num_free - free_hits:
+            return False  # no room now: compute as usual
+        pool.touch(hits)  # the request's pool hits must not be evicted to make room for the load
+        blocks = pool.allocate(n)
+        load = tier.start_load(req.request_id, rest[:n], blocks, list(hits) + blocks)
+        if load is None:
+            pool.release(list(reversed(list(hits) + blocks)))
+            return False
+        if len(load.blocks) < n:  # part of it left the tier meanwhile
+            pool.release(list(reversed(blocks[len(load.blocks):])))
+            load.held = list(hits) + load.blocks
+        req.status = RequestStatus.LOADING_KV
+        self.loading[req.request_id] = req
+        return True
+
+    def _finish_loads(self) -> None:
+        """Register finished loads' blocks in the prefix cache, give back what the loads held,
+        and put their requests first in line (in the order their loads finished)."""
+        back: list[Request] = []
+        pool = self.kv.pool
+        for load in self.tier.finished_loads():
+            if load.error is None:
+                for b, h, parent, tokens in zip(load.blocks, load.hashes, load.parents, load.tokens):
+                    pool.cache(b, h, parent, tokens)
+                self.tier_loaded_tokens += len(load.blocks) * self.kv.block_size
+            pool.release(list(reversed(load.held)))  # registered blocks stay findable in the LRU
+            req = self.loading.pop(load.request_id, None)
+            if req is not None:  # None: it finished (aborted) while loading
+                req.status = RequestStatus.WAITING
+                back.append(req)
+        self.waiting.extendleft(reversed(back))
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.tier_tried = False
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -56,6 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="prompt tokens already in the prefix cache")
     req.add_argument("--remote-cached-len", type=int, metavar="N", default=0,
                      help="prompt tokens the prefill worker with the longest cached prefix holds")
+    req.add_argument("--tier-cached-len", type=int, metavar="N", default=0,
+                     help="prompt tokens past --cached-len that this worker's second KV tier holds "
+                          "(kv_offload_bytes): loaded back instead of computed when cheaper")
     req.add_argument("--priority", choices=("high", "normal", "low"), default="normal")
     req.add_argument("--override", choices=("auto", "local", "remote"), default="auto")
     req.add_argument("--ttft-slo-ms", type=float, metavar="MS", default=None,
@@ -86,6 +89,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     co.add_argument("--decode-step-ms", type=float, metavar="MS")
     co.add_argument("--transfer-gb-per-s", type=float, metavar="GBPS")
     co.add_argument("--transfer-setup-ms", type=float, metavar="MS")
+    co.add_argument("--tier-load-ms-per-token", type=float, metavar="MS",
+                    help="loading one token's KV back from the second tier (default 0: free beside computing)")
     explain.set_defaults(func=run_explain)
 
 
@@ -123,6 +128,7 @@ def run_explain(args: argparse.Namespace) -> int:
         costs = _costs(args, policy)
         features = RequestFeatures(
             prompt_len=args.prompt_len, cached_len=args.cached_len, remote_cached_len=args.remote_cached_len,
+            tier_cached_len=args.tier_cached_len,
             priority=args.priority,
             ttft_slo_ms=args.ttft_slo_ms, override=args.override, max_tokens=args.max_tokens,
         )
@@ -151,7 +157,7 @@ def run_explain(args: argparse.Namespace) -> int:
     print(f"policy: {args.file} (mode {r.mode}, policy {r.policy})")
     print(
         f"request: prompt_len {features.prompt_len}, cached_len {features.cached_len}, "
-        f"remote_cached_len {features.remote_cached_len}, "
+        f"remote_cached_len {features.remote_cached_len}, tier_cached_len {features.tier_cached_len}, "
         f"eff_len {features.eff_len}, priority {features.priority.label}, override {features.override}"
     )
     print(
@@ -191,12 +197,13 @@ def _costs(args: argparse.Namespace, policy) -> CostEstimates:
         "decode_step_ms": ("--decode-step-ms", args.decode_step_ms),
         "transfer_bytes_per_ms": ("--transfer-gb-per-s", args.transfer_gb_per_s),
         "transfer_setup_ms": ("--transfer-setup-ms", args.transfer_setup_ms),
+        "tier_load_ms_per_token": ("--tier-load-ms-per-token", args.tier_load_ms_per_token),
     }
     changes = {}
     for name, (flag, value) in flags.items():
         if value is None:
             continue
-        if value < 0 or (value == 0 and name != "transfer_setup_ms"):
+        if value < 0 or (value == 0 and name not in ("transfer_setup_ms", "tier_load_ms_per_token")):
             raise ValueError(f"{flag} must be > 0 (got {value})")
         changes[name] = value * BYTES_PER_MS_PER_GB_PER_S if name == "transfer_bytes_per_ms" else value
     seeded = CostEstimates.seed(policy.router.cost_model, args.kv_bytes_per_token)

@@ -47,6 +47,9 @@ class CostEstimates:
     # notifications, the first decode step), so predictions hold (``observe_ttft``).
     ttft_residual_local_ms: float = 0.0
     ttft_residual_remote_ms: float = 0.0
+    # Loading one token's KV back from this worker's second tier (engine/kv_tier.py; measured by
+    # the tier, 0 until its first load: loading is then taken as free beside computing).
+    tier_load_ms_per_token: float = 0.0
 
     @classmethod
     def seed(cls, params: CostModelParams, kv_bytes_per_token: int) -> CostEstimates:

@@ -64,7 +64,10 @@ def predict(
              beside = base + B x t_local + compute(eff_len) - eff_len x t_local, only for
                       eff_len <= B / 2 (the scheduler gives a waiting prompt half of the
                       step beside a running prefill; a longer one, once running, waits for
-                      the older prefill: behind)
+                      the older prefill: behind);
+             with T tokens past cached_len in this worker's second KV tier, eff_len - T
+             tokens are computed after cached_len + T and T x tier_load_ms_per_token added,
+             when that is less than computing all of eff_len
     remote = r x (queue depth x step_fixed_ms + queue compute) / pool size + decode wait
              + r x (step_fixed_ms + compute(remote_eff)) + kv_bytes(eff_len) / bandwidth
              + setup + residual_remote, where remote_eff = prompt_len - max(cached_len,
@@ -91,15 +94,23 @@ def predict(
     base = c.step_fixed_ms + c.step_decode_ms_per_seq * snapshot.decode_active_requests
     budget = snapshot.local_prefill_budget_tokens or 0
     compute = c.prefill_compute_ms(eff, features.cached_len)
+    # Locally, what the second tier holds is loaded back rather than computed when that is
+    # cheaper (the engine decides the same way; the last prompt token is always computed).
+    local_eff, local_compute = eff, compute
+    tier = min(features.tier_cached_len, max(0, eff - 1))
+    if tier:
+        loaded = c.prefill_compute_ms(eff - tier, features.cached_len + tier) + tier * c.tier_load_ms_per_token
+        if loaded < compute:
+            local_eff, local_compute = eff - tier, loaded
     local_wait = (_steps(backlog, budget) * base + _backlog_ms(c, backlog, snapshot.local_prefill_queue_requests)
                   + decode_wait)
-    local_prefill = (_steps(backlog + eff, budget) - _steps(backlog, budget)) * base + compute
+    local_prefill = (_steps(backlog + local_eff, budget) - _steps(backlog, budget)) * base + local_compute
     half = max(1, budget // 2)
-    if budget and backlog and 0 < eff <= half:
+    if budget and backlog and 0 < local_eff <= half:
         # It fits the half step the scheduler leaves it beside the running prefill. A longer
         # prompt gets that half step once: as soon as it runs, the older prefill takes the
         # whole budget again (first come, first served), so it finishes behind the backlog.
-        beside = base + budget * t_local + compute - eff * t_local
+        beside = base + budget * t_local + local_compute - local_eff * t_local
         if beside < local_wait - decode_wait + local_prefill:
             local_wait = min(local_wait, base + budget * t_local + decode_wait)  # one shared step
             local_prefill = max(0.0, beside - (local_wait - decode_wait))
@@ -158,6 +169,10 @@ def decide(
     """Local or remote prefill for one request; see the module docstring for precedence."""
     trace: list[str] | None = [] if explain else None
     pred = predict(features, snapshot, policy)
+    if trace is not None and features.tier_cached_len:
+        trace.append(f"this worker's second KV tier holds {features.tier_cached_len} more prompt tokens past the "
+                     f"{features.cached_len} in its pool (load {snapshot.costs.tier_load_ms_per_token:.4f} ms/token): "
+                     "a local prefill loads them back when that is cheaper than computing them")
     if trace is not None and features.remote_cached_len > features.cached_len:
         trace.append(f"a prefill worker holds {features.remote_cached_len} prompt tokens cached (its KV "
                      f"events) against {features.cached_len} here: a remote prefill computes only past them")

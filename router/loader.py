@@ -13,7 +13,7 @@ import difflib
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, Callable, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError

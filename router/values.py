@@ -35,12 +35,16 @@ class RequestFeatures:
     # kvindex/): a remote prefill computes only past them (it still sends every token past
     # cached_len). 0: none known.
     remote_cached_len: int = 0
+    # Prompt tokens past cached_len that this worker's second KV tier holds (engine/kv_tier.py):
+    # a local prefill loads them back (at CostEstimates.tier_load_ms_per_token) instead of
+    # computing them. 0: no tier, or no hit there.
+    tier_cached_len: int = 0
 
     def __post_init__(self) -> None:
-        if self.prompt_len < 0 or self.cached_len < 0 or self.remote_cached_len < 0:
+        if self.prompt_len < 0 or self.cached_len < 0 or self.remote_cached_len < 0 or self.tier_cached_len < 0:
             raise ValueError(
-                f"prompt_len, cached_len and remote_cached_len must be >= 0 (got {self.prompt_len}, "
-                f"{self.cached_len}, {self.remote_cached_len})"
+                f"prompt_len, cached_len, remote_cached_len and tier_cached_len must be >= 0 (got {self.prompt_len}, "
+                f"{self.cached_len}, {self.remote_cached_len}, {self.tier_cached_len})"
             )
         object.__setattr__(self, "priority", Priority.parse(self.priority))  # ValueError names the choices
         if self.override not in _OVERRIDES:

@@ -47,6 +47,18 @@ def test_the_wire_format_is_vllms_byte_for_byte():
     assert decode_batch(VLLM_BYTES) == VLLM_BATCH
 
 
+def test_a_view_holds_a_block_in_every_tier_it_is_in_and_counts_the_fastest():
+    h, g = b"\x01" * 4, b"\x02" * 4
+    view = WorkerKVView()
+    view.apply(KVEventBatch(1.0, (BlockStored((h, g), None, (1, 2, 3, 4) * 2, 4, "GPU"),
+                                  BlockStored((h,), None, (1, 2, 3, 4), 4, "STORAGE"))))
+    assert view.blocks[h] == (None, "GPU") and view.media[h] == {"GPU", "STORAGE"}
+    view.apply(KVEventBatch(2.0, (BlockRemoved((h, g), "GPU"),)))  # evicted from the pool, kept in the tier
+    assert view.blocks == {h: (None, "STORAGE")} and view.longest_prefix([h, g]) == 1
+    view.apply(KVEventBatch(3.0, (BlockRemoved((h,), "STORAGE"),)))
+    assert view.blocks == {} and view.media == {}
+
+
 def test_decoding_takes_int_hashes_and_later_fields_and_names_what_is_malformed():
     raw = [2.0, [{"type": "BlockStored", "block_hashes": [7, -3], "parent_block_hash": 5, "token_ids": [1] * 8,
                   "block_size": 4, "lora_id": None, "medium": "CPU", "lora_name": None, "group_idx": 0}], 1]

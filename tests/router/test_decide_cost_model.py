@@ -7,6 +7,8 @@ over 10 GB/s (0.0131072 ms/token) + 2 ms setup, ITL weight 0.1, min gain 5 ms.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve.router.costs import CostModel
@@ -304,3 +306,24 @@ def test_a_prefill_worker_holding_the_prefix_computes_only_past_it(rt, policy):
     assert whole.predicted_ttft_remote_ms == from_seed(1 * 0.1 + transfer)
     with pytest.raises(ValueError, match="remote_cached_len"):
         rt.req(10, remote_cached_len=-1)
+
+
+def test_a_second_tier_hit_is_loaded_back_locally_when_loading_costs_less(rt, policy):
+    """tier_cached_len (this worker's second KV tier): the local prediction computes only past
+    it and adds its load; the remote one is unchanged (a prefill worker computes those tokens)."""
+    snapshot = rt.snap(policy)
+    blind = decide(rt.req(2000), snapshot, policy)
+    cheap = dataclasses.replace(snapshot, costs=dataclasses.replace(snapshot.costs, tier_load_ms_per_token=0.01))
+    seen = decide(rt.req(2000, tier_cached_len=1600), cheap, policy, explain=True)
+    assert seen.predicted_ttft_remote_ms == blind.predicted_ttft_remote_ms
+    assert seen.predicted_ttft_local_ms < blind.predicted_ttft_local_ms - 1600 * (0.1 - 0.01) * 0.9
+    assert any("second KV tier holds 1600 more prompt tokens" in line for line in seen.trace)
+    # Loading dearer than computing: the local route computes everything, as without a tier.
+    dear = dataclasses.replace(snapshot, costs=dataclasses.replace(snapshot.costs, tier_load_ms_per_token=1.0))
+    assert decide(rt.req(2000, tier_cached_len=1600), dear, policy).predicted_ttft_local_ms == \
+        blind.predicted_ttft_local_ms
+    # The whole prompt in the tier: its last token is still computed.
+    whole = decide(rt.req(2000, tier_cached_len=2000), cheap, policy)
+    assert whole.predicted_ttft_local_ms > decide(rt.req(2000, cached_len=1999), cheap, policy).predicted_ttft_local_ms
+    with pytest.raises(ValueError, match="tier_cached_len"):
+        rt.req(10, tier_cached_len=-1)

@@ -1,0 +1,433 @@
+"""The second KV tier: prefix blocks kept past their eviction from the pool, loaded back on a hit.
+
+`kv_offload_bytes` (engine/config.py) gives an engine a tier of ``kv_offload_bytes //
+block bytes`` slots, each one full block of every layer (K and V) in the pool's own layout,
+so a copy either way is one strided copy per block and no conversion. Where it lives
+(`TierStore`): host memory (pinned) on a GPU worker, a file on a CPU worker, whose pool is
+host memory already (a memory tier there would be the pool's own memory under another
+name; raise ``kv_cache_memory_bytes`` instead). docs/kvindex.md has the measurements.
+
+**Off the step, before eviction.** The pool evicts lazily: a free block keeps its prefix
+until `BlockPool.allocate` takes it, and the step that took it writes new KV into it at
+once. So the tier copies ahead: after each step, the engine offers the cached blocks at
+the head of the pool's LRU free queue (the next to be evicted, `window` of them) to the
+tier's copy thread, which copies them while the next steps run. A copy counts only if the
+block was not taken in the meantime: `allocate` bumps a block's generation, and the copy
+thread commits a slot only when the generation it was given is still the block's, checked
+after the copy has completed (on a GPU: after its stream has synchronised). A block taken
+before the check may already be rewritten, so that copy is dropped; a block taken after
+it was rewritten only by a step issued after the check. The copy of a block a step is
+still writing on a GPU waits for that step: the offer records a CUDA event on the
+engine's stream, the copy stream waits on it.
+
+**Loaded back, overlapped.** At admission the scheduler looks past the pool's prefix hit
+into the tier (`leading`). If enough blocks follow there, it takes pool blocks for them,
+pins their slots and hands the load to the copy thread (loads go before offloads); the
+request waits in LOADING_KV while other requests' steps run. When the load is done the
+blocks are registered in the pool's prefix cache under their hashes and the request is
+admitted again, first in line: the prefix is a pool hit now. A load that fails leaves
+those blocks unregistered (they are computed again); nothing is read from a slot whose
+load was not finished.
+
+Slots are an LRU: a new block evicts the least recently stored or loaded unpinned slot.
+Every store and eviction is a KV event with the tier's medium (CPU for host memory,
+STORAGE for a file), so the cluster's index sees the tier (docs/kvindex.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
+
+from .config import ConfigError
+
+if TYPE_CHECKING:
+    from .block_manager import Block, BlockPool
+    from .kv_events import KVEventLog
+
+log = logging.getLogger(__name__)
+
+WAIT_FOR_LOAD_S = 0.005  # an idle engine waits this long for a load to finish before stepping again
+
+
+class TierStore(ABC):
+    """Slots of whole blocks: ``view()`` is a [slots, layers, K/V, ...] tensor on the host."""
+
+    medium: str
+
+    @abstractmethod
+    def view(self) -> torch.Tensor: ...
+
+    def close(self) -> None:
+        return None
+
+
+class MemoryTierStore(TierStore):
+    """Host memory; pinned when the pool is on a GPU (copies then run as DMA)."""
+
+    medium = MEDIUM_CPU
+
+    def __init__(self, slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool):
+        self._t = torch.empty((slots, *block_shape), dtype=dtype, pin_memory=pin)
+
+    def view(self) -> torch.Tensor:
+        return self._t
+
+
+class FileTierStore(TierStore):
+    """A file mapped into memory (shared mapping): the page cache holds what fits, the disk
+    the rest. The file is unlinked as soon as it is mapped, so nothing is left behind when
+    the process ends, however it ends."""
+
+    medium = MEDIUM_STORAGE
+
+    def __init__(self, slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, directory: str | None):
+        directory = directory or tempfile.gettempdir()
+        if not os.path.isdir(directory):
+            raise ConfigError(f"kv_offload_path={directory!r} is not a directory")
+        numel = slots
+        for d in block_shape:
+            numel *= d
+        fd, path = tempfile.mkstemp(prefix="pdserve-kv-tier-", suffix=".bin", dir=directory)
+        try:
+            os.ftruncate(fd, numel * dtype.itemsize)
+            flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        except (OSError, RuntimeError) as exc:
+            raise ConfigError(f"kv_offload_path={directory!r}: cannot map a {numel * dtype.itemsize} byte tier "
+                              f"file there ({exc}); choose a directory with room or lower kv_offload_bytes") from exc
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        self.path = path
+        self._t = flat.view(slots, *block_shape)
+
+    def view(self) -> torch.Tensor:
+        return self._t
+
+
+@dataclass(eq=False)
+class TierLoad:
+    """One request's prefix blocks coming back from the tier into pool blocks."""
+
+    request_id: str
+    hashes: list[bytes]
+    parents: list[bytes | None]
+    tokens: list[tuple[int, ...]]
+    blocks: list["Block"]  # the pool blocks written (held until the load is finished)
+    held: list["Block"]  # everything the load holds: the request's pool hits, then `blocks`
+    slots: list[int] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class TierStats:
+    offered: int = 0  # blocks offered for a copy ahead of eviction
+    stored: int = 0  # copies committed
+    dropped: int = 0  # copies dropped: the block was taken for other KV before the copy finished
+    evicted: int = 0  # slots given to newer blocks
+    loads: int = 0
+    loaded_blocks: int = 0
+    load_failures: int = 0
+    load_seconds: float = 0.0
+    skipped_by_cost: int = 0  # tier hits computed anyway: loading was predicted slower
+    sync_copies: int = 0  # copies made at eviction, on the engine thread (the copy thread had not reached them)
+
+
+class KVTier:
+    """The tier of one engine: its slots, its copy thread and the engine thread's calls.
+
+    Engine thread: `offer_lru_head`, `leading`, `start_load`, `finished_loads`,
+    `wait_for_load`. Copy thread: the copies, commits and slot evictions. One lock guards
+    the slot table."""
+
+    def __init__(self, pool: torch.Tensor, capacity_bytes: int, backend: str = "auto", path: str | None = None,
+                 events: "KVEventLog | None" = None, window: int = 64):
+        block_shape = (pool.shape[0], *pool.shape[2:])
+        numel = 1
+        for d in block_shape:
+            numel *= d
+        self.block_bytes = numel * pool.element_size()
+        self.capacity = capacity_bytes // self.block_bytes
+        if self.capacity < 1:
+            raise ConfigError(f"kv_offload_bytes={capacity_bytes} holds no block: one block of this model is "
+                              f"{self.block_bytes} bytes; raise it (or 0 for no tier)")
+        if backend == "auto":
+            backend = "memory" if pool.is_cuda else "file"
+        if backend == "memory" and not pool.is_cuda:
+            raise ConfigError("kv_offload_backend='memory' on a CPU engine: its pool is host memory already, so "
+                              "raise kv_cache_memory_bytes instead, or use kv_offload_backend='file'")
+        self.store: TierStore = (MemoryTierStore(self.capacity, block_shape, pool.dtype, pool.is_cuda)
+                                 if backend == "memory" else FileTierStore(self.capacity, block_shape, pool.dtype, path))
+        self.medium = self.store.medium
+        self.backend = backend
+        self.pool, self.events, self.window = pool, events, window
+        self.stats = TierStats()
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # committed: hash -> slot, least recent first
+        self._meta: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
+        self._pins: dict[int, int] = {}
+        self._ready: dict[int, object] = {}  # GPU: slot -> CUDA event of a copy queued on the engine's stream
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._in_flight: set[bytes] = set()  # offered, not yet committed or dropped
+        self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        self._loads: deque[TierLoad] = deque()
+        self._offers: deque[tuple] = deque()
+        self._done: list[TierLoad] = []
+        self._load_done = threading.Event()
+        self._closed = False
+        self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
+        # Load bandwidth, measured (bytes/s); None until the first load.
+        self.load_bytes_per_s: float | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-tier", daemon=True)
+        self._thread.start()
+        log.info("second KV tier: %d blocks of %d bytes in %s (%s)", self.capacity, self.block_bytes,
+                 backend, getattr(self.store, "path", "host memory"))
+
+    def close(self) -> None:
+        with self._work:
+            self._closed = True
+            self._work.notify_all()
+        self._thread.join(timeout=10)
+        self.store.close()
+
+    # -- the engine thread -----------------------------------------------------------------
+    def offer_lru_head(self, pool: "BlockPool") -> int:
+        """Offer the cached blocks among the next `window` the pool will evict for a copy;
+        returns how many were new to the tier."""
+        candidates = []
+        for b in pool.free.first(self.window):
+            if b.block_hash is not None:
+                candidates.append(b)
+        if not candidates:
+            return 0
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record()  # after every write the engine issued so far
+        n = 0
+        with self._work:
+            for b in candidates:
+                h = b.block_hash
+                if h in self._slots or h in self._in_flight:
+                    continue
+                self._in_flight.add(h)
+                self._offers.append((b, b.generation, h, b.parent_hash, b.token_ids, event))
+                n += 1
+            if n:
+                self.stats.offered += n
+                self._work.notify()
+        return n
+
+    def evicting(self, block: "Block") -> None:
+        """The pool is taking cached ``block`` for other KV now (`BlockPool.allocate`, before
+        the step that rewrites it): if the tier has no copy yet, copy it here, on the engine
+        thread (on a GPU: queued on the engine's stream ahead of that step, so the host does
+        not wait). The fallback for blocks the copy thread had not reached: freed and taken
+        again within a step or two. Counted as ``sync_copies``."""
+        h = block.block_hash
+        with self._lock:
+            if h in self._slots:
+                return
+            slot = self._take_slot()
+            if slot is None:
+                self.stats.dropped += 1
+                return
+            dst = self.store.view()[slot]
+            if self._stream is not None:
+                dst.copy_(self.pool[:, block.block_id], non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+                self._ready[slot] = ready  # a load of this slot waits for it
+            else:
+                dst.copy_(self.pool[:, block.block_id])
+            self._slots[h] = slot  # an offer of this block still in flight now drops itself
+            self._meta[h] = (block.parent_hash, block.token_ids)
+            self.stats.stored += 1
+            self.stats.sync_copies += 1
+            if self.events is not None:
+                self.events.stored(h, block.parent_hash, block.token_ids, medium=self.medium)
+
+    def leading(self, hashes: list[bytes]) -> int:
+        """How many leading hashes of ``hashes`` the tier holds now."""
+        n = 0
+        with self._lock:
+            for h in hashes:
+                if h not in self._slots:
+                    break
+                n += 1
+        return n
+
+    def worth_loading(self, blocks: int, compute_s_per_token: float | None, block_size: int) -> bool:
+        """Loading ``blocks`` beats computing their tokens? Without a measured load or a step
+        cost, yes (a copy of a block's KV is far cheaper than the forward pass that made it)."""
+        if compute_s_per_token is None or self.load_bytes_per_s is None:
+            return True
+        if blocks * self.block_bytes / self.load_bytes_per_s < blocks * block_size * compute_s_per_token:
+            return True
+        self.stats.skipped_by_cost += 1
+        return False
+
+    def start_load(self, request_id: str, hashes: list[bytes], blocks: list["Block"], held: list["Block"]
+                   ) -> TierLoad | None:
+        """Load the tier's blocks for ``hashes`` into pool ``blocks`` (taken by the caller,
+        len equal), in the copy thread; None if the tier no longer holds the first of them
+        (the caller then gives the blocks back). Loads fewer when a later hash has gone: the
+        returned load's `blocks` are the ones written; the caller gives back the rest."""
+        with self._work:
+            slots = []
+            for h in hashes:
+                slot = self._slots.get(h)
+                if slot is None:
+                    break
+                slots.append(slot)
+            if not slots:
+                return None
+            for h, slot in zip(hashes, slots):
+                self._pins[slot] = self._pins.get(slot, 0) + 1
+                self._slots.move_to_end(h)  # loaded: recently used
+            n = len(slots)
+            meta = [self._meta[h] for h in hashes[:n]]
+            load = TierLoad(request_id, list(hashes[:n]), [m[0] for m in meta], [m[1] for m in meta],
+                            list(blocks[:n]), held, slots)
+            self._loads.append(load)
+            self._work.notify()
+        return load
+
+    def finished_loads(self) -> list[TierLoad]:
+        with self._lock:
+            done, self._done = self._done, []
+            self._load_done.clear()
+        return done
+
+    def wait_for_load(self, timeout_s: float = WAIT_FOR_LOAD_S) -> None:
+        """Block until a load finishes or ``timeout_s`` passes (an engine with nothing else to run)."""
+        self._load_done.wait(timeout_s)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"medium": self.medium, "backend": self.backend, "capacity_blocks": self.capacity,
+                    "block_bytes": self.block_bytes, "blocks": len(self._slots), "pinned": sum(
+                        1 for v in self._pins.values() if v), "in_flight": len(self._in_flight),
+                    "load_bytes_per_s": self.load_bytes_per_s, **self.stats.__dict__}
+
+    # -- the copy thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._work:
+                while not (self._loads or self._offers or self._closed):
+                    self._work.wait()
+                if self._closed:
+                    return
+                load = self._loads.popleft() if self._loads else None
+                offer = None if load is not None else self._offers.popleft()
+            try:
+                if load is not None:
+                    self._load(load)
+                else:
+                    self._offload(*offer)
+            except Exception:  # noqa: BLE001  (the thread must live; the op is accounted as failed)
+                log.exception("second KV tier: a copy failed")
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _offload(self, block: "Block", generation: int, h: bytes, parent, tokens, event) -> None:
+        with self._lock:
+            slot = self._take_slot()
+        if slot is None:  # every slot pinned by loads
+            with self._lock:
+                self._in_flight.discard(h)
+                self.stats.dropped += 1
+            return
+        data = self.store.view()
+        try:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(event)
+                    data[slot].copy_(self.pool[:, block.block_id], non_blocking=True)
+            else:
+                data[slot].copy_(self.pool[:, block.block_id])
+            self._sync()
+        except BaseException:
+            with self._lock:
+                self._free.append(slot)
+                self._in_flight.discard(h)
+            raise
+        with self._lock:
+            self._in_flight.discard(h)
+            if block.generation != generation or h in self._slots:
+                # Taken for other KV before the copy was known complete (or stored meanwhile).
+                self._free.append(slot)
+                self.stats.dropped += 1
+                return
+            self._slots[h] = slot
+            self._meta[h] = (parent, tokens)
+            self.stats.stored += 1
+            if self.events is not None:
+                self.events.stored(h, parent, tokens, medium=self.medium)
+
+    def _take_slot(self) -> int | None:
+        """A free slot, or the least recently used unpinned one (its block leaves the tier)."""
+        if self._free:
+            return self._free.pop()
+        for h, slot in self._slots.items():
+            if not self._pins.get(slot):
+                ready = self._ready.pop(slot, None)
+                if ready is not None:  # its copy at eviction must land before the slot is rewritten
+                    ready.synchronize()
+                del self._slots[h]
+                self._meta.pop(h, None)
+                self.stats.evicted += 1
+                if self.events is not None:
+                    self.events.removed(h, medium=self.medium)
+                return slot
+        return None
+
+    def _load(self, load: TierLoad) -> None:
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                waits = [self._ready.pop(slot) for slot in load.slots if slot in self._ready]
+            for ready in waits:  # a copy queued at eviction on the engine's stream: landed first
+                ready.synchronize()
+            data = self.store.view()
+            src = data[torch.tensor(load.slots, dtype=torch.long)].transpose(0, 1)  # [layers, n, ...]
+            ids = torch.tensor([b.block_id for b in load.blocks], dtype=torch.long, device=self.pool.device)
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    self.pool.index_copy_(1, ids, src.to(self.pool.device, non_blocking=True))
+            else:
+                self.pool.index_copy_(1, ids, src)
+            self._sync()
+        except Exception as exc:  # noqa: BLE001  (reported with the load; the blocks are computed again)
+            load.error = f"{exc.__class__.__name__}: {exc}"
+        load.seconds = time.perf_counter() - t0
+        with self._lock:
+            for slot in load.slots:
+                self._pins[slot] -= 1
+                if not self._pins[slot]:
+                    del self._pins[slot]
+            if load.error is None:
+                self.stats.loads += 1
+                self.stats.loaded_blocks += len(load.blocks)
+                self.stats.load_seconds += load.seconds
+                rate = len(load.blocks) * self.block_bytes / max(load.seconds, 1e-9)
+                self.load_bytes_per_s = rate if self.load_bytes_per_s is None else (
+                    0.8 * self.load_bytes_per_s + 0.2 * rate)
+            else:
+                self.stats.load_failures += 1
+            self._done.append(load)
+            self._load_done.set()

@@ -1,0 +1,189 @@
+"""The second KV tier (engine/kv_tier.py): evicted prefix blocks come back token-exact.
+
+Real engines on the test model, the file tier (a CPU engine's), a pool small enough that
+prompts evict each other's prefixes. Outputs are compared with an engine without prefix
+caching (itself equal to HF transformers: test_hf_parity.py)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
+from pdserve.engine.block_manager import BlockPool
+from pdserve.engine.config import ConfigError
+from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.kv_tier import KVTier
+from pdserve.engine.offline import LLM
+from pdserve.engine.request import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def prompt(rng, n):
+    return [rng.randrange(5, 500) for _ in range(n)]
+
+
+def settle(tier, timeout_s=10.0):
+    """Wait until the copy thread has nothing in flight."""
+    deadline = time.monotonic() + timeout_s
+    while tier.snapshot()["in_flight"]:
+        assert time.monotonic() < deadline, "the tier's copy thread never caught up"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    llm = LLM(llama_dir, enable_prefix_caching=False)
+    yield lambda prompts: [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    llm.close()
+
+
+def test_a_prefix_evicted_from_the_pool_is_loaded_back_from_the_tier_token_exact(llama_dir, reference, tmp_path):
+    rng = random.Random(0)
+    a, b = prompt(rng, 200), prompt(rng, 200)
+    llm = LLM(llama_dir, num_gpu_blocks_override=16, max_model_len=240, kv_offload_bytes=1 << 22,
+              kv_offload_path=str(tmp_path), kv_events=True)
+    try:
+        outs = [llm.generate([p], GREEDY)[0] for p in (a, b, a)]
+        assert [o.token_ids for o in outs] == reference([a, b, a])
+        eng = llm.engine
+        tier = eng.tier.snapshot()
+        assert tier["medium"] == MEDIUM_STORAGE and tier["backend"] == "file"
+        # b evicted a's last ten blocks; a's second run found 3 in the pool, 9 in the tier (its
+        # 13th block holds the last prompt token, always computed).
+        assert outs[2].num_cached_tokens == 12 * 16, outs[2].num_cached_tokens
+        assert tier["loads"] == 1 and tier["loaded_blocks"] == 9 and tier["load_failures"] == 0, tier
+        assert eng.scheduler.tier_loaded_tokens == 9 * 16
+        assert eng.kv.pool.num_free == eng.kv.pool.num_blocks and tier["pinned"] == 0  # nothing leaked
+        assert not list(tmp_path.iterdir())  # the tier's file was unlinked once mapped
+    finally:
+        llm.close()
+
+
+def test_a_random_shared_prefix_workload_is_token_exact_and_leaks_nothing(llama_dir, reference):
+    rng = random.Random(7)
+    systems = [prompt(rng, 16 * rng.randrange(3, 8)) for _ in range(4)]
+    prompts = [rng.choice(systems) + prompt(rng, rng.randrange(1, 40)) for _ in range(24)]
+    llm = LLM(llama_dir, num_gpu_blocks_override=20, max_model_len=300, kv_offload_bytes=40 * 12288,
+              kv_events=True, max_num_seqs=3)
+    try:
+        got = []
+        for i in range(0, len(prompts), 3):  # a few at a time: the pool turns over between batches
+            got += [o.token_ids for o in llm.generate(prompts[i:i + 3], GREEDY)]
+        assert got == reference(prompts)
+        eng = llm.engine
+        settle(eng.tier)
+        snap = eng.tier.snapshot()
+        assert snap["loaded_blocks"] > 0 and snap["evicted"] > 0, snap  # the tier both served and turned over
+        assert eng.kv.pool.num_free == eng.kv.pool.num_blocks and snap["pinned"] == 0
+        assert not eng.scheduler.loading
+        # The events say exactly what each tier holds.
+        assert eng.kv_events.cached_hashes(MEDIUM_STORAGE) == set(eng.tier._slots)
+        assert eng.kv_events.cached_hashes(MEDIUM_CPU) == set(eng.kv.pool.cached)
+    finally:
+        llm.close()
+
+
+def test_a_request_aborted_while_its_prefix_loads_frees_every_block(llama_dir, tmp_path):
+    rng = random.Random(3)
+    a, b = prompt(rng, 200), prompt(rng, 200)
+    llm = LLM(llama_dir, num_gpu_blocks_override=16, max_model_len=240, kv_offload_bytes=1 << 22)
+    try:
+        llm.generate([a], GREEDY)
+        llm.generate([b], GREEDY)
+        eng = llm.engine
+        req = eng.add_request(a, GREEDY)
+        eng.step()  # admission starts the load; the request waits for it
+        assert req.request_id in eng.scheduler.loading
+        assert eng.abort_request(req.request_id)
+        deadline = time.monotonic() + 10
+        while eng.tier.snapshot()["loads"] + eng.tier.snapshot()["load_failures"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        eng.step()  # the finished load is given back
+        assert not eng.scheduler.loading and not eng.has_work()
+        assert eng.kv.pool.num_free == eng.kv.pool.num_blocks and eng.tier.snapshot()["pinned"] == 0
+    finally:
+        llm.close()
+
+
+def pool_and_tier(tmp_path, blocks=4, slots=2, events=None):
+    pool_t = torch.zeros(2, blocks, 2, 16, 2, 8)  # [layers, blocks, K/V, block_size, heads, dim]
+    per_block = 2 * 2 * 16 * 2 * 8 * 4
+    pool = BlockPool(blocks, events=events)
+    tier = KVTier(pool_t, slots * per_block, "file", str(tmp_path), events, window=blocks)
+    pool.tier = tier
+    return pool_t, pool, tier
+
+
+def cache_block(pool, pool_t, i, value):
+    [blk] = pool.allocate(1)
+    pool_t[:, blk.block_id] = value
+    pool.cache(blk, bytes([i]) * 32, None, [i] * 16)
+    pool.release([blk])
+    return blk
+
+
+def test_a_copy_of_a_block_taken_before_the_copy_was_checked_is_dropped(tmp_path):
+    pool_t, pool, tier = pool_and_tier(tmp_path, blocks=1)
+    try:
+        blk = cache_block(pool, pool_t, 1, 1.0)
+        with tier._lock:  # the copy thread cannot start the copy before the block is taken
+            assert tier.offer_lru_head(pool) == 1
+            pool.tier = None  # (the eviction-time copy is the other path; off for this case)
+            [taken] = pool.allocate(1)
+            assert taken is blk
+            pool_t[:, blk.block_id] = 2.0  # the step that took it writes other KV
+        settle(tier)
+        snap = tier.snapshot()
+        assert snap["dropped"] == 1 and snap["stored"] == 0 and tier.leading([bytes([1]) * 32]) == 0
+    finally:
+        tier.close()
+
+
+def test_an_offered_block_is_stored_and_one_evicted_unoffered_is_copied_at_eviction(tmp_path):
+    log = KVEventLog(16, MEDIUM_CPU)
+    pool_t, pool, tier = pool_and_tier(tmp_path, blocks=2, slots=2, events=log)
+    try:
+        cache_block(pool, pool_t, 1, 1.0)
+        tier.offer_lru_head(pool)
+        settle(tier)
+        assert tier.snapshot()["stored"] == 1
+        assert torch.equal(tier.store.view()[tier._slots[bytes([1]) * 32]], pool_t[:, 0])
+        cache_block(pool, pool_t, 2, 3.0)  # takes the other (never used) block
+        # Both blocks are taken now: block 1's hash is evicted, its copy already in the tier;
+        # block 2 was never offered, so it is copied at eviction.
+        pool.allocate(2)
+        snap = tier.snapshot()
+        assert snap["sync_copies"] == 1 and snap["blocks"] == 2
+        assert torch.equal(tier.store.view()[tier._slots[bytes([2]) * 32]], torch.full_like(pool_t[:, 0], 3.0))
+        # A third block evicts the least recent slot, and the events say so with the tier's medium.
+        pool.release(pool.blocks)
+        pool_t[:, 0] = 4.0
+        pool.cache(pool.blocks[0], bytes([3]) * 32, None, [3] * 16)
+        pool.allocate(2)
+        flushed, _, snapshot = log.snapshot()
+        stored = {(e.block_hashes, e.medium) for e in snapshot.events if isinstance(e, BlockStored)}
+        assert stored == {((bytes([2]) * 32,), MEDIUM_STORAGE), ((bytes([3]) * 32,), MEDIUM_STORAGE)}
+        removed = [e for e in flushed[1].events if isinstance(e, BlockRemoved) and e.medium == MEDIUM_STORAGE]
+        assert [e.block_hashes for e in removed] == [(bytes([1]) * 32,)]
+    finally:
+        tier.close()
+
+
+def test_tier_settings_that_cannot_work_are_refused_naming_the_setting(llama_dir, tmp_path):
+    with pytest.raises(ConfigError, match="kv_offload_bytes=100 holds no block"):
+        LLM(llama_dir, kv_offload_bytes=100)
+    with pytest.raises(ConfigError, match="kv_offload_backend='memory' on a CPU engine"):
+        LLM(llama_dir, kv_offload_bytes=1 << 20, kv_offload_backend="memory")
+    with pytest.raises(ConfigError, match="kv_offload_path=.* is not a directory"):
+        LLM(llama_dir, kv_offload_bytes=1 << 20, kv_offload_path=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
+        LLM(llama_dir, kv_offload_bytes=1 << 20, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="enable_prefix_caching"):
+        LLM(llama_dir, kv_offload_bytes=1 << 20, enable_prefix_caching=False)
