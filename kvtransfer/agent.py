@@ -197,6 +197,22 @@ class KVTransferAgent:
         return plan_head_write(self.layout, target.layout, src_head, dst_head, num_heads, local_block_ids,
                                remote_block_ids, layers)
 
+    def read_blocks(
+        self,
+        peer: str,
+        local_block_ids: Sequence[int] | np.ndarray,
+        remote_block_ids: Sequence[int] | np.ndarray,
+        notify: bytes | None = None,
+    ) -> TransferHandle:
+        """Read the K and V pages of the peer's `remote_block_ids` into our `local_block_ids`
+        (all layers; runs of consecutive ids on both sides are one descriptor per layer): a
+        prefix another worker holds, lent for the read (handoff/lend.py). The same layout
+        checks as a write; `notify` reaches the peer once the read is done. Failures are
+        reported through the handle, as for writes."""
+        target = self._peer(peer)
+        plan = self._plan(target, local_block_ids, remote_block_ids, None, None)
+        return self._post(target, plan, notify, "READ")
+
     def write_bytes(
         self, peer: str, local_offset: int, remote_offset: int, num_bytes: int, notify: bytes | None = None
     ) -> TransferHandle:
@@ -232,11 +248,11 @@ class KVTransferAgent:
         return LayerStream(self, target.name, plan, notify)
 
     @_locked
-    def _post(self, peer: PeerInfo, plan: WritePlan, notify: bytes | None) -> TransferHandle:
+    def _post(self, peer: PeerInfo, plan: WritePlan, notify: bytes | None, op: str = "WRITE") -> TransferHandle:
         self._check_open()
         check_notification(notify)
         local = plan.local_rows(self._pool_addr, self._device_id)
-        return self._writes.post(self._nixl, peer, plan, notify, local, self.mem_type)
+        return self._writes.post(self._nixl, peer, plan, notify, local, self.mem_type, op)
 
     def _layer_poster(self) -> LayerPoster:
         """The thread that posts layers once ready (started on first use)."""

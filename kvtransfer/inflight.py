@@ -37,9 +37,11 @@ class InFlightWrites:
         self._unreleased: list[Any] = []  # NIXL handles whose release failed; retried at close
 
     def post(
-        self, nixl: Any, peer: PeerInfo, plan: WritePlan, notify: bytes | None, local: Any, local_mem_type: str
+        self, nixl: Any, peer: PeerInfo, plan: WritePlan, notify: bytes | None, local: Any, local_mem_type: str,
+        op: str = "WRITE",
     ) -> TransferHandle:
-        """Post one WRITE of `plan` (`local`: our pool's descriptor rows) into `peer`'s pool.
+        """Post one WRITE of `plan` (`local`: our pool's descriptor rows) into `peer`'s pool, or
+        with ``op="READ"`` one read of the plan's remote ranges into our local ones.
 
         NIXL errors fail the returned handle instead of raising."""
         remote = plan.remote_rows(peer.pool_addr, peer.device_id)
@@ -53,7 +55,7 @@ class InFlightWrites:
         )
         try:
             handle._xfer = nixl.initialize_xfer(
-                "WRITE",
+                op,
                 nixl.get_xfer_descs(local, local_mem_type),
                 nixl.get_xfer_descs(remote, peer.mem_type),
                 peer.name,
@@ -62,7 +64,7 @@ class InFlightWrites:
             self.handles[handle.id] = handle
             state = nixl.transfer(handle._xfer)
         except self._errors as exc:  # e.g. the peer disconnected: the caller learns it via the handle
-            self.fail(handle, f"NIXL could not post the write: {exc!r}")
+            self.fail(handle, f"NIXL could not post the {op.lower()}: {exc!r}")
             return handle
         self.settle(handle, state)
         return handle

@@ -165,6 +165,12 @@ class _Peer:
             "elapsed_s": handle.elapsed_s,
         }
 
+    def read(self, peer, local, remote, notify=None, timeout_s=10.0) -> dict:
+        handle = self.agent.read_blocks(peer, local, remote, notify)
+        self.agent.wait(handle, timeout_s)
+        self._drain()
+        return {"num_bytes": handle.num_bytes, "num_descriptors": handle.num_descriptors}
+
     def stream(self, peer, local, remote, notify, timeout_s=10.0, skip_layers=()) -> dict:
         stream = self.agent.begin_stream(peer, local, remote, notify)
         for layer in stream.layers:

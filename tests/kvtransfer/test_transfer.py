@@ -68,6 +68,25 @@ def test_llama8b_layout_pages_land_byte_exact(peers, dtype, kind):
     assert_pool_equal(snapshot(d0), expected)
 
 
+@pytest.mark.parametrize("kind", ["scattered", "runs"])
+def test_a_read_brings_a_peers_pages_into_ours_byte_exact_and_notifies_it(peers, kind):
+    """The other direction (a prefix lent for reading, handoff/lend.py): d0 reads p0's pages
+    into its own blocks; p0, polling, learns the read is over from the notification."""
+    p0, d0 = peers["p0"], peers["d0"]
+    open_agent(p0, SMALL_SEND, seed=5)
+    open_agent(d0, SMALL_RECV, seed=6)
+    holder = d0.ok("add_peer", info=p0.info)["name"]
+    theirs, ours = mapping(kind, 10, SMALL_SEND.num_blocks, SMALL_RECV.num_blocks, seed=13)
+    p0.send("collect", count=1, timeout_s=WRITE_TIMEOUT_S)  # the holder drives its agent meanwhile
+    reply = d0.ok("read", peer=holder, local=ours, remote=theirs, notify=b"read-done", timeout_s=WRITE_TIMEOUT_S)
+    notes = p0.receive()["notifications"]
+    assert [n["payload"] for n in notes] == [b"read-done"]
+    assert reply["num_bytes"] == 10 * SMALL_SEND.num_layers * SMALL_RECV.block_bytes
+    expected = expected_pool((SMALL_RECV, 6), [(SMALL_SEND, 5, theirs, ours)])
+    assert_pool_equal(snapshot(d0), expected)
+    assert_pool_equal(snapshot(p0), seeded_pool(SMALL_SEND, 5))  # a read leaves the holder's pool alone
+
+
 def test_runs_are_coalesced_into_one_descriptor_per_layer_and_run(peers):
     p0, d0 = peers["p0"], peers["d0"]
     open_agent(p0, SMALL_SEND, seed=1)
