@@ -22,6 +22,16 @@ Prefill side, the prompt's KV leaves for a decode worker:
     export_blocks(...)      the blocks holding positions [cached_len, n)
     release_export(rid)     free those blocks once written, and forget the request
 
+Lending a cached prefix to another worker's read (handoff/lend.py), either role:
+
+    lend_chain(tail, n)     pin the n cached blocks whose chain ends at hash ``tail``
+                            (from a prompt's first block); their ids, or None
+    unlend(ids)             unpin them (the read is over, or the lease ended)
+    begin_borrow(...)       pin this pool's own hits of a prompt, take blocks for the
+                            lent ones it lacks: where a read lands
+    end_borrow(b, ok)       register what was read as cached prefix (ok) or not, and let go
+    abandon_borrow(b, q)    a read that may still land: keep its blocks under ``q``
+
 Both sides: ``kv_tensor`` / ``layout_info()`` (what NIXL registers and peers check),
 ``kv_bytes(n)``, ``kv_bytes_per_token`` and ``cached_prefix_len``.
 
@@ -46,6 +56,19 @@ if TYPE_CHECKING:
 
     from .engine_types import RequestDelta
     from .llm_engine import LLMEngine
+
+
+@dataclass
+class Borrow:
+    """Blocks taken for a lent prefix: ``block_ids`` receive the lent blocks ``first..`` of
+    the prompt's chain (``hashes[first:]``); ``held``: everything pinned meanwhile."""
+
+    hashes: list[bytes]
+    parents: list[bytes | None]
+    tokens: list[tuple[int, ...]]
+    first: int  # this pool's own hit: blocks [0, first) need no read
+    block_ids: list[int]
+    held: list  # Block objects: the own hits, then the targets
 
 
 @dataclass(frozen=True)
@@ -184,6 +207,73 @@ class KVConnector:
     def free(self, key: str) -> None:
         """Release the blocks held under ``key`` (a quarantine, or a finished export)."""
         self._eng.kv.free(key)
+
+    # -- lending a prefix (handoff/lend.py) -------------------------------------------------------
+    def lend_chain(self, tail_hash: bytes, num_blocks: int) -> list[int] | None:
+        """Pin the ``num_blocks`` cached blocks whose hash chain ends at ``tail_hash`` and starts
+        at a prompt's first block; their ids, first block first. None when the chain is not
+        (wholly) cached, or this engine cannot lend (tensor parallel: each rank holds part of
+        every block)."""
+        pool = self._eng.kv.pool
+        if not pool.enable_caching or self._eng.runner.tensor_parallel_size > 1:
+            return None
+        chain = []
+        h = tail_hash
+        while h is not None and len(chain) < num_blocks:
+            block = pool.cached.get(h)
+            if block is None:
+                return None
+            chain.append(block)
+            h = block.parent_hash
+        if len(chain) != num_blocks or h is not None:  # the chain must start at a prompt's first block
+            return None
+        chain.reverse()
+        pool.touch(chain)
+        return [b.block_id for b in chain]
+
+    def unlend(self, block_ids: list[int]) -> None:
+        """Unpin blocks `lend_chain` pinned."""
+        pool = self._eng.kv.pool
+        self._eng.kv.pool.release([pool.blocks[i] for i in reversed(block_ids)])
+
+    def begin_borrow(self, token_ids: list[int], num_blocks: int, salt: bytes | None = None) -> Borrow | None:
+        """Take blocks for the first ``num_blocks`` prompt blocks that another worker lends and
+        this pool lacks (its own hits stay pinned meanwhile). None: nothing to borrow (this pool
+        holds as much), or no room."""
+        kv, bs = self._eng.kv, self.block_size
+        if not kv.pool.enable_caching:
+            return None
+        num_blocks = min(num_blocks, (len(token_ids) - 1) // bs)  # the last token is always computed
+        hashes = block_hashes(token_ids[:num_blocks * bs], bs, salt)
+        hits = kv.pool.lookup(hashes)
+        need = num_blocks - len(hits)
+        if need <= 0 or need > kv.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0):
+            return None
+        kv.pool.touch(hits)
+        targets = kv.pool.allocate(need)
+        parents = [None] + hashes[:-1]
+        tokens = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(num_blocks)]
+        return Borrow(hashes, parents, tokens, len(hits), [b.block_id for b in targets], list(hits) + targets)
+
+    def end_borrow(self, borrow: Borrow, ok: bool) -> int:
+        """The read is over: with ``ok`` its blocks join the prefix cache under their hashes;
+        either way the borrow's pins are let go. Returns the prompt tokens now cached here."""
+        pool = self._eng.kv.pool
+        if ok:
+            targets = borrow.held[borrow.first:]
+            for i, block in enumerate(targets, start=borrow.first):
+                pool.cache(block, borrow.hashes[i], borrow.parents[i], borrow.tokens[i])
+        pool.release(list(reversed(borrow.held)))
+        return len(pool.lookup(borrow.hashes)) * self.block_size
+
+    def abandon_borrow(self, borrow: Borrow, quarantine_as: str) -> None:
+        """A read that may still land (it timed out): its target blocks stay taken under
+        ``quarantine_as`` until `free`; the own hits are let go."""
+        kv = self._eng.kv
+        kv.pool.release(list(reversed(borrow.held[:borrow.first])))
+        if quarantine_as in kv.tables:
+            raise ValueError(f"{quarantine_as!r} already holds blocks")
+        kv.tables[quarantine_as] = borrow.held[borrow.first:]
 
     # -- prefill side ------------------------------------------------------------------------
     def add_export(self, token_ids: list[int], params: SamplingParams, request_id: str,

@@ -1,0 +1,125 @@
+"""Lending a cached prefix (handoff/lend.py, engine/kv_connector.py): the messages, the
+holder's loans, and the engine calls on both sides, token-exact. The NIXL read itself is
+tests/kvtransfer/test_transfer.py; the whole exchange across processes, tests/e2e."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.handoff.lend import (
+    MAX_LEND_BLOCKS,
+    LendGrant,
+    LendRelease,
+    LendRequest,
+    LendTable,
+    MalformedLendError,
+    decode_lend,
+    is_lend_message,
+    reader_deadline,
+)
+from pdserve.handoff.transport import MAX_NOTIFICATION_BYTES
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def test_messages_round_trip_and_the_largest_grant_fits_one_notification():
+    for msg in (LendRequest("l-1", b"\x07" * 32, 12, 3000), LendGrant("l-1", tuple(range(MAX_LEND_BLOCKS))),
+                LendGrant("l-1", (), "gone"), LendRelease("l-1")):
+        wire = msg.encode()
+        assert is_lend_message(wire) and len(wire) <= MAX_NOTIFICATION_BYTES
+        assert decode_lend(wire) == msg
+    assert not LendGrant("x", (), "busy").granted and LendGrant("x", (3,)).granted
+
+
+@pytest.mark.parametrize("bad", [b"PDKV\x01", b"PDLQ\x09\x80", b"PDLQ\x01\xc1", b"PDLQ\x01" + b"\x81\xa1a\x01",
+                                 LendRequest("l", b"h", 1).encode()[:-3]])
+def test_malformed_messages_are_refused_with_a_typed_error(bad):
+    with pytest.raises(MalformedLendError):
+        decode_lend(bad)
+
+
+def test_requests_out_of_bounds_are_refused():
+    with pytest.raises(MalformedLendError, match="blocks must be"):
+        LendRequest("l", b"h", MAX_LEND_BLOCKS + 1)
+    with pytest.raises(MalformedLendError, match="lease_ms"):
+        LendRequest("l", b"h", 1, 0)
+    with pytest.raises(MalformedLendError, match="lend_id"):
+        LendRequest("", b"h", 1)
+
+
+def test_the_holders_table_ends_loans_on_release_on_lease_end_and_with_their_borrower():
+    table = LendTable(max_blocks=10)
+    table.add("r1", LendRequest("a", b"h", 4, 1000), (1, 2, 3, 4), now=100.0)
+    table.add("r2", LendRequest("b", b"h", 4, 5000), (5, 6, 7, 8), now=100.0)
+    assert table.lent_blocks == 8 and table.has_room(2) and not table.has_room(3)
+    assert table.release("r2", "a") is None  # another borrower's id names nothing of r2's
+    assert table.take_expired(100.5) == []
+    assert [loan.block_ids for loan in table.take_expired(101.0)] == [(1, 2, 3, 4)]
+    assert table.release("r1", "a") is None  # expired already: nothing to unpin twice
+    assert [loan.block_ids for loan in table.take_borrower("r2")] == [(5, 6, 7, 8)]
+    assert table.lent_blocks == 0 and (table.granted, table.expired) == (2, 1)
+    # The borrower gives up at half the lease, before the holder's lease (which starts later) ends.
+    assert reader_deadline(10.0, 4000) == 12.0
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir):
+    made = {name: LLM(llama_dir, num_gpu_blocks_override=40) for name in ("holder", "reader")}
+    made["reference"] = LLM(llama_dir, enable_prefix_caching=False)
+    yield made
+    for llm in made.values():
+        llm.close()
+
+
+def test_a_lent_prefix_copied_into_the_borrowers_blocks_is_its_cached_prefix_token_exact(engines):
+    holder, reader = engines["holder"].engine, engines["reader"].engine
+    rng = random.Random(5)
+    shared = [rng.randrange(5, 500) for _ in range(160)]  # 10 blocks
+    prompt = shared + [rng.randrange(5, 500) for _ in range(30)]
+    engines["holder"].generate([shared + [1, 2, 3]], GREEDY)  # the holder caches the shared prefix
+    engines["reader"].generate([shared[:48] + [9] * 20], GREEDY)  # the reader holds its first 3 blocks itself
+    borrow = reader.connector.begin_borrow(prompt, 10)
+    assert borrow is not None and borrow.first == 3 and len(borrow.block_ids) == 7
+    lent = holder.connector.lend_chain(borrow.hashes[9], 10)
+    assert lent is not None and len(lent) == 10
+    free_while_lent = holder.kv.pool.num_free
+    # What the NIXL read does, here by hand: the lent blocks the reader lacks into its targets.
+    reader.runner.kv_cache[:, borrow.block_ids] = holder.runner.kv_cache[:, lent[borrow.first:]]
+    holder.connector.unlend(lent)
+    assert holder.kv.pool.num_free == free_while_lent + 10
+    assert reader.connector.end_borrow(borrow, ok=True) == 160
+    out = engines["reader"].generate([prompt], GREEDY)[0]
+    assert out.num_cached_tokens == 160
+    assert out.token_ids == engines["reference"].generate([prompt], GREEDY)[0].token_ids
+    assert reader.kv.pool.num_free == reader.kv.pool.num_blocks
+
+
+def test_a_chain_not_cached_whole_or_not_from_a_first_block_is_not_lent(engines):
+    holder = engines["holder"].engine
+    rng = random.Random(8)
+    prompt = [rng.randrange(5, 500) for _ in range(100)]
+    engines["holder"].generate([prompt], GREEDY)
+    reader = engines["reader"].engine
+    borrow = reader.connector.begin_borrow(prompt, 6)
+    hashes = borrow.hashes
+    reader.connector.end_borrow(borrow, ok=False)  # nothing read: nothing registered
+    assert reader.connector.cached_prefix_len(prompt) == 0
+    before = holder.kv.pool.num_free
+    assert holder.connector.lend_chain(hashes[5], 5) is None  # 6 blocks end there, not 5
+    assert holder.connector.lend_chain(b"\x00" * 32, 1) is None
+    assert holder.kv.pool.num_free == before  # a refusal pins nothing
+    assert reader.kv.pool.num_free == reader.kv.pool.num_blocks
+
+
+def test_an_abandoned_read_keeps_its_blocks_until_freed(engines):
+    reader = engines["reader"].engine
+    rng = random.Random(9)
+    prompt = [rng.randrange(5, 500) for _ in range(70)]
+    borrow = reader.connector.begin_borrow(prompt, 4)
+    reader.connector.abandon_borrow(borrow, "lend-quarantine-1")
+    assert reader.kv.pool.num_free == reader.kv.pool.num_blocks - 4
+    reader.connector.free("lend-quarantine-1")
+    assert reader.kv.pool.num_free == reader.kv.pool.num_blocks
