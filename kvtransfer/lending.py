@@ -1,0 +1,266 @@
+"""Both ends of a prefix loan (handoff/lend.py) over one worker's agent and engine.
+
+`Lender` answers other workers' `LendRequest`s from this engine's prefix cache; `Borrower`
+borrows a prefix from another worker and reads it into this engine's pool. Both run on
+the one thread that owns the engine and the agent (a decode worker's engine thread, a
+prefill worker's batch thread): the owner hands them the notifications and finished
+transfers of each `agent.poll()` and calls `expire()` now and then. A worker is usually
+both: it lends what it caches and borrows what it lacks.
+
+A borrow ends in exactly one of these ways (`BorrowResult.outcome`):
+
+- ``read``: the pages arrived before the borrower's deadline; they are this engine's
+  cached prefix now (`KVConnector.end_borrow`), so the request that wanted them is
+  scheduled with them as hits;
+- ``refused``: the holder no longer caches the chain (or is busy): compute it;
+- ``failed``: the read failed (the holder died, the link broke): compute it;
+- ``timed_out``: no grant, or no finished read, by the deadline. With a read posted, its
+  target blocks may still be written, so they stay taken under a quarantine key for
+  ``quarantine_s`` (`abandon_borrow`) before they are freed; compute it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.handoff.lend import (
+    BUSY,
+    DEFAULT_LEASE_MS,
+    GONE,
+    MAX_LEND_BLOCKS,
+    NO_TIER,
+    TOO_MANY,
+    LendGrant,
+    LendRelease,
+    LendRequest,
+    LendTable,
+    MalformedLendError,
+    decode_lend,
+    is_lend_message,
+    reader_deadline,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_QUARANTINE_S = 10.0
+
+
+class Lender:
+    """Grants and ends loans of this engine's cached chains (owner thread only)."""
+
+    def __init__(self, connector: Any, agent: Any, max_blocks: int = 4096, clock=time.monotonic):
+        self.connector, self.agent, self.clock = connector, agent, clock
+        self.table = LendTable(max_blocks=max_blocks)
+        self.counters: Counter = Counter()
+
+    def handle(self, sender: str, msg) -> None:
+        """A `LendRequest` or `LendRelease` from ``sender`` (a grant is a borrower's business)."""
+        if isinstance(msg, LendRelease):
+            loan = self.table.release(sender, msg.lend_id)
+            if loan is not None:
+                self.connector.unlend(list(loan.block_ids))
+                self.counters["released"] += 1
+            return
+        if not isinstance(msg, LendRequest):
+            return
+        reason = ""
+        ids = None
+        if msg.blocks > MAX_LEND_BLOCKS:
+            reason = TOO_MANY
+        elif not self.table.has_room(msg.blocks):
+            reason = BUSY
+        else:
+            ids = self.connector.lend_chain(msg.tail_hash, msg.blocks)
+            if ids is None:
+                reason = GONE if self.connector.tensor_parallel_size == 1 else NO_TIER
+        if ids is not None:
+            self.table.add(sender, msg, tuple(ids), self.clock())
+        grant = LendGrant(msg.lend_id, tuple(ids or ()), reason)
+        self.counters["granted" if ids else f"refused_{reason}"] += 1
+        try:
+            self.agent.send_notification(sender, grant.encode())
+        except Exception as exc:  # noqa: BLE001  (the borrower is gone: its lease ends the loan)
+            log.warning("could not answer lend request %s from %s: %r", msg.lend_id, sender, exc)
+
+    def expire(self) -> int:
+        """Unpin the loans whose lease ended without a release."""
+        loans = self.table.take_expired(self.clock())
+        for loan in loans:
+            self.connector.unlend(list(loan.block_ids))
+        if loans:
+            self.counters["expired"] += len(loans)
+            log.warning("%d prefix loan(s) ended by their lease, not by a release (borrowers %s)", len(loans),
+                        sorted({loan.borrower for loan in loans}))
+        return len(loans)
+
+    def borrower_gone(self, name: str) -> None:
+        for loan in self.table.take_borrower(name):
+            self.connector.unlend(list(loan.block_ids))
+
+
+@dataclass
+class BorrowResult:
+    lend_id: str
+    holder: str
+    outcome: str  # read | refused | failed | timed_out
+    cached_tokens: int  # the prompt tokens this engine caches now (0 unless read)
+    read_tokens: int = 0
+    detail: str = ""
+    tag: Any = None  # the owner's (e.g. the request waiting for it)
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class _Ticket:
+    lend_id: str
+    holder: str
+    borrow: Any  # KVConnector Borrow
+    sent_at: float
+    deadline: float
+    tag: Any
+    handle: Any = None
+
+
+@dataclass
+class Borrower:
+    """Borrows prefixes for this engine (owner thread only; see the module docstring)."""
+
+    connector: Any
+    agent: Any
+    lease_ms: int = DEFAULT_LEASE_MS
+    quarantine_s: float = DEFAULT_QUARANTINE_S
+    clock: Any = time.monotonic
+    tickets: dict[str, _Ticket] = field(default_factory=dict)
+    results: list[BorrowResult] = field(default_factory=list)
+    quarantined: dict[str, float] = field(default_factory=dict)  # key -> when its blocks are freed
+    counters: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._prefix = f"{os.getpid():x}-{id(self):x}"
+
+    def start(self, token_ids: list[int], holder: str, blocks: int, salt: bytes | None = None,
+              tag: Any = None) -> str | None:
+        """Ask ``holder`` for the first ``blocks`` blocks of ``token_ids``; the borrow's id, or
+        None when there is nothing to borrow (this pool holds as much), no room, or the holder
+        cannot be reached (the caller computes as usual)."""
+        borrow = self.connector.begin_borrow(token_ids, min(blocks, MAX_LEND_BLOCKS), salt)
+        if borrow is None:
+            return None
+        lend_id = f"{self._prefix}-{next(self._ids)}"
+        now = self.clock()
+        req = LendRequest(lend_id, borrow.hashes[-1], len(borrow.hashes), self.lease_ms)
+        try:
+            self.agent.send_notification(holder, req.encode())
+        except Exception as exc:  # noqa: BLE001  (an unknown or unreachable holder)
+            self.connector.end_borrow(borrow, ok=False)
+            self.counters["unreachable"] += 1
+            log.info("prefix borrow from %s not started: %r", holder, exc)
+            return None
+        self.tickets[lend_id] = _Ticket(lend_id, holder, borrow, now, reader_deadline(now, self.lease_ms), tag)
+        self.counters["asked"] += 1
+        return lend_id
+
+    def handle(self, sender: str, msg) -> None:
+        """A `LendGrant` for one of this borrower's tickets (others are ignored)."""
+        if not isinstance(msg, LendGrant):
+            return
+        t = self.tickets.get(msg.lend_id)
+        if t is None or t.holder != sender or t.handle is not None:
+            self.counters["stray_grants"] += 1
+            return
+        if not msg.granted:
+            self._finish(t, "refused", msg.reason)
+            return
+        if len(msg.block_ids) != len(t.borrow.hashes):
+            self._release(t)
+            self._finish(t, "refused", f"granted {len(msg.block_ids)} blocks, asked {len(t.borrow.hashes)}")
+            return
+        theirs = list(msg.block_ids[t.borrow.first:])
+        try:
+            t.handle = self.agent.read_blocks(t.holder, t.borrow.block_ids, theirs,
+                                              notify=LendRelease(t.lend_id).encode())
+        except Exception as exc:  # noqa: BLE001  (a layout mismatch, the holder removed)
+            self._release(t)
+            self._finish(t, "failed", f"{exc.__class__.__name__}: {exc}")
+            return
+        if t.handle.failed:  # NIXL refused it at once: nothing moves
+            self._release(t)
+            self._finish(t, "failed", t.handle.error or "the read failed")
+
+    def transfers(self, completed, failed) -> None:
+        """Reads that finished (from `agent.poll()`): ``completed`` and ``failed`` handles."""
+        by_handle = {t.handle.id: t for t in self.tickets.values() if t.handle is not None}
+        for h in completed:
+            t = by_handle.get(h.id)
+            if t is not None:
+                if self.clock() > t.deadline:
+                    # Late: the holder's lease may have ended and its blocks been reused while
+                    # the read ran, so what arrived is not trusted (computed instead).
+                    self._finish(t, "timed_out", "the read finished after the deadline")
+                else:
+                    self._finish(t, "read")
+        for h in failed:
+            t = by_handle.get(h.id)
+            if t is not None:
+                self._release(t)
+                self._finish(t, "failed", h.error or "the read failed")
+
+    def expire(self) -> None:
+        """End the tickets past their deadline; free quarantines whose time is up."""
+        now = self.clock()
+        for t in [t for t in self.tickets.values() if now > t.deadline]:
+            if t.handle is None:
+                self._release(t)  # a late grant is refused below; the holder unpins now, not at its lease end
+                self._finish(t, "timed_out", "no answer from the holder")
+            else:
+                self._finish(t, "timed_out", "the read did not finish in time")
+        for key, until in list(self.quarantined.items()):
+            if now >= until:
+                self.connector.free(key)
+                del self.quarantined[key]
+
+    def take_results(self) -> list[BorrowResult]:
+        out, self.results = self.results, []
+        return out
+
+    def _release(self, t: _Ticket) -> None:
+        try:
+            self.agent.send_notification(t.holder, LendRelease(t.lend_id).encode())
+        except Exception:  # noqa: BLE001  (the holder is gone: nothing to release)
+            pass
+
+    def _finish(self, t: _Ticket, outcome: str, detail: str = "") -> None:
+        self.tickets.pop(t.lend_id, None)
+        cached, read = 0, 0
+        if outcome == "read":
+            cached = self.connector.end_borrow(t.borrow, ok=True)
+            read = len(t.borrow.block_ids) * self.connector.block_size
+        elif outcome == "timed_out" and t.handle is not None and not t.handle.finished:
+            key = f"lend-quarantine-{t.lend_id}"  # the read may still land in these blocks
+            self.connector.abandon_borrow(t.borrow, key)
+            self.quarantined[key] = self.clock() + self.quarantine_s
+        else:
+            self.connector.end_borrow(t.borrow, ok=False)
+        self.counters[outcome] += 1
+        if outcome != "read":
+            log.info("prefix borrow %s from %s: %s (%s); computing it instead", t.lend_id, t.holder, outcome, detail)
+        self.results.append(BorrowResult(t.lend_id, t.holder, outcome, cached, read, detail, t.tag,
+                                         self.clock() - t.sent_at))
+
+
+def route_notification(payload: bytes):
+    """The lend message in a notification, or None if it is none (MalformedLendError if it
+    claims to be one and is not)."""
+    if not is_lend_message(payload):
+        return None
+    return decode_lend(payload)
+
+
+__all__ = ["Lender", "Borrower", "BorrowResult", "route_notification", "MalformedLendError"]

@@ -1,0 +1,90 @@
+"""A worker-like child for the lending tests: an engine, its NIXL agent, a `Lender` and a
+`Borrower` (kvtransfer/lending.py), driven over a pipe. Between commands it keeps polling
+its agent and answering loans, as a worker's engine loop does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from kvt_peer import LOOPBACK_UCX_ENV
+
+IDLE_POLL_S = 0.002
+
+
+def lend_node_main(conn: Any, model: str, name: str, num_blocks: int, quarantine_s: float, lease_ms: int) -> None:
+    os.environ.update(LOOPBACK_UCX_ENV)
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.kvtransfer.agent import KVTransferAgent
+    from pdserve.kvtransfer.layout import KVLayout
+    from pdserve.kvtransfer.lending import Borrower, Lender, route_notification
+
+    llm = LLM(model, num_gpu_blocks_override=num_blocks, device="cpu")
+    eng = llm.engine
+    conn_ = eng.connector
+    m = eng.model_config
+    layout = KVLayout.from_tensor(conn_.kv_tensor, m.model_id, kv_layout=conn_.kv_layout, total_kv_heads=m.num_kv_heads)
+    agent = KVTransferAgent(name, conn_.kv_tensor, layout, ucx_env=LOOPBACK_UCX_ENV)
+    lender = Lender(conn_, agent)
+    borrower = Borrower(conn_, agent, lease_ms=lease_ms, quarantine_s=quarantine_s)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    die_after_grant = False
+
+    def drive() -> None:
+        res = agent.poll()
+        for note in res.notifications:
+            msg = route_notification(note.payload)
+            if msg is None:
+                continue
+            lender.handle(note.sender, msg)
+            borrower.handle(note.sender, msg)
+            if die_after_grant and lender.counters["granted"]:
+                os.kill(os.getpid(), signal.SIGKILL)  # dead with the loan out, the read about to start
+        borrower.transfers(res.completed, res.failed)
+        lender.expire()
+        borrower.expire()
+
+    def generate(prompt):
+        out = llm.generate([prompt], greedy)[0]
+        return {"tokens": out.token_ids, "cached": out.num_cached_tokens}
+
+    try:
+        while True:
+            while not conn.poll(IDLE_POLL_S):
+                drive()
+            cmd = conn.recv()
+            op = cmd.pop("op")
+            if op == "exit":
+                conn.send({"ok": True})
+                return
+            if op == "info":
+                conn.send({"info": agent.local_info()})
+            elif op == "add_peer":
+                conn.send({"name": agent.add_peer(cmd["info"])})
+            elif op == "generate":
+                conn.send(generate(cmd["prompt"]))
+            elif op == "die_after_grant":
+                die_after_grant = True
+                conn.send({"ok": True})
+            elif op == "borrow_generate":
+                lend_id = borrower.start(cmd["prompt"], cmd["holder"], cmd["blocks"])
+                result = None
+                deadline = time.monotonic() + 30
+                while lend_id is not None and result is None and time.monotonic() < deadline:
+                    drive()
+                    result = next((r for r in borrower.take_results() if r.lend_id == lend_id), None)
+                    time.sleep(0.0005)
+                out = generate(cmd["prompt"])
+                conn.send({**out, "started": lend_id is not None,
+                           "outcome": result.outcome if result else None, "detail": result.detail if result else "",
+                           "read_tokens": result.read_tokens if result else 0})
+            elif op == "pool":
+                drive()
+                conn.send({"free": eng.kv.pool.num_free, "blocks": eng.kv.pool.num_blocks,
+                           "lent": lender.table.lent_blocks, "quarantined": len(borrower.quarantined),
+                           "lender": dict(lender.counters), "borrower": dict(borrower.counters)})
+    finally:
+        agent.close()
+        llm.close()
