@@ -168,8 +168,10 @@ class KVTier:
         if backend == "memory" and not pool.is_cuda:
             raise ConfigError("kv_offload_backend='memory' on a CPU engine: its pool is host memory already, so "
                               "raise kv_cache_memory_bytes instead, or use kv_offload_backend='file'")
-        self.store: TierStore = (MemoryTierStore(self.capacity, block_shape, pool.dtype, pool.is_cuda)
-                                 if backend == "memory" else FileTierStore(self.capacity, block_shape, pool.dtype, path))
+        if backend == "memory":
+            self.store: TierStore = MemoryTierStore(self.capacity, block_shape, pool.dtype, pool.is_cuda)
+        else:
+            self.store = FileTierStore(self.capacity, block_shape, pool.dtype, path)
         self.medium = self.store.medium
         self.backend = backend
         self.pool, self.events, self.window = pool, events, window
