@@ -85,6 +85,7 @@ class AsyncEngine:
         # Called in the engine thread each loop turn; return True if they did work.
         self.pollers: list[Callable[[], bool]] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: set[str] = set()  # requests to add once their prefix loan ends (add_later)
         self._streams: dict[str, asyncio.Queue] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -187,20 +188,38 @@ class AsyncEngine:
             did = True
             kind = cmd[0]
             if kind == "add":
-                _, rid, ids, params, priority, tenant = cmd
-                try:
-                    eng.add_request(ids, params, request_id=rid, priority=priority, tenant=tenant)
-                except Exception as exc:  # noqa: BLE001  (this request's error, not the engine's)
-                    self._emit(rid, exc, None)
+                self._add(*cmd[1:])
             elif kind == "abort":
                 self._abort(cmd[1])
             elif kind == "call":
                 self._guarded(cmd[1], "failed_commands", eng)
 
+    def _add(self, rid: str, ids, params, priority, tenant) -> None:
+        try:
+            self.engine.add_request(ids, params, request_id=rid, priority=priority, tenant=tenant)
+        except Exception as exc:  # noqa: BLE001  (this request's error, not the engine's)
+            self._emit(rid, exc, None)
+
+    def add_later(self, request_id: str) -> None:
+        """Engine thread: ``request_id`` (its stream attached) will be added by `add_held` once
+        something it waits for is over (a prefix loan, decode/borrow.py); an abort meanwhile
+        ends its stream and the later add is skipped."""
+        self._held.add(request_id)
+
+    def add_held(self, request_id: str, ids, params, priority, tenant) -> None:
+        """Engine thread: add a request `add_later` announced, unless it was aborted since."""
+        if request_id in self._held:
+            self._held.discard(request_id)
+            self._add(request_id, ids, params, priority, tenant)
+
     def _abort(self, rid: str) -> None:
         """Abort one request; if that raises, fail it (its error, its stream ends); if even
         that raises, the engine's state is broken (raised: the loop stops)."""
         eng = self.engine
+        if rid in self._held:  # not in the engine yet (decode/borrow.py)
+            self._held.discard(rid)
+            self.deliver_abort(rid)
+            return
         try:
             if eng.abort_request(rid):
                 self.deliver_abort(rid)

@@ -178,8 +178,12 @@ class Frontend:
         rid = f"{self._id_prefix}-{next(self._admissions):x}"
         residual = (snap.costs.ttft_residual_remote_ms if decision.route == "remote"
                     else snap.costs.ttft_residual_local_ms) if len(ids) > cached else 0.0
+        borrow = None
+        peers = getattr(self.remote, "peers", None)
+        if decision.route == "local" and peers is not None:
+            borrow = peers.choose(hint, cached, len(ids), snap.costs)
         return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, prefix_hint=hint,
-                        tenant=_identity(inp.caller), residual_ms=residual)
+                        tenant=_identity(inp.caller), residual_ms=residual, borrow=borrow)
 
     def engine_id(self, label: str, caller=None) -> str | None:
         """The engine's id of the in-flight request a client calls `label` (None: none)."""
@@ -362,7 +366,11 @@ class Frontend:
         return bool(rids)
 
     async def _local(self, prep: Prepared):
-        q = self.engine.submit(prep.request_id, prep.prompt_ids, prep.params, prep.priority, prep.tenant)
+        peers = getattr(self.remote, "peers", None)
+        if prep.borrow is not None and peers is not None:  # the prefix is read from its holder first
+            q = await peers.submit(prep, *prep.borrow)
+        else:
+            q = self.engine.submit(prep.request_id, prep.prompt_ids, prep.params, prep.priority, prep.tenant)
         while True:
             item, final = await q.get()
             yield item, final, {}

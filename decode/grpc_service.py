@@ -20,9 +20,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from pdserve.common import Priority
 from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
+from pdserve.common import Priority
 from pdserve.engine import SamplingParams
 
 from .frontend import Frontend

@@ -27,14 +27,21 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.api.openai_reply import Reply, merge_choice, usage_of
-from pdserve.api.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk,
-                                          ErrorResponse, Health, ModelList)
+from pdserve.api.openai_responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    ErrorResponse,
+    Health,
+    ModelList,
+)
 from pdserve.api.openai_types import Bounds, request_models
 from pdserve.engine import SamplingParams
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, UINT64_MAX
 
-from .frontend import Frontend
 from .disconnect import ClientWatch
+from .frontend import Frontend
 from .http_guard import BodyLimit, H11Protocol, openai_error
 from .http_schema import ERRORS, field_names, generation_responses, param_of, response_docs
 from .ingress import GenerateInput, RequestError

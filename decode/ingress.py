@@ -149,6 +149,8 @@ class Prepared:
     # Prefill worker id -> tokens of this prompt's prefix it holds (their KV events): what the
     # router weighed, and the remote task's prefix_hint. Computed once, at admission.
     prefix_hint: dict[str, int] = field(default_factory=dict)
+    # (holder, blocks): a local prefill that first borrows that prefix (decode/borrow.py); None: none.
+    borrow: tuple[str, int] | None = None
 
 
 class RemotePath(Protocol):

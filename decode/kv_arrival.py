@@ -23,8 +23,18 @@ import asyncio
 import logging
 import time
 
-from pdserve.handoff import (TRANSFER_ERROR, Effect, Handoff, Handoffs, KVReceiver, MalformedNoticeError, PrefillDone,
-                             PrefillFailed, Step, decode_notification)
+from pdserve.handoff import (
+    TRANSFER_ERROR,
+    Effect,
+    Handoff,
+    Handoffs,
+    KVReceiver,
+    MalformedNoticeError,
+    PrefillDone,
+    PrefillFailed,
+    Step,
+    decode_notification,
+)
 
 from .async_engine import AsyncEngine
 from .metrics import WorkerMetrics
@@ -53,6 +63,10 @@ class KVArrival:
         self.info: dict[str, dict] = {}  # request -> its breakdown, handed to its stream
         self.on_ready_reput = None  # callable(request_id): cancel a re-put copy (event loop)
         self.loop: asyncio.AbstractEventLoop | None = None
+        # Prefix loans (kvtransfer/lending.py, decode/borrow.py): lend messages and reads are
+        # taken out of each poll; after_poll adds the requests whose loan ended.
+        self.lending = None
+        self.after_poll = None
 
     def count_fallback(self, cause: str) -> None:
         self.fallback_causes[cause] = self.fallback_causes.get(cause, 0) + 1
@@ -180,7 +194,13 @@ class KVArrival:
         """Engine-thread poller: transport progress, notifications, quarantine expiry."""
         res = self.agent.poll()
         did = False
-        for note in res.notifications:
+        notes = res.notifications
+        if self.lending is not None:
+            did = bool(notes) or bool(self.lending.borrower.tickets)
+            notes = self.lending.on_poll(res)
+            if self.after_poll is not None:
+                self.after_poll()
+        for note in notes:
             did = True
             self.counters["notifications"] += 1
             try:

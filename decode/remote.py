@@ -72,6 +72,7 @@ class RemotePrefill:
         # Prefill workers' cached prefixes (their KV events, kvindex/service.py KVIndexFollower):
         # each task carries them as its prefix_hint; None when none is followed.
         self.prefix_view = None
+        self.peers = None  # prefix loans (decode/borrow.py PeerPrefixes), when this pool can take part
         # Event-loop bookkeeping of aborts: requests whose task put was issued, and requests
         # aborted (a put not yet issued for them is skipped). Both end with the stream.
         self._put_issued: set[str] = set()
@@ -91,8 +92,12 @@ class RemotePrefill:
     def start(self) -> None:
         self._loop = self.arrival.loop = asyncio.get_running_loop()
         self._tasks.append(asyncio.create_task(self._watch.run()))
+        if self.peers is not None:
+            self.peers.start()
 
     async def stop(self) -> None:
+        if self.peers is not None:
+            await self.peers.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

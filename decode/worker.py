@@ -192,7 +192,21 @@ class DecodeWorker:
         self.agent = transport.receiver()
         self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,
                                     RemoteConfig(timeout_s=cfg.remote_timeout_s, quarantine_s=cfg.remote_quarantine_s), costs=policy.costs)
+        if self.engine.connector.tensor_parallel_size == 1 and self.engine.config.enable_prefix_caching:
+            # Prefix loans (decode/borrow.py): borrow what prefill workers hold for local
+            # prefills, lend what this pool holds.
+            from pdserve.kvtransfer.lending import Lending
+
+            from .borrow import PeerPrefixes
+
+            lending = Lending(self.engine.connector, transport.agent)
+            self.remote.arrival.lending = lending
+            self.remote.peers = PeerPrefixes(self.async_engine, lending, transport.agent, self._nixl_record_of)
+            self.remote.arrival.after_poll = self.remote.peers.after_poll
         self.remote.start()
+
+    async def _nixl_record_of(self, worker_id: str) -> bytes | None:
+        return await self.registry.get_nixl_metadata(worker_id) if self.registry is not None else None
 
     async def _join_cluster(self) -> None:
         cfg = self.cfg

@@ -241,8 +241,8 @@ class KVConnector:
         this pool lacks (its own hits stay pinned meanwhile). None: nothing to borrow (this pool
         holds as much), or no room."""
         kv, bs = self._eng.kv, self.block_size
-        if not kv.pool.enable_caching:
-            return None
+        if not kv.pool.enable_caching or self._eng.runner.tensor_parallel_size > 1:
+            return None  # (a TP pool holds each block across ranks: no single read fills it)
         num_blocks = min(num_blocks, (len(token_ids) - 1) // bs)  # the last token is always computed
         hashes = block_hashes(token_ids[:num_blocks * bs], bs, salt)
         hits = kv.pool.lookup(hashes)

@@ -58,9 +58,30 @@ class Lender:
         self.connector, self.agent, self.clock = connector, agent, clock
         self.table = LendTable(max_blocks=max_blocks)
         self.counters: Counter = Counter()
+        # Requests from borrowers this agent cannot answer yet (no NIXL metadata of theirs
+        # loaded): the owner fetches it (`waiting_for_peers`), adds the peer, then `retry()`.
+        self.waiting: list[tuple[str, LendRequest, float]] = []
+
+    def waiting_for_peers(self) -> set[str]:
+        return {sender for sender, _, _ in self.waiting}
+
+    def retry(self) -> None:
+        """Answer the waiting requests whose borrower is known now; drop those older than
+        their lease (the borrower gave up long ago)."""
+        waiting, self.waiting = self.waiting, []
+        now = self.clock()
+        for sender, msg, since in waiting:
+            if now - since > msg.lease_ms / 2e3:
+                self.counters["dropped_unknown_borrower"] += 1
+            else:
+                self.handle(sender, msg)
 
     def handle(self, sender: str, msg) -> None:
         """A `LendRequest` or `LendRelease` from ``sender`` (a grant is a borrower's business)."""
+        if isinstance(msg, LendRequest) and sender not in self.agent.peers:
+            self.waiting.append((sender, msg, self.clock()))
+            self.counters["awaiting_peer"] += 1
+            return
         if isinstance(msg, LendRelease):
             loan = self.table.release(sender, msg.lend_id)
             if loan is not None:
@@ -255,6 +276,61 @@ class Borrower:
                                          self.clock() - t.sent_at))
 
 
+class Lending:
+    """A worker's `Lender` and `Borrower` over one agent: `on_poll` takes what an
+    `agent.poll()` returned, handles the lend messages and the borrower's reads, and gives
+    back the rest (the worker's own notices). Owner thread only."""
+
+    def __init__(self, connector: Any, agent: Any, lease_ms: int = DEFAULT_LEASE_MS,
+                 quarantine_s: float = DEFAULT_QUARANTINE_S, max_lent_blocks: int = 4096):
+        self.lender = Lender(connector, agent, max_lent_blocks)
+        self.borrower = Borrower(connector, agent, lease_ms=lease_ms, quarantine_s=quarantine_s)
+        self.malformed = 0
+
+    def on_poll(self, res):
+        """Handle the lend messages and reads in ``res``; the other notifications, in order."""
+        rest = []
+        for note in res.notifications:
+            try:
+                msg = route_notification(note.payload)
+            except MalformedLendError as exc:
+                self.malformed += 1
+                log.warning("malformed lend message from %s ignored: %s", note.sender, exc)
+                continue
+            if msg is None:
+                rest.append(note)
+                continue
+            self.lender.handle(note.sender, msg)
+            self.borrower.handle(note.sender, msg)
+        if self.borrower.tickets:
+            self.borrower.transfers(res.completed, res.failed)
+        self.lender.expire()
+        self.borrower.expire()
+        return rest
+
+    def stats(self) -> dict:
+        return {"lent_blocks": self.lender.table.lent_blocks, "lender": dict(self.lender.counters),
+                "borrower": dict(self.borrower.counters), "borrows_in_flight": len(self.borrower.tickets),
+                "quarantined": len(self.borrower.quarantined), "malformed": self.malformed}
+
+
+class LendingAgent:
+    """An agent (or a worker's sender) whose `poll()` first hands the lend traffic to a
+    `Lending` and returns the rest; everything else is the agent's."""
+
+    def __init__(self, inner: Any, lending: Lending):
+        self.inner, self.lending = inner, lending
+
+    def poll(self):
+        from .transfer import PollResult
+
+        res = self.inner.poll()
+        return PollResult(res.completed, res.failed, self.lending.on_poll(res))
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
 def route_notification(payload: bytes):
     """The lend message in a notification, or None if it is none (MalformedLendError if it
     claims to be one and is not)."""
@@ -263,4 +339,5 @@ def route_notification(payload: bytes):
     return decode_lend(payload)
 
 
-__all__ = ["Lender", "Borrower", "BorrowResult", "route_notification", "MalformedLendError"]
+__all__ = ["Lender", "Borrower", "BorrowResult", "Lending", "LendingAgent", "route_notification",
+           "MalformedLendError"]

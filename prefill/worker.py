@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from pdserve.control.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.tp_group import TPGroupBroken
 from pdserve.kvindex.publisher import record_endpoints, start_event_publisher
+from pdserve.kvtransfer.lending import Lending, LendingAgent
 from pdserve.kvtransfer.tp_transport import TPSender, open_worker_transport, with_rank_transport
 from pdserve.taskqueue import BAD_SIGNATURE, NO_KEY, open_queue, verify_task
 
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 # held tasks were cancelled since (so a cancel stops the compute within about this long).
 HOLD_CHECK_S = 0.25
 PEER_LOOKUP_TIMEOUT_S = 5.0
+LEND_POLL_S = 0.005  # between batches, how often loan requests are answered
 
 
 @dataclass
@@ -97,6 +100,11 @@ class PrefillWorker:
         self.holding = 0  # tasks of the batch being served
         self._load_task: asyncio.Task | None = None
         self.kv_publisher = None  # kvindex/publisher.py, when the engine records KV events
+        self.lending: Lending | None = None  # prefix loans to other workers (kvtransfer/lending.py)
+        self._lend_task: asyncio.Task | None = None
+        # Held by whoever drives the engine and the agent: a batch (its thread), or between
+        # batches the loan answers (`_lend_loop`, on the event loop).
+        self._engine_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self, engine: LLMEngine | None = None) -> dict:
@@ -113,6 +121,11 @@ class PrefillWorker:
             open_worker_transport, self.worker_id, self.engine, cfg.agent_ucx_env(self.host),
             cfg.agent_threads(self.engine.connector.tensor_parallel_size))
         self.agent = transport.sender()
+        if self.engine.connector.tensor_parallel_size == 1 and self.engine.config.enable_prefix_caching:
+            # Lend this pool's cached prefixes to other workers' reads (kvtransfer/lending.py):
+            # every poll of the agent answers them, between batches too (`_lend_loop`).
+            self.lending = Lending(self.engine.connector, transport.agent)
+            self.agent = LendingAgent(self.agent, self.lending)
         self.queue = open_queue(cfg, "the prefill worker")
         self._batch = PrefillBatch(self.worker_id, self.engine, self.agent, self.stats,
                                    transfer_timeout_s=cfg.transfer_timeout_s, layerwise=cfg.layerwise)
@@ -141,6 +154,8 @@ class PrefillWorker:
         if cfg.freeze_gc:
             freeze_gc_heap(f"prefill worker {self.worker_id}")
         self._loop_task = asyncio.create_task(self._run())
+        if self.lending is not None:
+            self._lend_task = asyncio.create_task(self._lend_loop())
         self._load_task = asyncio.create_task(publish_load(self.registry, self._load, cfg.load_report_s))
         log.info("prefill worker %s started (pid %d)", self.worker_id, os.getpid())
         return {"worker_id": self.worker_id, "pid": os.getpid()}
@@ -181,6 +196,9 @@ class PrefillWorker:
         self.draining = True
         if self._load_task is not None:
             self._load_task.cancel()
+        if self._lend_task is not None:
+            self._lend_task.cancel()
+            await asyncio.gather(self._lend_task, return_exceptions=True)
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -199,6 +217,7 @@ class PrefillWorker:
                 "loop_alive": self._loop_task is not None and not self._loop_task.done(),
                 "loop_error": self.loop_error, "metrics": self.metrics.address,
                 "tp_ranks": self.tp_rank_pids(),
+                "lending": self.lending.stats() if self.lending is not None else None,
                 **{k: dict(v) if isinstance(v, dict) else v for k, v in self.stats.__dict__.items()}}
 
     def pid(self) -> int:
@@ -308,8 +327,38 @@ class PrefillWorker:
             raise TPGroupBroken(f"tensor-parallel group broken: {broken}")
 
     def _run_batch(self, tasks, new_peers: dict, unusable: dict):
-        self._sync_peers(new_peers, unusable)
-        return self._batch.run(tasks, unusable)
+        with self._engine_lock:
+            self._sync_peers(new_peers, unusable)
+            return self._batch.run(tasks, unusable)
+
+    async def _lend_loop(self) -> None:
+        """Between batches, answer other workers' loan requests (a batch's own polls answer
+        them while it runs): poll the agent every LEND_POLL_S while no batch holds the engine;
+        a borrower met for the first time is looked up in etcd, then answered."""
+        lender = self.lending.lender
+        while True:
+            await asyncio.sleep(LEND_POLL_S)
+            if self._engine_lock.acquire(blocking=False):
+                try:
+                    self.agent.poll()
+                except Exception as exc:  # noqa: BLE001  (the transport's trouble shows in the batches too)
+                    log.debug("lend poll failed: %r", exc)
+                finally:
+                    self._engine_lock.release()
+            names = lender.waiting_for_peers()
+            if not names:
+                continue
+            new_peers: dict[str, dict] = {}
+            for name in names:
+                problem = await self._peer_info(name, new_peers)
+                if problem is not None:
+                    log.info("loan request from %s not answerable: %s", name, problem)
+            await asyncio.to_thread(self._answer_waiting_borrowers, new_peers)
+
+    def _answer_waiting_borrowers(self, new_peers: dict) -> None:
+        with self._engine_lock:  # (after the batch that may run now)
+            self._sync_peers(new_peers, {})
+            self.lending.lender.retry()
 
     async def _heartbeat(self, tasks: list) -> None:
         """While this worker serves a batch (the compute runs in a thread): tell the queue it is

@@ -67,3 +67,55 @@ def test_requests_sharing_a_prefix_go_to_the_prefill_worker_that_holds_it(ray_lo
                 pass
             ray.kill(a)
         d.stop()
+
+
+def test_a_local_prefill_borrows_the_prefix_a_prefill_worker_holds(ray_local, etcd, llama_dir):
+    """Prefix reuse across workers (decode/borrow.py, kvtransfer/lending.py): a prefill worker
+    computed a shared prefix for decode worker 0; decode worker 1, which never saw it, prefills
+    requests with that prefix itself (route local) and reads those blocks from the prefill
+    worker with NIXL instead of computing them: token-exact, every loan released, no block
+    left taken on either side."""
+    engine = {"kv_events": True, "device": "cpu"}
+    decodes = [WorkerThread(DecodeWorkerConfig(
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="borrowd", lease_ttl_s=3, worker_id=f"decode-{i}",
+        remote_prefill=True, ucx_env=UCX, remote_timeout_s=60, engine_args=engine)).start() for i in (0, 1)]
+    d0, d1 = decodes
+    actor = ray.remote(PrefillWorker).options(num_cpus=0).remote(dict(
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="borrowd", lease_ttl_s=3, worker_id="prefill-0",
+        ucx_env=UCX, engine_args=engine))
+    try:
+        ray.get(actor.start.remote(), timeout=180)
+        for d in decodes:
+            view = d.worker.remote.prefix_view
+            wait_until(lambda: d.worker.remote.available()
+                       and view.status()["workers"].get("prefill-0", {}).get("synced"), 30)
+        rng = random.Random(11)
+        shared = [rng.randrange(3, 32000) for _ in range(320)]
+        (out,) = run_all(d0, [shared + [rng.randrange(3, 32000) for _ in range(30)]], route="remote")
+        view = d1.worker.remote.prefix_view
+        wait_until(lambda: view.cached_tokens(shared).get("prefill-0", 0) >= 304, 20)
+        follow = [shared + [rng.randrange(3, 32000) for _ in range(rng.randint(10, 40))] for _ in range(3)]
+        for prompt in follow:
+            (o,) = run_all(d1, [prompt], route="local")
+            assert o.token_ids == reference(llama_dir, [prompt])[0]
+            assert o.breakdown["route"] == "local"
+        peers = d1.worker.remote.peers
+        # The first follow-up borrowed the shared blocks; the others found them in decode-1's pool.
+        assert peers.counters["borrows"] == 1 and peers.counters["borrowed_tokens"] >= 304, peers.counters
+
+        def lending():
+            return ray.get(actor.get_stats.remote())["lending"]
+
+        wait_until(lambda: lending()["lender"].get("released", 0) == lending()["lender"].get("granted", 0), 20)
+        assert lending()["lender"]["granted"] == 1 and lending()["lent_blocks"] == 0, lending()
+        for d in decodes:
+            eng = d.worker.engine
+            wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 30)
+    finally:
+        try:
+            ray.get(actor.stop.remote(), timeout=30)
+        except Exception:  # noqa: BLE001
+            pass
+        ray.kill(actor)
+        for d in decodes:
+            d.stop()

@@ -1,0 +1,151 @@
+"""A decode worker's prefix loans (handoff/lend.py): it borrows what prefill workers hold
+for the prompts it prefills itself, and lends what it holds.
+
+**Borrowing.** When a request is prefilled here (the router chose local) and a prefill
+worker holds a longer prefix of it than this pool does (the prefix view of their KV
+events, `Prepared.prefix_hint`), and reading those blocks is predicted cheaper than
+computing them (the cost model's transfer time against its prefill compute), the
+request waits for the loan: its stream is attached, the engine thread asks the holder
+(`Borrower.start`) and adds the request once the read is over, whatever its outcome. A
+read makes the prefix a pool hit; anything else leaves the request to compute it, as it
+would have. The holder's NIXL metadata is read from etcd the first time.
+
+**Lending.** Prefill workers (and other decode workers) may borrow from this pool; a
+borrower this agent has not met is looked up in etcd before it is answered.
+
+Engine state changes on the engine thread only (`AsyncEngine.call`, KVArrival's poll).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from pdserve.kvtransfer.lending import Lending
+
+from .async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+PEER_LOOKUP_TIMEOUT_S = 5.0
+UNKNOWN_BORROWER_CHECK_S = 0.02
+MIN_BORROW_BLOCKS = 2  # a shorter lent prefix is computed: one block is not worth a round trip
+
+
+class PeerPrefixes:
+    """Both halves of this worker's loans (see the module docstring)."""
+
+    def __init__(self, engine: AsyncEngine, lending: Lending, agent, fetch_metadata: Callable[[str], Awaitable]):
+        self.engine = engine
+        self.lending = lending
+        self.agent = agent  # rank 0's KVTransferAgent (its peers)
+        self.fetch_metadata = fetch_metadata  # async worker id -> its NIXL record bytes, or None
+        self.block_size = engine.engine.config.block_size
+        self.counters = {"borrows": 0, "borrowed_tokens": 0, "borrow_fallbacks": 0, "peer_lookup_failures": 0}
+        self._task: asyncio.Task | None = None
+        self._args: dict[str, tuple] = {}  # request id -> what to add once its loan ends (engine thread)
+
+    # -- deciding (event loop) ----------------------------------------------------------------
+    def choose(self, hint: dict[str, int], cached_len: int, prompt_len: int, costs) -> tuple[str, int] | None:
+        """(holder, blocks) to borrow for a local prefill, or None: no holder with at least
+        MIN_BORROW_BLOCKS more than this pool, or reading them is predicted no cheaper than
+        computing them (``costs``: the router's CostEstimates)."""
+        if not hint:
+            return None
+        holder, tokens = max(hint.items(), key=lambda kv: (kv[1], kv[0]))
+        tokens = min(tokens, ((prompt_len - 1) // self.block_size) * self.block_size)
+        gain = tokens - cached_len
+        if gain < MIN_BORROW_BLOCKS * self.block_size:
+            return None
+        if costs is not None and costs.transfer_ms(gain) >= costs.prefill_compute_ms(gain, cached_len):
+            return None
+        return holder, tokens // self.block_size
+
+    # -- borrowing ------------------------------------------------------------------------------
+    async def submit(self, prep, holder: str, blocks: int) -> asyncio.Queue:
+        """Like `AsyncEngine.submit`, after borrowing the prefix from ``holder`` (the request is
+        added when the loan ends, read or not)."""
+        known = await self.ensure_peer(holder)
+        q = self.engine.attach(prep.request_id)
+        rid, ids, params, prio, tenant = (prep.request_id, prep.prompt_ids, prep.params, int(prep.priority),
+                                          prep.tenant)
+
+        def start(eng) -> None:
+            self.engine.add_later(rid)
+            lend_id = self.lending.borrower.start(ids, holder, blocks, tag=rid) if known else None
+            if lend_id is None:
+                self.counters["borrow_fallbacks"] += 1
+                self.engine.add_held(rid, ids, params, prio, tenant)
+            else:
+                self._args[rid] = (ids, params, prio, tenant)
+
+        self.engine.call(start)
+        return q
+
+    def after_poll(self) -> None:
+        """Engine thread (KVArrival's poll, after the lending traffic): add the requests whose
+        loan ended."""
+        for r in self.lending.borrower.take_results():
+            args = self._args.pop(r.tag, None)
+            if args is None:
+                continue
+            if r.outcome == "read":
+                self.counters["borrows"] += 1
+                self.counters["borrowed_tokens"] += r.read_tokens
+            else:
+                self.counters["borrow_fallbacks"] += 1
+            self.engine.add_held(r.tag, *args)
+
+    async def ensure_peer(self, worker_id: str) -> bool:
+        """This agent knows ``worker_id`` (its NIXL record loaded from etcd if it did not)."""
+        if worker_id in self.agent.peers:
+            return True
+        try:
+            raw = await asyncio.wait_for(self.fetch_metadata(worker_id), PEER_LOOKUP_TIMEOUT_S)
+            if raw is None:
+                raise LookupError(f"{worker_id} has no NIXL record in etcd")
+            info = json.loads(raw)
+        except Exception as exc:  # noqa: BLE001  (etcd slow or down, the worker gone: no loan)
+            self.counters["peer_lookup_failures"] += 1
+            log.info("NIXL record of %s not available: %r", worker_id, exc)
+            return False
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def add(eng) -> None:
+            try:
+                if worker_id not in self.agent.peers:
+                    self.agent.add_peer(info)
+                ok = True
+            except Exception as exc:  # noqa: BLE001  (a layout this pool cannot read from)
+                log.warning("NIXL record of %s refused: %r", worker_id, exc)
+                ok = False
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(ok))
+
+        self.engine.call(add)
+        try:
+            return await asyncio.wait_for(done, PEER_LOOKUP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return False
+
+    # -- lending ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._serve_unknown_borrowers())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _serve_unknown_borrowers(self) -> None:
+        """Borrowers whose requests wait for their NIXL record: load it, then answer them."""
+        while True:
+            await asyncio.sleep(UNKNOWN_BORROWER_CHECK_S)
+            names = self.lending.lender.waiting_for_peers()  # (a read of the engine thread's list)
+            if not names:
+                continue
+            for name in names:
+                await self.ensure_peer(name)
+            self.engine.call(lambda eng: self.lending.lender.retry())
