@@ -29,9 +29,22 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pdserve.engine import SamplingParams
-from pdserve.handoff import (BAD_TASK, BATCH_FAILED, CANCELLED, PEER_MISSING, REQUEST_FAILED, TRANSFER_ERROR, JobState,
-                             KVSender, PrefillDone, PrefillFailed, PrefillJob, TransportError, WriteFailed,
-                             WriteTimedOut)
+from pdserve.handoff import (
+    BAD_TASK,
+    BATCH_FAILED,
+    CANCELLED,
+    PEER_MISSING,
+    REQUEST_FAILED,
+    TRANSFER_ERROR,
+    JobState,
+    KVSender,
+    PrefillDone,
+    PrefillFailed,
+    PrefillJob,
+    TransportError,
+    WriteFailed,
+    WriteTimedOut,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +72,10 @@ class PrefillStats:
     # Tasks refused before any work: not signed by their target decode worker (prefill/worker.py)
     tasks_rejected: int = 0
     rejected_by_reason: Counter = field(default_factory=Counter)
+    # Prefixes borrowed from other workers before a batch (prefill/worker.py _borrow_prefixes):
+    # loans by outcome (read, refused, failed, timed_out) and the prompt tokens read, not computed.
+    borrows: Counter = field(default_factory=Counter)
+    borrowed_tokens: int = 0
 
 
 @dataclass

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 HOLD_CHECK_S = 0.25
 PEER_LOOKUP_TIMEOUT_S = 5.0
 LEND_POLL_S = 0.005  # between batches, how often loan requests are answered
+MIN_BORROW_BLOCKS = 2  # a shorter prefix held elsewhere is computed: one block is not worth a round trip
 
 
 @dataclass
@@ -309,6 +310,10 @@ class PrefillWorker:
             problem = await self._peer_info(target, new_peers)
             if problem is not None:
                 unusable[target] = problem
+        if self.lending is not None:  # the holders of prefixes worth borrowing (other prefill workers)
+            for holder in dict.fromkeys(h for t in tasks for h in t.prefix_hint if h != self.worker_id):
+                if holder not in unusable and await self._peer_info(holder, new_peers) is not None:
+                    unusable.setdefault(f"holder:{holder}", "no NIXL record")
         batch = asyncio.ensure_future(asyncio.to_thread(self._run_batch, tasks, new_peers, unusable))
         result = await batch
         self.metrics.observe_batch(result)
@@ -329,7 +334,39 @@ class PrefillWorker:
     def _run_batch(self, tasks, new_peers: dict, unusable: dict):
         with self._engine_lock:
             self._sync_peers(new_peers, unusable)
+            if self.lending is not None:
+                self._borrow_prefixes([t for t in tasks if t.target_worker_id not in unusable], unusable)
             return self._batch.run(tasks, unusable)
+
+    def _borrow_prefixes(self, tasks: list, unusable: dict) -> None:
+        """Before a batch is computed (batch thread): for each task, the longest prefix of its
+        prompt another worker holds, past what this pool holds, when it is at least
+        MIN_BORROW_BLOCKS more: borrowed and read (kvtransfer/lending.py), so the batch
+        computes only the rest. The sources: the task's target decode worker, which holds its
+        first ``cached_len`` tokens, and the prefill workers its hint names. Bounded by the
+        loans' deadline; whatever is not read in time is computed as usual."""
+        conn, bs = self.engine.connector, self.engine.config.block_size
+        borrower = self.lending.borrower
+        started = 0
+        for t in tasks:
+            sources = {h: n for h, n in t.prefix_hint.items() if h != self.worker_id and f"holder:{h}" not in unusable}
+            sources[t.target_worker_id] = max(sources.get(t.target_worker_id, 0), t.cached_len)
+            holder, tokens = max(sources.items(), key=lambda kv: (kv[1], kv[0]))
+            tokens = min(tokens, ((len(t.token_ids) - 1) // bs) * bs)
+            have = conn.cached_prefix_len(t.token_ids)
+            if tokens - have < MIN_BORROW_BLOCKS * bs or holder not in self._known_peers:
+                continue
+            if borrower.start(t.token_ids, holder, tokens // bs, tag=t.request_id) is not None:
+                started += 1
+        if not started:
+            return
+        deadline = time.monotonic() + borrower.lease_ms / 2e3 + 0.5
+        while borrower.tickets and time.monotonic() < deadline:
+            self.agent.poll()  # (LendingAgent: grants, reads and their ends)
+            time.sleep(0.0005)
+        for r in borrower.take_results():
+            self.stats.borrows[r.outcome] += 1
+            self.stats.borrowed_tokens += r.read_tokens
 
     async def _lend_loop(self) -> None:
         """Between batches, answer other workers' loan requests (a batch's own polls answer

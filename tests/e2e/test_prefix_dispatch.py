@@ -119,3 +119,43 @@ def test_a_local_prefill_borrows_the_prefix_a_prefill_worker_holds(ray_local, et
         ray.kill(actor)
         for d in decodes:
             d.stop()
+
+
+def test_a_prefill_worker_borrows_the_prefix_its_decode_worker_holds(ray_local, etcd, llama_dir):
+    """The other direction: a conversation whose first turn the decode worker prefilled itself
+    goes remote for its next turn. The task's decode worker holds the first turn's blocks
+    (the task's cached_len); the prefill worker, which never saw them, reads them from it
+    (prefill/worker.py _borrow_prefixes) and computes only the new turn: token-exact, the
+    loan released, every block back."""
+    engine = {"device": "cpu"}
+    d = WorkerThread(DecodeWorkerConfig(
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="borrowp", lease_ttl_s=3, worker_id="decode-0",
+        remote_prefill=True, ucx_env=UCX, remote_timeout_s=60, engine_args=engine)).start()
+    actor = ray.remote(PrefillWorker).options(num_cpus=0).remote(dict(
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="borrowp", lease_ttl_s=3, worker_id="prefill-0",
+        ucx_env=UCX, engine_args=engine))
+    try:
+        ray.get(actor.start.remote(), timeout=180)
+        wait_until(lambda: d.worker.remote.available(), 30)
+        rng = random.Random(12)
+        first = [rng.randrange(3, 32000) for _ in range(320)]
+        (o1,) = run_all(d, [first], route="local")
+        second = first + o1.token_ids + [rng.randrange(3, 32000) for _ in range(40)]
+        (o2,) = run_all(d, [second], route="remote")
+        assert o2.token_ids == reference(llama_dir, [second])[0]
+        assert o2.breakdown["route"] == "remote"
+        stats = ray.get(actor.get_stats.remote())
+        assert stats["borrows"] == {"read": 1}, stats
+        assert stats["borrowed_tokens"] >= 320, stats  # the first turn was read, not computed
+        assert stats["tokens_computed"] < len(second) - 300, stats
+        lender = d.worker.remote.arrival.lending.lender
+        wait_until(lambda: lender.counters["released"] == lender.counters["granted"] == 1, 20)
+        eng = d.worker.engine
+        wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 30)
+    finally:
+        try:
+            ray.get(actor.stop.remote(), timeout=30)
+        except Exception:  # noqa: BLE001
+            pass
+        ray.kill(actor)
+        d.stop()
