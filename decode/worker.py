@@ -192,7 +192,7 @@ class DecodeWorker:
         self.agent = transport.receiver()
         self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,
                                     RemoteConfig(timeout_s=cfg.remote_timeout_s, quarantine_s=cfg.remote_quarantine_s), costs=policy.costs)
-        if self.engine.connector.tensor_parallel_size == 1 and self.engine.config.enable_prefix_caching:
+        if cfg.lending and self.engine.connector.tensor_parallel_size == 1 and self.engine.config.enable_prefix_caching:
             # Prefix loans (decode/borrow.py): borrow what prefill workers hold for local
             # prefills, lend what this pool holds.
             from pdserve.kvtransfer.lending import Lending

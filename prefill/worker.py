@@ -122,7 +122,8 @@ class PrefillWorker:
             open_worker_transport, self.worker_id, self.engine, cfg.agent_ucx_env(self.host),
             cfg.agent_threads(self.engine.connector.tensor_parallel_size))
         self.agent = transport.sender()
-        if self.engine.connector.tensor_parallel_size == 1 and self.engine.config.enable_prefix_caching:
+        if (cfg.lending and self.engine.connector.tensor_parallel_size == 1
+                and self.engine.config.enable_prefix_caching):
             # Lend this pool's cached prefixes to other workers' reads (kvtransfer/lending.py):
             # every poll of the agent answers them, between batches too (`_lend_loop`).
             self.lending = Lending(self.engine.connector, transport.agent)
