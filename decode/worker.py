@@ -364,6 +364,10 @@ class DecodeWorker:
                "engine_alive": self.async_engine.alive, **{f"engine_{k}": v for k, v in self.async_engine.counters.items()}}
         if self.remote is not None:
             out["remote"] = dict(self.remote.counters)
+            if self.remote.peers is not None:  # prefix loans (decode/borrow.py)
+                out["borrowing"] = dict(self.remote.peers.counters)
+                out["lending"] = self.remote.peers.lending.stats()
+        out.update(eng.tier_stats())
         return out
 
     async def stop(self) -> None:

@@ -167,6 +167,13 @@ class LLMEngine:
         self._forget(req)
         return True
 
+    def tier_stats(self) -> dict:
+        """The second KV tier, for a worker's stats: what it holds and did, and the prompt tokens
+        loaded back from it instead of computed (engine/kv_tier.py); {} without a tier."""
+        if self.tier is None:
+            return {}
+        return {"tier": self.tier.snapshot(), "tier_loaded_tokens": self.scheduler.tier_loaded_tokens}
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -220,6 +220,8 @@ class PrefillWorker:
                 "loop_error": self.loop_error, "metrics": self.metrics.address,
                 "tp_ranks": self.tp_rank_pids(),
                 "lending": self.lending.stats() if self.lending is not None else None,
+                "prompt_tokens_cached": self.engine.stats.num_prompt_tokens_cached if self.engine else 0,
+                **(self.engine.tier_stats() if self.engine is not None else {}),
                 **{k: dict(v) if isinstance(v, dict) else v for k, v in self.stats.__dict__.items()}}
 
     def pid(self) -> int:
