@@ -161,7 +161,8 @@ class Frontend:
         connector = self.engine.engine.connector
         feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=prio,
                                 ttft_slo_ms=inp.ttft_slo_ms, override=inp.route, max_tokens=params.max_tokens,
-                                remote_cached_len=remote_cached, tier_cached_len=connector.tier_prefix_len(ids, cached))
+                                remote_cached_len=remote_cached, tier_cached_len=connector.tier_prefix_len(ids, cached),
+                                peer_reads=getattr(self.remote, "peers", None) is not None)
         snap = self.snapshot(max(0, len(ids) - cached), cached)
         if feats.tier_cached_len:  # the tier's measured load cost (engine/kv_tier.py)
             snap = dataclasses.replace(snap, costs=dataclasses.replace(

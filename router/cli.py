@@ -56,6 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="prompt tokens already in the prefix cache")
     req.add_argument("--remote-cached-len", type=int, metavar="N", default=0,
                      help="prompt tokens the prefill worker with the longest cached prefix holds")
+    req.add_argument("--peer-reads", action="store_true",
+                     help="this worker borrows prefixes: a local prefill reads --remote-cached-len past "
+                          "--cached-len from the prefill worker holding it, when cheaper")
     req.add_argument("--tier-cached-len", type=int, metavar="N", default=0,
                      help="prompt tokens past --cached-len that this worker's second KV tier holds "
                           "(kv_offload_bytes): loaded back instead of computed when cheaper")
@@ -128,7 +131,7 @@ def run_explain(args: argparse.Namespace) -> int:
         costs = _costs(args, policy)
         features = RequestFeatures(
             prompt_len=args.prompt_len, cached_len=args.cached_len, remote_cached_len=args.remote_cached_len,
-            tier_cached_len=args.tier_cached_len,
+            tier_cached_len=args.tier_cached_len, peer_reads=args.peer_reads,
             priority=args.priority,
             ttft_slo_ms=args.ttft_slo_ms, override=args.override, max_tokens=args.max_tokens,
         )

@@ -67,7 +67,10 @@ def predict(
                       the older prefill: behind);
              with T tokens past cached_len in this worker's second KV tier, eff_len - T
              tokens are computed after cached_len + T and T x tier_load_ms_per_token added,
-             when that is less than computing all of eff_len
+             when that is less than computing all of eff_len; with ``peer_reads`` (this
+             worker borrows prefixes, decode/borrow.py), the P = remote_cached_len -
+             cached_len tokens a prefill worker holds are read instead, at the transfer's
+             cost, when that is less again
     remote = r x (queue depth x step_fixed_ms + queue compute) / pool size + decode wait
              + r x (step_fixed_ms + compute(remote_eff)) + kv_bytes(eff_len) / bandwidth
              + setup + residual_remote, where remote_eff = prompt_len - max(cached_len,
@@ -102,6 +105,13 @@ def predict(
         loaded = c.prefill_compute_ms(eff - tier, features.cached_len + tier) + tier * c.tier_load_ms_per_token
         if loaded < compute:
             local_eff, local_compute = eff - tier, loaded
+    # And what a prefill worker holds past it is read from that worker (a prefix loan,
+    # decode/borrow.py) when this worker borrows and the read is cheaper.
+    peer = min(features.remote_cached_len - features.cached_len, eff - 1) if features.peer_reads else 0
+    if peer > tier and peer >= 2 * 16:
+        read = c.prefill_compute_ms(eff - peer, features.cached_len + peer) + c.transfer_ms(peer)
+        if read < local_compute:
+            local_eff, local_compute = eff - peer, read
     local_wait = (_steps(backlog, budget) * base + _backlog_ms(c, backlog, snapshot.local_prefill_queue_requests)
                   + decode_wait)
     local_prefill = (_steps(backlog + local_eff, budget) - _steps(backlog, budget)) * base + local_compute
@@ -173,6 +183,10 @@ def decide(
         trace.append(f"this worker's second KV tier holds {features.tier_cached_len} more prompt tokens past the "
                      f"{features.cached_len} in its pool (load {snapshot.costs.tier_load_ms_per_token:.4f} ms/token): "
                      "a local prefill loads them back when that is cheaper than computing them")
+    if trace is not None and features.peer_reads and features.remote_cached_len - features.cached_len >= 32:
+        trace.append(f"a local prefill would read the {features.remote_cached_len - features.cached_len} prompt "
+                     "tokens a prefill worker holds past this worker's (a prefix loan) when that is cheaper "
+                     "than computing them")
     if trace is not None and features.remote_cached_len > features.cached_len:
         trace.append(f"a prefill worker holds {features.remote_cached_len} prompt tokens cached (its KV "
                      f"events) against {features.cached_len} here: a remote prefill computes only past them")

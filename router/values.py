@@ -39,6 +39,9 @@ class RequestFeatures:
     # a local prefill loads them back (at CostEstimates.tier_load_ms_per_token) instead of
     # computing them. 0: no tier, or no hit there.
     tier_cached_len: int = 0
+    # This worker borrows prefixes from prefill workers (a NIXL read of what remote_cached_len
+    # holds past cached_len, decode/borrow.py): the local prediction counts that read.
+    peer_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0 or self.cached_len < 0 or self.remote_cached_len < 0 or self.tier_cached_len < 0:

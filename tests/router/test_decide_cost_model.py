@@ -327,3 +327,21 @@ def test_a_second_tier_hit_is_loaded_back_locally_when_loading_costs_less(rt, po
     assert whole.predicted_ttft_local_ms > decide(rt.req(2000, cached_len=1999), cheap, policy).predicted_ttft_local_ms
     with pytest.raises(ValueError, match="tier_cached_len"):
         rt.req(10, tier_cached_len=-1)
+
+
+def test_a_local_prefill_that_can_borrow_counts_the_read_not_the_compute(rt, policy):
+    """peer_reads (decode/borrow.py): the prefix a prefill worker holds past this worker's is
+    read at the transfer's cost instead of computed; without peer_reads, the local route gains
+    nothing from it (test above)."""
+    snapshot = rt.snap(policy)
+    blind = decide(rt.req(2000, remote_cached_len=1500), snapshot, policy)
+    reads = decide(rt.req(2000, remote_cached_len=1500, peer_reads=True), snapshot, policy, explain=True)
+    transfer = 1500 * 131072 / 1e7 + 2.0
+    assert reads.predicted_ttft_remote_ms == blind.predicted_ttft_remote_ms
+    saved = blind.predicted_ttft_local_ms - reads.predicted_ttft_local_ms
+    assert saved == pytest.approx(1500 * 0.1 - transfer, rel=0.1)  # 1500 tokens' compute, less their read
+    assert any("a local prefill would read the 1500 prompt tokens" in line for line in reads.trace)
+    # Dearer to read than to compute: unchanged.
+    slow = dataclasses.replace(snapshot, costs=dataclasses.replace(snapshot.costs, transfer_bytes_per_ms=1.0))
+    assert decide(rt.req(2000, remote_cached_len=1500, peer_reads=True), slow, policy).predicted_ttft_local_ms == \
+        decide(rt.req(2000, remote_cached_len=1500), slow, policy).predicted_ttft_local_ms
