@@ -23,6 +23,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 
+from pdserve.handoff.lend import lends
 from pdserve.kvtransfer.lending import Lending
 
 from .async_engine import AsyncEngine
@@ -46,12 +47,24 @@ class PeerPrefixes:
         self.counters = {"borrows": 0, "borrowed_tokens": 0, "borrow_fallbacks": 0, "peer_lookup_failures": 0}
         self._task: asyncio.Task | None = None
         self._args: dict[str, tuple] = {}  # request id -> what to add once its loan ends (engine thread)
+        self.lenders: set[str] = set()  # prefill workers whose records say they lend (the prefill watch)
 
     # -- deciding (event loop) ----------------------------------------------------------------
+    def member(self, info) -> None:
+        """A prefill worker's record (added or updated): whether it lends."""
+        if lends(info.capacity):
+            self.lenders.add(info.worker_id)
+        else:
+            self.lenders.discard(info.worker_id)
+
+    def gone(self, info) -> None:
+        self.lenders.discard(info.worker_id)
+
     def choose(self, hint: dict[str, int], cached_len: int, prompt_len: int, costs) -> tuple[str, int] | None:
         """(holder, blocks) to borrow for a local prefill, or None: no holder with at least
         MIN_BORROW_BLOCKS more than this pool, or reading them is predicted no cheaper than
         computing them (``costs``: the router's CostEstimates)."""
+        hint = {w: n for w, n in hint.items() if w in self.lenders}
         if not hint:
             return None
         holder, tokens = max(hint.items(), key=lambda kv: (kv[1], kv[0]))

@@ -26,6 +26,7 @@ from pdserve.control.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PA
 from pdserve.control.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.calibrate import measure_steps
+from pdserve.handoff.lend import LENDS_CAPACITY_KEY
 from pdserve.kvindex.publisher import record_endpoints, start_event_publisher
 from pdserve.kvtransfer.tp_transport import with_rank_transport
 from pdserve.router import parse_policy
@@ -224,15 +225,21 @@ class DecodeWorker:
 
             follower = self.remote.prefix_view = KVIndexFollower().start()
 
+        peers = self.remote.peers if self.remote is not None else None
+
         def seen(info):
             self._count_prefill()
             if follower is not None:
                 follower.member(info)
+            if peers is not None:
+                peers.member(info)
 
         def gone(info):
             self._count_prefill()
             if follower is not None:
                 follower.gone(info)
+            if peers is not None:
+                peers.gone(info)
 
         self.prefill_watch = await self.registry.watch_members(on_add=seen, on_update=seen, on_remove=gone,
                                                                role="prefill")
@@ -254,7 +261,8 @@ class DecodeWorker:
             endpoints={"grpc": self.grpc_address, "http": self.http_address, **record_endpoints(self.kv_publisher)},
             model=self.frontend.served_model, kv_layout=eng.connector.layout_info(),
             capacity={"num_blocks": eng.load().num_blocks, "max_num_seqs": eng.config.max_num_seqs,
-                      "max_model_len": eng.max_model_len},
+                      "max_model_len": eng.max_model_len,
+                      **({LENDS_CAPACITY_KEY: True} if self.remote is not None and self.remote.peers else {})},
             version=VERSION, load=self._load(), hostname=socket.gethostname(), address=self.host,
             task_key=self.remote.signer.public_key if self.remote is not None else "",
         )

@@ -52,6 +52,16 @@ BUSY = "busy"  # the holder lends too much already
 NO_TIER = "unsupported"  # the holder cannot lend (tensor parallel, no prefix cache)
 
 
+# The key a worker's etcd record sets in its `capacity` when it answers loan requests (both
+# roles; a borrower asks only such a worker).
+LENDS_CAPACITY_KEY = "lends_prefixes"
+
+
+def lends(capacity) -> bool:
+    """Whether a worker whose record's capacity is ``capacity`` answers loan requests."""
+    return bool((capacity or {}).get(LENDS_CAPACITY_KEY))
+
+
 class MalformedLendError(ValueError):
     """A lend message that is not valid for this version (the receiver counts and drops it)."""
 

@@ -38,6 +38,7 @@ from pdserve.control.runtime import cpu_list, freeze_gc_heap
 from pdserve.control.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.tp_group import TPGroupBroken
+from pdserve.handoff.lend import LENDS_CAPACITY_KEY, lends
 from pdserve.kvindex.publisher import record_endpoints, start_event_publisher
 from pdserve.kvtransfer.lending import Lending, LendingAgent
 from pdserve.kvtransfer.tp_transport import TPSender, open_worker_transport, with_rank_transport
@@ -93,6 +94,7 @@ class PrefillWorker:
         self._peers_to_remove: set[str] = set()
         self._known_peers: set[str] = set()
         self._task_keys: dict[str, str] = {}  # decode worker id -> its published task key, as last read
+        self._lenders: dict[str, bool] = {}  # worker id -> its record says it lends prefixes (as last read)
         self._batch: PrefillBatch | None = None
         self._queue_instance: str | None = None
         self.loop_error: str | None = None
@@ -143,7 +145,9 @@ class PrefillWorker:
         self.kv_publisher = start_event_publisher(self.engine, cfg.address())
         info = WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
                           kv_layout=self.engine.connector.layout_info(),
-                          capacity={"max_num_batched_tokens": self.budget}, version=VERSION,
+                          capacity={"max_num_batched_tokens": self.budget,
+                                    **({LENDS_CAPACITY_KEY: True} if self.lending is not None else {})},
+                          version=VERSION,
                           endpoints={**({"metrics": metrics_at} if metrics_at else {}),
                                      **record_endpoints(self.kv_publisher),
                                      # the UCX listeners of the agent's posting threads
@@ -300,6 +304,7 @@ class PrefillWorker:
             log.warning("could not read the task key of decode worker %s: %r", worker_id, exc)
             return None
         key = info.task_key if info is not None and info.task_key else None
+        self._lenders[worker_id] = info is not None and lends(info.capacity)
         if key is None:
             self._task_keys.pop(worker_id, None)
         else:
@@ -315,8 +320,14 @@ class PrefillWorker:
                 unusable[target] = problem
         if self.lending is not None:  # the holders of prefixes worth borrowing (other prefill workers)
             for holder in dict.fromkeys(h for t in tasks for h in t.prefix_hint if h != self.worker_id):
-                if holder not in unusable and await self._peer_info(holder, new_peers) is not None:
-                    unusable.setdefault(f"holder:{holder}", "no NIXL record")
+                if holder not in self._lenders:  # its record says whether it lends (read once)
+                    try:
+                        info = await asyncio.wait_for(self.registry.member("prefill", holder), PEER_LOOKUP_TIMEOUT_S)
+                    except Exception:  # noqa: BLE001  (etcd slow: no loan from it this batch)
+                        info = None
+                    self._lenders[holder] = info is not None and lends(info.capacity)
+                if self._lenders[holder] and await self._peer_info(holder, new_peers) is not None:
+                    self._lenders[holder] = False
         batch = asyncio.ensure_future(asyncio.to_thread(self._run_batch, tasks, new_peers, unusable))
         result = await batch
         self.metrics.observe_batch(result)
@@ -352,8 +363,11 @@ class PrefillWorker:
         borrower = self.lending.borrower
         started = 0
         for t in tasks:
-            sources = {h: n for h, n in t.prefix_hint.items() if h != self.worker_id and f"holder:{h}" not in unusable}
-            sources[t.target_worker_id] = max(sources.get(t.target_worker_id, 0), t.cached_len)
+            sources = {h: n for h, n in t.prefix_hint.items() if h != self.worker_id and self._lenders.get(h)}
+            if self._lenders.get(t.target_worker_id):
+                sources[t.target_worker_id] = max(sources.get(t.target_worker_id, 0), t.cached_len)
+            if not sources:
+                continue
             holder, tokens = max(sources.items(), key=lambda kv: (kv[1], kv[0]))
             tokens = min(tokens, ((len(t.token_ids) - 1) // bs) * bs)
             have = conn.cached_prefix_len(t.token_ids)
