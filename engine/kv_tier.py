@@ -127,6 +127,7 @@ class TierLoad:
     blocks: list["Block"]  # the pool blocks written (held until the load is finished)
     held: list["Block"]  # everything the load holds: the request's pool hits, then `blocks`
     slots: list[int] = field(default_factory=list)
+    after: object = None  # GPU: a CUDA event on the engine's stream the load's copy waits for
     error: str | None = None
     seconds: float = 0.0
 
@@ -303,6 +304,9 @@ class KVTier:
             meta = [self._meta[h] for h in hashes[:n]]
             load = TierLoad(request_id, list(hashes[:n]), [m[0] for m in meta], [m[1] for m in meta],
                             list(blocks[:n]), held, slots)
+            if self._stream is not None:  # the load writes after whatever the engine issued into those blocks
+                load.after = torch.cuda.Event()
+                load.after.record()
             self._loads.append(load)
             self._work.notify()
         return load
@@ -410,6 +414,7 @@ class KVTier:
             ids = torch.tensor([b.block_id for b in load.blocks], dtype=torch.long, device=self.pool.device)
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(load.after)
                     self.pool.index_copy_(1, ids, src.to(self.pool.device, non_blocking=True))
             else:
                 self.pool.index_copy_(1, ids, src)
