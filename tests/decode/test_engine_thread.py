@@ -152,3 +152,24 @@ def test_work_that_cannot_be_scheduled_waits_instead_of_spinning(llm, monkeypatc
 
     seen = run(llm, body)
     assert seen["steps"] >= 1 and seen["steps"] <= seen["waits"] + 2, seen
+
+
+def test_a_request_held_for_a_prefix_loan_is_added_later_or_ends_on_abort(llm):
+    """add_later / add_held (decode/borrow.py): the stream is attached first, the request joins
+    the engine when its loan ends; an abort meanwhile ends the stream, and the later add is
+    skipped (nothing runs for a client that left)."""
+    ref = llm.generate([[5, 6, 7, 8]], params(4))[0].token_ids
+
+    async def body(ae):
+        kept, left = ae.attach("kept"), ae.attach("left")
+        ae.call(lambda eng: (ae.add_later("kept"), ae.add_later("left")))
+        ae.abort("left")
+        aborted = await drain(left)
+        assert [d.finish_reason for d in aborted] == ["abort"]
+        ae.call(lambda eng: ae.add_held("left", [5, 6, 7, 8], params(4), 0, None))  # skipped: aborted
+        ae.call(lambda eng: ae.add_held("kept", [5, 6, 7, 8], params(4), 0, None))
+        return await drain(kept)
+
+    items = run(llm, body)
+    assert tokens(items) == ref and items[-1].finish_reason == "length"
+    assert_no_leak(llm)
