@@ -16,7 +16,8 @@ one system prompt, of ``--turns`` turns: a turn's prompt is the whole history (t
 prompt, the earlier user messages and the replies the model gave) plus a new user message
 of ``--user-len`` tokens; replies are ``--output-len`` tokens. A chat sticks to one decode
 worker (as a session-affine load balancer sends it). Chats start as a Poisson process at
-``--rate`` chats/s. Every worker's KV pool holds ``--pool-tokens``; the working set (the
+``--rate`` chats/s; after each reply the user thinks for ``--think-s`` on average
+(exponential), while the other chats' turns push its history out of the pool. Every worker's KV pool holds ``--pool-tokens``; the working set (the
 chats' histories at their last turn and the system prompts) is printed with its ratio to
 one pool.
 
@@ -26,7 +27,7 @@ second tier, read from a peer: the workers' own counters), and the ratios aware/
 Writes ``prefix_cluster.json`` and ``prefix_cluster.png`` (TTFT CDFs) under ``--out``.
 
     python bench/prefix_cluster.py                       # the default ~34M model, 2P2D on this host
-    python bench/prefix_cluster.py --chats 24 --turns 5 --rate 1.0 --out runs/prefix-cluster
+    python bench/prefix_cluster.py --chats 48 --think-s 12 --out runs/prefix-cluster
 """
 
 from __future__ import annotations
@@ -64,12 +65,15 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="model dir (default: make the default ~34M model under .cache/)")
     p.add_argument("--systems", type=int, default=3, help="distinct system prompts")
     p.add_argument("--system-len", type=int, default=512)
-    p.add_argument("--chats", type=int, default=24)
-    p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--user-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=24)
-    p.add_argument("--rate", type=float, default=1.0, help="chats started per second (Poisson)")
-    p.add_argument("--pool-tokens", type=int, default=1536, help="each worker's KV pool, in tokens")
+    p.add_argument("--chats", type=int, default=32)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--user-len", type=int, default=96)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--rate", type=float, default=4.0, help="chats started per second (Poisson)")
+    p.add_argument("--think-s", type=float, default=8.0,
+                   help="mean pause between a reply and the chat's next turn (exponential): while a user "
+                        "thinks, the other chats' turns push its history out of the pool")
+    p.add_argument("--pool-tokens", type=int, default=4096, help="each worker's KV pool, in tokens")
     p.add_argument("--tier-bytes", type=int, default=256 << 20, help="kv-aware: each worker's second tier")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
@@ -109,6 +113,7 @@ async def run_chats(targets: list[str], chats: list[dict], args) -> list[dict]:
         starts.append(t)
         t += rng.expovariate(args.rate) if args.rate > 0 else 0.0
     records: list[dict] = []
+    think = random.Random(args.seed + 2)
     t0 = time.perf_counter()
 
     async def chat(i: int, c: dict) -> None:
@@ -131,7 +136,12 @@ async def run_chats(targets: list[str], chats: list[dict], args) -> list[dict]:
                         last = now
                         reply += list(msg.token_ids)
                     if msg.finish_reason:
-                        rec["route"] = getattr(msg.breakdown, "route", None)
+                        from pdserve.api.client import breakdown_dict
+
+                        b = breakdown_dict(msg.breakdown)
+                        rec["route"] = b.get("route")
+                        rec.update({k: b.get(k) for k in ("queue_wait_ms", "prefill_ms", "cached_tokens",
+                                                          "predicted_ttft_ms")})
             except Exception as exc:  # noqa: BLE001  (recorded; the chat ends)
                 rec["error"] = f"{exc.__class__.__name__}: {exc}"
                 records.append(rec)
@@ -142,6 +152,8 @@ async def run_chats(targets: list[str], chats: list[dict], args) -> list[dict]:
             rec["end_s"] = time.perf_counter() - t0
             records.append(rec)
             history = prompt + reply
+            if args.think_s > 0 and turn + 1 < len(c["users"]):
+                await asyncio.sleep(think.expovariate(1.0 / args.think_s))
 
     try:
         await asyncio.gather(*(chat(i, c) for i, c in enumerate(chats)))

@@ -44,7 +44,8 @@ class PeerPrefixes:
         self.agent = agent  # rank 0's KVTransferAgent (its peers)
         self.fetch_metadata = fetch_metadata  # async worker id -> its NIXL record bytes, or None
         self.block_size = engine.engine.config.block_size
-        self.counters = {"borrows": 0, "borrowed_tokens": 0, "borrow_fallbacks": 0, "peer_lookup_failures": 0}
+        self.counters = {"borrows": 0, "borrowed_tokens": 0, "borrow_fallbacks": 0, "peer_lookup_failures": 0,
+                         "borrow_wait_ms": 0.0}  # the requests' total wait for their loans
         self._task: asyncio.Task | None = None
         self._args: dict[str, tuple] = {}  # request id -> what to add once its loan ends (engine thread)
         self.lenders: set[str] = set()  # prefill workers whose records say they lend (the prefill watch)
@@ -60,17 +61,19 @@ class PeerPrefixes:
     def gone(self, info) -> None:
         self.lenders.discard(info.worker_id)
 
-    def choose(self, hint: dict[str, int], cached_len: int, prompt_len: int, costs) -> tuple[str, int] | None:
+    def choose(self, hint: dict[str, int], cached_len: int, prompt_len: int, costs,
+               tier_len: int = 0) -> tuple[str, int] | None:
         """(holder, blocks) to borrow for a local prefill, or None: no holder with at least
-        MIN_BORROW_BLOCKS more than this pool, or reading them is predicted no cheaper than
-        computing them (``costs``: the router's CostEstimates)."""
+        MIN_BORROW_BLOCKS more than this pool and its second tier hold (``tier_len`` tokens past
+        ``cached_len``: loading them back is cheaper still), or reading them is predicted no
+        cheaper than computing them (``costs``: the router's CostEstimates)."""
         hint = {w: n for w, n in hint.items() if w in self.lenders}
         if not hint:
             return None
         holder, tokens = max(hint.items(), key=lambda kv: (kv[1], kv[0]))
         tokens = min(tokens, ((prompt_len - 1) // self.block_size) * self.block_size)
         gain = tokens - cached_len
-        if gain < MIN_BORROW_BLOCKS * self.block_size:
+        if gain - tier_len < MIN_BORROW_BLOCKS * self.block_size:
             return None
         if costs is not None and costs.transfer_ms(gain) >= costs.prefill_compute_ms(gain, cached_len):
             return None
@@ -104,6 +107,7 @@ class PeerPrefixes:
             args = self._args.pop(r.tag, None)
             if args is None:
                 continue
+            self.counters["borrow_wait_ms"] += r.elapsed_s * 1e3
             if r.outcome == "read":
                 self.counters["borrows"] += 1
                 self.counters["borrowed_tokens"] += r.read_tokens

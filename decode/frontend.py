@@ -182,7 +182,7 @@ class Frontend:
         borrow = None
         peers = getattr(self.remote, "peers", None)
         if decision.route == "local" and peers is not None:
-            borrow = peers.choose(hint, cached, len(ids), snap.costs)
+            borrow = peers.choose(hint, cached, len(ids), snap.costs, feats.tier_cached_len)
         return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, prefix_hint=hint,
                         tenant=_identity(inp.caller), residual_ms=residual, borrow=borrow)
 

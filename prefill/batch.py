@@ -113,6 +113,9 @@ class PrefillBatch:
         # answer, set from the event loop): computed no further, see `_drop_cancelled`.
         self._cancelled: set[tuple[str, int]] = set()
         self._cancel_lock = threading.Lock()
+        # Called after every step of a batch (the worker thread): the worker answers prefix-loan
+        # requests there (kvtransfer/lending.py), so a borrower waits a step, not a batch.
+        self.between_steps = None
 
     def cancel(self, keys) -> None:
         """Stop computing these tasks (request_id, epoch) at the next step (any thread)."""
@@ -206,6 +209,8 @@ class PrefillBatch:
             except Exception as exc:  # noqa: BLE001  (StepError: the forward pass raised)
                 self._fail_batch(jobs, f"{exc.__class__.__name__}: {exc}")
                 break
+            if self.between_steps is not None:
+                self.between_steps()  # e.g. answer other workers' loan requests within a step
             if not deltas and not eng.has_work():
                 self._fail_batch(jobs, "the engine has nothing left to schedule for this batch")
                 break

@@ -133,6 +133,8 @@ class PrefillWorker:
         self.queue = open_queue(cfg, "the prefill worker")
         self._batch = PrefillBatch(self.worker_id, self.engine, self.agent, self.stats,
                                    transfer_timeout_s=cfg.transfer_timeout_s, layerwise=cfg.layerwise)
+        if self.lending is not None:
+            self._batch.between_steps = self._answer_loans
         # A fresh start under this id (a Ray restart after a crash): whatever an earlier
         # incarnation held is gone. Requeue it now, not when (or if) its lease expires.
         try:
@@ -408,6 +410,13 @@ class PrefillWorker:
                 if problem is not None:
                     log.info("loan request from %s not answerable: %s", name, problem)
             await asyncio.to_thread(self._answer_waiting_borrowers, new_peers)
+
+    def _answer_loans(self) -> None:
+        """Between a batch's steps (batch thread): the loan requests that arrived meanwhile."""
+        try:
+            self.agent.poll()
+        except Exception as exc:  # noqa: BLE001  (the transport's trouble shows in the batch's own writes)
+            log.debug("lend poll failed: %r", exc)
 
     def _answer_waiting_borrowers(self, new_peers: dict) -> None:
         with self._engine_lock:  # (after the batch that may run now)
