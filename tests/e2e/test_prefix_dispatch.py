@@ -20,6 +20,15 @@ UCX = {"UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
 CLUSTER = "prefixd"
 
 
+def stop_quietly(actor) -> None:
+    """Stop a prefill worker actor, then kill it (a stuck or dead one is killed anyway)."""
+    try:
+        ray.get(actor.stop.remote(), timeout=30)
+    except Exception:  # noqa: BLE001
+        pass
+    ray.kill(actor)
+
+
 def test_requests_sharing_a_prefix_go_to_the_prefill_worker_that_holds_it(ray_local, etcd, llama_dir):
     engine = {"kv_events": True, "device": "cpu"}
     d = WorkerThread(DecodeWorkerConfig(
@@ -61,11 +70,7 @@ def test_requests_sharing_a_prefix_go_to_the_prefill_worker_that_holds_it(ray_lo
         assert all(x["best"] == holder and x["kept"] and x["best_cached_tokens"] >= 304 for x in decisions), decisions
     finally:
         for a in actors.values():
-            try:
-                ray.get(a.stop.remote(), timeout=30)
-            except Exception:  # noqa: BLE001
-                pass
-            ray.kill(a)
+            stop_quietly(a)
         d.stop()
 
 
@@ -112,11 +117,7 @@ def test_a_local_prefill_borrows_the_prefix_a_prefill_worker_holds(ray_local, et
             eng = d.worker.engine
             wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 30)
     finally:
-        try:
-            ray.get(actor.stop.remote(), timeout=30)
-        except Exception:  # noqa: BLE001
-            pass
-        ray.kill(actor)
+        stop_quietly(actor)
         for d in decodes:
             d.stop()
 
@@ -153,9 +154,5 @@ def test_a_prefill_worker_borrows_the_prefix_its_decode_worker_holds(ray_local, 
         eng = d.worker.engine
         wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 30)
     finally:
-        try:
-            ray.get(actor.stop.remote(), timeout=30)
-        except Exception:  # noqa: BLE001
-            pass
-        ray.kill(actor)
+        stop_quietly(actor)
         d.stop()
