@@ -40,8 +40,10 @@ class Completion:
 def build_request(prompt: str | list[int], *, request_id: str | None = None, model: str = "",
                   priority: str = "normal", route: str = "auto", ttft_slo_ms: float | None = None,
                   stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
-                  ignore_eos: bool = False, **sampling) -> pb.GenerateRequest:
-    """Build a GenerateRequest; sampling keywords use the engine's names."""
+                  ignore_eos: bool = False, resume_token_ids: list[int] | None = None,
+                  **sampling) -> pb.GenerateRequest:
+    """Build a GenerateRequest; sampling keywords use the engine's names. ``resume_token_ids``:
+    the tokens a failed worker already streamed for it (the proto's field; a gateway's)."""
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
@@ -57,6 +59,8 @@ def build_request(prompt: str | list[int], *, request_id: str | None = None, mod
                              priority=_PRIORITY[priority], route=_ROUTE[route])
     if ttft_slo_ms is not None:
         req.ttft_slo_ms = ttft_slo_ms
+    if resume_token_ids is not None:
+        req.resume_token_ids.ids.extend(resume_token_ids)
     if isinstance(prompt, str):
         req.text = prompt
     else:

@@ -115,14 +115,15 @@ class AsyncEngine:
 
     # -- asyncio side ---------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               priority: int, tenant: str | None = None) -> asyncio.Queue:
+               priority: int, tenant: str | None = None, resume_ids: list[int] | None = None) -> asyncio.Queue:
         """Queue a validated request; returns the queue its (delta, FinalInfo|None) items arrive on.
-        `tenant`: whose it is (the scheduler's fair share among API keys)."""
+        `tenant`: whose it is (the scheduler's fair share among API keys); `resume_ids`: the
+        tokens it already generated elsewhere (`LLMEngine.make_request`)."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
-        self._post(("add", request_id, prompt_ids, params, priority, tenant))
+        self._post(("add", request_id, prompt_ids, params, priority, tenant, resume_ids))
         return q
 
     def abort(self, request_id: str) -> None:
@@ -194,9 +195,10 @@ class AsyncEngine:
             elif kind == "call":
                 self._guarded(cmd[1], "failed_commands", eng)
 
-    def _add(self, rid: str, ids, params, priority, tenant) -> None:
+    def _add(self, rid: str, ids, params, priority, tenant, resume_ids=None) -> None:
         try:
-            self.engine.add_request(ids, params, request_id=rid, priority=priority, tenant=tenant)
+            self.engine.add_request(ids, params, request_id=rid, priority=priority, tenant=tenant,
+                                    resume_ids=resume_ids)
         except Exception as exc:  # noqa: BLE001  (this request's error, not the engine's)
             self._emit(rid, exc, None)
 

@@ -60,16 +60,19 @@ def breakdown(prep: Prepared, final: FinalInfo | None, extra: dict, now: float, 
         if k in extra:
             b[k] = extra[k]
     if final is not None:
+        # The whole completion (a resumed request's count includes what it resumed after: the
+        # client's usage); this worker's own tokens feed its histograms and counters.
         b["completion_tokens"] = final.completion_tokens
+        generated = final.completion_tokens - len(prep.inp.resume_ids or ())
         if final.first_token_time is not None:
             b["ttft_ms"] = (final.first_token_time - prep.arrival) * 1e3
             b.setdefault("queue_wait_ms", ((final.first_scheduled_time or final.first_token_time) - prep.arrival) * 1e3)
             if final.first_scheduled_time is not None:
                 b.setdefault("prefill_ms", (final.first_token_time - final.first_scheduled_time) * 1e3)
             metrics.queue_wait.observe(b["queue_wait_ms"] / 1e3)
-            if final.completion_tokens > 1:
-                metrics.tpot.observe((final.finish_time - final.first_token_time) / (final.completion_tokens - 1))
-        metrics.generation_tokens.inc(final.completion_tokens)
+            if generated > 1:
+                metrics.tpot.observe((final.finish_time - final.first_token_time) / (generated - 1))
+        metrics.generation_tokens.inc(generated)
         metrics.prefix_hit_tokens.inc(final.cached_tokens)
     metrics.e2e.observe(now - prep.arrival)
     return b

@@ -152,18 +152,24 @@ class Frontend:
             raise RequestError("already_exists", f"request_id: {label!r} is still in flight on this worker; "
                                "wait for it to end (or abort it) before reusing the id", "request_id")
         policy = self.policy.policy
-        cached = self.cached_len(ids)
+        resume = inp.resume_ids or []
+        # A resumed request (a migrated stream) computes its prompt and resumed tokens here:
+        # the remote path prefills prompts, and its first token would not follow the resumed ones.
+        computed = ids + resume
+        cached = self.cached_len(computed)
         self.arrivals.observe(arrival)
         # The prefill workers' cached prefixes of it (their KV events; decode/remote.py prefix_view).
-        view = self.remote.prefix_view if self.remote is not None else None
+        view = self.remote.prefix_view if self.remote is not None and not resume else None
         hint = view.cached_tokens(ids) if view is not None else {}
         remote_cached = max(hint.values(), default=0)
         connector = self.engine.engine.connector
-        feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=prio,
-                                ttft_slo_ms=inp.ttft_slo_ms, override=inp.route, max_tokens=params.max_tokens,
-                                remote_cached_len=remote_cached, tier_cached_len=connector.tier_prefix_len(ids, cached),
+        feats = RequestFeatures(prompt_len=len(computed), cached_len=cached, priority=prio,
+                                ttft_slo_ms=inp.ttft_slo_ms, override="local" if resume else inp.route,
+                                max_tokens=params.max_tokens,
+                                remote_cached_len=remote_cached,
+                                tier_cached_len=connector.tier_prefix_len(computed, cached),
                                 peer_reads=getattr(self.remote, "peers", None) is not None)
-        snap = self.snapshot(max(0, len(ids) - cached), cached)
+        snap = self.snapshot(max(0, len(computed) - cached), cached)
         if feats.tier_cached_len:  # the tier's measured load cost (engine/kv_tier.py)
             snap = dataclasses.replace(snap, costs=dataclasses.replace(
                 snap.costs, tier_load_ms_per_token=connector.tier_load_ms_per_token()))
@@ -178,10 +184,10 @@ class Frontend:
         self.metrics.prompt_tokens.inc(len(ids))
         rid = f"{self._id_prefix}-{next(self._admissions):x}"
         residual = (snap.costs.ttft_residual_remote_ms if decision.route == "remote"
-                    else snap.costs.ttft_residual_local_ms) if len(ids) > cached else 0.0
+                    else snap.costs.ttft_residual_local_ms) if len(computed) > cached else 0.0
         borrow = None
         peers = getattr(self.remote, "peers", None)
-        if decision.route == "local" and peers is not None:
+        if decision.route == "local" and peers is not None and not resume:
             borrow = peers.choose(hint, cached, len(ids), snap.costs, feats.tier_cached_len)
         return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, prefix_hint=hint,
                         tenant=_identity(inp.caller), residual_ms=residual, borrow=borrow)
@@ -224,13 +230,16 @@ class Frontend:
         prep = await self.prepare(inp)
         rid = prep.request_id
         key = (_identity(inp.caller), prep.label)
-        eff = len(prep.prompt_ids) - prep.cached_len
+        eff = len(prep.prompt_ids) + len(inp.resume_ids or ()) - prep.cached_len
         self.inflight[key] = rid  # no await since prepare() checked the label is free
         self.num_prefilling += 1
         state = {"first": False, "finished": False}
         extra: dict = {}
         remote = self.remote if (prep.decision.route == "remote" and self.remote is not None
                                  and self.remote.available()) else None
+        if inp.resume_ids:
+            extra.update(reason=f"resumed: a migrated stream continues after {len(inp.resume_ids)} token(s), "
+                         "prefilled locally")
         if prep.decision.route == "remote" and remote is None:  # e.g. forced remote, no live prefill worker
             extra.update(route="local", reason="remote chosen but no live prefill worker: prefilled locally")
         if remote is not None:
@@ -371,7 +380,8 @@ class Frontend:
         if prep.borrow is not None and peers is not None:  # the prefix is read from its holder first
             q = await peers.submit(prep, *prep.borrow)
         else:
-            q = self.engine.submit(prep.request_id, prep.prompt_ids, prep.params, prep.priority, prep.tenant)
+            q = self.engine.submit(prep.request_id, prep.prompt_ids, prep.params, prep.priority, prep.tenant,
+                                   prep.inp.resume_ids)
         while True:
             item, final = await q.get()
             yield item, final, {}

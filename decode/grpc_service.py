@@ -67,6 +67,7 @@ def input_from_proto(req: pb.GenerateRequest) -> GenerateInput:
         prompt=prompt, params=params, request_id=req.request_id or None, model=req.model or None,
         priority=_PRIORITY[req.priority], ttft_slo_ms=req.ttft_slo_ms if req.HasField("ttft_slo_ms") else None,
         route=_ROUTE[req.route],
+        resume_ids=list(req.resume_token_ids.ids) if req.HasField("resume_token_ids") else None,
     )
 
 

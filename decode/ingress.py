@@ -115,6 +115,9 @@ class GenerateInput:
     fill_context: bool = False
     # The API key it came with (decode/security.py); None: API keys are off, nothing is checked.
     caller: ApiKey | None = None
+    # Tokens it already generated on a worker that failed (a migrated stream, gateway/): the
+    # engine continues after them (`LLMEngine.make_request`); None: a new request.
+    resume_ids: list[int] | None = None
 
 
 @dataclass

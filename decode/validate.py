@@ -9,6 +9,7 @@ import dataclasses
 
 from pdserve.common import Priority
 from pdserve.engine import InvalidRequestError, SamplingParams, check_text
+from pdserve.engine.prompts import check_resume_ids
 
 from .ingress import REQUEST_ID_CHARS, GenerateInput, RequestError, ServingLimits
 
@@ -84,6 +85,12 @@ class Validator:
                 "invalid_argument",
                 f"max_tokens: {params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
                 f"max_model_len {eng.max_model_len}; use max_tokens <= {room}", "max_tokens")
+        if inp.resume_ids is not None:
+            try:
+                check_resume_ids(inp.resume_ids, len(ids), params.max_tokens, eng.max_model_len,
+                                 eng.model_config.vocab_size)
+            except InvalidRequestError as exc:
+                raise RequestError("invalid_argument", str(exc), exc.field) from None
         return ids, params, prio
 
     def _chat_prompt(self, messages: list[dict]) -> list[int]:

@@ -21,7 +21,7 @@ from .engine_types import EngineLoad, EngineStateError, EngineStats, RequestDelt
 from .kv_connector import KVConnector
 from .kv_events import KVEventLog
 from .kv_tier import KVTier
-from .prompts import prompt_token_ids
+from .prompts import check_resume_ids, prompt_token_ids
 from .request import (
     InvalidRequestError,
     Request,
@@ -137,23 +137,50 @@ class LLMEngine:
 
     def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None,
-                     tenant: str | None = None) -> Request:
-        """Validate and build a request without queueing it (`tenant`: see `Request.tenant`)."""
+                     tenant: str | None = None, resume_ids: list[int] | None = None) -> Request:
+        """Validate and build a request without queueing it (`tenant`: see `Request.tenant`).
+
+        ``resume_ids``: tokens this request already generated elsewhere (a stream migrated off
+        a decode worker that failed). They become its first output tokens, computed like a
+        preempted request's: penalties and ``max_tokens`` count them, a seeded generator is
+        advanced by one draw per resumed token when sampling is random (as if it had drawn
+        them), the detokenizer and stop strings see them without emitting their text again,
+        so the continuation equals the run that was never interrupted."""
         ids, params, priority = self.validate_input(prompt, params, priority)
+        resume = [] if resume_ids is None else check_resume_ids(
+            resume_ids, len(ids), params.max_tokens, self.max_model_len, self.model_config.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
         req = Request(rid, ids, params, priority=priority, arrival=arrival, tenant=tenant)
         detok = self.tokenizer.stream(ids, params.skip_special_tokens)
         detok.set_stops(params.stop)
+        if resume:
+            self._replay(req, detok, resume)
         self._detok[rid] = detok
         self.requests[rid] = req
         return req
 
+    def _replay(self, req: Request, detok, resume: list[int]) -> None:
+        """Bring a resumed request to the state its first worker left it in (see make_request)."""
+        p = req.params
+        for i, tok in enumerate(resume):
+            _, stop = detok.push(tok)
+            ended = stop is not None or tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
+            if ended:
+                why = f"stop string {stop!r}" if stop is not None else f"stop token {tok}"
+                raise InvalidRequestError("resume_token_ids", f"the request had already stopped at resumed token "
+                                          f"{i} ({why}); nothing is left to resume")
+            if req.generator is not None and not p.greedy:
+                self.sampler.skip_draw(req)
+        req.output_token_ids = list(resume)
+        if req.logprobs is not None:  # the first worker streamed theirs; these positions have none here
+            req.logprobs = [None] * len(resume)
+
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None,
-                    tenant: str | None = None) -> Request:
-        req = self.make_request(prompt, params, request_id, priority, arrival, tenant)
+                    tenant: str | None = None, resume_ids: list[int] | None = None) -> Request:
+        req = self.make_request(prompt, params, request_id, priority, arrival, tenant, resume_ids)
         self.scheduler.add(req)
         return req
 

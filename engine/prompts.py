@@ -42,3 +42,23 @@ def prompt_token_ids(prompt, tokenizer: Tokenizer, max_model_len: int, vocab_siz
             "(prompt plus at least one generated token must fit)"
         )
     return ids
+
+
+def check_resume_ids(resume, prompt_len: int, max_tokens: int, max_model_len: int, vocab_size: int) -> list[int]:
+    """The tokens a migrated request already generated (``resume_token_ids``), checked: ids of
+    the model, fewer than ``max_tokens`` (the request must still have one to generate) and
+    room for one more token after prompt and them. `InvalidRequestError` names the field."""
+    if not isinstance(resume, (list, tuple)):
+        raise InvalidRequestError("resume_token_ids", f"must be a list of token ids, got {type(resume).__name__}")
+    ids = list(resume)
+    if len(ids) >= max_tokens:
+        raise InvalidRequestError("resume_token_ids", f"has {len(ids)} tokens; the request's max_tokens is "
+                                  f"{max_tokens}, so nothing would be left to generate")
+    if prompt_len + len(ids) >= max_model_len:
+        raise InvalidRequestError("resume_token_ids", f"prompt ({prompt_len}) plus {len(ids)} resumed tokens "
+                                  f"leave no room below max_model_len {max_model_len}")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise InvalidRequestError("resume_token_ids",
+                                      f"{t!r} is not a token id of this model (vocab size {vocab_size})")
+    return ids
