@@ -8,15 +8,11 @@ layer maps to gRPC / HTTP.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
 import time
 import uuid
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from pdserve.engine import SamplingParams
@@ -32,12 +28,12 @@ from .ingress import (
     RequestError,
     ServingLimits,
     as_request_error,
-    sample_input,
 )
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
 from .prefill_pool import PrefillView
-from .validate import Validator, check_privileges
+from .surface import Surface, identity
+from .validate import check_privileges
 
 __all__ = ["Frontend", "Chunk", "GenerateInput", "Prepared", "RemotePath", "RequestError", "ServingLimits"]
 
@@ -45,31 +41,21 @@ log = logging.getLogger(__name__)
 _NO_PREFILL = PrefillView()  # what a worker without a remote path reports (never written)
 
 
-class Frontend:
-    """Shared request handling of one decode worker."""
+class Frontend(Surface):
+    """Shared request handling of one decode worker (the `Surface` its APIs serve)."""
 
     def __init__(self, engine: AsyncEngine, policy: PolicyState, metrics: WorkerMetrics,
                  worker_id: str, served_model: str, limits: ServingLimits | None = None,
                  remote: RemotePath | None = None):
+        super().__init__(engine.engine.prompts, limits, metrics, worker_id, served_model)
         self.engine = engine
-        self.limits = limits or ServingLimits()
-        eng = engine.engine
-        self.max_prompt_chars = self.limits.max_prompt_chars or eng.max_model_len * eng.tokenizer.max_token_chars
-        self.validator = Validator(eng, self.limits, served_model, self.max_prompt_chars)
-        # Bounded: a burst of huge prompts queues here instead of starving the event loop.
-        self._tokenizer_pool = ThreadPoolExecutor(self.limits.tokenizer_threads, thread_name_prefix="pdserve-tokenize")
         self.policy = policy
-        self.metrics = metrics
-        self.worker_id = worker_id
-        self.served_model = served_model
         self.remote = remote
-        self.draining = False
         # Identity: what a client names (request_id) is a label scoped to its API key; the
         # engine, the handoff and result delivery key on an id minted here per admission, so
         # a label reused while its old sequence is still being torn down (or by another
         # tenant) can never be attached to that sequence's output.
         self.inflight: dict[tuple[str | None, str], str] = {}  # (key identity, label) -> engine id
-        self.sequences_per_key: Counter = Counter()  # key identity -> sequences its calls hold (keys on)
         self._via_remote: set[str] = set()
         self._id_prefix = uuid.uuid4().hex[:8]  # per worker process: ids never repeat across restarts
         self._admissions = itertools.count(1)
@@ -82,13 +68,13 @@ class Frontend:
         self.num_decoding = 0
         self.arrivals = ArrivalRate()  # requests/s reaching this worker: the cost model's blocking penalty
 
-    def close(self) -> None:
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+    def dtype(self) -> str:
+        return self.engine.engine.connector.layout_info()["dtype"]
 
-    # -- validation (decode/validate.py) ------------------------------------------------
-    def validate(self, inp: GenerateInput) -> tuple[list[int], SamplingParams, int]:
-        """Check and tokenize one request (CPU work: call it off the event loop)."""
-        return self.validator.validate(inp)
+    def health(self) -> str | None:
+        if not self.engine.alive:
+            return f"engine is not running: {self.engine.error!r}"
+        return super().health()
 
     # The prompt tokens per step the worker's engine would give a local prefill of (tokens,
     # cached) now (decode/prefill_budget.py); None: no cap.
@@ -144,11 +130,10 @@ class Frontend:
         arrival = time.monotonic()
         self.check_serving()
         check_privileges(inp)
-        loop = asyncio.get_running_loop()
-        ids, params, prio = await loop.run_in_executor(self._tokenizer_pool, self.validate, inp)
+        ids, params, prio = await self.validated(inp)
         self.check_serving()  # it may have changed while the prompt was tokenized
         label = inp.request_id or uuid.uuid4().hex
-        if (_identity(inp.caller), label) in self.inflight:
+        if (identity(inp.caller), label) in self.inflight:
             raise RequestError("already_exists", f"request_id: {label!r} is still in flight on this worker; "
                                "wait for it to end (or abort it) before reusing the id", "request_id")
         policy = self.policy.policy
@@ -190,46 +175,17 @@ class Frontend:
         if decision.route == "local" and peers is not None and not resume:
             borrow = peers.choose(hint, cached, len(ids), snap.costs, feats.tier_cached_len)
         return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, prefix_hint=hint,
-                        tenant=_identity(inp.caller), residual_ms=residual, borrow=borrow)
+                        tenant=identity(inp.caller), residual_ms=residual, borrow=borrow)
 
     def engine_id(self, label: str, caller=None) -> str | None:
         """The engine's id of the in-flight request a client calls `label` (None: none)."""
-        return self.inflight.get((_identity(caller), label))
-
-    @contextlib.contextmanager
-    def _key_share(self, caller, sequences: int):
-        """Hold `sequences` of the caller's API key's share (limits.max_sequences_per_key) for
-        one call; refused (429) before any work when the key's calls would hold more. With keys
-        off every client is the same anonymous tenant: no per-key bound then."""
-        identity = _identity(caller)
-        if identity is None:
-            yield
-            return
-        cap, held = self.limits.max_sequences_per_key, self.sequences_per_key[identity]
-        if held + sequences > cap:
-            self.metrics.refused("key_sequences")
-            raise RequestError("resource_exhausted", f"this API key has {held} sequence(s) in flight on this "
-                               f"worker and this call adds {sequences}, over its limit of {cap} "
-                               "(limits.max_sequences_per_key); wait for some to finish", None, None, 1000)
-        self.sequences_per_key[identity] += sequences
-        try:
-            yield
-        finally:
-            self.sequences_per_key[identity] -= sequences
-            if self.sequences_per_key[identity] <= 0:
-                del self.sequences_per_key[identity]
+        return self.inflight.get((identity(caller), label))
 
     # -- running -----------------------------------------------------------------------
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
-        """One sequence: admitted, routed and streamed (within its key's share)."""
-        with self._key_share(inp.caller, 1):
-            async for chunk in self._generate(inp):
-                yield chunk
-
     async def _generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
         prep = await self.prepare(inp)
         rid = prep.request_id
-        key = (_identity(inp.caller), prep.label)
+        key = (identity(inp.caller), prep.label)
         eff = len(prep.prompt_ids) + len(inp.resume_ids or ()) - prep.cached_len
         self.inflight[key] = rid  # no await since prepare() checked the label is free
         self.num_prefilling += 1
@@ -292,73 +248,6 @@ class Frontend:
                     self.engine.abort(rid)
                 self.engine.detach(rid)
 
-    async def generate_many(self, inputs: list[GenerateInput], n: int = 1) -> AsyncIterator[tuple[int, Chunk]]:
-        """Several prompts, ``n`` samples each: ``(index, chunk)`` as chunks come, where
-        index = prompt index * n + sample index (OpenAI's choice index).
-
-        Every sequence is validated and admitted before the first chunk is yielded, so a
-        refusal of any of them (RequestError) ends all of them before the client is
-        answered. Sample 0 of each prompt starts first; its siblings start once it has its
-        first token, when the prompt's full blocks are in the prefix cache: they share those
-        blocks instead of computing them again (and may route locally on that hit). With
-        several sequences, sequence i runs as request ``<request_id>-<i>``; with a seed,
-        sample j uses seed + j (vLLM's parallel sampling).
-        """
-        cap = self.limits.max_sequences_per_request
-        if len(inputs) * n > cap:
-            raise RequestError("invalid_argument", f"n: {len(inputs)} prompt(s) x n={n} = {len(inputs) * n} "
-                               f"sequences, over this worker's limit of {cap} "
-                               "(limits.max_sequences_per_request); send fewer prompts or a smaller n", "n")
-        if len(inputs) == 1 and n == 1:
-            async for chunk in self.generate(inputs[0]):
-                yield 0, chunk
-            return
-        with self._key_share(inputs[0].caller, len(inputs) * n):
-            async for item in self._generate_many(inputs, n):
-                yield item
-
-    async def _generate_many(self, inputs: list[GenerateInput], n: int) -> AsyncIterator[tuple[int, Chunk]]:
-        base = inputs[0].request_id or uuid.uuid4().hex
-        seqs: dict[int, AsyncIterator[Chunk]] = {}
-        firsts: dict[int, Chunk] = {}
-        pending: dict[asyncio.Future, int] = {}
-        try:
-            for wave in (range(1), range(1, n)):
-                started = [p * n + j for p in range(len(inputs)) for j in wave]
-                for i in started:
-                    seqs[i] = self._generate(sample_input(inputs[i // n], i % n, f"{base}-{i}"))
-                got = await asyncio.gather(*(seqs[i].__anext__() for i in started), return_exceptions=True)
-                for item in got:
-                    if isinstance(item, BaseException):
-                        raise item
-                firsts.update(zip(started, got))
-            for i in sorted(firsts):
-                yield i, firsts[i]
-                if firsts[i].finish_reason is None:
-                    pending[asyncio.ensure_future(seqs[i].__anext__())] = i
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for fut in sorted(done, key=pending.__getitem__):
-                    i = pending.pop(fut)
-                    try:
-                        chunk = fut.result()
-                    except StopAsyncIteration:
-                        continue
-                    yield i, chunk
-                    if chunk.finish_reason is None:
-                        pending[asyncio.ensure_future(seqs[i].__anext__())] = i
-        finally:  # a refusal, an error or the client gone: end every sequence (frees its blocks)
-            for fut in pending:
-                fut.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            for gen in seqs.values():
-                await gen.aclose()
-
-    async def detokenize(self, token_ids: list[int]) -> str:
-        """Text of token ids (special tokens skipped), in the tokenizer pool."""
-        tok = self.engine.engine.tokenizer
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, tok.decode, token_ids)
-
     def abort(self, request_id: str, caller=None) -> bool:
         """Abort an in-flight request by the id its client gave (Abort RPC); False if unknown.
         With API keys, ids are scoped to the key that sent them: another key's request is as
@@ -367,7 +256,7 @@ class Frontend:
         if caller is not None and caller.operator:
             rids = [rid for (_, label), rid in self.inflight.items() if label == request_id]
         else:
-            rids = [rid] if (rid := self.inflight.get((_identity(caller), request_id))) else []
+            rids = [rid] if (rid := self.inflight.get((identity(caller), request_id))) else []
         for rid in rids:
             if rid in self._via_remote and self.remote is not None:
                 self.remote.abort(rid)
@@ -396,7 +285,3 @@ class Frontend:
         else:
             self.pending_prefill_tokens -= eff
         self.num_prefilling -= 1
-
-def _identity(caller) -> str | None:
-    """Whose request-id namespace a request lives in: its API key's identity (None: keys off)."""
-    return None if caller is None else caller.identity

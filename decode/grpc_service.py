@@ -25,9 +25,9 @@ from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.common import Priority
 from pdserve.engine import SamplingParams
 
-from .frontend import Frontend
 from .ingress import Chunk, GenerateInput, RequestError
 from .security import ApiKeyInterceptor, ServerSecurity
+from .surface import Surface
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,9 @@ def add_inference_service(servicer: "InferenceService", server) -> None:
 
 
 class InferenceService(pb_grpc.InferenceServicer):
-    """Maps the Inference RPCs onto the shared `Frontend`."""
+    """Maps the Inference RPCs onto a `Surface` (a decode worker's `Frontend` or a gateway's)."""
 
-    def __init__(self, frontend: Frontend, security: ServerSecurity | None = None):
+    def __init__(self, frontend: Surface, security: ServerSecurity | None = None):
         self.frontend = frontend
         self.security = security or ServerSecurity()
 
@@ -164,9 +164,8 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def ListModels(self, request, context):
         await _refuse_undecodable(request, context)
-        eng = self.frontend.engine.engine
-        card = pb.ModelCard(id=self.frontend.served_model, max_model_len=eng.max_model_len,
-                            vocab_size=eng.model_config.vocab_size, dtype=eng.connector.layout_info()["dtype"])
+        m = self.frontend.model_card()
+        card = pb.ModelCard(id=m.id, max_model_len=m.max_model_len, vocab_size=m.vocab_size, dtype=m.dtype)
         return pb.ListModelsResponse(models=[card])
 
 
@@ -215,7 +214,7 @@ class GrpcServer:
     """A grpc.aio server with the Inference, health and reflection services; TLS and API
     keys as `security` says."""
 
-    def __init__(self, frontend: Frontend, host: str, port: int, security: ServerSecurity | None = None):
+    def __init__(self, frontend: Surface, host: str, port: int, security: ServerSecurity | None = None):
         security = security or ServerSecurity()
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
                                       interceptors=[ApiKeyInterceptor(security)] if security.keys else None)

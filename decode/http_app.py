@@ -41,11 +41,11 @@ from pdserve.engine import SamplingParams
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, UINT64_MAX
 
 from .disconnect import ClientWatch
-from .frontend import Frontend
 from .http_guard import BodyLimit, H11Protocol, openai_error
 from .http_schema import ERRORS, field_names, generation_responses, param_of, response_docs
 from .ingress import GenerateInput, RequestError
 from .security import ApiKeyAuth, ServerSecurity
+from .surface import Surface
 
 __all__ = ["build_app", "bounds_of", "H11Protocol"]
 
@@ -54,11 +54,11 @@ log = logging.getLogger(__name__)
 HTTP_STATUS = {"invalid_argument": 400, "not_found": 404, "already_exists": 409, "resource_exhausted": 429,
                "unavailable": 503, "internal": 500, "permission_denied": 403}
 
-def bounds_of(frontend: Frontend) -> Bounds:
+def bounds_of(frontend: Surface) -> Bounds:
     """This worker's bounds: the model's context and vocabulary, its limits, the engine's ranges."""
-    eng, lim = frontend.engine.engine, frontend.limits
+    card, lim = frontend.model_card(), frontend.limits
     return Bounds(
-        max_model_len=eng.max_model_len, vocab_size=eng.model_config.vocab_size,
+        max_model_len=card.max_model_len, vocab_size=card.vocab_size,
         max_prompt_chars=frontend.max_prompt_chars, max_request_id_chars=lim.max_request_id_chars,
         max_messages=lim.max_messages, max_stop_strings=lim.max_stop_strings, max_stop_chars=lim.max_stop_chars,
         max_stop_token_ids=lim.max_stop_token_ids, max_n=lim.max_n, max_prompts=lim.max_prompts,
@@ -75,7 +75,7 @@ def _from_request_error(exc: RequestError) -> JSONResponse:
     return openai_error(HTTP_STATUS[exc.code], str(exc), exc.field, headers)
 
 
-def build_app(frontend: Frontend, security: ServerSecurity | None = None) -> FastAPI:
+def build_app(frontend: Surface, security: ServerSecurity | None = None) -> FastAPI:
     security = security or ServerSecurity()
     models = request_models(bounds_of(frontend))
     CompletionRequest, ChatRequest = models.completion, models.chat
@@ -86,7 +86,7 @@ def build_app(frontend: Frontend, security: ServerSecurity | None = None) -> Fas
     known_fields = field_names(CompletionRequest) | field_names(ChatRequest)
     started = int(time.time())
 
-    tokenizer = frontend.engine.engine.tokenizer
+    tokenizer = frontend.tokenizer
     anchor = tokenizer.encode("a", add_special_tokens=False)
     anchor_text = tokenizer.decode(anchor, skip_special_tokens=False)
 
@@ -258,16 +258,15 @@ def build_app(frontend: Frontend, security: ServerSecurity | None = None) -> Fas
 
     @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **response_docs(500)})
     async def list_models():
-        eng = frontend.engine.engine
-        return {"object": "list", "data": [{"id": frontend.served_model, "object": "model", "created": started,
-                                            "owned_by": "pdserve", "max_model_len": eng.max_model_len}]}
+        card = frontend.model_card()
+        return {"object": "list", "data": [{"id": card.id, "object": "model", "created": started,
+                                            "owned_by": "pdserve", "max_model_len": card.max_model_len}]}
 
     @app.get("/health", response_model=None, responses={200: {"model": Health}, **response_docs(500, 503)})
     async def healthz():
-        if not frontend.engine.alive:
-            return openai_error(503, f"engine is not running: {frontend.engine.error!r}")
-        if frontend.draining:
-            return openai_error(503, "draining")
+        problem = frontend.health()
+        if problem is not None:
+            return openai_error(503, problem)
         return {"status": "ok", "worker_id": frontend.worker_id}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={

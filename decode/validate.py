@@ -9,7 +9,7 @@ import dataclasses
 
 from pdserve.common import Priority
 from pdserve.engine import InvalidRequestError, SamplingParams, check_text
-from pdserve.engine.prompts import check_resume_ids
+from pdserve.engine.prompts import PromptChecker, check_resume_ids
 
 from .ingress import REQUEST_ID_CHARS, GenerateInput, RequestError, ServingLimits
 
@@ -33,10 +33,11 @@ def check_privileges(inp: GenerateInput) -> None:
 
 
 class Validator:
-    """Checks requests for one engine (its vocabulary, context length, tokenizer)."""
+    """Checks requests for one model (its vocabulary, context length, tokenizer: a
+    `PromptChecker`, an engine's or a gateway's)."""
 
-    def __init__(self, engine, limits: ServingLimits, served_model: str, max_prompt_chars: int):
-        self.eng = engine
+    def __init__(self, checker: PromptChecker, limits: ServingLimits, served_model: str, max_prompt_chars: int):
+        self.eng = checker
         self.limits = limits
         self.served_model = served_model
         self.max_prompt_chars = max_prompt_chars
@@ -63,7 +64,7 @@ class Validator:
             raise RequestError("invalid_argument", f"ttft_slo_ms: must be > 0, got {inp.ttft_slo_ms}", "ttft_slo_ms")
         try:
             # Parameters first: a bad one is refused before the prompt costs anything.
-            inp.params.validate(eng.model_config.vocab_size, lim.request)
+            inp.params.validate(eng.vocab_size, lim.request)
             prompt = self._chat_prompt(inp.messages) if inp.messages is not None else inp.prompt
             if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
                 raise InvalidRequestError(
@@ -88,7 +89,7 @@ class Validator:
         if inp.resume_ids is not None:
             try:
                 check_resume_ids(inp.resume_ids, len(ids), params.max_tokens, eng.max_model_len,
-                                 eng.model_config.vocab_size)
+                                 eng.vocab_size)
             except InvalidRequestError as exc:
                 raise RequestError("invalid_argument", str(exc), exc.field) from None
         return ids, params, prio

@@ -8,8 +8,16 @@ from .engine_types import EngineLoad, EngineStateError, EngineStats, RequestDelt
 from .kv_connector import KVConnector, Reservation
 from .llm_engine import LLMEngine
 from .offline import LLM
-from .request import (InvalidRequestError, Request, RequestLimits, RequestOutput, RequestStatus,
-                      RequestTimes, SamplingParams, check_text)
+from .request import (
+                      InvalidRequestError,
+                      Request,
+                      RequestLimits,
+                      RequestOutput,
+                      RequestStatus,
+                      RequestTimes,
+                      SamplingParams,
+                      check_text,
+)
 
 __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput",

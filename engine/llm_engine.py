@@ -21,7 +21,7 @@ from .engine_types import EngineLoad, EngineStateError, EngineStats, RequestDelt
 from .kv_connector import KVConnector
 from .kv_events import KVEventLog
 from .kv_tier import KVTier
-from .prompts import check_resume_ids, prompt_token_ids
+from .prompts import PromptChecker, check_resume_ids
 from .request import (
     InvalidRequestError,
     Request,
@@ -84,6 +84,7 @@ class LLMEngine:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = set(eos)
         self.connector = KVConnector(self)  # the remote-KV seam disaggregated workers use
+        self.prompts = PromptChecker(self.tokenizer, self.max_model_len, self.model_config.vocab_size)
 
     def close(self) -> None:
         """Stop the second tier's copy thread and the other tensor-parallel ranks (engine/tp_group.py)."""
@@ -113,27 +114,13 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> list[int]:
         """The prompt's token ids, or `InvalidRequestError` naming the field (engine/prompts.py)."""
-        return prompt_token_ids(prompt, self.tokenizer, self.max_model_len, self.model_config.vocab_size)
+        return self.prompts.tokenize_prompt(prompt)
 
     def validate_input(self, prompt, params: SamplingParams | None = None,
                        priority: Priority | str | int = Priority.NORMAL,
                        limits: RequestLimits | None = None) -> tuple[list[int], SamplingParams, Priority]:
-        """Check a request without touching engine state (safe from any thread).
-
-        Returns (prompt token ids, params, priority) or raises
-        `InvalidRequestError` naming the field. The parameters are checked
-        before the prompt is tokenized.
-        """
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params", "must be a SamplingParams")
-        params.validate(self.model_config.vocab_size, limits)
-        ids = self.tokenize_prompt(prompt)
-        try:
-            priority = Priority.parse(priority)
-        except ValueError as exc:
-            raise InvalidRequestError("priority", str(exc).removeprefix("priority ")) from None
-        return ids, params, priority
+        """Check a request without touching engine state (safe from any thread; `PromptChecker`)."""
+        return self.prompts.validate_input(prompt, params, priority, limits)
 
     def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None,

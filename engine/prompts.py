@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .request import InvalidRequestError, check_text
+from pdserve.common import Priority
+
+from .request import InvalidRequestError, RequestLimits, SamplingParams, check_text
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
@@ -62,3 +64,35 @@ def check_resume_ids(resume, prompt_len: int, max_tokens: int, max_model_len: in
             raise InvalidRequestError("resume_token_ids",
                                       f"{t!r} is not a token id of this model (vocab size {vocab_size})")
     return ids
+
+
+class PromptChecker:
+    """Checks a request against one model (its tokenizer, vocabulary and context length)
+    without its weights: an engine has one (`LLMEngine.prompts`), and so has a gateway,
+    which validates before it picks a decode worker (gateway/)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def tokenize_prompt(self, prompt) -> list[int]:
+        """The prompt's token ids, or `InvalidRequestError` naming the field."""
+        return prompt_token_ids(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
+
+    def validate_input(self, prompt, params: SamplingParams | None = None,
+                       priority: Priority | str | int = Priority.NORMAL,
+                       limits: RequestLimits | None = None) -> tuple[list[int], SamplingParams, Priority]:
+        """Check a request (safe from any thread): (prompt token ids, params, priority), or
+        `InvalidRequestError` naming the field. The parameters are checked before the prompt
+        is tokenized."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params", "must be a SamplingParams")
+        params.validate(self.vocab_size, limits)
+        ids = self.tokenize_prompt(prompt)
+        try:
+            priority = Priority.parse(priority)
+        except ValueError as exc:
+            raise InvalidRequestError("priority", str(exc).removeprefix("priority ")) from None
+        return ids, params, priority

@@ -12,7 +12,6 @@ import torch
 
 from pdserve.common import Priority
 
-
 # Temperatures below this sample greedily: logits / 1e-40 overflow float32 to inf and the
 # softmax turns into NaN. vLLM uses the same threshold (_SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
