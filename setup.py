@@ -32,6 +32,7 @@ PACKAGE_DIRS = {
     "pdserve.planner": "planner",
     "pdserve.prefill": "prefill",
     "pdserve.decode": "decode",
+    "pdserve.gateway": "gateway",
     "pdserve.api": "api",
     "pdserve.bench": "bench",
     "pdserve.configs": "configs",

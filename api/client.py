@@ -87,8 +87,9 @@ def _accumulate(out: Completion, msg: pb.GenerateResponse) -> None:
         out.breakdown = breakdown_dict(msg.breakdown)
 
 
-class _Connection:
-    """Target, credentials and per-call metadata, shared by both clients."""
+class Connection:
+    """Target, credentials and per-call metadata, shared by both clients (and a gateway's
+    channels to its decode workers, gateway/backends.py)."""
 
     def __init__(self, target: str, timeout_s: float, api_key: str | None, ca_file: str | None,
                  client_cert: str | None, client_key: str | None, tls: bool | None):
@@ -125,7 +126,7 @@ class Client:
     def __init__(self, target: str, timeout_s: float = 120.0, *, api_key: str | None = None,
                  ca_file: str | None = None, client_cert: str | None = None, client_key: str | None = None,
                  tls: bool | None = None):
-        self._conn = _Connection(target, timeout_s, api_key, ca_file, client_cert, client_key, tls)
+        self._conn = Connection(target, timeout_s, api_key, ca_file, client_cert, client_key, tls)
         self.target = target
         self.timeout_s = timeout_s
         self._md = self._conn.metadata
@@ -176,7 +177,7 @@ class AsyncClient:
     def __init__(self, target: str, timeout_s: float = 120.0, *, api_key: str | None = None,
                  ca_file: str | None = None, client_cert: str | None = None, client_key: str | None = None,
                  tls: bool | None = None):
-        self._conn = _Connection(target, timeout_s, api_key, ca_file, client_cert, client_key, tls)
+        self._conn = Connection(target, timeout_s, api_key, ca_file, client_cert, client_key, tls)
         self.target = target
         self.timeout_s = timeout_s
         self._md = self._conn.metadata

@@ -1,0 +1,243 @@
+"""A gateway's request path (the `Surface` its gRPC and HTTP APIs serve, decode/surface.py):
+validate against the model, pick a decode worker (gateway/pick.py), stream from it, and when
+that stream breaks, continue it on another worker from the tokens already streamed.
+
+Continuation (`resume_token_ids`, docs/api.md): the next worker gets the prompt and the tokens
+the client has; it takes them as output already generated (penalties, max_tokens and a seed's
+draws count them; stop strings see them), so the client's stream is the one an undisturbed
+run would have produced, for greedy and for seeded sampling alike. A worker that refuses a
+request before its first token (QoS: RESOURCE_EXHAUSTED; draining: UNAVAILABLE) is not a
+failure of the request: the next-best worker is asked, so one loaded worker causes no refusal
+while another has room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from pdserve.api.client import breakdown_dict, build_request
+from pdserve.decode.grpc_service import STATUS
+from pdserve.decode.ingress import Chunk, GenerateInput, RequestError, ServingLimits
+from pdserve.decode.surface import Surface, identity
+from pdserve.decode.validate import check_privileges
+from pdserve.engine.prompts import PromptChecker
+
+from .backends import Backends
+from .metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+CODE_OF = {v: k for k, v in STATUS.items()}
+# A stream that ends with one of these (or without a final message) broke with its worker:
+# the worker died, its connection dropped, or it is draining and handed the stream back.
+BROKEN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+          grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
+_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "logprobs")
+
+
+@dataclass
+class Stream:
+    """One client sequence while it runs: where it is now and what the client has."""
+
+    label: str
+    worker_id: str | None = None
+    worker_rid: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    migrations: int = 0
+    aborted: bool = False
+    call: object = None
+
+
+class _Broken(Exception):
+    """The current worker's stream ended before its last message."""
+
+    def __init__(self, worker_id: str, why: str, before_first: bool, code: str = "unavailable",
+                 predicted_ttft_ms: float | None = None, retry_after_ms: int | None = None):
+        super().__init__(why)
+        self.worker_id, self.before_first, self.code = worker_id, before_first, code
+        self.predicted_ttft_ms, self.retry_after_ms = predicted_ttft_ms, retry_after_ms
+
+
+class GatewayFrontend(Surface):
+    def __init__(self, backends: Backends, checker: PromptChecker, metrics: GatewayMetrics, gateway_id: str,
+                 served_model: str, dtype: str, limits: ServingLimits | None = None, max_migrations: int = 3):
+        super().__init__(checker, limits, metrics, gateway_id, served_model)
+        self.backends = backends
+        self._dtype = dtype
+        self.max_migrations = max_migrations
+        self.streams: dict[tuple[str | None, str], Stream] = {}
+        self._ids = itertools.count(1)
+        self._id_prefix = f"gw{uuid.uuid4().hex[:6]}"
+
+    def dtype(self) -> str:
+        return self._dtype
+
+    def health(self) -> str | None:
+        if not self.backends.workers:
+            return "no decode worker is registered in etcd"
+        return super().health()
+
+    def refresh_gauges(self) -> None:
+        self.metrics.workers.set(len(self.backends.workers))
+        self.metrics.streams.set(len(self.streams))
+
+    def abort(self, request_id: str, caller=None) -> bool:
+        if caller is not None and caller.operator:
+            found = [s for (_, label), s in self.streams.items() if label == request_id]
+        else:
+            found = [s] if (s := self.streams.get((identity(caller), request_id))) else []
+        for s in found:
+            s.aborted = True
+            if s.worker_id is not None and s.worker_rid is not None:
+                asyncio.get_running_loop().create_task(self._abort_on(s.worker_id, s.worker_rid))
+        return bool(found)
+
+    async def _abort_on(self, worker_id: str, rid: str) -> None:
+        try:
+            stub, md = self.backends.stub(worker_id)
+            await stub.Abort(build_abort(rid), metadata=md, timeout=10)
+        except (grpc.aio.AioRpcError, KeyError) as exc:
+            log.info("gateway: abort of %s on %s: %s", rid, worker_id, exc)
+
+    async def _generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
+        if self.draining:
+            raise RequestError("unavailable", "gateway is draining; retry on another gateway replica")
+        check_privileges(inp)
+        ids, params, prio = await self.validated(inp)
+        label = inp.request_id or uuid.uuid4().hex
+        key = (identity(inp.caller), label)
+        if key in self.streams:
+            raise RequestError("already_exists", f"request_id: {label!r} is still in flight on this gateway; "
+                               "wait for it to end (or abort it) before reusing the id", "request_id")
+        s = self.streams[key] = Stream(label)
+        arrival = time.monotonic()
+        tried: set[str] = set()
+        refusal: _Broken | None = None
+        try:
+            while True:
+                pick = self.backends.pick(ids + s.tokens, tried)
+                if pick.chosen is None:
+                    if refusal is not None and not s.tokens:
+                        raise RequestError(refusal.code, str(refusal), None, refusal.predicted_ttft_ms,
+                                           refusal.retry_after_ms)
+                    why = "; ".join(f"{w}: {r}" for w, r in pick.excluded.items()) or "none is registered"
+                    if s.tokens:
+                        self.metrics.migration("failed")
+                        raise RequestError("unavailable", f"the stream broke after {len(s.tokens)} token(s) and no "
+                                           f"other decode worker can continue it ({why})")
+                    raise RequestError("unavailable", f"no decode worker can take this request ({why})")
+                if not tried:
+                    self.metrics.routed(pick.chosen)
+                try:
+                    async for chunk in self._attempt(s, pick.chosen, ids, params, prio, inp, arrival):
+                        yield chunk
+                    return
+                except _Broken as b:
+                    tried.add(b.worker_id)
+                    if b.before_first and not s.tokens:
+                        refusal = b  # refused or failed before any token: another worker is asked
+                        self.metrics.retry(b.code)
+                        if b.code == "unavailable":
+                            self.backends.failed(b.worker_id)
+                        continue
+                    self.backends.failed(b.worker_id)
+                    if s.aborted:
+                        raise RequestError("unavailable", f"aborted while its worker failed: {b}") from None
+                    s.migrations += 1
+                    if s.migrations > self.max_migrations:
+                        self.metrics.migration("failed")
+                        raise RequestError("unavailable", f"the stream broke {s.migrations} times (last: {b}); "
+                                           f"gateway.max_migrations is {self.max_migrations}") from None
+                    self.metrics.migration("moved")
+                    log.warning("gateway: %s broke on %s after %d token(s) (%s); continuing elsewhere",
+                                label, b.worker_id, len(s.tokens), b)
+        finally:
+            if self.streams.get(key) is s:
+                del self.streams[key]
+
+    async def _attempt(self, s: Stream, worker_id: str, ids, params, prio, inp: GenerateInput,
+                       arrival: float) -> AsyncIterator[Chunk]:
+        """One worker's part of the stream; raises `_Broken` when it ends early."""
+        w = self.backends.workers[worker_id]
+        stub, md = self.backends.stub(worker_id)
+        rid = f"{self._id_prefix}-{next(self._ids):x}"
+        s.worker_id, s.worker_rid = worker_id, rid
+        req = build_request(ids, request_id=rid, priority=prio.label, route=inp.route, ttft_slo_ms=inp.ttft_slo_ms,
+                            stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+                            resume_token_ids=list(s.tokens) if s.tokens else None,
+                            **{k: getattr(params, k) for k in _SAMPLING})
+        own = len(ids) + len(s.tokens) - self.backends.cached(ids + s.tokens).get(worker_id, 0)
+        units = w.queued() + own
+        w.streams += 1
+        w.queued_tokens += own
+        w.mean_prompt = 0.9 * w.mean_prompt + 0.1 * own
+        sent, first, finished = time.monotonic(), False, False
+        call = s.call = stub.Generate(req, metadata=md)
+        try:
+            async for msg in call:
+                if msg.token_ids and not first:
+                    first = True
+                    w.queued_tokens -= own
+                    w.observe_ttft((time.monotonic() - sent) * 1e3, units)
+                    if not s.tokens:
+                        self.metrics.ttft.observe(time.monotonic() - arrival)
+                s.tokens.extend(msg.token_ids)
+                chunk = chunk_of(msg)
+                if msg.finish_reason:
+                    finished = True
+                    self.metrics.request_finished(msg.finish_reason)
+                    chunk.breakdown = {**(chunk.breakdown or {}), "migrations": s.migrations}
+                yield chunk
+                if msg.finish_reason:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            md_trail = dict(exc.trailing_metadata() or ())
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not first:
+                raise _Broken(worker_id, exc.details(), True, "resource_exhausted",
+                              _float(md_trail.get("predicted-ttft-ms")), _int(md_trail.get("retry-after-ms"))) from None
+            if code in BROKEN:
+                raise _Broken(worker_id, f"{code.name}: {exc.details()}", not first) from None
+            raise RequestError(CODE_OF.get(code, "internal"), exc.details() or code.name) from None
+        finally:
+            w.streams -= 1
+            if not first:
+                w.queued_tokens -= own
+            if not finished:
+                call.cancel()  # the client left, or the stream broke: the worker frees its blocks
+        raise _Broken(worker_id, "the stream ended without its last message", not first)
+
+
+def chunk_of(msg) -> Chunk:
+    return Chunk(list(msg.token_ids), msg.text, msg.finish_reason or None,
+                 [{"token_id": lp.token_id, "logprob": lp.logprob,
+                   "top_logprobs": {t.token_id: t.logprob for t in lp.top}} for lp in msg.logprobs],
+                 breakdown_dict(msg.breakdown) if msg.HasField("breakdown") else None)
+
+
+def build_abort(rid: str):
+    from pdserve.api.v1 import inference_pb2 as pb
+    return pb.AbortRequest(request_id=rid)
+
+
+def _float(v) -> float | None:
+    try:
+        return float(v) if v is not None else None
+    except ValueError:
+        return None
+
+
+def _int(v) -> int | None:
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None

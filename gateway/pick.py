@@ -1,0 +1,123 @@
+"""Which decode worker takes a request: a predicted TTFT per worker, the lowest wins, ties
+go to the one with fewer streams of this gateway among two drawn at random (power of two
+choices). Pure: no I/O; `Backends` (gateway/backends.py) feeds it what it saw.
+
+The prediction, per worker ``w``, for a prompt of ``n`` tokens of which ``w`` caches ``c``::
+
+    ttft_w = rate_w x (queued_w + n - c) + step_ms_w + kv_penalty_w
+
+``rate_w`` is ms per prefill token as this gateway measured it on ``w`` (its TTFTs divided by
+the tokens ahead of and in each request; a slowed worker shows a higher rate); ``queued_w``
+the prompt tokens this gateway sent to ``w`` that have no first token yet, or more when the
+worker's record reports more waiting requests; ``step_ms_w`` one decode step of ``w`` (its
+record) that a new request waits for; ``kv_penalty_w`` grows as its KV pool fills past 90 %
+(preemptions ahead). Every term is printed by `explain`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+DEFAULT_RATE_MS = 0.5  # ms per prefill token before a worker has been measured
+KV_SOFT_LIMIT = 0.9
+KV_PENALTY_MS = 2000.0  # at a full pool
+
+
+@dataclass
+class WorkerState:
+    """One decode worker as this gateway sees it."""
+
+    worker_id: str
+    grpc: str
+    load: dict = field(default_factory=dict)  # its etcd record's load (control/load.py)
+    rate_ms: float = DEFAULT_RATE_MS
+    measured: int = 0  # first tokens this gateway timed on it
+    streams: int = 0  # this gateway's streams on it now
+    queued_tokens: int = 0  # prompt tokens this gateway sent it, no first token yet
+    mean_prompt: float = 256.0  # prompt tokens per request this gateway sent it (EMA)
+    avoid_until: float = 0.0  # monotonic time before which it is not picked (it just failed)
+    draining: bool = False
+
+    def observe_ttft(self, ttft_ms: float, units: int, alpha: float = 0.2) -> None:
+        """A first token after ``units`` prefill tokens (queued ahead plus its own)."""
+        sample = max(ttft_ms - self.step_ms(), 0.0) / max(units, 16)
+        self.rate_ms = sample if self.measured == 0 else (1 - alpha) * self.rate_ms + alpha * sample
+        self.measured += 1
+
+    def step_ms(self) -> float:
+        steps = self.load.get("decode_steps") or 0
+        return float(self.load.get("decode_ms", 0.0)) / steps if steps else 0.0
+
+    def queued(self) -> int:
+        waiting = int(self.load.get("waiting") or 0)
+        return max(self.queued_tokens, int(waiting * self.mean_prompt))
+
+
+@dataclass
+class Score:
+    worker_id: str
+    ttft_ms: float
+    rate_ms: float
+    queued_tokens: int
+    own_tokens: int
+    cached_tokens: int
+    step_ms: float
+    kv_penalty_ms: float
+    streams: int
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def score(w: WorkerState, prompt_len: int, cached: int) -> Score:
+    own = max(prompt_len - cached, 0)
+    queued = w.queued()
+    kv = float(w.load.get("kv_usage") or 0.0)
+    penalty = KV_PENALTY_MS * max(0.0, kv - KV_SOFT_LIMIT) / (1 - KV_SOFT_LIMIT)
+    step = w.step_ms()
+    return Score(w.worker_id, w.rate_ms * (queued + own) + step + penalty, w.rate_ms, queued, own, cached,
+                 step, penalty, w.streams)
+
+
+@dataclass
+class Pick:
+    """A choice and its reasons (what `pdserve gateway explain` prints)."""
+
+    chosen: str | None
+    reason: str
+    scores: list[Score]
+    excluded: dict[str, str]
+
+    def as_dict(self) -> dict:
+        return {"chosen": self.chosen, "reason": self.reason, "scores": [s.as_dict() for s in self.scores],
+                "excluded": self.excluded}
+
+
+def choose(workers: list[WorkerState], prompt_len: int, cached: dict[str, int], now: float,
+           rng: random.Random, exclude: set[str] = frozenset(), tie: float = 0.1, tie_ms: float = 5.0) -> Pick:
+    """The worker for a prompt of ``prompt_len`` tokens; ``cached``: tokens of it each worker's
+    prefix cache holds (the KV index's view; {} without one). Workers within ``tie`` (a
+    fraction) or ``tie_ms`` of the best are tied: two of them are drawn and the one with fewer
+    of this gateway's streams wins."""
+    excluded, live = {}, []
+    for w in workers:
+        if w.worker_id in exclude:
+            excluded[w.worker_id] = "this request already failed on it"
+        elif w.draining:
+            excluded[w.worker_id] = "draining"
+        elif w.avoid_until > now:
+            excluded[w.worker_id] = f"failed {w.avoid_until - now:.1f} s ago or less: avoided for now"
+        else:
+            live.append(w)
+    scores = sorted((score(w, prompt_len, cached.get(w.worker_id, 0)) for w in live), key=lambda s: s.ttft_ms)
+    if not scores:
+        return Pick(None, "no decode worker can take it", [], excluded)
+    best = scores[0].ttft_ms
+    tied = [s for s in scores if s.ttft_ms <= max(best * (1 + tie), best + tie_ms)]
+    if len(tied) == 1:
+        return Pick(tied[0].worker_id, f"lowest predicted TTFT ({best:.1f} ms)", scores, excluded)
+    a, b = rng.sample(tied, 2)
+    win = min((a, b), key=lambda s: (s.streams, s.ttft_ms))
+    return Pick(win.worker_id, f"{len(tied)} tied within {tie:.0%} of {best:.1f} ms: of {a.worker_id} and "
+                f"{b.worker_id} drawn, the one with fewer streams", scores, excluded)

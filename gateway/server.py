@@ -1,0 +1,159 @@
+"""One gateway process: follows the decode workers in etcd, serves the decode worker's gRPC
+`Inference` API and OpenAI HTTP surface (the same implementation: decode/grpc_service.py,
+decode/http_app.py over a gateway's `Surface`), plus ``POST /gateway/explain`` (the scores
+behind a pick). Stateless: any number of replicas; a restart loses only its own connections."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pdserve.api.v1 import inference_pb2 as pb
+from pdserve.control.etcd_auth import EtcdTLS
+from pdserve.control.registry import Registry
+from pdserve.control.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
+from pdserve.decode.grpc_service import GrpcServer
+from pdserve.decode.http_app import build_app
+from pdserve.decode.ingress import ServingLimits
+from pdserve.decode.security import ServerSecurity
+from pdserve.engine.prompts import PromptChecker
+from pdserve.engine.tokenizer import Tokenizer
+
+from .backends import Backends, WorkerCredentials
+from .frontend import GatewayFrontend
+from .metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+MAX_EXPLAIN_TOKENS = 1 << 20
+
+
+@dataclass
+class GatewayConfig:
+    etcd_endpoints: list[str]
+    cluster: str = "default"
+    model: str = ""  # the model directory: its tokenizer (the gateway loads no weights)
+    host: str = "127.0.0.1"
+    grpc_port: int = 0
+    http_port: int = 0
+    gateway_id: str | None = None
+    etcd_tls: dict | None = None  # {ca_file, cert_file, key_file}
+    max_migrations: int = 3
+    kv_index: bool = True  # follow the decode workers' KV events (those that publish them)
+    wait_for_workers_s: float = 60.0
+    limits: dict = field(default_factory=dict)
+    # Its own ingress (decode/security.py): TLS and API keys, as a decode worker's
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    api_keys_file: str | None = None
+    open_paths: list[str] = field(default_factory=lambda: list(DEFAULT_OPEN_PATHS))
+    open_grpc_services: list[str] = field(default_factory=lambda: list(DEFAULT_OPEN_GRPC_SERVICES))
+    # How it calls the decode workers (gateway/backends.py WorkerCredentials)
+    worker_api_key: str | None = None
+    worker_ca_file: str | None = None
+    worker_client_cert: str | None = None
+    worker_client_key: str | None = None
+    seed: int | None = None  # the tie-breaking draws (tests)
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg = cfg
+        self.gateway_id = cfg.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}"
+        self.security = ServerSecurity.from_config(cfg)
+        self.registry: Registry | None = None
+        self.backends: Backends | None = None
+        self.frontend: GatewayFrontend | None = None
+        self.grpc: GrpcServer | None = None
+        self._http: uvicorn.Server | None = None
+        self.grpc_address = self.http_address = ""
+
+    async def start(self) -> dict:
+        cfg = self.cfg
+        if not cfg.model:
+            raise ValueError("model: the gateway needs the model directory for its tokenizer (--model)")
+        self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, tls=EtcdTLS.of(cfg.etcd_tls))
+        creds = WorkerCredentials(cfg.worker_api_key, cfg.worker_ca_file, cfg.worker_client_cert,
+                                  cfg.worker_client_key)
+        self.backends = await Backends(self.registry, creds, kv_index=cfg.kv_index, seed=cfg.seed).start()
+        card = await self._model_card()
+        checker = PromptChecker(Tokenizer(cfg.model), card.max_model_len, card.vocab_size)
+        metrics = GatewayMetrics(self.gateway_id)
+        self.frontend = GatewayFrontend(self.backends, checker, metrics, self.gateway_id, card.id, card.dtype,
+                                        ServingLimits.from_dict(cfg.limits), cfg.max_migrations)
+        self.grpc = GrpcServer(self.frontend, cfg.host, cfg.grpc_port, self.security)
+        await self.grpc.start()
+        self.grpc_address = self.grpc.address
+        await self._start_http()
+        log.info("gateway %s serving gRPC %s, HTTP %s for %d decode worker(s) of %r", self.gateway_id,
+                 self.grpc_address, self.http_address, len(self.backends.workers), card.id)
+        return {"gateway_id": self.gateway_id, "grpc": self.grpc_address, "http": self.http_address}
+
+    async def _model_card(self) -> pb.ModelCard:
+        """The served model, as a decode worker describes it (waits for the first one)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.wait_for_workers_s
+        last = "none registered yet"
+        while loop.time() < deadline:
+            for wid in list(self.backends.workers):
+                stub, md = self.backends.stub(wid)
+                try:
+                    reply = await stub.ListModels(pb.ListModelsRequest(), metadata=md, timeout=5)
+                    return reply.models[0]
+                except Exception as exc:  # noqa: BLE001  (next worker, or wait)
+                    last = f"{wid}: {exc.__class__.__name__}: {getattr(exc, 'details', lambda: exc)()}"
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"no decode worker of cluster {self.cfg.cluster!r} answered ListModels within "
+                           f"{self.cfg.wait_for_workers_s:.0f} s ({last}); start one, or check --etcd/--cluster")
+
+    async def _start_http(self) -> None:
+        app = build_app(self.frontend, self.security)
+        backends, checker = self.backends, self.frontend.checker
+
+        @app.post("/gateway/explain", include_in_schema=False)
+        async def explain(request: Request):
+            """The pick this gateway would make now for a prompt: every worker's score and terms."""
+            body = await request.json()
+            prompt = body.get("prompt") if isinstance(body, dict) else None
+            try:
+                ids = checker.tokenize_prompt(prompt)
+            except ValueError as exc:
+                return JSONResponse({"error": {"message": str(exc), "param": "prompt"}}, status_code=400)
+            pick = backends.pick(ids)
+            return {"prompt_tokens": len(ids), "cached": backends.cached(ids), **pick.as_dict()}
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.cfg.host, self.cfg.http_port))
+        self.http_address = f"{self.cfg.host}:{sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                                http=H11Protocol, **self.security.uvicorn_ssl())
+        self._http = uvicorn.Server(config)
+        self._http.install_signal_handlers = lambda: None
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
+        for _ in range(200):
+            if self._http.started:
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"HTTP server did not start on {self.http_address}")
+
+    async def stop(self) -> None:
+        if self._http is not None:
+            self._http.should_exit = True
+        if self.grpc is not None:
+            await self.grpc.stop(1.0)
+        if self.backends is not None:
+            await self.backends.close()
+        if self.frontend is not None:
+            self.frontend.close()
+        if self.registry is not None:
+            await self.registry.close(deregister=False)
