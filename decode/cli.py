@@ -47,6 +47,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="skip the boot calibration (~0.5 s of timed engine steps that replace the policy's seed "
                         "costs with this machine's before the first request)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds in-flight streams may run before they are handed back to their "
+                        "clients (a gateway continues them on another decode worker); default 30")
     p.add_argument("--log-level", default="info")
     sec = p.add_argument_group("security (docs/security.md; the topology's security: section)")
     sec.add_argument("--tls-cert", default=None, help="server certificate chain (PEM): serve gRPC and HTTP over TLS")
@@ -106,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         print("draining ...", flush=True)
-        await worker.drain()
+        await worker.drain(args.drain_timeout)
         await worker.stop()
 
     asyncio.run(main())

@@ -56,6 +56,7 @@ class Frontend(Surface):
         # a label reused while its old sequence is still being torn down (or by another
         # tenant) can never be attached to that sequence's output.
         self.inflight: dict[tuple[str | None, str], str] = {}  # (key identity, label) -> engine id
+        self._handed_back: set[str] = set()  # ended by `hand_back`: their streams end UNAVAILABLE
         self._via_remote: set[str] = set()
         self._id_prefix = uuid.uuid4().hex[:8]  # per worker process: ids never repeat across restarts
         self._admissions = itertools.count(1)
@@ -206,9 +207,14 @@ class Frontend(Surface):
             self.pending_prefill_tokens += eff
         try:
             source = remote.stream(prep) if remote is not None else self._local(prep)
-            last_t = None
+            last_t, emitted = None, 0
             async for item, final, info in source:
                 extra.update(info)
+                if item.finish_reason == "abort" and rid in self._handed_back:
+                    state["end"] = "handed_back"
+                    raise RequestError("unavailable", f"this decode worker is draining and handed the stream back "
+                                       f"after {len(prep.inp.resume_ids or ()) + emitted} token(s); continue it "
+                                       "on another decode worker (resume_token_ids; a gateway does this itself)")
                 if isinstance(item, BaseException) or item.finish_reason == "error":
                     state["end"] = "error"
                     raise as_request_error(item)
@@ -223,6 +229,7 @@ class Frontend(Surface):
                     self.metrics.itl.observe(now - last_t)
                 if item.new_token_ids:
                     last_t = now
+                    emitted += len(item.new_token_ids)
                 chunk = Chunk(item.new_token_ids, item.text, item.finish_reason, item.logprobs)
                 if item.finished:
                     state["finished"] = True
@@ -234,6 +241,7 @@ class Frontend(Surface):
         finally:
             if self.inflight.get(key) == rid:
                 del self.inflight[key]
+            self._handed_back.discard(rid)
             self._via_remote.discard(rid)
             if not state["first"]:
                 self._prefill_done(eff, remote is not None)
@@ -247,6 +255,19 @@ class Frontend(Surface):
                 else:
                     self.engine.abort(rid)
                 self.engine.detach(rid)
+
+    def hand_back(self) -> int:
+        """End every in-flight stream with UNAVAILABLE so that its client (a gateway) continues it
+        on another decode worker from the tokens it has (`resume_token_ids`): what a drain does
+        when its deadline comes with streams still running. Returns how many it ended."""
+        rids = list(self.inflight.values())
+        for rid in rids:
+            self._handed_back.add(rid)
+            if rid in self._via_remote and self.remote is not None:
+                self.remote.abort(rid)
+            else:
+                self.engine.abort(rid)
+        return len(rids)
 
     def abort(self, request_id: str, caller=None) -> bool:
         """Abort an in-flight request by the id its client gave (Abort RPC); False if unknown.

@@ -272,6 +272,7 @@ class DecodeWorker:
         return {"running": load.running, "waiting": load.waiting, "kv_usage": round(load.kv_usage, 4),
                 **({"cpus": cpu_list(self.cpus)} if self.cpus else {}),
                 "inflight": len(self.frontend.inflight), **self.busy.snapshot(),
+                **({"draining": True} if self.frontend.draining else {}),
                 **gpu_load(self.engine.connector.kv_tensor.device),
                 "requests": int(histogram_buckets(m.ttft)[-1][1]),
                 "prompt_tokens": int(counter_value(m.prompt_tokens)),
@@ -356,9 +357,22 @@ class DecodeWorker:
         try:
             self.frontend.draining = True
             await self.grpc.set_serving(False)
+            if self.registry is not None and self.registry.info is not None:  # gateways stop picking it now
+                self.registry.info.load = self._load()
+                try:
+                    await self.registry.update(self.registry.info)
+                except Exception as exc:  # noqa: BLE001  (the next load report carries it)
+                    log.warning("drain of %s: publishing the draining state failed: %s", self.worker_id, exc)
             deadline = asyncio.get_running_loop().time() + timeout_s
             while self.frontend.inflight and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
+            if self.frontend.inflight:  # the deadline came first: hand them back (a gateway moves them)
+                n = self.frontend.hand_back()
+                log.warning("drain of %s: deadline reached with %d stream(s) running; handed back to their "
+                            "clients to continue elsewhere", self.worker_id, n)
+                wait = asyncio.get_running_loop().time() + 5.0
+                while self.frontend.inflight and asyncio.get_running_loop().time() < wait:
+                    await asyncio.sleep(0.02)
             if self.registry is not None:
                 await self.registry.deregister()
         finally:

@@ -45,7 +45,7 @@ class GatewayConfig:
     grpc_port: int = 0
     http_port: int = 0
     gateway_id: str | None = None
-    etcd_tls: dict | None = None  # {ca_file, cert_file, key_file}
+    etcd_tls: object = None  # control/etcd_auth.py EtcdTLS, or its dict; None: plaintext
     max_migrations: int = 3
     kv_index: bool = True  # follow the decode workers' KV events (those that publish them)
     wait_for_workers_s: float = 60.0

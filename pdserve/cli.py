@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "pdserve.planner_cmd",
     "pdserve.worker_cmd",
     "pdserve.kv_cmd",
+    "pdserve.gateway_cmd",
     "pdserve.bench.cli",
 )
 

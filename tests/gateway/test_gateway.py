@@ -8,7 +8,6 @@ import asyncio
 import random
 import threading
 
-import grpc
 import httpx
 import pytest
 
@@ -91,7 +90,7 @@ def test_both_apis_through_the_gateway_equal_a_worker_called_directly(cluster):
         bad = h.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 0})
         assert bad.status_code == 400 and "max_tokens" in bad.text
         assert h.get("/health").json()["status"] == "ok"
-        assert b"pdserve_gateway_routed" in h.get("/metrics").content
+        assert b"pdserve_gateway_routed_total{" in h.get("/metrics").content
         ex = h.post("/gateway/explain", json={"prompt": "Hello there"}).json()
         assert ex["chosen"] in {"decode-0", "decode-1", "decode-2"}
         assert {s["worker_id"] for s in ex["scores"]} == {"decode-0", "decode-1", "decode-2"}

@@ -1,0 +1,114 @@
+"""`pdserve gateway`: the front door for many decode workers (gateway/).
+
+    pdserve gateway --topology FILE                 in front of the cluster `pdserve up` started
+    pdserve gateway --etcd HOST:PORT --cluster NAME --model DIR
+    pdserve gateway explain --url http://HOST:PORT --prompt TEXT   the scores behind a pick
+
+Clients call it exactly as a decode worker (gRPC `Inference`, OpenAI HTTP). Each request goes
+to the decode worker with the lowest predicted TTFT; a stream whose worker fails continues on
+another one from the tokens already sent (docs/gateway.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+from .kv_cmd import _cluster_of
+from .topology_args import add_topology_arg
+
+HTTP_TIMEOUT_S = 10.0
+
+
+def register(subparsers) -> None:
+    gw = subparsers.add_parser("gateway", help="a front door for many decode workers: routes by predicted TTFT, "
+                               "moves streams off failed workers", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_topology_arg(gw)
+    gw.add_argument("--etcd", help="etcd HOST:PORT[,HOST:PORT] (default: the cluster `pdserve up` started)")
+    gw.add_argument("--cluster", help="cluster name (default: the topology's)")
+    gw.add_argument("--model", help="model directory (its tokenizer; default: the model `pdserve up` serves)")
+    gw.add_argument("--host", default="127.0.0.1", help="address both servers bind (default 127.0.0.1)")
+    gw.add_argument("--grpc-port", type=int, default=0, help="gRPC port (default 0: a free one, printed)")
+    gw.add_argument("--http-port", type=int, default=0, help="HTTP port (default 0: a free one, printed)")
+    gw.add_argument("--max-migrations", type=int, default=3,
+                    help="times one stream may move to another worker before it fails (default 3)")
+    gw.add_argument("--no-kv-index", action="store_true",
+                    help="do not follow the decode workers' KV events (routing then ignores their prefix caches)")
+    gw.add_argument("--api-keys-file", help="API keys the gateway accepts (docs/security.md); default: none asked")
+    gw.add_argument("--worker-api-key", help="the key it calls decode workers with when they check keys "
+                    "(default: $PDSERVE_API_KEY)")
+    gw.set_defaults(func=run)
+    sub = gw.add_subparsers(dest="gateway_command", metavar="GATEWAY_COMMAND")
+    p = sub.add_parser("explain", help="every decode worker's predicted TTFT for a prompt, and the pick")
+    p.add_argument("--url", required=True, help="the gateway's HTTP address, as `pdserve gateway` printed it")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.set_defaults(func=explain)
+
+
+def run(args) -> int:
+    from pdserve.gateway.server import Gateway, GatewayConfig
+
+    etcd, cluster, tls = _cluster_of(args)
+    model = args.model
+    if not model:
+        if args.etcd:
+            raise ValueError("--etcd needs --model (the directory whose tokenizer the gateway uses)")
+        from pdserve.launcher import ClusterState, state_path
+        from pdserve.topology_args import load_topology_arg
+
+        model = ClusterState.load(state_path(load_topology_arg(args.topology))).model
+    if args.max_migrations < 0:
+        raise ValueError(f"--max-migrations {args.max_migrations}: must be >= 0")
+    cfg = GatewayConfig(etcd, cluster, model=model, host=args.host, grpc_port=args.grpc_port,
+                        http_port=args.http_port, max_migrations=args.max_migrations, kv_index=not args.no_kv_index,
+                        api_keys_file=args.api_keys_file, worker_api_key=args.worker_api_key,
+                        etcd_tls=tls)
+
+    async def serve():
+        gw = Gateway(cfg)
+        print(f"gateway of cluster {cluster} (etcd {', '.join(etcd)}): waiting for decode workers...", flush=True)
+        info = await gw.start()
+        print(f"gateway {info['gateway_id']}: gRPC {info['grpc']}, HTTP http://{info['http']}, "
+              f"{len(gw.backends.workers)} decode worker(s)", flush=True)
+        print(f"  pdserve gateway explain --url http://{info['http']} --prompt 'Hello'", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await gw.stop()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def explain(args) -> int:
+    req = urllib.request.Request(args.url.rstrip("/") + "/gateway/explain", data=json.dumps(
+        {"prompt": args.prompt}).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
+            ans = json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raise ValueError(f"the gateway answered {exc.code}: {exc.read().decode(errors='replace')}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise ValueError(f"--url {args.url}: the gateway did not answer ({exc}); is `pdserve gateway` running?") \
+            from exc
+    if args.json:
+        print(json.dumps(ans, indent=2))
+        return 0
+    print(f"prompt: {ans['prompt_tokens']} tokens -> {ans['chosen'] or 'no worker'}: {ans['reason']}")
+    print(f"{'worker':<20} {'TTFT ms':>9} = {'ms/tok':>7} x ({'queued':>7} + {'own':>6}) + {'step':>6} + "
+          f"{'kv pen':>6}   {'cached':>6} {'streams':>7}")
+    for s in ans["scores"]:
+        print(f"{s['worker_id']:<20} {s['ttft_ms']:>9.1f} = {s['rate_ms']:>7.3f} x ({s['queued_tokens']:>7} + "
+              f"{s['own_tokens']:>6}) + {s['step_ms']:>6.1f} + {s['kv_penalty_ms']:>6.1f}   "
+              f"{s['cached_tokens']:>6} {s['streams']:>7}")
+    for wid, why in ans["excluded"].items():
+        print(f"{wid:<20} excluded: {why}")
+    return 0
