@@ -11,6 +11,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
+import grpc
 import uvicorn
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -110,7 +111,8 @@ class Gateway:
                     reply = await stub.ListModels(pb.ListModelsRequest(), metadata=md, timeout=5)
                     return reply.models[0]
                 except Exception as exc:  # noqa: BLE001  (next worker, or wait)
-                    last = f"{wid}: {exc.__class__.__name__}: {getattr(exc, 'details', lambda: exc)()}"
+                    detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                    last = f"{wid}: {exc.__class__.__name__}: {detail}"
             await asyncio.sleep(0.2)
         raise TimeoutError(f"no decode worker of cluster {self.cfg.cluster!r} answered ListModels within "
                            f"{self.cfg.wait_for_workers_s:.0f} s ({last}); start one, or check --etcd/--cluster")
