@@ -15,7 +15,7 @@ from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.control.records import WorkerInfo
 from pdserve.control.registry import Registry
 
-from .pick import Pick, WorkerState, choose
+from .pick import ROUTINGS, Pick, WorkerState, choose
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,10 @@ class Backends:
     """Live decode workers and their channels."""
 
     def __init__(self, registry: Registry, creds: WorkerCredentials = WorkerCredentials(), *,
-                 kv_index: bool = True, seed: int | None = None):
+                 kv_index: bool = True, seed: int | None = None, routing: str = "ttft"):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing: {routing!r}; use one of {', '.join(ROUTINGS)}")
+        self.routing = routing
         self.registry = registry
         self.creds = creds
         self.workers: dict[str, WorkerState] = {}
@@ -107,7 +110,7 @@ class Backends:
 
     def pick(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Pick:
         return choose(list(self.workers.values()), len(token_ids), self.cached(token_ids), time.monotonic(),
-                      self.rng, exclude)
+                      self.rng, exclude, routing=self.routing)
 
     def failed(self, worker_id: str) -> None:
         w = self.workers.get(worker_id)

@@ -94,12 +94,17 @@ class Pick:
                 "excluded": self.excluded}
 
 
+ROUTINGS = ("ttft", "random")
+
+
 def choose(workers: list[WorkerState], prompt_len: int, cached: dict[str, int], now: float,
-           rng: random.Random, exclude: set[str] = frozenset(), tie: float = 0.1, tie_ms: float = 5.0) -> Pick:
+           rng: random.Random, exclude: set[str] = frozenset(), tie: float = 0.1, tie_ms: float = 5.0,
+           routing: str = "ttft") -> Pick:
     """The worker for a prompt of ``prompt_len`` tokens; ``cached``: tokens of it each worker's
     prefix cache holds (the KV index's view; {} without one). Workers within ``tie`` (a
     fraction) or ``tie_ms`` of the best are tied: two of them are drawn and the one with fewer
-    of this gateway's streams wins."""
+    of this gateway's streams wins. ``routing="random"``: any live worker, uniformly (what a
+    Kubernetes Service does; the baseline of bench/gateway.py)."""
     excluded, live = {}, []
     for w in workers:
         if w.worker_id in exclude:
@@ -113,6 +118,9 @@ def choose(workers: list[WorkerState], prompt_len: int, cached: dict[str, int], 
     scores = sorted((score(w, prompt_len, cached.get(w.worker_id, 0)) for w in live), key=lambda s: s.ttft_ms)
     if not scores:
         return Pick(None, "no decode worker can take it", [], excluded)
+    if routing == "random":
+        win = rng.choice(scores)
+        return Pick(win.worker_id, f"random routing: one of {len(scores)} live worker(s)", scores, excluded)
     best = scores[0].ttft_ms
     tied = [s for s in scores if s.ttft_ms <= max(best * (1 + tie), best + tie_ms)]
     if len(tied) == 1:

@@ -64,6 +64,7 @@ class GatewayConfig:
     worker_client_cert: str | None = None
     worker_client_key: str | None = None
     seed: int | None = None  # the tie-breaking draws (tests)
+    routing: str = "ttft"  # gateway/pick.py ROUTINGS: "random" is the baseline benchmarks compare with
 
 
 class Gateway:
@@ -85,7 +86,8 @@ class Gateway:
         self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, tls=EtcdTLS.of(cfg.etcd_tls))
         creds = WorkerCredentials(cfg.worker_api_key, cfg.worker_ca_file, cfg.worker_client_cert,
                                   cfg.worker_client_key)
-        self.backends = await Backends(self.registry, creds, kv_index=cfg.kv_index, seed=cfg.seed).start()
+        self.backends = await Backends(self.registry, creds, kv_index=cfg.kv_index, seed=cfg.seed,
+                                       routing=cfg.routing).start()
         card = await self._model_card()
         checker = PromptChecker(Tokenizer(cfg.model), card.max_model_len, card.vocab_size)
         metrics = GatewayMetrics(self.gateway_id)

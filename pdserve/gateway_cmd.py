@@ -38,6 +38,9 @@ def register(subparsers) -> None:
                     help="times one stream may move to another worker before it fails (default 3)")
     gw.add_argument("--no-kv-index", action="store_true",
                     help="do not follow the decode workers' KV events (routing then ignores their prefix caches)")
+    gw.add_argument("--routing", choices=("ttft", "random"), default="ttft",
+                    help="ttft (default): the lowest predicted TTFT; random: any live worker (a baseline to "
+                         "compare with)")
     gw.add_argument("--api-keys-file", help="API keys the gateway accepts (docs/security.md); default: none asked")
     gw.add_argument("--worker-api-key", help="the key it calls decode workers with when they check keys "
                     "(default: $PDSERVE_API_KEY)")
@@ -65,7 +68,7 @@ def run(args) -> int:
     if args.max_migrations < 0:
         raise ValueError(f"--max-migrations {args.max_migrations}: must be >= 0")
     cfg = GatewayConfig(etcd, cluster, model=model, host=args.host, grpc_port=args.grpc_port,
-                        http_port=args.http_port, max_migrations=args.max_migrations, kv_index=not args.no_kv_index,
+                        http_port=args.http_port, max_migrations=args.max_migrations, kv_index=not args.no_kv_index, routing=args.routing,
                         api_keys_file=args.api_keys_file, worker_api_key=args.worker_api_key,
                         etcd_tls=tls)
 

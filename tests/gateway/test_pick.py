@@ -1,0 +1,75 @@
+"""The gateway's pick (gateway/pick.py): predicted TTFT per worker from what the gateway
+measured and the workers published, the KV index's cached prefixes, exclusions, ties."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from pdserve.gateway.pick import KV_PENALTY_MS, WorkerState, choose, score
+
+
+def workers(n=3, **kw):
+    return [WorkerState(f"d{i}", f"127.0.0.1:{5000 + i}", **kw) for i in range(n)]
+
+
+def test_a_worker_measured_slower_takes_proportionally_less():
+    ws = workers(2)
+    for _ in range(20):
+        ws[0].observe_ttft(50.0, 100)   # 0.5 ms per token
+        ws[1].observe_ttft(150.0, 100)  # 1.5 ms per token: a worker sharing its cores
+    rng, sent = random.Random(0), Counter()
+    for _ in range(400):  # each pick adds its prompt to that worker's queue, as the gateway does
+        p = choose(ws, 100, {}, 0.0, rng)
+        w = next(w for w in ws if w.worker_id == p.chosen)
+        w.queued_tokens += 100
+        sent[p.chosen] += 1
+    assert 2.0 < sent["d0"] / sent["d1"] < 4.5, sent  # ~3x: the rates' ratio
+
+
+def test_a_cached_prefix_outweighs_an_equal_queue():
+    ws = workers(3)
+    p = choose(ws, 1000, {"d2": 960}, 0.0, random.Random(0))
+    assert p.chosen == "d2"
+    by = {s.worker_id: s for s in p.scores}
+    assert by["d2"].own_tokens == 40 and by["d0"].own_tokens == 1000
+    assert by["d2"].ttft_ms < by["d0"].ttft_ms
+
+
+def test_queue_step_and_full_pool_raise_the_prediction_by_their_terms():
+    w = WorkerState("d", "a:1", rate_ms=1.0, load={"waiting": 0, "decode_ms": 300.0, "decode_steps": 10,
+                                                   "kv_usage": 0.95})
+    w.queued_tokens = 50
+    s = score(w, 100, 0)
+    assert s.queued_tokens == 50 and s.step_ms == 30.0
+    assert abs(s.kv_penalty_ms - KV_PENALTY_MS * 0.5) < 1e-6
+    assert abs(s.ttft_ms - (1.0 * 150 + 30.0 + KV_PENALTY_MS * 0.5)) < 1e-6
+    w.load["waiting"] = 4  # its record reports more waiting work than this gateway sent it
+    assert score(w, 100, 0).queued_tokens == int(4 * w.mean_prompt)
+
+
+def test_draining_failed_and_tried_workers_are_excluded_with_reasons():
+    ws = workers(4)
+    ws[0].draining = True
+    ws[1].avoid_until = 10.0
+    p = choose(ws, 10, {}, 5.0, random.Random(0), exclude={"d2"})
+    assert p.chosen == "d3"
+    assert set(p.excluded) == {"d0", "d1", "d2"} and "draining" in p.excluded["d0"]
+    none = choose(ws[:3], 10, {}, 5.0, random.Random(0), exclude={"d2"})
+    assert none.chosen is None and none.scores == []
+
+
+def test_ties_go_to_the_one_with_fewer_streams_of_two_drawn():
+    ws = workers(2)
+    ws[0].streams = 5
+    picks = {choose(ws, 10, {}, 0.0, random.Random(s)).chosen for s in range(20)}
+    assert picks == {"d1"}
+    p = choose(ws, 10, {}, 0.0, random.Random(0))
+    assert "tied" in p.reason
+
+
+def test_random_routing_ignores_the_scores():
+    ws = workers(3)
+    ws[0].rate_ms = 100.0
+    picks = Counter(choose(ws, 100, {}, 0.0, random.Random(s), routing="random").chosen for s in range(300))
+    assert set(picks) == {"d0", "d1", "d2"} and min(picks.values()) > 60
