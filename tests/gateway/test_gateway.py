@@ -98,6 +98,31 @@ def test_both_apis_through_the_gateway_equal_a_worker_called_directly(cluster):
     no_leaks(workers)
 
 
+def test_the_official_openai_sdk_through_the_gateway_equals_a_worker(cluster):
+    from openai import BadRequestError, OpenAI
+
+    _, workers, gw = cluster
+    chat = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
+    outs = []
+    for base in (workers[1].http, f"http://{gw.gateway.http_address}"):
+        with OpenAI(base_url=f"{base}/v1", api_key="not-used", max_retries=0, timeout=120) as sdk:
+            model = sdk.models.list().data[0].id
+            whole = sdk.chat.completions.create(model=model, messages=chat, max_tokens=8, temperature=0)
+            stream = sdk.chat.completions.create(model=model, messages=chat, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+            chunks = list(stream)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            many = sdk.completions.create(model=model, prompt=["first prompt", "second one"], max_tokens=3, n=2,
+                                          temperature=1.0, seed=5)
+            with pytest.raises(BadRequestError) as ei:
+                sdk.completions.create(model=model, prompt="hi", max_tokens=3, temperature=-1)
+            outs.append((whole.choices[0].message.content, text, chunks[-1].usage.completion_tokens,
+                         [c.text for c in many.choices], ei.value.body.get("param")))
+    assert outs[0] == outs[1]
+    assert outs[1][0] == outs[1][1] and outs[1][4] == "temperature"
+    no_leaks(workers)
+
+
 def test_a_stream_whose_worker_dies_continues_token_exact_on_another(cluster):
     """Streams on one worker, its gRPC server killed mid-stream: every one completes through
     the gateway with the tokens of an undisturbed run (greedy and seeded)."""
@@ -143,3 +168,4 @@ def test_a_stream_whose_worker_dies_continues_token_exact_on_another(cluster):
         assert finish == "length" and got == want
         assert b.migrations == 1 and b.worker_id in {"decode-0", "decode-1"} and b.completion_tokens == 40
     no_leaks(workers[:2])
+

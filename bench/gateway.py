@@ -1,0 +1,172 @@
+"""The gateway's routing against random routing (a Kubernetes Service), side by side, driven
+by vLLM's own client: two decode workers, one of them slowed by a busy loop on its core.
+
+    python bench/gateway.py                         # 120 prompts at 3 req/s per routing
+    python bench/gateway.py --rate 4 --num-prompts 200 --busy-loops 2
+
+Setup on this host: etcd; two `pdserve serve-decode` processes, one pinned to each core
+(OpenMP 1 thread each); ``--busy-loops`` processes spinning on the second worker's core, so
+it runs at a fraction of the first one's speed (a noisy neighbour). For each routing
+(``ttft``: the gateway's predicted TTFT, gateway/pick.py; ``random``: any live worker, what a
+Service does) a `pdserve gateway --routing R` process is started and `vllm bench serve
+--backend openai --endpoint /v1/completions` (from the `make vllm-venv` virtualenv) sends the
+same prompts (same seed) to its HTTP surface. The table gives, per routing, the share of
+requests the slowed worker took (the gateway's `pdserve_gateway_routed_total`), completed
+requests, goodput under ``--goodput``, and TTFT p50/p90/p99; then the ratios ttft / random.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SERVED_NAME = "gw-model"
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def spawn(args: list[str], log_path: Path, cpus: str | None = None, env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pdserve", *args]
+    if cpus is not None:
+        cmd = ["taskset", "-c", cpus, *cmd]
+    return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def wait_line(path: Path, pattern: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = re.search(pattern, path.read_text())
+        if m:
+            return m
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited {proc.returncode}: {path.read_text()[-2000:]}")
+        time.sleep(0.2)
+    raise TimeoutError(f"{pattern!r} not printed within {timeout_s} s: see {path}")
+
+
+def routed(http: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'pdserve_gateway_routed_total\{.*worker_id="([^"]+)".*\} (\S+)', line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def run_client(args, url: str, result: Path) -> dict:
+    cmd = [args.vllm_python, str(HERE / "vllm_cli.py"), "bench", "serve", "--backend", "openai",
+           "--endpoint", "/v1/completions", "--base-url", url, "--model", SERVED_NAME, "--tokenizer", args.model,
+           "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
+           str(args.output_len), "--random-range-ratio", "0.8", "--num-prompts", str(args.num_prompts),
+           "--request-rate", str(args.rate), "--ignore-eos", "--seed", str(args.seed), "--goodput", *args.goodput,
+           "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90,99", "--save-result",
+           "--result-dir", str(result.parent), "--result-filename", result.name, "--disable-tqdm"]
+    with open(result.with_suffix(".log"), "w") as logf:
+        rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=args.run_timeout_s,
+                            env=dict(os.environ, VLLM_TARGET_DEVICE="cpu")).returncode
+    if rc != 0 or not result.is_file():
+        raise RuntimeError(f"vllm bench serve failed (rc {rc}); see {result.with_suffix('.log')}")
+    return json.loads(result.read_text())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model dir (default: the ~34M model under .cache/)")
+    p.add_argument("--rate", type=float, default=3.0, help="requests/s (default 3)")
+    p.add_argument("--num-prompts", type=int, default=120)
+    p.add_argument("--input-len", type=int, default=256, help="mean prompt tokens (range ratio 0.8)")
+    p.add_argument("--output-len", type=int, default=24)
+    p.add_argument("--busy-loops", type=int, default=1, help="spinning processes on the slowed worker's core")
+    p.add_argument("--goodput", nargs="+", default=["ttft:1000", "tpot:100"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routings", default="ttft,random")
+    p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--run-timeout-s", type=float, default=900)
+    p.add_argument("--output", type=Path, default=None, help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    if not Path(args.vllm_python).is_file():
+        raise SystemExit(f"--vllm-python {args.vllm_python}: missing; run `make vllm-venv` (vLLM's client)")
+    from bench.engine_throughput import default_model
+    from pdserve.control.etcd_server import EmbeddedEtcd
+
+    args.model = args.model or default_model()
+    work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    policy = work / "router.yaml"
+    policy.write_text("qos:\n  enable_early_rejection: false\n")
+    procs: list[subprocess.Popen] = []
+    results = {}
+    try:
+        with EmbeddedEtcd(work / "etcd") as etcd:
+            workers = {}
+            for i in range(2):
+                wid = f"decode-{i}"
+                path = work / f"{wid}.log"
+                proc = spawn(["serve-decode", "--model", args.model, "--etcd", etcd.endpoint, "--cluster", "gwbench",
+                              "--worker-id", wid, "--grpc-port", "0", "--http-port", "0", "--router-policy",
+                              str(policy), "--served-model-name", SERVED_NAME], path, cpus=str(i),
+                             env={"OMP_NUM_THREADS": "1"})
+                procs.append(proc)
+                workers[wid] = (proc, path)
+            for wid, (proc, path) in workers.items():
+                wait_line(path, r"gRPC (\S+)  HTTP", proc)
+                log(f"{wid} up")
+            for _ in range(args.busy_loops):
+                procs.append(subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"]))
+            log(f"decode-1 slowed by {args.busy_loops} busy loop(s) on core 1")
+            for routing in args.routings.split(","):
+                path = work / f"gateway-{routing}.log"
+                gw = spawn(["gateway", "--etcd", etcd.endpoint, "--cluster", "gwbench", "--model", args.model,
+                            "--routing", routing], path)
+                procs.append(gw)
+                http = wait_line(path, r"HTTP (\S+), 2 decode worker", gw).group(1)
+                log(f"routing {routing}: vllm bench serve, {args.num_prompts} prompts at {args.rate} req/s ...")
+                raw = run_client(args, http, work / f"{routing}.json")
+                sent = routed(http)
+                gw.terminate()
+                gw.wait(30)
+                total = sum(sent.values()) or 1
+                results[routing] = {
+                    "slowed_share": round(sent.get("decode-1", 0) / total, 3), "routed": sent,
+                    **{k: raw.get(k) for k in ("completed", "request_goodput", "request_throughput", "p50_ttft_ms",
+                                               "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")}}
+                log(f"  {json.dumps(results[routing])}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait(30)
+    print(f"\n2 decode workers, decode-1 sharing its core with {args.busy_loops} busy loop(s); vllm bench serve, "
+          f"{args.num_prompts} random prompts (~{args.input_len} in, {args.output_len} out) at {args.rate} req/s, "
+          f"goodput {' '.join(args.goodput)}")
+    print(f"{'routing':<8} {'slowed share':>12} {'completed':>9} {'goodput':>8} {'TTFT p50':>9} {'p90':>8} {'p99':>8}")
+    for r, x in results.items():
+        print(f"{r:<8} {x['slowed_share']:>12.2f} {x['completed']:>9} {x['request_goodput'] or 0:>8.2f} "
+              f"{x['p50_ttft_ms']:>9.0f} {x['p90_ttft_ms']:>8.0f} {x['p99_ttft_ms']:>8.0f}")
+    if {"ttft", "random"} <= set(results):
+        a, b = results["ttft"], results["random"]
+        print(f"ratio ttft/random: TTFT p99 {a['p99_ttft_ms'] / b['p99_ttft_ms']:.2f}x, p90 "
+              f"{a['p90_ttft_ms'] / b['p90_ttft_ms']:.2f}x, goodput "
+              f"{(a['request_goodput'] or 0) / max(b['request_goodput'] or 0, 1e-9):.2f}x")
+    if args.output:
+        args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                                          indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
