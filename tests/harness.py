@@ -8,7 +8,6 @@ import time
 
 from pdserve.decode.worker import DecodeWorker, DecodeWorkerConfig
 
-
 # A router policy under which QoS admits everything (the QoS tests have their own).
 PERMISSIVE_POLICY = """
 router:
@@ -83,3 +82,26 @@ roles:
 {policy}etcd: {{lease_ttl_s: 3}}
 run_dir: {tmp}/runs
 """
+
+
+class GatewayThread:
+    """Starts a gateway (gateway/server.py) on a private event loop."""
+
+    def __init__(self, cfg):
+        from pdserve.gateway.server import Gateway
+
+        self.gateway = Gateway(cfg)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="gateway-loop", daemon=True)
+
+    def start(self) -> "GatewayThread":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.gateway.start(), self.loop).result(60)
+        return self
+
+    def stop(self) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self.gateway.stop(), self.loop).result(30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)

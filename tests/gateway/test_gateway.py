@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 
 import httpx
 import pytest
@@ -14,29 +13,10 @@ import pytest
 from pdserve.api import AsyncClient, Client
 from pdserve.control.etcd_server import EmbeddedEtcd
 from pdserve.decode.worker import DecodeWorkerConfig
-from pdserve.gateway.server import Gateway, GatewayConfig
-from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until
+from pdserve.gateway.server import GatewayConfig
+from tests.harness import PERMISSIVE_POLICY, GatewayThread, WorkerThread, wait_until
 
 CLUSTER = "gw-test"
-
-
-class GatewayThread:
-    def __init__(self, cfg: GatewayConfig):
-        self.gateway = Gateway(cfg)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="gateway-loop", daemon=True)
-
-    def start(self) -> "GatewayThread":
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.gateway.start(), self.loop).result(60)
-        return self
-
-    def stop(self) -> None:
-        try:
-            asyncio.run_coroutine_threadsafe(self.gateway.stop(), self.loop).result(30)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
 
 
 @pytest.fixture(scope="module")
