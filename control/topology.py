@@ -110,12 +110,40 @@ class RolesSpec(_Strict):
     decode: DecodeRoleSpec = Field(default_factory=DecodeRoleSpec)
 
 
+class GatewaySpec(_Strict):
+    """Gateways `pdserve up` starts in front of the decode workers (gateway/, docs/gateway.md),
+    each a detached Ray actor; 0 replicas: clients call the decode workers directly."""
+
+    replicas: int = Field(0, ge=0)
+    grpc_port: int = Field(0, ge=0, le=65535)  # 0: a free port (printed, in the state file)
+    http_port: int = Field(0, ge=0, le=65535)
+    routing: Literal["ttft", "random"] = "ttft"
+    max_migrations: int = Field(3, ge=0)
+    kv_index: bool = True  # follow the decode workers' KV events (those with engine kv_events: true)
+    # Racing (docs/gateway.md): at most this fraction of requests also runs on a second worker;
+    # a request races when it names ttft_slo_ms and its best prediction is >= race_risk x it.
+    race_fraction: float = Field(0.0, ge=0, le=1)
+    race_risk: float = Field(0.5, gt=0)
+    num_cpus: float = Field(0.5, ge=0)
+    # A file holding the API key it calls the decode workers with, when they check keys
+    # (security.api_keys): an operator's key. None with API keys on: refused at `up`.
+    worker_api_key_file: str | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _ports_fit_replicas(self) -> "GatewaySpec":
+        if self.replicas > 1 and (self.grpc_port or self.http_port):
+            raise ValueError(f"replicas={self.replicas} with a fixed grpc_port/http_port: replicas on one node "
+                             "would take the same port; leave the ports at 0 (free ones, printed by `pdserve up`)")
+        return self
+
+
 class Topology(_Strict):
     """One deployment: cluster name, model, roles, policies, etcd, Ray, queue."""
 
     cluster: str
     model: ModelSpec
     roles: RolesSpec
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
     router_policy: str | None = None  # None: the router's built-in defaults
     autoscale_policy: str | None = None  # None: fixed replica counts
     etcd: EtcdSpec = Field(default_factory=EtcdSpec)

@@ -14,10 +14,12 @@ while another has room.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -40,6 +42,7 @@ CODE_OF = {v: k for k, v in STATUS.items()}
 # the worker died, its connection dropped, or it is draining and handed the stream back.
 BROKEN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
           grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
+RACE_WINDOW_S = 60.0
 _SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logprobs")
 
@@ -69,11 +72,17 @@ class _Broken(Exception):
 
 class GatewayFrontend(Surface):
     def __init__(self, backends: Backends, checker: PromptChecker, metrics: GatewayMetrics, gateway_id: str,
-                 served_model: str, dtype: str, limits: ServingLimits | None = None, max_migrations: int = 3):
+                 served_model: str, dtype: str, limits: ServingLimits | None = None, max_migrations: int = 3,
+                 race_fraction: float = 0.0, race_risk: float = 0.5):
         super().__init__(checker, limits, metrics, gateway_id, served_model)
         self.backends = backends
         self._dtype = dtype
         self.max_migrations = max_migrations
+        # Racing (opt-in: race_fraction > 0, and a request's ttft_slo_ms): see `_race_partner`.
+        self.race_fraction = race_fraction
+        self.race_risk = race_risk
+        self._started: deque[float] = deque()  # request starts in the last RACE_WINDOW_S
+        self._raced: deque[float] = deque()  # races started in the last RACE_WINDOW_S
         self.streams: dict[tuple[str | None, str], Stream] = {}
         self._ids = itertools.count(1)
         self._id_prefix = f"gw{uuid.uuid4().hex[:6]}"
@@ -120,6 +129,7 @@ class GatewayFrontend(Surface):
                                "wait for it to end (or abort it) before reusing the id", "request_id")
         s = self.streams[key] = Stream(label)
         arrival = time.monotonic()
+        self._started.append(arrival)
         tried: set[str] = set()
         refusal: _Broken | None = None
         try:
@@ -135,11 +145,18 @@ class GatewayFrontend(Surface):
                         raise RequestError("unavailable", f"the stream broke after {len(s.tokens)} token(s) and no "
                                            f"other decode worker can continue it ({why})")
                     raise RequestError("unavailable", f"no decode worker can take this request ({why})")
+                partner = None
                 if not tried:
                     self.metrics.routed(pick.chosen)
+                    partner = self._race_partner(pick, inp)
+                run = (self._race(s, pick.chosen, partner, tried, ids, params, prio, inp, arrival) if partner
+                       else self._attempt(s, pick.chosen, ids, params, prio, inp, arrival))
                 try:
-                    async for chunk in self._attempt(s, pick.chosen, ids, params, prio, inp, arrival):
-                        yield chunk
+                    # aclosing: a client that leaves closes this generator at its yield; the
+                    # attempt is closed with it, at once (its call cancelled, its blocks freed)
+                    async with contextlib.aclosing(run) as attempt:
+                        async for chunk in attempt:
+                            yield chunk
                     return
                 except _Broken as b:
                     tried.add(b.worker_id)
@@ -163,6 +180,79 @@ class GatewayFrontend(Surface):
         finally:
             if self.streams.get(key) is s:
                 del self.streams[key]
+
+    # -- racing ---------------------------------------------------------------------------
+    def _race_partner(self, pick, inp: GenerateInput) -> str | None:
+        """A second worker to race this request on, or None. Only with racing on
+        (``race_fraction`` > 0) and a request that names a TTFT target (``ttft_slo_ms``) its
+        best prediction puts at risk (>= ``race_risk`` x the target); only when the runner-up
+        is idle (nothing of this gateway queued on it: racing is refused under load); and only
+        while races stay within ``race_fraction`` of the requests of the last minute."""
+        if self.race_fraction <= 0 or inp.ttft_slo_ms is None or len(pick.scores) < 2:
+            return None
+        by = {sc.worker_id: sc for sc in pick.scores}
+        best = by[pick.chosen]
+        if best.ttft_ms < self.race_risk * inp.ttft_slo_ms:
+            return None
+        partner = next(sc for sc in pick.scores if sc.worker_id != pick.chosen)
+        if partner.queued_tokens > 0:
+            self.metrics.race("refused_load")
+            return None
+        now = time.monotonic()
+        for q in (self._started, self._raced):
+            while q and q[0] < now - RACE_WINDOW_S:
+                q.popleft()
+        if len(self._raced) + 1 > self.race_fraction * len(self._started):
+            self.metrics.race("refused_budget")
+            return None
+        self._raced.append(now)
+        return partner.worker_id
+
+    async def _race(self, s: Stream, first: str, second: str, tried: set[str], ids, params, prio,
+                    inp: GenerateInput, arrival: float) -> AsyncIterator[Chunk]:
+        """The request on two workers at once: the first to stream a token wins, the other is
+        cancelled (its call ends; its blocks are freed). Only the winner's tokens reach the
+        client, so usage counts them once. Raises `_Broken` when both fail before a token."""
+        runs = {w: (Stream(s.label), None) for w in (first, second)}
+        runs = {w: (st, self._attempt(st, w, ids, params, prio, inp, arrival)) for w, (st, _) in runs.items()}
+        tasks = {asyncio.ensure_future(gen.__anext__()): w for w, (_, gen) in runs.items()}
+        winner, head, broken, decided = None, None, None, False
+        try:
+            while tasks and winner is None:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    w = tasks.pop(t)
+                    exc = t.exception()
+                    if exc is None and winner is None:
+                        winner, head = w, t.result()
+                    elif isinstance(exc, _Broken):
+                        broken = exc
+                        tried.add(w)
+                    elif exc is not None and not isinstance(exc, StopAsyncIteration):
+                        raise exc
+            decided = True
+        finally:
+            for t in tasks:  # the loser: stop waiting, then end its call
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for w, (_, gen) in runs.items():
+                if w != winner or not decided:  # on an error or a client gone: both
+                    await gen.aclose()
+        if winner is None:
+            self.metrics.race("both_failed")
+            raise broken or _Broken(second, "neither raced worker answered", True)
+        loser = second if winner == first else first
+        self.metrics.race("won_first" if winner == first else "won_second")
+        self.metrics.race_waste(len(ids))  # at most: the loser's prompt, if it was scheduled
+        log.info("gateway: %s raced on %s and %s: %s first", s.label, first, loser, winner)
+        st, gen = runs[winner]
+        s.worker_id, s.worker_rid, s.call, s.tokens = st.worker_id, st.worker_rid, st.call, st.tokens
+        async with contextlib.aclosing(gen):
+            yield head
+            if head.finish_reason:
+                return
+            async for chunk in gen:
+                yield chunk
 
     async def _attempt(self, s: Stream, worker_id: str, ids, params, prio, inp: GenerateInput,
                        arrival: float) -> AsyncIterator[Chunk]:

@@ -30,6 +30,13 @@ class GatewayMetrics:
                                names + ["code"], registry=r)
         self._refused = Counter("pdserve_gateway_refused", "Requests refused by the gateway itself",
                                 names + ["reason"], registry=r)
+        self._races = Counter("pdserve_gateway_races",
+                              "Racing decisions and outcomes: won_first / won_second (the predicted best or the "
+                              "runner-up streamed first), both_failed, refused_load, refused_budget",
+                              names + ["outcome"], registry=r)
+        self.race_wasted_tokens = Counter("pdserve_gateway_race_wasted_prompt_tokens",
+                                          "Prompt tokens the losers of races were sent (an upper bound of the "
+                                          "work racing cost)", names, registry=r).labels(**self.labels)
         self.workers = Gauge("pdserve_gateway_decode_workers", "Decode workers the gateway can route to",
                              names, registry=r).labels(**self.labels)
         self.streams = Gauge("pdserve_gateway_streams", "Streams open through the gateway",
@@ -43,6 +50,12 @@ class GatewayMetrics:
 
     def retry(self, code: str) -> None:
         self._retries.labels(code=code, **self.labels).inc()
+
+    def race(self, outcome: str) -> None:
+        self._races.labels(outcome=outcome, **self.labels).inc()
+
+    def race_waste(self, tokens: int) -> None:
+        self.race_wasted_tokens.inc(tokens)
 
     def request_finished(self, reason: str) -> None:
         self._requests.labels(finish_reason=reason, **self.labels).inc()

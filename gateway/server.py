@@ -65,6 +65,11 @@ class GatewayConfig:
     worker_client_key: str | None = None
     seed: int | None = None  # the tie-breaking draws (tests)
     routing: str = "ttft"  # gateway/pick.py ROUTINGS: "random" is the baseline benchmarks compare with
+    # Racing (gateway/frontend.py `_race_partner`): at most this fraction of the requests is raced
+    # on a second worker (0: never); a request is raced when it names ttft_slo_ms and its best
+    # predicted TTFT is at least race_risk x that target.
+    race_fraction: float = 0.0
+    race_risk: float = 0.5
 
 
 class Gateway:
@@ -92,7 +97,8 @@ class Gateway:
         checker = PromptChecker(Tokenizer(cfg.model), card.max_model_len, card.vocab_size)
         metrics = GatewayMetrics(self.gateway_id)
         self.frontend = GatewayFrontend(self.backends, checker, metrics, self.gateway_id, card.id, card.dtype,
-                                        ServingLimits.from_dict(cfg.limits), cfg.max_migrations)
+                                        ServingLimits.from_dict(cfg.limits), cfg.max_migrations,
+                                        cfg.race_fraction, cfg.race_risk)
         self.grpc = GrpcServer(self.frontend, cfg.host, cfg.grpc_port, self.security)
         await self.grpc.start()
         self.grpc_address = self.grpc.address

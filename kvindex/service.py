@@ -46,6 +46,15 @@ class KVIndexFollower:
         self.subs: dict[str, tuple[tuple[str, str], KVEventSubscriber]] = {}
         self.skipped: dict[str, str] = {}  # worker id -> why it is not followed
         self._work: queue.Queue = queue.Queue()
+        # Askers on a request's path waiting for the lock: the follower steps aside for them
+        # between two polls (a lock is not fair: a thread that polls in a loop would take it
+        # back first, and a busy host then answered {} to every request). Counted when one
+        # still waits longer than its `wait_s` (`hint_timeouts`, in `status`).
+        self._readers = 0
+        self._readers_lock = threading.Lock()
+        self._readers_done = threading.Event()
+        self._readers_done.set()
+        self.hint_timeouts = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="kv-index", daemon=True)
 
@@ -74,6 +83,8 @@ class KVIndexFollower:
                 self._apply_work()
                 busy = False
                 for wid, (_, sub) in list(self.subs.items()):
+                    if self._readers:  # a request waits for the index: let it in before the next poll
+                        self._readers_done.wait(0.01)
                     with self.lock:
                         busy |= sub.poll(0.0) > 0
                 if not busy:  # nobody followed yet: a slower pace (a decode worker always runs one)
@@ -122,12 +133,23 @@ class KVIndexFollower:
             if self.index is not None and self.index.views.get(wid) is not sub.view:
                 self.index.set_view(wid, sub.view)
 
-    def cached_tokens(self, token_ids: list[int], wait_s: float = 0.002) -> dict[str, int]:
+    def cached_tokens(self, token_ids: list[int], wait_s: float = 0.01) -> dict[str, int]:
         """Per followed worker, the tokens of this prompt's prefix it holds (0s left out);
         not counted in the hit rates (a routing hint, not an operator's query). Asked on a
         request's path: when the follower holds the index longer than ``wait_s`` (a snapshot
         on its way), the answer is {} (no hint) rather than a wait."""
-        if not self.lock.acquire(timeout=wait_s):
+        with self._readers_lock:
+            self._readers += 1
+            self._readers_done.clear()
+        try:
+            got = self.lock.acquire(timeout=wait_s)
+        finally:
+            with self._readers_lock:
+                self._readers -= 1
+                if not self._readers:
+                    self._readers_done.set()
+        if not got:
+            self.hint_timeouts += 1
             return {}
         try:
             self._refresh_views()
@@ -148,7 +170,7 @@ class KVIndexFollower:
             idx = self.index
             return {"block_size": idx.block_size if idx else None,
                     "blocks": len(idx.hashes()) if idx else 0, "queries": idx.queries if idx else 0,
-                    "workers": workers, "not_followed": dict(self.skipped)}
+                    "workers": workers, "not_followed": dict(self.skipped), "hint_timeouts": self.hint_timeouts}
 
     def explain(self, token_ids: list[int]) -> dict:
         with self.lock:

@@ -41,6 +41,11 @@ def register(subparsers) -> None:
     gw.add_argument("--routing", choices=("ttft", "random"), default="ttft",
                     help="ttft (default): the lowest predicted TTFT; random: any live worker (a baseline to "
                          "compare with)")
+    gw.add_argument("--race-fraction", type=float, default=0.0,
+                    help="race up to this fraction of requests on a second worker, cancelling the slower at its "
+                         "first token (default 0: never); only requests with ttft_slo_ms whose best predicted "
+                         "TTFT is at least --race-risk x it, and only when the runner-up is idle")
+    gw.add_argument("--race-risk", type=float, default=0.5, help="see --race-fraction (default 0.5)")
     gw.add_argument("--api-keys-file", help="API keys the gateway accepts (docs/security.md); default: none asked")
     gw.add_argument("--worker-api-key", help="the key it calls decode workers with when they check keys "
                     "(default: $PDSERVE_API_KEY)")
@@ -67,8 +72,11 @@ def run(args) -> int:
         model = ClusterState.load(state_path(load_topology_arg(args.topology))).model
     if args.max_migrations < 0:
         raise ValueError(f"--max-migrations {args.max_migrations}: must be >= 0")
+    if not 0 <= args.race_fraction <= 1 or args.race_risk <= 0:
+        raise ValueError(f"--race-fraction {args.race_fraction} must be in [0, 1] and --race-risk {args.race_risk} > 0")
     cfg = GatewayConfig(etcd, cluster, model=model, host=args.host, grpc_port=args.grpc_port,
                         http_port=args.http_port, max_migrations=args.max_migrations, kv_index=not args.no_kv_index, routing=args.routing,
+                        race_fraction=args.race_fraction, race_risk=args.race_risk,
                         api_keys_file=args.api_keys_file, worker_api_key=args.worker_api_key,
                         etcd_tls=tls)
 

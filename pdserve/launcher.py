@@ -112,6 +112,7 @@ class Launcher:
             handles = self._start_workers(state)
             state.save(path)
             self._wait_ready(state, handles)
+            self._start_gateways(state)
         except BaseException:
             self.progress("start-up failed; stopping what was started")
             try:
@@ -240,6 +241,28 @@ class Launcher:
         for rec in state.decode_endpoints:
             _wait_grpc_health(rec["grpc"], deadline, tls)
         self.progress("ready")
+
+    def _start_gateways(self, state: ClusterState) -> None:
+        """The topology's gateways (gateway/actor.py), once the decode workers serve."""
+        import ray
+
+        from pdserve.control.actors import restartable, worker_actor_options
+        from pdserve.gateway.actor import GatewayActor, gateway_config
+
+        t = self.topo
+        started = []
+        for i in range(t.gateway.replicas):
+            cfg = gateway_config(t, i, self.model_path, state.etcd_endpoints)
+            name = f"{t.cluster}-{cfg['gateway_id']}"
+            opts = worker_actor_options(name, t.ray.namespace, t.gateway.num_cpus, 0, {})
+            actor = ray.remote(restartable(GatewayActor)).options(**opts).remote(cfg)
+            rec = {"name": name, "role": "gateway", "worker_id": cfg["gateway_id"]}
+            state.actors.append(rec)
+            started.append((rec, actor.start.remote()))
+        for rec, ref in started:
+            info = ray.get(ref, timeout=READY_TIMEOUT_S)
+            rec.update(grpc=info["grpc"], http=info["http"])
+            self.progress(f"gateway   {rec['worker_id']} started: gRPC {info['grpc']}  HTTP http://{info['http']}")
 
     # -- down ---------------------------------------------------------------------------
     def down(self, state: ClusterState, drain_timeout_s: float = 30.0) -> None:

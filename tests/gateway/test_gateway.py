@@ -103,6 +103,50 @@ def test_the_official_openai_sdk_through_the_gateway_equals_a_worker(cluster):
     no_leaks(workers)
 
 
+def test_a_client_that_leaves_mid_stream_frees_its_blocks_on_the_worker(cluster):
+    _, workers, gw = cluster
+
+    async def leave():
+        async with AsyncClient(gw.gateway.grpc_address) as c:
+            got = 0
+            async for msg in c.stream(prompt(seed=77), max_tokens=200, ignore_eos=True, temperature=0.0):
+                got += len(msg.token_ids)
+                if got >= 3:
+                    break  # closes the call: the gateway's stream, then the worker's
+        return got
+
+    assert asyncio.run(leave()) >= 3
+    wait_until(lambda: not gw.gateway.frontend.streams, 10)
+    no_leaks(workers)
+
+
+def test_a_raced_request_streams_the_winner_only_and_frees_the_loser(cluster):
+    """Racing on (every request may race), a target the best prediction puts at risk: each
+    request runs on two workers; the client gets one stream equal to a direct run, usage counts
+    it once, and the loser's worker holds nothing afterwards."""
+    _, workers, gw = cluster
+    fe = gw.gateway.frontend
+    fe.race_fraction, fe.race_risk = 1.0, 1e-6
+    try:
+        with Client(workers[0].grpc) as direct, Client(gw.gateway.grpc_address) as via:
+            for i in range(4):
+                ids = prompt(seed=200 + i)
+                want = direct.generate(ids, max_tokens=10, temperature=0.0, ignore_eos=True)
+                got = via.generate(ids, max_tokens=10, temperature=0.0, ignore_eos=True, ttft_slo_ms=1000.0)
+                assert got.token_ids == want.token_ids and got.breakdown["completion_tokens"] == 10
+            plain = via.generate(prompt(seed=300), max_tokens=4, temperature=0.0)  # no target: never raced
+            assert plain.finish_reason == "length"
+        with httpx.Client(base_url=f"http://{gw.gateway.http_address}", timeout=30) as h:
+            text = h.get("/metrics").text
+        won = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("pdserve_gateway_races_total{") and 'outcome="won_' in line)
+        assert won == 4
+        assert "pdserve_gateway_race_wasted_prompt_tokens_total" in text
+        no_leaks(workers)
+    finally:
+        fe.race_fraction, fe.race_risk = 0.0, 0.5
+
+
 def test_a_stream_whose_worker_dies_continues_token_exact_on_another(cluster):
     """Streams on one worker, its gRPC server killed mid-stream: every one completes through
     the gateway with the tokens of an undisturbed run (greedy and seeded)."""
