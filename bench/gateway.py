@@ -1,8 +1,14 @@
-"""The gateway's routing against random routing (a Kubernetes Service), side by side, driven
-by vLLM's own client: two decode workers, one of them slowed by a busy loop on its core.
+"""The gateway's routing against random routing (a Kubernetes Service), side by side, on two
+decode workers. Two workloads:
 
-    python bench/gateway.py                         # 120 prompts at 3 req/s per routing
+``--workload load`` (default), driven by vLLM's own client: one worker slowed by a busy loop
+on its core;
+``--workload chat``: multi-turn chats on shared system prompts (bench/prefix_cluster.py's),
+the workers publishing KV events, so the gateway sees which worker holds a chat's history.
+
+    python bench/gateway.py                         # load: 120 prompts at 3 req/s per routing
     python bench/gateway.py --rate 4 --num-prompts 200 --busy-loops 2
+    python bench/gateway.py --workload chat         # 32 chats x 6 turns per routing
 
 Setup on this host: etcd; two `pdserve serve-decode` processes, one pinned to each core
 (OpenMP 1 thread each); ``--busy-loops`` processes spinning on the second worker's core, so
@@ -13,6 +19,13 @@ Service does) a `pdserve gateway --routing R` process is started and `vllm bench
 same prompts (same seed) to its HTTP surface. The table gives, per routing, the share of
 requests the slowed worker took (the gateway's `pdserve_gateway_routed_total`), completed
 requests, goodput under ``--goodput``, and TTFT p50/p90/p99; then the ratios ttft / random.
+
+Chat: no busy loop; each worker's KV pool holds ``--pool-tokens`` and records KV events; the
+chats (``--chats``, ``--turns``, ``--think-s``; bench/prefix_cluster.py `run_chats`, our gRPC
+client: vLLM's client has no multi-turn sessions) go through the gateway with no session
+affinity, so only the gateway's view of the caches keeps a chat's turns together. The table
+gives, per routing, the prefix hit rate (prompt tokens the serving worker had cached, from
+each reply's breakdown) and TTFT p50/p90.
 """
 
 from __future__ import annotations
@@ -97,8 +110,14 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--run-timeout-s", type=float, default=900)
     p.add_argument("--output", type=Path, default=None, help="write the figures as JSON here")
+    p.add_argument("--workload", choices=("load", "chat"), default="load")
+    p.add_argument("--chats", type=int, default=32, help="chat: chats (3 system prompts of 512 tokens)")
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--think-s", type=float, default=4.0)
+    p.add_argument("--chat-rate", type=float, default=4.0, help="chat: chats started per second")
+    p.add_argument("--pool-tokens", type=int, default=8192, help="chat: each worker's KV pool, in tokens")
     args = p.parse_args(argv)
-    if not Path(args.vllm_python).is_file():
+    if args.workload == "load" and not Path(args.vllm_python).is_file():
         raise SystemExit(f"--vllm-python {args.vllm_python}: missing; run `make vllm-venv` (vLLM's client)")
     from bench.engine_throughput import default_model
     from pdserve.control.etcd_server import EmbeddedEtcd
@@ -112,19 +131,27 @@ def main(argv=None) -> int:
     try:
         with EmbeddedEtcd(work / "etcd") as etcd:
             workers = {}
+            engine = {}
+            if args.workload == "chat":
+                from pdserve.engine.config import ModelConfig
+
+                m = ModelConfig.from_dir(args.model)
+                per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4  # float32 on CPU
+                engine = {"kv_events": True, "kv_cache_memory_bytes": args.pool_tokens * per_token,
+                          "max_model_len": args.pool_tokens}
             for i in range(2):
                 wid = f"decode-{i}"
                 path = work / f"{wid}.log"
                 proc = spawn(["serve-decode", "--model", args.model, "--etcd", etcd.endpoint, "--cluster", "gwbench",
                               "--worker-id", wid, "--grpc-port", "0", "--http-port", "0", "--router-policy",
-                              str(policy), "--served-model-name", SERVED_NAME], path, cpus=str(i),
-                             env={"OMP_NUM_THREADS": "1"})
+                              str(policy), "--served-model-name", SERVED_NAME, "--engine-args", json.dumps(engine)],
+                             path, cpus=str(i), env={"OMP_NUM_THREADS": "1"})
                 procs.append(proc)
                 workers[wid] = (proc, path)
             for wid, (proc, path) in workers.items():
                 wait_line(path, r"gRPC (\S+)  HTTP", proc)
                 log(f"{wid} up")
-            for _ in range(args.busy_loops):
+            for _ in range(args.busy_loops if args.workload == "load" else 0):
                 procs.append(subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"]))
             log(f"decode-1 slowed by {args.busy_loops} busy loop(s) on core 1")
             for routing in args.routings.split(","):
@@ -132,7 +159,14 @@ def main(argv=None) -> int:
                 gw = spawn(["gateway", "--etcd", etcd.endpoint, "--cluster", "gwbench", "--model", args.model,
                             "--routing", routing], path)
                 procs.append(gw)
-                http = wait_line(path, r"HTTP (\S+), 2 decode worker", gw).group(1)
+                m = wait_line(path, r"gRPC (\S+), HTTP (\S+), 2 decode worker", gw)
+                grpc_addr, http = m.group(1), m.group(2)
+                if args.workload == "chat":
+                    results[routing] = run_chat(args, grpc_addr, http)
+                    gw.terminate()
+                    gw.wait(30)
+                    log(f"  {json.dumps(results[routing])}")
+                    continue
                 log(f"routing {routing}: vllm bench serve, {args.num_prompts} prompts at {args.rate} req/s ...")
                 raw = run_client(args, http, work / f"{routing}.json")
                 sent = routed(http)
@@ -150,6 +184,55 @@ def main(argv=None) -> int:
                 proc.kill()
         for proc in procs:
             proc.wait(30)
+    if args.workload == "chat":
+        report_chat(args, results)
+    else:
+        report_load(args, results)
+    if args.output:
+        args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                                          indent=2))
+    return 0
+
+
+def run_chat(args, grpc_addr: str, http: str) -> dict:
+    import asyncio
+    import types
+
+    from bench.prefix_cluster import make_chats, pct, run_chats
+    from pdserve.engine.config import ModelConfig
+
+    cfg = types.SimpleNamespace(seed=args.seed, systems=3, system_len=512, chats=args.chats, turns=args.turns,
+                                user_len=96, output_len=32, rate=args.chat_rate, think_s=args.think_s,
+                                request_timeout_s=300.0)
+    chats = make_chats(cfg, ModelConfig.from_dir(args.model).vocab_size)
+    log(f"chat: {args.chats} chats x {args.turns} turns through {grpc_addr} ...")
+    records = asyncio.run(run_chats([grpc_addr], chats, cfg))
+    ok = [r for r in records if r["error"] is None and r["ttft_ms"] is not None]
+    prompt = sum(r["prompt_len"] for r in ok)
+    cached = sum(r.get("cached_tokens") or 0 for r in ok)
+    later = [r for r in ok if r["turn"] > 0]
+    return {"requests": len(records), "errors": len(records) - len(ok), "prompt_tokens": prompt,
+            "cached_tokens": cached, "hit_rate": round(cached / max(prompt, 1), 3),
+            "later_turn_hit_rate": round(sum(r.get("cached_tokens") or 0 for r in later) /
+                                         max(sum(r["prompt_len"] for r in later), 1), 3),
+            "p50_ttft_ms": pct([r["ttft_ms"] for r in ok], 50), "p90_ttft_ms": pct([r["ttft_ms"] for r in ok], 90),
+            "routed": routed(http)}
+
+
+def report_chat(args, results: dict) -> None:
+    print(f"\n2 decode workers (KV events on, {args.pool_tokens}-token pools); {args.chats} chats x {args.turns} "
+          f"turns on 3 shared 512-token system prompts, think {args.think_s} s, through the gateway")
+    print(f"{'routing':<8} {'hit rate':>8} {'later turns':>11} {'TTFT p50':>9} {'p90':>8} {'errors':>6}")
+    for r, x in results.items():
+        print(f"{r:<8} {x['hit_rate']:>8.2f} {x['later_turn_hit_rate']:>11.2f} {x['p50_ttft_ms']:>9.0f} "
+              f"{x['p90_ttft_ms']:>8.0f} {x['errors']:>6}")
+    if {"ttft", "random"} <= set(results):
+        a, b = results["ttft"], results["random"]
+        print(f"ratio ttft/random: TTFT p90 {a['p90_ttft_ms'] / b['p90_ttft_ms']:.2f}x, p50 "
+              f"{a['p50_ttft_ms'] / b['p50_ttft_ms']:.2f}x; hit rate {a['hit_rate']:.2f} vs {b['hit_rate']:.2f}")
+
+
+def report_load(args, results: dict) -> None:
     print(f"\n2 decode workers, decode-1 sharing its core with {args.busy_loops} busy loop(s); vllm bench serve, "
           f"{args.num_prompts} random prompts (~{args.input_len} in, {args.output_len} out) at {args.rate} req/s, "
           f"goodput {' '.join(args.goodput)}")
@@ -162,10 +245,6 @@ def main(argv=None) -> int:
         print(f"ratio ttft/random: TTFT p99 {a['p99_ttft_ms'] / b['p99_ttft_ms']:.2f}x, p90 "
               f"{a['p90_ttft_ms'] / b['p90_ttft_ms']:.2f}x, goodput "
               f"{(a['request_goodput'] or 0) / max(b['request_goodput'] or 0, 1e-9):.2f}x")
-    if args.output:
-        args.output.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
-                                          indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import itertools
 import logging
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -34,6 +33,7 @@ from pdserve.engine.prompts import PromptChecker
 
 from .backends import Backends
 from .metrics import GatewayMetrics
+from .pick import RaceBudget, race_partner
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,6 @@ CODE_OF = {v: k for k, v in STATUS.items()}
 # the worker died, its connection dropped, or it is draining and handed the stream back.
 BROKEN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
           grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
-RACE_WINDOW_S = 60.0
 _SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logprobs")
 
@@ -79,13 +78,19 @@ class GatewayFrontend(Surface):
         self._dtype = dtype
         self.max_migrations = max_migrations
         # Racing (opt-in: race_fraction > 0, and a request's ttft_slo_ms): see `_race_partner`.
-        self.race_fraction = race_fraction
+        self.race_budget = RaceBudget(race_fraction)
         self.race_risk = race_risk
-        self._started: deque[float] = deque()  # request starts in the last RACE_WINDOW_S
-        self._raced: deque[float] = deque()  # races started in the last RACE_WINDOW_S
         self.streams: dict[tuple[str | None, str], Stream] = {}
         self._ids = itertools.count(1)
         self._id_prefix = f"gw{uuid.uuid4().hex[:6]}"
+
+    @property
+    def race_fraction(self) -> float:
+        return self.race_budget.fraction
+
+    @race_fraction.setter
+    def race_fraction(self, value: float) -> None:
+        self.race_budget.fraction = value
 
     def dtype(self) -> str:
         return self._dtype
@@ -129,7 +134,7 @@ class GatewayFrontend(Surface):
                                "wait for it to end (or abort it) before reusing the id", "request_id")
         s = self.streams[key] = Stream(label)
         arrival = time.monotonic()
-        self._started.append(arrival)
+        self.race_budget.start(arrival)
         tried: set[str] = set()
         refusal: _Broken | None = None
         try:
@@ -183,30 +188,19 @@ class GatewayFrontend(Surface):
 
     # -- racing ---------------------------------------------------------------------------
     def _race_partner(self, pick, inp: GenerateInput) -> str | None:
-        """A second worker to race this request on, or None. Only with racing on
-        (``race_fraction`` > 0) and a request that names a TTFT target (``ttft_slo_ms``) its
-        best prediction puts at risk (>= ``race_risk`` x the target); only when the runner-up
-        is idle (nothing of this gateway queued on it: racing is refused under load); and only
-        while races stay within ``race_fraction`` of the requests of the last minute."""
-        if self.race_fraction <= 0 or inp.ttft_slo_ms is None or len(pick.scores) < 2:
+        """A second worker to race this request on (gateway/pick.py `race_partner`), within the
+        budget of ``race_fraction`` of the last minute's requests; None: no race."""
+        if self.race_fraction <= 0:
             return None
-        by = {sc.worker_id: sc for sc in pick.scores}
-        best = by[pick.chosen]
-        if best.ttft_ms < self.race_risk * inp.ttft_slo_ms:
+        partner, why = race_partner(pick, inp.ttft_slo_ms, self.race_risk)
+        if partner is None:
+            if why == "refused_load":
+                self.metrics.race(why)
             return None
-        partner = next(sc for sc in pick.scores if sc.worker_id != pick.chosen)
-        if partner.queued_tokens > 0:
-            self.metrics.race("refused_load")
-            return None
-        now = time.monotonic()
-        for q in (self._started, self._raced):
-            while q and q[0] < now - RACE_WINDOW_S:
-                q.popleft()
-        if len(self._raced) + 1 > self.race_fraction * len(self._started):
+        if not self.race_budget.take(time.monotonic()):
             self.metrics.race("refused_budget")
             return None
-        self._raced.append(now)
-        return partner.worker_id
+        return partner
 
     async def _race(self, s: Stream, first: str, second: str, tried: set[str], ids, params, prio,
                     inp: GenerateInput, arrival: float) -> AsyncIterator[Chunk]:

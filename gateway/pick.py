@@ -17,6 +17,7 @@ record) that a new request waits for; ``kv_penalty_w`` grows as its KV pool fill
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 DEFAULT_RATE_MS = 0.5  # ms per prefill token before a worker has been measured
@@ -129,3 +130,43 @@ def choose(workers: list[WorkerState], prompt_len: int, cached: dict[str, int], 
     win = min((a, b), key=lambda s: (s.streams, s.ttft_ms))
     return Pick(win.worker_id, f"{len(tied)} tied within {tie:.0%} of {best:.1f} ms: of {a.worker_id} and "
                 f"{b.worker_id} drawn, the one with fewer streams", scores, excluded)
+
+
+def race_partner(pick: Pick, ttft_slo_ms: float | None, risk: float) -> tuple[str | None, str]:
+    """The worker to race a request on beside ``pick.chosen`` (None, and why not): only a request
+    with a TTFT target that its best prediction puts at risk (>= ``risk`` x the target), and only
+    when the runner-up has nothing of this gateway queued (racing is refused under load)."""
+    if ttft_slo_ms is None:
+        return None, "no ttft_slo_ms"
+    if len(pick.scores) < 2:
+        return None, "one worker"
+    by = {sc.worker_id: sc for sc in pick.scores}
+    if by[pick.chosen].ttft_ms < risk * ttft_slo_ms:
+        return None, "no predicted tail"
+    partner = next(sc for sc in pick.scores if sc.worker_id != pick.chosen)
+    if partner.queued_tokens > 0:
+        return None, "refused_load"
+    return partner.worker_id, "race"
+
+
+class RaceBudget:
+    """Races may be at most ``fraction`` of the requests started in the last ``window_s``."""
+
+    def __init__(self, fraction: float, window_s: float = 60.0):
+        self.fraction = fraction
+        self.window_s = window_s
+        self.started: deque[float] = deque()
+        self.raced: deque[float] = deque()
+
+    def start(self, now: float) -> None:
+        self.started.append(now)
+
+    def take(self, now: float) -> bool:
+        """One race, if the budget has room (then counted)."""
+        for q in (self.started, self.raced):
+            while q and q[0] < now - self.window_s:
+                q.popleft()
+        if len(self.raced) + 1 > self.fraction * len(self.started):
+            return False
+        self.raced.append(now)
+        return True

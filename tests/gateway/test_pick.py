@@ -73,3 +73,33 @@ def test_random_routing_ignores_the_scores():
     ws[0].rate_ms = 100.0
     picks = Counter(choose(ws, 100, {}, 0.0, random.Random(s), routing="random").chosen for s in range(300))
     assert set(picks) == {"d0", "d1", "d2"} and min(picks.values()) > 60
+
+
+def test_a_request_races_only_with_a_target_at_risk_and_an_idle_runner_up():
+    from pdserve.gateway.pick import race_partner
+
+    ws = workers(2)
+    ws[0].rate_ms = ws[1].rate_ms = 1.0
+    p = choose(ws, 400, {}, 0.0, random.Random(0))  # both predict 400 ms
+    assert race_partner(p, None, 0.5) == (None, "no ttft_slo_ms")
+    assert race_partner(p, 1000.0, 0.5) == (None, "no predicted tail")  # 400 < 0.5 x 1000
+    other = "d1" if p.chosen == "d0" else "d0"
+    assert race_partner(p, 500.0, 0.5) == (other, "race")
+    ws[1].queued_tokens = 10  # d1: 410 ms, so d0 is chosen and d1, the runner-up, has work queued
+    busy = choose(ws, 400, {}, 0.0, random.Random(0), tie=0.0, tie_ms=0.0)
+    assert busy.chosen == "d0"
+    assert race_partner(busy, 500.0, 0.5) == (None, "refused_load")
+    assert race_partner(choose(ws[:1], 400, {}, 0.0, random.Random(0)), 500.0, 0.5) == (None, "one worker")
+
+
+def test_the_race_budget_is_a_fraction_of_the_last_window():
+    from pdserve.gateway.pick import RaceBudget
+
+    b = RaceBudget(0.25, window_s=10.0)
+    for t in range(8):
+        b.start(float(t))
+    assert [b.take(8.0) for _ in range(3)] == [True, True, False]  # 2 of 8
+    assert not b.take(15.0)  # starts 0-4 left the window: 3 starts, 2 races already
+    for t in range(16, 24):
+        b.start(float(t))
+    assert b.take(24.0) and b.take(24.0) and not b.take(24.0)  # the old races left: 2 of 8 again
