@@ -2,6 +2,7 @@
 
     pdserve gateway --topology FILE                 in front of the cluster `pdserve up` started
     pdserve gateway --etcd HOST:PORT --cluster NAME --model DIR
+    pdserve gateway --etcd HOST:PORT --cluster NAME --topology FILE  # the topology's model (a pod's)
     pdserve gateway explain --url http://HOST:PORT --prompt TEXT   the scores behind a pick
 
 Clients call it exactly as a decode worker (gRPC `Inference`, OpenAI HTTP). Each request goes
@@ -49,6 +50,7 @@ def register(subparsers) -> None:
     gw.add_argument("--api-keys-file", help="API keys the gateway accepts (docs/security.md); default: none asked")
     gw.add_argument("--worker-api-key", help="the key it calls decode workers with when they check keys "
                     "(default: $PDSERVE_API_KEY)")
+    gw.add_argument("--check", action="store_true", help="validate the arguments and exit; start nothing")
     gw.set_defaults(func=run)
     sub = gw.add_subparsers(dest="gateway_command", metavar="GATEWAY_COMMAND")
     p = sub.add_parser("explain", help="every decode worker's predicted TTFT for a prompt, and the pick")
@@ -62,18 +64,17 @@ def run(args) -> int:
     from pdserve.gateway.server import Gateway, GatewayConfig
 
     etcd, cluster, tls = _cluster_of(args)
-    model = args.model
-    if not model:
-        if args.etcd:
-            raise ValueError("--etcd needs --model (the directory whose tokenizer the gateway uses)")
-        from pdserve.launcher import ClusterState, state_path
-        from pdserve.topology_args import load_topology_arg
-
-        model = ClusterState.load(state_path(load_topology_arg(args.topology))).model
+    model = _model_of(args)
+    for name in ("grpc_port", "http_port"):
+        if not 0 <= getattr(args, name) <= 65535:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: a port is 0-65535 (0: a free one)")
     if args.max_migrations < 0:
         raise ValueError(f"--max-migrations {args.max_migrations}: must be >= 0")
     if not 0 <= args.race_fraction <= 1 or args.race_risk <= 0:
         raise ValueError(f"--race-fraction {args.race_fraction} must be in [0, 1] and --race-risk {args.race_risk} > 0")
+    if args.check:
+        print(f"gateway arguments OK: cluster {cluster}, etcd {', '.join(etcd)}, model {model}")
+        return 0
     cfg = GatewayConfig(etcd, cluster, model=model, host=args.host, grpc_port=args.grpc_port,
                         http_port=args.http_port, max_migrations=args.max_migrations, kv_index=not args.no_kv_index, routing=args.routing,
                         race_fraction=args.race_fraction, race_risk=args.race_risk,
@@ -97,6 +98,35 @@ def run(args) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _model_of(args) -> str:
+    """The model directory whose tokenizer the gateway uses: --model; else the model of the
+    cluster `pdserve up` started from --topology; else (with --etcd) the topology's own model
+    (``path: auto``: made on this node, as a worker does)."""
+    from pathlib import Path
+
+    from pdserve.topology_args import load_topology_arg
+
+    if args.model:
+        model = args.model
+    else:
+        topo = load_topology_arg(args.topology)
+        if args.etcd:
+            if topo.model.path == "auto":
+                if args.check:
+                    return "auto (made on start)"
+                from pdserve.engine.model_maker import resolve_model
+
+                return resolve_model(topo)
+            model = str(topo.resolve(topo.model.path))
+        else:
+            from pdserve.launcher import ClusterState, state_path
+
+            model = ClusterState.load(state_path(topo)).model
+    if not Path(model).is_dir() and not args.check:
+        raise FileNotFoundError(f"--model {model}: not a directory (the gateway reads its tokenizer)")
+    return model
 
 
 def explain(args) -> int:

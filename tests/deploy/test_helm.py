@@ -51,6 +51,7 @@ VALUE_SETS = {
         "decode": {"gpus": 0, "engine": CPU_ENGINE, "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}},
         "etcd": {"persistence": {"enabled": False}},
         "shm": {"sizeLimit": "1Gi"},
+        "gateway": {"enabled": True, "replicas": 1},
     },
     # 4P8D on GPUs with node placement, RDMA UCX for prefill, a 3-member etcd, an autoscale
     # policy and a model name that must be sanitised into resource names.
@@ -70,6 +71,7 @@ VALUE_SETS = {
         "ucx": {"common": {"UCX_MODULES": ""}},
         "etcd": {"replicas": 3},
         "ray": {"dashboard": {"enabled": True}},
+        "gateway": {"enabled": True, "replicas": 3, "routing": "ttft", "raceFraction": 0.05},
         "drain": {"timeoutSeconds": 600},
         "policies": {"autoscale": yaml.safe_load((ROOT / "configs/autoscale/default.yaml").read_text())},
     },
@@ -80,6 +82,7 @@ VALUE_SETS = {
                           "prometheus": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
         "decode": {"service": {"type": "LoadBalancer"}},
+        "gateway": {"enabled": True},
     },
     # Every credential as an existing Secret: decode mutual TLS and API keys, etcd client
     # certificates (with the operator identity for the preStop drain), Ray's token.
@@ -223,7 +226,7 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
     """Each command line as the pod would run it (its ConfigMaps mounted, its env expanded)."""
     objs = rendered[name]
     seen = {"pdserve worker": 0, "pdserve drain": 0, "ray start": 0, "ray kill-actor": 0, "etcd": 0,
-            "health probe": 0, "pdserve etcd-auth": 0}
+            "health probe": 0, "pdserve etcd-auth": 0, "pdserve gateway": 0}
     for workload, c in containers(objs):
         root = mount_config_maps(objs, workload, tmp_path / workload["metadata"]["name"])  # runs init containers
         env = pod_env(workload)
@@ -234,7 +237,8 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
         for argv in commands:
             for line in command_lines(argv, env):
                 line = [root + a if a.startswith("/etc/pdserve/") else a for a in line]
-                if line[:2] in (["pdserve", "worker"], ["pdserve", "drain"], ["pdserve", "etcd-auth"]):
+                if line[:2] in (["pdserve", "worker"], ["pdserve", "drain"], ["pdserve", "etcd-auth"],
+                                ["pdserve", "gateway"]):
                     rc = main(line[1:] + ["--check"])
                     assert rc == 0, (line, capsys.readouterr().err)
                     seen[" ".join(line[:2])] += 1
@@ -266,6 +270,7 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
     assert seen["etcd"] == (0 if VALUE_SETS[name].get("etcd", {}).get("endpoints") else 1)
     assert seen["health probe"] == (3 if name == "secured" else 0)  # mutual TLS: decode's three probes
     assert seen["pdserve etcd-auth"] == (1 if VALUE_SETS[name].get("etcd", {}).get("tls") else 0)  # the RBAC Job
+    assert seen["pdserve gateway"] == (1 if VALUE_SETS[name].get("gateway", {}).get("enabled") else 0)
 
 
 def test_check_refuses_a_rendered_command_with_a_broken_flag(rendered, tmp_path, capsys):
@@ -389,7 +394,7 @@ def test_monitors_and_network_policies_select_what_exists(rendered):
     assert pm["spec"]["selector"]["matchLabels"].items() <= prefill["metadata"]["labels"].items()
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] in {p["name"] for p in prefill["spec"]["containers"][0]["ports"]}
     policies = {o["metadata"]["name"].rsplit("-", 1)[1]: o["spec"] for o in of_kind(objs, "NetworkPolicy")}
-    assert set(policies) == {"internal", "clients", "metrics"}
+    assert set(policies) == {"internal", "clients", "metrics", "gateway"}  # gateway: its clients' policy
     assert {p["port"] for p in policies["clients"]["ingress"][0]["ports"]} == {50051, 8000}
     assert policies["clients"]["ingress"][0]["from"] == VALUE_SETS["external-etcd-netpol-monitor"]["networkPolicy"]["clients"]
     assert {p["port"] for p in policies["metrics"]["ingress"][0]["ports"]} == {9100}
@@ -593,7 +598,8 @@ def render_objs(values: dict) -> list[dict]:
 
 def test_workers_are_statefulsets_whose_pods_run_the_worker_id_of_their_ordinal(rendered):
     objs = rendered["4p8d-gpu"]
-    assert [d["metadata"]["name"] for d in of_kind(objs, "Deployment")] == ["demo-meta-llama-llama-3-1-8b-instruct-ray-head"]
+    assert sorted(d["metadata"]["name"] for d in of_kind(objs, "Deployment")) == [
+        "demo-meta-llama-llama-3-1-8b-instruct-gateway", "demo-meta-llama-llama-3-1-8b-instruct-ray-head"]
     services = {s["metadata"]["name"]: s for s in of_kind(objs, "Service")}
     cluster = "demo-meta-llama-llama-3-1-8b-instruct"
     for role, replicas in (("prefill", 4), ("decode", 8)):
@@ -810,3 +816,29 @@ def test_tensor_parallel_roles_reach_the_topology_and_a_pod_needs_a_gpu_per_rank
     assert topo["roles"]["decode"]["tensor_parallel_size"] == 1
     with pytest.raises(helm_python.HelmError, match="prefill.gpus=1 but prefill.tensorParallelSize=2"):
         render({"prefill": {"tensorParallelSize": 2, "gpus": 1}})
+
+
+def test_the_gateway_is_a_deployment_behind_its_own_service(rendered):
+    objs = rendered["4p8d-gpu"]
+    dep = named(objs, "Deployment", "-gateway")
+    assert dep["spec"]["replicas"] == 3
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    line = c["args"][0]
+    assert "exec pdserve gateway --topology /etc/pdserve/topology/decode.yaml " in line
+    assert "--host ${POD_IP} --grpc-port 50052 --http-port 8080" in line and "--race-fraction 0.05" in line
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    svc = named(objs, "Service", "-gateway")
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "gateway"
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50052, "http": 8080}
+    assert not [d for d in of_kind(rendered["default"], "Deployment") if d["metadata"]["name"].endswith("-gateway")]
+    policy = named(rendered["external-etcd-netpol-monitor"], "NetworkPolicy", "-gateway")
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [50052, 8080]
+
+
+def test_the_gateway_with_security_settings_is_refused_naming_them():
+    values = copy.deepcopy(VALUE_SETS["1p1d-cpu"])
+    values["security"] = {"apiKeys": {"secretName": "keys"}}
+    with pytest.raises(helm_python.HelmError, match="security.apiKeys"):
+        render(values)
