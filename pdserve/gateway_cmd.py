@@ -50,6 +50,12 @@ def register(subparsers) -> None:
     gw.add_argument("--api-keys-file", help="API keys the gateway accepts (docs/security.md); default: none asked")
     gw.add_argument("--worker-api-key", help="the key it calls decode workers with when they check keys "
                     "(default: $PDSERVE_API_KEY)")
+    gw.add_argument("--tls-cert", help="serve gRPC and HTTP over TLS with this certificate chain (PEM)")
+    gw.add_argument("--tls-key", help="its private key (PEM)")
+    gw.add_argument("--tls-client-ca", help="mutual TLS: the CA client certificates must chain to")
+    gw.add_argument("--worker-ca-file", help="the CA the decode workers' TLS certificates chain to (their TLS on)")
+    gw.add_argument("--worker-client-cert", help="the certificate it presents to decode workers (mutual TLS)")
+    gw.add_argument("--worker-client-key", help="its private key")
     gw.add_argument("--check", action="store_true", help="validate the arguments and exit; start nothing")
     gw.set_defaults(func=run)
     sub = gw.add_subparsers(dest="gateway_command", metavar="GATEWAY_COMMAND")
@@ -72,14 +78,22 @@ def run(args) -> int:
         raise ValueError(f"--max-migrations {args.max_migrations}: must be >= 0")
     if not 0 <= args.race_fraction <= 1 or args.race_risk <= 0:
         raise ValueError(f"--race-fraction {args.race_fraction} must be in [0, 1] and --race-risk {args.race_risk} > 0")
-    if args.check:
-        print(f"gateway arguments OK: cluster {cluster}, etcd {', '.join(etcd)}, model {model}")
-        return 0
     cfg = GatewayConfig(etcd, cluster, model=model, host=args.host, grpc_port=args.grpc_port,
-                        http_port=args.http_port, max_migrations=args.max_migrations, kv_index=not args.no_kv_index, routing=args.routing,
+                        http_port=args.http_port, max_migrations=args.max_migrations,
+                        kv_index=not args.no_kv_index, routing=args.routing,
                         race_fraction=args.race_fraction, race_risk=args.race_risk,
                         api_keys_file=args.api_keys_file, worker_api_key=args.worker_api_key,
+                        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                        worker_ca_file=args.worker_ca_file, worker_client_cert=args.worker_client_cert,
+                        worker_client_key=args.worker_client_key,
                         etcd_tls=tls)
+
+    if args.check:
+        from pdserve.decode.security import ServerSecurity
+
+        ServerSecurity.from_config(cfg)  # its TLS and key files: a missing one names the option
+        print(f"gateway arguments OK: cluster {cluster}, etcd {', '.join(etcd)}, model {model}")
+        return 0
 
     async def serve():
         gw = Gateway(cfg)
@@ -109,7 +123,9 @@ def _model_of(args) -> str:
     from pdserve.topology_args import load_topology_arg
 
     if args.model:
-        model = args.model
+        if not Path(args.model).is_dir():
+            raise FileNotFoundError(f"--model {args.model}: not a directory (the gateway reads its tokenizer)")
+        return args.model
     else:
         topo = load_topology_arg(args.topology)
         if args.etcd:
@@ -124,8 +140,9 @@ def _model_of(args) -> str:
             from pdserve.launcher import ClusterState, state_path
 
             model = ClusterState.load(state_path(topo)).model
-    if not Path(model).is_dir() and not args.check:
-        raise FileNotFoundError(f"--model {model}: not a directory (the gateway reads its tokenizer)")
+    if not Path(model).is_dir() and not args.check:  # --check in a pod's image may lack the volume
+        raise FileNotFoundError(f"model.path {model}: not a directory on this node (the gateway reads its "
+                                "tokenizer); mount it, or pass --model")
     return model
 
 
