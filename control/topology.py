@@ -125,6 +125,9 @@ class GatewaySpec(_Strict):
     race_fraction: float = Field(0.0, ge=0, le=1)
     race_risk: float = Field(0.5, gt=0)
     num_cpus: float = Field(0.5, ge=0)
+    # Ray custom resources that place each gateway (a node type's, e.g. {"pdserve_gateway": 1}:
+    # deploy/ray/cluster.yaml's gateway_cpu nodes); {}: any node
+    custom: dict[str, float] = Field(default_factory=dict)
     # A file holding the API key it calls the decode workers with, when they check keys
     # (security.api_keys): an operator's key. None with API keys on: refused at `up`.
     worker_api_key_file: str | None = None

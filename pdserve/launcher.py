@@ -254,7 +254,7 @@ class Launcher:
         for i in range(t.gateway.replicas):
             cfg = gateway_config(t, i, self.model_path, state.etcd_endpoints)
             name = f"{t.cluster}-{cfg['gateway_id']}"
-            opts = worker_actor_options(name, t.ray.namespace, t.gateway.num_cpus, 0, {})
+            opts = worker_actor_options(name, t.ray.namespace, t.gateway.num_cpus, 0, t.gateway.custom)
             actor = ray.remote(restartable(GatewayActor)).options(**opts).remote(cfg)
             rec = {"name": name, "role": "gateway", "worker_id": cfg["gateway_id"]}
             state.actors.append(rec)

@@ -45,6 +45,7 @@ def test_cloud_config_places_roles_by_custom_resources():
     types = ray_up_checks(load("cluster.yaml"))["available_node_types"]
     assert types["prefill_gpu"]["resources"] == {"pdserve_prefill": 1}
     assert types["decode_gpu"]["resources"] == {"pdserve_decode": 1}
+    assert types["gateway_cpu"]["resources"] == {"pdserve_gateway": 1}
 
 
 def test_an_unknown_key_fails_validation():
