@@ -210,7 +210,7 @@ class Frontend(Surface):
             last_t, emitted = None, 0
             async for item, final, info in source:
                 extra.update(info)
-                if item.finish_reason == "abort" and rid in self._handed_back:
+                if not isinstance(item, BaseException) and item.finish_reason == "abort" and rid in self._handed_back:
                     state["end"] = "handed_back"
                     raise RequestError("unavailable", f"this decode worker is draining and handed the stream back "
                                        f"after {len(prep.inp.resume_ids or ()) + emitted} token(s); continue it "
