@@ -43,6 +43,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(REPO))  # bench.* when run as a script
 SERVED_NAME = "gw-model"
 
 
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--think-s", type=float, default=4.0)
     p.add_argument("--chat-rate", type=float, default=4.0, help="chat: chats started per second")
-    p.add_argument("--pool-tokens", type=int, default=8192, help="chat: each worker's KV pool, in tokens")
+    p.add_argument("--pool-tokens", type=int, default=4096, help="chat: each worker's KV pool, in tokens")
     args = p.parse_args(argv)
     if args.workload == "load" and not Path(args.vllm_python).is_file():
         raise SystemExit(f"--vllm-python {args.vllm_python}: missing; run `make vllm-venv` (vLLM's client)")
