@@ -1,0 +1,66 @@
+"""A gateway in front of a decode worker that serves TLS and checks API keys: the gateway
+checks its clients' keys itself (the same keys file, the same interceptor), refuses
+privileged fields to a plain key, and calls the worker over TLS with an operator key."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve.api import Client
+from pdserve.certs import append_key, make_certs, new_key
+from pdserve.control.etcd_server import EmbeddedEtcd
+from pdserve.decode.worker import DecodeWorkerConfig
+from pdserve.gateway.server import GatewayConfig
+from tests.harness import PERMISSIVE_POLICY, GatewayThread, WorkerThread, wait_until
+
+
+@pytest.fixture(scope="module")
+def secured(llama_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("gwsec")
+    pki = {k: str(v) for k, v in make_certs(d / "pki").items()}
+    keys = {"user": new_key(), "operator": new_key(), "wrong": new_key()}
+    for name in ("user", "operator"):
+        append_key(d / "keys.txt", keys[name], operator=name == "operator")
+    (d / "router.yaml").write_text(PERMISSIVE_POLICY)
+    tls = dict(tls_cert=pki["decode"], tls_key=pki["decode-key"], api_keys_file=str(d / "keys.txt"))
+    with EmbeddedEtcd(d / "etcd") as etcd:
+        w = gw = None
+        try:
+            w = WorkerThread(DecodeWorkerConfig(
+                model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="gwsec", lease_ttl_s=3, worker_id="decode-0",
+                router_policy=str(d / "router.yaml"), host="127.0.0.1", **tls)).start()
+            gw = GatewayThread(GatewayConfig(
+                [etcd.endpoint], "gwsec", model=llama_dir, worker_api_key=keys["operator"],
+                worker_ca_file=pki["ca"], **tls)).start()
+            wait_until(lambda: len(gw.gateway.backends.workers) == 1, 20)
+            yield w, gw, keys, pki
+        finally:
+            if gw is not None:
+                gw.stop()
+            if w is not None:
+                w.stop()
+
+
+def test_a_client_key_is_checked_at_the_gateway_and_the_worker_is_called_over_tls(secured):
+    w, gw, keys, pki = secured
+    target = gw.gateway.grpc_address
+    with Client(target, api_key=keys["user"], ca_file=pki["ca"]) as c:
+        out = c.generate("hello there", max_tokens=5, temperature=0.0)
+    with Client(w.grpc, api_key=keys["user"], ca_file=pki["ca"]) as direct:
+        assert direct.generate("hello there", max_tokens=5, temperature=0.0).token_ids == out.token_ids
+    for key in (None, keys["wrong"]):
+        with Client(target, api_key=key, ca_file=pki["ca"]) as c:
+            with pytest.raises(grpc.RpcError) as ei:
+                c.generate("hello there", max_tokens=2)
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_privileged_fields_need_an_operator_key_at_the_gateway(secured):
+    _, gw, keys, pki = secured
+    with Client(gw.gateway.grpc_address, api_key=keys["user"], ca_file=pki["ca"]) as c:
+        with pytest.raises(grpc.RpcError) as ei:
+            c.generate("hello", max_tokens=2, route="local")
+        assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED and "route" in ei.value.details()
+    with Client(gw.gateway.grpc_address, api_key=keys["operator"], ca_file=pki["ca"]) as c:
+        assert c.generate("hello", max_tokens=2, route="local", priority="high").finish_reason == "length"
