@@ -9,6 +9,7 @@ the workers publishing KV events, so the gateway sees which worker holds a chat'
     python bench/gateway.py                         # load: 120 prompts at 3 req/s per routing
     python bench/gateway.py --rate 4 --num-prompts 200 --busy-loops 2
     python bench/gateway.py --workload chat         # 32 chats x 6 turns per routing
+    python bench/gateway.py --workload race         # racing on against off, an intermittent neighbour
 
 Setup on this host: etcd; two `pdserve serve-decode` processes, one pinned to each core
 (OpenMP 1 thread each); ``--busy-loops`` processes spinning on the second worker's core, so
@@ -26,6 +27,14 @@ client: vLLM's client has no multi-turn sessions) go through the gateway with no
 affinity, so only the gateway's view of the caches keeps a chat's turns together. The table
 gives, per routing, the prefix hit rate (prompt tokens the serving worker had cached, from
 each reply's breakdown) and TTFT p50/p90.
+
+Race: the gateway's routing with racing off (``ttft``) and on (``race``: ``--race-fraction``,
+``--race-risk``) on the same workers; decode-1's core is shared with a neighbour that spins
+for ``--burst-s`` then sleeps for twice that (an intermittent tail no prediction sees
+coming). Requests carry ``ttft_slo_ms`` (our gRPC client: racing needs the target, and
+vLLM's client cannot send it). Per mode: TTFT p50/p90/p99, the races won by the predicted
+best and by the runner-up, and the extra work (prompt tokens sent to losers / all prompt
+tokens).
 """
 
 from __future__ import annotations
@@ -111,12 +120,16 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--run-timeout-s", type=float, default=900)
     p.add_argument("--output", type=Path, default=None, help="write the figures as JSON here")
-    p.add_argument("--workload", choices=("load", "chat"), default="load")
+    p.add_argument("--workload", choices=("load", "chat", "race"), default="load")
     p.add_argument("--chats", type=int, default=32, help="chat: chats (3 system prompts of 512 tokens)")
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--think-s", type=float, default=4.0)
     p.add_argument("--chat-rate", type=float, default=4.0, help="chat: chats started per second")
     p.add_argument("--pool-tokens", type=int, default=4096, help="chat: each worker's KV pool, in tokens")
+    p.add_argument("--race-fraction", type=float, default=0.3, help="race: the gateway's --race-fraction")
+    p.add_argument("--race-risk", type=float, default=0.2, help="race: the gateway's --race-risk")
+    p.add_argument("--ttft-slo-ms", type=float, default=500.0, help="race: each request's ttft_slo_ms")
+    p.add_argument("--burst-s", type=float, default=1.0, help="race: the neighbour spins this long, sleeps 2x")
     args = p.parse_args(argv)
     if args.workload == "load" and not Path(args.vllm_python).is_file():
         raise SystemExit(f"--vllm-python {args.vllm_python}: missing; run `make vllm-venv` (vLLM's client)")
@@ -124,6 +137,8 @@ def main(argv=None) -> int:
     from pdserve.control.etcd_server import EmbeddedEtcd
 
     args.model = args.model or default_model()
+    if args.workload == "race" and args.routings == "ttft,random":
+        args.routings = "ttft,race"
     work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     policy = work / "router.yaml"
     policy.write_text("qos:\n  enable_early_rejection: false\n")
@@ -154,16 +169,23 @@ def main(argv=None) -> int:
                 log(f"{wid} up")
             for _ in range(args.busy_loops if args.workload == "load" else 0):
                 procs.append(subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"]))
-            log(f"decode-1 slowed by {args.busy_loops} busy loop(s) on core 1")
+            if args.workload == "race":
+                spin = (f"import time\nwhile True:\n    t = time.time() + {args.burst_s}\n"
+                        f"    while time.time() < t: pass\n    time.sleep({2 * args.burst_s})\n")
+                procs.append(subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", spin]))
+            if args.workload == "load":
+                log(f"decode-1 slowed by {args.busy_loops} busy loop(s) on core 1")
             for routing in args.routings.split(","):
                 path = work / f"gateway-{routing}.log"
+                extra = (["--routing", "ttft", "--race-fraction", str(args.race_fraction), "--race-risk",
+                          str(args.race_risk)] if routing == "race" else ["--routing", routing])
                 gw = spawn(["gateway", "--etcd", etcd.endpoint, "--cluster", "gwbench", "--model", args.model,
-                            "--routing", routing], path)
+                            *extra], path)
                 procs.append(gw)
                 m = wait_line(path, r"gRPC (\S+), HTTP (\S+), 2 decode worker", gw)
                 grpc_addr, http = m.group(1), m.group(2)
-                if args.workload == "chat":
-                    results[routing] = run_chat(args, grpc_addr, http)
+                if args.workload in ("chat", "race"):
+                    results[routing] = (run_chat if args.workload == "chat" else run_race)(args, grpc_addr, http)
                     gw.terminate()
                     gw.wait(30)
                     log(f"  {json.dumps(results[routing])}")
@@ -187,6 +209,8 @@ def main(argv=None) -> int:
             proc.wait(30)
     if args.workload == "chat":
         report_chat(args, results)
+    elif args.workload == "race":
+        report_race(args, results)
     else:
         report_load(args, results)
     if args.output:
@@ -218,6 +242,78 @@ def run_chat(args, grpc_addr: str, http: str) -> dict:
                                          max(sum(r["prompt_len"] for r in later), 1), 3),
             "p50_ttft_ms": pct([r["ttft_ms"] for r in ok], 50), "p90_ttft_ms": pct([r["ttft_ms"] for r in ok], 90),
             "routed": routed(http)}
+
+
+def gateway_counters(http: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r'pdserve_gateway_races_total\{.*outcome="([^"]+)".*\} (\S+)', line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+        elif line.startswith("pdserve_gateway_race_wasted_prompt_tokens_total{"):
+            out["wasted_prompt_tokens"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def run_race(args, grpc_addr: str, http: str) -> dict:
+    """Poisson arrivals of random prompts with a TTFT target, streamed through the gateway."""
+    import asyncio
+    import random
+
+    from bench.prefix_cluster import pct
+    from pdserve.api import AsyncClient
+
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(64, 2 * args.input_len))]
+               for _ in range(args.num_prompts)]
+    gaps = [rng.expovariate(args.rate) for _ in prompts]
+
+    async def main() -> list:
+        async with AsyncClient(grpc_addr, timeout_s=300) as c:
+            async def one(i: int, ids: list[int]) -> float | None:
+                start = time.perf_counter()
+                async for msg in c.stream(ids, max_tokens=args.output_len, temperature=0.0, ignore_eos=True,
+                                          ttft_slo_ms=args.ttft_slo_ms):
+                    if msg.token_ids:
+                        return (time.perf_counter() - start) * 1e3
+                return None
+
+            tasks = []
+            for i, ids in enumerate(prompts):
+                tasks.append(asyncio.ensure_future(one(i, ids)))
+                await asyncio.sleep(gaps[i])
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+    log(f"race: {args.num_prompts} prompts at {args.rate} req/s through {grpc_addr} ...")
+    ttfts = asyncio.run(main())
+    ok = [t for t in ttfts if isinstance(t, float)]
+    counters = gateway_counters(http)
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"requests": len(prompts), "errors": len(prompts) - len(ok),
+            "p50_ttft_ms": pct(ok, 50), "p90_ttft_ms": pct(ok, 90), "p99_ttft_ms": pct(ok, 99),
+            "within_slo": round(sum(t <= args.ttft_slo_ms for t in ok) / len(prompts), 3),
+            "races": counters, "extra_work": round(counters.get("wasted_prompt_tokens", 0) / prompt_tokens, 3),
+            "routed": routed(http)}
+
+
+def report_race(args, results: dict) -> None:
+    print(f"\n2 decode workers, decode-1's core shared with a neighbour spinning {args.burst_s} s of every "
+          f"{3 * args.burst_s} s; {args.num_prompts} prompts (64-{2 * args.input_len} tokens, {args.output_len} out) "
+          f"at {args.rate} req/s, ttft_slo_ms {args.ttft_slo_ms}; racing: fraction {args.race_fraction}, "
+          f"risk {args.race_risk}")
+    print(f"{'mode':<6} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'in SLO':>7} {'won 1st':>8} {'won 2nd':>8} "
+          f"{'extra work':>10}")
+    for r, x in results.items():
+        races = x["races"]
+        print(f"{r:<6} {x['p50_ttft_ms']:>9.0f} {x['p90_ttft_ms']:>8.0f} {x['p99_ttft_ms']:>8.0f} "
+              f"{x['within_slo']:>7.2f} {races.get('won_first', 0):>8.0f} {races.get('won_second', 0):>8.0f} "
+              f"{x['extra_work']:>10.2f}")
+    if {"ttft", "race"} <= set(results):
+        a, b = results["race"], results["ttft"]
+        print(f"ratio race/no race: TTFT p99 {a['p99_ttft_ms'] / b['p99_ttft_ms']:.2f}x, p90 "
+              f"{a['p90_ttft_ms'] / b['p90_ttft_ms']:.2f}x, p50 {a['p50_ttft_ms'] / b['p50_ttft_ms']:.2f}x; "
+              f"extra prompt work {a['extra_work']:.0%}")
 
 
 def report_chat(args, results: dict) -> None:
