@@ -17,10 +17,15 @@ record) that a new request waits for; ``kv_penalty_w`` grows as its KV pool fill
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 DEFAULT_RATE_MS = 0.5  # ms per prefill token before a worker has been measured
+# A rate not measured again for this long counts half as much (the rest: the fleet's best
+# rate). A worker measured slow once is then tried again once its slowness is old news:
+# without it, a worker that met a passing neighbour would never be picked, so never measured.
+RATE_HALF_LIFE_S = 5.0
 KV_SOFT_LIMIT = 0.9
 KV_PENALTY_MS = 2000.0  # at a full pool
 
@@ -39,12 +44,20 @@ class WorkerState:
     mean_prompt: float = 256.0  # prompt tokens per request this gateway sent it (EMA)
     avoid_until: float = 0.0  # monotonic time before which it is not picked (it just failed)
     draining: bool = False
+    measured_at: float = float("-inf")  # monotonic time of the last first token timed
 
-    def observe_ttft(self, ttft_ms: float, units: int, alpha: float = 0.2) -> None:
+    def observe_ttft(self, ttft_ms: float, units: int, alpha: float = 0.2, now: float | None = None) -> None:
         """A first token after ``units`` prefill tokens (queued ahead plus its own)."""
         sample = max(ttft_ms - self.step_ms(), 0.0) / max(units, 16)
         self.rate_ms = sample if self.measured == 0 else (1 - alpha) * self.rate_ms + alpha * sample
         self.measured += 1
+        self.measured_at = time.monotonic() if now is None else now
+
+    def rate_at(self, now: float, fleet_ms: float) -> float:
+        """Its rate, decayed towards ``fleet_ms`` (the best rate of the live workers) with the age
+        of its last measurement (RATE_HALF_LIFE_S)."""
+        age = max(0.0, now - self.measured_at) if self.measured else 0.0
+        return fleet_ms + (self.rate_ms - fleet_ms) * 0.5 ** (age / RATE_HALF_LIFE_S)
 
     def step_ms(self) -> float:
         steps = self.load.get("decode_steps") or 0
@@ -71,13 +84,15 @@ class Score:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 
-def score(w: WorkerState, prompt_len: int, cached: int) -> Score:
+def score(w: WorkerState, prompt_len: int, cached: int, now: float | None = None,
+          fleet_ms: float | None = None) -> Score:
     own = max(prompt_len - cached, 0)
     queued = w.queued()
     kv = float(w.load.get("kv_usage") or 0.0)
     penalty = KV_PENALTY_MS * max(0.0, kv - KV_SOFT_LIMIT) / (1 - KV_SOFT_LIMIT)
     step = w.step_ms()
-    return Score(w.worker_id, w.rate_ms * (queued + own) + step + penalty, w.rate_ms, queued, own, cached,
+    rate = w.rate_ms if now is None or fleet_ms is None else w.rate_at(now, fleet_ms)
+    return Score(w.worker_id, rate * (queued + own) + step + penalty, rate, queued, own, cached,
                  step, penalty, w.streams)
 
 
@@ -116,7 +131,9 @@ def choose(workers: list[WorkerState], prompt_len: int, cached: dict[str, int], 
             excluded[w.worker_id] = f"failed {w.avoid_until - now:.1f} s ago or less: avoided for now"
         else:
             live.append(w)
-    scores = sorted((score(w, prompt_len, cached.get(w.worker_id, 0)) for w in live), key=lambda s: s.ttft_ms)
+    fleet = min((w.rate_ms for w in live), default=DEFAULT_RATE_MS)
+    scores = sorted((score(w, prompt_len, cached.get(w.worker_id, 0), now, fleet) for w in live),
+                    key=lambda s: s.ttft_ms)
     if not scores:
         return Pick(None, "no decode worker can take it", [], excluded)
     if routing == "random":

@@ -103,3 +103,14 @@ def test_the_race_budget_is_a_fraction_of_the_last_window():
     for t in range(16, 24):
         b.start(float(t))
     assert b.take(24.0) and b.take(24.0) and not b.take(24.0)  # the old races left: 2 of 8 again
+
+
+def test_a_worker_measured_slow_is_tried_again_once_that_is_old_news():
+    ws = workers(2)
+    ws[0].observe_ttft(50.0, 100, now=0.0)     # 0.5 ms/token
+    ws[1].observe_ttft(1000.0, 100, now=0.0)   # 10 ms/token: a passing neighbour
+    assert choose(ws, 100, {}, 1.0, random.Random(0)).chosen == "d0"
+    ws[0].measured_at = 60.0  # d0 keeps being measured; d1's figure is a minute old
+    later = choose(ws, 100, {}, 60.0, random.Random(0))
+    by = {s.worker_id: s for s in later.scores}
+    assert by["d1"].rate_ms < 0.6 and abs(by["d0"].rate_ms - 0.5) < 1e-9
