@@ -47,14 +47,17 @@ def pair(llama_dir, tmp_path_factory):
 def test_a_worker_that_refuses_sends_the_request_to_another(pair):
     _, gw = pair
     idle = gw.gateway.backends.workers["decode-idle"]
-    idle.rate_ms, idle.measured = 50.0, 1  # measured slow: the busy worker is everyone's first pick
+    idle.queued_tokens += 100_000  # a long queue as far as the gateway knows: the busy worker is the first pick
 
     async def run():
         async with AsyncClient(gw.gateway.grpc_address) as c:
             return await asyncio.gather(*(c.generate(f"question number {i}", max_tokens=3, priority="low")
                                           for i in range(12)))
 
-    outs = asyncio.run(run())
+    try:
+        outs = asyncio.run(run())
+    finally:
+        idle.queued_tokens -= 100_000
     assert all(o.finish_reason == "length" and o.breakdown["worker_id"] == "decode-idle" for o in outs)
     with httpx.Client(base_url=f"http://{gw.gateway.http_address}", timeout=30) as h:
         text = h.get("/metrics").text
