@@ -9,6 +9,7 @@ prompts and samples as one call (`generate_many`), detokenization, and the model
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import uuid
@@ -39,7 +40,7 @@ def identity(caller) -> str | None:
     return None if caller is None else caller.identity
 
 
-class Surface:
+class Surface(abc.ABC):
     """The request handling both APIs call. Subclasses run one sequence (`_generate`), abort
     one by its client's id (`abort`), and say whether they serve (`health`)."""
 
@@ -67,8 +68,9 @@ class Surface:
     def model_card(self) -> ModelCard:
         return ModelCard(self.served_model, self.checker.max_model_len, self.checker.vocab_size, self.dtype())
 
+    @abc.abstractmethod
     def dtype(self) -> str:
-        raise NotImplementedError
+        """The dtype of the served weights (the model card's)."""
 
     def health(self) -> str | None:
         """None while it serves; else why not (the HTTP health check's 503)."""
@@ -85,8 +87,9 @@ class Surface:
         """`validate` in the tokenizer pool."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.validate, inp)
 
+    @abc.abstractmethod
     def abort(self, request_id: str, caller=None) -> bool:
-        raise NotImplementedError
+        """Abort an in-flight request by the id its client gave; False if unknown."""
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
         """One sequence, within its key's share."""
@@ -94,8 +97,9 @@ class Surface:
             async for chunk in self._generate(inp):
                 yield chunk
 
+    @abc.abstractmethod
     def _generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
-        raise NotImplementedError
+        """One sequence, validated, run and streamed (`generate` holds its key share)."""
 
     @contextlib.contextmanager
     def _key_share(self, caller, sequences: int):
