@@ -33,6 +33,7 @@ PACKAGE_DIRS = {
     "pdserve.prefill": "prefill",
     "pdserve.decode": "decode",
     "pdserve.gateway": "gateway",
+    "pdserve.sim": "sim",
     "pdserve.api": "api",
     "pdserve.bench": "bench",
     "pdserve.configs": "configs",
@@ -41,7 +42,7 @@ PACKAGE_DATA = {
     "pdserve.api": ["proto/pdserve/api/v1/*.proto"],
     "pdserve.api.v1": ["*.pyi"],
     "pdserve.engine": ["csrc/*.c"],
-    "pdserve.configs": ["topologies/*.yaml", "router/*.yaml", "autoscale/*.yaml"],
+    "pdserve.configs": ["topologies/*.yaml", "router/*.yaml", "autoscale/*.yaml", "sim/*.yaml"],
     "pdserve.bench": ["policies/*.yaml"],
 }
 

@@ -34,7 +34,7 @@ from .request import (
 from .runner import ModelRunner
 from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
-from .step_budget import StepCost, StepTargets, attention_pairs, plan_budget
+from .step_budget import StepCost, StepTargets, attention_pairs
 from .tokenizer import Tokenizer
 from .tp_group import TPGroupBroken
 
@@ -223,16 +223,8 @@ class LLMEngine:
         self.scheduler.step_cost, self.scheduler.step_targets = cost, targets
 
     def predicted_prefill_budget(self, tokens: int, cached: int, decodes: int, backlog: int) -> int | None:
-        """The prompt tokens per step the step plan would give a prompt of ``tokens`` after
-        ``cached`` arriving now behind ``backlog`` waiting prompt tokens, beside ``decodes``
-        streams with the least TPOT slack of the latest step (for the router's local
-        prediction; engine/step_budget.py). With a fixed cap: the cap (None: none)."""
-        sched = self.scheduler
-        if sched.step_cost is None or sched.step_targets is None:
-            return sched.prefill_token_budget
-        slack_s = (sched.last_min_slack_ms or 0.0) / 1e3
-        return plan_budget(sched.step_cost, sched.step_targets, [(0, -slack_s)] * decodes,
-                           [(backlog + tokens, 0.0, cached)], self.config.max_num_batched_tokens).tokens
+        """What the step plan would give a prompt arriving now (``Scheduler.predicted_budget``)."""
+        return self.scheduler.predicted_budget(tokens, cached, decodes, backlog)
 
     @property
     def prefill_token_budget(self) -> int | None:

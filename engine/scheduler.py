@@ -79,6 +79,9 @@ class Scheduler:
         self.step_targets: StepTargets | None = None
         self.last_budget: Budget | None = None  # the plan of the latest step (explain, metrics)
         self.last_min_slack_ms: float | None = None  # the decoding streams' least TPOT slack then
+        # What "now" is for the step plan (request ages): the engine's monotonic clock; the
+        # simulator (sim/) runs this scheduler on its simulated clock instead.
+        self.clock = time.monotonic
 
     # -- queue management ---------------------------------------------------
     def add(self, req: Request) -> None:
@@ -224,7 +227,7 @@ class Scheduler:
 
     def _plan_budget(self) -> int:
         """This step's prompt-token cap from the SLOs (engine/step_budget.py)."""
-        now = time.monotonic()
+        now = self.clock()
         decoding, prompts = [], []
         for r in self.running:
             left = r.num_tokens - r.num_computed_tokens
@@ -239,6 +242,17 @@ class Scheduler:
         self.last_budget = plan_budget(self.step_cost, self.step_targets, decoding, prompts,
                                        self.max_num_batched_tokens)
         return self.last_budget.tokens
+
+    def predicted_budget(self, tokens: int, cached: int, decodes: int, backlog: int) -> int | None:
+        """The prompt tokens per step the step plan would give a prompt of ``tokens`` after
+        ``cached`` arriving now behind ``backlog`` waiting prompt tokens, beside ``decodes``
+        streams with the least TPOT slack of the latest step (for the router's local
+        prediction; engine/step_budget.py). With a fixed cap: the cap (None: none)."""
+        if self.step_cost is None or self.step_targets is None:
+            return self.prefill_token_budget
+        slack_s = (self.last_min_slack_ms or 0.0) / 1e3
+        return plan_budget(self.step_cost, self.step_targets, [(0, -slack_s)] * decodes,
+                           [(backlog + tokens, 0.0, cached)], self.max_num_batched_tokens).tokens
 
     # -- the second tier ------------------------------------------------------------
     def _start_load(self, req: Request, hits: list) -> bool:

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "pdserve.worker_cmd",
     "pdserve.kv_cmd",
     "pdserve.gateway_cmd",
+    "pdserve.sim_cmd",
     "pdserve.bench.cli",
 )
 

@@ -1,0 +1,274 @@
+"""`pdserve sim`: simulate an XpYd cluster with the product's own router, QoS, scheduler, queue
+and planner on a simulated clock (sim/, docs/simulator.md).
+
+    pdserve sim profile --model DIR --out cpu.yaml          measure a worker here (real engine)
+    pdserve sim profile --roofline llama-3-70b --gpu h100 --out h100.yaml   from datasheet numbers
+    pdserve sim run --profile cpu.yaml --topology 1P1D --mix long-prompt --rate 2.5 --requests 200
+    pdserve sim run --profile h100.yaml --topology 2P6D --prefill-tp 4 --trace trace.jsonl
+    pdserve sim search --profile h100.yaml --budget 16 --mix long-prompt --rate 40 --requests 4000
+
+Goodput counts the completed requests that met ``--slo-ttft`` and ``--slo-tpot`` per second,
+as `vllm bench serve --goodput` does. ``--json FILE`` writes every figure; ``--explain``
+prints the router's reasons and the planner's decisions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+import yaml
+
+TOPOLOGY = re.compile(r"^(\d+)P(\d+)D$", re.I)
+
+
+def register(subparsers) -> None:
+    sim = subparsers.add_parser("sim", help="simulate a cluster (XpYd, TP, router, planner) on cost profiles",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = sim.add_subparsers(dest="sim_command", metavar="SUBCOMMAND")
+    sim.set_defaults(func=lambda args: (sim.print_help(), 2)[1])
+
+    prof = sub.add_parser("profile", help="measure a cost profile with the real engine, or derive one "
+                          "from published GPU numbers", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    prof.add_argument("--model", help="model directory to measure (the real engine runs here)")
+    prof.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                      help="an engine argument of the workers to profile (repeatable), e.g. num_threads=1")
+    prof.add_argument("--repeats", type=int, default=3, help="times each step shape is timed (median kept)")
+    prof.add_argument("--transfer-gb-per-s", type=float, default=4.0,
+                      help="KV transfer bandwidth between workers (default 4: NIXL on this host, "
+                      "docs/PERFORMANCE.md)")
+    prof.add_argument("--transfer-setup-ms", type=float, default=1.0, help="per-transfer setup (default 1)")
+    prof.add_argument("--queue-hop-ms", type=float, default=1.0, help="one prefill-queue call (default 1)")
+    prof.add_argument("--roofline", metavar="MODEL", help="derive from a model's shape instead: "
+                      "llama-3-70b | llama-3-8b")
+    prof.add_argument("--gpu", default="h100", help="with --roofline: h100 | h200 (default h100)")
+    prof.add_argument("--tp", default="1,2,4,8", help="with --roofline: tensor-parallel sizes (default 1,2,4,8)")
+    prof.add_argument("--name", help="the profile's name")
+    prof.add_argument("--out", help="write the profile here (.yaml or .json); default: print it")
+    prof.set_defaults(func=run_profile)
+
+    run = sub.add_parser("run", help="simulate one cluster on one traffic", description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(run)
+    run.add_argument("--topology", default="1P1D", help="XpYd: prefill and decode workers (default 1P1D; "
+                     "0P1D is one colocated worker)")
+    run.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of each prefill worker")
+    run.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of each decode worker")
+    run.add_argument("--ingress", default="round_robin", choices=("round_robin", "random", "gateway"),
+                     help="how requests reach the decode workers (gateway: gateway/pick.py by predicted TTFT)")
+    run.add_argument("--mode", choices=("conditional", "always_remote", "always_local"),
+                     help="override the router policy's mode")
+    run.add_argument("--autoscale", metavar="FILE", help="an autoscale policy: the planner runs every interval_s")
+    run.add_argument("--start-s", type=float, default=30.0, help="with --autoscale: seconds a new worker takes to "
+                     "serve (default 30)")
+    run.add_argument("--explain", action="store_true", help="print the router's reasons and planner decisions")
+    run.set_defaults(func=run_sim)
+
+    se = sub.add_parser("search", help="the best XpYd, TP sizes and router mode under a device budget",
+                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(se)
+    se.add_argument("--budget", type=int, required=True, help="devices (GPUs, or CPU workers) to spend")
+    se.add_argument("--tp", default="1", help="tensor-parallel sizes to try, comma-separated (default 1)")
+    se.add_argument("--modes", default="conditional,always_remote",
+                    help="router modes for disaggregated candidates (default conditional,always_remote)")
+    se.add_argument("--ingress", default="round_robin", choices=("round_robin", "random", "gateway"))
+    se.add_argument("--max-workers", type=int, default=64, help="at most this many workers per role")
+    se.add_argument("--top", type=int, default=10, help="rows printed (default 10)")
+    se.set_defaults(func=run_search)
+
+
+def _common(p) -> None:
+    p.add_argument("--profile", required=True, help="a cost profile (.yaml/.json from `pdserve sim profile`)")
+    p.add_argument("--prefill-profile", help="another profile for the prefill workers (other hardware)")
+    p.add_argument("--policy", help="a router policy file (default: the built-in default policy)")
+    p.add_argument("--trace", help="a JSON-lines trace (t, prompt_len, output_len, ...) instead of a mix")
+    p.add_argument("--mix", default="long-prompt", help="synthetic mix: long-prompt | decode-heavy | prefix")
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second of the mix (default 1)")
+    p.add_argument("--requests", type=int, default=200, help="requests of the mix (default 200)")
+    p.add_argument("--arrival", default="poisson", choices=("poisson", "gamma"), help="arrival process")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma: coefficient of variation of the gaps")
+    p.add_argument("--slo-ttft", type=float, default=1500.0, help="goodput's TTFT SLO, ms (default 1500)")
+    p.add_argument("--slo-tpot", type=float, default=50.0, help="goodput's TPOT SLO, ms (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the traffic and of every random draw")
+    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+
+
+def _workload(args):
+    from pdserve.sim.workload import WorkloadSpec, generate, load_trace, mix
+
+    if args.trace:
+        return load_trace(args.trace), f"trace {args.trace}"
+    spec = mix(args.mix, args.rate, args.requests)
+    spec = WorkloadSpec(**{**spec.__dict__, "arrival": args.arrival, "burstiness_cv": args.burstiness})
+    return generate(spec, args.seed), f"mix {args.mix} at {args.rate:g} req/s, {args.requests} requests"
+
+
+def _profiles(args):
+    from pdserve.sim.profile import load_profile
+
+    prof = load_profile(args.profile)
+    return prof, load_profile(args.prefill_profile) if args.prefill_profile else None
+
+
+def _policy(args):
+    from pdserve.router import DEFAULT_POLICY, load_policy_file
+
+    return load_policy_file(args.policy) if args.policy else DEFAULT_POLICY
+
+
+def _topology(text: str, args):
+    from pdserve.sim.cluster import SimTopology
+
+    m = TOPOLOGY.match(text.strip())
+    if not m:
+        raise ValueError(f"--topology {text!r}: write XpYd, e.g. 1P1D or 2P6D (0P1D: colocated)")
+    return SimTopology(int(m.group(1)), int(m.group(2)), args.prefill_tp, args.decode_tp, args.ingress)
+
+
+def run_profile(args) -> int:
+    from pdserve.sim import measure
+    from pdserve.sim.profile import GPUS, MODELS, roofline
+
+    if bool(args.model) == bool(args.roofline):
+        raise ValueError("give --model DIR (measure here) or --roofline MODEL (published numbers), one of them")
+    if args.roofline:
+        if args.roofline not in MODELS:
+            raise ValueError(f"--roofline {args.roofline!r}: known models are {', '.join(MODELS)}")
+        if args.gpu not in GPUS:
+            raise ValueError(f"--gpu {args.gpu!r}: known GPUs are {', '.join(GPUS)}")
+        prof = roofline(MODELS[args.roofline], GPUS[args.gpu], tuple(_ints(args.tp, "--tp")))
+        print("assumptions (printed into the profile too):")
+        for a in prof.assumptions:
+            print(f"  - {a}")
+    else:
+        engine_args = {}
+        for item in args.engine_arg:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--engine-arg {item!r}: write KEY=VALUE")
+            engine_args[key] = yaml.safe_load(value)
+        print(f"profiling {args.model} with the real engine ({engine_args or 'default arguments'}) ...", flush=True)
+        t0 = time.perf_counter()
+        prof, err = measure.measure_profile(
+            args.model, name=args.name, engine_args=engine_args, repeats=args.repeats,
+            transfer_setup_ms=args.transfer_setup_ms, transfer_gb_per_s=args.transfer_gb_per_s,
+            queue_hop_ms=args.queue_hop_ms, progress=lambda line: print(f"  {line}", flush=True))
+        print(f"fitted in {time.perf_counter() - t0:.1f} s; median error of the fit {err:.1%}")
+    if args.name:
+        prof = type(prof)(**{**prof.__dict__, "name": args.name})
+    for tp, m in sorted(prof.steps.items()):
+        print(f"TP {tp}: step = {m.fixed_ms:g} ms + {m.decode_ms_per_seq:g} ms/stream + {m.prefill_ms_per_token:g} "
+              f"ms/prompt token + {m.attention_ms_per_kpair:g} ms/k attention pairs + {m.decode_ms_per_kctx:g} "
+              f"ms/k context tokens; {m.kv_blocks} KV blocks")
+    if args.out:
+        prof.save(args.out)
+        print(f"wrote {args.out}")
+    else:
+        print(yaml.safe_dump(prof.to_dict(), sort_keys=False))
+    return 0
+
+
+def run_sim(args) -> int:
+    from pdserve.sim.cluster import Simulation, check_profile
+    from pdserve.sim.report import Slo, summarize
+    from pdserve.sim.search import with_mode
+
+    prof, pprof = _profiles(args)
+    topo = _topology(args.topology, args)
+    check_profile(prof, topo)
+    policy = _policy(args)
+    if args.mode:
+        policy = with_mode(policy, args.mode)
+    requests, what = _workload(args)
+    scaler = None
+    if args.autoscale:
+        from pdserve.planner.policy import load_autoscale_file
+        from pdserve.sim.autoscale import Autoscaler
+
+        scaler = Autoscaler(load_autoscale_file(args.autoscale).autoscale, start_s=args.start_s)
+    print(f"simulating {topo.label} ({prof.name}), {what}, router {policy.router.mode}/{policy.router.policy}",
+          flush=True)
+    t0 = time.perf_counter()
+    sim = Simulation(requests, prof, policy, topo, seed=args.seed, prefill_profile=pprof, autoscale=scaler).run()
+    wall = time.perf_counter() - t0
+    s = summarize(sim, Slo(args.slo_ttft, args.slo_tpot))
+    s["wall_s"] = round(wall, 2)
+    _print_summary(s, args)
+    if args.explain:
+        print("router reasons:", ", ".join(f"{k} {v}" for k, v in sorted(s["reasons"].items())) or "none")
+        if scaler is not None:
+            acts = [d for d in scaler.decisions if d["action"] != "hold"]
+            print(f"planner: {len(acts)} action(s); holds are in --json")
+            for d in acts:
+                print(f"  t={d['t']:>8.1f} s {d['role']}: {d['action']} {d['current']} -> {d['desired']} "
+                      f"({d['reason']}): {d['explanation']}")
+    if scaler is not None:
+        s["planner"] = {"decisions": scaler.decisions, "timeline": scaler.timeline}
+    s["samples"] = sim.samples
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(s, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _print_summary(s: dict, args) -> None:
+    def p(d):
+        return f"p50 {d['p50']} / p90 {d['p90']} / p99 {d['p99']}"
+    print(f"{s['completed']}/{s['requests']} completed"
+          + (f", refused {s['refused']}" if s["refused"] else "")
+          + f" in {s['duration_s']} s simulated ({s['events']} events, {s.get('wall_s', 0)} s wall)")
+    print(f"goodput {s['goodput_req_s']} req/s at TTFT <= {args.slo_ttft:g} ms and TPOT <= {args.slo_tpot:g} ms "
+          f"({s['good']} good); throughput {s['throughput_req_s']} req/s, {s['output_tokens_s']} output tokens/s")
+    print(f"TTFT ms {p(s['ttft_ms'])}; TPOT ms {p(s['tpot_ms'])}; ITL ms {p(s['itl_ms'])}")
+    print(f"routes {s['routes']}; utilisation decode {s['utilization']['decode']}, "
+          f"prefill {s['utilization']['prefill']}; queue depth max {s['queue_depth']['max']}; "
+          f"router's TTFT prediction error (median) {s['prediction_error_median']}")
+
+
+def run_search(args) -> int:
+    from pdserve.sim.report import Slo, table
+    from pdserve.sim.search import candidates, search
+
+    prof, _ = _profiles(args)
+    requests, what = _workload(args)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    bad = [m for m in modes if m not in ("conditional", "always_remote", "always_local")]
+    if bad:
+        raise ValueError(f"--modes: {bad[0]!r} is not a router mode (conditional, always_remote, always_local)")
+    cands = candidates(args.budget, tuple(_ints(args.tp, "--tp")), modes, args.ingress, args.max_workers, prof)
+    if not cands:
+        raise ValueError(f"no candidate fits --budget {args.budget} with --tp {args.tp} and the profile's sizes "
+                         f"{sorted(prof.steps)}")
+    print(f"searching {len(cands)} candidates on {args.budget} devices ({prof.name}), {what}", flush=True)
+    rows = search(requests, prof, _policy(args), cands, Slo(args.slo_ttft, args.slo_tpot), args.seed,
+                  progress=lambda line: print(f"  {line}", flush=True))
+    print(table(rows[:args.top], [("candidate", "candidate"), ("devices", "devices"), ("goodput req/s", "goodput_req_s"),
+                                  ("vs best", "margin.goodput_vs_best"), ("TTFT p50", "ttft_ms.p50"),
+                                  ("TTFT p99", "ttft_ms.p99"), ("p99 / SLO", "margin.ttft_p99_vs_slo"),
+                                  ("TPOT p99", "tpot_ms.p99"), ("refused", "refused")]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: comma-separated integers, e.g. 1,2,4") from None
+    if not out or min(out) < 1:
+        raise ValueError(f"{flag} {text!r}: sizes must be >= 1")
+    return out
+
+
+if __name__ == "__main__":
+    from pdserve.cli import main
+
+    sys.exit(main(["sim", *sys.argv[1:]]))

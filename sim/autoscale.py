@@ -1,0 +1,115 @@
+"""The planner on the simulated clock: the product's observe, learn and decide, every
+``interval_s``, on the load records the simulated workers publish.
+
+Each tick builds a `planner.observe.Snapshot` (the queue's depth and tokens, each worker's
+`load`, as control/load.py names its keys), calls `observe`, `learn` and `decide` (planner/)
+with the workers serving plus those still starting, and acts as planner/act.py does: a
+scale-up starts a worker that serves ``start_s`` later (loading weights, registering); a
+scale-down drains the newest worker of the role (no new requests or tasks; it leaves once it
+holds none). Role flips are acted as a drain and a start. Every decision is kept with its
+explanation (the report prints them).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from pdserve.planner.decide import Memory, decide, learn
+from pdserve.planner.observe import Snapshot, observe
+
+ROLES = ("prefill", "decode")
+
+
+class Autoscaler:
+    def __init__(self, section, start_s: float = 30.0):
+        """``section``: a parsed autoscale block (planner/policy.py AutoscaleSection)."""
+        self.section = section
+        self.start_s = start_s
+        self.memory = Memory()
+        self.recent: list[Snapshot] = []
+        self.starting = {r: 0 for r in ROLES}
+        self.decisions: list[dict] = []
+        self._last: dict[str, str] = {}
+        self.timeline: list[dict] = []  # (t, role, replicas) after each change
+        self.sim = None
+        self._ids = itertools.count(100)
+
+    def attach(self, sim) -> None:
+        self.sim = sim
+        sim.at(self.section.interval_s, self.tick)
+
+    def units(self) -> dict[str, int]:
+        topo = self.sim.topology
+        return {"prefill": topo.prefill_tp, "decode": topo.decode_tp}
+
+    def snapshot(self) -> Snapshot:
+        sim = self.sim
+        workers = {}
+        for d in sim.decode:
+            workers[d.wid] = {"role": "decode", "load": d.load_record()}
+        for p in sim.prefill:
+            workers[p.wid] = {"role": "prefill", "load": p.load_record()}
+        queue = {"depth": len(sim.queue), "queued_tokens": sim.queue._queued_tokens}
+        return Snapshot(t=sim.now, queue=queue, workers=workers)
+
+    def serving(self, role: str) -> list:
+        workers = self.sim.decode if role == "decode" else self.sim.prefill
+        return [w for w in workers if not w.draining]
+
+    def tick(self) -> None:
+        sim, sec = self.sim, self.section
+        now = sim.now
+        snap = self.snapshot()
+        keep_s = 3 * sec.interval_s + 10.0
+        past = self.recent
+        self.recent = [s for s in self.recent if now - s.t <= keep_s] + [snap]
+        obs = observe(past, snap, min_span_s=sec.interval_s)
+        learn(self.memory, obs)
+        current = {r: len(self.serving(r)) + self.starting[r] for r in ROLES}
+        decisions = decide(sec, obs, self.memory, current=current, units=self.units(), now=now,
+                           in_progress=dict(self.starting))
+        for d in decisions:
+            if d.action != "hold" or self._last.get(d.role) != d.reason:  # a hold is kept when its reason changes
+                self._last[d.role] = d.reason
+                self.decisions.append({"t": round(now, 3), "role": d.role, "action": d.action, "reason": d.reason,
+                                       "current": d.current, "desired": d.desired,
+                                       "explanation": " | ".join(d.explanation)})
+            if d.action == "hold":
+                continue
+            self.memory.last_action_at[d.role] = now
+            if d.action == "up":
+                for _ in range(d.step):
+                    self.starting[d.role] += 1
+                    sim.at(now + self.start_s, self._started, d.role)
+            else:
+                newest = sorted(self.serving(d.role), key=lambda w: w.started_at, reverse=True)
+                for w in newest[:-d.step]:
+                    self._drain(w)
+        if not sim._idle() or sim.now < max((r.t for r in sim.requests), default=0.0):
+            sim.at(now + sec.interval_s, self.tick)
+
+    def _started(self, role: str) -> None:
+        sim = self.sim
+        self.starting[role] -= 1
+        wid = f"{role}-{next(self._ids)}"
+        sim.add_decode(wid) if role == "decode" else sim.add_prefill(wid)
+        self._note(role)
+
+    def _drain(self, worker) -> None:
+        worker.draining = True
+        self._note("decode" if worker in self.sim.decode else "prefill")
+        self._leave_when_idle(worker)
+
+    def _leave_when_idle(self, worker) -> None:
+        sim = self.sim
+        busy = worker.inflight if worker in sim.decode else worker.jobs
+        if busy:
+            sim.at(sim.now + 1.0, self._leave_when_idle, worker)
+            return
+        (sim.decode if worker in sim.decode else sim.prefill).remove(worker)
+        worker.ended_at = sim.now
+        sim.retired.append(worker)
+
+    def _note(self, role: str) -> None:
+        self.timeline.append({"t": round(self.sim.now, 3), "role": role, "serving": len(self.serving(role)),
+                              "starting": self.starting[role]})

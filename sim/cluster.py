@@ -1,0 +1,540 @@
+"""The discrete-event simulation of an XpYd cluster: the product's decisions on a simulated clock.
+
+Events (arrivals, engine steps, queue hops, KV arrivals, load reports, planner ticks) are
+taken from one heap in time order; ties keep the order they were made in, and every random
+draw comes from one seeded generator, so a run is a function of its inputs (same seed, same
+result).
+
+What is the product's own code, called as the workers call it:
+
+* admission and the local/remote decision: `router.admit` (which calls `router.decide`) on a
+  `ClusterSnapshot` built as `decode/frontend.py` builds it, with the decode worker's own
+  `CostModel` (`decode/policy_state.py` `PolicyState`), calibrated at boot from simulated
+  steps of `engine/calibrate.py`'s shapes and fed every simulated step, transfer, remote
+  prefill and TTFT as `decode/worker.py`, `decode/kv_arrival.py` and `decode/breakdown.py`
+  feed it;
+* each engine's step plan: `engine/scheduler.py` over `engine/block_manager.py` (sim/engine.py),
+  with the decode worker's SLO-aware budget kept current by `decode/prefill_budget.py`
+  `StepPlanFeed`;
+* the prefill queue: `taskqueue/core.py` `QueueCore` (order, budgeted batches, prefix-aware
+  dispatch) with `handoff` `PrefillTask`s;
+* the front door across decode workers: `gateway/pick.py` `choose` (``ingress: gateway``);
+* autoscaling: `planner/observe.py` and `planner/decide.py` on load records the simulated
+  workers publish (sim/autoscale.py).
+
+What is modelled: step times (sim/profile.py), the KV transfer and queue hops, and the
+made-up tokens (every request runs to its output length, as with ``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass
+
+from pdserve.common import Priority
+from pdserve.decode.policy_state import PolicyState
+from pdserve.decode.prefill_budget import StepPlanFeed
+from pdserve.engine import calibrate
+from pdserve.engine.step_budget import attention_pairs
+from pdserve.gateway.pick import WorkerState, choose
+from pdserve.handoff.task import PrefillTask
+from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, RouterPolicy, admit
+from pdserve.taskqueue.core import QueueCore
+
+from .engine import SimEngine
+from .profile import CostProfile
+from .workload import SimRequest
+
+INGRESS = ("round_robin", "random", "gateway")
+LOAD_REPORT_S = 1.0  # how often a simulated worker's load record refreshes (the gateway reads it)
+SAMPLE_EVERY_S = 1.0  # queue depth and busy workers over time, for the report
+
+
+@dataclass(frozen=True)
+class SimTopology:
+    """How many workers of each role, their tensor-parallel sizes, and how requests get in."""
+
+    prefill: int = 0
+    decode: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    ingress: str = "round_robin"  # round_robin | random | gateway (gateway/pick.py, by predicted TTFT)
+
+    def __post_init__(self):
+        if self.decode < 1 or self.prefill < 0:
+            raise ValueError(f"a topology needs decode >= 1 and prefill >= 0 (got {self.prefill}P{self.decode}D)")
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError("tensor-parallel sizes must be >= 1")
+        if self.ingress not in INGRESS:
+            raise ValueError(f"ingress must be one of {', '.join(INGRESS)} (got {self.ingress!r})")
+
+    @property
+    def label(self) -> str:
+        tp = "" if self.prefill_tp == self.decode_tp == 1 else f" (TP {self.prefill_tp}/{self.decode_tp})"
+        return f"{self.prefill}P{self.decode}D{tp}"
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request (sim/report.py summarises them)."""
+
+    rid: int
+    arrival: float
+    prompt_len: int
+    output_len: int
+    priority: str
+    worker: str = ""
+    refused: str | None = None  # the admission's reason code when refused
+    route: str = ""
+    reason: str = ""
+    predicted_ttft_ms: float = 0.0
+    cached_len: int = 0
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    tokens: int = 0
+    max_itl_ms: float = 0.0
+    fell_back: bool = False
+
+
+@dataclass
+class _Track:
+    """A request in flight on a decode worker (what decode/frontend.py keeps per stream)."""
+
+    rec: RequestRecord
+    eff: int
+    remote: bool
+    decision: object
+    residual_ms: float
+    gateway_units: int = 0
+
+
+class Simulation:
+    """One run: ``Simulation(...).run()`` returns the records and the event counts."""
+
+    def __init__(self, requests: list[SimRequest], profile: CostProfile, policy: RouterPolicy,
+                 topology: SimTopology, *, seed: int = 0, prefill_profile: CostProfile | None = None,
+                 calibrate_at_boot: bool = True, autoscale=None):
+        self.requests = requests
+        self.profile = profile
+        self.prefill_profile = prefill_profile or profile
+        self.policy = policy
+        self.topology = topology
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.events = 0
+        self.records: list[RequestRecord] = []
+        self.itls_ms: list[float] = []
+        self.samples: list[dict] = []  # over time: queue depth, in flight, busy workers
+        self.queue = QueueCore(capacity=1 << 30, clock=lambda: self.now)
+        self.decode: list[DecodeSim] = []
+        self.prefill: list[PrefillSim] = []
+        self.retired: list = []  # workers drained by the autoscaler (their figures still count)
+        self._calibrate = calibrate_at_boot
+        for i in range(topology.decode):
+            self.add_decode(f"decode-{i}")
+        for i in range(topology.prefill):
+            self.add_prefill(f"prefill-{i}")
+        self._rr = itertools.count()
+        self.autoscale = autoscale  # sim/autoscale.py Autoscaler, or None
+        if autoscale is not None:
+            autoscale.attach(self)
+
+    # -- the clock --------------------------------------------------------------------
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def run(self, until_s: float | None = None) -> Simulation:
+        for r in self.requests:
+            self.at(r.t, self._arrive, r)
+        self.at(0.0, self._sample)
+        self.at(0.0, self._report_loads)
+        last_arrival = max((r.t for r in self.requests), default=0.0)
+        heap = self._heap
+        while heap:
+            t, _, fn, args = heapq.heappop(heap)
+            if until_s is not None and t > until_s:
+                break
+            self.now = t
+            self.events += 1
+            fn(*args)
+            if t > last_arrival and self._idle():
+                break  # only the periodic events are left
+        return self
+
+    def _idle(self) -> bool:
+        return all(not d.inflight for d in self.decode) and not len(self.queue) and all(
+            not p.jobs for p in self.prefill)
+
+    # -- workers ----------------------------------------------------------------------
+    def add_decode(self, wid: str) -> DecodeSim:
+        d = DecodeSim(self, wid, self.profile.step(self.topology.decode_tp))
+        self.decode.append(d)
+        return d
+
+    def add_prefill(self, wid: str) -> PrefillSim:
+        p = PrefillSim(self, wid, self.prefill_profile.step(self.topology.prefill_tp))
+        self.prefill.append(p)
+        if len(self.queue):
+            p.poll()
+        return p
+
+    def live_prefill(self) -> list[PrefillSim]:
+        return [p for p in self.prefill if not p.draining]
+
+    # -- arrivals and the front door ----------------------------------------------------
+    def _arrive(self, r: SimRequest) -> None:
+        rec = RequestRecord(r.rid, r.t, r.prompt_len, r.output_len, r.priority)
+        self.records.append(rec)
+        live = [d for d in self.decode if not d.draining]
+        ing = self.topology.ingress
+        if len(live) == 1:
+            worker = live[0]
+        elif ing == "round_robin":
+            worker = live[next(self._rr) % len(live)]
+        elif ing == "random":
+            worker = self.rng.choice(live)
+        else:
+            by = {d.wid: d for d in live}
+            pick = choose([d.gateway for d in live], r.prompt_len, {}, self.now, self.rng)
+            worker = by[pick.chosen]
+        worker.arrive(r, rec)
+
+    def workers(self, role: str) -> list:
+        """Every worker of ``role`` the run had, those the autoscaler retired included."""
+        live = self.decode if role == "decode" else self.prefill
+        return live + [w for w in self.retired if isinstance(w, DecodeSim if role == "decode" else PrefillSim)]
+
+    def kick_prefill(self) -> None:
+        for p in self.prefill:
+            if p.idle and not p.draining:
+                p.poll()
+
+    # -- periodic ---------------------------------------------------------------------
+    def _sample(self) -> None:
+        self.samples.append({
+            "t": round(self.now, 3), "queue_depth": len(self.queue),
+            "in_flight": sum(len(d.inflight) for d in self.decode),
+            "decode_workers": len(self.decode), "prefill_workers": len(self.prefill),
+            "prefill_busy": sum(1 for p in self.prefill if p.jobs),
+        })
+        self.at(self.now + SAMPLE_EVERY_S, self._sample)
+
+    def _report_loads(self) -> None:
+        for d in self.decode:
+            d.gateway.load = d.load_record()
+        self.at(self.now + LOAD_REPORT_S, self._report_loads)
+
+
+class DecodeSim:
+    """A decode worker: its engine, its cost model and policy, and the frontend's counters."""
+
+    def __init__(self, sim: Simulation, wid: str, model):
+        self.sim, self.wid = sim, wid
+        prof = sim.profile
+        self.engine = SimEngine(model, block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
+                                max_num_seqs=prof.max_num_seqs, clock=lambda: sim.now, rng=sim.rng,
+                                noise_cv=prof.noise_cv)
+        self.state = PolicyState(prof.kv_bytes_per_token, sim.policy)
+        if sim._calibrate:
+            self.state.costs.calibrate(_calibration_steps(model, prof))
+        self.feed = StepPlanFeed(self._apply_plan, self._apply_fixed)
+        self._update_plan()
+        self.arrivals = ArrivalRate()
+        self.inflight: dict[str, _Track] = {}
+        self.pending_prefill_tokens = self.pending_remote_tokens = self.pending_remote_requests = 0
+        self.num_prefilling = self.num_decoding = 0
+        self.stepping = False
+        self.draining = False
+        self.gateway = WorkerState(wid, "")
+        self.started_at, self.ended_at = sim.now, None
+        self.counts = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "decode_steps": 0,
+                       "decode_ms": 0.0, "decode_seqs": 0}
+        self._ids = itertools.count()
+
+    # -- the engine's plan (decode/worker.py _update_step_plan) ----------------------------
+    def _apply_plan(self, cost, targets) -> None:
+        self.engine.scheduler.step_cost, self.engine.scheduler.step_targets = cost, targets
+
+    def _apply_fixed(self, tokens: int) -> None:
+        self.engine.scheduler.prefill_token_budget = tokens
+
+    def _update_plan(self) -> None:
+        q = self.state.policy.qos
+        self.feed.update(self.state.costs.snapshot(), q.tpot_slo_ms, q.ttft_slo_ms)
+
+    # -- admission and routing (decode/frontend.py prepare) --------------------------------
+    def snapshot(self, tokens: int, cached: int) -> ClusterSnapshot:
+        sim, eng = self.sim, self.engine
+        pool = len(sim.live_prefill())
+        return ClusterSnapshot(
+            costs=self.state.costs.snapshot(),
+            prefill_queue_depth=max(len(sim.queue), self.pending_remote_requests),
+            prefill_queue_tokens=max(sim.queue._queued_tokens, self.pending_remote_tokens),
+            prefill_pool_size=pool,
+            decode_active_requests=self.num_decoding,
+            decode_waiting_requests=self.num_prefilling,
+            local_prefill_queue_tokens=self.pending_prefill_tokens,
+            local_prefill_queue_requests=self.num_prefilling - self.pending_remote_requests,
+            decode_kv_usage=eng.kv.usage,
+            kv_free_tokens=eng.kv.num_free_blocks * eng.kv.block_size,
+            arrival_rate_per_s=self.arrivals.rate(sim.now),
+            local_prefill_budget_tokens=eng.scheduler.predicted_budget(
+                tokens, cached, self.num_decoding + self.num_prefilling, self.pending_prefill_tokens),
+        )
+
+    def arrive(self, r: SimRequest, rec: RequestRecord) -> None:
+        sim = self.sim
+        rec.worker = self.wid
+        ids = r.token_ids()
+        rid = f"{self.wid}-{next(self._ids)}"
+        cached = self.engine.cached_prefix_len(rid, ids)
+        self.arrivals.observe(sim.now)
+        feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=r.priority,
+                                ttft_slo_ms=r.ttft_slo_ms, max_tokens=r.output_len)
+        snap = self.snapshot(max(0, len(ids) - cached), cached)
+        adm = admit(feats, snap, self.state.policy)
+        rec.cached_len = cached
+        if not adm.ok:
+            rec.refused = adm.reason
+            return
+        d = adm.decision
+        rec.route, rec.reason, rec.predicted_ttft_ms = d.route, d.reason, d.predicted_ttft_ms
+        max_tokens = adm.max_tokens or r.output_len
+        eff = len(ids) - cached
+        residual = (snap.costs.ttft_residual_remote_ms if d.route == "remote"
+                    else snap.costs.ttft_residual_local_ms) if eff > 0 else 0.0
+        req = self.engine.request(rid, ids, max_tokens, r.priority, sim.now)
+        remote = d.route == "remote" and bool(sim.live_prefill())
+        track = _Track(rec, eff, remote, d, residual)
+        self.inflight[rid] = track
+        self.num_prefilling += 1
+        if sim.topology.ingress == "gateway":
+            track.gateway_units = self.gateway.queued_tokens + eff
+            self.gateway.queued_tokens += eff
+            self.gateway.streams += 1
+        if remote:
+            res = self.engine.scheduler.add_remote(req)
+            if res is None:  # no room for the reservation: local (decode/remote.py "no_kv_space")
+                track.remote, rec.fell_back, rec.route = False, True, "local"
+            else:
+                self.pending_remote_tokens += eff
+                self.pending_remote_requests += 1
+                cached_len, blocks = res
+                task = PrefillTask(request_id=rid, epoch=1, token_ids=ids, cached_len=cached_len,
+                                   target_worker_id=self.wid, target_block_ids=blocks,
+                                   priority=Priority.parse(r.priority), arrival_time=sim.now)
+                sim.at(sim.now + sim.profile.queue_hop_ms / 1e3, self._put, task)
+                return
+        self.pending_prefill_tokens += eff
+        self.engine.scheduler.add(req)
+        self.kick()
+
+    def _put(self, task: PrefillTask) -> None:
+        self.sim.queue.put(task)
+        self.sim.kick_prefill()
+
+    # -- the engine loop (decode/async_engine.py, decode/worker.py _on_step) ---------------
+    def kick(self) -> None:
+        if not self.stepping:
+            self._step()
+
+    def _step(self) -> None:
+        out, info = self.engine.plan()
+        if info is None:
+            self.stepping = False
+            return
+        self.stepping = True
+        self.sim.at(self.sim.now + info.ms / 1e3, self._stepped, out, info)
+
+    def _stepped(self, out, info) -> None:
+        for req, finished in self.engine.commit(out, info):
+            self._token(req, finished)
+        costs = self.state.costs
+        costs.observe_step(info.ms, info.decodes, info.prompt_tokens, info.pairs)
+        if info.prompt_tokens == 0 and info.decodes:
+            costs.observe_decode_step(info.ms, info.seqs)
+            self.counts["decode_steps"] += 1
+            self.counts["decode_ms"] += info.ms
+            self.counts["decode_seqs"] += info.seqs
+        self._update_plan()
+        self._step()
+
+    def _token(self, req, finished: bool) -> None:
+        track = self.inflight.get(req.request_id)
+        if track is None:
+            return
+        rec, now = track.rec, self.sim.now
+        if rec.first_token is None:
+            rec.first_token = now
+            self._prefill_done(track)
+            self.num_decoding += 1
+            self._check_prediction(track, (now - rec.arrival) * 1e3)
+        else:
+            gap = (now - rec.last_token) * 1e3
+            self.sim.itls_ms.append(gap)
+            rec.max_itl_ms = max(rec.max_itl_ms, gap)
+        rec.last_token = now
+        rec.tokens += 1
+        self.counts["output_tokens"] += 1
+        if finished:
+            rec.finished = now
+            self.num_decoding -= 1
+            del self.inflight[req.request_id]
+            if self.sim.topology.ingress == "gateway":
+                self.gateway.streams -= 1
+
+    def _prefill_done(self, track: _Track) -> None:
+        if track.remote:
+            self.pending_remote_tokens -= track.eff
+            self.pending_remote_requests -= 1
+        else:
+            self.pending_prefill_tokens -= track.eff
+        self.num_prefilling -= 1
+        self.counts["requests"] += 1
+        self.counts["prompt_tokens"] += track.rec.prompt_len
+        if self.sim.topology.ingress == "gateway":
+            g = self.gateway
+            g.queued_tokens -= track.eff
+            g.observe_ttft((self.sim.now - track.rec.arrival) * 1e3, track.gateway_units, now=self.sim.now)
+
+    def _check_prediction(self, track: _Track, measured_ms: float) -> None:
+        """decode/breakdown.py check_prediction: the route's residual learns the error."""
+        d = track.decision
+        route = "remote" if track.remote else "local"
+        if route != d.route or track.rec.fell_back or track.eff <= 0 or d.predicted_ttft_ms <= 0:
+            return
+        formula = d.predicted_ttft_ms - track.residual_ms
+        outlier = self.state.policy.router.cost_model.ema_outlier_factor
+        if formula > 0:
+            measured_ms = min(max(measured_ms, formula / outlier), formula * outlier)
+        self.state.costs.observe_ttft(route, measured_ms, formula)
+
+    # -- the remote path (decode/kv_arrival.py) ---------------------------------------------
+    def kv_arrived(self, task: PrefillTask, batch_tokens: int, prefill_ms: float, transfer_ms: float) -> None:
+        track = self.inflight.get(task.request_id)
+        if track is None:
+            return
+        sched = self.engine.scheduler
+        req = sched.remote_ready(task.request_id)
+        costs = self.state.costs
+        costs.observe_remote_prefill(batch_tokens, task.cached_len, prefill_ms)
+        tokens = len(task.token_ids) - task.cached_len
+        costs.observe_transfer(tokens * self.sim.profile.kv_bytes_per_token, transfer_ms)
+        # the blocks written are the request's now (engine/kv_connector.py remote_ready)
+        finished = self.engine.append(req, self.sim.now)
+        self._token(req, finished)
+        self.kick()
+
+    # -- what the worker publishes (control/load.py) -------------------------------------------
+    def load_record(self) -> dict:
+        eng = self.engine
+        sched = eng.scheduler
+        return {"t": self.sim.now, "busy_s": eng.busy_ms / 1e3, "kv_usage": eng.kv.usage,
+                "running": len(sched.running), "waiting": len(sched.waiting) + len(sched.remote),
+                "inflight": len(self.inflight), **self.counts}
+
+
+class PrefillSim:
+    """A prefill worker: takes batches from the queue, computes them, sends each task's KV."""
+
+    def __init__(self, sim: Simulation, wid: str, model):
+        self.sim, self.wid = sim, wid
+        prof = sim.prefill_profile
+        self.engine = SimEngine(model, block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
+                                max_num_seqs=prof.max_num_seqs, clock=lambda: sim.now, rng=sim.rng,
+                                noise_cv=prof.noise_cv)
+        self.jobs: dict[str, PrefillTask] = {}
+        self.idle = True
+        self.draining = False
+        self.started_at, self.ended_at = sim.now, None
+        self.tasks = 0
+        self.batch_started = 0.0
+
+    def poll(self) -> None:
+        """get_batch: the next batch (prefill/worker.py), or idle until a put wakes it."""
+        sim = self.sim
+        if self.draining:
+            self.idle = True
+            return
+        batch = sim.queue.take(self.wid, sim.prefill_profile.max_num_batched_tokens)
+        if not batch:
+            self.idle = True
+            return
+        self.idle = False
+        sim.at(sim.now + sim.prefill_profile.queue_hop_ms / 1e3, self._start, batch)
+
+    def _start(self, batch: list[PrefillTask]) -> None:
+        now = self.sim.now
+        self.batch_started = now
+        for t in batch:
+            req = self.engine.request(t.request_id, t.token_ids, 1, t.priority, now)
+            self.engine.scheduler.add(req)
+            self.jobs[t.request_id] = t
+        self._step()
+
+    def _step(self) -> None:
+        out, info = self.engine.plan()
+        if info is None:
+            raise RuntimeError(f"{self.wid}: a batch that cannot be scheduled (its prompt exceeds the KV pool)")
+        self.sim.at(self.sim.now + info.ms / 1e3, self._stepped, out, info)
+
+    def _stepped(self, out, info) -> None:
+        self.engine.commit(out, info)
+        if self.engine.has_work():
+            self._step()
+            return
+        sim, prof = self.sim, self.sim.prefill_profile
+        compute_ms = (sim.now - self.batch_started) * 1e3
+        batch_tokens = sum(len(t.token_ids) - t.cached_len for t in self.jobs.values())
+        target = {d.wid: d for d in sim.decode}
+        for t in self.jobs.values():
+            tokens = len(t.token_ids) - t.cached_len
+            tr = prof.transfer_ms(tokens, compute_ms)
+            sim.at(sim.now + tr / 1e3, target[t.target_worker_id].kv_arrived, t, batch_tokens, compute_ms, tr)
+        sim.queue.complete(self.wid, list(self.jobs))
+        self.tasks += len(self.jobs)
+        self.jobs = {}
+        if not self.draining:
+            self.poll()
+
+    def load_record(self) -> dict:
+        eng = self.engine
+        return {"t": self.sim.now, "busy_s": eng.busy_ms / 1e3, "kv_usage": eng.kv.usage,
+                "tokens": eng.prompt_tokens_computed, "tasks": self.tasks, "inflight": len(self.jobs)}
+
+
+def _calibration_steps(model, prof: CostProfile) -> list[tuple[float, int, int, int]]:
+    """The boot calibration's steps (engine/calibrate.py: the same shapes), timed by the model."""
+    steps = []
+    longest = prof.max_num_batched_tokens
+    for n in calibrate.PROMPT_LENGTHS:
+        if n <= longest:
+            steps.append((model.step_ms(0, n, attention_pairs(n, 0)), 0, n, attention_pairs(n, 0)))
+    chunk = min(calibrate.LONG_CHUNK, longest // 2)
+    if chunk >= 64:
+        for start in (0, chunk):
+            pairs = attention_pairs(chunk, start)
+            steps.append((model.step_ms(0, chunk, pairs), 0, chunk, pairs))
+    for batch in calibrate.DECODE_BATCHES:
+        for k in range(calibrate.DECODE_STEPS):
+            steps.append((model.step_ms(batch, 0, 0, batch * (17 + k)), batch, 0, 0))
+    pairs = attention_pairs(128, 0)
+    steps.append((model.step_ms(max(calibrate.DECODE_BATCHES), 128, pairs, 8 * 20), 8, 128, pairs))
+    return steps
+
+
+def check_profile(profile: CostProfile, topology: SimTopology) -> None:
+    """Refuse a run the profile cannot time (ProfileError names what is missing)."""
+    profile.step(topology.decode_tp)
+    if topology.prefill:
+        profile.step(topology.prefill_tp)
+
