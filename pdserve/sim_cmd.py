@@ -86,7 +86,8 @@ def _common(p) -> None:
     p.add_argument("--prefill-profile", help="another profile for the prefill workers (other hardware)")
     p.add_argument("--policy", help="a router policy file (default: the built-in default policy)")
     p.add_argument("--trace", help="a JSON-lines trace (t, prompt_len, output_len, ...) instead of a mix")
-    p.add_argument("--mix", default="long-prompt", help="synthetic mix: long-prompt | decode-heavy | prefix")
+    p.add_argument("--mix", default="long-prompt", help="synthetic mix: long-prompt | decode-heavy | prefix (CPU-sized), rag | chat "
+                   "(GPU-sized; sim/workload.py MIXES)")
     p.add_argument("--rate", type=float, default=1.0, help="requests per second of the mix (default 1)")
     p.add_argument("--requests", type=int, default=200, help="requests of the mix (default 200)")
     p.add_argument("--arrival", default="poisson", choices=("poisson", "gamma"), help="arrival process")

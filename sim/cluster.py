@@ -131,6 +131,7 @@ class Simulation:
         self._heap: list = []
         self._seq = itertools.count()
         self.events = 0
+        self.open = 0  # requests arrived that have neither finished nor been refused
         self.records: list[RequestRecord] = []
         self.itls_ms: list[float] = []
         self.samples: list[dict] = []  # over time: queue depth, in flight, busy workers
@@ -171,7 +172,7 @@ class Simulation:
         return self
 
     def _idle(self) -> bool:
-        return all(not d.inflight for d in self.decode) and not len(self.queue) and all(
+        return self.open == 0 and all(not d.inflight for d in self.decode) and not len(self.queue) and all(
             not p.jobs for p in self.prefill)
 
     # -- workers ----------------------------------------------------------------------
@@ -194,6 +195,7 @@ class Simulation:
     def _arrive(self, r: SimRequest) -> None:
         rec = RequestRecord(r.rid, r.t, r.prompt_len, r.output_len, r.priority)
         self.records.append(rec)
+        self.open += 1
         live = [d for d in self.decode if not d.draining]
         ing = self.topology.ingress
         if len(live) == 1:
@@ -206,7 +208,12 @@ class Simulation:
             by = {d.wid: d for d in live}
             pick = choose([d.gateway for d in live], r.prompt_len, {}, self.now, self.rng)
             worker = by[pick.chosen]
-        worker.arrive(r, rec)
+        rec.worker = worker.wid
+        overhead = self.profile.request_overhead_ms
+        if overhead:  # the way in (and out: the same ms, for TTFT) outside the engine
+            self.at(self.now + overhead / 1e3, worker.arrive, r, rec)
+        else:
+            worker.arrive(r, rec)
 
     def workers(self, role: str) -> list:
         """Every worker of ``role`` the run had, those the autoscaler retired included."""
@@ -242,7 +249,7 @@ class DecodeSim:
         prof = sim.profile
         self.engine = SimEngine(model, block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
                                 max_num_seqs=prof.max_num_seqs, clock=lambda: sim.now, rng=sim.rng,
-                                noise_cv=prof.noise_cv)
+                                noise_cv=prof.noise_cv, stream_ms_per_token=prof.stream_ms_per_token)
         self.state = PolicyState(prof.kv_bytes_per_token, sim.policy)
         if sim._calibrate:
             self.state.costs.calibrate(_calibration_steps(model, prof))
@@ -293,7 +300,6 @@ class DecodeSim:
 
     def arrive(self, r: SimRequest, rec: RequestRecord) -> None:
         sim = self.sim
-        rec.worker = self.wid
         ids = r.token_ids()
         rid = f"{self.wid}-{next(self._ids)}"
         cached = self.engine.cached_prefix_len(rid, ids)
@@ -305,6 +311,7 @@ class DecodeSim:
         rec.cached_len = cached
         if not adm.ok:
             rec.refused = adm.reason
+            sim.open -= 1
             return
         d = adm.decision
         rec.route, rec.reason, rec.predicted_ttft_ms = d.route, d.reason, d.predicted_ttft_ms
@@ -387,6 +394,7 @@ class DecodeSim:
         self.counts["output_tokens"] += 1
         if finished:
             rec.finished = now
+            self.sim.open -= 1
             self.num_decoding -= 1
             del self.inflight[req.request_id]
             if self.sim.topology.ingress == "gateway":

@@ -42,13 +42,15 @@ class SimEngine:
     """One worker's engine on the simulator's clock (``clock()`` returns seconds)."""
 
     def __init__(self, model: StepModel, *, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 clock, rng: random.Random, noise_cv: float = 0.0, policy: str = "fcfs"):
+                 clock, rng: random.Random, noise_cv: float = 0.0, policy: str = "fcfs",
+                 stream_ms_per_token: float = 0.0):
         self.model = model
         self.kv = KVCacheManager(model.kv_blocks, block_size)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs, policy)
         self.scheduler.clock = clock
         self.clock = clock
         self.rng = rng
+        self.stream_ms_per_token = stream_ms_per_token  # a decode worker's streaming, on its cores
         self.noise_sigma = math.sqrt(math.log(1 + noise_cv * noise_cv)) if noise_cv > 0 else 0.0
         self.busy_ms = 0.0
         self.steps = 0
@@ -76,7 +78,7 @@ class SimEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return out, None
-        decodes = prompt = pairs = context = 0
+        decodes = prompt = pairs = context = emitted = 0
         for req, n in out.scheduled:
             if n == 1 and req.output_token_ids:
                 decodes += 1
@@ -84,7 +86,9 @@ class SimEngine:
             else:
                 prompt += n
                 pairs += attention_pairs(n, req.num_computed_tokens)
-        ms = self.model.step_ms(decodes, prompt, pairs, context)
+            if req.num_computed_tokens + n >= req.num_tokens:
+                emitted += 1
+        ms = self.model.step_ms(decodes, prompt, pairs, context) + self.stream_ms_per_token * emitted
         if self.noise_sigma:
             ms *= self.rng.lognormvariate(-self.noise_sigma ** 2 / 2, self.noise_sigma)
         return out, StepInfo(ms, decodes, prompt, pairs, len(out.scheduled))

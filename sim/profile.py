@@ -64,6 +64,13 @@ class CostProfile:
     queue_hop_ms: float = 2.0  # a task's put, the prefill worker's take, and its decode worker's notice
     # Step-time noise: each step is scaled by a lognormal factor of this coefficient of variation.
     noise_cv: float = 0.0
+    # What a served request pays outside the engine (HTTP or gRPC in and out, validation, the
+    # stream's first chunk): added to its TTFT. Calibrated on a real run (sim/calibrate.py).
+    request_overhead_ms: float = 0.0
+    # CPU a decode worker (and its clients, on a shared host) spends per token it streams, taken
+    # from its engine's steps: each step of a decode worker takes this much longer per token it
+    # emits. Calibrated on a real run; 0 where the host has cores to spare.
+    stream_ms_per_token: float = 0.0
     assumptions: tuple[str, ...] = field(default_factory=tuple)
 
     def step(self, tp: int) -> StepModel:
@@ -97,7 +104,7 @@ class CostProfile:
 
 
 _POSITIVE = ("kv_bytes_per_token", "block_size", "max_num_batched_tokens", "max_num_seqs", "transfer_gb_per_s")
-_NON_NEGATIVE = ("transfer_setup_ms", "queue_hop_ms", "noise_cv")
+_NON_NEGATIVE = ("transfer_setup_ms", "queue_hop_ms", "noise_cv", "request_overhead_ms", "stream_ms_per_token")
 
 
 def profile_from_dict(body: dict, source: str = "<profile>") -> CostProfile:

@@ -1,8 +1,8 @@
 """Simulated traffic: requests with arrival times, prompt and output lengths, shared prefixes.
 
 Either a trace file (JSON lines, one request each: ``t`` seconds from the start,
-``prompt_len``, ``output_len``, optionally ``prefix_group`` and ``prefix_len``, ``priority``,
-``ttft_slo_ms``) or a synthetic mix (`WorkloadSpec`): Poisson or bursty (gamma inter-arrival
+``prompt_len``, ``output_len``, optionally ``rid`` (the id its prompt is made from),
+``prefix_group`` and ``prefix_len``, ``priority``, ``ttft_slo_ms``) or a synthetic mix (`WorkloadSpec`): Poisson or bursty (gamma inter-arrival
 times with a coefficient of variation > 1) arrivals, uniform / lognormal / fixed lengths,
 and a share of the requests that begin with one of a few common prefixes (system prompts).
 Three mixes named after the real benchmarks (`MIXES`) are what the validation runs.
@@ -42,8 +42,9 @@ class SimRequest:
         """Its prompt: the group's prefix, then tokens no other request has."""
         head = group_prefix(self.prefix_group, self.prefix_len, vocab) if self.prefix_group is not None else []
         n = self.prompt_len - len(head)
-        base = (self.rid * 7919) % (vocab - 1000) + 500
-        return head + [(base + i * 13) % vocab for i in range(n)] if n > 0 else head[:self.prompt_len]
+        h = (self.rid * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+        start, stride = h % vocab, 1 + 2 * ((h >> 24) % 4093)  # one arithmetic sequence per id
+        return head + [(start + i * stride) % vocab for i in range(n)] if n > 0 else head[:self.prompt_len]
 
 
 _PREFIXES: dict[tuple[int, int, int], list[int]] = {}
@@ -121,12 +122,14 @@ class WorkloadSpec:
             raise WorkloadError("prefix_share > 0 needs prefix_groups >= 1 and prefix_len >= 1")
 
 
-def generate(spec: WorkloadSpec, seed: int = 0) -> list[SimRequest]:
-    """The requests of ``spec``; the same seed gives the same requests."""
+def generate(spec: WorkloadSpec, seed: int = 0, first_rid: int = 0) -> list[SimRequest]:
+    """The requests of ``spec``; the same seed gives the same requests. Their prompts are made
+    from their ids (`SimRequest.token_ids`): traces that must not share prompts (several runs
+    against one server, whose prefix cache would hit) start at different ``first_rid``."""
     spec.check()
     rng = random.Random(seed)
     out, t = [], 0.0
-    for rid in range(spec.num_requests):
+    for rid in range(first_rid, first_rid + spec.num_requests):
         if spec.arrival == "poisson":
             t += rng.expovariate(spec.rate)
         else:  # gamma gaps with mean 1/rate and the given coefficient of variation
@@ -154,6 +157,13 @@ MIXES = {
     # shared system prompts (prefix_repetition-like): 4 prefixes of 512 tokens, 64-256 more
     "prefix": WorkloadSpec(prompt=Lengths("uniform", 576, 768), output=Lengths("fixed", value=32),
                            prefix_share=1.0, prefix_groups=4, prefix_len=512),
+    # For GPU-sized models (the scale study): retrieval-augmented prompts (long in, medium out),
+    # and chat (lognormal lengths around 800 in and 200 out, long tails), 70 % of it behind one
+    # of 8 system prompts of 1,024 tokens.
+    "rag": WorkloadSpec(prompt=Lengths("uniform", 2048, 6144), output=Lengths("uniform", 128, 384)),
+    "chat": WorkloadSpec(prompt=Lengths("lognormal", median=800, sigma=0.8, high=8192),
+                         output=Lengths("lognormal", median=200, sigma=0.6, high=1024),
+                         prefix_share=0.7, prefix_groups=8, prefix_len=1024),
 }
 
 
@@ -168,13 +178,13 @@ def mix(name: str, rate: float, num_requests: int) -> WorkloadSpec:
 def save_trace(requests: list[SimRequest], path: str | Path) -> None:
     with open(path, "w") as f:
         for r in requests:
-            body = {k: v for k, v in asdict(r).items() if v is not None and k != "rid"}
+            body = {k: v for k, v in asdict(r).items() if v is not None}
             f.write(json.dumps(body, separators=(",", ":")) + "\n")
 
 
 def load_trace(path: str | Path) -> list[SimRequest]:
     """Requests from a JSON-lines trace (sorted by arrival); WorkloadError names the line and field."""
-    out = []
+    out, seen = [], set()
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
@@ -208,6 +218,10 @@ def load_trace(path: str | Path) -> list[SimRequest]:
         except ValueError as exc:
             raise WorkloadError(f"{where}: priority: {exc}") from None
         slo = body.get("ttft_slo_ms")
-        out.append(SimRequest(len(out), float(t), p, o, group, plen if group is not None else 0, prio, slo))
-    out.sort(key=lambda r: r.t)
-    return [SimRequest(i, *list(asdict(r).values())[1:]) for i, r in enumerate(out)]
+        rid = body.get("rid", n - 1)  # its prompt is made from its id (SimRequest.token_ids)
+        if isinstance(rid, bool) or not isinstance(rid, int) or rid < 0 or rid in seen:
+            raise WorkloadError(f"{where}: rid must be an integer >= 0 that no other line has (got {rid!r})")
+        seen.add(rid)
+        out.append(SimRequest(rid, float(t), p, o, group, plen if group is not None else 0, prio, slo))
+    out.sort(key=lambda r: (r.t, r.rid))
+    return out

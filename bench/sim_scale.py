@@ -1,0 +1,203 @@
+"""A scale study on paper: Llama-3-70B on H100s at 16, 64 and 256 GPUs, with `pdserve sim`.
+
+    python bench/sim_scale.py                         # both mixes, the three scales, and the plot
+    python bench/sim_scale.py --mixes rag --scales 16,64
+
+The profile is the roofline of sim/profile.py (`pdserve sim profile --roofline llama-3-70b
+--gpu h100`; its assumptions are printed and kept in the result). For each traffic mix:
+
+1. the load: per GPU, the highest rate (on a doubling-then-bisecting probe at 16 GPUs) at which
+   the best 16-GPU candidate still serves >= 90 % of the offered requests within the SLO;
+2. 16 GPUs: `sim.search` over every candidate (TP 4 and 8 per role, X prefill and Y decode
+   workers using at least half of the GPUs; conditional, always-remote and colocated);
+3. 64 and 256 GPUs: the best shape of each family (conditional, always_remote, colocated) at
+   16 GPUs, scaled by 4 and 16 (and its neighbours: one prefill worker more and fewer per 16
+   GPUs), at 4 and 16 times the load, each simulated at full size.
+
+Printed: per mix and scale, the best configuration of each family, its goodput (per GPU) and
+TTFT/TPOT p99; written to runs/sim-scale/result.json, and the plot (goodput per GPU against
+the scale, one line per family and mix) to docs/img/sim-scale.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from pdserve.router import DEFAULT_POLICY  # noqa: E402
+from pdserve.sim.cluster import SimTopology, Simulation  # noqa: E402
+from pdserve.sim.profile import GPUS, MODELS, roofline  # noqa: E402
+from pdserve.sim.report import Slo, summarize  # noqa: E402
+from pdserve.sim.search import Candidate, candidates, search, with_mode  # noqa: E402
+from pdserve.sim.workload import generate, mix  # noqa: E402
+
+FAMILIES = ("conditional", "always_remote", "always_local")
+SIM_SECONDS = 40.0  # traffic simulated per run (arrivals), whatever the rate
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def requests_for(name: str, rate: float, seed: int):
+    return generate(mix(name, rate, max(50, int(rate * SIM_SECONDS))), seed)
+
+
+def run_one(cand: Candidate, reqs, prof, slo: Slo, seed: int) -> dict:
+    sim = Simulation(reqs, prof, with_mode(DEFAULT_POLICY, cand.mode), cand.topology, seed=seed).run()
+    s = summarize(sim, slo)
+    s.update(candidate=cand.label, mode=cand.mode, devices=cand.topology.gpus,
+             goodput_per_device=round(s["goodput_req_s"] / cand.topology.gpus, 4))
+    return s
+
+
+def attained(s: dict) -> float:
+    return s["good"] / max(1, s["requests"])
+
+
+def probe_rate(name: str, prof, slo: Slo, seed: int, cands: list[Candidate]) -> float:
+    """Per-GPU rate at which the best of a few strong 16-GPU shapes keeps >= 90 % within the SLO."""
+    def ok(rate: float) -> bool:
+        reqs = requests_for(name, rate * 16, seed)
+        best = max(attained(run_one(c, reqs, prof, slo, seed)) for c in cands)
+        log(f"   probe {name} at {rate:.3g} req/s per GPU: best attainment {best:.2f}")
+        return best >= 0.9
+
+    lo, hi = 0.0, 0.25
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > 64:
+            break
+    for _ in range(4):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def scaled(cand: Candidate, k: int) -> Candidate:
+    t = cand.topology
+    return Candidate(SimTopology(t.prefill * k, t.decode * k, t.prefill_tp, t.decode_tp, t.ingress), cand.mode)
+
+
+def neighbours(cand: Candidate, k: int) -> list[Candidate]:
+    """The shape scaled by k, with k prefill workers more and fewer (one more or fewer per 16
+    GPUs), trading decode workers to keep the GPU count."""
+    base = scaled(cand, k)
+    out = [base]
+    t = base.topology
+    if t.prefill == 0:
+        return out
+    for dp in (-k, k):
+        p = t.prefill + dp
+        gpus_left = k * 16 - p * t.prefill_tp
+        d = gpus_left // t.decode_tp
+        if p >= 1 and d >= 1:
+            out.append(Candidate(SimTopology(p, d, t.prefill_tp, t.decode_tp, t.ingress), cand.mode))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mixes", default="rag,chat")
+    ap.add_argument("--scales", default="16,64,256")
+    ap.add_argument("--tp", default="4,8")
+    ap.add_argument("--slo-ttft", type=float, default=2000.0)
+    ap.add_argument("--slo-tpot", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default=str(REPO / "runs/sim-scale"))
+    ap.add_argument("--plot", default=str(REPO / "docs/img/sim-scale.png"))
+    args = ap.parse_args(argv)
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    tps = tuple(int(x) for x in args.tp.split(","))
+    prof = roofline(MODELS["llama-3-70b"], GPUS["h100"], tps)
+    for a in prof.assumptions:
+        log(f"assumption: {a}")
+    scales = [int(x) for x in args.scales.split(",")]
+    doc = {"profile": prof.to_dict(), "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}, "mixes": {}}
+    t_start = time.perf_counter()
+    for name in args.mixes.split(","):
+        cands = candidates(16, tps, ("conditional", "always_remote"), profile=prof)
+        strong = [c for c in cands if c.topology.gpus == 16 and c.topology.prefill_tp == c.topology.decode_tp == 8]
+        strong += [c for c in cands if c.topology.gpus == 16 and c.topology.prefill == 0]
+        per_gpu = probe_rate(name, prof, slo, args.seed, strong)
+        log(f"== {name}: load {per_gpu:.3g} req/s per GPU")
+        entry = {"rate_per_gpu": per_gpu, "scales": {}}
+        reqs = requests_for(name, per_gpu * 16, args.seed)
+        rows = search(reqs, prof, DEFAULT_POLICY, cands, slo, args.seed,
+                      progress=lambda line: log(f"   16 GPUs {line}"))
+        best = {f: next((r for r in rows if r["mode"] == f), None) for f in FAMILIES}
+        entry["scales"]["16"] = {"best": best, "candidates": len(rows)}
+        shapes = {f: next(c for c in cands if c.label == r["candidate"]) for f, r in best.items() if r}
+        for k in (s // 16 for s in scales if s > 16):
+            reqs = requests_for(name, per_gpu * 16 * k, args.seed)
+            got = {}
+            for fam, cand in shapes.items():
+                trial = [run_one(c, reqs, prof, slo, args.seed) for c in neighbours(cand, k)]
+                got[fam] = max(trial, key=lambda r: (r["goodput_req_s"], -(r["ttft_ms"]["p99"] or 0)))
+                log(f"   {16 * k} GPUs {fam}: {got[fam]['candidate']} goodput {got[fam]['goodput_req_s']:.3g} req/s")
+            entry["scales"][str(16 * k)] = {"best": got}
+        doc["mixes"][name] = entry
+    doc["wall_s"] = round(time.perf_counter() - t_start, 1)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "result.json").write_text(json.dumps(doc, indent=1))
+    print(report(doc))
+    plot(doc, Path(args.plot))
+    return 0
+
+
+def report(doc: dict) -> str:
+    lines = ["| mix | GPUs | load req/s | family | best configuration | goodput req/s | per GPU | TTFT p99 ms | "
+             "TPOT p99 ms | vs best family |", "|" + "---|" * 10]
+    for name, entry in doc["mixes"].items():
+        for scale, sc in entry["scales"].items():
+            best = {f: r for f, r in sc["best"].items() if r}
+            top = max(r["goodput_req_s"] for r in best.values())
+            for fam, r in best.items():
+                lines.append(f"| {name} | {scale} | {entry['rate_per_gpu'] * int(scale):.3g} | {fam} | {r['candidate']} | "
+                             f"{r['goodput_req_s']:.3g} | {r['goodput_per_device']:.3g} | {r['ttft_ms']['p99']} | "
+                             f"{r['tpot_ms']['p99']} | {r['goodput_req_s'] / top:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(doc["mixes"]), figsize=(6 * len(doc["mixes"]), 4.2), squeeze=False)
+    colors = {"conditional": "tab:green", "always_remote": "tab:orange", "always_local": "tab:blue"}
+    for ax, (name, entry) in zip(axes[0], doc["mixes"].items()):
+        scales = sorted(int(s) for s in entry["scales"])
+        for fam in FAMILIES:
+            ys = [(s, entry["scales"][str(s)]["best"].get(fam)) for s in scales]
+            ys = [(s, r["goodput_per_device"]) for s, r in ys if r]
+            if ys:
+                ax.plot([s for s, _ in ys], [y for _, y in ys], marker="o", color=colors[fam],
+                        label="colocated" if fam == "always_local" else fam.replace("_", "-"))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(scales, [str(s) for s in scales])
+        ax.set_xlabel("H100 GPUs")
+        ax.set_ylabel("goodput per GPU (req/s)")
+        ax.set_title(f"{name}: {entry['rate_per_gpu']:.3g} req/s per GPU offered")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    slo = doc["slo"]
+    fig.suptitle(f"Llama-3-70B on H100 (roofline profile, simulated): goodput at TTFT <= {slo['ttft_ms']:g} ms, "
+                 f"TPOT <= {slo['tpot_ms']:g} ms")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

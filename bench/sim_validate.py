@@ -1,0 +1,257 @@
+"""The simulator against real runs: the same traces on real clusters here and in `pdserve sim`.
+
+    python bench/sim_validate.py                      # colocated and 1P1D, four traces, 2 cores
+    python bench/sim_validate.py --systems 1p1d --mixes long-prompt:2.0 --requests 40
+
+For each system (``colocated``: one `pdserve serve-decode` on both cores; ``1p1d``: the shipped
+1P1D topology through `pdserve up`, one core per role), in one run:
+
+1. its cost profile is measured here with the real engine, on the cores and with the engine
+   arguments its workers get (`pdserve sim profile`, under taskset);
+2. the server is started as a user starts it (bench/peer_serve.py `Server`);
+3. each trace (a mix at a rate, fixed seed, saved as JSON lines) is replayed against it by the
+   official OpenAI SDK: completions with the trace's prompt token ids, ``max_tokens`` its
+   output length, ``ignore_eos``, streamed; TTFT, ITL and TPOT are taken from the chunks'
+   arrival times as `vllm bench serve` takes them; a 429 is a refused request;
+4. the same trace runs in the simulator with that profile, the topology and the router policy.
+
+Before the traces, each server replays a calibration trace of its own (prompt- and decode-heavy
+requests at rates no trace uses); the profile is calibrated on it (sim/calibrate.py: a step
+scale while serving and a per-request overhead) and then predicts the traces it never saw.
+Both the calibrated and the uncalibrated predictions are printed.
+
+Printed: predicted vs measured goodput (TTFT <= --slo-ttft and TPOT <= --slo-tpot), TTFT p50 and
+p99 and ITL p99, with the relative error of each. Written to runs/sim-validate/result.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from bench.peer_serve import ENGINE, SERVED_NAME, PeerConfig, Server  # noqa: E402
+
+from pdserve.router import DEFAULT_POLICY, load_policy_file  # noqa: E402
+from pdserve.sim.calibrate import fit  # noqa: E402
+from pdserve.sim.cluster import SimTopology, Simulation  # noqa: E402
+from pdserve.sim.profile import load_profile  # noqa: E402
+from pdserve.sim.report import Slo, percentile, summarize  # noqa: E402
+from pdserve.sim.workload import SimRequest, generate, mix, save_trace  # noqa: E402
+
+MIXES = ("long-prompt:1.0", "long-prompt:2.0", "long-prompt:3.0", "decode-heavy:2.0", "decode-heavy:4.0", "prefix:1.5")
+# What each system's workers run (bench/peer_serve.py starts them; configs/topologies/1p1d-local.yaml).
+SYSTEM_ENGINE = {
+    "colocated": {**ENGINE, "kv_cache_memory_bytes": 1 << 30},
+    "1p1d": {"dtype": "float32", "attention_backend": "auto", "max_num_batched_tokens": 2048, "max_num_seqs": 64,
+             "kv_cache_memory_bytes": 268435456},
+}
+TOPOLOGY = {"colocated": SimTopology(0, 1), "1p1d": SimTopology(1, 1)}
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def profile(system: str, model: str, cores: list[int], work: Path) -> Path:
+    """Measure the system's worker profile on the cores one of its workers gets."""
+    out = work / f"profile-{system}.yaml"
+    share = cores if system == "colocated" else cores[:1]
+    cmd = ["taskset", "-c", ",".join(map(str, share)), sys.executable, "-m", "pdserve", "sim", "profile",
+           "--model", model, "--out", str(out), "--name", f"{system} worker, cores {share}"]
+    for k, v in SYSTEM_ENGINE[system].items():
+        cmd += ["--engine-arg", f"{k}={v}"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+async def replay(url: str, trace: list[SimRequest], timeout_s: float) -> list[dict]:
+    """Send each request at its time; per request: refused, first token, token times."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=timeout_s)
+    t0 = time.perf_counter() + 0.5
+
+    async def one(r: SimRequest) -> dict:
+        await asyncio.sleep(max(0.0, t0 + r.t - time.perf_counter()))
+        sent = time.perf_counter()
+        times = []
+        try:
+            stream = await client.completions.create(
+                model=SERVED_NAME, prompt=r.token_ids(), max_tokens=r.output_len, temperature=0.0, stream=True,
+                extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if chunk.choices:
+                    times.append(time.perf_counter())
+        except openai.RateLimitError:
+            return {"rid": r.rid, "refused": True}
+        except openai.APIError as exc:
+            return {"rid": r.rid, "error": str(exc)[:200]}
+        return {"rid": r.rid, "refused": False, "sent": sent, "times": times, "output_len": r.output_len}
+
+    try:
+        return await asyncio.gather(*(one(r) for r in trace))
+    finally:
+        await client.close()
+
+
+def calibration_trace(seed: int) -> list[SimRequest]:
+    """What a profile is calibrated on: prompt-heavy and decode-heavy requests together, at rates
+    no validation trace uses, with prompts of their own."""
+    a = generate(mix("long-prompt", 1.5, 30), seed + 1, first_rid=700_000)
+    b = generate(mix("decode-heavy", 1.0, 20), seed + 2, first_rid=800_000)
+    return sorted(a + b, key=lambda r: (r.t, r.rid))
+
+
+def per_request(results: list[dict]) -> dict[int, dict]:
+    """rid -> the TTFT and inter-token gaps the client measured (what calibration pairs with)."""
+    return {r["rid"]: {"ttft_ms": (r["times"][0] - r["sent"]) * 1e3,
+                       "itl_ms": [(b - a) * 1e3 for a, b in zip(r["times"], r["times"][1:])]}
+            for r in results if not r.get("refused") and not r.get("error") and r.get("times")}
+
+
+def measured_summary(results: list[dict], slo: Slo) -> dict:
+    done = [r for r in results if not r.get("refused") and not r.get("error") and r.get("times")]
+    ttft = [(r["times"][0] - r["sent"]) * 1e3 for r in done]
+    tpot = [((r["times"][-1] - r["times"][0]) * 1e3 / (len(r["times"]) - 1)) if len(r["times"]) > 1 else 0.0
+            for r in done]
+    itl = [(b - a) * 1e3 for r in done for a, b in zip(r["times"], r["times"][1:])]
+    start = min((r["sent"] for r in done), default=0.0)
+    end = max((r["times"][-1] for r in done), default=start)
+    good = sum(1 for a, b in zip(ttft, tpot) if a <= slo.ttft_ms and b <= slo.tpot_ms)
+    duration = max(end - start, 1e-9)
+    return {"completed": len(done), "refused": sum(1 for r in results if r.get("refused")),
+            "errors": sum(1 for r in results if r.get("error")), "goodput_req_s": good / duration,
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "itl_p99": percentile(itl, 99),
+            "duration_s": duration}
+
+
+def simulated_summary(trace, prof, system: str, policy, slo: Slo, seed: int) -> dict:
+    sim = Simulation(trace, prof, policy, TOPOLOGY[system], seed=seed).run()
+    s = summarize(sim, slo)
+    # the same span the client measures: first send to last token (the trace's first arrival is t > 0)
+    first = min(r.arrival for r in sim.records)
+    duration = s["duration_s"] - first
+    return {"completed": s["completed"], "refused": sum(s["refused"].values()),
+            "goodput_req_s": s["good"] / duration, "ttft_p50": s["ttft_ms"]["p50"], "ttft_p99": s["ttft_ms"]["p99"],
+            "itl_p99": s["itl_ms"]["p99"], "duration_s": duration, "routes": s["routes"]}
+
+
+def err(pred, meas):
+    return None if pred is None or not meas else (pred - meas) / meas
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--systems", default="colocated,1p1d")
+    ap.add_argument("--mixes", default=",".join(MIXES), help="MIX:RATE,... (mixes of sim/workload.py)")
+    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--cpus", default="0,1", help="the cores every server runs on")
+    ap.add_argument("--model", default=str(REPO / ".cache/models/pdserve-tiny-llama"))
+    ap.add_argument("--slo-ttft", type=float, default=1500.0)
+    ap.add_argument("--slo-tpot", type=float, default=50.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default=str(REPO / "runs/sim-validate"))
+    ap.add_argument("--offline", action="store_true", help="no servers: the runs recorded in --work (raw-*.json), "
+                    "calibrated and simulated again")
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    cores = [int(c) for c in args.cpus.split(",")]
+    mixes = [(m.split(":")[0], float(m.split(":")[1])) for m in args.mixes.split(",")]
+    rows, calibrations = [], {}
+    for system in args.systems.split(","):
+        policy = load_policy_file(REPO / "configs/router/default.yaml") if system == "1p1d" else DEFAULT_POLICY
+        prof_path = work / f"profile-{system}.yaml"
+        server = None
+        if not args.offline:
+            log(f"== {system}: profiling its worker on {cores if system == 'colocated' else cores[:1]} ...")
+            profile(system, args.model, cores, work)
+            server = Server(PeerConfig(model=args.model, cpus=args.cpus, work_dir=str(work)), system, log)
+            log(f"== {system}: starting the server")
+            server.start()
+
+        def measured(label: str, trace) -> list[dict]:
+            """The run of ``trace`` against the server (or, offline, as recorded then)."""
+            raw = work / f"raw-{system}-{label}.json"
+            if args.offline:
+                return json.loads(raw.read_text())
+            results = asyncio.run(replay(server.url, trace, 300.0))
+            raw.write_text(json.dumps(results))
+            return results
+
+        try:
+            calib = calibration_trace(args.seed)
+            if server is not None:  # first-call costs, not timed
+                asyncio.run(replay(server.url, generate(mix("long-prompt", 4.0, 3), args.seed, first_rid=990_000),
+                                   120.0))
+            log(f"   calibration: {len(calib)} requests (long-prompt 1.5 req/s + decode-heavy 1 req/s)")
+            real = per_request(measured("calibration", calib))
+            raw = load_profile(prof_path)
+            prof, fitted = fit(calib, raw, policy, TOPOLOGY[system], real, args.seed,
+                               note=f"bench/sim_validate.py calibration trace, {system}")
+            prof.save(work / f"profile-{system}-calibrated.yaml")
+            log(f"   calibrated: {fitted}")
+            calibrations[system] = fitted
+            for i, (name, rate) in enumerate(mixes):
+                # each trace its own prompts (the server's prefix cache outlives a trace; the
+                # simulator starts empty), and a warm-up of other prompts
+                trace = generate(mix(name, rate, args.requests), args.seed, first_rid=(i + 1) * 100_000)
+                save_trace(trace, work / f"trace-{name}-{rate:g}.jsonl")
+                if server is not None:
+                    warm = generate(mix("long-prompt", 4.0, 3), args.seed, first_rid=(i + 1) * 100_000 + 90_000)
+                    asyncio.run(replay(server.url, warm, 120.0))
+                log(f"   {name} at {rate:g} req/s: {len(trace)} requests")
+                meas = measured_summary(measured(f"{name}-{rate:g}", trace), slo)
+                pred = simulated_summary(trace, prof, system, policy, slo, args.seed)
+                uncal = simulated_summary(trace, raw, system, policy, slo, args.seed)
+                keys = ("goodput_req_s", "ttft_p50", "ttft_p99", "itl_p99")
+                row = {"system": system, "mix": name, "rate": rate, "measured": meas, "simulated": pred,
+                       "error": {k: err(pred[k], meas[k]) for k in keys},
+                       "uncalibrated": uncal, "uncalibrated_error": {k: err(uncal[k], meas[k]) for k in keys}}
+                rows.append(row)
+                log("   " + fmt(row))
+        finally:
+            if server is not None:
+                server.stop()
+    (work / "result.json").write_text(json.dumps({"rows": rows, "calibrations": calibrations}, indent=1))
+    print(table(rows))
+    print()
+    print(table(rows, "uncalibrated"))
+    return 0
+
+
+def fmt(row) -> str:
+    m, p, e = row["measured"], row["simulated"], row["error"]
+    return " | ".join(f"{k} sim {p[k]:.3g} / real {m[k]:.3g} ({e[k]:+.0%})" if e[k] is not None else f"{k} n/a"
+                      for k in ("goodput_req_s", "ttft_p50", "ttft_p99", "itl_p99"))
+
+
+def table(rows, which: str = "simulated") -> str:
+    head = ("| system | mix | rate | goodput sim / real | err | TTFT p50 sim / real ms | err | "
+            "TTFT p99 sim / real ms | err | ITL p99 sim / real ms | err | completed sim / real |")
+    out = [head, "|" + "---|" * 13]
+    for r in rows:
+        m, p = r["measured"], r[which]
+        e = r["error"] if which == "simulated" else r["uncalibrated_error"]
+        cells = [r["system"], r["mix"], f"{r['rate']:g}"]
+        for k in ("goodput_req_s", "ttft_p50", "ttft_p99", "itl_p99"):
+            cells += [f"{p[k]:.3g} / {m[k]:.3g}", "n/a" if e[k] is None else f"{e[k]:+.0%}"]
+        cells.append(f"{p['completed']} / {m['completed']}")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    sys.exit(main())

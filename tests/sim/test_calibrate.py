@@ -1,0 +1,51 @@
+"""Calibration (sim/calibrate.py): a run made with known serving costs gives those costs back."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router import DEFAULT_POLICY
+from pdserve.sim.calibrate import calibrated, fit
+from pdserve.sim.cluster import SimTopology, Simulation
+from pdserve.sim.profile import CostProfile, StepModel
+from pdserve.sim.workload import generate, mix
+
+BASE = CostProfile(name="base", source="hand-written", kv_bytes_per_token=6144,
+                   steps={1: StepModel(7.0, 0.15, 0.11, 0.1, 0.7, kv_blocks=2048)},
+                   transfer_setup_ms=1.0, transfer_gb_per_s=4.0, queue_hop_ms=1.0)
+
+
+def measured_from(sim) -> dict[int, dict]:
+    """What a client would have measured of a run (here: a simulated one with known costs)."""
+    gaps: dict[int, list[float]] = {}
+    out = {}
+    for r in sim.records:
+        if r.first_token is None:
+            continue
+        out[r.rid] = {"ttft_ms": (r.first_token - r.arrival) * 1e3, "itl_ms": gaps.get(r.rid, [])}
+    # per-request gaps are not kept by the simulation: spread its ITLs over the requests
+    itls = list(sim.itls_ms)
+    for i, rid in enumerate(sorted(out)):
+        out[rid]["itl_ms"] = itls[i::len(out)]
+    return out
+
+
+@pytest.mark.parametrize("topology", [SimTopology(0, 1), SimTopology(1, 1)])
+def test_fit_recovers_known_serving_costs(topology):
+    reqs = sorted(generate(mix("long-prompt", 1.5, 40), 1) + generate(mix("decode-heavy", 1.0, 25), 2, 500),
+                  key=lambda r: (r.t, r.rid))
+    truth = calibrated(BASE, 1.4, 20.0, 30.0 if topology.prefill else 0.0, "truth")
+    real = Simulation(reqs, truth, DEFAULT_POLICY, topology, seed=3).run()
+    prof, figures = fit(reqs, BASE, DEFAULT_POLICY, topology, measured_from(real), seed=3)
+    assert figures["step_scale"] == pytest.approx(1.4, abs=0.1)
+    assert figures["request_overhead_ms"] == pytest.approx(20.0, abs=6.0)
+    if topology.prefill:
+        assert figures["remote_overhead_ms"] == pytest.approx(30.0, abs=10.0)
+    assert prof.request_overhead_ms == pytest.approx(figures["request_overhead_ms"], abs=0.01)
+    assert figures["prefill_scale"] == pytest.approx(1.4, abs=0.15)
+    assert any("calibrated on a real run" in a for a in prof.assumptions)
+
+
+def test_fit_needs_measurements():
+    with pytest.raises(ValueError, match="measured TTFTs"):
+        fit(generate(mix("long-prompt", 1.0, 3), 0), BASE, DEFAULT_POLICY, SimTopology(0, 1), {})
