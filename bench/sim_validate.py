@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -105,11 +106,15 @@ async def replay(url: str, trace: list[SimRequest], timeout_s: float) -> list[di
 
 
 def calibration_trace(seed: int) -> list[SimRequest]:
-    """What a profile is calibrated on: prompt-heavy and decode-heavy requests together, at rates
-    no validation trace uses, with prompts of their own."""
+    """What a profile is calibrated on, at rates no validation trace uses and with prompts of its
+    own: prompt-heavy requests (1.5 req/s) beside decode-heavy ones (1 req/s), then a decode-heavy
+    stretch at 3 req/s (a busy worker's streaming cost shows only under many streams)."""
     a = generate(mix("long-prompt", 1.5, 30), seed + 1, first_rid=700_000)
     b = generate(mix("decode-heavy", 1.0, 20), seed + 2, first_rid=800_000)
-    return sorted(a + b, key=lambda r: (r.t, r.rid))
+    start = max(r.t for r in a + b) + 5.0
+    c = [dataclasses.replace(r, t=round(r.t + start, 6))
+         for r in generate(mix("decode-heavy", 3.0, 30), seed + 3, first_rid=850_000)]
+    return sorted(a + b + c, key=lambda r: (r.t, r.rid))
 
 
 def per_request(results: list[dict]) -> dict[int, dict]:
@@ -195,7 +200,8 @@ def main(argv=None) -> int:
             if server is not None:  # first-call costs, not timed
                 asyncio.run(replay(server.url, generate(mix("long-prompt", 4.0, 3), args.seed, first_rid=990_000),
                                    120.0))
-            log(f"   calibration: {len(calib)} requests (long-prompt 1.5 req/s + decode-heavy 1 req/s)")
+            log(f"   calibration: {len(calib)} requests (long-prompt 1.5 + decode-heavy 1 req/s, then decode-heavy "
+                "3 req/s)")
             real = per_request(measured("calibration", calib))
             raw = load_profile(prof_path)
             prof, fitted = fit(calib, raw, policy, TOPOLOGY[system], real, args.seed,

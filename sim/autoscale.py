@@ -49,7 +49,7 @@ class Autoscaler:
             workers[d.wid] = {"role": "decode", "load": d.load_record()}
         for p in sim.prefill:
             workers[p.wid] = {"role": "prefill", "load": p.load_record()}
-        queue = {"depth": len(sim.queue), "queued_tokens": sim.queue._queued_tokens}
+        queue = {"depth": len(sim.queue), "queued_tokens": sim.queue.queued_tokens}
         return Snapshot(t=sim.now, queue=queue, workers=workers)
 
     def serving(self, role: str) -> list:

@@ -72,7 +72,10 @@ class SimTopology:
 
     @property
     def label(self) -> str:
-        tp = "" if self.prefill_tp == self.decode_tp == 1 else f" (TP {self.prefill_tp}/{self.decode_tp})"
+        if self.prefill == 0:
+            tp = "" if self.decode_tp == 1 else f" (TP {self.decode_tp})"
+        else:
+            tp = "" if self.prefill_tp == self.decode_tp == 1 else f" (TP {self.prefill_tp}/{self.decode_tp})"
         return f"{self.prefill}P{self.decode}D{tp}"
 
     @property
@@ -285,7 +288,7 @@ class DecodeSim:
         return ClusterSnapshot(
             costs=self.state.costs.snapshot(),
             prefill_queue_depth=max(len(sim.queue), self.pending_remote_requests),
-            prefill_queue_tokens=max(sim.queue._queued_tokens, self.pending_remote_tokens),
+            prefill_queue_tokens=max(sim.queue.queued_tokens, self.pending_remote_tokens),
             prefill_pool_size=pool,
             decode_active_requests=self.num_decoding,
             decode_waiting_requests=self.num_prefilling,

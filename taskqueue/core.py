@@ -91,6 +91,11 @@ class QueueCore(WorkerLiveness, SettledTasks):
     def __len__(self) -> int:
         return len(self._queued)
 
+    @property
+    def queued_tokens(self) -> int:
+        """Prefill tokens of the queued tasks (what `stats` reports, without its O(n) scan)."""
+        return self._queued_tokens
+
     def put(self, task: PrefillTask) -> PutResult:
         reason = None
         if task.num_prefill_tokens <= 0:
