@@ -203,6 +203,10 @@ def main(argv=None) -> int:
             log(f"   calibration: {len(calib)} requests (long-prompt 1.5 + decode-heavy 1 req/s, then decode-heavy "
                 "3 req/s)")
             real = per_request(measured("calibration", calib))
+            save_trace(calib, work / f"calibration-{system}.jsonl")
+            with open(work / f"measured-{system}.jsonl", "w") as f:  # what `pdserve sim calibrate` reads
+                for rid, m in sorted(real.items()):
+                    f.write(json.dumps({"rid": rid, **m}) + "\n")
             raw = load_profile(prof_path)
             prof, fitted = fit(calib, raw, policy, TOPOLOGY[system], real, args.seed,
                                note=f"bench/sim_validate.py calibration trace, {system}")

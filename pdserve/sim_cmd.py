@@ -3,6 +3,7 @@ and planner on a simulated clock (sim/, docs/simulator.md).
 
     pdserve sim profile --model DIR --out cpu.yaml          measure a worker here (real engine)
     pdserve sim profile --roofline llama-3-70b --gpu h100 --out h100.yaml   from datasheet numbers
+    pdserve sim calibrate --profile cpu.yaml --trace t.jsonl --measured m.jsonl --out cpu-served.yaml
     pdserve sim run --profile cpu.yaml --topology 1P1D --mix long-prompt --rate 2.5 --requests 200
     pdserve sim run --profile h100.yaml --topology 2P6D --prefill-tp 4 --trace trace.jsonl
     pdserve sim search --profile h100.yaml --budget 16 --mix long-prompt --rate 40 --requests 4000
@@ -50,6 +51,21 @@ def register(subparsers) -> None:
     prof.add_argument("--name", help="the profile's name")
     prof.add_argument("--out", help="write the profile here (.yaml or .json); default: print it")
     prof.set_defaults(func=run_profile)
+
+    cal = sub.add_parser("calibrate", help="fit a profile's serving costs to a real run of a trace",
+                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cal.add_argument("--profile", required=True, help="the profile to calibrate (measured on an idle engine)")
+    cal.add_argument("--trace", required=True, help="the trace the real run replayed (JSON lines, with rid)")
+    cal.add_argument("--measured", required=True, help="what the run measured, JSON lines: rid, ttft_ms, itl_ms "
+                     "(the gaps between its tokens); bench/sim_validate.py writes them")
+    cal.add_argument("--topology", default="0P1D", help="the real cluster's XpYd (default 0P1D)")
+    cal.add_argument("--prefill-tp", type=int, default=1)
+    cal.add_argument("--decode-tp", type=int, default=1)
+    cal.add_argument("--ingress", default="round_robin", choices=("round_robin", "random", "gateway"))
+    cal.add_argument("--policy", help="the real cluster's router policy file (default: the built-in default)")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--out", required=True, help="write the calibrated profile here")
+    cal.set_defaults(func=run_calibrate)
 
     run = sub.add_parser("run", help="simulate one cluster on one traffic", description=__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,6 +186,41 @@ def run_profile(args) -> int:
         print(f"wrote {args.out}")
     else:
         print(yaml.safe_dump(prof.to_dict(), sort_keys=False))
+    return 0
+
+
+def run_calibrate(args) -> int:
+    from pdserve.sim.calibrate import fit
+    from pdserve.sim.cluster import check_profile
+    from pdserve.sim.workload import load_trace
+
+    prof = _profiles(argparse.Namespace(profile=args.profile, prefill_profile=None))[0]
+    topo = _topology(args.topology, args)
+    check_profile(prof, topo)
+    requests = load_trace(args.trace)
+    measured = {}
+    with open(args.measured) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                body = json.loads(line)
+                measured[int(body["rid"])] = {"ttft_ms": float(body["ttft_ms"]),
+                                              "itl_ms": [float(x) for x in body.get("itl_ms") or ()]}
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{args.measured}:{n}: a line is {{\"rid\": N, \"ttft_ms\": MS, \"itl_ms\": [MS, "
+                                 f"...]}} ({exc.__class__.__name__}: {exc})") from None
+    known = {r.rid for r in requests}
+    unknown = sorted(set(measured) - known)
+    if unknown:
+        raise ValueError(f"{args.measured}: rid {unknown[0]} is not in {args.trace}")
+    print(f"calibrating {prof.name} on {len(measured)} measured requests of {len(requests)} ({topo.label}) ...",
+          flush=True)
+    cal, figures = fit(requests, prof, _policy(args), topo, measured, args.seed, note=f"{args.measured}")
+    for k, v in figures.items():
+        print(f"  {k}: {v}")
+    cal.save(args.out)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -58,3 +58,32 @@ def test_fit_recovers_known_serving_costs(topology, monkeypatch):
 def test_fit_needs_measurements():
     with pytest.raises(ValueError, match="measured TTFTs"):
         fit(generate(mix("long-prompt", 1.0, 3), 0), BASE, DEFAULT_POLICY, SimTopology(0, 1), {})
+
+
+def test_cli_calibrates_from_files(tmp_path, monkeypatch, capsys):
+    import json
+
+    import pdserve.sim.calibrate as cal
+    from pdserve.cli import main
+    from pdserve.sim.profile import load_profile
+    from pdserve.sim.workload import save_trace
+
+    monkeypatch.setattr(cal, "SCALES", (1.0, 1.2, 1.4, 1.6))
+    monkeypatch.setattr(cal, "STREAM_MS", (0.0,))
+    reqs = generate(mix("long-prompt", 1.5, 30), 4, first_rid=1000)
+    real = Simulation(reqs, calibrated(BASE, 1.2, 15.0), DEFAULT_POLICY, SimTopology(0, 1), seed=0).run()
+    save_trace(reqs, tmp_path / "t.jsonl")
+    with open(tmp_path / "m.jsonl", "w") as f:
+        for rid, m in measured_from(real).items():
+            f.write(json.dumps({"rid": rid, **m}) + "\n")
+    BASE.save(tmp_path / "base.yaml")
+    args = ["sim", "calibrate", "--profile", str(tmp_path / "base.yaml"), "--trace", str(tmp_path / "t.jsonl"),
+            "--measured", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "served.yaml")]
+    assert main(args) == 0
+    served = load_profile(tmp_path / "served.yaml")
+    assert served.steps[1].fixed_ms == pytest.approx(BASE.steps[1].fixed_ms * 1.2)
+    assert served.request_overhead_ms == pytest.approx(15.0, abs=5.0)
+    assert "step_scale: 1.2" in capsys.readouterr().out
+    (tmp_path / "bad.jsonl").write_text('{"rid": 5, "ttft_ms": 3}\n')
+    assert main([*args[:7], str(tmp_path / "bad.jsonl"), *args[8:]]) == 2
+    assert "rid 5 is not in" in capsys.readouterr().err
