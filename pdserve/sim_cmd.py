@@ -5,8 +5,8 @@ and planner on a simulated clock (sim/, docs/simulator.md).
     pdserve sim profile --roofline llama-3-70b --gpu h100 --out h100.yaml   from datasheet numbers
     pdserve sim calibrate --profile cpu.yaml --trace t.jsonl --measured m.jsonl --out cpu-served.yaml
     pdserve sim run --profile cpu.yaml --topology 1P1D --mix long-prompt --rate 2.5 --requests 200
-    pdserve sim run --profile h100.yaml --topology 2P6D --prefill-tp 4 --trace trace.jsonl
-    pdserve sim search --profile h100.yaml --budget 16 --mix long-prompt --rate 40 --requests 4000
+    pdserve sim run --profile h100.yaml --topology 2P6D --prefill-tp 4 --decode-tp 4 --trace trace.jsonl
+    pdserve sim search --profile h100.yaml --budget 16 --tp 4,8 --mix chat --rate 36 --requests 1500
 
 Goodput counts the completed requests that met ``--slo-ttft`` and ``--slo-tpot`` per second,
 as `vllm bench serve --goodput` does. ``--json FILE`` writes every figure; ``--explain``
