@@ -250,9 +250,7 @@ class DecodeSim:
     def __init__(self, sim: Simulation, wid: str, model):
         self.sim, self.wid = sim, wid
         prof = sim.profile
-        self.engine = SimEngine(model, block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
-                                max_num_seqs=prof.max_num_seqs, clock=lambda: sim.now, rng=sim.rng,
-                                noise_cv=prof.noise_cv, stream_ms_per_token=prof.stream_ms_per_token)
+        self.engine = _engine(sim, model, prof, prof.stream_ms_per_token)
         self.state = PolicyState(prof.kv_bytes_per_token, sim.policy)
         if sim._calibrate:
             self.state.costs.calibrate(_calibration_steps(model, prof))
@@ -460,9 +458,7 @@ class PrefillSim:
     def __init__(self, sim: Simulation, wid: str, model):
         self.sim, self.wid = sim, wid
         prof = sim.prefill_profile
-        self.engine = SimEngine(model, block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
-                                max_num_seqs=prof.max_num_seqs, clock=lambda: sim.now, rng=sim.rng,
-                                noise_cv=prof.noise_cv)
+        self.engine = _engine(sim, model, prof)
         self.jobs: dict[str, PrefillTask] = {}
         self.idle = True
         self.draining = False
@@ -521,6 +517,13 @@ class PrefillSim:
         eng = self.engine
         return {"t": self.sim.now, "busy_s": eng.busy_ms / 1e3, "kv_usage": eng.kv.usage,
                 "tokens": eng.prompt_tokens_computed, "tasks": self.tasks, "inflight": len(self.jobs)}
+
+
+def _engine(sim: Simulation, model, prof: CostProfile, stream_ms_per_token: float = 0.0) -> SimEngine:
+    """A worker's engine on the simulation's clock and generator, with its profile's limits."""
+    return SimEngine(model, block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
+                     max_num_seqs=prof.max_num_seqs, clock=lambda: sim.now, rng=sim.rng, noise_cv=prof.noise_cv,
+                     stream_ms_per_token=stream_ms_per_token)
 
 
 def _calibration_steps(model, prof: CostProfile) -> list[tuple[float, int, int, int]]:
