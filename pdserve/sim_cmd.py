@@ -16,6 +16,7 @@ prints the router's reasons and the planner's decisions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -64,6 +65,9 @@ def register(subparsers) -> None:
     cal.add_argument("--ingress", default="round_robin", choices=("round_robin", "random", "gateway"))
     cal.add_argument("--policy", help="the real cluster's router policy file (default: the built-in default)")
     cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--shared-host", action="store_true",
+                     help="every worker of the real run (and its clients) shared one host's cores: the streams "
+                     "of all of them slow every step (contention_scope: cluster); default: each worker's own")
     cal.add_argument("--out", required=True, help="write the calibrated profile here")
     cal.set_defaults(func=run_calibrate)
 
@@ -195,6 +199,8 @@ def run_calibrate(args) -> int:
     from pdserve.sim.workload import load_trace
 
     prof = _profiles(argparse.Namespace(profile=args.profile, prefill_profile=None))[0]
+    if args.shared_host:
+        prof = dataclasses.replace(prof, contention_scope="cluster")
     topo = _topology(args.topology, args)
     check_profile(prof, topo)
     requests = load_trace(args.trace)

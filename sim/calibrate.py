@@ -7,10 +7,12 @@ a remote prefill also pays the queue, the notification and the decode worker's p
 numbers capture that, fitted to one real run of a calibration trace (prompt- and decode-heavy
 requests together):
 
-* ``stream_ms_per_token``: CPU the decode worker (and its clients, on a shared host) spends per
-  token streamed, taken from the engine's steps: what makes a busy worker slower than a quiet
-  one; each of ``STREAM_MS`` is tried with the four below fitted to it, and the one whose
-  TTFT and ITL p50 / p90 come closest to the run's is kept;
+* ``contention_ms_per_token``: CPU the host spends outside the engine per token streamed (the
+  frontend's chunks; the clients' parsing, on a shared host), which slows every step in
+  proportion to the tokens streamed per second: what makes a busy worker slower than a quiet
+  one, at every load; each of ``CONTENTION_MS`` is tried with the four below fitted to it, and
+  the one whose TTFT and ITL p50 / p90 come closest to the run's is kept. Whose streams count
+  (a worker's own, or all of them on one shared host) is the profile's ``contention_scope``;
 * ``step_scale``: the step's fixed, per-stream and context terms take this many times longer
   while serving; fitted to the run's inter-token latencies (p50 and p90), which the terms
   below barely move;
@@ -36,14 +38,14 @@ from .cluster import Simulation
 from .profile import CostProfile, StepModel
 from .report import percentile
 
-SCALES = tuple(round(1.0 + 0.05 * i, 2) for i in range(31))  # 1.0 .. 2.5
-STREAM_MS = (0.0, 0.25, 0.5, 1.0, 1.5)  # streaming costs per token tried
+SCALES = tuple(round(0.8 + 0.05 * i, 2) for i in range(35))  # 0.8 .. 2.5
+CONTENTION_MS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0)  # host CPU per token streamed, tried
 REFINE = 3
 SLOPE = (0.6, 1.6)  # bounds of one refinement's prefill slope (a noisy run cannot swing it further)
 
 
 def calibrated(profile: CostProfile, step_scale: float, request_overhead_ms: float, remote_overhead_ms: float = 0.0,
-               note: str = "", prefill_scale: float | None = None, stream_ms_per_token: float = 0.0) -> CostProfile:
+               note: str = "", prefill_scale: float | None = None, contention_ms_per_token: float = 0.0) -> CostProfile:
     """``profile`` with its steps scaled (the prompt-token terms by ``prefill_scale``, default
     ``step_scale``) and the overheads set (the note kept in its assumptions)."""
     p = step_scale if prefill_scale is None else prefill_scale
@@ -51,13 +53,13 @@ def calibrated(profile: CostProfile, step_scale: float, request_overhead_ms: flo
                            m.prefill_ms_per_token * p, m.attention_ms_per_kpair * p,
                            m.decode_ms_per_kctx * step_scale, m.kv_blocks) for tp, m in profile.steps.items()}
     return replace(profile, steps=steps, request_overhead_ms=round(request_overhead_ms, 3),
-                   stream_ms_per_token=stream_ms_per_token,
+                   contention_ms_per_token=contention_ms_per_token,
                    transfer_setup_ms=round(profile.transfer_setup_ms + remote_overhead_ms, 3),
                    assumptions=(*profile.assumptions,
                                 f"calibrated on a real run ({note}): step terms x {step_scale:g} and prompt-token "
                                 f"terms x {p:.3g} while serving, {request_overhead_ms:.1f} ms per request outside "
-                                f"the engine, {remote_overhead_ms:.1f} ms more per remote prefill, {stream_ms_per_token:g} ms per "
-                                f"token streamed"))
+                                f"the engine, {remote_overhead_ms:.1f} ms more per remote prefill, {contention_ms_per_token:g} ms of "
+                                f"{profile.contention_scope} CPU per token streamed"))
 
 
 def _simulate(requests, profile, policy, topology, seed):
@@ -98,14 +100,14 @@ def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, di
         note: str = "") -> tuple[CostProfile, dict]:
     """The calibrated profile for a real run of ``requests``; ``measured`` maps each request's
     ``rid`` to what the run measured of it: ``ttft_ms`` and ``itl_ms`` (its gaps, a list).
-    Returns it and the fit's figures. Each streaming cost of ``STREAM_MS`` is tried with the
+    Returns it and the fit's figures. Each contention of ``CONTENTION_MS`` is tried with the
     rest fitted to it; the one whose TTFT and ITL p50 / p90 come closest wins."""
     real_itl = [g for m in measured.values() for g in m.get("itl_ms") or ()]
     real_ttft = [m["ttft_ms"] for m in measured.values() if m.get("ttft_ms") is not None]
     if not real_itl or not real_ttft:
         raise ValueError("calibration needs measured TTFTs and inter-token gaps of the run")
     best = None
-    for stream in STREAM_MS:
+    for stream in CONTENTION_MS:
         prof, figures, sim = _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note, stream)
         sim_ttft = [(r.first_token - r.arrival) * 1e3 for r in sim.records if r.first_token is not None]
         loss = _itl_loss(sim, real_itl) + sum(
@@ -121,9 +123,10 @@ def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, di
 
 
 def _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note, stream):
-    """The step scale, prefill scale and overheads for one streaming cost (module docstring)."""
+    """The step scale, prefill scale and overheads for one contention (module docstring)."""
     def prof_of(scale, local=0.0, remote=0.0, pscale=None, final_note=""):
-        return calibrated(profile, scale, local, remote, final_note, prefill_scale=pscale, stream_ms_per_token=stream)
+        return calibrated(profile, scale, local, remote, final_note, prefill_scale=pscale,
+                          contention_ms_per_token=stream)
 
     scale = min(SCALES, key=lambda s: _itl_loss(_simulate(requests, prof_of(s), policy, topology, seed), real_itl))
     pscale, local, remote = scale, 0.0, 0.0
@@ -141,7 +144,7 @@ def _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note,
             remote = max(0.0, remote + statistics.median(gaps))
     prof = prof_of(scale, local, remote, pscale, note)
     figures = {"step_scale": scale, "prefill_scale": round(pscale, 3), "request_overhead_ms": round(local, 2),
-               "remote_overhead_ms": round(remote, 2), "stream_ms_per_token": stream}
+               "remote_overhead_ms": round(remote, 2), "contention_ms_per_token": stream}
     return prof, figures, _simulate(requests, prof, policy, topology, seed)
 
 

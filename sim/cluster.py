@@ -43,7 +43,7 @@ from pdserve.handoff.task import PrefillTask
 from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, RouterPolicy, admit
 from pdserve.taskqueue.core import QueueCore
 
-from .engine import SimEngine
+from .engine import SimEngine, StreamLoad
 from .profile import CostProfile
 from .workload import SimRequest
 
@@ -130,6 +130,7 @@ class Simulation:
         self.policy = policy
         self.topology = topology
         self.rng = random.Random(seed)
+        self.stream_load = StreamLoad()  # every decode worker's streams, for a profile whose workers share a host
         self.now = 0.0
         self._heap: list = []
         self._seq = itertools.count()
@@ -250,7 +251,7 @@ class DecodeSim:
     def __init__(self, sim: Simulation, wid: str, model):
         self.sim, self.wid = sim, wid
         prof = sim.profile
-        self.engine = _engine(sim, model, prof, prof.stream_ms_per_token)
+        self.engine = _engine(sim, model, prof, streams=True)
         self.state = PolicyState(prof.kv_bytes_per_token, sim.policy)
         if sim._calibrate:
             self.state.costs.calibrate(_calibration_steps(model, prof))
@@ -519,11 +520,13 @@ class PrefillSim:
                 "tokens": eng.prompt_tokens_computed, "tasks": self.tasks, "inflight": len(self.jobs)}
 
 
-def _engine(sim: Simulation, model, prof: CostProfile, stream_ms_per_token: float = 0.0) -> SimEngine:
-    """A worker's engine on the simulation's clock and generator, with its profile's limits."""
+def _engine(sim: Simulation, model, prof: CostProfile, streams: bool = False) -> SimEngine:
+    """A worker's engine on the simulation's clock and generator, with its profile's limits and
+    the streaming load its steps contend with (its own, or the shared host's)."""
+    load = sim.stream_load if prof.contention_scope == "cluster" else StreamLoad()
     return SimEngine(model, block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
                      max_num_seqs=prof.max_num_seqs, clock=lambda: sim.now, rng=sim.rng, noise_cv=prof.noise_cv,
-                     stream_ms_per_token=stream_ms_per_token)
+                     contention_ms_per_token=prof.contention_ms_per_token, load=load, streams=streams)
 
 
 def _calibration_steps(model, prof: CostProfile) -> list[tuple[float, int, int, int]]:

@@ -38,19 +38,41 @@ class StepInfo:
     seqs: int
 
 
+class StreamLoad:
+    """Tokens streamed per second, a moving average over the last ``window_s`` (exponential):
+    what the CPU work outside the engine (the frontend's chunks, the clients' parsing) scales with."""
+
+    __slots__ = ("window_s", "_rate", "_t")
+
+    def __init__(self, window_s: float = 1.0):
+        self.window_s = window_s
+        self._rate = 0.0
+        self._t = 0.0
+
+    def rate(self, now: float) -> float:
+        return self._rate * math.exp(-(now - self._t) / self.window_s) if now > self._t else self._rate
+
+    def add(self, now: float, tokens: int) -> None:
+        self._rate = self.rate(now) + tokens / self.window_s
+        self._t = max(now, self._t)
+
+
 class SimEngine:
     """One worker's engine on the simulator's clock (``clock()`` returns seconds)."""
 
     def __init__(self, model: StepModel, *, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                  clock, rng: random.Random, noise_cv: float = 0.0, policy: str = "fcfs",
-                 stream_ms_per_token: float = 0.0):
+                 contention_ms_per_token: float = 0.0, load: StreamLoad | None = None, streams: bool = False):
         self.model = model
         self.kv = KVCacheManager(model.kv_blocks, block_size)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs, policy)
         self.scheduler.clock = clock
         self.clock = clock
         self.rng = rng
-        self.stream_ms_per_token = stream_ms_per_token  # a decode worker's streaming, on its cores
+        # CPU spent elsewhere on the host per token streamed, and the rate it reads (sim/profile.py)
+        self.contention_ms_per_token = contention_ms_per_token
+        self.load = load
+        self.streams = streams  # a decode worker: what it emits is streamed (and counted in ``load``)
         self.noise_sigma = math.sqrt(math.log(1 + noise_cv * noise_cv)) if noise_cv > 0 else 0.0
         self.busy_ms = 0.0
         self.steps = 0
@@ -78,7 +100,7 @@ class SimEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return out, None
-        decodes = prompt = pairs = context = emitted = 0
+        decodes = prompt = pairs = context = 0
         for req, n in out.scheduled:
             if n == 1 and req.output_token_ids:
                 decodes += 1
@@ -86,9 +108,9 @@ class SimEngine:
             else:
                 prompt += n
                 pairs += attention_pairs(n, req.num_computed_tokens)
-            if req.num_computed_tokens + n >= req.num_tokens:
-                emitted += 1
-        ms = self.model.step_ms(decodes, prompt, pairs, context) + self.stream_ms_per_token * emitted
+        ms = self.model.step_ms(decodes, prompt, pairs, context)
+        if self.contention_ms_per_token and self.load is not None:
+            ms *= 1.0 + self.contention_ms_per_token * self.load.rate(self.clock()) / 1e3
         if self.noise_sigma:
             ms *= self.rng.lognormvariate(-self.noise_sigma ** 2 / 2, self.noise_sigma)
         return out, StepInfo(ms, decodes, prompt, pairs, len(out.scheduled))
@@ -112,6 +134,8 @@ class SimEngine:
                 self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
             if req.num_computed_tokens >= req.num_tokens:
                 emitted.append((req, self.append(req, now)))
+        if self.streams and self.load is not None and emitted:
+            self.load.add(now, len(emitted))
         return emitted
 
     def append(self, req: Request, now: float) -> bool:

@@ -67,10 +67,15 @@ class CostProfile:
     # What a served request pays outside the engine (HTTP or gRPC in and out, validation, the
     # stream's first chunk): added to its TTFT. Calibrated on a real run (sim/calibrate.py).
     request_overhead_ms: float = 0.0
-    # CPU a decode worker (and its clients, on a shared host) spends per token it streams, taken
-    # from its engine's steps: each step of a decode worker takes this much longer per token it
-    # emits. Calibrated on a real run; 0 where the host has cores to spare.
-    stream_ms_per_token: float = 0.0
+    # CPU the host spends outside the engine per token streamed (the frontend's chunks; the
+    # clients' parsing, on a shared host). While tokens stream at R per second (a 1 s moving
+    # average), every step runs 1 + R x this / 1000 times longer: the work takes a core's share
+    # and a torch step waits for its slowest thread. Calibrated on a real run; 0 where the host
+    # has cores to spare.
+    contention_ms_per_token: float = 0.0
+    # Whose streams slow a step: "worker" (a decode worker's own; each worker its own host) or
+    # "cluster" (every worker shares one host's cores, as on the box the validation runs on).
+    contention_scope: str = "worker"
     assumptions: tuple[str, ...] = field(default_factory=tuple)
 
     def step(self, tp: int) -> StepModel:
@@ -104,7 +109,9 @@ class CostProfile:
 
 
 _POSITIVE = ("kv_bytes_per_token", "block_size", "max_num_batched_tokens", "max_num_seqs", "transfer_gb_per_s")
-_NON_NEGATIVE = ("transfer_setup_ms", "queue_hop_ms", "noise_cv", "request_overhead_ms", "stream_ms_per_token")
+SCOPES = ("worker", "cluster")
+_NON_NEGATIVE = ("transfer_setup_ms", "queue_hop_ms", "noise_cv", "request_overhead_ms",
+                 "contention_ms_per_token")
 
 
 def profile_from_dict(body: dict, source: str = "<profile>") -> CostProfile:
@@ -125,6 +132,9 @@ def profile_from_dict(body: dict, source: str = "<profile>") -> CostProfile:
                 raise ProfileError(f"{source}: {name} must be a number, got {v!r}")
             if (name in _POSITIVE and v <= 0) or v < 0:
                 raise ProfileError(f"{source}: {name} must be {'> 0' if name in _POSITIVE else '>= 0'}, got {v!r}")
+    if body.get("contention_scope", "worker") not in SCOPES:
+        raise ProfileError(f"{source}: contention_scope must be one of {', '.join(SCOPES)}, "
+                           f"got {body['contention_scope']!r}")
     if not 0 <= body.get("transfer_overlap", 0.0) <= 1:
         raise ProfileError(f"{source}: transfer_overlap must be in [0, 1], got {body['transfer_overlap']!r}")
     steps_in = body["steps"]

@@ -15,7 +15,7 @@ from pdserve.router import DEFAULT_POLICY
 from pdserve.sim import autoscale as sim_autoscale
 from pdserve.sim import cluster as sim_cluster
 from pdserve.sim.cluster import SimTopology, Simulation
-from pdserve.sim.profile import CostProfile, StepModel
+from pdserve.sim.profile import CostProfile, ProfileError, StepModel, profile_from_dict
 from pdserve.sim.report import Slo, summarize
 from pdserve.sim.search import candidates, search, with_mode
 from pdserve.sim.workload import generate, mix
@@ -160,3 +160,36 @@ def test_a_topology_the_profile_cannot_time_is_refused():
     with pytest.raises(ValueError, match="ingress"):
         SimTopology(ingress="dns")
     assert dataclasses.replace(SimTopology(2, 6, 4, 1)).gpus == 14
+
+
+def test_streams_slow_the_steps_of_their_host_in_proportion_to_their_rate():
+    """Contention (sim/profile.py): the moving token rate is what the decode worker streamed, and
+    steps run 1 + rate x ms / 1000 times longer, on the worker's own host or on a shared one."""
+    from pdserve.sim.engine import StreamLoad
+
+    load = StreamLoad(window_s=1.0)
+    for i in range(200):  # 100 tokens a step, every 0.1 s: 1000 tokens/s for 20 s
+        load.add(i * 0.1, 100)
+    assert load.rate(19.9) == pytest.approx(1000.0, rel=0.06)
+    assert load.rate(24.9) < 10.0  # five windows after the last token
+    quiet = dataclasses.replace(PROFILE, noise_cv=0.0)
+    busy = dataclasses.replace(quiet, contention_ms_per_token=1.0)
+    shared = dataclasses.replace(busy, contention_scope="cluster")
+    reqs = generate(mix("decode-heavy", 4.0, 80), seed=5)
+    base, own, box = (Simulation(reqs, p, DEFAULT_POLICY, SimTopology(1, 1), seed=5).run() for p in (quiet, busy, shared))
+    mean_itl = [sum(s.itls_ms) / len(s.itls_ms) for s in (base, own, box)]
+    assert mean_itl[1] > mean_itl[0] * 1.05  # the decode worker's own streams slow it
+    # the prefill worker hears the decode worker's streams only where it shares its host
+    assert own.prefill[0].engine.load.rate(own.now) == 0.0
+    assert box.prefill[0].engine.load is box.stream_load is box.decode[0].engine.load
+    # one step, planned at 500 tokens/s: 1.5 times the step model's time
+    eng = box.prefill[0].engine
+    eng.load = StreamLoad(window_s=1.0)
+    eng.load.add(box.now, 500)
+    req = eng.request("x", list(range(64)), 4, "normal", box.now)
+    eng.scheduler.add(req)
+    _, info = eng.plan()
+    model = quiet.steps[1]
+    assert info.ms == pytest.approx(model.step_ms(0, 64, info.pairs, 0) * 1.5, rel=1e-6)
+    with pytest.raises(ProfileError, match="contention_scope"):
+        profile_from_dict({**quiet.to_dict(), "contention_scope": "rack"})
