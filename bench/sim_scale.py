@@ -14,9 +14,15 @@ The profile is the roofline of sim/profile.py (`pdserve sim profile --roofline l
    16 GPUs, scaled by 4 and 16 (and its neighbours: one prefill worker more and fewer per 16
    GPUs), at 4 and 16 times the load, each simulated at full size.
 
+4. each family at its own capacity: its three best 16-GPU shapes from step 2, each probed for
+   the highest per-GPU rate at which it keeps >= 90 % of the requests within the SLO (a
+   bisection); the best of them is that family's capacity, and its shape, scaled by 4 and 16,
+   is run at 4 and 16 times that load to see whether the capacity per GPU holds at scale.
+
 Printed: per mix and scale, the best configuration of each family, its goodput (per GPU) and
-TTFT/TPOT p99; written to runs/sim-scale/result.json, and the plot (goodput per GPU against
-the scale, one line per family and mix) to docs/img/sim-scale.png.
+TTFT/TPOT p99; then each family's capacity per GPU and how it holds at scale. Written to
+runs/sim-scale/result.json, and the plot (goodput per GPU against the scale at the common
+load, and capacity per GPU per family) to docs/img/sim-scale.png.
 """
 
 from __future__ import annotations
@@ -81,6 +87,55 @@ def probe_rate(name: str, prof, slo: Slo, seed: int, cands: list[Candidate]) -> 
     return lo
 
 
+def bisect_rate(ok, lo: float, hi: float, steps: int = 5) -> float:
+    """The highest rate in [lo, hi) that ``ok`` accepts, assuming lo is accepted (0 if it is not)."""
+    if not ok(lo):
+        return 0.0
+    while ok(hi):
+        lo, hi = hi, hi * 1.5
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def capacity(name: str, cand: Candidate, prof, slo: Slo, seed: int, near: float) -> float:
+    """Per-GPU rate at which ``cand`` alone keeps >= 90 % within the SLO (probed around ``near``)."""
+    gpus = cand.topology.gpus
+
+    def ok(rate: float) -> bool:
+        return attained(run_one(cand, requests_for(name, rate * gpus, seed), prof, slo, seed)) >= 0.9
+
+    return bisect_rate(ok, near * 0.5, near * 1.25)
+
+
+def capacities(name: str, rows16: list[dict], cands: list[Candidate], prof, slo: Slo, seed: int, near: float,
+               scales: list[int]) -> dict:
+    """Each family's capacity per GPU at 16 GPUs (its best of three shapes), and the attainment
+    of that shape scaled to each larger scale at that load scaled alike."""
+    by_label = {c.label: c for c in cands}
+    out = {}
+    for fam in FAMILIES:
+        shapes = [by_label[r["candidate"]] for r in rows16 if r["mode"] == fam][:3]
+        if not shapes:
+            continue
+        probed = [(capacity(name, c, prof, slo, seed, near), c) for c in shapes]
+        cap, shape = max(probed, key=lambda x: x[0])
+        log(f"   capacity {name} {fam}: {cap:.3g} req/s per GPU with {shape.label} "
+            f"(also {', '.join(f'{c.label} {v:.3g}' for v, c in probed if c is not shape)})")
+        entry = {"per_gpu": round(cap, 4), "shape": shape.label, "probed": {c.label: round(v, 4) for v, c in probed},
+                 "at_scale": {}}
+        for k in (1, *(s // 16 for s in scales if s > 16)):
+            big = scaled(shape, k)
+            r = run_one(big, requests_for(name, cap * 16 * k, seed), prof, slo, seed)
+            entry["at_scale"][str(16 * k)] = {"shape": big.label, "attained": round(attained(r), 3),
+                                              "goodput_per_device": r["goodput_per_device"],
+                                              "ttft_p99": r["ttft_ms"]["p99"], "tpot_p99": r["tpot_ms"]["p99"]}
+            log(f"   capacity {name} {fam} at {16 * k} GPUs: {big.label} attains {attained(r):.2f}")
+        out[fam] = entry
+    return out
+
+
 def scaled(cand: Candidate, k: int) -> Candidate:
     t = cand.topology
     return Candidate(SimTopology(t.prefill * k, t.decode * k, t.prefill_tp, t.decode_tp, t.ingress), cand.mode)
@@ -111,6 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--slo-ttft", type=float, default=2000.0)
     ap.add_argument("--slo-tpot", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-capacity", action="store_true", help="skip step 4 (each family at its own capacity)")
     ap.add_argument("--work", default=str(REPO / "runs/sim-scale"))
     ap.add_argument("--plot", default=str(REPO / "docs/img/sim-scale.png"))
     args = ap.parse_args(argv)
@@ -143,6 +199,8 @@ def main(argv=None) -> int:
                 got[fam] = max(trial, key=lambda r: (r["goodput_req_s"], -(r["ttft_ms"]["p99"] or 0)))
                 log(f"   {16 * k} GPUs {fam}: {got[fam]['candidate']} goodput {got[fam]['goodput_req_s']:.3g} req/s")
             entry["scales"][str(16 * k)] = {"best": got}
+        if not args.no_capacity:
+            entry["capacity"] = capacities(name, rows, cands, prof, slo, args.seed, per_gpu, scales)
         doc["mixes"][name] = entry
     doc["wall_s"] = round(time.perf_counter() - t_start, 1)
     work = Path(args.work)
@@ -164,7 +222,25 @@ def report(doc: dict) -> str:
                 lines.append(f"| {name} | {scale} | {entry['rate_per_gpu'] * int(scale):.3g} | {fam} | {r['candidate']} | "
                              f"{r['goodput_req_s']:.3g} | {r['goodput_per_device']:.3g} | {r['ttft_ms']['p99']} | "
                              f"{r['tpot_ms']['p99']} | {r['goodput_req_s'] / top:.2f}x |")
+    caps = [(name, fam, c) for name, entry in doc["mixes"].items() for fam, c in entry.get("capacity", {}).items()]
+    if caps:
+        lines += ["", "| mix | family | shape at 16 GPUs | capacity req/s per GPU | vs best family | "
+                  "attained at 16 / 64 / 256 GPUs (shape and load x1 / x4 / x16) | goodput per GPU there |", "|" + "---|" * 7]
+        for name, entry in doc["mixes"].items():
+            cap = entry.get("capacity", {})
+            if not cap:
+                continue
+            top = max(c["per_gpu"] for c in cap.values()) or 1.0
+            for fam, c in cap.items():
+                at = [v for _, v in sorted(c["at_scale"].items(), key=lambda x: int(x[0]))]
+                held = " / ".join(f"{v['attained']:.2f}" for v in at)
+                good = " / ".join(f"{v['goodput_per_device']:.3g}" for v in at)
+                lines.append(f"| {name} | {FAMILY_NAME[fam]} | {c['shape'].rsplit(' ', 1)[0]} | {c['per_gpu']:.3g} | "
+                             f"{c['per_gpu'] / top:.2f}x | {held} | {good} |")
     return "\n".join(lines)
+
+
+FAMILY_NAME = {"conditional": "conditional", "always_remote": "always-remote", "always_local": "colocated"}
 
 
 def plot(doc: dict, path: Path) -> None:
@@ -173,8 +249,25 @@ def plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(doc["mixes"]), figsize=(6 * len(doc["mixes"]), 4.2), squeeze=False)
+    with_caps = any(e.get("capacity") for e in doc["mixes"].values())
+    rows = 2 if with_caps else 1
+    fig, axes = plt.subplots(rows, len(doc["mixes"]), figsize=(6 * len(doc["mixes"]), 4.2 * rows), squeeze=False)
     colors = {"conditional": "tab:green", "always_remote": "tab:orange", "always_local": "tab:blue"}
+    if with_caps:
+        for ax, (name, entry) in zip(axes[1], doc["mixes"].items()):
+            cap = entry.get("capacity", {})
+            scales = sorted({s for c in cap.values() for s in c["at_scale"]}, key=int)
+            width = 0.8 / max(1, len(cap))
+            for i, (fam, c) in enumerate(cap.items()):
+                ys = [c["at_scale"][s]["goodput_per_device"] for s in scales]
+                ax.bar([j + i * width for j in range(len(scales))], ys, width, color=colors[fam],
+                       label=f"{FAMILY_NAME[fam]} ({c['shape'].rsplit(' ', 1)[0]} per 16)")
+            ax.set_xticks([j + width * (len(cap) - 1) / 2 for j in range(len(scales))], scales)
+            ax.set_xlabel("H100 GPUs")
+            ax.set_ylabel("goodput per GPU (req/s)")
+            ax.set_title(f"{name}: each family at its own 16-GPU capacity, scaled")
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend(fontsize=8)
     for ax, (name, entry) in zip(axes[0], doc["mixes"].items()):
         scales = sorted(int(s) for s in entry["scales"])
         for fam in FAMILIES:

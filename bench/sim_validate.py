@@ -36,8 +36,10 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
+import urllib.request
 import sys
 import time
 from pathlib import Path
@@ -62,7 +64,66 @@ SYSTEM_ENGINE = {
     "1p1d": {"dtype": "float32", "attention_backend": "auto", "max_num_batched_tokens": 2048, "max_num_seqs": 64,
              "kv_cache_memory_bytes": 268435456},
 }
-TOPOLOGY = {"colocated": SimTopology(0, 1), "1p1d": SimTopology(1, 1)}
+SYSTEM_ENGINE["2d"] = {**ENGINE, "kv_cache_memory_bytes": 1 << 29}
+TOPOLOGY = {"colocated": SimTopology(0, 1), "1p1d": SimTopology(1, 1), "2d": SimTopology(0, 2, ingress="gateway")}
+
+
+class GatewayPair:
+    """``2d``: two `pdserve serve-decode` workers, one core each, behind `pdserve gateway`
+    (embedded etcd for their membership); clients call the gateway, which picks a worker per
+    request by predicted TTFT. What the simulator runs as 0P2D with ``--ingress gateway``."""
+
+    def __init__(self, model: str, cpus: list[int], work: Path, log):
+        self.model, self.cpus, self.work, self.log = model, cpus, work / "2d", log
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+        self.etcd = None
+        self.url = ""
+        self.worker_urls: list[str] = []
+
+    def metrics_urls(self) -> list[str]:
+        return self.worker_urls  # the router's decisions are the workers' (the gateway only picks)
+
+    def start(self) -> None:
+        from bench.gateway import spawn, wait_line, warm_up
+        from pdserve.control.etcd_server import EmbeddedEtcd
+
+        self.etcd = EmbeddedEtcd(self.work / "etcd")
+        self.etcd.__enter__()
+        workers = []
+        for i in range(2):
+            path = self.work / f"decode-{i}.log"
+            core = self.cpus[i % len(self.cpus)]
+            proc = spawn(["serve-decode", "--model", self.model, "--etcd", self.etcd.endpoint, "--cluster", "simval",
+                          "--worker-id", f"decode-{i}", "--grpc-port", "0", "--http-port", "0",
+                          "--served-model-name", SERVED_NAME, "--engine-args", json.dumps(SYSTEM_ENGINE["2d"])],
+                         path, cpus=str(core), env={"OMP_NUM_THREADS": "1"})
+            self.procs.append(proc)
+            workers.append((proc, path))
+        self.worker_urls = []
+        for proc, path in workers:
+            m = wait_line(path, r"gRPC (\S+)  HTTP (\S+)", proc)
+            warm_up(m.group(1))
+            self.worker_urls.append(m.group(2))
+        path = self.work / "gateway.log"
+        gw = spawn(["gateway", "--etcd", self.etcd.endpoint, "--cluster", "simval", "--model", self.model], path)
+        self.procs.append(gw)
+        self.url = wait_line(path, r"gRPC (\S+), HTTP (\S+), 2 decode worker", gw).group(2)
+        self.log(f"   gateway at {self.url} in front of decode-0 (core {self.cpus[0]}) and decode-1 "
+                 f"(core {self.cpus[1 % len(self.cpus)]})")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+        if self.etcd is not None:
+            self.etcd.__exit__(None, None, None)
 KEYS = ("goodput_req_s", "ttft_p50", "ttft_p99", "itl_p99")
 REP_RID = 10_000_000  # repetition k of a trace: its rids moved by k x this
 
@@ -74,7 +135,7 @@ def log(line: str) -> None:
 def profile(system: str, model: str, cores: list[int], work: Path) -> Path:
     """Measure the system's worker profile on the cores one of its workers gets."""
     out = work / f"profile-{system}.yaml"
-    share = cores if system == "colocated" else cores[:1]
+    share = cores if system == "colocated" else cores[:1]  # 1p1d and 2d: a core per worker
     cmd = ["taskset", "-c", ",".join(map(str, share)), sys.executable, "-m", "pdserve", "sim", "profile",
            "--model", model, "--out", str(out), "--name", f"{system} worker, cores {share}"]
     for k, v in SYSTEM_ENGINE[system].items():
@@ -123,6 +184,43 @@ def calibration_trace(seed: int) -> list[SimRequest]:
     c = [dataclasses.replace(r, t=round(r.t + start, 6))
          for r in generate(mix("decode-heavy", 3.0, 30), seed + 3, first_rid=850_000)]
     return sorted(a + b + c, key=lambda r: (r.t, r.rid))
+
+
+def route_counts(urls: list[str]) -> dict[str, float]:
+    """The routers' decisions so far, by route, summed over the workers' /metrics."""
+    out: dict[str, float] = {}
+    for url in urls:
+        base = url.split("/v1/")[0]
+        try:
+            with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            m = re.match(r'pdserve_router_decisions_total\{(.*)\} (\S+)$', line)
+            route = m and re.search(r'route="([^"]+)"', m.group(1))
+            if route:
+                out[route.group(1)] = out.get(route.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def real_routes(work: Path, system: str, label: str, reps: int) -> dict[str, float] | None:
+    """Routes the real routers took per repetition of a trace (the mean; None if not recorded)."""
+    paths = [work / f"routes-{system}-{label}-r{k}.json" for k in range(reps)]
+    if not all(p.is_file() for p in paths):
+        return None
+    out: dict[str, float] = {}
+    for p in paths:
+        for route, n in json.loads(p.read_text()).items():
+            out[route] = out.get(route, 0.0) + n / reps
+    return out
+
+
+def remote_share(routes: dict | None) -> str:
+    if not routes:
+        return "n/a"
+    total = sum(routes.values())
+    return f"{routes.get('remote', 0) / total:.0%}" if total else "n/a"
 
 
 def variant(trace: list[SimRequest], k: int) -> list[SimRequest]:
@@ -201,6 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--reps", type=int, default=3, help="replays of each trace (other prompts each time); the "
                     "figures measured are their medians")
+    ap.add_argument("--contention", default="0", help="contention values the calibration tries (ms of host CPU per "
+                    "token streamed, comma-separated; default 0: none; sim/calibrate.py)")
     ap.add_argument("--cpus", default="0,1", help="the cores every server runs on")
     ap.add_argument("--model", default=str(REPO / ".cache/models/pdserve-tiny-llama"))
     ap.add_argument("--slo-ttft", type=float, default=1500.0)
@@ -223,9 +323,11 @@ def main(argv=None) -> int:
         if not args.offline:
             log(f"== {system}: profiling its worker on {cores if system == 'colocated' else cores[:1]} ...")
             profile(system, args.model, cores, work)
-            server = Server(PeerConfig(model=args.model, cpus=args.cpus, work_dir=str(work)), system, log)
+            server = (GatewayPair(args.model, cores, work, log) if system == "2d" else
+                      Server(PeerConfig(model=args.model, cpus=args.cpus, work_dir=str(work)), system, log))
             log(f"== {system}: starting the server")
             server.start()
+        urls = server.metrics_urls() if isinstance(server, GatewayPair) else [server.url] if server else []
 
         def measured(label: str, trace, warm_rid: int | None = None) -> list[list[dict]]:
             """The ``--reps`` runs of ``trace`` against the server, each after a warm-up of other
@@ -239,10 +341,15 @@ def main(argv=None) -> int:
                 if warm_rid is not None:
                     warm = generate(mix("long-prompt", 4.0, 3), args.seed, first_rid=warm_rid + k * REP_RID)
                     asyncio.run(replay(server.url, warm, 120.0))
+                before = route_counts(urls)
                 results = asyncio.run(replay(server.url, variant(trace, k), 300.0))
+                after = route_counts(urls)
+                routes = {r: after[r] - before.get(r, 0.0) for r in after if after[r] > before.get(r, 0.0)}
+                (work / f"routes-{system}-{label}-r{k}.json").write_text(json.dumps(routes))
                 raw.write_text(json.dumps(results))
                 runs.append(results)
-                log(f"     repetition {k + 1}/{args.reps}: " + fmt_measured(measured_summary(results, slo)))
+                log(f"     repetition {k + 1}/{args.reps}: " + fmt_measured(measured_summary(results, slo))
+                    + f" | routes {routes}")
             return runs
 
         try:
@@ -260,7 +367,8 @@ def main(argv=None) -> int:
             # every process here (servers, workers, this client) shares the box's cores
             raw = dataclasses.replace(load_profile(prof_path), contention_scope="cluster")
             prof, fitted = fit(calib, raw, policy, TOPOLOGY[system], real, args.seed,
-                               note=f"bench/sim_validate.py calibration trace, {system}")
+                               note=f"bench/sim_validate.py calibration trace, {system}",
+                               contention=tuple(float(x) for x in args.contention.split(",")))
             prof.save(work / f"profile-{system}-calibrated.yaml")
             log(f"   calibrated: {fitted}")
             calibrations[system] = fitted
@@ -272,6 +380,7 @@ def main(argv=None) -> int:
                 log(f"   {name} at {rate:g} req/s: {len(trace)} requests x {args.reps}")
                 meas = over_reps([measured_summary(run, slo)
                                   for run in measured(f"{name}-{rate:g}", trace, (i + 1) * 100_000 + 90_000)])
+                meas["routes"] = real_routes(work, system, f"{name}-{rate:g}", args.reps)
                 pred = simulated_summary(trace, prof, system, policy, slo, args.seed)
                 uncal = simulated_summary(trace, raw, system, policy, slo, args.seed)
                 keys = KEYS
@@ -283,6 +392,10 @@ def main(argv=None) -> int:
         finally:
             if server is not None:
                 server.stop()
+    done = set(args.systems.split(","))  # the systems of earlier runs stay in the result
+    old = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
+    rows = [r for r in old.get("rows", []) if r["system"] not in done] + rows
+    calibrations = {**{k: v for k, v in old.get("calibrations", {}).items() if k not in done}, **calibrations}
     (work / "result.json").write_text(json.dumps({"rows": rows, "calibrations": calibrations}, indent=1))
     print(table(rows))
     print()
@@ -310,8 +423,8 @@ def within(errors: dict) -> bool:
 def table(rows, which: str = "simulated") -> str:
     head = ("| system | mix | rate | goodput sim / real | err | TTFT p50 sim / real ms | err | "
             "TTFT p99 sim / real ms | err | ITL p99 sim / real ms | err | real TTFT p50 over reps | "
-            "completed sim / real | within 15 / 15 / 25 % |")
-    out = [head, "|" + "---|" * 15]
+            "remote prefills sim / real | completed sim / real | within 15 / 15 / 25 % |")
+    out = [head, "|" + "---|" * 16]
     for r in rows:
         m, p = r["measured"], r[which]
         e = r["error"] if which == "simulated" else r["uncalibrated_error"]
@@ -320,6 +433,7 @@ def table(rows, which: str = "simulated") -> str:
             cells += [f"{p[k]:.3g} / {m[k]:.3g}", "n/a" if e[k] is None else f"{e[k]:+.0%}"]
         lo, hi = m.get("range", {}).get("ttft_p50", (m["ttft_p50"], m["ttft_p50"]))
         cells.append(f"{lo:.3g}-{hi:.3g} ({m.get('reps', 1)})")
+        cells.append(f"{remote_share(p.get('routes'))} / {remote_share(m.get('routes'))}")
         cells.append(f"{p['completed']} / {m['completed']:g}")
         cells.append("**yes**" if within(e) else "no")
         out.append("| " + " | ".join(cells) + " |")

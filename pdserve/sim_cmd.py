@@ -65,6 +65,9 @@ def register(subparsers) -> None:
     cal.add_argument("--ingress", default="round_robin", choices=("round_robin", "random", "gateway"))
     cal.add_argument("--policy", help="the real cluster's router policy file (default: the built-in default)")
     cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--contention", default="0", metavar="MS,MS,...",
+                     help="host CPU ms per token streamed to try (the closest fit kept; docs/simulator.md); "
+                     "default 0: not fitted")
     cal.add_argument("--shared-host", action="store_true",
                      help="every worker of the real run (and its clients) shared one host's cores: the streams "
                      "of all of them slow every step (contention_scope: cluster); default: each worker's own")
@@ -95,6 +98,10 @@ def register(subparsers) -> None:
     se.add_argument("--tp", default="1", help="tensor-parallel sizes to try, comma-separated (default 1)")
     se.add_argument("--modes", default="conditional,always_remote",
                     help="router modes for disaggregated candidates (default conditional,always_remote)")
+    se.add_argument("--vary", action="append", default=[], metavar="PATH=V1,V2",
+                    help="a router policy setting to sweep, by its path in the policy file; repeat for more (every "
+                    "combination is tried), e.g. --vary router.cost_model.min_gain_ms=0,20 "
+                    "--vary qos.enable_early_rejection=true,false")
     se.add_argument("--ingress", default="round_robin", choices=("round_robin", "random", "gateway"))
     se.add_argument("--max-workers", type=int, default=64, help="at most this many workers per role")
     se.add_argument("--top", type=int, default=10, help="rows printed (default 10)")
@@ -222,7 +229,14 @@ def run_calibrate(args) -> int:
         raise ValueError(f"{args.measured}: rid {unknown[0]} is not in {args.trace}")
     print(f"calibrating {prof.name} on {len(measured)} measured requests of {len(requests)} ({topo.label}) ...",
           flush=True)
-    cal, figures = fit(requests, prof, _policy(args), topo, measured, args.seed, note=f"{args.measured}")
+    try:
+        grid = tuple(float(x) for x in args.contention.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--contention {args.contention!r}: comma-separated ms per token, e.g. 0,0.5,1") from None
+    if not grid or min(grid) < 0:
+        raise ValueError(f"--contention {args.contention!r}: values must be >= 0")
+    cal, figures = fit(requests, prof, _policy(args), topo, measured, args.seed, note=f"{args.measured}",
+                       contention=grid)
     for k, v in figures.items():
         print(f"  {k}: {v}")
     cal.save(args.out)
@@ -298,7 +312,10 @@ def run_search(args) -> int:
     bad = [m for m in modes if m not in ("conditional", "always_remote", "always_local")]
     if bad:
         raise ValueError(f"--modes: {bad[0]!r} is not a router mode (conditional, always_remote, always_local)")
-    cands = candidates(args.budget, tuple(_ints(args.tp, "--tp")), modes, args.ingress, args.max_workers, prof)
+    from pdserve.sim.search import variations
+
+    grid = variations(args.vary)
+    cands = candidates(args.budget, tuple(_ints(args.tp, "--tp")), modes, args.ingress, args.max_workers, prof, grid)
     if not cands:
         raise ValueError(f"no candidate fits --budget {args.budget} with --tp {args.tp} and the profile's sizes "
                          f"{sorted(prof.steps)}")

@@ -3,16 +3,19 @@
 A profile measured on an idle engine (sim/measure.py) times steps alone. A serving worker also
 parses requests, streams every token and (on a small host) shares its cores with that work, so
 under traffic its steps run slower and every request pays a fixed cost on the way in and out;
-a remote prefill also pays the queue, the notification and the decode worker's pickup. Five
-numbers capture that, fitted to one real run of a calibration trace (prompt- and decode-heavy
-requests together):
+a remote prefill also pays the queue, the notification and the decode worker's pickup; and on
+a shared host the steps vary. Five numbers capture that, fitted to a real run of a calibration
+trace (prompt- and decode-heavy requests together), and a sixth can be asked for:
 
 * ``contention_ms_per_token``: CPU the host spends outside the engine per token streamed (the
   frontend's chunks; the clients' parsing, on a shared host), which slows every step in
   proportion to the tokens streamed per second: what makes a busy worker slower than a quiet
-  one, at every load; each of ``CONTENTION_MS`` is tried with the four below fitted to it, and
-  the one whose TTFT and ITL p50 / p90 come closest to the run's is kept. Whose streams count
-  (a worker's own, or all of them on one shared host) is the profile's ``contention_scope``;
+  one, at every load; each value asked for (``contention``; default none, see below) is tried
+  with the four below fitted to it, and the one whose TTFT and ITL p50 / p90 come closest to
+  the run's is kept. Whose streams count (a worker's own, or all of them on one shared host) is
+  the profile's ``contention_scope``. Not fitted by default: on this project's 2-core box the
+  calibration's loss was flat across values, two runs picked different ones, and the picked
+  values predicted the validation traces worse than none (docs/PERFORMANCE.md);
 * ``step_scale``: the step's fixed, per-stream and context terms take this many times longer
   while serving; fitted to the run's inter-token latencies (p50 and p90), which the terms
   below barely move;
@@ -21,7 +24,10 @@ requests together):
   (``measured = overhead + m x simulated``): the slope scales the prompt-token terms, the
   intercept is added to every request's TTFT (the way in and out);
 * ``remote_overhead_ms``: added to every remote prefill (as transfer setup): the median of
-  measured minus simulated TTFT over the requests prefilled remotely.
+  measured minus simulated TTFT over the requests prefilled remotely;
+* ``noise_cv``: the spread of the steps (each step scaled by a lognormal factor of this
+  coefficient of variation), the one of ``NOISE_CV`` whose ITL p99 comes closest to the run's:
+  a shared host's steps vary, and the tails of TTFT and ITL follow.
 
 Each refinement moves the queueing a little, so they are repeated ``REFINE`` times. The
 calibrated profile then predicts other traces: bench/sim_validate.py validates it on traces it
@@ -39,7 +45,8 @@ from .profile import CostProfile, StepModel
 from .report import percentile
 
 SCALES = tuple(round(0.8 + 0.05 * i, 2) for i in range(35))  # 0.8 .. 2.5
-CONTENTION_MS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0)  # host CPU per token streamed, tried
+CONTENTION_MS = (0.0,)  # host CPU per token streamed, tried (`pdserve sim calibrate --contention`)
+NOISE_CV = (0.0, 0.1, 0.2, 0.3, 0.4)  # step-time noise (coefficient of variation) tried, on the ITL p99
 REFINE = 3
 SLOPE = (0.6, 1.6)  # bounds of one refinement's prefill slope (a noisy run cannot swing it further)
 
@@ -97,7 +104,7 @@ def _line(pairs: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, dict], seed: int = 0,
-        note: str = "") -> tuple[CostProfile, dict]:
+        note: str = "", contention: tuple[float, ...] | None = None) -> tuple[CostProfile, dict]:
     """The calibrated profile for a real run of ``requests``; ``measured`` maps each request's
     ``rid`` to what the run measured of it: ``ttft_ms`` and ``itl_ms`` (its gaps, a list).
     Returns it and the fit's figures. Each contention of ``CONTENTION_MS`` is tried with the
@@ -107,7 +114,7 @@ def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, di
     if not real_itl or not real_ttft:
         raise ValueError("calibration needs measured TTFTs and inter-token gaps of the run")
     best = None
-    for stream in CONTENTION_MS:
+    for stream in contention or CONTENTION_MS:
         prof, figures, sim = _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note, stream)
         sim_ttft = [(r.first_token - r.arrival) * 1e3 for r in sim.records if r.first_token is not None]
         loss = _itl_loss(sim, real_itl) + sum(
@@ -143,8 +150,13 @@ def _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note,
         if gaps:
             remote = max(0.0, remote + statistics.median(gaps))
     prof = prof_of(scale, local, remote, pscale, note)
+    # the steps' spread: the noise whose ITL p99 comes closest to the run's (it barely moves the means)
+    real_p99 = percentile(real_itl, 99)
+    noise = min(NOISE_CV, key=lambda cv: abs(math.log(
+        max(percentile(_simulate(requests, prof.with_noise(cv), policy, topology, seed).itls_ms, 99), 1e-3) / real_p99)))
+    prof = prof.with_noise(noise)
     figures = {"step_scale": scale, "prefill_scale": round(pscale, 3), "request_overhead_ms": round(local, 2),
-               "remote_overhead_ms": round(remote, 2), "contention_ms_per_token": stream}
+               "remote_overhead_ms": round(remote, 2), "contention_ms_per_token": stream, "noise_cv": noise}
     return prof, figures, _simulate(requests, prof, policy, topology, seed)
 
 

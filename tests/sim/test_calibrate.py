@@ -38,19 +38,20 @@ def test_fit_recovers_known_serving_costs(topology, monkeypatch):
     import pdserve.sim.calibrate as cal
 
     monkeypatch.setattr(cal, "SCALES", tuple(round(1.0 + 0.1 * i, 1) for i in range(11)))  # coarser: faster
-    monkeypatch.setattr(cal, "CONTENTION_MS", (0.0, 1.0, 2.0))
     reqs = sorted(generate(mix("long-prompt", 1.5, 40), 1) + generate(mix("decode-heavy", 1.0, 25), 2, 500),
                   key=lambda r: (r.t, r.rid))
     base = replace(BASE, contention_scope="cluster")
-    truth = calibrated(base, 1.4, 20.0, 30.0 if topology.prefill else 0.0, "truth", contention_ms_per_token=1.0)
+    truth = calibrated(base, 1.4, 20.0, 30.0 if topology.prefill else 0.0, "truth",
+                       contention_ms_per_token=1.0).with_noise(0.2)
     real = Simulation(reqs, truth, DEFAULT_POLICY, topology, seed=3).run()
-    prof, figures = fit(reqs, base, DEFAULT_POLICY, topology, measured_from(real), seed=3)
+    prof, figures = fit(reqs, base, DEFAULT_POLICY, topology, measured_from(real), seed=3, contention=(0.0, 1.0, 2.0))
     # the fitted profile reproduces the run (scale and contention trade off a little: both
     # lengthen steps, so only their effect is asserted tightly)
     for key in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90"):
         assert figures[key]["simulated"] == pytest.approx(figures[key]["measured"], rel=0.1), key
     assert figures["contention_ms_per_token"] == 1.0  # on this grid, the truth
     assert prof.contention_scope == "cluster"
+    assert figures["noise_cv"] == pytest.approx(0.2, abs=0.1) and prof.noise_cv == figures["noise_cv"]
     assert figures["step_scale"] == pytest.approx(1.4, abs=0.1)
     assert figures["request_overhead_ms"] == pytest.approx(20.0, abs=8.0)
     if topology.prefill:
@@ -74,7 +75,6 @@ def test_cli_calibrates_from_files(tmp_path, monkeypatch, capsys):
     from pdserve.sim.workload import save_trace
 
     monkeypatch.setattr(cal, "SCALES", (1.0, 1.2, 1.4, 1.6))
-    monkeypatch.setattr(cal, "CONTENTION_MS", (0.0,))
     reqs = generate(mix("long-prompt", 1.5, 30), 4, first_rid=1000)
     real = Simulation(reqs, calibrated(BASE, 1.2, 15.0), DEFAULT_POLICY, SimTopology(0, 1), seed=0).run()
     save_trace(reqs, tmp_path / "t.jsonl")

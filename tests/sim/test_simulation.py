@@ -17,7 +17,7 @@ from pdserve.sim import cluster as sim_cluster
 from pdserve.sim.cluster import SimTopology, Simulation
 from pdserve.sim.profile import CostProfile, ProfileError, StepModel, profile_from_dict
 from pdserve.sim.report import Slo, summarize
-from pdserve.sim.search import candidates, search, with_mode
+from pdserve.sim.search import candidates, search, variations, with_mode
 from pdserve.sim.workload import generate, mix
 
 PROFILE = CostProfile(
@@ -150,6 +150,26 @@ def test_search_ranks_candidates_within_the_budget():
     goodputs = [r["goodput_req_s"] for r in rows]
     assert goodputs == sorted(goodputs, reverse=True)
     assert rows[0]["margin"]["goodput_vs_best"] == 1.0
+
+
+def test_search_sweeps_router_and_qos_settings_and_refuses_bad_ones():
+    """``--vary``: each combination of policy values is a candidate, and the simulation runs with
+    them (here early rejection off serves what it refuses on an overload)."""
+    grid = variations(["qos.enable_early_rejection=true,false", "router.cost_model.min_gain_ms=0,20"])
+    assert len(grid) == 4 and (("qos.enable_early_rejection", False), ("router.cost_model.min_gain_ms", 20)) in grid
+    cands = [c for c in candidates(2, (1,), profile=PROFILE, grid=grid) if c.topology.prefill == 0 and c.topology.gpus == 2]
+    assert len(cands) == 4 and all("qos.enable_early_rejection=" in c.label for c in cands)
+    assert cands[0].policy(DEFAULT_POLICY).qos.enable_early_rejection is True
+    reqs = generate(mix("long-prompt", 12.0, 80), seed=2)
+    rows = search(reqs, PROFILE, DEFAULT_POLICY, cands, Slo(1500, 50), seed=2)
+    refused = {r["params"]["qos.enable_early_rejection"]: sum(r["refused"].values()) for r in rows}
+    assert refused[True] > 0 and refused[False] < refused[True]
+    with pytest.raises(ValueError, match="router.cost_model.min_gain: no such setting"):
+        variations(["router.cost_model.min_gain=1"])
+    with pytest.raises(ValueError, match="min_gain_ms"):
+        variations(["router.cost_model.min_gain_ms=-5"])
+    with pytest.raises(ValueError, match="expected PATH=V1,V2"):
+        variations(["router.mode"])
 
 
 def test_a_topology_the_profile_cannot_time_is_refused():
