@@ -127,7 +127,7 @@ def capacities(name: str, rows16: list[dict], cands: list[Candidate], prof, slo:
                  "at_scale": {}}
         for k in (1, *(s // 16 for s in scales if s > 16)):
             big = scaled(shape, k)
-            r = run_one(big, requests_for(name, cap * 16 * k, seed), prof, slo, seed)
+            r = run_one(big, requests_for(name, cap * big.topology.gpus, seed), prof, slo, seed)
             entry["at_scale"][str(16 * k)] = {"shape": big.label, "attained": round(attained(r), 3),
                                               "goodput_per_device": r["goodput_per_device"],
                                               "ttft_p99": r["ttft_ms"]["p99"], "tpot_p99": r["tpot_ms"]["p99"]}
@@ -224,7 +224,7 @@ def report(doc: dict) -> str:
                              f"{r['tpot_ms']['p99']} | {r['goodput_req_s'] / top:.2f}x |")
     caps = [(name, fam, c) for name, entry in doc["mixes"].items() for fam, c in entry.get("capacity", {}).items()]
     if caps:
-        lines += ["", "| mix | family | shape at 16 GPUs | capacity req/s per GPU | vs best family | "
+        lines += ["", "| mix | family | shape within 16 GPUs | capacity req/s per GPU | vs best family | "
                   "attained at 16 / 64 / 256 GPUs (shape and load x1 / x4 / x16) | goodput per GPU there |", "|" + "---|" * 7]
         for name, entry in doc["mixes"].items():
             cap = entry.get("capacity", {})
@@ -261,7 +261,7 @@ def plot(doc: dict, path: Path) -> None:
             for i, (fam, c) in enumerate(cap.items()):
                 ys = [c["at_scale"][s]["goodput_per_device"] for s in scales]
                 ax.bar([j + i * width for j in range(len(scales))], ys, width, color=colors[fam],
-                       label=f"{FAMILY_NAME[fam]} ({c['shape'].rsplit(' ', 1)[0]} per 16)")
+                       label=f"{FAMILY_NAME[fam]} ({c['shape'].rsplit(' ', 1)[0]}, scaled)")
             ax.set_xticks([j + width * (len(cap) - 1) / 2 for j in range(len(scales))], scales)
             ax.set_xlabel("H100 GPUs")
             ax.set_ylabel("goodput per GPU (req/s)")
