@@ -21,6 +21,16 @@ from pdserve.router.values import ClusterSnapshot, RequestFeatures
 DEFAULT_KV_BYTES_PER_TOKEN = 128 * 1024
 
 
+def costs_line(costs) -> str:
+    """The cost estimates a decision used, in one line (this explain and `pdserve sim run --explain`)."""
+    return (f"prefill local {costs.prefill_local_ms_per_token:.4g} ms/token, remote "
+            f"{costs.prefill_remote_ms_per_token:.4g} ms/token; transfer "
+            f"{costs.transfer_bytes_per_ms / BYTES_PER_MS_PER_GB_PER_S:g} GB/s + "
+            f"{costs.transfer_setup_ms:.4g} ms setup, {costs.kv_bytes_per_token} B/token; decode "
+            f"{costs.decode_ms_per_token:.4g} ms/token, step {costs.decode_step_ms:.4g} ms; TTFT residual local "
+            f"{costs.ttft_residual_local_ms:.3g} ms, remote {costs.ttft_residual_remote_ms:.3g} ms")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``policy`` with its ``check`` and ``explain`` subcommands."""
     policy = subparsers.add_parser(
@@ -169,13 +179,7 @@ def run_explain(args: argparse.Namespace) -> int:
         f"decode {snapshot.decode_active_requests} active / {snapshot.decode_waiting_requests} waiting, "
         f"kv usage {snapshot.decode_kv_usage:.2f}, arrivals {snapshot.arrival_rate_per_s:g}/s"
     )
-    print(
-        f"costs: prefill local {costs.prefill_local_ms_per_token:g} ms/token, remote "
-        f"{costs.prefill_remote_ms_per_token:g} ms/token; transfer "
-        f"{costs.transfer_bytes_per_ms / BYTES_PER_MS_PER_GB_PER_S:g} GB/s + "
-        f"{costs.transfer_setup_ms:g} ms setup, {costs.kv_bytes_per_token} B/token; decode "
-        f"{costs.decode_ms_per_token:g} ms/token, step {costs.decode_step_ms:g} ms"
-    )
+    print(f"costs: {costs_line(costs)}")
     print("reasoning:")
     for line in decision.trace:
         print(f"  {line}")

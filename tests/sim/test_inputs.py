@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -113,6 +114,13 @@ def test_cli_runs_and_refuses_bad_input(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "goodput" in printed and "60/60 completed" in printed
     assert json.loads((tmp_path / "r.json").read_text())["completed"] == 60
+    # --explain: the reasons, and the costs each decode worker's router decided with at the end
+    assert main(["sim", "run", "--profile", str(out), "--topology", "1P2D", "--mix", "long-prompt", "--rate", "20",
+                 "--requests", "40", "--explain"]) == 0
+    printed = capsys.readouterr().out
+    assert "router reasons:" in printed
+    assert printed.count("costs at the end: prefill local") == 2  # decode-0 and decode-1
+    assert re.search(r"route (local|remote): \d+ requests, TTFT p50 [\d.]+ ms, the router predicted", printed)
     assert main(["sim", "run", "--profile", str(out), "--topology", "one-by-one"]) == 2
     assert "write XpYd" in capsys.readouterr().err
     assert main(["sim", "run", "--profile", str(out), "--decode-tp", "4"]) == 2
