@@ -273,6 +273,7 @@ def run_sim(args) -> int:
     if args.explain:
         print("router reasons:", ", ".join(f"{k} {v}" for k, v in sorted(s["reasons"].items())) or "none")
         from pdserve.router.cli import costs_line
+        from pdserve.sim.report import percentile
 
         for d in sim.decode:  # what each decode worker's router decided with at the end (as `pdserve router explain`)
             print(f"{d.wid} costs at the end: {costs_line(d.state.costs.snapshot())}")
@@ -280,8 +281,7 @@ def run_sim(args) -> int:
             got = [((r.first_token - r.arrival) * 1e3, r.predicted_ttft_ms) for r in sim.records
                    if r.route == route and r.first_token is not None and r.predicted_ttft_ms is not None]
             if got:
-                sim_ms = sorted(x for x, _ in got)[len(got) // 2]
-                pred_ms = sorted(y for _, y in got)[len(got) // 2]
+                sim_ms, pred_ms = percentile([x for x, _ in got], 50), percentile([y for _, y in got], 50)
                 print(f"route {route}: {len(got)} requests, TTFT p50 {sim_ms:.1f} ms, the router predicted "
                       f"p50 {pred_ms:.1f} ms")
         if scaler is not None:
