@@ -154,7 +154,7 @@ async def replay(url: str, trace: list[SimRequest], timeout_s: float) -> list[di
     async def one(r: SimRequest) -> dict:
         await asyncio.sleep(max(0.0, t0 + r.t - time.perf_counter()))
         sent = time.perf_counter()
-        times = []
+        times, cached, why = [], None, None
         try:
             stream = await client.completions.create(
                 model=SERVED_NAME, prompt=r.token_ids(), max_tokens=r.output_len, temperature=0.0, stream=True,
@@ -162,11 +162,17 @@ async def replay(url: str, trace: list[SimRequest], timeout_s: float) -> list[di
             async for chunk in stream:
                 if chunk.choices:
                     times.append(time.perf_counter())
+                    extra = (chunk.choices[0].model_extra or {}).get("pdserve")  # on the final chunk
+                    if isinstance(extra, dict) and extra.get("cached_tokens") is not None:
+                        cached = extra["cached_tokens"]
+                        why = {k: extra.get(k) for k in ("route", "reason", "predicted_ttft_local_ms",
+                                                         "predicted_ttft_remote_ms", "worker_id")}
         except openai.RateLimitError:
             return {"rid": r.rid, "refused": True}
         except openai.APIError as exc:
             return {"rid": r.rid, "error": str(exc)[:200]}
-        return {"rid": r.rid, "refused": False, "sent": sent, "times": times, "output_len": r.output_len}
+        return {"rid": r.rid, "refused": False, "sent": sent, "times": times, "output_len": r.output_len,
+                "prompt_len": r.prompt_len, "cached": cached, "decision": why}
 
     try:
         return await asyncio.gather(*(one(r) for r in trace))
@@ -174,20 +180,30 @@ async def replay(url: str, trace: list[SimRequest], timeout_s: float) -> list[di
         await client.close()
 
 
+CALIBRATION_GROUPS = 500  # the calibration's shared prefixes: groups no trace uses
+
+
 def calibration_trace(seed: int) -> list[SimRequest]:
     """What a profile is calibrated on, at rates no validation trace uses and with prompts of its
     own: prompt-heavy requests (1.5 req/s) beside decode-heavy ones (1 req/s), then a decode-heavy
-    stretch at 3 req/s (a busy worker's streaming cost shows only under many streams)."""
+    stretch at 3 req/s (a busy worker's streaming cost shows only under many streams), then
+    prompts behind shared prefixes at 1 req/s: long prompts whose prefill is short, what tells the
+    cost of a prompt's tokens outside the engine from the cost of computing them."""
     a = generate(mix("long-prompt", 1.5, 30), seed + 1, first_rid=700_000)
     b = generate(mix("decode-heavy", 1.0, 20), seed + 2, first_rid=800_000)
     start = max(r.t for r in a + b) + 5.0
     c = [dataclasses.replace(r, t=round(r.t + start, 6))
          for r in generate(mix("decode-heavy", 3.0, 30), seed + 3, first_rid=850_000)]
-    return sorted(a + b + c, key=lambda r: (r.t, r.rid))
+    start = max(r.t for r in c) + 5.0
+    d = [dataclasses.replace(r, t=round(r.t + start, 6), prefix_group=r.prefix_group + CALIBRATION_GROUPS)
+         for r in generate(mix("prefix", 1.0, 24), seed + 4, first_rid=880_000)]
+    return sorted(a + b + c + d, key=lambda r: (r.t, r.rid))
 
 
-def route_counts(urls: list[str]) -> dict[str, float]:
-    """The routers' decisions so far, by route, summed over the workers' /metrics."""
+def scrape(urls: list[str]) -> dict[str, float]:
+    """The decode workers' counters so far, summed over their /metrics: the routers' decisions by
+    route (``route:NAME``) and the engine steps' seconds and count by kind (``step:KIND:sum``,
+    ``step:KIND:count``; decode or mixed, as the cost model times them)."""
     out: dict[str, float] = {}
     for url in urls:
         base = url.split("/v1/")[0]
@@ -200,7 +216,23 @@ def route_counts(urls: list[str]) -> dict[str, float]:
             m = re.match(r'pdserve_router_decisions_total\{(.*)\} (\S+)$', line)
             route = m and re.search(r'route="([^"]+)"', m.group(1))
             if route:
-                out[route.group(1)] = out.get(route.group(1), 0.0) + float(m.group(2))
+                key = f"route:{route.group(1)}"
+                out[key] = out.get(key, 0.0) + float(m.group(2))
+            m = re.match(r'pdserve_engine_step_seconds_(sum|count)\{(.*)\} (\S+)$', line)
+            kind = m and 'role="decode"' in m.group(2) and re.search(r'kind="(\w+)"', m.group(2))
+            if kind:
+                key = f"step:{kind.group(1)}:{m.group(1)}"
+                out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def step_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean engine step (ms) of each kind between two scrapes (None: no such step, or not exposed)."""
+    out = {}
+    for kind in ("decode", "mixed"):
+        n = after.get(f"step:{kind}:count", 0.0) - before.get(f"step:{kind}:count", 0.0)
+        total = after.get(f"step:{kind}:sum", 0.0) - before.get(f"step:{kind}:sum", 0.0)
+        out[f"step_{kind}_ms"] = total / n * 1e3 if n > 0 else None
     return out
 
 
@@ -214,6 +246,18 @@ def real_routes(work: Path, system: str, label: str, reps: int) -> dict[str, flo
         for route, n in json.loads(p.read_text()).items():
             out[route] = out.get(route, 0.0) + n / reps
     return out
+
+
+def share(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0%}"
+
+
+def real_steps(work: Path, system: str, label: str, reps: int) -> dict[str, float | None]:
+    """The real engines' mean step of each kind over the repetitions (median; None: not recorded)."""
+    runs = [json.loads(p.read_text()) for p in (work / f"steps-{system}-{label}-r{k}.json" for k in range(reps))
+            if p.is_file()]
+    return {k: statistics.median(r[k] for r in runs) if runs and all(r.get(k) for r in runs) else None
+            for k in ("step_decode_ms", "step_mixed_ms")}
 
 
 def remote_share(routes: dict | None) -> str:
@@ -238,10 +282,18 @@ def merged(runs: list[dict[int, dict]]) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for k, run in enumerate(runs):
         for rid, m in run.items():
-            slot = out.setdefault(rid - k * REP_RID, {"ttfts": [], "itl_ms": []})
+            slot = out.setdefault(rid - k * REP_RID, {"ttfts": [], "itl_ms": [], "cached": [], "routes": []})
             slot["ttfts"].append(m["ttft_ms"])
             slot["itl_ms"].extend(m["itl_ms"])
-    return {rid: {"ttft_ms": statistics.median(m.pop("ttfts")), **m} for rid, m in out.items()}
+            if m.get("cached") is not None:
+                slot["cached"].append(m["cached"])
+            if m.get("route"):
+                slot["routes"].append(m["route"])
+    return {rid: {"ttft_ms": statistics.median(m.pop("ttfts")), "itl_ms": m["itl_ms"],
+                  "cached": statistics.median(m["cached"]) if m["cached"] else None,
+                  # the route the real router took most often (calibration pairs only like with like)
+                  "route": max(set(m["routes"]), key=m["routes"].count) if m["routes"] else None}
+            for rid, m in out.items()}
 
 
 def over_reps(summaries: list[dict]) -> dict:
@@ -257,7 +309,8 @@ def over_reps(summaries: list[dict]) -> dict:
 def per_request(results: list[dict]) -> dict[int, dict]:
     """rid -> the TTFT and inter-token gaps the client measured (what calibration pairs with)."""
     return {r["rid"]: {"ttft_ms": (r["times"][0] - r["sent"]) * 1e3,
-                       "itl_ms": [(b - a) * 1e3 for a, b in zip(r["times"], r["times"][1:])]}
+                       "itl_ms": [(b - a) * 1e3 for a, b in zip(r["times"], r["times"][1:])],
+                       "cached": r.get("cached"), "route": (r.get("decision") or {}).get("route")}
             for r in results if not r.get("refused") and not r.get("error") and r.get("times")}
 
 
@@ -271,10 +324,22 @@ def measured_summary(results: list[dict], slo: Slo) -> dict:
     end = max((r["times"][-1] for r in done), default=start)
     good = sum(1 for a, b in zip(ttft, tpot) if a <= slo.ttft_ms and b <= slo.tpot_ms)
     duration = max(end - start, 1e-9)
-    return {"completed": len(done), "refused": sum(1 for r in results if r.get("refused")),
+    said = [r["decision"] for r in done if r.get("decision")]
+    known = [r for r in done if r.get("cached") is not None and r.get("prompt_len")]
+    cached = sum(r["cached"] for r in known) / sum(r["prompt_len"] for r in known) if known else None
+    return {**predictions([d.get("predicted_ttft_local_ms") for d in said],
+                          [d.get("predicted_ttft_remote_ms") for d in said]),
+            "cached_share": cached, "completed": len(done), "refused": sum(1 for r in results if r.get("refused")),
             "errors": sum(1 for r in results if r.get("error")), "goodput_req_s": good / duration,
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "itl_p99": percentile(itl, 99),
             "duration_s": duration}
+
+
+def predictions(local: list, remote: list) -> dict:
+    """The routers' TTFT predictions of both routes, p50 over the requests (None: not recorded)."""
+    local, remote = [x for x in local if x], [x for x in remote if x]
+    return {"predicted_local_p50": percentile(local, 50) if local else None,
+            "predicted_remote_p50": percentile(remote, 50) if remote else None}
 
 
 def simulated_summary(trace, prof, system: str, policy, slo: Slo, seed: int) -> dict:
@@ -283,7 +348,14 @@ def simulated_summary(trace, prof, system: str, policy, slo: Slo, seed: int) -> 
     # the same span the client measures: first send to last token (the trace's first arrival is t > 0)
     first = min(r.arrival for r in sim.records)
     duration = s["duration_s"] - first
-    return {"completed": s["completed"], "refused": sum(s["refused"].values()),
+    done = [r for r in sim.records if r.first_token is not None]
+    cached = sum(r.cached_len for r in done) / max(1, sum(r.prompt_len for r in done))
+    steps = {}
+    for kind in ("decode", "mixed"):
+        n = sum(d.counts[f"{kind}_steps"] for d in sim.workers("decode"))
+        steps[f"step_{kind}_ms"] = sum(d.counts[f"{kind}_ms"] for d in sim.workers("decode")) / n if n else None
+    return {**steps, **predictions([r.predicted_local_ms for r in done], [r.predicted_remote_ms for r in done]),
+            "cached_share": cached, "completed": s["completed"], "refused": sum(s["refused"].values()),
             "goodput_req_s": s["good"] / duration, "ttft_p50": s["ttft_ms"]["p50"], "ttft_p99": s["ttft_ms"]["p99"],
             "itl_p99": s["itl_ms"]["p99"], "duration_s": duration, "routes": s["routes"]}
 
@@ -301,6 +373,8 @@ def main(argv=None) -> int:
                     "figures measured are their medians")
     ap.add_argument("--contention", default="0", help="contention values the calibration tries (ms of host CPU per "
                     "token streamed, comma-separated; default 0: none; sim/calibrate.py)")
+    ap.add_argument("--no-step-times", action="store_true", help="calibrate on the clients' inter-token gaps "
+                    "alone, not on the engines' own step times (pdserve_engine_step_seconds)")
     ap.add_argument("--cpus", default="0,1", help="the cores every server runs on")
     ap.add_argument("--model", default=str(REPO / ".cache/models/pdserve-tiny-llama"))
     ap.add_argument("--slo-ttft", type=float, default=1500.0)
@@ -341,11 +415,13 @@ def main(argv=None) -> int:
                 if warm_rid is not None:
                     warm = generate(mix("long-prompt", 4.0, 3), args.seed, first_rid=warm_rid + k * REP_RID)
                     asyncio.run(replay(server.url, warm, 120.0))
-                before = route_counts(urls)
+                before = scrape(urls)
                 results = asyncio.run(replay(server.url, variant(trace, k), 300.0))
-                after = route_counts(urls)
-                routes = {r: after[r] - before.get(r, 0.0) for r in after if after[r] > before.get(r, 0.0)}
+                after = scrape(urls)
+                routes = {r[6:]: after[r] - before.get(r, 0.0) for r in after
+                          if r.startswith("route:") and after[r] > before.get(r, 0.0)}
                 (work / f"routes-{system}-{label}-r{k}.json").write_text(json.dumps(routes))
+                (work / f"steps-{system}-{label}-r{k}.json").write_text(json.dumps(step_means(before, after)))
                 raw.write_text(json.dumps(results))
                 runs.append(results)
                 log(f"     repetition {k + 1}/{args.reps}: " + fmt_measured(measured_summary(results, slo))
@@ -358,7 +434,7 @@ def main(argv=None) -> int:
                 asyncio.run(replay(server.url, generate(mix("long-prompt", 4.0, 3), args.seed, first_rid=990_000),
                                    120.0))
             log(f"   calibration: {len(calib)} requests (long-prompt 1.5 + decode-heavy 1 req/s, then decode-heavy "
-                "3 req/s)")
+                "3 req/s, then shared prefixes at 1 req/s)")
             real = merged([per_request(run) for run in measured("calibration", calib)])
             save_trace(calib, work / f"calibration-{system}.jsonl")
             with open(work / f"measured-{system}.jsonl", "w") as f:  # what `pdserve sim calibrate` reads
@@ -366,9 +442,12 @@ def main(argv=None) -> int:
                     f.write(json.dumps({"rid": rid, **m}) + "\n")
             # every process here (servers, workers, this client) shares the box's cores
             raw = dataclasses.replace(load_profile(prof_path), contention_scope="cluster")
+            steps = real_steps(work, system, "calibration", args.reps)  # the engines' own step times
+            log(f"   the real engines' mean steps over the calibration: {steps}")
             prof, fitted = fit(calib, raw, policy, TOPOLOGY[system], real, args.seed,
                                note=f"bench/sim_validate.py calibration trace, {system}",
-                               contention=tuple(float(x) for x in args.contention.split(",")))
+                               contention=tuple(float(x) for x in args.contention.split(",")),
+                               decode_step_ms=None if args.no_step_times else steps["step_decode_ms"])
             prof.save(work / f"profile-{system}-calibrated.yaml")
             log(f"   calibrated: {fitted}")
             calibrations[system] = fitted
@@ -381,6 +460,7 @@ def main(argv=None) -> int:
                 meas = over_reps([measured_summary(run, slo)
                                   for run in measured(f"{name}-{rate:g}", trace, (i + 1) * 100_000 + 90_000)])
                 meas["routes"] = real_routes(work, system, f"{name}-{rate:g}", args.reps)
+                meas.update(real_steps(work, system, f"{name}-{rate:g}", args.reps))
                 pred = simulated_summary(trace, prof, system, policy, slo, args.seed)
                 uncal = simulated_summary(trace, raw, system, policy, slo, args.seed)
                 keys = KEYS
@@ -400,6 +480,8 @@ def main(argv=None) -> int:
     print(table(rows))
     print()
     print(table(rows, "uncalibrated"))
+    print()
+    print(router_table(rows))
     return 0
 
 
@@ -423,7 +505,8 @@ def within(errors: dict) -> bool:
 def table(rows, which: str = "simulated") -> str:
     head = ("| system | mix | rate | goodput sim / real | err | TTFT p50 sim / real ms | err | "
             "TTFT p99 sim / real ms | err | ITL p99 sim / real ms | err | real TTFT p50 over reps | "
-            "remote prefills sim / real | completed sim / real | within 15 / 15 / 25 % |")
+            "remote prefills sim / real | prompt tokens cached sim / real | completed sim / real | "
+            "within 15 / 15 / 25 % |")
     out = [head, "|" + "---|" * 16]
     for r in rows:
         m, p = r["measured"], r[which]
@@ -434,12 +517,30 @@ def table(rows, which: str = "simulated") -> str:
         lo, hi = m.get("range", {}).get("ttft_p50", (m["ttft_p50"], m["ttft_p50"]))
         cells.append(f"{lo:.3g}-{hi:.3g} ({m.get('reps', 1)})")
         cells.append(f"{remote_share(p.get('routes'))} / {remote_share(m.get('routes'))}")
+        cells.append(f"{share(p.get('cached_share'))} / {share(m.get('cached_share'))}")
         cells.append(f"{p['completed']} / {m['completed']:g}")
         cells.append("**yes**" if within(e) else "no")
         out.append("| " + " | ".join(cells) + " |")
     n = sum(within(r["error"] if which == "simulated" else r["uncalibrated_error"]) for r in rows)
     out.append(f"\n{n} of {len(rows)} rows within the bounds ({which})")
     return "\n".join(out)
+
+def router_table(rows) -> str:
+    """What the routers predicted for both routes (p50 over the requests) and the engines' mean
+    steps as their cost models timed them, simulated and real: where routes or chunking differ,
+    which input differs."""
+    out = ["| system | mix | rate | predicted local TTFT p50 sim / real ms | predicted remote TTFT p50 sim / real ms "
+           "| mean decode step sim / real ms | mean mixed step sim / real ms | remote prefills sim / real |",
+           "|" + "---|" * 8]
+    for r in rows:
+        m, p = r["measured"], r["simulated"]
+        cells = [r["system"], r["mix"], f"{r['rate']:g}"]
+        for k in ("predicted_local_p50", "predicted_remote_p50", "step_decode_ms", "step_mixed_ms"):
+            cells.append(" / ".join("n/a" if x.get(k) is None else f"{x[k]:.3g}" for x in (p, m)))
+        cells.append(f"{remote_share(p.get('routes'))} / {remote_share(m.get('routes'))}")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
 
 if __name__ == "__main__":
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

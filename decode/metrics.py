@@ -60,6 +60,9 @@ class WorkerMetrics:
         self._refused = Counter("pdserve_admissions_refused", "Requests refused by QoS admission", names + ["reason"], registry=r)
         self._errors = Counter("pdserve_request_errors", "Requests failed with an error, by status", names + ["code"], registry=r)
         self.fallbacks = Counter("pdserve_remote_prefill_fallbacks", "Remote prefills that fell back to local", names + ["reason"], registry=r)
+        self._steps = Histogram("pdserve_engine_step_seconds", "Engine steps as the router's cost model times them "
+                                "(schedule, forward, sample), by kind: decode (no prompt tokens) or mixed",
+                                names + ["kind"], buckets=_TOKEN_LATENCY_BUCKETS_S, registry=r)
         self.transfer_bytes = hist("pdserve_kv_transfer_bytes", "KV bytes received per remote prefill", _BYTES_BUCKETS)
         self.transfer_seconds = hist("pdserve_kv_transfer_seconds", "KV transfer duration per remote prefill", _LATENCY_BUCKETS_S)
         self.transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV transfers", names, registry=r).labels(**labels)
@@ -73,6 +76,9 @@ class WorkerMetrics:
 
     def request_finished(self, reason: str) -> None:
         self._requests.labels(finish_reason=reason, **self.labels).inc()
+
+    def step(self, seconds: float, prompt_tokens: int) -> None:
+        self._steps.labels(kind="mixed" if prompt_tokens else "decode", **self.labels).observe(seconds)
 
     def decision(self, route: str, reason: str) -> None:
         self._decisions.labels(route=route, reason=reason, **self.labels).inc()

@@ -291,6 +291,7 @@ class DecodeWorker:
             self.decode_ms += info.ms
             self.decode_seqs += info.num_seqs
         prefill_tokens = info.num_tokens - info.num_decode_seqs
+        self.metrics.step(info.ms / 1e3, prefill_tokens)
         costs.observe_step(info.ms, info.num_decode_seqs, prefill_tokens, info.prefill_pairs)
         if prefill_tokens == 0 and info.num_decode_seqs:
             costs.observe_decode_step(info.ms, info.num_seqs)

@@ -58,7 +58,8 @@ def register(subparsers) -> None:
     cal.add_argument("--profile", required=True, help="the profile to calibrate (measured on an idle engine)")
     cal.add_argument("--trace", required=True, help="the trace the real run replayed (JSON lines, with rid)")
     cal.add_argument("--measured", required=True, help="what the run measured, JSON lines: rid, ttft_ms, itl_ms "
-                     "(the gaps between its tokens); bench/sim_validate.py writes them")
+                     "(the gaps between its tokens), optionally route (local or remote: the real router's); "
+                     "bench/sim_validate.py writes them")
     cal.add_argument("--topology", default="0P1D", help="the real cluster's XpYd (default 0P1D)")
     cal.add_argument("--prefill-tp", type=int, default=1)
     cal.add_argument("--decode-tp", type=int, default=1)
@@ -71,6 +72,11 @@ def register(subparsers) -> None:
     cal.add_argument("--shared-host", action="store_true",
                      help="every worker of the real run (and its clients) shared one host's cores: the streams "
                      "of all of them slow every step (contention_scope: cluster); default: each worker's own")
+    cal.add_argument("--decode-step-ms", type=float, metavar="MS",
+                     help="the run's mean decode-only engine step, as the workers timed it (their "
+                     "pdserve_engine_step_seconds{kind=\"decode\"} sum / count over the run): the steps are fitted to "
+                     "it and the rest of the tokens' period to what the workers do between steps "
+                     "(stream_gap_ms_per_token); default: unknown, the steps fitted to the inter-token gaps")
     cal.add_argument("--out", required=True, help="write the calibrated profile here")
     cal.set_defaults(func=run_calibrate)
 
@@ -219,7 +225,8 @@ def run_calibrate(args) -> int:
             try:
                 body = json.loads(line)
                 measured[int(body["rid"])] = {"ttft_ms": float(body["ttft_ms"]),
-                                              "itl_ms": [float(x) for x in body.get("itl_ms") or ()]}
+                                              "itl_ms": [float(x) for x in body.get("itl_ms") or ()],
+                                              "route": body.get("route")}
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{args.measured}:{n}: a line is {{\"rid\": N, \"ttft_ms\": MS, \"itl_ms\": [MS, "
                                  f"...]}} ({exc.__class__.__name__}: {exc})") from None
@@ -235,8 +242,10 @@ def run_calibrate(args) -> int:
         raise ValueError(f"--contention {args.contention!r}: comma-separated ms per token, e.g. 0,0.5,1") from None
     if not grid or min(grid) < 0:
         raise ValueError(f"--contention {args.contention!r}: values must be >= 0")
+    if args.decode_step_ms is not None and not args.decode_step_ms > 0:
+        raise ValueError(f"--decode-step-ms {args.decode_step_ms}: a step's mean in ms, > 0")
     cal, figures = fit(requests, prof, _policy(args), topo, measured, args.seed, note=f"{args.measured}",
-                       contention=grid)
+                       contention=grid, decode_step_ms=args.decode_step_ms)
     for k, v in figures.items():
         print(f"  {k}: {v}")
     cal.save(args.out)

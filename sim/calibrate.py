@@ -18,11 +18,22 @@ trace (prompt- and decode-heavy requests together), and a sixth can be asked for
   values predicted the validation traces worse than none (docs/PERFORMANCE.md);
 * ``step_scale``: the step's fixed, per-stream and context terms take this many times longer
   while serving; fitted to the run's inter-token latencies (p50 and p90), which the terms
-  below barely move;
+  below barely move; or, where the run's engine step times are known (``steps``: the workers'
+  mean decode-only step as their cost models timed it, ``pdserve_engine_step_seconds``), to
+  those, and then
+* ``stream_gap_ms_per_token``: what a worker does between steps per token it streams, the one of
+  ``GAPS`` whose inter-token latencies (p50 and p90) come closest: the part of the tokens'
+  period the engine's cost model never sees (it times the step alone), so a simulated
+  router and step budget are fed what a real one is;
 * ``prefill_scale`` and ``request_overhead_ms``: over the requests the simulation prefills
   locally, the measured TTFT is regressed on the simulated one, request by request
   (``measured = overhead + m x simulated``): the slope scales the prompt-token terms, the
   intercept is added to every request's TTFT (the way in and out);
+* ``request_ms_per_prompt_token``: when the run has prompts behind cached prefixes (at least
+  ``MIN_HITS`` of the local ones hit), the prompt's length joins that regression
+  (``measured = overhead + m x simulated + k x prompt tokens``): what a prompt's tokens cost
+  outside the engine whether the engine computes them or not. Without hits the prompt's length
+  and its prefill move together and cannot be told apart, so it stays 0 (in the slope);
 * ``remote_overhead_ms``: added to every remote prefill (as transfer setup): the median of
   measured minus simulated TTFT over the requests prefilled remotely;
 * ``noise_cv``: the spread of the steps (each step scaled by a lognormal factor of this
@@ -46,13 +57,16 @@ from .report import percentile
 
 SCALES = tuple(round(0.8 + 0.05 * i, 2) for i in range(35))  # 0.8 .. 2.5
 CONTENTION_MS = (0.0,)  # host CPU per token streamed, tried (`pdserve sim calibrate --contention`)
+GAPS = tuple(round(0.25 * i, 2) for i in range(13))  # ms between steps per token streamed, tried: 0 .. 3
 NOISE_CV = (0.0, 0.1, 0.2, 0.3, 0.4)  # step-time noise (coefficient of variation) tried, on the ITL p99
 REFINE = 3
+MIN_HITS = 8  # local prompts behind a cached prefix a run needs before a per-prompt-token cost is fitted
 SLOPE = (0.6, 1.6)  # bounds of one refinement's prefill slope (a noisy run cannot swing it further)
 
 
 def calibrated(profile: CostProfile, step_scale: float, request_overhead_ms: float, remote_overhead_ms: float = 0.0,
-               note: str = "", prefill_scale: float | None = None, contention_ms_per_token: float = 0.0) -> CostProfile:
+               note: str = "", prefill_scale: float | None = None, contention_ms_per_token: float = 0.0,
+               ms_per_prompt_token: float = 0.0, gap_ms_per_token: float = 0.0) -> CostProfile:
     """``profile`` with its steps scaled (the prompt-token terms by ``prefill_scale``, default
     ``step_scale``) and the overheads set (the note kept in its assumptions)."""
     p = step_scale if prefill_scale is None else prefill_scale
@@ -60,12 +74,16 @@ def calibrated(profile: CostProfile, step_scale: float, request_overhead_ms: flo
                            m.prefill_ms_per_token * p, m.attention_ms_per_kpair * p,
                            m.decode_ms_per_kctx * step_scale, m.kv_blocks) for tp, m in profile.steps.items()}
     return replace(profile, steps=steps, request_overhead_ms=round(request_overhead_ms, 3),
+                   request_ms_per_prompt_token=round(ms_per_prompt_token, 5),
+                   stream_gap_ms_per_token=gap_ms_per_token,
                    contention_ms_per_token=contention_ms_per_token,
                    transfer_setup_ms=round(profile.transfer_setup_ms + remote_overhead_ms, 3),
                    assumptions=(*profile.assumptions,
                                 f"calibrated on a real run ({note}): step terms x {step_scale:g} and prompt-token "
-                                f"terms x {p:.3g} while serving, {request_overhead_ms:.1f} ms per request outside "
-                                f"the engine, {remote_overhead_ms:.1f} ms more per remote prefill, {contention_ms_per_token:g} ms of "
+                                f"terms x {p:.3g} while serving, {request_overhead_ms:.1f} ms per request and "
+                                f"{ms_per_prompt_token * 1e3:.1f} us per prompt token outside the engine, "
+                                f"{remote_overhead_ms:.1f} ms more per remote prefill, {gap_ms_per_token:g} ms "
+                                f"between steps per token streamed, {contention_ms_per_token:g} ms of "
                                 f"{profile.contention_scope} CPU per token streamed"))
 
 
@@ -82,15 +100,24 @@ def _itl_loss(sim, real_itl: list[float]) -> float:
     return loss
 
 
-def _pairs(sim, measured: dict[int, dict], route: str) -> list[tuple[float, float]]:
-    """(simulated, measured) TTFT of each request the simulation routed ``route`` (ms)."""
+def _rows(sim, measured: dict[int, dict], route: str) -> list[tuple[float, float, int, int]]:
+    """(simulated TTFT ms, measured TTFT ms, prompt tokens, cached tokens in the simulation) of
+    each request the simulation routed ``route`` (and the real router too, where the run
+    recorded its route: a remote prefill's TTFT says nothing of a local one's)."""
     out = []
     for r in sim.records:
         m = measured.get(r.rid)
         if m is None or m.get("ttft_ms") is None or r.first_token is None or r.route != route or r.fell_back:
             continue
-        out.append(((r.first_token - r.arrival) * 1e3, m["ttft_ms"]))
+        if m.get("route") and m["route"] != route:
+            continue
+        out.append(((r.first_token - r.arrival) * 1e3, m["ttft_ms"], r.prompt_len, r.cached_len))
     return out
+
+
+def _pairs(sim, measured: dict[int, dict], route: str) -> list[tuple[float, float]]:
+    """(simulated, measured) TTFT of each request the simulation routed ``route`` (ms)."""
+    return [(x, y) for x, y, _, _ in _rows(sim, measured, route)]
 
 
 def _line(pairs: list[tuple[float, float]]) -> tuple[float, float]:
@@ -103,19 +130,43 @@ def _line(pairs: list[tuple[float, float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def _prompt_fit(rows: list[tuple[float, float, int, int]], per_token: float) -> tuple[float, float]:
+    """(slope on the simulated TTFT, ms per prompt token) of the measured TTFTs: the slope from
+    the prompts computed whole, less what their tokens cost outside the engine; that cost from
+    the prompts behind a cached prefix (the median of what each exceeds the line by, per prompt
+    token: robust to the few that queued), when there are ``MIN_HITS`` of them; else 0."""
+    cold = [r for r in rows if r[3] == 0]
+    hits = [r for r in rows if r[3] > 0]
+    if len(hits) < MIN_HITS or len(cold) < 5:
+        return _line([(x, y) for x, y, _, _ in rows])[1], 0.0
+    for _ in range(4):
+        a, slope = _line([(x, y - per_token * n) for x, y, n, _ in cold])
+        per_token = max(0.0, statistics.median((y - a - slope * x) / n for x, y, n, _ in hits))
+    return slope, per_token
+
+
+def _decode_step_ms(sim) -> float | None:
+    """The simulated decode workers' mean decode-only step (ms), as their cost models time it."""
+    n = sum(d.counts["decode_steps"] for d in sim.workers("decode"))
+    return sum(d.counts["decode_ms"] for d in sim.workers("decode")) / n if n else None
+
+
 def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, dict], seed: int = 0,
-        note: str = "", contention: tuple[float, ...] | None = None) -> tuple[CostProfile, dict]:
+        note: str = "", contention: tuple[float, ...] | None = None,
+        decode_step_ms: float | None = None) -> tuple[CostProfile, dict]:
     """The calibrated profile for a real run of ``requests``; ``measured`` maps each request's
-    ``rid`` to what the run measured of it: ``ttft_ms`` and ``itl_ms`` (its gaps, a list).
-    Returns it and the fit's figures. Each contention of ``CONTENTION_MS`` is tried with the
-    rest fitted to it; the one whose TTFT and ITL p50 / p90 come closest wins."""
+    ``rid`` to what the run measured of it: ``ttft_ms``, ``itl_ms`` (its gaps, a list) and,
+    if known, ``route`` (the real router's); ``decode_step_ms``, when known, is the run's mean decode-only engine step. Returns it and
+    the fit's figures. Each contention of ``CONTENTION_MS`` is tried with the rest fitted to
+    it; the one whose TTFT and ITL p50 / p90 come closest wins."""
     real_itl = [g for m in measured.values() for g in m.get("itl_ms") or ()]
     real_ttft = [m["ttft_ms"] for m in measured.values() if m.get("ttft_ms") is not None]
     if not real_itl or not real_ttft:
         raise ValueError("calibration needs measured TTFTs and inter-token gaps of the run")
     best = None
     for stream in contention or CONTENTION_MS:
-        prof, figures, sim = _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note, stream)
+        prof, figures, sim = _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note, stream,
+                                     decode_step_ms)
         sim_ttft = [(r.first_token - r.arrival) * 1e3 for r in sim.records if r.first_token is not None]
         loss = _itl_loss(sim, real_itl) + sum(
             math.log(max(percentile(sim_ttft, q), 1e-3) / max(percentile(real_ttft, q), 1e-3)) ** 2 for q in (50, 90))
@@ -129,33 +180,50 @@ def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, di
     return best[1], best[2]
 
 
-def _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note, stream):
+def _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note, stream, decode_step_ms=None):
     """The step scale, prefill scale and overheads for one contention (module docstring)."""
-    def prof_of(scale, local=0.0, remote=0.0, pscale=None, final_note=""):
-        return calibrated(profile, scale, local, remote, final_note, prefill_scale=pscale,
-                          contention_ms_per_token=stream)
+    gap = 0.0
 
-    scale = min(SCALES, key=lambda s: _itl_loss(_simulate(requests, prof_of(s), policy, topology, seed), real_itl))
-    pscale, local, remote = scale, 0.0, 0.0
+    def prof_of(scale, local=0.0, remote=0.0, pscale=None, final_note="", per_token=0.0):
+        return calibrated(profile, scale, local, remote, final_note, prefill_scale=pscale,
+                          contention_ms_per_token=stream, ms_per_prompt_token=per_token, gap_ms_per_token=gap)
+
+    if decode_step_ms:  # the steps as the engine timed them, then the period's rest between them
+        def off(s):
+            ms = _decode_step_ms(_simulate(requests, prof_of(s), policy, topology, seed))
+            return abs(math.log(ms / decode_step_ms)) if ms else math.inf
+        scale = min(SCALES, key=off)
+
+        def itl_at(g):
+            nonlocal gap
+            gap = g
+            return _itl_loss(_simulate(requests, prof_of(scale), policy, topology, seed), real_itl)
+        gap = min(GAPS, key=itl_at)
+    else:
+        scale = min(SCALES, key=lambda s: _itl_loss(_simulate(requests, prof_of(s), policy, topology, seed),
+                                                    real_itl))
+    pscale, local, remote, per_token = scale, 0.0, 0.0, 0.0
     for _ in range(REFINE):
-        sim = _simulate(requests, prof_of(scale, local, remote, pscale), policy, topology, seed)
-        pairs = [(x - local, y) for x, y in _pairs(sim, measured, "local")]
-        if len(pairs) >= 5:
-            _, slope = _line(pairs)
+        sim = _simulate(requests, prof_of(scale, local, remote, pscale, per_token=per_token), policy, topology, seed)
+        # the engine's part of each simulated TTFT: the overheads of this round taken off
+        rows = [(x - local - per_token * n, y, n, c) for x, y, n, c in _rows(sim, measured, "local")]
+        if len(rows) >= 5:
+            slope, per_token = _prompt_fit(rows, per_token)
             slope = min(max(slope, SLOPE[0]), SLOPE[1])
             pscale *= slope
-            local = max(0.0, statistics.median(y - slope * x for x, y in pairs))
-        sim = _simulate(requests, prof_of(scale, local, remote, pscale), policy, topology, seed)
+            local = max(0.0, statistics.median(y - slope * x - per_token * n for x, y, n, _ in rows))
+        sim = _simulate(requests, prof_of(scale, local, remote, pscale, per_token=per_token), policy, topology, seed)
         gaps = [y - x for x, y in _pairs(sim, measured, "remote")]
         if gaps:
             remote = max(0.0, remote + statistics.median(gaps))
-    prof = prof_of(scale, local, remote, pscale, note)
+    prof = prof_of(scale, local, remote, pscale, note, per_token)
     # the steps' spread: the noise whose ITL p99 comes closest to the run's (it barely moves the means)
     real_p99 = percentile(real_itl, 99)
     noise = min(NOISE_CV, key=lambda cv: abs(math.log(
         max(percentile(_simulate(requests, prof.with_noise(cv), policy, topology, seed).itls_ms, 99), 1e-3) / real_p99)))
     prof = prof.with_noise(noise)
-    figures = {"step_scale": scale, "prefill_scale": round(pscale, 3), "request_overhead_ms": round(local, 2),
+    figures = {"step_scale": scale, "stream_gap_ms_per_token": gap, "prefill_scale": round(pscale, 3), "request_overhead_ms": round(local, 2),
+               "request_ms_per_prompt_token": round(per_token, 5),
                "remote_overhead_ms": round(remote, 2), "contention_ms_per_token": stream, "noise_cv": noise}
     return prof, figures, _simulate(requests, prof, policy, topology, seed)
 

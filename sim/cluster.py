@@ -96,7 +96,9 @@ class RequestRecord:
     refused: str | None = None  # the admission's reason code when refused
     route: str = ""
     reason: str = ""
-    predicted_ttft_ms: float = 0.0
+    predicted_ttft_ms: float = 0.0  # the route taken's
+    predicted_local_ms: float = 0.0  # both routes' predictions, as a real worker's breakdown gives them
+    predicted_remote_ms: float = 0.0
     cached_len: int = 0
     first_token: float | None = None
     last_token: float | None = None
@@ -213,7 +215,7 @@ class Simulation:
             pick = choose([d.gateway for d in live], r.prompt_len, {}, self.now, self.rng)
             worker = by[pick.chosen]
         rec.worker = worker.wid
-        overhead = self.profile.request_overhead_ms
+        overhead = self.profile.request_overhead_ms + self.profile.request_ms_per_prompt_token * r.prompt_len
         if overhead:  # the way in (and out: the same ms, for TTFT) outside the engine
             self.at(self.now + overhead / 1e3, worker.arrive, r, rec)
         else:
@@ -266,7 +268,7 @@ class DecodeSim:
         self.gateway = WorkerState(wid, "")
         self.started_at, self.ended_at = sim.now, None
         self.counts = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "decode_steps": 0,
-                       "decode_ms": 0.0, "decode_seqs": 0}
+                       "decode_ms": 0.0, "decode_seqs": 0, "mixed_steps": 0, "mixed_ms": 0.0}
         self._ids = itertools.count()
 
     # -- the engine's plan (decode/worker.py _update_step_plan) ----------------------------
@@ -317,6 +319,7 @@ class DecodeSim:
             return
         d = adm.decision
         rec.route, rec.reason, rec.predicted_ttft_ms = d.route, d.reason, d.predicted_ttft_ms
+        rec.predicted_local_ms, rec.predicted_remote_ms = d.predicted_ttft_local_ms, d.predicted_ttft_remote_ms
         max_tokens = adm.max_tokens or r.output_len
         eff = len(ids) - cached
         residual = (snap.costs.ttft_residual_remote_ms if d.route == "remote"
@@ -365,7 +368,8 @@ class DecodeSim:
         self.sim.at(self.sim.now + info.ms / 1e3, self._stepped, out, info)
 
     def _stepped(self, out, info) -> None:
-        for req, finished in self.engine.commit(out, info):
+        emitted = self.engine.commit(out, info)
+        for req, finished in emitted:
             self._token(req, finished)
         costs = self.state.costs
         costs.observe_step(info.ms, info.decodes, info.prompt_tokens, info.pairs)
@@ -374,8 +378,15 @@ class DecodeSim:
             self.counts["decode_steps"] += 1
             self.counts["decode_ms"] += info.ms
             self.counts["decode_seqs"] += info.seqs
+        elif info.prompt_tokens:
+            self.counts["mixed_steps"] += 1
+            self.counts["mixed_ms"] += info.ms
         self._update_plan()
-        self._step()
+        gap = self.sim.profile.stream_gap_ms_per_token * len(emitted)
+        if gap > 0:  # the worker streams what the step emitted before it steps again
+            self.sim.at(self.sim.now + gap / 1e3, self._step)
+        else:
+            self._step()
 
     def _token(self, req, finished: bool) -> None:
         track = self.inflight.get(req.request_id)

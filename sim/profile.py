@@ -67,6 +67,17 @@ class CostProfile:
     # What a served request pays outside the engine (HTTP or gRPC in and out, validation, the
     # stream's first chunk): added to its TTFT. Calibrated on a real run (sim/calibrate.py).
     request_overhead_ms: float = 0.0
+    # ... and per prompt token, computed or served from the prefix cache alike (the body's token
+    # list parsed and checked, the prompt's blocks hashed for the prefix lookup, each hop a
+    # gateway adds): what makes a long prompt behind a cached prefix slower than its short
+    # prefill says. Calibrated on a run with prefix hits (sim/calibrate.py); 0 when none.
+    request_ms_per_prompt_token: float = 0.0
+    # What a decode worker does between two engine steps, per token the first of them emitted
+    # (its event loop hands each token to its stream and writes the chunk): the steps' period
+    # is the step plus this x its tokens, and the cost model, which times the step alone
+    # (decode/async_engine.py), never sees it. Calibrated where the run's engine step times are
+    # known (pdserve_engine_step_seconds); 0 otherwise (the steps' scale then carries it).
+    stream_gap_ms_per_token: float = 0.0
     # CPU the host spends outside the engine per token streamed (the frontend's chunks; the
     # clients' parsing, on a shared host). While tokens stream at R per second (a 1 s moving
     # average), every step runs 1 + R x this / 1000 times longer: the work takes a core's share
@@ -111,7 +122,7 @@ class CostProfile:
 _POSITIVE = ("kv_bytes_per_token", "block_size", "max_num_batched_tokens", "max_num_seqs", "transfer_gb_per_s")
 SCOPES = ("worker", "cluster")
 _NON_NEGATIVE = ("transfer_setup_ms", "queue_hop_ms", "noise_cv", "request_overhead_ms",
-                 "contention_ms_per_token")
+                 "request_ms_per_prompt_token", "stream_gap_ms_per_token", "contention_ms_per_token")
 
 
 def profile_from_dict(body: dict, source: str = "<profile>") -> CostProfile:

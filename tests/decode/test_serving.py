@@ -14,7 +14,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.api import AsyncClient, Client
 from pdserve.engine import LLM, SamplingParams
-
 from tests.harness import wait_until
 
 
@@ -257,7 +256,15 @@ def test_models_health_metrics_and_reflection(worker):
         assert h.get("/health").status_code == 200
         models = h.get("/v1/models").json()["data"]
         assert models[0]["id"] == "llama"
+        before = h.get("/metrics").text
+        assert h.post("/v1/completions", json={"prompt": "one two three", "max_tokens": 4, "temperature": 0,
+                                               "ignore_eos": True}).status_code == 200
         text = h.get("/metrics").text
+    # the steps as the cost model times them: the prompt's step and then decode-only ones
+    for kind, at_least in (("mixed", 1), ("decode", 3)):
+        counts = [float(line.rsplit(" ", 1)[1]) for t in (before, text) for line in t.splitlines()
+                  if line.startswith("pdserve_engine_step_seconds_count") and f'kind="{kind}"' in line]
+        assert counts and counts[-1] - (counts[0] if len(counts) == 2 else 0.0) >= at_least, kind
     for name in ("pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
                  "pdserve_e2e_request_latency_seconds", "pdserve_kv_cache_usage_ratio",
                  "pdserve_num_requests_running", "pdserve_prefill_queue_depth",

@@ -61,6 +61,80 @@ def test_fit_recovers_known_serving_costs(topology, monkeypatch):
     assert any("calibrated on a real run" in a for a in prof.assumptions)
 
 
+def test_fit_tells_prompt_tokens_outside_the_engine_from_prefill(monkeypatch):
+    """A cost per prompt token outside the engine is found when prefix hits tell it from the
+    prefill's compute (long prompts, short prefills), and left at 0 when nothing does."""
+    import pdserve.sim.calibrate as cal
+
+    monkeypatch.setattr(cal, "SCALES", (1.0, 1.2, 1.4))
+    monkeypatch.setattr(cal, "NOISE_CV", (0.0,))
+    head = sorted(generate(mix("long-prompt", 1.5, 30), 1) + generate(mix("decode-heavy", 1.0, 20), 2, 500),
+                  key=lambda r: (r.t, r.rid))
+    start = max(r.t for r in head) + 5.0
+    hits = [replace(r, t=r.t + start) for r in generate(mix("prefix", 1.0, 24), 3, 900)]
+    truth = calibrated(BASE, 1.2, 10.0, ms_per_prompt_token=0.03, note="truth")
+    topo = SimTopology(0, 1)
+    with_hits = head + hits
+    real = Simulation(with_hits, truth, DEFAULT_POLICY, topo, seed=3).run()
+    assert sum(1 for r in real.records if r.cached_len) >= cal.MIN_HITS  # the trace has what the fit needs
+    prof, figures = fit(with_hits, BASE, DEFAULT_POLICY, topo, measured_from(real), seed=3)
+    assert figures["request_ms_per_prompt_token"] == pytest.approx(0.03, rel=0.35)
+    assert prof.request_ms_per_prompt_token == pytest.approx(figures["request_ms_per_prompt_token"], abs=1e-5)
+    assert figures["request_overhead_ms"] == pytest.approx(10.0, abs=8.0)
+    assert figures["prefill_scale"] == pytest.approx(1.2, abs=0.2)
+    # the prefix hits' TTFT: predicted as the run measured it (0.03 ms x ~650 tokens is ~20 ms of it)
+    refit = Simulation(hits, prof, DEFAULT_POLICY, topo, seed=3).run()
+    again = Simulation(hits, truth, DEFAULT_POLICY, topo, seed=3).run()
+    p50 = [sorted((r.first_token - r.arrival) for r in s.records)[len(hits) // 2] for s in (refit, again)]
+    assert p50[0] == pytest.approx(p50[1], rel=0.1)
+    # without hits nothing tells the two apart: no per-token cost, the slope takes it
+    plain = Simulation(head, truth, DEFAULT_POLICY, topo, seed=3).run()
+    _, figures = fit(head, BASE, DEFAULT_POLICY, topo, measured_from(plain), seed=3)
+    assert figures["request_ms_per_prompt_token"] == 0.0
+
+
+def test_fit_splits_the_period_into_engine_steps_and_streaming(monkeypatch):
+    """Given the engines' own mean step, the step scale is fitted to it and the rest of the
+    tokens' period goes between the steps (what the cost model and the step budget never see)."""
+    import pdserve.sim.calibrate as cal
+    from pdserve.sim.calibrate import _decode_step_ms
+
+    monkeypatch.setattr(cal, "SCALES", (1.0, 1.2, 1.4, 1.6, 1.8))
+    monkeypatch.setattr(cal, "NOISE_CV", (0.0,))
+    reqs = sorted(generate(mix("long-prompt", 1.0, 20), 1) + generate(mix("decode-heavy", 3.0, 40), 2, 500),
+                  key=lambda r: (r.t, r.rid))
+    topo = SimTopology(0, 1)
+    truth = calibrated(BASE, 1.2, 10.0, gap_ms_per_token=1.5, note="truth")
+    real = Simulation(reqs, truth, DEFAULT_POLICY, topo, seed=3).run()
+    step = _decode_step_ms(real)
+    prof, figures = fit(reqs, BASE, DEFAULT_POLICY, topo, measured_from(real), seed=3, decode_step_ms=step)
+    assert figures["step_scale"] == pytest.approx(1.2, abs=0.05)
+    assert figures["stream_gap_ms_per_token"] == pytest.approx(1.5, abs=0.3)
+    assert prof.stream_gap_ms_per_token == figures["stream_gap_ms_per_token"]
+    # the gap lengthens the period, not the steps the cost model times
+    again = Simulation(reqs, prof, DEFAULT_POLICY, topo, seed=3).run()
+    assert _decode_step_ms(again) == pytest.approx(step, rel=0.05)
+    assert max(again.itls_ms) > 0 and sorted(again.itls_ms)[len(again.itls_ms) // 2] > step
+    # without the engines' steps the scale takes the whole period
+    _, alone = fit(reqs, BASE, DEFAULT_POLICY, topo, measured_from(real), seed=3)
+    assert alone["stream_gap_ms_per_token"] == 0.0 and alone["step_scale"] > figures["step_scale"]
+
+
+def test_prompt_fit_needs_hits_and_shrugs_off_queued_ones():
+    from pdserve.sim.calibrate import MIN_HITS, _prompt_fit
+
+    # cold prompts: measured = 4 + 1.5 x simulated + 0.02 x tokens (simulated ~ tokens / 3)
+    cold = [(n / 3, 4.0 + 1.5 * n / 3 + 0.02 * n, n, 0) for n in range(100, 1100, 100)]
+    hits = [(30.0, 4.0 + 1.5 * 30 + 0.02 * n, n, 512) for n in range(600, 600 + 10 * MIN_HITS, 10)]
+    hits[0] = (30.0, 900.0, 600, 512)  # one queued behind a long prefill: the median ignores it
+    slope, per_token = _prompt_fit(cold + hits, 0.0)
+    assert per_token == pytest.approx(0.02, rel=0.05) and slope == pytest.approx(1.5, rel=0.05)
+    # too few hits: nothing tells a token's cost outside the engine from its prefill
+    assert _prompt_fit(cold + hits[:MIN_HITS - 1], 0.0)[1] == 0.0
+    slope, per_token = _prompt_fit(cold, 0.0)  # the slope takes both
+    assert per_token == 0.0 and slope == pytest.approx(1.5 + 0.02 * 3, rel=0.01)
+
+
 def test_fit_needs_measurements():
     with pytest.raises(ValueError, match="measured TTFTs"):
         fit(generate(mix("long-prompt", 1.0, 3), 0), BASE, DEFAULT_POLICY, SimTopology(0, 1), {})
