@@ -26,7 +26,11 @@ and then predicts the traces it never saw.
 Both the calibrated and the uncalibrated predictions are printed.
 
 Printed: predicted vs measured goodput (TTFT <= --slo-ttft and TPOT <= --slo-tpot), TTFT p50 and
-p99 and ITL p99, with the relative error of each. Written to runs/sim-validate/result.json.
+p99 and ITL p99, with the relative error of each, the share of remote prefills and of prompt
+tokens the prefix cache served; and a diagnostic table of what the routers predicted for both
+routes and the engines' mean steps as their cost models timed them
+(`pdserve_engine_step_seconds`, read before and after every replay). Written to
+runs/sim-validate/result.json.
 """
 
 from __future__ import annotations
@@ -373,8 +377,10 @@ def main(argv=None) -> int:
                     "figures measured are their medians")
     ap.add_argument("--contention", default="0", help="contention values the calibration tries (ms of host CPU per "
                     "token streamed, comma-separated; default 0: none; sim/calibrate.py)")
-    ap.add_argument("--no-step-times", action="store_true", help="calibrate on the clients' inter-token gaps "
-                    "alone, not on the engines' own step times (pdserve_engine_step_seconds)")
+    ap.add_argument("--step-times", action="store_true", help="fit the steps to the engines' own step times "
+                    "(pdserve_engine_step_seconds, recorded either way) and the rest of the tokens' period to "
+                    "what the workers do between steps; default: the steps to the clients' inter-token gaps "
+                    "(validated better end to end in session 19: docs/PERFORMANCE.md)")
     ap.add_argument("--cpus", default="0,1", help="the cores every server runs on")
     ap.add_argument("--model", default=str(REPO / ".cache/models/pdserve-tiny-llama"))
     ap.add_argument("--slo-ttft", type=float, default=1500.0)
@@ -447,7 +453,7 @@ def main(argv=None) -> int:
             prof, fitted = fit(calib, raw, policy, TOPOLOGY[system], real, args.seed,
                                note=f"bench/sim_validate.py calibration trace, {system}",
                                contention=tuple(float(x) for x in args.contention.split(",")),
-                               decode_step_ms=None if args.no_step_times else steps["step_decode_ms"])
+                               decode_step_ms=steps["step_decode_ms"] if args.step_times else None)
             prof.save(work / f"profile-{system}-calibrated.yaml")
             log(f"   calibrated: {fitted}")
             calibrations[system] = fitted
