@@ -58,7 +58,7 @@ from pdserve.router import DEFAULT_POLICY, load_policy_file  # noqa: E402
 from pdserve.sim.calibrate import fit  # noqa: E402
 from pdserve.sim.cluster import SimTopology, Simulation  # noqa: E402
 from pdserve.sim.profile import load_profile  # noqa: E402
-from pdserve.sim.report import Slo, percentile, summarize  # noqa: E402
+from pdserve.sim.report import Slo, mean_step_ms, percentile, summarize  # noqa: E402
 from pdserve.sim.workload import SimRequest, generate, mix, save_trace  # noqa: E402
 
 MIXES = ("long-prompt:1.0", "long-prompt:2.0", "long-prompt:3.0", "decode-heavy:2.0", "decode-heavy:4.0", "prefix:1.5")
@@ -354,10 +354,7 @@ def simulated_summary(trace, prof, system: str, policy, slo: Slo, seed: int) -> 
     duration = s["duration_s"] - first
     done = [r for r in sim.records if r.first_token is not None]
     cached = sum(r.cached_len for r in done) / max(1, sum(r.prompt_len for r in done))
-    steps = {}
-    for kind in ("decode", "mixed"):
-        n = sum(d.counts[f"{kind}_steps"] for d in sim.workers("decode"))
-        steps[f"step_{kind}_ms"] = sum(d.counts[f"{kind}_ms"] for d in sim.workers("decode")) / n if n else None
+    steps = {f"step_{kind}_ms": mean_step_ms(sim, kind) for kind in ("decode", "mixed")}
     return {**steps, **predictions([r.predicted_local_ms for r in done], [r.predicted_remote_ms for r in done]),
             "cached_share": cached, "completed": s["completed"], "refused": sum(s["refused"].values()),
             "goodput_req_s": s["good"] / duration, "ttft_p50": s["ttft_ms"]["p50"], "ttft_p99": s["ttft_ms"]["p99"],

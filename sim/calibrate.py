@@ -18,9 +18,9 @@ trace (prompt- and decode-heavy requests together), and a sixth can be asked for
   values predicted the validation traces worse than none (docs/PERFORMANCE.md);
 * ``step_scale``: the step's fixed, per-stream and context terms take this many times longer
   while serving; fitted to the run's inter-token latencies (p50 and p90), which the terms
-  below barely move; or, where the run's engine step times are known (``steps``: the workers'
-  mean decode-only step as their cost models timed it, ``pdserve_engine_step_seconds``), to
-  those, and then
+  below barely move; or, where the run's engine step times are known (``decode_step_ms``: the
+  workers' mean decode-only step as their cost models timed it, ``pdserve_engine_step_seconds``),
+  to that, and then
 * ``stream_gap_ms_per_token``: what a worker does between steps per token it streams, the one of
   ``GAPS`` whose inter-token latencies (p50 and p90) come closest: the part of the tokens'
   period the engine's cost model never sees (it times the step alone), so a simulated
@@ -53,7 +53,7 @@ from dataclasses import replace
 
 from .cluster import Simulation
 from .profile import CostProfile, StepModel
-from .report import percentile
+from .report import mean_step_ms, percentile
 
 SCALES = tuple(round(0.8 + 0.05 * i, 2) for i in range(35))  # 0.8 .. 2.5
 CONTENTION_MS = (0.0,)  # host CPU per token streamed, tried (`pdserve sim calibrate --contention`)
@@ -145,19 +145,13 @@ def _prompt_fit(rows: list[tuple[float, float, int, int]], per_token: float) -> 
     return slope, per_token
 
 
-def _decode_step_ms(sim) -> float | None:
-    """The simulated decode workers' mean decode-only step (ms), as their cost models time it."""
-    n = sum(d.counts["decode_steps"] for d in sim.workers("decode"))
-    return sum(d.counts["decode_ms"] for d in sim.workers("decode")) / n if n else None
-
-
 def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, dict], seed: int = 0,
         note: str = "", contention: tuple[float, ...] | None = None,
         decode_step_ms: float | None = None) -> tuple[CostProfile, dict]:
     """The calibrated profile for a real run of ``requests``; ``measured`` maps each request's
     ``rid`` to what the run measured of it: ``ttft_ms``, ``itl_ms`` (its gaps, a list) and,
-    if known, ``route`` (the real router's); ``decode_step_ms``, when known, is the run's mean decode-only engine step. Returns it and
-    the fit's figures. Each contention of ``CONTENTION_MS`` is tried with the rest fitted to
+    if known, ``route`` (the real router's); ``decode_step_ms``, when known, is the run's mean
+    decode-only engine step. Returns it and the fit's figures. Each contention of ``CONTENTION_MS`` is tried with the rest fitted to
     it; the one whose TTFT and ITL p50 / p90 come closest wins."""
     real_itl = [g for m in measured.values() for g in m.get("itl_ms") or ()]
     real_ttft = [m["ttft_ms"] for m in measured.values() if m.get("ttft_ms") is not None]
@@ -182,29 +176,25 @@ def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, di
 
 def _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note, stream, decode_step_ms=None):
     """The step scale, prefill scale and overheads for one contention (module docstring)."""
-    gap = 0.0
-
-    def prof_of(scale, local=0.0, remote=0.0, pscale=None, final_note="", per_token=0.0):
+    def prof_of(scale, local=0.0, remote=0.0, pscale=None, final_note="", per_token=0.0, gap=0.0):
         return calibrated(profile, scale, local, remote, final_note, prefill_scale=pscale,
                           contention_ms_per_token=stream, ms_per_prompt_token=per_token, gap_ms_per_token=gap)
 
+    def run(prof):
+        return _simulate(requests, prof, policy, topology, seed)
+
+    gap = 0.0
     if decode_step_ms:  # the steps as the engine timed them, then the period's rest between them
         def off(s):
-            ms = _decode_step_ms(_simulate(requests, prof_of(s), policy, topology, seed))
+            ms = mean_step_ms(run(prof_of(s)))
             return abs(math.log(ms / decode_step_ms)) if ms else math.inf
         scale = min(SCALES, key=off)
-
-        def itl_at(g):
-            nonlocal gap
-            gap = g
-            return _itl_loss(_simulate(requests, prof_of(scale), policy, topology, seed), real_itl)
-        gap = min(GAPS, key=itl_at)
+        gap = min(GAPS, key=lambda g: _itl_loss(run(prof_of(scale, gap=g)), real_itl))
     else:
-        scale = min(SCALES, key=lambda s: _itl_loss(_simulate(requests, prof_of(s), policy, topology, seed),
-                                                    real_itl))
+        scale = min(SCALES, key=lambda s: _itl_loss(run(prof_of(s)), real_itl))
     pscale, local, remote, per_token = scale, 0.0, 0.0, 0.0
     for _ in range(REFINE):
-        sim = _simulate(requests, prof_of(scale, local, remote, pscale, per_token=per_token), policy, topology, seed)
+        sim = run(prof_of(scale, local, remote, pscale, per_token=per_token, gap=gap))
         # the engine's part of each simulated TTFT: the overheads of this round taken off
         rows = [(x - local - per_token * n, y, n, c) for x, y, n, c in _rows(sim, measured, "local")]
         if len(rows) >= 5:
@@ -212,18 +202,18 @@ def _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note,
             slope = min(max(slope, SLOPE[0]), SLOPE[1])
             pscale *= slope
             local = max(0.0, statistics.median(y - slope * x - per_token * n for x, y, n, _ in rows))
-        sim = _simulate(requests, prof_of(scale, local, remote, pscale, per_token=per_token), policy, topology, seed)
+        sim = run(prof_of(scale, local, remote, pscale, per_token=per_token, gap=gap))
         gaps = [y - x for x, y in _pairs(sim, measured, "remote")]
         if gaps:
             remote = max(0.0, remote + statistics.median(gaps))
-    prof = prof_of(scale, local, remote, pscale, note, per_token)
+    prof = prof_of(scale, local, remote, pscale, note, per_token, gap)
     # the steps' spread: the noise whose ITL p99 comes closest to the run's (it barely moves the means)
     real_p99 = percentile(real_itl, 99)
     noise = min(NOISE_CV, key=lambda cv: abs(math.log(
         max(percentile(_simulate(requests, prof.with_noise(cv), policy, topology, seed).itls_ms, 99), 1e-3) / real_p99)))
     prof = prof.with_noise(noise)
-    figures = {"step_scale": scale, "stream_gap_ms_per_token": gap, "prefill_scale": round(pscale, 3), "request_overhead_ms": round(local, 2),
-               "request_ms_per_prompt_token": round(per_token, 5),
+    figures = {"step_scale": scale, "stream_gap_ms_per_token": gap, "prefill_scale": round(pscale, 3),
+               "request_overhead_ms": round(local, 2), "request_ms_per_prompt_token": round(per_token, 5),
                "remote_overhead_ms": round(remote, 2), "contention_ms_per_token": stream, "noise_cv": noise}
     return prof, figures, _simulate(requests, prof, policy, topology, seed)
 

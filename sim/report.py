@@ -32,6 +32,14 @@ class Slo:
     tpot_ms: float | None = None
 
 
+def mean_step_ms(sim, kind: str = "decode") -> float | None:
+    """The decode workers' mean engine step of ``kind`` (ms): "decode" (no prompt tokens) or
+    "mixed", as their cost models time it (the real workers' pdserve_engine_step_seconds)."""
+    workers = sim.workers("decode")
+    n = sum(d.counts[f"{kind}_steps"] for d in workers)
+    return sum(d.counts[f"{kind}_ms"] for d in workers) / n if n else None
+
+
 def summarize(sim, slo: Slo = Slo()) -> dict:
     """The figures of a finished `Simulation` (sim/cluster.py)."""
     recs = sim.records

@@ -97,7 +97,7 @@ def test_fit_splits_the_period_into_engine_steps_and_streaming(monkeypatch):
     """Given the engines' own mean step, the step scale is fitted to it and the rest of the
     tokens' period goes between the steps (what the cost model and the step budget never see)."""
     import pdserve.sim.calibrate as cal
-    from pdserve.sim.calibrate import _decode_step_ms
+    from pdserve.sim.report import mean_step_ms
 
     monkeypatch.setattr(cal, "SCALES", (1.0, 1.2, 1.4, 1.6, 1.8))
     monkeypatch.setattr(cal, "NOISE_CV", (0.0,))
@@ -106,14 +106,14 @@ def test_fit_splits_the_period_into_engine_steps_and_streaming(monkeypatch):
     topo = SimTopology(0, 1)
     truth = calibrated(BASE, 1.2, 10.0, gap_ms_per_token=1.5, note="truth")
     real = Simulation(reqs, truth, DEFAULT_POLICY, topo, seed=3).run()
-    step = _decode_step_ms(real)
+    step = mean_step_ms(real)
     prof, figures = fit(reqs, BASE, DEFAULT_POLICY, topo, measured_from(real), seed=3, decode_step_ms=step)
     assert figures["step_scale"] == pytest.approx(1.2, abs=0.05)
     assert figures["stream_gap_ms_per_token"] == pytest.approx(1.5, abs=0.3)
     assert prof.stream_gap_ms_per_token == figures["stream_gap_ms_per_token"]
     # the gap lengthens the period, not the steps the cost model times
     again = Simulation(reqs, prof, DEFAULT_POLICY, topo, seed=3).run()
-    assert _decode_step_ms(again) == pytest.approx(step, rel=0.05)
+    assert mean_step_ms(again) == pytest.approx(step, rel=0.05)
     assert max(again.itls_ms) > 0 and sorted(again.itls_ms)[len(again.itls_ms) // 2] > step
     # without the engines' steps the scale takes the whole period
     _, alone = fit(reqs, BASE, DEFAULT_POLICY, topo, measured_from(real), seed=3)
