@@ -158,17 +158,25 @@ class Server:
             time.sleep(1.0)
         raise TimeoutError(f"{self.system} not ready on {self.url} within {self.cfg.startup_timeout_s:.0f} s")
 
+    def metrics_text(self) -> str:
+        """pdserve only: the decode worker's /metrics ("" for vLLM or when unreachable)."""
+        if self.system == "vllm":
+            return ""
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+                return r.read().decode()
+        except OSError:
+            return ""
+
     def prediction_ratios(self) -> dict:
         """pdserve only: how its router's TTFT predictions held over the runs, per route, from the
         decode worker's pdserve_ttft_prediction_ratio histogram (measured / predicted)."""
-        if self.system == "vllm":
-            return {}
-        try:
-            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
-                text = r.read().decode()
-        except OSError:
-            return {}
-        return parse_prediction_ratios(text)
+        text = self.metrics_text()
+        return parse_prediction_ratios(text) if text else {}
+
+    def refusals(self) -> dict[str, int]:
+        """pdserve only: QoS refusals so far by reason (pdserve_admissions_refused_total)."""
+        return parse_refusals(self.metrics_text())
 
     def stop(self) -> None:
         if self.topology is not None:
@@ -201,6 +209,22 @@ def parse_prediction_ratios(metrics_text: str) -> dict:
             out[route] = {"requests": int(n), "within_20pct": round(within / n, 3),
                           "under_predicted_2x": round((n - b.get(2.0, 0.0)) / n, 3)}
     return out
+
+
+def parse_refusals(metrics_text: str) -> dict[str, int]:
+    """Refusals by reason from a decode worker's /metrics (pdserve_admissions_refused_total)."""
+    out: dict[str, int] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("pdserve_admissions_refused_total{"):
+            labels, value = line.rsplit(" ", 1)
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0) + int(float(value))
+    return out
+
+
+def refusals_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """What was refused between two scrapes, by reason (reasons with none left out)."""
+    return {k: n - before.get(k, 0) for k, n in sorted(after.items()) if n - before.get(k, 0)}
 
 
 def run_client(cfg: PeerConfig, url: str, dataset: str, rate: float, num_prompts: int, seed: int,
@@ -242,9 +266,15 @@ def resummarize(doc: dict, work: Path) -> dict:
             for rate, entry in per_rate.items():
                 raws = [work / f"{system}-{dataset}-r{rate}-rep{k}.json" for k in range(len(entry["runs"]))]
                 if all(p.is_file() for p in raws):
-                    entry["runs"] = [summarize(json.loads(p.read_text())) for p in raws]
+                    entry["runs"] = [summarize(json.loads(p.read_text())) | _kept(old)
+                                     for p, old in zip(raws, entry["runs"])]
                     entry["median"] = median_of(entry["runs"])
     return doc
+
+
+def _kept(run: dict) -> dict:
+    """What a run recorded beside the client's figures (its refusals by reason)."""
+    return {k: run[k] for k in ("refused",) if k in run}
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -281,12 +311,17 @@ def run_peer(cfg: PeerConfig, log=lambda line: print(line, file=sys.stderr, flus
                     runs = []
                     for rep in range(cfg.reps):
                         path = work / f"{system}-{dataset}-r{rate:g}-rep{rep}.json"
+                        before = server.refusals()
                         runs.append(summarize(run_client(cfg, server.url, dataset, rate, cfg.num_prompts,
                                                          1000 * (i + 1) + rep, path)))
                         r = runs[-1]
+                        refused = refusals_between(before, server.refusals())
+                        if refused:
+                            r["refused"] = refused
+                        why = ("; refused: " + ", ".join(f"{n} {k}" for k, n in refused.items())) if refused else ""
                         log(f"[{dataset}] {system} rate {rate:g} rep {rep}: completed {r['completed']}/"
                             f"{r['num_prompts']}, goodput {r['request_goodput']:.2f} req/s, TTFT p99 "
-                            f"{r['p99_ttft_ms']:.0f} ms, TPOT p99 {r['p99_tpot_ms']:.1f} ms")
+                            f"{r['p99_ttft_ms']:.0f} ms, TPOT p99 {r['p99_tpot_ms']:.1f} ms{why}")
                     per_rate[f"{rate:g}"] = {"runs": runs, "median": median_of(runs)}
                     if system == "vllm" and per_rate[f"{rate:g}"]["median"]["request_goodput"] < cfg.saturation * rate:
                         rates = rates[:i + 1]

@@ -10,7 +10,9 @@ deltas back to that request's asyncio queue with ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -22,6 +24,9 @@ from pdserve.engine import LLMEngine, RequestDelta, SamplingParams, StepError
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long the idle loop sleeps before re-checking pollers / stop
+# A file to append one JSON line per engine step to (its time, size and the step plan's reason):
+# for diagnosing the step plan on a live worker; unset (the default), nothing is written.
+STEP_TRACE_ENV = "PDSERVE_STEP_TRACE"
 # Failed steps in a row (each fails its own requests) before the engine is declared dead:
 # one bad batch is that batch's problem, three in a row with different requests is the engine's.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -50,6 +55,7 @@ class StepInfo:
     num_tokens: int
     num_decode_seqs: int
     prefill_pairs: int = 0  # the prompt tokens' attention work (LLMEngine.last_step_pairs)
+    end_s: float = 0.0  # time.perf_counter() when the step ended (engine thread)
 
 
 class EngineDeadError(RuntimeError):
@@ -94,6 +100,8 @@ class AsyncEngine:
         self.idle_wait_s = IDLE_WAIT_S
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
+        trace = os.environ.get(STEP_TRACE_ENV)
+        self._trace = open(trace, "a", buffering=1 << 16) if trace else None
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -108,6 +116,8 @@ class AsyncEngine:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.error("engine thread did not stop within %.1f s", timeout_s)
+        if self._trace is not None:
+            self._trace.flush()
 
     @property
     def alive(self) -> bool:
@@ -246,14 +256,22 @@ class AsyncEngine:
             return False
         self.step_failures = 0
         seqs, tokens, decodes = eng.last_step
-        info = StepInfo(ms=(time.perf_counter() - t0) * 1e3, num_seqs=seqs, num_tokens=tokens,
-                        num_decode_seqs=decodes, prefill_pairs=eng.last_step_pairs)
+        end = time.perf_counter()
+        info = StepInfo(ms=(end - t0) * 1e3, num_seqs=seqs, num_tokens=tokens,
+                        num_decode_seqs=decodes, prefill_pairs=eng.last_step_pairs, end_s=end)
         # One hand-over to the event loop per step, not one per stream: each
         # call_soon_threadsafe writes the loop's wake-up pipe (a syscall) and takes the GIL.
+        if self._trace is not None:
+            self._write_trace(info, eng)
         batch = [(d.request_id, d, self._final(d)) for d in deltas]
         if self._loop is not None and (batch or self.on_step is not None):
             self._loop.call_soon_threadsafe(self._deliver_step, batch, info)
         return True
+
+    def _write_trace(self, info: "StepInfo", eng: LLMEngine) -> None:
+        self._trace.write(json.dumps({
+            "end_s": round(info.end_s, 6), "ms": round(info.ms, 3), "prompt_tokens": info.num_tokens - info.num_decode_seqs,
+            "decodes": info.num_decode_seqs, **eng.step_plan()}) + "\n")
 
     def _deliver_step(self, batch: list, info: "StepInfo") -> None:
         """A step's deltas to their streams, then `on_step` (event loop)."""

@@ -60,7 +60,7 @@ class Frontend(Surface):
         self._via_remote: set[str] = set()
         self._id_prefix = uuid.uuid4().hex[:8]  # per worker process: ids never repeat across restarts
         self._admissions = itertools.count(1)
-        self.pending_prefill_tokens = 0  # admitted locally, first token not yet produced
+        self._local_prefills: dict[str, int] = {}  # admitted locally, first token not yet out: id -> uncached tokens
         # Sent remote by this worker, first token not yet back: queue stats are
         # polled, so a burst would otherwise see an empty queue for every request.
         self.pending_remote_tokens = 0
@@ -68,6 +68,7 @@ class Frontend(Surface):
         self.num_prefilling = 0
         self.num_decoding = 0
         self.arrivals = ArrivalRate()  # requests/s reaching this worker: the cost model's blocking penalty
+        self._refusal_log: dict[str, tuple[float, int]] = {}  # reason -> (last line's time, refusals since)
 
     def dtype(self) -> str:
         return self.engine.engine.connector.layout_info()["dtype"]
@@ -98,13 +99,23 @@ class Frontend(Surface):
             prefill_pool_size=view.pool_size if self.remote and self.remote.available() else 0,
             decode_active_requests=self.num_decoding,
             decode_waiting_requests=self.num_prefilling,
-            local_prefill_queue_tokens=self.pending_prefill_tokens,
+            local_prefill_queue_tokens=self.local_backlog(),
             local_prefill_queue_requests=self.num_prefilling - self.pending_remote_requests,
             decode_kv_usage=load.kv_usage,
             kv_free_tokens=load.num_free_blocks * self.engine.engine.config.block_size,
             arrival_rate_per_s=self.arrivals.rate(time.monotonic()),
             local_prefill_budget_tokens=self.prefill_budget_tokens(tokens, cached),
         )
+
+    def local_backlog(self) -> int:
+        """Prompt tokens the local prefills admitted here still have to compute: a started
+        prefill counts what it has left (the engine's progress), not its whole prompt."""
+        left_of = self.engine.engine.prompt_left
+        total = 0
+        for rid, eff in self._local_prefills.items():
+            left = left_of(rid)
+            total += eff if left is None else min(eff, left)
+        return total
 
     def refresh_gauges(self) -> None:
         m, load, view = self.metrics, self.engine.engine.load(), self.prefill_view
@@ -162,6 +173,7 @@ class Frontend(Surface):
         adm = admit(feats, snap, policy)
         if not adm.ok:
             self.metrics.refused(adm.reason)
+            self._log_refusal(adm.reason, adm.detail, len(computed), cached)
             raise RequestError("resource_exhausted", adm.detail, None, adm.predicted_ttft_ms, adm.retry_after_ms)
         if adm.degraded and adm.max_tokens is not None and adm.max_tokens < params.max_tokens:
             params = SamplingParams(**{**params.to_dict(), "max_tokens": adm.max_tokens})
@@ -176,7 +188,20 @@ class Frontend(Surface):
         if decision.route == "local" and peers is not None and not resume:
             borrow = peers.choose(hint, cached, len(ids), snap.costs, feats.tier_cached_len)
         return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, prefix_hint=hint,
-                        tenant=identity(inp.caller), residual_ms=residual, borrow=borrow)
+                        tenant=identity(inp.caller), residual_ms=residual, borrow=borrow,
+                        local_backlog=snap.local_prefill_queue_tokens)
+
+    def _log_refusal(self, reason: str, detail: str, tokens: int, cached: int) -> None:
+        """One log line per refusal reason per second at most (a refusal storm is counted, not
+        printed line by line; pdserve_admissions_refused_total has every one)."""
+        now = time.monotonic()
+        last, quiet = self._refusal_log.get(reason, (-1e9, 0))
+        if now - last < 1.0:
+            self._refusal_log[reason] = (last, quiet + 1)
+            return
+        more = f" (+{quiet} more refused for {reason} since the last line)" if quiet else ""
+        log.warning("refused (%s): prompt %d tokens, %d cached: %s%s", reason, tokens, cached, detail, more)
+        self._refusal_log[reason] = (now, 0)
 
     def engine_id(self, label: str, caller=None) -> str | None:
         """The engine's id of the in-flight request a client calls `label` (None: none)."""
@@ -204,7 +229,7 @@ class Frontend(Surface):
             self.pending_remote_tokens += eff
             self.pending_remote_requests += 1
         else:
-            self.pending_prefill_tokens += eff
+            self._local_prefills[rid] = eff
         try:
             source = remote.stream(prep) if remote is not None else self._local(prep)
             last_t, emitted = None, 0
@@ -221,7 +246,7 @@ class Frontend(Surface):
                 now = time.monotonic()
                 if item.new_token_ids and not state["first"]:
                     state["first"] = True
-                    self._prefill_done(eff, remote is not None)
+                    self._prefill_done(rid, eff, remote is not None)
                     self.num_decoding += 1
                     self.metrics.ttft.observe(now - prep.arrival)
                     check_prediction(prep, remote is not None, extra, (now - prep.arrival) * 1e3, self.metrics, self.policy)
@@ -244,7 +269,7 @@ class Frontend(Surface):
             self._handed_back.discard(rid)
             self._via_remote.discard(rid)
             if not state["first"]:
-                self._prefill_done(eff, remote is not None)
+                self._prefill_done(rid, eff, remote is not None)
             else:
                 self.num_decoding -= 1
             if not state["finished"]:  # client went away or error: free its blocks
@@ -298,11 +323,11 @@ class Frontend(Surface):
             if isinstance(item, BaseException) or item.finished:
                 return
 
-    def _prefill_done(self, eff: int, was_remote: bool) -> None:
+    def _prefill_done(self, rid: str, eff: int, was_remote: bool) -> None:
         """The request's prefill is over (first token, or it ended before one)."""
         if was_remote:
             self.pending_remote_tokens -= eff
             self.pending_remote_requests -= 1
         else:
-            self.pending_prefill_tokens -= eff
+            self._local_prefills.pop(rid, None)
         self.num_prefilling -= 1

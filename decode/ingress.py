@@ -149,6 +149,7 @@ class Prepared:
     label: str = ""
     tenant: str | None = None  # the API key's identity (None: keys off): the engine's fair share
     residual_ms: float = 0.0  # the learned TTFT residual of the decision's route, included in its prediction
+    local_backlog: int = 0  # prompt tokens local prefills had left when it was admitted
     # Prefill worker id -> tokens of this prompt's prefix it holds (their KV events): what the
     # router weighed, and the remote task's prefix_hint. Computed once, at admission.
     prefix_hint: dict[str, int] = field(default_factory=dict)

@@ -293,6 +293,7 @@ class DecodeWorker:
         prefill_tokens = info.num_tokens - info.num_decode_seqs
         self.metrics.step(info.ms / 1e3, prefill_tokens)
         costs.observe_step(info.ms, info.num_decode_seqs, prefill_tokens, info.prefill_pairs)
+        costs.observe_drain(info.end_s, info.ms, prefill_tokens, self.frontend.local_backlog())
         if prefill_tokens == 0 and info.num_decode_seqs:
             costs.observe_decode_step(info.ms, info.num_seqs)
         budget = self.engine.prefill_token_budget
@@ -322,7 +323,7 @@ class DecodeWorker:
         its chunks (the demo's long local prompt took 1.9 s against 1.0 s predicted)."""
         fe = self.frontend
         return self.engine.predicted_prefill_budget(tokens, cached, fe.num_decoding + fe.num_prefilling,
-                                                    fe.pending_prefill_tokens)
+                                                    fe.local_backlog())
 
     def _update_step_plan(self) -> None:
         qos = self._policy.policy.qos

@@ -195,6 +195,24 @@ class LLMEngine:
         """True while a step would schedule something (requests running or waiting)."""
         return self.scheduler.has_work()
 
+    def step_plan(self) -> dict:
+        """The latest step's plan as a trace line gives it: requests running and waiting, the
+        prompt-token budget and why (engine/step_budget.py; the fixed cap when none is planned)."""
+        sch = self.scheduler
+        plan = sch.last_budget if sch.step_cost is not None else None
+        return {"running": len(sch.running), "waiting": len(sch.waiting),
+                "budget": plan.tokens if plan is not None else sch.prefill_token_budget,
+                "reason": plan.reason if plan is not None else ""}
+
+    def prompt_left(self, request_id: str) -> int | None:
+        """Positions request ``request_id`` has still to compute before its next token (its
+        prefill's remainder; None: no such request). Safe to read from another thread: two
+        int reads, at worst one step stale."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return max(0, req.num_tokens - req.num_computed_tokens)
+
     def load(self) -> EngineLoad:
         kv = self.kv
         return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from .block_manager import KVCacheManager
 from .kv_tier import KVTier
 from .request import Request, RequestStatus
-from .step_budget import FRACTION as STEP_FRACTION
+from .step_budget import HORIZON as STEP_HORIZON
 from .step_budget import Budget, StepCost, StepTargets, plan_budget
 
 
@@ -78,7 +78,9 @@ class Scheduler:
         self.step_cost: StepCost | None = None
         self.step_targets: StepTargets | None = None
         self.last_budget: Budget | None = None  # the plan of the latest step (explain, metrics)
-        self.last_min_slack_ms: float | None = None  # the decoding streams' least TPOT slack then
+        # The decoding streams the latest plan saw, (tokens since the first, seconds since it,
+        # tokens left): the router's prediction plans beside them (``predicted_budget``).
+        self.last_decoding: list[tuple[int, float, int]] = []
         # What "now" is for the step plan (request ages): the engine's monotonic clock; the
         # simulator (sim/) runs this scheduler on its simulated clock instead.
         self.clock = time.monotonic
@@ -232,13 +234,13 @@ class Scheduler:
         for r in self.running:
             left = r.num_tokens - r.num_computed_tokens
             if left == 1 and r.first_token_time is not None:
-                decoding.append((len(r.output_token_ids) - 1, now - r.first_token_time))
+                decoding.append((len(r.output_token_ids) - 1, now - r.first_token_time,
+                                 r.params.max_tokens - len(r.output_token_ids)))
             elif left > 1:
                 prompts.append((left, now - r.arrival_time, r.num_computed_tokens))
         prompts.extend((r.num_tokens - r.num_computed_tokens, now - r.arrival_time, r.num_computed_tokens)
                        for r in self.waiting)
-        tpot = self.step_targets.tpot_ms * STEP_FRACTION
-        self.last_min_slack_ms = min((tpot * k - age * 1e3 for k, age in decoding), default=None)
+        self.last_decoding = decoding
         self.last_budget = plan_budget(self.step_cost, self.step_targets, decoding, prompts,
                                        self.max_num_batched_tokens)
         return self.last_budget.tokens
@@ -246,12 +248,13 @@ class Scheduler:
     def predicted_budget(self, tokens: int, cached: int, decodes: int, backlog: int) -> int | None:
         """The prompt tokens per step the step plan would give a prompt of ``tokens`` after
         ``cached`` arriving now behind ``backlog`` waiting prompt tokens, beside ``decodes``
-        streams with the least TPOT slack of the latest step (for the router's local
+        streams: those of the latest step, then fresh ones (for the router's local
         prediction; engine/step_budget.py). With a fixed cap: the cap (None: none)."""
         if self.step_cost is None or self.step_targets is None:
             return self.prefill_token_budget
-        slack_s = (self.last_min_slack_ms or 0.0) / 1e3
-        return plan_budget(self.step_cost, self.step_targets, [(0, -slack_s)] * decodes,
+        seen = self.last_decoding[:decodes]
+        streams = seen + [(0, 0.0, STEP_HORIZON)] * (decodes - len(seen))
+        return plan_budget(self.step_cost, self.step_targets, streams,
                            [(backlog + tokens, 0.0, cached)], self.max_num_batched_tokens).tokens
 
     # -- the second tier ------------------------------------------------------------

@@ -15,20 +15,32 @@ as much as 40 prompt tokens, so 40-token chunks double a prompt's prefill time).
 weighs the two SLOs with what each side can afford (``plan_budget``):
 
 * **Streams keep their TPOT.** TPOT is judged per request as the mean time per output token
-  (``(e2e - ttft) / (tokens - 1)``: vLLM's benchmark and its goodput use it), so a stream that
-  has been running faster than its target has *slack* it can spend on one longer step without
-  missing it: ``slack = target x tokens since the first - time since the first``. A step may
-  last ``target + min(slack)`` (capped at ``MAX_STALL`` x target so ITL stays bounded); it is
-  assumed the stream may end right after (no credit is taken for its future tokens).
+  (``(e2e - ttft) / (tokens - 1)``: vLLM's benchmark and its goodput use it), not per gap. A
+  stream ``k`` tokens and ``age`` ms past its first token, with ``r`` more to come (its
+  ``max_tokens`` left, credited up to ``HORIZON``), ends within the target when its next
+  ``r`` steps carry at most ``W = target x (k + r) - age - r x base_step`` ms of prompt
+  compute (the steps after the backlog taken at the base). When ``W`` covers the whole
+  backlog's compute, chunking does not change the stream's TPOT at all (the backlog costs it
+  the same time in big chunks or small ones; big ones just finish the prompts sooner), so the
+  stream sets no limit but the gap bound: a step never lasts more than ``MAX_STALL`` x the
+  target (ITL). When every stream absorbs the backlog, the step takes as much of it as that
+  bound allows (vLLM takes whole prompts; TTFT is what a small chunk costs). Otherwise it affords ``W / r`` ms of prompt compute per step. Without a count
+  of future tokens ``r = 1``: ``target + slack - base_step``, with ``slack = target x k - age``.
+  The plan is recomputed every step, so a stream whose future steps turn out longer (new
+  prompts) affords less from then on. A stream that misses its target even if every token
+  it may still generate came from a bare step is lost whatever the chunk, and sets no limit.
+  A stream behind its target otherwise still gets steps of the target, not shorter ones:
+  shorter ones (16-token chunks) starved the waiting prompts into multi-second TTFTs on the
+  2-core box, for a stream whose TPOT they could only nudge.
 * **Waiting prompts keep their TTFT.** For the waiting prompts in service order, with ``L``
   their cumulative remaining prompt tokens and ``D`` the time left to the TTFT target of the
   last of them, the chunk ``n`` must satisfy ``ceil(L / n) x base_step + prefill_ms x L <= D``.
   The largest such need is the chunk the prompts require.
-* **The choice.** Without slack the streams allow ``n_free = (target - base_step) / prefill_ms``
-  tokens: the budget is at least that. When the prompts need more it spends slack, up to what
-  the streams allow; beyond that the streams win (a prompt that misses its TTFT is one lost
+* **The choice.** A step of the target allows ``n_free = (target - base_step) / prefill_ms``
+  tokens: the budget is at least that. When the
+  prompts need more it takes what they need, up to what the streams afford; beyond that the streams win (a prompt that misses its TTFT is one lost
   request; a step too long for every stream may be many). A prompt that cannot make its TTFT
-  target whatever the chunk gets what the streams' slack affords: it is late anyway, and
+  target whatever the chunk gets what the streams afford: it is late anyway, and
   draining it sooner lets the prompts queued behind it in sooner. Nobody decoding: there is no stream
   to protect, only arrivals, which wait at most one step, so a step may last
   ``IDLE_WAIT x ttft target`` or what the prompts need, whichever is more.
@@ -48,6 +60,7 @@ FRACTION = 0.8  # of each SLO: room for step-to-step noise
 MAX_STALL = 4.0  # a step never lasts more than this x the TPOT target (bounds ITL)
 IDLE_WAIT = 0.25  # nobody decoding: a step lasts at most this x the TTFT target
 MIN_TOKENS = 16  # a prefill chunk never goes below this (progress; one block of the default size)
+HORIZON = 16  # a stream's future tokens credited, at most (it may stop early: an EOS, a stop string)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +116,14 @@ class Budget:
     reason: str  # what it was derived from, for logs and `explain`
 
 
-def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple[int, float]],
+def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple],
                 prompts: Sequence[tuple[int, float, int]], max_tokens: int) -> Budget:
     """The prompt tokens of the next step (module docstring).
 
     ``decoding``: per decoding stream, (tokens since its first token, seconds since its first
-    token). ``prompts``: per waiting or prefilling request in service order, (prompt tokens
-    left, seconds since it arrived, position its prefill has reached).
+    token[, tokens it may still generate]); without the third, no credit is taken for its
+    future tokens. ``prompts``: per waiting or prefilling request in service order, (prompt
+    tokens left, seconds since it arrived, position its prefill has reached).
     """
     tpot = targets.tpot_ms * FRACTION
     ttft = targets.ttft_ms * FRACTION
@@ -122,23 +136,52 @@ def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple[i
         tokens, why = (need, need_why) if need > idle else (
             idle, f"nobody decoding: a step of <= {IDLE_WAIT:g} x TTFT target {ttft:.0f} ms = {idle} tokens")
         return _clamp(tokens, why, max_tokens)
-    slack = min(tpot * k - age * 1e3 for k, age in decoding)
-    allowed = min(tpot + max(slack, -tpot), MAX_STALL * tpot)
+    backlog_ms = sum(cost.compute_ms(left, at) for left, _, at in prompts)
+    afford = min(_affordable_ms(s, tpot, base, backlog_ms) for s in decoding)
+    room = min(afford, MAX_STALL * tpot - base)
+    most = cost.tokens_within(room, start)
     free = cost.tokens_within(tpot - base, start)
-    most = cost.tokens_within(allowed - base, start)
-    if slack < 0:  # a stream is behind its target: only what it can still afford
-        return _clamp(most, f"a stream is {-slack:.0f} ms behind its TPOT target: a step of <= {allowed:.0f} ms "
+    if afford < tpot - base:  # a stream is behind: steps of the target, no longer ones (module docstring)
+        return _clamp(free, f"a stream is behind its TPOT target (it affords {max(afford, 0):.0f} ms of prompt "
+                      f"compute per step): steps of the target {tpot:.0f} ms = {free} prompt tokens", max_tokens)
+    if math.isinf(afford):  # chunking cannot change the streams' TPOT: finish the prompts soonest
+        return _clamp(most, f"the streams absorb the whole backlog ({backlog_ms:.0f} ms of prompt compute) "
+                      f"within their TPOT target (or miss it whatever the chunk): steps of <= {base + room:.0f} ms "
                       f"= {most} tokens", max_tokens)
+    spare = f"the streams afford {afford:.0f} ms a step"
     if late and most > max(need, free):  # draining it sooner lets the prompts behind it in sooner
-        return _clamp(most, f"{late}: the streams' slack ({slack:.0f} ms) drains it in steps of <= "
-                      f"{allowed:.0f} ms = {most} tokens", max_tokens)
+        return _clamp(most, f"{late}: {spare}; drained in steps of <= {base + room:.0f} ms = {most} tokens",
+                      max_tokens)
     if need <= free:
         return _clamp(free, f"TPOT target {tpot:.0f} ms - step base {base:.1f} ms ({d} streams) "
                       f"= {free} prompt tokens", max_tokens)
     if need <= most:
-        return _clamp(need, f"{need_why}; the streams' slack ({slack:.0f} ms) affords it", max_tokens)
-    return _clamp(most, f"{need_why}, but the streams afford only {most} (slack {slack:.0f} ms, "
-                  f"a step <= {allowed:.0f} ms): the streams win", max_tokens)
+        return _clamp(need, f"{need_why}; {spare}: it fits", max_tokens)
+    return _clamp(most, f"{need_why}, but {spare}, {most} tokens (a step <= {base + room:.0f} ms): "
+                  "the streams win", max_tokens)
+
+
+def _affordable_ms(stream: tuple, tpot: float, base: float, backlog_ms: float) -> float:
+    """Prompt compute (ms) one stream lets the next step carry and still end within its TPOT
+    target (inf: the whole backlog fits what it can absorb).
+
+    Over its next ``r`` tokens (its remaining tokens, at most ``HORIZON``; 1 without a count)
+    the stream's mean TPOT stays within the target when those steps' prompt compute is at most
+    ``W = tpot x (k + r) - age - r x base`` (the steps after the backlog taken at the base).
+    If ``W`` covers the whole backlog, how it is chunked does not change the stream's TPOT
+    (only its gaps, which ``MAX_STALL`` bounds); else the stream can give ``W / r`` per step.
+    A stream that misses its target even if all the tokens it may still generate came from
+    bare steps is lost whatever the chunk: it sets no limit either (starving the prompts for
+    it would lose them too)."""
+    k, age = stream[0], stream[1]
+    left = stream[2] if len(stream) > 2 else None
+    if left is not None and tpot * (k + max(1, left)) - age * 1e3 - max(1, left) * base < 0:
+        return math.inf  # it misses its target even if every step it has left is a bare one: no limit
+    r = max(1, min(left, HORIZON)) if left is not None else 1
+    w = tpot * (k + r) - age * 1e3 - r * base
+    if w >= backlog_ms and w > 0:
+        return math.inf
+    return w / r
 
 
 def _prompts_need(cost: StepCost, base: float, ttft: float,

@@ -50,6 +50,10 @@ class CostEstimates:
     # Loading one token's KV back from this worker's second tier (engine/kv_tier.py; measured by
     # the tier, 0 until its first load: loading is then taken as free beside computing).
     tier_load_ms_per_token: float = 0.0
+    # How fast this worker's local prompt backlog drains under its current load: wall ms per
+    # prompt token over recent steps that had a backlog (steps, the gaps between them, the
+    # streams decoding beside), measured (``CostModel.observe_drain``); 0 until measured.
+    local_drain_ms_per_token: float = 0.0
 
     @classmethod
     def seed(cls, params: CostModelParams, kv_bytes_per_token: int) -> CostEstimates:
@@ -120,6 +124,11 @@ class CostModel:
         self._remote_ratio: float | None = None
         # Exponentially weighted sums of (bytes, ms) for the transfer fit.
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        # The local backlog's drain: decayed sums of wall ms and prompt tokens of backlog steps,
+        # the end of the last step (seconds) and whether it had a backlog.
+        self._drain_ms = self._drain_tokens = 0.0
+        self._drain_end: float | None = None
+        self._drain_busy = False
 
     # --- observations ---------------------------------------------------------
 
@@ -167,6 +176,30 @@ class CostModel:
             if pred > 0:
                 ms = min(max(ms, pred / self._outlier), pred * self._outlier)
         self._adopt_curve(self._curve.observe(ms, decodes, prefill_tokens, pairs))
+
+    def observe_drain(self, end_s: float, step_ms: float, prompt_tokens: int, backlog_tokens: int) -> None:
+        """One engine step ended at ``end_s`` (seconds, any monotonic origin) after ``step_ms``,
+        with ``prompt_tokens`` prompt tokens; ``backlog_tokens`` local prompt tokens still wait.
+
+        A step with prompt tokens or a backlog is a drain step: it adds its wall time to the drain
+        sums (from the previous step's end when that one was a drain step too, so the gaps in
+        which the worker streams and admits count; else its own time, the engine having maybe
+        idled before it) and its prompt tokens. The sums decay over ``DRAIN_WINDOW_STEPS``, so
+        the rate follows the load. Published once ``DRAIN_MIN_TOKENS`` tokens were seen."""
+        check_sample(ms=step_ms, tokens=prompt_tokens)
+        busy = prompt_tokens > 0 or backlog_tokens > 0
+        wall = step_ms
+        if busy and self._drain_busy and self._drain_end is not None:
+            wall = max(step_ms, (end_s - self._drain_end) * 1e3)
+        self._drain_end, self._drain_busy = end_s, busy
+        if not busy:
+            return
+        decay = 1.0 - 1.0 / DRAIN_WINDOW_STEPS
+        self._drain_ms = self._drain_ms * decay + wall
+        self._drain_tokens = self._drain_tokens * decay + prompt_tokens
+        if self._drain_tokens >= DRAIN_MIN_TOKENS:
+            per_token = self._drain_ms / self._drain_tokens
+            self._est = replace(self._est, local_drain_ms_per_token=max(per_token, self._est.prefill_local_ms_per_token))
 
     def calibrate(self, steps: list[tuple[float, int, int, int]]) -> None:
         """Replace the seeded step curve with a fit of ``steps`` ((ms, decodes, prompt tokens,
@@ -282,6 +315,11 @@ class CostModel:
         self._samples[name] += 1
         self._est = replace(self._est, **{name: value})
 
+
+# The local drain rate (observe_drain) averages over about this many recent backlog steps, and
+# is published once its sums hold this many prompt tokens.
+DRAIN_WINDOW_STEPS = 32
+DRAIN_MIN_TOKENS = 256
 
 # The first measurements of an estimate move it freely (a seed may be far off the
 # hardware); later ones are clipped by ema_outlier_factor.

@@ -60,7 +60,10 @@ def predict(
 
     local  = min(behind, beside) + decode wait + residual_local, where
              behind = ceil((backlog + eff_len) / B) x base + backlog compute + compute(eff_len)
-                      (first come, first served), and, with a budget and a backlog,
+                      (first come, first served); once the backlog's drain rate D (wall ms
+                      per prompt token, measured: ``local_drain_ms_per_token``) is known,
+                      behind = (backlog + eff_len) x D while a backlog waits; backlog is the
+                      prompt tokens the local prefills still have to compute; with a budget and a backlog,
              beside = base + B x t_local + compute(eff_len) - eff_len x t_local, only for
                       eff_len <= B / 2 (the scheduler gives a waiting prompt half of the
                       step beside a running prefill; a longer one, once running, waits for
@@ -112,9 +115,17 @@ def predict(
         read = c.prefill_compute_ms(eff - peer, features.cached_len + peer) + c.transfer_ms(peer)
         if read < local_compute:
             local_eff, local_compute = eff - peer, read
-    local_wait = (_steps(backlog, budget) * base + _backlog_ms(c, backlog, snapshot.local_prefill_queue_requests)
-                  + decode_wait)
-    local_prefill = (_steps(backlog + local_eff, budget) - _steps(backlog, budget)) * base + local_compute
+    drain = c.local_drain_ms_per_token
+    if backlog and drain > 0:
+        # Behind a backlog, prompt tokens go at the rate this worker's backlog has measurably
+        # drained at lately (its chunks, the streams beside them, the gaps between steps).
+        computed = c.prefill_compute_ms(local_eff, features.cached_len + eff - local_eff)
+        local_wait = backlog * drain + decode_wait
+        local_prefill = local_eff * drain + (local_compute - computed)
+    else:
+        local_wait = (_steps(backlog, budget) * base + _backlog_ms(c, backlog, snapshot.local_prefill_queue_requests)
+                      + decode_wait)
+        local_prefill = (_steps(backlog + local_eff, budget) - _steps(backlog, budget)) * base + local_compute
     half = max(1, budget // 2)
     if budget and backlog and 0 < local_eff <= half:
         # It fits the half step the scheduler leaves it beside the running prefill. A longer

@@ -69,7 +69,7 @@ class ClusterSnapshot:
     prefill_pool_size: int = 0  # live prefill workers (leases held)
     decode_active_requests: int = 0  # running on this decode worker
     decode_waiting_requests: int = 0  # admitted here, not yet running (reported by explain)
-    local_prefill_queue_tokens: int = 0  # tokens waiting for a local prefill here
+    local_prefill_queue_tokens: int = 0  # prompt tokens local prefills here still have to compute
     local_prefill_queue_requests: int = 0  # the requests they belong to (0: count them as one)
     decode_backlog_tokens: int = 0  # decode tokens ahead of a new request's slot (0 = room now)
     decode_kv_usage: float = 0.0  # fraction 0-1 of this worker's KV blocks in use

@@ -118,6 +118,8 @@ class _Track:
     decision: object
     residual_ms: float
     gateway_units: int = 0
+    req: object = None  # the engine's Request (its prefill's progress)
+    backlog: int = 0  # the local backlog at admission (decode/ingress.py Prepared.local_backlog)
 
 
 class Simulation:
@@ -261,7 +263,8 @@ class DecodeSim:
         self._update_plan()
         self.arrivals = ArrivalRate()
         self.inflight: dict[str, _Track] = {}
-        self.pending_prefill_tokens = self.pending_remote_tokens = self.pending_remote_requests = 0
+        self.pending_remote_tokens = self.pending_remote_requests = 0
+        self.local_prefills: dict[str, _Track] = {}  # local, first token not yet out
         self.num_prefilling = self.num_decoding = 0
         self.stepping = False
         self.draining = False
@@ -293,14 +296,19 @@ class DecodeSim:
             prefill_pool_size=pool,
             decode_active_requests=self.num_decoding,
             decode_waiting_requests=self.num_prefilling,
-            local_prefill_queue_tokens=self.pending_prefill_tokens,
+            local_prefill_queue_tokens=self.local_backlog(),
             local_prefill_queue_requests=self.num_prefilling - self.pending_remote_requests,
             decode_kv_usage=eng.kv.usage,
             kv_free_tokens=eng.kv.num_free_blocks * eng.kv.block_size,
             arrival_rate_per_s=self.arrivals.rate(sim.now),
             local_prefill_budget_tokens=eng.scheduler.predicted_budget(
-                tokens, cached, self.num_decoding + self.num_prefilling, self.pending_prefill_tokens),
+                tokens, cached, self.num_decoding + self.num_prefilling, self.local_backlog()),
         )
+
+    def local_backlog(self) -> int:
+        """decode/frontend.py local_backlog: what the local prefills still have to compute."""
+        return sum(min(t.eff, max(0, t.req.num_tokens - t.req.num_computed_tokens))
+                   for t in self.local_prefills.values())
 
     def arrive(self, r: SimRequest, rec: RequestRecord) -> None:
         sim = self.sim
@@ -326,7 +334,7 @@ class DecodeSim:
                     else snap.costs.ttft_residual_local_ms) if eff > 0 else 0.0
         req = self.engine.request(rid, ids, max_tokens, r.priority, sim.now)
         remote = d.route == "remote" and bool(sim.live_prefill())
-        track = _Track(rec, eff, remote, d, residual)
+        track = _Track(rec, eff, remote, d, residual, req=req, backlog=snap.local_prefill_queue_tokens)
         self.inflight[rid] = track
         self.num_prefilling += 1
         if sim.topology.ingress == "gateway":
@@ -346,7 +354,7 @@ class DecodeSim:
                                    priority=Priority.parse(r.priority), arrival_time=sim.now)
                 sim.at(sim.now + sim.profile.queue_hop_ms / 1e3, self._put, task)
                 return
-        self.pending_prefill_tokens += eff
+        self.local_prefills[rid] = track
         self.engine.scheduler.add(req)
         self.kick()
 
@@ -373,6 +381,7 @@ class DecodeSim:
             self._token(req, finished)
         costs = self.state.costs
         costs.observe_step(info.ms, info.decodes, info.prompt_tokens, info.pairs)
+        costs.observe_drain(self.sim.now, info.ms, info.prompt_tokens, self.local_backlog())
         if info.prompt_tokens == 0 and info.decodes:
             costs.observe_decode_step(info.ms, info.seqs)
             self.counts["decode_steps"] += 1
@@ -418,7 +427,7 @@ class DecodeSim:
             self.pending_remote_tokens -= track.eff
             self.pending_remote_requests -= 1
         else:
-            self.pending_prefill_tokens -= track.eff
+            self.local_prefills.pop(track.req.request_id, None)
         self.num_prefilling -= 1
         self.counts["requests"] += 1
         self.counts["prompt_tokens"] += track.rec.prompt_len
@@ -432,6 +441,8 @@ class DecodeSim:
         d = track.decision
         route = "remote" if track.remote else "local"
         if route != d.route or track.rec.fell_back or track.eff <= 0 or d.predicted_ttft_ms <= 0:
+            return
+        if route == "local" and track.backlog:
             return
         formula = d.predicted_ttft_ms - track.residual_ms
         outlier = self.state.policy.router.cost_model.ema_outlier_factor

@@ -42,3 +42,17 @@ def test_the_table_gives_goodput_ratios_against_vllm():
     table = format_table(doc)
     assert "| 1 | colocated | 40/40 | - | 1.00 [0.90-1.00] | 1.25x |" in table
     assert "local 75% of 40 requests" in table
+
+
+def test_refusals_are_read_by_reason_and_differenced_per_run():
+    from pdserve.bench.peer_serve import parse_refusals, refusals_between
+    m = WorkerMetrics("decode", "d0")
+    m.refused("queue_wait_exceeded")
+    before = parse_refusals(generate_latest(m.registry).decode())
+    for _ in range(3):
+        m.refused("queue_wait_exceeded")
+    m.refused("kv_pool_full")
+    after = parse_refusals(generate_latest(m.registry).decode())
+    assert before == {"queue_wait_exceeded": 1}
+    assert refusals_between(before, after) == {"kv_pool_full": 1, "queue_wait_exceeded": 3}
+    assert refusals_between(after, after) == {}

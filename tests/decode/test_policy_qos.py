@@ -87,18 +87,27 @@ def test_low_priority_burst_is_partly_refused_high_priority_all_admitted(tight_w
     wait_until(lambda: eng.kv.num_free_blocks == eng.kv.pool.num_blocks and not eng.requests, 15)
 
 
-def test_http_refusal_is_429_with_retry_after(llama_dir, tmp_path):
+def test_http_refusal_is_429_with_retry_after(llama_dir, tmp_path, caplog):
     path = tmp_path / "router.yaml"
     path.write_text(REFUSE_LOW)
     w = WorkerThread(DecodeWorkerConfig(model=llama_dir, router_policy=str(path))).start()
     try:
-        with httpx.Client(base_url=w.http, timeout=60) as h:
+        with httpx.Client(base_url=w.http, timeout=60) as h, caplog.at_level("WARNING", "pdserve.decode.frontend"):
             r = h.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "priority": "low"})
             assert r.status_code == 429
             assert "predicted TTFT" in r.json()["error"]["message"]
             assert int(r.headers["retry-after"]) >= 1 and float(r.headers["x-predicted-ttft-ms"]) > 0
+            again = h.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "priority": "low"})
+            assert again.status_code == 429
             ok = h.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "priority": "high"})
             assert ok.status_code == 200
+            metrics = h.get("/metrics").text
+        # every refusal is counted; the log names the reason and figures, once a second at most
+        assert 'pdserve_admissions_refused_total{reason="low_priority_ttft"' in metrics
+        counted = [ln for ln in metrics.splitlines() if ln.startswith("pdserve_admissions_refused_total{")]
+        assert float(counted[0].rsplit(" ", 1)[1]) == 2.0, counted
+        lines = [rec.getMessage() for rec in caplog.records if "refused (low_priority_ttft)" in rec.getMessage()]
+        assert 1 <= len(lines) <= 2 and "predicted TTFT" in lines[0], lines
     finally:
         w.stop()
 

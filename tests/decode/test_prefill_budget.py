@@ -67,10 +67,12 @@ def test_a_worker_calibrates_at_boot_and_plans_its_engine_steps(llama_dir, tmp_p
         # The router's local prediction plans a long prompt beside the streams that will be
         # decoding by then: requests admitted ahead of it count, not only those decoding now.
         fe = worker.frontend
-        alone = worker._predicted_budget(1600, 0)
+        # (A backlog longer than the streams can absorb: else they take it in chunks as large
+        # as the gap bound allows, alone or crowded.)
+        alone = worker._predicted_budget(20000, 0)
         fe.num_prefilling += 8
         try:
-            crowded = worker._predicted_budget(1600, 0)  # (fails with num_decoding alone)
+            crowded = worker._predicted_budget(20000, 0)  # (fails with num_decoding alone)
         finally:
             fe.num_prefilling -= 8
         assert crowded < alone, (crowded, alone)
@@ -96,3 +98,21 @@ def test_a_topology_can_fix_the_budget_instead(llama_dir, fixed):
         assert eng.scheduler.step_cost is None
     finally:
         w.stop()
+
+
+def test_a_step_trace_has_every_step_and_its_plan(llama_dir, tmp_path, monkeypatch):
+    """PDSERVE_STEP_TRACE=FILE: one JSON line per engine step, with the plan's budget and reason."""
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("PDSERVE_STEP_TRACE", str(trace))
+    w = WorkerThread(DecodeWorkerConfig(model=llama_dir, engine_args={"max_model_len": 512})).start()
+    try:
+        body = json.dumps({"model": w.worker.frontend.served_model, "prompt": "hello there " * 20, "max_tokens": 4})
+        req = urllib.request.Request(f"{w.http}/v1/completions", body.encode(), {"Content-Type": "application/json"})
+        assert urllib.request.urlopen(req, timeout=30).status == 200
+    finally:
+        w.stop()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    prompt = [r for r in rows if r["prompt_tokens"] > 0]
+    assert prompt and all(r["budget"] >= 16 and r["reason"] and r["ms"] > 0 for r in prompt), prompt
+    assert sum(r["decodes"] for r in rows) == 3  # 4 tokens: the first came with the prompt's last chunk
+    assert all(a["end_s"] < b["end_s"] for a, b in zip(rows, rows[1:]))

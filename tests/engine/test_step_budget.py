@@ -25,10 +25,37 @@ def test_nobody_decoding_a_step_may_take_a_quarter_of_the_ttft_target():
 
 
 def test_fresh_streams_get_the_chunk_that_fits_their_tpot_target():
-    # 4 streams that just got their first token: no slack; a prompt that needs little
-    b = plan(decoding=[(0, 0.0)] * 4, prompts=[(100, 0.0)])
+    # 4 streams that just got their first token, no future tokens credited: no slack; a
+    # backlog longer than one step of the target
+    b = plan(decoding=[(0, 0.0)] * 4, prompts=[(100, 0.0), (100, 0.0)])
     assert b.tokens == int((TPOT - (10 + 4)) / 0.25) == 104
     assert "TPOT target 40 ms" in b.reason
+    # a backlog that fits in that step: the streams absorb it, so nothing holds the chunk back
+    # (but the gap bound)
+    small = plan(decoding=[(0, 0.0)] * 4, prompts=[(100, 0.0)])
+    assert small.tokens == int((MAX_STALL * TPOT - 14) / 0.25) and "absorb" in small.reason
+
+
+def test_streams_with_tokens_to_come_absorb_a_backlog_in_big_chunks():
+    """A stream's TPOT is its mean: over its next r tokens it can carry tpot x (k + r) - age
+    - r x base ms of prompt compute. A backlog within that costs it the same in any chunking,
+    so the prompt gets the largest chunk the gap bound allows."""
+    # 16 tokens to come, 1 stream (base 11 ms): W = 40 x 16 - 16 x 11 = 464 ms >= 900 x 0.25
+    credited = plan(decoding=[(0, 0.0, 16)], prompts=[(900, 0.0)])
+    assert credited.tokens == int((MAX_STALL * TPOT - 11) / 0.25) == 596 and "absorb" in credited.reason
+    # the credit stops at HORIZON tokens: 1000 to come count as 16
+    assert plan(decoding=[(0, 0.0, 1000)], prompts=[(900, 0.0)]).tokens == 596
+    # no count of future tokens (r = 1): only its slack, a prompt that meets its TTFT in small chunks
+    assert plan(decoding=[(0, 0.0)], prompts=[(900, 0.0)]).tokens == int((TPOT - 11) / 0.25) == 116
+    # a backlog beyond what it can carry: W / r per step (464 / 16 = 29 ms: a step of the target)
+    assert plan(decoding=[(0, 0.0, 16)], prompts=[(4000, 0.0)]).tokens == 116
+    # a stream behind its target that bare steps would bring back (W = 1040 - 870 - 176 < 0
+    # over 16 tokens; over its 100: 40 x 110 - 870 - 1100 > 0): steps of the target, no longer
+    behind = plan(decoding=[(10, 0.87, 100)], prompts=[(4000, 0.0)])
+    assert behind.tokens == 116 and "behind" in behind.reason
+    # one that misses whatever happens (2 tokens left: 40 x 12 - 870 - 22 < 0) sets no limit
+    lost = plan(decoding=[(10, 0.87, 2)], prompts=[(4000, 0.0)])
+    assert lost.tokens == 596 and "absorb" in lost.reason
 
 
 def test_a_long_prompt_gets_the_chunks_its_ttft_needs_when_the_streams_have_slack():
@@ -37,7 +64,7 @@ def test_a_long_prompt_gets_the_chunks_its_ttft_needs_when_the_streams_have_slac
     b = plan(decoding=streams, prompts=[(2800, 0.0)])
     # 2800 tokens in 800 ms: 800 - 700 = 100 ms of step bases of 14 ms -> 7 steps of 400 tokens
     assert b.tokens == 400
-    assert "slack" in b.reason and "affords" in b.reason
+    assert "the streams afford" in b.reason and "it fits" in b.reason
     # the same prompt beside fresh streams (no slack): they win, at what they afford
     fresh = plan(decoding=[(0, 0.0)] * 4, prompts=[(2800, 0.0)])
     assert fresh.tokens == 104 and "the streams win" in fresh.reason
@@ -50,12 +77,13 @@ def test_slack_is_spent_up_to_max_stall_only():
     assert b.tokens == int((MAX_STALL * TPOT - 11.0) / 0.25) == 596
 
 
-def test_a_stream_behind_its_target_gets_shorter_steps_than_a_fresh_one():
-    behind = plan(decoding=[(10, 0.5)], prompts=[(100, 0.0)])  # 40 x 10 - 500 = -100 ms
-    assert behind.tokens == MIN_TOKENS and "behind" in behind.reason
-    slightly = plan(decoding=[(10, 0.41)], prompts=[(100, 0.0)])  # -10 ms: a 30 ms step
-    assert slightly.tokens == int((30 - 11) / 0.25) == 76
-
+def test_a_stream_behind_its_target_gets_steps_of_the_target_not_longer():
+    """Behind its target, a stream takes no slack from anyone: the prompts get a step of the
+    target (not shorter: that starves them), whatever they need."""
+    behind = plan(decoding=[(10, 0.5)], prompts=[(2800, 0.0)])  # 40 x 10 - 500 = -100 ms
+    assert behind.tokens == int((TPOT - 11) / 0.25) == 116 and "behind" in behind.reason
+    ahead = plan(decoding=[(10, 0.2)], prompts=[(2800, 0.0)])  # 200 ms of slack: the chunks its TTFT needs
+    assert ahead.tokens == 312 > behind.tokens  # 2800 tokens in 9 steps of 11 ms + 700 ms
 
 def test_a_prompt_past_its_ttft_target_is_drained_with_the_streams_slack():
     # It arrived 2 s ago: past its target whatever the chunk; the stream has 500 ms of slack.
@@ -66,9 +94,10 @@ def test_a_prompt_past_its_ttft_target_is_drained_with_the_streams_slack():
 
 
 def test_prompts_waiting_together_need_the_chunk_of_their_cumulative_tokens():
-    one = plan(decoding=[(100, 0.5)], prompts=[(400, 0.0)])
-    two = plan(decoding=[(100, 0.5)], prompts=[(400, 0.0), (2000, 0.0)])
-    assert two.tokens > one.tokens
+    # a stream with 79 ms to spare (W = 40 x 11 - 350 - 11): neither backlog fits in it
+    one = plan(decoding=[(10, 0.35)], prompts=[(400, 0.0)])
+    two = plan(decoding=[(10, 0.35)], prompts=[(400, 0.0), (2000, 0.0)])
+    assert one.tokens == 116 and two.tokens == 134 > one.tokens
 
 
 @pytest.mark.parametrize("cost, max_tokens, expect", [

@@ -261,3 +261,40 @@ def test_ttft_residuals_learn_what_the_formula_leaves_out_per_route():
     e = m.snapshot()
     assert e.ttft_residual_remote_ms == pytest.approx(30.0, abs=0.01)
     assert e.ttft_residual_local_ms == pytest.approx(-5.0, abs=0.01)
+
+
+def test_the_local_drain_is_wall_time_per_prompt_token_over_backlog_steps():
+    """observe_drain: back-to-back backlog steps count the gaps between them; the rate is
+    published once DRAIN_MIN_TOKENS were seen, and follows a load that changes."""
+    from pdserve.router.costs import DRAIN_MIN_TOKENS, DRAIN_WINDOW_STEPS
+    m = model(prefill_local_ms_per_token=0.1)
+    t = 0.0
+    for _ in range(DRAIN_MIN_TOKENS // 100 - 1):  # not enough tokens yet: unknown (0)
+        t += 0.05
+        m.observe_drain(t, 40.0, 100, 500)
+    assert m.snapshot().local_drain_ms_per_token == 0.0
+    for _ in range(200):  # 50 ms apart (a 40 ms step + a 10 ms gap), 100 prompt tokens each
+        t += 0.05
+        m.observe_drain(t, 40.0, 100, 500)
+    assert m.snapshot().local_drain_ms_per_token == pytest.approx(0.5, rel=1e-3)
+    t += 0.05
+    m.observe_drain(t, 20.0, 0, 0)  # the backlog is gone (a decode step)
+    t += 5.0  # an idle pause, then a prompt's first step: its own time only, not the pause
+    m.observe_drain(t, 40.0, 100, 500)
+    assert m.snapshot().local_drain_ms_per_token < 0.5
+    for _ in range(10 * DRAIN_WINDOW_STEPS):  # the load changes: steps now 100 ms apart
+        t += 0.1
+        m.observe_drain(t, 90.0, 100, 500)
+    assert m.snapshot().local_drain_ms_per_token == pytest.approx(1.0, rel=1e-3)
+    m.observe_drain(t + 0.1, 10.0, 0, 0)  # a step without backlog or prompt: no sample
+    assert m.snapshot().local_drain_ms_per_token == pytest.approx(1.0, rel=1e-3)
+
+
+def test_backlog_steps_without_prompt_tokens_slow_the_drain():
+    """A backlog that made no progress (say, the KV pool full) is time spent, no tokens gained."""
+    m = model(prefill_local_ms_per_token=0.1)
+    t = 0.0
+    for i in range(400):
+        t += 0.05
+        m.observe_drain(t, 50.0, 100 if i % 2 else 0, 1000)
+    assert m.snapshot().local_drain_ms_per_token == pytest.approx(1.0, rel=0.05)

@@ -345,3 +345,19 @@ def test_a_local_prefill_that_can_borrow_counts_the_read_not_the_compute(rt, pol
     slow = dataclasses.replace(snapshot, costs=dataclasses.replace(snapshot.costs, transfer_bytes_per_ms=1.0))
     assert decide(rt.req(2000, remote_cached_len=1500, peer_reads=True), slow, policy).predicted_ttft_local_ms == \
         decide(rt.req(2000, remote_cached_len=1500), slow, policy).predicted_ttft_local_ms
+
+
+def test_a_measured_drain_prices_the_local_backlog_and_the_prompt_behind_it(rt, policy):
+    """Once the backlog's drain is measured (wall ms per prompt token), a prompt behind a local
+    backlog waits backlog x drain and prefills at the same rate; without a backlog, the step
+    formula holds whatever the drain."""
+    costs = rt.costs(policy, step_fixed_ms=10.0, local_drain_ms_per_token=0.8)
+    s = rt.snap(policy, costs, local_prefill_queue_tokens=1000, local_prefill_queue_requests=2,
+                local_prefill_budget_tokens=200)
+    d = decide(rt.req(500, override="local"), s, policy)
+    assert d.predicted_queue_wait_ms == from_seed(1000 * 0.8)
+    assert d.predicted_ttft_local_ms == from_seed(1500 * 0.8)
+    idle = decide(rt.req(500, override="local"), rt.snap(policy, costs, local_prefill_budget_tokens=200), policy)
+    assert idle.predicted_ttft_local_ms == from_seed(3 * 10 + 500 * 0.1)
+    short = decide(rt.req(50, override="local"), s, policy)  # beside the backlog: one shared step
+    assert short.predicted_ttft_local_ms == from_seed(10 + 200 * 0.1)

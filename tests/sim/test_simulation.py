@@ -58,7 +58,7 @@ def test_every_request_ends_once_and_nothing_is_left_held(topology):
             assert r.first_token is None and r.tokens == 0
     for d in sim.decode:
         assert not d.inflight
-        assert d.pending_prefill_tokens == d.pending_remote_tokens == d.pending_remote_requests == 0
+        assert not d.local_prefills and d.pending_remote_tokens == d.pending_remote_requests == 0
         assert d.num_prefilling == d.num_decoding == 0
         assert d.engine.kv.usage == 0.0 and not d.engine.scheduler.has_work()
     for p in sim.prefill:
