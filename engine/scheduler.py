@@ -41,6 +41,8 @@ from .request import Request, RequestStatus
 from .step_budget import HORIZON as STEP_HORIZON
 from .step_budget import Budget, StepCost, StepTargets, plan_budget
 
+PERIOD_ALPHA = 1 / 8  # the weight of each new interval in ``Scheduler.period_ms``
+
 
 @dataclass
 class SchedulerOutput:
@@ -81,6 +83,10 @@ class Scheduler:
         # The decoding streams the latest plan saw, (tokens since the first, seconds since it,
         # tokens left): the router's prediction plans beside them (``predicted_budget``).
         self.last_decoding: list[tuple[int, float, int]] = []
+        # The streams' time per token lately: an average of the intervals between consecutive
+        # plans while streams were decoding (steps and the gaps between them), for the plan.
+        self.period_ms: float | None = None
+        self._last_plan_at: float | None = None
         # What "now" is for the step plan (request ages): the engine's monotonic clock; the
         # simulator (sim/) runs this scheduler on its simulated clock instead.
         self.clock = time.monotonic
@@ -240,9 +246,13 @@ class Scheduler:
                 prompts.append((left, now - r.arrival_time, r.num_computed_tokens))
         prompts.extend((r.num_tokens - r.num_computed_tokens, now - r.arrival_time, r.num_computed_tokens)
                        for r in self.waiting)
+        if self.last_decoding and decoding and self._last_plan_at is not None:  # stepping all along
+            gap = (now - self._last_plan_at) * 1e3
+            self.period_ms = gap if self.period_ms is None else self.period_ms + PERIOD_ALPHA * (gap - self.period_ms)
+        self._last_plan_at = now
         self.last_decoding = decoding
         self.last_budget = plan_budget(self.step_cost, self.step_targets, decoding, prompts,
-                                       self.max_num_batched_tokens)
+                                       self.max_num_batched_tokens, self.period_ms)
         return self.last_budget.tokens
 
     def predicted_budget(self, tokens: int, cached: int, decodes: int, backlog: int) -> int | None:
@@ -255,7 +265,7 @@ class Scheduler:
         seen = self.last_decoding[:decodes]
         streams = seen + [(0, 0.0, STEP_HORIZON)] * (decodes - len(seen))
         return plan_budget(self.step_cost, self.step_targets, streams,
-                           [(backlog + tokens, 0.0, cached)], self.max_num_batched_tokens).tokens
+                           [(backlog + tokens, 0.0, cached)], self.max_num_batched_tokens, self.period_ms).tokens
 
     # -- the second tier ------------------------------------------------------------
     def _start_load(self, req: Request, hits: list) -> bool:
