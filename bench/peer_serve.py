@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -79,6 +80,7 @@ class PeerConfig:
     startup_timeout_s: float = 600.0
     run_timeout_s: float = 900.0
     work_dir: str = str(REPO / "runs/peer-serve")
+    colocated_args: list[str] = field(default_factory=list)  # more `pdserve serve-decode` flags
 
 
 def _cpus(spec: str) -> str:
@@ -115,7 +117,7 @@ class Server:
         elif self.system == "colocated":
             cmd = ["taskset", "-c", cpus, sys.executable, "-m", "pdserve", "serve-decode", "--model", cfg.model,
                    "--http-port", str(cfg.port), "--grpc-port", "0", "--served-model-name", SERVED_NAME,
-                   "--engine-args", json.dumps({**ENGINE, "kv_cache_memory_bytes": 1 << 30})]
+                   "--engine-args", json.dumps({**ENGINE, "kv_cache_memory_bytes": 1 << 30}), *cfg.colocated_args]
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
         else:
             self.topology = self._topology()
@@ -404,6 +406,9 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-python", default=d.vllm_python)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--work-dir", default=d.work_dir)
+    p.add_argument("--colocated-args", default="",
+                   help="more flags for colocated's `pdserve serve-decode`, one string, e.g. "
+                        "'--router-policy P.yaml --local-prefill-budget-tokens 512' (default: the shipped defaults)")
     p.add_argument("--output", default=None, help="write the JSON document here too")
     p.add_argument("--plot", default=None, help="write the goodput-vs-rate plot (PNG) here")
     p.add_argument("--report", default=None, metavar="PEER_JSON",
@@ -419,7 +424,7 @@ def main(argv=None) -> int:
     cfg = PeerConfig(systems=args.systems.split(","), datasets=args.datasets.split(","),
                      rates=[float(r) for r in args.rates.split(",")], num_prompts=args.num_prompts, reps=args.reps,
                      goodput=args.goodput, cpus=args.cpus, model=args.model, vllm_python=args.vllm_python,
-                     port=args.port, work_dir=args.work_dir)
+                     port=args.port, work_dir=args.work_dir, colocated_args=shlex.split(args.colocated_args))
     for name in cfg.systems:
         if name not in SYSTEMS:
             p.error(f"--systems: unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
