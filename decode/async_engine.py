@@ -270,8 +270,9 @@ class AsyncEngine:
 
     def _write_trace(self, info: "StepInfo", eng: LLMEngine) -> None:
         self._trace.write(json.dumps({
-            "end_s": round(info.end_s, 6), "ms": round(info.ms, 3), "prompt_tokens": info.num_tokens - info.num_decode_seqs,
-            "decodes": info.num_decode_seqs, **eng.step_plan()}) + "\n")
+            "end_s": round(info.end_s, 6), "ms": round(info.ms, 3),
+            "prompt_tokens": info.num_tokens - info.num_decode_seqs, "decodes": info.num_decode_seqs,
+            **eng.step_plan()}) + "\n")
 
     def _deliver_step(self, batch: list, info: "StepInfo") -> None:
         """A step's deltas to their streams, then `on_step` (event loop)."""

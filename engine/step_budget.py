@@ -18,37 +18,40 @@ weighs the two SLOs with what each side can afford (``plan_budget``):
   (``(e2e - ttft) / (tokens - 1)``: vLLM's benchmark and its goodput use it), not per gap. A
   stream ``k`` tokens and ``age`` ms past its first token, with ``r`` more to come (its
   ``max_tokens`` left, credited up to ``HORIZON``), ends within the target when its next
-  ``r`` steps carry at most ``W = target x (k + r) - age - r x pace`` ms of prompt compute,
-  ``pace`` being the streams' recent time per token (steps and the gaps between them,
-  measured by the scheduler; at least the bare step): under a steady load the steps to come
-  carry new prompts too, so crediting them at the bare step would overdraw (measured: TPOT
-  p50 87 ms at 3 req/s when it did). When ``W`` covers the whole
-  backlog's compute, chunking does not change the stream's TPOT at all (the backlog costs it
-  the same time in big chunks or small ones; big ones just finish the prompts sooner), so the
-  stream sets no limit but the gap bound: a step never lasts more than ``MAX_STALL`` x the
-  target (ITL). When every stream absorbs the backlog, the step takes as much of it as that
-  bound allows (vLLM takes whole prompts; TTFT is what a small chunk costs). Otherwise it affords ``W / r`` ms of prompt compute per step. Without a count
-  of future tokens ``r = 1``: ``target + slack - base_step``, with ``slack = target x k - age``.
-  The plan is recomputed every step, so a stream whose future steps turn out longer (new
-  prompts) affords less from then on. A stream that misses its target even if every token
-  it may still generate came from a bare step is lost whatever the chunk, and sets no limit.
-  A stream behind its target otherwise gets steps of the target, not shorter ones, while the
-  prompts can meet their TTFT target in such steps; once they need more (or are late), it
-  does not hold them back: shorter steps (16-token chunks) starved the waiting prompts into
-  multi-second TTFTs on the 2-core box, and steps of the target let a backlog grow past what
-  the box drains, for a stream whose TPOT a bare step now and then could only nudge (vLLM
-  takes whole prompts whatever the streams).
+  ``r`` steps carry at most ``W = target x (k + r) - age - r x pace`` ms of prompt compute.
+  ``pace`` is the streams' recent time per token (steps and the gaps between them, measured
+  by the scheduler; at least the bare step): under a steady load the steps to come carry new
+  prompts too, so crediting them at the bare step would overdraw (measured: TPOT p50 87 ms
+  at 3 req/s when it did). Without a count of future tokens ``r = 1``: ``target + slack -
+  base_step``, with ``slack = target x k - age``.
+
+  When ``W`` covers the whole backlog's compute, chunking does not change the stream's TPOT
+  (the backlog costs it the same time in big chunks or small ones; big ones just finish the
+  prompts sooner), so it sets no limit but the gap bound: a step never lasts more than
+  ``MAX_STALL`` x the target (ITL). When every stream absorbs the backlog, the step takes as
+  much of it as that bound allows (vLLM takes whole prompts; TTFT is what a small chunk
+  costs). Otherwise the stream affords ``W / r`` ms of prompt compute per step. The plan is
+  recomputed every step, so a stream whose future steps turn out longer affords less from
+  then on.
+
+  A stream that misses its target even if every token it may still generate came from a
+  bare step is lost whatever the chunk, and sets no limit. A stream behind its target
+  otherwise gets steps of the target, not shorter ones, while the prompts can meet their
+  TTFT target in such steps; once they need more (or are late), it does not hold them back.
+  Shorter steps (16-token chunks) starved the waiting prompts into multi-second TTFTs on the
+  2-core box, and steps of the target let a backlog grow past what the box drains, for a
+  stream whose TPOT a bare step now and then could only nudge.
 * **Waiting prompts keep their TTFT.** For the waiting prompts in service order, with ``L``
   their cumulative remaining prompt tokens and ``D`` the time left to the TTFT target of the
   last of them, the chunk ``n`` must satisfy ``ceil(L / n) x base_step + prefill_ms x L <= D``.
   The largest such need is the chunk the prompts require.
 * **The choice.** A step of the target allows ``n_free = (target - base_step) / prefill_ms``
-  tokens: the budget is at least that. When the
-  prompts need more it takes what they need, up to what the streams afford; beyond that the streams win (a prompt that misses its TTFT is one lost
-  request; a step too long for every stream may be many). A prompt that cannot make its TTFT
-  target whatever the chunk gets what the streams afford: it is late anyway, and
-  draining it sooner lets the prompts queued behind it in sooner. Nobody decoding: there is no stream
-  to protect, only arrivals, which wait at most one step, so a step may last
+  tokens: the budget is at least that. When the prompts need more it takes what they need,
+  up to what the streams afford; beyond that the streams win (a prompt that misses its TTFT
+  is one lost request; a step too long for every stream may be many). A prompt that cannot
+  make its TTFT target whatever the chunk gets what the streams afford: it is late anyway,
+  and draining it sooner lets the prompts queued behind it in sooner. Nobody decoding: there
+  is no stream to protect, only arrivals, which wait at most one step, so a step may last
   ``IDLE_WAIT x ttft target`` or what the prompts need, whichever is more.
 
 Targets are ``FRACTION`` of each SLO, for noise. The result is clamped to ``[MIN_TOKENS,
@@ -160,9 +163,10 @@ def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple],
     room = min(afford, MAX_STALL * tpot - base)
     most = cost.tokens_within(room, start)
     if math.isinf(afford):  # chunking cannot change the streams' TPOT: finish the prompts soonest
-        return _clamp(most, f"no stream holds the backlog ({backlog_ms:.0f} ms of prompt compute) back: each absorbs it "
-                      f"within its TPOT target{', is behind while the prompts need more' if behind else ''} or misses "
-                      f"the target whatever the chunk: steps of <= {base + room:.0f} ms = {most} tokens", max_tokens)
+        why = ", is behind while the prompts need more" if behind else ""
+        return _clamp(most, f"no stream holds the backlog ({backlog_ms:.0f} ms of prompt compute) back: each "
+                      f"absorbs it within its TPOT target{why} or misses the target whatever the chunk: steps of "
+                      f"<= {base + room:.0f} ms = {most} tokens", max_tokens)
     spare = f"the streams afford {afford:.0f} ms a step"
     if late and most > max(need, free):  # draining it sooner lets the prompts behind it in sooner
         return _clamp(most, f"{late}: {spare}; drained in steps of <= {base + room:.0f} ms = {most} tokens",

@@ -199,7 +199,8 @@ class CostModel:
         self._drain_tokens = self._drain_tokens * decay + prompt_tokens
         if self._drain_tokens >= DRAIN_MIN_TOKENS:
             per_token = self._drain_ms / self._drain_tokens
-            self._est = replace(self._est, local_drain_ms_per_token=max(per_token, self._est.prefill_local_ms_per_token))
+            floor = self._est.prefill_local_ms_per_token  # never faster than computing the tokens
+            self._est = replace(self._est, local_drain_ms_per_token=max(per_token, floor))
 
     def calibrate(self, steps: list[tuple[float, int, int, int]]) -> None:
         """Replace the seeded step curve with a fit of ``steps`` ((ms, decodes, prompt tokens,
