@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
+from pdserve.common.compute_thread import run_in_own_thread
 from pdserve.control.join import join_cluster, leave_cluster, publish_load
 from pdserve.control.keys import VERSION
 from pdserve.control.load import BusyMeter, LatencyWindow, counter_value, gpu_load, histogram_buckets
@@ -123,7 +124,7 @@ class DecodeWorker:
         self.security.warn_if_plaintext(self.host, self.worker_id)
         # Own its cores before any engine thread exists (threads inherit the mask; topology cpus).
         self.cpus = cfg.pin_cpus(f"decode worker {self.worker_id}")
-        self.engine = engine or await asyncio.to_thread(
+        self.engine = engine or await run_in_own_thread(
             LLMEngine, EngineConfig.from_kwargs(cfg.model, **with_rank_transport(cfg.engine_args)))
         policy = PolicyState(self.engine.connector.kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
@@ -304,7 +305,7 @@ class DecodeWorker:
     async def _calibrate(self, policy) -> None:
         """Replace the policy's seed costs with this machine's (engine/calibrate.py)."""
         t0 = time.monotonic()
-        steps = await asyncio.to_thread(measure_steps, self.engine)
+        steps = await run_in_own_thread(measure_steps, self.engine, name="pdserve-calibrate")
         policy.costs.calibrate(steps)
         est, seeds = policy.costs.snapshot(), policy.policy.router.cost_model
         log.info("decode worker %s: calibrated in %.2f s from %d steps: a step costs %.1f ms + %.2f ms per "

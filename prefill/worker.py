@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pdserve.common.compute_thread import ComputeExecutor
 from pdserve.control.join import join_cluster, leave_cluster, publish_load
 from pdserve.control.keys import VERSION
 from pdserve.control.load import BusyMeter, gpu_load
@@ -108,6 +109,8 @@ class PrefillWorker:
         # Held by whoever drives the engine and the agent: a batch (its thread), or between
         # batches the loan answers (`_lend_loop`, on the event loop).
         self._engine_lock = threading.Lock()
+        # Its torch work (loading, batches, loan answers) on one thread (common/compute_thread.py).
+        self._compute = ComputeExecutor(f"pdserve-prefill-{self.worker_id}")
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self, engine: LLMEngine | None = None) -> dict:
@@ -116,11 +119,11 @@ class PrefillWorker:
         cfg = self.cfg
         # Own its cores before any engine thread exists (threads inherit the mask; topology cpus).
         self.cpus = cfg.pin_cpus(f"prefill worker {self.worker_id}")
-        self.engine = engine or await asyncio.to_thread(
+        self.engine = engine or await self._compute.run(
             LLMEngine, EngineConfig.from_kwargs(cfg.model, **with_rank_transport(cfg.engine_args)))
         self.host = cfg.metrics_host or cfg.address()
         # One agent per tensor-parallel rank; the sender writes by the head plan (kvtransfer/tp_transport.py).
-        transport = await asyncio.to_thread(
+        transport = await self._compute.run(
             open_worker_transport, self.worker_id, self.engine, cfg.agent_ucx_env(self.host),
             cfg.agent_threads(self.engine.connector.tensor_parallel_size))
         self.agent = transport.sender()
@@ -219,6 +222,7 @@ class PrefillWorker:
         if self.kv_publisher is not None:
             self.kv_publisher.close()
         self.metrics.close()
+        self._compute.shutdown()  # its thread ends after a batch still running (and its OpenMP team)
 
     def get_stats(self) -> dict:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "draining": self.draining,
@@ -330,7 +334,7 @@ class PrefillWorker:
                     self._lenders[holder] = info is not None and lends(info.capacity)
                 if self._lenders[holder] and await self._peer_info(holder, new_peers) is not None:
                     self._lenders[holder] = False
-        batch = asyncio.ensure_future(asyncio.to_thread(self._run_batch, tasks, new_peers, unusable))
+        batch = asyncio.ensure_future(self._compute.run(self._run_batch, tasks, new_peers, unusable))
         result = await batch
         self.metrics.observe_batch(result)
         for f in result.failures:
@@ -409,7 +413,7 @@ class PrefillWorker:
                 problem = await self._peer_info(name, new_peers)
                 if problem is not None:
                     log.info("loan request from %s not answerable: %s", name, problem)
-            await asyncio.to_thread(self._answer_waiting_borrowers, new_peers)
+            await self._compute.run(self._answer_waiting_borrowers, new_peers)
 
     def _answer_loans(self) -> None:
         """Between a batch's steps (batch thread): the loan requests that arrived meanwhile."""
