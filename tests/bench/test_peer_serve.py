@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from pdserve.bench.peer_serve import PeerConfig, Server, format_table, parse_prediction_ratios
+from pdserve.bench.peer_serve import PeerConfig, Server, format_table, parse_prediction_ratios, saturated, summarize
 from pdserve.control.topology import load_topology
 from pdserve.decode.metrics import WorkerMetrics
 
@@ -56,3 +56,15 @@ def test_refusals_are_read_by_reason_and_differenced_per_run():
     assert before == {"queue_wait_exceeded": 1}
     assert refusals_between(before, after) == {"kv_pool_full": 1, "queue_wait_exceeded": 3}
     assert refusals_between(after, after) == {}
+
+
+def test_saturation_is_requests_missing_their_slos_not_goodput_under_the_rate():
+    # decode-heavy at 1 req/s: every request within its SLOs, but the last one's 256-token tail
+    # stretches the run to 45 s, so goodput (0.89) is under 0.9 x the rate; not saturated.
+    unsaturated = summarize({"request_goodput": 40 / 45, "duration": 45.0, "num_prompts": 40, "completed": 40})
+    assert unsaturated["request_goodput"] < 0.9 * 1.0
+    assert not saturated(unsaturated, 0.9)
+    # 34 of 40 within the SLOs (85 %): saturated.
+    missed = summarize({"request_goodput": 34 / 20, "duration": 20.0, "num_prompts": 40, "completed": 40})
+    assert saturated(missed, 0.9) and not saturated(missed, 0.8)
+    assert not saturated({}, 0.9)  # a run without goodput figures stops nothing
