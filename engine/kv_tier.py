@@ -46,6 +46,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
@@ -60,6 +61,20 @@ log = logging.getLogger(__name__)
 
 WAIT_FOR_LOAD_S = 0.005  # an idle engine waits this long for a load to finish before stepping again
 
+
+
+# numpy stand-ins for dtypes it lacks, by element size: a copy moves bytes.
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` for host tensors of one dtype and shape, through numpy: torch's
+    `copy_` of more than 32k elements starts an OpenMP region, and on this (copy) thread that
+    would make a second OpenMP team beside the engine's, which slows every engine step
+    (common/compute_thread.py). numpy copies on the calling thread alone."""
+    if dst.dtype not in (torch.float16, torch.float32, torch.float64):
+        dst, src = dst.view(_SAME_SIZE_INT[dst.element_size()]), src.view(_SAME_SIZE_INT[src.element_size()])
+    np.copyto(dst.numpy(), src.numpy())
 
 class TierStore(ABC):
     """Slots of whole blocks: ``view()`` is a [slots, layers, K/V, ...] tensor on the host."""
@@ -365,7 +380,7 @@ class KVTier:
                     self._stream.wait_event(event)
                     data[slot].copy_(self.pool[:, block.block_id], non_blocking=True)
             else:
-                data[slot].copy_(self.pool[:, block.block_id])
+                host_copy(data[slot], self.pool[:, block.block_id])
             self._sync()
         except BaseException:
             with self._lock:
@@ -410,14 +425,15 @@ class KVTier:
             for ready in waits:  # a copy queued at eviction on the engine's stream: landed first
                 ready.synchronize()
             data = self.store.view()
-            src = data[torch.tensor(load.slots, dtype=torch.long)].transpose(0, 1)  # [layers, n, ...]
-            ids = torch.tensor([b.block_id for b in load.blocks], dtype=torch.long, device=self.pool.device)
             if self._stream is not None:
+                src = data[torch.tensor(load.slots, dtype=torch.long)].transpose(0, 1)  # [layers, n, ...]
+                ids = torch.tensor([b.block_id for b in load.blocks], dtype=torch.long, device=self.pool.device)
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(load.after)
                     self.pool.index_copy_(1, ids, src.to(self.pool.device, non_blocking=True))
             else:
-                self.pool.index_copy_(1, ids, src)
+                for slot, block in zip(load.slots, load.blocks):
+                    host_copy(self.pool[:, block.block_id], data[slot])
             self._sync()
         except Exception as exc:  # noqa: BLE001  (reported with the load; the blocks are computed again)
             load.error = f"{exc.__class__.__name__}: {exc}"

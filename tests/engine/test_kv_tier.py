@@ -16,7 +16,7 @@ from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, B
 from pdserve.engine.block_manager import BlockPool
 from pdserve.engine.config import ConfigError
 from pdserve.engine.kv_events import KVEventLog
-from pdserve.engine.kv_tier import KVTier
+from pdserve.engine.kv_tier import KVTier, host_copy
 from pdserve.engine.offline import LLM
 from pdserve.engine.request import SamplingParams
 
@@ -187,3 +187,16 @@ def test_tier_settings_that_cannot_work_are_refused_naming_the_setting(llama_dir
         LLM(llama_dir, kv_offload_bytes=1 << 20, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
         LLM(llama_dir, kv_offload_bytes=1 << 20, enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_host_copy_moves_a_strided_block_exactly_in_every_pool_dtype(dtype):
+    # The copy thread's copies go through numpy (no OpenMP team on that thread): a block is a
+    # strided slice of the pool ([layers, blocks, ...]), bfloat16 has no numpy dtype.
+    pool = torch.randn(3, 5, 2, 16, 4, 8).to(dtype)
+    slot = torch.zeros(3, 2, 16, 4, 8, dtype=dtype)
+    host_copy(slot, pool[:, 2])
+    assert torch.equal(slot, pool[:, 2])
+    host_copy(pool[:, 4], slot)
+    assert torch.equal(pool[:, 4], pool[:, 2])
+    assert not torch.equal(pool[:, 3], pool[:, 2])  # its neighbours untouched
