@@ -61,8 +61,6 @@ log = logging.getLogger(__name__)
 
 WAIT_FOR_LOAD_S = 0.005  # an idle engine waits this long for a load to finish before stepping again
 
-
-
 # numpy stand-ins for dtypes it lacks, by element size: a copy moves bytes.
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -75,6 +73,7 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.dtype not in (torch.float16, torch.float32, torch.float64):
         dst, src = dst.view(_SAME_SIZE_INT[dst.element_size()]), src.view(_SAME_SIZE_INT[src.element_size()])
     np.copyto(dst.numpy(), src.numpy())
+
 
 class TierStore(ABC):
     """Slots of whole blocks: ``view()`` is a [slots, layers, K/V, ...] tensor on the host."""
