@@ -80,7 +80,7 @@ class Frontend(Surface):
 
     # The prompt tokens per step the worker's engine would give a local prefill of (tokens,
     # cached) now (decode/prefill_budget.py); None: no cap.
-    prefill_budget_tokens = staticmethod(lambda tokens=0, cached=0: None)
+    prefill_budget_tokens = staticmethod(lambda tokens=0, cached=0, backlog=0: None)
 
     @property
     def prefill_view(self) -> PrefillView:
@@ -92,6 +92,7 @@ class Frontend(Surface):
         ``cached`` ones (the local prefill budget the engine would plan for it)."""
         view = self.prefill_view
         load = self.engine.engine.load()
+        backlog = self.local_backlog()
         return ClusterSnapshot(
             costs=self.policy.costs.snapshot(),
             prefill_queue_depth=max(view.queue_depth, self.pending_remote_requests),
@@ -99,12 +100,12 @@ class Frontend(Surface):
             prefill_pool_size=view.pool_size if self.remote and self.remote.available() else 0,
             decode_active_requests=self.num_decoding,
             decode_waiting_requests=self.num_prefilling,
-            local_prefill_queue_tokens=self.local_backlog(),
+            local_prefill_queue_tokens=backlog,
             local_prefill_queue_requests=self.num_prefilling - self.pending_remote_requests,
             decode_kv_usage=load.kv_usage,
             kv_free_tokens=load.num_free_blocks * self.engine.engine.config.block_size,
             arrival_rate_per_s=self.arrivals.rate(time.monotonic()),
-            local_prefill_budget_tokens=self.prefill_budget_tokens(tokens, cached),
+            local_prefill_budget_tokens=self.prefill_budget_tokens(tokens, cached, backlog),
         )
 
     def local_backlog(self) -> int:

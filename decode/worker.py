@@ -315,16 +315,16 @@ class DecodeWorker:
                  seeds.step_fixed_ms, seeds.step_decode_ms_per_seq, seeds.prefill_local_ms_per_token,
                  seeds.prefill_attention_ms_per_kpair)
 
-    def _predicted_budget(self, tokens: int, cached: int) -> int | None:
+    def _predicted_budget(self, tokens: int, cached: int, backlog: int) -> int | None:
         """What the engine's step plan would give a prompt arriving now (the router's local
-        prediction), behind the local prompts already waiting. The streams it plans beside
+        prediction), behind ``backlog`` prompt tokens the local prefills still have to compute
+        (`Frontend.local_backlog`, computed once per admission). The streams it plans beside
         are those decoding now and those admitted ahead of it that will be by then (local
         prompts queued before it, remote ones whose KV arrives meanwhile): a burst of short
         prompts beside a long one decodes through most of its prefill, and their TPOT caps
         its chunks (the demo's long local prompt took 1.9 s against 1.0 s predicted)."""
         fe = self.frontend
-        return self.engine.predicted_prefill_budget(tokens, cached, fe.num_decoding + fe.num_prefilling,
-                                                    fe.local_backlog())
+        return self.engine.predicted_prefill_budget(tokens, cached, fe.num_decoding + fe.num_prefilling, backlog)
 
     def _update_step_plan(self) -> None:
         qos = self._policy.policy.qos

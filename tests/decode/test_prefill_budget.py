@@ -69,10 +69,10 @@ def test_a_worker_calibrates_at_boot_and_plans_its_engine_steps(llama_dir, tmp_p
         fe = worker.frontend
         # (A backlog longer than the streams can absorb: else they take it in chunks as large
         # as the gap bound allows, alone or crowded.)
-        alone = worker._predicted_budget(20000, 0)
+        alone = worker._predicted_budget(20000, 0, fe.local_backlog())
         fe.num_prefilling += 8
         try:
-            crowded = worker._predicted_budget(20000, 0)  # (fails with num_decoding alone)
+            crowded = worker._predicted_budget(20000, 0, fe.local_backlog())  # (fails with num_decoding alone)
         finally:
             fe.num_prefilling -= 8
         assert crowded < alone, (crowded, alone)
