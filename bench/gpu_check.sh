@@ -25,8 +25,11 @@ fi
 # -P: the checkout's own pdserve/ folder must not shadow the installed package
 PYP=("$PY" -P)
 status=0
+# PARTS picks which parts run, in their order below (default: all)
+PARTS=" ${PARTS:-env tier profile tests tests_alone gpu_step sim_profile} "
 part() {  # part NAME SECONDS CMD...: one part, its log in $OUT/NAME.log
     local name=$1 secs=$2; shift 2
+    [[ "$PARTS" == *" $name "* ]] || return 0
     local t0=$SECONDS
     echo "== gpu-check: $name (limit ${secs} s)"
     timeout -k 10 "$secs" "$@" > "$OUT/$name.log" 2>&1
@@ -46,6 +49,11 @@ for m in ('flashinfer', 'nixl_cu13._api', 'nixl_cu12._api', 'pdserve.engine', 'm
     except Exception as e:
         print('import', m, 'FAILED', type(e).__name__, e)
 "
+# The second KV tier on the device: token-exact loads from pinned host memory, then its load
+# bandwidth against the PCIe floor (bench/kv_tier_gpu.py)
+[[ "$PARTS" == *" tier "* ]] && PARTS="$PARTS tier_tests tier_bench "
+part tier_tests 180 "${PYP[@]}" -m pytest -q -m gpu -p no:cacheprovider -rA tests/engine/test_kv_tier_gpu.py
+part tier_bench 180 "${PYP[@]}" bench/kv_tier_gpu.py --json "$OUT/kv_tier_gpu.json"
 # Where the host's time goes in a CUDA-graph decode step at batch 1 (the gap to the HBM floor is
 # host work): py-spy samples bench/gpu_step.py; folded stacks in $OUT/profile-graphs-b1.txt
 # (`bench/profile_top.py` sums them by function). GPU_PROFILE=0 skips it.
@@ -62,4 +70,26 @@ part tests "${TESTS_LIMIT_S:-420}" "${PYP[@]}" -m pytest -q -m gpu -p no:cachepr
 # engines at default settings take most of the device: alone, after the others
 part tests_alone 120 "${PYP[@]}" -m pytest -q -m gpu -p no:cacheprovider -rA -k default_settings $GPU_TESTS
 part gpu_step "${BENCH_LIMIT_S:-300}" "${PYP[@]}" bench/gpu_step.py --json "$OUT/gpu_step.json" ${GPU_STEP_ARGS:-}
+# A simulator cost profile measured on this device (issue 34): the Llama-3.2-1B shape, random
+# weights, the fast path (FlashInfer, decode CUDA graphs); `pdserve sim profile --roofline
+# llama-3.2-1b --gpu h200` is the datasheet profile to hold it against
+SIM_MODEL=${SIM_MODEL:-/tmp/pdserve-sim-1b}
+[[ "$PARTS" == *" sim_profile "* ]] && PARTS="$PARTS sim_model "
+part sim_model 120 "${PYP[@]}" -c "
+import sys
+from pdserve.engine.model_maker import ModelSpec, make_model
+make_model(sys.argv[1], ModelSpec(dtype='bfloat16', num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
+                                  intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                                  max_position_embeddings=8192))" "$SIM_MODEL"
+# (through sim_cmd alone: `pdserve`'s CLI imports the control plane, which needs pydantic)
+part sim_profile "${SIM_LIMIT_S:-240}" "${PYP[@]}" -c "
+import argparse, sys
+from pdserve import sim_cmd
+p = argparse.ArgumentParser(prog='pdserve')
+sim_cmd.register(p.add_subparsers())
+a = p.parse_args(sys.argv[1:])
+sys.exit(a.func(a))" sim profile --model "$SIM_MODEL" \
+    --name "Llama-3.2-1B shape, measured on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" \
+    --engine-arg device=cuda --engine-arg dtype=bfloat16 --engine-arg attention_backend=flashinfer \
+    --engine-arg cuda_graphs=true --engine-arg gpu_memory_utilization=0.5 --out "$OUT/sim-profile-gpu.yaml"
 exit $status

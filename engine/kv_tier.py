@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WAIT_FOR_LOAD_S = 0.005  # an idle engine waits this long for a load to finish before stepping again
+STAGING_BYTES = 64 << 20  # a GPU load moves through a device buffer of at most this many bytes at a time
 
 # numpy stand-ins for dtypes it lacks, by element size: a copy moves bytes.
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -416,6 +417,24 @@ class KVTier:
                 return slot
         return None
 
+    def _load_to_device(self, data: torch.Tensor, load: TierLoad) -> None:
+        """Slots (pinned host memory) into the pool's blocks, on the tier's stream: each run of
+        consecutive slots is one DMA into a device staging buffer (no copy on the host, no
+        pageable bounce), then one scatter into the blocks per chunk of `STAGING_BYTES`."""
+        per_chunk = max(1, STAGING_BYTES // self.block_bytes)
+        for c in range(0, len(load.slots), per_chunk):
+            slots, blocks = load.slots[c:c + per_chunk], load.blocks[c:c + per_chunk]
+            staging = torch.empty((len(slots), *data.shape[1:]), dtype=data.dtype, device=self.pool.device)
+            i = 0
+            while i < len(slots):
+                j = i + 1
+                while j < len(slots) and slots[j] == slots[j - 1] + 1:
+                    j += 1
+                staging[i:j].copy_(data[slots[i]:slots[i] + (j - i)], non_blocking=True)
+                i = j
+            ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long).to(self.pool.device, non_blocking=True)
+            self.pool.index_copy_(1, ids, staging.transpose(0, 1))
+
     def _load(self, load: TierLoad) -> None:
         t0 = time.perf_counter()
         try:
@@ -425,11 +444,9 @@ class KVTier:
                 ready.synchronize()
             data = self.store.view()
             if self._stream is not None:
-                src = data[torch.tensor(load.slots, dtype=torch.long)].transpose(0, 1)  # [layers, n, ...]
-                ids = torch.tensor([b.block_id for b in load.blocks], dtype=torch.long, device=self.pool.device)
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(load.after)
-                    self.pool.index_copy_(1, ids, src.to(self.pool.device, non_blocking=True))
+                    self._load_to_device(data, load)
             else:
                 for slot, block in zip(load.slots, load.blocks):
                     host_copy(self.pool[:, block.block_id], data[slot])

@@ -46,7 +46,7 @@ def register(subparsers) -> None:
     prof.add_argument("--transfer-setup-ms", type=float, default=1.0, help="per-transfer setup (default 1)")
     prof.add_argument("--queue-hop-ms", type=float, default=1.0, help="one prefill-queue call (default 1)")
     prof.add_argument("--roofline", metavar="MODEL", help="derive from a model's shape instead: "
-                      "llama-3-70b | llama-3-8b")
+                      "llama-3-70b | llama-3-8b | llama-3.2-1b")
     prof.add_argument("--gpu", default="h100", help="with --roofline: h100 | h200 (default h100)")
     prof.add_argument("--tp", default="1,2,4,8", help="with --roofline: tensor-parallel sizes (default 1,2,4,8)")
     prof.add_argument("--name", help="the profile's name")

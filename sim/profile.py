@@ -227,6 +227,9 @@ MODELS = {
     # Llama-3-70B's config: 80 layers, hidden 8192, 8 KV heads of 128 (GQA).
     "llama-3-70b": ModelShape("Llama-3-70B", 70.6, 80, 8192, 8, 128),
     "llama-3-8b": ModelShape("Llama-3-8B", 8.0, 32, 4096, 8, 128),
+    # Llama-3.2-1B: 16 layers, hidden 2048, 8 KV heads of 64 (the shape bench/gpu_step.py and
+    # bench/gpu_check.sh measure on a lent GPU).
+    "llama-3.2-1b": ModelShape("Llama-3.2-1B", 1.24, 16, 2048, 8, 64),
 }
 
 MFU = 0.5  # fraction of peak FLOP/s a prefill reaches

@@ -200,3 +200,31 @@ def test_host_copy_moves_a_strided_block_exactly_in_every_pool_dtype(dtype):
     host_copy(pool[:, 4], slot)
     assert torch.equal(pool[:, 4], pool[:, 2])
     assert not torch.equal(pool[:, 3], pool[:, 2])  # its neighbours untouched
+
+
+def test_a_device_load_moves_runs_of_slots_through_staging_chunks_into_the_right_blocks(tmp_path, monkeypatch):
+    """The GPU load's copy plan (`_load_to_device`: runs of consecutive slots, staging chunks,
+    one scatter per chunk) run on the host, where its indexing can be checked against the
+    slots block by block; test_kv_tier_gpu.py runs it on a device."""
+    import pdserve.engine.kv_tier as kv_tier
+    from pdserve.engine.kv_tier import TierLoad
+
+    pool_t = torch.zeros(2, 12, 2, 16, 2, 8)
+    per_block = 2 * 2 * 16 * 2 * 8 * 4
+    tier = KVTier(pool_t, 8 * per_block, "file", str(tmp_path), None, window=4)
+    try:
+        data = tier.store.view()
+        for s in range(8):
+            data[s] = float(s + 1)
+        monkeypatch.setattr(kv_tier, "STAGING_BYTES", 3 * per_block)  # chunks of 3 blocks cut the runs
+        pool = BlockPool(12)
+        blocks = pool.allocate(7)
+        slots = [0, 1, 2, 3, 6, 5, 7]  # runs [0..3], [6], [5], [7]
+        load = TierLoad("r", [b"h"] * 7, [None] * 7, [()] * 7, blocks, blocks, slots)
+        tier._load_to_device(data, load)
+        for slot, blk in zip(slots, blocks):
+            assert torch.equal(pool_t[:, blk.block_id], torch.full_like(pool_t[:, 0], float(slot + 1))), (slot, blk)
+        untouched = set(range(12)) - {b.block_id for b in blocks}
+        assert all(not pool_t[:, i].any() for i in untouched)
+    finally:
+        tier.close()

@@ -1,0 +1,76 @@
+"""The second KV tier on a GPU engine: host memory (pinned), copies on the tier's own CUDA
+stream ordered by events against the engine's. The same workloads as test_kv_tier.py's
+file tier, compared token for token with an engine without prefix caching on the same
+device and dtype (float32, the torch attention path: no kernel build needed)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from pdserve.common.kv_events import MEDIUM_CPU
+from pdserve.engine.offline import LLM
+from pdserve.engine.request import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+ON_GPU = dict(device="cuda", dtype="float32", attention_backend="torch")
+
+
+def prompt(rng, n):
+    return [rng.randrange(5, 500) for _ in range(n)]
+
+
+def settle(tier, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while tier.snapshot()["in_flight"]:
+        assert time.monotonic() < deadline, "the tier's copy thread never caught up"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    llm = LLM(llama_dir, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 28, **ON_GPU)
+    yield lambda prompts: [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    llm.close()
+
+
+def test_a_prefix_evicted_from_device_memory_comes_back_from_host_memory_token_exact(llama_dir, reference):
+    rng = random.Random(0)
+    a, b = prompt(rng, 200), prompt(rng, 200)
+    llm = LLM(llama_dir, num_gpu_blocks_override=16, max_model_len=240, kv_offload_bytes=1 << 22, **ON_GPU)
+    try:
+        outs = [llm.generate([p], GREEDY)[0] for p in (a, b, a)]
+        assert [o.token_ids for o in outs] == reference([a, b, a])
+        eng = llm.engine
+        tier = eng.tier.snapshot()
+        assert tier["medium"] == MEDIUM_CPU and tier["backend"] == "memory", tier
+        assert eng.tier.store.view().is_pinned()
+        assert outs[2].num_cached_tokens == 12 * 16, outs[2].num_cached_tokens
+        assert tier["loads"] == 1 and tier["loaded_blocks"] == 9 and tier["load_failures"] == 0, tier
+        assert eng.kv.pool.num_free == eng.kv.pool.num_blocks and tier["pinned"] == 0
+    finally:
+        llm.close()
+
+
+def test_a_random_shared_prefix_workload_on_a_gpu_is_token_exact_and_leaks_nothing(llama_dir, reference):
+    rng = random.Random(7)
+    systems = [prompt(rng, 16 * rng.randrange(3, 8)) for _ in range(4)]
+    prompts = [rng.choice(systems) + prompt(rng, rng.randrange(1, 40)) for _ in range(24)]
+    llm = LLM(llama_dir, num_gpu_blocks_override=20, max_model_len=300, kv_offload_bytes=40 * 12288,
+              max_num_seqs=3, kv_events=True, **ON_GPU)
+    try:
+        got = []
+        for i in range(0, len(prompts), 3):
+            got += [o.token_ids for o in llm.generate(prompts[i:i + 3], GREEDY)]
+        assert got == reference(prompts)
+        eng = llm.engine
+        settle(eng.tier)
+        snap = eng.tier.snapshot()
+        assert snap["loaded_blocks"] > 0 and snap["evicted"] > 0, snap
+        assert eng.kv.pool.num_free == eng.kv.pool.num_blocks and snap["pinned"] == 0
+        assert not eng.scheduler.loading
+    finally:
+        llm.close()
