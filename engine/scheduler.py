@@ -9,7 +9,10 @@ other requests' decode tokens. ``prefill_token_budget`` (None: no cap) caps the
 prompt tokens of one step separately, so that a worker serving streams can keep
 every step short (a decode worker sets it from its TPOT target): decode tokens
 are always scheduled first, and a long prefill leaves half of the budget to
-prompts that are waiting. When the pool runs out, the least important
+prompts that are waiting. Under the SLO-aware plan (``step_cost``, engine/step_budget.py)
+short waiting prompts (what is left fits a step of the TPOT target) go first instead, and
+the step they finish in, and so get their first token at the end of, stays a short one
+(``_short_prompts``). When the pool runs out, the least important
 running request (lowest priority, then latest arrival) is preempted: its
 blocks are freed and it is recomputed later.
 
@@ -39,6 +42,7 @@ from .block_manager import KVCacheManager
 from .kv_tier import KVTier
 from .request import Request, RequestStatus
 from .step_budget import HORIZON as STEP_HORIZON
+from .step_budget import MIN_TOKENS as MIN_CHUNK
 from .step_budget import Budget, StepCost, StepTargets, plan_budget
 
 PERIOD_ALPHA = 1 / 8  # the weight of each new interval in ``Scheduler.period_ms``
@@ -159,16 +163,23 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         cap = self.prefill_token_budget
+        express: list[Request] = []
         if self.step_cost is not None and self.step_targets is not None:
             cap = self._plan_budget()
+            express, express_tokens = self._short_prompts(self.last_budget)
+            if express:  # they get their first token when this step ends: keep it short
+                cap = max(self.last_budget.short_step(), express_tokens + MIN_CHUNK)
         elif cap is not None and self.idle_prefill_token_budget is not None and not any(
                 r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
             cap = self.idle_prefill_token_budget  # nobody decoding: bigger, more efficient chunks
         prefill_left = cap if cap is not None else budget
         # Under a prefill budget, a running prefill continues with at most half of it while prompts
-        # wait, so that a short prompt arriving behind a long one starts in the next step.
+        # wait, so that a short prompt arriving behind a long one starts in the next step; with
+        # the step plan, short prompts that finish in this step are served first.
         chunk_cap = prefill_left
-        if cap is not None and self.waiting:
+        if express:  # the room they need is kept for them, the rest goes on the long prompts
+            chunk_cap = max(MIN_CHUNK, prefill_left - express_tokens)
+        elif cap is not None and self.waiting:
             chunk_cap = max(1, cap // 2)
         scheduled_ids = set()
         i = 0
@@ -201,6 +212,10 @@ class Scheduler:
             self._fair_order()  # (keys are on for every request of a worker, or for none)
         elif self.policy == "priority" and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._urgency))
+        if express:  # ahead of the long prompts waiting before them (their order kept)
+            first = set(map(id, express))
+            self.waiting = deque([r for r in self.waiting if id(r) in first] +
+                                 [r for r in self.waiting if id(r) not in first])
         while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, cached = self.kv.computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
@@ -222,6 +237,34 @@ class Scheduler:
             budget -= n
             prefill_left -= n
         return out
+
+    def _short_prompts(self, plan: Budget) -> tuple[list[Request], int]:
+        """The waiting prompts that finish their prefill in this step, and their tokens.
+
+        A prompt gets its first token when the step that computes its last prompt token ends,
+        so a short prompt admitted beside a long prompt's big chunk waits for that chunk. A
+        waiting prompt is short when what is left of it fits a step of the TPOT target
+        (``Budget.target_tokens``); the short ones, in their order, up to that many tokens
+        together, go first in a step whose other prompt tokens stay within
+        ``Budget.short_step`` (a step of the target, or what the prompts' TTFT targets need:
+        the long prompts are never held below what their own TTFT needs, and keep
+        ``MIN_CHUNK`` a step). Requests waiting after a preemption are not short: they have
+        their output to recompute too."""
+        if not self.waiting or plan is None:
+            return [], 0
+        limit = plan.target_tokens
+        out, total = [], 0
+        for req in self.waiting:
+            left = req.num_tokens - req.num_computed_tokens
+            if req.output_token_ids or left > limit:
+                continue
+            if total + left > limit or len(out) + len(self.running) >= self.max_num_seqs:
+                break
+            out.append(req)
+            total += left
+        if len(out) == len(self.waiting) and not any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running):
+            return [], 0  # nothing long in the step: nothing to hold back
+        return out, total
 
     def _fair_order(self) -> None:
         """Order the waiting requests in tenant turns (see the module docstring)."""
@@ -259,13 +302,17 @@ class Scheduler:
         """The prompt tokens per step the step plan would give a prompt of ``tokens`` after
         ``cached`` arriving now behind ``backlog`` waiting prompt tokens, beside ``decodes``
         streams: those of the latest step, then fresh ones (for the router's local
-        prediction; engine/step_budget.py). With a fixed cap: the cap (None: none)."""
+        prediction; engine/step_budget.py); for a short prompt behind a backlog, the short step it
+        will finish in (``_short_prompts``). With a fixed cap: the cap (None: none)."""
         if self.step_cost is None or self.step_targets is None:
             return self.prefill_token_budget
         seen = self.last_decoding[:decodes]
         streams = seen + [(0, 0.0, STEP_HORIZON)] * (decodes - len(seen))
-        return plan_budget(self.step_cost, self.step_targets, streams,
-                           [(backlog + tokens, 0.0, cached)], self.max_num_batched_tokens, self.period_ms).tokens
+        plan = plan_budget(self.step_cost, self.step_targets, streams,
+                           [(backlog + tokens, 0.0, cached)], self.max_num_batched_tokens, self.period_ms)
+        if backlog and 0 < tokens - cached <= plan.target_tokens:  # a short prompt: it shares a short step
+            return max(plan.short_step(), tokens - cached + MIN_CHUNK)
+        return plan.tokens
 
     # -- the second tier ------------------------------------------------------------
     def _start_load(self, req: Request, hits: list) -> bool:

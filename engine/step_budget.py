@@ -55,8 +55,10 @@ weighs the two SLOs with what each side can afford (``plan_budget``):
   ``IDLE_WAIT x ttft target`` or what the prompts need, whichever is more.
 
 Targets are ``FRACTION`` of each SLO, for noise. The result is clamped to ``[MIN_TOKENS,
-max_tokens]`` so that a prefill always progresses. The scheduler applies it (and keeps half of
-it for prompts that wait behind a running prefill, so a short prompt starts within one step).
+max_tokens]`` so that a prefill always progresses. The scheduler applies it. A step in
+which short waiting prompts finish (they get their first token when it ends) is kept to
+``Budget.short_step``: a step of the TPOT target, or what the prompts' TTFT targets need
+when that is more. The short prompts go first in it (engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -123,6 +125,16 @@ class StepTargets:
 class Budget:
     tokens: int
     reason: str  # what it was derived from, for logs and `explain`
+    # A step of the TPOT target (at least MIN_TOKENS) and what the prompts' TTFT targets need
+    # (0: nothing they can meet): a step that gives short prompts their first token keeps the
+    # other prompts' chunks within the larger of the two (``short_step``, the scheduler).
+    target_tokens: int = MIN_TOKENS
+    need: int = 0
+
+    def short_step(self) -> int:
+        """The prompt tokens of a step that short prompts finish in: a step of the TPOT target,
+        or what the waiting prompts' TTFT targets need when that is more; never over ``tokens``."""
+        return min(self.tokens, max(self.target_tokens, self.need))
 
 
 def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple],
@@ -143,20 +155,21 @@ def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple],
     base = cost.fixed_ms + cost.decode_ms * d
     start = prompts[0][2] if prompts else 0  # the chunk goes to the first prompt first
     need, need_why, late = _prompts_need(cost, base, ttft, prompts)
+    free = cost.tokens_within(tpot - base, start)
+    budget = _budget(free, need, max_tokens)
     if d == 0:
         idle = cost.tokens_within(IDLE_WAIT * ttft - base, start)
         tokens, why = (need, need_why) if need > idle else (
             idle, f"nobody decoding: a step of <= {IDLE_WAIT:g} x TTFT target {ttft:.0f} ms = {idle} tokens")
-        return _clamp(tokens, why, max_tokens)
+        return budget(tokens, why)
     backlog_ms = sum(cost.compute_ms(left, at) for left, _, at in prompts)
-    free = cost.tokens_within(tpot - base, start)
     pace = max(base, period_ms or 0.0)
     affords = [_affordable_ms(s, tpot, base, backlog_ms, pace) for s in decoding]
     behind = [a for a in affords if a < tpot - base]
     if behind and not late and need <= free:  # a stream is behind: steps of the target, no longer ones
-        return _clamp(free, f"{len(behind)} stream(s) behind their TPOT target (affording "
+        return budget(free, f"{len(behind)} stream(s) behind their TPOT target (affording "
                       f"{max(min(behind), 0):.0f} ms of prompt compute per step): steps of the target "
-                      f"{tpot:.0f} ms = {free} prompt tokens", max_tokens)
+                      f"{tpot:.0f} ms = {free} prompt tokens")
     # The prompts need more than a step of the target, or are late: a stream behind its target
     # does not hold them back (module docstring); the others give what they afford.
     afford = min((a for a in affords if a >= tpot - base), default=math.inf)
@@ -164,20 +177,19 @@ def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple],
     most = cost.tokens_within(room, start)
     if math.isinf(afford):  # chunking cannot change the streams' TPOT: finish the prompts soonest
         why = ", is behind while the prompts need more" if behind else ""
-        return _clamp(most, f"no stream holds the backlog ({backlog_ms:.0f} ms of prompt compute) back: each "
+        return budget(most, f"no stream holds the backlog ({backlog_ms:.0f} ms of prompt compute) back: each "
                       f"absorbs it within its TPOT target{why} or misses the target whatever the chunk: steps of "
-                      f"<= {base + room:.0f} ms = {most} tokens", max_tokens)
+                      f"<= {base + room:.0f} ms = {most} tokens")
     spare = f"the streams afford {afford:.0f} ms a step"
     if late and most > max(need, free):  # draining it sooner lets the prompts behind it in sooner
-        return _clamp(most, f"{late}: {spare}; drained in steps of <= {base + room:.0f} ms = {most} tokens",
-                      max_tokens)
+        return budget(most, f"{late}: {spare}; drained in steps of <= {base + room:.0f} ms = {most} tokens")
     if need <= free:
-        return _clamp(free, f"TPOT target {tpot:.0f} ms - step base {base:.1f} ms ({d} streams) "
-                      f"= {free} prompt tokens", max_tokens)
+        return budget(free, f"TPOT target {tpot:.0f} ms - step base {base:.1f} ms ({d} streams) "
+                      f"= {free} prompt tokens")
     if need <= most:
-        return _clamp(need, f"{need_why}; {spare}: it fits", max_tokens)
-    return _clamp(most, f"{need_why}, but {spare}, {most} tokens (a step <= {base + room:.0f} ms): "
-                  "the streams win", max_tokens)
+        return budget(need, f"{need_why}; {spare}: it fits")
+    return budget(most, f"{need_why}, but {spare}, {most} tokens (a step <= {base + room:.0f} ms): "
+                  "the streams win")
 
 
 def _affordable_ms(stream: tuple, tpot: float, base: float, backlog_ms: float, pace: float) -> float:
@@ -224,6 +236,16 @@ def _prompts_need(cost: StepCost, base: float, ttft: float,
             why = (f"{cum} prompt tokens due within {ttft - age * 1e3:.0f} ms need chunks of {n} "
                    f"({steps} steps of {base:.1f} ms + {compute:.0f} ms of prompt compute)")
     return need, why, late
+
+
+def _budget(free: int, need: int, max_tokens: int):
+    """``budget(tokens, why)``: the clamped Budget carrying this plan's target-step tokens and need."""
+    target = min(max(free, MIN_TOKENS), max_tokens)
+
+    def make(tokens: int, why: str) -> Budget:
+        b = _clamp(tokens, why, max_tokens)
+        return Budget(b.tokens, b.reason, target, min(need, max_tokens))
+    return make
 
 
 def _clamp(tokens: int, why: str, max_tokens: int) -> Budget:

@@ -137,7 +137,11 @@ def test_a_waiting_short_prompt_starts_within_one_step_of_a_long_planned_prefill
     firsts = {d.request_id for d in eng.step() if d.new_token_ids}
     assert "short" in firsts, "the short prompt waited behind the long prefill"
     _, tokens, _ = eng.last_step
-    assert tokens == 3 + eng.prefill_token_budget // 2  # the long chunk took half, the short its 3 tokens
+    # The short prompt gets its first token at the end of this step, so the step is a short one
+    # (engine/scheduler.py `_short_prompts`): the short prompt's 3 tokens, the long chunk the rest.
+    plan = eng.scheduler.last_budget
+    assert plan.short_step() < plan.tokens == eng.prefill_token_budget
+    assert tokens == max(plan.short_step(), 3 + MIN_TOKENS)
 
 
 def test_planned_budget_keeps_decode_tokens_and_greedy_output(llama_dir):
@@ -157,7 +161,10 @@ def test_planned_budget_keeps_decode_tokens_and_greedy_output(llama_dir):
             outputs.setdefault(d.request_id, []).extend(d.new_token_ids)
         _, tokens, decodes = eng.last_step
         chunks.append((tokens - decodes, decodes))
-    assert all(p <= MIN_TOKENS for p, d in chunks[1:] if d == 3), chunks
+    # The short prompts finish in the first step, whose long chunk stays at the minimum (a step
+    # of the target holds fewer tokens than that); every stream then gets its token every step.
+    assert chunks[0] == (3 * 4 + MIN_TOKENS, 0), chunks
+    assert all(d >= 3 for _, d in chunks[1:12]), chunks
     assert [outputs[f"s{i}"] for i in range(3)] + [outputs["long"]] == [r.token_ids for r in ref]
 
 
@@ -180,3 +187,65 @@ def test_future_tokens_are_credited_at_the_streams_recent_pace():
     # at the target's pace there is nothing to credit: a step of the target
     paced = plan_budget(COST, SLO, stream, [(900, 0.0, 0)], 4096, period_ms=40.0)
     assert paced.tokens == int((TPOT - 11) / 0.25) == 116
+
+
+def test_the_plan_carries_a_step_of_the_target_and_the_prompts_need():
+    # nobody decoding: a quarter of the TTFT target, but a short step is one of the TPOT target
+    b = plan(prompts=[(300, 0.0)])
+    assert b.target_tokens == int((TPOT - 10) / 0.25) == 120 and b.need <= b.target_tokens
+    assert b.short_step() == 120 < b.tokens
+    # prompts due soon need more than a step of the target: the short step is what they need
+    late = plan(decoding=[(0, 0.0)] * 4, prompts=[(2000, 0.2)])
+    assert late.need > late.target_tokens and late.short_step() == min(late.tokens, late.need)
+    # never below the minimum chunk, never over the plan
+    tight = plan(decoding=[(0, 0.0)] * 20, prompts=[(100, 0.0)], cost=StepCost(30.0, 1.0, 1.0))
+    assert tight.target_tokens == MIN_TOKENS and tight.short_step() <= tight.tokens
+
+
+def test_a_short_prompt_behind_a_waiting_long_one_gets_its_first_token_in_the_next_step(llama_dir):
+    """First come, first served would admit the long prompt first and leave the short one the
+    rest of the step or none; a short prompt goes first instead, and the step it finishes in
+    is a short one: its long chunk stays within the plan's short step."""
+    eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
+    eng.set_step_targets(StepCost(5.0, 0.5, 0.5), StepTargets(tpot_ms=50.0, ttft_ms=5000.0))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    eng.add_request([5, 6, 7, 8], params, request_id="stream")
+    eng.step()  # the stream decodes from now on
+    eng.add_request([(7 * j) % 290 + 3 for j in range(400)], params, request_id="long")
+    eng.add_request([9, 10, 11], params, request_id="short")
+    firsts = {d.request_id for d in eng.step() if d.new_token_ids}
+    assert "short" in firsts, "the short prompt waited behind the long one"
+    plan = eng.scheduler.last_budget
+    _, tokens, decodes = eng.last_step
+    long_req = next(r for r in eng.scheduler.running if r.request_id == "long")
+    assert decodes == 1 and tokens - decodes == 3 + long_req.num_computed_tokens
+    assert long_req.num_computed_tokens == max(plan.short_step(), 3 + MIN_TOKENS) - 3 < plan.tokens - 3
+    # with no short prompt waiting, the long prompt's chunk is the plan's again
+    before = long_req.num_computed_tokens
+    eng.step()
+    assert long_req.num_computed_tokens - before == min(eng.scheduler.last_budget.tokens, 400 - before)
+
+
+def test_short_prompts_never_hold_a_long_prompt_below_what_its_ttft_needs(llama_dir):
+    """A long prompt due soon needs big chunks: a step with a short prompt in it still gives
+    the long prompt what the prompts' TTFT targets need (Budget.need) less the short prompt's
+    tokens, and never less than the minimum chunk."""
+    eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
+    eng.set_step_targets(StepCost(5.0, 0.5, 0.5), StepTargets(tpot_ms=50.0, ttft_ms=600.0))
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    eng.add_request([5, 6, 7, 8], params, request_id="stream")
+    eng.step()
+    eng.add_request([(7 * j) % 290 + 3 for j in range(900)], params, request_id="long")
+    long_req, shorts, needy = None, 0, 0
+    while long_req is None or long_req.num_computed_tokens < 900:
+        assert shorts < 200, "the long prompt never finished beside a short prompt every step"
+        eng.add_request([9, 10, 11 + shorts], params, request_id=f"short{shorts}")  # one every step
+        shorts += 1
+        before = long_req.num_computed_tokens if long_req is not None else 0
+        eng.step()
+        plan = eng.scheduler.last_budget
+        long_req = next(r for r in eng.scheduler.running if r.request_id == "long")
+        got = long_req.num_computed_tokens - before
+        assert got >= min(max(plan.need - 3, MIN_TOKENS), 900 - before), (plan, got)
+        needy += plan.need > plan.target_tokens
+    assert needy, "the TTFT target never asked for more than a step of the TPOT target: the test proves nothing"
