@@ -6,28 +6,15 @@ device and dtype (float32, the torch attention path: no kernel build needed)."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
 from pdserve.common.kv_events import MEDIUM_CPU
 from pdserve.engine.offline import LLM
-from pdserve.engine.request import SamplingParams
+from tests.engine.test_kv_tier import GREEDY, prompt, settle  # the file tier's workloads, on a device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
-GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 ON_GPU = dict(device="cuda", dtype="float32", attention_backend="torch")
-
-
-def prompt(rng, n):
-    return [rng.randrange(5, 500) for _ in range(n)]
-
-
-def settle(tier, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while tier.snapshot()["in_flight"]:
-        assert time.monotonic() < deadline, "the tier's copy thread never caught up"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
