@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 
 from pdserve.common import Priority
 from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_GPU
@@ -140,6 +139,7 @@ class LLMEngine:
         if rid in self.requests:
             raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
         req = Request(rid, ids, params, priority=priority, arrival=arrival, tenant=tenant)
+        req.arrival_time = self.scheduler.clock()  # request times come off the scheduler's clock (its plan reads them)
         detok = self.tokenizer.stream(ids, params.skip_special_tokens)
         detok.set_stops(params.stop)
         if resume:
@@ -273,7 +273,7 @@ class LLMEngine:
             if self.scheduler.loading:
                 self.tier.wait_for_load()  # only loads in flight: wait for one, not spin
             return []
-        now = time.monotonic()
+        now = self.scheduler.clock()
         for req, _ in plan.scheduled:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -358,7 +358,7 @@ class LLMEngine:
         tok = res.token_id
         req.output_token_ids.append(tok)
         if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
+            req.first_token_time = self.scheduler.clock()
         self.stats.num_generation_tokens += 1
         entry = None
         if req.logprobs is not None:

@@ -46,6 +46,9 @@ from .step_budget import MIN_TOKENS as MIN_CHUNK
 from .step_budget import Budget, StepCost, StepTargets, plan_budget
 
 PERIOD_ALPHA = 1 / 8  # the weight of each new interval in ``Scheduler.period_ms``
+# The step plan and the short-prompt test count the pool's prefix hit of the first this many
+# waiting prompts (a lookup each, per step); those further back count in full.
+PREFIX_SCAN = 64
 
 
 @dataclass
@@ -243,9 +246,9 @@ class Scheduler:
 
         A prompt gets its first token when the step that computes its last prompt token ends,
         so a short prompt admitted beside a long prompt's big chunk waits for that chunk. A
-        waiting prompt is short when what is left of it fits a step of the TPOT target
-        (``Budget.target_tokens``); the short ones, in their order, up to that many tokens
-        together, go first in a step whose other prompt tokens stay within
+        waiting prompt is short when what is left of it after the prefix the pool holds fits
+        a step of the TPOT target (``Budget.target_tokens``); the short ones, in their order,
+        up to that many tokens together, go first in a step whose other prompt tokens stay within
         ``Budget.short_step`` (a step of the target, or what the prompts' TTFT targets need:
         the long prompts are never held below what their own TTFT needs, and keep
         ``MIN_CHUNK`` a step). Requests waiting after a preemption are not short: they have
@@ -254,9 +257,13 @@ class Scheduler:
             return [], 0
         limit = plan.target_tokens
         out, total = [], 0
-        for req in self.waiting:
+        for pos, req in enumerate(self.waiting):
             left = req.num_tokens - req.num_computed_tokens
-            if req.output_token_ids or left > limit:
+            if req.output_token_ids:
+                continue
+            if left > limit and pos < PREFIX_SCAN:  # long, unless the pool holds its prefix
+                left = self._waiting_left(req)
+            if left > limit:
                 continue
             if total + left > limit or len(out) + len(self.running) >= self.max_num_seqs:
                 break
@@ -265,6 +272,12 @@ class Scheduler:
         if len(out) == len(self.waiting) and not any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running):
             return [], 0  # nothing long in the step: nothing to hold back
         return out, total
+
+    def _waiting_left(self, req: Request) -> int:
+        """The prompt tokens a waiting request will compute: those after the prefix the pool
+        holds now (``computed_blocks``; it may yet be evicted before the request is admitted)."""
+        ids = req.all_token_ids if req.output_token_ids else req.prompt_token_ids
+        return req.num_tokens - self.kv.computed_blocks(req.request_id, ids, req.cache_salt)[1]
 
     def _fair_order(self) -> None:
         """Order the waiting requests in tenant turns (see the module docstring)."""
@@ -287,8 +300,9 @@ class Scheduler:
                                  r.params.max_tokens - len(r.output_token_ids)))
             elif left > 1:
                 prompts.append((left, now - r.arrival_time, r.num_computed_tokens))
-        prompts.extend((r.num_tokens - r.num_computed_tokens, now - r.arrival_time, r.num_computed_tokens)
-                       for r in self.waiting)
+        for pos, r in enumerate(self.waiting):
+            left = self._waiting_left(r) if pos < PREFIX_SCAN and not r.output_token_ids else r.num_tokens
+            prompts.append((left, now - r.arrival_time, r.num_tokens - left))
         if self.last_decoding and decoding and self._last_plan_at is not None:  # stepping all along
             gap = (now - self._last_plan_at) * 1e3
             self.period_ms = gap if self.period_ms is None else self.period_ms + PERIOD_ALPHA * (gap - self.period_ms)

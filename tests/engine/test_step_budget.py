@@ -124,15 +124,32 @@ def test_the_prefill_time_of_a_chunked_prompt():
 
 # -- the scheduler applying it ------------------------------------------------------------
 
+def stepped_clock(eng, ms_per_step: float = 10.0):
+    """The engine's request times (arrival, first token) come off a clock that moves
+    ``ms_per_step`` a step and not otherwise: the plan reads request ages off it, and how long
+    this machine takes over a step must not change the plan (a 15 ms age on a slow CI runner
+    turned a plan's TTFT need from 78 tokens into 128)."""
+    now = [0.0]
+    eng.scheduler.clock = lambda: now[0]
+    step = eng.step
+
+    def stepped(*args, **kwargs):
+        out = step(*args, **kwargs)
+        now[0] += ms_per_step / 1e3
+        return out
+    eng.step = stepped
+
+
 def test_a_waiting_short_prompt_starts_within_one_step_of_a_long_planned_prefill(llama_dir):
     """Under the planned budget, a short prompt arriving while a long prompt is prefilled in
     chunks is scheduled in the very next step, beside the long prompt's next chunk."""
     eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
-    eng.set_step_targets(StepCost(5.0, 0.5, 2.0), StepTargets(tpot_ms=50.0, ttft_ms=1000.0))
+    eng.set_step_targets(StepCost(5.0, 0.5, 2.0), StepTargets(tpot_ms=50.0, ttft_ms=2000.0))
+    stepped_clock(eng)
     params = SamplingParams(max_tokens=2, temperature=0.0)
     eng.add_request([(7 * j) % 290 + 3 for j in range(480)], params, request_id="long")
-    eng.step()  # nobody decoding: (0.25 x 800 - 5) / 2 = 97 tokens
-    assert eng.last_step[1] == 97 and eng.prefill_token_budget == 97
+    eng.step()  # nobody decoding: (0.25 x 1600 - 5) / 2 = 197 tokens
+    assert eng.last_step[1] == 197 and eng.prefill_token_budget == 197
     eng.add_request([5, 6, 7], params, request_id="short")
     firsts = {d.request_id for d in eng.step() if d.new_token_ids}
     assert "short" in firsts, "the short prompt waited behind the long prefill"
@@ -208,6 +225,7 @@ def test_a_short_prompt_behind_a_waiting_long_one_gets_its_first_token_in_the_ne
     is a short one: its long chunk stays within the plan's short step."""
     eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
     eng.set_step_targets(StepCost(5.0, 0.5, 0.5), StepTargets(tpot_ms=50.0, ttft_ms=5000.0))
+    stepped_clock(eng)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     eng.add_request([5, 6, 7, 8], params, request_id="stream")
     eng.step()  # the stream decodes from now on
@@ -226,12 +244,45 @@ def test_a_short_prompt_behind_a_waiting_long_one_gets_its_first_token_in_the_ne
     assert long_req.num_computed_tokens - before == min(eng.scheduler.last_budget.tokens, 400 - before)
 
 
+def test_a_prompt_whose_prefix_the_pool_holds_is_short(llama_dir):
+    """Short is what is left after the pool's prefix hit: a 163-token prompt whose first 160
+    tokens are cached goes ahead of a waiting long prompt, in a short step, and its output is
+    the same as without the cache."""
+    prefix = [(5 * j) % 290 + 3 for j in range(160)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).generate([prefix + [9, 10, 11]], params)[0]
+    eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
+    eng.set_step_targets(StepCost(5.0, 0.5, 0.5), StepTargets(tpot_ms=50.0, ttft_ms=5000.0))
+    stepped_clock(eng)
+    eng.add_request(prefix, SamplingParams(max_tokens=1), request_id="warm")
+    while eng.has_work():
+        eng.step()
+    eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                    request_id="stream")
+    eng.step()  # the stream decodes from now on
+    eng.add_request([(7 * j) % 290 + 3 for j in range(400)], params, request_id="long")
+    eng.add_request(prefix + [9, 10, 11], params, request_id="prefixed")
+    outputs = {}
+    for d in eng.step():
+        outputs.setdefault(d.request_id, []).extend(d.new_token_ids)
+    assert outputs.get("prefixed"), "the prompt with a cached prefix waited behind the long one"
+    plan = eng.scheduler.last_budget
+    assert 163 > plan.target_tokens >= 3, plan  # long in full, short after the hit
+    long_req = next(r for r in eng.scheduler.running if r.request_id == "long")
+    assert long_req.num_computed_tokens == max(plan.short_step(), 3 + MIN_TOKENS) - 3 < plan.tokens - 3
+    while eng.has_work():
+        for d in eng.step():
+            outputs.setdefault(d.request_id, []).extend(d.new_token_ids)
+    assert outputs["prefixed"] == ref.token_ids
+
+
 def test_short_prompts_never_hold_a_long_prompt_below_what_its_ttft_needs(llama_dir):
     """A long prompt due soon needs big chunks: a step with a short prompt in it still gives
     the long prompt what the prompts' TTFT targets need (Budget.need) less the short prompt's
     tokens, and never less than the minimum chunk."""
     eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
     eng.set_step_targets(StepCost(5.0, 0.5, 0.5), StepTargets(tpot_ms=50.0, ttft_ms=600.0))
+    stepped_clock(eng)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     eng.add_request([5, 6, 7, 8], params, request_id="stream")
     eng.step()
