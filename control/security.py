@@ -60,9 +60,15 @@ class ApiKey:
     operator: bool = False
     line: int = 0
     _digest_bytes: bytes = field(default=b"", repr=False, compare=False)
+    # The tenant an operator key acts for (a gateway forwarding its client's identity,
+    # ``x-pdserve-tenant``): the request's identity is then that tenant's, its privileges
+    # still the operator key's (decode/security.py `ServerSecurity.on_behalf_of`).
+    on_behalf_of: str = ""
 
     @property
     def identity(self) -> str:
+        if self.on_behalf_of:
+            return self.on_behalf_of
         return f"key:{self.digest[:12]}" if self.digest else "anonymous"
 
 

@@ -131,6 +131,9 @@ class GatewaySpec(_Strict):
     # A file holding the API key it calls the decode workers with, when they check keys
     # (security.api_keys): an operator's key. None with API keys on: refused at `up`.
     worker_api_key_file: str | None = None
+    # Send each client's key identity to the workers (x-pdserve-tenant, docs/security.md), so
+    # their per-key fairness sees the gateway's clients, not its one key
+    forward_tenant: bool = True
 
     @pydantic.model_validator(mode="after")
     def _ports_fit_replicas(self) -> "GatewaySpec":

@@ -7,12 +7,20 @@ before any body is read, except on the open paths and services, and hand the cal
 `ApiKey` on (HTTP: ``request.state.caller``; gRPC: `caller_of` reads the metadata again).
 Privileges (route overrides, raised priority, whose requests Abort may end) follow from
 that key in the frontend. Nothing here logs or echoes a presented key.
+
+An operator key may act for a tenant: ``x-pdserve-tenant: <identity>`` (a gateway sends its
+client's key identity, ``key:<12 hex>``) makes that the request's identity (per-key fairness
+in the scheduler, the per-key sequence share, request-id namespaces) while the privileges
+stay the operator key's. A plain key that sends it is refused (403 / PERMISSION_DENIED): it
+could otherwise pose as another tenant. With keys off the header is ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
+import re
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +35,25 @@ log = logging.getLogger(__name__)
 
 BEARER = "bearer"
 WWW_AUTHENTICATE = 'Bearer realm="pdserve"'
+TENANT_HEADER = "x-pdserve-tenant"  # an operator key acting for a tenant (module docstring)
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._@-]{0,63}$")
 
 
 class Unauthenticated(Exception):
     """A request without a valid key; the message says what to send, never what was sent."""
+
+
+class Forbidden(Exception):
+    """A valid key asking for what it may not (a plain key sending ``x-pdserve-tenant``), or a
+    malformed tenant; ``status`` is the HTTP code (403 or 400)."""
+
+    def __init__(self, message: str, status: int = 403):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.PERMISSION_DENIED if self.status == 403 else grpc.StatusCode.INVALID_ARGUMENT
 
 
 @dataclass(frozen=True)
@@ -87,15 +110,29 @@ class ServerSecurity:
             raise Unauthenticated("Authorization: the API key is not valid for this server")
         return key
 
+    def on_behalf_of(self, key: ApiKey | None, tenant: str | None) -> ApiKey | None:
+        """``key`` acting for ``tenant`` (the ``x-pdserve-tenant`` value; None: not sent).
+        Forbidden for a plain key or a malformed value; keys off: the header is ignored."""
+        if key is None or tenant is None:
+            return key
+        if not key.operator:
+            raise Forbidden(f"{TENANT_HEADER}: only an operator API key may act for a tenant; send the request "
+                            "without this header (a gateway sends it: give it an operator --worker-api-key, or "
+                            "start it with --no-forward-tenant)")
+        if not _TENANT.match(tenant):
+            raise Forbidden(f"{TENANT_HEADER}: expected 1-64 characters of letters, digits and ':._@-' "
+                            "(a key identity such as key:0123456789ab)", 400)
+        return dataclasses.replace(key, on_behalf_of=tenant)
+
     def caller_of_metadata(self, metadata) -> ApiKey | None:
         """The caller of a gRPC call whose key the interceptor already checked
-        (ANONYMOUS on an open service without a valid key)."""
+        (ANONYMOUS on an open service without a valid key), acting for the tenant it names."""
         if self.keys is None:
             return None
-        value = next((v for k, v in metadata or () if k == "authorization"), None)
+        md = first_values(metadata)
         try:
-            return self.authenticate(value)
-        except Unauthenticated:
+            return self.on_behalf_of(self.authenticate(md.get("authorization")), md.get(TENANT_HEADER))
+        except (Unauthenticated, Forbidden):
             return ANONYMOUS
 
     # -- TLS --------------------------------------------------------------------------
@@ -126,6 +163,14 @@ class ServerSecurity:
         return True
 
 
+def first_values(pairs) -> dict[str, str]:
+    """Metadata or header (key, value) pairs as a dict, the first value of a repeated key winning."""
+    out: dict[str, str] = {}
+    for k, v in pairs or ():
+        out.setdefault(k, v)
+    return out
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -147,14 +192,19 @@ class ApiKeyAuth:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or self.security.keys is None:
             return await self.app(scope, receive, send)
-        value = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        headers = first_values((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                               if k in (b"authorization", TENANT_HEADER.encode()))
         try:
-            caller = self.security.authenticate(value.decode("latin-1") if value is not None else None)
+            caller = self.security.authenticate(headers.get("authorization"))
         except Unauthenticated as exc:
             if scope["path"] not in self.security.open_paths:
                 return await send_json(send, openai_error(401, str(exc), headers={
                     "WWW-Authenticate": WWW_AUTHENTICATE}))
             caller = ANONYMOUS
+        try:
+            caller = self.security.on_behalf_of(caller, headers.get(TENANT_HEADER))
+        except Forbidden as exc:
+            return await send_json(send, openai_error(exc.status, str(exc), param=TENANT_HEADER))
         scope.setdefault("state", {})["caller"] = caller
         await self.app(scope, receive, send)
 
@@ -171,20 +221,23 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         service = details.method.lstrip("/").split("/", 1)[0]
         if handler is None or self.security.keys is None or service in self.security.open_grpc_services:
             return handler
-        value = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        md = first_values(details.invocation_metadata)
         try:
-            self.security.authenticate(value)
+            self.security.on_behalf_of(self.security.authenticate(md.get("authorization")), md.get(TENANT_HEADER))
         except Unauthenticated as exc:
             return _refusal(handler, str(exc))
+        except Forbidden as exc:
+            return _refusal(handler, str(exc), exc.grpc_code)
         return handler
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that answers UNAUTHENTICATED; requests are
-    left as bytes (no deserializer): nothing of an unauthenticated call is parsed."""
+def _refusal(handler: grpc.RpcMethodHandler, message: str,
+             code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers ``code``; requests are left as
+    bytes (no deserializer): nothing of a refused call is parsed."""
 
     async def refuse(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}

@@ -51,7 +51,7 @@ def gateway_config(topo, replica: int, model: str, etcd_endpoints: list[str]) ->
         "etcd_endpoints": list(etcd_endpoints), "cluster": topo.cluster, "model": model,
         "bind": topo.network.bind, "grpc_port": g.grpc_port, "http_port": g.http_port,
         "gateway_id": f"gateway-{replica}", "routing": g.routing, "max_migrations": g.max_migrations,
-        "race_fraction": g.race_fraction, "race_risk": g.race_risk,
+        "race_fraction": g.race_fraction, "race_risk": g.race_risk, "forward_tenant": g.forward_tenant,
         "kv_index": g.kv_index, "etcd_tls": None if etcd_tls is None else etcd_tls.__dict__,
         "tls_cert": path(tls_files and tls_files.cert), "tls_key": path(tls_files and tls_files.key),
         "tls_client_ca": path(tls_files and tls_files.client_ca),

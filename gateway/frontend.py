@@ -27,6 +27,7 @@ import grpc
 from pdserve.api.client import breakdown_dict, build_request
 from pdserve.decode.grpc_service import STATUS
 from pdserve.decode.ingress import Chunk, GenerateInput, RequestError, ServingLimits
+from pdserve.decode.security import TENANT_HEADER
 from pdserve.decode.surface import Surface, identity
 from pdserve.decode.validate import check_privileges
 from pdserve.engine.prompts import PromptChecker
@@ -72,9 +73,10 @@ class _Broken(Exception):
 class GatewayFrontend(Surface):
     def __init__(self, backends: Backends, checker: PromptChecker, metrics: GatewayMetrics, gateway_id: str,
                  served_model: str, dtype: str, limits: ServingLimits | None = None, max_migrations: int = 3,
-                 race_fraction: float = 0.0, race_risk: float = 0.5):
+                 race_fraction: float = 0.0, race_risk: float = 0.5, forward_tenant: bool = True):
         super().__init__(checker, limits, metrics, gateway_id, served_model)
         self.backends = backends
+        self.forward_tenant = forward_tenant  # the client's key identity goes to the worker (GatewayConfig)
         self._dtype = dtype
         self.max_migrations = max_migrations
         # Racing (opt-in: race_fraction > 0, and a request's ttft_slo_ms): see `_race_partner`.
@@ -253,6 +255,9 @@ class GatewayFrontend(Surface):
         """One worker's part of the stream; raises `_Broken` when it ends early."""
         w = self.backends.workers[worker_id]
         stub, md = self.backends.stub(worker_id)
+        tenant = identity(inp.caller) if self.forward_tenant else None
+        if tenant is not None:  # the worker's fairness and shares then see this client (decode/security.py)
+            md = (*(md or ()), (TENANT_HEADER, tenant))
         rid = f"{self._id_prefix}-{next(self._ids):x}"
         s.worker_id, s.worker_rid = worker_id, rid
         req = build_request(ids, request_id=rid, priority=prio.label, route=inp.route, ttft_slo_ms=inp.ttft_slo_ms,

@@ -63,6 +63,10 @@ class GatewayConfig:
     worker_ca_file: str | None = None
     worker_client_cert: str | None = None
     worker_client_key: str | None = None
+    # Send each client's key identity to the workers (``x-pdserve-tenant``; decode/security.py),
+    # so that their per-key fairness and sequence shares see the clients, not the gateway's one
+    # key. Needs an operator worker key when the workers check keys.
+    forward_tenant: bool = True
     seed: int | None = None  # the tie-breaking draws (tests)
     routing: str = "ttft"  # gateway/pick.py ROUTINGS: "random" is the baseline benchmarks compare with
     # Racing (gateway/frontend.py `_race_partner`): at most this fraction of the requests is raced
@@ -98,7 +102,7 @@ class Gateway:
         metrics = GatewayMetrics(self.gateway_id)
         self.frontend = GatewayFrontend(self.backends, checker, metrics, self.gateway_id, card.id, card.dtype,
                                         ServingLimits.from_dict(cfg.limits), cfg.max_migrations,
-                                        cfg.race_fraction, cfg.race_risk)
+                                        cfg.race_fraction, cfg.race_risk, cfg.forward_tenant)
         self.grpc = GrpcServer(self.frontend, cfg.host, cfg.grpc_port, self.security)
         await self.grpc.start()
         self.grpc_address = self.grpc.address

@@ -50,6 +50,10 @@ def register(subparsers) -> None:
     gw.add_argument("--api-keys-file", help="API keys the gateway accepts (docs/security.md); default: none asked")
     gw.add_argument("--worker-api-key", help="the key it calls decode workers with when they check keys "
                     "(default: $PDSERVE_API_KEY)")
+    gw.add_argument("--no-forward-tenant", action="store_true",
+                    help="do not send each client's key identity to the workers (x-pdserve-tenant; by default "
+                         "their per-key fairness sees the clients, which needs an operator --worker-api-key "
+                         "when they check keys)")
     gw.add_argument("--tls-cert", help="serve gRPC and HTTP over TLS with this certificate chain (PEM)")
     gw.add_argument("--tls-key", help="its private key (PEM)")
     gw.add_argument("--tls-client-ca", help="mutual TLS: the CA client certificates must chain to")
@@ -85,7 +89,7 @@ def run(args) -> int:
                         api_keys_file=args.api_keys_file, worker_api_key=args.worker_api_key,
                         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                         worker_ca_file=args.worker_ca_file, worker_client_cert=args.worker_client_cert,
-                        worker_client_key=args.worker_client_key,
+                        worker_client_key=args.worker_client_key, forward_tenant=not args.no_forward_tenant,
                         etcd_tls=tls)
 
     if args.check:

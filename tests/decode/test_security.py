@@ -23,7 +23,8 @@ from pdserve.api import AsyncClient, Client
 from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.certs import append_key, make_certs, new_key
-from pdserve.control.security import ClientTLS, grpc_channel
+from pdserve.control.security import ClientTLS, grpc_channel, hash_key
+from pdserve.decode.security import TENANT_HEADER
 from pdserve.decode.worker import DecodeWorkerConfig
 from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until
 
@@ -254,6 +255,40 @@ def test_abort_only_by_the_key_that_sent_it(secure, pki):
         assert owner.abort("owned-by-user") is True
         rest = list(stream)
         assert rest and rest[-1].finish_reason == "abort"
+
+
+def test_an_operator_key_acts_for_a_tenant_and_a_plain_key_may_not(secure, pki, https):
+    """x-pdserve-tenant (what a gateway sends): from an operator key the request becomes the
+    tenant's (its request-id namespace and per-key share), so the tenant's own key may abort
+    it; from a plain key it is refused (403 / PERMISSION_DENIED) naming the header, and a
+    malformed tenant is 400 / INVALID_ARGUMENT."""
+    user = f"key:{hash_key(pki['keys']['user'])[:12]}"
+    r = https.post("/v1/completions", json=COMPLETION, headers=bearer(pki, "user") | {TENANT_HEADER: "key:abc"})
+    assert r.status_code == 403 and r.json()["error"]["param"] == TENANT_HEADER, r.text
+    r = https.post("/v1/completions", json=COMPLETION, headers=bearer(pki, "operator") | {TENANT_HEADER: "a b"})
+    assert r.status_code == 400 and TENANT_HEADER in r.json()["error"]["message"], r.text
+    channel, stub = _stub(secure, pki)
+    with channel:
+        for who, tenant, code in (("user", user, grpc.StatusCode.PERMISSION_DENIED),
+                                  ("operator", "bad tenant!", grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.RpcError) as exc:
+                list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=30,
+                                   metadata=md(pki, who) + ((TENANT_HEADER, tenant),)))
+            assert exc.value.code() == code and exc.value.details().startswith(TENANT_HEADER), exc.value
+        req = pb.GenerateRequest(text="A long story begins", request_id="for-user",
+                                 sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0))
+        call = stub.Generate(req, timeout=60, metadata=md(pki, "operator") + ((TENANT_HEADER, user),))
+        assert next(call).token_ids
+        frontend = secure.worker.frontend
+        assert set(frontend.sequences_per_key) == {user}, frontend.sequences_per_key
+        assert [r.tenant for r in list(secure.worker.engine.requests.values())] == [user]
+        with Client(secure.grpc, api_key=pki["keys"]["other"], ca_file=pki["ca"]) as other, \
+                Client(secure.grpc, api_key=pki["keys"]["user"], ca_file=pki["ca"]) as owner:
+            assert other.abort("for-user") is False
+            assert owner.abort("for-user") is True  # the tenant's own namespace
+        assert list(call)[-1].finish_reason == "abort"
+    r = https.post("/v1/completions", json=COMPLETION, headers=bearer(pki, "operator") | {TENANT_HEADER: user})
+    assert r.status_code == 200, r.text
 
 
 def test_the_same_request_id_from_two_keys_never_crosses(secure, pki):

@@ -10,6 +10,7 @@ import pytest
 from pdserve.api import Client
 from pdserve.certs import append_key, make_certs, new_key
 from pdserve.control.etcd_server import EmbeddedEtcd
+from pdserve.control.security import hash_key
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.gateway.server import GatewayConfig
 from tests.harness import PERMISSIVE_POLICY, GatewayThread, WorkerThread, wait_until
@@ -64,3 +65,20 @@ def test_privileged_fields_need_an_operator_key_at_the_gateway(secured):
         assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED and "route" in ei.value.details()
     with Client(gw.gateway.grpc_address, api_key=keys["operator"], ca_file=pki["ca"]) as c:
         assert c.generate("hello", max_tokens=2, route="local", priority="high").finish_reason == "length"
+
+
+def test_the_worker_sees_each_client_of_the_gateway_as_its_own_tenant(secured):
+    """The gateway calls the worker with its operator key and the client's key identity
+    (x-pdserve-tenant): the worker's per-key fairness and sequence share count the client,
+    not the gateway's one key; the client still aborts its request at the gateway."""
+    w, gw, keys, pki = secured
+    user = f"key:{hash_key(keys['user'])[:12]}"
+    with Client(gw.gateway.grpc_address, api_key=keys["user"], ca_file=pki["ca"]) as c:
+        stream = c.stream("A long story begins", max_tokens=400, temperature=0.0, ignore_eos=True,
+                          request_id="through-the-gateway")
+        assert next(stream).token_ids
+        assert set(w.worker.frontend.sequences_per_key) == {user}, w.worker.frontend.sequences_per_key
+        assert [r.tenant for r in list(w.worker.engine.requests.values())] == [user]
+        assert c.abort("through-the-gateway") is True
+        assert list(stream)[-1].finish_reason == "abort"
+    wait_until(lambda: not w.worker.engine.requests, 10)
