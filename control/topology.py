@@ -143,6 +143,18 @@ class GatewaySpec(_Strict):
         return self
 
 
+class KVIndexSpec(_Strict):
+    """The cluster's KV index (kvindex/service.py, docs/kvindex.md) that `pdserve up` starts as a
+    detached Ray actor once the workers serve; `pdserve kv status/explain --topology` find it in
+    the state file. It follows the workers whose engine args say ``kv_events: true``."""
+
+    enabled: bool = False
+    port: int = Field(0, ge=0, le=65535)  # its HTTP port; 0: a free one (printed, in the state file)
+    num_cpus: float = Field(0.25, ge=0)
+    # Ray custom resources that place it ({}: any node)
+    custom: dict[str, float] = Field(default_factory=dict)
+
+
 class Topology(_Strict):
     """One deployment: cluster name, model, roles, policies, etcd, Ray, queue."""
 
@@ -150,6 +162,7 @@ class Topology(_Strict):
     model: ModelSpec
     roles: RolesSpec
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    kv_index: KVIndexSpec = Field(default_factory=KVIndexSpec)
     router_policy: str | None = None  # None: the router's built-in defaults
     autoscale_policy: str | None = None  # None: fixed replica counts
     etcd: EtcdSpec = Field(default_factory=EtcdSpec)

@@ -3,6 +3,7 @@
     pdserve kv index --topology FILE        run the index of a running cluster (foreground)
     pdserve kv index --etcd HOST:PORT --cluster NAME
     pdserve kv status --url URL             per worker: blocks held by tier, the subscription
+    pdserve kv status --topology FILE       the index `pdserve up` started (kv_index.enabled)
     pdserve kv explain --url URL --prompt TEXT --model DIR   who holds this prompt's prefix
     pdserve kv explain --url URL --token-ids 1,2,3
 
@@ -36,11 +37,11 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=0, help="HTTP port (default 0: a free one, printed)")
     p.set_defaults(func=run_index)
     p = sub.add_parser("status", help="per worker: KV blocks held by tier, and how its events are followed")
-    p.add_argument("--url", required=True, help="the index's address, as `pdserve kv index` printed it")
+    _add_url_args(p)
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.set_defaults(func=status)
     p = sub.add_parser("explain", help="each worker's cached prefix of a prompt, longest first")
-    p.add_argument("--url", required=True, help="the index's address, as `pdserve kv index` printed it")
+    _add_url_args(p)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="prompt text (tokenized with --model's tokenizer)")
     what.add_argument("--token-ids", help="comma-separated token ids")
@@ -48,6 +49,31 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.set_defaults(func=explain)
     kv.set_defaults(func=lambda args: (kv.print_help(), 2)[1])
+
+
+def _add_url_args(p) -> None:
+    p.add_argument("--url", help="the index's address, as `pdserve kv index` printed it (default: the index "
+                   "`pdserve up` started for --topology, with kv_index.enabled)")
+    add_topology_arg(p)
+
+
+def index_url(args) -> str:
+    """--url, or the KV index in the state file of the cluster `pdserve up` started for --topology."""
+    if args.url:
+        return args.url
+    from pdserve.launcher import ClusterState, state_path
+
+    topo = load_topology_arg(args.topology)
+    path = state_path(topo)
+    if not path.is_file():
+        raise ValueError(f"--topology {args.topology}: no running cluster (no state file {path}); start it with "
+                         "`pdserve up`, or pass --url")
+    state = ClusterState.load(path)
+    rec = next((a for a in state.actors if a.get("role") == "kv-index" and a.get("url")), None)
+    if rec is None:
+        raise ValueError(f"cluster {state.cluster} runs no KV index: set `kv_index: {{enabled: true}}` in "
+                         f"{args.topology} and restart it, or run `pdserve kv index` and pass its --url")
+    return rec["url"]
 
 
 def _raw():
@@ -102,7 +128,7 @@ def _call(url: str, path: str, body: dict | None = None) -> dict:
 
 
 def status(args) -> int:
-    st = _call(args.url, "/status")
+    st = _call(index_url(args), "/status")
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
@@ -130,7 +156,7 @@ def explain(args) -> int:
             tokens = [int(t) for t in args.token_ids.split(",") if t.strip()]
         except ValueError as exc:
             raise ValueError(f"--token-ids {args.token_ids!r}: comma-separated integers") from exc
-    ans = _call(args.url, "/explain", {"token_ids": tokens})
+    ans = _call(index_url(args), "/explain", {"token_ids": tokens})
     if args.json:
         print(json.dumps(ans, indent=2))
         return 0

@@ -113,6 +113,7 @@ class Launcher:
             state.save(path)
             self._wait_ready(state, handles)
             self._start_gateways(state)
+            self._start_kv_index(state)
         except BaseException:
             self.progress("start-up failed; stopping what was started")
             try:
@@ -263,6 +264,24 @@ class Launcher:
             info = ray.get(ref, timeout=READY_TIMEOUT_S)
             rec.update(grpc=info["grpc"], http=info["http"])
             self.progress(f"gateway   {rec['worker_id']} started: gRPC {info['grpc']}  HTTP http://{info['http']}")
+
+    def _start_kv_index(self, state: ClusterState) -> None:
+        """The cluster's KV index (kvindex/actor.py) when the topology enables it."""
+        t = self.topo
+        if not t.kv_index.enabled:
+            return
+        import ray
+
+        from pdserve.control.actors import restartable, worker_actor_options
+        from pdserve.kvindex.actor import KVIndexActor, kv_index_config
+
+        name = f"{t.cluster}-kv-index"
+        opts = worker_actor_options(name, t.ray.namespace, t.kv_index.num_cpus, 0, t.kv_index.custom)
+        actor = ray.remote(restartable(KVIndexActor)).options(**opts).remote(kv_index_config(t, state.etcd_endpoints))
+        rec = {"name": name, "role": "kv-index", "worker_id": "kv-index"}
+        state.actors.append(rec)
+        rec["url"] = ray.get(actor.start.remote(), timeout=READY_TIMEOUT_S)["url"]
+        self.progress(f"kv index  {rec['url']}  (pdserve kv status --topology {self.topology_file})")
 
     # -- down ---------------------------------------------------------------------------
     def down(self, state: ClusterState, drain_timeout_s: float = 30.0) -> None:

@@ -14,6 +14,7 @@ import sys
 from pdserve.topology_args import load_topology_arg
 
 STATUS_ETCD_TIMEOUT_S = 5.0
+SERVICES = ("gateway", "kv-index")  # actors `up` starts that are not workers (not in etcd)
 
 
 def status(args) -> int:
@@ -53,10 +54,16 @@ def status(args) -> int:
         print(f"{wid:<14} {m['role']:<8} {tp_ranks(m):<6} {host:<30} {eps:<44} {load}")
     _print_rank_groups(queue)
     planner, drained = _planner_lines(state, _status_tls(topo))
-    # Workers the planner drained on purpose are not missing.
-    missing = {a["worker_id"] for a in state.actors} - set(members) - drained
+    # Workers the planner drained on purpose are not missing; gateways and the KV index do not
+    # register in etcd (their addresses are in the state file).
+    workers = [a for a in state.actors if a.get("role") not in SERVICES]
+    missing = {a["worker_id"] for a in workers} - set(members) - drained
     for wid in sorted(missing):
         print(f"{wid:<14} MISSING  (started by `up`, not registered: dead or restarting)")
+    for a in state.actors:
+        if a.get("role") in SERVICES:
+            eps = " ".join(f"{k}={a[k]}" for k in ("grpc", "http", "url") if a.get(k)) or "-"
+            print(f"{a['worker_id']:<14} {a['role']:<8} {'':<6} {'(Ray actor ' + a['name'] + ')':<30} {eps}")
     _print_queue(state, queue)
     for line in planner:
         print(line)

@@ -14,12 +14,13 @@ import urllib.request
 import pytest
 
 from pdserve.api import Client
+from pdserve.cli import main
 from pdserve.control.etcd_server import EmbeddedEtcd
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.cli import main
 from pdserve.kvindex.service import KVIndexService, wait_synced
-from tests.harness import WorkerThread, wait_until
+from pdserve.state import ClusterState
+from tests.harness import WorkerThread, small_topology_yaml, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -115,5 +116,34 @@ def test_the_index_follows_a_worker_in_the_cluster_and_explains_a_prompts_prefix
     try:
         # The worker left etcd (deregistered on stop): it leaves the index.
         wait_until(lambda: "decode-0" not in svc.svc.status()["workers"], 20)
+    finally:
+        svc.stop()
+
+
+def test_the_kv_commands_find_the_index_that_up_started(etcd, tmp_path, capsys):
+    """Without --url, `pdserve kv status/explain` read the KV index's address from the state
+    file of the cluster `pdserve up` started for --topology (kv_index.enabled); a cluster that
+    runs none, or no cluster, is an error that says what to change."""
+    topo = tmp_path / "topology.yaml"
+    topo.write_text(small_topology_yaml("kvup", tmp_path) + "kv_index: {enabled: true}\n")
+    capsys.readouterr()
+    assert main(["kv", "status", "--topology", str(topo)]) == 2
+    assert "pdserve up" in capsys.readouterr().err
+    state = ClusterState(cluster="kvup", topology=str(topo), namespace="pdserve", ray_address="", ray_head_pid=None,
+                         etcd_endpoints=[etcd.endpoint], etcd_pid=None, queue_name="q", model="m",
+                         actors=[{"name": "kvup-decode-0", "role": "decode", "worker_id": "decode-0"}])
+    path = tmp_path / "runs" / "kvup.state.json"
+    state.save(path)
+    assert main(["kv", "status", "--topology", str(topo)]) == 2
+    assert "kv_index: {enabled: true}" in capsys.readouterr().err
+    svc = ServiceThread(etcd, "kvup")
+    try:
+        state.actors.append({"name": "kvup-kv-index", "role": "kv-index", "worker_id": "kv-index",
+                             "url": svc.svc.url})
+        state.save(path)
+        assert main(["kv", "status", "--topology", str(topo)]) == 0
+        assert "cluster kvup" in capsys.readouterr().out
+        assert main(["kv", "explain", "--topology", str(topo), "--token-ids", "1,2,3"]) == 0
+        assert "no worker publishes KV events" in capsys.readouterr().out
     finally:
         svc.stop()
