@@ -97,6 +97,7 @@ class Scheduler:
         # What "now" is for the step plan (request ages): the engine's monotonic clock; the
         # simulator (sim/) runs this scheduler on its simulated clock instead.
         self.clock = time.monotonic
+        self._planned_left: dict[str, int] = {}  # request id -> prompt tokens past its pool hit (`_plan_budget`)
 
     # -- queue management ---------------------------------------------------
     def add(self, req: Request) -> None:
@@ -261,8 +262,8 @@ class Scheduler:
             left = req.num_tokens - req.num_computed_tokens
             if req.output_token_ids:
                 continue
-            if left > limit and pos < PREFIX_SCAN:  # long, unless the pool holds its prefix
-                left = self._waiting_left(req)
+            if left > limit and pos < PREFIX_SCAN:  # long, unless the pool holds its prefix (as planned)
+                left = self._planned_left.get(req.request_id, left)
             if left > limit:
                 continue
             if total + left > limit or len(out) + len(self.running) >= self.max_num_seqs:
@@ -300,8 +301,11 @@ class Scheduler:
                                  r.params.max_tokens - len(r.output_token_ids)))
             elif left > 1:
                 prompts.append((left, now - r.arrival_time, r.num_computed_tokens))
+        self._planned_left = {}  # this step's lookups, for `_short_prompts` right after
         for pos, r in enumerate(self.waiting):
-            left = self._waiting_left(r) if pos < PREFIX_SCAN and not r.output_token_ids else r.num_tokens
+            left = r.num_tokens
+            if pos < PREFIX_SCAN and not r.output_token_ids:
+                left = self._planned_left[r.request_id] = self._waiting_left(r)
             prompts.append((left, now - r.arrival_time, r.num_tokens - left))
         if self.last_decoding and decoding and self._last_plan_at is not None:  # stepping all along
             gap = (now - self._last_plan_at) * 1e3
