@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -92,8 +92,10 @@ class Connection:
     channels to its decode workers, gateway/backends.py)."""
 
     def __init__(self, target: str, timeout_s: float, api_key: str | None, ca_file: str | None,
-                 client_cert: str | None, client_key: str | None, tls: bool | None):
+                 client_cert: str | None, client_key: str | None, tls: bool | None, server_name: str | None = None):
         self.target = target
+        # TLS: the name the server's certificate must carry, when not the address dialled
+        self.server_name = server_name
         self.timeout_s = timeout_s
         env = os.environ.get
         api_key = api_key if api_key is not None else env("PDSERVE_API_KEY") or None
@@ -116,7 +118,10 @@ class Connection:
 
     def channel(self, aio: bool):
         mod = grpc.aio if aio else grpc
-        return mod.secure_channel(self.target, self._creds) if self.tls else mod.insecure_channel(self.target)
+        if not self.tls:
+            return mod.insecure_channel(self.target)
+        options = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else None
+        return mod.secure_channel(self.target, self._creds, options=options)
 
 
 class Client:
@@ -125,8 +130,8 @@ class Client:
 
     def __init__(self, target: str, timeout_s: float = 120.0, *, api_key: str | None = None,
                  ca_file: str | None = None, client_cert: str | None = None, client_key: str | None = None,
-                 tls: bool | None = None):
-        self._conn = Connection(target, timeout_s, api_key, ca_file, client_cert, client_key, tls)
+                 tls: bool | None = None, server_name: str | None = None):
+        self._conn = Connection(target, timeout_s, api_key, ca_file, client_cert, client_key, tls, server_name)
         self.target = target
         self.timeout_s = timeout_s
         self._md = self._conn.metadata
@@ -176,8 +181,8 @@ class AsyncClient:
 
     def __init__(self, target: str, timeout_s: float = 120.0, *, api_key: str | None = None,
                  ca_file: str | None = None, client_cert: str | None = None, client_key: str | None = None,
-                 tls: bool | None = None):
-        self._conn = Connection(target, timeout_s, api_key, ca_file, client_cert, client_key, tls)
+                 tls: bool | None = None, server_name: str | None = None):
+        self._conn = Connection(target, timeout_s, api_key, ca_file, client_cert, client_key, tls, server_name)
         self.target = target
         self.timeout_s = timeout_s
         self._md = self._conn.metadata

@@ -12,6 +12,8 @@ etcd takes the user name from the certificate's common name (CN). The users:
                              workers/<role>/<id> and nixl/<id> (that worker's record and NIXL metadata)
     worker                   the shared worker identity (`etcd.tls.worker`), role pdserve-worker: read the
                              cluster's prefix, write all of workers/ and nixl/ (any worker's keys)
+    reader                   role pdserve-reader: read the cluster's prefix, write nothing: what follows the
+                             workers without being one (the gateway, the KV index)
 
 etcd permissions only add up (there is no "except"): a worker's role reads everything and
 writes two single keys (exact keys, not prefixes: `nixl/decode-1` must not cover
@@ -51,9 +53,11 @@ from .keys import Keyspace, check_name, check_role
 
 log = logging.getLogger(__name__)
 
-ROOT, OPERATOR, WORKER = "root", "operator", "worker"
-IDENTITIES = (ROOT, OPERATOR, WORKER)
-ROLE_OF = {OPERATOR: "pdserve-operator", WORKER: "pdserve-worker"}
+ROOT, OPERATOR, WORKER, READER = "root", "operator", "worker", "reader"
+IDENTITIES = (ROOT, OPERATOR, WORKER, READER)
+ROLE_OF = {OPERATOR: "pdserve-operator", WORKER: "pdserve-worker", READER: "pdserve-reader"}
+# Who follows a cluster's records without writing them, best first: the gateway, the KV index.
+FOLLOWER_IDENTITIES = (READER, OPERATOR, WORKER)
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 10.0
 MAX_COMMON_NAME = 64  # X.509's upper bound on a common name: the longest etcd user a certificate can name
 
@@ -200,7 +204,7 @@ Grant = tuple[str, bytes, bytes]
 
 
 def grants(cluster: str) -> dict[str, list[Grant]]:
-    """{role: grants} of the shared identities of one cluster (operator, shared worker)."""
+    """{role: grants} of the shared identities of one cluster (operator, shared worker, reader)."""
     keys = Keyspace(cluster)
 
     def prefix(p: bytes) -> tuple[bytes, bytes]:
@@ -210,6 +214,7 @@ def grants(cluster: str) -> dict[str, list[Grant]]:
         ROLE_OF[OPERATOR]: [("READWRITE", *prefix(keys.prefix()))],
         ROLE_OF[WORKER]: [("READ", *prefix(keys.prefix())), ("READWRITE", *prefix(keys.workers_prefix())),
                           ("READWRITE", *prefix(keys.nixl_prefix()))],
+        ROLE_OF[READER]: [("READ", *prefix(keys.prefix()))],
     }
 
 

@@ -172,7 +172,7 @@ def internal_client_tls(security: "SecuritySpec | None", resolve=lambda p: p) ->
     mutual = tls.client_ca is not None
     return ClientTLS(ca_file=str(resolve(ca)) if ca else None,
                      cert_file=str(resolve(tls.cert)) if mutual else None,
-                     key_file=str(resolve(tls.key)) if mutual else None)
+                     key_file=str(resolve(tls.key)) if mutual else None, server_name=tls.server_name)
 
 
 def grpc_channel(target: str, tls: ClientTLS | None):
@@ -184,4 +184,10 @@ def grpc_channel(target: str, tls: ClientTLS | None):
     read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
     creds = grpc.ssl_channel_credentials(root_certificates=read(tls.ca_file), private_key=read(tls.key_file),
                                          certificate_chain=read(tls.cert_file))
-    return grpc.secure_channel(target, creds)
+    return grpc.secure_channel(target, creds, options=server_name_options(tls.server_name))
+
+
+def server_name_options(server_name: str | None) -> list[tuple[str, str]]:
+    """gRPC channel options that check the server's certificate for `server_name` instead of
+    the address dialled (none for None)."""
+    return [("grpc.ssl_target_name_override", server_name)] if server_name else []

@@ -42,7 +42,8 @@ class EtcdTlsSpec(_Strict):
     `ca` signed etcd's server certificate and every client certificate. Each process
     connects as one identity, the user etcd reads from its certificate's common name:
     workers as their own (`workers`) or as the shared `worker`, the `pdserve` commands, the
-    launcher and the planner as `operator`; `root` only sets up users and roles (the launcher,
+    launcher and the planner as `operator`, the gateway and the KV index as `reader` (read
+    only; else `operator`, else `worker`); `root` only sets up users and roles (the launcher,
     for an embedded etcd). List the identities this host's processes use; `server` is the
     embedded etcd's own."""
 
@@ -51,6 +52,7 @@ class EtcdTlsSpec(_Strict):
     root: CertKeySpec | None = None
     operator: CertKeySpec | None = None
     worker: CertKeySpec | None = None
+    reader: CertKeySpec | None = None
     workers: EtcdWorkersSpec | None = None
 
     def files(self) -> list[tuple[str, str]]:
@@ -113,13 +115,16 @@ class EtcdSpec(_Strict):
 class TlsSpec(_Strict):
     """TLS for the decode workers' gRPC and HTTP (PEM files). `client_ca` set: mutual TLS,
     clients must present a certificate it signed. `ca`: what the cluster's own tools (the
-    launcher's health check, `pdserve demo`) verify the workers' certificate with; default
-    `client_ca`, and with neither the system's trust store."""
+    launcher's health check, `pdserve demo`, a gateway) verify the workers' certificate with;
+    default `client_ca`, and with neither the system's trust store. `server_name`: the name
+    those tools check the certificate for instead of the address they dial (on Kubernetes,
+    where workers register their pod IPs: the decode Service's name)."""
 
     cert: str = Field(min_length=1)
     key: str = Field(min_length=1)
     client_ca: str | None = None
     ca: str | None = None
+    server_name: str | None = Field(None, min_length=1)
 
 
 class ApiKeysSpec(_Strict):

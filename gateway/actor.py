@@ -37,28 +37,56 @@ class GatewayActor:
 
 def gateway_config(topo, replica: int, model: str, etcd_endpoints: list[str]) -> dict:
     """The config of gateway ``replica`` of a topology (GatewayConfig fields)."""
-    from pdserve.control.security import internal_client_tls
-
-    g, sec = topo.gateway, topo.security
-    if sec.api_keys is not None and not g.worker_api_key_file:
-        raise ValueError("gateway.replicas with security.api_keys: set gateway.worker_api_key_file (a file holding "
-                         "an operator API key the gateway calls the decode workers with)")
-    tls = internal_client_tls(sec, topo.resolve)
-    path = lambda p: str(topo.resolve(p)) if p else None  # noqa: E731
-    tls_files = sec.tls
-    etcd_tls = topo.etcd_tls("operator", "worker")
+    g = topo.gateway
     return {
         "etcd_endpoints": list(etcd_endpoints), "cluster": topo.cluster, "model": model,
         "bind": topo.network.bind, "grpc_port": g.grpc_port, "http_port": g.http_port,
         "gateway_id": f"gateway-{replica}", "routing": g.routing, "max_migrations": g.max_migrations,
         "race_fraction": g.race_fraction, "race_risk": g.race_risk, "forward_tenant": g.forward_tenant,
-        "kv_index": g.kv_index, "etcd_tls": None if etcd_tls is None else etcd_tls.__dict__,
+        "kv_index": g.kv_index, **security_config(topo),
+    }
+
+
+def security_config(topo, worker_api_key: bool = False) -> dict:
+    """A gateway's security for a topology (GatewayConfig fields): the decode workers' own
+    ingress settings (`security.tls`, `security.api_keys`: its clients use the same keys and
+    certificates), how it calls the workers (their CA, under mutual TLS their certificate,
+    `security.tls.server_name`, and the operator key in `gateway.worker_api_key_file`), and
+    its etcd identity (a follower's: `reader`, else `operator`, else `worker`).
+    ``worker_api_key``: the caller has that key from elsewhere (`pdserve gateway`'s flags)."""
+    from pdserve.control.etcd_auth import FOLLOWER_IDENTITIES
+    from pdserve.control.security import internal_client_tls
+
+    g, sec = topo.gateway, topo.security
+    if sec.api_keys is not None and not (g.worker_api_key_file or worker_api_key):
+        raise ValueError("the decode workers check API keys (security.api_keys): give the gateway an operator key "
+                         "to call them with, gateway.worker_api_key_file in the topology (or `pdserve gateway "
+                         "--worker-api-key-file`)")
+    tls = internal_client_tls(sec, topo.resolve)
+    path = lambda p: str(topo.resolve(p)) if p else None  # noqa: E731
+    tls_files = sec.tls
+    etcd_tls = topo.etcd_tls(*FOLLOWER_IDENTITIES)
+    return {
+        "etcd_tls": None if etcd_tls is None else etcd_tls.__dict__,
         "tls_cert": path(tls_files and tls_files.cert), "tls_key": path(tls_files and tls_files.key),
         "tls_client_ca": path(tls_files and tls_files.client_ca),
         "api_keys_file": path(sec.api_keys and sec.api_keys.file),
         "open_paths": list(sec.open_paths), "open_grpc_services": list(sec.open_grpc_services),
-        "worker_api_key": (open(topo.resolve(g.worker_api_key_file)).read().strip()
-                           if g.worker_api_key_file else None),
+        "worker_api_key": read_key_file(path(g.worker_api_key_file), "gateway.worker_api_key_file"),
         "worker_ca_file": tls.ca_file if tls else None, "worker_client_cert": tls.cert_file if tls else None,
-        "worker_client_key": tls.key_file if tls else None,
+        "worker_client_key": tls.key_file if tls else None, "worker_server_name": tls.server_name if tls else None,
     }
+
+
+def read_key_file(path: str | None, setting: str) -> str | None:
+    """The API key a file holds (its first line, stripped); None for no file."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            key = f.readline().strip()
+    except OSError as exc:
+        raise ValueError(f"{setting} {path}: cannot read it ({exc.strerror})") from None
+    if not key:
+        raise ValueError(f"{setting} {path}: the file is empty; it should hold the operator API key (one line)")
+    return key

@@ -33,6 +33,7 @@ class WorkerCredentials:
     client_cert: str | None = None
     client_key: str | None = None
     tls: bool | None = None
+    server_name: str | None = None  # the name the workers' certificates carry, when not their address
 
 
 class Backends:
@@ -97,7 +98,7 @@ class Backends:
         if entry is None:
             c = self.creds
             conn = Connection(self.workers[worker_id].grpc, 0.0, c.api_key, c.ca_file, c.client_cert, c.client_key,
-                              c.tls)
+                              c.tls, c.server_name)
             channel = conn.channel(aio=True)
             entry = self._conns[worker_id] = (conn, channel, pb_grpc.InferenceStub(channel))
         return entry[2], entry[0].metadata

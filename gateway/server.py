@@ -63,6 +63,7 @@ class GatewayConfig:
     worker_ca_file: str | None = None
     worker_client_cert: str | None = None
     worker_client_key: str | None = None
+    worker_server_name: str | None = None  # the name their certificates carry, when not their address
     # Send each client's key identity to the workers (``x-pdserve-tenant``; decode/security.py),
     # so that their per-key fairness and sequence shares see the clients, not the gateway's one
     # key. Needs an operator worker key when the workers check keys.
@@ -94,7 +95,7 @@ class Gateway:
             raise ValueError("model: the gateway needs the model directory for its tokenizer (--model)")
         self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, tls=EtcdTLS.of(cfg.etcd_tls))
         creds = WorkerCredentials(cfg.worker_api_key, cfg.worker_ca_file, cfg.worker_client_cert,
-                                  cfg.worker_client_key)
+                                  cfg.worker_client_key, server_name=cfg.worker_server_name)
         self.backends = await Backends(self.registry, creds, kv_index=cfg.kv_index, seed=cfg.seed,
                                        routing=cfg.routing).start()
         card = await self._model_card()

@@ -35,6 +35,8 @@ class KVIndexActor:
 
 def kv_index_config(topo, etcd_endpoints: list[str]) -> dict:
     """The actor's config for a topology (plain data: it crosses to the Ray node)."""
-    etcd_tls = topo.etcd_tls("operator", "worker")
+    from pdserve.control.etcd_auth import FOLLOWER_IDENTITIES
+
+    etcd_tls = topo.etcd_tls(*FOLLOWER_IDENTITIES)
     return {"etcd_endpoints": list(etcd_endpoints), "cluster": topo.cluster, "bind": topo.network.bind,
             "port": topo.kv_index.port, "etcd_tls": None if etcd_tls is None else etcd_tls.to_dict()}

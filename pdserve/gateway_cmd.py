@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import urllib.error
 import urllib.request
 
@@ -47,19 +48,28 @@ def register(subparsers) -> None:
                          "first token (default 0: never); only requests with ttft_slo_ms whose best predicted "
                          "TTFT is at least --race-risk x it, and only when the runner-up is idle")
     gw.add_argument("--race-risk", type=float, default=0.5, help="see --race-fraction (default 0.5)")
-    gw.add_argument("--api-keys-file", help="API keys the gateway accepts (docs/security.md); default: none asked")
-    gw.add_argument("--worker-api-key", help="the key it calls decode workers with when they check keys "
-                    "(default: $PDSERVE_API_KEY)")
+    gw.add_argument("--api-keys-file", help="API keys the gateway accepts (docs/security.md); default: the "
+                    "topology's security.api_keys, else none asked")
+    key = gw.add_mutually_exclusive_group()
+    key.add_argument("--worker-api-key", help="the key it calls decode workers with when they check keys "
+                     "(default: the topology's gateway.worker_api_key_file, else $PDSERVE_API_KEY)")
+    key.add_argument("--worker-api-key-file", help="a file holding that key (one line): kept out of the process "
+                     "list")
     gw.add_argument("--no-forward-tenant", action="store_true",
                     help="do not send each client's key identity to the workers (x-pdserve-tenant; by default "
                          "their per-key fairness sees the clients, which needs an operator --worker-api-key "
                          "when they check keys)")
-    gw.add_argument("--tls-cert", help="serve gRPC and HTTP over TLS with this certificate chain (PEM)")
+    gw.add_argument("--tls-cert", help="serve gRPC and HTTP over TLS with this certificate chain (PEM; default: "
+                    "the topology's security.tls.cert, as the decode workers)")
     gw.add_argument("--tls-key", help="its private key (PEM)")
     gw.add_argument("--tls-client-ca", help="mutual TLS: the CA client certificates must chain to")
-    gw.add_argument("--worker-ca-file", help="the CA the decode workers' TLS certificates chain to (their TLS on)")
-    gw.add_argument("--worker-client-cert", help="the certificate it presents to decode workers (mutual TLS)")
+    gw.add_argument("--worker-ca-file", help="the CA the decode workers' TLS certificates chain to (their TLS on; "
+                    "default: the topology's security.tls.ca, else client_ca)")
+    gw.add_argument("--worker-client-cert", help="the certificate it presents to decode workers (mutual TLS; "
+                    "default: under the topology's mutual TLS, the workers' own)")
     gw.add_argument("--worker-client-key", help="its private key")
+    gw.add_argument("--worker-server-name", help="the name the decode workers' certificates carry, when it is not "
+                    "the address they register (default: the topology's security.tls.server_name)")
     gw.add_argument("--check", action="store_true", help="validate the arguments and exit; start nothing")
     gw.set_defaults(func=run)
     sub = gw.add_subparsers(dest="gateway_command", metavar="GATEWAY_COMMAND")
@@ -70,10 +80,17 @@ def register(subparsers) -> None:
     p.set_defaults(func=explain)
 
 
-def run(args) -> int:
-    from pdserve.gateway.server import Gateway, GatewayConfig
+# The security flags and the GatewayConfig field each one overrides (the topology gives the rest).
+SECURITY_FLAGS = ("api_keys_file", "worker_api_key", "tls_cert", "tls_key", "tls_client_ca", "worker_ca_file",
+                  "worker_client_cert", "worker_client_key", "worker_server_name")
 
-    etcd, cluster, tls = _cluster_of(args)
+
+def run(args) -> int:
+    from pdserve.gateway.actor import read_key_file, security_config
+    from pdserve.gateway.server import Gateway, GatewayConfig
+    from pdserve.topology_args import load_topology_arg
+
+    etcd, cluster, _ = _cluster_of(args)
     model = _model_of(args)
     for name in ("grpc_port", "http_port"):
         if not 0 <= getattr(args, name) <= 65535:
@@ -82,15 +99,18 @@ def run(args) -> int:
         raise ValueError(f"--max-migrations {args.max_migrations}: must be >= 0")
     if not 0 <= args.race_fraction <= 1 or args.race_risk <= 0:
         raise ValueError(f"--race-fraction {args.race_fraction} must be in [0, 1] and --race-risk {args.race_risk} > 0")
+    if args.worker_api_key_file:
+        args.worker_api_key = read_key_file(args.worker_api_key_file, "--worker-api-key-file")
+    # The topology's security (what its decode workers and `pdserve up`'s gateways use), each
+    # setting overridden by its flag.
+    has_key = bool(args.worker_api_key or os.environ.get("PDSERVE_API_KEY"))
+    sec = security_config(load_topology_arg(args.topology), worker_api_key=has_key)
+    sec.update({k: getattr(args, k) for k in SECURITY_FLAGS if getattr(args, k) is not None})
     cfg = GatewayConfig(etcd, cluster, model=model, host=args.host, grpc_port=args.grpc_port,
                         http_port=args.http_port, max_migrations=args.max_migrations,
                         kv_index=not args.no_kv_index, routing=args.routing,
                         race_fraction=args.race_fraction, race_risk=args.race_risk,
-                        api_keys_file=args.api_keys_file, worker_api_key=args.worker_api_key,
-                        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                        worker_ca_file=args.worker_ca_file, worker_client_cert=args.worker_client_cert,
-                        worker_client_key=args.worker_client_key, forward_tenant=not args.no_forward_tenant,
-                        etcd_tls=tls)
+                        forward_tenant=not args.no_forward_tenant, **sec)
 
     if args.check:
         from pdserve.decode.security import ServerSecurity

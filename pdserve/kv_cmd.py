@@ -104,15 +104,21 @@ def run_index(args) -> int:
 
 
 def _cluster_of(args) -> tuple[list[str], str, object]:
+    """(etcd endpoints, cluster, etcd TLS): --etcd and --cluster, else the cluster `pdserve up`
+    started from --topology. The etcd identity is the topology's either way (a follower's:
+    `reader`, else `operator`, else `worker`), so a pod passes --etcd with its own topology."""
+    from pdserve.control.etcd_auth import FOLLOWER_IDENTITIES
+
+    topo = load_topology_arg(args.topology)
+    tls = topo.etcd_tls(*FOLLOWER_IDENTITIES)
     if args.etcd:
         if not args.cluster:
             raise ValueError("--etcd needs --cluster (the cluster's name)")
-        return [e.strip() for e in args.etcd.split(",") if e.strip()], args.cluster, None
+        return [e.strip() for e in args.etcd.split(",") if e.strip()], args.cluster, tls
     from pdserve.launcher import ClusterState, state_path
 
-    topo = load_topology_arg(args.topology)
     state = ClusterState.load(state_path(topo))
-    return list(state.etcd_endpoints), args.cluster or state.cluster, topo.etcd_tls("operator", "worker")
+    return list(state.etcd_endpoints), args.cluster or state.cluster, tls
 
 
 def _call(url: str, path: str, body: dict | None = None) -> dict:

@@ -103,7 +103,7 @@ def _etcd(t) -> Surface:
     if t.etcd.tls is None:
         return Surface("etcd", NO, "plaintext, no authentication: anyone who reaches it can drain workers and "
                        f"rewrite policies{where}", "etcd.tls")
-    ids = [i for i in ("root", "operator", "worker") if getattr(t.etcd.tls, i) is not None]
+    ids = [i for i in ("root", "operator", "worker", "reader") if getattr(t.etcd.tls, i) is not None]
     if t.etcd.tls.workers is not None:
         ids.append("one per worker")
     how = f"TLS, client certificates, RBAC (identities here: {', '.join(ids) or 'none'}){where}"

@@ -109,6 +109,25 @@ async def test_a_worker_identity_registers_reads_the_cluster_and_leaves(secure, 
         assert await operator.members() == {}
 
 
+async def test_the_reader_identity_follows_the_cluster_and_writes_nothing(secure, cluster_name):
+    """What a gateway or the KV index connects as: it reads the members and policies, and
+    etcd refuses it every write (a worker record, a policy, a drain)."""
+    async with registry(secure, cluster_name, "reader") as r, registry(secure, cluster_name, "operator") as operator:
+        await operator.register(worker("d0", "decode"))
+        await operator.put_policy("router", POLICY)
+        assert set(await r.members()) == {"d0"}
+        seen = await r.watch_policy("router", validate=str)
+        await seen.wait_synced(5)
+        assert seen.current == POLICY
+        with pytest.raises(EtcdAccessDenied, match=r"drain/d0 to identity 'reader'.*pdserve-reader"):
+            await r.request_drain("d0")
+        for key in (worker_key(cluster_name, "fake-p0"), f"/pdserve/{cluster_name}/config/router".encode(),
+                    f"/pdserve/{cluster_name}/nixl/d0".encode()):
+            with pytest.raises(aetcd.ClientError, match="permission denied"):
+                await r.client().put(key, b"x")
+        assert set(await operator.members()) == {"d0"} and await operator.get_policy("router") == POLICY
+
+
 async def test_the_operator_identity_drains_a_worker(secure, cluster_name):
     async with registry(secure, cluster_name, "worker") as d0, registry(secure, cluster_name, "operator") as operator:
         await d0.register(worker("d0", "decode"))
@@ -345,7 +364,7 @@ def test_certs_make_writes_one_etcd_client_certificate_per_identity(tmp_path):
 
     paths = make_certs(tmp_path)
     ca = x509.load_pem_x509_certificate(paths["ca"].read_bytes())
-    for identity in ("root", "operator", "worker"):
+    for identity in ("root", "operator", "worker", "reader"):
         cert = x509.load_pem_x509_certificate(paths[f"etcd-{identity}"].read_bytes())
         cert.verify_directly_issued_by(ca)
         assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == identity  # etcd's user name

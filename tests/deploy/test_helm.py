@@ -22,6 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pdserve.certs import key_line, new_key
 from pdserve.cli import main
 from pdserve.control.topology import load_topology
 
@@ -85,12 +86,14 @@ VALUE_SETS = {
         "gateway": {"enabled": True},
     },
     # Every credential as an existing Secret: decode mutual TLS and API keys, etcd client
-    # certificates (with the operator identity for the preStop drain), Ray's token.
+    # certificates (with the operator identity for the preStop drain), Ray's token; a gateway
+    # in front of the workers with the same settings and the operator key it calls them with.
     "secured": {
         "etcd": {"endpoints": ["etcd.infra:2379"]},
         "security": {"tls": {"secretName": "pd-decode-tls", "mutual": True}, "apiKeys": {"secretName": "pd-api-keys"},
                      "etcd": {"secretName": "pd-etcd-client", "operator": True}},
         "ray": {"auth": {"tokenSecretName": "pd-ray-token"}},
+        "gateway": {"enabled": True, "replicas": 1, "workerApiKey": {"secretName": "pd-gateway-key"}},
     },
     # The chart's own etcd with TLS, client certificates and the RBAC Job; the queue's wire over
     # mutual TLS.
@@ -268,7 +271,8 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
     assert seen["pdserve drain"] == (0 if etcd_client.get("secretName") and not etcd_client.get("operator") else 2)
     assert seen["ray start"] == 3  # head, prefill, decode
     assert seen["etcd"] == (0 if VALUE_SETS[name].get("etcd", {}).get("endpoints") else 1)
-    assert seen["health probe"] == (3 if name == "secured" else 0)  # mutual TLS: decode's three probes
+    # mutual TLS: decode's three probes and the gateway's readiness probe
+    assert seen["health probe"] == (4 if name == "secured" else 0)
     assert seen["pdserve etcd-auth"] == (1 if VALUE_SETS[name].get("etcd", {}).get("tls") else 0)  # the RBAC Job
     assert seen["pdserve gateway"] == (1 if VALUE_SETS[name].get("gateway", {}).get("enabled") else 0)
 
@@ -729,7 +733,10 @@ def mount_config_maps(objs: list[dict], workload: dict, root: Path, ordinal: int
                     (target / key).write_text(text)
             elif m["name"] in secrets:
                 for item in secrets[m["name"]]["items"]:
-                    (target / item["path"]).write_text(f"stand-in for {item['key']}: {'x' * 32}\n")
+                    text = f"stand-in for {item['key']}: {'x' * 32}\n"
+                    if item["key"] == "keys.txt":  # read at start by a gateway's --check: a real keys file
+                        text = key_line(new_key(), operator=True) + "\n"
+                    (target / item["path"]).write_text(text)
     for c in spec.get("initContainers", []):
         run_script(c, root, pod_env(workload, ordinal))
     return str(root)
@@ -824,7 +831,7 @@ def test_the_gateway_is_a_deployment_behind_its_own_service(rendered):
     assert dep["spec"]["replicas"] == 3
     c = dep["spec"]["template"]["spec"]["containers"][0]
     line = c["args"][0]
-    assert "exec pdserve gateway --topology /etc/pdserve/topology/decode.yaml " in line
+    assert "exec pdserve gateway --topology /etc/pdserve/topology/gateway.yaml " in line
     assert "--host ${POD_IP} --grpc-port 50052 --http-port 8080" in line and "--race-fraction 0.05" in line
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     svc = named(objs, "Service", "-gateway")
@@ -837,8 +844,44 @@ def test_the_gateway_is_a_deployment_behind_its_own_service(rendered):
     assert [p["port"] for p in policy["spec"]["ingress"][0]["ports"]] == [50052, 8080]
 
 
-def test_the_gateway_with_security_settings_is_refused_naming_them():
+def test_the_gateway_holds_the_security_its_rendered_topology_names(rendered, tmp_path):
+    """security.* reaches the chart's gateway: it serves its clients with the workers' TLS and
+    keys, verifies the workers with the TLS Secret's ca.crt for the decode Service's name (they
+    register pod IPs), presents their certificate under mutual TLS, calls them with the operator
+    key of gateway.workerApiKey, and reads etcd as the read-only reader identity."""
+    from pdserve.control.topology import load_topology
+    from pdserve.gateway.actor import security_config
+
+    objs = rendered["secured"]
+    workload = named(objs, "Deployment", "-gateway")
+    spec = workload["spec"]["template"]["spec"]
+    mounted = {v["name"]: (v["secret"]["secretName"], {i["key"] for i in v["secret"]["items"]})
+               for v in spec["volumes"] if "secret" in v}
+    assert mounted == {"tls": ("pd-decode-tls", {"tls.crt", "tls.key", "ca.crt"}),
+                       "api-keys": ("pd-api-keys", {"keys.txt"}), "gateway-key": ("pd-gateway-key", {"api-key"}),
+                       "etcd-tls": ("pd-etcd-client", {"ca.crt", "reader.crt", "reader.key"})}
+    root = Path(mount_config_maps(objs, workload, tmp_path))
+    t = load_topology(root / "etc/pdserve/topology/gateway.yaml")  # every file it names exists
+    sec, etc = security_config(t), root / "etc/pdserve"
+    assert (sec["tls_cert"], sec["tls_client_ca"], sec["api_keys_file"]) == \
+        (str(etc / "tls/tls.crt"), str(etc / "tls/ca.crt"), str(etc / "api-keys/keys.txt"))
+    service = named(objs, "Service", "-decode")["metadata"]["name"]
+    assert (sec["worker_ca_file"], sec["worker_client_cert"], sec["worker_server_name"]) == \
+        (str(etc / "tls/ca.crt"), str(etc / "tls/tls.crt"), f"{service}.{NAMESPACE}.svc")
+    assert sec["worker_api_key"] == (etc / "gateway-key/api-key").read_text().strip()
+    assert sec["etcd_tls"]["identity"] == "reader" and sec["etcd_tls"]["key_file"] == str(etc / "etcd/reader.key")
+    probe = spec["containers"][0]["readinessProbe"]["exec"]["command"]
+    assert probe[3] == "https://127.0.0.1:8080/health" and "/etc/pdserve/tls/tls.crt" in probe
+    assert "--topology /etc/pdserve/topology/gateway.yaml" in spec["containers"][0]["args"][0]
+    values = copy.deepcopy(VALUE_SETS["secured"])
+    values["security"]["tls"]["serverName"] = "decode.example.com"
+    gw_topo = next(yaml.safe_load(o)["data"]["gateway.yaml"] for p, o in render(values).items()
+                   if p.endswith("configmap-topology.yaml"))
+    assert yaml.safe_load(gw_topo)["security"]["tls"]["server_name"] == "decode.example.com"
+
+
+def test_the_gateway_with_api_keys_and_no_operator_key_is_refused_naming_the_value():
     values = copy.deepcopy(VALUE_SETS["1p1d-cpu"])
     values["security"] = {"apiKeys": {"secretName": "keys"}}
-    with pytest.raises(helm_python.HelmError, match="security.apiKeys"):
+    with pytest.raises(helm_python.HelmError, match="gateway.workerApiKey.secretName"):
         render(values)

@@ -82,3 +82,77 @@ def test_the_worker_sees_each_client_of_the_gateway_as_its_own_tenant(secured):
         assert c.abort("through-the-gateway") is True
         assert list(stream)[-1].finish_reason == "abort"
     wait_until(lambda: not w.worker.engine.requests, 10)
+
+
+SERVICE_NAME = "pd-decode.llm.svc"  # what a Kubernetes decode Service is called; no worker dials it here
+
+
+def test_the_gateway_checks_the_workers_certificate_for_their_service_name(llama_dir, tmp_path):
+    """On Kubernetes workers register their pod IPs, which no certificate names: the gateway
+    checks the workers' certificate for `security.tls.server_name` (the decode Service's name)
+    instead of the address it dials. The worker's certificate here names only that Service."""
+    pki = {k: str(v) for k, v in make_certs(tmp_path / "pki", [SERVICE_NAME]).items()}
+    (tmp_path / "router.yaml").write_text(PERMISSIVE_POLICY)
+    with EmbeddedEtcd(tmp_path / "etcd") as etcd:
+        w = gw = None
+        try:
+            w = WorkerThread(DecodeWorkerConfig(
+                model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="svcname", lease_ttl_s=3,
+                worker_id="decode-0", router_policy=str(tmp_path / "router.yaml"), host="127.0.0.1",
+                tls_cert=pki["decode"], tls_key=pki["decode-key"])).start()
+            with Client(w.grpc, ca_file=pki["ca"], timeout_s=10) as by_address:
+                with pytest.raises(grpc.RpcError) as ei:  # the certificate does not name 127.0.0.1
+                    by_address.generate("hello there", max_tokens=2)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+            with Client(w.grpc, ca_file=pki["ca"], server_name=SERVICE_NAME) as direct:
+                want = direct.generate("hello there", max_tokens=5, temperature=0.0).token_ids
+            gw = GatewayThread(GatewayConfig([etcd.endpoint], "svcname", model=llama_dir, worker_ca_file=pki["ca"],
+                                             worker_server_name=SERVICE_NAME)).start()
+            wait_until(lambda: len(gw.gateway.backends.workers) == 1, 20)
+            with Client(gw.gateway.grpc_address) as c:
+                assert c.generate("hello there", max_tokens=5, temperature=0.0).token_ids == want
+        finally:
+            if gw is not None:
+                gw.stop()
+            if w is not None:
+                w.stop()
+
+
+def test_a_gateway_takes_the_topologys_security_and_a_read_only_etcd_identity(tmp_path):
+    """`pdserve gateway --topology` and `pdserve up`'s gateways: the workers' TLS and keys for
+    its own clients, their CA, service name and (mutual TLS) certificate to call them with, the
+    operator key from gateway.worker_api_key_file, and etcd as `reader` when the topology lists it."""
+    from pdserve.control.topology import load_topology
+    from pdserve.gateway.actor import security_config
+
+    pki = {k: str(v) for k, v in make_certs(tmp_path / "pki").items()}
+    append_key(tmp_path / "keys.txt", new_key())
+    operator = new_key()
+    (tmp_path / "worker.key").write_text(operator + "\n")
+    (tmp_path / "router.yaml").write_text(PERMISSIVE_POLICY)
+    (tmp_path / "model").mkdir()
+    ident = lambda n: f"{{cert: {pki[f'etcd-{n}']}, key: {pki[f'etcd-{n}-key']}}}"  # noqa: E731
+    base = f"""
+cluster: t
+model: {{path: model}}
+router_policy: router.yaml
+roles: {{prefill: {{replicas: 0}}, decode: {{replicas: 1}}}}
+etcd:
+  endpoints: ["127.0.0.1:2379"]
+  tls: {{ca: {pki['ca']}, operator: {ident('operator')}, reader: {ident('reader')}}}
+security:
+  tls: {{cert: {pki['decode']}, key: {pki['decode-key']}, client_ca: {pki['ca']}, server_name: {SERVICE_NAME}}}
+  api_keys: {{file: keys.txt}}
+"""
+    path = tmp_path / "t.yaml"
+    path.write_text(base)
+    with pytest.raises(ValueError, match="gateway.worker_api_key_file"):
+        security_config(load_topology(path))
+    path.write_text(base + "gateway: {worker_api_key_file: worker.key}\n")
+    sec = security_config(load_topology(path))
+    assert sec["worker_api_key"] == operator
+    assert (sec["tls_cert"], sec["tls_client_ca"], sec["api_keys_file"]) == \
+        (pki["decode"], pki["ca"], str(tmp_path / "keys.txt"))
+    assert (sec["worker_ca_file"], sec["worker_client_cert"], sec["worker_server_name"]) == \
+        (pki["ca"], pki["decode"], SERVICE_NAME)
+    assert sec["etcd_tls"]["identity"] == "reader" and sec["etcd_tls"]["cert_file"] == pki["etcd-reader"]

@@ -95,12 +95,16 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/*
 The topology file of one role's pods: call with (dict "ctx" $ "role" "prefill"). The two
-roles' files differ only in network.ucx (ucx.common, then the role's own ucx).
+roles' files differ only in network.ucx (ucx.common, then the role's own ucx). Role
+"gateway": the decode workers' file as the gateway pods need it (gateway.yaml): etcd as the
+read-only reader identity, the workers' CA and service name, the operator key it calls them
+with; no Ray token or queue certificates (it uses neither).
 Relative paths resolve against the file's directory (/etc/pdserve/topology).
 */}}
 {{- define "pdserve.topology" -}}
 {{- $v := .ctx.Values -}}
-{{- $ucx := merge (deepCopy (index $v .role "ucx")) (deepCopy $v.ucx.common) -}}
+{{- $gw := eq .role "gateway" -}}
+{{- $ucx := merge (deepCopy (index $v (ternary "decode" .role $gw) "ucx")) (deepCopy $v.ucx.common) -}}
 cluster: {{ include "pdserve.control" .ctx }}
 model:
   path: {{ $v.model.path | quote }}
@@ -135,11 +139,17 @@ autoscale_policy: {{ if $v.policies.autoscale }}../policies/autoscale.yaml{{ els
 etcd:
   endpoints: {{ toJson (splitList "," (include "pdserve.etcdEndpoints" .ctx)) }}
   lease_ttl_s: {{ $v.topology.leaseTtlSeconds }}
+  {{- if not $gw }}
   {{- include "pdserve.etcdTls" .ctx }}
+  {{- else if $v.security.etcd.secretName }}
+  tls:
+    ca: ../etcd/ca.crt
+    reader: {cert: ../etcd/reader.crt, key: ../etcd/reader.key}
+  {{- end }}
 ray:
   address: {{ include "pdserve.rayAddress" .ctx | quote }}
   namespace: {{ $v.topology.rayNamespace | quote }}
-  {{- if $v.ray.auth.tokenSecretName }}
+  {{- if and $v.ray.auth.tokenSecretName (not $gw) }}{{/* the gateway runs no Ray */}}
   auth: token
   token_file: ../ray/token
   {{- end }}
@@ -149,7 +159,7 @@ queue:
   poll_timeout_ms: {{ $v.topology.queue.pollTimeoutMs }}
   stall_timeout_s: {{ $v.topology.queue.stallTimeoutSeconds }}
   wire: node
-  {{- if $v.security.queue.secretName }}
+  {{- if and $v.security.queue.secretName (not $gw) }}
   # The wire advertises the Ray head pod's IP: its certificate names the head's Service instead.
   tls:
     cert: ../queue/tls.crt
@@ -174,11 +184,24 @@ security:
     {{- if $v.security.tls.mutual }}
     client_ca: ../tls/ca.crt
     {{- end }}
+    {{- if $gw }}
+    ca: ../tls/ca.crt
+    server_name: {{ include "pdserve.workerServerName" .ctx }}
+    {{- end }}
   {{- end }}
   {{- if $v.security.apiKeys.secretName }}
   api_keys: {file: ../api-keys/keys.txt}
   {{- end }}
 {{- end }}
+{{- if and $gw $v.security.apiKeys.secretName }}
+gateway:
+  worker_api_key_file: ../gateway-key/api-key
+{{- end }}
+{{- end -}}
+
+{{/* The name the decode workers' TLS certificate carries (what the gateway checks it for). */}}
+{{- define "pdserve.workerServerName" -}}
+{{- default (printf "%s-decode.%s.svc" (include "pdserve.fullname" .) .Release.Namespace) .Values.security.tls.serverName -}}
 {{- end -}}
 
 {{/*
@@ -412,7 +435,8 @@ How the kubelet checks a decode worker's health, by security.tls: plaintext: the
 health service (`grpc`) or GET /health; TLS: GET /health over HTTPS (the kubelet does not
 verify the certificate); mutual TLS: the kubelet cannot present a client certificate, so an
 exec probe (control/health_probe.py) GETs /health presenting the workers' own certificate.
-Call with (dict "ctx" $ "grpc" true) for the startup and readiness probes.
+Call with (dict "ctx" $ "grpc" true) for the startup and readiness probes; "httpPort": the
+port of another server of the same security (the gateway's).
 */}}
 {{- define "pdserve.decodeHealthProbe" -}}
 {{- $v := .ctx.Values -}}
@@ -426,6 +450,6 @@ httpGet: {path: /health, port: http}
 httpGet: {path: /health, port: http, scheme: HTTPS}
 {{- else -}}
 exec:
-  command: ["python3", "-m", "pdserve.control.health_probe", "https://127.0.0.1:{{ $v.decode.ports.http }}/health", "--cert", "/etc/pdserve/tls/tls.crt", "--key", "/etc/pdserve/tls/tls.key"]
+  command: ["python3", "-m", "pdserve.control.health_probe", "https://127.0.0.1:{{ .httpPort | default $v.decode.ports.http }}/health", "--cert", "/etc/pdserve/tls/tls.crt", "--key", "/etc/pdserve/tls/tls.key"]
 {{- end -}}
 {{- end -}}
