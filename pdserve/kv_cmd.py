@@ -35,6 +35,7 @@ def register(subparsers) -> None:
     p.add_argument("--cluster", help="cluster name (default: the topology's)")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="HTTP port (default 0: a free one, printed)")
+    p.add_argument("--check", action="store_true", help="validate the arguments and exit; start nothing")
     p.set_defaults(func=run_index)
     p = sub.add_parser("status", help="per worker: KV blocks held by tier, and how its events are followed")
     _add_url_args(p)
@@ -86,6 +87,15 @@ def run_index(args) -> int:
     from pdserve.kvindex.service import KVIndexService
 
     etcd, cluster, tls = _cluster_of(args)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: a port is 0-65535 (0: a free one)")
+    if args.check:
+        from pdserve.control.keys import parse_endpoints
+
+        parse_endpoints(etcd)
+        who = f", etcd identity {tls.identity}" if tls is not None else ""
+        print(f"kv index arguments OK: cluster {cluster}, etcd {', '.join(etcd)}{who}")
+        return 0
 
     async def serve():
         svc = await KVIndexService(etcd, cluster, args.host, args.port, tls=tls).start()

@@ -84,6 +84,7 @@ VALUE_SETS = {
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
         "decode": {"service": {"type": "LoadBalancer"}},
         "gateway": {"enabled": True},
+        "kvIndex": {"enabled": True},
     },
     # Every credential as an existing Secret: decode mutual TLS and API keys, etcd client
     # certificates (with the operator identity for the preStop drain), Ray's token; a gateway
@@ -94,6 +95,7 @@ VALUE_SETS = {
                      "etcd": {"secretName": "pd-etcd-client", "operator": True}},
         "ray": {"auth": {"tokenSecretName": "pd-ray-token"}},
         "gateway": {"enabled": True, "replicas": 1, "workerApiKey": {"secretName": "pd-gateway-key"}},
+        "kvIndex": {"enabled": True},
     },
     # The chart's own etcd with TLS, client certificates and the RBAC Job; the queue's wire over
     # mutual TLS.
@@ -229,7 +231,7 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
     """Each command line as the pod would run it (its ConfigMaps mounted, its env expanded)."""
     objs = rendered[name]
     seen = {"pdserve worker": 0, "pdserve drain": 0, "ray start": 0, "ray kill-actor": 0, "etcd": 0,
-            "health probe": 0, "pdserve etcd-auth": 0, "pdserve gateway": 0}
+            "health probe": 0, "pdserve etcd-auth": 0, "pdserve gateway": 0, "pdserve kv": 0}
     for workload, c in containers(objs):
         root = mount_config_maps(objs, workload, tmp_path / workload["metadata"]["name"])  # runs init containers
         env = pod_env(workload)
@@ -241,7 +243,7 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
             for line in command_lines(argv, env):
                 line = [root + a if a.startswith("/etc/pdserve/") else a for a in line]
                 if line[:2] in (["pdserve", "worker"], ["pdserve", "drain"], ["pdserve", "etcd-auth"],
-                                ["pdserve", "gateway"]):
+                                ["pdserve", "gateway"], ["pdserve", "kv"]):
                     rc = main(line[1:] + ["--check"])
                     assert rc == 0, (line, capsys.readouterr().err)
                     seen[" ".join(line[:2])] += 1
@@ -275,6 +277,7 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
     assert seen["health probe"] == (4 if name == "secured" else 0)
     assert seen["pdserve etcd-auth"] == (1 if VALUE_SETS[name].get("etcd", {}).get("tls") else 0)  # the RBAC Job
     assert seen["pdserve gateway"] == (1 if VALUE_SETS[name].get("gateway", {}).get("enabled") else 0)
+    assert seen["pdserve kv"] == (1 if VALUE_SETS[name].get("kvIndex", {}).get("enabled") else 0)
 
 
 def test_check_refuses_a_rendered_command_with_a_broken_flag(rendered, tmp_path, capsys):
@@ -398,7 +401,12 @@ def test_monitors_and_network_policies_select_what_exists(rendered):
     assert pm["spec"]["selector"]["matchLabels"].items() <= prefill["metadata"]["labels"].items()
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] in {p["name"] for p in prefill["spec"]["containers"][0]["ports"]}
     policies = {o["metadata"]["name"].rsplit("-", 1)[1]: o["spec"] for o in of_kind(objs, "NetworkPolicy")}
-    assert set(policies) == {"internal", "clients", "metrics", "gateway"}  # gateway: its clients' policy
+    # gateway: its clients' policy; index: the KV index's scrapers
+    assert set(policies) == {"internal", "clients", "metrics", "gateway", "index"}
+    assert policies["index"]["ingress"][0] == {"ports": [{"protocol": "TCP", "port": 8090}], "from": VALUE_SETS[
+        "external-etcd-netpol-monitor"]["networkPolicy"]["prometheus"]}
+    kv_sm, kv_svc = named(objs, "ServiceMonitor", "-kv-index"), named(objs, "Service", "-kv-index")
+    assert kv_sm["spec"]["selector"]["matchLabels"].items() <= kv_svc["metadata"]["labels"].items()
     assert {p["port"] for p in policies["clients"]["ingress"][0]["ports"]} == {50051, 8000}
     assert policies["clients"]["ingress"][0]["from"] == VALUE_SETS["external-etcd-netpol-monitor"]["networkPolicy"]["clients"]
     assert {p["port"] for p in policies["metrics"]["ingress"][0]["ports"]} == {9100}
@@ -409,6 +417,34 @@ def test_monitors_and_network_policies_select_what_exists(rendered):
     selected = [s["metadata"]["name"] for s in of_kind(objs, "Service")
                 if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
     assert selected == ["demo-llama-3-1-8b-instruct-decode"]
+
+
+def test_the_kv_index_follows_the_workers_as_the_reader_identity(rendered, tmp_path):
+    """kvIndex.enabled: one index pod behind its Service, reading etcd as `reader` (its own
+    topology names nothing else it would have to mount), and both roles' engines publish KV
+    events unless their engine args say otherwise."""
+    from pdserve.control.topology import load_topology
+
+    objs = rendered["secured"]
+    dep = named(objs, "Deployment", "-kv-index")
+    spec = dep["spec"]["template"]["spec"]
+    assert dep["spec"]["replicas"] == 1
+    assert [(v["secret"]["secretName"], [i["key"] for i in v["secret"]["items"]]) for v in spec["volumes"]
+            if "secret" in v] == [("pd-etcd-client", ["ca.crt", "reader.crt", "reader.key"])]
+    svc = named(objs, "Service", "-kv-index")
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert spec["containers"][0]["readinessProbe"]["httpGet"] == {"path": "/status", "port": "http"}
+    root = Path(mount_config_maps(objs, dep, tmp_path))
+    t = load_topology(root / "etc/pdserve/topology/kv-index.yaml")  # every file it names is mounted
+    assert t.security.tls is None and t.security.api_keys is None
+    assert t.etcd_tls("reader").cert_file == str(root / "etc/pdserve/etcd/reader.crt")
+    assert t.roles.decode.engine["kv_events"] is True and t.roles.prefill.engine["kv_events"] is True
+    off = render({"kvIndex": {"enabled": True}, "decode": {"engine": {"kv_events": False}}})
+    topo = yaml.safe_load(next(yaml.safe_load(o)["data"]["decode.yaml"] for p, o in off.items()
+                               if p.endswith("configmap-topology.yaml")))
+    assert topo["roles"]["decode"]["engine"]["kv_events"] is False
+    assert "kv_events" not in yaml.safe_load(named(rendered["default"], "ConfigMap", "-topology")["data"][
+        "decode.yaml"])["roles"]["decode"]["engine"]
 
 
 def test_every_value_is_described_in_the_docs():

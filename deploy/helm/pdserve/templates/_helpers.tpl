@@ -98,13 +98,17 @@ The topology file of one role's pods: call with (dict "ctx" $ "role" "prefill").
 roles' files differ only in network.ucx (ucx.common, then the role's own ucx). Role
 "gateway": the decode workers' file as the gateway pods need it (gateway.yaml): etcd as the
 read-only reader identity, the workers' CA and service name, the operator key it calls them
-with; no Ray token or queue certificates (it uses neither).
+with; no Ray token or queue certificates (it uses neither). Role "kv-index" (kv-index.yaml):
+etcd as reader, nothing else of security (the index calls no worker API). With
+kvIndex.enabled both roles' engines publish KV events unless their engine args say otherwise.
 Relative paths resolve against the file's directory (/etc/pdserve/topology).
 */}}
 {{- define "pdserve.topology" -}}
 {{- $v := .ctx.Values -}}
 {{- $gw := eq .role "gateway" -}}
-{{- $ucx := merge (deepCopy (index $v (ternary "decode" .role $gw) "ucx")) (deepCopy $v.ucx.common) -}}
+{{- $index := eq .role "kv-index" -}}
+{{- $follower := or $gw $index -}}
+{{- $ucx := merge (deepCopy (index $v (ternary "decode" .role $follower) "ucx")) (deepCopy $v.ucx.common) -}}
 cluster: {{ include "pdserve.control" .ctx }}
 model:
   path: {{ $v.model.path | quote }}
@@ -124,13 +128,13 @@ roles:
     replicas: {{ $v.prefill.replicas }}
     tensor_parallel_size: {{ $v.prefill.tensorParallelSize | default 1 }}
     resources: {num_cpus: {{ $v.prefill.rayCpus }}, num_gpus: {{ $v.prefill.gpus }}}
-    engine: {{ toJson $v.prefill.engine }}
+    engine: {{ include "pdserve.engineArgs" (dict "ctx" .ctx "role" "prefill") }}
     ports: {metrics: {{ $v.prefill.ports.metrics }}}
   decode:
     replicas: {{ $v.decode.replicas }}
     tensor_parallel_size: {{ $v.decode.tensorParallelSize | default 1 }}
     resources: {num_cpus: {{ $v.decode.rayCpus }}, num_gpus: {{ $v.decode.gpus }}}
-    engine: {{ toJson $v.decode.engine }}
+    engine: {{ include "pdserve.engineArgs" (dict "ctx" .ctx "role" "decode") }}
     ports: {grpc: {{ $v.decode.ports.grpc }}, http: {{ $v.decode.ports.http }}}
     remote_timeout_s: {{ $v.decode.remoteTimeoutSeconds }}
     remote_quarantine_s: {{ $v.decode.remoteQuarantineSeconds }}
@@ -139,7 +143,7 @@ autoscale_policy: {{ if $v.policies.autoscale }}../policies/autoscale.yaml{{ els
 etcd:
   endpoints: {{ toJson (splitList "," (include "pdserve.etcdEndpoints" .ctx)) }}
   lease_ttl_s: {{ $v.topology.leaseTtlSeconds }}
-  {{- if not $gw }}
+  {{- if not $follower }}
   {{- include "pdserve.etcdTls" .ctx }}
   {{- else if $v.security.etcd.secretName }}
   tls:
@@ -149,7 +153,7 @@ etcd:
 ray:
   address: {{ include "pdserve.rayAddress" .ctx | quote }}
   namespace: {{ $v.topology.rayNamespace | quote }}
-  {{- if and $v.ray.auth.tokenSecretName (not $gw) }}{{/* the gateway runs no Ray */}}
+  {{- if and $v.ray.auth.tokenSecretName (not $follower) }}{{/* the gateway and the index run no Ray */}}
   auth: token
   token_file: ../ray/token
   {{- end }}
@@ -159,7 +163,7 @@ queue:
   poll_timeout_ms: {{ $v.topology.queue.pollTimeoutMs }}
   stall_timeout_s: {{ $v.topology.queue.stallTimeoutSeconds }}
   wire: node
-  {{- if and $v.security.queue.secretName (not $gw) }}
+  {{- if and $v.security.queue.secretName (not $follower) }}
   # The wire advertises the Ray head pod's IP: its certificate names the head's Service instead.
   tls:
     cert: ../queue/tls.crt
@@ -175,7 +179,7 @@ queue:
 network:
   bind: node
   ucx: {{ toJson $ucx }}
-{{- if or $v.security.tls.secretName $v.security.apiKeys.secretName }}
+{{- if and (or $v.security.tls.secretName $v.security.apiKeys.secretName) (not $index) }}
 security:
   {{- if $v.security.tls.secretName }}
   tls:
@@ -197,6 +201,16 @@ security:
 gateway:
   worker_api_key_file: ../gateway-key/api-key
 {{- end }}
+{{- end -}}
+
+{{/* A role's engine args as JSON: <role>.engine, with kv_events on when kvIndex.enabled and
+the args do not set it. Call with (dict "ctx" $ "role" "decode"). */}}
+{{- define "pdserve.engineArgs" -}}
+{{- $eng := deepCopy (index .ctx.Values .role "engine") -}}
+{{- if and .ctx.Values.kvIndex.enabled (not (hasKey $eng "kv_events")) -}}
+{{- $_ := set $eng "kv_events" true -}}
+{{- end -}}
+{{- toJson $eng -}}
 {{- end -}}
 
 {{/* The name the decode workers' TLS certificate carries (what the gateway checks it for). */}}
