@@ -98,6 +98,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         # Idle sleep between loop turns; pollers shorten it while they await pages.
         self.idle_wait_s = IDLE_WAIT_S
+        # The step under way (engine thread writes, the router reads: one tuple swapped whole):
+        # (its start, time.perf_counter(); decoding streams; prompt tokens; attention pairs),
+        # None between steps (CostEstimates.step_left_ms).
+        self.in_flight: tuple[float, int, int, int] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         trace = os.environ.get(STEP_TRACE_ENV)
@@ -247,11 +251,18 @@ class AsyncEngine:
         """One engine step; False if it scheduled nothing."""
         eng = self.engine
         t0 = time.perf_counter()
+
+        def planned(_scheduled) -> None:  # its shape, once scheduled (LLMEngine.step sets last_step first)
+            _, tokens, decodes = eng.last_step
+            self.in_flight = (t0, decodes, tokens - decodes, eng.last_step_pairs)
+
         try:
-            deltas = eng.step()
+            deltas = eng.step(on_plan=planned)
         except StepError as exc:
             self._step_failed(exc)
             return True
+        finally:
+            self.in_flight = None
         if eng.last_step[0] == 0:
             return False
         self.step_failures = 0

@@ -93,8 +93,9 @@ class Frontend(Surface):
         view = self.prefill_view
         load = self.engine.engine.load()
         backlog = self.local_backlog()
+        costs = self.policy.costs.snapshot()
         return ClusterSnapshot(
-            costs=self.policy.costs.snapshot(),
+            costs=costs,
             prefill_queue_depth=max(view.queue_depth, self.pending_remote_requests),
             prefill_queue_tokens=max(view.queue_tokens, self.pending_remote_tokens),
             prefill_pool_size=view.pool_size if self.remote and self.remote.available() else 0,
@@ -106,6 +107,7 @@ class Frontend(Surface):
             kv_free_tokens=load.num_free_blocks * self.engine.engine.config.block_size,
             arrival_rate_per_s=self.arrivals.rate(time.monotonic()),
             local_prefill_budget_tokens=self.prefill_budget_tokens(tokens, cached, backlog),
+            step_in_flight_ms=costs.step_left_ms(self.engine.in_flight, time.perf_counter()),
         )
 
     def local_backlog(self) -> int:

@@ -77,6 +77,15 @@ class CostEstimates:
         return (self.step_fixed_ms + self.step_decode_ms_per_seq * decodes
                 + self.prefill_local_ms_per_token * prefill_tokens + self.prefill_attention_ms_per_kpair * pairs / 1e3)
 
+    def step_left_ms(self, step: "tuple[float, int, int, int] | None", now_s: float) -> float:
+        """What is left of the engine step under way, predicted: ``step`` is (its start in
+        seconds on the clock of ``now_s``, decoding streams, prompt tokens, attention pairs),
+        None when the engine is not stepping. A request admitted now waits for it."""
+        if step is None:
+            return 0.0
+        started, decodes, prompt, pairs = step
+        return max(0.0, self.step_ms(decodes, prompt, pairs) - (now_s - started) * 1e3)
+
     def prefill_compute_ms(self, tokens: int, start: int = 0, where: str = "local") -> float:
         """The prompt-token part of prefilling ``tokens`` positions from ``start`` (no step base).
         Remote: the local curve scaled by remote / local per-token cost (the prefill workers'

@@ -58,13 +58,13 @@ def predict(
     prefill_attention_ms_per_kpair, and r = t_remote / t_local (how much slower a
     prefill worker computes the same prompt, measured):
 
-    local  = min(behind, beside) + decode wait + residual_local, where
+    local  = min(in flight + behind, beside) + decode wait + residual_local, where
              behind = ceil((backlog + eff_len) / B) x base + backlog compute + compute(eff_len)
                       (first come, first served); once the backlog's drain rate D (wall ms
                       per prompt token, measured: ``local_drain_ms_per_token``) is known,
                       behind = (backlog + eff_len) x D while a backlog waits; backlog is the
                       prompt tokens the local prefills still have to compute; with a budget and a backlog,
-             beside = base + B x t_local + compute(eff_len) - eff_len x t_local, only for
+             beside = in flight + base + B x t_local + compute(eff_len) - eff_len x t_local, only for
                       eff_len <= B / 2 (the scheduler gives a waiting prompt half of the
                       step beside a running prefill; a longer one, once running, waits for
                       the older prefill: behind);
@@ -73,8 +73,11 @@ def predict(
              when that is less than computing all of eff_len; with ``peer_reads`` (this
              worker borrows prefixes, decode/borrow.py), the P = remote_cached_len -
              cached_len tokens a prefill worker holds are read instead, at the transfer's
-             cost, when that is less again
-    remote = r x (queue depth x step_fixed_ms + queue compute) / pool size + decode wait
+             cost, when that is less again;
+             in flight = what is left of the engine step under way (the request is scheduled
+                      after it; ``step_in_flight_ms``), except behind a backlog timed by D,
+                      which counts the steps as they came
+    remote = in flight + r x (queue depth x step_fixed_ms + queue compute) / pool size + decode wait
              + r x (step_fixed_ms + compute(remote_eff)) + kv_bytes(eff_len) / bandwidth
              + setup + residual_remote, where remote_eff = prompt_len - max(cached_len,
              remote_cached_len): a prefill worker holding a longer prefix computes only past it
@@ -123,17 +126,18 @@ def predict(
         local_wait = backlog * drain + decode_wait
         local_prefill = local_eff * drain + (local_compute - computed)
     else:
-        local_wait = (_steps(backlog, budget) * base + _backlog_ms(c, backlog, snapshot.local_prefill_queue_requests)
-                      + decode_wait)
+        local_wait = (snapshot.step_in_flight_ms + _steps(backlog, budget) * base
+                      + _backlog_ms(c, backlog, snapshot.local_prefill_queue_requests) + decode_wait)
         local_prefill = (_steps(backlog + local_eff, budget) - _steps(backlog, budget)) * base + local_compute
     half = max(1, budget // 2)
     if budget and backlog and 0 < local_eff <= half:
         # It fits the half step the scheduler leaves it beside the running prefill. A longer
         # prompt gets that half step once: as soon as it runs, the older prefill takes the
         # whole budget again (first come, first served), so it finishes behind the backlog.
-        beside = base + budget * t_local + local_compute - local_eff * t_local
+        beside = snapshot.step_in_flight_ms + base + budget * t_local + local_compute - local_eff * t_local
         if beside < local_wait - decode_wait + local_prefill:
-            local_wait = min(local_wait, base + budget * t_local + decode_wait)  # one shared step
+            shared = snapshot.step_in_flight_ms + base + budget * t_local  # after the step under way, one shared step
+            local_wait = min(local_wait, shared + decode_wait)
             local_prefill = max(0.0, beside - (local_wait - decode_wait))
     bypass = bypasses_queue(features, policy)
     queue_tokens = 0 if bypass else snapshot.prefill_queue_tokens
@@ -142,7 +146,9 @@ def predict(
     if queue_tokens:
         depth = max(1, snapshot.prefill_queue_depth)
         queue_ms = c.remote_ratio * (depth * c.step_fixed_ms + _backlog_ms(c, queue_tokens, depth))
-    remote_wait = queue_ms / pool + decode_wait
+    # The remote route waits for the step under way too: its KV blocks are reserved on the
+    # engine thread between steps before its task is queued (decode/remote.py `_reserve`).
+    remote_wait = snapshot.step_in_flight_ms + queue_ms / pool + decode_wait
     ttft_remote = remote_wait
     if eff:  # nothing to prefill means nothing to compute or transfer, setup included
         ratio = c.remote_ratio

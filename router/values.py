@@ -77,6 +77,9 @@ class ClusterSnapshot:
     arrival_rate_per_s: float = 0.0  # requests/s this decode worker receives (recent average)
     # Prompt tokens one step of this worker may take (decode/prefill_budget.py); None: no cap.
     local_prefill_budget_tokens: int | None = None
+    # What is left of this worker's engine step under way, predicted (CostEstimates.step_left_ms);
+    # a request admitted now is scheduled after it. 0: the engine is idle.
+    step_in_flight_ms: float = 0.0
 
 
 class Decision(NamedTuple):

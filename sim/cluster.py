@@ -267,6 +267,7 @@ class DecodeSim:
         self.local_prefills: dict[str, _Track] = {}  # local, first token not yet out
         self.num_prefilling = self.num_decoding = 0
         self.stepping = False
+        self.in_flight: tuple[float, int, int, int] | None = None  # the step under way (decode/async_engine.py)
         self.draining = False
         self.gateway = WorkerState(wid, "")
         self.started_at, self.ended_at = sim.now, None
@@ -289,8 +290,9 @@ class DecodeSim:
     def snapshot(self, tokens: int, cached: int) -> ClusterSnapshot:
         sim, eng = self.sim, self.engine
         pool = len(sim.live_prefill())
+        costs = self.state.costs.snapshot()
         return ClusterSnapshot(
-            costs=self.state.costs.snapshot(),
+            costs=costs,
             prefill_queue_depth=max(len(sim.queue), self.pending_remote_requests),
             prefill_queue_tokens=max(sim.queue.queued_tokens, self.pending_remote_tokens),
             prefill_pool_size=pool,
@@ -303,6 +305,7 @@ class DecodeSim:
             arrival_rate_per_s=self.arrivals.rate(sim.now),
             local_prefill_budget_tokens=eng.scheduler.predicted_budget(
                 tokens, cached, self.num_decoding + self.num_prefilling, self.local_backlog()),
+            step_in_flight_ms=costs.step_left_ms(self.in_flight, sim.now),
         )
 
     def local_backlog(self) -> int:
@@ -373,9 +376,11 @@ class DecodeSim:
             self.stepping = False
             return
         self.stepping = True
+        self.in_flight = (self.sim.now, info.decodes, info.prompt_tokens, info.pairs)  # decode/async_engine.py
         self.sim.at(self.sim.now + info.ms / 1e3, self._stepped, out, info)
 
     def _stepped(self, out, info) -> None:
+        self.in_flight = None
         emitted = self.engine.commit(out, info)
         for req, finished in emitted:
             self._token(req, finished)

@@ -361,3 +361,34 @@ def test_a_measured_drain_prices_the_local_backlog_and_the_prompt_behind_it(rt, 
     assert idle.predicted_ttft_local_ms == from_seed(3 * 10 + 500 * 0.1)
     short = decide(rt.req(50, override="local"), s, policy)  # beside the backlog: one shared step
     assert short.predicted_ttft_local_ms == from_seed(10 + 200 * 0.1)
+
+
+def test_a_request_admitted_during_a_step_waits_for_what_is_left_of_it(rt, policy):
+    """The engine schedules a new request after the step under way, and reserves a remote
+    one's blocks after it: what is left of that step (step_in_flight_ms) adds to both routes'
+    TTFT, so it does not change the choice; beside a backlog too; a backlog timed by its
+    measured drain (which counts the steps as they came) does not take it."""
+    costs = rt.costs(policy, step_fixed_ms=10.0)
+    idle = decide(rt.req(50, override="local"), rt.snap(policy, costs), policy)
+    busy = decide(rt.req(50, override="local"), rt.snap(policy, costs, step_in_flight_ms=30.0), policy)
+    assert busy.predicted_ttft_local_ms == from_seed(idle.predicted_ttft_local_ms + 30.0)
+    assert busy.predicted_queue_wait_ms == from_seed(30.0)
+    assert busy.predicted_ttft_remote_ms == from_seed(idle.predicted_ttft_remote_ms + 30.0)
+    long_idle = decide(rt.req(2000), rt.snap(policy, costs, decode_active_requests=8), policy)
+    long_busy = decide(rt.req(2000), rt.snap(policy, costs, decode_active_requests=8, step_in_flight_ms=30.0), policy)
+    assert (long_busy.route, long_busy.score) == (long_idle.route, from_seed(long_idle.score))
+    backlog = dict(local_prefill_queue_tokens=4000, local_prefill_queue_requests=1, local_prefill_budget_tokens=200)
+    beside = decide(rt.req(50), rt.snap(policy, costs, step_in_flight_ms=30.0, **backlog), policy)
+    assert beside.predicted_ttft_local_ms == from_seed(30 + 10 + 200 * 0.1)  # then one shared step
+    drained = rt.costs(policy, step_fixed_ms=10.0, local_drain_ms_per_token=0.8)
+    behind = decide(rt.req(500, override="local"),
+                    rt.snap(policy, drained, step_in_flight_ms=30.0, **backlog), policy)
+    assert behind.predicted_ttft_local_ms == from_seed(4500 * 0.8)
+
+
+def test_what_is_left_of_a_step_is_its_predicted_time_less_what_has_passed(rt, policy):
+    costs = rt.costs(policy, step_fixed_ms=10.0, step_decode_ms_per_seq=2.0)
+    assert costs.step_left_ms(None, 5.0) == 0.0  # not stepping
+    step = (100.0, 4, 100, 0)  # started at t=100 s: 4 streams and 100 prompt tokens, 28 ms predicted
+    assert costs.step_left_ms(step, 100.008) == pytest.approx(28.0 - 8.0)
+    assert costs.step_left_ms(step, 100.5) == 0.0  # overran its prediction: nothing more is expected

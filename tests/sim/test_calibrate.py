@@ -37,7 +37,9 @@ def test_fit_recovers_known_serving_costs(topology, monkeypatch):
     """A run made with a contention the fit must find among others (the box shares one host)."""
     import pdserve.sim.calibrate as cal
 
-    monkeypatch.setattr(cal, "SCALES", tuple(round(1.0 + 0.1 * i, 1) for i in range(11)))  # coarser: faster
+    # A 0.05 grid (the product's step) over 1.0-2.0: with 0.1 steps a scale one step off is made up
+    # for by the overheads, and which side wins turns on the run's details.
+    monkeypatch.setattr(cal, "SCALES", tuple(round(1.0 + 0.05 * i, 2) for i in range(21)))
     reqs = sorted(generate(mix("long-prompt", 1.5, 40), 1) + generate(mix("decode-heavy", 1.0, 25), 2, 500),
                   key=lambda r: (r.t, r.rid))
     base = replace(BASE, contention_scope="cluster")
@@ -57,7 +59,10 @@ def test_fit_recovers_known_serving_costs(topology, monkeypatch):
     # at the truth's contention the other costs are found.
     prof, at_truth = fit(reqs, base, DEFAULT_POLICY, topology, measured_from(real), seed=3, contention=(1.0,))
     assert figures["loss"] <= at_truth["loss"]
-    assert figures["contention_ms_per_token"] == 1.0 or figures["step_scale"] < at_truth["step_scale"]
+    # Another contention trades against the step scale in the one direction that can: more
+    # contention with shorter steps, less with longer ones.
+    chosen = figures["contention_ms_per_token"]
+    assert chosen == 1.0 or (chosen > 1.0) == (figures["step_scale"] < at_truth["step_scale"]), figures
     assert at_truth["noise_cv"] == pytest.approx(0.2, abs=0.1) and prof.noise_cv == at_truth["noise_cv"]
     assert at_truth["step_scale"] == pytest.approx(1.4, abs=0.1 + 1e-9)  # within one step of the grid
     assert at_truth["request_overhead_ms"] == pytest.approx(20.0, abs=8.0)
