@@ -102,6 +102,7 @@ class AsyncEngine:
         # (its start, time.perf_counter(); decoding streams; prompt tokens; attention pairs),
         # None between steps (CostEstimates.step_left_ms).
         self.in_flight: tuple[float, int, int, int] | None = None
+        self._step_t0 = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         trace = os.environ.get(STEP_TRACE_ENV)
@@ -250,14 +251,9 @@ class AsyncEngine:
     def _step(self) -> bool:
         """One engine step; False if it scheduled nothing."""
         eng = self.engine
-        t0 = time.perf_counter()
-
-        def planned(_scheduled) -> None:  # its shape, once scheduled (LLMEngine.step sets last_step first)
-            _, tokens, decodes = eng.last_step
-            self.in_flight = (t0, decodes, tokens - decodes, eng.last_step_pairs)
-
+        t0 = self._step_t0 = time.perf_counter()
         try:
-            deltas = eng.step(on_plan=planned)
+            deltas = eng.step(on_plan=self._planned)
         except StepError as exc:
             self._step_failed(exc)
             return True
@@ -278,6 +274,12 @@ class AsyncEngine:
         if self._loop is not None and (batch or self.on_step is not None):
             self._loop.call_soon_threadsafe(self._deliver_step, batch, info)
         return True
+
+    def _planned(self, _scheduled) -> None:
+        """The step's shape once scheduled (LLMEngine.step sets last_step before calling this)."""
+        eng = self.engine
+        _, tokens, decodes = eng.last_step
+        self.in_flight = (self._step_t0, decodes, tokens - decodes, eng.last_step_pairs)
 
     def _write_trace(self, info: "StepInfo", eng: LLMEngine) -> None:
         self._trace.write(json.dumps({

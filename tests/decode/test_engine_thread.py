@@ -173,3 +173,27 @@ def test_a_request_held_for_a_prefix_loan_is_added_later_or_ends_on_abort(llm):
     items = run(llm, body)
     assert tokens(items) == ref and items[-1].finish_reason == "length"
     assert_no_leak(llm)
+
+
+def test_the_step_under_way_is_published_while_it_runs_and_cleared_after(llm, monkeypatch):
+    """What the router prices as the step under way (AsyncEngine.in_flight): during the forward
+    pass, its start and shape (a 4-token prompt, nothing decoding); None between steps."""
+    seen = []
+    runner = llm.engine.runner
+    real = runner.execute
+
+    def execute(*args, **kwargs):
+        seen.append(ae_ref[0].in_flight)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    ae_ref = []
+
+    async def body(ae):
+        ae_ref.append(ae)
+        items = await drain(ae.submit("r", [5, 6, 7, 8], params(3), 0))
+        return items
+
+    assert tokens(run(llm, body)) and ae_ref[0].in_flight is None
+    assert seen[0] is not None and seen[0][1:3] == (0, 4)  # no stream decoding, 4 prompt tokens
+    assert all(s is not None and s[0] > 0 for s in seen) and seen[1][1:3] == (1, 0)  # then one decode
