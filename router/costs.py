@@ -133,6 +133,9 @@ class CostModel:
         self._remote_ratio: float | None = None
         # Exponentially weighted sums of (bytes, ms) for the transfer fit.
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._stale_after = params.residual_stale_after
+        # TTFT samples of the other route since each route's own last one (observe_ttft)
+        self._unseen = {"local": 0, "remote": 0}
         # The local backlog's drain: decayed sums of wall ms and prompt tokens of backlog steps,
         # the end of the last step (seconds) and whether it had a backlog.
         self._drain_ms = self._drain_tokens = 0.0
@@ -236,12 +239,25 @@ class CostModel:
 
     def observe_ttft(self, route: Literal["local", "remote"], measured_ms: float, formula_ms: float) -> None:
         """A request's measured TTFT against what the formula (without residual) predicted for
-        its route: the residual EMA absorbs what the formula leaves out."""
+        its route: the residual EMA absorbs what the formula leaves out. The other route's
+        residual, once stale (``residual_stale_after`` samples of this route without one of
+        its own), decays toward 0, so a route dropped after a bad run is tried again."""
         check_sample(ms=measured_ms, tokens=0)
         name = f"ttft_residual_{route}_ms"
         old = getattr(self._est, name)
         self._samples[name] += 1
-        self._est = replace(self._est, **{name: old + self._alpha * ((measured_ms - formula_ms) - old)})
+        changes = {name: old + self._alpha * ((measured_ms - formula_ms) - old)}
+        other = "remote" if route == "local" else "local"
+        self._unseen[route] = 0
+        self._unseen[other] += 1
+        if self._stale_after and self._unseen[other] > self._stale_after:
+            other_name = f"ttft_residual_{other}_ms"
+            changes[other_name] = getattr(self._est, other_name) * 0.5 ** (1.0 / self._stale_after)
+        self._est = replace(self._est, **changes)
+
+    def residual_unseen(self, route: Literal["local", "remote"]) -> int:
+        """TTFT samples of the other route since ``route``'s own last one."""
+        return self._unseen[route]
 
     def observe_decode_step(self, ms: float, batch: int) -> None:
         """One decode step over ``batch`` running requests took ``ms``."""
@@ -303,6 +319,7 @@ class CostModel:
         that have never been measured (measured values are kept)."""
         self._alpha = params.ema_alpha
         self._outlier = params.ema_outlier_factor
+        self._stale_after = params.residual_stale_after
         seeded = CostEstimates.seed(params, self._est.kv_bytes_per_token)
         changes = {
             name: getattr(seeded, name) for name in _ESTIMATE_NAMES if self._samples[name] == 0

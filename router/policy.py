@@ -165,6 +165,12 @@ class CostModelParams(StrictModel):
     # estimate itself, so one pathological request (a step slowed 100x) cannot poison
     # routing and admission; a real, lasting change still gets there in a few samples.
     ema_outlier_factor: float = Field(4.0, ge=1)
+    # A route's TTFT residual learns only from requests that took that route, so one bad run of
+    # samples could lock routing onto the other route for good (nothing would correct it). Once
+    # a route's residual has gone this many TTFT samples of the other route without one of its
+    # own, it halves toward 0 (the formula's own prediction) every further this many, and the
+    # route is tried again when the formula says it wins. 0 never decays.
+    residual_stale_after: int = Field(16, ge=0)
 
 
 class Overrides(StrictModel):

@@ -392,3 +392,34 @@ def test_what_is_left_of_a_step_is_its_predicted_time_less_what_has_passed(rt, p
     step = (100.0, 4, 100, 0)  # started at t=100 s: 4 streams and 100 prompt tokens, 28 ms predicted
     assert costs.step_left_ms(step, 100.008) == pytest.approx(28.0 - 8.0)
     assert costs.step_left_ms(step, 100.5) == 0.0  # overran its prediction: nothing more is expected
+
+
+@pytest.mark.parametrize("stale_after", [0, 16])
+def test_a_route_dropped_after_a_bad_run_is_tried_again(rt, stale_after):
+    """Residuals learn only from the route taken: after a run of stalled remote requests the
+    remote residual alone would keep every prompt local for good (``residual_stale_after: 0``).
+    With the default it decays toward the formula while local requests are measured, remote is
+    tried again, and its residual is then relearned from what remote really costs."""
+    policy = rt.policy({"cost_model": {"ema_alpha": 0.2, "residual_stale_after": stale_after,
+                                       "prefill_remote_ms_per_token": 0.05,
+                                       "blocking_penalty_weight": 0.0, "itl_penalty_weight": 0.0}})
+    model = CostModel(policy.router.cost_model, kv_bytes_per_token=128 * 1024)
+    for _ in range(8):  # a stall: remote took 4x what its formula said
+        model.observe_ttft("remote", measured_ms=4 * 400.0, formula_ms=400.0)
+    true_extra = {"local": 0.0, "remote": 5.0}  # what each route really adds to its formula
+    routes = []
+    for _ in range(200):
+        est = model.snapshot()
+        d = decide(rt.req(2000), rt.snap(policy, rt.costs(policy, ttft_residual_local_ms=est.ttft_residual_local_ms,
+                                                          ttft_residual_remote_ms=est.ttft_residual_remote_ms)),
+                   policy)
+        residual = est.ttft_residual_remote_ms if d.route == "remote" else est.ttft_residual_local_ms
+        formula = d.predicted_ttft_ms - residual
+        model.observe_ttft(d.route, measured_ms=formula + true_extra[d.route], formula_ms=formula)
+        routes.append(d.route)
+    assert routes[0] == "local"  # the stall's residual first sends the prompt local
+    if stale_after == 0:
+        assert set(routes) == {"local"}  # locked in: remote is never measured again
+    else:
+        assert routes[-50:] == ["remote"] * 50  # remote is faster by its formula, and is chosen again
+        assert model.snapshot().ttft_residual_remote_ms == pytest.approx(5.0, abs=0.5)
