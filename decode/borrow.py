@@ -8,7 +8,10 @@ computing them (the cost model's transfer time against its prefill compute), the
 request waits for the loan: its stream is attached, the engine thread asks the holder
 (`Borrower.start`) and adds the request once the read is over, whatever its outcome. A
 read makes the prefix a pool hit; anything else leaves the request to compute it, as it
-would have. The holder's NIXL metadata is read from etcd the first time.
+would have. Only a holder this worker has met is asked: meeting one (its NIXL record read
+from etcd, then registered on the engine thread) takes a round trip and an engine step, too
+long to sit inside a loan's wait, so a lending prefill worker is met as soon as its record
+appears (`member`), and a holder still unmet is met in the background for the next request.
 
 **Lending.** Prefill workers (and other decode workers) may borrow from this pool; a
 borrower this agent has not met is looked up in etcd before it is answered.
@@ -49,14 +52,24 @@ class PeerPrefixes:
         self._task: asyncio.Task | None = None
         self._args: dict[str, tuple] = {}  # request id -> what to add once its loan ends (engine thread)
         self.lenders: set[str] = set()  # prefill workers whose records say they lend (the prefill watch)
+        self._meeting: dict[str, asyncio.Task] = {}  # worker id -> its ensure_peer under way
 
     # -- deciding (event loop) ----------------------------------------------------------------
     def member(self, info) -> None:
         """A prefill worker's record (added or updated): whether it lends."""
         if lends(info.capacity):
             self.lenders.add(info.worker_id)
+            self.meet(info.worker_id)  # before its first loan, either way (it borrows from this pool too)
         else:
             self.lenders.discard(info.worker_id)
+
+    def meet(self, worker_id: str) -> None:
+        """Load ``worker_id``'s NIXL record in the background, unless known or under way."""
+        if worker_id in self.agent.peers or worker_id in self._meeting:
+            return
+        task = asyncio.get_running_loop().create_task(self.ensure_peer(worker_id))
+        self._meeting[worker_id] = task
+        task.add_done_callback(lambda _t: self._meeting.pop(worker_id, None))
 
     def gone(self, info) -> None:
         self.lenders.discard(info.worker_id)
@@ -66,8 +79,12 @@ class PeerPrefixes:
         """(holder, blocks) to borrow for a local prefill, or None: no holder with at least
         MIN_BORROW_BLOCKS more than this pool and its second tier hold (``tier_len`` tokens past
         ``cached_len``: loading them back is cheaper still), or reading them is predicted no
-        cheaper than computing them (``costs``: the router's CostEstimates)."""
+        cheaper than computing them (``costs``: the router's CostEstimates). Only holders this
+        worker has met are asked; the others are met now, for the next request."""
         hint = {w: n for w, n in hint.items() if w in self.lenders}
+        for w in [w for w in hint if w not in self.agent.peers]:
+            self.meet(w)
+            del hint[w]
         if not hint:
             return None
         holder, tokens = max(hint.items(), key=lambda kv: (kv[1], kv[0]))
@@ -152,9 +169,10 @@ class PeerPrefixes:
         self._task = asyncio.create_task(self._serve_unknown_borrowers())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._meeting.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _serve_unknown_borrowers(self) -> None:
         """Borrowers whose requests wait for their NIXL record: load it, then answer them."""

@@ -94,6 +94,10 @@ class PrefillWorker:
         # Peer changes are applied by the batch thread, the only user of the NIXL agent.
         self._peers_to_remove: set[str] = set()
         self._known_peers: set[str] = set()
+        # NIXL records read ahead of need (workers met as they joined, borrowers met mid-batch),
+        # for the batch thread to register: at a batch's start or between its steps.
+        self._pending_peers: dict[str, dict] = {}
+        self._prefill_watch = None
         self._task_keys: dict[str, str] = {}  # decode worker id -> its published task key, as last read
         self._lenders: dict[str, bool] = {}  # worker id -> its record says it lends prefixes (as last read)
         self._batch: PrefillBatch | None = None
@@ -161,7 +165,13 @@ class PrefillWorker:
                           hostname=socket.gethostname(), address=self.host)
         self.registry = await join_cluster(cfg, info, json.dumps(transport.record).encode(),
                                            on_drain=self.drain)
-        self._decode_watch = await self.registry.watch_members(on_remove=self._decode_gone, role="decode")
+        # Meet the workers as they join (their NIXL records loaded before the first task or loan
+        # needs them: a first contact inside a loan's wait costs the borrower its deadline).
+        self._decode_watch = await self.registry.watch_members(on_add=self._met, on_update=self._met,
+                                                               on_remove=self._peer_gone, role="decode")
+        if self.lending is not None:
+            self._prefill_watch = await self.registry.watch_members(on_add=self._met, on_update=self._met,
+                                                                    on_remove=self._peer_gone, role="prefill")
         if cfg.freeze_gc:
             freeze_gc_heap(f"prefill worker {self.worker_id}")
         self._loop_task = asyncio.create_task(self._run())
@@ -181,12 +191,31 @@ class PrefillWorker:
                 "kv_usage": round(self.engine.load().kv_usage, 4), "inflight": self.holding,
                 "tokens": self.stats.tokens_computed, "tasks": self.stats.tasks_done}
 
-    def _decode_gone(self, info) -> None:
-        # A vanished decode worker's pages are gone: forget its NIXL agent.
+    def _peer_gone(self, info) -> None:
+        # A vanished worker's pages are gone: forget its NIXL agent.
         self._task_keys.pop(info.worker_id, None)
+        self._pending_peers.pop(info.worker_id, None)
+        if info.role == "prefill":
+            self._lenders.pop(info.worker_id, None)
         if info.worker_id in self._known_peers:
             self._known_peers.discard(info.worker_id)
             self._peers_to_remove.add(info.worker_id)
+
+    async def _met(self, info) -> None:
+        """A decode worker's record, or a lending prefill worker's: read its NIXL record now, for
+        the batch thread to register before a task or a loan needs it."""
+        name = info.worker_id
+        if name == self.worker_id:
+            return
+        if info.role == "prefill":
+            self._lenders[name] = lends(info.capacity)
+            if not self._lenders[name]:
+                return
+        if name in self._known_peers or name in self._pending_peers:
+            return
+        problem = await self._peer_info(name, self._pending_peers)
+        if problem is not None:
+            log.debug("%s not met yet: %s", name, problem)
 
     async def drain(self, timeout_s: float = 60.0) -> None:
         """Take no new tasks, finish in-flight ones, leave the registry (for good:
@@ -230,6 +259,7 @@ class PrefillWorker:
                 "loop_error": self.loop_error, "metrics": self.metrics.address,
                 "tp_ranks": self.tp_rank_pids(),
                 "lending": self.lending.stats() if self.lending is not None else None,
+                "peers": sorted(self._known_peers),  # the workers whose NIXL records this agent loaded
                 "prompt_tokens_cached": self.engine.stats.num_prompt_tokens_cached if self.engine else 0,
                 **(self.engine.tier_stats() if self.engine is not None else {}),
                 **{k: dict(v) if isinstance(v, dict) else v for k, v in self.stats.__dict__.items()}}
@@ -353,7 +383,8 @@ class PrefillWorker:
 
     def _run_batch(self, tasks, new_peers: dict, unusable: dict):
         with self._engine_lock:
-            self._sync_peers(new_peers, unusable)
+            if self._sync_peers(new_peers, unusable) and self.lending is not None:
+                self.lending.lender.retry()  # borrowers met meanwhile
             if self.lending is not None:
                 self._borrow_prefixes([t for t in tasks if t.target_worker_id not in unusable], unusable)
             return self._batch.run(tasks, unusable)
@@ -405,26 +436,27 @@ class PrefillWorker:
                     log.debug("lend poll failed: %r", exc)
                 finally:
                     self._engine_lock.release()
-            names = lender.waiting_for_peers()
-            if not names:
-                continue
-            new_peers: dict[str, dict] = {}
-            for name in names:
-                problem = await self._peer_info(name, new_peers)
+            for name in lender.waiting_for_peers():
+                problem = await self._peer_info(name, self._pending_peers)
                 if problem is not None:
                     log.info("loan request from %s not answerable: %s", name, problem)
-            await self._compute.run(self._answer_waiting_borrowers, new_peers)
+            if (self._pending_peers or lender.waiting) and not self._engine_lock.locked():
+                # No batch under way: register them now (a batch would, between its steps).
+                await self._compute.run(self._answer_waiting_borrowers)
 
     def _answer_loans(self) -> None:
-        """Between a batch's steps (batch thread): the loan requests that arrived meanwhile."""
+        """Between a batch's steps (batch thread): the loan requests that arrived meanwhile,
+        and those of borrowers met meanwhile."""
         try:
+            if self._pending_peers and self._sync_peers({}, {}):
+                self.lending.lender.retry()
             self.agent.poll()
         except Exception as exc:  # noqa: BLE001  (the transport's trouble shows in the batch's own writes)
             log.debug("lend poll failed: %r", exc)
 
-    def _answer_waiting_borrowers(self, new_peers: dict) -> None:
-        with self._engine_lock:  # (after the batch that may run now)
-            self._sync_peers(new_peers, {})
+    def _answer_waiting_borrowers(self) -> None:
+        with self._engine_lock:  # (after the batch that may have started meanwhile)
+            self._sync_peers({}, {})
             self.lending.lender.retry()
 
     async def _heartbeat(self, tasks: list) -> None:
@@ -464,8 +496,9 @@ class PrefillWorker:
         await leave_cluster(self.registry, f"prefill worker {self.worker_id}", exit_process=self.cfg.exit_on_loop_death)
 
     async def _peer_info(self, worker_id: str, new_peers: dict) -> str | None:
-        """Fetch a decode worker's NIXL record from etcd the first time it is a target;
-        why it cannot be used, or None."""
+        """Fetch a worker's NIXL record from etcd (a decode worker, the first time it is a
+        target or as it joins; a lending prefill worker or a borrower) into ``new_peers``; why it
+        cannot be used, or None."""
         if worker_id in self._known_peers or worker_id in new_peers:
             return None
         try:
@@ -473,23 +506,32 @@ class PrefillWorker:
         except Exception as exc:  # noqa: BLE001  (etcd down or slow)
             return f"could not read its NIXL metadata from etcd: {exc!r}"
         if raw is None:
-            return f"decode worker {worker_id} has no NIXL metadata in etcd (not registered, or its lease expired)"
+            return f"worker {worker_id} has no NIXL metadata in etcd (not registered, or its lease expired)"
         try:
             new_peers[worker_id] = json.loads(raw)
         except ValueError as exc:
-            return f"decode worker {worker_id}'s NIXL record is not JSON: {exc}"
+            return f"worker {worker_id}'s NIXL record is not JSON: {exc}"
         return None
 
-    def _sync_peers(self, new_peers: dict, unusable: dict) -> None:
-        """Apply peer changes (batch thread: the agent's only user). A record NIXL or the layout
-        check refuses makes that peer unusable for this batch, not the batch fail."""
+    def _sync_peers(self, new_peers: dict, unusable: dict) -> bool:
+        """Apply peer changes (under the engine lock: the agent's only user): ``new_peers`` and
+        those read ahead (``_pending_peers``). A record NIXL or the layout check refuses makes
+        that peer unusable for this batch, not the batch fail. Whether any peer was added."""
         while self._peers_to_remove:
             self.agent.remove_peer(self._peers_to_remove.pop())
+        while self._pending_peers:  # (filled on the event loop; popitem is atomic)
+            name, info = self._pending_peers.popitem()
+            new_peers.setdefault(name, info)
+        added = False
         for name, info in new_peers.items():
+            if name in self._known_peers:
+                continue  # met already (ahead of need, and then named by this batch too)
             try:
                 if name in self.agent.peers:  # re-registered decode worker: new metadata
                     self.agent.remove_peer(name)
                 self.agent.add_peer(info)
                 self._known_peers.add(name)
+                added = True
             except Exception as exc:  # noqa: BLE001  (LayoutMismatchError, MalformedMessageError, TransferError)
                 unusable[name] = f"its NIXL record was refused: {exc.__class__.__name__}: {exc}"
+        return added

@@ -79,7 +79,8 @@ def test_a_local_prefill_borrows_the_prefix_a_prefill_worker_holds(ray_local, et
     computed a shared prefix for decode worker 0; decode worker 1, which never saw it, prefills
     requests with that prefix itself (route local) and reads those blocks from the prefill
     worker with NIXL instead of computing them: token-exact, every loan released, no block
-    left taken on either side."""
+    left taken on either side. Each side met the other as it joined, not inside the loan's
+    wait (the lender never waited for its borrower's NIXL record)."""
     engine = {"kv_events": True, "device": "cpu"}
     decodes = [WorkerThread(DecodeWorkerConfig(
         model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="borrowd", lease_ttl_s=3, worker_id=f"decode-{i}",
@@ -93,7 +94,9 @@ def test_a_local_prefill_borrows_the_prefix_a_prefill_worker_holds(ray_local, et
         for d in decodes:
             view = d.worker.remote.prefix_view
             wait_until(lambda: d.worker.remote.available()
-                       and view.status()["workers"].get("prefill-0", {}).get("synced"), 30)
+                       and view.status()["workers"].get("prefill-0", {}).get("synced")
+                       and "prefill-0" in d.worker.remote.peers.agent.peers, 30)
+        wait_until(lambda: {"decode-0", "decode-1"} <= set(ray.get(actor.get_stats.remote())["peers"]), 30)
         rng = random.Random(11)
         shared = [rng.randrange(3, 32000) for _ in range(320)]
         (out,) = run_all(d0, [shared + [rng.randrange(3, 32000) for _ in range(30)]], route="remote")
@@ -113,6 +116,7 @@ def test_a_local_prefill_borrows_the_prefix_a_prefill_worker_holds(ray_local, et
 
         wait_until(lambda: lending()["lender"].get("released", 0) == lending()["lender"].get("granted", 0), 20)
         assert lending()["lender"]["granted"] == 1 and lending()["lent_blocks"] == 0, lending()
+        assert lending()["lender"].get("awaiting_peer", 0) == 0, lending()  # decode-1 was met as it joined
         for d in decodes:
             eng = d.worker.engine
             wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 30)
@@ -127,7 +131,7 @@ def test_a_prefill_worker_borrows_the_prefix_its_decode_worker_holds(ray_local, 
     goes remote for its next turn. The task's decode worker holds the first turn's blocks
     (the task's cached_len); the prefill worker, which never saw them, reads them from it
     (prefill/worker.py _borrow_prefixes) and computes only the new turn: token-exact, the
-    loan released, every block back."""
+    loan released, every block back; the decode worker had met its borrower as it joined."""
     engine = {"device": "cpu"}
     d = WorkerThread(DecodeWorkerConfig(
         model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="borrowp", lease_ttl_s=3, worker_id="decode-0",
@@ -137,7 +141,7 @@ def test_a_prefill_worker_borrows_the_prefix_its_decode_worker_holds(ray_local, 
         ucx_env=UCX, engine_args=engine))
     try:
         ray.get(actor.start.remote(), timeout=180)
-        wait_until(lambda: d.worker.remote.available(), 30)
+        wait_until(lambda: d.worker.remote.available() and "prefill-0" in d.worker.remote.peers.agent.peers, 30)
         rng = random.Random(12)
         first = [rng.randrange(3, 32000) for _ in range(320)]
         (o1,) = run_all(d, [first], route="local")
@@ -151,6 +155,7 @@ def test_a_prefill_worker_borrows_the_prefix_its_decode_worker_holds(ray_local, 
         assert stats["tokens_computed"] < len(second) - 300, stats
         lender = d.worker.remote.arrival.lending.lender
         wait_until(lambda: lender.counters["released"] == lender.counters["granted"] == 1, 20)
+        assert lender.counters.get("awaiting_peer", 0) == 0, lender.counters
         eng = d.worker.engine
         wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 30)
     finally:

@@ -145,9 +145,9 @@ def test_missing_peer_metadata_fails_the_task_back_through_the_queue(cluster):
     reg = d.worker.registry
     key = reg.keys.nixl("decode-0")
     value = d.call(lambda: reg.get_nixl_metadata("decode-0"))
-    # The prefill worker forgets the decode worker (as when it left) and finds no record now.
-    p.worker._decode_gone(SimpleNamespace(worker_id="decode-0"))
+    # The prefill worker finds no record now and forgets the decode worker (as when it left).
     d.call(lambda: reg.client().delete(key))
+    p.worker._peer_gone(SimpleNamespace(worker_id="decode-0", role="decode"))
     try:
         notices = fails_one_request_with(cluster, "peer_missing", prompt_of(200, 1))
     finally:
