@@ -5,8 +5,10 @@ explains its pick, `pdserve kv status --topology` finds the index (no --url) fol
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -71,3 +73,60 @@ def test_up_starts_a_gateway_in_front_of_the_decode_workers(tmp_path):
     assert down.returncode == 0, down.stdout + down.stderr
     assert "worker    gateway-up-gateway-0 stopped" in down.stdout, down.stdout
     assert "worker    gateway-up-kv-index stopped" in down.stdout, down.stdout
+
+
+def test_a_1p3d_cluster_behind_its_gateway_loses_no_stream_when_a_decode_worker_is_killed(tmp_path):
+    """Issue 33's acceptance on a cluster `pdserve up` starts: one prefill worker, three decode
+    workers, one gateway; every prompt prefilled remote. kill -9 the decode worker holding the
+    most of 48 streams: every stream completes through the gateway with the tokens of an
+    undisturbed run, and neither the surviving decode workers nor the prefill worker hold
+    anything afterwards."""
+    from tests.gateway.test_gateway_processes import STREAMS, TOKENS, metric, run_all, victim_of
+
+    policy = tmp_path / "router.yaml"
+    policy.write_text("router:\n  mode: always_remote\nqos:\n  enable_early_rejection: false\n")
+    path = tmp_path / "topology.yaml"
+    text = small_topology_yaml("gateway-kill", tmp_path, policy)
+    text = text.replace("  decode:\n    replicas: 1\n", "  decode:\n    replicas: 3\n")
+    text = text.replace("    resources: {num_cpus: 1}\n", "    resources: {num_cpus: 0}\n")  # 4 workers, 2 cores
+    path.write_text(text + "gateway: {replicas: 1, num_cpus: 0}\n")
+    up = pdserve("up", "--topology", str(path))
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        state = json.loads((tmp_path / "runs" / "gateway-kill.state.json").read_text())
+        gw = next(a for a in state["actors"] if a["role"] == "gateway")
+        decodes = {a["worker_id"]: a for a in state["actors"] if a["role"] == "decode"}
+        assert len(decodes) == 3, state["actors"]
+        gw_http = f"http://{gw['http']}"
+        want, _ = asyncio.run(run_all(gw["grpc"]))
+        assert all(f == "length" and len(t) == TOKENS and b.route == "remote" for t, f, b in want)
+
+        def kill():
+            wid, n = victim_of(gw_http)
+            os.kill(decodes[wid]["pid"], signal.SIGKILL)
+            return wid, n
+
+        got, (dead, held) = asyncio.run(run_all(gw["grpc"], kill))
+        assert held >= STREAMS // 4, f"{dead} held only {held} of {STREAMS} streams"
+        for (w, _, _), (g, finish, b) in zip(want, got):
+            assert finish == "length" and g == w  # token-exact, greedy and seeded alike
+            assert b.worker_id != dead and b.completion_tokens == TOKENS
+        assert sum(b.migrations for _, _, b in got) == held
+        migrated = [b for _, _, b in got if b.migrations]
+        # A resumed stream is prefilled by the worker that takes it over (docs/gateway.md "migration").
+        assert all(b.route == "local" and b.reason.startswith("resumed:") for b in migrated), migrated
+        print(f"killed {dead} holding {held} of {STREAMS} streams: all {STREAMS} completed token-exact")
+        for wid, rec in decodes.items():
+            if wid == dead:
+                continue
+            wait_until(lambda: metric(f"http://{rec['http']}", "pdserve_kv_cache_usage_ratio") == 0
+                       and metric(f"http://{rec['http']}", "pdserve_num_requests_running") == 0, 30)
+
+        def prefill_idle():
+            body = json.loads(pdserve("status", "--topology", str(path), "--json").stdout)
+            return body["members"]["prefill-0"]["load"]["inflight"] == 0 and body["queue"]["depth"] == 0
+
+        wait_until(prefill_idle, 30)
+    finally:
+        down = pdserve("down", "--topology", str(path))
+    assert down.returncode == 0, down.stdout + down.stderr
