@@ -260,7 +260,7 @@ def run_chat(args, grpc_addr: str, http: str) -> dict:
                                 request_timeout_s=300.0)
     chats = make_chats(cfg, ModelConfig.from_dir(args.model).vocab_size)
     log(f"chat: {args.chats} chats x {args.turns} turns through {grpc_addr} ...")
-    records = asyncio.run(run_chats([grpc_addr], chats, cfg))
+    records, _lags = asyncio.run(run_chats([grpc_addr], chats, cfg))
     ok = [r for r in records if r["error"] is None and r["ttft_ms"] is not None]
     prompt = sum(r["prompt_len"] for r in ok)
     cached = sum(r.get("cached_tokens") or 0 for r in ok)
