@@ -145,6 +145,9 @@ def main(argv=None) -> int:
     p.add_argument("--race-risk", type=float, default=0.2, help="race: the gateway's --race-risk")
     p.add_argument("--ttft-slo-ms", type=float, default=500.0, help="race: each request's ttft_slo_ms")
     p.add_argument("--burst-s", type=float, default=1.0, help="race: the neighbour spins this long, sleeps 2x")
+    p.add_argument("--reps", type=int, default=1,
+                   help="race: timed passes per routing, alternating (ttft, race, ttft, race, ...); the report gives "
+                        "each pass, the medians, and the race/no-race ratio of each adjacent pair")
     args = p.parse_args(argv)
     if args.workload == "load" and not Path(args.vllm_python).is_file():
         raise SystemExit(f"--vllm-python {args.vllm_python}: missing; run `make vllm-venv` (vLLM's client)")
@@ -185,17 +188,15 @@ def main(argv=None) -> int:
                 log(f"{wid} up (warmed up)")
             for _ in range(args.busy_loops if args.workload == "load" else 0):
                 procs.append(subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"]))
-            if args.workload == "race":
-                spin = (f"import time\nwhile True:\n    t = time.time() + {args.burst_s}\n"
-                        f"    while time.time() < t: pass\n    time.sleep({2 * args.burst_s})\n")
-                procs.append(subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", spin]))
+            spin = (f"import time\nwhile True:\n    t = time.time() + {args.burst_s}\n"
+                    f"    while time.time() < t: pass\n    time.sleep({2 * args.burst_s})\n")
             if args.workload == "load":
                 log(f"decode-1 slowed by {args.busy_loops} busy loop(s) on core 1")
             order = args.routings.split(",")
             # An untimed pass first, other prompts (seed + 1000), same sizes: the first timed
             # routing would otherwise pay the workers' first-time costs (oneDNN builds a kernel
             # per new shape), measured as a 4x TTFT p50 for whichever routing ran first.
-            passes = [("warm-up", order[0])] * args.warmup + [(r, r) for r in order]
+            passes = [("warm-up", order[0])] * args.warmup + [(r, r) for _ in range(max(1, args.reps)) for r in order]
             seed = args.seed
             for label, routing in passes:
                 args.seed = seed + 1000 if label == "warm-up" else seed
@@ -207,12 +208,26 @@ def main(argv=None) -> int:
                 procs.append(gw)
                 m = wait_line(path, r"gRPC (\S+), HTTP (\S+), 2 decode worker", gw)
                 grpc_addr, http = m.group(1), m.group(2)
+                if args.workload == "chat":
+                    res = run_chat(args, grpc_addr, http)
+                elif args.workload == "race":
+                    # The neighbour starts with the pass, so every pass's arrivals (same seed) meet
+                    # it in the same phase: otherwise identical passes differ up to 4x by where
+                    # the arrivals fall in its cycle (docs/PERFORMANCE.md, session 24).
+                    neighbour = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", spin])
+                    try:
+                        res = run_race(args, grpc_addr, http)
+                    finally:
+                        neighbour.kill()
+                        neighbour.wait(30)
                 if args.workload in ("chat", "race"):
-                    res = (run_chat if args.workload == "chat" else run_race)(args, grpc_addr, http)
                     gw.terminate()
                     gw.wait(30)
                     if label != "warm-up":
-                        results[routing] = res
+                        if args.workload == "race":
+                            results.setdefault(routing, []).append(res)
+                        else:
+                            results[routing] = res
                     log(f"  {label}: {json.dumps(res)}")
                     continue
                 log(f"{label} ({routing}): vllm bench serve, {args.num_prompts} prompts at {args.rate} req/s ...")
@@ -326,23 +341,34 @@ def run_race(args, grpc_addr: str, http: str) -> dict:
             "routed": routed(http)}
 
 
-def report_race(args, results: dict) -> None:
+def report_race(args, results: dict[str, list[dict]]) -> None:
+    """Each pass, the medians per routing, and the race / no-race ratios of adjacent pairs."""
+    import statistics
+
     print(f"\n2 decode workers, decode-1's core shared with a neighbour spinning {args.burst_s} s of every "
-          f"{3 * args.burst_s} s; {args.num_prompts} prompts (64-{2 * args.input_len} tokens, {args.output_len} out) "
-          f"at {args.rate} req/s, ttft_slo_ms {args.ttft_slo_ms}; racing: fraction {args.race_fraction}, "
-          f"risk {args.race_risk}")
-    print(f"{'mode':<6} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'in SLO':>7} {'won 1st':>8} {'won 2nd':>8} "
+          f"{3 * args.burst_s} s (restarted with each pass); {args.num_prompts} prompts (64-{2 * args.input_len} "
+          f"tokens, {args.output_len} out) at {args.rate} req/s, ttft_slo_ms {args.ttft_slo_ms}; racing: fraction "
+          f"{args.race_fraction}, risk {args.race_risk}; {max(1, args.reps)} pass(es) per routing")
+    print(f"{'mode':<12} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'in SLO':>7} {'won 1st':>8} {'won 2nd':>8} "
           f"{'extra work':>10}")
-    for r, x in results.items():
-        races = x["races"]
-        print(f"{r:<6} {x['p50_ttft_ms']:>9.0f} {x['p90_ttft_ms']:>8.0f} {x['p99_ttft_ms']:>8.0f} "
-              f"{x['within_slo']:>7.2f} {races.get('won_first', 0):>8.0f} {races.get('won_second', 0):>8.0f} "
-              f"{x['extra_work']:>10.2f}")
+    keys = ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "within_slo", "extra_work")
+    for r, runs in results.items():
+        for i, x in enumerate(runs):
+            races = x["races"]
+            print(f"{f'{r} #{i + 1}':<12} {x['p50_ttft_ms']:>9.0f} {x['p90_ttft_ms']:>8.0f} {x['p99_ttft_ms']:>8.0f} "
+                  f"{x['within_slo']:>7.2f} {races.get('won_first', 0):>8.0f} {races.get('won_second', 0):>8.0f} "
+                  f"{x['extra_work']:>10.2f}")
+        med = {k: statistics.median(x[k] for x in runs) for k in keys}
+        print(f"{f'{r} median':<12} {med['p50_ttft_ms']:>9.0f} {med['p90_ttft_ms']:>8.0f} {med['p99_ttft_ms']:>8.0f} "
+              f"{med['within_slo']:>7.2f} {'':>8} {'':>8} {med['extra_work']:>10.2f}")
     if {"ttft", "race"} <= set(results):
-        a, b = results["race"], results["ttft"]
-        print(f"ratio race/no race: TTFT p99 {a['p99_ttft_ms'] / b['p99_ttft_ms']:.2f}x, p90 "
-              f"{a['p90_ttft_ms'] / b['p90_ttft_ms']:.2f}x, p50 {a['p50_ttft_ms'] / b['p50_ttft_ms']:.2f}x; "
-              f"extra prompt work {a['extra_work']:.0%}")
+        pairs = list(zip(results["race"], results["ttft"]))
+        for q in ("p99", "p90", "p50"):
+            ratios = sorted(a[f"{q}_ttft_ms"] / b[f"{q}_ttft_ms"] for a, b in pairs)
+            print(f"race/no race TTFT {q}: median {statistics.median(ratios):.2f}x over {len(ratios)} pair(s) "
+                  f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+        extra = statistics.median(a["extra_work"] for a, _ in pairs)
+        print(f"extra prompt work with racing: median {extra:.0%}")
 
 
 def report_chat(args, results: dict) -> None:
