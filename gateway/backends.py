@@ -71,7 +71,7 @@ class Backends:
                 self._drop_channel(info.worker_id)
             w = self.workers[info.worker_id] = WorkerState(info.worker_id, grpc_ep)
             log.info("gateway: decode worker %s at %s", info.worker_id, grpc_ep)
-        w.load = dict(info.load or {})
+        w.set_load(dict(info.load or {}))
         w.draining = bool(w.load.get("draining"))
         self.records[info.worker_id] = info
         if self.follower is not None:

@@ -45,6 +45,24 @@ class WorkerState:
     avoid_until: float = 0.0  # monotonic time before which it is not picked (it just failed)
     draining: bool = False
     measured_at: float = float("-inf")  # monotonic time of the last first token timed
+    # The mean decode step since its previous load record (``set_load``); None: records set
+    # directly, the cumulative mean is used.
+    recent_step_ms: float | None = None
+
+    def set_load(self, load: dict) -> None:
+        """A new load record. The step a request would wait behind is the mean of the decode
+        steps since the previous record, 0 when there were none (nothing decoding). The
+        cumulative mean would keep a worker that was slow once, and has been idle since, slow
+        for good: no gateway would pick it, so its figure would never change (a fresh gateway
+        included). On a first record, the cumulative mean counts only while it reports streams
+        running."""
+        prev, self.load = self.load, load
+        steps, ms = int(load.get("decode_steps") or 0), float(load.get("decode_ms") or 0.0)
+        d_steps = steps - int(prev.get("decode_steps") or 0) if "decode_steps" in prev else None
+        if d_steps is not None and d_steps >= 0:
+            self.recent_step_ms = (ms - float(prev.get("decode_ms") or 0.0)) / d_steps if d_steps else 0.0
+        else:  # a first record, or counters that went back (the worker restarted)
+            self.recent_step_ms = ms / steps if steps and load.get("running") else 0.0
 
     def observe_ttft(self, ttft_ms: float, units: int, alpha: float = 0.2, now: float | None = None) -> None:
         """A first token after ``units`` prefill tokens (queued ahead plus its own)."""
@@ -60,6 +78,8 @@ class WorkerState:
         return fleet_ms + (self.rate_ms - fleet_ms) * 0.5 ** (age / RATE_HALF_LIFE_S)
 
     def step_ms(self) -> float:
+        if self.recent_step_ms is not None:
+            return self.recent_step_ms
         steps = self.load.get("decode_steps") or 0
         return float(self.load.get("decode_ms", 0.0)) / steps if steps else 0.0
 

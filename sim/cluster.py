@@ -245,7 +245,7 @@ class Simulation:
 
     def _report_loads(self) -> None:
         for d in self.decode:
-            d.gateway.load = d.load_record()
+            d.gateway.set_load(d.load_record())
         self.at(self.now + LOAD_REPORT_S, self._report_loads)
 
 

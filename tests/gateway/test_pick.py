@@ -114,3 +114,28 @@ def test_a_worker_measured_slow_is_tried_again_once_that_is_old_news():
     later = choose(ws, 100, {}, 60.0, random.Random(0))
     by = {s.worker_id: s for s in later.scores}
     assert by["d1"].rate_ms < 0.6 and abs(by["d0"].rate_ms - 0.5) < 1e-9
+
+
+def test_the_step_a_request_waits_behind_is_the_recent_one_not_the_history():
+    """A worker slow once and idle since (its neighbour left) publishes a cumulative step mean
+    that never changes: taken as is, no gateway would pick it again, a fresh one included."""
+    w = WorkerState("d1", "a:1")
+    w.set_load({"running": 2, "decode_steps": 10, "decode_ms": 400.0})
+    assert w.step_ms() == 40.0  # first record, streams running: the cumulative mean
+    w.set_load({"running": 2, "decode_steps": 15, "decode_ms": 450.0})
+    assert w.step_ms() == 10.0  # the steps since the last record
+    w.set_load({"running": 0, "decode_steps": 15, "decode_ms": 450.0})
+    assert w.step_ms() == 0.0  # no step since: nothing to wait behind
+    fresh = WorkerState("d1", "a:1")
+    fresh.set_load({"running": 0, "decode_steps": 15, "decode_ms": 450.0})
+    assert fresh.step_ms() == 0.0  # a fresh gateway does not inherit the old slowness
+    fresh.set_load({"running": 1, "decode_steps": 2, "decode_ms": 30.0})  # restarted: counters went back
+    assert fresh.step_ms() == 15.0
+    # A fresh gateway: d0 decoding at 15 ms a step, d1 idle with 40 ms steps in its history.
+    d0, d1 = WorkerState("d0", "a:2"), WorkerState("d1", "a:1")
+    d0.set_load({"running": 3, "decode_steps": 100, "decode_ms": 1500.0})
+    d1.set_load({"running": 0, "decode_steps": 10, "decode_ms": 400.0})
+    p = choose([d0, d1], 16, {}, 0.0, random.Random(0), tie=0.0, tie_ms=0.0)
+    assert p.chosen == "d1", p.as_dict()
+    d1.load, d1.recent_step_ms = {"running": 0, "decode_steps": 10, "decode_ms": 400.0}, None  # read as before
+    assert choose([d0, d1], 16, {}, 0.0, random.Random(0), tie=0.0, tie_ms=0.0).chosen == "d0"
