@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 from bench.peer_serve import ENGINE, SERVED_NAME, PeerConfig, Server  # noqa: E402
 
 from pdserve.router import DEFAULT_POLICY, load_policy_file  # noqa: E402
-from pdserve.sim.calibrate import fit  # noqa: E402
+from pdserve.sim.calibrate import fit, host_stalls  # noqa: E402
 from pdserve.sim.cluster import SimTopology, Simulation  # noqa: E402
 from pdserve.sim.profile import load_profile  # noqa: E402
 from pdserve.sim.report import Slo, mean_step_ms, percentile, summarize  # noqa: E402
@@ -378,6 +378,9 @@ def main(argv=None) -> int:
                     "(pdserve_engine_step_seconds, recorded either way) and the rest of the tokens' period to "
                     "what the workers do between steps; default: the steps to the clients' inter-token gaps "
                     "(validated better end to end in session 19: docs/PERFORMANCE.md)")
+    ap.add_argument("--host-stalls", action="store_true",
+                    help="model the host's stalls measured in the calibration runs (sim/calibrate.py host_stalls: "
+                         "silences of every stream while one decodes) in the calibrated profile")
     ap.add_argument("--cpus", default="0,1", help="the cores every server runs on")
     ap.add_argument("--model", default=str(REPO / ".cache/models/pdserve-tiny-llama"))
     ap.add_argument("--slo-ttft", type=float, default=1500.0)
@@ -438,20 +441,26 @@ def main(argv=None) -> int:
                                    120.0))
             log(f"   calibration: {len(calib)} requests (long-prompt 1.5 + decode-heavy 1 req/s, then decode-heavy "
                 "3 req/s, then shared prefixes at 1 req/s)")
-            real = merged([per_request(run) for run in measured("calibration", calib)])
+            calib_runs = measured("calibration", calib)
+            real = merged([per_request(run) for run in calib_runs])
             save_trace(calib, work / f"calibration-{system}.jsonl")
             with open(work / f"measured-{system}.jsonl", "w") as f:  # what `pdserve sim calibrate` reads
                 for rid, m in sorted(real.items()):
                     f.write(json.dumps({"rid": rid, **m}) + "\n")
             # every process here (servers, workers, this client) shares the box's cores
             raw = dataclasses.replace(load_profile(prof_path), contention_scope="cluster")
+            stalls = host_stalls(calib_runs)
+            log(f"   host stalls in the calibration runs: {stalls}")
+            fit_from = raw if not args.host_stalls else dataclasses.replace(
+                raw, **{k: stalls[k] for k in ("stall_rate_per_s", "stall_median_ms", "stall_sigma")})
             steps = real_steps(work, system, "calibration", args.reps)  # the engines' own step times
             log(f"   the real engines' mean steps over the calibration: {steps}")
-            prof, fitted = fit(calib, raw, policy, TOPOLOGY[system], real, args.seed,
+            prof, fitted = fit(calib, fit_from, policy, TOPOLOGY[system], real, args.seed,
                                note=f"bench/sim_validate.py calibration trace, {system}",
                                contention=tuple(float(x) for x in args.contention.split(",")),
                                decode_step_ms=steps["step_decode_ms"] if args.step_times else None)
             prof.save(work / f"profile-{system}-calibrated.yaml")
+            fitted["host_stalls"] = stalls if args.host_stalls else None
             log(f"   calibrated: {fitted}")
             calibrations[system] = fitted
             for i, (name, rate) in enumerate(mixes):

@@ -40,6 +40,11 @@ trace (prompt- and decode-heavy requests together), and a sixth can be asked for
   coefficient of variation), the one of ``NOISE_CV`` whose run comes closest to the measured
   one (TTFT and ITL p50 / p90): a shared host's steps vary, and queueing follows.
 
+Host stalls are measured, not fitted (``host_stalls``): where a run's token times are known,
+every moment when no stream got a token for far longer than a step while some stream was
+decoding is the host stopping (measured on this project's box: bench/lag_probe.py); their rate
+and lognormal size go into the profile (``stall_*``) before the fit, so the fit sees them.
+
 Each refinement moves the queueing a little, so they are repeated ``REFINE`` times. The
 calibrated profile then predicts other traces: bench/sim_validate.py validates it on traces it
 was not fitted to.
@@ -231,6 +236,48 @@ def _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note,
                "request_overhead_ms": round(local, 2), "request_ms_per_prompt_token": round(per_token, 5),
                "remote_overhead_ms": round(remote, 2), "contention_ms_per_token": stream, "noise_cv": noise}
     return prof, figures, _simulate(requests, prof, policy, topology, seed)
+
+
+STALL_MIN_MS = 250.0  # a silence shorter than this may be a step (a long prompt's, ~200 ms here), not a stall
+STALL_ITL_FACTOR = 4.0  # ... or shorter than this many median inter-token gaps
+
+
+def host_stalls(runs: list[list[dict]]) -> dict:
+    """The host's stalls as a real run's clients saw them: ``runs`` are runs of requests, each
+    request with ``times`` (the perf_counter time of each streamed chunk, one clock per run). A
+    stall is a silence (no stream got a chunk) longer than ``STALL_MIN_MS`` and
+    ``STALL_ITL_FACTOR`` median gaps while a stream was between its first and last chunk;
+    its length is the silence less one median gap. Returns the profile's ``stall_rate_per_s``
+    (stalls per second of time with a stream decoding), ``stall_median_ms``, ``stall_sigma``
+    (of their log lengths), and what they came from."""
+    count, observed, lengths = 0, 0.0, []
+    for run in runs:
+        streams = [r["times"] for r in run if not r.get("refused") and len(r.get("times") or ()) >= 2]
+        gaps = [b - a for t in streams for a, b in zip(t, t[1:])]
+        if not gaps:
+            continue
+        itl = statistics.median(gaps)
+        limit = max(STALL_MIN_MS / 1e3, STALL_ITL_FACTOR * itl)
+        spans = sorted((t[0], t[-1]) for t in streams)
+        merged: list[list[float]] = []
+        for a, b in spans:  # time with a stream decoding: the union of the spans
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        observed += sum(b - a for a, b in merged)
+        ticks = sorted(x for t in streams for x in t)
+        for a, b in zip(ticks, ticks[1:]):
+            if b - a > limit and any(s <= a and e >= b for s, e in merged):
+                count += 1
+                lengths.append((b - a - itl) * 1e3)
+    if not count or observed <= 0:
+        return {"stall_rate_per_s": 0.0, "stall_median_ms": 0.0, "stall_sigma": 0.0, "stalls": 0,
+                "decoding_s": round(observed, 1)}
+    logs = [math.log(x) for x in lengths]
+    return {"stall_rate_per_s": round(count / observed, 4), "stall_median_ms": round(statistics.median(lengths), 1),
+            "stall_sigma": round(statistics.pstdev(logs), 3) if len(logs) > 1 else 0.0, "stalls": count,
+            "decoding_s": round(observed, 1), "longest_ms": round(max(lengths), 1)}
 
 
 def _r(x):

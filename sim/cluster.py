@@ -29,6 +29,7 @@ made-up tokens (every request runs to its output length, as with ``ignore_eos``)
 from __future__ import annotations
 
 import heapq
+import math
 import itertools
 import random
 from dataclasses import dataclass
@@ -134,6 +135,11 @@ class Simulation:
         self.policy = policy
         self.topology = topology
         self.rng = random.Random(seed)
+        # Host stalls (CostProfile.stall_*): their own draws, so a profile without them runs as before.
+        self._stall_rng = random.Random(seed * 7919 + 17)
+        self._next_stall = (self._stall_rng.expovariate(profile.stall_rate_per_s)
+                            if profile.stall_rate_per_s > 0 and profile.stall_median_ms > 0 else math.inf)
+        self.stalls: list[tuple[float, float]] = []  # (start s, length ms) of the stalls that happened
         self.stream_load = StreamLoad()  # every decode worker's streams, for a profile whose workers share a host
         self.now = 0.0
         self._heap: list = []
@@ -166,18 +172,33 @@ class Simulation:
             self.at(r.t, self._arrive, r)
         self.at(0.0, self._sample)
         self.at(0.0, self._report_loads)
-        last_arrival = max((r.t for r in self.requests), default=0.0)
+        self._last_arrival = max((r.t for r in self.requests), default=0.0)
         heap = self._heap
         while heap:
+            if heap[0][0] >= self._next_stall:
+                self._stall(heap)
+                continue
             t, _, fn, args = heapq.heappop(heap)
             if until_s is not None and t > until_s:
                 break
             self.now = t
             self.events += 1
             fn(*args)
-            if t > last_arrival and self._idle():
+            if t > self._last_arrival and self._idle():
                 break  # only the periodic events are left
         return self
+
+    def _stall(self, heap: list) -> None:
+        """The host stops at ``_next_stall`` for a drawn time: every event due from then on
+        happens that much later (a step under way ends later, an arrival is sent later)."""
+        prof, start = self.profile, self._next_stall
+        ms = prof.stall_median_ms * self._stall_rng.lognormvariate(0.0, prof.stall_sigma)
+        heap[:] = [(t + ms / 1e3, *rest) if t >= start else (t, *rest) for t, *rest in heap]
+        heapq.heapify(heap)
+        if self._last_arrival >= start:
+            self._last_arrival += ms / 1e3
+        self.stalls.append((start, ms))
+        self._next_stall = start + ms / 1e3 + self._stall_rng.expovariate(prof.stall_rate_per_s)
 
     def _idle(self) -> bool:
         return self.open == 0 and all(not d.inflight for d in self.decode) and not len(self.queue) and all(
@@ -201,7 +222,8 @@ class Simulation:
 
     # -- arrivals and the front door ----------------------------------------------------
     def _arrive(self, r: SimRequest) -> None:
-        rec = RequestRecord(r.rid, r.t, r.prompt_len, r.output_len, r.priority)
+        # sent now: r.t, unless a host stall held the client (its TTFT counts from the send)
+        rec = RequestRecord(r.rid, self.now, r.prompt_len, r.output_len, r.priority)
         self.records.append(rec)
         self.open += 1
         live = [d for d in self.decode if not d.draining]

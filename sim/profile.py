@@ -87,6 +87,14 @@ class CostProfile:
     # Whose streams slow a step: "worker" (a decode worker's own; each worker its own host) or
     # "cluster" (every worker shares one host's cores, as on the box the validation runs on).
     contention_scope: str = "worker"
+    # Host stalls: moments when everything on the host stops at once (a virtual machine's CPUs
+    # held off by its host; measured on this project's box: bench/lag_probe.py, docs/PERFORMANCE.md).
+    # They start as a Poisson process of this rate and last a lognormal time of this median and
+    # sigma; every event due during one (steps ending, arrivals, tokens) happens that much later.
+    # Calibrated from a real run's token times (sim/calibrate.py `host_stalls`); 0: none.
+    stall_rate_per_s: float = 0.0
+    stall_median_ms: float = 0.0
+    stall_sigma: float = 0.0
     assumptions: tuple[str, ...] = field(default_factory=tuple)
 
     def step(self, tp: int) -> StepModel:
@@ -122,7 +130,8 @@ class CostProfile:
 _POSITIVE = ("kv_bytes_per_token", "block_size", "max_num_batched_tokens", "max_num_seqs", "transfer_gb_per_s")
 SCOPES = ("worker", "cluster")
 _NON_NEGATIVE = ("transfer_setup_ms", "queue_hop_ms", "noise_cv", "request_overhead_ms",
-                 "request_ms_per_prompt_token", "stream_gap_ms_per_token", "contention_ms_per_token")
+                 "request_ms_per_prompt_token", "stream_gap_ms_per_token", "contention_ms_per_token",
+                 "stall_rate_per_s", "stall_median_ms", "stall_sigma")
 
 
 def profile_from_dict(body: dict, source: str = "<profile>") -> CostProfile:

@@ -213,3 +213,48 @@ def test_streams_slow_the_steps_of_their_host_in_proportion_to_their_rate():
     assert info.ms == pytest.approx(model.step_ms(0, 64, info.pairs, 0) * 1.5, rel=1e-6)
     with pytest.raises(ProfileError, match="contention_scope"):
         profile_from_dict({**quiet.to_dict(), "contention_scope": "rack"})
+
+
+def test_host_stalls_hold_everything_up_and_keep_the_run_whole():
+    """A profile with host stalls (CostProfile.stall_*): deterministic, every request still
+    ends once, the stalls happen at the profile's rate, and requests caught in one take longer."""
+    from pdserve.sim.report import percentile
+
+    stalled = dataclasses.replace(PROFILE, stall_rate_per_s=0.5, stall_median_ms=400.0, stall_sigma=0.3)
+    reqs = generate(mix("decode-heavy", 3.0, 150), seed=7)
+
+    def go(prof):
+        return Simulation(reqs, prof, DEFAULT_POLICY, SimTopology(1, 1), seed=7).run()
+
+    a, b, calm = go(stalled), go(stalled), go(PROFILE)
+    assert fingerprint(a) == fingerprint(b) and a.stalls == b.stalls
+    assert fingerprint(calm) == fingerprint(run(name="decode-heavy", rate=3.0, n=150))  # no stalls: as before
+    assert not calm.stalls
+    span = max(r.finished for r in a.records) - min(r.arrival for r in a.records)
+    assert 0.25 * span <= len(a.stalls) <= 1.0 * span, (len(a.stalls), span)  # ~0.5 per second
+    assert all(100 < ms < 2000 for _, ms in a.stalls)
+    for r in a.records:
+        assert r.refused is None and r.arrival <= r.first_token <= r.finished and r.tokens == r.output_len
+    def ttfts(sim):
+        return [(r.first_token - r.arrival) * 1e3 for r in sim.records]
+
+    assert percentile(ttfts(a), 99) > percentile(ttfts(calm), 99) + 100
+
+
+def test_host_stalls_are_the_silences_of_every_stream_while_one_decodes():
+    from pdserve.sim.calibrate import host_stalls
+
+    def stream(start, n, gap=0.02, hole=None):
+        t, out = start, []
+        for _ in range(n):
+            out.append(t)
+            t += gap + (0.6 if hole is not None and abs(t - hole) < gap / 2 else 0.0)
+        return {"times": out}
+
+    # two streams decoding 0-4 s with a 0.6 s hole at t=2 in both; then a lone stream after a
+    # 3 s pause with nothing decoding (no stall: nothing was waiting for a token)
+    run = [stream(0.0, 200, hole=2.0), stream(0.01, 200, hole=2.01), stream(10.0, 50)]
+    got = host_stalls([run])
+    assert got["stalls"] == 1 and 550 <= got["stall_median_ms"] <= 620, got
+    assert got["stall_rate_per_s"] == pytest.approx(1 / got["decoding_s"], rel=1e-2)
+    assert host_stalls([[stream(0.0, 100)]])["stalls"] == 0
