@@ -448,7 +448,7 @@ class PrefillWorker:
         """Between a batch's steps (batch thread): the loan requests that arrived meanwhile,
         and those of borrowers met meanwhile."""
         try:
-            if self._pending_peers and self._sync_peers({}, {}):
+            if self._pending_peers and self._sync_peers({}, {}, mid_batch=True):
                 self.lending.lender.retry()
             self.agent.poll()
         except Exception as exc:  # noqa: BLE001  (the transport's trouble shows in the batch's own writes)
@@ -513,11 +513,13 @@ class PrefillWorker:
             return f"worker {worker_id}'s NIXL record is not JSON: {exc}"
         return None
 
-    def _sync_peers(self, new_peers: dict, unusable: dict) -> bool:
+    def _sync_peers(self, new_peers: dict, unusable: dict, mid_batch: bool = False) -> bool:
         """Apply peer changes (under the engine lock: the agent's only user): ``new_peers`` and
         those read ahead (``_pending_peers``). A record NIXL or the layout check refuses makes
-        that peer unusable for this batch, not the batch fail. Whether any peer was added."""
-        while self._peers_to_remove:
+        that peer unusable for this batch, not the batch fail. Whether any peer was added.
+        ``mid_batch`` (between a batch's steps): only new peers are added; removals and
+        re-registrations wait for the next batch's start, since the batch may be writing to them."""
+        while self._peers_to_remove and not mid_batch:
             self.agent.remove_peer(self._peers_to_remove.pop())
         while self._pending_peers:  # (filled on the event loop; popitem is atomic)
             name, info = self._pending_peers.popitem()
@@ -526,6 +528,9 @@ class PrefillWorker:
         for name, info in new_peers.items():
             if name in self._known_peers:
                 continue  # met already (ahead of need, and then named by this batch too)
+            if mid_batch and name in self.agent.peers:
+                self._pending_peers.setdefault(name, info)  # a re-registration: at the next batch's start
+                continue
             try:
                 if name in self.agent.peers:  # re-registered decode worker: new metadata
                     self.agent.remove_peer(name)
