@@ -246,8 +246,13 @@ def run_calibrate(args) -> int:
         raise ValueError(f"--decode-step-ms {args.decode_step_ms}: a step's mean in ms, > 0")
     cal, figures = fit(requests, prof, _policy(args), topo, measured, args.seed, note=f"{args.measured}",
                        contention=grid, decode_step_ms=args.decode_step_ms)
+    tried = figures.pop("by_contention", {})
     for k, v in figures.items():
         print(f"  {k}: {v}")
+    if len(tried) > 1:
+        print("  each contention tried (ms per token streamed: loss, step scale):")
+        for c, f in tried.items():
+            print(f"    {c:g}: loss {f['loss']}, step scale {f['step_scale']}")
     cal.save(args.out)
     print(f"wrote {args.out}")
     return 0

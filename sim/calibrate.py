@@ -169,17 +169,20 @@ def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, di
     ``rid`` to what the run measured of it: ``ttft_ms``, ``itl_ms`` (its gaps, a list) and,
     if known, ``route`` (the real router's); ``decode_step_ms``, when known, is the run's mean
     decode-only engine step. Returns it and the fit's figures. Each contention of ``CONTENTION_MS`` is tried with the rest fitted to
-    it; the one whose TTFT and ITL p50 / p90 come closest wins."""
+    it; the one whose TTFT and ITL p50 / p90 come closest wins. The figures keep each tried
+    contention's own under ``by_contention`` (its fit, loss included)."""
     real_itl = [g for m in measured.values() for g in m.get("itl_ms") or ()]
     real_ttft = [m["ttft_ms"] for m in measured.values() if m.get("ttft_ms") is not None]
     if not real_itl or not real_ttft:
         raise ValueError("calibration needs measured TTFTs and inter-token gaps of the run")
     best = None
+    tried = {}
     for stream in contention or CONTENTION_MS:
         prof, figures, sim = _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note, stream,
                                      decode_step_ms)
         sim_ttft = _ttfts(sim)
         loss = _loss(sim, real_itl, real_ttft)
+        tried[stream] = dict(figures, loss=round(loss, 4))
         if best is None or loss < best[0]:
             figures.update(loss=round(loss, 4),
                            ttft_p50={"simulated": _r(percentile(sim_ttft, 50)), "measured": _r(percentile(real_ttft, 50))},
@@ -187,7 +190,27 @@ def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, di
                            itl_p50={"simulated": _r(percentile(sim.itls_ms, 50)), "measured": _r(percentile(real_itl, 50))},
                            itl_p90={"simulated": _r(percentile(sim.itls_ms, 90)), "measured": _r(percentile(real_itl, 90))})
             best = (loss, prof, figures)
+    best[2]["by_contention"] = tried
     return best[1], best[2]
+
+
+def _grid_min(grid, f, stride: int = 4):
+    """The point of the sorted ``grid`` where ``f`` is least, found coarse to fine: every
+    ``stride``-th point (and the last), then every point within ``stride - 1`` of the best of
+    those. About a third of the runs a full sweep of SCALES takes; it finds the full sweep's
+    point when ``f`` has one valley over the grid (a step scale's loss has: a scale off either
+    way lengthens or shortens every step)."""
+    seen: dict[int, float] = {}
+
+    def at(i):
+        if i not in seen:
+            seen[i] = f(grid[i])
+        return seen[i]
+
+    coarse = sorted({*range(0, len(grid), stride), len(grid) - 1})
+    best = min(coarse, key=at)
+    near = range(max(0, best - stride + 1), min(len(grid), best + stride))
+    return grid[min(sorted({best, *near}), key=at)]
 
 
 def _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note, stream, decode_step_ms=None):
@@ -206,10 +229,10 @@ def _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note,
             return abs(math.log(ms / decode_step_ms)) if ms else math.inf
         # twice: the gap changes how many streams a step batches, so the mean step moves with it
         for _ in range(2):
-            scale = min(SCALES, key=lambda s: off(s, gap))
+            scale = _grid_min(SCALES, lambda s: off(s, gap))
             gap = min(GAPS, key=lambda g: _itl_loss(run(prof_of(scale, gap=g)), real_itl))
     else:
-        scale = min(SCALES, key=lambda s: _itl_loss(run(prof_of(s)), real_itl))
+        scale = _grid_min(SCALES, lambda s: _itl_loss(run(prof_of(s)), real_itl))
     pscale, local, remote, per_token = scale, 0.0, 0.0, 0.0
     for _ in range(REFINE):
         sim = run(prof_of(scale, local, remote, pscale, per_token=per_token, gap=gap))
