@@ -402,6 +402,9 @@ def plot(doc: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, str(REPO))
+    from bench.host import add_autogroup_option, autogroups_off
+
     d = PeerConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--systems", default=",".join(d.systems), help="vllm, colocated, 1p1d (vLLM always runs first)")
@@ -426,6 +429,7 @@ def main(argv=None) -> int:
     p.add_argument("--report", default=None, metavar="PEER_JSON",
                    help="run nothing: print the table (and --plot) of a finished run's JSON, its figures "
                         "re-read from the raw client files beside it in --work-dir when they are there")
+    add_autogroup_option(p)
     args = p.parse_args(argv)
     if args.report:
         doc = resummarize(json.loads(Path(args.report).read_text()), Path(args.work_dir))
@@ -444,11 +448,12 @@ def main(argv=None) -> int:
         if name not in DATASETS:
             p.error(f"--datasets: unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     if not cfg.model:
-        sys.path.insert(0, str(REPO))
         from pdserve.bench.sweep import base_model_dir
 
         cfg.model = base_model_dir(cfg.topology)
-    doc = run_peer(cfg)
+    with autogroups_off(args.autogroups) as host:
+        doc = run_peer(cfg)
+    doc["host"] = host
     print(format_table(doc))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

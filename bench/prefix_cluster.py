@@ -45,6 +45,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.host import add_autogroup_option, autogroups_off  # noqa: E402
 from bench.metrics import json_safe  # noqa: E402
 
 
@@ -86,6 +87,7 @@ def parse_args(argv=None):
                         "it as is). The workers share the client's cores here: a starved client reads every stream "
                         "late at once, and its TTFTs then measure itself (asyncio's debug mode logged 0.6-1.0 s "
                         "callbacks in the client at niceness 0). The client's loop lag is reported either way")
+    add_autogroup_option(p)
     return p.parse_args(argv)
 
 
@@ -347,12 +349,13 @@ def main(argv=None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     results = {}
-    for mode in args.modes.split(","):
-        log(f"mode {mode} ...")
-        results[mode] = run_mode(args, mode, model_dir, chats, out, log)
+    with autogroups_off(args.autogroups, log) as host:
+        for mode in args.modes.split(","):
+            log(f"mode {mode} ...")
+            results[mode] = run_mode(args, mode, model_dir, chats, out, log)
     report(args, results, working_set)
-    (out / "prefix_cluster.json").write_text(json.dumps(json_safe({"args": vars(args), "results": results}),
-                                                        indent=1))
+    (out / "prefix_cluster.json").write_text(json.dumps(json_safe({"args": vars(args), "host": host,
+                                                                   "results": results}), indent=1))
     plot(results, out)
     return 0
 

@@ -43,17 +43,17 @@ import os
 import re
 import statistics
 import subprocess
-import urllib.request
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
+from bench.host import add_autogroup_option, autogroups_off  # noqa: E402
 from bench.peer_serve import ENGINE, SERVED_NAME, PeerConfig, Server  # noqa: E402
-
 from pdserve.router import DEFAULT_POLICY, load_policy_file  # noqa: E402
 from pdserve.sim.calibrate import fit, host_stalls  # noqa: E402
 from pdserve.sim.cluster import SimTopology, Simulation  # noqa: E402
@@ -389,6 +389,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=str(REPO / "runs/sim-validate"))
     ap.add_argument("--offline", action="store_true", help="no servers: the runs recorded in --work (raw-*.json), "
                     "calibrated and simulated again")
+    add_autogroup_option(ap)
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -396,99 +397,101 @@ def main(argv=None) -> int:
     cores = [int(c) for c in args.cpus.split(",")]
     mixes = [(m.split(":")[0], float(m.split(":")[1])) for m in args.mixes.split(",")]
     rows, calibrations = [], {}
-    for system in args.systems.split(","):
-        policy = load_policy_file(REPO / "configs/router/default.yaml") if system == "1p1d" else DEFAULT_POLICY
-        prof_path = work / f"profile-{system}.yaml"
-        server = None
-        if not args.offline:
-            log(f"== {system}: profiling its worker on {cores if system == 'colocated' else cores[:1]} ...")
-            profile(system, args.model, cores, work)
-            server = (GatewayPair(args.model, cores, work, log) if system == "2d" else
-                      Server(PeerConfig(model=args.model, cpus=args.cpus, work_dir=str(work)), system, log))
-            log(f"== {system}: starting the server")
-            server.start()
-        urls = server.metrics_urls() if isinstance(server, GatewayPair) else [server.url] if server else []
+    with autogroups_off("keep" if args.offline else args.autogroups, log) as host:
+        for system in args.systems.split(","):
+            policy = load_policy_file(REPO / "configs/router/default.yaml") if system == "1p1d" else DEFAULT_POLICY
+            prof_path = work / f"profile-{system}.yaml"
+            server = None
+            if not args.offline:
+                log(f"== {system}: profiling its worker on {cores if system == 'colocated' else cores[:1]} ...")
+                profile(system, args.model, cores, work)
+                server = (GatewayPair(args.model, cores, work, log) if system == "2d" else
+                          Server(PeerConfig(model=args.model, cpus=args.cpus, work_dir=str(work)), system, log))
+                log(f"== {system}: starting the server")
+                server.start()
+            urls = server.metrics_urls() if isinstance(server, GatewayPair) else [server.url] if server else []
 
-        def measured(label: str, trace, warm_rid: int | None = None) -> list[list[dict]]:
-            """The ``--reps`` runs of ``trace`` against the server, each after a warm-up of other
-            prompts when ``warm_rid`` is given (or, offline, as recorded then)."""
-            runs = []
-            for k in range(args.reps):
-                raw = work / f"raw-{system}-{label}-r{k}.json"
-                if args.offline:
-                    runs.append(json.loads(raw.read_text()))
-                    continue
-                if warm_rid is not None:
-                    warm = generate(mix("long-prompt", 4.0, 3), args.seed, first_rid=warm_rid + k * REP_RID)
-                    asyncio.run(replay(server.url, warm, 120.0))
-                before = scrape(urls)
-                results = asyncio.run(replay(server.url, variant(trace, k), 300.0))
-                after = scrape(urls)
-                routes = {r[6:]: after[r] - before.get(r, 0.0) for r in after
-                          if r.startswith("route:") and after[r] > before.get(r, 0.0)}
-                (work / f"routes-{system}-{label}-r{k}.json").write_text(json.dumps(routes))
-                (work / f"steps-{system}-{label}-r{k}.json").write_text(json.dumps(step_means(before, after)))
-                raw.write_text(json.dumps(results))
-                runs.append(results)
-                log(f"     repetition {k + 1}/{args.reps}: " + fmt_measured(measured_summary(results, slo))
-                    + f" | routes {routes}")
-            return runs
+            def measured(label: str, trace, warm_rid: int | None = None) -> list[list[dict]]:
+                """The ``--reps`` runs of ``trace`` against the server, each after a warm-up of other
+                prompts when ``warm_rid`` is given (or, offline, as recorded then)."""
+                runs = []
+                for k in range(args.reps):
+                    raw = work / f"raw-{system}-{label}-r{k}.json"
+                    if args.offline:
+                        runs.append(json.loads(raw.read_text()))
+                        continue
+                    if warm_rid is not None:
+                        warm = generate(mix("long-prompt", 4.0, 3), args.seed, first_rid=warm_rid + k * REP_RID)
+                        asyncio.run(replay(server.url, warm, 120.0))
+                    before = scrape(urls)
+                    results = asyncio.run(replay(server.url, variant(trace, k), 300.0))
+                    after = scrape(urls)
+                    routes = {r[6:]: after[r] - before.get(r, 0.0) for r in after
+                              if r.startswith("route:") and after[r] > before.get(r, 0.0)}
+                    (work / f"routes-{system}-{label}-r{k}.json").write_text(json.dumps(routes))
+                    (work / f"steps-{system}-{label}-r{k}.json").write_text(json.dumps(step_means(before, after)))
+                    raw.write_text(json.dumps(results))
+                    runs.append(results)
+                    log(f"     repetition {k + 1}/{args.reps}: " + fmt_measured(measured_summary(results, slo))
+                        + f" | routes {routes}")
+                return runs
 
-        try:
-            calib = calibration_trace(args.seed)
-            if server is not None:  # first-call costs, not timed
-                asyncio.run(replay(server.url, generate(mix("long-prompt", 4.0, 3), args.seed, first_rid=990_000),
-                                   120.0))
-            log(f"   calibration: {len(calib)} requests (long-prompt 1.5 + decode-heavy 1 req/s, then decode-heavy "
-                "3 req/s, then shared prefixes at 1 req/s)")
-            calib_runs = measured("calibration", calib)
-            real = merged([per_request(run) for run in calib_runs])
-            save_trace(calib, work / f"calibration-{system}.jsonl")
-            with open(work / f"measured-{system}.jsonl", "w") as f:  # what `pdserve sim calibrate` reads
-                for rid, m in sorted(real.items()):
-                    f.write(json.dumps({"rid": rid, **m}) + "\n")
-            # every process here (servers, workers, this client) shares the box's cores
-            raw = dataclasses.replace(load_profile(prof_path), contention_scope="cluster")
-            stalls = host_stalls(calib_runs)
-            log(f"   host stalls in the calibration runs: {stalls}")
-            fit_from = raw if not args.host_stalls else dataclasses.replace(
-                raw, **{k: stalls[k] for k in ("stall_rate_per_s", "stall_median_ms", "stall_sigma")})
-            steps = real_steps(work, system, "calibration", args.reps)  # the engines' own step times
-            log(f"   the real engines' mean steps over the calibration: {steps}")
-            prof, fitted = fit(calib, fit_from, policy, TOPOLOGY[system], real, args.seed,
-                               note=f"bench/sim_validate.py calibration trace, {system}",
-                               contention=tuple(float(x) for x in args.contention.split(",")),
-                               decode_step_ms=steps["step_decode_ms"] if args.step_times else None)
-            prof.save(work / f"profile-{system}-calibrated.yaml")
-            fitted["host_stalls"] = stalls if args.host_stalls else None
-            log(f"   calibrated: {fitted}")
-            calibrations[system] = fitted
-            for i, (name, rate) in enumerate(mixes):
-                # each trace its own prompts (the server's prefix cache outlives a trace; the
-                # simulator starts empty), and a warm-up of other prompts
-                trace = generate(mix(name, rate, args.requests), args.seed, first_rid=(i + 1) * 100_000)
-                save_trace(trace, work / f"trace-{name}-{rate:g}.jsonl")
-                log(f"   {name} at {rate:g} req/s: {len(trace)} requests x {args.reps}")
-                meas = over_reps([measured_summary(run, slo)
-                                  for run in measured(f"{name}-{rate:g}", trace, (i + 1) * 100_000 + 90_000)])
-                meas["routes"] = real_routes(work, system, f"{name}-{rate:g}", args.reps)
-                meas.update(real_steps(work, system, f"{name}-{rate:g}", args.reps))
-                pred = simulated_summary(trace, prof, system, policy, slo, args.seed)
-                uncal = simulated_summary(trace, raw, system, policy, slo, args.seed)
-                keys = KEYS
-                row = {"system": system, "mix": name, "rate": rate, "measured": meas, "simulated": pred,
-                       "error": {k: err(pred[k], meas[k]) for k in keys},
-                       "uncalibrated": uncal, "uncalibrated_error": {k: err(uncal[k], meas[k]) for k in keys}}
-                rows.append(row)
-                log("   " + fmt(row))
-        finally:
-            if server is not None:
-                server.stop()
+            try:
+                calib = calibration_trace(args.seed)
+                if server is not None:  # first-call costs, not timed
+                    asyncio.run(replay(server.url, generate(mix("long-prompt", 4.0, 3), args.seed, first_rid=990_000),
+                                       120.0))
+                log(f"   calibration: {len(calib)} requests (long-prompt 1.5 + decode-heavy 1 req/s, then decode-heavy "
+                    "3 req/s, then shared prefixes at 1 req/s)")
+                calib_runs = measured("calibration", calib)
+                real = merged([per_request(run) for run in calib_runs])
+                save_trace(calib, work / f"calibration-{system}.jsonl")
+                with open(work / f"measured-{system}.jsonl", "w") as f:  # what `pdserve sim calibrate` reads
+                    for rid, m in sorted(real.items()):
+                        f.write(json.dumps({"rid": rid, **m}) + "\n")
+                # every process here (servers, workers, this client) shares the box's cores
+                raw = dataclasses.replace(load_profile(prof_path), contention_scope="cluster")
+                stalls = host_stalls(calib_runs)
+                log(f"   host stalls in the calibration runs: {stalls}")
+                fit_from = raw if not args.host_stalls else dataclasses.replace(
+                    raw, **{k: stalls[k] for k in ("stall_rate_per_s", "stall_median_ms", "stall_sigma")})
+                steps = real_steps(work, system, "calibration", args.reps)  # the engines' own step times
+                log(f"   the real engines' mean steps over the calibration: {steps}")
+                prof, fitted = fit(calib, fit_from, policy, TOPOLOGY[system], real, args.seed,
+                                   note=f"bench/sim_validate.py calibration trace, {system}",
+                                   contention=tuple(float(x) for x in args.contention.split(",")),
+                                   decode_step_ms=steps["step_decode_ms"] if args.step_times else None)
+                prof.save(work / f"profile-{system}-calibrated.yaml")
+                fitted["host_stalls"] = stalls if args.host_stalls else None
+                log(f"   calibrated: {fitted}")
+                calibrations[system] = fitted
+                for i, (name, rate) in enumerate(mixes):
+                    # each trace its own prompts (the server's prefix cache outlives a trace; the
+                    # simulator starts empty), and a warm-up of other prompts
+                    trace = generate(mix(name, rate, args.requests), args.seed, first_rid=(i + 1) * 100_000)
+                    save_trace(trace, work / f"trace-{name}-{rate:g}.jsonl")
+                    log(f"   {name} at {rate:g} req/s: {len(trace)} requests x {args.reps}")
+                    meas = over_reps([measured_summary(run, slo)
+                                      for run in measured(f"{name}-{rate:g}", trace, (i + 1) * 100_000 + 90_000)])
+                    meas["routes"] = real_routes(work, system, f"{name}-{rate:g}", args.reps)
+                    meas.update(real_steps(work, system, f"{name}-{rate:g}", args.reps))
+                    pred = simulated_summary(trace, prof, system, policy, slo, args.seed)
+                    uncal = simulated_summary(trace, raw, system, policy, slo, args.seed)
+                    keys = KEYS
+                    row = {"system": system, "mix": name, "rate": rate, "measured": meas, "simulated": pred,
+                           "error": {k: err(pred[k], meas[k]) for k in keys},
+                           "uncalibrated": uncal, "uncalibrated_error": {k: err(uncal[k], meas[k]) for k in keys}}
+                    rows.append(row)
+                    log("   " + fmt(row))
+            finally:
+                if server is not None:
+                    server.stop()
     done = set(args.systems.split(","))  # the systems of earlier runs stay in the result
     old = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
     rows = [r for r in old.get("rows", []) if r["system"] not in done] + rows
     calibrations = {**{k: v for k, v in old.get("calibrations", {}).items() if k not in done}, **calibrations}
-    (work / "result.json").write_text(json.dumps({"rows": rows, "calibrations": calibrations}, indent=1))
+    (work / "result.json").write_text(json.dumps({"rows": rows, "calibrations": calibrations,
+                                                  "host": old.get("host") if args.offline else host}, indent=1))
     print(table(rows))
     print()
     print(table(rows, "uncalibrated"))
