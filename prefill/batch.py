@@ -1,5 +1,9 @@
 """One prefill batch, run in the worker thread: admit, compute, push pages, report each task.
 
+A task's pages are written and its `PrefillDone` sent after the engine step its prefill ends
+in, while the batch's other prompts go on computing (`push_as_computed`): a batch that takes
+several steps does not hold every first token until its last one.
+
 Every task of a batch ends in exactly one of two ways: its pages are written
 and a `PrefillDone` rides behind them, or it fails and its decode worker is
 told at once with a `PrefillFailed` notice (handoff/notices.py) so that it
@@ -102,13 +106,17 @@ class PrefillBatch:
     """Runs batches on one engine and one transport (both owned by the worker thread)."""
 
     def __init__(self, worker_id: str, engine, agent: KVSender, stats: PrefillStats, *, transfer_timeout_s: float,
-                 layerwise: bool):
+                 layerwise: bool, push_as_computed: bool = True):
         self.worker_id = worker_id
         self.engine = engine
         self.agent = agent
         self.stats = stats
         self.transfer_timeout_s = transfer_timeout_s
         self.layerwise = layerwise
+        # A request whose prefill ends in a step is written and announced after that step, not
+        # after the batch's last: a batch of several prompts in several steps no longer gives
+        # each the batch's time to first token (False: every request after the batch, as before).
+        self.push_as_computed = push_as_computed
         # (request_id, epoch) of held tasks their decode worker aborted (the queue's heartbeat
         # answer, set from the event loop): computed no further, see `_drop_cancelled`.
         self._cancelled: set[tuple[str, int]] = set()
@@ -157,7 +165,7 @@ class PrefillBatch:
         settled: dict[str, bool] = {}
         try:
             if jobs:
-                self._compute(jobs, result)
+                self._compute(jobs, result, taken_at)
                 self._push(jobs, result, taken_at)
         finally:
             for job in jobs.values():
@@ -195,7 +203,7 @@ class PrefillBatch:
         return rid
 
     # -- compute ---------------------------------------------------------------------------
-    def _compute(self, jobs: dict[str, PrefillJob], result: BatchResult) -> None:
+    def _compute(self, jobs: dict[str, PrefillJob], result: BatchResult, taken_at: float) -> None:
         eng = self.engine
         t0 = time.perf_counter()
         computed_before = eng.stats.num_prompt_tokens_computed
@@ -223,6 +231,13 @@ class PrefillBatch:
                 elif d.new_token_ids:
                     lp = d.logprobs[0] if d.logprobs else {}
                     job.computed(d.new_token_ids[0], lp.get("logprob"), tuple(lp.get("top_logprobs", {}).items()))
+            if self.push_as_computed and any(job.state.computing for job in jobs.values()):
+                # Requests finished in this step while others go on: write and announce them now.
+                # Their PrefillDone reports the time and the tokens computed so far.
+                result.prefill_ms = (time.perf_counter() - t0) * 1e3
+                result.batch_tokens = eng.stats.num_prompt_tokens_computed - computed_before
+                self._push({rid: job for rid, job in jobs.items() if job.state is JobState.COMPUTED}, result,
+                           taken_at)
         else:
             self._fail_batch(jobs, f"not prefilled within {MAX_STEPS_PER_BATCH} engine steps")
         result.prefill_ms = (time.perf_counter() - t0) * 1e3

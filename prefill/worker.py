@@ -3,9 +3,10 @@
 Loop: ``PrefillQueue.get_batch`` (bounded by a token budget, long-polled) ->
 prefill the batch in the engine, reusing this worker's prefix cache and
 chunking long prompts -> write the KV pages of positions ``[cached_len, n)``
-into the decode worker's reserved blocks with NIXL, layer by layer while the
-last forward pass runs when the batch finishes in one step -> a `PrefillDone`
-notification with the first sampled token rides behind the pages. A task that
+into the decode worker's reserved blocks with NIXL, layer by layer during the
+forward pass that finishes each prompt -> a `PrefillDone` notification with the
+first sampled token rides behind the pages, sent after that step (the batch's
+other prompts go on computing). A task that
 cannot be delivered ends with a `PrefillFailed` notice instead (prefill/batch.py),
 so its decode worker prefills locally at once; no task ends the pull loop.
 

@@ -116,12 +116,12 @@ def apply(step, eng) -> None:
         c.free(h.quarantine_key)
 
 
-def decode_reserves(eng, handoffs: Handoffs, rid: str) -> tuple[PrefillTask, list[int]]:
-    req = eng.make_request(PROMPT, SamplingParams(max_tokens=4), request_id=rid)
+def decode_reserves(eng, handoffs: Handoffs, rid: str, prompt=PROMPT) -> tuple[PrefillTask, list[int]]:
+    req = eng.make_request(prompt, SamplingParams(max_tokens=4), request_id=rid)
     res = eng.connector.reserve(req)
     assert res is not None and res.cached_len == 0
     handoffs.reserve(rid, 1, len(res.block_ids))
-    task = PrefillTask(rid, 1, PROMPT, res.cached_len, DECODE, res.block_ids, {"max_tokens": 4})
+    task = PrefillTask(rid, 1, prompt, res.cached_len, DECODE, res.block_ids, {"max_tokens": 4})
     assert not handoffs.queued(rid, 1, task).stale
     return task, res.block_ids
 
@@ -255,9 +255,9 @@ def test_the_success_path_ends_ready_on_decode_and_done_on_prefill(engines):
     jobs = []
     real_run = batch._compute
 
-    def watch(js, result):  # keep the jobs to check their final state
+    def watch(js, result, *rest):  # keep the jobs to check their final state
         jobs.extend(js.values())
-        return real_run(js, result)
+        return real_run(js, result, *rest)
     batch._compute = watch
     result = batch.run([task], {})
     assert result.done == 1 and result.failures == []
@@ -273,3 +273,47 @@ def test_the_success_path_ends_ready_on_decode_and_done_on_prefill(engines):
     assert dec.kv.block_ids("ok-1")[: len(reserved)] == reserved  # the request runs in the blocks written
     assert dec.abort_request("ok-1")
     assert dec.kv.num_free_blocks == free_d
+
+
+@pytest.mark.parametrize("as_computed", [True, False])
+def test_a_prompt_done_in_an_earlier_step_is_written_and_announced_before_the_batch_ends(engines, as_computed):
+    """Two prompts in one batch, the short one finished in the first step (256 tokens a step):
+    its pages and PrefillDone go out after that step while the long one still computes
+    (`push_as_computed`); without it, both go out after the batch."""
+    dec, pre = engines
+    free_d, free_p = dec.kv.num_free_blocks, pre.kv.num_free_blocks
+    handoffs = Handoffs()
+    base = 600 if as_computed else 1200  # prompts neither engine has cached (the engines serve every test here)
+    short_prompt = list(range(base, base + 37))
+    short, _ = decode_reserves(dec, handoffs, f"short-{as_computed}", short_prompt)
+    long_prompt = [base + 50 + (i * 7) % 500 for i in range(300)]  # 300 tokens: two steps
+    long, _ = decode_reserves(dec, handoffs, f"long-{as_computed}", long_prompt)
+    transport = ScriptedTransport("ok")
+    sent_at = {}  # request id -> prompt tokens the prefill engine had computed when its notice left
+    real_write = transport.write_blocks
+
+    def write_blocks(peer, local, remote, *, notify=None):
+        sent_at[decode_notification(notify).request_id] = pre.stats.num_prompt_tokens_computed - before
+        return real_write(peer, local, remote, notify=notify)
+    transport.write_blocks = write_blocks
+    batch = PrefillBatch(PREFILL, pre, transport, PrefillStats(), transfer_timeout_s=1.0, layerwise=False,
+                         push_as_computed=as_computed)
+    before = pre.stats.num_prompt_tokens_computed
+    result = batch.run([short, long], {})
+    assert result.done == 2 and result.failures == []
+    total = len(short_prompt) + len(long_prompt)
+    assert sent_at[long.request_id] == total
+    if as_computed:
+        assert sent_at[short.request_id] < total  # out while the long prompt was still computing
+    else:
+        assert sent_at[short.request_id] == total
+    msgs = {m.request_id: m for m in (decode_notification(p) for p in transport.sent)}
+    assert msgs[short.request_id].num_tokens_written == len(short_prompt)
+    assert msgs[long.request_id].num_tokens_written == len(long_prompt)
+    assert msgs[short.request_id].prefill_ms <= msgs[long.request_id].prefill_ms
+    for task in (short, long):
+        step = handoffs.done(task.request_id, 1)
+        apply(step, dec)
+        assert step.handoff.state is HandoffState.READY
+        assert dec.abort_request(task.request_id)
+    assert pre.kv.num_free_blocks == free_p and dec.kv.num_free_blocks == free_d
