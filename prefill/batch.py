@@ -231,13 +231,13 @@ class PrefillBatch:
                 elif d.new_token_ids:
                     lp = d.logprobs[0] if d.logprobs else {}
                     job.computed(d.new_token_ids[0], lp.get("logprob"), tuple(lp.get("top_logprobs", {}).items()))
-            if self.push_as_computed and any(job.state.computing for job in jobs.values()):
+            ready = {rid: job for rid, job in jobs.items() if job.state is JobState.COMPUTED}
+            if self.push_as_computed and ready and any(job.state.computing for job in jobs.values()):
                 # Requests finished in this step while others go on: write and announce them now.
                 # Their PrefillDone reports the time and the tokens computed so far.
                 result.prefill_ms = (time.perf_counter() - t0) * 1e3
                 result.batch_tokens = eng.stats.num_prompt_tokens_computed - computed_before
-                self._push({rid: job for rid, job in jobs.items() if job.state is JobState.COMPUTED}, result,
-                           taken_at)
+                self._push(ready, result, taken_at)
         else:
             self._fail_batch(jobs, f"not prefilled within {MAX_STEPS_PER_BATCH} engine steps")
         result.prefill_ms = (time.perf_counter() - t0) * 1e3
