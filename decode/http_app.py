@@ -69,7 +69,10 @@ def bounds_of(frontend: Surface) -> Bounds:
 def _from_request_error(exc: RequestError) -> JSONResponse:
     headers = {}
     if exc.retry_after_ms is not None:
+        # Retry-After counts whole seconds; retry-after-ms is the exact hint, which the OpenAI SDKs
+        # read first (a 300 ms hint otherwise makes them wait a whole second).
         headers["Retry-After"] = str(max(1, -(-exc.retry_after_ms // 1000)))
+        headers["retry-after-ms"] = str(max(1, int(exc.retry_after_ms)))
     if exc.predicted_ttft_ms is not None:
         headers["X-Predicted-TTFT-Ms"] = f"{exc.predicted_ttft_ms:.1f}"
     return openai_error(HTTP_STATUS[exc.code], str(exc), exc.field, headers)

@@ -5,6 +5,7 @@ exceptions, with the field in ``param``."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import openai
 import pytest
@@ -115,6 +116,7 @@ def test_qos_refusal_and_draining_are_typed(sdk, worker, monkeypatch):
     with pytest.raises(openai.RateLimitError) as info:
         sdk.completions.create(model="llama", prompt="hi", max_tokens=2)
     assert info.value.response.headers["retry-after"] == "2"
+    assert info.value.response.headers["retry-after-ms"] == "1500"
     monkeypatch.undo()
     monkeypatch.setattr(fe, "draining", True)
     with pytest.raises(openai.InternalServerError) as info:
@@ -155,3 +157,22 @@ def test_async_client_streams_concurrently(worker):
     with Client(worker.grpc) as c:
         assert texts == [c.generate(f"prompt {i}", max_tokens=4, temperature=0.0, ignore_eos=True).text
                          for i in range(4)]
+
+
+def test_the_sdk_retries_a_refusal_after_the_exact_hint(worker, monkeypatch):
+    """A refused request (429) carries retry-after-ms: the SDK's own retry waits for it (it reads
+    it before the whole seconds of Retry-After) and the retry is served."""
+    fe = worker.worker.frontend
+    real, calls = fe.prepare, []
+
+    async def refuse_once(inp):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise RequestError("resource_exhausted", "refused: the KV pool is full", None, 200.0, 200)
+        return await real(inp)
+
+    monkeypatch.setattr(fe, "prepare", refuse_once)
+    with OpenAI(base_url=f"{worker.http}/v1", api_key="not-used", max_retries=1, timeout=120) as client:
+        out = client.completions.create(model="llama", prompt="hi", max_tokens=2)
+    assert out.choices and len(calls) == 2
+    assert calls[1] - calls[0] >= 0.2, "the retry came before the server's hint"
