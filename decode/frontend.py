@@ -8,6 +8,8 @@ layer maps to gRPC / HTTP.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -69,6 +71,8 @@ class Frontend(Surface):
         self.num_decoding = 0
         self.arrivals = ArrivalRate()  # requests/s reaching this worker: the cost model's blocking penalty
         self._refusal_log: dict[str, tuple[float, int]] = {}  # reason -> (last line's time, refusals since)
+        # Prompts held for KV room (qos.kv_full_wait_ms), in arrival order: only the first re-checks.
+        self._kv_waiters: collections.deque[object] = collections.deque()
 
     def dtype(self) -> str:
         return self.engine.engine.connector.layout_info()["dtype"]
@@ -156,24 +160,31 @@ class Frontend(Surface):
         # A resumed request (a migrated stream) computes its prompt and resumed tokens here:
         # the remote path prefills prompts, and its first token would not follow the resumed ones.
         computed = ids + resume
-        cached = self.cached_len(computed)
         self.arrivals.observe(arrival)
-        # The prefill workers' cached prefixes of it (their KV events; decode/remote.py prefix_view).
-        view = self.remote.prefix_view if self.remote is not None and not resume else None
-        hint = view.cached_tokens(ids) if view is not None else {}
-        remote_cached = max(hint.values(), default=0)
         connector = self.engine.engine.connector
-        feats = RequestFeatures(prompt_len=len(computed), cached_len=cached, priority=prio,
-                                ttft_slo_ms=inp.ttft_slo_ms, override="local" if resume else inp.route,
-                                max_tokens=params.max_tokens,
-                                remote_cached_len=remote_cached,
-                                tier_cached_len=connector.tier_prefix_len(computed, cached),
-                                peer_reads=getattr(self.remote, "peers", None) is not None)
-        snap = self.snapshot(max(0, len(computed) - cached), cached)
-        if feats.tier_cached_len:  # the tier's measured load cost (engine/kv_tier.py)
-            snap = dataclasses.replace(snap, costs=dataclasses.replace(
-                snap.costs, tier_load_ms_per_token=connector.tier_load_ms_per_token()))
-        adm = admit(feats, snap, policy)
+
+        def assess():
+            """Admission as the worker stands now: its pool's and the prefill workers' cached
+            prefixes (their KV events; decode/remote.py prefix_view), its load, the policy."""
+            cached = self.cached_len(computed)
+            view = self.remote.prefix_view if self.remote is not None and not resume else None
+            hint = view.cached_tokens(ids) if view is not None else {}
+            feats = RequestFeatures(prompt_len=len(computed), cached_len=cached, priority=prio,
+                                    ttft_slo_ms=inp.ttft_slo_ms, override="local" if resume else inp.route,
+                                    max_tokens=params.max_tokens,
+                                    remote_cached_len=max(hint.values(), default=0),
+                                    tier_cached_len=connector.tier_prefix_len(computed, cached),
+                                    peer_reads=getattr(self.remote, "peers", None) is not None)
+            snap = self.snapshot(max(0, len(computed) - cached), cached)
+            if feats.tier_cached_len:  # the tier's measured load cost (engine/kv_tier.py)
+                snap = dataclasses.replace(snap, costs=dataclasses.replace(
+                    snap.costs, tier_load_ms_per_token=connector.tier_load_ms_per_token()))
+            return cached, hint, feats, snap, admit(feats, snap, policy)
+
+        cached, hint, feats, snap, adm = assess()
+        if not adm.ok and adm.reason == "kv_pool_full" and policy.qos.kv_full_wait_ms > 0:
+            cached, hint, feats, snap, adm = await self._hold_for_room(
+                arrival, policy.qos.kv_full_wait_ms, assess, (cached, hint, feats, snap, adm))
         if not adm.ok:
             self.metrics.refused(adm.reason)
             self._log_refusal(adm.reason, adm.detail, len(computed), cached)
@@ -193,6 +204,37 @@ class Frontend(Surface):
         return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, prefix_hint=hint,
                         tenant=identity(inp.caller), residual_ms=residual, borrow=borrow,
                         local_backlog=snap.local_prefill_queue_tokens)
+
+    async def _hold_for_room(self, arrival: float, wait_ms: float, assess, refused):
+        """A prompt the KV pool cannot hold beside the running streams (``kv_pool_full``) waits
+        for them to free room instead of being refused at once: prompts held this way queue in
+        arrival order, and the first of them is assessed again after every decode step's worth
+        of time until it is admitted, or until ``wait_ms`` after its arrival, when the refusal
+        stands (its message says how long it waited). Returns ``assess()``'s last answer."""
+        token = object()
+        self._kv_waiters.append(token)
+        deadline = arrival + wait_ms / 1e3
+        last = refused
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                step_ms = last[3].costs.decode_step_ms
+                await asyncio.sleep(min(left, max(0.005, step_ms / 1e3)))
+                self.check_serving()
+                if self._kv_waiters[0] is not token:
+                    continue
+                last = assess()
+                if last[4].ok or last[4].reason != "kv_pool_full":
+                    held_ms = (time.monotonic() - arrival) * 1e3
+                    self.metrics.held_for_kv.observe(held_ms / 1e3)
+                    log.debug("held %.0f ms for KV room, then %s", held_ms, last[4].reason)
+                    return last
+        finally:
+            self._kv_waiters.remove(token)
+        adm = last[4]
+        waited = (time.monotonic() - arrival) * 1e3
+        detail = f"{adm.detail}; waited {waited:.0f} ms for the running streams to free room (qos.kv_full_wait_ms " \
+                 f"{wait_ms:g})"
+        return (*last[:4], adm._replace(detail=detail))
 
     def _log_refusal(self, reason: str, detail: str, tokens: int, cached: int) -> None:
         """One log line per refusal reason per second at most (a refusal storm is counted, not

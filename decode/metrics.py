@@ -37,6 +37,9 @@ class WorkerMetrics:
         self.itl = hist("pdserve_inter_token_latency_seconds", "Gap between consecutive streamed tokens", _TOKEN_LATENCY_BUCKETS_S)
         self.e2e = hist("pdserve_e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS_S)
         self.queue_wait = hist("pdserve_request_queue_seconds", "Arrival to first scheduled step", _LATENCY_BUCKETS_S)
+        self.held_for_kv = hist("pdserve_admission_held_for_kv_seconds",
+                                "Arrival to admission of prompts held for KV room (qos.kv_full_wait_ms)",
+                                _LATENCY_BUCKETS_S)
         self.running = gauge("pdserve_num_requests_running", "Requests in the running batch")
         self.waiting = gauge("pdserve_num_requests_waiting", "Requests waiting to be scheduled")
         self.waiting_remote = gauge("pdserve_num_requests_waiting_remote_kv", "Requests waiting for remote KV")

@@ -241,6 +241,10 @@ class QosPolicy(StrictModel):
     # Refuse (kv_pool_full) a prompt that would not fit in the KV pool's free blocks (with the
     # prompts already waiting) while streams hold the rest: admitted, it would only preempt them.
     reject_when_kv_full: bool = True
+    # Before that refusal, the prompt waits up to this long (from its arrival; prompts held
+    # this way are served in arrival order) for the running streams to free room, and is
+    # admitted once it fits, as vLLM queues it. 0: refuse at once (the behaviour before).
+    kv_full_wait_ms: float = Field(1000.0, ge=0)
     degrade: Degrade = Degrade()
 
 

@@ -28,9 +28,10 @@ made-up tokens (every request runs to its output length, as with ``ignore_eos``)
 
 from __future__ import annotations
 
+import collections
 import heapq
-import math
 import itertools
+import math
 import random
 from dataclasses import dataclass
 
@@ -95,6 +96,7 @@ class RequestRecord:
     priority: str
     worker: str = ""
     refused: str | None = None  # the admission's reason code when refused
+    held_since: float | None = None  # held for KV room (qos.kv_full_wait_ms) from then
     route: str = ""
     reason: str = ""
     predicted_ttft_ms: float = 0.0  # the route taken's
@@ -296,6 +298,8 @@ class DecodeSim:
         self.counts = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "decode_steps": 0,
                        "decode_ms": 0.0, "decode_seqs": 0, "mixed_steps": 0, "mixed_ms": 0.0}
         self._ids = itertools.count()
+        # Prompts held for KV room (qos.kv_full_wait_ms), in arrival order: (request, record, id, until).
+        self.held: collections.deque[tuple[SimRequest, RequestRecord, str, float]] = collections.deque()
 
     # -- the engine's plan (decode/worker.py _update_step_plan) ----------------------------
     def _apply_plan(self, cost, targets) -> None:
@@ -336,20 +340,43 @@ class DecodeSim:
                    for t in self.local_prefills.values())
 
     def arrive(self, r: SimRequest, rec: RequestRecord) -> None:
+        rid = f"{self.wid}-{next(self._ids)}"
+        self.arrivals.observe(self.sim.now)
+        wait_ms = self.state.policy.qos.kv_full_wait_ms
+        self._admit(r, rec, rid, self.sim.now + wait_ms / 1e3 if wait_ms > 0 else None)
+
+    def _retry_held(self) -> None:
+        """decode/frontend.py _hold_for_room: after a step, the first prompt held for KV room is
+        assessed again (then the next, while they get in); one past its wait is refused."""
+        now = self.sim.now
+        for entry in [e for e in self.held if e[3] <= now]:
+            self.held.remove(entry)
+            self._admit(*entry[:3], None)
+        while self.held:
+            r, rec, rid, deadline = self.held.popleft()
+            if self._admit(r, rec, rid, deadline) == "held":
+                return
+
+    def _admit(self, r: SimRequest, rec: RequestRecord, rid: str, hold_until: float | None) -> str:
         sim = self.sim
         ids = r.token_ids()
-        rid = f"{self.wid}-{next(self._ids)}"
         cached = self.engine.cached_prefix_len(rid, ids)
-        self.arrivals.observe(sim.now)
         feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=r.priority,
                                 ttft_slo_ms=r.ttft_slo_ms, max_tokens=r.output_len)
         snap = self.snapshot(max(0, len(ids) - cached), cached)
         adm = admit(feats, snap, self.state.policy)
         rec.cached_len = cached
         if not adm.ok:
+            if adm.reason == "kv_pool_full" and hold_until is not None and sim.now < hold_until:
+                if rec.held_since is None:  # first refusal: to the back of the line
+                    rec.held_since = sim.now
+                    self.held.append((r, rec, rid, hold_until))
+                else:  # the first in line, still without room: it stays first
+                    self.held.appendleft((r, rec, rid, hold_until))
+                return "held"
             rec.refused = adm.reason
             sim.open -= 1
-            return
+            return "refused"
         d = adm.decision
         rec.route, rec.reason, rec.predicted_ttft_ms = d.route, d.reason, d.predicted_ttft_ms
         rec.predicted_local_ms, rec.predicted_remote_ms = d.predicted_ttft_local_ms, d.predicted_ttft_remote_ms
@@ -378,10 +405,11 @@ class DecodeSim:
                                    target_worker_id=self.wid, target_block_ids=blocks,
                                    priority=Priority.parse(r.priority), arrival_time=sim.now)
                 sim.at(sim.now + sim.profile.queue_hop_ms / 1e3, self._put, task)
-                return
+                return "admitted"
         self.local_prefills[rid] = track
         self.engine.scheduler.add(req)
         self.kick()
+        return "admitted"
 
     def _put(self, task: PrefillTask) -> None:
         self.sim.queue.put(task)
@@ -418,6 +446,8 @@ class DecodeSim:
             self.counts["mixed_steps"] += 1
             self.counts["mixed_ms"] += info.ms
         self._update_plan()
+        if self.held:
+            self._retry_held()
         gap = self.sim.profile.stream_gap_ms_per_token * len(emitted)
         if gap > 0:  # the worker streams what the step emitted before it steps again
             self.sim.at(self.sim.now + gap / 1e3, self._step)

@@ -36,8 +36,10 @@ def test_score_defaults_are_the_policy_md_example():
 
 
 def test_every_schema_key_is_read_outside_the_schema():
-    """No dead settings: each field of the router/QoS models is read by router code."""
+    """No dead settings: each field of the router/QoS models is read by router code (or, for
+    the hold before a kv_pool_full refusal, by the decode worker's admission)."""
     readers = "".join((REPO / "router" / f).read_text() for f in ("decide.py", "qos.py", "costs.py"))
+    readers += (REPO / "decode" / "frontend.py").read_text()
     unread = []
     pending = [type(DEFAULT_POLICY)]
     while pending:
@@ -59,6 +61,7 @@ def test_qos_defaults_admit_what_can_be_served():
     q = DEFAULT_POLICY.qos
     assert (q.ttft_slo_ms, q.tpot_slo_ms, q.low_priority_threshold_ms, q.max_queue_wait_ms) == (1000, 50, 1000, 2000)
     assert q.enable_early_rejection and q.reject_when_kv_full and not q.reject_on_slo_violation
+    assert q.kv_full_wait_ms == 1000  # a prompt waits up to the TTFT target for KV room before that refusal
     assert q.degrade.low_priority_max_tokens == 200
     assert q.degrade.no_remote_prefill_for_low_priority_when_busy is True
 

@@ -258,3 +258,31 @@ def test_host_stalls_are_the_silences_of_every_stream_while_one_decodes():
     assert got["stalls"] == 1 and 550 <= got["stall_median_ms"] <= 620, got
     assert got["stall_rate_per_s"] == pytest.approx(1 / got["decoding_s"], rel=1e-2)
     assert host_stalls([[stream(0.0, 100)]])["stalls"] == 0
+
+
+def test_a_prompt_without_kv_room_is_held_as_the_worker_holds_it():
+    """qos.kv_full_wait_ms as decode/frontend.py applies it: a prompt the pool cannot hold beside
+    the streams waits for room instead of being refused at once, so a tight pool refuses fewer
+    and completes more; every request still ends once, and a held one starts after its hold."""
+    tight = dataclasses.replace(PROFILE, steps={k: dataclasses.replace(v, kv_blocks=160)
+                                                for k, v in PROFILE.steps.items()})
+
+    def with_wait(ms):
+        return DEFAULT_POLICY.model_copy(update={"qos": DEFAULT_POLICY.qos.model_copy(
+            update={"kv_full_wait_ms": ms})})
+
+    reqs = generate(mix("long-prompt", 2.0, 150), seed=7)
+    at_once = Simulation(reqs, tight, with_wait(0.0), SimTopology(0, 1), seed=7).run()
+    held = Simulation(reqs, tight, with_wait(1000.0), SimTopology(0, 1), seed=7).run()
+    a, h = summarize(at_once, Slo(1500, 50)), summarize(held, Slo(1500, 50))
+    assert a["refused"].get("kv_pool_full", 0) > 0 and not any(r.held_since for r in at_once.records)
+    assert h["refused"].get("kv_pool_full", 0) < a["refused"]["kv_pool_full"]
+    assert h["completed"] > a["completed"]
+    waited = [r for r in held.records if r.held_since is not None]
+    assert waited and any(r.refused is None for r in waited)
+    for r in held.records:
+        assert (r.refused is None) == (r.finished is not None)
+        if r.held_since is not None and r.first_token is not None:
+            assert r.arrival <= r.held_since <= r.first_token
+    assert h["completed"] + sum(h["refused"].values()) == 150
+    assert not held.decode[0].held and not held.decode[0].inflight
