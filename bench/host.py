@@ -16,12 +16,14 @@ cgroups, which autogroups do not apply to), and a peer started as one plain proc
 compares the scheduler's grouping, not the servers.
 
 ``autogroups_off`` turns them off for a benchmark's run (root only) and restores the setting
-after it, also on an exception; ``--autogroups keep`` leaves the host as it is.
+after it, also on an exception or a SIGTERM; ``--autogroups keep`` leaves the host as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 from pathlib import Path
 
 AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
@@ -32,6 +34,10 @@ def add_autogroup_option(parser) -> None:
                         help="the kernel's session autogroups during the run: 'off' (default; root only, "
                              "restored after) so the client and a Ray-started cluster are scheduled as tasks, "
                              "not as two sessions (bench/host.py); 'keep' leaves the host's setting")
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 @contextlib.contextmanager
@@ -58,9 +64,15 @@ def autogroups_off(mode: str = "off", log=print, path: Path = AUTOGROUP):
         return
     log(f"scheduler autogroups off for this run ({path} 1 -> 0; restored after)")
     state.update(autogroups="off", changed=True)
+    # A run stopped with SIGTERM (`kill`, a CI timeout) restores them too: the signal ends the
+    # run as SystemExit, through the finally below (the main thread only can take signals).
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
     try:
         yield state
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         try:
             path.write_text(before + "\n")
         except OSError as exc:  # pragma: no cover - the file was writable a moment ago

@@ -17,9 +17,12 @@ prompt, the earlier user messages and the replies the model gave) plus a new use
 of ``--user-len`` tokens; replies are ``--output-len`` tokens. A chat sticks to one decode
 worker (as a session-affine load balancer sends it). Chats start as a Poisson process at
 ``--rate`` chats/s; after each reply the user thinks for ``--think-s`` on average
-(exponential), while the other chats' turns push its history out of the pool. Every worker's KV pool holds ``--pool-tokens``; the working set (the
-chats' histories at their last turn and the system prompts) is printed with its ratio to
-one pool.
+(exponential, drawn up front: every mode runs the same pauses), while the other chats' turns
+push its history out of the pool. Every worker's KV pool holds ``--pool-tokens``; the
+working set (the chats' histories at their last turn and the system prompts) is printed with
+its ratio to one pool. A turn refused for want of room (``RESOURCE_EXHAUSTED``) is retried
+as the OpenAI SDK retries a 429 (``--max-retries``, after the server's ``retry-after-ms``);
+its TTFT counts from the first attempt.
 
 Prints per mode TTFT p50/p90, TPOT p50, goodput (requests within ``--slo-ttft-ms`` and
 ``--slo-tpot-ms``, per second), where the prompt tokens came from (computed, pool hits,
@@ -28,6 +31,7 @@ Writes ``prefix_cluster.json`` and ``prefix_cluster.png`` (TTFT CDFs) under ``--
 
     python bench/prefix_cluster.py                       # the default ~34M model, 2P2D on this host
     python bench/prefix_cluster.py --chats 48 --think-s 12 --out runs/prefix-cluster
+    python bench/prefix_cluster.py --systems 6 --think-s 2 --out runs/pc27   # the heavy chat load of PERFORMANCE.md
 """
 
 from __future__ import annotations
@@ -78,6 +82,11 @@ def parse_args(argv=None):
     p.add_argument("--tier-bytes", type=int, default=256 << 20, help="kv-aware: each worker's second tier")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--max-retries", type=int, default=2,
+                   help="a refused turn (RESOURCE_EXHAUSTED: its decode worker's KV pool full beside its streams) "
+                        "is retried this many times after the server's retry-after-ms hint, as the OpenAI SDK "
+                        "does by default (2); its TTFT counts from the first attempt. A turn refused after that "
+                        "ends its chat. 0: no retries (sessions 21-26)")
     p.add_argument("--modes", default=",".join(MODES), help="which modes, in order")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/prefix-cluster", help="directory for the JSON and the plot")
@@ -95,10 +104,16 @@ def parse_args(argv=None):
 def make_chats(args, vocab: int) -> list[dict]:
     rng = random.Random(args.seed)
     systems = [[rng.randrange(3, vocab) for _ in range(args.system_len)] for _ in range(args.systems)]
+    # Each chat's pauses are drawn here, not as replies come: every mode then runs the same chats
+    # with the same pauses, and only the serving differs (drawn as replies came, a mode's order of
+    # replies picked which chat got which pause, and the run's length with it).
+    think = random.Random(args.seed + 2)
     chats = []
     for i in range(args.chats):
         chats.append({"system": systems[i % args.systems],
-                      "users": [[rng.randrange(3, vocab) for _ in range(args.user_len)] for _ in range(args.turns)]})
+                      "users": [[rng.randrange(3, vocab) for _ in range(args.user_len)] for _ in range(args.turns)],
+                      "thinks": [think.expovariate(1.0 / args.think_s) if args.think_s > 0 else 0.0
+                                 for _ in range(args.turns - 1)]})
     return chats
 
 
@@ -107,6 +122,27 @@ def working_set_tokens(args, n_decode: int) -> int:
     per_chat = args.turns * args.user_len + (args.turns - 1) * args.output_len
     chats = -(-args.chats // n_decode)
     return min(args.systems, chats) * args.system_len + chats * per_chat
+
+
+def retry_delay_s(exc: BaseException, attempt: int, max_retries: int) -> float | None:
+    """How long to wait before retrying a refused request, as the OpenAI SDK does: a refusal
+    (RESOURCE_EXHAUSTED: the worker's QoS, e.g. its KV pool full) is retried up to
+    ``max_retries`` times, after the server's ``retry-after-ms`` hint when it gives one (up to
+    60 s), else after 0.5 s x 2^attempt (at most 8 s). None: do not retry (another error, or
+    the retries are spent)."""
+    import grpc
+
+    if attempt >= max_retries or not isinstance(exc, grpc.aio.AioRpcError) or \
+            exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    hint = dict(exc.trailing_metadata() or ()).get("retry-after-ms")
+    try:
+        ms = float(hint) if hint is not None else None
+    except ValueError:
+        ms = None
+    if ms is not None and 0 < ms <= 60_000:
+        return ms / 1e3
+    return min(0.5 * 2 ** attempt, 8.0)
 
 
 async def run_chats(targets: list[str], chats: list[dict], args) -> tuple[list[dict], list[float]]:
@@ -121,7 +157,6 @@ async def run_chats(targets: list[str], chats: list[dict], args) -> tuple[list[d
         starts.append(t)
         t += rng.expovariate(args.rate) if args.rate > 0 else 0.0
     records: list[dict] = []
-    think = random.Random(args.seed + 2)
     t0 = time.perf_counter()
     lags: list[float] = []  # how late the client's loop woke from a 20 ms sleep, ms
 
@@ -142,34 +177,41 @@ async def run_chats(targets: list[str], chats: list[dict], args) -> tuple[list[d
             st = time.perf_counter()
             first = last = None
             reply: list[int] = []
-            try:
-                async for msg in client.stream(prompt, max_tokens=args.output_len, temperature=0.0, ignore_eos=True,
-                                               timeout_s=args.request_timeout_s):
-                    now = time.perf_counter()
-                    if msg.token_ids:
-                        first = first or now
-                        last = now
-                        reply += list(msg.token_ids)
-                    if msg.finish_reason:
-                        from pdserve.api.client import breakdown_dict
+            rec["refusals"] = 0
+            while True:
+                try:
+                    async for msg in client.stream(prompt, max_tokens=args.output_len, temperature=0.0,
+                                                   ignore_eos=True, timeout_s=args.request_timeout_s):
+                        now = time.perf_counter()
+                        if msg.token_ids:
+                            first = first or now
+                            last = now
+                            reply += list(msg.token_ids)
+                        if msg.finish_reason:
+                            from pdserve.api.client import breakdown_dict
 
-                        b = breakdown_dict(msg.breakdown)
-                        rec["route"] = b.get("route")
-                        rec.update({k: b.get(k) for k in ("queue_wait_ms", "prefill_ms", "cached_tokens",
-                                                          "predicted_ttft_ms")})
-                        rec["server_ttft_ms"] = b.get("ttft_ms")  # arrival at the worker -> its first token
-            except Exception as exc:  # noqa: BLE001  (recorded; the chat ends)
-                rec["error"] = f"{exc.__class__.__name__}: {exc}"
-                records.append(rec)
-                return
+                            b = breakdown_dict(msg.breakdown)
+                            rec["route"] = b.get("route")
+                            rec.update({k: b.get(k) for k in ("queue_wait_ms", "prefill_ms", "cached_tokens",
+                                                              "predicted_ttft_ms")})
+                            rec["server_ttft_ms"] = b.get("ttft_ms")  # arrival at the worker -> its first token
+                    break
+                except Exception as exc:  # noqa: BLE001  (recorded; the chat ends)
+                    wait = retry_delay_s(exc, rec["refusals"], args.max_retries) if first is None else None
+                    if wait is None:
+                        rec["error"] = f"{exc.__class__.__name__}: {exc}"
+                        records.append(rec)
+                        return
+                    rec["refusals"] += 1
+                    await asyncio.sleep(wait)
             rec["ttft_ms"] = (first - st) * 1e3 if first else None
             if first and last and len(reply) > 1:
                 rec["tpot_ms"] = (last - first) * 1e3 / (len(reply) - 1)
             rec["end_s"] = time.perf_counter() - t0
             records.append(rec)
             history = prompt + reply
-            if args.think_s > 0 and turn + 1 < len(c["users"]):
-                await asyncio.sleep(think.expovariate(1.0 / args.think_s))
+            if turn + 1 < len(c["users"]):
+                await asyncio.sleep(c["thinks"][turn])
 
     lag_task = asyncio.ensure_future(watch_lag())
     try:
@@ -281,6 +323,8 @@ def run_mode(args, mode: str, model_dir: str, chats: list[dict], work: Path, log
             "later_turns_ttft_p90_ms": pct(later, 90) if later else None,
             "tpot_p50_ms": pct([r["tpot_ms"] for r in ok if r["tpot_ms"]], 50),
             "goodput_rps": len(good) / duration, "good": len(good), "sources": token_sources(stats),
+            "refusals": sum(r.get("refusals", 0) for r in records),
+            "failed": sum(1 for r in records if r["error"] is not None),
             "records": records, "stats": stats}
 
 
@@ -290,8 +334,9 @@ def report(args, results: dict[str, dict], working_set: int) -> None:
           f"decode worker {working_set} tokens ({working_set / args.pool_tokens:.1f}x one pool)")
     print(f"SLO: TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms\n")
     print("| mode | done | TTFT p50 ms | TTFT p90 ms | later turns p90 ms | TPOT p50 ms | goodput req/s | "
-          "computed | pool | tier | peer | server TTFT p90 ms | client loop lag p99 / max ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "computed | pool | tier | peer | server TTFT p90 ms | refusals retried / turns failed | "
+          "client loop lag p99 / max ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results.values():
         s = r["sources"]
         total = max(1, sum(s.values()))
@@ -299,6 +344,7 @@ def report(args, results: dict[str, dict], working_set: int) -> None:
               f"{r['later_turns_ttft_p90_ms'] or 0:.0f} | {r['tpot_p50_ms']:.1f} | {r['goodput_rps']:.2f} | "
               f"{s['computed'] / total:.0%} | {s['pool'] / total:.0%} | {s['tier'] / total:.0%} | "
               f"{s['peer'] / total:.0%} | {r['server_ttft_p90_ms'] or 0:.0f} | "
+              f"{r.get('refusals', 0)} / {r.get('failed', 0)} | "
               f"{r['client_lag_p99_ms'] or 0:.0f} / {r['client_lag_max_ms'] or 0:.0f} |")
     if set(MODES) <= set(results):
         a, b = results["kv-aware"], results["kv-blind"]

@@ -31,6 +31,26 @@ def test_autogroups_are_off_during_the_run_and_restored_after_also_on_an_error(t
     assert any("restored after" in line for line in lines)
 
 
+def test_a_run_stopped_with_sigterm_restores_them(tmp_path):
+    """`kill` (or a CI timeout) on a benchmark mid-run must not leave the host's setting changed."""
+    knob = tmp_path / "sched_autogroup_enabled"
+    knob.write_text("1\n")
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
+            "from bench.host import autogroups_off\n"
+            "with autogroups_off('off', print, Path(sys.argv[2])):\n"
+            "    print('running', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(REPO), str(knob)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "running" in proc.stdout.readline() + proc.stdout.readline()
+        assert knob.read_text().strip() == "0"
+        proc.terminate()
+        assert proc.wait(timeout=30) == 128 + 15
+    finally:
+        proc.kill()
+        proc.wait()
+    assert knob.read_text().strip() == "1"
+
+
 def test_keep_leaves_the_host_and_says_what_that_means(tmp_path):
     knob = tmp_path / "sched_autogroup_enabled"
     knob.write_text("1\n")
