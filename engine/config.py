@@ -289,9 +289,6 @@ class EngineConfig:
             raise ConfigError(f"kv_offload_backend={self.kv_offload_backend!r}; use auto, memory or file")
         if self.kv_offload_bytes and not self.enable_prefix_caching:
             raise ConfigError("kv_offload_bytes needs enable_prefix_caching=True (the tier holds prefix blocks)")
-        if self.kv_offload_bytes and self.tensor_parallel_size > 1:
-            raise ConfigError("kv_offload_bytes is not supported with tensor_parallel_size > 1 yet (each rank "
-                              "would need its own tier); set kv_offload_bytes: 0 or tensor_parallel_size: 1")
         if self.cuda_graph_max_batch < 1:
             raise ConfigError(f"cuda_graph_max_batch={self.cuda_graph_max_batch} must be >= 1")
 

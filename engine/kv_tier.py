@@ -29,6 +29,16 @@ admitted again, first in line: the prefix is a pool hit now. A load that fails l
 those blocks unregistered (they are computed again); nothing is read from a slot whose
 load was not finished.
 
+**Tensor parallelism** (``mirror``): each rank holds its heads of every block, so each rank
+keeps its own store of the same slots (`TierMirror`, in engine/tp_rank.py), and rank 0's
+tier decides for all of them. There the copies are made on the engine thread, in the order
+the pool takes and the scheduler loads blocks: a block is copied when the pool takes it
+(`evicting`, before the step that rewrites it) and a load is copied when it starts; no copy
+ahead, no copy thread, so no generation to check. Each copy is also queued for the other
+ranks, which make the same copies, in the same order, before their next step's forward
+(`TPGroup.attach`), or at once when block ids leave the engine (`flush`, a remote
+reservation): no rank reads or rewrites a block or a slot before its copy.
+
 Slots are an LRU: a new block evicts the least recently stored or loaded unpinned slot.
 Every store and eviction is a KV event with the tier's medium (CPU for host memory,
 STORAGE for a file), so the cluster's index sees the tier (docs/kvindex.md).
@@ -169,25 +179,18 @@ class KVTier:
     the slot table."""
 
     def __init__(self, pool: torch.Tensor, capacity_bytes: int, backend: str = "auto", path: str | None = None,
-                 events: "KVEventLog | None" = None, window: int = 64):
-        block_shape = (pool.shape[0], *pool.shape[2:])
-        numel = 1
-        for d in block_shape:
-            numel *= d
-        self.block_bytes = numel * pool.element_size()
+                 events: "KVEventLog | None" = None, window: int = 64, mirror=None):
+        self.block_bytes = block_bytes(pool)
         self.capacity = capacity_bytes // self.block_bytes
         if self.capacity < 1:
             raise ConfigError(f"kv_offload_bytes={capacity_bytes} holds no block: one block of this model is "
                               f"{self.block_bytes} bytes; raise it (or 0 for no tier)")
-        if backend == "auto":
-            backend = "memory" if pool.is_cuda else "file"
-        if backend == "memory" and not pool.is_cuda:
-            raise ConfigError("kv_offload_backend='memory' on a CPU engine: its pool is host memory already, so "
-                              "raise kv_cache_memory_bytes instead, or use kv_offload_backend='file'")
-        if backend == "memory":
-            self.store: TierStore = MemoryTierStore(self.capacity, block_shape, pool.dtype, pool.is_cuda)
-        else:
-            self.store = FileTierStore(self.capacity, block_shape, pool.dtype, path)
+        backend = resolve_backend(backend, pool)
+        self.store = make_store(backend, self.capacity, pool, path)
+        # Tensor parallelism: called with each batch of copies the other ranks must repeat, as
+        # (slots, [("store"|"load", block id, slot), ...], now); None at TP=1.
+        self.mirror = mirror
+        self._mirror_ops: list[tuple[str, int, int]] = []
         self.medium = self.store.medium
         self.backend = backend
         self.pool, self.events, self.window = pool, events, window
@@ -205,11 +208,14 @@ class KVTier:
         self._done: list[TierLoad] = []
         self._load_done = threading.Event()
         self._closed = False
-        self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
+        # Mirrored (TP): the copies run on the engine's own stream, in its order.
+        self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda and mirror is None else None
         # Load bandwidth, measured (bytes/s); None until the first load.
         self.load_bytes_per_s: float | None = None
-        self._thread = threading.Thread(target=self._run, name="kv-tier", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if mirror is None:
+            self._thread = threading.Thread(target=self._run, name="kv-tier", daemon=True)
+            self._thread.start()
         log.info("second KV tier: %d blocks of %d bytes in %s (%s)", self.capacity, self.block_bytes,
                  backend, getattr(self.store, "path", "host memory"))
 
@@ -217,13 +223,24 @@ class KVTier:
         with self._work:
             self._closed = True
             self._work.notify_all()
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
         self.store.close()
+
+    def flush(self, now: bool = True) -> None:
+        """Hand the copies the other ranks have still to make to ``mirror`` (TP only): with the
+        next step (``now=False``), or before block ids leave the engine (``now=True``)."""
+        if self.mirror is not None and self._mirror_ops:
+            ops, self._mirror_ops = self._mirror_ops, []
+            self.mirror(self.capacity, ops, now)
 
     # -- the engine thread -----------------------------------------------------------------
     def offer_lru_head(self, pool: "BlockPool") -> int:
         """Offer the cached blocks among the next `window` the pool will evict for a copy;
-        returns how many were new to the tier."""
+        returns how many were new to the tier. Mirrored (TP), none: each rank copies a block
+        when the pool takes it (`evicting`)."""
+        if self.mirror is not None:
+            return 0
         candidates = []
         for b in pool.free.first(self.window):
             if b.block_hash is not None:
@@ -263,13 +280,15 @@ class KVTier:
                 self.stats.dropped += 1
                 return
             dst = self.store.view()[slot]
-            if self._stream is not None:
+            if self.pool.is_cuda:  # on the engine's stream
                 dst.copy_(self.pool[:, block.block_id], non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record()
                 self._ready[slot] = ready  # a load of this slot waits for it
             else:
                 dst.copy_(self.pool[:, block.block_id])
+            if self.mirror is not None:
+                self._mirror_ops.append(("store", block.block_id, slot))
             self._slots[h] = slot  # an offer of this block still in flight now drops itself
             self._meta[h] = (block.parent_hash, block.token_ids)
             self.stats.stored += 1
@@ -322,8 +341,13 @@ class KVTier:
             if self._stream is not None:  # the load writes after whatever the engine issued into those blocks
                 load.after = torch.cuda.Event()
                 load.after.record()
-            self._loads.append(load)
-            self._work.notify()
+            if self.mirror is not None:  # here, in the engine's order (and stream); the ranks the same
+                self._mirror_ops += [("load", b.block_id, slot) for b, slot in zip(load.blocks, slots)]
+            else:
+                self._loads.append(load)
+                self._work.notify()
+        if self.mirror is not None:
+            self._load(load)
         return load
 
     def finished_loads(self) -> list[TierLoad]:
@@ -447,6 +471,8 @@ class KVTier:
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(load.after)
                     self._load_to_device(data, load)
+            elif self.pool.is_cuda:  # mirrored: on the engine's stream, ahead of the steps that read it
+                self._load_to_device(data, load)
             else:
                 for slot, block in zip(load.slots, load.blocks):
                     host_copy(self.pool[:, block.block_id], data[slot])
@@ -470,3 +496,61 @@ class KVTier:
                 self.stats.load_failures += 1
             self._done.append(load)
             self._load_done.set()
+
+
+def block_bytes(pool: torch.Tensor) -> int:
+    """Bytes of one block of every layer (K and V) of ``pool`` ([layers, blocks, ...])."""
+    numel = pool.shape[0]
+    for d in pool.shape[2:]:
+        numel *= d
+    return numel * pool.element_size()
+
+
+def resolve_backend(backend: str, pool: torch.Tensor) -> str:
+    if backend == "auto":
+        backend = "memory" if pool.is_cuda else "file"
+    if backend == "memory" and not pool.is_cuda:
+        raise ConfigError("kv_offload_backend='memory' on a CPU engine: its pool is host memory already, so "
+                          "raise kv_cache_memory_bytes instead, or use kv_offload_backend='file'")
+    return backend
+
+
+def make_store(backend: str, slots: int, pool: torch.Tensor, path: str | None) -> TierStore:
+    block_shape = (pool.shape[0], *pool.shape[2:])
+    if backend == "memory":
+        return MemoryTierStore(slots, block_shape, pool.dtype, pool.is_cuda)
+    return FileTierStore(slots, block_shape, pool.dtype, path)
+
+
+class TierMirror:
+    """A tensor-parallel rank's share of the tier (ranks 1..N-1, engine/tp_rank.py): the same
+    slots as rank 0's `KVTier`, over this rank's heads of each block, and the copies rank 0
+    made, repeated in its order (``apply``) before the step they came with. Rank 0 keeps the
+    slot table; this keeps only the data. The store is made at the first copies (their slot
+    count is rank 0's)."""
+
+    def __init__(self, pool: torch.Tensor, backend: str, path: str | None):
+        self.pool, self.backend, self.path = pool, resolve_backend(backend, pool), path
+        self.store: TierStore | None = None
+        self.copies = 0
+
+    def apply(self, slots: int, ops: list) -> None:
+        if self.store is None:
+            self.store = make_store(self.backend, slots, self.pool, self.path)
+        data = self.store.view()
+        for op, block, slot in ops:
+            if op == "store":
+                src, dst = self.pool[:, block], data[slot]
+            elif op == "load":
+                src, dst = data[slot], self.pool[:, block]
+            else:
+                raise ValueError(f"unknown tier copy {op!r}")
+            if self.pool.is_cuda:  # on this rank's stream, ahead of the step's forward
+                dst.copy_(src, non_blocking=True)
+            else:
+                host_copy(dst, src)
+            self.copies += 1
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()

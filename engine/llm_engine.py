@@ -66,7 +66,8 @@ class LLMEngine:
         if config.kv_offload_bytes:
             self.tier = KVTier(self.runner.kv_cache, config.kv_offload_bytes, config.kv_offload_backend,
                                config.kv_offload_path, self.kv_events,
-                               window=max(64, 2 * -(-config.max_num_batched_tokens // config.block_size)))
+                               window=max(64, 2 * -(-config.max_num_batched_tokens // config.block_size)),
+                               mirror=self._mirror_tier if self.runner.group is not None else None)
             self.scheduler.tier = self.kv.pool.tier = self.tier
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
@@ -252,6 +253,14 @@ class LLMEngine:
         return self.scheduler.prefill_token_budget
 
     # -- the step --------------------------------------------------------------
+    def _mirror_tier(self, slots: int, ops: list, now: bool) -> None:
+        """The tier's copies, for the other tensor-parallel ranks to repeat (engine/kv_tier.py
+        `TierMirror`, in engine/tp_rank.py): with the next step, or at once."""
+        if now:
+            self.runner.group.call("tier", slots=slots, ops=ops)
+        else:
+            self.runner.group.attach({"kind": "tier", "slots": slots, "ops": ops})
+
     def step(self, layer_hook=None, on_plan=None) -> list[RequestDelta]:
         """Run one scheduled step and return what it added to each request.
 
@@ -280,6 +289,8 @@ class LLMEngine:
         try:
             if on_plan is not None:
                 layer_hook = on_plan(plan.scheduled) or layer_hook
+            if self.tier is not None:
+                self.tier.flush(now=False)  # TP: the other ranks copy as rank 0 did, before this forward
             logits, sampling = self.runner.execute(plan.scheduled, self.kv, layer_hook)
         except TPGroupBroken:
             raise  # not this step's requests' fault: the engine cannot step again (the worker exits)

@@ -130,6 +130,8 @@ class Scheduler:
         hold the prompt now (the caller then prefills locally instead).
         """
         res = self.kv.reserve_remote(req.request_id, req.prompt_token_ids, req.cache_salt)
+        if self.tier is not None:  # TP: the other ranks copy what the reservation evicted before a write lands
+            self.tier.flush()
         if res is None:
             return None
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV

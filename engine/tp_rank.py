@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(spec["threads"])
 
     from .config import EngineConfig, ModelConfig
+    from .kv_tier import TierMirror
     from .runner import ModelRunner
     from .tp_comm import ProcessGroupComm, ShmComm
     from .tp_group import STARTUP_TIMEOUT_S
@@ -69,6 +70,8 @@ def main(argv: list[str]) -> int:
     runner = ModelRunner(cfg, ModelConfig.from_dir(cfg.model), rank=rank, comm=comm, ctrl=ctrl)
     ctrl.timeout_s = comm.timeout_s = 120.0
     ext = load_extension(spec["extension"], runner, rank, size) if spec.get("extension") else None
+    # The second KV tier's copies, as rank 0's tier made them (engine/kv_tier.py): this rank's heads.
+    tier = TierMirror(runner.kv_cache, cfg.kv_offload_backend, cfg.kv_offload_path) if cfg.kv_offload_bytes else None
     idle = ext.idle if ext is not None else None
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     try:
@@ -80,9 +83,13 @@ def main(argv: list[str]) -> int:
             if op == OP_CONTROL:
                 msg = msgpack.unpackb(bytes(ctrl.broadcast_(torch.empty(int(header[1]), dtype=torch.uint8)).numpy()))
                 try:
-                    if ext is None:
+                    if msg["op"] == "tier" and tier is not None:
+                        tier.apply(msg["args"]["slots"], msg["args"]["ops"])
+                        reply = {}
+                    elif ext is None:
                         raise RuntimeError("this rank runs no extension (engine arg tp_rank_extension)")
-                    reply = ext.handle(msg["op"], msg["args"]) or {}
+                    else:
+                        reply = ext.handle(msg["op"], msg["args"]) or {}
                 except Exception as exc:  # noqa: BLE001  (reported to rank 0, which raises it there)
                     logging.getLogger(__name__).exception("control request %s failed", msg.get("op"))
                     reply = {"error": f"{exc.__class__.__name__}: {exc}"}
@@ -93,6 +100,11 @@ def main(argv: list[str]) -> int:
             if int(header[ATTACH]):
                 blob = ctrl.broadcast_(torch.empty(int(header[ATTACH]), dtype=torch.uint8))
                 attached = msgpack.unpackb(bytes(blob.numpy()))
+                if tier is not None:  # the tier's copies first: this step's forward may rewrite or read them
+                    for item in attached:
+                        if isinstance(item, dict) and item.get("kind") == "tier":
+                            tier.apply(item["slots"], item["ops"])
+                    attached = [a for a in attached if not (isinstance(a, dict) and a.get("kind") == "tier")]
             hook = ext.on_step(attached) if ext is not None else None
             runner.run_step(decode_step(header, payload, runner.device), layer_hook=hook)
             if ext is not None:
@@ -100,6 +112,8 @@ def main(argv: list[str]) -> int:
     finally:
         if ext is not None:
             ext.close()
+        if tier is not None:
+            tier.close()
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, B
 from pdserve.engine.block_manager import BlockPool
 from pdserve.engine.config import ConfigError
 from pdserve.engine.kv_events import KVEventLog
-from pdserve.engine.kv_tier import KVTier, host_copy
+from pdserve.engine.kv_tier import KVTier, TierMirror, host_copy
 from pdserve.engine.offline import LLM
 from pdserve.engine.request import SamplingParams
+from pdserve.engine.tp_comm import shm_available
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -183,8 +184,6 @@ def test_tier_settings_that_cannot_work_are_refused_naming_the_setting(llama_dir
         LLM(llama_dir, kv_offload_bytes=1 << 20, kv_offload_backend="memory")
     with pytest.raises(ConfigError, match="kv_offload_path=.* is not a directory"):
         LLM(llama_dir, kv_offload_bytes=1 << 20, kv_offload_path=str(tmp_path / "missing"))
-    with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
-        LLM(llama_dir, kv_offload_bytes=1 << 20, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
         LLM(llama_dir, kv_offload_bytes=1 << 20, enable_prefix_caching=False)
 
@@ -228,3 +227,106 @@ def test_a_device_load_moves_runs_of_slots_through_staging_chunks_into_the_right
         assert all(not pool_t[:, i].any() for i in untouched)
     finally:
         tier.close()
+
+
+# -- tensor parallelism: every rank keeps its heads of each block, rank 0 decides --------------
+
+needs_shm = pytest.mark.skipif(shm_available() is not None, reason=f"shm collectives unavailable: {shm_available()}")
+
+
+@needs_shm
+def test_at_tp2_an_evicted_prefix_comes_back_from_every_ranks_tier_token_exact(llama_dir, reference, tmp_path):
+    """Rank 1 holds half the heads of every block: had it not stored and loaded its half as
+    rank 0 did, a's second run would attend to b's KV on those heads."""
+    rng = random.Random(0)
+    a, b = prompt(rng, 200), prompt(rng, 200)
+    with LLM(llama_dir, num_gpu_blocks_override=16, max_model_len=240, kv_offload_bytes=1 << 22,
+             kv_offload_path=str(tmp_path), tensor_parallel_size=2) as llm:
+        outs = [llm.generate([p], GREEDY)[0] for p in (a, b, a)]
+        assert [o.token_ids for o in outs] == reference([a, b, a])
+        eng = llm.engine
+        tier = eng.tier.snapshot()
+        assert outs[2].num_cached_tokens == 12 * 16, outs[2].num_cached_tokens
+        assert tier["loads"] == 1 and tier["loaded_blocks"] == 9 and tier["load_failures"] == 0, tier
+        assert tier["offered"] == 0 and tier["sync_copies"] == tier["stored"] > 0  # copied when taken, no thread
+        assert eng.kv.pool.num_free == eng.kv.pool.num_blocks and tier["pinned"] == 0
+        assert not eng.tier._mirror_ops  # every copy went to the other rank
+        assert not list(tmp_path.iterdir())  # both ranks' files unlinked once mapped
+
+
+@needs_shm
+def test_at_tp2_a_random_shared_prefix_workload_is_token_exact_and_leaks_nothing(llama_dir, reference):
+    rng = random.Random(7)
+    systems = [prompt(rng, 16 * rng.randrange(3, 8)) for _ in range(4)]
+    prompts = [rng.choice(systems) + prompt(rng, rng.randrange(1, 40)) for _ in range(24)]
+    with LLM(llama_dir, num_gpu_blocks_override=20, max_model_len=300, kv_offload_bytes=12 * 6144,
+             max_num_seqs=3, tensor_parallel_size=2) as llm:
+        got = []
+        for i in range(0, len(prompts), 3):
+            got += [o.token_ids for o in llm.generate(prompts[i:i + 3], GREEDY)]
+        assert got == reference(prompts)
+        snap = llm.engine.tier.snapshot()
+        assert snap["loaded_blocks"] > 0 and snap["evicted"] > 0, snap
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks and snap["pinned"] == 0
+        assert not llm.engine.scheduler.loading
+
+
+@needs_shm
+def test_at_tp2_a_remote_reservation_hands_its_evictions_to_the_ranks_before_its_blocks_leave(llama_dir, reference):
+    """Another worker writes into a reservation's blocks on every rank, maybe before the next
+    step: the copies of what the reservation evicted reach the other rank at once (a control
+    call), and what they kept comes back token-exact."""
+    rng = random.Random(0)
+    a, b = prompt(rng, 200), prompt(rng, 200)
+    with LLM(llama_dir, num_gpu_blocks_override=16, max_model_len=240, kv_offload_bytes=1 << 22,
+             tensor_parallel_size=2) as llm:
+        eng = llm.engine
+        first = llm.generate([a], GREEDY)[0]
+        stored = eng.tier.snapshot()["stored"]
+        req = eng.make_request(b, GREEDY, request_id="remote-b")
+        assert eng.connector.reserve(req) is not None
+        assert eng.tier.snapshot()["stored"] > stored and not eng.tier._mirror_ops  # handed over already
+        eng.connector.abort("remote-b")
+        again = llm.generate([a], GREEDY)[0]
+        assert [first.token_ids, again.token_ids] == reference([a, a])
+        assert eng.tier.snapshot()["loaded_blocks"] > 0
+        assert eng.kv.pool.num_free == eng.kv.pool.num_blocks
+
+
+def test_a_mirrored_tier_copies_in_order_and_a_rank_repeats_the_copies(tmp_path):
+    """Rank 0's side: with ``mirror``, a block is copied when the pool takes it and a load when
+    it starts, each recorded for the other ranks and handed over by ``flush``; a rank's side
+    (`TierMirror`) repeats them on its own pool, slot for slot."""
+    pool0, pool1 = torch.zeros(2, 4, 2, 16, 2, 8), torch.zeros(2, 4, 2, 16, 2, 8)  # rank 0's heads, rank 1's
+    handed = []
+    pool = BlockPool(4)
+    tier = KVTier(pool0, 2 * (2 * 2 * 16 * 2 * 8 * 4), "file", str(tmp_path), window=4,
+                  mirror=lambda slots, ops, now: handed.append((slots, ops, now)))
+    pool.tier = tier
+    mirror = TierMirror(pool1, "file", str(tmp_path))
+    try:
+        blk = cache_block(pool, pool0, 1, 1.0)
+        pool1[:, blk.block_id] = -1.0  # rank 1 wrote its heads of the same block
+        assert tier.offer_lru_head(pool) == 0  # no copy ahead when mirrored
+        pool.allocate(4)  # the pool takes every block, the cached one too: copied now
+        tier.flush(now=False)
+        [(slots, ops, now)] = handed
+        assert (slots, now) == (tier.capacity, False) and ops == [("store", blk.block_id, 0)]
+        mirror.apply(slots, ops)
+        pool0[:, blk.block_id] = 5.0  # the step that took it rewrites it, on both ranks
+        pool1[:, blk.block_id] = 5.0
+        pool.release(pool.blocks)
+        [dst] = pool.allocate(1)
+        load = tier.start_load("r", [bytes([1]) * 32], [dst], [dst])
+        assert load is not None and load.error is None and tier.finished_loads() == [load]  # done already
+        assert torch.equal(pool0[:, dst.block_id], torch.full_like(pool0[:, 0], 1.0))
+        tier.flush()
+        assert handed[-1] == (tier.capacity, [("load", dst.block_id, 0)], True)
+        mirror.apply(*handed[-1][:2])
+        assert torch.equal(pool1[:, dst.block_id], torch.full_like(pool1[:, 0], -1.0))  # rank 1's own heads
+        assert mirror.copies == 2
+        tier.flush()
+        assert len(handed) == 2  # nothing new: nothing handed
+    finally:
+        tier.close()
+        mirror.close()
