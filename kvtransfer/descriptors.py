@@ -88,6 +88,11 @@ def plan_block_write(
     block and layer (for benchmarks). Raises ValueError on a malformed mapping.
     """
     local.check_compatible(remote)
+    if local.num_kv_heads != remote.num_kv_heads:
+        # Pools of different TP sizes are compatible (check_compatible), but their blocks are
+        # not the same bytes: whole blocks would land at the wrong offsets. Head ranges do it.
+        raise LayoutMismatchError("num_kv_heads", local.num_kv_heads, f"{remote.num_kv_heads} (tp_size "
+                                  f"{remote.tp_size} against {local.tp_size}: move head ranges, plan_head_write)")
     src = _block_ids("local_block_ids", local_block_ids, local.num_blocks)
     dst = _block_ids("remote_block_ids", remote_block_ids, remote.num_blocks)
     if src.shape != dst.shape:

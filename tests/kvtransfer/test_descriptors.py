@@ -99,3 +99,13 @@ def test_incompatible_layouts_cannot_be_planned():
     other = KVLayout("tiny", "float16", num_layers=3, num_blocks=20, block_size=8, num_kv_heads=2, head_dim=8)
     with pytest.raises(LayoutMismatchError, match="block_size"):
         plan_block_write(SRC, other, [0], [0])
+
+
+def test_whole_blocks_are_refused_between_pools_of_different_tp_sizes():
+    """A TP=2 rank holds half of each block: its blocks are not the bytes of a TP=1 pool's, so
+    a whole-block plan would read or write at the wrong offsets. Refused, naming the field."""
+    half = KVLayout("tiny", "float16", num_layers=3, num_blocks=12, block_size=4, num_kv_heads=1, head_dim=8,
+                    total_kv_heads=2, tp_size=2, tp_rank=1)
+    for a, b in ((SRC, half), (half, SRC)):
+        with pytest.raises(LayoutMismatchError, match="num_kv_heads"):
+            plan_block_write(a, b, [0, 1], [2, 3])
