@@ -16,6 +16,7 @@ Two parts, one run, same model and the same pool size for every engine:
 
     python bench/kv_tier.py                          # the default ~34M model under .cache/
     python bench/kv_tier.py --docs 8 --doc-len 1024 --pool-docs 2 --rounds 3
+    python bench/kv_tier.py --tensor-parallel-size 2  # part 2 at TP=2: every rank's tier
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="times each document is asked (the first fills)")
     p.add_argument("--output-len", type=int, default=4, help="tokens generated per request")
     p.add_argument("--tier-path", default=None, help="the file tier's directory (default: the temp directory)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="part 2's engines at this TP size (ranks as child processes; at TP>1 each rank keeps "
+                        "its heads of the same tier slots, engine/kv_tier.py)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -144,7 +148,9 @@ def working_set(model: str, args) -> None:
     pool_blocks = int(args.pool_docs * (args.doc_len + args.question_len + args.output_len) / bs) + 1
     tier_bytes = (args.docs + 1) * ((args.doc_len + args.question_len + args.output_len) // bs + 1) * block_bytes
     configs = {"recompute": {}, "tier": {"kv_offload_bytes": tier_bytes, "kv_offload_path": args.tier_path}}
-    engines = {name: LLMEngine(EngineConfig(model=model, num_gpu_blocks_override=pool_blocks, **kw))
+    tp = args.tensor_parallel_size
+    engines = {name: LLMEngine(EngineConfig(model=model, num_gpu_blocks_override=pool_blocks,
+                                            tensor_parallel_size=tp, **kw))
                for name, kw in configs.items()}
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     ttfts = {name: [] for name in engines}
@@ -166,7 +172,8 @@ def working_set(model: str, args) -> None:
                         outs[name].append(eng.stats.num_prompt_tokens_cached - before)
                 order = order[1:] + order[:1]
         print(f"\n## working set {args.docs} docs x {args.doc_len} tokens, pool {pool_blocks} blocks "
-              f"(~{args.pool_docs} docs), {args.rounds - 1} measured rounds, TTFT of each request alone")
+              f"(~{args.pool_docs} docs), {args.rounds - 1} measured rounds, TTFT of each request alone"
+              + (f", TP={tp}" if tp > 1 else ""))
         print(f"{'engine':<11} {'TTFT p50 ms':>12} {'p90 ms':>9} {'pool hit':>9} {'tier hit':>9} "
               f"{'p90 vs recompute':>17}")
         base = pct(ttfts["recompute"], 90)
