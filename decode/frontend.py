@@ -182,9 +182,12 @@ class Frontend(Surface):
             return cached, hint, feats, snap, admit(feats, snap, policy)
 
         cached, hint, feats, snap, adm = assess()
-        if not adm.ok and adm.reason == "kv_pool_full" and policy.qos.kv_full_wait_ms > 0:
+        wait_ms = policy.qos.kv_full_wait_ms
+        if inp.kv_full_wait_ms is not None:  # the caller's own (a gateway with another worker to ask: 0)
+            wait_ms = min(wait_ms, inp.kv_full_wait_ms)
+        if not adm.ok and adm.reason == "kv_pool_full" and wait_ms > 0:
             cached, hint, feats, snap, adm = await self._hold_for_room(
-                arrival, policy.qos.kv_full_wait_ms, assess, (cached, hint, feats, snap, adm))
+                arrival, wait_ms, assess, (cached, hint, feats, snap, adm))
         if not adm.ok:
             self.metrics.refused(adm.reason)
             self._log_refusal(adm.reason, adm.detail, len(computed), cached)

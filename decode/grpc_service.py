@@ -25,7 +25,7 @@ from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.common import Priority
 from pdserve.engine import SamplingParams
 
-from .ingress import Chunk, GenerateInput, RequestError
+from .ingress import Chunk, GenerateInput, RequestError, kv_wait_of_metadata
 from .security import ApiKeyInterceptor, ServerSecurity
 from .surface import Surface
 
@@ -136,6 +136,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             inp = input_from_proto(request)
             inp.request_id = inp.request_id or uuid.uuid4().hex
             inp.caller = self.security.caller_of_metadata(context.invocation_metadata())
+            inp.kv_full_wait_ms = kv_wait_of_metadata(context.invocation_metadata())
             async for chunk in self.frontend.generate(inp):
                 yield chunk_to_proto(inp.request_id, chunk)
         except RequestError as exc:

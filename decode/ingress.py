@@ -118,6 +118,25 @@ class GenerateInput:
     # Tokens it already generated on a worker that failed (a migrated stream, gateway/): the
     # engine continues after them (`LLMEngine.make_request`); None: a new request.
     resume_ids: list[int] | None = None
+    # At most this long held for KV room before a kv_pool_full refusal (gRPC metadata
+    # KV_WAIT_HEADER; the policy's qos.kv_full_wait_ms caps it). A gateway that has another
+    # worker to ask sends 0: a fast refusal lets it go there. None: the policy's.
+    kv_full_wait_ms: float | None = None
+
+
+KV_WAIT_HEADER = "x-pdserve-kv-full-wait-ms"
+
+
+def kv_wait_of_metadata(metadata) -> float | None:
+    """The KV_WAIT_HEADER a caller sent (ms, >= 0); None when absent or not a number."""
+    for key, value in metadata or ():
+        if key == KV_WAIT_HEADER:
+            try:
+                ms = float(value)
+            except (TypeError, ValueError):
+                return None
+            return ms if ms >= 0 else None
+    return None
 
 
 @dataclass

@@ -26,7 +26,7 @@ import grpc
 
 from pdserve.api.client import breakdown_dict, build_request
 from pdserve.decode.grpc_service import STATUS
-from pdserve.decode.ingress import Chunk, GenerateInput, RequestError, ServingLimits
+from pdserve.decode.ingress import KV_WAIT_HEADER, Chunk, GenerateInput, RequestError, ServingLimits
 from pdserve.decode.security import TENANT_HEADER
 from pdserve.decode.surface import Surface, identity
 from pdserve.decode.validate import check_privileges
@@ -156,8 +156,11 @@ class GatewayFrontend(Surface):
                 if not tried:
                     self.metrics.routed(pick.chosen)
                     partner = self._race_partner(pick, inp)
+                # Another worker could take it: the chosen one refuses at once when its KV pool is
+                # full (no hold, qos.kv_full_wait_ms), so that the next one is asked without delay.
+                others = len(pick.scores) > 1
                 run = (self._race(s, pick.chosen, partner, tried, ids, params, prio, inp, arrival) if partner
-                       else self._attempt(s, pick.chosen, ids, params, prio, inp, arrival))
+                       else self._attempt(s, pick.chosen, ids, params, prio, inp, arrival, no_hold=others))
                 try:
                     # aclosing: a client that leaves closes this generator at its yield; the
                     # attempt is closed with it, at once (its call cancelled, its blocks freed)
@@ -251,13 +254,16 @@ class GatewayFrontend(Surface):
                 yield chunk
 
     async def _attempt(self, s: Stream, worker_id: str, ids, params, prio, inp: GenerateInput,
-                       arrival: float) -> AsyncIterator[Chunk]:
-        """One worker's part of the stream; raises `_Broken` when it ends early."""
+                       arrival: float, no_hold: bool = False) -> AsyncIterator[Chunk]:
+        """One worker's part of the stream; raises `_Broken` when it ends early. ``no_hold``: the
+        worker refuses at once rather than hold the prompt for KV room (another worker can take it)."""
         w = self.backends.workers[worker_id]
         stub, md = self.backends.stub(worker_id)
         tenant = identity(inp.caller) if self.forward_tenant else None
         if tenant is not None:  # the worker's fairness and shares then see this client (decode/security.py)
             md = (*(md or ()), (TENANT_HEADER, tenant))
+        if no_hold:
+            md = (*(md or ()), (KV_WAIT_HEADER, "0"))
         rid = f"{self._id_prefix}-{next(self._ids):x}"
         s.worker_id, s.worker_rid = worker_id, rid
         req = build_request(ids, request_id=rid, priority=prio.label, route=inp.route, ttft_slo_ms=inp.ttft_slo_ms,

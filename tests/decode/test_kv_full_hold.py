@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from pdserve.api import AsyncClient
+from pdserve.decode.ingress import KV_WAIT_HEADER, kv_wait_of_metadata
 from pdserve.decode.worker import DecodeWorkerConfig
 from tests.harness import WorkerThread
 
@@ -45,10 +46,12 @@ def small_pool(llama_dir, tmp_path):
         w.stop()
 
 
-async def beside_a_long_stream(target: str, second: list[int]):
+async def beside_a_long_stream(target: str, second: list[int], metadata=None):
     """A stream that takes most of the pool (a 400-token prompt, 100 tokens out), and once its
-    first token is out, ``second``: (the second's result or its error, the first's tokens)."""
-    async with AsyncClient(target) as c:
+    first token is out, ``second`` (sent with ``metadata``): (the second's result or its error,
+    the first's tokens)."""
+    async with AsyncClient(target) as c, AsyncClient(target) as c2:
+        c2._md = metadata  # per-call metadata, as a gateway sends it
         first_token = asyncio.Event()
         long_tokens: list[int] = []
 
@@ -62,7 +65,7 @@ async def beside_a_long_stream(target: str, second: list[int]):
         task = asyncio.ensure_future(long())
         await asyncio.wait_for(first_token.wait(), 60)
         try:
-            out = await c.generate(second, max_tokens=8, temperature=0.0, ignore_eos=True, timeout_s=120)
+            out = await c2.generate(second, max_tokens=8, temperature=0.0, ignore_eos=True, timeout_s=120)
         except grpc.aio.AioRpcError as exc:
             out = exc
         await asyncio.wait_for(task, 120)
@@ -101,3 +104,20 @@ def test_zero_refuses_at_once(small_pool):
     out, _ = asyncio.run(beside_a_long_stream(w.grpc, prompt(150, 2)))
     assert isinstance(out, grpc.aio.AioRpcError) and out.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "waited" not in out.details()
+
+
+def test_a_caller_with_somewhere_else_to_go_asks_for_no_hold(small_pool):
+    """A gateway with another worker to ask sends x-pdserve-kv-full-wait-ms: 0 and gets the
+    refusal at once, though the policy would hold the prompt for a minute."""
+    w = small_pool(60_000)
+    out, _ = asyncio.run(beside_a_long_stream(w.grpc, prompt(150, 2), ((KV_WAIT_HEADER, "0"),)))
+    assert isinstance(out, grpc.aio.AioRpcError) and out.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "waited" not in out.details()
+
+
+def test_the_wait_header_is_read_as_a_non_negative_number_or_ignored():
+    assert kv_wait_of_metadata(((KV_WAIT_HEADER, "0"),)) == 0.0
+    assert kv_wait_of_metadata((("other", "1"), (KV_WAIT_HEADER, "250.5"))) == 250.5
+    assert kv_wait_of_metadata(((KV_WAIT_HEADER, "soon"),)) is None
+    assert kv_wait_of_metadata(((KV_WAIT_HEADER, "-5"),)) is None
+    assert kv_wait_of_metadata(None) is None

@@ -86,3 +86,33 @@ def test_when_every_worker_refuses_the_client_gets_the_refusal(pair):
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     finally:
         gw.gateway.backends.workers["decode-idle"].avoid_until = 0.0
+
+
+def test_a_worker_with_another_behind_it_is_asked_not_to_hold_the_prompt_for_kv_room(pair, monkeypatch):
+    """A decode worker holds a prompt its full KV pool cannot take (qos.kv_full_wait_ms) before
+    refusing it; with another worker to ask, the gateway wants the refusal at once (metadata
+    x-pdserve-kv-full-wait-ms: 0). The last worker it can ask holds as its policy says."""
+    workers, gw = pair
+    seen = []
+    for w in workers:
+        fe = w.worker.frontend
+        real = fe.prepare
+
+        async def spy(inp, real=real, wid=w.worker.worker_id):
+            seen.append((wid, inp.kv_full_wait_ms))
+            return await real(inp)
+
+        monkeypatch.setattr(fe, "prepare", spy)
+    idle = gw.gateway.backends.workers["decode-idle"]
+    idle.queued_tokens += 100_000  # the busy worker is the first pick, and refuses low priority
+
+    async def run():
+        async with AsyncClient(gw.gateway.grpc_address) as c:
+            return await c.generate("a question", max_tokens=3, priority="low")
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        idle.queued_tokens -= 100_000
+    assert out.breakdown["worker_id"] == "decode-idle"
+    assert seen == [("decode-busy", 0.0), ("decode-idle", None)]
