@@ -44,7 +44,7 @@ class PeerPrefixes:
     def __init__(self, engine: AsyncEngine, lending: Lending, agent, fetch_metadata: Callable[[str], Awaitable]):
         self.engine = engine
         self.lending = lending
-        self.agent = agent  # rank 0's KVTransferAgent (its peers)
+        self.agent = agent  # the loans' transport (a TPSender: peers met on every rank, reads rank by rank)
         self.fetch_metadata = fetch_metadata  # async worker id -> its NIXL record bytes, or None
         self.block_size = engine.engine.config.block_size
         self.counters = {"borrows": 0, "borrowed_tokens": 0, "borrow_fallbacks": 0, "peer_lookup_failures": 0,

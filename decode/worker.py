@@ -194,16 +194,18 @@ class DecodeWorker:
         self.agent = transport.receiver()
         self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,
                                     RemoteConfig(timeout_s=cfg.remote_timeout_s, quarantine_s=cfg.remote_quarantine_s), costs=policy.costs)
-        if cfg.lending and self.engine.connector.tensor_parallel_size == 1 and self.engine.config.enable_prefix_caching:
+        if cfg.lending and self.engine.config.enable_prefix_caching:
             # Prefix loans (decode/borrow.py): borrow what prefill workers hold for local
-            # prefills, lend what this pool holds.
+            # prefills, lend what this pool holds. The loans' peers are met on every rank, and
+            # reads go rank by rank (kvtransfer/tp_transport.py TPSender.read_blocks).
             from pdserve.kvtransfer.lending import Lending
 
             from .borrow import PeerPrefixes
 
-            lending = Lending(self.engine.connector, transport.agent)
+            loans = transport.sender()
+            lending = Lending(self.engine.connector, loans)
             self.remote.arrival.lending = lending
-            self.remote.peers = PeerPrefixes(self.async_engine, lending, transport.agent, self._nixl_record_of)
+            self.remote.peers = PeerPrefixes(self.async_engine, lending, loans, self._nixl_record_of)
             self.remote.arrival.after_poll = self.remote.peers.after_poll
         self.remote.start()
 

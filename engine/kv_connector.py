@@ -211,11 +211,10 @@ class KVConnector:
     # -- lending a prefix (handoff/lend.py) -------------------------------------------------------
     def lend_chain(self, tail_hash: bytes, num_blocks: int) -> list[int] | None:
         """Pin the ``num_blocks`` cached blocks whose hash chain ends at ``tail_hash`` and starts
-        at a prompt's first block; their ids, first block first. None when the chain is not
-        (wholly) cached, or this engine cannot lend (tensor parallel: each rank holds part of
-        every block)."""
+        at a prompt's first block; their ids, first block first (at TP the same ids on every
+        rank, each holding its heads). None when the chain is not (wholly) cached."""
         pool = self._eng.kv.pool
-        if not pool.enable_caching or self._eng.runner.tensor_parallel_size > 1:
+        if not pool.enable_caching:
             return None
         chain = []
         h = tail_hash
@@ -229,7 +228,14 @@ class KVConnector:
             return None
         chain.reverse()
         pool.touch(chain)
+        self._flush_tier()  # a block loaded back from the tier is whole on every rank before it is read
         return [b.block_id for b in chain]
+
+    def _flush_tier(self) -> None:
+        """TP with a second tier: the other ranks make the tier copies rank 0 made, now, before
+        block ids leave the engine (another worker reads or writes them; engine/kv_tier.py)."""
+        if self._eng.tier is not None:
+            self._eng.tier.flush()
 
     def unlend(self, block_ids: list[int]) -> None:
         """Unpin blocks `lend_chain` pinned."""
@@ -241,8 +247,8 @@ class KVConnector:
         this pool lacks (its own hits stay pinned meanwhile). None: nothing to borrow (this pool
         holds as much), or no room."""
         kv, bs = self._eng.kv, self.block_size
-        if not kv.pool.enable_caching or self._eng.runner.tensor_parallel_size > 1:
-            return None  # (a TP pool holds each block across ranks: no single read fills it)
+        if not kv.pool.enable_caching:
+            return None
         num_blocks = min(num_blocks, (len(token_ids) - 1) // bs)  # the last token is always computed
         hashes = block_hashes(token_ids[:num_blocks * bs], bs, salt)
         hits = kv.pool.lookup(hashes)
@@ -251,6 +257,7 @@ class KVConnector:
             return None
         kv.pool.touch(hits)
         targets = kv.pool.allocate(need)
+        self._flush_tier()  # what taking the targets evicted is copied on every rank before a read lands
         parents = [None] + hashes[:-1]
         tokens = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(num_blocks)]
         return Borrow(hashes, parents, tokens, len(hits), [b.block_id for b in targets], list(hits) + targets)

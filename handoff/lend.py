@@ -49,7 +49,7 @@ MAX_LEASE_MS = 60_000
 GONE = "gone"  # the chain is no longer (wholly) cached
 TOO_MANY = "too_many"  # more blocks than one grant carries
 BUSY = "busy"  # the holder lends too much already
-NO_TIER = "unsupported"  # the holder cannot lend (tensor parallel, no prefix cache)
+NO_TIER = "unsupported"  # the holder cannot lend (no prefix cache)
 
 
 # The key a worker's etcd record sets in its `capacity` when it answers loan requests (both

@@ -203,14 +203,17 @@ class KVTransferAgent:
         local_block_ids: Sequence[int] | np.ndarray,
         remote_block_ids: Sequence[int] | np.ndarray,
         notify: bytes | None = None,
+        *,
+        heads: tuple[int, int, int] | None = None,
     ) -> TransferHandle:
         """Read the K and V pages of the peer's `remote_block_ids` into our `local_block_ids`
         (all layers; runs of consecutive ids on both sides are one descriptor per layer): a
         prefix another worker holds, lent for the read (handoff/lend.py). The same layout
         checks as a write; `notify` reaches the peer once the read is done. Failures are
-        reported through the handle, as for writes."""
+        reported through the handle, as for writes. ``heads=(local_head, remote_head,
+        num_heads)`` reads only that head range (pools of different TP sizes, HND)."""
         target = self._peer(peer)
-        plan = self._plan(target, local_block_ids, remote_block_ids, None, None)
+        plan = self._plan(target, local_block_ids, remote_block_ids, None, heads)
         return self._post(target, plan, notify, "READ")
 
     def write_bytes(

@@ -34,7 +34,6 @@ from pdserve.handoff.lend import (
     DEFAULT_LEASE_MS,
     GONE,
     MAX_LEND_BLOCKS,
-    NO_TIER,
     TOO_MANY,
     LendGrant,
     LendRelease,
@@ -99,7 +98,7 @@ class Lender:
         else:
             ids = self.connector.lend_chain(msg.tail_hash, msg.blocks)
             if ids is None:
-                reason = GONE if self.connector.tensor_parallel_size == 1 else NO_TIER
+                reason = GONE
         if ids is not None:
             self.table.add(sender, msg, tuple(ids), self.clock())
         grant = LendGrant(msg.lend_id, tuple(ids or ()), reason)
@@ -211,27 +210,42 @@ class Borrower:
             self._release(t)
             self._finish(t, "failed", f"{exc.__class__.__name__}: {exc}")
             return
-        if t.handle.failed:  # NIXL refused it at once: nothing moves
-            self._release(t)
-            self._finish(t, "failed", t.handle.error or "the read failed")
+        if t.handle.failed:  # NIXL refused it at once (at TP, a rank's part of it may still move)
+            self._failed(t)
 
     def transfers(self, completed, failed) -> None:
-        """Reads that finished (from `agent.poll()`): ``completed`` and ``failed`` handles."""
-        by_handle = {t.handle.id: t for t in self.tickets.values() if t.handle is not None}
+        """Reads that finished (from `agent.poll()`): ``completed`` and ``failed`` handles. A read
+        over several ranks (`TPRead`, either side tensor-parallel) is asked how it stands."""
+        by_handle = {}
+        for t in list(self.tickets.values()):
+            if t.handle is None:
+                continue
+            if not hasattr(t.handle, "refresh"):
+                by_handle[t.handle.id] = t
+            elif t.handle.refresh().failed:
+                self._failed(t)
+            elif t.handle.done:
+                self._arrived(t)
         for h in completed:
             t = by_handle.get(h.id)
             if t is not None:
-                if self.clock() > t.deadline:
-                    # Late: the holder's lease may have ended and its blocks been reused while
-                    # the read ran, so what arrived is not trusted (computed instead).
-                    self._finish(t, "timed_out", "the read finished after the deadline")
-                else:
-                    self._finish(t, "read")
+                self._arrived(t)
         for h in failed:
             t = by_handle.get(h.id)
             if t is not None:
-                self._release(t)
-                self._finish(t, "failed", h.error or "the read failed")
+                self._failed(t)
+
+    def _arrived(self, t: _Ticket) -> None:
+        if self.clock() > t.deadline:
+            # Late: the holder's lease may have ended and its blocks been reused while the read
+            # ran, so what arrived is not trusted (computed instead).
+            self._finish(t, "timed_out", "the read finished after the deadline")
+        else:
+            self._finish(t, "read")
+
+    def _failed(self, t: _Ticket) -> None:
+        self._release(t)
+        self._finish(t, "failed", t.handle.error or "the read failed")
 
     def expire(self) -> None:
         """End the tickets past their deadline; free quarantines whose time is up."""
@@ -241,6 +255,8 @@ class Borrower:
                 self._release(t)  # a late grant is refused below; the holder unpins now, not at its lease end
                 self._finish(t, "timed_out", "no answer from the holder")
             else:
+                if hasattr(t.handle, "refresh"):
+                    t.handle.refresh()  # (whether another rank's read may still land: quarantine)
                 self._finish(t, "timed_out", "the read did not finish in time")
         for key, until in list(self.quarantined.items()):
             if now >= until:
@@ -263,8 +279,10 @@ class Borrower:
         if outcome == "read":
             cached = self.connector.end_borrow(t.borrow, ok=True)
             read = len(t.borrow.block_ids) * self.connector.block_size
-        elif outcome == "timed_out" and t.handle is not None and not t.handle.finished:
-            key = f"lend-quarantine-{t.lend_id}"  # the read may still land in these blocks
+        elif outcome in ("timed_out", "failed") and t.handle is not None and not t.handle.finished:
+            # The read may still land in these blocks (timed out, or at TP one rank's read
+            # failed while another's goes on).
+            key = f"lend-quarantine-{t.lend_id}"
             self.connector.abandon_borrow(t.borrow, key)
             self.quarantined[key] = self.clock() + self.quarantine_s
         else:

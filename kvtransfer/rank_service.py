@@ -17,6 +17,9 @@ process also owns a NIXL agent over its own pool; rank 0 drives it
     abort(key) / settle(key, timeout_s)             give up; report whether writes can still land
     write(...)                                      a whole-request write, waited for
     poll()                                          the notices this rank received (decode side)
+    read(key, peer, local, remote, reads)           post this rank's reads of a lent prefix (its
+                                                    heads, from the holder ranks the plan names)
+    read_poll(keys)                                 how those reads stand (finished, failed: why)
 
 Between requests the rank's idle time drives the agent's progress and collects the
 notifications that arrive (a target must keep polling, or NIXL's wire-up stalls).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 from pdserve.handoff.ranked import wrap
 from pdserve.kvtransfer.errors import TransferError, TransferTimeoutError
@@ -35,6 +39,19 @@ from pdserve.kvtransfer.layout import KVLayout
 log = logging.getLogger(__name__)
 
 MAX_HELD_NOTES = 100_000
+READ_KEEP_S = 120.0  # a read nobody asks about any more is forgotten after this (its borrow ended long ago)
+
+
+@dataclass
+class _Read:
+    since: float
+    handles: list
+    error: str | None = None
+
+    def state(self, key: int) -> dict:
+        error = self.error or next((h.error or "the read failed" for h in self.handles if h.failed), None)
+        return {"key": key, "finished": all(h.finished for h in self.handles), "failed": error,
+                "bytes": sum(h.num_bytes for h in self.handles if h.done)}
 
 
 class RankTransfer:
@@ -45,6 +62,7 @@ class RankTransfer:
         self.errors: dict[int, str] = {}  # key -> why this rank's part failed before finish
         self.notes: list[tuple[str, bytes]] = []
         self._step_streams: list = []
+        self.reads: dict[int, _Read] = {}  # key -> this rank's reads of a lent prefix
 
     # -- control requests -------------------------------------------------------------
     def handle(self, op: str, args: dict) -> dict:
@@ -135,6 +153,32 @@ class RankTransfer:
         except (TransferError, ValueError) as exc:
             return {"failed": f"{exc.__class__.__name__}: {exc}"}
         return {"bytes": sum(h.num_bytes for h in handles)}
+
+    def _op_read(self, key: int, peer: list, local: list, remote: list, reads: list) -> dict:
+        """Post this rank's reads; never raises (what could not be posted is the read's error)."""
+        handles, error = [], None
+        try:
+            for src, dst, local_head, remote_head, num_heads in reads:
+                if dst == self.rank:
+                    handles.append(self.agent.read_blocks(peer[src], local, remote,
+                                                          heads=(local_head, remote_head, num_heads)))
+        except Exception as exc:  # noqa: BLE001  (an unknown holder rank, a layout mismatch)
+            error = f"{exc.__class__.__name__}: {exc}"
+        self.reads[key] = _Read(time.monotonic(), handles, error)
+        return self.reads[key].state(key)
+
+    def _op_read_poll(self, keys: list) -> dict:
+        self.idle()  # (the agent's progress settles the reads)
+        out = []
+        for key in keys:
+            read = self.reads.get(key)
+            out.append(read.state(key) if read is not None else {"key": key, "finished": True, "failed": None})
+            if out[-1]["finished"]:
+                self.reads.pop(key, None)
+        now = time.monotonic()
+        for key in [k for k, r in self.reads.items() if now - r.since > READ_KEEP_S]:
+            del self.reads[key]
+        return {"reads": out}
 
     def _op_poll(self) -> dict:
         self.idle()

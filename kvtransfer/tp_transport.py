@@ -15,6 +15,10 @@ them), and finishing, settling or a whole-request write is a control request to 
 rank, answered with what became of its writes. Between two single-rank workers nothing of
 this applies: the calls go straight to the agent, unchanged.
 
+`TPSender.read_blocks` reads a lent prefix (kvtransfer/lending.py) the other way round: the
+holder's ranks are the sources of the same plan and this worker's ranks the targets, each
+reading its heads into its own pool (`TPRead`).
+
 `TPReceiver` is the decode side's `KVReceiver`: it polls rank 0's agent and the other
 ranks (their agents received notices while idle) and passes every notice through
 `RankedArrivals`, so the handoff table sees one `PrefillDone` per attempt, when the pages
@@ -176,6 +180,78 @@ class TPWrite:
         return all(h.finished for h in self.mine)
 
 
+@dataclass
+class TPRead:
+    """A lent prefix read into this worker's ranks from the holder's (either side TP>1): rank 0's
+    reads in ``mine``, the other ranks' in their processes, as they last reported them
+    (`refresh`). Reads like a `TransferHandle`: ``finished`` once every rank's reads ended,
+    ``failed`` if any failed, ``done`` when all arrived. The ``notify`` (the lender's release)
+    is sent to the holder's rank 0 once all arrived, not with each rank's read: the holder must
+    keep its blocks until the last read of them ends."""
+
+    sender: TPSender
+    key: int
+    holder: PeerRanks
+    mine: list  # rank 0's TransferHandles
+    notify: bytes | None = None
+    others: dict[int, dict] = field(default_factory=dict)  # rank -> {"finished", "failed"} as last reported
+    post_error: str | None = None  # a read rank 0 could not post (the rest of the plan was not posted)
+    notified: bool = False
+
+    @property
+    def id(self) -> int:
+        return -self.key  # (never a rank 0 agent handle's id, which are positive)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(h.num_bytes for h in self.mine) + sum(r.get("bytes", 0) for r in self.others.values())
+
+    @property
+    def finished(self) -> bool:
+        return all(h.finished for h in self.mine) and all(r.get("finished") for r in self.others.values())
+
+    @property
+    def error(self) -> str | None:
+        if self.post_error is not None:
+            return self.post_error
+        for h in self.mine:
+            if h.failed:
+                return h.error or "the read failed"
+        for rank, r in sorted(self.others.items()):
+            if r.get("failed"):
+                return f"rank {rank}: {r['failed']}"
+        return None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def done(self) -> bool:
+        return self.finished and not self.failed
+
+    def refresh(self) -> TPRead:
+        """Ask the other ranks how their reads stand (rank 0's move with its agent's polls); once
+        every read arrived, send the ``notify``."""
+        waiting = [rank for rank, r in self.others.items() if not r.get("finished")]
+        if waiting:
+            try:
+                replies = self.sender.group.call("read_poll", keys=[self.key])
+            except Exception as exc:  # noqa: BLE001  (a rank gone: its reads are as good as failed)
+                for rank in waiting:
+                    self.others[rank] = {"finished": False, "failed": f"{exc.__class__.__name__}: {exc}"}
+            else:
+                for rank, reply in enumerate(replies, start=1):
+                    self.others[rank] = reply["reads"][0]
+        if self.done and self.notify is not None and not self.notified:
+            self.notified = True
+            try:
+                self.sender.agent.send_notification(self.holder.agent_names[0], self.notify)
+            except Exception as exc:  # noqa: BLE001  (the holder is gone: its lease ends the loan)
+                log.info("could not notify %s after a read: %r", self.holder.name, exc)
+        return self
+
+
 class TPSender:
     """`KVSender` over this worker's ranks and its peers' ranks (see the module docstring)."""
 
@@ -261,6 +337,39 @@ class TPSender:
         return TPWrite(mine, others)
 
     write_timeout_s = 30.0  # other ranks' whole-request writes (the worker sets its transfer timeout)
+
+    def read_blocks(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
+                    notify: bytes | None = None) -> Any:
+        """Read ``peer``'s blocks into this worker's (a lent prefix, kvtransfer/lending.py): each
+        rank here reads its heads from the holder ranks the plan names as their sources, and
+        ``notify`` reaches the holder's rank 0 once every read arrived. Between two single-rank
+        workers: the agent's read, unchanged. Never raises once a read is posted: what could not
+        be posted fails the returned `TPRead`."""
+        holder = self._peer(peer)
+        if self._single(holder):
+            return self.agent.read_blocks(holder.agent_names[0], local_block_ids, remote_block_ids, notify=notify)
+        plan = write_plan(self.num_kv_heads, holder.tp, self.tp)  # the holder's ranks are the sources
+        local, remote = [int(b) for b in local_block_ids], [int(b) for b in remote_block_ids]
+        read = TPRead(self, next(self._keys), holder, [], notify)
+        try:
+            for w in plan.writes:
+                if w.dst_rank == 0:
+                    read.mine.append(self.agent.read_blocks(holder.agent_names[w.src_rank], local, remote,
+                                                            heads=(w.dst_head, w.src_head, w.num_heads)))
+        except Exception as exc:  # noqa: BLE001  (a layout that cannot be read: the borrow fails)
+            read.post_error = f"{exc.__class__.__name__}: {exc}"
+            return read
+        if self.tp > 1:
+            reads = [[w.src_rank, w.dst_rank, w.dst_head, w.src_head, w.num_heads] for w in plan.writes if w.dst_rank]
+            try:
+                replies = self.group.call("read", key=read.key, peer=holder.agent_names, local=local, remote=remote,
+                                          reads=reads)
+            except Exception as exc:  # noqa: BLE001  (what a rank posted before it failed is asked later)
+                read.post_error = f"{exc.__class__.__name__}: {exc}"
+                read.others = {r: {"finished": False} for r in range(1, self.tp)}
+            else:
+                read.others = {rank: reply for rank, reply in enumerate(replies, start=1)}
+        return read.refresh()
 
     def wait(self, handle: Any, timeout_s: float) -> Any:
         if isinstance(handle, RankHandle):

@@ -132,11 +132,11 @@ class PrefillWorker:
             open_worker_transport, self.worker_id, self.engine, cfg.agent_ucx_env(self.host),
             cfg.agent_threads(self.engine.connector.tensor_parallel_size))
         self.agent = transport.sender()
-        if (cfg.lending and self.engine.connector.tensor_parallel_size == 1
-                and self.engine.config.enable_prefix_caching):
+        if cfg.lending and self.engine.config.enable_prefix_caching:
             # Lend this pool's cached prefixes to other workers' reads (kvtransfer/lending.py):
-            # every poll of the agent answers them, between batches too (`_lend_loop`).
-            self.lending = Lending(self.engine.connector, transport.agent)
+            # every poll of the agent answers them, between batches too (`_lend_loop`). The
+            # sender meets peers on every rank and reads rank by rank (TPSender.read_blocks).
+            self.lending = Lending(self.engine.connector, self.agent)
             self.agent = LendingAgent(self.agent, self.lending)
         self.queue = open_queue(cfg, "the prefill worker")
         self._batch = PrefillBatch(self.worker_id, self.engine, self.agent, self.stats,

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import ray
 
 from pdserve.decode.worker import DecodeWorkerConfig
+from pdserve.engine.tp_comm import shm_available
 from pdserve.prefill.worker import PrefillWorker
 from tests.harness import WorkerThread, wait_until
 
@@ -74,21 +76,32 @@ def test_requests_sharing_a_prefix_go_to_the_prefill_worker_that_holds_it(ray_lo
         d.stop()
 
 
-def test_a_local_prefill_borrows_the_prefix_a_prefill_worker_holds(ray_local, etcd, llama_dir):
+def tp_engine(tp: int, **engine) -> dict:
+    """Engine args at ``tp`` ranks (HND: loans between TP sizes read head ranges); skipped where
+    a rank group cannot start."""
+    if tp > 1 and shm_available() is not None:
+        pytest.skip(f"TP needs shm: {shm_available()}")
+    return {**engine, "kv_layout": "HND", "tensor_parallel_size": tp} if tp > 1 else engine
+
+
+@pytest.mark.parametrize("prefill_tp", [1, 2])
+def test_a_local_prefill_borrows_the_prefix_a_prefill_worker_holds(ray_local, etcd, llama_dir, prefill_tp):
     """Prefix reuse across workers (decode/borrow.py, kvtransfer/lending.py): a prefill worker
     computed a shared prefix for decode worker 0; decode worker 1, which never saw it, prefills
     requests with that prefix itself (route local) and reads those blocks from the prefill
     worker with NIXL instead of computing them: token-exact, every loan released, no block
     left taken on either side. Each side met the other as it joined, not inside the loan's
-    wait (the lender never waited for its borrower's NIXL record)."""
-    engine = {"kv_events": True, "device": "cpu"}
+    wait (the lender never waited for its borrower's NIXL record). With a TP=2 prefill
+    worker the decode worker reads each half of the heads from the rank that holds it."""
+    engine = {"kv_events": True, "device": "cpu", **({"kv_layout": "HND"} if prefill_tp > 1 else {})}
+    cluster = f"borrowd{prefill_tp}"
     decodes = [WorkerThread(DecodeWorkerConfig(
-        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="borrowd", lease_ttl_s=3, worker_id=f"decode-{i}",
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=cluster, lease_ttl_s=3, worker_id=f"decode-{i}",
         remote_prefill=True, ucx_env=UCX, remote_timeout_s=60, engine_args=engine)).start() for i in (0, 1)]
     d0, d1 = decodes
     actor = ray.remote(PrefillWorker).options(num_cpus=0).remote(dict(
-        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="borrowd", lease_ttl_s=3, worker_id="prefill-0",
-        ucx_env=UCX, engine_args=engine))
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=cluster, lease_ttl_s=3, worker_id="prefill-0",
+        ucx_env=UCX, engine_args=tp_engine(prefill_tp, **engine)))
     try:
         ray.get(actor.start.remote(), timeout=180)
         for d in decodes:
@@ -126,19 +139,24 @@ def test_a_local_prefill_borrows_the_prefix_a_prefill_worker_holds(ray_local, et
             d.stop()
 
 
-def test_a_prefill_worker_borrows_the_prefix_its_decode_worker_holds(ray_local, etcd, llama_dir):
+@pytest.mark.parametrize("decode_tp,prefill_tp", [(1, 1), (2, 1), (1, 2)])
+def test_a_prefill_worker_borrows_the_prefix_its_decode_worker_holds(ray_local, etcd, llama_dir, decode_tp,
+                                                                      prefill_tp):
     """The other direction: a conversation whose first turn the decode worker prefilled itself
     goes remote for its next turn. The task's decode worker holds the first turn's blocks
     (the task's cached_len); the prefill worker, which never saw them, reads them from it
     (prefill/worker.py _borrow_prefixes) and computes only the new turn: token-exact, the
-    loan released, every block back; the decode worker had met its borrower as it joined."""
-    engine = {"device": "cpu"}
+    loan released, every block back; the decode worker had met its borrower as it joined.
+    Either side may be tensor-parallel: each borrower rank reads its heads from the holder
+    rank that holds them."""
+    engine = {"device": "cpu", **({"kv_layout": "HND"} if max(decode_tp, prefill_tp) > 1 else {})}
+    cluster = f"borrowp{decode_tp}{prefill_tp}"
     d = WorkerThread(DecodeWorkerConfig(
-        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="borrowp", lease_ttl_s=3, worker_id="decode-0",
-        remote_prefill=True, ucx_env=UCX, remote_timeout_s=60, engine_args=engine)).start()
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=cluster, lease_ttl_s=3, worker_id="decode-0",
+        remote_prefill=True, ucx_env=UCX, remote_timeout_s=60, engine_args=tp_engine(decode_tp, **engine))).start()
     actor = ray.remote(PrefillWorker).options(num_cpus=0).remote(dict(
-        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="borrowp", lease_ttl_s=3, worker_id="prefill-0",
-        ucx_env=UCX, engine_args=engine))
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=cluster, lease_ttl_s=3, worker_id="prefill-0",
+        ucx_env=UCX, engine_args=tp_engine(prefill_tp, **engine)))
     try:
         ray.get(actor.start.remote(), timeout=180)
         wait_until(lambda: d.worker.remote.available() and "prefill-0" in d.worker.remote.peers.agent.peers, 30)

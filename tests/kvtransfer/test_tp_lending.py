@@ -1,0 +1,161 @@
+"""A prefix lent between workers of different TP sizes (kvtransfer/lending.py over
+kvtransfer/tp_transport.py `TPSender.read_blocks`): real tensor-parallel engines (rank
+processes, each rank with its own NIXL agent over its own HND pool). Each borrower rank reads
+its KV heads from the holder ranks that hold them, the holder is released once every read
+arrived, and the borrower computes only the rest of the prompt, token-exact. A rank whose
+read cannot be posted fails the borrow: computed instead, token-exact, the rank 0 read that
+may still land kept out of use until it can no longer land, and no block left taken."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+
+import pytest
+
+from pdserve.engine import LLM, LLMEngine, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.tp_comm import shm_available
+from pdserve.kvtransfer import LOOPBACK_UCX_ENV, KVLayout, KVTransferAgent
+from pdserve.kvtransfer.lending import Borrower, Lender, route_notification
+from pdserve.kvtransfer.tp_transport import TPSender, rank_agent_name, ranks_record
+
+pytestmark = [pytest.mark.skipif(shm_available() is not None, reason=f"TP needs shm: {shm_available()}"),
+              pytest.mark.timeout(300)]
+
+EXTENSION = "pdserve.kvtransfer.rank_service:RankTransfer"
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+NUM_BLOCKS = 48
+
+
+@contextlib.contextmanager
+def worker(model: str, worker_id: str, tp: int):
+    """An engine and its transport over every rank (as kvtransfer.tp_transport.open_worker_transport
+    makes it), with the sender a worker lends and borrows through."""
+    eng = LLMEngine(EngineConfig.from_kwargs(model, tensor_parallel_size=tp, kv_layout="HND",
+                                             tp_rank_extension=EXTENSION if tp > 1 else None,
+                                             num_gpu_blocks_override=NUM_BLOCKS))
+    agent = None
+    try:
+        m = eng.model_config
+        layout = KVLayout.from_tensor(eng.connector.kv_tensor, m.model_id, kv_layout="HND",
+                                      total_kv_heads=m.num_kv_heads, tp_size=tp, tp_rank=0)
+        agent = KVTransferAgent(worker_id, eng.connector.kv_tensor, layout, ucx_env=LOOPBACK_UCX_ENV)
+        infos = [agent.local_info()]
+        if tp > 1:
+            infos += [r["info"] for r in eng.runner.group.call("open", worker_id=worker_id, model_id=m.model_id,
+                                                                 total_kv_heads=m.num_kv_heads,
+                                                                 ucx_env=dict(LOOPBACK_UCX_ENV))]
+        sender = TPSender(agent, m.num_kv_heads, tp, eng.runner.group)
+        yield eng, sender, ranks_record(worker_id, infos)
+    finally:
+        if agent is not None:
+            agent.close()
+        eng.close()
+
+
+def generate(eng: LLMEngine, prompt: list[int], rid: str):
+    eng.add_request(prompt, GREEDY, request_id=rid)
+    while eng.has_work():
+        eng.step()
+    return eng.release(rid)
+
+
+class Pair:
+    """A holder's `Lender` and a borrower's `Borrower`, driven as the workers' loops drive them."""
+
+    def __init__(self, holder_sender, borrower_eng, borrower_sender, holder_eng, quarantine_s=0.5):
+        self.lender = Lender(holder_eng.connector, holder_sender)
+        self.borrower = Borrower(borrower_eng.connector, borrower_sender, quarantine_s=quarantine_s)
+        self.holder_sender, self.borrower_sender = holder_sender, borrower_sender
+
+    def drive(self) -> None:
+        res = self.holder_sender.poll()
+        for note in res.notifications:
+            msg = route_notification(note.payload)
+            if msg is not None:
+                self.lender.handle(note.sender, msg)
+        self.lender.expire()
+        res = self.borrower_sender.poll()
+        for note in res.notifications:
+            msg = route_notification(note.payload)
+            if msg is not None:
+                self.borrower.handle(note.sender, msg)
+        self.borrower.transfers(res.completed, res.failed)
+        self.borrower.expire()
+
+    def borrow(self, prompt, holder, blocks, timeout_s=30.0):
+        lend_id = self.borrower.start(prompt, holder, blocks)
+        assert lend_id is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.drive()
+            for r in self.borrower.take_results():
+                return r
+            time.sleep(0.001)
+        raise AssertionError("the borrow did not end")
+
+    def settle(self, until, timeout_s=20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not until() and time.monotonic() < deadline:
+            self.drive()
+            time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    llm = LLM(llama_dir, enable_prefix_caching=False)
+    yield lambda prompt: llm.generate([prompt], GREEDY)[0].token_ids
+    llm.close()
+
+
+def prompts(seed, shared_len=160, tail=40):
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 32000) for _ in range(shared_len)]
+    return shared, shared + [rng.randrange(3, 32000) for _ in range(tail)]
+
+
+@pytest.mark.parametrize("holder_tp,borrower_tp", [(2, 2), (2, 1), (1, 2)])
+def test_a_prefix_lent_across_tp_sizes_is_read_rank_by_rank_and_token_exact(llama_dir, reference, holder_tp,
+                                                                             borrower_tp):
+    shared, prompt = prompts(holder_tp * 10 + borrower_tp)
+    with worker(llama_dir, f"h{holder_tp}{borrower_tp}", holder_tp) as (he, hs, h_record), \
+            worker(llama_dir, f"b{holder_tp}{borrower_tp}", borrower_tp) as (be, bs, b_record):
+        holder = bs.add_peer(h_record)
+        hs.add_peer(b_record)
+        generate(he, shared + [7, 7], "warm")  # the holder caches the 10 shared blocks
+        generate(be, shared[:32], "own")  # the borrower holds the first two itself
+        pair = Pair(hs, be, bs, he)
+        got = pair.borrow(prompt, holder, 10)
+        assert got.outcome == "read", got
+        assert got.read_tokens == 8 * 16  # only what it lacked, every rank its heads
+        out = generate(be, prompt, "r")
+        assert out.num_cached_tokens == 160 and out.token_ids == reference(prompt)
+        # The release reached the holder once every rank's read was over: nothing stays lent.
+        pair.settle(lambda: pair.lender.counters["released"] == 1)
+        assert dict(pair.lender.counters) == {"granted": 1, "released": 1}
+        assert pair.lender.table.lent_blocks == 0
+        for eng in (he, be):
+            assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks  # no block left taken
+
+
+def test_a_rank_whose_read_cannot_be_posted_fails_the_borrow_and_it_is_computed(llama_dir, reference):
+    shared, prompt = prompts(7)
+    with worker(llama_dir, "hq", 2) as (he, hs, h_record), worker(llama_dir, "bq", 2) as (be, bs, b_record):
+        holder = bs.add_peer(h_record)
+        hs.add_peer(b_record)
+        # The borrower's rank 1 forgets the holder's rank 1: its read cannot be posted, while
+        # rank 0's is (and may still be landing when the failure is known).
+        be.runner.group.call("remove_peer", names=[rank_agent_name(holder, 1)])
+        generate(he, shared + [7, 7], "warm")
+        pair = Pair(hs, be, bs, he, quarantine_s=0.5)
+        got = pair.borrow(prompt, holder, 10)
+        assert got.outcome == "failed" and "rank 1" in got.detail, got
+        out = generate(be, prompt, "r")
+        assert out.num_cached_tokens == 0 and out.token_ids == reference(prompt)  # computed, token-exact
+        pair.settle(lambda: not pair.borrower.quarantined and pair.lender.counters["released"] == 1)
+        assert not pair.borrower.quarantined
+        assert dict(pair.lender.counters) == {"granted": 1, "released": 1}  # released on the failure
+        for eng in (he, be):
+            assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
