@@ -30,12 +30,12 @@ NUM_BLOCKS = 48
 
 
 @contextlib.contextmanager
-def worker(model: str, worker_id: str, tp: int):
+def worker(model: str, worker_id: str, tp: int, **engine_args):
     """An engine and its transport over every rank (as kvtransfer.tp_transport.open_worker_transport
     makes it), with the sender a worker lends and borrows through."""
+    engine_args.setdefault("num_gpu_blocks_override", NUM_BLOCKS)
     eng = LLMEngine(EngineConfig.from_kwargs(model, tensor_parallel_size=tp, kv_layout="HND",
-                                             tp_rank_extension=EXTENSION if tp > 1 else None,
-                                             num_gpu_blocks_override=NUM_BLOCKS))
+                                             tp_rank_extension=EXTENSION if tp > 1 else None, **engine_args))
     agent = None
     try:
         m = eng.model_config
@@ -159,3 +159,30 @@ def test_a_rank_whose_read_cannot_be_posted_fails_the_borrow_and_it_is_computed(
         assert dict(pair.lender.counters) == {"granted": 1, "released": 1}  # released on the failure
         for eng in (he, be):
             assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_a_borrow_into_blocks_the_tier_is_saving_waits_for_every_rank_to_save_them(llama_dir, reference, tmp_path):
+    """At TP=2 with a second tier, rank 1 repeats rank 0's tier copies before its next forward;
+    a borrow's reads land sooner. So taking the borrow's target blocks (which evicts cached
+    ones into the tier) hands those copies to rank 1 at once: else rank 1 would save the
+    lent KV as the evicted prefix's, and that prefix would come back wrong on its heads."""
+    rng = random.Random(3)
+    a = [rng.randrange(3, 32000) for _ in range(200)]
+    shared, prompt = prompts(8)
+    with worker(llama_dir, "ht", 2) as (he, hs, h_record), \
+            worker(llama_dir, "bt", 2, num_gpu_blocks_override=16, max_model_len=240, kv_offload_bytes=1 << 22,
+                   kv_offload_path=str(tmp_path)) as (be, bs, b_record):
+        holder = bs.add_peer(h_record)
+        hs.add_peer(b_record)
+        generate(he, shared + [7, 7], "warm")
+        first = generate(be, a, "a1")  # the borrower's pool: a's 12 cached blocks of its 16
+        pair = Pair(hs, be, bs, he)
+        got = pair.borrow(prompt, holder, 10)  # its 10 targets evict 6 of a's blocks into the tier
+        assert got.outcome == "read", got
+        out = generate(be, prompt, "p")
+        assert out.num_cached_tokens == 160 and out.token_ids == reference(prompt)
+        again = generate(be, a, "a2")  # a's evicted blocks come back from both ranks' tiers
+        assert be.tier.snapshot()["loaded_blocks"] >= 6, be.tier.snapshot()
+        assert [first.token_ids, again.token_ids] == [reference(a)] * 2
+        pair.settle(lambda: pair.lender.counters["released"] == 1)
+        assert be.kv.pool.num_free == be.kv.pool.num_blocks and pair.lender.table.lent_blocks == 0
