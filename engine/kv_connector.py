@@ -26,6 +26,8 @@ Lending a cached prefix to another worker's read (handoff/lend.py), either role:
 
     lend_chain(tail, n)     pin the n cached blocks whose chain ends at hash ``tail``
                             (from a prompt's first block); their ids, or None
+    load_chain(tail, n, k)  part of that chain sits in the second tier: load it back first
+    finish_tier_loads()     register finished tier loads now (an idle engine takes no step)
     unlend(ids)             unpin them (the read is over, or the lease ended)
     begin_borrow(...)       pin this pool's own hits of a prompt, take blocks for the
                             lent ones it lacks: where a read lands
@@ -236,6 +238,49 @@ class KVConnector:
         block ids leave the engine (another worker reads or writes them; engine/kv_tier.py)."""
         if self._eng.tier is not None:
             self._eng.tier.flush()
+
+    def load_chain(self, tail_hash: bytes, num_blocks: int, key: str):
+        """The chain `lend_chain` wants, when part of it has left the pool for the second tier
+        (engine/kv_tier.py): load that part back, as a prefix hit's load does, so that once the
+        load is ``finished`` (`finish_tier_loads`) `lend_chain` finds the whole chain in the pool.
+        The `TierLoad`, or None: no tier, the chain is not whole across pool and tier, or the
+        pool has no room for it now."""
+        kv, tier = self._eng.kv, self._eng.tier
+        pool = kv.pool
+        if tier is None or not pool.enable_caching:
+            return None
+        chain: list[bytes] = []
+        h = tail_hash
+        while h is not None and len(chain) < num_blocks:
+            block = pool.cached.get(h)
+            meta = (block.parent_hash, None) if block is not None else tier.chain_meta(h)
+            if meta is None:
+                return None
+            chain.append(h)
+            h = meta[0]
+        if len(chain) != num_blocks or h is not None:
+            return None
+        chain.reverse()
+        kept = [pool.cached[h] for h in chain if h in pool.cached]
+        missing = [h for h in chain if h not in pool.cached]
+        if not missing or len(missing) > pool.num_free - sum(1 for b in kept if b.ref_cnt == 0):
+            return None
+        pool.touch(kept)  # the chain's pool blocks are not evicted to make room for the rest
+        blocks = pool.allocate(len(missing))
+        load = tier.start_load(key, missing, blocks, kept + blocks)
+        if load is None:
+            pool.release(list(reversed(kept + blocks)))
+            return None
+        if len(load.blocks) < len(missing):  # part of it left the tier meanwhile: the lend will find it gone
+            pool.release(list(reversed(blocks[len(load.blocks):])))
+            load.held = kept + load.blocks
+        return load
+
+    def finish_tier_loads(self) -> None:
+        """Register the finished loads of the second tier (`load_chain`'s too) in the prefix
+        cache now, as the engine's next step would."""
+        if self._eng.tier is not None:
+            self._eng.scheduler.finish_loads()
 
     def unlend(self, block_ids: list[int]) -> None:
         """Unpin blocks `lend_chain` pinned."""

@@ -155,6 +155,7 @@ class TierLoad:
     after: object = None  # GPU: a CUDA event on the engine's stream the load's copy waits for
     error: str | None = None
     seconds: float = 0.0
+    finished: bool = False  # copied (or failed); the scheduler registers its blocks at its next look
 
 
 @dataclass
@@ -199,6 +200,7 @@ class KVTier:
         self._meta: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
         self._pins: dict[int, int] = {}
         self._ready: dict[int, object] = {}  # GPU: slot -> CUDA event of a copy queued on the engine's stream
+        self._last_copy = None  # GPU: the event of the latest such copy not yet waited for (`flush`)
         self._free = list(range(self.capacity - 1, -1, -1))
         self._in_flight: set[bytes] = set()  # offered, not yet committed or dropped
         self._lock = threading.RLock()
@@ -229,10 +231,27 @@ class KVTier:
 
     def flush(self, now: bool = True) -> None:
         """Hand the copies the other ranks have still to make to ``mirror`` (TP only): with the
-        next step (``now=False``), or before block ids leave the engine (``now=True``)."""
+        next step (``now=False``), or before block ids leave the engine (``now=True``: another
+        worker may read or write those blocks at once, with NIXL, which does not wait for a
+        CUDA stream; so on a GPU the copies queued on the engine's stream, a block's copy at
+        eviction or a mirrored load, have landed when this returns, on every rank)."""
+        handed = False
         if self.mirror is not None and self._mirror_ops:
             ops, self._mirror_ops = self._mirror_ops, []
             self.mirror(self.capacity, ops, now)
+            handed = True
+        if now and self.pool.is_cuda:
+            with self._lock:
+                last, self._last_copy = self._last_copy, None
+            if handed:  # (a mirrored load has no event of its own)
+                torch.cuda.current_stream(self.pool.device).synchronize()
+            elif last is not None:  # the latest copy at eviction: the earlier ones are ahead of it
+                last.synchronize()
+
+    def chain_meta(self, block_hash: bytes) -> tuple[bytes | None, tuple[int, ...]] | None:
+        """(parent hash, token ids) of a block the tier holds; None if it holds none."""
+        with self._lock:
+            return self._meta.get(block_hash) if block_hash in self._slots else None
 
     # -- the engine thread -----------------------------------------------------------------
     def offer_lru_head(self, pool: "BlockPool") -> int:
@@ -285,6 +304,7 @@ class KVTier:
                 ready = torch.cuda.Event()
                 ready.record()
                 self._ready[slot] = ready  # a load of this slot waits for it
+                self._last_copy = ready
             else:
                 dst.copy_(self.pool[:, block.block_id])
             if self.mirror is not None:
@@ -494,6 +514,7 @@ class KVTier:
                     0.8 * self.load_bytes_per_s + 0.2 * rate)
             else:
                 self.stats.load_failures += 1
+            load.finished = True
             self._done.append(load)
             self._load_done.set()
 
@@ -534,7 +555,9 @@ class TierMirror:
         self.store: TierStore | None = None
         self.copies = 0
 
-    def apply(self, slots: int, ops: list) -> None:
+    def apply(self, slots: int, ops: list, sync: bool = False) -> None:
+        """Make rank 0's copies here; with ``sync`` (block ids are leaving the engine) on a GPU
+        wait until they have landed, as rank 0 does (`KVTier.flush`)."""
         if self.store is None:
             self.store = make_store(self.backend, slots, self.pool, self.path)
         data = self.store.view()
@@ -550,6 +573,8 @@ class TierMirror:
             else:
                 host_copy(dst, src)
             self.copies += 1
+        if sync and self.pool.is_cuda:
+            torch.cuda.current_stream(self.pool.device).synchronize()
 
     def close(self) -> None:
         if self.store is not None:

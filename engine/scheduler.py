@@ -165,7 +165,7 @@ class Scheduler:
     # -- the step plan --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         if self.tier is not None:
-            self._finish_loads()
+            self.finish_loads()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         cap = self.prefill_token_budget
@@ -364,7 +364,7 @@ class Scheduler:
         self.loading[req.request_id] = req
         return True
 
-    def _finish_loads(self) -> None:
+    def finish_loads(self) -> None:
         """Register finished loads' blocks in the prefix cache, give back what the loads held,
         and put their requests first in line (in the order their loads finished)."""
         back: list[Request] = []

@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
                 msg = msgpack.unpackb(bytes(ctrl.broadcast_(torch.empty(int(header[1]), dtype=torch.uint8)).numpy()))
                 try:
                     if msg["op"] == "tier" and tier is not None:
-                        tier.apply(msg["args"]["slots"], msg["args"]["ops"])
+                        tier.apply(msg["args"]["slots"], msg["args"]["ops"], sync=True)  # ids leave the engine
                         reply = {}
                     elif ext is None:
                         raise RuntimeError("this rank runs no extension (engine arg tp_rank_extension)")

@@ -60,6 +60,10 @@ class Lender:
         # Requests from borrowers this agent cannot answer yet (no NIXL metadata of theirs
         # loaded): the owner fetches it (`waiting_for_peers`), adds the peer, then `retry()`.
         self.waiting: list[tuple[str, LendRequest, float]] = []
+        # Requests whose chain is being loaded back from the second tier: (borrower, request,
+        # the TierLoad, since); answered by `expire()` once loaded.
+        self.loading: list[tuple[str, LendRequest, object, float]] = []
+        self._unanswered: list = []  # loads still running for requests refused meanwhile
 
     def waiting_for_peers(self) -> set[str]:
         return {sender for sender, _, _ in self.waiting}
@@ -93,12 +97,22 @@ class Lender:
         ids = None
         if msg.blocks > MAX_LEND_BLOCKS:
             reason = TOO_MANY
-        elif not self.table.has_room(msg.blocks):
+        elif not self.table.has_room(msg.blocks + self._loading_blocks()):
             reason = BUSY
         else:
             ids = self.connector.lend_chain(msg.tail_hash, msg.blocks)
             if ids is None:
+                # Part of the chain may have left the pool for the second tier: load it back,
+                # then grant (`_answer_loaded`), well inside the borrower's deadline.
+                load = self.connector.load_chain(msg.tail_hash, msg.blocks, f"lend-load-{sender}-{msg.lend_id}")
+                if load is not None:
+                    self.loading.append((sender, msg, load, self.clock()))
+                    self.counters["loading_from_tier"] += 1
+                    return
                 reason = GONE
+        self._answer(sender, msg, ids, reason)
+
+    def _answer(self, sender: str, msg: LendRequest, ids: list[int] | None, reason: str) -> None:
         if ids is not None:
             self.table.add(sender, msg, tuple(ids), self.clock())
         grant = LendGrant(msg.lend_id, tuple(ids or ()), reason)
@@ -108,8 +122,38 @@ class Lender:
         except Exception as exc:  # noqa: BLE001  (the borrower is gone: its lease ends the loan)
             log.warning("could not answer lend request %s from %s: %r", msg.lend_id, sender, exc)
 
+    def _loading_blocks(self) -> int:
+        return sum(msg.blocks for _, msg, _, _ in self.loading)
+
+    def _answer_loaded(self) -> None:
+        """Grant the loans whose chain came back from the tier; refuse those whose load failed,
+        or that the borrower's deadline passed while loading (it no longer waits)."""
+        if not (self.loading or self._unanswered):
+            return
+        # Which loads had finished before they are registered (one finishing in between waits
+        # for the next call, rather than be lent unregistered).
+        done = {id(load) for load in self._unanswered + [w[2] for w in self.loading] if load.finished}
+        self.connector.finish_tier_loads()  # (an idle engine takes no step that would)
+        self._unanswered = [load for load in self._unanswered if id(load) not in done]
+        now = self.clock()
+        waiting, self.loading = self.loading, []
+        for sender, msg, load, since in waiting:
+            if id(load) not in done:
+                if now - since <= msg.lease_ms / 4e3:  # (half the borrower's wait: it must still read)
+                    self.loading.append((sender, msg, load, since))
+                else:  # the load goes on (its blocks join the cache when it ends), the borrower computes
+                    self._unanswered.append(load)
+                    self._answer(sender, msg, None, GONE)
+                continue
+            ids = self.connector.lend_chain(msg.tail_hash, msg.blocks) if load.error is None else None
+            if ids is not None:
+                self.counters["granted_from_tier"] += 1
+            self._answer(sender, msg, ids, "" if ids is not None else GONE)
+
     def expire(self) -> int:
-        """Unpin the loans whose lease ended without a release."""
+        """Answer the loans loaded back from the tier; unpin the loans whose lease ended without
+        a release."""
+        self._answer_loaded()
         loans = self.table.take_expired(self.clock())
         for loan in loans:
             self.connector.unlend(list(loan.block_ids))

@@ -14,14 +14,15 @@ from kvt_peer import LOOPBACK_UCX_ENV
 IDLE_POLL_S = 0.002
 
 
-def lend_node_main(conn: Any, model: str, name: str, num_blocks: int, quarantine_s: float, lease_ms: int) -> None:
+def lend_node_main(conn: Any, model: str, name: str, num_blocks: int, quarantine_s: float, lease_ms: int,
+                   engine_args: dict | None = None) -> None:
     os.environ.update(LOOPBACK_UCX_ENV)
     from pdserve.engine import LLM, SamplingParams
     from pdserve.kvtransfer.agent import KVTransferAgent
     from pdserve.kvtransfer.layout import KVLayout
     from pdserve.kvtransfer.lending import Borrower, Lender, route_notification
 
-    llm = LLM(model, num_gpu_blocks_override=num_blocks, device="cpu")
+    llm = LLM(model, num_gpu_blocks_override=num_blocks, device="cpu", **(engine_args or {}))
     eng = llm.engine
     conn_ = eng.connector
     m = eng.model_config
@@ -80,6 +81,9 @@ def lend_node_main(conn: Any, model: str, name: str, num_blocks: int, quarantine
                 conn.send({**out, "started": lend_id is not None,
                            "outcome": result.outcome if result else None, "detail": result.detail if result else "",
                            "read_tokens": result.read_tokens if result else 0})
+            elif op == "holds":  # the prompt's tokens in the pool, and right after them in the tier
+                pooled = conn_.cached_prefix_len(cmd["prompt"])
+                conn.send({"pool": pooled, "tier": conn_.tier_prefix_len(cmd["prompt"], pooled)})
             elif op == "pool":
                 drive()
                 conn.send({"free": eng.kv.pool.num_free, "blocks": eng.kv.pool.num_blocks,

@@ -26,10 +26,10 @@ def call(conn, op, timeout_s=120, **kwargs):
 
 
 @contextlib.contextmanager
-def node(spawn_ctx, llama_dir, name, quarantine_s=1.0, lease_ms=4000):
+def node(spawn_ctx, llama_dir, name, quarantine_s=1.0, lease_ms=4000, **engine_args):
     parent, child = spawn_ctx.Pipe()
-    proc = spawn_ctx.Process(target=lend_node_main, args=(child, llama_dir, name, NUM_BLOCKS, quarantine_s, lease_ms),
-                             daemon=True)
+    proc = spawn_ctx.Process(target=lend_node_main, args=(child, llama_dir, name, NUM_BLOCKS, quarantine_s, lease_ms,
+                                                          engine_args), daemon=True)
     proc.start()
     try:
         yield parent, proc
@@ -116,3 +116,30 @@ def test_a_holder_killed_with_the_loan_out_leaves_the_borrower_computing_token_e
         assert got["cached"] == 0 and got["tokens"] == reference(prompt)
         pool = settled_pool(reader)
         assert pool["free"] == pool["blocks"] and pool["quarantined"] == 0, pool
+
+
+def test_a_chain_partly_in_the_holders_second_tier_is_loaded_back_then_lent(spawn_ctx, llama_dir, reference,
+                                                                            tmp_path):
+    """The holder's pool evicted the tail of the shared prefix into its second tier (the
+    cluster's index still lists it there): asked for the chain, the holder loads that part
+    back into its pool, then grants; the borrower reads it all, token-exact."""
+    shared, prompt = prompts(4)
+    rng = random.Random(40)
+    others = [[rng.randrange(5, 500) for _ in range(200)] for _ in range(5)]
+    with node(spawn_ctx, llama_dir, "holder", kv_offload_bytes=1 << 24, kv_offload_path=str(tmp_path)) \
+            as (holder, _), node(spawn_ctx, llama_dir, "reader") as (reader, _):
+        holder_name, _ = connected(holder, reader)
+        call(holder, "generate", prompt=shared + [7, 7])
+        for other in others:  # 5 x 13 blocks through a 64-block pool: the shared prefix's tail is evicted
+            call(holder, "generate", prompt=other)
+        holds = call(holder, "holds", prompt=prompt)
+        assert holds["pool"] < 160 and holds["pool"] + holds["tier"] == 160, holds
+        got = call(reader, "borrow_generate", prompt=prompt, holder=holder_name, blocks=10)
+        assert got["outcome"] == "read", got
+        assert got["read_tokens"] == 160 and got["cached"] == 160
+        assert got["tokens"] == reference(prompt)
+        for side in (holder, reader):
+            pool = settled_pool(side)
+            assert pool["free"] == pool["blocks"] and pool["lent"] == 0, pool
+        counters = call(holder, "pool")["lender"]
+        assert counters == {"loading_from_tier": 1, "granted_from_tier": 1, "granted": 1, "released": 1}, counters

@@ -186,3 +186,30 @@ def test_a_borrow_into_blocks_the_tier_is_saving_waits_for_every_rank_to_save_th
         assert [first.token_ids, again.token_ids] == [reference(a)] * 2
         pair.settle(lambda: pair.lender.counters["released"] == 1)
         assert be.kv.pool.num_free == be.kv.pool.num_blocks and pair.lender.table.lent_blocks == 0
+
+
+def test_a_tp2_holder_loads_a_chain_back_from_every_ranks_tier_before_it_lends_it(llama_dir, reference, tmp_path):
+    """The TP=2 holder's pool evicted the shared prefix's tail into its tier: it loads it back
+    (rank 0 at once, rank 1 by the copies handed over before the grant leaves) and lends it;
+    the borrower's ranks read it token-exact."""
+    rng = random.Random(5)
+    shared, prompt = prompts(9)
+    others = [[rng.randrange(3, 32000) for _ in range(200)] for _ in range(2)]
+    with worker(llama_dir, "hl", 2, num_gpu_blocks_override=24, max_model_len=240, kv_offload_bytes=1 << 22,
+                kv_offload_path=str(tmp_path)) as (he, hs, h_record), \
+            worker(llama_dir, "bl", 2) as (be, bs, b_record):
+        holder = bs.add_peer(h_record)
+        hs.add_peer(b_record)
+        generate(he, shared + [7, 7], "warm")
+        for i, other in enumerate(others):  # 2 x 13 blocks through a 24-block pool
+            generate(he, other, f"o{i}")
+        pooled = he.connector.cached_prefix_len(prompt)
+        assert pooled < 160 and pooled + he.connector.tier_prefix_len(prompt, pooled) == 160
+        pair = Pair(hs, be, bs, he)
+        got = pair.borrow(prompt, holder, 10)
+        assert got.outcome == "read", got
+        out = generate(be, prompt, "r")
+        assert out.num_cached_tokens == 160 and out.token_ids == reference(prompt)
+        pair.settle(lambda: pair.lender.counters["released"] == 1)
+        assert pair.lender.counters["granted_from_tier"] == 1 and pair.lender.table.lent_blocks == 0
+        assert he.kv.pool.num_free == he.kv.pool.num_blocks
