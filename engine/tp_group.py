@@ -119,6 +119,7 @@ class TPGroup:
         self.size = cfg.tensor_parallel_size
         self.threads = threads
         self.broken: str | None = None
+        self.undelivered: list = []  # the attachments of a step whose sending failed
         self._restore_threads = restore_threads
         self._finalizer = weakref.finalize(self, _stop, procs)
 
@@ -180,14 +181,21 @@ class TPGroup:
         self._attachments.append(item)
 
     def send_step(self, batch) -> None:
-        self.check()
-        blob = msgpack.packb(self._attachments) if self._attachments else b""
-        self._attachments = []
-        header, payload = encode_step(batch, len(blob))
-        self.ctrl.broadcast_(header)
-        self.ctrl.broadcast_(payload)
-        if blob:
-            self.ctrl.broadcast_(to_tensor(blob))
+        attached, self._attachments = self._attachments, []
+        try:
+            self.check()
+            blob = msgpack.packb(attached) if attached else b""
+            header, payload = encode_step(batch, len(blob))
+            self.ctrl.broadcast_(header)
+            self.ctrl.broadcast_(payload)
+            if blob:
+                self.ctrl.broadcast_(to_tensor(blob))
+        except BaseException:
+            # Each broadcast ends in a barrier every rank must reach before any copies what was
+            # sent: a rank missing from one never received these attachments (the writes they
+            # start were never posted there; kvtransfer/tp_transport.py settles them).
+            self.undelivered = attached
+            raise
 
     def call(self, op: str, **args) -> list[dict]:
         """Run ``op`` in every other rank's extension; their replies, rank 1 first.

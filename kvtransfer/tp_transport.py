@@ -130,6 +130,25 @@ class TPStream:
         for _, stream in self.mine:
             stream.write_layer(layer, ready)
 
+    def _others(self, op: str, **args) -> list[dict] | None:
+        """``op`` on the other prefill ranks; None when the TP group is broken: it stopped those
+        ranks (engine/tp_group.py `fail` kills and reaps them), and they cannot be asked."""
+        try:
+            return self.sender.group.call(op, key=self.key, **args)
+        except Exception:
+            if getattr(self.sender.group, "broken", None):
+                log.info("prefill ranks stopped (%s) with request key %d's writes %s", self.sender.group.broken,
+                         self.key, "never sent to them" if self._never_sent() else "under way")
+                return None
+            raise
+
+    def _never_sent(self) -> bool:
+        """The step that would have started the other ranks' writes never reached them (its
+        sending failed): nothing of theirs was posted. Otherwise a stopped rank's writes may
+        still land (over TCP, bytes it sent before it died), so nobody can vouch for them."""
+        return any(isinstance(a, dict) and a.get("kind") == "stream" and a.get("key") == self.key
+                   for a in getattr(self.sender.group, "undelivered", ()))
+
     def finish(self, timeout_s: float, notify: bytes | None = None) -> list:
         self.finished = True
         s = self.sender
@@ -140,7 +159,9 @@ class TPStream:
                 handles += stream.finish(timeout_s, notify=note)
         finally:
             if self.others:
-                replies = s.group.call("finish", key=self.key, notify=notify, timeout_s=timeout_s)
+                replies = self._others("finish", notify=notify, timeout_s=timeout_s)
+                if replies is None:  # the other ranks are gone: their writes never completed
+                    replies = [{"failed": "the rank was stopped (its TP group broke)"}] * (s.tp - 1)
                 for h in _rank_handles(replies):
                     self.reported[("rank", h.rank)] = h
                     handles.append(h)
@@ -154,13 +175,16 @@ class TPStream:
         for _, stream in self.mine:
             stream.abort()
         if self.others:
-            self.sender.group.call("abort", key=self.key)
+            self._others("abort")
 
     def settle_posts(self, timeout_s: float) -> bool:
         settled = all(stream.settle_posts(timeout_s) for _, stream in self.mine)
         if self.others:
-            replies = self.sender.group.call("settle", key=self.key, timeout_s=timeout_s)
-            settled = settled and all(r.get("settled", False) for r in replies)
+            replies = self._others("settle", timeout_s=timeout_s)
+            if replies is None:
+                settled = settled and self._never_sent()
+            else:
+                settled = settled and all(r.get("settled", False) for r in replies)
         return settled
 
 
@@ -238,8 +262,10 @@ class TPRead:
             try:
                 replies = self.sender.group.call("read_poll", keys=[self.key])
             except Exception as exc:  # noqa: BLE001  (a rank gone: its reads are as good as failed)
+                # A broken group stopped its ranks (TPGroup.fail): nothing of theirs lands any more.
+                gone = bool(getattr(self.sender.group, "broken", None))
                 for rank in waiting:
-                    self.others[rank] = {"finished": False, "failed": f"{exc.__class__.__name__}: {exc}"}
+                    self.others[rank] = {"finished": gone, "failed": f"{exc.__class__.__name__}: {exc}"}
             else:
                 for rank, reply in enumerate(replies, start=1):
                     self.others[rank] = reply["reads"][0]
