@@ -162,8 +162,8 @@ class KVTransportSpec(_Strict):
     # many descriptors (a head range per block, between TP sizes) is split over them. auto: the
     # cores each rank owns, at most 4; 0 when it owns one (common/cores.py transfer_threads).
     threads: int | Literal["auto"] = "auto"
-    # Prefix loans between workers (docs/kvindex.md): every TP=1 worker lends its cached prefixes
-    # to other workers' reads and borrows theirs instead of computing them. false: neither.
+    # Prefix loans between workers (docs/kvindex.md): every worker, at any TP size, lends its cached
+    # prefixes to other workers' reads and borrows theirs instead of computing them. false: neither.
     lending: bool = True
 
     @pydantic.field_validator("threads")
