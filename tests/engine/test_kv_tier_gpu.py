@@ -61,3 +61,37 @@ def test_a_random_shared_prefix_workload_on_a_gpu_is_token_exact_and_leaks_nothi
         assert not eng.scheduler.loading
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("mirrored", [False, True], ids=["tp1", "tp_rank0"])
+def test_block_ids_leave_only_once_the_copies_out_of_them_have_landed(mirrored):
+    """A block the pool takes is copied into the tier on the engine's stream, behind whatever
+    the engine queued there; another worker may write into that block with NIXL as soon as
+    its id leaves the engine (a reservation, a borrow's targets), and NIXL waits for no
+    stream. So `flush()` (now) returns only once that copy has landed: with the stream held
+    busy by a long kernel, it is idle when flush returns, and the tier holds the old KV."""
+    import torch
+
+    from pdserve.engine.block_manager import BlockPool
+    from pdserve.engine.kv_tier import KVTier
+    from tests.engine.test_kv_tier import cache_block
+
+    pool_t = torch.zeros(2, 4, 2, 16, 2, 8, device="cuda")
+    pool = BlockPool(4)
+    handed = []
+    tier = KVTier(pool_t, 4 * 2 * (2 * 16 * 2 * 8 * 4), "auto", None, window=4,
+                  mirror=(lambda slots, ops, now: handed.append(now)) if mirrored else None)
+    pool.tier = tier
+    try:
+        blk = cache_block(pool, pool_t, 1, 1.0)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning on the engine's stream
+        pool.allocate(4)  # takes the cached block: its copy is queued behind the spin
+        tier.flush()
+        assert torch.cuda.current_stream().query(), "flush returned before the copy out of the block landed"
+        pool_t[:, blk.block_id] = -1.0  # what a remote write would do next
+        slot = tier._slots[bytes([1]) * 32]
+        assert bool((tier.store.view()[slot] == 1.0).all())
+        assert handed == ([True] if mirrored else [])
+    finally:
+        tier.close()
