@@ -44,6 +44,7 @@ request internals stay the engine's.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,9 @@ if TYPE_CHECKING:
 
     from .engine_types import RequestDelta
     from .llm_engine import LLMEngine
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -230,14 +234,24 @@ class KVConnector:
             return None
         chain.reverse()
         pool.touch(chain)
-        self._flush_tier()  # a block loaded back from the tier is whole on every rank before it is read
+        if not self._flush_tier():  # a block loaded back from the tier is whole on every rank before it is read
+            pool.release(list(reversed(chain)))
+            return None
         return [b.block_id for b in chain]
 
-    def _flush_tier(self) -> None:
-        """TP with a second tier: the other ranks make the tier copies rank 0 made, now, before
-        block ids leave the engine (another worker reads or writes them; engine/kv_tier.py)."""
-        if self._eng.tier is not None:
+    def _flush_tier(self) -> bool:
+        """With a second tier: the tier copies out of (and into) blocks are made on every rank,
+        and on a GPU have landed, before block ids leave the engine (another worker reads or
+        writes them with NIXL; engine/kv_tier.py `flush`). False when that failed (a rank
+        refused its copies): the caller gives back what it took and lends or borrows nothing."""
+        if self._eng.tier is None:
+            return True
+        try:
             self._eng.tier.flush()
+        except Exception as exc:  # noqa: BLE001  (TPControlError, TPGroupBroken: the steps will say so too)
+            log.warning("second KV tier: the copies before block ids leave the engine failed: %r", exc)
+            return False
+        return True
 
     def load_chain(self, tail_hash: bytes, num_blocks: int, key: str):
         """The chain `lend_chain` wants, when part of it has left the pool for the second tier
@@ -302,7 +316,9 @@ class KVConnector:
             return None
         kv.pool.touch(hits)
         targets = kv.pool.allocate(need)
-        self._flush_tier()  # what taking the targets evicted is copied on every rank before a read lands
+        if not self._flush_tier():  # what taking the targets evicted is copied on every rank before a read lands
+            kv.pool.release(list(reversed(list(hits) + targets)))
+            return None
         parents = [None] + hashes[:-1]
         tokens = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(num_blocks)]
         return Borrow(hashes, parents, tokens, len(hits), [b.block_id for b in targets], list(hits) + targets)

@@ -190,10 +190,12 @@ class TPGroup:
             self.ctrl.broadcast_(payload)
             if blob:
                 self.ctrl.broadcast_(to_tensor(blob))
-        except BaseException:
-            # Each broadcast ends in a barrier every rank must reach before any copies what was
-            # sent: a rank missing from one never received these attachments (the writes they
-            # start were never posted there; kvtransfer/tp_transport.py settles them).
+        except (TPGroupBroken, TPRankLost):
+            # Nothing was sent, or a rank is gone: each broadcast ends in a barrier every rank
+            # must reach before any copies what was sent, and a dead rank never reaches it, so no
+            # rank received these attachments (the writes they start were never posted;
+            # kvtransfer/tp_transport.py settles them). Not so after a timeout: a slow rank may
+            # reach the barrier later and copy them.
             self.undelivered = attached
             raise
 

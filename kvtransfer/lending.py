@@ -166,6 +166,10 @@ class Lender:
     def borrower_gone(self, name: str) -> None:
         for loan in self.table.take_borrower(name):
             self.connector.unlend(list(loan.block_ids))
+        gone = [w for w in self.loading if w[0] == name]
+        if gone:  # their loads go on (their blocks join the cache), unanswered
+            self.loading = [w for w in self.loading if w[0] != name]
+            self._unanswered += [load for _, _, load, _ in gone]
 
 
 @dataclass

@@ -268,7 +268,8 @@ class TPRead:
                     self.others[rank] = {"finished": gone, "failed": f"{exc.__class__.__name__}: {exc}"}
             else:
                 for rank, reply in enumerate(replies, start=1):
-                    self.others[rank] = reply["reads"][0]
+                    if rank in waiting:  # (one that reported its end forgot the read: it answers "finished")
+                        self.others[rank] = reply["reads"][0]
         if self.done and self.notify is not None and not self.notified:
             self.notified = True
             try:

@@ -430,13 +430,10 @@ class PrefillWorker:
         lender = self.lending.lender
         while True:
             await asyncio.sleep(LEND_POLL_S)
-            if self._engine_lock.acquire(blocking=False):
-                try:
-                    self.agent.poll()
-                except Exception as exc:  # noqa: BLE001  (the transport's trouble shows in the batches too)
-                    log.debug("lend poll failed: %r", exc)
-                finally:
-                    self._engine_lock.release()
+            if not self._engine_lock.locked():
+                # On the compute thread, not this loop: an answer may load a chain back from the
+                # tier or, at TP>1, wait for the other ranks' copies (engine/kv_connector.py).
+                await self._compute.run(self._lend_poll)
             for name in lender.waiting_for_peers():
                 problem = await self._peer_info(name, self._pending_peers)
                 if problem is not None:
@@ -444,6 +441,16 @@ class PrefillWorker:
             if (self._pending_peers or lender.waiting) and not self._engine_lock.locked():
                 # No batch under way: register them now (a batch would, between its steps).
                 await self._compute.run(self._answer_waiting_borrowers)
+
+    def _lend_poll(self) -> None:
+        """Between batches (compute thread): poll the agent, which answers the loan requests."""
+        if self._engine_lock.acquire(blocking=False):
+            try:
+                self.agent.poll()
+            except Exception as exc:  # noqa: BLE001  (the transport's trouble shows in the batches too)
+                log.debug("lend poll failed: %r", exc)
+            finally:
+                self._engine_lock.release()
 
     def _answer_loans(self) -> None:
         """Between a batch's steps (batch thread): the loan requests that arrived meanwhile,

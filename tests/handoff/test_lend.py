@@ -123,3 +123,29 @@ def test_an_abandoned_read_keeps_its_blocks_until_freed(engines):
     assert reader.kv.pool.num_free == reader.kv.pool.num_blocks - 4
     reader.connector.free("lend-quarantine-1")
     assert reader.kv.pool.num_free == reader.kv.pool.num_blocks
+
+
+def test_when_the_tier_copies_fail_before_ids_leave_nothing_is_lent_or_borrowed_and_nothing_stays_taken(
+        engines, monkeypatch):
+    """At TP>1 the copies the other ranks must make before block ids leave the engine go by a
+    control call, which can fail (a rank cannot open its tier file): the grant and the borrow
+    are given up, with every pin let go, rather than raise into the worker's poll."""
+    holder, reader = engines["holder"].engine, engines["reader"].engine
+    rng = random.Random(11)
+    prompt = [rng.randrange(5, 500) for _ in range(100)]
+    engines["holder"].generate([prompt], GREEDY)
+    borrow = reader.connector.begin_borrow(prompt, 6)
+    hashes = borrow.hashes
+    reader.connector.end_borrow(borrow, ok=False)
+
+    class Failing:
+        def flush(self, now=True):
+            raise RuntimeError("tier: rank 1: no room for the tier file")
+
+    for eng in (holder, reader):
+        monkeypatch.setattr(eng, "tier", Failing())
+    free = holder.kv.pool.num_free
+    assert holder.connector.lend_chain(hashes[5], 6) is None
+    assert holder.kv.pool.num_free == free and all(holder.kv.pool.cached[h].ref_cnt == 0 for h in hashes)
+    assert reader.connector.begin_borrow(prompt, 6) is None
+    assert reader.kv.pool.num_free == reader.kv.pool.num_blocks
