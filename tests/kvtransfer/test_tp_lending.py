@@ -13,45 +13,35 @@ import random
 import time
 
 import pytest
+from test_lending import GREEDY, prompts, reference  # noqa: F401  (the TP=1 loans' prompts and reference)
 
-from pdserve.engine import LLM, LLMEngine, SamplingParams
+from pdserve.engine import LLMEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.tp_comm import shm_available
-from pdserve.kvtransfer import LOOPBACK_UCX_ENV, KVLayout, KVTransferAgent
+from pdserve.kvtransfer import LOOPBACK_UCX_ENV
 from pdserve.kvtransfer.lending import Borrower, Lender, route_notification
-from pdserve.kvtransfer.tp_transport import TPSender, rank_agent_name, ranks_record
+from pdserve.kvtransfer.tp_transport import open_worker_transport, rank_agent_name, with_rank_transport
 
 pytestmark = [pytest.mark.skipif(shm_available() is not None, reason=f"TP needs shm: {shm_available()}"),
               pytest.mark.timeout(300)]
 
-EXTENSION = "pdserve.kvtransfer.rank_service:RankTransfer"
-GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 NUM_BLOCKS = 48
 
 
 @contextlib.contextmanager
 def worker(model: str, worker_id: str, tp: int, **engine_args):
-    """An engine and its transport over every rank (as kvtransfer.tp_transport.open_worker_transport
-    makes it), with the sender a worker lends and borrows through."""
+    """An engine and its transport over every rank, opened as a worker opens them, with the
+    sender a worker lends and borrows through."""
     engine_args.setdefault("num_gpu_blocks_override", NUM_BLOCKS)
-    eng = LLMEngine(EngineConfig.from_kwargs(model, tensor_parallel_size=tp, kv_layout="HND",
-                                             tp_rank_extension=EXTENSION if tp > 1 else None, **engine_args))
-    agent = None
+    eng = LLMEngine(EngineConfig.from_kwargs(model, **with_rank_transport(
+        {"tensor_parallel_size": tp, "kv_layout": "HND", **engine_args})))
+    transport = None
     try:
-        m = eng.model_config
-        layout = KVLayout.from_tensor(eng.connector.kv_tensor, m.model_id, kv_layout="HND",
-                                      total_kv_heads=m.num_kv_heads, tp_size=tp, tp_rank=0)
-        agent = KVTransferAgent(worker_id, eng.connector.kv_tensor, layout, ucx_env=LOOPBACK_UCX_ENV)
-        infos = [agent.local_info()]
-        if tp > 1:
-            infos += [r["info"] for r in eng.runner.group.call("open", worker_id=worker_id, model_id=m.model_id,
-                                                                 total_kv_heads=m.num_kv_heads,
-                                                                 ucx_env=dict(LOOPBACK_UCX_ENV))]
-        sender = TPSender(agent, m.num_kv_heads, tp, eng.runner.group)
-        yield eng, sender, ranks_record(worker_id, infos)
+        transport = open_worker_transport(worker_id, eng, LOOPBACK_UCX_ENV)
+        yield eng, transport.sender(), transport.record
     finally:
-        if agent is not None:
-            agent.close()
+        if transport is not None:
+            transport.agent.close()
         eng.close()
 
 
@@ -101,19 +91,6 @@ class Pair:
         while not until() and time.monotonic() < deadline:
             self.drive()
             time.sleep(0.005)
-
-
-@pytest.fixture(scope="module")
-def reference(llama_dir):
-    llm = LLM(llama_dir, enable_prefix_caching=False)
-    yield lambda prompt: llm.generate([prompt], GREEDY)[0].token_ids
-    llm.close()
-
-
-def prompts(seed, shared_len=160, tail=40):
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 32000) for _ in range(shared_len)]
-    return shared, shared + [rng.randrange(3, 32000) for _ in range(tail)]
 
 
 @pytest.mark.parametrize("holder_tp,borrower_tp", [(2, 2), (2, 1), (1, 2)])
