@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pdserve import certs
 from pdserve.control.etcd_server import EmbeddedEtcd, EtcdError
+from pdserve.control.resources import custom_without_cluster, describe, ray_demand
 from pdserve.control.topology import TopologyError, load_topology
 
 
@@ -33,8 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "check",
         help="validate topology files and the policy files they name",
         description="Validate each FILE against the topology schema and check that the "
-        "router/autoscale policy files it names exist. Prints a summary or every problem "
-        "as FILE:LINE: key.path: message. Exit 0 if all are valid, 1 otherwise.",
+        "router/autoscale policy files it names exist. Prints a summary and the Ray resources "
+        "of everything `pdserve up` would start (workers at the planner's max_replicas, "
+        "gateways, the KV index, the queue), or every problem as FILE:LINE: key.path: message. "
+        "A topology that asks for custom Ray resources without naming a Ray cluster (ray.address) "
+        "is refused: the head `up` starts has none. Exit 0 if all are valid, 1 otherwise.",
     )
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=run_topology_check)
@@ -79,6 +83,8 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 def run_topology_check(args: argparse.Namespace) -> int:
     failed = 0
+    from pdserve.planner.policy import autoscale_max_replicas
+
     for name in args.files:
         try:
             topo = load_topology(name)
@@ -90,10 +96,20 @@ def run_topology_check(args: argparse.Namespace) -> int:
             continue
         etcd = ",".join(topo.etcd.endpoints) or "embedded"
         model = "auto (made on first run)" if topo.model.is_auto else topo.model.path
+        demands = ray_demand(topo, autoscale_max_replicas(topo))
+        missing = [] if topo.ray.address else custom_without_cluster(demands)
+        if missing:
+            failed += 1
+            print(f"{name}: ray.address: null starts a Ray head that has none of the custom resources "
+                  f"{'; '.join(missing)}: nothing asking for them could ever be placed. Set ray.address to a "
+                  "cluster whose nodes carry them (`ray up`, `ray start --resources`), or remove them",
+                  file=sys.stderr)
+            continue
         print(
             f"{name}: OK: cluster {topo.cluster}, {topo.roles.prefill.replicas}P"
             f"{topo.roles.decode.replicas}D, model {model}, etcd {etcd}"
         )
+        print("\n".join(["  Ray resources of what `pdserve up` starts:"] + describe(demands)))
     return 1 if failed else 0
 
 

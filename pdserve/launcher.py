@@ -39,6 +39,7 @@ from pdserve.control.actors import (
 from pdserve.control.etcd_auth import ClusterAccess, bootstrap_rbac
 from pdserve.control.etcd_server import EmbeddedEtcd, free_loopback_port
 from pdserve.control.netaddr import resolve_bind
+from pdserve.control.resources import head_cpus, ray_demand, shortfall
 from pdserve.control.security import grpc_channel, internal_client_tls
 from pdserve.control.topology import Topology
 from pdserve.control.worker_config import worker_slots
@@ -55,6 +56,10 @@ __all__ = ["Launcher", "ClusterState", "state_path", "StartedWorker", "start_wor
 READY_TIMEOUT_S = 300.0
 RAY_START_TIMEOUT_S = 60.0
 GATE_START_TIMEOUT_S = 30.0
+# A joined Ray cluster gets this long to show the resources the topology needs (nodes joining).
+RESOURCES_WAIT_S = 120.0
+# A head started here reports its resources within moments of accepting connections.
+RESOURCES_SETTLE_S = 10.0
 
 
 class Launcher:
@@ -62,7 +67,8 @@ class Launcher:
 
     def __init__(self, topology: Topology, topology_file: str, model_path: str, *,
                  ray_address: str | None = None, progress: Callable[[str], None] = print,
-                 max_replicas: dict[str, int] | None = None, flexible: bool = False):
+                 max_replicas: dict[str, int] | None = None, flexible: bool = False,
+                 resources_wait_s: float = RESOURCES_WAIT_S):
         """`max_replicas`: per role, the most replicas the planner may run (the autoscale
         policy's max_replicas): a Ray head started here gets CPUs for them. `flexible`: start
         workers that can change role in place (the policy's allow_role_flip)."""
@@ -73,6 +79,7 @@ class Launcher:
         self.model_path = model_path
         self.ray_address = ray_address or topology.ray.address
         self.progress = progress
+        self.resources_wait_s = resources_wait_s
 
     # -- up -----------------------------------------------------------------------------
     def up(self) -> ClusterState:
@@ -100,6 +107,7 @@ class Launcher:
             self.progress(f"ray       {ray_auth}")
             ray.init(address=state.ray_address, namespace=t.ray.namespace, log_to_driver=False)
             state.save(path)  # from here on, `down` can clean up whatever follows
+            self._check_resources(joined=state.ray_head_pid is None)
             from .taskqueue import get_or_create_queue
 
             queue = get_or_create_queue(t.queue.name, t.ray.namespace, t.queue.capacity, detached=True,
@@ -192,10 +200,9 @@ class Launcher:
             self.progress(f"ray       joining {self.ray_address}")
             return
         port = free_loopback_port()
-        roles = self.topo.roles
-        need = sum(max(getattr(roles, r).replicas, self.max_replicas.get(r, 0)) * getattr(roles, r).resources.num_cpus
-                   for r in ("prefill", "decode"))
-        cpus = max(2, int(need + 0.999))
+        # Room for every actor `up` starts (workers at the planner's max, gateways, the KV
+        # index): an actor that does not fit the head's CPUs would wait forever.
+        cpus = head_cpus(ray_demand(self.topo, self.max_replicas))
         # The head and every process it spawns authenticate as the topology says (ray.auth).
         env = {**child_env(self.topo), "RAY_worker_niceness": str(self.topo.ray.worker_niceness)}
         log_file = open(run_dir / f"{self.topo.cluster}-ray.log", "ab")
@@ -213,6 +220,38 @@ class Launcher:
                 raise RuntimeError(f"Ray head did not start (see {log_file.name})")
             time.sleep(0.2)
         self.progress(f"ray       started head at {state.ray_address} ({cpus} CPUs, pid {proc.pid})")
+
+    def _check_resources(self, joined: bool) -> None:
+        """Fail before starting any actor when the Ray cluster cannot hold them all, naming what
+        is short and who asks for it (control/resources.py), instead of timing out minutes later
+        on an actor Ray can never place. A head started here is sized for them; a cluster that
+        was joined gets `resources_wait_s` for nodes still joining (`ray up` starts the workers'
+        nodes after the head), with the shortfall printed while it waits."""
+        import ray
+
+        # What starts now: the planner's later workers (max_replicas) are sized into a head
+        # started here, but a joined cluster need not hold them yet (its autoscaler may add nodes).
+        demands = ray_demand(self.topo)
+        wait_s = self.resources_wait_s if joined else RESOURCES_SETTLE_S
+        deadline, said = time.monotonic() + wait_s, None
+        while True:
+            short = shortfall(demands, ray.available_resources())
+            if not short:
+                return
+            # A head started here has reported its resources once it lists CPUs: short is final.
+            if time.monotonic() > deadline or (not joined and "CPU" in ray.cluster_resources()):
+                break
+            if joined and short != said:
+                self.progress("ray       waiting for resources: " + "; ".join(short))
+                said = short
+            time.sleep(0.5)
+        where = (f"the Ray cluster at {self.ray_address} (waited {wait_s:g} s for nodes to join)" if joined
+                 else "the Ray head `pdserve up` started")
+        hint = ("lower the roles' resources.num_cpus / gateway.num_cpus / kv_index.num_cpus, or add nodes"
+                if joined else "a head `up` starts declares only CPUs (and the GPUs Ray detects): join a cluster "
+                "whose nodes carry the custom resources (--ray-address), or remove them from the topology")
+        raise RuntimeError(f"{where} cannot place everything this topology starts: " + "; ".join(short)
+                           + f". {hint} (`pdserve topology check` lists what each part asks for)")
 
     def _start_workers(self, state: ClusterState) -> list:
         t = self.topo

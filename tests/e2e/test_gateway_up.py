@@ -1,5 +1,7 @@
 """`pdserve up` with `gateway.replicas: 1` and `kv_index.enabled`: the gateway and the KV index
-start after the decode workers (Ray actors); the gateway serves through both workers and
+start after the decode workers (Ray actors) on a head sized for them too (a 1P2D cluster whose
+workers ask 1 CPU each, the gateway and index their default 0.5 and 0.25: before the head
+counted them, the gateway actor never fit and `up` timed out); the gateway serves through both workers and
 explains its pick, `pdserve kv status --topology` finds the index (no --url) following both,
 `pdserve status` lists both services, and `pdserve down` stops them."""
 
@@ -34,14 +36,15 @@ def _get(url: str) -> dict:
 def test_up_starts_a_gateway_in_front_of_the_decode_workers(tmp_path):
     path = tmp_path / "topology.yaml"
     text = small_topology_yaml("gateway-up", tmp_path)
-    text = text.replace("  prefill:\n    replicas: 1\n", "  prefill:\n    replicas: 0\n")
     text = text.replace("  decode:\n    replicas: 1\n", "  decode:\n    replicas: 2\n")
-    text = text.replace("engine: {device: cpu,", "engine: {kv_events: true, device: cpu,")
-    path.write_text(text + "gateway: {replicas: 1, num_cpus: 0}\nkv_index: {enabled: true, num_cpus: 0}\n")
+    head, decode = text.split("  decode:\n")  # the index follows the decode workers only
+    text = head + "  decode:\n" + decode.replace("engine: {device: cpu,", "engine: {kv_events: true, device: cpu,")
+    path.write_text(text + "gateway: {replicas: 1}\nkv_index: {enabled: true}\n")  # their default num_cpus
     up = pdserve("up", "--topology", str(path))
     state_file = tmp_path / "runs" / "gateway-up.state.json"
     try:
         assert up.returncode == 0, up.stdout + up.stderr
+        assert "(4 CPUs," in up.stdout, up.stdout  # 3 workers x 1 + 0.5 + 0.25
         assert "gateway   gateway-0 started: gRPC" in up.stdout, up.stdout
         state = json.loads(state_file.read_text())
         gw = next(a for a in state["actors"] if a["role"] == "gateway")
