@@ -28,7 +28,9 @@ generate: venv $(MODEL_DIR)/config.json
 	.venv/bin/pdserve generate --model $(MODEL_DIR) --max-tokens 32 --ignore-eos \
 		"The history of disaggregated serving" "Prefill and decode"
 
+# tests/prereqs.sh: sshd and rsync for the multi-host suite (installed as root, else those tests skip).
 test:
+	bash tests/prereqs.sh
 	RAY_AUTH_MODE=disabled UCX_MODULES='^ib' $(PYTHON) -m pytest -q
 
 bench: venv
