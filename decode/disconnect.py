@@ -39,7 +39,10 @@ class ClientWatch:
     def gone(self) -> bool:
         """After a CancelledError: whether it came from the client's disconnect (then the
         cancellation is taken back so the handler can return normally)."""
-        if self._fired and self._task.cancelling():
+        # Python 3.11+ counts cancellations: a caught one still marks the task cancelling (and a
+        # later `asyncio.timeout` would misread it) unless taken back. 3.10 has no count: a
+        # caught CancelledError leaves nothing behind, so there is nothing to take back.
+        if self._fired and hasattr(self._task, "uncancel") and self._task.cancelling():
             self._task.uncancel()
         return self._fired
 
