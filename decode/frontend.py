@@ -58,6 +58,7 @@ class Frontend(Surface):
         # a label reused while its old sequence is still being torn down (or by another
         # tenant) can never be attached to that sequence's output.
         self.inflight: dict[tuple[str | None, str], str] = {}  # (key identity, label) -> engine id
+        self._labels_admitting: set[tuple[str | None, str]] = set()  # labels of requests in admission
         self._handed_back: set[str] = set()  # ended by `hand_back`: their streams end UNAVAILABLE
         self._via_remote: set[str] = set()
         self._id_prefix = uuid.uuid4().hex[:8]  # per worker process: ids never repeat across restarts
@@ -152,9 +153,22 @@ class Frontend(Surface):
         ids, params, prio = await self.validated(inp)
         self.check_serving()  # it may have changed while the prompt was tokenized
         label = inp.request_id or uuid.uuid4().hex
-        if (identity(inp.caller), label) in self.inflight:
+        key = (identity(inp.caller), label)
+        if key in self.inflight or key in self._labels_admitting:
             raise RequestError("already_exists", f"request_id: {label!r} is still in flight on this worker; "
                                "wait for it to end (or abort it) before reusing the id", "request_id")
+        # Taken from here on: admission may wait for KV room (an await), and a second request
+        # with this label arriving meanwhile must be refused, not admitted beside it. _generate
+        # moves the label into `inflight`; any refusal below gives it back.
+        self._labels_admitting.add(key)
+        try:
+            return await self._admit(inp, arrival, ids, params, prio, label)
+        except BaseException:
+            self._labels_admitting.discard(key)
+            raise
+
+    async def _admit(self, inp: GenerateInput, arrival: float, ids, params, prio, label: str) -> Prepared:
+        """Admission and routing of a validated request whose label `prepare` reserved."""
         policy = self.policy.policy
         resume = inp.resume_ids or []
         # A resumed request (a migrated stream) computes its prompt and resumed tokens here:
@@ -261,7 +275,8 @@ class Frontend(Surface):
         rid = prep.request_id
         key = (identity(inp.caller), prep.label)
         eff = len(prep.prompt_ids) + len(inp.resume_ids or ()) - prep.cached_len
-        self.inflight[key] = rid  # no await since prepare() checked the label is free
+        self._labels_admitting.discard(key)  # prepare() reserved it; no await between
+        self.inflight[key] = rid
         self.num_prefilling += 1
         state = {"first": False, "finished": False}
         extra: dict = {}

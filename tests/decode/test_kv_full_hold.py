@@ -121,3 +121,44 @@ def test_the_wait_header_is_read_as_a_non_negative_number_or_ignored():
     assert kv_wait_of_metadata(((KV_WAIT_HEADER, "soon"),)) is None
     assert kv_wait_of_metadata(((KV_WAIT_HEADER, "-5"),)) is None
     assert kv_wait_of_metadata(None) is None
+
+
+def test_a_second_request_with_the_label_of_one_held_for_room_is_refused_not_admitted(small_pool):
+    """The request_id check reserves the label before the hold (an await): a second request with
+    the same id, sent while the first waits for KV room, gets ALREADY_EXISTS at once; the first
+    is then served. (Before, both passed the check and both were admitted.)"""
+    w = small_pool(60_000)
+
+    async def run():
+        async with AsyncClient(w.grpc) as c, AsyncClient(w.grpc) as c2, AsyncClient(w.grpc) as c3:
+            first_token = asyncio.Event()
+
+            async def long():
+                async for msg in c.stream(prompt(400, 1), max_tokens=100, temperature=0.0, ignore_eos=True,
+                                          timeout_s=120):
+                    if msg.token_ids:
+                        first_token.set()
+
+            task = asyncio.ensure_future(long())
+            await asyncio.wait_for(first_token.wait(), 60)
+            held = asyncio.ensure_future(c2.generate(prompt(150, 2), max_tokens=8, temperature=0.0,
+                                                     ignore_eos=True, timeout_s=120, request_id="dup"))
+
+            deadline = asyncio.get_running_loop().time() + 30
+            while not w.worker.frontend._kv_waiters:  # the first waits for room (read across threads: a list)
+                assert asyncio.get_running_loop().time() < deadline, "the first request was never held"
+                await asyncio.sleep(0.02)
+            try:
+                second = await c3.generate(prompt(150, 3), max_tokens=8, temperature=0.0, ignore_eos=True,
+                                           timeout_s=120, request_id="dup")
+            except grpc.aio.AioRpcError as exc:
+                second = exc
+            first = await asyncio.wait_for(held, 120)
+            await asyncio.wait_for(task, 120)
+            return first, second
+
+    first, second = asyncio.run(run())
+    assert isinstance(second, grpc.aio.AioRpcError), f"admitted beside the held request: {second}"
+    assert second.code() == grpc.StatusCode.ALREADY_EXISTS and second.details().startswith("request_id: ")
+    assert len(first.token_ids) == 8
+    assert not w.worker.frontend._labels_admitting and not w.worker.frontend.inflight
