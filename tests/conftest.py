@@ -1,5 +1,7 @@
 """Suite-wide pytest setup: the `gpu` marker skips where CUDA is absent; engines a test left to
-the cyclic garbage collector are collected before their memory adds up."""
+the cyclic garbage collector are collected before their memory adds up; a process a test left
+running (a child of this one at the end of the session) fails the run, naming the test after
+which it first appeared."""
 
 from __future__ import annotations
 
@@ -36,6 +38,73 @@ def _collect_engines_left_in_cycles():
     if _rss_mb() - _after_last_collect[0] > GC_AFTER_GROWTH_MB:
         gc.collect()
         _after_last_collect[0] = _rss_mb()
+
+
+# Children of the pytest process that may outlive every test by design: multiprocessing's own
+# helpers end with the interpreter.
+_EXPECTED_CHILDREN = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+STRAY_GRACE_S = 15.0  # a child still exiting (a worker stopped by the last test) gets this long
+_first_seen: dict[int, str] = {}  # pid -> the test after which it was first seen
+
+
+def _children():
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+@pytest.fixture(autouse=True)
+def _note_new_children(request):
+    """Which test started each process still running after it (reads /proc: a few ms)."""
+    yield
+    for child in _children():
+        _first_seen.setdefault(child.pid, request.node.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A process left behind by the suite fails the run: every child of this process still alive
+    STRAY_GRACE_S after the last test is listed with its command line and the test after which
+    it was first seen, then killed (so CI's box is left clean either way)."""
+    import psutil
+
+    def stray(procs):
+        out = []
+        for p in procs:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                cmd = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if not any(name in cmd for name in _EXPECTED_CHILDREN):
+                out.append((p, cmd))
+        return out
+
+    left = stray(_children())
+    if not left:
+        return
+    _, alive = psutil.wait_procs([p for p, _ in left], timeout=STRAY_GRACE_S)
+    left = stray(alive)
+    if not left:
+        return
+    lines = [f"  pid {p.pid} (first seen after {_first_seen.get(p.pid, 'the last test')}): {cmd[:300]}"
+             for p, cmd in left]
+    for p, _ in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"{len(left)} process(es) left running by the test suite (killed now):\n" + "\n".join(lines)
+    if reporter is not None:
+        reporter.write_line(message, red=True)
+    else:
+        print(message)
+    if session.exitstatus == 0:
+        session.exitstatus = 1
 
 
 def _cuda_available() -> bool:
