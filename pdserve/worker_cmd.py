@@ -68,11 +68,14 @@ def register(subparsers) -> None:
     p.add_argument("--role", required=True, choices=("prefill", "decode"), help="which worker to run")
     p.add_argument("--topology", required=True, metavar="FILE", help="topology YAML (configs/topologies/*.yaml)")
     p.add_argument("--ray-address", default=None, metavar="HOST:PORT",
-                   help="the Ray head's GCS address (default: the topology's ray.address, else 'auto': "
-                        "the Ray started on this node)")
+                   help="the Ray head's GCS address (default: the topology's ray.address, else the one "
+                        "`pdserve up` recorded for this cluster on this host). 'auto' joins whatever cluster "
+                        "Ray's current-cluster file names, which the last `ray start` on the host overwrote: "
+                        "never a default")
     p.add_argument("--etcd", default=None, metavar="ENDPOINTS",
-                   help="etcd endpoints host:port[,host:port] (default: the topology's etcd.endpoints; with "
-                        "etcd.gate: the gate's endpoint, which `pdserve up` prints)")
+                   help="etcd endpoints host:port[,host:port] (default: the topology's etcd.endpoints, else "
+                        "those `pdserve up` recorded for this cluster on this host; with etcd.gate: the "
+                        "gate's endpoint, which `pdserve up` prints)")
     p.add_argument("--worker-id", default=None, metavar="ID",
                    help="this worker's id in etcd, e.g. the pod name (default: <role>-<hostname>)")
     p.add_argument("--model", default=None, metavar="PATH",
@@ -82,6 +85,17 @@ def register(subparsers) -> None:
     p.add_argument("--check", action="store_true",
                    help="validate the arguments and the topology, print the plan, start nothing")
     p.set_defaults(func=run)
+
+
+def _recorded(topo):
+    """What `pdserve up` recorded for this topology's cluster on this host (its state file), or None."""
+    from pdserve.state import ClusterState, state_path
+
+    path = state_path(topo)
+    try:
+        return ClusterState.load(path) if path.is_file() else None
+    except (OSError, ValueError, TypeError):  # unreadable: as if absent (the flags then say what is missing)
+        return None
 
 
 def plan(args) -> WorkerPlan:
@@ -100,6 +114,7 @@ def plan(args) -> WorkerPlan:
         token_source(topo.ray, topo.resolve)  # with ray.auth: token, a token must be there
     except ValueError as exc:
         raise ValueError(f"--topology {args.topology}: {exc}") from None
+    recorded = _recorded(topo)
     role = args.role
     if role == "prefill" and topo.roles.prefill.replicas == 0:
         raise ValueError(f"--role prefill: the topology {args.topology} has roles.prefill.replicas 0, so its decode "
@@ -112,6 +127,8 @@ def plan(args) -> WorkerPlan:
             raise ValueError(f"--etcd {args.etcd!r}: {exc}") from None
     elif topo.etcd.endpoints:
         endpoints = list(topo.etcd.endpoints)
+    elif recorded is not None:
+        endpoints = recorded.worker_etcd_endpoints
     else:
         raise ValueError("no etcd endpoints: pass --etcd HOST:PORT[,HOST:PORT] or set etcd.endpoints in "
                          f"{args.topology} (a worker started on its own cannot start an embedded etcd)")
@@ -121,7 +138,16 @@ def plan(args) -> WorkerPlan:
         topo.worker_etcd_tls(worker_id)  # with etcd TLS, this worker's certificate (or the shared one)
     except ValueError as exc:
         raise ValueError(f"--topology {args.topology}: {exc}") from None
-    ray_address = args.ray_address or topo.ray.address or "auto"
+    if not args.drain_timeout > 0:
+        raise ValueError(f"--drain-timeout {args.drain_timeout:g}: must be > 0 seconds")
+    # Always a named cluster: a bare "auto" joins what Ray's current-cluster file names, and a
+    # second cluster started on this host takes that file over.
+    ray_address = args.ray_address or topo.ray.address or (recorded.ray_address if recorded is not None else None)
+    if not ray_address:
+        raise ValueError(f"no Ray cluster named: pass --ray-address HOST:PORT, set ray.address in {args.topology}, "
+                         f"or start the cluster with `pdserve up --topology {args.topology}` on this host first "
+                         "(its address is then read from the state file). --ray-address auto joins whatever "
+                         "Ray cluster this host's last `ray start` made")
     if ray_address != "auto":
         host, sep, port = ray_address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -133,8 +159,6 @@ def plan(args) -> WorkerPlan:
         model = args.model
     else:
         model = "auto" if topo.model.is_auto else str(topo.model_path)
-    if not args.drain_timeout > 0:
-        raise ValueError(f"--drain-timeout {args.drain_timeout:g}: must be > 0 seconds")
     return WorkerPlan(args.topology, topo, role, worker_id, endpoints, ray_address, model, args.drain_timeout)
 
 
