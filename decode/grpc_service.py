@@ -4,7 +4,8 @@ Status codes are the ones api/proto/pdserve/api/v1/inference.proto documents:
 INVALID_ARGUMENT (a bad field, named as the proto names it; bytes that do not
 parse), NOT_FOUND (an unknown model), RESOURCE_EXHAUSTED (QoS refusal, with
 predicted-ttft-ms and retry-after-ms trailers), UNAVAILABLE (draining, engine
-down), INTERNAL (a bug, or a failure inside the engine for this request only); with API keys
+down), INTERNAL (a bug, or a failure inside the engine for this request only: then with an
+x-pdserve-error-scope: request trailer, decode/ingress.py ERROR_SCOPE_HEADER); with API keys
 (decode/security.py): UNAUTHENTICATED (no valid key), PERMISSION_DENIED (a route override
 or raised priority without an operator key).
 """
@@ -25,7 +26,7 @@ from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.common import Priority
 from pdserve.engine import SamplingParams
 
-from .ingress import Chunk, GenerateInput, RequestError, kv_wait_of_metadata
+from .ingress import ERROR_SCOPE_HEADER, Chunk, GenerateInput, RequestError, kv_wait_of_metadata
 from .security import ApiKeyInterceptor, ServerSecurity
 from .surface import Surface
 
@@ -148,6 +149,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                 md.append(("predicted-ttft-ms", f"{exc.predicted_ttft_ms:.1f}"))
             if exc.retry_after_ms is not None:
                 md.append(("retry-after-ms", str(exc.retry_after_ms)))
+            if exc.scope is not None:  # the request's own failure: a gateway keeps this worker in rotation
+                md.append((ERROR_SCOPE_HEADER, exc.scope))
             if md:
                 context.set_trailing_metadata(tuple(md))
             await context.abort(STATUS[exc.code], str(exc))

@@ -30,16 +30,21 @@ class RequestError(Exception):
     request_id still in flight), permission_denied (a privilege the caller's API key lacks),
     resource_exhausted, unavailable, internal. ``field`` names the request field at fault, as `GenerateInput`
     names it ("prompt" for text and token ids alike); each API renames it to its own
-    field names (`renamed`).
+    field names (`renamed`). ``scope`` ``"request"``: the failure is this request's own and
+    the worker that raised it is fine (gRPC sends it as ERROR_SCOPE_HEADER; a gateway then
+    returns the error instead of retrying the request on, and avoiding, other workers);
+    None: not known to be the request's own (the worker may be at fault).
     """
 
     def __init__(self, code: str, message: str, field_name: str | None = None,
-                 predicted_ttft_ms: float | None = None, retry_after_ms: int | None = None):
+                 predicted_ttft_ms: float | None = None, retry_after_ms: int | None = None,
+                 scope: str | None = None):
         super().__init__(message)
         self.code = code
         self.field = field_name
         self.predicted_ttft_ms = predicted_ttft_ms
         self.retry_after_ms = retry_after_ms
+        self.scope = scope
 
     def renamed(self, names: dict[str, str]) -> "RequestError":
         """The same error naming the field as the client's API spells it."""
@@ -49,7 +54,7 @@ class RequestError(Exception):
         message = str(self)
         if message.startswith(f"{self.field}:"):
             message = new + message[len(self.field):]
-        return RequestError(self.code, message, new, self.predicted_ttft_ms, self.retry_after_ms)
+        return RequestError(self.code, message, new, self.predicted_ttft_ms, self.retry_after_ms, self.scope)
 
 
 REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:@/+=-]+")
@@ -125,6 +130,12 @@ class GenerateInput:
 
 
 KV_WAIT_HEADER = "x-pdserve-kv-full-wait-ms"
+# Trailing metadata of a failed Generate: "request" when the failure is the request's own and
+# the worker is fine (`RequestError.scope`). An INTERNAL without it may be the worker's (a bug,
+# a dying engine, an older worker that does not send it): a gateway then retries the request
+# once elsewhere; with it, the gateway returns the error and keeps the worker in rotation.
+ERROR_SCOPE_HEADER = "x-pdserve-error-scope"
+REQUEST_SCOPE = "request"
 
 
 def kv_wait_of_metadata(metadata) -> float | None:
@@ -197,13 +208,25 @@ def sample_input(inp: GenerateInput, j: int, request_id: str) -> GenerateInput:
     return dataclasses.replace(inp, params=params, request_id=request_id)
 
 
+# How `StepError` (engine/engine_types.py) begins, and so a request failed with its step does.
+STEP_FAILED = "engine step failed:"
+
+
 def as_request_error(item) -> RequestError:
-    """The status a client sees for a request the engine could not finish."""
+    """The status a client sees for a request the engine could not finish.
+
+    Request scope (`RequestError.scope`) only where the engine failed this request alone and
+    went on: its sampling, detokenization or block indexing raised (``finish_reason "error"``),
+    or it was invalid. Not for a failed forward pass (`StepError`: every request of the step
+    failed with it; the device may be at fault, another worker may serve it) nor for an
+    exception the engine loop stopped on: those may be the worker's."""
     if isinstance(item, InvalidRequestError):
-        return RequestError("invalid_argument", str(item), item.field)
+        return RequestError("invalid_argument", str(item), item.field, scope=REQUEST_SCOPE)
     if isinstance(item, EngineDeadError):
         return RequestError("unavailable", f"the engine stopped: {item}; retry on another decode worker")
     if isinstance(item, BaseException):
         return RequestError("internal", f"engine error: {item.__class__.__name__}: {item}")
+    if (item.error or "").startswith(STEP_FAILED):
+        return RequestError("internal", f"this request's engine step failed ({item.error}); retry it")
     return RequestError("internal", f"this request failed in the engine ({item.error}); the worker is fine, "
-                        "retry or change its sampling parameters")
+                        "retry or change its sampling parameters", scope=REQUEST_SCOPE)

@@ -9,6 +9,15 @@ run would have produced, for greedy and for seeded sampling alike. A worker that
 request before its first token (QoS: RESOURCE_EXHAUSTED; draining: UNAVAILABLE) is not a
 failure of the request: the next-best worker is asked, so one loaded worker causes no refusal
 while another has room.
+
+Whose failure (docs/gateway.md "Errors"): a worker that died, dropped its stream or is draining
+(UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, a stream without its last message) is avoided for a
+while and the stream goes on elsewhere. A failure the worker marks as the request's own
+(ERROR_SCOPE_HEADER, decode/ingress.py) is returned to the client at once and the worker stays
+in rotation: the same request would fail on every worker, and avoiding each in turn would take
+them all out of rotation for one bad request. An INTERNAL / UNKNOWN without the mark (an older
+worker, a bug, a transport error gRPC reports as INTERNAL) is tried on one more worker, and no
+worker is avoided for it.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ import grpc
 
 from pdserve.api.client import breakdown_dict, build_request
 from pdserve.decode.grpc_service import STATUS
-from pdserve.decode.ingress import KV_WAIT_HEADER, Chunk, GenerateInput, RequestError, ServingLimits
+from pdserve.decode.ingress import (ERROR_SCOPE_HEADER, KV_WAIT_HEADER, REQUEST_SCOPE, Chunk, GenerateInput,
+                                    RequestError, ServingLimits)
 from pdserve.decode.security import TENANT_HEADER
 from pdserve.decode.surface import Surface, identity
 from pdserve.decode.validate import check_privileges
@@ -40,9 +50,15 @@ log = logging.getLogger(__name__)
 
 CODE_OF = {v: k for k, v in STATUS.items()}
 # A stream that ends with one of these (or without a final message) broke with its worker:
-# the worker died, its connection dropped, or it is draining and handed the stream back.
-BROKEN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-          grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
+# the worker died, its connection dropped, or it is draining and handed the stream back. It
+# goes on elsewhere, and the worker is avoided for a while (backends.AVOID_AFTER_FAILURE_S).
+BROKEN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+# These may be the request's failure or the worker's. Marked as the request's own
+# (ERROR_SCOPE_HEADER): returned to the client. Unmarked: tried on ONE more worker
+# (MAX_UNMARKED_FAILURES), and no worker avoided: a request that makes every engine fail must
+# neither take the workers out of rotation one by one nor be sent to each of them.
+UNMARKED = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+MAX_UNMARKED_FAILURES = 2
 _SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logprobs")
 
@@ -61,13 +77,17 @@ class Stream:
 
 
 class _Broken(Exception):
-    """The current worker's stream ended before its last message."""
+    """The current worker's stream ended before its last message. ``scope``: "worker" (it
+    died, dropped the stream or drains: avoid it), "unmarked" (an INTERNAL / UNKNOWN it did
+    not mark as the request's own: keep it, try one more worker) or "refused" (QoS, before
+    any token). ``unmarked``: how many unmarked failures this stands for (a race: both)."""
 
     def __init__(self, worker_id: str, why: str, before_first: bool, code: str = "unavailable",
-                 predicted_ttft_ms: float | None = None, retry_after_ms: int | None = None):
+                 predicted_ttft_ms: float | None = None, retry_after_ms: int | None = None, scope: str = "worker"):
         super().__init__(why)
-        self.worker_id, self.before_first, self.code = worker_id, before_first, code
+        self.worker_id, self.before_first, self.code, self.scope = worker_id, before_first, code, scope
         self.predicted_ttft_ms, self.retry_after_ms = predicted_ttft_ms, retry_after_ms
+        self.unmarked = int(scope == "unmarked")
 
 
 class GatewayFrontend(Surface):
@@ -139,6 +159,7 @@ class GatewayFrontend(Surface):
         self.race_budget.start(arrival)
         tried: set[str] = set()
         refusal: _Broken | None = None
+        unmarked = 0  # unmarked INTERNAL / UNKNOWN failures so far (MAX_UNMARKED_FAILURES)
         try:
             while True:
                 pick = self.backends.pick(ids + s.tokens, tried)
@@ -170,26 +191,52 @@ class GatewayFrontend(Surface):
                     return
                 except _Broken as b:
                     tried.add(b.worker_id)
+                    if b.unmarked:
+                        unmarked += b.unmarked
+                        self._unmarked(s, b, unmarked)  # raises once it failed on a second worker
                     if b.before_first and not s.tokens:
                         refusal = b  # refused or failed before any token: another worker is asked
                         self.metrics.retry(b.code)
-                        if b.code == "unavailable":
+                        if b.scope == "worker":
+                            self.metrics.request_error("worker", "retried")
                             self.backends.failed(b.worker_id)
                         continue
-                    self.backends.failed(b.worker_id)
+                    if b.scope == "worker":
+                        self.backends.failed(b.worker_id)
                     if s.aborted:
                         raise RequestError("unavailable", f"aborted while its worker failed: {b}") from None
                     s.migrations += 1
                     if s.migrations > self.max_migrations:
                         self.metrics.migration("failed")
+                        if b.scope == "worker":
+                            self.metrics.request_error("worker", "returned")
                         raise RequestError("unavailable", f"the stream broke {s.migrations} times (last: {b}); "
                                            f"gateway.max_migrations is {self.max_migrations}") from None
                     self.metrics.migration("moved")
+                    if b.scope == "worker":
+                        self.metrics.request_error("worker", "retried")
                     log.warning("gateway: %s broke on %s after %d token(s) (%s); continuing elsewhere",
                                 label, b.worker_id, len(s.tokens), b)
         finally:
             if self.streams.get(key) is s:
                 del self.streams[key]
+
+    def _unmarked(self, s: Stream, b: _Broken, failures: int) -> None:
+        """An INTERNAL / UNKNOWN the worker did not mark as the request's own: the request may
+        be at fault (it would fail everywhere) or the worker (a bug; a transport error). One
+        more worker is asked; a second such failure ends the request with it. No worker is
+        avoided either way: only its death, drain or a dropped stream says it is broken."""
+        where = f"on {b.worker_id} after {len(s.tokens)} token(s)"
+        if failures >= MAX_UNMARKED_FAILURES or s.aborted:
+            self.metrics.request_error("unmarked", "returned")
+            log.warning("gateway: %s failed %s (%s), scope unmarked, on %d workers now: returned to the client as "
+                        "the request's own failure; the workers stay in rotation", s.label, where, b, failures)
+            raise RequestError("internal", f"{b} (it failed like this on {failures} decode workers; not retried "
+                               "again: change the request, or see the workers' logs)") from None
+        self.metrics.request_error("unmarked", "retried")
+        log.warning("gateway: %s failed %s (%s), scope unmarked (the worker did not say whether the request or the "
+                    "worker is at fault: an older worker, or a bug): tried on one more worker; %s stays in rotation",
+                    s.label, where, b, b.worker_id)
 
     # -- racing ---------------------------------------------------------------------------
     def _race_partner(self, pick, inp: GenerateInput) -> str | None:
@@ -215,7 +262,7 @@ class GatewayFrontend(Surface):
         runs = {w: (Stream(s.label), None) for w in (first, second)}
         runs = {w: (st, self._attempt(st, w, ids, params, prio, inp, arrival)) for w, (st, _) in runs.items()}
         tasks = {asyncio.ensure_future(gen.__anext__()): w for w, (_, gen) in runs.items()}
-        winner, head, broken, decided = None, None, None, False
+        winner, head, broken, decided, unmarked = None, None, None, False, 0
         try:
             while tasks and winner is None:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -226,6 +273,7 @@ class GatewayFrontend(Surface):
                         winner, head = w, t.result()
                     elif isinstance(exc, _Broken):
                         broken = exc
+                        unmarked += exc.unmarked
                         tried.add(w)
                     elif exc is not None and not isinstance(exc, StopAsyncIteration):
                         raise exc
@@ -239,7 +287,9 @@ class GatewayFrontend(Surface):
                     await gen.aclose()
         if winner is None:
             self.metrics.race("both_failed")
-            raise broken or _Broken(second, "neither raced worker answered", True)
+            broken = broken or _Broken(second, "neither raced worker answered", True)
+            broken.unmarked = unmarked  # each raced worker's unmarked failure counts (MAX_UNMARKED_FAILURES)
+            raise broken
         loser = second if winner == first else first
         self.metrics.race("won_first" if winner == first else "won_second")
         self.metrics.race_waste(len(ids))  # at most: the loser's prompt, if it was scheduled
@@ -299,9 +349,22 @@ class GatewayFrontend(Surface):
             md_trail = dict(exc.trailing_metadata() or ())
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not first:
                 raise _Broken(worker_id, exc.details(), True, "resource_exhausted",
-                              _float(md_trail.get("predicted-ttft-ms")), _int(md_trail.get("retry-after-ms"))) from None
+                              _float(md_trail.get("predicted-ttft-ms")), _int(md_trail.get("retry-after-ms")),
+                              scope="refused") from None
+            if md_trail.get(ERROR_SCOPE_HEADER) == REQUEST_SCOPE:
+                # The worker failed this request alone and is fine (decode/ingress.py as_request_error):
+                # every worker would fail it the same way, so it is not sent on and no worker is avoided.
+                self.metrics.request_error(REQUEST_SCOPE, "returned")
+                log.warning("gateway: %s failed on %s after %d token(s) (%s: %s), scope request (the worker marked "
+                            "it as this request's own failure): returned to the client; %s stays in rotation",
+                            s.label, worker_id, len(s.tokens), code.name, exc.details(), worker_id)
+                raise RequestError(CODE_OF.get(code, "internal"), exc.details() or code.name,
+                                   scope=REQUEST_SCOPE) from None
             if code in BROKEN:
                 raise _Broken(worker_id, f"{code.name}: {exc.details()}", not first) from None
+            if code in UNMARKED:
+                raise _Broken(worker_id, f"{code.name}: {exc.details()}", not first, "internal",
+                              scope="unmarked") from None
             raise RequestError(CODE_OF.get(code, "internal"), exc.details() or code.name) from None
         finally:
             w.streams -= 1

@@ -24,6 +24,14 @@ class GatewayMetrics:
         self._retries = Counter("pdserve_gateway_retries",
                                 "Requests a decode worker refused before any token, sent to another one",
                                 names + ["code"], registry=r)
+        self._request_errors = Counter(
+            "pdserve_gateway_request_errors",
+            "Failed streams of decode workers, by how the gateway took them (gateway/frontend.py). scope: request "
+            "(the worker marked the failure as the request's own: returned to the client, the worker kept in "
+            "rotation), unmarked (INTERNAL / UNKNOWN without that mark: tried on one more worker, no worker "
+            "avoided), worker (the worker died, dropped the stream or is draining: continued on another worker, "
+            "that one avoided for a while). action: returned (to the client) or retried (on another worker)",
+            names + ["scope", "action"], registry=r)
         self._requests = Counter("pdserve_gateway_requests", "Finished sequences by finish reason",
                                  names + ["finish_reason"], registry=r)
         self._errors = Counter("pdserve_gateway_errors", "Requests that ended with an error, by status code",
@@ -50,6 +58,9 @@ class GatewayMetrics:
 
     def retry(self, code: str) -> None:
         self._retries.labels(code=code, **self.labels).inc()
+
+    def request_error(self, scope: str, action: str) -> None:
+        self._request_errors.labels(scope=scope, action=action, **self.labels).inc()
 
     def race(self, outcome: str) -> None:
         self._races.labels(outcome=outcome, **self.labels).inc()
