@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 from .openai_types import Bounds, request_models
@@ -83,5 +82,12 @@ def regenerate(page: str) -> str:
 
 
 if __name__ == "__main__":
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/api.md")
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pdserve.api.reference",
+                                     description="Rewrite the generated parts of an API reference page in place "
+                                     "(between '<!-- generated: NAME -->' and '<!-- end generated -->'): the HTTP "
+                                     "request fields from the pydantic models and the gRPC proto.")
+    parser.add_argument("page", nargs="?", default="docs/api.md", help="the page to rewrite (default: %(default)s)")
+    path = Path(parser.parse_args().page)
     path.write_text(regenerate(path.read_text()))
