@@ -22,6 +22,12 @@ handoff/transport.py; NIXL in production) when this worker has one to the
 target; the worker's loop (asyncio side) also fails the task back through
 the queue (`PrefillQueue.fail`), which reaches the decode worker's failed-task
 poll even when NIXL cannot (no peer metadata, a broken connection).
+
+The batch marks the compute thread's progress as it goes (`progress`, the worker's
+`ComputeProgress`): every engine step, every write waited for, each with how long the next
+may take (prefill/progress.py: a multiple of its predicted slowest step, or the wait's own
+timeout). The worker's heartbeat carries it, so the queue can tell a batch that is slow from
+a thread that is hung (taskqueue/liveness.py).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from pdserve.common.compute_thread import ComputeProgress
 from pdserve.engine import SamplingParams
 from pdserve.handoff import (
     BAD_TASK,
@@ -49,6 +56,8 @@ from pdserve.handoff import (
     WriteFailed,
     WriteTimedOut,
 )
+
+from .progress import UNTIMED_STEP_S, UNTIMED_STEP_S_GPU, WAIT_SLACK_S, StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +115,7 @@ class PrefillBatch:
     """Runs batches on one engine and one transport (both owned by the worker thread)."""
 
     def __init__(self, worker_id: str, engine, agent: KVSender, stats: PrefillStats, *, transfer_timeout_s: float,
-                 layerwise: bool, push_as_computed: bool = True):
+                 layerwise: bool, push_as_computed: bool = True, progress: ComputeProgress | None = None):
         self.worker_id = worker_id
         self.engine = engine
         self.agent = agent
@@ -124,6 +133,12 @@ class PrefillBatch:
         # Called after every step of a batch (the worker thread): the worker answers prefix-loan
         # requests there (kvtransfer/lending.py), so a borrower waits a step, not a batch.
         self.between_steps = None
+        # The compute thread's progress, which the worker's heartbeat carries to the queue (None:
+        # not tracked), and the steps timed so far, which predict how long the next may take.
+        self.progress = progress
+        on_gpu = getattr(getattr(getattr(engine, "runner", None), "device", None), "type", "cpu") == "cuda"
+        self.step_times = StepTimes(untimed_s=UNTIMED_STEP_S_GPU if on_gpu else UNTIMED_STEP_S)
+        self._allowance_s = 0.0  # how long a step of the batch under way may take (`run`)
 
     def cancel(self, keys) -> None:
         """Stop computing these tasks (request_id, epoch) at the next step (any thread)."""
@@ -150,6 +165,9 @@ class PrefillBatch:
         eng = self.engine
         result = BatchResult(num_tasks=len(tasks))
         taken_at = time.time()
+        # From here the thread answers for its progress by the batch's slowest step, predicted.
+        self._allowance_s = self.step_times.allowance(tasks, eng.config.max_num_batched_tokens)
+        self._mark(self._allowance_s)
         jobs: dict[str, PrefillJob] = {}
         failures: list[TaskFailure] = []
         for t in tasks:
@@ -212,11 +230,15 @@ class PrefillBatch:
             self._drop_cancelled(jobs)
             if not any(job.state.computing for job in jobs.values()):
                 break
+            step_t0 = time.perf_counter()
             try:
                 deltas = eng.step(on_plan=on_plan)
             except Exception as exc:  # noqa: BLE001  (StepError: the forward pass raised)
                 self._fail_batch(jobs, f"{exc.__class__.__name__}: {exc}")
                 break
+            _, step_tokens, step_decodes = eng.last_step
+            self.step_times.observe(time.perf_counter() - step_t0, step_tokens - step_decodes, eng.last_step_pairs)
+            self._mark(self._allowance_s)  # a step done: the next is due within the batch's allowance
             if self.between_steps is not None:
                 self.between_steps()  # e.g. answer other workers' loan requests within a step
             if not deltas and not eng.has_work():
@@ -309,6 +331,7 @@ class PrefillBatch:
                                batch_tokens=result.batch_tokens, sent_at=time.time()).encode()
             try:
                 if job.stream is not None:
+                    self._mark_wait()
                     job.stream.finish(self.transfer_timeout_s, notify=done)  # waits the layers, then notifies
                     job.posted(job.stream.handles.values())
                     self.stats.layerwise_tasks += 1
@@ -326,6 +349,7 @@ class PrefillBatch:
         for job in pending:
             try:
                 for h in job.handles:
+                    self._mark_wait()
                     self.agent.wait(h, self.transfer_timeout_s)
             except WriteFailed as exc:
                 self.stats.transfer_failures += 1
@@ -336,10 +360,12 @@ class PrefillBatch:
             self.stats.bytes_written += sum(h.num_bytes for h in job.handles)
             self.stats.tokens_computed += job.task.num_prefill_tokens
             result.done += 1
+        self._mark(self._allowance_s)  # back to the batch's steps
 
     def _settle(self, job: PrefillJob) -> bool:
         """Wait until no posted write of a failed job can land; False if one may still (timed out)."""
         settled = not job.write_may_land
+        self._mark_wait()
         if job.stream is not None:
             # Layers still waiting for their KV are dropped; one being posted right now is
             # waited for, so that every write that can land is among the handles below.
@@ -349,6 +375,7 @@ class PrefillBatch:
         for h in handles:
             if h.finished:
                 continue
+            self._mark_wait()
             try:
                 self.agent.wait(h, self.transfer_timeout_s)
             except WriteTimedOut:
@@ -356,6 +383,15 @@ class PrefillBatch:
             except WriteFailed:
                 pass  # failed: nothing more of it lands
         return settled
+
+    def _mark(self, within_s: float | None = None) -> None:
+        """Progress (compute thread): a unit of the batch is done, the next due within `within_s`."""
+        if self.progress is not None:
+            self.progress.mark(within_s)
+
+    def _mark_wait(self) -> None:
+        """A wait bounded by the transfer timeout comes next: it is due within that, and a little."""
+        self._mark(self.transfer_timeout_s + WAIT_SLACK_S)
 
     def _progress(self, for_s: float) -> None:
         """Drive the agent (sends go out) and drop the finished handles it keeps for `poll()`."""

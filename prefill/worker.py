@@ -18,6 +18,10 @@ reserve and sign is dropped and counted (`pdserve_prefill_tasks_rejected`).
 Runs as a Ray actor (``pdserve.prefill.worker:PrefillWorker`` is the
 topology's default entry point) or in-process; the engine work happens in
 one worker thread so the asyncio side (keep-alive, watches) stays responsive.
+That is also why the heartbeat that keeps its tasks is not proof of life on its own: it
+carries the compute thread's progress, and the queue fails back the tasks of a worker whose
+compute stood still past a bound drawn from its predicted step time (prefill/progress.py),
+however well its event loop beats.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from pdserve.taskqueue import BAD_SIGNATURE, NO_KEY, open_queue, verify_task
 
 from .batch import PrefillBatch, PrefillStats
 from .metrics import PrefillMetrics
+from .progress import WAIT_SLACK_S
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +121,7 @@ class PrefillWorker:
         self._engine_lock = threading.Lock()
         # Its torch work (loading, batches, loan answers) on one thread (common/compute_thread.py).
         self._compute = ComputeExecutor(f"pdserve-prefill-{self.worker_id}")
+        self._beat_progress = True  # False once a queue of an earlier version refused it (`_beat`)
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self, engine: LLMEngine | None = None) -> dict:
@@ -140,7 +146,8 @@ class PrefillWorker:
             self.agent = LendingAgent(self.agent, self.lending)
         self.queue = open_queue(cfg, "the prefill worker")
         self._batch = PrefillBatch(self.worker_id, self.engine, self.agent, self.stats,
-                                   transfer_timeout_s=cfg.transfer_timeout_s, layerwise=cfg.layerwise)
+                                   transfer_timeout_s=cfg.transfer_timeout_s, layerwise=cfg.layerwise,
+                                   progress=self._compute.progress)
         if self.lending is not None:
             self._batch.between_steps = self._answer_loans
         # A fresh start under this id (a Ray restart after a crash): whatever an earlier
@@ -258,6 +265,8 @@ class PrefillWorker:
         return {"worker_id": self.worker_id, "pid": os.getpid(), "draining": self.draining,
                 "loop_alive": self._loop_task is not None and not self._loop_task.done(),
                 "loop_error": self.loop_error, "metrics": self.metrics.address,
+                # what the heartbeat tells the queue of the compute thread (None: it runs nothing)
+                "compute_progress": self._compute.progress.snapshot(),
                 "tp_ranks": self.tp_rank_pids(),
                 "lending": self.lending.stats() if self.lending is not None else None,
                 "peers": sorted(self._known_peers),  # the workers whose NIXL records this agent loaded
@@ -416,6 +425,7 @@ class PrefillWorker:
         if not started:
             return
         deadline = time.monotonic() + borrower.lease_ms / 2e3 + 0.5
+        self._compute.progress.mark(deadline - time.monotonic() + WAIT_SLACK_S)  # the loans' wait, bounded
         while borrower.tickets and time.monotonic() < deadline:
             self.agent.poll()  # (LendingAgent: grants, reads and their ends)
             time.sleep(0.0005)
@@ -470,14 +480,16 @@ class PrefillWorker:
     async def _heartbeat(self, tasks: list) -> None:
         """While this worker serves a batch (the compute runs in a thread): tell the queue it is
         alive every HOLD_CHECK_S, or it fails the batch back as stalled (taskqueue/core.py
-        `fail_stalled`); hand the batch the tasks cancelled meanwhile (their decode worker
-        aborted them), which it stops computing; and if the queue restarted (a new instance
-        id), report the tasks held so the new instance neither hands them out again nor loses
-        them."""
+        `fail_stalled`), and how far the compute thread has got (`ComputeProgress.snapshot`:
+        this loop beats on while that thread is hung, so the queue judges the thread by its
+        progress against its own allowance, not by the beat); hand the batch the tasks
+        cancelled meanwhile (their decode worker aborted them), which it stops computing; and
+        if the queue restarted (a new instance id), report the tasks held so the new instance
+        neither hands them out again nor loses them."""
         while True:
             await asyncio.sleep(HOLD_CHECK_S)
             try:
-                beat = await asyncio.wait_for(self.queue.beat(self.worker_id), HOLD_CHECK_S * 8)
+                beat = await asyncio.wait_for(self._beat(), HOLD_CHECK_S * 8)
                 instance, cancelled = beat["instance"], beat["cancelled"]
                 if cancelled:
                     self._batch.cancel((str(rid), int(epoch)) for rid, epoch in cancelled)
@@ -490,6 +502,21 @@ class PrefillWorker:
                 raise
             except Exception as exc:  # noqa: BLE001  (the queue is still restarting: check again)
                 log.debug("queue heartbeat failed: %r", exc)
+
+    async def _beat(self) -> dict:
+        """One heartbeat with the compute thread's progress. A queue of an earlier version takes
+        the worker id alone (a TypeError for the second argument): beat it so from then on, as
+        before, rather than fall silent and have every batch failed back as stalled."""
+        progress = self._compute.progress.snapshot() if self._beat_progress else None
+        try:
+            return await self.queue.beat(self.worker_id, progress)
+        except Exception as exc:  # noqa: BLE001  (QueueCallError "TypeError" over the wire, TypeError over Ray)
+            if progress is None or not (isinstance(exc, TypeError) or getattr(exc, "type", None) == "TypeError"):
+                raise
+            log.warning("the queue does not take the compute progress with the heartbeat (%s): an earlier "
+                        "version; beating without it, so a hung compute thread is not detected", exc)
+            self._beat_progress = False
+            return await self.queue.beat(self.worker_id)
 
     async def _queue_call(self, method: str, *args) -> None:
         try:

@@ -188,20 +188,20 @@ class PrefillQueue:
         """Checked whenever a decode worker collects its failed tasks (every 0.25 s each)."""
         for worker_id, n in self._core.fail_stalled().items():
             if not worker_id:
-                log.warning("%d queued task(s) failed back: no prefill worker heard from for %.1f s", n,
+                log.warning("%d queued task(s) failed back: no live prefill worker for %.1f s", n,
                             self._core.stall_s)
                 continue
-            log.warning("prefill worker %s holds %d task(s) but has not been heard from for over %.1f s: "
-                        "failed back to their decode workers", worker_id, n, self._core.stall_s)
+            log.warning("%d task(s) failed back to their decode workers: %s", n, self._core.stalled_why[worker_id])
 
     async def alive(self, worker_id: str) -> str:
         """A prefill worker's heartbeat while it serves a batch; returns the instance id."""
         return self._core.alive(worker_id)
 
-    async def beat(self, worker_id: str) -> dict:
-        """A prefill worker's heartbeat while it serves a batch: the instance id, and the tasks
-        it holds that were cancelled since its last beat (QueueCore.beat)."""
-        return self._core.beat(worker_id)
+    async def beat(self, worker_id: str, progress: dict | None = None) -> dict:
+        """A prefill worker's heartbeat while it serves a batch, with its compute thread's
+        progress: the instance id, and the tasks it holds that were cancelled since its last
+        beat (QueueCore.beat)."""
+        return self._core.beat(worker_id, progress)
 
     async def fail(self, worker_id: str, request_id: str, reason: str, detail: str = "") -> bool:
         return self._core.fail(worker_id, request_id, reason, detail)

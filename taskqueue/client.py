@@ -183,9 +183,13 @@ class QueueClient:
         """Heartbeat of a prefill worker serving a batch; the queue's instance id."""
         return await self._call("alive", worker_id)
 
-    async def beat(self, worker_id: str) -> dict:
-        """Heartbeat of a prefill worker serving a batch: the instance id and its cancelled tasks."""
-        return await self._call("beat", worker_id)
+    async def beat(self, worker_id: str, progress: dict | None = None) -> dict:
+        """Heartbeat of a prefill worker serving a batch: the instance id and its cancelled tasks.
+        `progress`: its compute thread's (`ComputeProgress.snapshot`); without it, the call is
+        the one every version of the queue takes."""
+        if progress is None:
+            return await self._call("beat", worker_id)
+        return await self._call("beat", worker_id, progress)
 
     async def take_failed_and_stats(self, origin: str):
         return await self._call("take_failed_and_stats", origin)

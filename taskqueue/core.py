@@ -14,9 +14,9 @@ are never handed out; they are failed back to their origin with reason
 DEADLINE_EXPIRED.
 
 Replays: a task this queue has settled is refused until its deadline (its
-memory is `settled.SettledTasks`). Each worker's liveness, the stall bound and
-the cancels a worker's beat tells it of are `liveness.WorkerLiveness`; what is
-failed back, and why, is all here.
+memory is `settled.SettledTasks`). Each worker's liveness (heard from, and its
+compute progressing), the stall and progress bounds and the cancels a worker's beat
+tells it of are `liveness.WorkerLiveness`; what is failed back, and why, is all here.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class QueueCore(WorkerLiveness, SettledTasks):
         self.on_dispatch = on_dispatch  # called with each dispatched task's queue wait (s)
         self.prefix_min_tokens, self.prefix_max_hold_s = PREFIX_MIN_TOKENS, PREFIX_MAX_HOLD_S
         self.prefix_decisions: deque[dict] = deque(maxlen=PREFIX_DECISIONS_KEPT)
+        self.stalled_why: dict[str, str] = {}  # worker id -> why `fail_stalled` last failed its tasks back
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -139,6 +140,7 @@ class QueueCore(WorkerLiveness, SettledTasks):
         """The next batch for `worker_id` (see the module docstring); [] if none queued."""
         now = self._clock()
         self._seen[worker_id] = now
+        self._idle(worker_id)  # it pulls: its previous batch is over
         batch: list[PrefillTask] = []
         tokens = 0
         kept: list[tuple] = []  # heap entries of tasks kept for another worker's cached prefix
@@ -184,7 +186,7 @@ class QueueCore(WorkerLiveness, SettledTasks):
         gap = hint[best] - mine
         backlog = sum(t.num_prefill_tokens for t in self._in_flight.get(best, {}).values())
         waited = now - self._queued[task.key][2]
-        live = now - self._seen.get(best, -float("inf")) <= self.stall_s
+        live = self._is_live(best, now)
         keep = live and gap - backlog >= self.prefix_min_tokens and waited < self.prefix_max_hold_s
         why = ("kept for the worker with the prefix" if keep else
                f"{best} is not live" if not live else
@@ -201,6 +203,7 @@ class QueueCore(WorkerLiveness, SettledTasks):
         """The worker finished (or gave up on) a task, or a list of them: stop
         tracking them. True if any was in flight on that worker."""
         self.alive(worker_id)
+        self._idle(worker_id)  # a worker completes its batch once it is over
         wanted = {request_id} if isinstance(request_id, str) else set(request_id)
         taken = self._in_flight.get(worker_id, {})
         keys = [key for key in taken if key[0] in wanted]
@@ -264,6 +267,7 @@ class QueueCore(WorkerLiveness, SettledTasks):
         self._forget_cancelled(worker_id)  # (it may still write them: their blocks stay quarantined)
         self._gone[worker_id] += 1
         self._seen.pop(worker_id, None)
+        self._progress.pop(worker_id, None)
         self.counters["requeued"] += requeued
         self.counters["dropped_target_gone"] += len(orphans)
         return {"requeued": requeued, "failed": failed, "dropped_queued": len(orphans),
@@ -344,25 +348,43 @@ class QueueCore(WorkerLiveness, SettledTasks):
 
     def fail_stalled(self) -> dict[str, int]:
         """Liveness beyond the lease: a worker holding tasks that has not called for `stall_s`
-        (hung, SIGSTOPped, wedged; its etcd lease may well still be kept alive) gets its tasks
-        failed back to their origins now (WORKER_STALLED: not settled, as it may resume and
-        write), so decode workers fall back within this bound instead of their deadline.
-        Returns {worker id: tasks failed back}."""
+        (hung, SIGSTOPped, wedged; its etcd lease may well still be kept alive), or that beats
+        but whose compute has stood still past its progress bound (a compute thread hung in a
+        step while its event loop beats on; liveness.py), gets its tasks failed back to their
+        origins now (WORKER_STALLED: not settled, as it may resume and write), so decode
+        workers fall back within this bound instead of their deadline. The two are counted
+        apart (counters `stalled_silent`, `stalled_compute`: tasks) and told apart in the
+        task's detail and in `stalled_why`. Returns {worker id: tasks failed back}."""
         now = self._clock()
         out: dict[str, int] = {}
-        for worker_id in [w for w in self._in_flight if now - self._seen.get(w, now) > self.stall_s]:
+        self.stalled_why = {}
+        for worker_id in list(self._in_flight):
+            silent = now - self._seen.get(worker_id, now)
+            if silent > self.stall_s:
+                kind, why = "stalled_silent", (f"prefill worker {worker_id} holds it but has not been heard from "
+                                               f"for {silent:.1f} s (stall bound {self.stall_s:g} s)")
+            elif (still := self.compute_stalled(worker_id, now)) is not None:
+                p = self._progress[worker_id]
+                kind, why = "stalled_compute", (
+                    f"prefill worker {worker_id} holds it and still beats, but its compute has made no progress "
+                    f"for {still:.1f} s (progress bound {self.progress_bound(p.within_s):g} s: the larger of the "
+                    f"stall bound and its own allowance of {p.within_s:.3g} s; {p.steps} progress marks)")
+            else:
+                continue
             tasks = self._in_flight.pop(worker_id)
             for key, task in tasks.items():
                 self._requeues.pop(key, None)
-                self._fail(task, WORKER_STALLED, f"prefill worker {worker_id} holds it but has not been heard "
-                           f"from for {now - self._seen[worker_id]:.1f} s (stall bound {self.stall_s:g} s)")
+                self._fail(task, WORKER_STALLED, why)
+            self.counters[kind] += len(tasks)
+            self.stalled_why[worker_id] = why
             out[worker_id] = len(tasks)
         if self.live_workers() == 0:  # nobody can take what waits: fail it back (nobody took it)
             stale = [entry[1] for entry in self._queued.values() if now - entry[2] > self.stall_s]
             for task in stale:
                 self._remove(task)
                 self._fail(task, *self._never_taken_or(
-                    task, NO_LIVE_WORKER, f"queued {self.stall_s:g} s with no prefill worker heard from"))
+                    task, NO_LIVE_WORKER, f"queued {self.stall_s:g} s with no live prefill worker (none heard "
+                    "from, or each one's compute stalled)"))
             if stale:
                 out[""] = len(stale)
         return out

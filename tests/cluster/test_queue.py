@@ -20,6 +20,7 @@ from pdserve.common import Priority
 from pdserve.control.registry import Registry, WorkerInfo
 from pdserve.handoff import PrefillTask
 from pdserve.taskqueue import QueueClient, get_or_create_queue, requeue_on_worker_loss
+from pdserve.taskqueue.client import QueueCallError
 from pdserve.taskqueue.core import QueueCore
 from pdserve.taskqueue.frames import from_wire, pack_frame, read_frame, to_wire
 
@@ -314,6 +315,8 @@ def test_a_worker_not_heard_from_within_the_stall_bound_has_its_tasks_failed_bac
     assert core.fail_stalled() == {"p0": 1}
     [failed] = core.take_failed("d0")
     assert failed.task.request_id == "held-by-p0" and failed.reason == "worker_stalled"
+    assert "not been heard from" in failed.detail and "not been heard from" in core.stalled_why["p0"]
+    assert core.counters["stalled_silent"] == 1 and core.counters["stalled_compute"] == 0
     assert core.stats().in_flight == {"p1": 1}
     assert core.complete("p0", "held-by-p0") is False  # resumed too late: nothing to complete
     assert core.put(task(request_id="held-by-p0", deadline=5000.0)).reason == "already_done"
@@ -353,6 +356,134 @@ def test_a_requeued_task_is_never_failed_back_as_untaken():
     assert core.fail_stalled() == {"": 2}
     assert {f.task.request_id: f.reason for f in core.take_failed("d0")} == {
         "held": "worker_vanished", "plain": "no_live_worker"}
+
+
+def progress(steps: int, since_s: float, within_s: float) -> dict:
+    """A beat's compute progress (common/compute_thread.py `ComputeProgress.snapshot`)."""
+    return {"steps": steps, "since_s": since_s, "within_s": within_s}
+
+
+def beat_until(core, now, worker_id: str, until: float, steps: int, stuck_since: float, within_s: float):
+    """`worker_id` beats every 0.25 s up to `until` (as its event loop does), reporting a
+    compute that has made no progress since `stuck_since`; what `fail_stalled` did meanwhile."""
+    failed = {}
+    while now[0] + 0.25 <= until + 1e-9:
+        now[0] += 0.25
+        core.beat(worker_id, progress(steps, now[0] - stuck_since, within_s))
+        failed.update(core.fail_stalled())
+    return failed
+
+
+def test_a_worker_that_beats_but_whose_compute_stands_still_has_its_tasks_failed_back():
+    """p0's event loop beats every 0.25 s, but its compute thread is hung in a step: the
+    progress it reports stands still (7 marks), its age grows. Past the progress bound
+    (max(stall bound 3 s, its allowance 0.5 s) = 3 s) its task is failed back as
+    worker_stalled, counted as a compute stall apart from silence, and p0 is not live though
+    it beats. p1, whose progress advances, keeps its task."""
+    now = [1000.0]
+    core = QueueCore(capacity=8, clock=lambda: now[0], stall_s=3.0)
+    for rid in ("held-by-p0", "held-by-p1"):
+        assert core.put(task(request_id=rid, deadline=5000.0)).ok
+    assert ids(core.take("p0", max_tokens=10)) == ["held-by-p0"]
+    assert ids(core.take("p1", max_tokens=10)) == ["held-by-p1"]
+    core.beat("p0", progress(7, 0.0, 0.5))
+    core.beat("p1", progress(1, 0.0, 0.5))
+    assert beat_until(core, now, "p0", 1003.0, 7, 1000.0, 0.5) == {}  # at the bound, not past it
+    core.beat("p1", progress(9, 0.1, 0.5))  # p1 advances
+    assert core.stats().live_workers == 2
+    assert beat_until(core, now, "p0", 1003.25, 7, 1000.0, 0.5) == {"p0": 1}
+    [failed] = core.take_failed("d0")
+    assert failed.task.request_id == "held-by-p0" and failed.reason == "worker_stalled"
+    assert "still beats" in failed.detail and "progress bound 3 s" in failed.detail, failed.detail
+    assert core.stalled_why["p0"] == failed.detail
+    assert core.counters["stalled_compute"] == 1 and core.counters["stalled_silent"] == 0
+    assert core.stats().in_flight == {"p1": 1}
+    core.beat("p1", progress(12, 0.05, 0.5))
+    # Beating on, still stuck: not live (a decode worker routes elsewhere), nothing more to fail.
+    assert beat_until(core, now, "p0", 1004.0, 7, 1000.0, 0.5) == {}
+    core.beat("p1", progress(15, 0.05, 0.5))
+    assert core.stats().live_workers == 1
+    # Its step ends at last: progress advances, it is live again; its late complete is a no-op.
+    core.beat("p0", progress(8, 0.0, 0.5))
+    assert core.stats().live_workers == 2
+    assert core.complete("p0", "held-by-p0") is False
+
+
+def test_the_progress_bound_is_the_workers_own_allowance_when_longer_than_the_stall_bound():
+    """A worker whose next step is predicted long (its allowance, 8 s: a multiple of its
+    slowest step, or a write's timeout) is not failed back at the 3 s stall bound, but only
+    past its allowance; a silent worker is still held to the stall bound."""
+    now = [1000.0]
+    core = QueueCore(capacity=8, clock=lambda: now[0], stall_s=3.0)
+    assert core.put(task(request_id="long", deadline=5000.0)).ok
+    assert ids(core.take("p0", max_tokens=10)) == ["long"]
+    core.beat("p0", progress(3, 0.0, 8.0))
+    assert beat_until(core, now, "p0", 1008.0, 3, 1000.0, 8.0) == {}
+    assert core.stats().live_workers == 1
+    assert beat_until(core, now, "p0", 1008.25, 3, 1000.0, 8.0) == {"p0": 1}
+    assert "progress bound 8 s" in core.take_failed("d0")[0].detail
+
+
+def test_advancing_progress_or_a_finished_batch_is_never_a_compute_stall():
+    """Progress that advances within its bound, a beat without progress (the compute thread
+    runs nothing of the batch yet: judged by silence alone) and a worker that took or
+    completed since its last stuck-looking beat (the batch is over) are not compute stalls."""
+    now = [1000.0]
+    core = QueueCore(capacity=8, clock=lambda: now[0], stall_s=3.0)
+    assert core.put(task(request_id="a", deadline=5000.0)).ok
+    assert ids(core.take("p0", max_tokens=10)) == ["a"]
+    for i in range(40):  # 10 s of steps of 2 s each, beaten every 0.25 s
+        now[0] += 0.25
+        core.beat("p0", progress(i // 8, (i % 8) * 0.25, 0.5))
+        assert core.fail_stalled() == {}
+    for _ in range(20):  # 5 s before the compute thread starts the batch: no progress to judge
+        now[0] += 0.25
+        core.beat("p0")
+        assert core.fail_stalled() == {}
+    assert core.stats().in_flight == {"p0": 1}
+    core.beat("p0", progress(50, 2.9, 0.5))  # a record about to pass its bound ...
+    assert core.complete("p0", "a")  # ... but the batch is over
+    now[0] += 5
+    assert core.alive("p0") and core.stats().live_workers == 1
+    assert core.put(task(request_id="b", deadline=5000.0)).ok
+    core.beat("p0", progress(50, 2.9, 0.5))
+    assert ids(core.take("p0", max_tokens=10)) == ["b"]  # pulling: its previous batch is over
+    now[0] += 1
+    assert core.fail_stalled() == {} and core.stats().live_workers == 1
+
+
+@pytest.mark.parametrize("bad", [
+    {"steps": 1, "since_s": 0.0},
+    {"steps": -1, "since_s": 0.0, "within_s": 0.0},
+    {"steps": True, "since_s": 0.0, "within_s": 0.0},
+    {"steps": 1, "since_s": float("nan"), "within_s": 0.0},
+    {"steps": 1, "since_s": 0.0, "within_s": float("inf")},
+    {"steps": 1, "since_s": "0", "within_s": 0.0},
+    {"steps": 1, "since_s": 0.0, "within_s": 0.0, "extra": 1},
+    [1, 0.0, 0.0],
+])
+def test_a_malformed_progress_is_refused_and_that_beat_does_not_count(bad):
+    now = [1000.0]
+    core = QueueCore(capacity=8, clock=lambda: now[0], stall_s=3.0)
+    with pytest.raises(ValueError, match="progress"):
+        core.beat("p0", bad)
+    assert core.stats().live_workers == 0
+
+
+def test_a_beat_carries_the_compute_progress_over_both_transports(queue):
+    """The heartbeat with progress, over Ray calls and over the wire (a plain msgpack map, no
+    pickle): the answer is the usual one, the queue keeps the record, and the beat without it
+    (a worker of an earlier version) is still served."""
+    queue.put(task(request_id="a"))
+    assert ids(queue.get_batch("p0", max_tokens=20)) == ["a"]
+    instance = queue.instance_id()
+    assert queue.beat("p0", progress(4, 0.1, 2.0)) == {"instance": instance, "cancelled": []}
+    assert queue.beat("p0") == {"instance": instance, "cancelled": []}
+    stats = queue.stats()
+    assert stats.live_workers == 1 and stats.in_flight == {"p0": 1}
+    if queue.transport == "wire":  # (SyncQueue's Ray path does not hand back an actor's error)
+        with pytest.raises(QueueCallError, match="ValueError: beat: progress.since_s"):
+            queue.beat("p0", progress(4, -1.0, 2.0))
 
 
 async def test_worker_removed_from_the_registry_gets_its_tasks_requeued(ray_local, transport, etcd, cluster_name):

@@ -41,6 +41,9 @@ NAMESPACE = "pdserve-e2e-failures"
 QUEUE = "failures-queue"
 MAX_TOKENS = 6
 CLIENT_TIMEOUT_S = 90  # below the 120 s remote deadline: a deadline fallback fails the test
+# A stalled worker's tasks come back within its progress bound (3 s here) and are prefilled
+# locally: well within this, on a loaded 2-core box too; far below the remote deadline.
+STALL_CLIENT_TIMEOUT_S = 45
 
 
 class PrefillThread:
@@ -96,12 +99,12 @@ def reference(cluster, prompts):
     return [o.token_ids for o in cluster.llm.generate(prompts, params)]
 
 
-def run_remote(cluster, prompts):
+def run_remote(cluster, prompts, timeout_s: float = CLIENT_TIMEOUT_S):
     async def go():
         async with AsyncClient(cluster.decode.grpc) as c:
             return await asyncio.gather(*(
                 c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, route="remote",
-                           priority="high", timeout_s=CLIENT_TIMEOUT_S) for p in prompts), return_exceptions=True)
+                           priority="high", timeout_s=timeout_s) for p in prompts), return_exceptions=True)
 
     outs = asyncio.run(go())
     errors = [o for o in outs if isinstance(o, BaseException)]
@@ -350,34 +353,54 @@ def test_a_first_token_outside_the_vocabulary_falls_back_not_fails(cluster, monk
 
 
 def test_a_hung_prefill_worker_is_failed_back_within_the_stall_bound(cluster, monkeypatch):
-    """The prefill worker takes a task and then hangs in its batch without a heartbeat, as a
-    SIGSTOPped process would (its etcd lease may still be kept alive). The queue fails the task
-    back as worker_stalled after its stall bound (3 s): the request prefills locally,
-    token-exact, instead of waiting for the remote deadline (120 s here: the client's 90 s
-    timeout would fail the test). When the worker resumes, its late write lands in the
-    quarantined blocks, and its PrefillDone frees them."""
+    """The prefill worker takes a task and its compute thread then hangs inside an engine step
+    (a forward pass stuck in a kernel or a collective), while everything else goes on: its
+    event loop, its heartbeat to the queue and its etcd lease. The heartbeat carries the
+    compute thread's progress, which stands still, so the queue fails the task back as
+    worker_stalled once the progress bound passes (max(stall bound 3 s, 4 x this worker's
+    predicted slowest step): 3 s here) and no longer counts the worker live, though it beats.
+    The request prefills locally, token-exact, instead of waiting for the remote deadline
+    (120 s here: the client's timeout below would fail the test). When the step resumes, its
+    late write lands in the quarantined blocks, and its PrefillDone frees them."""
     p = cluster.prefill.worker
-    release = threading.Event()
-    real_run = p._run_batch
+    # Its steps are timed (the allowance is its own prediction, not the untimed one) and it is
+    # live: this remote request is served by it.
+    (warm,) = run_remote(cluster, [prompt_of(120, 96)])
+    assert warm.breakdown["route"] == "remote" and not warm.breakdown.get("fell_back_to_local"), warm.breakdown
+    in_step, release = threading.Event(), threading.Event()
+    real_step = p.engine.step
 
-    def hung(*args):
-        release.wait(60)
-        return real_run(*args)
+    def hung_step(*args, **kwargs):  # only the engine step, on the compute thread, hangs
+        in_step.set()
+        release.wait(120)  # set by this test however it ends
+        return real_step(*args, **kwargs)
 
-    async def no_heartbeat(tasks):
-        await asyncio.Event().wait()
+    beats = []  # the heartbeat as the queue receives it: it must go on through the hang
+    real_beat = p.queue.beat
 
-    monkeypatch.setattr(p, "_run_batch", hung)
-    monkeypatch.setattr(p, "_heartbeat", no_heartbeat)
+    async def counted_beat(*args):
+        beats.append(args)
+        return await real_beat(*args)
+
+    monkeypatch.setattr(p.engine, "step", hung_step)
+    monkeypatch.setattr(p.queue, "beat", counted_beat)
+    queue = get_or_create_queue(QUEUE, NAMESPACE)
+    stalled0 = ray.get(queue.stats.remote(), timeout=30).counters
     _, causes0 = remote_state(cluster)
     prompt, later = prompt_of(140, 94), prompt_of(90, 95)
     try:
-        (out,) = run_remote(cluster, [prompt])
-        # Still registered (its lease is alive) but silent: the queue no longer counts it live,
-        # so a request asking for remote prefill is served locally at once, not queued.
+        (out,) = run_remote(cluster, [prompt], timeout_s=STALL_CLIENT_TIMEOUT_S)
+        assert in_step.is_set()  # it hung where the test put the hang: in the step
+        # It beats on, stuck: the queue does not count it live, so a request asking for remote
+        # prefill is served locally at once, not queued. Still registered (its lease is alive).
+        seen = len(beats)
+        wait_until(lambda: len(beats) >= seen + 4, 10)
+        assert all(len(b) == 2 and b[1] is not None and b[1]["steps"] == beats[-1][1]["steps"]
+                   for b in beats[seen:]), beats[seen:]  # its progress stands still
         wait_until(lambda: not cluster.decode.worker.remote.available(), 10)
-        (second,) = run_remote(cluster, [later])
+        (second,) = run_remote(cluster, [later], timeout_s=STALL_CLIENT_TIMEOUT_S)
         assert cluster.decode.worker.frontend.prefill_view.pool_size == 1
+        stalled1 = ray.get(queue.stats.remote(), timeout=30).counters
     finally:
         release.set()
     assert second.token_ids == reference(cluster, [later])[0]
@@ -387,7 +410,15 @@ def test_a_hung_prefill_worker_is_failed_back_within_the_stall_bound(cluster, mo
     _, causes1 = remote_state(cluster)
     assert causes1.get("worker_stalled", 0) - causes0.get("worker_stalled", 0) == 1
     assert causes1.get("deadline", 0) == causes0.get("deadline", 0)
+    # The queue tells a compute stall from silence.
+    assert stalled1.get("stalled_compute", 0) - stalled0.get("stalled_compute", 0) == 1, stalled1
+    assert stalled1.get("stalled_silent", 0) == stalled0.get("stalled_silent", 0)
     assert_clean(cluster)
+    # Its step over, it serves remotely again.
+    monkeypatch.undo()
+    wait_until(lambda: cluster.decode.worker.remote.available(), 15)
+    (again,) = run_remote(cluster, [prompt_of(110, 97)])
+    assert again.breakdown["route"] == "remote" and again.token_ids == reference(cluster, [prompt_of(110, 97)])[0]
 
 
 def _gate_prefill(cluster) -> threading.Event:
