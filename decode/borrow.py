@@ -92,7 +92,7 @@ class PeerPrefixes:
         gain = tokens - cached_len
         if gain - tier_len < MIN_BORROW_BLOCKS * self.block_size:
             return None
-        if costs is not None and costs.transfer_ms(gain) >= costs.prefill_compute_ms(gain, cached_len):
+        if costs is not None and not costs.borrow_cheaper(gain, cached_len)[0]:
             return None
         return holder, tokens // self.block_size
 

@@ -115,7 +115,8 @@ class PrefillBatch:
     """Runs batches on one engine and one transport (both owned by the worker thread)."""
 
     def __init__(self, worker_id: str, engine, agent: KVSender, stats: PrefillStats, *, transfer_timeout_s: float,
-                 layerwise: bool, push_as_computed: bool = True, progress: ComputeProgress | None = None):
+                 layerwise: bool, push_as_computed: bool = True, progress: ComputeProgress | None = None,
+                 costs=None):
         self.worker_id = worker_id
         self.engine = engine
         self.agent = agent
@@ -139,6 +140,8 @@ class PrefillBatch:
         on_gpu = getattr(getattr(getattr(engine, "runner", None), "device", None), "type", "cpu") == "cuda"
         self.step_times = StepTimes(untimed_s=UNTIMED_STEP_S_GPU if on_gpu else UNTIMED_STEP_S)
         self._allowance_s = 0.0  # how long a step of the batch under way may take (`run`)
+        # router/costs.py CostModel fed with every step (the worker's borrow decisions), or None
+        self.costs = costs
 
     def cancel(self, keys) -> None:
         """Stop computing these tasks (request_id, epoch) at the next step (any thread)."""
@@ -237,7 +240,10 @@ class PrefillBatch:
                 self._fail_batch(jobs, f"{exc.__class__.__name__}: {exc}")
                 break
             _, step_tokens, step_decodes = eng.last_step
-            self.step_times.observe(time.perf_counter() - step_t0, step_tokens - step_decodes, eng.last_step_pairs)
+            step_s = time.perf_counter() - step_t0
+            self.step_times.observe(step_s, step_tokens - step_decodes, eng.last_step_pairs)
+            if self.costs is not None and step_tokens > step_decodes:
+                self.costs.observe_step(step_s * 1e3, step_decodes, step_tokens - step_decodes, eng.last_step_pairs)
             self._mark(self._allowance_s)  # a step done: the next is due within the batch's allowance
             if self.between_steps is not None:
                 self.between_steps()  # e.g. answer other workers' loan requests within a step

@@ -48,6 +48,8 @@ from pdserve.handoff.lend import LENDS_CAPACITY_KEY, lends
 from pdserve.kvindex.publisher import record_endpoints, start_event_publisher
 from pdserve.kvtransfer.lending import Lending, LendingAgent
 from pdserve.kvtransfer.tp_transport import TPSender, open_worker_transport, with_rank_transport
+from pdserve.router.costs import CostModel
+from pdserve.router.policy import CostModelParams
 from pdserve.taskqueue import BAD_SIGNATURE, NO_KEY, open_queue, verify_task
 
 from .batch import PrefillBatch, PrefillStats
@@ -145,9 +147,14 @@ class PrefillWorker:
             self.lending = Lending(self.engine.connector, self.agent)
             self.agent = LendingAgent(self.agent, self.lending)
         self.queue = open_queue(cfg, "the prefill worker")
+        # What a borrow costs against computing the same tokens here, learned from this worker's
+        # own steps and reads (router/costs.py: the decode side's model, seeded by the default
+        # policy): a prefix is borrowed only when reading it is predicted cheaper.
+        self.borrow_costs = (CostModel(CostModelParams(), self.engine.connector.kv_bytes_per_token)
+                             if self.lending is not None else None)
         self._batch = PrefillBatch(self.worker_id, self.engine, self.agent, self.stats,
                                    transfer_timeout_s=cfg.transfer_timeout_s, layerwise=cfg.layerwise,
-                                   progress=self._compute.progress)
+                                   progress=self._compute.progress, costs=self.borrow_costs)
         if self.lending is not None:
             self._batch.between_steps = self._answer_loans
         # A fresh start under this id (a Ray restart after a crash): whatever an earlier
@@ -420,6 +427,12 @@ class PrefillWorker:
             have = conn.cached_prefix_len(t.token_ids)
             if tokens - have < MIN_BORROW_BLOCKS * bs or holder not in self._known_peers:
                 continue
+            cheaper, read_ms, compute_ms = self.borrow_costs.snapshot().borrow_cheaper(tokens - have, have)
+            if not cheaper:  # reading is no cheaper: compute (counted, explained at debug)
+                self.stats.borrows["not_cheaper"] += 1
+                log.debug("task %s: %d tokens of %s not borrowed: read %.1f ms >= compute %.1f ms", t.request_id,
+                          tokens - have, holder, read_ms, compute_ms)
+                continue
             if borrower.start(t.token_ids, holder, tokens // bs, tag=t.request_id) is not None:
                 started += 1
         if not started:
@@ -432,6 +445,8 @@ class PrefillWorker:
         for r in borrower.take_results():
             self.stats.borrows[r.outcome] += 1
             self.stats.borrowed_tokens += r.read_tokens
+            if r.outcome == "read" and r.read_tokens and r.elapsed_s > 0:  # the whole loan: ask, grant, read
+                self.borrow_costs.observe_transfer(r.read_tokens * conn.kv_bytes_per_token, r.elapsed_s * 1e3)
 
     async def _lend_loop(self) -> None:
         """Between batches, answer other workers' loan requests (a batch's own polls answer

@@ -103,6 +103,14 @@ class CostEstimates:
         """Predicted time to move the KV of ``tokens`` positions, setup included."""
         return self.transfer_setup_ms + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_ms
 
+    def borrow_cheaper(self, tokens: int, start: int) -> tuple[bool, float, float]:
+        """Whether reading ``tokens`` positions of a prefix from another worker (from position
+        ``start``, what this pool holds) is predicted cheaper than computing them here:
+        (cheaper, read ms, compute ms). Both workers' borrow decisions (decode/borrow.py,
+        prefill/worker.py) go through here."""
+        read_ms, compute_ms = self.transfer_ms(tokens), self.prefill_compute_ms(tokens, start)
+        return read_ms < compute_ms, read_ms, compute_ms
+
 
 class CostModel:
     """Owns the cost EMAs of one decode worker.

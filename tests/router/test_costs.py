@@ -298,3 +298,18 @@ def test_backlog_steps_without_prompt_tokens_slow_the_drain():
         t += 0.05
         m.observe_drain(t, 50.0, 100 if i % 2 else 0, 1000)
     assert m.snapshot().local_drain_ms_per_token == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_borrow_is_cheaper_only_while_reading_beats_computing_and_slow_reads_turn_it_off():
+    """Both workers borrow a prefix only when reading it is predicted cheaper than computing it
+    (CostEstimates.borrow_cheaper): a prefill worker once borrowed whenever a holder had two more
+    blocks. Fed measured loans that crawl, the model stops borrowing."""
+    m = model(prefill_local_ms_per_token=0.1, prefill_attention_ms_per_kpair=0.0, transfer_bandwidth_gb_per_s=10,
+              transfer_setup_ms=2.0, ema_alpha=0.5)
+    cheaper, read_ms, compute_ms = m.snapshot().borrow_cheaper(1024, 0)
+    assert cheaper and read_ms == pytest.approx(2.0 + 1024 * KV / 1e7) and compute_ms == pytest.approx(102.4)
+    assert not m.snapshot().borrow_cheaper(16, 0)[0]  # 1.6 ms of compute against a 2 ms setup
+    for n in (256, 1024, 4096, 256, 1024, 4096):  # measured loans: 5 ms setup, then 100 kB/ms
+        m.observe_transfer(n * KV, 5.0 + n * KV / 1e5)
+    cheaper, read_ms, compute_ms = m.snapshot().borrow_cheaper(1024, 0)
+    assert not cheaper and read_ms > compute_ms
