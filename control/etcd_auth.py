@@ -15,6 +15,10 @@ etcd takes the user name from the certificate's common name (CN). The users:
     reader                   role pdserve-reader: read the cluster's prefix, write nothing: what follows the
                              workers without being one (the gateway, the KV index)
 
+With the etcd gate (`ClusterAccess.gated`, control/etcd_gate.py) the workers' users and the
+reader get no grants for the cluster at all: they reach etcd only through the gate, which
+also keeps them off leases that are not their own (etcd's RBAC does not cover leases).
+
 etcd permissions only add up (there is no "except"): a worker's role reads everything and
 writes two single keys (exact keys, not prefixes: `nixl/decode-1` must not cover
 `nixl/decode-10`). A worker writes nothing else: its lease, record (load included) and
@@ -236,9 +240,10 @@ class ClusterAccess:
     cluster: str
     workers: tuple[tuple[str, str], ...] = ()
     shared_worker: bool = True
-    # Workers reach etcd only through the etcd gate (control/etcd_gate.py): their users get no
-    # permissions here (what an earlier bootstrap granted is revoked), so a worker certificate
-    # used directly against etcd reads and writes nothing.
+    # Workers and the reader (gateways, the KV index) reach etcd only through the etcd gate
+    # (control/etcd_gate.py): their users get no permissions for this cluster here (what an
+    # earlier bootstrap granted is revoked), so their certificates used directly against etcd
+    # read and write nothing, and cannot reach any lease (etcd would let them keep any alive).
     gated: bool = False
 
     @classmethod
@@ -260,8 +265,9 @@ async def bootstrap_rbac(endpoint: str, root: EtcdTLS, clusters: Sequence[Cluste
     """Create pdserve's etcd users and roles, grant each role its keys, and turn
     authentication on; connect as `root` (its certificate's CN must be "root"). `clusters`:
     a name alone is `ClusterAccess(name)` (operator and shared worker, no per-worker users).
-    Safe to run again: what exists already is kept, grants are added; the one removal is the
-    shared worker role's grant on a cluster whose access says `shared_worker=False`."""
+    Safe to run again: what exists already is kept, grants are added; the removals are the
+    shared worker role's grant on a cluster whose access says `shared_worker=False`, and the
+    grants of every worker user and of the reader on a `gated` cluster."""
     import grpc
     from aetcd import rpc
 
@@ -304,8 +310,11 @@ async def bootstrap_rbac(endpoint: str, root: EtcdTLS, clusters: Sequence[Cluste
             await user_with_role(identity, role)
         for a in access:
             for role, perms in grants(a.cluster).items():
-                if role == ROLE_OF[WORKER] and (a.gated or not a.shared_worker):
-                    for _, key, range_end in perms:  # a cluster moved to per-worker identities
+                # The shared worker's grant goes when a cluster moved to per-worker identities;
+                # it and the reader's go when the cluster is gated (they use the gate instead).
+                if (role == ROLE_OF[WORKER] and (a.gated or not a.shared_worker)) or \
+                        (role == ROLE_OF[READER] and a.gated):
+                    for _, key, range_end in perms:
                         await call("RoleRevokePermission", rpc.AuthRoleRevokePermissionRequest(
                             role=role, key=key, range_end=range_end), absent_ok=True)
                     continue

@@ -1,9 +1,10 @@
 """The etcd gate's rules: who may connect, and what each identity may do, request by request.
 
 Pure (no I/O): the gate's server (etcd_gate_server.py) asks `GatePolicy` which identity a
-client certificate names and whether each range, put, delete, transaction (nested ones too)
-and watch is within that identity's grants (control/etcd_auth.py); an `Identity` keeps the
-leases known to be its own. Asking etcd whose a lease is stays with the server.
+client certificate names (a worker's own, the shared `worker`, or the read-only `reader`)
+and whether each range, put, delete, transaction (nested ones too) and watch is within that
+identity's grants (control/etcd_auth.py); an `Identity` keeps the leases known to be its
+own. Asking etcd whose a lease is stays with the server.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Iterable
 import grpc
 from aetcd import rpc
 
-from .etcd_auth import ROLE_OF, WORKER, Grant, grants, worker_grants, worker_user
+from .etcd_auth import READER, ROLE_OF, WORKER, Grant, grants, worker_grants, worker_user
 
 MAX_LEASES_PER_IDENTITY = 16  # a worker holds one (two while it re-registers)
 ALL_KEYS = b"\x00"  # etcd's range_end for "every key from `key` on"
@@ -49,11 +50,21 @@ class Identity:
     def may_write(self, key: bytes, range_end: bytes = b"") -> bool:
         return any(g[0] == "READWRITE" and _within(key, range_end, g) for g in self.grants)
 
+    @property
+    def writes_nothing(self) -> bool:
+        """A read-only identity (the reader): no key it could attach a lease to, so no use for
+        a lease of its own, and none of anyone else's is ever its own."""
+        return not any(g[0] == "READWRITE" for g in self.grants)
+
 
 class GatePolicy:
     """Who may connect and what each may do (pure: no I/O; lease ownership is kept here)."""
 
-    def __init__(self, cluster: str, workers: Iterable[tuple[str, str]] = (), shared_worker: bool = False):
+    def __init__(self, cluster: str, workers: Iterable[tuple[str, str]] = (), shared_worker: bool = False,
+                 reader: bool = True):
+        """`workers`: (role, worker_id) of each slot with an identity of its own; `shared_worker`:
+        also the shared `worker`; `reader`: the read-only `reader` (gateways, the KV index),
+        which a gated cluster's RBAC grants nothing directly, so the gate serves it by default."""
         self.cluster = cluster
         self._identities: dict[str, Identity] = {}
         for role, worker_id in workers:
@@ -61,6 +72,8 @@ class GatePolicy:
             self._identities[user] = Identity(user, worker_grants(cluster, role, worker_id))
         if shared_worker:
             self._identities[WORKER] = Identity(WORKER, grants(cluster)[ROLE_OF[WORKER]])
+        if reader:
+            self._identities[READER] = Identity(READER, grants(cluster)[ROLE_OF[READER]])
 
     def identity(self, common_name: str | None) -> Identity | None:
         return self._identities.get(common_name or "")
@@ -99,7 +112,8 @@ class GatePolicy:
 
     def owns_by_keys(self, who: Identity, keys: list[bytes]) -> bool:
         """A lease with these keys attached is `who`'s: it holds at least one key and only
-        keys `who` may write (so keeping it alive keeps only `who`'s own records)."""
+        keys `who` may write (so keeping it alive keeps only `who`'s own records). Never a
+        read-only identity's: it may write no key."""
         return bool(keys) and all(who.may_write(k) for k in keys)
 
 

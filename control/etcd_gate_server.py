@@ -111,8 +111,9 @@ class EtcdGate:
         name = names[0].decode(errors="replace")
         who = self.policy.identity(name)
         if who is None:
-            await self._refuse(context, f"{name or 'a client without a common name'!r} is no worker identity "
-                                        f"of cluster {self.policy.cluster}")
+            await self._refuse(context, f"{name or 'a client without a common name'!r} is no identity this gate "
+                                        f"serves for cluster {self.policy.cluster} (a worker's own, the shared "
+                                        "worker, the reader); the operator and root reach etcd directly")
         return who
 
     async def _refuse(self, context, why: str) -> None:
@@ -190,6 +191,8 @@ class EtcdGate:
 
     async def _lease_grant(self, req, context):
         who = await self._who(context)
+        if who.writes_nothing:  # nothing to attach it to: a lease would only be a handle to keep alive
+            await self._refuse(context, f"{who.name} writes nothing, so it may not grant a lease")
         if len(who.leases) >= MAX_LEASES_PER_IDENTITY:
             await self._prune(who)
         if len(who.leases) >= MAX_LEASES_PER_IDENTITY:

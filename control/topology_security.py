@@ -66,18 +66,33 @@ class EtcdTlsSpec(_Strict):
 
 
 class EtcdGateSpec(_Strict):
-    """Workers reach etcd only through the etcd gate (control/etcd_gate.py), which scopes
-    each to its own keys and leases and refuses compaction; their etcd users get no grants.
-    `port`: where the gate listens (0: a free port), on the embedded etcd's address."""
+    """Workers and the reader (gateways, the KV index) reach etcd only through the etcd gate
+    (control/etcd_gate.py), which scopes each to its own keys and leases and refuses
+    compaction; their etcd users get no grants for the cluster. With an embedded etcd,
+    `pdserve up` starts the gate beside it under a supervisor that restarts it if it dies:
+    `port` is where it listens (0: a free port, kept across restarts), on the embedded etcd's
+    address. With etcd.endpoints (an etcd you run) you run the gate too (the Helm chart's
+    etcd.gate, or `python -m pdserve.control.etcd_gate --supervise`): `endpoints` is where it
+    listens; `up` hands them to its workers, gateways and KV index, and `pdserve etcd-auth`
+    grants their users nothing directly."""
 
     port: int = Field(0, ge=0, le=65535)
+    endpoints: list[str] = Field(default_factory=list)
+
+    @pydantic.field_validator("endpoints")
+    @classmethod
+    def _endpoints_parse(cls, value: list[str]) -> list[str]:
+        if value:
+            parse_endpoints(value)
+        return value
 
 
 class EtcdSpec(_Strict):
     """etcd endpoints ("host:port"); none = start an embedded etcd on loopback. `tls`:
     TLS with client certificates and RBAC (an embedded etcd then needs `tls.server` and
-    `tls.root`). `gate`: workers go through the etcd gate (needs `tls` with `server` and
-    `operator`, and an embedded etcd: `pdserve up` starts the gate beside it)."""
+    `tls.root`). `gate`: workers and the reader go through the etcd gate (needs `tls`; with an
+    embedded etcd, `tls.server` and `tls.operator` too: `pdserve up` starts the gate beside
+    it; with `endpoints`, `gate.endpoints`: the gate you run)."""
 
     endpoints: list[str] = Field(default_factory=list)
     data_dir: str | None = None  # embedded only; default <run_dir>/etcd
@@ -100,15 +115,26 @@ class EtcdSpec(_Strict):
                 raise ValueError(f"an embedded etcd (no endpoints) with tls needs {' and '.join(missing)}: its "
                                  "own certificate, and the root identity that sets up its users and roles")
         if self.gate is not None:
+            if self.endpoints:  # a gate someone else runs (the Helm chart's, yours)
+                if self.tls is None:
+                    raise ValueError("gate needs tls: the gate and the etcd behind it serve only TLS with client "
+                                     "certificates")
+                if not self.gate.endpoints:
+                    raise ValueError("gate: with etcd.endpoints (an etcd you run) run the gate yourself (`python -m "
+                                     "pdserve.control.etcd_gate --supervise`, or the Helm chart's etcd.gate.enabled) "
+                                     "and set gate.endpoints to where it listens (docs/security.md)")
+                if self.gate.port:
+                    raise ValueError("gate.port: only for the gate `pdserve up` starts beside its embedded etcd; "
+                                     "with etcd.endpoints, gate.endpoints says where yours listens")
+                return self
             missing = ["tls"] if self.tls is None else [
                 f"tls.{k}" for k in ("server", "operator") if getattr(self.tls, k) is None]
             if missing:
                 raise ValueError(f"gate needs {' and '.join(missing)}: the gate serves workers over TLS with the "
                                  "server certificate and acts as the operator identity towards etcd")
-            if self.endpoints:
-                raise ValueError("gate: `pdserve up` starts the gate beside the etcd it embeds; with etcd.endpoints "
-                                 "set, run `python -m pdserve.control.etcd_gate` yourself and give the workers its "
-                                 "endpoint (docs/security.md)")
+            if self.gate.endpoints:
+                raise ValueError("gate.endpoints: `pdserve up` starts the gate beside the etcd it embeds (gate.port "
+                                 "pins its port); gate.endpoints is for a gate you run with etcd.endpoints")
         return self
 
 

@@ -135,9 +135,14 @@ def run_etcd_auth(args: argparse.Namespace) -> int:
     root = topo.etcd_tls("root")
     tls = topo.etcd.tls
     slots = worker_slots(topo, autoscale_max_replicas(topo)) if tls.workers is not None else []
-    access = ClusterAccess(topo.cluster, tuple(slots), shared_worker=tls.worker is not None)
-    what = (f"users root, operator, worker ({'granted' if access.shared_worker else 'no grant'} in cluster "
-            f"{topo.cluster}) and {len(access.workers)} per-worker users")
+    # etcd.gate: the workers and the reader reach etcd through the gate; their users get no grants here.
+    access = ClusterAccess(topo.cluster, tuple(slots), shared_worker=tls.worker is not None,
+                           gated=topo.etcd.gate is not None)
+    what = (f"users root, operator, worker ({'granted' if access.shared_worker and not access.gated else 'no grant'} "
+            f"in cluster {topo.cluster}) and {len(access.workers)} per-worker users")
+    if access.gated:
+        what += (f"; gated: the workers' users and reader get no grants in cluster {topo.cluster} (they go through "
+                 f"the etcd gate at {', '.join(topo.etcd.gate.endpoints)})")
     if args.check:
         print(f"OK: etcd at {host}:{port} as {root.cert_file}: {what}")
         return 0

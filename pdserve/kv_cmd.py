@@ -128,7 +128,8 @@ def _cluster_of(args) -> tuple[list[str], str, object]:
     from pdserve.launcher import ClusterState, state_path
 
     state = ClusterState.load(state_path(topo))
-    return list(state.etcd_endpoints), args.cluster or state.cluster, tls
+    # Through the etcd gate when the cluster has one (it serves the reader; etcd grants it nothing).
+    return state.follower_etcd_endpoints(tls.identity if tls is not None else None), args.cluster or state.cluster, tls
 
 
 def _call(url: str, path: str, body: dict | None = None) -> dict:

@@ -135,6 +135,8 @@ class Launcher:
     def _start_etcd(self, state: ClusterState, run_dir: Path) -> None:
         if state.etcd_endpoints:
             self.progress(f"etcd      using {', '.join(state.etcd_endpoints)}")
+            if self.topo.etcd.gate is not None:  # the gate you run beside it (etcd.gate.endpoints)
+                self._start_gate(state, run_dir, "")
             return
         data_dir = Path(self.topo.etcd.data_dir) if self.topo.etcd.data_dir else run_dir / f"{self.topo.cluster}-etcd"
         # On this (the launcher's) host, at the address the workers can reach: network.bind.
@@ -154,13 +156,24 @@ class Launcher:
             self._start_gate(state, run_dir, host)
 
     def _start_gate(self, state: ClusterState, run_dir: Path, host: str) -> None:
-        """The etcd gate beside the embedded etcd (control/etcd_gate.py): workers get its
-        endpoint, the operator side keeps etcd's."""
+        """The etcd gate beside the embedded etcd (control/etcd_gate.py): workers, gateways and
+        the KV index get its endpoint, the operator side keeps etcd's. It runs under a supervisor
+        (`--supervise`, the process group `down` stops) that restarts it on the same port if it
+        dies: `up` exits once the cluster is up, so it cannot. With etcd.endpoints the gate is
+        yours (etcd.gate.endpoints): only its endpoints are recorded."""
+        gate = self.topo.etcd.gate
+        if gate.endpoints:
+            state.gate_endpoints = list(gate.endpoints)
+            self.progress(f"etcd gate using {', '.join(state.gate_endpoints)} (etcd.gate.endpoints): workers, "
+                          "gateways and the KV index reach etcd through it")
+            return
         access = self.etcd_access()
-        port = self.topo.etcd.gate.port or free_loopback_port(host)
+        # Chosen here, not by the gate: every restart must listen where its clients reconnect.
+        port = gate.port or free_loopback_port(host)
         log_file = open(run_dir / f"{self.topo.cluster}-etcd-gate.log", "ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.control.etcd_gate", "--topology", os.path.abspath(self.topology_file),
+            [sys.executable, "-m", "pdserve.control.etcd_gate", "--supervise",
+             "--topology", os.path.abspath(self.topology_file),
              "--upstream", state.etcd_endpoints[0], "--host", host, "--port", str(port),
              "--workers", ",".join(f"{role}:{wid}" for role, wid in access.workers),
              *(["--shared-worker"] if access.shared_worker else [])],
@@ -171,8 +184,9 @@ class Launcher:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the etcd gate did not start (see {log_file.name})")
             time.sleep(0.1)
-        self.progress(f"etcd gate started at {state.gate_endpoints[0]} (pid {proc.pid}): workers reach etcd only "
-                      "through it, each scoped to its own keys and leases")
+        self.progress(f"etcd gate started at {state.gate_endpoints[0]} (supervisor pid {proc.pid}: restarts it if "
+                      "it dies): workers, gateways and the KV index reach etcd only through it, each scoped to "
+                      "its own keys and leases")
 
     def etcd_access(self) -> ClusterAccess:
         """What etcd's RBAC bootstrap sets up for this topology: a user per worker slot
@@ -292,7 +306,7 @@ class Launcher:
         t = self.topo
         started = []
         for i in range(t.gateway.replicas):
-            cfg = gateway_config(t, i, self.model_path, state.etcd_endpoints)
+            cfg = gateway_config(t, i, self.model_path, self._follower_etcd_endpoints(state))
             name = f"{t.cluster}-{cfg['gateway_id']}"
             opts = worker_actor_options(name, t.ray.namespace, t.gateway.num_cpus, 0, t.gateway.custom)
             actor = ray.remote(restartable(GatewayActor)).options(**opts).remote(cfg)
@@ -303,6 +317,14 @@ class Launcher:
             info = ray.get(ref, timeout=READY_TIMEOUT_S)
             rec.update(grpc=info["grpc"], http=info["http"])
             self.progress(f"gateway   {rec['worker_id']} started: gRPC {info['grpc']}  HTTP http://{info['http']}")
+
+    def _follower_etcd_endpoints(self, state: ClusterState) -> list[str]:
+        """Where the gateways and the KV index reach etcd: the gate's endpoint when they connect
+        as an identity it serves (the reader: a gated cluster grants it nothing directly)."""
+        from pdserve.control.etcd_auth import FOLLOWER_IDENTITIES
+
+        tls = self.topo.etcd_tls(*FOLLOWER_IDENTITIES)
+        return state.follower_etcd_endpoints(tls.identity if tls is not None else None)
 
     def _start_kv_index(self, state: ClusterState) -> None:
         """The cluster's KV index (kvindex/actor.py) when the topology enables it."""
@@ -316,7 +338,8 @@ class Launcher:
 
         name = f"{t.cluster}-kv-index"
         opts = worker_actor_options(name, t.ray.namespace, t.kv_index.num_cpus, 0, t.kv_index.custom)
-        actor = ray.remote(restartable(KVIndexActor)).options(**opts).remote(kv_index_config(t, state.etcd_endpoints))
+        actor = ray.remote(restartable(KVIndexActor)).options(**opts).remote(
+            kv_index_config(t, self._follower_etcd_endpoints(state)))
         rec = {"name": name, "role": "kv-index", "worker_id": "kv-index"}
         state.actors.append(rec)
         rec["url"] = ray.get(actor.start.remote(), timeout=READY_TIMEOUT_S)["url"]
@@ -350,7 +373,7 @@ class Launcher:
                     ray.shutdown()
         if state.ray_head_pid:
             terminate_group(state.ray_head_pid, "ray head", self.progress, leader_first=True)
-        if state.gate_pid:
+        if state.gate_pid:  # the supervisor's process group: it and the gate it restarts
             terminate_group(state.gate_pid, "etcd gate", self.progress)
         if state.etcd_pid:
             terminate_group(state.etcd_pid, "etcd", self.progress, own_group=False)

@@ -108,15 +108,17 @@ def _etcd(t) -> Surface:
         ids.append("one per worker")
     how = f"TLS, client certificates, RBAC (identities here: {', '.join(ids) or 'none'}){where}"
     if t.etcd.gate is not None:
-        return Surface("etcd", YES, f"{how}; workers have no grants here: they reach it only through the etcd gate")
+        return Surface("etcd", YES, f"{how}; workers and the reader have no grants here: they reach it through the "
+                       "etcd gate (etcd itself still renews any lease for any certificate of its CA that reaches it)")
     return Surface("etcd", PARTLY, f"{how}; etcd's RBAC covers keys, not leases: any identity may keep alive or "
                    "read any lease and compact the store", "etcd.gate")
 
 
 def _etcd_gate(t) -> Surface:
-    return Surface("etcd gate", YES, "mutual TLS (the etcd CA); serves worker identities only, each scoped to its "
-                   "own keys and leases, no compaction or lease listing (control/etcd_gate.py); on network.bind "
-                   f"{t.network.bind}")
+    where = (f"at {', '.join(t.etcd.gate.endpoints)} (etcd.gate.endpoints: yours)" if t.etcd.gate.endpoints else
+             f"supervised by `pdserve up` (restarted if it dies), on network.bind {t.network.bind}")
+    return Surface("etcd gate", YES, "mutual TLS (the etcd CA); serves worker identities and the reader only, each "
+                   f"scoped to its own keys and leases, no compaction or lease listing (control/etcd_gate.py); {where}")
 
 
 def _queue(t) -> Surface:

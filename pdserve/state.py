@@ -27,7 +27,9 @@ class ClusterState:
     model: str
     actors: list[dict] = field(default_factory=list)  # {name, role, worker_id, grpc, http}
     started_at: float = field(default_factory=time.time)
-    # The etcd gate (etcd.gate): the workers' etcd endpoints, and its pid (down stops it)
+    # The etcd gate (etcd.gate): where workers and readers reach etcd, and the pid of the
+    # supervisor `up` started it under (it restarts the gate; `down` stops its process group).
+    # No pid for a gate run elsewhere (etcd.gate.endpoints).
     gate_endpoints: list[str] = field(default_factory=list)
     gate_pid: int | None = None
 
@@ -35,6 +37,15 @@ class ClusterState:
     def worker_etcd_endpoints(self) -> list[str]:
         """Where workers reach etcd: through the gate when there is one."""
         return self.gate_endpoints or self.etcd_endpoints
+
+    def follower_etcd_endpoints(self, identity: str | None) -> list[str]:
+        """Where a gateway or the KV index connecting as etcd user `identity` reaches etcd:
+        through the gate when there is one and it serves that identity (the reader, the shared
+        worker: a gated cluster grants them nothing directly); the operator, which the gate
+        does not serve, and a plaintext etcd (no identity) keep etcd's own endpoints."""
+        if self.gate_endpoints and identity not in (None, "operator"):
+            return list(self.gate_endpoints)
+        return list(self.etcd_endpoints)
 
     @property
     def decode_endpoints(self) -> list[dict]:

@@ -103,6 +103,16 @@ VALUE_SETS = {
         "etcd": {"replicas": 3, "tls": {"secretName": "pd-etcd-server", "rootSecretName": "pd-etcd-root"}},
         "security": {"etcd": {"secretName": "pd-etcd-client"}, "queue": {"secretName": "pd-queue", "mutual": True}},
     },
+    # The etcd gate in front of the chart's TLS etcd: the workers, the gateway and the KV index
+    # reach etcd through it; etcd's client port admits only the gate and the operator's pods.
+    "etcd-gate": {
+        "etcd": {"tls": {"secretName": "pd-etcd-server", "rootSecretName": "pd-etcd-root"},
+                 "gate": {"enabled": True}},
+        "security": {"etcd": {"secretName": "pd-etcd-client", "operator": True}},
+        "gateway": {"enabled": True, "replicas": 1},
+        "kvIndex": {"enabled": True},
+        "networkPolicy": {"enabled": True},
+    },
 }
 TLS_VALUES = VALUE_SETS["own-etcd-tls-queue-tls"]
 PER_WORKER = {"etcd": {"endpoints": ["etcd.infra:2379"]}}  # + security.etcd: a TLS etcd of one's own
@@ -218,6 +228,8 @@ def test_the_schema_accepts_the_worker_identity_and_statefulset_values():
     ({"security": {"queue": {"mutual": "yes"}}}, "/security/queue/mutual"),
     ({"security": {"etcd": {"workers": {"slots": {"decode": -1}}}}}, "/security/etcd/workers/slots/decode"),
     ({"decode": {"strategy": {"type": "RollingUpdate"}}}, "strategy"),  # a Deployment's: updateStrategy now
+    ({"etcd": {"gate": {"enable": True}}}, "enable"),
+    ({"etcd": {"gate": {"port": 0}}}, "/etcd/gate/port"),
 ])
 def test_a_value_that_breaks_the_schema_is_refused_at_install(values, key):
     with pytest.raises(helm_python.HelmError, match=re.escape(key)):
@@ -231,7 +243,7 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
     """Each command line as the pod would run it (its ConfigMaps mounted, its env expanded)."""
     objs = rendered[name]
     seen = {"pdserve worker": 0, "pdserve drain": 0, "ray start": 0, "ray kill-actor": 0, "etcd": 0,
-            "health probe": 0, "pdserve etcd-auth": 0, "pdserve gateway": 0, "pdserve kv": 0}
+            "health probe": 0, "pdserve etcd-auth": 0, "pdserve gateway": 0, "pdserve kv": 0, "etcd gate": 0}
     for workload, c in containers(objs):
         root = mount_config_maps(objs, workload, tmp_path / workload["metadata"]["name"])  # runs init containers
         env = pod_env(workload)
@@ -252,6 +264,11 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
 
                     assert probe_main(line[3:] + ["--check"]) == 0, (line, capsys.readouterr().err)
                     seen["health probe"] += 1
+                elif line[:3] == ["python3", "-m", "pdserve.control.etcd_gate"]:
+                    from pdserve.control.etcd_gate import main as gate_main
+
+                    assert gate_main(line[3:] + ["--check"]) == 0, (line, capsys.readouterr().err)
+                    seen["etcd gate"] += 1
                 elif line[:2] == ["ray", "start"]:
                     from ray.scripts.scripts import start
 
@@ -278,6 +295,7 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
     assert seen["pdserve etcd-auth"] == (1 if VALUE_SETS[name].get("etcd", {}).get("tls") else 0)  # the RBAC Job
     assert seen["pdserve gateway"] == (1 if VALUE_SETS[name].get("gateway", {}).get("enabled") else 0)
     assert seen["pdserve kv"] == (1 if VALUE_SETS[name].get("kvIndex", {}).get("enabled") else 0)
+    assert seen["etcd gate"] == (1 if VALUE_SETS[name].get("etcd", {}).get("gate", {}).get("enabled") else 0)
 
 
 def test_check_refuses_a_rendered_command_with_a_broken_flag(rendered, tmp_path, capsys):
@@ -625,10 +643,103 @@ def test_queue_tls_from_a_secret_reaches_the_workers_and_the_ray_head_that_runs_
      "clusterName: the etcd user worker/" + "c" * 50 + "/prefill-0 of the last prefill slot is 67 characters"),
     ({"etcd": {"endpoints": ["etcd.infra:2379"], "tls": {"secretName": "pd-etcd-server"}},
       "security": {"etcd": {"secretName": "pd-etcd-client"}}}, "etcd.tls.secretName: the chart deploys no etcd"),
+    ({"etcd": {"gate": {"enabled": True}}}, "etcd.gate.enabled: the gate serves only mutual TLS"),
+    ({**PER_WORKER, "etcd": {"endpoints": ["etcd.infra:2379"], "gate": {"enabled": True}},
+      "security": {"etcd": {"secretName": "pd-etcd-client"}}},
+     "etcd.gate.enabled: the gate needs a server certificate for demo-llama-3-1-8b-instruct-etcd-gate"),
 ])
 def test_etcd_tls_values_that_cannot_work_are_refused_naming_the_value(values, message):
     with pytest.raises(helm_python.HelmError, match=re.escape(message)):
         render(values)
+
+
+# -- the etcd gate ------------------------------------------------------------------------------------
+def test_the_etcd_gate_runs_as_a_deployment_that_workers_gateway_and_index_reach_etcd_through(
+        rendered, tmp_path, capsys):
+    """etcd.gate.enabled: one gate pod behind <base>-etcd-gate, restarted by Kubernetes when its
+    port stops accepting (liveness), serving the chart's TLS etcd as the operator with its own
+    server certificate; the worker pods, the gateway and the KV index get the gate's endpoint
+    (the preStop drain, as operator, keeps etcd's); the RBAC Job's topology is gated (no grants
+    for the workers' users and `reader` in etcd); etcd's client port admits only the gate, the
+    Job and the operator's pods. Off by default: none of it, and everyone uses etcd's Service."""
+    from pdserve.control.etcd_gate import main as gate_main
+
+    objs = rendered["etcd-gate"]
+    base = "demo-llama-3-1-8b-instruct"
+    gate, etcd = f"{base}-etcd-gate:2389", f"{base}-etcd:2379"
+    dep, svc = named(objs, "Deployment", "-etcd-gate"), named(objs, "Service", "-etcd-gate")
+    spec = dep["spec"]["template"]["spec"]
+    [c] = spec["containers"]
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert c["readinessProbe"]["tcpSocket"] == c["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
+    assert {"name": "grpc", "containerPort": 2389} in c["ports"]
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(2389, "grpc")]
+    mounted = {v["name"]: (v["secret"]["secretName"], {i["key"] for i in v["secret"]["items"]})
+               for v in spec["volumes"] if "secret" in v}
+    assert mounted == {"etcd-tls": ("pd-etcd-client", {"ca.crt", "operator.crt", "operator.key"}),
+                       "etcd-gate-tls": ("pd-etcd-server", {"tls.crt", "tls.key"})}
+    root = Path(mount_config_maps(objs, dep, tmp_path / "gate"))
+    [line] = command_lines(c["command"] + c["args"], pod_env(dep))
+    assert line[:3] == ["python3", "-m", "pdserve.control.etcd_gate"]
+    assert line[line.index("--upstream") + 1] == etcd and line[line.index("--port") + 1] == "2389"
+    assert line[line.index("--workers") + 1] == "prefill:prefill-0,decode:decode-0"
+    line = [str(root) + a if a.startswith("/etc/pdserve/") else a for a in line]
+    assert gate_main(line[3:] + ["--check"]) == 0, capsys.readouterr().err
+    t = load_topology(root / "etc/pdserve/topology/etcd-gate.yaml")
+    assert t.resolve(t.etcd.tls.server.cert) == root / "etc/pdserve/etcd-gate-tls/tls.crt"
+    assert t.etcd_tls("operator").cert_file == str(root / "etc/pdserve/etcd/operator.crt")
+
+    def etcd_of(workload, program):
+        c = workload["spec"]["template"]["spec"]["containers"][0]
+        lines = command_lines(c["command"] + c.get("args", []), pod_env(workload))
+        if "lifecycle" in c:
+            lines += command_lines(c["lifecycle"]["preStop"]["exec"]["command"], pod_env(workload))
+        [ln] = [ln for ln in lines if ln[:2] == program]
+        return ln[ln.index("--etcd") + 1]
+
+    for role in ("prefill", "decode"):
+        sts = named(objs, "StatefulSet", f"-{role}")
+        assert etcd_of(sts, ["pdserve", "worker"]) == gate
+        assert etcd_of(sts, ["pdserve", "drain"]) == etcd  # the operator: not served by the gate
+    assert etcd_of(named(objs, "Deployment", "-gateway"), ["pdserve", "gateway"]) == gate
+    assert etcd_of(named(objs, "Deployment", "-kv-index"), ["pdserve", "kv"]) == gate
+    job = of_kind(objs, "Job")[0]
+    job_root = Path(mount_config_maps(objs, job, tmp_path / "job"))
+    topo = load_topology(job_root / "etc/pdserve/topology/etcd-auth.yaml")
+    assert topo.etcd.gate.endpoints == [gate]
+    assert main(["etcd-auth", "--topology", str(job_root / "etc/pdserve/topology/etcd-auth.yaml"), "--check"]) == 0
+    assert f"gated: the workers' users and reader get no grants in cluster {base}" in capsys.readouterr().out
+
+    policies = {o["metadata"]["name"].removeprefix(f"{base}-"): o["spec"] for o in of_kind(objs, "NetworkPolicy")}
+    assert {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["etcd"]} in \
+        policies["internal"]["podSelector"]["matchExpressions"]
+    etcd_policy = policies["etcd"]
+    assert etcd_policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "etcd"
+    [peers, clients] = etcd_policy["ingress"]
+    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers["from"]] == ["etcd"]
+    assert clients["ports"] == [{"protocol": "TCP", "port": 2379}]
+    admitted = {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in clients["from"]}
+    assert admitted == {"etcd-gate", "etcd-auth", "prefill", "decode"}  # not the gateway, not the KV index
+    for component in admitted - {"etcd-auth"}:  # the Job is a hook: not among the workloads
+        assert any(w["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == component
+                   for w in of_kind(objs, "Deployment") + of_kind(objs, "StatefulSet")), component
+
+    off = rendered["own-etcd-tls-queue-tls"]
+    assert not [o for o in off if "etcd-gate" in o["metadata"]["name"]]
+    assert etcd_of(named(off, "StatefulSet", "-decode"), ["pdserve", "worker"]) == etcd
+    assert "etcd-gate.yaml" not in named(off, "ConfigMap", "-topology")["data"]
+
+
+def test_the_etcd_gate_serves_the_shared_worker_identity_when_the_chart_uses_it():
+    objs = render_objs({**VALUE_SETS["etcd-gate"], "security": {"etcd": {
+        "secretName": "pd-etcd-client", "operator": True, "sharedWorkerIdentity": True}}})
+    c = named(objs, "Deployment", "-etcd-gate")["spec"]["template"]["spec"]["containers"][0]
+    [line] = command_lines(c["command"] + c["args"], SAMPLE_ENV)
+    assert line[line.index("--workers") + 1] == "" and line[-1] == "--shared-worker"
+    for obj in objs:
+        if obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
 
 
 # -- one etcd identity per worker pod ---------------------------------------------------------------

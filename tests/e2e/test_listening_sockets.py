@@ -332,9 +332,9 @@ def classify(sockets: list[Listener], procs, state: dict, status: dict, facts: d
     for s in sockets:
         p = procs[s.pid]
         try:
-            cmd = p.cmdline()
+            cmd, parent = p.cmdline(), p.ppid()
         except psutil.NoSuchProcess:
-            cmd = []
+            cmd, parent = [], None
         line = " ".join(cmd)
         found: tuple[str, str, bool] | None = None
         if s.pid == state["etcd_pid"]:
@@ -344,7 +344,8 @@ def classify(sockets: list[Listener], procs, state: dict, status: dict, facts: d
                 found = ("etcd", "etcd client (state file)", True)
             elif s.port == peer:
                 found = ("etcd", "etcd peer (--listen-peer-urls)", True)
-        elif s.pid == state.get("gate_pid") and s.port in {_port(e) for e in state["gate_endpoints"]}:
+        elif state.get("gate_pid") in (s.pid, parent) and s.port in {_port(e) for e in state["gate_endpoints"]}:
+            # (the gate runs as the child of the supervisor whose pid the state file holds)
             found = ("etcd gate", "etcd gate (state file)", True)
         elif s.process == "gcs_server" and s.port == gcs_port:
             found = ("Ray", "Ray GCS (ray_address)", False)
@@ -498,7 +499,7 @@ def probe_etcd(c: Cluster, s: Listener) -> str:
 
 
 def probe_gate(c: Cluster, s: Listener) -> str:
-    """The gate serves worker identities only: plaintext, no client certificate, a CA
+    """The gate serves worker identities and the reader only: plaintext, no client certificate, a CA
     certificate naming no worker (the operator's included) get nothing; prefill-0's reads the
     cluster (and directly against etcd the same certificate gets nothing: gated)."""
     prefix = f"/pdserve/{CLUSTER}/".encode()

@@ -85,6 +85,64 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/*
+The etcd gate (etcd.gate.enabled, etcd-gate.yaml): its Service name, its endpoint, and the
+endpoints the workers, the gateway and the KV index use: the gate's when it is on (their etcd
+users then have no grants in etcd itself), else etcd's. The operator side (the preStop drain,
+the RBAC Job) keeps etcd's: the gate does not serve the operator.
+*/}}
+{{- define "pdserve.etcdGateName" -}}{{ include "pdserve.fullname" . }}-etcd-gate{{- end -}}
+
+{{- define "pdserve.etcdGateEndpoint" -}}
+{{- printf "%s:%d" (include "pdserve.etcdGateName" .) (int .Values.etcd.gate.port) -}}
+{{- end -}}
+
+{{- define "pdserve.clientEtcdEndpoints" -}}
+{{- if .Values.etcd.gate.enabled -}}
+{{- include "pdserve.etcdGateEndpoint" . -}}
+{{- else -}}
+{{- include "pdserve.etcdEndpoints" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The gate's --workers: ROLE:WORKER_ID of every worker slot with an identity of its own
+(none with security.etcd.sharedWorkerIdentity: the gate serves the shared `worker` then). */}}
+{{- define "pdserve.etcdGateWorkers" -}}
+{{- $ids := list -}}
+{{- if include "pdserve.perWorkerEtcd" . -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- range $i := until (int (include "pdserve.workerSlots" (dict "ctx" $ "role" $role))) -}}
+{{- $ids = append $ids (printf "%s:%s-%d" $role $role $i) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- join "," $ids -}}
+{{- end -}}
+
+{{/* The Secret with the gate's server certificate: etcd.gate.secretName, else etcd.tls.secretName's. */}}
+{{- define "pdserve.etcdGateSecret" -}}
+{{- default .Values.etcd.tls.secretName .Values.etcd.gate.secretName -}}
+{{- end -}}
+
+{{/*
+The topology the gate reads (`python -m pdserve.control.etcd_gate --topology`): the cluster, and
+etcd with the CA, the gate's own server certificate and the operator identity it acts as.
+*/}}
+{{- define "pdserve.etcdGateTopology" -}}
+{{- $v := .Values -}}
+cluster: {{ include "pdserve.control" . }}
+model: {path: {{ $v.model.path | quote }}}
+roles:
+  prefill: {replicas: {{ $v.prefill.replicas }}}
+  decode: {replicas: {{ $v.decode.replicas }}}
+etcd:
+  endpoints: {{ toJson (splitList "," (include "pdserve.etcdEndpoints" .)) }}
+  tls:
+    ca: ../etcd/ca.crt
+    server: {cert: ../etcd-gate-tls/tls.crt, key: ../etcd-gate-tls/tls.key}
+    operator: {cert: ../etcd/operator.crt, key: ../etcd/operator.key}
+{{- end -}}
+
 {{- define "pdserve.rayAddress" -}}
 {{- printf "%s:%d" (include "pdserve.rayHeadName" .) (int .Values.ray.port) -}}
 {{- end -}}
@@ -336,7 +394,8 @@ for the init container; "pdserve.etcdIdentityVolumes" gives its two volumes.
 
 {{/*
 The topology `pdserve etcd-auth` reads in the RBAC bootstrap Job: the cluster, its replicas and
-etcd with the root identity added (the files the Job mounts), nothing else.
+etcd with the root identity added (the files the Job mounts), and the gate when it is on (the
+bootstrap is then gated), nothing else.
 */}}
 {{- define "pdserve.etcdAuthTopology" -}}
 {{- $v := .Values -}}
@@ -347,6 +406,10 @@ roles:
   decode: {replicas: {{ $v.decode.replicas }}}
 etcd:
   endpoints: {{ toJson (splitList "," (include "pdserve.etcdEndpoints" .)) }}
+  {{- if $v.etcd.gate.enabled }}
+  # Gated: the workers' users and `reader` get no grants in etcd (they go through the gate).
+  gate: {endpoints: [{{ include "pdserve.etcdGateEndpoint" . | quote }}]}
+  {{- end }}
   {{- include "pdserve.etcdTls" . }}
     root: {cert: ../etcd-root/root.crt, key: ../etcd-root/root.key}
 {{- end -}}
