@@ -30,7 +30,16 @@ The faults of clients and hung processes (bench/chaos_faults.py):
 ``stop_prefill`` (SIGSTOP of the prefill worker for ``--stop`` seconds: hung, its
 lease still alive), ``abort_storm`` (50 remote streams dropped by their clients
 within 3 s) and ``reuse_ids`` (request ids sent again right after a disconnect:
-a reused id answered with another request's tokens counts as crossed, must be 0).
+a reused id answered with another request's tokens counts as crossed, must be 0),
+``hang_compute`` (the prefill worker's compute thread blocked for ``--hang`` seconds
+while its event loop and heartbeat go on: the queue must fail its tasks back by
+their compute progress), ``poison_request`` (requests the engine fails on every
+worker, sent through a gateway in front of the decode workers, which the run adds
+if the topology has none: each must come back as its own error while every other
+request is served) and ``second_cluster`` (a second `pdserve up` cluster started on
+this host mid-run, served token-exact, then stopped, while this one runs). The
+hang and the poison are failpoints (common/failpoints.py) that this run turns on
+in its cluster's environment only.
 
 ``--hosts`` (root) runs the same across three network-namespace hosts (head,
 prefill, decode; bench/chaos_hosts.py) and adds the fault ``link_prefill``:
@@ -53,8 +62,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-FAULTS = ("kill_prefill", "restart_etcd", "kill_queue", "stop_prefill", "abort_storm", "reuse_ids", "link_prefill")
-ONE_HOST_FAULTS = FAULTS[:-1]  # link_prefill needs hosts (--hosts)
+FAULTS = ("kill_prefill", "restart_etcd", "kill_queue", "stop_prefill", "abort_storm", "reuse_ids", "hang_compute",
+          "poison_request", "second_cluster", "link_prefill")
+ONE_HOST_FAULTS = tuple(f for f in FAULTS if f != "link_prefill")  # link_prefill needs hosts (--hosts)
+# The failpoints each fault needs turned on in the cluster's workers (common/failpoints.py).
+FAILPOINTS = {"hang_compute": "prefill.hang_compute", "poison_request": "request.poison"}
 RETRIABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 
 
@@ -82,6 +94,9 @@ class ChaosConfig:
     stop_s: float = 8.0  # stop_prefill: seconds the prefill worker stays SIGSTOPped
     storm_size: int = 50  # abort_storm: streams dropped
     reuse_pairs: int = 8  # reuse_ids: ids reused after a disconnect
+    hang_s: float = 8.0  # hang_compute: seconds the prefill worker's compute thread stays blocked
+    poison_count: int = 4  # poison_request: poison requests per firing
+    second_requests: int = 4  # second_cluster: requests sent to the second cluster
 
 
 @dataclass
@@ -139,6 +154,12 @@ def derive_topology(cfg: ChaosConfig, model_dir: str, etcd_endpoint: str, work: 
     topo["etcd"].pop("data_dir", None)
     topo["queue"] = {**(base.get("queue") or {}), "name": f"{topo['cluster']}-queue"}
     topo["run_dir"] = str((work / "runs").resolve())
+    if "poison_request" in cfg.faults and not (base.get("gateway") or {}).get("replicas"):
+        topo["gateway"] = {"replicas": 1}  # the poison must go through a gateway (its pool is what it could empty)
+    if topo.get("gateway"):
+        topo["gateway"] = {**topo["gateway"], "grpc_port": 0, "http_port": 0}
+    if topo.get("kv_index"):
+        topo["kv_index"] = {**topo["kv_index"], "port": 0}
     if cfg.hosts:
         from pdserve.bench.chaos_hosts import place
 
@@ -169,11 +190,13 @@ class Cluster:
         self.etcd = EmbeddedEtcd(work / "etcd-data", host=host).start()
         self.state = self.launcher = None
         self.killed_pid: int | None = None
+        self.model_dir: str | None = None
 
     def up(self, model_dir: str) -> None:
         from pdserve.control.topology import load_topology
         from pdserve.launcher import Launcher
 
+        self.model_dir = model_dir
         path = derive_topology(self.cfg, model_dir, self.etcd.endpoint, self.work)
         self.topo = load_topology(path)
         self.launcher = Launcher(self.topo, str(path), model_dir, progress=lambda line: self.log(f"  {line}"))
@@ -181,7 +204,14 @@ class Cluster:
 
     @property
     def target(self) -> str:
-        return self.state.decode_endpoints[0]["grpc"]
+        """Where the load goes: the first gateway when the topology has one, else the first decode worker."""
+        gateways = [a for a in self.state.actors if a["role"] == "gateway"]
+        return gateways[0]["grpc"] if gateways else self.state.decode_endpoints[0]["grpc"]
+
+    def decode_actors(self) -> list:
+        import ray
+
+        return [ray.get_actor(a["name"], namespace=self.state.namespace) for a in self.state.decode_endpoints]
 
     def actor(self, role: str):
         import ray
@@ -219,7 +249,7 @@ class Cluster:
             return False
 
     def expected_members(self) -> set[str]:
-        return {a["worker_id"] for a in self.state.actors}
+        return {a["worker_id"] for a in self.state.actors if a["role"] in ("prefill", "decode")}  # in the registry
 
     def down(self) -> None:
         from pdserve.launcher import state_path
@@ -255,6 +285,8 @@ def fire(cluster: Cluster, kind: str) -> str:
 
         cluster.killed_pid = None
         return stop_prefill(ray.get(cluster.actor("prefill").pid.remote(), timeout=10), cluster.cfg.stop_s)
+    if kind == "hang_compute":
+        return ray.get(cluster.actor("prefill").hang_compute.remote(cluster.cfg.hang_s), timeout=10)
     if kind == "link_prefill":
         if not cluster.cfg.hosts:
             raise ValueError("link_prefill needs hosts: run with --hosts")
@@ -271,6 +303,7 @@ async def fault_loop(cluster: Cluster, cfg: ChaosConfig, t0: float, faults: list
     loop = asyncio.get_running_loop()
     at = cfg.first_fault_s
     n = 0
+    watchers = []
     while at < cfg.duration_s - 2:
         await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
         kind = cfg.faults[n % len(cfg.faults)]
@@ -284,9 +317,10 @@ async def fault_loop(cluster: Cluster, cfg: ChaosConfig, t0: float, faults: list
             f.detail = f"could not fire: {exc.__class__.__name__}: {exc}"
         log(f"  t={f.at_s:6.1f}s fault {kind}: {f.detail}")
         faults.append(f)
-        asyncio.ensure_future(_watch_recovery(cluster, f, t0, cfg.fault_every_s, log))
+        watchers.append(asyncio.ensure_future(_watch_recovery(cluster, f, t0, cfg.fault_every_s, log)))
         n += 1
         at += cfg.fault_every_s
+    await asyncio.gather(*watchers)  # each bounded by fault_every_s: the last fault's recovery is reported too
 
 
 async def _watch_recovery(cluster: Cluster, f: Fault, t0: float, limit_s: float, log) -> None:
@@ -351,7 +385,8 @@ async def drive(cluster: Cluster, cfg: ChaosConfig, prompts, refs, log, stats) -
     async with AsyncClient(cluster.target, timeout_s=cfg.request_timeout_s) as client:
         t0 = time.monotonic()
         ctx = FaultContext(client, prompts, refs, stats, random.Random(cfg.seed + 2), storm_size=cfg.storm_size,
-                           reuse_pairs=cfg.reuse_pairs, max_tokens=cfg.max_tokens)
+                           reuse_pairs=cfg.reuse_pairs, max_tokens=cfg.max_tokens, poison_count=cfg.poison_count,
+                           second_requests=cfg.second_requests, work=cluster.work, model_dir=cluster.model_dir)
         fault_task = asyncio.ensure_future(fault_loop(cluster, cfg, t0, faults, log, ctx))
         next_at, i, last_note = 0.0, 0, 0.0
         while next_at < cfg.duration_s:
@@ -375,16 +410,16 @@ async def drive(cluster: Cluster, cfg: ChaosConfig, prompts, refs, log, stats) -
 
 
 def wait_for_free_kv(cluster: Cluster, timeout_s: float, log) -> int | None:
-    """Blocks the decode worker still holds once idle (0 = nothing leaked); None if unreadable."""
+    """Blocks the decode workers still hold once idle (0 = nothing leaked); None if unreadable."""
     import ray
 
     deadline = time.monotonic() + timeout_s
     used = None
     while time.monotonic() < deadline:
         try:
-            st = ray.get(cluster.actor("decode").stats.remote(), timeout=10)
-            used = st["num_blocks"] - st["num_free_blocks"]
-            if used == 0 and st["inflight"] == 0:
+            stats = ray.get([a.stats.remote() for a in cluster.decode_actors()], timeout=10)
+            used = sum(st["num_blocks"] - st["num_free_blocks"] for st in stats)
+            if used == 0 and all(st["inflight"] == 0 for st in stats):
                 return 0
         except Exception as exc:  # noqa: BLE001
             log(f"  decode stats unavailable: {exc.__class__.__name__}")
@@ -434,6 +469,14 @@ def format_report(r: Report) -> str:
         if probes:
             lines.append("short-request TTFT around each abort storm (before -> right after): "
                          + ", ".join(f"{b:.0f} -> {a:.0f} ms" for b, a in probes))
+    if c.get("poison_sent"):
+        lines.append(f"poison requests (gateway)   {c['poison_sent']}: returned as their own error "
+                     f"{c['poison_returned']}, anything else {c['poison_other']}   (must be 0); a short request "
+                     f"right after each firing served {c['poison_probe_ok']} of {c['poison_probes']}")
+    if c.get("second_sent"):
+        lines.append(f"second cluster on the host  {c['second_sent']} requests: token-exact {c['second_exact']}   "
+                     f"(must be all)")
+    if c.get("details"):
         lines += [f"  ! {d}" for d in c["details"][:10]]
     for label, t in r.ttft_ms.items():
         lines.append(f"TTFT {label.replace('_', ' '):<15} n={t['n']:<5} p50 {ms(t['p50']):>8}  p99 {ms(t['p99']):>8}")
@@ -465,6 +508,12 @@ def run_chaos(cfg: ChaosConfig, log=lambda line: print(line, file=sys.stderr, fl
     del llm
     cluster = Cluster(cfg, work, log)
     from pdserve.bench.chaos_faults import ClientFaultStats
+    from pdserve.common.failpoints import ENV as FAILPOINTS_ENV
+
+    wanted = sorted({FAILPOINTS[f] for f in cfg.faults if f in FAILPOINTS})
+    if wanted:  # the Ray head `up` starts, and so every worker of this cluster, inherit it
+        os.environ[FAILPOINTS_ENV] = ",".join(wanted)
+        log(f"chaos: failpoints {', '.join(wanted)} on in this cluster's workers")
 
     stats = ClientFaultStats()
     t_start = time.monotonic()
@@ -511,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="link_prefill: seconds the prefill host's link stays down (default: lease TTL + 4)")
     p.add_argument("--stop", type=float, default=d.stop_s,
                    help="stop_prefill: seconds the prefill worker stays SIGSTOPped (default 8)")
+    p.add_argument("--hang", type=float, default=d.hang_s,
+                   help="hang_compute: seconds the prefill worker's compute thread stays blocked (default 8)")
     p.add_argument("--host-plan", default=None, help=argparse.SUPPRESS)  # set by --hosts for its child
     a = p.parse_args(argv)
     if a.hosts:
@@ -524,12 +575,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ChaosConfig(topology=a.topology, duration_s=a.duration, request_rate=a.rate,
                       faults=tuple(f for f in faults if f), fault_every_s=a.fault_every,
                       fault_window_s=a.fault_window, max_tokens=a.max_tokens, seed=a.seed,
-                      work_dir=a.work_dir, output=a.output, link_down_s=a.link_down, stop_s=a.stop,
+                      work_dir=a.work_dir, output=a.output, link_down_s=a.link_down, stop_s=a.stop, hang_s=a.hang,
                       hosts=json.loads(a.host_plan) if a.host_plan else None)
     report = run_chaos(cfg)
     print(format_report(report))
-    ok = report.lost == 0 and report.mismatch == 0 and report.leaked_blocks == 0 \
-        and report.client_faults.get("crossed", 0) == 0
+    c = report.client_faults
+    ok = report.lost == 0 and report.mismatch == 0 and report.leaked_blocks == 0 and c.get("crossed", 0) == 0 \
+        and c.get("poison_other", 0) == 0 and c.get("second_exact", 0) == c.get("second_sent", 0)
     return 0 if ok else 1
 
 

@@ -11,11 +11,21 @@
   request_id is sent again at once with another prompt. The second request must get its
   own prompt's tokens (or ALREADY_EXISTS while the first is torn down, then its own
   tokens): a reused id that receives anything else is a crossed output.
+- ``poison_request``: ``poison_count`` requests whose prompt the engine fails on every worker
+  (failpoint ``request.poison``, common/failpoints.py), sent through the gateway. Each must
+  come back as its own error (INTERNAL marked ``x-pdserve-error-scope: request``), and a short
+  request right after must be served: a gateway that took the workers out of rotation for
+  them would refuse it ("no decode worker can take this request").
+- ``second_cluster``: a second `pdserve up` cluster (one decode worker, its own name, etcd,
+  Ray head and ports) started on this host while the soak runs, ``second_requests`` prompts
+  sent to it and compared with the reference, then `pdserve down`. Its Ray head takes over
+  Ray's "current cluster" file: nothing of the soak's cluster may notice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -23,7 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-ASYNC_FAULTS = ("abort_storm", "reuse_ids")
+ASYNC_FAULTS = ("abort_storm", "reuse_ids", "poison_request", "second_cluster")
 
 
 @dataclass
@@ -36,6 +46,13 @@ class ClientFaultStats:
     reuse_failed: int = 0  # a reused id that ended in an error (typed errors included)
     # another client's short request just before a storm and right after its last drop (ms)
     storm_probe_ttft_ms: list = field(default_factory=list)  # [(before, after), ...]
+    poison_sent: int = 0
+    poison_returned: int = 0  # came back as the request's own error (INTERNAL, scope request)
+    poison_other: int = 0  # anything else (served, another code, unmarked): must be 0
+    poison_probes: int = 0  # short requests right after a firing
+    poison_probe_ok: int = 0
+    second_sent: int = 0  # requests to the second cluster
+    second_exact: int = 0
     details: list = field(default_factory=list)
 
 
@@ -52,6 +69,10 @@ class FaultContext:
     storm_cut_s: float = 3.0
     reuse_pairs: int = 8
     max_tokens: int = 8
+    poison_count: int = 4
+    second_requests: int = 4
+    work: object = None  # the run's directory (Path): the second cluster lives under it
+    model_dir: str | None = None
 
 
 def stop_prefill(pid: int, stop_s: float) -> str:
@@ -145,3 +166,100 @@ async def _consume(stream) -> None:
             pass
     finally:
         await stream.aclose()
+
+
+async def poison_request(ctx: FaultContext) -> str:
+    import grpc
+
+    from pdserve.common.failpoints import POISON_PREFIX
+    from pdserve.decode.ingress import ERROR_SCOPE_HEADER, REQUEST_SCOPE
+
+    async def one(i: int) -> None:
+        _, prompt = ctx.prompts[i % len(ctx.prompts)]
+        ctx.stats.poison_sent += 1
+        try:
+            await ctx.client.generate(list(POISON_PREFIX) + list(prompt), max_tokens=ctx.max_tokens,
+                                      temperature=0.0, ignore_eos=True, request_id=f"chaos-poison-{uuid.uuid4().hex[:8]}")
+        except grpc.aio.AioRpcError as exc:
+            scope = dict(exc.trailing_metadata() or ()).get(ERROR_SCOPE_HEADER)
+            if exc.code() == grpc.StatusCode.INTERNAL and scope == REQUEST_SCOPE:
+                ctx.stats.poison_returned += 1
+                return
+            ctx.stats.poison_other += 1
+            ctx.stats.details.append(f"poison: {exc.code().name} (scope {scope}): {exc.details()[:200]}")
+            return
+        ctx.stats.poison_other += 1
+        ctx.stats.details.append("poison: served, though every engine fails it")
+
+    returned0 = ctx.stats.poison_returned
+    await asyncio.gather(*(one(i) for i in range(ctx.poison_count)))
+    ctx.stats.poison_probes += 1
+    short = next(p for kind, p in ctx.prompts if kind == "short")
+    try:
+        await ctx.client.generate(short, max_tokens=2, temperature=0.0, ignore_eos=True)
+        ctx.stats.poison_probe_ok += 1
+        probe = "served"
+    except Exception as exc:  # noqa: BLE001  (recorded: the finding this fault looks for)
+        probe = f"refused: {exc}"
+        ctx.stats.details.append(f"poison: the short request right after was {probe[:200]}")
+    return (f"{ctx.poison_count} poison requests through the gateway, {ctx.stats.poison_returned - returned0} "
+            f"returned as their own error; a short request right after {probe}")
+
+
+async def second_cluster(ctx: FaultContext) -> str:
+    return await asyncio.get_running_loop().run_in_executor(None, _second_cluster, ctx)
+
+
+def _second_cluster(ctx: FaultContext) -> str:
+    """`pdserve up` a one-decode-worker cluster of the same model beside the soak's, serve it,
+    `pdserve down` it (subprocesses, as an operator would)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from pdserve.api import Client
+
+    name = f"chaos-second-{os.getpid()}-{ctx.stats.second_sent}"
+    work = Path(ctx.work) / name
+    work.mkdir(parents=True, exist_ok=True)
+    topo = {"cluster": name, "model": {"path": str(ctx.model_dir)},
+            "roles": {"prefill": {"replicas": 0},
+                      "decode": {"replicas": 1, "resources": {"num_cpus": 0},
+                                 "engine": {"device": "cpu", "kv_cache_memory_bytes": 33554432},
+                                 "ports": {"grpc": 0, "http": 0}}},
+            "etcd": {"lease_ttl_s": 3}, "ray": {"namespace": name}, "run_dir": str(work / "runs")}
+    path = work / "topology.yaml"
+    path.write_text(yaml.safe_dump(topo, sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_FAILPOINTS"}  # a plain cluster
+
+    def pdserve(*args):
+        return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True,
+                              timeout=300, env=env)
+
+    up = pdserve("up", "--topology", str(path))
+    try:
+        if up.returncode != 0:
+            ctx.stats.details.append(f"second cluster: up failed: {(up.stdout + up.stderr)[-300:]}")
+            return f"second cluster {name} did not start"
+        state = json.loads((work / "runs" / f"{name}.state.json").read_text())
+        target = state["actors"][0]["grpc"]
+        exact = 0
+        with Client(target) as c:
+            for i in range(ctx.second_requests):
+                _, prompt = ctx.prompts[i % len(ctx.prompts)]
+                ctx.stats.second_sent += 1
+                try:
+                    out = c.generate(prompt, max_tokens=ctx.max_tokens, temperature=0.0, ignore_eos=True)
+                except Exception as exc:  # noqa: BLE001  (recorded)
+                    ctx.stats.details.append(f"second cluster: {exc}"[:300])
+                    continue
+                if out.token_ids == ctx.refs[i % len(ctx.prompts)]:
+                    exact += 1
+        ctx.stats.second_exact += exact
+        return f"second cluster {name} up beside this one, {exact} of {ctx.second_requests} requests token-exact"
+    finally:
+        down = pdserve("down", "--topology", str(path))
+        if down.returncode != 0:
+            ctx.stats.details.append(f"second cluster: down failed: {(down.stdout + down.stderr)[-300:]}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 
-from pdserve.common import Priority
+from pdserve.common import Priority, failpoints
 from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_GPU
 
 from .block_manager import KVCacheManager
@@ -37,6 +37,7 @@ from .step_budget import StepCost, StepTargets, attention_pairs
 from .tokenizer import Tokenizer
 from .tp_group import TPGroupBroken
 
+_POISON_ON = failpoints.enabled("request.poison")  # common/failpoints.py: off unless a chaos run sets it
 log = logging.getLogger(__name__)
 
 
@@ -365,6 +366,8 @@ class LLMEngine:
         return RequestDelta(req.request_id, [], "", "error", error=f"{exc.__class__.__name__}: {exc}")
 
     def _append(self, req: Request, res: SampleResult) -> RequestDelta:
+        if _POISON_ON:  # a chaos run's poison request fails here, as a detokenizer bug would
+            failpoints.check_poison(req.prompt_token_ids)
         p = req.params
         tok = res.token_id
         req.output_token_ids.append(tok)

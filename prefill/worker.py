@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pdserve.common import failpoints
 from pdserve.common.compute_thread import ComputeExecutor
 from pdserve.control.join import join_cluster, leave_cluster, publish_load
 from pdserve.control.keys import VERSION
@@ -283,6 +284,16 @@ class PrefillWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    async def hang_compute(self, seconds: float) -> str:
+        """Failpoint ``prefill.hang_compute`` (common/failpoints.py; chaos runs only): block the
+        compute thread for `seconds` while this loop and its heartbeat go on, as a hung step
+        would. Refused unless the worker's environment turned the failpoint on."""
+        if not failpoints.enabled("prefill.hang_compute"):
+            raise PermissionError(f"failpoint prefill.hang_compute is off (set {failpoints.ENV} in the worker's "
+                                  "environment: chaos runs only)")
+        self._hang = asyncio.ensure_future(self._compute.run(time.sleep, float(seconds)))
+        return f"compute thread of {self.worker_id} blocked for {seconds:g} s (its event loop beats on)"
 
     def tp_rank_pids(self) -> list[int]:
         """Pids of this worker's tensor-parallel ranks 1..N-1 (none at TP=1)."""
