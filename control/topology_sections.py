@@ -165,6 +165,11 @@ class KVTransportSpec(_Strict):
     # Prefix loans between workers (docs/kvindex.md): every worker, at any TP size, lends its cached
     # prefixes to other workers' reads and borrows theirs instead of computing them. false: neither.
     lending: bool = True
+    # Checksum every lent block (debugging, chaos soaks; handoff/lend.py): a borrower asks the
+    # holder for each block's checksum with the grant and computes the prefix instead when what
+    # it read differs (counted checksum_mismatch). Loans between single-rank workers only, and
+    # at most 64 blocks a loan. Safety does not need it (the holder confirms every loan).
+    verify: bool = False
 
     @pydantic.field_validator("threads")
     @classmethod

@@ -81,13 +81,18 @@ class WorkerConfig:
 
     def agent_ucx_env(self, address: str) -> dict:
         """The UCX settings of this worker's NIXL agent when it is bound to `address`."""
-        spec = {k: v for k, v in self.kv_transport.items() if k not in ("threads", "lending")}
+        spec = {k: v for k, v in self.kv_transport.items() if k not in ("threads", "lending", "verify")}
         return ucx_env(address, self.ucx_env, **spec)
 
     @property
     def lending(self) -> bool:
         """Lend and borrow cached prefixes (kv_transport.lending; docs/kvindex.md)."""
         return bool(self.kv_transport.get("lending", True))
+
+    @property
+    def lend_verify(self) -> bool:
+        """Check lent blocks against the holder's checksums (kv_transport.verify; handoff/lend.py)."""
+        return bool(self.kv_transport.get("verify", False))
 
     def agent_threads(self, ranks: int) -> int:
         """NIXL posting threads of each of this worker's `ranks` agents (kv_transport.threads)."""

@@ -203,7 +203,7 @@ class DecodeWorker:
             from .borrow import PeerPrefixes
 
             loans = transport.sender()
-            lending = Lending(self.engine.connector, loans)
+            lending = Lending(self.engine.connector, loans, verify=cfg.lend_verify)
             self.remote.arrival.lending = lending
             self.remote.peers = PeerPrefixes(self.async_engine, lending, loans, self._nixl_record_of)
             self.remote.arrival.after_poll = self.remote.peers.after_poll

@@ -33,6 +33,7 @@ Lending a cached prefix to another worker's read (handoff/lend.py), either role:
                             lent ones it lacks: where a read lands
     end_borrow(b, ok)       register what was read as cached prefix (ok) or not, and let go
     abandon_borrow(b, q)    a read that may still land: keep its blocks under ``q``
+    block_checksums(ids)    a 64-bit checksum of each block's bytes (kv_transport.verify)
 
 Both sides: ``kv_tensor`` / ``layout_info()`` (what NIXL registers and peers check),
 ``kv_bytes(n)``, ``kv_bytes_per_token`` and ``cached_prefix_len``.
@@ -75,6 +76,37 @@ class Borrow:
     first: int  # this pool's own hit: blocks [0, first) need no read
     block_ids: list[int]
     held: list  # Block objects: the own hits, then the targets
+
+
+# Weights of `kv_block_checksums`, per (words in a block, device): made once.
+_CHECKSUM_WEIGHTS: dict = {}
+_U64_MASK = (1 << 64) - 1
+
+
+def kv_block_checksums(kv: "torch.Tensor", block_ids: list[int]) -> list[int]:
+    """Checksums of blocks of a pool laid out [layers, blocks, ...]: of block ``b``, the
+    bytes of ``kv[:, b]`` read as int16 words ``x_i``, ``sum(x_i * w_i)`` with fixed weights
+    ``w_i`` in [1, 2**20) (a multiplicative hash of ``i``), as an unsigned 64-bit int.
+    Integer arithmetic, so the same on a CPU and a GPU, and computed on the pool's device
+    (one small copy back for all blocks). Every change of one word changes the sum; the sum
+    stays below 2**63 in magnitude for blocks up to 2**28 words (512 MiB), so it is exact."""
+    import torch
+
+    if not block_ids:
+        return []
+    sums = []
+    for b in block_ids:
+        words = kv[:, int(b)].contiguous().view(-1).view(torch.uint8)
+        if words.numel() % 2:  # (an odd byte count: a 1-byte dtype) pad to whole words
+            words = torch.cat([words, words.new_zeros(1)])
+        words = words.view(torch.int16)
+        key = (words.numel(), words.device)
+        w = _CHECKSUM_WEIGHTS.get(key)
+        if w is None:
+            i = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
+            w = _CHECKSUM_WEIGHTS[key] = (i * 2654435761 + 40503) % 1048573 + 1
+        sums.append((words.to(torch.int64) * w).sum())
+    return [int(x) & _U64_MASK for x in torch.stack(sums).cpu().tolist()]
 
 
 @dataclass(frozen=True)
@@ -333,6 +365,12 @@ class KVConnector:
                 pool.cache(block, borrow.hashes[i], borrow.parents[i], borrow.tokens[i])
         pool.release(list(reversed(borrow.held)))
         return len(pool.lookup(borrow.hashes)) * self.block_size
+
+    def block_checksums(self, block_ids: list[int]) -> list[int]:
+        """A 64-bit checksum of each block's bytes in this pool (rank 0's at TP: its heads only),
+        computed where the pool lives and copied back once: what a holder sends with a verified
+        grant and its borrower recomputes over what it read (handoff/lend.py)."""
+        return kv_block_checksums(self.kv_tensor, block_ids)
 
     def abandon_borrow(self, borrow: Borrow, quarantine_as: str) -> None:
         """A read that may still land (it timed out): its target blocks stay taken under

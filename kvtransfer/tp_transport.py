@@ -211,7 +211,9 @@ class TPRead:
     (`refresh`). Reads like a `TransferHandle`: ``finished`` once every rank's reads ended,
     ``failed`` if any failed, ``done`` when all arrived. The ``notify`` (the lender's release)
     is sent to the holder's rank 0 once all arrived, not with each rank's read: the holder must
-    keep its blocks until the last read of them ends."""
+    keep its blocks until the last read of them ends. Its answer (a `LendConfirm` from rank 0's
+    lender, whose one lend table covers every rank's blocks) comes back to this worker's rank 0,
+    and the borrower uses no rank's pages before it (kvtransfer/lending.py)."""
 
     sender: TPSender
     key: int
@@ -314,6 +316,11 @@ class TPSender:
         if self.tp > 1:
             self.group.call("remove_peer", names=peer.agent_names)
         return True
+
+    def peer_tp(self, name: str) -> int:
+        """How many ranks a peer's pool is split over (1 for a peer not known here)."""
+        peer = self._peers.get(name)
+        return peer.tp if peer is not None else 1
 
     def _peer(self, name: str) -> PeerRanks:
         peer = self._peers.get(name)

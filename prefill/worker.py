@@ -145,7 +145,7 @@ class PrefillWorker:
             # Lend this pool's cached prefixes to other workers' reads (kvtransfer/lending.py):
             # every poll of the agent answers them, between batches too (`_lend_loop`). The
             # sender meets peers on every rank and reads rank by rank (TPSender.read_blocks).
-            self.lending = Lending(self.engine.connector, self.agent)
+            self.lending = Lending(self.engine.connector, self.agent, verify=cfg.lend_verify)
             self.agent = LendingAgent(self.agent, self.lending)
         self.queue = open_queue(cfg, "the prefill worker")
         # What a borrow costs against computing the same tokens here, learned from this worker's

@@ -26,10 +26,10 @@ def call(conn, op, timeout_s=120, **kwargs):
 
 
 @contextlib.contextmanager
-def node(spawn_ctx, llama_dir, name, quarantine_s=1.0, lease_ms=4000, **engine_args):
+def node(spawn_ctx, llama_dir, name, quarantine_s=1.0, lease_ms=4000, verify=False, **engine_args):
     parent, child = spawn_ctx.Pipe()
     proc = spawn_ctx.Process(target=lend_node_main, args=(child, llama_dir, name, NUM_BLOCKS, quarantine_s, lease_ms,
-                                                          engine_args), daemon=True)
+                                                          engine_args, verify), daemon=True)
     proc.start()
     try:
         yield parent, proc
@@ -88,7 +88,9 @@ def test_a_borrowed_prefix_is_read_not_computed_and_the_output_is_token_exact(sp
         for side in (holder, reader):
             pool = settled_pool(side)
             assert pool["free"] == pool["blocks"] and pool["lent"] == 0, pool
-        assert call(holder, "pool")["lender"] == {"granted": 1, "released": 1}
+        # Released by the read's end, confirmed live (the borrower used the pages only then).
+        assert call(holder, "pool")["lender"] == {"granted": 1, "released": 1, "confirmed": 1}
+        assert call(reader, "pool")["borrower"] == {"asked": 1, "confirmed": 1, "read": 1}
 
 
 def test_a_chain_the_holder_no_longer_has_is_refused_and_computed(spawn_ctx, llama_dir, reference):
@@ -142,4 +144,5 @@ def test_a_chain_partly_in_the_holders_second_tier_is_loaded_back_then_lent(spaw
             pool = settled_pool(side)
             assert pool["free"] == pool["blocks"] and pool["lent"] == 0, pool
         counters = call(holder, "pool")["lender"]
-        assert counters == {"loading_from_tier": 1, "granted_from_tier": 1, "granted": 1, "released": 1}, counters
+        assert counters == {"loading_from_tier": 1, "granted_from_tier": 1, "granted": 1, "released": 1,
+                            "confirmed": 1}, counters
