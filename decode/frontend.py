@@ -18,9 +18,10 @@ import uuid
 from typing import AsyncIterator
 
 from pdserve.engine import SamplingParams
-from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, admit
+from pdserve.router import ArrivalRate, ClusterSnapshot, admit, tenant_token_limit
 
 from .async_engine import AsyncEngine
+from .assess import cluster_snapshot, priced_tier, request_features
 from .breakdown import breakdown, check_prediction
 from .ingress import (
     Chunk,
@@ -34,7 +35,7 @@ from .ingress import (
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
 from .prefill_pool import PrefillView
-from .surface import Surface, identity
+from .surface import Surface, identity, tenant_of
 from .validate import check_privileges
 
 __all__ = ["Frontend", "Chunk", "GenerateInput", "Prepared", "RemotePath", "RequestError", "ServingLimits"]
@@ -99,17 +100,12 @@ class Frontend(Surface):
         load = self.engine.engine.load()
         backlog = self.local_backlog()
         costs = self.policy.costs.snapshot()
-        return ClusterSnapshot(
-            costs=costs,
-            prefill_queue_depth=max(view.queue_depth, self.pending_remote_requests),
-            prefill_queue_tokens=max(view.queue_tokens, self.pending_remote_tokens),
-            prefill_pool_size=view.pool_size if self.remote and self.remote.available() else 0,
-            decode_active_requests=self.num_decoding,
-            decode_waiting_requests=self.num_prefilling,
-            local_prefill_queue_tokens=backlog,
-            local_prefill_queue_requests=self.num_prefilling - self.pending_remote_requests,
-            decode_kv_usage=load.kv_usage,
-            kv_free_tokens=load.num_free_blocks * self.engine.engine.config.block_size,
+        return cluster_snapshot(  # decode/assess.py: the simulator builds its snapshot there too
+            costs, queue_depth=view.queue_depth, queue_tokens=view.queue_tokens,
+            pool_size=view.pool_size if self.remote and self.remote.available() else 0,
+            pending_remote_requests=self.pending_remote_requests, pending_remote_tokens=self.pending_remote_tokens,
+            num_decoding=self.num_decoding, num_prefilling=self.num_prefilling, local_backlog=backlog,
+            kv_usage=load.kv_usage, kv_free_tokens=load.num_free_blocks * self.engine.engine.config.block_size,
             arrival_rate_per_s=self.arrivals.rate(time.monotonic()),
             local_prefill_budget_tokens=self.prefill_budget_tokens(tokens, cached, backlog),
             step_in_flight_ms=costs.step_left_ms(self.engine.in_flight, time.perf_counter()),
@@ -138,6 +134,11 @@ class Frontend(Surface):
     def cached_len(self, ids: list[int]) -> int:
         """Prompt tokens this worker's prefix cache holds now (read-only lookup)."""
         return self.engine.engine.connector.cached_prefix_len(ids)
+
+    def tenant_token_limit(self):
+        """The policy's qos.max_tokens_per_tenant, else (null) this worker's KV pool (Surface)."""
+        pool = self.engine.engine.load().num_blocks * self.engine.engine.config.block_size
+        return tenant_token_limit(self.policy.policy.qos, pool)
 
     def check_serving(self) -> None:
         if self.draining:
@@ -183,16 +184,13 @@ class Frontend(Surface):
             cached = self.cached_len(computed)
             view = self.remote.prefix_view if self.remote is not None and not resume else None
             hint = view.cached_tokens(ids) if view is not None else {}
-            feats = RequestFeatures(prompt_len=len(computed), cached_len=cached, priority=prio,
-                                    ttft_slo_ms=inp.ttft_slo_ms, override="local" if resume else inp.route,
-                                    max_tokens=params.max_tokens,
-                                    remote_cached_len=max(hint.values(), default=0),
-                                    tier_cached_len=connector.tier_prefix_len(computed, cached),
-                                    peer_reads=getattr(self.remote, "peers", None) is not None)
-            snap = self.snapshot(max(0, len(computed) - cached), cached)
-            if feats.tier_cached_len:  # the tier's measured load cost (engine/kv_tier.py)
-                snap = dataclasses.replace(snap, costs=dataclasses.replace(
-                    snap.costs, tier_load_ms_per_token=connector.tier_load_ms_per_token()))
+            # decode/assess.py builds the features and prices the tier (the simulator's worker too)
+            feats = request_features(len(computed), cached, priority=prio, ttft_slo_ms=inp.ttft_slo_ms,
+                                     route=inp.route, max_tokens=params.max_tokens, resumed=bool(resume), hint=hint,
+                                     tier_cached_len=connector.tier_prefix_len(computed, cached),
+                                     peer_reads=getattr(self.remote, "peers", None) is not None)
+            snap = priced_tier(self.snapshot(max(0, len(computed) - cached), cached), feats,
+                               connector.tier_load_ms_per_token())
             return cached, hint, feats, snap, admit(feats, snap, policy)
 
         cached, hint, feats, snap, adm = assess()
@@ -219,7 +217,7 @@ class Frontend(Surface):
         if decision.route == "local" and peers is not None and not resume:
             borrow = peers.choose(hint, cached, len(ids), snap.costs, feats.tier_cached_len)
         return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, prefix_hint=hint,
-                        tenant=identity(inp.caller), residual_ms=residual, borrow=borrow,
+                        tenant=tenant_of(inp.caller), residual_ms=residual, borrow=borrow,
                         local_backlog=snap.local_prefill_queue_tokens)
 
     async def _hold_for_room(self, arrival: float, wait_ms: float, assess, refused):

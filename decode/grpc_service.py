@@ -7,7 +7,8 @@ predicted-ttft-ms and retry-after-ms trailers), UNAVAILABLE (draining, engine
 down), INTERNAL (a bug, or a failure inside the engine for this request only: then with an
 x-pdserve-error-scope: request trailer, decode/ingress.py ERROR_SCOPE_HEADER); with API keys
 (decode/security.py): UNAUTHENTICATED (no valid key), PERMISSION_DENIED (a route override
-or raised priority without an operator key).
+or raised priority without an operator key). Without keys the caller is its peer's address
+(decode/security.py `Client`), a tenant of its own for the per-tenant caps.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         try:
             inp = input_from_proto(request)
             inp.request_id = inp.request_id or uuid.uuid4().hex
-            inp.caller = self.security.caller_of_metadata(context.invocation_metadata())
+            inp.caller = self.security.caller_of_metadata(context.invocation_metadata(), context.peer())
             inp.kv_full_wait_ms = kv_wait_of_metadata(context.invocation_metadata())
             async for chunk in self.frontend.generate(inp):
                 yield chunk_to_proto(inp.request_id, chunk)
@@ -163,7 +164,7 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def Abort(self, request, context):
         await _refuse_undecodable(request, context)
-        caller = self.security.caller_of_metadata(context.invocation_metadata())
+        caller = self.security.caller_of_metadata(context.invocation_metadata(), context.peer())
         return pb.AbortResponse(found=self.frontend.abort(request.request_id, caller))
 
     async def ListModels(self, request, context):

@@ -141,7 +141,7 @@ def build_app(frontend: Surface, security: ServerSecurity | None = None) -> Fast
 
     async def run(request: Request, body, kind: str, inputs: list[GenerateInput], logprobs: int | None):
         rid = body.request_id or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        caller = getattr(request.state, "caller", None)  # ApiKeyAuth's; None: API keys are off
+        caller = getattr(request.state, "caller", None)  # ApiKeyAuth's: the key, or keys off the client
         for inp in inputs:
             inp.request_id = rid
             inp.caller = caller

@@ -83,8 +83,8 @@ class ServingLimits:
     # before any is admitted; 64 prompts x n=128 would otherwise hold a worker for minutes
     max_sequences_per_request: int = 128
     # sequences one API key may have in flight on this worker (all its calls together), checked
-    # before any is admitted; the engine also shares its sequence slots fairly among keys. Not
-    # applied with keys off (every client is then the same anonymous tenant).
+    # before any is admitted; the engine also shares its sequence slots fairly among keys. With
+    # keys off, each client address is a tenant of its own (decode/security.py `client_address`).
     max_sequences_per_key: int = 256
     tokenizer_threads: int = 2  # tokenization runs here, never on the event loop
 
@@ -177,7 +177,7 @@ class Prepared:
     decision: object
     arrival: float
     label: str = ""
-    tenant: str | None = None  # the API key's identity (None: keys off): the engine's fair share
+    tenant: str | None = None  # the API key's identity, or with keys off the client's address (addr:...): the engine's fair share
     residual_ms: float = 0.0  # the learned TTFT residual of the decision's route, included in its prediction
     local_backlog: int = 0  # prompt tokens local prefills had left when it was admitted
     # Prefill worker id -> tokens of this prompt's prefix it holds (their KV events): what the

@@ -12,7 +12,16 @@ An operator key may act for a tenant: ``x-pdserve-tenant: <identity>`` (a gatewa
 client's key identity, ``key:<12 hex>``) makes that the request's identity (per-key fairness
 in the scheduler, the per-key sequence share, request-id namespaces) while the privileges
 stay the operator key's. A plain key that sends it is refused (403 / PERMISSION_DENIED): it
-could otherwise pose as another tenant. With keys off the header is ignored.
+could otherwise pose as another tenant; one naming a client address (``addr:...``, what a
+gateway without keys forwards) is ignored instead, so that such a gateway keeps working with a
+plain worker key.
+
+With keys off every caller has every privilege, as before, but is still a tenant of its own
+for the per-tenant caps and the scheduler's turns: a `Client`, named by its network address
+(`client_address`: gRPC ``context.peer()``, HTTP the ASGI client, which uvicorn takes from
+``X-Forwarded-For`` only when a trusted proxy sent it). ``x-pdserve-tenant`` is then honoured
+only from the same trusted proxies (`TrustedProxies`, uvicorn's ``FORWARDED_ALLOW_IPS``,
+loopback by default): there is no key to trust, so the caller's address is what is trusted.
 """
 
 from __future__ import annotations
@@ -20,8 +29,10 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
+import os
 import re
 import ssl
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +47,91 @@ log = logging.getLogger(__name__)
 BEARER = "bearer"
 WWW_AUTHENTICATE = 'Bearer realm="pdserve"'
 TENANT_HEADER = "x-pdserve-tenant"  # an operator key acting for a tenant (module docstring)
-_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._@-]{0,63}$")
+# A key identity (key:<12 hex>) or a client address (addr:10.0.0.7, addr:2001:db8::/64).
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._@/-]{0,63}$")
+ADDRESS_TENANT = "addr:"  # the prefix of a tenant that is a client's address (`Client`)
+# uvicorn's setting and default: whose X-Forwarded-For it believes (HTTP); here also whose
+# x-pdserve-tenant is believed while API keys are off (both APIs)
+FORWARDED_ALLOW_IPS = "FORWARDED_ALLOW_IPS"
+DEFAULT_TRUSTED_PROXIES = "127.0.0.1,::1"
+# IPv6 clients are grouped by their /64: one host (a home router's, a VM's) gets a whole /64 and
+# privacy addressing rotates through it, so a /128 would let one client be many tenants.
+IPV6_CLIENT_PREFIX = 64
+
+
+def client_address(host: str | None) -> str | None:
+    """The address that identifies a client while API keys are off: an IPv4 address (an
+    IPv4-mapped IPv6 one as IPv4), an IPv6 address's /64 (its loopback as itself); None for
+    what is not an IP address (a Unix socket, a test client without one)."""
+    if not host:
+        return None
+    host = host.strip().strip("[]").split("%", 1)[0]  # brackets of a URL form, an IPv6 zone
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.version == 6 and not ip.is_loopback:
+        return str(ipaddress.ip_network(f"{ip}/{IPV6_CLIENT_PREFIX}", strict=False))
+    return str(ip)
+
+
+def grpc_peer_host(peer: str | None) -> str | None:
+    """The host part of a gRPC ``context.peer()``: ``ipv4:10.0.0.7:5000`` -> ``10.0.0.7``,
+    ``ipv6:[::1]:5000`` (or its percent-encoded form) -> ``::1``; None for ``unix:`` and the like."""
+    if not peer:
+        return None
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]") if rest.startswith("[") else rest
+    return None
+
+
+@dataclass(frozen=True)
+class Client:
+    """A caller while API keys are off. Nothing is checked then (every caller may do what an
+    operator key may, as before), but each client is a tenant of its own: ``tenant`` is
+    ``addr:<its address>`` (`client_address`), or what a trusted proxy named for it
+    (``x-pdserve-tenant``). Request ids stay in the one namespace of a keys-off worker
+    (``identity`` None), so any client may still abort any request by its id."""
+
+    tenant: str
+    operator: bool = True
+    identity = None  # whose request-id namespace: the keys-off one (decode/surface.py `identity`)
+
+
+class TrustedProxies:
+    """The peers whose word on who their client is counts (``x-pdserve-tenant`` while keys are
+    off): uvicorn's ``FORWARDED_ALLOW_IPS`` (comma-separated addresses and networks, ``*`` for
+    any), the same list by which uvicorn believes ``X-Forwarded-For``; loopback by default."""
+
+    def __init__(self, spec: str | None = None):
+        spec = os.environ.get(FORWARDED_ALLOW_IPS, DEFAULT_TRUSTED_PROXIES) if spec is None else spec
+        self.spec = spec
+        self.any = False
+        self.networks: list = []
+        for item in (x.strip() for x in spec.split(",")):
+            if item == "*":
+                self.any = True
+            elif item:
+                try:
+                    self.networks.append(ipaddress.ip_network(item, strict=False))
+                except ValueError:  # a host name or a socket path (uvicorn's literals): never an IP peer
+                    continue
+
+    def __contains__(self, host: str | None) -> bool:
+        if self.any:
+            return True
+        try:
+            ip = ipaddress.ip_address((host or "").strip("[]").split("%", 1)[0])
+        except ValueError:
+            return False
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip in net for net in self.networks)
 
 
 class Unauthenticated(Exception):
@@ -74,6 +169,8 @@ class ServerSecurity:
     keys: KeyRing | None = None
     open_paths: frozenset[str] = frozenset(DEFAULT_OPEN_PATHS)
     open_grpc_services: frozenset[str] = field(default_factory=lambda: frozenset(DEFAULT_OPEN_GRPC_SERVICES))
+    # Keys off: whose x-pdserve-tenant counts (read from the environment when the worker starts)
+    trusted_proxies: TrustedProxies = field(default_factory=TrustedProxies)
 
     @classmethod
     def from_config(cls, cfg) -> "ServerSecurity":
@@ -115,6 +212,10 @@ class ServerSecurity:
         Forbidden for a plain key or a malformed value; keys off: the header is ignored."""
         if key is None or tenant is None:
             return key
+        if not key.operator and tenant.startswith(ADDRESS_TENANT):
+            # What a gateway without keys of its own forwards (its client's address): it poses
+            # as nobody's key, and refusing it would break such a gateway with a plain worker key.
+            return key
         if not key.operator:
             raise Forbidden(f"{TENANT_HEADER}: only an operator API key may act for a tenant; send the request "
                             "without this header (a gateway sends it: give it an operator --worker-api-key, or "
@@ -124,12 +225,22 @@ class ServerSecurity:
                             "(a key identity such as key:0123456789ab)", 400)
         return dataclasses.replace(key, on_behalf_of=tenant)
 
-    def caller_of_metadata(self, metadata) -> ApiKey | None:
+    def client(self, host: str | None, tenant: str | None = None) -> Client | None:
+        """The caller while keys are off: the client at ``host`` (its address, `client_address`),
+        or the tenant a trusted proxy at ``host`` names (``x-pdserve-tenant``; a malformed one is
+        ignored). None when the address is unknown: the one anonymous tenant of before."""
+        if tenant is not None and _TENANT.match(tenant) and host in self.trusted_proxies:
+            return Client(tenant)
+        address = client_address(host)
+        return None if address is None else Client(ADDRESS_TENANT + address)
+
+    def caller_of_metadata(self, metadata, peer: str | None = None) -> ApiKey | Client | None:
         """The caller of a gRPC call whose key the interceptor already checked
-        (ANONYMOUS on an open service without a valid key), acting for the tenant it names."""
-        if self.keys is None:
-            return None
+        (ANONYMOUS on an open service without a valid key), acting for the tenant it names.
+        Keys off: the client at ``peer`` (``context.peer()``), see `client`."""
         md = first_values(metadata)
+        if self.keys is None:
+            return self.client(grpc_peer_host(peer), md.get(TENANT_HEADER))
         try:
             return self.on_behalf_of(self.authenticate(md.get("authorization")), md.get(TENANT_HEADER))
         except (Unauthenticated, Forbidden):
@@ -183,17 +294,22 @@ def _is_loopback(host: str) -> bool:
 class ApiKeyAuth:
     """ASGI middleware: a request without a valid API key gets 401 before its body is read
     (open paths pass, as ANONYMOUS unless they carry a valid key); the caller's `ApiKey`
-    goes to ``request.state.caller``."""
+    goes to ``request.state.caller`` (keys off: its `Client`)."""
 
     def __init__(self, app, security: ServerSecurity):
         self.app = app
         self.security = security
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or self.security.keys is None:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = first_values((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                                if k in (b"authorization", TENANT_HEADER.encode()))
+        if self.security.keys is None:  # no key to check: the client is its address (`ServerSecurity.client`)
+            peer = scope.get("client")
+            scope.setdefault("state", {})["caller"] = self.security.client(peer[0] if peer else None,
+                                                                           headers.get(TENANT_HEADER))
+            return await self.app(scope, receive, send)
         try:
             caller = self.security.authenticate(headers.get("authorization"))
         except Unauthenticated as exc:

@@ -3,8 +3,11 @@ a `Surface`. A decode worker's is its `Frontend` (decode/frontend.py); a gateway
 request to a decode worker (gateway/frontend.py). One implementation of both APIs serves either.
 
 The base holds what does not depend on where a sequence runs: request validation against
-the model (`PromptChecker`), the serving limits, the per-API-key share of sequences, several
-prompts and samples as one call (`generate_many`), detokenization, and the model card.
+the model (`PromptChecker`), the serving limits, each tenant's share (sequences:
+limits.max_sequences_per_key; tokens: qos.max_tokens_per_tenant, `tenant_token_limit`),
+several prompts and samples as one call (`generate_many`), detokenization, and the model card.
+
+A tenant is an API key, or with keys off a client address (decode/security.py `Client`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +24,10 @@ from typing import AsyncIterator
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.prompts import PromptChecker
+from pdserve.router.qos import TokenLimit, admit_tenant_tokens
 
 from .ingress import Chunk, GenerateInput, RequestError, ServingLimits, sample_input
-from .validate import Validator
+from .validate import Validator, check_privileges
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,25 @@ class ModelCard:
 def identity(caller) -> str | None:
     """Whose request-id namespace a request lives in: its API key's identity (None: keys off)."""
     return None if caller is None else caller.identity
+
+
+def tenant_of(caller) -> str | None:
+    """Whose share a request takes (the per-tenant caps here, the scheduler's turns): its API
+    key's identity, or with keys off its client's (``addr:<address>``, decode/security.py
+    `Client`); None: not known (a caller without an address), no per-tenant bound then."""
+    if caller is None:
+        return None
+    return getattr(caller, "tenant", None) or caller.identity
+
+
+@dataclasses.dataclass
+class _Hold:
+    """What one call holds of its tenant's share: its sequences (taken before any work) and the
+    tokens they claim (taken once its prompts are tokenized)."""
+
+    tenant: str
+    sequences: int
+    tokens: int = 0
 
 
 class Surface(abc.ABC):
@@ -56,7 +80,12 @@ class Surface(abc.ABC):
         self.worker_id = worker_id
         self.served_model = served_model
         self.draining = False
-        self.sequences_per_key: Counter = Counter()  # key identity -> sequences its calls hold (keys on)
+        self.sequences_per_key: Counter = Counter()  # tenant -> sequences its calls hold
+        self.tokens_per_tenant: Counter = Counter()  # tenant -> tokens (prompt + max_tokens) its calls claim
+        # id(input) -> the call's hold, until `validated` claims the sequence's tokens from it
+        self._holds: dict[int, _Hold] = {}
+        # id(sample input) -> its validation, done once per prompt by `generate_many`
+        self._checked: dict[int, tuple[list[int], SamplingParams, object]] = {}
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -84,45 +113,81 @@ class Surface(abc.ABC):
         return self.validator.validate(inp)
 
     async def validated(self, inp: GenerateInput) -> tuple[list[int], SamplingParams, int]:
-        """`validate` in the tokenizer pool."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.validate, inp)
+        """`validate` in the tokenizer pool; then, for a call `generate` holds a share for, its
+        tokens are claimed (RequestError when over the tenant's limit). A sample of a
+        `generate_many` call comes back as that call validated its prompt (no second tokenizing)."""
+        done = self._checked.pop(id(inp), None)
+        if done is not None:
+            return done
+        ids, params, prio = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.validate, inp)
+        hold = self._holds.pop(id(inp), None)
+        if hold is not None:
+            self._claim(hold, len(ids) + params.max_tokens,
+                        f"{len(ids)} prompt tokens + max_tokens {params.max_tokens}")
+        return ids, params, prio
+
+    def tenant_token_limit(self) -> TokenLimit | None:
+        """The tokens one tenant's calls in flight may claim here together (router/qos.py
+        `tenant_token_limit`); None: no bound (a gateway: each worker bounds its own)."""
+        return None
 
     @abc.abstractmethod
     def abort(self, request_id: str, caller=None) -> bool:
         """Abort an in-flight request by the id its client gave; False if unknown."""
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
-        """One sequence, within its key's share."""
-        with self._key_share(inp.caller, 1):
-            async for chunk in self._generate(inp):
-                yield chunk
+        """One sequence, within its tenant's share (its tokens are claimed by `validated`)."""
+        with self._tenant_share(inp.caller, 1) as hold:
+            if hold is not None:
+                self._holds[id(inp)] = hold
+            try:
+                async for chunk in self._generate(inp):
+                    yield chunk
+            finally:
+                self._holds.pop(id(inp), None)  # refused before its validation: nothing was claimed
 
     @abc.abstractmethod
     def _generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
-        """One sequence, validated, run and streamed (`generate` holds its key share)."""
+        """One sequence, validated (`validated`), run and streamed (`generate` holds its
+        tenant's share)."""
 
     @contextlib.contextmanager
-    def _key_share(self, caller, sequences: int):
-        """Hold `sequences` of the caller's API key's share (limits.max_sequences_per_key) for
-        one call; refused (429) before any work when the key's calls would hold more. With keys
-        off every client is the same anonymous tenant: no per-key bound then."""
-        who = identity(caller)
+    def _tenant_share(self, caller, sequences: int):
+        """Hold `sequences` of the caller's tenant's share (limits.max_sequences_per_key) for
+        one call; refused (429) before any work when its calls would hold more. Yields the
+        call's `_Hold` (None: no tenant known, no bound), from which `_claim` takes its tokens;
+        all of it is given back when the call ends, however it ends."""
+        who = tenant_of(caller)
         if who is None:
-            yield
+            yield None
             return
         cap, held = self.limits.max_sequences_per_key, self.sequences_per_key[who]
         if held + sequences > cap:
             self.metrics.refused("key_sequences")
-            raise RequestError("resource_exhausted", f"this API key has {held} sequence(s) in flight on this "
-                               f"worker and this call adds {sequences}, over its limit of {cap} "
+            raise RequestError("resource_exhausted", f"{_whose(caller, who)} has {held} sequence(s) in flight on "
+                               f"this worker and this call adds {sequences}, over its limit of {cap} "
                                "(limits.max_sequences_per_key); wait for some to finish", None, None, 1000)
+        hold = _Hold(who, sequences)
         self.sequences_per_key[who] += sequences
         try:
-            yield
+            yield hold
         finally:
-            self.sequences_per_key[who] -= sequences
-            if self.sequences_per_key[who] <= 0:
-                del self.sequences_per_key[who]
+            _give_back(self.sequences_per_key, who, sequences)
+            _give_back(self.tokens_per_tenant, who, hold.tokens)
+
+    def _claim(self, hold: _Hold, tokens: int, what: str) -> None:
+        """Claim ``tokens`` for the call holding ``hold`` (``what``: how they add up, for the
+        refusal), or refuse it (429, param max_tokens) when its tenant would claim more than
+        `tenant_token_limit`; before any of its sequences is admitted."""
+        limit = self.tenant_token_limit()
+        if limit is not None:
+            verdict = admit_tenant_tokens(self.tokens_per_tenant[hold.tenant], tokens, limit, what)
+            if not verdict.ok:
+                self.metrics.refused("tenant_tokens")
+                raise RequestError("resource_exhausted", f"max_tokens: {verdict.detail} [tenant {hold.tenant}]",
+                                   "max_tokens", None, verdict.retry_after_ms)
+        hold.tokens += tokens
+        self.tokens_per_tenant[hold.tenant] += tokens
 
     async def generate_many(self, inputs: list[GenerateInput], n: int = 1) -> AsyncIterator[tuple[int, Chunk]]:
         """Several prompts, ``n`` samples each: ``(index, chunk)`` as chunks come, where
@@ -145,20 +210,43 @@ class Surface(abc.ABC):
             async for chunk in self.generate(inputs[0]):
                 yield 0, chunk
             return
-        with self._key_share(inputs[0].caller, len(inputs) * n):
-            async for item in self._generate_many(inputs, n):
+        with self._tenant_share(inputs[0].caller, len(inputs) * n) as hold:
+            # Every prompt is validated once, now, so that the call's tokens are known (and
+            # claimed, or refused) before any of its sequences is admitted; the samples reuse it.
+            check_privileges(inputs[0])  # as each sequence would, before any tokenizing
+            checked = await asyncio.gather(*(self.validated(inp) for inp in inputs), return_exceptions=True)
+            for item in checked:  # the first bad prompt's error, as its sequence would have raised it
+                if isinstance(item, BaseException):
+                    raise item
+            if hold is not None:
+                # A prompt's n samples share its prompt's KV blocks (the prefix cache): it counts
+                # once, max_tokens once per sequence.
+                prompt = sum(len(ids) for ids, _, _ in checked)
+                out = [params.max_tokens for _, params, _ in checked]
+                each = f"max_tokens {out[0]}" if len(set(out)) == 1 else f"max_tokens {min(out)}-{max(out)}"
+                self._claim(hold, prompt + n * sum(out),
+                            f"{prompt} prompt tokens + {len(inputs) * n} sequences x {each}")
+            async for item in self._generate_many(inputs, n, checked):
                 yield item
 
-    async def _generate_many(self, inputs: list[GenerateInput], n: int) -> AsyncIterator[tuple[int, Chunk]]:
+    async def _generate_many(self, inputs: list[GenerateInput], n: int, checked: list[tuple]
+                             ) -> AsyncIterator[tuple[int, Chunk]]:
         base = inputs[0].request_id or uuid.uuid4().hex
         seqs: dict[int, AsyncIterator[Chunk]] = {}
+        samples: list[GenerateInput] = []
         firsts: dict[int, Chunk] = {}
         pending: dict[asyncio.Future, int] = {}
         try:
             for wave in (range(1), range(1, n)):
                 started = [p * n + j for p in range(len(inputs)) for j in wave]
                 for i in started:
-                    seqs[i] = self._generate(sample_input(inputs[i // n], i % n, f"{base}-{i}"))
+                    sample = sample_input(inputs[i // n], i % n, f"{base}-{i}")
+                    ids, params, prio = checked[i // n]
+                    # What validating the sample would give: its prompt's, with its own seed; its
+                    # own list of ids (the engine keeps each request's).
+                    self._checked[id(sample)] = (list(ids), dataclasses.replace(params, seed=sample.params.seed), prio)
+                    samples.append(sample)
+                    seqs[i] = self._generate(sample)
                 got = await asyncio.gather(*(seqs[i].__anext__() for i in started), return_exceptions=True)
                 for item in got:
                     if isinstance(item, BaseException):
@@ -185,9 +273,21 @@ class Surface(abc.ABC):
             await asyncio.gather(*pending, return_exceptions=True)
             for gen in seqs.values():
                 await gen.aclose()
+            for sample in samples:  # one refused before its validation leaves its entry
+                self._checked.pop(id(sample), None)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """Text of token ids (special tokens skipped), in the tokenizer pool."""
         tok = self.tokenizer
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, tok.decode, token_ids)
 
+
+def _whose(caller, tenant: str) -> str:
+    """The tenant as a refusal names it."""
+    return "this API key" if getattr(caller, "tenant", None) is None else f"this client ({tenant})"
+
+
+def _give_back(counter: Counter, tenant: str, amount: int) -> None:
+    counter[tenant] -= amount
+    if counter[tenant] <= 0:
+        del counter[tenant]

@@ -38,7 +38,7 @@ from pdserve.decode.grpc_service import STATUS
 from pdserve.decode.ingress import (ERROR_SCOPE_HEADER, KV_WAIT_HEADER, REQUEST_SCOPE, Chunk, GenerateInput,
                                     RequestError, ServingLimits)
 from pdserve.decode.security import TENANT_HEADER
-from pdserve.decode.surface import Surface, identity
+from pdserve.decode.surface import Surface, identity, tenant_of
 from pdserve.decode.validate import check_privileges
 from pdserve.engine.prompts import PromptChecker
 
@@ -96,7 +96,7 @@ class GatewayFrontend(Surface):
                  race_fraction: float = 0.0, race_risk: float = 0.5, forward_tenant: bool = True):
         super().__init__(checker, limits, metrics, gateway_id, served_model)
         self.backends = backends
-        self.forward_tenant = forward_tenant  # the client's key identity goes to the worker (GatewayConfig)
+        self.forward_tenant = forward_tenant  # the client's tenant goes to the worker (GatewayConfig)
         self._dtype = dtype
         self.max_migrations = max_migrations
         # Racing (opt-in: race_fraction > 0, and a request's ttft_slo_ms): see `_race_partner`.
@@ -309,8 +309,11 @@ class GatewayFrontend(Surface):
         worker refuses at once rather than hold the prompt for KV room (another worker can take it)."""
         w = self.backends.workers[worker_id]
         stub, md = self.backends.stub(worker_id)
-        tenant = identity(inp.caller) if self.forward_tenant else None
-        if tenant is not None:  # the worker's fairness and shares then see this client (decode/security.py)
+        # The client's key identity, or with keys off here its address (addr:...): the worker's
+        # fairness and shares then see this client, where it trusts this gateway to name it (an
+        # operator worker key; keys off there, FORWARDED_ALLOW_IPS: decode/security.py).
+        tenant = tenant_of(inp.caller) if self.forward_tenant else None
+        if tenant is not None:
             md = (*(md or ()), (TENANT_HEADER, tenant))
         if no_hold:
             md = (*(md or ()), (KV_WAIT_HEADER, "0"))

@@ -20,7 +20,7 @@ from pdserve.router.loader import (
     register_kind,
 )
 from pdserve.router.policy import DEFAULT_POLICY, RouterPolicy
-from pdserve.router.qos import Admission, admit
+from pdserve.router.qos import Admission, TokenLimit, TokenShare, admit, admit_tenant_tokens, tenant_token_limit
 from pdserve.router.values import ClusterSnapshot, Decision, RequestFeatures
 
 __all__ = [
@@ -35,7 +35,10 @@ __all__ = [
     "PolicyIssue",
     "RequestFeatures",
     "RouterPolicy",
+    "TokenLimit",
+    "TokenShare",
     "admit",
+    "admit_tenant_tokens",
     "decide",
     "load_any_file",
     "load_policy_file",
@@ -43,4 +46,5 @@ __all__ = [
     "parse_model",
     "parse_policy",
     "register_kind",
+    "tenant_token_limit",
 ]

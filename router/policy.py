@@ -245,6 +245,15 @@ class QosPolicy(StrictModel):
     # this way are served in arrival order) for the running streams to free room, and is
     # admitted once it fits, as vLLM queues it. 0: refuse at once (the behaviour before).
     kv_full_wait_ms: float = Field(1000.0, ge=0)
+    # Tokens one tenant (an API key; with keys off a client address) may claim on a worker with
+    # all its calls in flight together: each prompt's tokens + max_tokens of each of its
+    # sequences (a request without max_tokens claims the rest of the context). A call that would
+    # take its tenant past it is refused before any of its sequences is admitted
+    # (router/qos.py admit_tenant_tokens). null: twice the worker's KV pool (router/qos.py
+    # DEFAULT_TENANT_POOLS: a pool's worth running and as much again waiting for room). Whatever
+    # enable_early_rejection says, and for every priority: with keys off any client may send
+    # priority high.
+    max_tokens_per_tenant: int | None = Field(None, ge=1)
     degrade: Degrade = Degrade()
 
 

@@ -117,6 +117,64 @@ def admit(features: RequestFeatures, snapshot: ClusterSnapshot, policy: RouterPo
     )
 
 
+class TokenLimit(NamedTuple):
+    """The tokens one tenant may claim on a worker (``qos.max_tokens_per_tenant``) and where
+    that number comes from, as a refusal names it."""
+
+    tokens: int
+    source: str
+
+
+# qos.max_tokens_per_tenant null: this many times the worker's KV pool. One pool's worth running
+# and several more queued (vLLM queues whatever one client sends; a single-client benchmark that
+# overloads a worker on purpose must meet the same queue here, not 429s), while a call or a client
+# claiming more than eight pools at once (128 sequences with a large max_tokens) is refused
+# instead of preempting everyone's sequences for minutes.
+DEFAULT_TENANT_POOLS = 8
+
+
+def tenant_token_limit(q: QosPolicy, kv_pool_tokens: int | None) -> TokenLimit | None:
+    """``qos.max_tokens_per_tenant``; when it is null, DEFAULT_TENANT_POOLS x the worker's KV
+    pool (its token slots, ``kv_pool_tokens``); None when that is not known either (no bound)."""
+    if q.max_tokens_per_tenant is not None:
+        return TokenLimit(q.max_tokens_per_tenant, f"qos.max_tokens_per_tenant {q.max_tokens_per_tenant}")
+    if kv_pool_tokens is None:
+        return None
+    return TokenLimit(DEFAULT_TENANT_POOLS * kv_pool_tokens,
+                      f"qos.max_tokens_per_tenant null: {DEFAULT_TENANT_POOLS} x this worker's KV pool of "
+                      f"{kv_pool_tokens} tokens")
+
+
+class TokenShare(NamedTuple):
+    """The answer to "may this tenant's call claim these tokens?" ``retry_after_ms`` is set
+    when waiting can help (the tenant's own calls in flight hold the rest); a call that
+    claims more than the limit alone gets none: it must ask for less."""
+
+    ok: bool
+    detail: str
+    retry_after_ms: int | None
+
+
+# A tenant's claims end with its calls; when, nothing here knows (the per-key sequence share,
+# decode/surface.py, gives the same hint).
+TENANT_RETRY_AFTER_MS = 1000
+
+
+def admit_tenant_tokens(held: int, claim: int, limit: TokenLimit, what: str = "") -> TokenShare:
+    """May a call claiming ``claim`` tokens (its prompts + max_tokens of each of its
+    sequences; ``what`` says how they add up) start while its tenant's calls in flight claim
+    ``held``? Admitted when held + claim <= the limit (equal is admitted, as in ``admit``)."""
+    if held + claim <= limit.tokens:
+        return TokenShare(True, "admitted", None)
+    claims = f"this call claims {claim} tokens" + (f" ({what})" if what else "")
+    if claim > limit.tokens:
+        return TokenShare(False, f"{claims}, more than the {limit.tokens} one tenant may claim on this worker "
+                          f"({limit.source}); lower max_tokens or send fewer sequences (n, prompts)", None)
+    return TokenShare(False, f"{claims} beside the {held} its tenant's calls in flight claim, over the "
+                      f"{limit.tokens} one tenant may claim on this worker ({limit.source}); wait for some to "
+                      f"finish or lower max_tokens; retry in ~{TENANT_RETRY_AFTER_MS} ms", TENANT_RETRY_AFTER_MS)
+
+
 def _ttft_limit(features: RequestFeatures, q: QosPolicy) -> tuple[float | None, str]:
     own = features.ttft_slo_ms if q.reject_on_slo_violation else None
     if features.priority is Priority.LOW:
