@@ -37,9 +37,13 @@ their compute progress), ``poison_request`` (requests the engine fails on every
 worker, sent through a gateway in front of the decode workers, which the run adds
 if the topology has none: each must come back as its own error while every other
 request is served) and ``second_cluster`` (a second `pdserve up` cluster started on
-this host mid-run, served token-exact, then stopped, while this one runs). The
-hang and the poison are failpoints (common/failpoints.py) that this run turns on
-in its cluster's environment only.
+this host mid-run, served token-exact, then stopped, while this one runs) and
+``loan_race`` (fresh prefixes cached by the decode worker, then sent remote so that
+the prefill worker borrows them, while a flood of fresh local prompts presses the
+holder's pool; the run turns on ``kv_transport.verify``: every lent block is
+checksummed, and the report counts loans granted, confirmed, stale and checksum
+mismatches, which must be 0). The hang and the poison are failpoints
+(common/failpoints.py) that this run turns on in its cluster's environment only.
 
 ``--hosts`` (root) runs the same across three network-namespace hosts (head,
 prefill, decode; bench/chaos_hosts.py) and adds the fault ``link_prefill``:
@@ -63,7 +67,7 @@ import numpy as np
 import yaml
 
 FAULTS = ("kill_prefill", "restart_etcd", "kill_queue", "stop_prefill", "abort_storm", "reuse_ids", "hang_compute",
-          "poison_request", "second_cluster", "link_prefill")
+          "poison_request", "second_cluster", "loan_race", "link_prefill")
 ONE_HOST_FAULTS = tuple(f for f in FAULTS if f != "link_prefill")  # link_prefill needs hosts (--hosts)
 # The failpoints each fault needs turned on in the cluster's workers (common/failpoints.py).
 FAILPOINTS = {"hang_compute": "prefill.hang_compute", "poison_request": "request.poison"}
@@ -97,6 +101,8 @@ class ChaosConfig:
     hang_s: float = 8.0  # hang_compute: seconds the prefill worker's compute thread stays blocked
     poison_count: int = 4  # poison_request: poison requests per firing
     second_requests: int = 4  # second_cluster: requests sent to the second cluster
+    race_prefixes: int = 6  # loan_race: fresh long prefixes per firing, each lent once
+    race_flood: int = 24  # loan_race: fresh long local prompts sent beside the loans (eviction pressure)
 
 
 @dataclass
@@ -156,6 +162,10 @@ def derive_topology(cfg: ChaosConfig, model_dir: str, etcd_endpoint: str, work: 
     topo["run_dir"] = str((work / "runs").resolve())
     if "poison_request" in cfg.faults and not (base.get("gateway") or {}).get("replicas"):
         topo["gateway"] = {"replicas": 1}  # the poison must go through a gateway (its pool is what it could empty)
+    if "loan_race" in cfg.faults:  # every lent block checksummed: a torn read would be counted
+        network = dict(topo.get("network") or {})
+        network["kv_transport"] = {**(network.get("kv_transport") or {}), "lending": True, "verify": True}
+        topo["network"] = network
     if topo.get("gateway"):
         topo["gateway"] = {**topo["gateway"], "grpc_port": 0, "http_port": 0}
     if topo.get("kv_index"):
@@ -177,6 +187,42 @@ def make_prompts(cfg: ChaosConfig, vocab: int) -> list[tuple[str, list[int]]]:
         lo, hi = cfg.long_len if kind == "long" else cfg.short_len
         out.append((kind, [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))]))
     return out
+
+
+def fault_schedule(cfg: ChaosConfig) -> list[str]:
+    """The faults in the order fault_loop fires them."""
+    out, at = [], cfg.first_fault_s
+    while at < cfg.duration_s - 2:
+        out.append(cfg.faults[len(out) % len(cfg.faults)])
+        at += cfg.fault_every_s
+    return out
+
+
+def make_race_sets(cfg: ChaosConfig, llm, greedy) -> list:
+    """One set per loan_race firing: (prefix + suffix a, prefix + suffix b, ref a, ref b) for
+    `race_prefixes` fresh prefixes, and `race_flood` fresh long prompts (no reference: they
+    only press the pool). Fresh each firing: a prefix cached by an earlier one lends nothing."""
+    fires = fault_schedule(cfg).count("loan_race")
+    if not fires:
+        return []
+    rng = random.Random(cfg.seed + 7)
+    vocab = llm.engine.model_config.vocab_size
+    lo, hi = cfg.long_len
+
+    def fresh(n):
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    sets = []
+    for _ in range(fires):
+        pairs = []
+        for _ in range(cfg.race_prefixes):
+            prefix = fresh(rng.randint(lo, hi))
+            pairs.append((prefix + fresh(16), prefix + fresh(16)))
+        outs = llm.generate([p for pair in pairs for p in pair], greedy)
+        toks = [o.token_ids for o in outs]
+        sets.append(([(a, b, toks[2 * i], toks[2 * i + 1]) for i, (a, b) in enumerate(pairs)],
+                     [fresh(rng.randint(lo, hi)) for _ in range(cfg.race_flood)]))
+    return sets
 
 
 class Cluster:
@@ -207,6 +253,22 @@ class Cluster:
         """Where the load goes: the first gateway when the topology has one, else the first decode worker."""
         gateways = [a for a in self.state.actors if a["role"] == "gateway"]
         return gateways[0]["grpc"] if gateways else self.state.decode_endpoints[0]["grpc"]
+
+    def lend_counters(self) -> dict:
+        """The loans' counters summed over the workers: the lenders' (granted, ...) and the
+        borrowers' (confirmed, stale, checksum_mismatch, ...), keyed side.counter."""
+        import ray
+
+        out: dict = {}
+        handles = [(a, "stats") for a in self.decode_actors()] + [(self.actor("prefill"), "get_stats")]
+        for stats in ray.get([getattr(a, m).remote() for a, m in handles], timeout=30):
+            lending = stats.get("lending") or {}
+            for k, v in (stats.get("borrows") or {}).items():  # a prefill worker's borrow outcomes
+                out[f"prefill_borrows.{k}"] = out.get(f"prefill_borrows.{k}", 0) + v
+            for side in ("lender", "borrower"):
+                for k, v in (lending.get(side) or {}).items():
+                    out[f"{side}.{k}"] = out.get(f"{side}.{k}", 0) + v
+        return out
 
     def decode_actors(self) -> list:
         import ray
@@ -373,7 +435,8 @@ async def one_request(client, o: Outcome, prompt: list[int], ref: list[int], cfg
         o.detail = f"client error {exc.__class__.__name__}: {exc}"
 
 
-async def drive(cluster: Cluster, cfg: ChaosConfig, prompts, refs, log, stats) -> tuple[list[Outcome], list[Fault]]:
+async def drive(cluster: Cluster, cfg: ChaosConfig, prompts, refs, log, stats,
+                race_sets=()) -> tuple[list[Outcome], list[Fault]]:
     from pdserve.api import AsyncClient
     from pdserve.bench.chaos_faults import FaultContext
 
@@ -386,7 +449,8 @@ async def drive(cluster: Cluster, cfg: ChaosConfig, prompts, refs, log, stats) -
         t0 = time.monotonic()
         ctx = FaultContext(client, prompts, refs, stats, random.Random(cfg.seed + 2), storm_size=cfg.storm_size,
                            reuse_pairs=cfg.reuse_pairs, max_tokens=cfg.max_tokens, poison_count=cfg.poison_count,
-                           second_requests=cfg.second_requests, work=cluster.work, model_dir=cluster.model_dir)
+                           second_requests=cfg.second_requests, work=cluster.work, model_dir=cluster.model_dir,
+                           race_sets=list(race_sets), lend_counters=cluster.lend_counters)
         fault_task = asyncio.ensure_future(fault_loop(cluster, cfg, t0, faults, log, ctx))
         next_at, i, last_note = 0.0, 0, 0.0
         while next_at < cfg.duration_s:
@@ -473,6 +537,11 @@ def format_report(r: Report) -> str:
         lines.append(f"poison requests (gateway)   {c['poison_sent']}: returned as their own error "
                      f"{c['poison_returned']}, anything else {c['poison_other']}   (must be 0); a short request "
                      f"right after each firing served {c['poison_probe_ok']} of {c['poison_probes']}")
+    if c.get("race_sent"):
+        lines.append(f"loans under eviction        {c['race_sent']} borrowing requests: token-exact {c['race_exact']}"
+                     f" (must be all); loans granted {c['loans_granted']}, confirmed {c['loans_confirmed']}, stale "
+                     f"{c['loans_stale']}, checksum mismatches {c['checksum_mismatch']} (must be 0); not borrowed as no "
+                     f"cheaper than computing {c['loans_not_cheaper']}")
     if c.get("second_sent"):
         lines.append(f"second cluster on the host  {c['second_sent']} requests: token-exact {c['second_exact']}   "
                      f"(must be all)")
@@ -503,8 +572,9 @@ def run_chaos(cfg: ChaosConfig, log=lambda line: print(line, file=sys.stderr, fl
     log(f"chaos: model {model_dir}; computing the greedy reference of {cfg.num_prompts} prompts")
     llm = LLM(model_dir)
     prompts = make_prompts(cfg, llm.engine.model_config.vocab_size)
-    refs = [o.token_ids for o in llm.generate([p for _, p in prompts], SamplingParams(
-        max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True))]
+    greedy = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
+    refs = [o.token_ids for o in llm.generate([p for _, p in prompts], greedy)]
+    race_sets = make_race_sets(cfg, llm, greedy)
     del llm
     cluster = Cluster(cfg, work, log)
     from pdserve.bench.chaos_faults import ClientFaultStats
@@ -521,7 +591,7 @@ def run_chaos(cfg: ChaosConfig, log=lambda line: print(line, file=sys.stderr, fl
         log("chaos: starting the cluster")
         cluster.up(model_dir)
         log(f"chaos: load for {cfg.duration_s:.0f} s at {cfg.request_rate:g} req/s, faults {list(cfg.faults)}")
-        outcomes, faults = asyncio.run(drive(cluster, cfg, prompts, refs, log, stats))
+        outcomes, faults = asyncio.run(drive(cluster, cfg, prompts, refs, log, stats, race_sets))
         log("chaos: load done; waiting for the decode worker's KV pool to drain")
         leaked = wait_for_free_kv(cluster, cfg.settle_timeout_s, log)
     finally:
@@ -581,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report))
     c = report.client_faults
     ok = report.lost == 0 and report.mismatch == 0 and report.leaked_blocks == 0 and c.get("crossed", 0) == 0 \
-        and c.get("poison_other", 0) == 0 and c.get("second_exact", 0) == c.get("second_sent", 0)
+        and c.get("poison_other", 0) == 0 and c.get("second_exact", 0) == c.get("second_sent", 0) \
+        and c.get("race_exact", 0) == c.get("race_sent", 0) and c.get("checksum_mismatch", 0) == 0
     return 0 if ok else 1
 
 

@@ -16,6 +16,12 @@
   come back as its own error (INTERNAL marked ``x-pdserve-error-scope: request``), and a short
   request right after must be served: a gateway that took the workers out of rotation for
   them would refuse it ("no decode worker can take this request").
+- ``loan_race``: fresh prefixes, each sent once with route local (the decode worker caches
+  it) and once forced remote (the prefill worker lacks it and borrows it from the decode
+  worker, kvtransfer/lending.py), beside a flood of fresh long local prompts that presses the
+  holder's pool. With ``kv_transport.verify`` on, a lent block that changed under the read is
+  a checksum mismatch (must be 0); a lease that ended first is ``stale`` (computed instead).
+  Every borrowing request must be token-exact either way.
 - ``second_cluster``: a second `pdserve up` cluster (one decode worker, its own name, etcd,
   Ray head and ports) started on this host while the soak runs, ``second_requests`` prompts
   sent to it and compared with the reference, then `pdserve down`. Its Ray head takes over
@@ -33,7 +39,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-ASYNC_FAULTS = ("abort_storm", "reuse_ids", "poison_request", "second_cluster")
+ASYNC_FAULTS = ("abort_storm", "reuse_ids", "poison_request", "second_cluster", "loan_race")
 
 
 @dataclass
@@ -53,6 +59,13 @@ class ClientFaultStats:
     poison_probe_ok: int = 0
     second_sent: int = 0  # requests to the second cluster
     second_exact: int = 0
+    race_sent: int = 0  # loan_race: requests whose prefix the prefill worker should borrow
+    race_exact: int = 0
+    loans_granted: int = 0  # over all loan_race firings, summed over the workers' lenders
+    loans_confirmed: int = 0  # borrowers: the holder confirmed the blocks stayed pinned
+    loans_stale: int = 0  # borrowers: the lease had ended (the prefix computed instead)
+    checksum_mismatch: int = 0  # borrowers, kv_transport.verify: must be 0
+    loans_not_cheaper: int = 0  # the prefill worker's cost model said computing was cheaper
     details: list = field(default_factory=list)
 
 
@@ -73,6 +86,8 @@ class FaultContext:
     second_requests: int = 4
     work: object = None  # the run's directory (Path): the second cluster lives under it
     model_dir: str | None = None
+    race_sets: list = field(default_factory=list)  # loan_race: one (pairs, flood) per firing (chaos.make_race_sets)
+    lend_counters: object = None  # () -> the workers' loan counters, summed (chaos.Cluster.lend_counters)
 
 
 def stop_prefill(pid: int, stop_s: float) -> str:
@@ -263,3 +278,54 @@ def _second_cluster(ctx: FaultContext) -> str:
         down = pdserve("down", "--topology", str(path))
         if down.returncode != 0:
             ctx.stats.details.append(f"second cluster: down failed: {(down.stdout + down.stderr)[-300:]}")
+
+
+async def loan_race(ctx: FaultContext) -> str:
+    if not ctx.race_sets:
+        return "no race set left (chaos.make_race_sets sizes them by the fault schedule)"
+    pairs, flood = ctx.race_sets.pop(0)
+    loop = asyncio.get_running_loop()
+    before = await loop.run_in_executor(None, ctx.lend_counters)
+
+    async def exact(prompt, ref, route) -> bool:
+        toks: list[int] = []
+        try:
+            async for msg in ctx.client.stream(prompt, max_tokens=ctx.max_tokens, temperature=0.0, ignore_eos=True,
+                                               route=route, priority="high"):
+                toks += list(msg.token_ids)
+        except Exception as exc:  # noqa: BLE001  (recorded)
+            ctx.stats.details.append(f"loan_race: {route}: {exc}"[:300])
+            return False
+        if toks != ref:
+            ctx.stats.details.append(f"loan_race: {route} got {toks[:8]}..., its reference {list(ref)[:8]}...")
+        return toks == ref
+
+    await asyncio.gather(*(exact(a, ref_a, "local") for a, _, ref_a, _ in pairs))  # the holder caches them
+
+    async def press(prompt) -> None:
+        try:
+            async for _ in ctx.client.stream(prompt, max_tokens=1, temperature=0.0, route="local"):
+                pass
+        except Exception:  # noqa: BLE001  (pressure only: a refusal is fine)
+            pass
+
+    results = await asyncio.gather(*(exact(b, ref_b, "remote") for _, b, _, ref_b in pairs),
+                                   *(press(p) for p in flood))
+    ok = sum(bool(r) for r in results[:len(pairs)])
+    ctx.stats.race_sent += len(pairs)
+    ctx.stats.race_exact += ok
+    after = await loop.run_in_executor(None, ctx.lend_counters)
+
+    def delta(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    granted, confirmed, stale, bad = (delta("lender.granted"), delta("borrower.confirmed"), delta("borrower.stale"),
+                                      delta("borrower.checksum_mismatch"))
+    ctx.stats.loans_granted += granted
+    ctx.stats.loans_confirmed += confirmed
+    ctx.stats.loans_stale += stale
+    ctx.stats.checksum_mismatch += bad
+    ctx.stats.loans_not_cheaper += delta("prefill_borrows.not_cheaper")
+    return (f"{len(pairs)} borrowed prefixes beside {len(flood)} fresh local prompts: {ok} token-exact; loans "
+            f"granted {granted}, confirmed {confirmed}, stale {stale}, checksum mismatches {bad}; not borrowed as no "
+            f"cheaper than computing {delta('prefill_borrows.not_cheaper')}")
