@@ -2,9 +2,15 @@
 
     python bench/sim_scale.py                         # both mixes, the three scales, and the plot
     python bench/sim_scale.py --mixes rag --scales 16,64
+    python bench/sim_scale.py --profile runs/sim-validate/profile-gpu-calibrated.yaml --tp 1,2
 
-The profile is the roofline of sim/profile.py (`pdserve sim profile --roofline llama-3-70b
---gpu h100`; its assumptions are printed and kept in the result). For each traffic mix:
+The profile is, by default, the roofline of sim/profile.py (`pdserve sim profile --roofline
+llama-3-70b --gpu h100`): datasheet numbers and stated efficiencies, **not calibrated** on any
+served run. ``--profile PATH`` takes another (a measured one, or one `pdserve sim calibrate`
+fitted to a real run). What the study rests on (the profile's name and source, and whether it
+was measured, calibrated, or a roofline alone: `describe`) is printed first, kept in the result
+(``profile_basis``), and written into the plot's title and the table's heading; its assumptions
+are printed and kept too. For each traffic mix:
 
 1. the load: per GPU, the highest rate (on a doubling-then-bisecting probe at 16 GPUs) at which
    the best 16-GPU candidate still serves >= 90 % of the offered requests within the SLO;
@@ -39,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from pdserve.router import DEFAULT_POLICY  # noqa: E402
 from pdserve.sim.cluster import SimTopology, Simulation  # noqa: E402
-from pdserve.sim.profile import GPUS, MODELS, roofline  # noqa: E402
+from pdserve.sim.profile import GPUS, MODELS, CostProfile, load_profile, roofline  # noqa: E402
 from pdserve.sim.report import Slo, summarize  # noqa: E402
 from pdserve.sim.search import Candidate, candidates, search, with_mode  # noqa: E402
 from pdserve.sim.workload import generate, mix  # noqa: E402
@@ -50,6 +56,20 @@ SIM_SECONDS = 40.0  # traffic simulated per run (arrivals), whatever the rate
 
 def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+CALIBRATED = "calibrated on a real run"  # how sim/calibrate.py `calibrated` notes its fit in a profile's assumptions
+
+
+def describe(prof: CostProfile) -> str:
+    """What a study on ``prof`` rests on, in one line: a roofline alone (uncalibrated), a profile
+    measured on an idle engine (uncalibrated: no serving costs), or either calibrated on a real
+    served run (sim/calibrate.py), with the profile's name and source."""
+    fits = [a for a in prof.assumptions if a.startswith(CALIBRATED)]
+    kind = ("roofline" if prof.source.startswith("roofline") else
+            "measured" if prof.source.startswith("measured") else "hand-written or unknown")
+    basis = f"{kind}, calibrated ({fits[-1]})" if fits else f"{kind}, uncalibrated (no served run fitted)"
+    return f"{prof.name} [{prof.source}]: {basis}"
 
 
 def requests_for(name: str, rate: float, seed: int):
@@ -169,14 +189,21 @@ def main(argv=None) -> int:
     ap.add_argument("--no-capacity", action="store_true", help="skip step 4 (each family at its own capacity)")
     ap.add_argument("--work", default=str(REPO / "runs/sim-scale"))
     ap.add_argument("--plot", default=str(REPO / "docs/img/sim-scale.png"))
+    ap.add_argument("--profile", help="a cost profile file (YAML or JSON) instead of the roofline of Llama-3-70B "
+                    "on H100; it must time every --tp size")
     args = ap.parse_args(argv)
     slo = Slo(args.slo_ttft, args.slo_tpot)
     tps = tuple(int(x) for x in args.tp.split(","))
-    prof = roofline(MODELS["llama-3-70b"], GPUS["h100"], tps)
+    prof = load_profile(args.profile) if args.profile else roofline(MODELS["llama-3-70b"], GPUS["h100"], tps)
+    for tp in tps:
+        prof.step(tp)  # a size the profile cannot time is refused here, before any run (ProfileError)
+    basis = describe(prof)
+    log(f"profile: {basis}")
     for a in prof.assumptions:
         log(f"assumption: {a}")
     scales = [int(x) for x in args.scales.split(",")]
-    doc = {"profile": prof.to_dict(), "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}, "mixes": {}}
+    doc = {"profile": prof.to_dict(), "profile_basis": basis, "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+           "mixes": {}}
     t_start = time.perf_counter()
     for name in args.mixes.split(","):
         cands = candidates(16, tps, ("conditional", "always_remote"), profile=prof)
@@ -212,7 +239,9 @@ def main(argv=None) -> int:
 
 
 def report(doc: dict) -> str:
-    lines = ["| mix | GPUs | load req/s | family | best configuration | goodput req/s | per GPU | TTFT p99 ms | "
+    lines = [f"Profile: {doc.get('profile_basis') or doc['profile']['name'] + ' [' + doc['profile']['source'] + ']'}",
+             "",
+             "| mix | GPUs | load req/s | family | best configuration | goodput req/s | per GPU | TTFT p99 ms | "
              "TPOT p99 ms | vs best family |", "|" + "---|" * 10]
     for name, entry in doc["mixes"].items():
         for scale, sc in entry["scales"].items():
@@ -263,7 +292,7 @@ def plot(doc: dict, path: Path) -> None:
                 ax.bar([j + i * width for j in range(len(scales))], ys, width, color=colors[fam],
                        label=f"{FAMILY_NAME[fam]} ({c['shape'].rsplit(' ', 1)[0]}, scaled)")
             ax.set_xticks([j + width * (len(cap) - 1) / 2 for j in range(len(scales))], scales)
-            ax.set_xlabel("H100 GPUs")
+            ax.set_xlabel("GPUs")
             ax.set_ylabel("goodput per GPU (req/s)")
             ax.set_title(f"{name}: each family at its own 16-GPU capacity, scaled")
             ax.grid(alpha=0.3, axis="y")
@@ -278,14 +307,15 @@ def plot(doc: dict, path: Path) -> None:
                         label="colocated" if fam == "always_local" else fam.replace("_", "-"))
         ax.set_xscale("log", base=2)
         ax.set_xticks(scales, [str(s) for s in scales])
-        ax.set_xlabel("H100 GPUs")
+        ax.set_xlabel("GPUs")
         ax.set_ylabel("goodput per GPU (req/s)")
         ax.set_title(f"{name}: {entry['rate_per_gpu']:.3g} req/s per GPU offered")
         ax.grid(alpha=0.3)
         ax.legend()
     slo = doc["slo"]
-    fig.suptitle(f"Llama-3-70B on H100 (roofline profile, simulated): goodput at TTFT <= {slo['ttft_ms']:g} ms, "
-                 f"TPOT <= {slo['tpot_ms']:g} ms")
+    basis = doc.get("profile_basis") or doc["profile"]["name"]
+    fig.suptitle(f"Simulated on {basis[:110]}\ngoodput at TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms",
+                 fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

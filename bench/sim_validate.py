@@ -23,7 +23,13 @@ Before the traces, each server replays a calibration trace of its own (prompt- a
 requests at rates no trace uses), ``--reps`` times; the profile is calibrated on it (each
 request's median TTFT over the repetitions, their inter-token gaps together; sim/calibrate.py)
 and then predicts the traces it never saw.
-Both the calibrated and the uncalibrated predictions are printed.
+Both the calibrated and the uncalibrated predictions are printed, for the same rows: each in its
+own table, and side by side (`comparison`: every figure's error both ways, and how many rows
+each meets the bounds on). "Uncalibrated" is the profile as `pdserve sim profile` measured it
+on the idle engine, before the fit: step costs alone, no serving costs (on a GPU host, a
+roofline profile is the other uncalibrated starting point; this box has none: the roofline
+knows GPUs only). `--report RESULT.json ...` prints the tables of recorded runs again, without
+running or simulating anything.
 
 Printed: predicted vs measured goodput (TTFT <= --slo-ttft and TPOT <= --slo-tpot), TTFT p50 and
 p99 and ITL p99, with the relative error of each, the share of remote prefills and of prompt
@@ -409,8 +415,14 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=str(REPO / "runs/sim-validate"))
     ap.add_argument("--offline", action="store_true", help="no servers: the runs recorded in --work (raw-*.json), "
                     "calibrated and simulated again")
+    ap.add_argument("--report", nargs="+", metavar="RESULT_JSON", help="print the tables of recorded results "
+                    "(runs/sim-validate/result.json, docs/peer/*sim-validate*.json) and exit: nothing is run")
     add_autogroup_option(ap)
     args = ap.parse_args(argv)
+    if args.report:
+        rows = [row for path in args.report for row in json.loads(Path(path).read_text())["rows"]]
+        print(comparison(rows, sources=", ".join(args.report)))
+        return 0
     if args.sim_reps is None:
         args.sim_reps = args.reps
     if args.sim_reps < 1:
@@ -420,7 +432,7 @@ def main(argv=None) -> int:
     slo = Slo(args.slo_ttft, args.slo_tpot)
     cores = [int(c) for c in args.cpus.split(",")]
     mixes = [(m.split(":")[0], float(m.split(":")[1])) for m in args.mixes.split(",")]
-    rows, calibrations = [], {}
+    rows, calibrations, profiles = [], {}, {}
     with autogroups_off("keep" if args.offline else args.autogroups, log) as host:
         for system in args.systems.split(","):
             policy = load_policy_file(REPO / "configs/router/default.yaml") if system == "1p1d" else DEFAULT_POLICY
@@ -486,6 +498,7 @@ def main(argv=None) -> int:
                                    contention=tuple(float(x) for x in args.contention.split(",")),
                                    decode_step_ms=steps["step_decode_ms"] if args.step_times else None)
                 prof.save(work / f"profile-{system}-calibrated.yaml")
+                profiles[system] = {"uncalibrated": raw.source, "calibrated": prof.assumptions[-1]}
                 fitted["host_stalls"] = stalls if args.host_stalls else None
                 log(f"   calibrated: {fitted}")
                 calibrations[system] = fitted
@@ -514,13 +527,16 @@ def main(argv=None) -> int:
     old = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
     rows = [r for r in old.get("rows", []) if r["system"] not in done] + rows
     calibrations = {**{k: v for k, v in old.get("calibrations", {}).items() if k not in done}, **calibrations}
-    (work / "result.json").write_text(json.dumps({"rows": rows, "calibrations": calibrations,
+    profiles = {**{k: v for k, v in old.get("profiles", {}).items() if k not in done}, **profiles}
+    (work / "result.json").write_text(json.dumps({"rows": rows, "calibrations": calibrations, "profiles": profiles,
                                                   "host": old.get("host") if args.offline else host}, indent=1))
     print(table(rows))
     print()
     print(table(rows, "uncalibrated"))
     print()
     print(router_table(rows))
+    print()
+    print(comparison(rows, profiles))
     return 0
 
 
@@ -563,6 +579,32 @@ def table(rows, which: str = "simulated") -> str:
     n = sum(within(r["error"] if which == "simulated" else r["uncalibrated_error"]) for r in rows)
     out.append(f"\n{n} of {len(rows)} rows within the bounds ({which})")
     return "\n".join(out)
+
+def comparison(rows, profiles: dict | None = None, sources: str = "") -> str:
+    """The same rows predicted from the calibrated profile and from the uncalibrated one (the
+    idle engine's, as measured), side by side: each bounded figure's error both ways, and on how
+    many rows each meets the bounds. ``profiles``: per system, what each profile rests on."""
+    head = ("| system | mix | rate | goodput err cal / uncal | TTFT p50 err cal / uncal | TTFT p99 err cal / uncal | "
+            "ITL p99 err cal / uncal | within 15 / 15 / 25 % cal / uncal |")
+    out = [head, "|" + "---|" * 8]
+
+    def pct(e):
+        return "n/a" if e is None else f"{e:+.0%}"
+
+    for r in rows:
+        cal, unc = r["error"], r["uncalibrated_error"]
+        cells = [r["system"], r["mix"], f"{r['rate']:g}"]
+        cells += [f"{pct(cal[k])} / {pct(unc[k])}" for k in KEYS]
+        cells.append(f"{'**yes**' if within(cal) else 'no'} / {'**yes**' if within(unc) else 'no'}")
+        out.append("| " + " | ".join(cells) + " |")
+    n_cal = sum(within(r["error"]) for r in rows)
+    n_unc = sum(within(r["uncalibrated_error"]) for r in rows)
+    out.append(f"\nWithin the bounds: calibrated {n_cal} of {len(rows)} rows, uncalibrated {n_unc} of {len(rows)}"
+               + (f" ({sources})" if sources else ""))
+    for system, p in sorted((profiles or {}).items()):
+        out.append(f"{system}: uncalibrated = {p['uncalibrated']}; calibrated = {p['calibrated']}")
+    return "\n".join(out)
+
 
 def router_table(rows) -> str:
     """What the routers predicted for both routes (p50 over the requests) and the engines' mean

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import logging
 import time

@@ -7,8 +7,16 @@ result).
 
 What is the product's own code, called as the workers call it:
 
-* admission and the local/remote decision: `router.admit` (which calls `router.decide`) on a
-  `ClusterSnapshot` built as `decode/frontend.py` builds it, with the decode worker's own
+* admission and the local/remote decision: `router.admit` (which calls `router.decide`) on the
+  `RequestFeatures` and `ClusterSnapshot` that `decode/assess.py` builds from the worker's
+  values, the very functions `decode/frontend.py` builds them with: the prompt's hit in this
+  worker's pool (its prefix cache), what each prefill worker holds of it (`remote_cached_len`;
+  in the product the KV index's hint, here read off the simulated prefill workers' pools and
+  tiers at once, without the index's event lag), what this worker's second tier holds past
+  its pool (`tier_cached_len`, when the profile gives workers a tier) and the tier's load
+  cost; `peer_reads` is False (prefix loans are not simulated), as the product sets it for a
+  worker that does not borrow. The hint also rides on each remote task (`prefix_hint`), so
+  the queue's prefix-aware dispatch is the product's too; with the decode worker's own
   `CostModel` (`decode/policy_state.py` `PolicyState`), calibrated at boot from simulated
   steps of `engine/calibrate.py`'s shapes and fed every simulated step, transfer, remote
   prefill and TTFT as `decode/worker.py`, `decode/kv_arrival.py` and `decode/breakdown.py`
@@ -22,8 +30,13 @@ What is the product's own code, called as the workers call it:
 * autoscaling: `planner/observe.py` and `planner/decide.py` on load records the simulated
   workers publish (sim/autoscale.py).
 
-What is modelled: step times (sim/profile.py), the KV transfer and queue hops, and the
-made-up tokens (every request runs to its output length, as with ``ignore_eos``).
+A prefill worker pushes KV as prefill/batch.py does (``push_as_computed``): a request's KV
+transfer starts when the engine step its prefill ends in is over, not when the batch's last
+step is; and as there, the batch goes on (its next step, or its next batch) only once the
+writes it posted are over.
+
+What is modelled: step times (sim/profile.py), the KV transfer, tier loads and queue hops, and
+the made-up tokens (every request runs to its output length, as with ``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -36,22 +49,28 @@ import random
 from dataclasses import dataclass
 
 from pdserve.common import Priority
+from pdserve.common.block_hash import block_hashes
+from pdserve.decode.assess import cluster_snapshot, priced_tier, request_features
 from pdserve.decode.policy_state import PolicyState
 from pdserve.decode.prefill_budget import StepPlanFeed
 from pdserve.engine import calibrate
 from pdserve.engine.step_budget import attention_pairs
 from pdserve.gateway.pick import WorkerState, choose
 from pdserve.handoff.task import PrefillTask
-from pdserve.router import ArrivalRate, ClusterSnapshot, RequestFeatures, RouterPolicy, admit
+from pdserve.router import ArrivalRate, ClusterSnapshot, RouterPolicy, admit
 from pdserve.taskqueue.core import QueueCore
 
-from .engine import SimEngine, StreamLoad
+from .engine import SimEngine, SimTier, StreamLoad
 from .profile import CostProfile
 from .workload import SimRequest
 
 INGRESS = ("round_robin", "random", "gateway")
 LOAD_REPORT_S = 1.0  # how often a simulated worker's load record refreshes (the gateway reads it)
 SAMPLE_EVERY_S = 1.0  # queue depth and busy workers over time, for the report
+# An idle prefill worker's long poll (prefill/worker.py poll_timeout_ms): a put wakes it at once,
+# and without one it takes again after this long (a task the queue kept for the worker holding
+# its prefix, taskqueue/core.py `_keep_for_prefix`, is handed to another at such a take).
+POLL_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +122,8 @@ class RequestRecord:
     predicted_local_ms: float = 0.0  # both routes' predictions, as a real worker's breakdown gives them
     predicted_remote_ms: float = 0.0
     cached_len: int = 0
+    remote_cached_len: int = 0  # the most a prefill worker held of its prompt at admission (the hint)
+    tier_cached_len: int = 0  # what its decode worker's second tier held past cached_len then
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
@@ -222,6 +243,30 @@ class Simulation:
     def live_prefill(self) -> list[PrefillSim]:
         return [p for p in self.prefill if not p.draining]
 
+    def prefix_hint(self, token_ids: list[int]) -> dict[str, int]:
+        """Per live prefill worker, the tokens of this prompt's prefix it holds (pool or tier),
+        0s left out: what the KV index tells a decode worker (kvindex/service.py cached_tokens,
+        over every full block of the prompt), read at once here (the index follows KV events)."""
+        live = self.live_prefill()
+        if not live:
+            return {}
+        bs = self.prefill_profile.block_size
+        hashes = block_hashes(token_ids, bs)
+        hint = {}
+        for p in live:
+            n = p.engine.held_prefix_len(hashes)
+            if n:
+                hint[p.wid] = n
+        return hint
+
+    def beat(self) -> None:
+        """Every live prefill worker is heard from now: in the product each beats the queue every
+        0.25 s, busy or idle, and the queue's prefix-aware dispatch keeps a task only for a live
+        worker (taskqueue/liveness.py)."""
+        for p in self.prefill:
+            if not p.draining:
+                self.queue.alive(p.wid)
+
     # -- arrivals and the front door ----------------------------------------------------
     def _arrive(self, r: SimRequest) -> None:
         # sent now: r.t, unless a host stall held the client (its TTFT counts from the send)
@@ -279,7 +324,8 @@ class DecodeSim:
     def __init__(self, sim: Simulation, wid: str, model):
         self.sim, self.wid = sim, wid
         prof = sim.profile
-        self.engine = _engine(sim, model, prof, streams=True)
+        self.engine = _engine(sim, model, prof, sim.topology.decode_tp, streams=True)
+        self._wake_at: float | None = None  # a wake-up already set for a tier load (`_step`)
         self.state = PolicyState(prof.kv_bytes_per_token, sim.policy)
         if sim._calibrate:
             self.state.costs.calibrate(_calibration_steps(model, prof))
@@ -314,25 +360,37 @@ class DecodeSim:
 
     # -- admission and routing (decode/frontend.py prepare) --------------------------------
     def snapshot(self, tokens: int, cached: int) -> ClusterSnapshot:
+        """decode/frontend.py snapshot: the same function (decode/assess.py) on this worker's values."""
         sim, eng = self.sim, self.engine
-        pool = len(sim.live_prefill())
         costs = self.state.costs.snapshot()
-        return ClusterSnapshot(
-            costs=costs,
-            prefill_queue_depth=max(len(sim.queue), self.pending_remote_requests),
-            prefill_queue_tokens=max(sim.queue.queued_tokens, self.pending_remote_tokens),
-            prefill_pool_size=pool,
-            decode_active_requests=self.num_decoding,
-            decode_waiting_requests=self.num_prefilling,
-            local_prefill_queue_tokens=self.local_backlog(),
-            local_prefill_queue_requests=self.num_prefilling - self.pending_remote_requests,
-            decode_kv_usage=eng.kv.usage,
+        backlog = self.local_backlog()
+        return cluster_snapshot(
+            costs, queue_depth=len(sim.queue), queue_tokens=sim.queue.queued_tokens,
+            pool_size=len(sim.live_prefill()), pending_remote_requests=self.pending_remote_requests,
+            pending_remote_tokens=self.pending_remote_tokens, num_decoding=self.num_decoding,
+            num_prefilling=self.num_prefilling, local_backlog=backlog, kv_usage=eng.kv.usage,
             kv_free_tokens=eng.kv.num_free_blocks * eng.kv.block_size,
             arrival_rate_per_s=self.arrivals.rate(sim.now),
+            # decode/worker.py _predicted_budget
             local_prefill_budget_tokens=eng.scheduler.predicted_budget(
-                tokens, cached, self.num_decoding + self.num_prefilling, self.local_backlog()),
+                tokens, cached, self.num_decoding + self.num_prefilling, backlog),
             step_in_flight_ms=costs.step_left_ms(self.in_flight, sim.now),
         )
+
+    def assess(self, r: SimRequest, rid: str, ids: list[int]):
+        """decode/frontend.py `_admit`'s assess(): the prompt's hit in this worker's pool, what the
+        prefill workers hold of it, what this worker's tier holds past its pool; the features
+        and the snapshot built by decode/assess.py; the product's admission on them. Returns
+        (cached, hint, features, snapshot, admission)."""
+        eng = self.engine
+        cached = eng.cached_prefix_len(rid, ids)
+        hint = self.sim.prefix_hint(ids)
+        feats = request_features(len(ids), cached, priority=r.priority, ttft_slo_ms=r.ttft_slo_ms, route="auto",
+                                 max_tokens=r.output_len, resumed=False, hint=hint,
+                                 tier_cached_len=eng.tier_prefix_len(ids, cached),
+                                 peer_reads=False)  # prefix loans are not simulated (docs/simulator.md)
+        snap = priced_tier(self.snapshot(max(0, len(ids) - cached), cached), feats, eng.tier_load_ms_per_token())
+        return cached, hint, feats, snap, admit(feats, snap, self.state.policy)
 
     def local_backlog(self) -> int:
         """decode/frontend.py local_backlog: what the local prefills still have to compute."""
@@ -360,12 +418,9 @@ class DecodeSim:
     def _admit(self, r: SimRequest, rec: RequestRecord, rid: str, hold_until: float | None) -> str:
         sim = self.sim
         ids = r.token_ids()
-        cached = self.engine.cached_prefix_len(rid, ids)
-        feats = RequestFeatures(prompt_len=len(ids), cached_len=cached, priority=r.priority,
-                                ttft_slo_ms=r.ttft_slo_ms, max_tokens=r.output_len)
-        snap = self.snapshot(max(0, len(ids) - cached), cached)
-        adm = admit(feats, snap, self.state.policy)
+        cached, hint, feats, snap, adm = self.assess(r, rid, ids)
         rec.cached_len = cached
+        rec.remote_cached_len, rec.tier_cached_len = feats.remote_cached_len, feats.tier_cached_len
         if not adm.ok:
             if adm.reason == "kv_pool_full" and hold_until is not None and sim.now < hold_until:
                 if rec.held_since is None:  # first refusal: to the back of the line
@@ -403,7 +458,8 @@ class DecodeSim:
                 cached_len, blocks = res
                 task = PrefillTask(request_id=rid, epoch=1, token_ids=ids, cached_len=cached_len,
                                    target_worker_id=self.wid, target_block_ids=blocks,
-                                   priority=Priority.parse(r.priority), arrival_time=sim.now)
+                                   priority=Priority.parse(r.priority), arrival_time=sim.now,
+                                   prefix_hint=hint)  # decode/remote.py: the admission's hint
                 sim.at(sim.now + sim.profile.queue_hop_ms / 1e3, self._put, task)
                 return "admitted"
         self.local_prefills[rid] = track
@@ -424,6 +480,12 @@ class DecodeSim:
         out, info = self.engine.plan()
         if info is None:
             self.stepping = False
+            # Only tier loads to wait for: the product's engine loop waits for one
+            # (engine/llm_engine.py), so this worker steps again when the first is over.
+            at = self.engine.next_load_at()
+            if at is not None and self._wake_at != at:
+                self._wake_at = at
+                self.sim.at(max(at, self.sim.now), self._wake)
             return
         self.stepping = True
         self.in_flight = (self.sim.now, info.decodes, info.prompt_tokens, info.pairs)  # decode/async_engine.py
@@ -453,6 +515,10 @@ class DecodeSim:
             self.sim.at(self.sim.now + gap / 1e3, self._step)
         else:
             self._step()
+
+    def _wake(self) -> None:
+        self._wake_at = None
+        self.kick()
 
     def _token(self, req, finished: bool) -> None:
         track = self.inflight.get(req.request_id)
@@ -515,7 +581,10 @@ class DecodeSim:
         sched = self.engine.scheduler
         req = sched.remote_ready(task.request_id)
         costs = self.state.costs
-        costs.observe_remote_prefill(batch_tokens, task.cached_len, prefill_ms)
+        # decode/kv_arrival.py: the prefill worker's speed is learned only from batches that
+        # computed this prompt alone (a batch of several has another shape of attention work)
+        if batch_tokens == len(task.token_ids) - task.cached_len and prefill_ms > 0:
+            costs.observe_remote_prefill(batch_tokens, task.cached_len, prefill_ms)
         tokens = len(task.token_ids) - task.cached_len
         costs.observe_transfer(tokens * self.sim.profile.kv_bytes_per_token, transfer_ms)
         # the blocks written are the request's now (engine/kv_connector.py remote_ready)
@@ -533,18 +602,23 @@ class DecodeSim:
 
 
 class PrefillSim:
-    """A prefill worker: takes batches from the queue, computes them, sends each task's KV."""
+    """A prefill worker: takes batches from the queue, computes them, sends each task's KV after
+    the step its prefill ends in (prefill/batch.py)."""
 
     def __init__(self, sim: Simulation, wid: str, model):
         self.sim, self.wid = sim, wid
         prof = sim.prefill_profile
-        self.engine = _engine(sim, model, prof)
+        self.engine = _engine(sim, model, prof, sim.topology.prefill_tp)
         self.jobs: dict[str, PrefillTask] = {}
         self.idle = True
         self.draining = False
         self.started_at, self.ended_at = sim.now, None
         self.tasks = 0
         self.batch_started = 0.0
+        self._computed_before = 0  # the engine's prompt tokens computed when the batch started
+        self._repoll_at: float | None = None
+        # Each task's KV: (the step its prefill ended in, when its write landed), for tests and reports.
+        self.pushed: dict[str, tuple[float, float]] = {}
 
     def poll(self) -> None:
         """get_batch: the next batch (prefill/worker.py), or idle until a put wakes it."""
@@ -552,16 +626,28 @@ class PrefillSim:
         if self.draining:
             self.idle = True
             return
-        batch = sim.queue.take(self.wid, sim.prefill_profile.max_num_batched_tokens)
+        sim.beat()
+        batch = sim.queue.take(self.wid, sim.prefill_profile.prefill_batch_tokens)
         if not batch:
             self.idle = True
+            if len(sim.queue) and self._repoll_at is None:
+                # what is queued was kept for another worker (prefix-aware dispatch): the long
+                # poll takes again when it times out
+                self._repoll_at = sim.now + POLL_TIMEOUT_S
+                sim.at(self._repoll_at, self._repoll)
             return
         self.idle = False
         sim.at(sim.now + sim.prefill_profile.queue_hop_ms / 1e3, self._start, batch)
 
+    def _repoll(self) -> None:
+        self._repoll_at = None
+        if self.idle and not self.draining:
+            self.poll()
+
     def _start(self, batch: list[PrefillTask]) -> None:
         now = self.sim.now
         self.batch_started = now
+        self._computed_before = self.engine.prompt_tokens_computed
         for t in batch:
             req = self.engine.request(t.request_id, t.token_ids, 1, t.priority, now)
             self.engine.scheduler.add(req)
@@ -571,27 +657,53 @@ class PrefillSim:
     def _step(self) -> None:
         out, info = self.engine.plan()
         if info is None:
-            raise RuntimeError(f"{self.wid}: a batch that cannot be scheduled (its prompt exceeds the KV pool)")
+            at = self.engine.next_load_at()
+            if at is None:
+                raise RuntimeError(f"{self.wid}: a batch that cannot be scheduled (its prompt exceeds the KV pool)")
+            self.sim.at(max(at, self.sim.now), self._step)  # only tier loads to wait for
+            return
         self.sim.at(self.sim.now + info.ms / 1e3, self._stepped, out, info)
 
     def _stepped(self, out, info) -> None:
-        self.engine.commit(out, info)
-        if self.engine.has_work():
-            self._step()
-            return
+        sim = self.sim
+        emitted = self.engine.commit(out, info)
+        sim.queue.alive(self.wid)  # the worker's heartbeat carries its compute progress
+        # prefill/batch.py push_as_computed: the tasks whose prefill ended in this step are
+        # written and announced now, while the batch's other prompts go on. Their PrefillDone
+        # reports the batch's time and the tokens it computed so far.
+        done = [self.jobs[req.request_id] for req, _ in emitted if req.request_id in self.jobs]
+        wait_ms = self._push(done) if done else 0.0
+        # prefill/batch.py _push waits for the writes it posted before the batch goes on: its next
+        # step, or (the batch over) the worker's next batch
+        nxt = self._step if self.engine.has_work() else self._batch_over
+        if wait_ms > 0:
+            sim.at(sim.now + wait_ms / 1e3, nxt)
+        else:
+            nxt()
+
+    def _push(self, done: list[PrefillTask]) -> float:
+        """Send each task's KV to its decode worker; returns the longest write (ms)."""
         sim, prof = self.sim, self.sim.prefill_profile
         compute_ms = (sim.now - self.batch_started) * 1e3
-        batch_tokens = sum(len(t.token_ids) - t.cached_len for t in self.jobs.values())
+        batch_tokens = self.engine.prompt_tokens_computed - self._computed_before
         target = {d.wid: d for d in sim.decode}
-        for t in self.jobs.values():
+        longest = 0.0
+        for t in done:
             tokens = len(t.token_ids) - t.cached_len
             tr = prof.transfer_ms(tokens, compute_ms)
             sim.at(sim.now + tr / 1e3, target[t.target_worker_id].kv_arrived, t, batch_tokens, compute_ms, tr)
-        sim.queue.complete(self.wid, list(self.jobs))
+            self.pushed[t.request_id] = (sim.now, sim.now + tr / 1e3)
+            longest = max(longest, tr)
+        return longest
+
+    def _batch_over(self) -> None:
+        self.sim.queue.complete(self.wid, list(self.jobs))
         self.tasks += len(self.jobs)
         self.jobs = {}
         if not self.draining:
             self.poll()
+        else:
+            self.idle = True
 
     def load_record(self) -> dict:
         eng = self.engine
@@ -599,13 +711,18 @@ class PrefillSim:
                 "tokens": eng.prompt_tokens_computed, "tasks": self.tasks, "inflight": len(self.jobs)}
 
 
-def _engine(sim: Simulation, model, prof: CostProfile, streams: bool = False) -> SimEngine:
-    """A worker's engine on the simulation's clock and generator, with its profile's limits and
-    the streaming load its steps contend with (its own, or the shared host's)."""
+def _engine(sim: Simulation, model, prof: CostProfile, tp: int, streams: bool = False) -> SimEngine:
+    """A worker's engine on the simulation's clock and generator, with its profile's limits, the
+    streaming load its steps contend with (its own, or the shared host's) and its second tier
+    (``tier_blocks``; each rank holds its heads of a block, so a load moves 1/tp of it per rank)."""
     load = sim.stream_load if prof.contention_scope == "cluster" else StreamLoad()
+    tier = None
+    if prof.tier_blocks:
+        tier = SimTier(prof.tier_blocks, max(1, prof.block_size * prof.kv_bytes_per_token // tp), prof.tier_gb_per_s,
+                       lambda: sim.now)
     return SimEngine(model, block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
                      max_num_seqs=prof.max_num_seqs, clock=lambda: sim.now, rng=sim.rng, noise_cv=prof.noise_cv,
-                     contention_ms_per_token=prof.contention_ms_per_token, load=load, streams=streams)
+                     contention_ms_per_token=prof.contention_ms_per_token, load=load, streams=streams, tier=tier)
 
 
 def _calibration_steps(model, prof: CostProfile) -> list[tuple[float, int, int, int]]:

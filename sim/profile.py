@@ -95,6 +95,17 @@ class CostProfile:
     stall_rate_per_s: float = 0.0
     stall_median_ms: float = 0.0
     stall_sigma: float = 0.0
+    # A prefill worker's batch budget: the prompt tokens one get_batch may take (prefill/worker.py
+    # batch_max_tokens, the topology's queue.batch_max_tokens); 0: its engine's
+    # max_num_batched_tokens, as the worker's own default. Above the engine's step budget, a
+    # batch of several prompts takes several steps, and each prompt's KV goes out after the
+    # step its prefill ends in (prefill/batch.py push_as_computed).
+    batch_max_tokens: int = 0
+    # The second KV tier (engine/kv_tier.py; an engine's kv_offload_bytes): this many whole
+    # blocks per worker (0: none), loaded back at this many GB/s per tensor-parallel rank. The
+    # product copies blocks ahead of their eviction off the engine's steps: not timed here.
+    tier_blocks: int = 0
+    tier_gb_per_s: float = 10.0
     assumptions: tuple[str, ...] = field(default_factory=tuple)
 
     def step(self, tp: int) -> StepModel:
@@ -109,6 +120,11 @@ class CostProfile:
         wire = tokens * self.kv_bytes_per_token / (self.transfer_gb_per_s * 1e6)
         hidden = min(wire, compute_ms) * self.transfer_overlap
         return self.transfer_setup_ms + wire - hidden
+
+    @property
+    def prefill_batch_tokens(self) -> int:
+        """What one prefill batch may hold (``batch_max_tokens``, else the step budget)."""
+        return self.batch_max_tokens or self.max_num_batched_tokens
 
     def with_noise(self, cv: float) -> CostProfile:
         return replace(self, noise_cv=cv)
@@ -127,11 +143,13 @@ class CostProfile:
         path.write_text(text)
 
 
-_POSITIVE = ("kv_bytes_per_token", "block_size", "max_num_batched_tokens", "max_num_seqs", "transfer_gb_per_s")
+_POSITIVE = ("kv_bytes_per_token", "block_size", "max_num_batched_tokens", "max_num_seqs", "transfer_gb_per_s",
+             "tier_gb_per_s")
 SCOPES = ("worker", "cluster")
 _NON_NEGATIVE = ("transfer_setup_ms", "queue_hop_ms", "noise_cv", "request_overhead_ms",
                  "request_ms_per_prompt_token", "stream_gap_ms_per_token", "contention_ms_per_token",
-                 "stall_rate_per_s", "stall_median_ms", "stall_sigma")
+                 "stall_rate_per_s", "stall_median_ms", "stall_sigma", "batch_max_tokens", "tier_blocks")
+_COUNTS = ("batch_max_tokens", "tier_blocks")  # whole numbers
 
 
 def profile_from_dict(body: dict, source: str = "<profile>") -> CostProfile:
@@ -152,6 +170,8 @@ def profile_from_dict(body: dict, source: str = "<profile>") -> CostProfile:
                 raise ProfileError(f"{source}: {name} must be a number, got {v!r}")
             if (name in _POSITIVE and v <= 0) or v < 0:
                 raise ProfileError(f"{source}: {name} must be {'> 0' if name in _POSITIVE else '>= 0'}, got {v!r}")
+            if name in _COUNTS and v != int(v):
+                raise ProfileError(f"{source}: {name} must be a whole number, got {v!r}")
     if body.get("contention_scope", "worker") not in SCOPES:
         raise ProfileError(f"{source}: contention_scope must be one of {', '.join(SCOPES)}, "
                            f"got {body['contention_scope']!r}")
@@ -182,6 +202,7 @@ def profile_from_dict(body: dict, source: str = "<profile>") -> CostProfile:
             raise ProfileError(f"{source}: steps.{k}: prefill_ms_per_token must be > 0 and kv_blocks >= 1")
         steps[tp] = model
     fields = dict(body, steps=steps, assumptions=tuple(body.get("assumptions") or ()))
+    fields.update({name: int(body[name]) for name in _COUNTS if name in body})
     fields.setdefault("source", source)
     return CostProfile(**fields)
 
