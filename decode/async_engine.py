@@ -125,6 +125,11 @@ class AsyncEngine:
             self._trace.flush()
 
     @property
+    def thread_running(self) -> bool:
+        """Whether the engine thread still runs (after `stop`: it did not stop in time)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 

@@ -397,7 +397,9 @@ class DecodeWorker:
         out.update(eng.tier_stats())
         return out
 
-    async def stop(self) -> None:
+    async def stop(self, close_engine: bool = True) -> None:
+        """Stop serving and release what the worker holds. `close_engine=False`: the engine lives
+        on (a worker changing role in place hands it to its next role, pdserve/role_flip.py)."""
         if self._http is not None:
             self._http.should_exit = True  # uvicorn finishes its serve task by itself
         for t in self._tasks:
@@ -420,6 +422,11 @@ class DecodeWorker:
                 log.warning("HTTP server stop: %r", exc)
         if self.async_engine is not None:
             self.async_engine.stop()
+            # The engine's other tensor-parallel ranks and its tier's copy thread end now, not
+            # when the engine is garbage-collected (a process that outlives the worker, e.g. a
+            # test run, kept rank processes for minutes). Not while its thread still steps.
+            if close_engine and self.engine is not None and not self.async_engine.thread_running:
+                self.engine.close()
         if self.frontend is not None:
             self.frontend.close()
         if self.agent is not None:

@@ -69,7 +69,10 @@ class FlexWorker:
         old = self.worker
         log.warning("%s: changing role %s -> %s as %s (engine kept)", old.worker_id, self.role, role, worker_id)
         await old.drain()
-        await old.stop()
+        if isinstance(old, DecodeWorker):
+            await old.stop(close_engine=False)  # the engine serves the next role
+        else:
+            await old.stop()
         self.worker = None
         cfg = dict(self.configs[role], worker_id=worker_id)
         info = await self._start_as(role, cfg)
