@@ -200,8 +200,9 @@ def fault_schedule(cfg: ChaosConfig) -> list[str]:
 
 def make_race_sets(cfg: ChaosConfig, llm, greedy) -> list:
     """One set per loan_race firing: (prefix + suffix a, prefix + suffix b, ref a, ref b) for
-    `race_prefixes` fresh prefixes, and `race_flood` fresh long prompts (no reference: they
-    only press the pool). Fresh each firing: a prefix cached by an earlier one lends nothing."""
+    2 x `race_prefixes` fresh prefixes (half borrowed beside the flood, half after it, when the
+    holder is quiet again), and `race_flood` fresh long prompts (no reference: they only press
+    the pool). Fresh each firing: a prefix cached by an earlier one lends nothing."""
     fires = fault_schedule(cfg).count("loan_race")
     if not fires:
         return []
@@ -215,7 +216,7 @@ def make_race_sets(cfg: ChaosConfig, llm, greedy) -> list:
     sets = []
     for _ in range(fires):
         pairs = []
-        for _ in range(cfg.race_prefixes):
+        for _ in range(2 * cfg.race_prefixes):
             prefix = fresh(rng.randint(lo, hi))
             pairs.append((prefix + fresh(16), prefix + fresh(16)))
         outs = llm.generate([p for pair in pairs for p in pair], greedy)
@@ -540,8 +541,8 @@ def format_report(r: Report) -> str:
     if c.get("race_sent"):
         lines.append(f"loans under eviction        {c['race_sent']} borrowing requests: token-exact {c['race_exact']}"
                      f" (must be all); loans granted {c['loans_granted']}, confirmed {c['loans_confirmed']}, stale "
-                     f"{c['loans_stale']}, checksum mismatches {c['checksum_mismatch']} (must be 0); not borrowed as no "
-                     f"cheaper than computing {c['loans_not_cheaper']}")
+                     f"{c['loans_stale']}, checksum mismatches {c['checksum_mismatch']} (must be 0); the prefill worker's "
+                     f"borrows by outcome {c.get('borrow_outcomes') or {}} (not_cheaper: its cost model chose to compute)")
     if c.get("second_sent"):
         lines.append(f"second cluster on the host  {c['second_sent']} requests: token-exact {c['second_exact']}   "
                      f"(must be all)")

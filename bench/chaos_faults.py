@@ -18,8 +18,8 @@
   them would refuse it ("no decode worker can take this request").
 - ``loan_race``: fresh prefixes, each sent once with route local (the decode worker caches
   it) and once forced remote (the prefill worker lacks it and borrows it from the decode
-  worker, kvtransfer/lending.py), beside a flood of fresh long local prompts that presses the
-  holder's pool. With ``kv_transport.verify`` on, a lent block that changed under the read is
+  worker, kvtransfer/lending.py): half of them beside a flood of fresh long local prompts that
+  presses the holder's pool and keeps its engine busy, half after it. With ``kv_transport.verify`` on, a lent block that changed under the read is
   a checksum mismatch (must be 0); a lease that ended first is ``stale`` (computed instead).
   Every borrowing request must be token-exact either way.
 - ``second_cluster``: a second `pdserve up` cluster (one decode worker, its own name, etcd,
@@ -66,6 +66,7 @@ class ClientFaultStats:
     loans_stale: int = 0  # borrowers: the lease had ended (the prefix computed instead)
     checksum_mismatch: int = 0  # borrowers, kv_transport.verify: must be 0
     loans_not_cheaper: int = 0  # the prefill worker's cost model said computing was cheaper
+    borrow_outcomes: dict = field(default_factory=dict)  # the prefill worker's borrows by outcome (read, timed_out, ...)
     details: list = field(default_factory=list)
 
 
@@ -309,9 +310,15 @@ async def loan_race(ctx: FaultContext) -> str:
         except Exception:  # noqa: BLE001  (pressure only: a refusal is fine)
             pass
 
-    results = await asyncio.gather(*(exact(b, ref_b, "remote") for _, b, _, ref_b in pairs),
+    # Half the loans beside the flood (the holder busy: leases may end before the borrower's
+    # release, answered stale), half after it (a quiet holder: the loans complete, and with
+    # kv_transport.verify every block they lend is checksummed).
+    pressed, quiet = pairs[:len(pairs) // 2], pairs[len(pairs) // 2:]
+    results = await asyncio.gather(*(exact(b, ref_b, "remote") for _, b, _, ref_b in pressed),
                                    *(press(p) for p in flood))
-    ok = sum(bool(r) for r in results[:len(pairs)])
+    results = list(results[:len(pressed)])
+    results += await asyncio.gather(*(exact(b, ref_b, "remote") for _, b, _, ref_b in quiet))
+    ok = sum(bool(r) for r in results)
     ctx.stats.race_sent += len(pairs)
     ctx.stats.race_exact += ok
     after = await loop.run_in_executor(None, ctx.lend_counters)
@@ -326,6 +333,10 @@ async def loan_race(ctx: FaultContext) -> str:
     ctx.stats.loans_stale += stale
     ctx.stats.checksum_mismatch += bad
     ctx.stats.loans_not_cheaper += delta("prefill_borrows.not_cheaper")
-    return (f"{len(pairs)} borrowed prefixes beside {len(flood)} fresh local prompts: {ok} token-exact; loans "
-            f"granted {granted}, confirmed {confirmed}, stale {stale}, checksum mismatches {bad}; not borrowed as no "
-            f"cheaper than computing {delta('prefill_borrows.not_cheaper')}")
+    outcomes = {k.split(".", 1)[1]: delta(k) for k in after if k.startswith("prefill_borrows.") and delta(k)}
+    for k, v in outcomes.items():
+        ctx.stats.borrow_outcomes[k] = ctx.stats.borrow_outcomes.get(k, 0) + v
+    return (f"{len(pairs)} borrowed prefixes ({len(pressed)} beside {len(flood)} fresh local prompts, {len(quiet)} "
+            f"after): {ok} token-exact; loans "
+            f"granted {granted}, confirmed {confirmed}, stale {stale}, checksum mismatches {bad}; the prefill "
+            f"worker's borrows by outcome {outcomes or '{}'}")
