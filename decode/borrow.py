@@ -26,7 +26,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 
-from pdserve.handoff.lend import lends
+from pdserve.handoff.lend import AGENT_INCARNATION_KEY, lends
 from pdserve.kvtransfer.lending import Lending
 
 from .async_engine import AsyncEngine
@@ -53,21 +53,31 @@ class PeerPrefixes:
         self._args: dict[str, tuple] = {}  # request id -> what to add once its loan ends (engine thread)
         self.lenders: set[str] = set()  # prefill workers whose records say they lend (the prefill watch)
         self._meeting: dict[str, asyncio.Task] = {}  # worker id -> its ensure_peer under way
+        self._incarnations: dict[str, str] = {}  # worker id -> its agent's incarnation (its record's capacity)
 
     # -- deciding (event loop) ----------------------------------------------------------------
     def member(self, info) -> None:
-        """A prefill worker's record (added or updated): whether it lends."""
+        """A prefill worker's record (added or updated): whether it lends, and whether it is a
+        new incarnation of a worker met before (restarted under its id: its agent is new, so
+        its NIXL record is loaded again, replacing the old agent's)."""
+        incarnation = info.capacity.get(AGENT_INCARNATION_KEY)
+        restarted = incarnation is not None and self._incarnations.get(info.worker_id, incarnation) != incarnation
+        if incarnation is not None:
+            self._incarnations[info.worker_id] = incarnation
+        if restarted:
+            log.info("%s restarted (a new NIXL agent): its record is loaded again", info.worker_id)
         if lends(info.capacity):
             self.lenders.add(info.worker_id)
-            self.meet(info.worker_id)  # before its first loan, either way (it borrows from this pool too)
+            self.meet(info.worker_id, replace=restarted)  # before its first loan (it borrows from this pool too)
         else:
             self.lenders.discard(info.worker_id)
 
-    def meet(self, worker_id: str) -> None:
-        """Load ``worker_id``'s NIXL record in the background, unless known or under way."""
-        if worker_id in self.agent.peers or worker_id in self._meeting:
+    def meet(self, worker_id: str, replace: bool = False) -> None:
+        """Load ``worker_id``'s NIXL record in the background, unless known (``replace``: known
+        from an earlier incarnation, loaded again) or under way."""
+        if (worker_id in self.agent.peers and not replace) or worker_id in self._meeting:
             return
-        task = asyncio.get_running_loop().create_task(self.ensure_peer(worker_id))
+        task = asyncio.get_running_loop().create_task(self.ensure_peer(worker_id, replace))
         self._meeting[worker_id] = task
         task.add_done_callback(lambda _t: self._meeting.pop(worker_id, None))
 
@@ -132,9 +142,10 @@ class PeerPrefixes:
                 self.counters["borrow_fallbacks"] += 1
             self.engine.add_held(r.tag, *args)
 
-    async def ensure_peer(self, worker_id: str) -> bool:
-        """This agent knows ``worker_id`` (its NIXL record loaded from etcd if it did not)."""
-        if worker_id in self.agent.peers:
+    async def ensure_peer(self, worker_id: str, replace: bool = False) -> bool:
+        """This agent knows ``worker_id`` (its NIXL record loaded from etcd if it did not, or
+        with ``replace`` in place of the one it has: the worker restarted)."""
+        if worker_id in self.agent.peers and not replace:
             return True
         try:
             raw = await asyncio.wait_for(self.fetch_metadata(worker_id), PEER_LOOKUP_TIMEOUT_S)
@@ -150,6 +161,8 @@ class PeerPrefixes:
 
         def add(eng) -> None:
             try:
+                if replace and worker_id in self.agent.peers:
+                    self.agent.remove_peer(worker_id)  # the old incarnation's agent (engine thread: its only user)
                 if worker_id not in self.agent.peers:
                     self.agent.add_peer(info)
                 ok = True

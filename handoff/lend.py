@@ -97,6 +97,10 @@ OLD_VERSION = "version"  # (to a version 1 borrower) this holder speaks a later 
 # The key a worker's etcd record sets in its `capacity` when it answers loan requests (both
 # roles; a borrower asks only such a worker).
 LENDS_CAPACITY_KEY = "lends_prefixes"
+# And an id its NIXL agent draws at start: a worker restarted under the same id (Ray restarts a
+# killed one in seconds, often before its old record expires) has a new agent, and a peer that
+# kept the old agent's metadata would send its grants and confirms nowhere.
+AGENT_INCARNATION_KEY = "agent_incarnation"
 
 
 def lends(capacity) -> bool:

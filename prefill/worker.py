@@ -33,6 +33,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 from pdserve.common import failpoints
@@ -45,7 +46,7 @@ from pdserve.control.runtime import cpu_list, freeze_gc_heap
 from pdserve.control.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.tp_group import TPGroupBroken
-from pdserve.handoff.lend import LENDS_CAPACITY_KEY, lends
+from pdserve.handoff.lend import AGENT_INCARNATION_KEY, LENDS_CAPACITY_KEY, lends
 from pdserve.kvindex.publisher import record_endpoints, start_event_publisher
 from pdserve.kvtransfer.lending import Lending, LendingAgent
 from pdserve.kvtransfer.tp_transport import TPSender, open_worker_transport, with_rank_transport
@@ -171,7 +172,8 @@ class PrefillWorker:
         info = WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
                           kv_layout=self.engine.connector.layout_info(),
                           capacity={"max_num_batched_tokens": self.budget,
-                                    **({LENDS_CAPACITY_KEY: True} if self.lending is not None else {})},
+                                    **({LENDS_CAPACITY_KEY: True, AGENT_INCARNATION_KEY: uuid.uuid4().hex[:16]}
+                                       if self.lending is not None else {})},
                           version=VERSION,
                           endpoints={**({"metrics": metrics_at} if metrics_at else {}),
                                      **record_endpoints(self.kv_publisher),

@@ -179,3 +179,61 @@ def test_a_prefill_worker_borrows_the_prefix_its_decode_worker_holds(ray_local, 
     finally:
         stop_quietly(actor)
         d.stop()
+
+
+def test_a_restarted_prefill_worker_borrows_again_from_the_decode_worker(ray_local, etcd, llama_dir):
+    """A prefill worker SIGKILLed and restarted by Ray under the same id has a new NIXL agent.
+    The decode worker, which met its first agent, loads the new one's record (its record's
+    agent_incarnation changed) and lends to it: the next turn is borrowed and read, not timed
+    out. (Before, the decode worker kept the dead agent's metadata: every grant went nowhere
+    and every loan after a restart timed out; the chaos soak's loan_race found it.)"""
+    import os
+    import signal
+
+    from pdserve.control.actors import restartable
+
+    engine = {"device": "cpu"}
+    cluster = "borrowrestart"
+    d = WorkerThread(DecodeWorkerConfig(
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=cluster, lease_ttl_s=3, worker_id="decode-0",
+        remote_prefill=True, ucx_env=UCX, remote_timeout_s=60, engine_args=engine)).start()
+    actor = ray.remote(restartable(PrefillWorker)).options(num_cpus=0, max_restarts=1).remote(dict(
+        model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=cluster, lease_ttl_s=3, worker_id="prefill-0",
+        ucx_env=UCX, engine_args=engine, exit_on_loop_death=True))
+    try:
+        ray.get(actor.start.remote(), timeout=180)
+        peers = d.worker.remote.peers
+        wait_until(lambda: d.worker.remote.available() and "prefill-0" in peers.agent.peers, 30)
+        from pdserve.handoff.lend import AGENT_INCARNATION_KEY
+
+        members = d.worker.prefill_watch.members  # the decode worker's view of the prefill records
+        first = members["prefill-0"].capacity[AGENT_INCARNATION_KEY]
+        old_pid = ray.get(actor.pid.remote(), timeout=30)
+        os.kill(old_pid, signal.SIGKILL)
+        # The decode worker has seen the restarted worker's record (a new agent) ...
+        wait_until(lambda: "prefill-0" in members
+                   and members["prefill-0"].capacity.get(AGENT_INCARNATION_KEY) != first, 120, 0.1)
+
+        def restarted_and_met() -> bool:
+            try:
+                stats = ray.get(actor.get_stats.remote(), timeout=10)
+            except Exception:  # noqa: BLE001  (still restarting)
+                return False
+            return stats["pid"] != old_pid and stats["loop_alive"] and "decode-0" in stats["peers"]
+
+        wait_until(restarted_and_met, 120, 0.2)  # ... and the new worker has met the decode worker
+        wait_until(d.worker.remote.available, 30)
+        rng = random.Random(13)
+        turn1 = [rng.randrange(3, 32000) for _ in range(320)]
+        (o1,) = run_all(d, [turn1], route="local")
+        second = turn1 + o1.token_ids + [rng.randrange(3, 32000) for _ in range(40)]
+        (o2,) = run_all(d, [second], route="remote")
+        assert o2.token_ids == reference(llama_dir, [second])[0]
+        assert o2.breakdown["route"] == "remote", o2.breakdown
+        stats = ray.get(actor.get_stats.remote())
+        assert stats["borrows"] == {"read": 1}, stats  # before the fix: {"timed_out": 1}
+        eng = d.worker.engine
+        wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 30)
+    finally:
+        stop_quietly(actor)
+        d.stop()
