@@ -19,6 +19,15 @@ from .security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 from .topology_sections import _Strict
 
 
+def _parsed_endpoints(value: list[str]) -> list[str]:
+    if value:
+        parse_endpoints(value)  # ValueError naming the bad "host:port"
+    return value
+
+
+Endpoints = Annotated[list[str], pydantic.AfterValidator(_parsed_endpoints)]  # etcd's and the gate's
+
+
 class CertKeySpec(_Strict):
     """A certificate (PEM chain) and its private key."""
 
@@ -77,14 +86,7 @@ class EtcdGateSpec(_Strict):
     grants their users nothing directly."""
 
     port: int = Field(0, ge=0, le=65535)
-    endpoints: list[str] = Field(default_factory=list)
-
-    @pydantic.field_validator("endpoints")
-    @classmethod
-    def _endpoints_parse(cls, value: list[str]) -> list[str]:
-        if value:
-            parse_endpoints(value)
-        return value
+    endpoints: Endpoints = Field(default_factory=list)
 
 
 class EtcdSpec(_Strict):
@@ -94,18 +96,11 @@ class EtcdSpec(_Strict):
     embedded etcd, `tls.server` and `tls.operator` too: `pdserve up` starts the gate beside
     it; with `endpoints`, `gate.endpoints`: the gate you run)."""
 
-    endpoints: list[str] = Field(default_factory=list)
+    endpoints: Endpoints = Field(default_factory=list)
     data_dir: str | None = None  # embedded only; default <run_dir>/etcd
     lease_ttl_s: float = Field(10.0, ge=2.0)
     tls: EtcdTlsSpec | None = None
     gate: EtcdGateSpec | None = None
-
-    @pydantic.field_validator("endpoints")
-    @classmethod
-    def _endpoints_parse(cls, value: list[str]) -> list[str]:
-        if value:
-            parse_endpoints(value)
-        return value
 
     @pydantic.model_validator(mode="after")
     def _embedded_tls_is_complete(self) -> "EtcdSpec":
