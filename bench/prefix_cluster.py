@@ -1,15 +1,27 @@
-"""A KV-aware 2P2D cluster against the same cluster KV-blind: multi-turn chats on shared
+"""What each KV mechanism buys a 2P2D cluster, at equal memory: multi-turn chats on shared
 system prompts, a working set several times one worker's KV pool.
 
 Modes, each a fresh cluster from the same derived topology, one after the other, driven by
-the same requests:
+the same requests (the same chats, the same pauses):
 
-- ``kv-aware``: every worker publishes KV events (the decode workers follow the prefill
-  workers': prefix-aware dispatch, the router's view, loans), every worker has a second KV
-  tier (``kv_offload_bytes``, a file on CPU), and workers lend and borrow cached prefixes
-  (``network.kv_transport.lending``);
-- ``kv-blind``: the same cluster with events, tier and loans off. Each worker's own prefix
-  cache stays on (as in vLLM).
+- ``blind``: each worker's own prefix cache only (as in vLLM); no events, tier or loans;
+- ``tier``: every worker also keeps a second KV tier (``kv_offload_bytes``, a file on CPU);
+- ``routing``: every worker publishes KV events and the decode workers follow the prefill
+  workers': the router's local/remote decision and the queue's dispatch use who holds which
+  prefix (``kv_events``);
+- ``routing+lending``: that, and workers lend and borrow cached prefixes
+  (``network.kv_transport.lending``). Lending finds its holders through the same view, so it
+  has no row without routing: its share is this row against ``routing``;
+- ``all``: events, loans and the tier.
+
+``kv-blind`` and ``kv-aware`` name ``blind`` and ``all`` (the modes of sessions 21-28).
+
+**Equal memory** (``--memory equal``, the default): every mode has the same KV bytes per
+worker. A mode with a tier gets a pool of ``--pool-tokens`` and a tier of ``--tier-bytes``
+(default: as many bytes as the pool); a mode without one gets those bytes in its pool. So
+the tier row says whether a tier beats the same bytes as pool, and no row wins by having
+more memory. ``--memory pool`` gives every mode the same pool and only the tier modes a
+tier (the setup of sessions 21-28, which favours them).
 
 Workload: ``--systems`` system prompts of ``--system-len`` tokens; ``--chats`` chats, each on
 one system prompt, of ``--turns`` turns: a turn's prompt is the whole history (the system
@@ -18,20 +30,23 @@ of ``--user-len`` tokens; replies are ``--output-len`` tokens. A chat sticks to 
 worker (as a session-affine load balancer sends it). Chats start as a Poisson process at
 ``--rate`` chats/s; after each reply the user thinks for ``--think-s`` on average
 (exponential, drawn up front: every mode runs the same pauses), while the other chats' turns
-push its history out of the pool. Every worker's KV pool holds ``--pool-tokens``; the
-working set (the chats' histories at their last turn and the system prompts) is printed with
-its ratio to one pool. A turn refused for want of room (``RESOURCE_EXHAUSTED``) is retried
-as the OpenAI SDK retries a 429 (``--max-retries``, after the server's ``retry-after-ms``);
-its TTFT counts from the first attempt.
+push its history out of the pool. The working set (the chats' histories at their last turn
+and the system prompts) is printed with its ratio to one pool. A turn refused for want of
+room (``RESOURCE_EXHAUSTED``) is retried as the OpenAI SDK retries a 429
+(``--max-retries``, after the server's ``retry-after-ms``); its TTFT counts from the first
+attempt.
 
-Prints per mode TTFT p50/p90, TPOT p50, goodput (requests within ``--slo-ttft-ms`` and
-``--slo-tpot-ms``, per second), where the prompt tokens came from (computed, pool hits,
-second tier, read from a peer: the workers' own counters), and the ratios aware/blind.
-Writes ``prefix_cluster.json`` and ``prefix_cluster.png`` (TTFT CDFs) under ``--out``.
+``--reps N`` runs every mode N times, the order rotated each repetition (a mode is not
+always first on a cold host). Prints per run TTFT p50/p90, TPOT p50, goodput (requests
+within ``--slo-ttft-ms`` and ``--slo-tpot-ms``, per second), where the prompt tokens came
+from (computed, pool hits, second tier, read from a peer: the workers' own counters); then
+per mode the median and the range over the repetitions, and each mode against ``blind``
+within a repetition. Writes ``prefix_cluster.json`` and ``prefix_cluster.png`` (TTFT CDFs,
+the first repetition) under ``--out``.
 
-    python bench/prefix_cluster.py                       # the default ~34M model, 2P2D on this host
-    python bench/prefix_cluster.py --chats 48 --think-s 12 --out runs/prefix-cluster
-    python bench/prefix_cluster.py --systems 6 --think-s 2 --out runs/pc27   # the heavy chat load of PERFORMANCE.md
+    python bench/prefix_cluster.py --reps 3                        # every mode, 3 times, the default load
+    python bench/prefix_cluster.py --reps 3 --systems 6 --think-s 3 --out runs/pc-heavy
+    python bench/prefix_cluster.py --modes blind,all --memory pool   # the unequal setup of sessions 21-28
 """
 
 from __future__ import annotations
@@ -60,7 +75,12 @@ def pct(values, q: float) -> float | None:
     values = [v for v in values if v is not None]
     return float(np.percentile(values, q)) if values else None
 
-MODES = ("kv-aware", "kv-blind")
+# what each mode turns on
+MECHANISMS = {"blind": frozenset(), "tier": frozenset({"tier"}), "routing": frozenset({"routing"}),
+              "routing+lending": frozenset({"routing", "lending"}),
+              "all": frozenset({"tier", "routing", "lending"})}
+ALIASES = {"kv-blind": "blind", "kv-aware": "all"}
+MODES = tuple(MECHANISMS)
 BASE_TOPOLOGY = Path(__file__).resolve().parents[1] / "configs" / "topologies" / "1p1d-local.yaml"
 
 
@@ -79,7 +99,14 @@ def parse_args(argv=None):
                    help="mean pause between a reply and the chat's next turn (exponential): while a user "
                         "thinks, the other chats' turns push its history out of the pool")
     p.add_argument("--pool-tokens", type=int, default=4096, help="each worker's KV pool, in tokens")
-    p.add_argument("--tier-bytes", type=int, default=256 << 20, help="kv-aware: each worker's second tier")
+    p.add_argument("--tier-bytes", type=int, default=None,
+                   help="each worker's second tier in the modes that have one (default: the pool's bytes)")
+    p.add_argument("--memory", choices=("equal", "pool"), default="equal",
+                   help="equal: a mode without a tier gets the tier's bytes in its pool, so every mode has the "
+                        "same KV bytes per worker; pool: every mode the same pool, only the tier modes a tier")
+    p.add_argument("--reps", type=int, default=1, help="repetitions of every mode, the order rotated each time")
+    p.add_argument("--report", metavar="JSON", default=None,
+                   help="print the tables of a recorded run (its prefix_cluster.json) again; runs nothing")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--max-retries", type=int, default=2,
@@ -87,7 +114,8 @@ def parse_args(argv=None):
                         "is retried this many times after the server's retry-after-ms hint, as the OpenAI SDK "
                         "does by default (2); its TTFT counts from the first attempt. A turn refused after that "
                         "ends its chat. 0: no retries (sessions 21-26)")
-    p.add_argument("--modes", default=",".join(MODES), help="which modes, in order")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"which modes, in order: {', '.join(MODES)} (kv-blind, kv-aware: blind, all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/prefix-cluster", help="directory for the JSON and the plot")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -97,7 +125,36 @@ def parse_args(argv=None):
                         "late at once, and its TTFTs then measure itself (asyncio's debug mode logged 0.6-1.0 s "
                         "callbacks in the client at niceness 0). The client's loop lag is reported either way")
     add_autogroup_option(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    modes = [ALIASES.get(m.strip(), m.strip()) for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MECHANISMS]
+    if unknown or not modes:
+        p.error(f"--modes: unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from "
+                f"{', '.join(MODES)} (or kv-blind, kv-aware)")
+    if len(set(modes)) != len(modes):
+        p.error(f"--modes: a mode is named twice ({args.modes})")
+    if args.reps < 1:
+        p.error(f"--reps must be >= 1 (got {args.reps})")
+    if args.tier_bytes is not None and args.tier_bytes < 0:
+        p.error(f"--tier-bytes must be >= 0 (got {args.tier_bytes})")
+    args.mode_list = modes
+    return args
+
+
+def memory_of(args, mode: str) -> tuple[int, int]:
+    """(pool bytes, tier bytes) of each worker in ``mode``: with ``--memory equal`` a mode
+    without a tier holds the tier's bytes in its pool."""
+    pool = int(args.pool_tokens * args.kv_bytes_per_token)
+    tier = pool if args.tier_bytes is None else args.tier_bytes
+    if "tier" in MECHANISMS[mode]:
+        return pool, tier
+    return (pool + tier if args.memory == "equal" else pool), 0
+
+
+def rep_order(modes: list[str], rep: int) -> list[str]:
+    """The modes of repetition ``rep`` (0-based): rotated by one each time."""
+    k = rep % len(modes)
+    return modes[k:] + modes[:k]
 
 
 # -- the workload ---------------------------------------------------------------------------
@@ -226,27 +283,30 @@ async def run_chats(targets: list[str], chats: list[dict], args) -> tuple[list[d
 # -- the clusters ----------------------------------------------------------------------------
 def derive_topology(args, mode: str, model_dir: str, work: Path) -> Path:
     base = yaml.safe_load(BASE_TOPOLOGY.read_text())
-    aware = mode == "kv-aware"
+    on = MECHANISMS[mode]
+    pool_bytes, tier_bytes = memory_of(args, mode)
+    slug = mode.replace("+", "-")
     topo = dict(base)
-    topo["cluster"] = f"prefix-{mode}"
+    topo["cluster"] = f"prefix-{slug}"
     topo["model"] = {"path": str(Path(model_dir).resolve())}
     for role in ("prefill", "decode"):
         spec = json.loads(json.dumps(base["roles"][role]))
         spec["replicas"] = 2
         spec["ports"] = {name: 0 for name in spec.get("ports", {})}
         engine = dict(spec["engine"])
-        engine["kv_cache_memory_bytes"] = int(args.pool_tokens * args.kv_bytes_per_token)
-        engine["max_model_len"] = args.pool_tokens
-        if aware:
-            engine.update(kv_events=True, kv_offload_bytes=args.tier_bytes)
+        engine["kv_cache_memory_bytes"] = pool_bytes
+        engine["max_model_len"] = args.pool_tokens  # the same longest prompt in every mode
+        engine["kv_events"] = "routing" in on
+        if tier_bytes:
+            engine["kv_offload_bytes"] = tier_bytes
         spec["engine"] = engine
         topo["roles"] = {**topo.get("roles", {}), role: spec}
     topo["router_policy"] = str(BASE_TOPOLOGY.parent.parent / "router" / "default.yaml")
-    topo["network"] = {"kv_transport": {"lending": aware}}
+    topo["network"] = {"kv_transport": {"lending": "lending" in on}}
     topo["run_dir"] = str((work / "runs").resolve())
-    topo["queue"] = {**(base.get("queue") or {}), "name": f"prefix-{mode}-queue"}
-    topo["ray"] = {**(base.get("ray") or {}), "namespace": f"prefix-{mode}"}
-    path = work / f"{mode}.yaml"
+    topo["queue"] = {**(base.get("queue") or {}), "name": f"prefix-{slug}-queue"}
+    topo["ray"] = {**(base.get("ray") or {}), "namespace": f"prefix-{slug}"}
+    path = work / f"{slug}.yaml"
     path.write_text(yaml.safe_dump(topo, sort_keys=False))
     return path
 
@@ -328,31 +388,80 @@ def run_mode(args, mode: str, model_dir: str, chats: list[dict], work: Path, log
             "records": records, "stats": stats}
 
 
-def report(args, results: dict[str, dict], working_set: int) -> None:
-    print(f"\n## KV-aware vs KV-blind, 2P2D, {args.chats} chats x {args.turns} turns on {args.systems} system "
-          f"prompts of {args.system_len} tokens; pool {args.pool_tokens} tokens per worker, working set per "
-          f"decode worker {working_set} tokens ({working_set / args.pool_tokens:.1f}x one pool)")
-    print(f"SLO: TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms\n")
-    print("| mode | done | TTFT p50 ms | TTFT p90 ms | later turns p90 ms | TPOT p50 ms | goodput req/s | "
-          "computed | pool | tier | peer | server TTFT p90 ms | refusals retried / turns failed | "
-          "client loop lag p99 / max ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results.values():
-        s = r["sources"]
-        total = max(1, sum(s.values()))
-        print(f"| {r['mode']} | {r['completed']}/{r['requests']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p90_ms']:.0f} | "
+def spread(values) -> str:
+    """'median [min-max]' of a mode's repetitions ('-' for none)."""
+    import statistics
+
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    fmt = (lambda v: f"{v:.2f}") if max(values) < 10 else (lambda v: f"{v:,.0f}")
+    if len(values) == 1:
+        return fmt(values[0])
+    return f"{fmt(statistics.median(values))} [{fmt(min(values))}-{fmt(max(values))}]"
+
+
+def shares(r: dict) -> dict[str, float]:
+    s = r["sources"]
+    total = max(1, sum(s.values()))
+    return {k: v / total for k, v in s.items()}
+
+
+def baseline_of(mode: str) -> str | None:
+    """What a mode is compared with: the KV-blind cluster of the same memory layout (``tier``
+    for a mode with a tier, ``blind`` for one without; ``tier`` itself against ``blind``, the
+    same bytes as pool)."""
+    if mode == "blind":
+        return None
+    return "tier" if "tier" in MECHANISMS[mode] and mode != "tier" else "blind"
+
+
+def report(args, runs: list[dict], working_set: int) -> None:
+    pool_tokens = args.pool_tokens
+    print(f"\n## What each KV mechanism buys, 2P2D, {args.chats} chats x {args.turns} turns on {args.systems} "
+          f"system prompts of {args.system_len} tokens, {args.think_s:g} s mean pause; working set per decode "
+          f"worker {working_set} tokens ({working_set / pool_tokens:.1f}x a {pool_tokens}-token pool); "
+          f"memory: {args.memory}")
+    print(f"SLO: TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms; {args.reps} repetition(s)\n")
+    print("| rep | mode | pool / tier MiB per worker | done | TTFT p50 ms | TTFT p90 ms | later turns p90 ms | "
+          "TPOT p50 ms | goodput req/s | computed | pool | tier | peer | server TTFT p90 ms | "
+          "refusals retried / turns failed | client loop lag p99 / max ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        sh = shares(r)
+        print(f"| {r['rep']} | {r['mode']} | {r['pool_bytes'] / 2**20:.0f} / {r['tier_bytes'] / 2**20:.0f} | "
+              f"{r['completed']}/{r['requests']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p90_ms']:.0f} | "
               f"{r['later_turns_ttft_p90_ms'] or 0:.0f} | {r['tpot_p50_ms']:.1f} | {r['goodput_rps']:.2f} | "
-              f"{s['computed'] / total:.0%} | {s['pool'] / total:.0%} | {s['tier'] / total:.0%} | "
-              f"{s['peer'] / total:.0%} | {r['server_ttft_p90_ms'] or 0:.0f} | "
-              f"{r.get('refusals', 0)} / {r.get('failed', 0)} | "
+              f"{sh['computed']:.0%} | {sh['pool']:.0%} | {sh['tier']:.0%} | {sh['peer']:.0%} | "
+              f"{r['server_ttft_p90_ms'] or 0:.0f} | {r.get('refusals', 0)} / {r.get('failed', 0)} | "
               f"{r['client_lag_p99_ms'] or 0:.0f} / {r['client_lag_max_ms'] or 0:.0f} |")
-    if set(MODES) <= set(results):
-        a, b = results["kv-aware"], results["kv-blind"]
-        print(f"\nkv-aware vs kv-blind: TTFT p90 {b['ttft_p90_ms'] / a['ttft_p90_ms']:.2f}x better, "
-              f"goodput {a['goodput_rps'] / max(b['goodput_rps'], 1e-9):.2f}x")
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
+    by = {(r["rep"], r["mode"]): r for r in runs}
+    print(f"\nPer mode, median [min-max] over {args.reps} repetition(s). 'vs' compares a mode with its baseline "
+          "within each repetition (the baseline's TTFT p90 over the mode's: higher is better; the mode's goodput "
+          "over the baseline's): a mode with a tier against `tier` (the same pool and the same tier, KV-blind), "
+          "the others and `tier` itself against `blind`:\n")
+    print("| mode | baseline | TTFT p90 ms | goodput req/s | within SLO | prompt tokens computed | TTFT p90 vs "
+          "baseline | goodput vs baseline |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in modes:
+        mine = [r for r in runs if r["mode"] == m]
+        vs_ttft, vs_good = [], []
+        base_mode = baseline_of(m)
+        for r in mine:
+            base = by.get((r["rep"], base_mode)) if base_mode else None
+            if base is not None:
+                vs_ttft.append(base["ttft_p90_ms"] / r["ttft_p90_ms"] if r["ttft_p90_ms"] else None)
+                vs_good.append(r["goodput_rps"] / base["goodput_rps"] if base["goodput_rps"] else None)
+        within = [r["good"] / r["requests"] if r["requests"] else None for r in mine]
+        print(f"| {m} | {base_mode or '-'} | {spread([r['ttft_p90_ms'] for r in mine])} | "
+              f"{spread([r['goodput_rps'] for r in mine])} | "
+              f"{spread([w * 100 if w is not None else None for w in within])} % | "
+              f"{spread([shares(r)['computed'] * 100 for r in mine])} % | "
+              f"{spread(vs_ttft) + 'x' if vs_ttft else '-'} | {spread(vs_good) + 'x' if vs_good else '-'} |")
 
 
-def plot(results: dict[str, dict], out: Path) -> None:
+def plot(runs: list[dict], out: Path) -> None:
     try:
         import matplotlib
 
@@ -362,7 +471,7 @@ def plot(results: dict[str, dict], out: Path) -> None:
         print("(matplotlib not installed: no plot)", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results.values():
+    for r in [r for r in runs if r["rep"] == 1]:
         xs = sorted(x["ttft_ms"] for x in r["records"] if x["ttft_ms"] is not None)
         ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["mode"])
     ax.set_xscale("log")
@@ -374,8 +483,17 @@ def plot(results: dict[str, dict], out: Path) -> None:
     fig.savefig(out / "prefix_cluster.png", dpi=120)
 
 
+def reprint(path: str) -> int:
+    data = json.loads(Path(path).read_text())
+    args = argparse.Namespace(**data["args"])
+    report(args, data["runs"], data["working_set_tokens"])
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return reprint(args.report)
     from bench.engine_throughput import default_model
     from pdserve.engine.config import ModelConfig
 
@@ -394,15 +512,20 @@ def main(argv=None) -> int:
     def log(line):
         print(line, file=sys.stderr, flush=True)
 
-    results = {}
+    runs: list[dict] = []
     with autogroups_off(args.autogroups, log) as host:
-        for mode in args.modes.split(","):
-            log(f"mode {mode} ...")
-            results[mode] = run_mode(args, mode, model_dir, chats, out, log)
-    report(args, results, working_set)
-    (out / "prefix_cluster.json").write_text(json.dumps(json_safe({"args": vars(args), "host": host,
-                                                                   "results": results}), indent=1))
-    plot(results, out)
+        for rep in range(args.reps):
+            for mode in rep_order(args.mode_list, rep):
+                log(f"repetition {rep + 1}/{args.reps}, mode {mode} ...")
+                r = run_mode(args, mode, model_dir, chats, out, log)
+                r["rep"] = rep + 1
+                r["pool_bytes"], r["tier_bytes"] = memory_of(args, mode)
+                runs.append(r)
+                # written after every run: a long study interrupted keeps what it measured
+                (out / "prefix_cluster.json").write_text(json.dumps(json_safe(
+                    {"args": vars(args), "host": host, "working_set_tokens": working_set, "runs": runs}), indent=1))
+    report(args, runs, working_set)
+    plot(runs, out)
     return 0
 
 
