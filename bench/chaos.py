@@ -230,7 +230,7 @@ class Cluster:
     """The launched topology plus the handles the faults need."""
 
     def __init__(self, cfg: ChaosConfig, work: Path, log):
-        from pdserve.control.etcd_server import EmbeddedEtcd
+        from pdserve.cluster.etcd_server import EmbeddedEtcd
 
         self.cfg, self.work, self.log = cfg, work, log
         host = cfg.hosts["head"]["addr"] if cfg.hosts else "127.0.0.1"  # where the workers reach it
@@ -240,7 +240,7 @@ class Cluster:
         self.model_dir: str | None = None
 
     def up(self, model_dir: str) -> None:
-        from pdserve.control.topology import load_topology
+        from pdserve.cluster.topology import load_topology
         from pdserve.launcher import Launcher
 
         self.model_dir = model_dir
@@ -283,7 +283,7 @@ class Cluster:
         return ray.get_actor(name, namespace=self.state.namespace)
 
     async def members(self) -> set[str]:
-        from pdserve.control.registry import Registry
+        from pdserve.cluster.registry import Registry
 
         async def read():
             async with Registry(self.state.etcd_endpoints, self.state.cluster) as reg:

@@ -242,7 +242,7 @@ def _serve(args) -> int:
     percentiles = _percentiles(args.metric_percentiles)
     targets, tokenizer, num_workers = list(args.target or []), args.tokenizer, args.num_workers
     if args.topology:
-        from pdserve.control.topology import load_topology
+        from pdserve.cluster.topology import load_topology
         from pdserve.launcher import ClusterState, state_path
 
         if not Path(args.topology).is_file():

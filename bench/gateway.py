@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     if args.workload == "load" and not Path(args.vllm_python).is_file():
         raise SystemExit(f"--vllm-python {args.vllm_python}: missing; run `make vllm-venv` (vLLM's client)")
     from bench.engine_throughput import default_model
-    from pdserve.control.etcd_server import EmbeddedEtcd
+    from pdserve.cluster.etcd_server import EmbeddedEtcd
 
     args.model = args.model or default_model()
     if args.workload == "race" and args.routings == "ttft,random":

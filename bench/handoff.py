@@ -13,7 +13,7 @@ hits), alternating forced-local and forced-remote. Prints medians of:
 
   off   (default) plaintext: etcd without TLS, the queue's wire without TLS.
   on    what a secure topology turns on for this path, set up with the project's own
-        pieces (a topology loaded by control/topology.py, certificates from `pdserve
+        pieces (a topology loaded by cluster/topology.py, certificates from `pdserve
         certs make --topology`, the launcher's RBAC bootstrap and queue, the workers'
         settings from worker_config.launch_config):
           queue.tls          the queue's wire over TLS, verified with the throw-away CA;
@@ -108,8 +108,8 @@ def secure_topology(pki_dir: str, model: str):
     `pdserve certs make --topology` would write, all under `pki_dir`: the same settings an
     operator's secure topology holds (docs/security.md)."""
     from pdserve.certs import WORKERS_DIR, make_certs
-    from pdserve.control.topology import load_topology
-    from pdserve.control.worker_config import worker_slots
+    from pdserve.cluster.topology import load_topology
+    from pdserve.cluster.worker_config import worker_slots
 
     os.makedirs(pki_dir, exist_ok=True)
     path = os.path.join(pki_dir, "topology.yaml")
@@ -154,7 +154,7 @@ class BenchCluster:
         import torch
 
         from pdserve.api import Client
-        from pdserve.control.etcd_server import EmbeddedEtcd
+        from pdserve.cluster.etcd_server import EmbeddedEtcd
         from pdserve.decode.worker import DecodeWorker, DecodeWorkerConfig
         from pdserve.prefill.worker import PrefillWorker
 
@@ -195,11 +195,11 @@ class BenchCluster:
         topology decides (TOPOLOGY_KEYS) and its worker id."""
         import ray
 
-        from pdserve.control.etcd_auth import bootstrap_rbac
-        from pdserve.control.etcd_server import EmbeddedEtcd
-        from pdserve.control.worker_config import launch_config
+        from pdserve.cluster.etcd_auth import bootstrap_rbac
+        from pdserve.cluster.etcd_server import EmbeddedEtcd
+        from pdserve.cluster.worker_config import launch_config
         from pdserve.launcher import Launcher
-        from pdserve.taskqueue import get_or_create_queue
+        from pdserve.cluster.queue import get_or_create_queue
 
         topo, path = secure_topology(os.path.join(self.tmp, "pki"), self.model)
         etcd = self._stack.enter_context(EmbeddedEtcd(os.path.join(self.tmp, "etcd-secure"),

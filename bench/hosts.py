@@ -33,7 +33,7 @@ REPLY_TIMEOUT_S = 180.0
 
 
 def _layout(num_blocks: int):
-    from pdserve.kvtransfer import KVLayout
+    from pdserve.kvtransfer.nixl import KVLayout
 
     return KVLayout("llama-3-8b", "float16", num_layers=32, num_blocks=num_blocks, block_size=16,
                     num_kv_heads=8, head_dim=128)
@@ -48,7 +48,7 @@ def _peer(conn, netns: str | None, ucx_env: dict, name: str) -> None:
     os.environ.update(ucx_env)
     import torch
 
-    from pdserve.kvtransfer import KVTransferAgent
+    from pdserve.kvtransfer.nixl import KVTransferAgent
 
     layout = _layout(POOL_BLOCKS)
     kv = torch.zeros(layout.shape, dtype=torch.float16)

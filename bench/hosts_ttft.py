@@ -97,8 +97,8 @@ def child(args) -> int:
     import ray
 
     from pdserve.bench.sweep import base_model_dir
-    from pdserve.control.etcd_server import EmbeddedEtcd
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.etcd_server import EmbeddedEtcd
+    from pdserve.cluster.topology import load_topology
     from pdserve.launcher import Launcher, state_path
 
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731

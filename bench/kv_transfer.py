@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pdserve.kvtransfer import LOOPBACK_UCX_ENV, KVLayout, KVTransferAgent, plan_block_write
+from pdserve.kvtransfer.nixl import LOOPBACK_UCX_ENV, KVLayout, KVTransferAgent, plan_block_write
 
 SIZES_BLOCKS = (1, 64, 256)  # 256 blocks x 16 tokens = a 4096-token request
 POOL_BLOCKS = 512  # per side: 1 GiB at fp16, room for scattered targets

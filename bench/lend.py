@@ -61,9 +61,9 @@ def lending_worker(model: str, worker_id: str, tp: int, num_blocks: int):
     """An engine, its transport on every rank (as a worker opens it), and its `Lending`."""
     from pdserve.engine import LLMEngine
     from pdserve.engine.config import EngineConfig
-    from pdserve.kvtransfer import LOOPBACK_UCX_ENV
+    from pdserve.kvtransfer.nixl import LOOPBACK_UCX_ENV
     from pdserve.kvtransfer.lending import Lending
-    from pdserve.kvtransfer.tp_transport import open_worker_transport, with_rank_transport
+    from pdserve.kvtransfer.nixl.tp_transport import open_worker_transport, with_rank_transport
 
     eng = LLMEngine(EngineConfig.from_kwargs(model, **with_rank_transport(
         {"tensor_parallel_size": tp, "kv_layout": "HND", "num_gpu_blocks_override": num_blocks, "device": "cpu"})))

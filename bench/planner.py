@@ -119,7 +119,7 @@ class Sampler(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        from pdserve.control.registry import Registry
+        from pdserve.cluster.registry import Registry
 
         async def go():
             async with Registry(self.endpoints, self.cluster) as reg:
@@ -141,8 +141,8 @@ class Sampler(threading.Thread):
 
 
 def decisions(endpoints, cluster) -> list[dict]:
-    from pdserve.control.registry import Registry
-    from pdserve.planner.state import read_decisions
+    from pdserve.cluster.registry import Registry
+    from pdserve.cluster.planner.state import read_decisions
 
     async def go():
         async with Registry(endpoints, cluster) as reg:
@@ -154,9 +154,9 @@ def decisions(endpoints, cluster) -> list[dict]:
 def run_mode(mode: str, args, model_dir: str, work: Path, log) -> dict:
     import ray
 
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
     from pdserve.launcher import Launcher, state_path
-    from pdserve.planner.actor import PlannerConfig, start_planner_actor
+    from pdserve.cluster.planner.actor import PlannerConfig, start_planner_actor
 
     path = derive(args.topology, mode, model_dir, work, args)
     topo = load_topology(path)

@@ -344,7 +344,7 @@ def token_sources(stats: dict[str, dict]) -> dict[str, int]:
 def run_mode(args, mode: str, model_dir: str, chats: list[dict], work: Path, log) -> dict:
     import ray
 
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
     from pdserve.launcher import Launcher, state_path
 
     path = derive_topology(args, mode, model_dir, work)

@@ -7,7 +7,7 @@ transport in turn (`--transports wire,wire-tls,ray`: the queue's socket, the
 same over TLS (a second queue actor serving `queue.tls` with throw-away
 certificates from `pdserve certs make`), Ray actor calls), alternating the
 order round by round so that all see the same machine. As the workers do,
-the producer signs every task (Ed25519, taskqueue/signing.py) and the
+the producer signs every task (Ed25519, cluster/queue/signing.py) and the
 consumer verifies it before taking its arrival time (`--no-sign` to leave
 that out). One run measures, per transport,
 
@@ -43,10 +43,10 @@ import uuid
 import ray
 
 from pdserve.certs import make_certs
-from pdserve.control.runtime import freeze_gc_heap
-from pdserve.control.security import ClientTLS
-from pdserve.handoff import PrefillTask
-from pdserve.taskqueue import QueueClient, TaskSigner, get_or_create_queue, verify_task
+from pdserve.cluster.runtime import freeze_gc_heap
+from pdserve.cluster.security import ClientTLS
+from pdserve.kvtransfer import PrefillTask
+from pdserve.cluster.queue import QueueClient, TaskSigner, get_or_create_queue, verify_task
 
 TRANSPORTS = ("wire", "wire-tls", "ray")
 

@@ -96,7 +96,7 @@ class GatewayPair:
 
     def start(self) -> None:
         from bench.gateway import spawn, wait_line, warm_up
-        from pdserve.control.etcd_server import EmbeddedEtcd
+        from pdserve.cluster.etcd_server import EmbeddedEtcd
 
         self.etcd = EmbeddedEtcd(self.work / "etcd")
         self.etcd.__enter__()

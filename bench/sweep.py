@@ -170,7 +170,7 @@ def derive_topology(cfg: SweepConfig, mode: str, model_dir: str, work: Path) -> 
 
 def base_model_dir(topology: str) -> str:
     """The base topology's model directory (an `auto` model is made on first use)."""
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
     from pdserve.engine.model_maker import resolve_model
 
     if not Path(topology).is_file():
@@ -206,7 +206,7 @@ def start_mode(cfg: SweepConfig, mode: str, model_dir: str, work: Path, log) -> 
     """Derive the mode's topology, start it with the launcher, warm it up."""
     import ray
 
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
     from pdserve.launcher import Launcher, state_path
 
     path = derive_topology(cfg, mode, model_dir, work)

@@ -2,7 +2,7 @@
 
 Each rank is its own process with its own NIXL agent over its own HND pool holding its KV
 heads (as in a TP worker); a request's pages move by the write plan of
-handoff/head_plan.py: every prefill rank writes its head ranges into the decode ranks that
+kvtransfer/head_plan.py: every prefill rank writes its head ranges into the decode ranks that
 own them, all senders at once. Llama-3-8B-shaped KV (32 layers, 8 KV heads, head_dim 128,
 16-token blocks, float16: 2 MiB per block across layers), requests of ``--blocks`` blocks
 scattered over the decode pools. All pairs run at once and are timed in turns (one
@@ -37,7 +37,7 @@ UCX = {"UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
 
 def layout_for(tp: int, rank: int, num_blocks: int):
     from pdserve.common.heads import kv_head_range
-    from pdserve.kvtransfer import KVLayout
+    from pdserve.kvtransfer.nixl import KVLayout
 
     return KVLayout("llama-3-8b", "float16", num_layers=LAYERS, num_blocks=num_blocks, block_size=BLOCK,
                     num_kv_heads=len(kv_head_range(HEADS, tp, rank)), head_dim=HEAD_DIM, kv_layout="HND",
@@ -49,7 +49,7 @@ def rank_main(conn, name: str, tp: int, rank: int, num_blocks: int, threads: int
     os.environ.update(UCX)
     import torch
 
-    from pdserve.kvtransfer import KVTransferAgent
+    from pdserve.kvtransfer.nixl import KVTransferAgent
 
     layout = layout_for(tp, rank, num_blocks)
     kv = torch.zeros(layout.shape, dtype=torch.float16)
@@ -83,7 +83,7 @@ class PairRig:
 
     def __init__(self, ctx, p_tp: int, d_tp: int, args):
         from pdserve.common.cores import transfer_threads
-        from pdserve.handoff.head_plan import write_plan
+        from pdserve.kvtransfer.head_plan import write_plan
 
         self.pair, self.args = f"{p_tp}-{d_tp}", args
         self.threads = transfer_threads(args.nixl_threads, p_tp)

@@ -1,5 +1,5 @@
 """The content hash of a KV block: one definition for the engine's prefix cache, its KV
-events (common/kv_events.py) and the cluster's KV index (kvindex/), which hashes a prompt
+events (common/kv_events.py) and the cluster's KV index (cluster/kvindex/), which hashes a prompt
 to ask who holds its prefix.
 
 Hashes chain over full blocks: ``hash(parent_hash, token_ids, salt)`` (sha256, 32 bytes),

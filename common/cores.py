@@ -1,7 +1,7 @@
 """How many threads a process's share of the host's cores affords.
 
 `transfer_threads` sizes a NIXL agent's posting threads (the topology's
-``network.kv_transport.threads``; kvtransfer/agent.py `KVTransferAgent` num_threads): a
+``network.kv_transport.threads``; kvtransfer/nixl/agent.py `KVTransferAgent` num_threads): a
 write of many descriptors is posted from that many threads, which pays only where each
 thread has a core of its own.
 """

@@ -1,7 +1,7 @@
 """Which attention heads a tensor-parallel rank holds: the one definition both roles share.
 
 The engine shards a model by it (engine/tensor_parallel.py) and the KV handoff plans its
-page writes by it (handoff/head_plan.py), so prefill and decode workers of different TP
+page writes by it (kvtransfer/head_plan.py), so prefill and decode workers of different TP
 sizes agree on where every KV head lives without exchanging anything but their sizes.
 
 With ``tp`` ranks, rank ``r`` holds query heads ``[r * Hq / tp, (r + 1) * Hq / tp)``.

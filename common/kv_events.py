@@ -15,7 +15,7 @@ each event a map tagged by ``type``:
 pdserve's block hashes are the prefix cache's (engine/block_manager.py: sha256 chained on
 the parent, 32 bytes). ``medium`` names the tier: ``GPU`` (a pool in device memory),
 ``CPU`` (a pool, or a second tier, in host memory), ``STORAGE`` (a file-backed tier).
-Pure: no sockets (kvindex/ moves the batches), no engine.
+Pure: no sockets (cluster/kvindex/ moves the batches), no engine.
 """
 
 from __future__ import annotations

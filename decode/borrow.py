@@ -1,4 +1,4 @@
-"""A decode worker's prefix loans (handoff/lend.py): it borrows what prefill workers hold
+"""A decode worker's prefix loans (kvtransfer/lend.py): it borrows what prefill workers hold
 for the prompts it prefills itself, and lends what it holds.
 
 **Borrowing.** When a request is prefilled here (the router chose local) and a prefill
@@ -26,7 +26,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 
-from pdserve.handoff.lend import AGENT_INCARNATION_KEY, lends
+from pdserve.kvtransfer.lend import AGENT_INCARNATION_KEY, lends
 from pdserve.kvtransfer.lending import Lending
 
 from .async_engine import AsyncEngine

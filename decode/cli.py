@@ -8,7 +8,7 @@ import json
 import logging
 import signal
 
-from pdserve.control.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
+from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 
 
 def register(subparsers) -> None:

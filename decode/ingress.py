@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from pdserve.common import Priority
-from pdserve.control.security import ApiKey
+from pdserve.cluster.security import ApiKey
 from pdserve.engine import InvalidRequestError, RequestLimits, SamplingParams
 from pdserve.engine.request import INT64_MIN, UINT64_MAX
 

@@ -1,7 +1,7 @@
 """The engine-thread half of the remote path: pages arrive, handoffs move, the engine follows.
 
 `KVArrival` runs as a poller of the decode worker's engine loop. It drives
-the transport (a `KVReceiver`, handoff/transport.py; NIXL in production),
+the transport (a `KVReceiver`, kvtransfer/transport.py; NIXL in production),
 reads each notice (`PrefillDone`, `PrefillFailed`), feeds it to the
 worker's `Handoffs` table and applies the effect the table decides through
 the engine's KV connector: run the request from its first token, fall back
@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 
-from pdserve.handoff import (
+from pdserve.kvtransfer import (
     TRANSFER_ERROR,
     Effect,
     Handoff,
@@ -110,7 +110,7 @@ class KVArrival:
     def _ready(self, h: Handoff, msg: PrefillDone) -> None:
         """The pages are in place: the request runs from the first token the prefill sent.
 
-        The handoff table alone says an attempt is awaited (handoff/decode_side.py); the engine
+        The handoff table alone says an attempt is awaited (kvtransfer/decode_side.py); the engine
         only parks the request with its blocks. Every change of either goes through the table,
         so the engine holds the request here; if it ever did not, that is logged, not raised
         into the engine loop."""

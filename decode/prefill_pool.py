@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from pdserve.handoff.outcomes import fallback_reason, is_settled
+from pdserve.kvtransfer.outcomes import fallback_reason, is_settled
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class QueueWatch:
                 continue
             last_ok, lost = time.monotonic(), False
             for f in failed:
-                # whether its blocks are free at once: the failure table (handoff/outcomes.py)
+                # whether its blocks are free at once: the failure table (kvtransfer/outcomes.py)
                 self._on_failed(f.task, fallback_reason(f.reason, f.detail), is_settled(f.reason))
             self.view.queue_depth, self.view.queue_tokens = st.depth, st.queued_tokens
             self.view.live_workers = st.live_workers

@@ -1,7 +1,7 @@
 """Decode side of disaggregation: reserve blocks, enqueue, receive pages, or fall back.
 
 Each remote attempt is a `Handoff` in this worker's `Handoffs` table
-(handoff/decode_side.py: the states, the transitions and why blocks are freed
+(kvtransfer/decode_side.py: the states, the transitions and why blocks are freed
 or quarantined). This module feeds it events and applies what it decides:
 
 - the event loop reserves (through the engine thread), puts the task, arms
@@ -18,7 +18,7 @@ same epoch (their blocks are still reserved for them); if it stays
 unreachable for `queue_lost_s`, they fall back. Every await here is bounded,
 so a remote request ends by its deadline whatever dies on the way.
 
-Every task is signed (`TaskSigner`, taskqueue/signing.py) with the key
+Every task is signed (`TaskSigner`, cluster/queue/signing.py) with the key
 this worker publishes in its etcd record: prefill workers write only into
 blocks this worker reserved and signed for, whatever else reaches the queue.
 """
@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 
 from pdserve.engine import Reservation
-from pdserve.handoff import Handoff, Handoffs, KVReceiver, PrefillTask
-from pdserve.taskqueue import TaskSigner
+from pdserve.kvtransfer import Handoff, Handoffs, KVReceiver, PrefillTask
+from pdserve.cluster.queue import TaskSigner
 
 from .async_engine import AsyncEngine, EngineDeadError
 from .kv_arrival import KVArrival
@@ -69,7 +69,7 @@ class RemotePrefill:
         self.arrival.on_ready_reput = lambda rid: asyncio.ensure_future(self._cancel_quietly(rid))
         self.counters = self.arrival.counters
         self.counters.update(queue_restarts=0, reput=0, queue_lost=0, withdrawn_queued=0, withdrawn_held=0)
-        # Prefill workers' cached prefixes (their KV events, kvindex/service.py KVIndexFollower):
+        # Prefill workers' cached prefixes (their KV events, cluster/kvindex/service.py KVIndexFollower):
         # each task carries them as its prefix_hint; None when none is followed.
         self.prefix_view = None
         self.peers = None  # prefix loans (decode/borrow.py PeerPrefixes), when this pool can take part
@@ -267,7 +267,7 @@ class RemotePrefill:
     def _queue_failed(self, task, why: str, settled: bool) -> None:
         """A task the queue failed back (expired, its worker vanished, or failed by a prefill
         worker that could not tell us over NIXL): prefill locally now; its blocks are freed
-        only when no write can still land (the failure table, handoff/outcomes.py), and never for a task
+        only when no write can still land (the failure table, kvtransfer/outcomes.py), and never for a task
         put again after a queue restart: whatever the new queue says of its copy, a prefill
         worker may still hold the old queue's and write it (freed blocks would then be
         overwritten, possibly while they serve another request or sit in the prefix cache)."""

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.control.security import ANONYMOUS, DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS, ApiKey, KeyRing
+from pdserve.cluster.security import ANONYMOUS, DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS, ApiKey, KeyRing
 
 from .http_guard import openai_error, send_json
 

@@ -18,20 +18,20 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from pdserve.common.compute_thread import run_in_own_thread
-from pdserve.control.join import join_cluster, leave_cluster, publish_load
-from pdserve.control.keys import VERSION
-from pdserve.control.load import BusyMeter, LatencyWindow, counter_value, gpu_load, histogram_buckets
-from pdserve.control.records import WorkerInfo
-from pdserve.control.runtime import cpu_list, freeze_gc_heap
-from pdserve.control.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
-from pdserve.control.worker_config import WorkerConfig
+from pdserve.cluster.join import join_cluster, leave_cluster, publish_load
+from pdserve.cluster.keys import VERSION
+from pdserve.cluster.load import BusyMeter, LatencyWindow, counter_value, gpu_load, histogram_buckets
+from pdserve.cluster.records import WorkerInfo
+from pdserve.cluster.runtime import cpu_list, freeze_gc_heap
+from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
+from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.calibrate import measure_steps
-from pdserve.handoff.lend import LENDS_CAPACITY_KEY
-from pdserve.kvindex.publisher import record_endpoints, start_event_publisher
-from pdserve.kvtransfer.tp_transport import with_rank_transport
+from pdserve.kvtransfer.lend import LENDS_CAPACITY_KEY
+from pdserve.cluster.kvindex.publisher import record_endpoints, start_event_publisher
+from pdserve.kvtransfer.nixl.tp_transport import with_rank_transport
 from pdserve.router import parse_policy
-from pdserve.taskqueue import open_queue
+from pdserve.cluster.queue import open_queue
 
 from .async_engine import AsyncEngine, StepInfo
 from .frontend import Frontend, ServingLimits
@@ -99,7 +99,7 @@ class DecodeWorker:
         self.remote = None
         self.queue = None  # QueueClient, with remote prefill
         self.agent = None
-        self.kv_publisher = None  # kvindex/publisher.py, when the engine records KV events
+        self.kv_publisher = None  # cluster/kvindex/publisher.py, when the engine records KV events
         self.transport_record: dict | None = None  # this worker's ranks' NIXL records (published in etcd)
         self._requeue_watch = None
         self._http: uvicorn.Server | None = None
@@ -109,7 +109,7 @@ class DecodeWorker:
         self.grpc_address = ""
         self.http_address = ""
         self.host = ""  # the address it serves on (cfg.host or what cfg.bind resolves to)
-        # What its etcd record's `load` reports (control/load.py): the planner reads it.
+        # What its etcd record's `load` reports (cluster/load.py): the planner reads it.
         self.busy = BusyMeter()
         self.decode_steps = self.decode_seqs = 0
         self.decode_ms = 0.0
@@ -153,7 +153,7 @@ class DecodeWorker:
         await self._start_http()
         if cfg.router_policy:
             self._tasks.append(asyncio.create_task(policy.watch_file(cfg.policy_poll_s)))
-        # The engine's KV events (engine arg kv_events), for the cluster's KV index (kvindex/).
+        # The engine's KV events (engine arg kv_events), for the cluster's KV index (cluster/kvindex/).
         self.kv_publisher = start_event_publisher(self.engine, cfg.address())
         if cfg.etcd_endpoints:
             await self._join_cluster()
@@ -181,13 +181,13 @@ class DecodeWorker:
         raise RuntimeError(f"HTTP server did not start on {self.http_address}")
 
     def _start_remote(self, policy: PolicyState) -> None:
-        from pdserve.kvtransfer.tp_transport import open_worker_transport
+        from pdserve.kvtransfer.nixl.tp_transport import open_worker_transport
 
         from .remote import RemoteConfig, RemotePrefill
 
         cfg = self.cfg
         self.queue = open_queue(cfg, "remote_prefill")
-        # One agent per tensor-parallel rank; the receiver gathers every rank's notices (kvtransfer/tp_transport.py).
+        # One agent per tensor-parallel rank; the receiver gathers every rank's notices (kvtransfer/nixl/tp_transport.py).
         # No posting threads: a decode worker receives pages; it posts only notices.
         transport = open_worker_transport(self.worker_id, self.engine, cfg.agent_ucx_env(self.host))
         self.transport_record = transport.record
@@ -197,7 +197,7 @@ class DecodeWorker:
         if cfg.lending and self.engine.config.enable_prefix_caching:
             # Prefix loans (decode/borrow.py): borrow what prefill workers hold for local
             # prefills, lend what this pool holds. The loans' peers are met on every rank, and
-            # reads go rank by rank (kvtransfer/tp_transport.py TPSender.read_blocks).
+            # reads go rank by rank (kvtransfer/nixl/tp_transport.py TPSender.read_blocks).
             from pdserve.kvtransfer.lending import Lending
 
             from .borrow import PeerPrefixes
@@ -223,8 +223,8 @@ class DecodeWorker:
         follower = None
         if self.remote is not None:
             # The prefill workers' KV events (those that publish them): each remote task carries
-            # their cached prefixes, so the queue can hand it to the one holding it (taskqueue/core.py).
-            from pdserve.kvindex.service import KVIndexFollower
+            # their cached prefixes, so the queue can hand it to the one holding it (cluster/queue/core.py).
+            from pdserve.cluster.kvindex.service import KVIndexFollower
 
             follower = self.remote.prefix_view = KVIndexFollower().start()
 
@@ -247,7 +247,7 @@ class DecodeWorker:
         self.prefill_watch = await self.registry.watch_members(on_add=seen, on_update=seen, on_remove=gone,
                                                                role="prefill")
         if self.remote is not None:
-            from pdserve.taskqueue import requeue_on_worker_loss
+            from pdserve.cluster.queue import requeue_on_worker_loss
 
             self._requeue_watch = await requeue_on_worker_loss(self.registry, self.queue)
         self._tasks.append(asyncio.create_task(publish_load(self.registry, self._load, cfg.load_report_s)))

@@ -208,7 +208,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # exact pool size (tests, benchmarks)
     enable_prefix_caching: bool = True
     # Record the prefix cache's changes as KV events (engine/kv_events.py; `LLMEngine.kv_events`)
-    # for a publisher to send (kvindex/publisher.py): the cluster's KV index reads them.
+    # for a publisher to send (cluster/kvindex/publisher.py): the cluster's KV index reads them.
     kv_events: bool = False
     # A second KV tier (engine/kv_tier.py): full prefix blocks about to be evicted from the pool are
     # copied there off the step, and a later prompt's prefix found there is loaded back instead of

@@ -22,7 +22,7 @@ Prefill side, the prompt's KV leaves for a decode worker:
     export_blocks(...)      the blocks holding positions [cached_len, n)
     release_export(rid)     free those blocks once written, and forget the request
 
-Lending a cached prefix to another worker's read (handoff/lend.py), either role:
+Lending a cached prefix to another worker's read (kvtransfer/lend.py), either role:
 
     lend_chain(tail, n)     pin the n cached blocks whose chain ends at hash ``tail``
                             (from a prompt's first block); their ids, or None
@@ -246,7 +246,7 @@ class KVConnector:
         """Release the blocks held under ``key`` (a quarantine, or a finished export)."""
         self._eng.kv.free(key)
 
-    # -- lending a prefix (handoff/lend.py) -------------------------------------------------------
+    # -- lending a prefix (kvtransfer/lend.py) -------------------------------------------------------
     def lend_chain(self, tail_hash: bytes, num_blocks: int) -> list[int] | None:
         """Pin the ``num_blocks`` cached blocks whose hash chain ends at ``tail_hash`` and starts
         at a prompt's first block; their ids, first block first (at TP the same ids on every
@@ -369,7 +369,7 @@ class KVConnector:
     def block_checksums(self, block_ids: list[int]) -> list[int]:
         """A 64-bit checksum of each block's bytes in this pool (rank 0's at TP: its heads only),
         computed where the pool lives and copied back once: what a holder sends with a verified
-        grant and its borrower recomputes over what it read (handoff/lend.py)."""
+        grant and its borrower recomputes over what it read (kvtransfer/lend.py)."""
         return kv_block_checksums(self.kv_tensor, block_ids)
 
     def abandon_borrow(self, borrow: Borrow, quarantine_as: str) -> None:

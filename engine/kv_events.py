@@ -2,7 +2,7 @@
 
 `KVEventLog` is fed by the block pool on the engine thread (a full block registered under
 its hash: stored; a cached block taken for other KV: removed) and drained by a publisher on
-its own thread (kvindex/publisher.py): `take_batch` hands out everything recorded since the
+its own thread (cluster/kvindex/publisher.py): `take_batch` hands out everything recorded since the
 last call as one batch with the next sequence number. Recording is a list append under a
 lock; nothing here waits for a subscriber.
 

@@ -5,7 +5,7 @@ The model's layer hook (`CausalLM.forward(layer_hook=...)`) is called as
 that write the layer's K/V may still be queued when the hook runs, so ``ready``
 is a CUDA event recorded on the compute stream after the layer: whoever reads
 those pages from outside the stream (a NIXL write) must wait for it first
-(kvtransfer/poster.py). On CPU every op has run when the hook is called, so
+(kvtransfer/nixl/poster.py). On CPU every op has run when the hook is called, so
 ``ready`` is `HOST_READY`, which is always ready.
 """
 

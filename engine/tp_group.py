@@ -11,7 +11,7 @@ Two channels: ``ctrl``, always shared memory, carries the steps and the control 
 slices, e.g. to progress its NIXL agent); ``comm`` carries the model's collectives: the
 same shared memory on CPU, NCCL on GPU, or gloo. An *extension* (engine arg
 ``tp_rank_extension``, ``"module:factory"``) is what else a rank runs besides its shard:
-the workers use it for the rank's KV transport (kvtransfer/rank_service.py). Rank 0 talks
+the workers use it for the rank's KV transport (kvtransfer/nixl/rank_service.py). Rank 0 talks
 to it with `call` (a request to every rank, each rank's reply back) and `attach` (data the
 ranks get with the next step, before its forward runs, e.g. which pages to stream). A rank that exits breaks the group: rank 0's
 next collective raises `TPRankLost` naming it, and the group refuses every later step; the
@@ -194,7 +194,7 @@ class TPGroup:
             # Nothing was sent, or a rank is gone: each broadcast ends in a barrier every rank
             # must reach before any copies what was sent, and a dead rank never reaches it, so no
             # rank received these attachments (the writes they start were never posted;
-            # kvtransfer/tp_transport.py settles them). Not so after a timeout: a slow rank may
+            # kvtransfer/nixl/tp_transport.py settles them). Not so after a timeout: a slow rank may
             # reach the barrier later and copy them.
             self.undelivered = attached
             raise

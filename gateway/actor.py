@@ -1,6 +1,6 @@
 """A gateway as a detached, restartable Ray actor: what `pdserve up` starts for the topology's
 `gateway.replicas` (pdserve/launcher.py). `drain` stops it taking requests; `down` stops it
-like a worker (control/actors.py `stop_actor`)."""
+like a worker (cluster/actors.py `stop_actor`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from .server import Gateway, GatewayConfig
 
 class GatewayActor:
     def __init__(self, cfg: dict):
-        from pdserve.control.netaddr import resolve_bind
+        from pdserve.cluster.netaddr import resolve_bind
 
         cfg = dict(cfg)
         if "bind" in cfg:  # resolved on the node the actor runs on (network.bind: node, an interface...)
@@ -54,8 +54,8 @@ def security_config(topo, worker_api_key: bool = False) -> dict:
     `security.tls.server_name`, and the operator key in `gateway.worker_api_key_file`), and
     its etcd identity (a follower's: `reader`, else `operator`, else `worker`).
     ``worker_api_key``: the caller has that key from elsewhere (`pdserve gateway`'s flags)."""
-    from pdserve.control.etcd_auth import FOLLOWER_IDENTITIES
-    from pdserve.control.security import internal_client_tls
+    from pdserve.cluster.etcd_auth import FOLLOWER_IDENTITIES
+    from pdserve.cluster.security import internal_client_tls
 
     g, sec = topo.gateway, topo.security
     if sec.api_keys is not None and not (g.worker_api_key_file or worker_api_key):

@@ -1,7 +1,7 @@
 """The decode workers a gateway routes to: followed in etcd (their records, role ``decode``),
 one gRPC channel each, what this gateway measured on each (gateway/pick.py `WorkerState`),
 and, when the workers publish KV events, the cluster's KV index of their prefix caches
-(kvindex/service.py `KVIndexFollower`)."""
+(cluster/kvindex/service.py `KVIndexFollower`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from pdserve.api.client import Connection
 from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
-from pdserve.control.records import WorkerInfo
-from pdserve.control.registry import Registry
+from pdserve.cluster.records import WorkerInfo
+from pdserve.cluster.registry import Registry
 
 from .pick import ROUTINGS, Pick, WorkerState, choose
 
@@ -53,7 +53,7 @@ class Backends:
         self._watch = None
         self.follower = None
         if kv_index:
-            from pdserve.kvindex.service import KVIndexFollower
+            from pdserve.cluster.kvindex.service import KVIndexFollower
             self.follower = KVIndexFollower().start()
 
     async def start(self, timeout_s: float = 15.0) -> "Backends":

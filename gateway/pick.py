@@ -36,7 +36,7 @@ class WorkerState:
 
     worker_id: str
     grpc: str
-    load: dict = field(default_factory=dict)  # its etcd record's load (control/load.py)
+    load: dict = field(default_factory=dict)  # its etcd record's load (cluster/load.py)
     rate_ms: float = DEFAULT_RATE_MS
     measured: int = 0  # first tokens this gateway timed on it
     streams: int = 0  # this gateway's streams on it now

@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdserve.api.v1 import inference_pb2 as pb
-from pdserve.control.etcd_auth import EtcdTLS
-from pdserve.control.registry import Registry
-from pdserve.control.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
+from pdserve.cluster.etcd_auth import EtcdTLS
+from pdserve.cluster.registry import Registry
+from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 from pdserve.decode.grpc_service import GrpcServer
 from pdserve.decode.http_app import build_app
 from pdserve.decode.ingress import ServingLimits
@@ -46,7 +46,7 @@ class GatewayConfig:
     grpc_port: int = 0
     http_port: int = 0
     gateway_id: str | None = None
-    etcd_tls: object = None  # control/etcd_auth.py EtcdTLS, or its dict; None: plaintext
+    etcd_tls: object = None  # cluster/etcd_auth.py EtcdTLS, or its dict; None: plaintext
     max_migrations: int = 3
     kv_index: bool = True  # follow the decode workers' KV events (those that publish them)
     wait_for_workers_s: float = 60.0

@@ -1,50 +1,55 @@
-"""pdserve.kvtransfer: NIXL page writes from a prefill worker's KV pool into a decode worker's.
+"""pdserve.kvtransfer: the prefill/decode handoff protocol, in one place.
 
-One `KVTransferAgent` per worker process registers the whole KV pool once;
-peers exchange `local_info()` records (via etcd), check layouts at
-`add_peer`, and then `write_blocks` / `begin_stream` move K and V pages,
-ending with a notification (the handoff's notices, pdserve.handoff.notices).
-`KVTransferAgent` implements the handoff's transport contract
-(handoff/transport.py). See docs/kvtransfer.md.
+One remote prefill, as the two workers see it:
+
+    decode worker                                           prefill worker
+    reserve blocks  -> Handoff RESERVED   (decode_side)
+    put PrefillTask -> QUEUED             (task: the message and its wire codec)
+                                            take the task -> PrefillJob ADMITTED (prefill_side)
+                                            compute, post the pages     -> STREAMING/COMPUTED/POSTED
+            <- pages, then PrefillDone    (notices)                      -> DONE
+    Handoff READY: run from the first token
+                     or
+            <- PrefillFailed / the queue's failed task                   -> FAILED
+    FALLEN_BACK (blocks freed) or QUARANTINED (a write may still land: outcomes)
+
+Modules (each imports only its siblings and pdserve.common):
+
+- ``task``: `PrefillTask`, what the decode worker asks, and `task_to_wire` /
+  `task_from_wire` (the queue's wire carries it so).
+- ``notices``: `PrefillDone`, `PrefillFailed` and their codec (inside a transport
+  notification; never pickle).
+- ``outcomes``: every failure reason, who raises it and whether the reserved
+  blocks are free at once (settled) or quarantined: one table.
+- ``decode_side``: `Handoffs`, the decode worker's table of attempts (the one owner
+  of "awaiting remote KV") and the effects it asks of the engine.
+- ``prefill_side``: `PrefillJob`, the prefill worker's state of one task.
+- ``transport``: `KVSender` / `KVReceiver`, what both sides need from the data
+  plane, and its errors; pdserve.kvtransfer (NIXL) implements it.
+
+The walk of one request through the files is in docs/architecture.md.
 """
 
-from pdserve.kvtransfer.agent import KVTransferAgent
-from pdserve.kvtransfer.descriptors import WritePlan, block_runs, plan_block_write
-from pdserve.kvtransfer.errors import (
-    KVTransferError,
-    LayoutMismatchError,
-    MalformedMessageError,
-    NixlUnavailableError,
-    TransferError,
-    TransferTimeoutError,
-    UnknownPeerError,
+from pdserve.kvtransfer.decode_side import Effect, Handoff, Handoffs, HandoffState, Step
+from pdserve.kvtransfer.notices import MalformedNoticeError, PrefillDone, PrefillFailed, decode_notification
+from pdserve.kvtransfer.outcomes import (
+                       BAD_TASK,
+                       BATCH_FAILED,
+                       CANCELLED,
+                       FAILURES,
+                       PEER_MISSING,
+                       REQUEST_FAILED,
+                       TRANSFER_ERROR,
+                       fallback_reason,
+                       is_settled,
 )
-from pdserve.kvtransfer.layout import KVLayout
-from pdserve.kvtransfer.nixl_shim import LOOPBACK_UCX_ENV, NixlApi, load_nixl
-from pdserve.kvtransfer.peer import PeerInfo
-from pdserve.kvtransfer.stream import LayerStream
-from pdserve.kvtransfer.transfer import Notification, PollResult, TransferHandle, TransferState
+from pdserve.kvtransfer.prefill_side import JobState, PrefillJob
+from pdserve.kvtransfer.task import PrefillTask
+from pdserve.kvtransfer.transport import KVReceiver, KVSender, TransportError, WriteFailed, WriteTimedOut
 
 __all__ = [
-    "KVLayout",
-    "KVTransferAgent",
-    "KVTransferError",
-    "LOOPBACK_UCX_ENV",
-    "LayerStream",
-    "LayoutMismatchError",
-    "MalformedMessageError",
-    "NixlApi",
-    "NixlUnavailableError",
-    "Notification",
-    "PeerInfo",
-    "PollResult",
-    "TransferError",
-    "TransferHandle",
-    "TransferState",
-    "TransferTimeoutError",
-    "UnknownPeerError",
-    "WritePlan",
-    "block_runs",
-    "load_nixl",
-    "plan_block_write",
+    "BAD_TASK", "BATCH_FAILED", "CANCELLED", "PEER_MISSING", "REQUEST_FAILED", "TRANSFER_ERROR", "FAILURES",
+    "Effect", "Handoff", "HandoffState", "Handoffs", "JobState", "KVReceiver", "KVSender", "MalformedNoticeError",
+    "PrefillDone", "PrefillFailed", "PrefillJob", "PrefillTask", "Step", "TransportError", "WriteFailed",
+    "WriteTimedOut", "decode_notification", "fallback_reason", "is_settled",
 ]

@@ -1,4 +1,4 @@
-"""Both ends of a prefix loan (handoff/lend.py) over one worker's agent and engine.
+"""Both ends of a prefix loan (kvtransfer/lend.py) over one worker's agent and engine.
 
 `Lender` answers other workers' `LendRequest`s from this engine's prefix cache; `Borrower`
 borrows a prefix from another worker and reads it into this engine's pool. Both run on
@@ -9,7 +9,7 @@ both: it lends what it caches and borrows what it lacks.
 
 A read that completed is used only once the holder confirmed that the loan was still live
 when its release arrived (`LendConfirm` ok, from the holder life that granted it): the
-holder's blocks were then pinned for the whole read (handoff/lend.py says why). Neither
+holder's blocks were then pinned for the whole read (kvtransfer/lend.py says why). Neither
 side's clock decides it.
 
 A borrow ends in exactly one of these ways (`BorrowResult.outcome`):
@@ -44,7 +44,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.handoff.lend import (
+from pdserve.kvtransfer.lend import (
     BUSY,
     DEFAULT_LEASE_MS,
     GONE,
@@ -508,7 +508,7 @@ class LendingAgent:
         self.inner, self.lending = inner, lending
 
     def poll(self):
-        from .transfer import PollResult
+        from pdserve.kvtransfer.nixl.transfer import PollResult
 
         res = self.inner.poll()
         return PollResult(res.completed, res.failed, self.lending.on_poll(res))

@@ -11,14 +11,14 @@ it (ECDSA P-256, PEM):
     client.pem  client-key.pem        a client-only certificate for mutual TLS
     etcd-root.pem      etcd-root-key.pem       etcd client certificates, one per etcd identity
     etcd-operator.pem  etcd-operator-key.pem   (client use only; the common name is the etcd
-    etcd-worker.pem    etcd-worker-key.pem     user: control/etcd_auth.py, docs/security.md)
+    etcd-worker.pem    etcd-worker-key.pem     user: cluster/etcd_auth.py, docs/security.md)
     etcd-workers/<worker_id>.pem, -key.pem     with --topology: one per worker slot of its cluster,
                                                CN worker/<cluster>/<worker_id> (etcd.tls.workers)
 
 `certs workers DIR --topology FILE` issues the per-worker certificates from the CA already in
 DIR (more slots later, or a renewal with --force) without touching anything else.
 `hash-key` prints the keys-file line of a key read on stdin; `new-key` makes a random
-key, appends its line to a keys file and prints the key once (control/security.py has
+key, appends its line to a keys file and prints the key once (cluster/security.py has
 the file's format). Production clusters use certificates from their own CA
 (docs/security.md); these are for loopback tests and demos.
 """
@@ -33,9 +33,9 @@ import secrets
 import sys
 from pathlib import Path
 
-from pdserve.control.etcd_auth import IDENTITIES as ETCD_IDENTITIES
-from pdserve.control.etcd_auth import MAX_COMMON_NAME, worker_user
-from pdserve.control.security import key_line
+from pdserve.cluster.etcd_auth import IDENTITIES as ETCD_IDENTITIES
+from pdserve.cluster.etcd_auth import MAX_COMMON_NAME, worker_user
+from pdserve.cluster.security import key_line
 
 SERVER_ROLES = ("decode", "prefill", "etcd", "queue")
 CLIENT_ROLE = "client"
@@ -277,9 +277,9 @@ def _workers(args: argparse.Namespace) -> int:
 
 def _topology_slots(path: str) -> tuple[str, list[str]]:
     """(cluster, worker ids) of the slots of the topology at `path` (etcd.tls.workers)."""
-    from pdserve.control.topology import TopologyError, load_topology
-    from pdserve.control.worker_config import worker_slots
-    from pdserve.planner.policy import autoscale_max_replicas
+    from pdserve.cluster.topology import TopologyError, load_topology
+    from pdserve.cluster.worker_config import worker_slots
+    from pdserve.cluster.planner.policy import autoscale_max_replicas
 
     try:
         topo = load_topology(path, check_files=False)  # its certificates may not exist yet

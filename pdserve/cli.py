@@ -13,7 +13,7 @@ import sys
 
 # The planner's autoscale policy is a kind of policy file the router's loader reads once it is
 # registered: `pdserve policy check` (router/cli.py) validates autoscale files through it.
-import pdserve.planner.policy  # noqa: F401
+import pdserve.cluster.planner.policy  # noqa: F401
 
 # Modules that contribute subcommands, in the order `pdserve --help` lists them.
 COMMAND_MODULES = (

@@ -16,9 +16,9 @@ import threading
 from pathlib import Path
 
 from pdserve import certs
-from pdserve.control.etcd_server import EmbeddedEtcd, EtcdError
-from pdserve.control.resources import custom_without_cluster, describe, ray_demand
-from pdserve.control.topology import TopologyError, load_topology
+from pdserve.cluster.etcd_server import EmbeddedEtcd, EtcdError
+from pdserve.cluster.resources import custom_without_cluster, describe, ray_demand
+from pdserve.cluster.topology import TopologyError, load_topology
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,7 +83,7 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 def run_topology_check(args: argparse.Namespace) -> int:
     failed = 0
-    from pdserve.planner.policy import autoscale_max_replicas
+    from pdserve.cluster.planner.policy import autoscale_max_replicas
 
     for name in args.files:
         try:
@@ -116,10 +116,10 @@ def run_topology_check(args: argparse.Namespace) -> int:
 def run_etcd_auth(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pdserve.control.etcd_auth import ClusterAccess, EtcdAccessDenied, bootstrap_rbac
-    from pdserve.control.keys import parse_endpoints
-    from pdserve.control.worker_config import worker_slots
-    from pdserve.planner.policy import autoscale_max_replicas
+    from pdserve.cluster.etcd_auth import ClusterAccess, EtcdAccessDenied, bootstrap_rbac
+    from pdserve.cluster.keys import parse_endpoints
+    from pdserve.cluster.worker_config import worker_slots
+    from pdserve.cluster.planner.policy import autoscale_max_replicas
 
     try:
         topo = load_topology(args.topology)

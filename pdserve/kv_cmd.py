@@ -1,4 +1,4 @@
-"""`pdserve kv ...`: the cluster's KV index (kvindex/service.py).
+"""`pdserve kv ...`: the cluster's KV index (cluster/kvindex/service.py).
 
     pdserve kv index --topology FILE        run the index of a running cluster (foreground)
     pdserve kv index --etcd HOST:PORT --cluster NAME
@@ -84,13 +84,13 @@ def _raw():
 
 
 def run_index(args) -> int:
-    from pdserve.kvindex.service import KVIndexService
+    from pdserve.cluster.kvindex.service import KVIndexService
 
     etcd, cluster, tls = _cluster_of(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: a port is 0-65535 (0: a free one)")
     if args.check:
-        from pdserve.control.keys import parse_endpoints
+        from pdserve.cluster.keys import parse_endpoints
 
         parse_endpoints(etcd)
         who = f", etcd identity {tls.identity}" if tls is not None else ""
@@ -117,7 +117,7 @@ def _cluster_of(args) -> tuple[list[str], str, object]:
     """(etcd endpoints, cluster, etcd TLS): --etcd and --cluster, else the cluster `pdserve up`
     started from --topology. The etcd identity is the topology's either way (a follower's:
     `reader`, else `operator`, else `worker`), so a pod passes --etcd with its own topology."""
-    from pdserve.control.etcd_auth import FOLLOWER_IDENTITIES
+    from pdserve.cluster.etcd_auth import FOLLOWER_IDENTITIES
 
     topo = load_topology_arg(args.topology)
     tls = topo.etcd_tls(*FOLLOWER_IDENTITIES)

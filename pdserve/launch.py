@@ -100,7 +100,7 @@ def _autoscale_policy(topo):
     """The topology's autoscale policy, parsed (an invalid one stops `up` before it starts anything)."""
     if topo.autoscale_policy_path is None:
         return None
-    from pdserve.planner.policy import load_autoscale_file
+    from pdserve.cluster.planner.policy import load_autoscale_file
 
     return load_autoscale_file(topo.autoscale_policy_path)
 
@@ -109,7 +109,7 @@ def _start_planner(topo, topology_file: str, state, launcher) -> None:
     """Start the planner actor on this node (it reads the topology and policy files here)."""
     import ray
 
-    from pdserve.planner.actor import PlannerConfig, start_planner_actor
+    from pdserve.cluster.planner.actor import PlannerConfig, start_planner_actor
 
     cfg = PlannerConfig(topology=os.path.abspath(topology_file), model=state.model,
                         etcd_endpoints=state.etcd_endpoints, worker_etcd_endpoints=state.gate_endpoints,
@@ -143,7 +143,7 @@ def _down(args) -> int:
 def _drain_target(args):
     """(etcd endpoints, cluster, etcd TLS as the operator): from --etcd and --cluster, else
     from `up`'s state file. The TLS settings come from the topology (when its file exists)."""
-    from pdserve.control.keys import check_name, parse_endpoints
+    from pdserve.cluster.keys import check_name, parse_endpoints
 
     check_name("worker_id", args.worker_id)
     if (args.etcd is None) != (args.cluster is None):
@@ -164,7 +164,7 @@ def _drain_target(args):
 
 
 def _drain(args) -> int:
-    from pdserve.control.registry import Registry
+    from pdserve.cluster.registry import Registry
 
     endpoints, cluster, tls = _drain_target(args)
     if args.check:
@@ -198,7 +198,7 @@ def _demo(args) -> int:
     target = args.target
     tls = {}  # with --target: the client's own settings (PDSERVE_CA_FILE, ...; docs/security.md)
     if target is None:
-        from pdserve.control.security import internal_client_tls
+        from pdserve.cluster.security import internal_client_tls
         from pdserve.launcher import ClusterState, state_path
 
         topo = load_topology_arg(args.topology)

@@ -3,8 +3,8 @@
 `Launcher.up()` brings up, in order: etcd (embedded when the topology names
 no endpoint), Ray (joins `--ray-address`, else starts a head for this
 cluster), the prefill queue actor, the prefill and decode workers (detached
-Ray actors built from the topology's entry-point strings, control/actors.py,
-each given its config dict from control/worker_config.py), then waits until
+Ray actors built from the topology's entry-point strings, cluster/actors.py,
+each given its config dict from cluster/worker_config.py), then waits until
 every worker is registered in etcd and every decode worker answers gRPC
 health. It writes what it started to a state file (pdserve/state.py) so that
 `status` and `down` work from any later process. The control plane never
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pdserve.control.actors import (
+from pdserve.cluster.actors import (
     WORKER_MAX_RESTARTS,
     StartedWorker,
     actor_name,
@@ -36,13 +36,13 @@ from pdserve.control.actors import (
     stop_actor,
     worker_actor_options,
 )
-from pdserve.control.etcd_auth import ClusterAccess, bootstrap_rbac
-from pdserve.control.etcd_server import EmbeddedEtcd, free_loopback_port
-from pdserve.control.netaddr import resolve_bind
-from pdserve.control.resources import head_cpus, ray_demand, shortfall
-from pdserve.control.security import grpc_channel, internal_client_tls
-from pdserve.control.topology import Topology
-from pdserve.control.worker_config import worker_slots
+from pdserve.cluster.etcd_auth import ClusterAccess, bootstrap_rbac
+from pdserve.cluster.etcd_server import EmbeddedEtcd, free_loopback_port
+from pdserve.cluster.netaddr import resolve_bind
+from pdserve.cluster.resources import head_cpus, ray_demand, shortfall
+from pdserve.cluster.security import grpc_channel, internal_client_tls
+from pdserve.cluster.topology import Topology
+from pdserve.cluster.worker_config import worker_slots
 
 from .processes import port_open, terminate_group
 from .protection import exposure_warnings
@@ -156,7 +156,7 @@ class Launcher:
             self._start_gate(state, run_dir, host)
 
     def _start_gate(self, state: ClusterState, run_dir: Path, host: str) -> None:
-        """The etcd gate beside the embedded etcd (control/etcd_gate.py): workers, gateways and
+        """The etcd gate beside the embedded etcd (cluster/etcd_gate.py): workers, gateways and
         the KV index get its endpoint, the operator side keeps etcd's. It runs under a supervisor
         (`--supervise`, the process group `down` stops) that restarts it on the same port if it
         dies: `up` exits once the cluster is up, so it cannot. With etcd.endpoints the gate is
@@ -172,7 +172,7 @@ class Launcher:
         port = gate.port or free_loopback_port(host)
         log_file = open(run_dir / f"{self.topo.cluster}-etcd-gate.log", "ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.control.etcd_gate", "--supervise",
+            [sys.executable, "-m", "pdserve.cluster.etcd_gate", "--supervise",
              "--topology", os.path.abspath(self.topology_file),
              "--upstream", state.etcd_endpoints[0], "--host", host, "--port", str(port),
              "--workers", ",".join(f"{role}:{wid}" for role, wid in access.workers),
@@ -237,7 +237,7 @@ class Launcher:
 
     def _check_resources(self, joined: bool) -> None:
         """Fail before starting any actor when the Ray cluster cannot hold them all, naming what
-        is short and who asks for it (control/resources.py), instead of timing out minutes later
+        is short and who asks for it (cluster/resources.py), instead of timing out minutes later
         on an actor Ray can never place. A head started here is sized for them; a cluster that
         was joined gets `resources_wait_s` for nodes still joining (`ray up` starts the workers'
         nodes after the head), with the shortfall printed while it waits."""
@@ -300,7 +300,7 @@ class Launcher:
         """The topology's gateways (gateway/actor.py), once the decode workers serve."""
         import ray
 
-        from pdserve.control.actors import restartable, worker_actor_options
+        from pdserve.cluster.actors import restartable, worker_actor_options
         from pdserve.gateway.actor import GatewayActor, gateway_config
 
         t = self.topo
@@ -321,20 +321,20 @@ class Launcher:
     def _follower_etcd_endpoints(self, state: ClusterState) -> list[str]:
         """Where the gateways and the KV index reach etcd: the gate's endpoint when they connect
         as an identity it serves (the reader: a gated cluster grants it nothing directly)."""
-        from pdserve.control.etcd_auth import FOLLOWER_IDENTITIES
+        from pdserve.cluster.etcd_auth import FOLLOWER_IDENTITIES
 
         tls = self.topo.etcd_tls(*FOLLOWER_IDENTITIES)
         return state.follower_etcd_endpoints(tls.identity if tls is not None else None)
 
     def _start_kv_index(self, state: ClusterState) -> None:
-        """The cluster's KV index (kvindex/actor.py) when the topology enables it."""
+        """The cluster's KV index (cluster/kvindex/actor.py) when the topology enables it."""
         t = self.topo
         if not t.kv_index.enabled:
             return
         import ray
 
-        from pdserve.control.actors import restartable, worker_actor_options
-        from pdserve.kvindex.actor import KVIndexActor, kv_index_config
+        from pdserve.cluster.actors import restartable, worker_actor_options
+        from pdserve.cluster.kvindex.actor import KVIndexActor, kv_index_config
 
         name = f"{t.cluster}-kv-index"
         opts = worker_actor_options(name, t.ray.namespace, t.kv_index.num_cpus, 0, t.kv_index.custom)
@@ -383,7 +383,7 @@ def stop_planner(cluster: str, namespace: str, progress) -> None:
     """Stop the cluster's planner actor, if one runs (graceful stop, then kill)."""
     import ray
 
-    from pdserve.planner.actor import planner_actor_name
+    from pdserve.cluster.planner.actor import planner_actor_name
 
     try:
         actor = ray.get_actor(planner_actor_name(cluster), namespace=namespace)
@@ -398,7 +398,7 @@ def stop_planner(cluster: str, namespace: str, progress) -> None:
 
 
 async def _wait_registered(state: ClusterState, deadline: float, tls=None) -> dict:
-    from pdserve.control.registry import Registry
+    from pdserve.cluster.registry import Registry
 
     want = {a["worker_id"] for a in state.actors}
     async with Registry(state.etcd_endpoints, state.cluster, tls=tls) as reg:

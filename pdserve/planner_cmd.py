@@ -1,5 +1,5 @@
 """`pdserve planner run | explain | history`: the autoscaling planner by hand, and why it
-decides what it decides. The loop itself is planner/; `pdserve up` starts it as a
+decides what it decides. The loop itself is cluster/planner/; `pdserve up` starts it as a
 Ray actor when the topology names an `autoscale_policy`.
 
 This lives in the composition root because it reads autoscale policy files with the
@@ -69,7 +69,7 @@ def _policy_text(path: str) -> str:
 def _run(args) -> int:
     import ray
 
-    from pdserve.planner.actor import PlannerConfig, build_planner
+    from pdserve.cluster.planner.actor import PlannerConfig, build_planner
     from pdserve.ray_auth import apply_ray_auth
 
     topo, state = _cluster(args)
@@ -109,13 +109,13 @@ def _run(args) -> int:
 
 
 def _explain(args) -> int:
-    from pdserve.control.registry import Registry
-    from pdserve.planner.actor import cpu_units, queue_stats_fn
-    from pdserve.planner.core import take_snapshot
-    from pdserve.planner.decide import decide, learn
-    from pdserve.planner.observe import observe
-    from pdserve.planner.policy import parse_autoscale
-    from pdserve.planner.state import read_planner
+    from pdserve.cluster.registry import Registry
+    from pdserve.cluster.planner.actor import cpu_units, queue_stats_fn
+    from pdserve.cluster.planner.core import take_snapshot
+    from pdserve.cluster.planner.decide import decide, learn
+    from pdserve.cluster.planner.observe import observe
+    from pdserve.cluster.planner.policy import parse_autoscale
+    from pdserve.cluster.planner.state import read_planner
     from pdserve.ray_auth import apply_ray_auth
 
     topo, state = _cluster(args)
@@ -147,7 +147,7 @@ def _explain(args) -> int:
         memory = copy.deepcopy(pstate.memory)
         obs = observe(first, second)
         learn(memory, obs)
-        from pdserve.planner.state import current_replicas
+        from pdserve.cluster.planner.state import current_replicas
 
         counted, serving = current_replicas(second, pstate)
         units = {r: u or getattr(policy.autoscale, r).gpus_per_replica for r, u in cpu_units(topo).items()}
@@ -188,8 +188,8 @@ def _print_decision(d: dict) -> None:
 
 
 def _history(args) -> int:
-    from pdserve.control.registry import Registry
-    from pdserve.planner.state import read_decisions
+    from pdserve.cluster.registry import Registry
+    from pdserve.cluster.planner.state import read_decisions
 
     topo, state = _cluster(args)
 
@@ -212,7 +212,7 @@ def _history(args) -> int:
 async def planner_summary(registry) -> tuple[list[str], set[str]]:
     """(lines for `pdserve status`: the running planner, desired vs actual, the last decisions;
     the workers it drained and stopped on purpose)."""
-    from pdserve.planner.state import read_planner
+    from pdserve.cluster.planner.state import read_planner
 
     got = await read_planner(registry)
     leader, st = got["leader"], got["state"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import asdict, dataclass
 
-from pdserve.control.netaddr import LOOPBACK
+from pdserve.cluster.netaddr import LOOPBACK
 
 YES, PARTLY, NO = "yes", "partly", "no"
 
@@ -118,7 +118,7 @@ def _etcd_gate(t) -> Surface:
     where = (f"at {', '.join(t.etcd.gate.endpoints)} (etcd.gate.endpoints: yours)" if t.etcd.gate.endpoints else
              f"supervised by `pdserve up` (restarted if it dies), on network.bind {t.network.bind}")
     return Surface("etcd gate", YES, "mutual TLS (the etcd CA); serves worker identities and the reader only, each "
-                   f"scoped to its own keys and leases, no compaction or lease listing (control/etcd_gate.py); {where}")
+                   f"scoped to its own keys and leases, no compaction or lease listing (cluster/etcd_gate.py); {where}")
 
 
 def _queue(t) -> Surface:

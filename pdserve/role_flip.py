@@ -14,7 +14,7 @@ original role and id, and the planner rebalances from there.
 
 This lives in the composition root because it drives both worker packages (neither may
 import the other); the control plane refers to it by name only (`DEFAULT_FLEX_ENTRYPOINT` in
-control/topology.py, beside the other roles' entry points).
+cluster/topology.py, beside the other roles' entry points).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 
-from pdserve.control.worker_config import WorkerConfig
+from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode.worker import DecodeWorker
 from pdserve.prefill.worker import PrefillWorker
 

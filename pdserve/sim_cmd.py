@@ -272,7 +272,7 @@ def run_sim(args) -> int:
     requests, what = _workload(args)
     scaler = None
     if args.autoscale:
-        from pdserve.planner.policy import load_autoscale_file
+        from pdserve.cluster.planner.policy import load_autoscale_file
         from pdserve.sim.autoscale import Autoscaler
 
         scaler = Autoscaler(load_autoscale_file(args.autoscale).autoscale, start_s=args.start_s)

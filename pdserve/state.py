@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pdserve.control.topology import Topology
+    from pdserve.cluster.topology import Topology
 
 
 @dataclass

@@ -20,7 +20,7 @@ SERVICES = ("gateway", "kv-index")  # actors `up` starts that are not workers (n
 def status(args) -> int:
     """`pdserve status`: members, the queue, the planner and what the topology protects; 0 when
     every worker `up` started is registered."""
-    from pdserve.control.records import TRANSIENT_ERRORS, short_error
+    from pdserve.cluster.records import TRANSIENT_ERRORS, short_error
     from pdserve.launcher import ClusterState, state_path
 
     topo = load_topology_arg(args.topology)
@@ -104,7 +104,7 @@ def _status_tls(topo):
 
 
 def _planner_lines(state, tls=None) -> tuple[list[str], set[str]]:
-    from pdserve.control.registry import Registry
+    from pdserve.cluster.registry import Registry
     from pdserve.planner_cmd import planner_summary
 
     async def go():
@@ -131,7 +131,7 @@ def _print_queue(state, queue: dict | None) -> None:
 
 
 async def _members(state, tls=None) -> dict:
-    from pdserve.control.registry import Registry
+    from pdserve.cluster.registry import Registry
 
     async with Registry(state.etcd_endpoints, state.cluster, tls=tls) as reg:
         members = await reg.members()
@@ -147,12 +147,12 @@ def tp_ranks(member: dict) -> str:
 
 
 def _rank_groups(state) -> dict[str, dict]:
-    """The Ray placement group of each TP worker `up` started (control/actors.py): its strategy,
+    """The Ray placement group of each TP worker `up` started (cluster/actors.py): its strategy,
     state, bundles and the node addresses its bundles sit on (one, for STRICT_PACK)."""
     import ray
     from ray.util.placement_group import get_placement_group, placement_group_table
 
-    from pdserve.control.actors import ranks_group_name
+    from pdserve.cluster.actors import ranks_group_name
 
     ips = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
     out = {}

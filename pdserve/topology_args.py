@@ -18,7 +18,7 @@ def add_topology_arg(p) -> None:
 
 def load_topology_arg(path: str):
     """The topology `--topology` names (FileNotFoundError naming the option when absent)."""
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"--topology {path}: no such file")

@@ -100,8 +100,8 @@ def _recorded(topo):
 
 def plan(args) -> WorkerPlan:
     """Validate `args` (ValueError naming the flag at fault); imports neither Ray nor torch."""
-    from pdserve.control.keys import check_name, parse_endpoints
-    from pdserve.control.topology import TopologyError, load_topology
+    from pdserve.cluster.keys import check_name, parse_endpoints
+    from pdserve.cluster.topology import TopologyError, load_topology
     from pdserve.ray_auth import token_source
 
     if not Path(args.topology).is_file():
@@ -231,7 +231,7 @@ class Worker:
     def _ensure_queue(self) -> None:
         """The prefill queue with the topology's settings, detached (it outlives this driver).
         The first worker of the cluster creates it; an existing queue keeps its settings."""
-        from pdserve.taskqueue import get_or_create_queue
+        from pdserve.cluster.queue import get_or_create_queue
 
         t = self.p.topology
         q = t.queue
@@ -275,7 +275,7 @@ class Worker:
         """Drain (bounded by the drain timeout), stop the actor, clear this worker's drain key."""
         import ray
 
-        from pdserve.control.actors import stop_actor
+        from pdserve.cluster.actors import stop_actor
 
         p, name = self.p, self.started.name
         self.say(f"draining {p.worker_id} (up to {p.drain_timeout_s:g} s)")
@@ -309,10 +309,10 @@ def _wait_idle(actor, role: str, deadline: float) -> None:
 def _clear_drain_key(p: WorkerPlan) -> None:
     """The drain key is not leased; a pod's worker id never comes back, so remove it now.
     Under etcd RBAC the worker identity may not (drain/ is the operator's): the key stays,
-    and a worker started again under this id ignores it (control/join.py)."""
+    and a worker started again under this id ignores it (cluster/join.py)."""
     import asyncio
 
-    from pdserve.control.registry import Registry
+    from pdserve.cluster.registry import Registry
 
     async def go() -> int:
         async with Registry(p.etcd_endpoints, p.topology.cluster, tls=p.topology.worker_etcd_tls(p.worker_id)) as reg:

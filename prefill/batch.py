@@ -6,19 +6,19 @@ several steps does not hold every first token until its last one.
 
 Every task of a batch ends in exactly one of two ways: its pages are written
 and a `PrefillDone` rides behind them, or it fails and its decode worker is
-told at once with a `PrefillFailed` notice (handoff/notices.py) so that it
+told at once with a `PrefillFailed` notice (kvtransfer/notices.py) so that it
 prefills locally instead of waiting out its remote deadline. A failure stays
 with its task where it can: a bad task, a request the sampler fails, or a
 page write that fails ends that task only; a forward pass that raises (OOM,
 device error) fails the tasks of its batch, whose engine state is then
 aborted and freed so the next batch starts clean. Each task is a `PrefillJob`
-(handoff/prefill_side.py: its states and the one table that moves them).
+(kvtransfer/prefill_side.py: its states and the one table that moves them).
 
 A `PrefillFailed` is sent only once no page write of that attempt can still
 land (posted writes are waited for; `writes_settled` says if one timed out),
 so the decode worker may hand the reserved blocks to another request at once.
 It goes over the transport's notification channel (a `KVSender`,
-handoff/transport.py; NIXL in production) when this worker has one to the
+kvtransfer/transport.py; NIXL in production) when this worker has one to the
 target; the worker's loop (asyncio side) also fails the task back through
 the queue (`PrefillQueue.fail`), which reaches the decode worker's failed-task
 poll even when NIXL cannot (no peer metadata, a broken connection).
@@ -27,7 +27,7 @@ The batch marks the compute thread's progress as it goes (`progress`, the worker
 `ComputeProgress`): every engine step, every write waited for, each with how long the next
 may take (prefill/progress.py: a multiple of its predicted slowest step, or the wait's own
 timeout). The worker's heartbeat carries it, so the queue can tell a batch that is slow from
-a thread that is hung (taskqueue/liveness.py).
+a thread that is hung (cluster/queue/liveness.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.compute_thread import ComputeProgress
 from pdserve.engine import SamplingParams
-from pdserve.handoff import (
+from pdserve.kvtransfer import (
     BAD_TASK,
     BATCH_FAILED,
     CANCELLED,
@@ -308,7 +308,7 @@ class PrefillBatch:
 
             def after_layer(layer: int, ready) -> None:
                 # `ready`: the layer's pages are final once it says so (a CUDA event on a
-                # GPU); the stream posts the write only then (kvtransfer/poster.py).
+                # GPU); the stream posts the write only then (kvtransfer/nixl/poster.py).
                 for job in jobs_now:
                     if job.failure is None:
                         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from pdserve.control.runtime import MetricsEndpoint
+from pdserve.cluster.runtime import MetricsEndpoint
 
 _TASK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)

@@ -8,7 +8,7 @@ back the tasks of a worker whose progress has stood still past
 
     bound = max(queue.stall_timeout_s, within_s)
 
-(taskqueue/liveness.py). ``within_s`` is the worker's own account of the unit under way:
+(cluster/queue/liveness.py). ``within_s`` is the worker's own account of the unit under way:
 
 * an engine step: ``PROGRESS_FACTOR`` x the predicted time of the batch's slowest step
   (`StepTimes.allowance`), so a step may run several times slower than this worker's record

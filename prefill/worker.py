@@ -12,7 +12,7 @@ so its decode worker prefills locally at once; no task ends the pull loop.
 
 Before anything is computed or written, every task must carry a valid signature
 of the decode worker it targets (the key in that worker's etcd record;
-taskqueue/signing.py): a task that names blocks its decode worker did not
+cluster/queue/signing.py): a task that names blocks its decode worker did not
 reserve and sign is dropped and counted (`pdserve_prefill_tasks_rejected`).
 
 Runs as a Ray actor (``pdserve.prefill.worker:PrefillWorker`` is the
@@ -38,21 +38,21 @@ from dataclasses import dataclass
 
 from pdserve.common import failpoints
 from pdserve.common.compute_thread import ComputeExecutor
-from pdserve.control.join import join_cluster, leave_cluster, publish_load
-from pdserve.control.keys import VERSION
-from pdserve.control.load import BusyMeter, gpu_load
-from pdserve.control.records import WorkerInfo
-from pdserve.control.runtime import cpu_list, freeze_gc_heap
-from pdserve.control.worker_config import WorkerConfig
+from pdserve.cluster.join import join_cluster, leave_cluster, publish_load
+from pdserve.cluster.keys import VERSION
+from pdserve.cluster.load import BusyMeter, gpu_load
+from pdserve.cluster.records import WorkerInfo
+from pdserve.cluster.runtime import cpu_list, freeze_gc_heap
+from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.tp_group import TPGroupBroken
-from pdserve.handoff.lend import AGENT_INCARNATION_KEY, LENDS_CAPACITY_KEY, lends
-from pdserve.kvindex.publisher import record_endpoints, start_event_publisher
+from pdserve.kvtransfer.lend import AGENT_INCARNATION_KEY, LENDS_CAPACITY_KEY, lends
+from pdserve.cluster.kvindex.publisher import record_endpoints, start_event_publisher
 from pdserve.kvtransfer.lending import Lending, LendingAgent
-from pdserve.kvtransfer.tp_transport import TPSender, open_worker_transport, with_rank_transport
+from pdserve.kvtransfer.nixl.tp_transport import TPSender, open_worker_transport, with_rank_transport
 from pdserve.router.costs import CostModel
 from pdserve.router.policy import CostModelParams
-from pdserve.taskqueue import BAD_SIGNATURE, NO_KEY, open_queue, verify_task
+from pdserve.cluster.queue import BAD_SIGNATURE, NO_KEY, open_queue, verify_task
 
 from .batch import PrefillBatch, PrefillStats
 from .metrics import PrefillMetrics
@@ -83,7 +83,7 @@ class PrefillWorkerConfig(WorkerConfig):
     exit_on_loop_death: bool = False
     metrics_port: int | None = None  # Prometheus /metrics: None = a free loopback port, 0 = off
     metrics_host: str | None = None  # None: the address `bind` resolves to on this host
-    load_report_s: float = 2.0  # how often the record's `load` is refreshed (control/load.py)
+    load_report_s: float = 2.0  # how often the record's `load` is refreshed (cluster/load.py)
 
 
 class PrefillWorker:
@@ -117,7 +117,7 @@ class PrefillWorker:
         self.busy = BusyMeter()  # time spent serving batches (compute and transfers)
         self.holding = 0  # tasks of the batch being served
         self._load_task: asyncio.Task | None = None
-        self.kv_publisher = None  # kvindex/publisher.py, when the engine records KV events
+        self.kv_publisher = None  # cluster/kvindex/publisher.py, when the engine records KV events
         self.lending: Lending | None = None  # prefix loans to other workers (kvtransfer/lending.py)
         self._lend_task: asyncio.Task | None = None
         # Held by whoever drives the engine and the agent: a batch (its thread), or between
@@ -137,7 +137,7 @@ class PrefillWorker:
         self.engine = engine or await self._compute.run(
             LLMEngine, EngineConfig.from_kwargs(cfg.model, **with_rank_transport(cfg.engine_args)))
         self.host = cfg.metrics_host or cfg.address()
-        # One agent per tensor-parallel rank; the sender writes by the head plan (kvtransfer/tp_transport.py).
+        # One agent per tensor-parallel rank; the sender writes by the head plan (kvtransfer/nixl/tp_transport.py).
         transport = await self._compute.run(
             open_worker_transport, self.worker_id, self.engine, cfg.agent_ucx_env(self.host),
             cfg.agent_threads(self.engine.connector.tensor_parallel_size))
@@ -167,7 +167,7 @@ class PrefillWorker:
         except Exception as exc:  # noqa: BLE001  (the queue restarting: its restart lost them anyway)
             log.warning("could not reach the queue at start: %r", exc)
         metrics_at = self.metrics.serve(self.host, cfg.metrics_port)
-        # The engine's KV events (engine arg kv_events), for the cluster's KV index (kvindex/).
+        # The engine's KV events (engine arg kv_events), for the cluster's KV index (cluster/kvindex/).
         self.kv_publisher = start_event_publisher(self.engine, cfg.address())
         info = WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
                           kv_layout=self.engine.connector.layout_info(),
@@ -507,7 +507,7 @@ class PrefillWorker:
 
     async def _heartbeat(self, tasks: list) -> None:
         """While this worker serves a batch (the compute runs in a thread): tell the queue it is
-        alive every HOLD_CHECK_S, or it fails the batch back as stalled (taskqueue/core.py
+        alive every HOLD_CHECK_S, or it fails the batch back as stalled (cluster/queue/core.py
         `fail_stalled`), and how far the compute thread has got (`ComputeProgress.snapshot`:
         this loop beats on while that thread is hung, so the queue judges the thread by its
         progress against its own allowance, not by the beat); hand the batch the tasks

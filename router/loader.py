@@ -23,7 +23,7 @@ from pdserve.router.policy import NOT_YET_USED, RouterPolicy
 M = TypeVar("M", bound=BaseModel)
 # Other kinds of policy document, by the top-level key that marks them: kind -> (key, parser).
 # The router's own kind is the default. The planner registers its autoscale policy
-# (pdserve.planner.policy) when imported; the router never imports the planner.
+# (pdserve.cluster.planner.policy) when imported; the router never imports the planner.
 _KINDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {}
 
 

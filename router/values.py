@@ -32,7 +32,7 @@ class RequestFeatures:
     override: Override = "auto"
     max_tokens: int | None = None  # None = no explicit limit
     # Prompt tokens the prefill worker with the longest cached prefix holds (its KV events,
-    # kvindex/): a remote prefill computes only past them (it still sends every token past
+    # cluster/kvindex/): a remote prefill computes only past them (it still sends every token past
     # cached_len). 0: none known.
     remote_cached_len: int = 0
     # Prompt tokens past cached_len that this worker's second KV tier holds (engine/kv_tier.py):

@@ -2,8 +2,8 @@
 ``interval_s``, on the load records the simulated workers publish.
 
 Each tick builds a `planner.observe.Snapshot` (the queue's depth and tokens, each worker's
-`load`, as control/load.py names its keys), calls `observe`, `learn` and `decide` (planner/)
-with the workers serving plus those still starting, and acts as planner/act.py does: a
+`load`, as cluster/load.py names its keys), calls `observe`, `learn` and `decide` (cluster/planner/)
+with the workers serving plus those still starting, and acts as cluster/planner/act.py does: a
 scale-up starts a worker that serves ``start_s`` later (loading weights, registering); a
 scale-down drains the newest worker of the role (no new requests or tasks; it leaves once it
 holds none). Role flips are acted as a drain and a start. Every decision is kept with its
@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import itertools
 
-from pdserve.planner.decide import Memory, decide, learn
-from pdserve.planner.observe import Snapshot, observe
+from pdserve.cluster.planner.decide import Memory, decide, learn
+from pdserve.cluster.planner.observe import Snapshot, observe
 
 ROLES = ("prefill", "decode")
 
 
 class Autoscaler:
     def __init__(self, section, start_s: float = 30.0):
-        """``section``: a parsed autoscale block (planner/policy.py AutoscaleSection)."""
+        """``section``: a parsed autoscale block (cluster/planner/policy.py AutoscaleSection)."""
         self.section = section
         self.start_s = start_s
         self.memory = Memory()

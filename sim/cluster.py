@@ -24,10 +24,10 @@ What is the product's own code, called as the workers call it:
 * each engine's step plan: `engine/scheduler.py` over `engine/block_manager.py` (sim/engine.py),
   with the decode worker's SLO-aware budget kept current by `decode/prefill_budget.py`
   `StepPlanFeed`;
-* the prefill queue: `taskqueue/core.py` `QueueCore` (order, budgeted batches, prefix-aware
+* the prefill queue: `cluster/queue/core.py` `QueueCore` (order, budgeted batches, prefix-aware
   dispatch) with `handoff` `PrefillTask`s;
 * the front door across decode workers: `gateway/pick.py` `choose` (``ingress: gateway``);
-* autoscaling: `planner/observe.py` and `planner/decide.py` on load records the simulated
+* autoscaling: `cluster/planner/observe.py` and `cluster/planner/decide.py` on load records the simulated
   workers publish (sim/autoscale.py).
 
 A prefill worker pushes KV as prefill/batch.py does (``push_as_computed``): a request's KV
@@ -56,9 +56,9 @@ from pdserve.decode.prefill_budget import StepPlanFeed
 from pdserve.engine import calibrate
 from pdserve.engine.step_budget import attention_pairs
 from pdserve.gateway.pick import WorkerState, choose
-from pdserve.handoff.task import PrefillTask
+from pdserve.kvtransfer.task import PrefillTask
 from pdserve.router import ArrivalRate, ClusterSnapshot, RouterPolicy, admit
-from pdserve.taskqueue.core import QueueCore
+from pdserve.cluster.queue.core import QueueCore
 
 from .engine import SimEngine, SimTier, StreamLoad
 from .profile import CostProfile
@@ -69,7 +69,7 @@ LOAD_REPORT_S = 1.0  # how often a simulated worker's load record refreshes (the
 SAMPLE_EVERY_S = 1.0  # queue depth and busy workers over time, for the report
 # An idle prefill worker's long poll (prefill/worker.py poll_timeout_ms): a put wakes it at once,
 # and without one it takes again after this long (a task the queue kept for the worker holding
-# its prefix, taskqueue/core.py `_keep_for_prefix`, is handed to another at such a take).
+# its prefix, cluster/queue/core.py `_keep_for_prefix`, is handed to another at such a take).
 POLL_TIMEOUT_S = 1.0
 
 
@@ -245,7 +245,7 @@ class Simulation:
 
     def prefix_hint(self, token_ids: list[int]) -> dict[str, int]:
         """Per live prefill worker, the tokens of this prompt's prefix it holds (pool or tier),
-        0s left out: what the KV index tells a decode worker (kvindex/service.py cached_tokens,
+        0s left out: what the KV index tells a decode worker (cluster/kvindex/service.py cached_tokens,
         over every full block of the prompt), read at once here (the index follows KV events)."""
         live = self.live_prefill()
         if not live:
@@ -262,7 +262,7 @@ class Simulation:
     def beat(self) -> None:
         """Every live prefill worker is heard from now: in the product each beats the queue every
         0.25 s, busy or idle, and the queue's prefix-aware dispatch keeps a task only for a live
-        worker (taskqueue/liveness.py)."""
+        worker (cluster/queue/liveness.py)."""
         for p in self.prefill:
             if not p.draining:
                 self.queue.alive(p.wid)
@@ -592,7 +592,7 @@ class DecodeSim:
         self._token(req, finished)
         self.kick()
 
-    # -- what the worker publishes (control/load.py) -------------------------------------------
+    # -- what the worker publishes (cluster/load.py) -------------------------------------------
     def load_record(self) -> dict:
         eng = self.engine
         sched = eng.scheduler

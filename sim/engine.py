@@ -235,7 +235,7 @@ class SimEngine:
 
     def held_prefix_len(self, hashes: list[bytes]) -> int:
         """Tokens of the leading blocks ``hashes`` this worker holds in its pool's prefix cache or
-        its tier: what its KV events tell the cluster's index (kvindex/, every medium)."""
+        its tier: what its KV events tell the cluster's index (cluster/kvindex/, every medium)."""
         cached, tier = self.kv.pool.cached, self.tier
         n = 0
         for h in hashes:

@@ -11,8 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # doc -> (the folder its module table lists, the section holding the table; None: the whole doc)
-TABLES = {"docs/cluster.md#control": ("control", "## control/ modules"),
-          "docs/cluster.md#taskqueue": ("taskqueue", "## taskqueue/ modules"),
+TABLES = {"docs/cluster.md#control": ("control", "## cluster/ modules"),
+          "docs/cluster.md#taskqueue": ("taskqueue", "## cluster/queue/ modules"),
           "docs/cluster.md#planner": ("planner", "## planner/ modules"),
           "docs/kvtransfer.md": ("kvtransfer", None),
           "docs/architecture.md": ("handoff", "## The handoff protocol")}

@@ -2,7 +2,7 @@
 """The image's HEALTHCHECK: GET $PDSERVE_HEALTH_URL (a decode worker's /health, default
 http://127.0.0.1:8000/health); exit 0 on a 2xx answer, 1 otherwise, with one line on stderr.
 Standard library only: it runs every few seconds. A worker with mutual TLS on its HTTP port
-is probed with `python3 -m pdserve.control.health_probe` instead (the Helm chart does)."""
+is probed with `python3 -m pdserve.cluster.health_probe` instead (the Helm chart does)."""
 
 import os
 import sys

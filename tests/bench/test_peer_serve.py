@@ -8,7 +8,7 @@ from pathlib import Path
 from prometheus_client import generate_latest
 
 from pdserve.bench.peer_serve import PeerConfig, Server, format_table, parse_prediction_ratios, saturated, summarize
-from pdserve.control.topology import load_topology
+from pdserve.cluster.topology import load_topology
 from pdserve.decode.metrics import WorkerMetrics
 
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pdserve.bench.sweep import SweepConfig, derive_topology, mode_policy
-from pdserve.control.topology import load_topology
+from pdserve.cluster.topology import load_topology
 from pdserve.router import parse_policy
 
 REPO = Path(__file__).resolve().parents[2]

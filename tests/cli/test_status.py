@@ -6,7 +6,7 @@ import socket
 
 from pdserve import status_cmd
 from pdserve.cli import main
-from pdserve.control.topology import load_topology
+from pdserve.cluster.topology import load_topology
 from pdserve.launcher import ClusterState, state_path
 from tests.harness import small_topology_yaml
 

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from pdserve.control.etcd_server import EmbeddedEtcd
+from pdserve.cluster.etcd_server import EmbeddedEtcd
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ class SecureEtcd:
     def identity(self, name: str, cert: str | None = None):
         """The EtcdTLS of identity `name` (root, operator, worker); `cert`: another of the
         certificates by its `certs make` name (e.g. "client": signed by the CA, not a user)."""
-        from pdserve.control.etcd_auth import EtcdTLS
+        from pdserve.cluster.etcd_auth import EtcdTLS
 
         stem = cert or f"etcd-{name}"
         return EtcdTLS(ca_file=str(self.certs["ca"]), cert_file=str(self.certs[stem]),
@@ -48,7 +48,7 @@ class SecureEtcd:
 
     async def grant(self, cluster: str) -> None:
         """Users, roles and grants for `cluster`, authentication on (idempotent)."""
-        from pdserve.control.etcd_auth import bootstrap_rbac
+        from pdserve.cluster.etcd_auth import bootstrap_rbac
 
         await bootstrap_rbac(self.endpoint, self.identity("root"), [cluster])
 
@@ -57,7 +57,7 @@ class SecureEtcd:
 def secure_etcd(tmp_path_factory):
     """One TLS + RBAC etcd per test module, on loopback; stopped however the module ends."""
     from pdserve.certs import make_certs
-    from pdserve.control.etcd_server import EtcdServerTLS
+    from pdserve.cluster.etcd_server import EtcdServerTLS
 
     root = tmp_path_factory.mktemp("secure-etcd")
     certs = make_certs(root / "certs", ["127.0.0.1", "localhost"])

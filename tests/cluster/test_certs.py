@@ -1,4 +1,4 @@
-"""`pdserve certs` (pdserve/certs.py), the API keys file and key ring (control/security.py),
+"""`pdserve certs` (pdserve/certs.py), the API keys file and key ring (cluster/security.py),
 and the topology's `security:` section down to a decode worker's launch config."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from pdserve.certs import append_key, make_certs, new_key
 from pdserve.cli import main
-from pdserve.control.security import (
+from pdserve.cluster.security import (
     DEFAULT_OPEN_GRPC_SERVICES,
     DEFAULT_OPEN_PATHS,
     KeyRing,
@@ -22,8 +22,8 @@ from pdserve.control.security import (
     internal_client_tls,
     parse_keys,
 )
-from pdserve.control.topology import TopologyError, load_topology
-from pdserve.control.worker_config import launch_config
+from pdserve.cluster.topology import TopologyError, load_topology
+from pdserve.cluster.worker_config import launch_config
 
 KEY = "pds-an-example-key-that-is-long-enough"
 
@@ -217,8 +217,8 @@ def test_queue_tls_server_name_checks_the_certificate_for_a_name_instead_of_the_
     import asyncio
     import ssl
 
-    from pdserve.control.security import ClientTLS
-    from pdserve.taskqueue.client import QueueClient
+    from pdserve.cluster.security import ClientTLS
+    from pdserve.cluster.queue.client import QueueClient
 
     pki = make_certs(tmp_path / "pki", ["pd-ray-head"])
     (tmp_path / "t.yaml").write_text(TOPOLOGY + "queue: {wire: node, tls: {cert: pki/queue.pem, "

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.control.runtime import cpu_list, worker_cpus
-from pdserve.control.topology import TopologyError, load_topology
-from pdserve.control.worker_config import WorkerConfig, launch_config
+from pdserve.cluster.runtime import cpu_list, worker_cpus
+from pdserve.cluster.topology import TopologyError, load_topology
+from pdserve.cluster.worker_config import WorkerConfig, launch_config
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = """\
@@ -70,7 +70,7 @@ def test_a_worker_process_is_pinned_with_all_its_threads_and_torch_threads_match
     """In a child process (pinning the test process would slow the rest of the suite)."""
     code = textwrap.dedent("""
         import os, threading, time, json, torch
-        from pdserve.control.worker_config import WorkerConfig
+        from pdserve.cluster.worker_config import WorkerConfig
         early = threading.Event()
         t = threading.Thread(target=early.wait, daemon=True); t.start()   # a thread from before the pin
         cores = WorkerConfig(model="m", cpus=[0]).pin_cpus("test worker")
@@ -88,7 +88,7 @@ def test_a_worker_process_is_pinned_with_all_its_threads_and_torch_threads_match
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["cores"] == [0] and res["threads"] == 1 and res["later"] == [0]
     assert all(m == [0] for m in res["masks"]), f"a thread kept its old mask: {res['masks']}"
-    bad = subprocess.run([sys.executable, "-c", "from pdserve.control.worker_config import WorkerConfig; "
+    bad = subprocess.run([sys.executable, "-c", "from pdserve.cluster.worker_config import WorkerConfig; "
                           "WorkerConfig(model='m', cpus=[4096]).pin_cpus('w')"], capture_output=True, text=True,
                          timeout=120, cwd=REPO)
     assert bad.returncode != 0 and "CPU ids [4096] do not exist on this host" in bad.stderr

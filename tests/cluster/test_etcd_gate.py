@@ -1,4 +1,4 @@
-"""The etcd gate (control/etcd_gate.py) in front of a real TLS + RBAC etcd: a worker does its
+"""The etcd gate (cluster/etcd_gate.py) in front of a real TLS + RBAC etcd: a worker does its
 whole part through it (register, keep alive, update, watch, leave) with the certificate of
 its own id, and with that certificate tries every operation on others' objects: every one is
 refused, through the gate and directly against etcd (which grants gated workers nothing).
@@ -13,11 +13,11 @@ import grpc
 import pytest
 from aetcd import rpc
 
-from pdserve.control.etcd_auth import ClusterAccess, EtcdAccessDenied, bootstrap_rbac
-from pdserve.control.etcd_gate_policy import GatePolicy, _within
-from pdserve.control.etcd_gate_server import EtcdGate
-from pdserve.control.keys import Keyspace
-from pdserve.control.registry import Registry
+from pdserve.cluster.etcd_auth import ClusterAccess, EtcdAccessDenied, bootstrap_rbac
+from pdserve.cluster.etcd_gate_policy import GatePolicy, _within
+from pdserve.cluster.etcd_gate_server import EtcdGate
+from pdserve.cluster.keys import Keyspace
+from pdserve.cluster.registry import Registry
 from tests.cluster.test_etcd_security import FAST, POLICY, SLOTS, TTL_S, launcher_topology, worker, worker_certs
 
 pytestmark = pytest.mark.timeout(120)
@@ -231,7 +231,7 @@ def test_pdserve_up_starts_the_gate_beside_its_etcd_and_workers_get_its_endpoint
 
 
 def test_a_gate_without_what_it_needs_is_refused_naming_the_setting(tmp_path):
-    from pdserve.control.topology import TopologyError, load_topology
+    from pdserve.cluster.topology import TopologyError, load_topology
 
     (tmp_path / "t.yaml").write_text("cluster: c\nmodel: {path: auto}\nroles: {prefill: {replicas: 1}, "
                                      "decode: {replicas: 1}}\netcd: {gate: {}}\n")
@@ -391,7 +391,7 @@ def test_pdserve_up_gives_gateways_and_the_kv_index_the_gates_endpoint(secure_et
     import textwrap
 
     from pdserve.cli import main
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
     from pdserve.gateway.actor import gateway_config
     from pdserve.launcher import Launcher, state_path
 
@@ -426,7 +426,7 @@ def test_a_gate_you_run_is_named_by_gate_endpoints_and_gates_the_bootstrap(secur
     from pathlib import Path
 
     from pdserve.cli import main
-    from pdserve.control.topology import TopologyError, load_topology
+    from pdserve.cluster.topology import TopologyError, load_topology
     from pdserve.launcher import ClusterState, Launcher
 
     c = secure_etcd.certs

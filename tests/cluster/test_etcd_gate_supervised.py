@@ -1,4 +1,4 @@
-"""The etcd gate `pdserve up` starts runs under a supervisor (`python -m pdserve.control.etcd_gate
+"""The etcd gate `pdserve up` starts runs under a supervisor (`python -m pdserve.cluster.etcd_gate
 --supervise`): killed with SIGKILL it is back on the same port within a bound, the workers'
 leases survive (they reconnect to the same endpoint and the restarted gate knows their leases
 by their keys), and `down` leaves neither the supervisor nor a gate behind. Real etcd with TLS
@@ -18,7 +18,7 @@ import psutil
 import pytest
 from aetcd import rpc
 
-from pdserve.control.registry import Registry
+from pdserve.cluster.registry import Registry
 from pdserve.processes import port_open
 from tests.cluster.test_etcd_security import FAST, launcher_topology, worker
 
@@ -134,11 +134,11 @@ def test_a_killed_gate_is_restarted_on_its_port_workers_keep_their_leases_and_do
 def test_a_gate_does_not_outlive_its_supervisor(secure_etcd, tmp_path):
     """The supervisor killed with SIGKILL (nothing left to restart the gate, nor to be stopped
     by `down` as a group leader): its gate child exits too instead of holding the port."""
-    from pdserve.control.etcd_server import free_loopback_port
+    from pdserve.cluster.etcd_server import free_loopback_port
 
     topo, _ = launcher_topology(secure_etcd, tmp_path, "orphan", ["prefill-0"])
     port = free_loopback_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.control.etcd_gate", "--supervise",
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.etcd_gate", "--supervise",
                              "--topology", str(tmp_path / "t.yaml"), "--upstream", secure_etcd.endpoint,
                              "--port", str(port), "--workers", "prefill:prefill-0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -158,7 +158,7 @@ def test_a_gate_does_not_outlive_its_supervisor(secure_etcd, tmp_path):
 
 
 def test_supervise_needs_a_fixed_port(secure_etcd, tmp_path, capsys):
-    from pdserve.control.etcd_gate import main
+    from pdserve.cluster.etcd_gate import main
 
     launcher_topology(secure_etcd, tmp_path, "noport", ["prefill-0"])
     with pytest.raises(SystemExit):

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from pdserve.control.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError, find_etcd_binary
-from pdserve.control.registry import RegistrationState, Registry, WorkerInfo
+from pdserve.cluster.etcd_server import EmbeddedEtcd, EtcdBinaryNotFoundError, find_etcd_binary
+from pdserve.cluster.registry import RegistrationState, Registry, WorkerInfo
 
 pytestmark = pytest.mark.timeout(120)  # any hang fails fast, not after the suite-wide 600 s
 TTL_S = 2.0

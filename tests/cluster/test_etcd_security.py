@@ -1,4 +1,4 @@
-"""etcd with TLS, client certificates and RBAC (control/etcd_auth.py, docs/security.md),
+"""etcd with TLS, client certificates and RBAC (cluster/etcd_auth.py, docs/security.md),
 against a real etcd started as `pdserve up` starts it. Each attack of issue #20 on etcd
 (drain a worker, rewrite the policy, register a fake worker) is tried without credentials
 and with the worker identity, and refused; the operator and the workers still do their jobs.
@@ -18,10 +18,10 @@ import pytest
 from aetcd import rpc
 
 from pdserve.certs import issue_worker_certs
-from pdserve.control.etcd_auth import ClusterAccess, EtcdAccessDenied, WorkerCerts, bootstrap_rbac
-from pdserve.control.join import join_cluster
-from pdserve.control.registry import Registry, WorkerInfo
-from pdserve.control.worker_config import WorkerConfig
+from pdserve.cluster.etcd_auth import ClusterAccess, EtcdAccessDenied, WorkerCerts, bootstrap_rbac
+from pdserve.cluster.join import join_cluster
+from pdserve.cluster.registry import Registry, WorkerInfo
+from pdserve.cluster.worker_config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
 TTL_S = 2.0
@@ -288,7 +288,7 @@ async def test_a_worker_joins_as_the_identity_of_its_worker_id(secure_etcd, own)
 def launcher_topology(secure, tmp_path, cluster: str, worker_ids: list[str], etcd_extra: str = ""):
     """A topology whose embedded etcd has TLS, RBAC and a certificate per worker id (under
     tmp_path/pki), at tmp_path/t.yaml; and the launcher's empty state for it."""
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
     from pdserve.launcher import ClusterState
 
     c = secure.certs
@@ -375,8 +375,8 @@ def test_certs_make_writes_one_etcd_client_certificate_per_identity(tmp_path):
 
 def test_etcd_tls_reaches_each_process_as_its_identity(tmp_path):
     from pdserve.certs import make_certs
-    from pdserve.control.topology import load_topology
-    from pdserve.control.worker_config import launch_config
+    from pdserve.cluster.topology import load_topology
+    from pdserve.cluster.worker_config import launch_config
 
     make_certs(tmp_path / "pki")
     (tmp_path / "plain.yaml").write_text(TOPOLOGY)
@@ -409,7 +409,7 @@ def test_etcd_tls_reaches_each_process_as_its_identity(tmp_path):
 ])
 def test_bad_etcd_tls_settings_name_the_key(tmp_path, section, where, message):
     from pdserve.certs import make_certs
-    from pdserve.control.topology import TopologyError, load_topology
+    from pdserve.cluster.topology import TopologyError, load_topology
 
     make_certs(tmp_path / "pki")
     (tmp_path / "t.yaml").write_text(TOPOLOGY + section)
@@ -429,9 +429,9 @@ autoscale:
 
 def per_worker_topology(tmp_path, workers: str = "{dir: pki/etcd-workers}", extra: str = ""):
     from pdserve.certs import make_certs
-    from pdserve.control.topology import load_topology
-    from pdserve.control.worker_config import worker_slots
-    from pdserve.planner.policy import autoscale_max_replicas
+    from pdserve.cluster.topology import load_topology
+    from pdserve.cluster.worker_config import worker_slots
+    from pdserve.cluster.planner.policy import autoscale_max_replicas
 
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "autoscale.yaml").write_text(AUTOSCALE)
@@ -449,8 +449,8 @@ def per_worker_topology(tmp_path, workers: str = "{dir: pki/etcd-workers}", extr
 
 
 def test_every_id_the_topology_and_its_autoscale_policy_can_run_gets_an_identity(tmp_path):
-    from pdserve.control.topology import load_topology
-    from pdserve.control.worker_config import worker_slot_counts
+    from pdserve.cluster.topology import load_topology
+    from pdserve.cluster.worker_config import worker_slot_counts
 
     topo, ids = per_worker_topology(tmp_path / "a")
     assert ids == ["prefill-0", "prefill-1", "prefill-2", "decode-0"]  # max_replicas 3 and 1
@@ -463,7 +463,7 @@ def test_every_id_the_topology_and_its_autoscale_policy_can_run_gets_an_identity
 
 
 def test_each_worker_config_picks_the_certificate_of_its_worker_id(tmp_path):
-    from pdserve.control.worker_config import launch_config
+    from pdserve.cluster.worker_config import launch_config
 
     topo, _ = per_worker_topology(tmp_path)
     cfg = WorkerConfig.of({k: v for k, v in launch_config(topo, "prefill", 0, model="/m", etcd_endpoints=["h:1"])
@@ -486,10 +486,10 @@ def test_each_worker_config_picks_the_certificate_of_its_worker_id(tmp_path):
 
 
 def test_the_planner_reuses_free_ids_within_the_slots_and_names_the_setting_when_none_is_left():
-    from pdserve.planner.act import NoWorkerSlot
-    from pdserve.planner.core import Planner
-    from pdserve.planner.decide import Decision
-    from pdserve.planner.observe import Snapshot
+    from pdserve.cluster.planner.act import NoWorkerSlot
+    from pdserve.cluster.planner.core import Planner
+    from pdserve.cluster.planner.decide import Decision
+    from pdserve.cluster.planner.observe import Snapshot
 
     class Backend:
         calls: list = []

@@ -1,4 +1,4 @@
-"""control/health_probe.py, the chart's exec probe for a decode worker under mutual TLS, against
+"""cluster/health_probe.py, the chart's exec probe for a decode worker under mutual TLS, against
 a real TLS server that requires client certificates (as the decode worker's HTTP does)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from pdserve.certs import make_certs
-from pdserve.control.health_probe import main, probe
+from pdserve.cluster.health_probe import main, probe
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from pdserve.common.cores import transfer_threads
-from pdserve.control.netaddr import ucx_env
-from pdserve.control.topology import TopologyError, load_topology
-from pdserve.control.worker_config import WorkerConfig, launch_config
-from pdserve.kvtransfer.nixl_shim import apply_ucx_env
+from pdserve.cluster.netaddr import ucx_env
+from pdserve.cluster.topology import TopologyError, load_topology
+from pdserve.cluster.worker_config import WorkerConfig, launch_config
+from pdserve.kvtransfer.nixl.nixl_shim import apply_ucx_env
 
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGY = """\

@@ -5,9 +5,9 @@ Every ``.py`` file of each code folder is parsed (never imported); every
 under ``if TYPE_CHECKING:`` alike (a type-only arrow is still an arrow; only
 the cycle check leaves type-only imports out, since they never run).
 Relative imports are resolved against the file's own package, so
-``from .core import X`` in ``taskqueue/client.py`` is
-``pdserve.taskqueue.core`` and ``from ..keys import Y`` is
-``pdserve.control.keys``.
+``from .core import X`` in ``cluster/queue/client.py`` is
+``pdserve.cluster.queue.core`` and ``from ..keys import Y`` is
+``pdserve.cluster.keys``.
 
 Rules (arrows point down the table; ``common/`` is below everything):
 
@@ -72,7 +72,7 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:
-    """``taskqueue/core.py`` -> ``pdserve.taskqueue.core``; ``__init__`` names its package."""
+    """``cluster/queue/core.py`` -> ``pdserve.cluster.queue.core``; ``__init__`` names its package."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -343,13 +343,13 @@ def test_relative_imports_resolve_within_the_folder(tmp_path, monkeypatch):
     _all_modules.cache_clear()
     imports_of.cache_clear()
     try:
-        assert [m for _, m in imports_of(pkg / "core.py")] == ["pdserve.control.keys", "pdserve.control.queue.wire"]
-        assert [m for _, m in imports_of(pkg / "__init__.py")] == ["pdserve.control.queue.core"]
+        assert [m for _, m in imports_of(pkg / "core.py")] == ["pdserve.cluster.keys", "pdserve.cluster.queue.wire"]
+        assert [m for _, m in imports_of(pkg / "__init__.py")] == ["pdserve.cluster.queue.core"]
         # A TYPE_CHECKING import is a layering arrow but never runs, so it closes no cycle.
-        assert [m for _, m in imports_of(pkg / "typed.py")] == ["typing", "pdserve.control.queue.core"]
-        assert import_graph()["pdserve.control.queue.typed"] == set()
+        assert [m for _, m in imports_of(pkg / "typed.py")] == ["typing", "pdserve.cluster.queue.core"]
+        assert import_graph()["pdserve.cluster.queue.typed"] == set()
         assert find_cycle(import_graph()) == [
-            "pdserve.control.queue.core", "pdserve.control.queue.wire", "pdserve.control.queue.core"]
+            "pdserve.cluster.queue.core", "pdserve.cluster.queue.wire", "pdserve.cluster.queue.core"]
     finally:
         _all_modules.cache_clear()
         imports_of.cache_clear()

@@ -2,7 +2,7 @@
 it recorded), one planner per cluster, a restarted planner finishing a drain it had begun,
 and policy reloads that refuse a bad version.
 
-The workers here are etcd records with the load keys real workers publish (control/load.py),
+The workers here are etcd records with the load keys real workers publish (cluster/load.py),
 registered under their own leases, and the backend registers them when asked to start one:
 this module tests the planner's own logic with a fake clock. tests/e2e/test_planner_e2e.py
 runs the planner against real workers on a real Ray cluster.
@@ -15,10 +15,10 @@ import json
 
 import pytest
 
-from pdserve.control.registry import Registry, WorkerInfo
-from pdserve.planner.core import Planner
-from pdserve.planner.policy import parse_autoscale
-from pdserve.planner.state import read_decisions, read_planner
+from pdserve.cluster.registry import Registry, WorkerInfo
+from pdserve.cluster.planner.core import Planner
+from pdserve.cluster.planner.policy import parse_autoscale
+from pdserve.cluster.planner.state import read_decisions, read_planner
 
 POLICY = """\
 autoscale:

@@ -1,6 +1,6 @@
 """The planner's decisions as pure functions: thresholds, SLA sizing, hysteresis and every bound.
 
-Observations are built as the workers publish them (control/load.py keys in etcd records),
+Observations are built as the workers publish them (cluster/load.py keys in etcd records),
 two snapshots apart, and go through the same `observe` the planner uses.
 """
 
@@ -11,9 +11,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.planner.decide import Memory, decide, decode_step_model, learn
-from pdserve.planner.observe import Snapshot, observe
-from pdserve.planner.policy import parse_autoscale
+from pdserve.cluster.planner.decide import Memory, decide, decode_step_model, learn
+from pdserve.cluster.planner.observe import Snapshot, observe
+from pdserve.cluster.planner.policy import parse_autoscale
 
 THRESHOLD = """\
 autoscale:
@@ -309,6 +309,6 @@ def test_gpu_utilization_comes_from_nvml_when_every_worker_reports_it():
 
 
 def test_gpu_load_is_empty_on_cpu():
-    from pdserve.control.load import gpu_load
+    from pdserve.cluster.load import gpu_load
 
     assert gpu_load("cpu") == {}

@@ -8,8 +8,8 @@ import pydantic
 import pytest
 import yaml
 
-from pdserve.control.registry import Registry
-from pdserve.control.watch import PolicyRejection
+from pdserve.cluster.registry import Registry
+from pdserve.cluster.watch import PolicyRejection
 
 pytestmark = pytest.mark.timeout(120)  # any hang fails fast, not after the suite-wide 600 s
 FAST = dict(backoff_initial_s=0.05, backoff_max_s=0.5, request_timeout_s=2.0)

@@ -17,12 +17,12 @@ import pytest
 import ray
 
 from pdserve.common import Priority
-from pdserve.control.registry import Registry, WorkerInfo
-from pdserve.handoff import PrefillTask
-from pdserve.taskqueue import QueueClient, get_or_create_queue, requeue_on_worker_loss
-from pdserve.taskqueue.client import QueueCallError
-from pdserve.taskqueue.core import QueueCore
-from pdserve.taskqueue.frames import from_wire, pack_frame, read_frame, to_wire
+from pdserve.cluster.registry import Registry, WorkerInfo
+from pdserve.kvtransfer import PrefillTask
+from pdserve.cluster.queue import QueueClient, get_or_create_queue, requeue_on_worker_loss
+from pdserve.cluster.queue.client import QueueCallError
+from pdserve.cluster.queue.core import QueueCore
+from pdserve.cluster.queue.frames import from_wire, pack_frame, read_frame, to_wire
 
 pytestmark = pytest.mark.timeout(120)  # any hang fails fast, not after the suite-wide 600 s
 _ids = itertools.count()

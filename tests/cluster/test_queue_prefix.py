@@ -1,4 +1,4 @@
-"""Prefix-aware dispatch in the prefill queue (taskqueue/core.py `QueueCore.take`): a task is
+"""Prefix-aware dispatch in the prefill queue (cluster/queue/core.py `QueueCore.take`): a task is
 kept for the live worker whose cache holds the longest prefix of it while that saves more
 compute than the work that worker has in hand, for a bounded time; every decision that
 names another worker is recorded with its figures."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.handoff import PrefillTask
-from pdserve.handoff.task import task_from_wire, task_to_wire
-from pdserve.taskqueue.core import QueueCore
+from pdserve.kvtransfer import PrefillTask
+from pdserve.kvtransfer.task import task_from_wire, task_to_wire
+from pdserve.cluster.queue.core import QueueCore
 
 
 class Clock:

@@ -13,14 +13,14 @@ import pytest
 import ray
 
 from pdserve.certs import make_certs
-from pdserve.control.security import ClientTLS
-from pdserve.control.worker_config import WorkerConfig
-from pdserve.handoff import PrefillTask
-from pdserve.taskqueue import QueueClient, get_or_create_queue, open_queue
-from pdserve.taskqueue.client import QueueCallError, QueueUnavailableError
-from pdserve.taskqueue.core import QueueCore
-from pdserve.taskqueue.frames import MAX_FRAME_BYTES, MAX_HELLO_BYTES, WireError, pack_frame, read_frame, to_wire
-from pdserve.taskqueue.server import WireServer
+from pdserve.cluster.security import ClientTLS
+from pdserve.cluster.worker_config import WorkerConfig
+from pdserve.kvtransfer import PrefillTask
+from pdserve.cluster.queue import QueueClient, get_or_create_queue, open_queue
+from pdserve.cluster.queue.client import QueueCallError, QueueUnavailableError
+from pdserve.cluster.queue.core import QueueCore
+from pdserve.cluster.queue.frames import MAX_FRAME_BYTES, MAX_HELLO_BYTES, WireError, pack_frame, read_frame, to_wire
+from pdserve.cluster.queue.server import WireServer
 
 pytestmark = pytest.mark.timeout(120)
 

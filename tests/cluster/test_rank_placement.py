@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.control.actors import (
+from pdserve.cluster.actors import (
     actor_name,
     rank_bundles,
     ranks_group_name,
@@ -21,7 +21,7 @@ from pdserve.control.actors import (
     start_worker_actor,
     stop_actor,
 )
-from pdserve.control.topology import load_topology
+from pdserve.cluster.topology import load_topology
 from tests.harness import small_topology_yaml
 
 pytestmark = pytest.mark.timeout(180)

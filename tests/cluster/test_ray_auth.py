@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from pdserve.control.topology import TopologyError, load_topology
+from pdserve.cluster.topology import TopologyError, load_topology
 from pdserve.launcher import ClusterState, Launcher
 from pdserve.ray_auth import RayAuthError, child_env, ray_auth_env, token_source
 from tests.harness import small_topology_yaml
@@ -91,7 +91,7 @@ def test_a_head_started_with_token_auth_refuses_callers_without_the_token(tmp_pa
         driver = textwrap.dedent(f"""
             import ray
             from pdserve.ray_auth import apply_ray_auth
-            from pdserve.control.topology import load_topology
+            from pdserve.cluster.topology import load_topology
             print(apply_ray_auth(load_topology({str(topo_file)!r})))
             ray.init(address={state.ray_address!r}, log_to_driver=False)
             print("task", ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=60))

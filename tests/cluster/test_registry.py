@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pdserve.control.registry import RegistrationState, Registry, WorkerIdConflictError, WorkerInfo
+from pdserve.cluster.registry import RegistrationState, Registry, WorkerIdConflictError, WorkerInfo
 
 pytestmark = pytest.mark.timeout(120)  # any hang fails fast, not after the suite-wide 600 s
 TTL_S = 2.0  # etcd's minimum lease TTL with default election settings
@@ -128,7 +128,7 @@ async def test_keepalive_holds_the_record_well_past_the_ttl(etcd, cluster_name):
 WORKER_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys
-    from pdserve.control.registry import Registry, WorkerInfo
+    from pdserve.cluster.registry import Registry, WorkerInfo
 
     async def main(endpoint, cluster):
         reg = Registry(endpoint, cluster, ttl_s={ttl})

@@ -1,4 +1,4 @@
-"""Ray resource accounting for everything `pdserve up` starts (control/resources.py): the head
+"""Ray resource accounting for everything `pdserve up` starts (cluster/resources.py): the head
 it starts is sized for the gateways and the KV index too, `pdserve topology check` lists what
 each part asks for and refuses what no head it starts could place, and `up` fails at once,
 naming the shortfall, instead of waiting minutes on an actor Ray can never schedule."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.control.resources import custom_without_cluster, head_cpus, ray_demand, shortfall, total
-from pdserve.control.topology import load_topology
+from pdserve.cluster.resources import custom_without_cluster, head_cpus, ray_demand, shortfall, total
+from pdserve.cluster.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_the_planners_max_replicas_and_tp_ranks_are_counted(tmp_path):
     demands = ray_demand(topo, {"prefill": 1, "decode": 3})
     by_what = {d.what: d for d in demands}
     assert by_what["decode worker"].count == 3 and "max_replicas 3" in by_what["decode worker"].note
-    # A TP rank that asks for no CPU still reserves a sliver in its bundle (control/actors.py).
+    # A TP rank that asks for no CPU still reserves a sliver in its bundle (cluster/actors.py).
     assert by_what["prefill worker, TP=2"].each == {"CPU": pytest.approx(0.02)}
     assert head_cpus(demands) == 7
     assert head_cpus(ray_demand(topo)) == 3  # without the planner: what starts now

@@ -1,4 +1,4 @@
-"""Task signatures (taskqueue/signing.py) and the queue's refusal of replayed copies: what
+"""Task signatures (cluster/queue/signing.py) and the queue's refusal of replayed copies: what
 binds a prefill task to the decode worker that reserved its blocks. Pure: no Ray, no I/O."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import math
 import msgpack
 import pytest
 
-from pdserve.handoff import PrefillTask
-from pdserve.taskqueue import BAD_SIGNATURE, NO_KEY, TaskSigner, verify_task
-from pdserve.taskqueue.core import QueueCore
-from pdserve.taskqueue.frames import from_wire, pack_frame, read_frame, to_wire
-from pdserve.taskqueue.signing import NO_DEADLINE, UNSIGNED
-from pdserve.taskqueue.task import ALREADY_DONE, DEADLINE_PASSED
+from pdserve.kvtransfer import PrefillTask
+from pdserve.cluster.queue import BAD_SIGNATURE, NO_KEY, TaskSigner, verify_task
+from pdserve.cluster.queue.core import QueueCore
+from pdserve.cluster.queue.frames import from_wire, pack_frame, read_frame, to_wire
+from pdserve.cluster.queue.signing import NO_DEADLINE, UNSIGNED
+from pdserve.cluster.queue.task import ALREADY_DONE, DEADLINE_PASSED
 
 NOW = 1_000.0
 

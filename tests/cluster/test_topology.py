@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.control.topology import (
+from pdserve.cluster.topology import (
     DEFAULT_DECODE_ENTRYPOINT,
     DEFAULT_PREFILL_ENTRYPOINT,
     TopologyError,
@@ -225,7 +225,7 @@ def test_a_gpu_replica_needs_a_gpu_per_rank(tmp_path):
 
 
 def test_the_planner_counts_a_gpu_tp_replica_as_its_gpus(tmp_path):
-    from pdserve.planner.actor import cpu_units
+    from pdserve.cluster.planner.actor import cpu_units
 
     text = TP.format(p=4, d=1, pe="{}", de="{}").replace(
         "    tensor_parallel_size: 4\n", "    tensor_parallel_size: 4\n    resources: {num_gpus: 4}\n").replace(

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import main
-from pdserve.control.etcd_server import free_loopback_port
-from pdserve.control.registry import Registry
+from pdserve.cluster.etcd_server import free_loopback_port
+from pdserve.cluster.registry import Registry
 from tests.harness import small_topology_yaml
 
 pytestmark = pytest.mark.timeout(180)
@@ -59,7 +59,7 @@ def pdserve_proc(*args, log: Path) -> subprocess.Popen:
 
 def test_worker_registers_and_a_sigterm_or_a_prestop_drain_takes_it_out(topology, ray_head, etcd, cluster_name,
                                                                          tmp_path):
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
     from pdserve.engine.model_maker import resolve_model
 
     model = resolve_model(load_topology(topology))  # made once here: two workers must not race to make it
@@ -105,7 +105,7 @@ def test_sigterm_lets_a_decode_workers_in_flight_request_finish(tmp_path, ray_he
     import threading
 
     from pdserve.api import Client
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
     from pdserve.engine.model_maker import resolve_model
 
     topo = tmp_path / "decode-only.yaml"  # 0P1D: the decode worker needs no queue and no NIXL peer
@@ -191,7 +191,7 @@ def test_drain_with_etcd_needs_cluster_and_checks_both(capsys):
 
 
 def test_drain_without_etcd_flags_still_reads_the_state_file_of_up(tmp_path, topology, cluster_name, capsys):
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
     from pdserve.launcher import ClusterState, state_path
 
     ClusterState(cluster=cluster_name, topology=str(topology), namespace="ns", ray_address="127.0.0.1:1",
@@ -211,7 +211,7 @@ def _members(endpoint: str, cluster: str) -> dict:
 
 
 async def _drain_keys(endpoint: str, cluster: str) -> list:
-    from pdserve.control.keys import Keyspace
+    from pdserve.cluster.keys import Keyspace
 
     async with Registry([endpoint], cluster) as reg:
         prefix = Keyspace(cluster).drain("x")[:-1]

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.control import keys
-from pdserve.control.join import join_cluster, leave_cluster
-from pdserve.control.records import WorkerInfo
-from pdserve.control.registry import RegistrationState, Registry
-from pdserve.control.topology import load_topology
-from pdserve.control.worker_config import WorkerConfig, launch_config
+from pdserve.cluster import keys
+from pdserve.cluster.join import join_cluster, leave_cluster
+from pdserve.cluster.records import WorkerInfo
+from pdserve.cluster.registry import RegistrationState, Registry
+from pdserve.cluster.topology import load_topology
+from pdserve.cluster.worker_config import WorkerConfig, launch_config
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.prefill.worker import PrefillWorkerConfig
 from tests.harness import small_topology_yaml
@@ -61,7 +61,7 @@ def test_version_is_defined_once_in_keys():
         tree = ast.parse((ROOT / rel).read_text())
         assigned = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
                     for t in node.targets if isinstance(t, ast.Name)}
-        assert "VERSION" not in assigned, f"{rel} defines VERSION again: use pdserve.control.keys.VERSION"
+        assert "VERSION" not in assigned, f"{rel} defines VERSION again: use pdserve.cluster.keys.VERSION"
 
 
 def test_launch_configs_keep_every_key_and_build_the_role_configs(topology):
@@ -114,12 +114,12 @@ async def test_join_needs_etcd_endpoints():
 def test_a_restarted_actor_starts_once_when_its_own_start_call_arrives_twice(monkeypatch):
     """Ray can deliver a restarted actor's call to its own start() twice (a delivery reported
     failed while the actor read as RESTARTING had run, and was resent): the second one must not
-    start a second engine beside the first (control/actors.py `restartable`)."""
+    start a second engine beside the first (cluster/actors.py `restartable`)."""
     import types
 
     import ray
 
-    from pdserve.control.actors import restartable
+    from pdserve.cluster.actors import restartable
 
     monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(was_current_actor_reconstructed=False))
 

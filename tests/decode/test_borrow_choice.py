@@ -15,7 +15,7 @@ from pdserve.router.costs import CostEstimates
 
 
 class Agent:
-    """The NIXL agent's peer table (kvtransfer/agent.py): what ``add_peer`` registers."""
+    """The NIXL agent's peer table (kvtransfer/nixl/agent.py): what ``add_peer`` registers."""
 
     def __init__(self):
         self.peers: dict[str, dict] = {}

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.control.etcd_server import EmbeddedEtcd
-from pdserve.control.registry import Registry
+from pdserve.cluster.etcd_server import EmbeddedEtcd
+from pdserve.cluster.registry import Registry
 from pdserve.decode import worker as worker_module
 from pdserve.decode.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from pdserve.decode.worker import DecodeWorkerConfig

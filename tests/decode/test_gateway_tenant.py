@@ -10,7 +10,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from pdserve.control.etcd_server import EmbeddedEtcd
+from pdserve.cluster.etcd_server import EmbeddedEtcd
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.gateway.server import GatewayConfig
 from tests.harness import PERMISSIVE_POLICY, GatewayThread, WorkerThread, wait_until

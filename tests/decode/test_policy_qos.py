@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from pdserve.api import AsyncClient, Client
-from pdserve.control.etcd_server import EmbeddedEtcd
-from pdserve.control.registry import Registry
+from pdserve.cluster.etcd_server import EmbeddedEtcd
+from pdserve.cluster.registry import Registry
 from pdserve.decode.worker import DecodeWorkerConfig
 from tests.harness import WorkerThread, wait_until
 

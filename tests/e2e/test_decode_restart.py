@@ -12,8 +12,8 @@ import pytest
 import ray
 
 from pdserve.api import AsyncClient
-from pdserve.control.etcd_server import EmbeddedEtcd
-from pdserve.control.registry import Registry
+from pdserve.cluster.etcd_server import EmbeddedEtcd
+from pdserve.cluster.registry import Registry
 from pdserve.decode.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine import LLM, SamplingParams

@@ -18,9 +18,9 @@ import pytest
 import ray
 
 from pdserve.api import AsyncClient, Client
-from pdserve.control.etcd_server import EmbeddedEtcd
-from pdserve.control.records import WorkerInfo
-from pdserve.control.registry import Registry
+from pdserve.cluster.etcd_server import EmbeddedEtcd
+from pdserve.cluster.records import WorkerInfo
+from pdserve.cluster.registry import Registry
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
 from pdserve.prefill.worker import PrefillWorker
@@ -200,7 +200,7 @@ def test_remote_first_token_logprobs_equal_the_local_paths(cluster, llama_dir, e
 
 def test_queue_full_routes_local_not_error(cluster, llama_dir, etcd):
     """A second decode worker on a tiny queue that no prefill worker serves."""
-    from pdserve.taskqueue import get_or_create_queue
+    from pdserve.cluster.queue import get_or_create_queue
 
     # Created before the worker, and the handle kept: Ray ends a non-detached
     # actor when its last handle goes away.
@@ -263,7 +263,7 @@ def test_prefill_worker_killed_mid_flight_all_requests_complete_locally(cluster,
     pid = ray.get(p.pid.remote())
     results = {}
     # A worker that leaves etcd may only be partitioned: its taken attempts' blocks are
-    # quarantined (handoff/decode_side.py), here for 3 s instead of 60.
+    # quarantined (kvtransfer/decode_side.py), here for 3 s instead of 60.
     d.worker.remote.handoffs.quarantine_s = 3.0
 
     async def go():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.control.runtime import cpu_list
+from pdserve.cluster.runtime import cpu_list
 from tests.harness import small_topology_yaml
 
 REPO = Path(__file__).resolve().parents[2]

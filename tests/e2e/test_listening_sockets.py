@@ -45,10 +45,10 @@ import psutil
 import pytest
 
 from pdserve.certs import make_certs
-from pdserve.control.security import key_line
-from pdserve.control.topology import load_topology
+from pdserve.cluster.security import key_line
+from pdserve.cluster.topology import load_topology
 from pdserve.protection import NO, YES, surfaces
-from pdserve.taskqueue.frames import WIRE_VERSION, pack_frame
+from pdserve.cluster.queue.frames import WIRE_VERSION, pack_frame
 from tests.harness import small_topology_yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,10 +89,10 @@ ray: {auth: token, token_file: ray-token}
 FACTS = textwrap.dedent("""
     import asyncio, json, sys
     import ray
-    from pdserve.planner.actor import planner_actor_name
+    from pdserve.cluster.planner.actor import planner_actor_name
     from pdserve.ray_auth import apply_ray_auth
-    from pdserve.control.registry import Registry
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.registry import Registry
+    from pdserve.cluster.topology import load_topology
 
     topo, state = load_topology(sys.argv[1]), json.loads(open(sys.argv[2]).read())
     apply_ray_auth(topo)

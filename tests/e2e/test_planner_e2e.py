@@ -70,7 +70,7 @@ class Etcd:
     """Blocking reads of the cluster's etcd keys for the test's checks."""
 
     def __init__(self, endpoints, cluster):
-        from pdserve.control.registry import Registry
+        from pdserve.cluster.registry import Registry
 
         self.endpoints, self.cluster, self.Registry = endpoints, cluster, Registry
 
@@ -96,12 +96,12 @@ class Etcd:
         return self._run(lambda reg: reg.members())
 
     def planner(self) -> dict:
-        from pdserve.planner.state import read_planner
+        from pdserve.cluster.planner.state import read_planner
 
         return self._run(read_planner)
 
     def decisions(self) -> list[dict]:
-        from pdserve.planner.state import read_decisions
+        from pdserve.cluster.planner.state import read_decisions
 
         return self._run(lambda reg: read_decisions(reg, 1000))
 

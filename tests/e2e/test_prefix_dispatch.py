@@ -1,7 +1,7 @@
 """Prefix-aware prefill dispatch, end to end (real etcd, Ray, NIXL; two prefill workers that
 publish KV events, one decode worker following them): after one prefill worker computed a
 long shared prefix, every later request with that prefix is kept for it by the queue
-(taskqueue/core.py) on the hint the decode worker attached from the workers' KV events; the
+(cluster/queue/core.py) on the hint the decode worker attached from the workers' KV events; the
 output stays token-exact, and the queue recorded why."""
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def test_a_restarted_prefill_worker_borrows_again_from_the_decode_worker(ray_loc
     import os
     import signal
 
-    from pdserve.control.actors import restartable
+    from pdserve.cluster.actors import restartable
 
     engine = {"device": "cpu"}
     cluster = "borrowrestart"
@@ -204,7 +204,7 @@ def test_a_restarted_prefill_worker_borrows_again_from_the_decode_worker(ray_loc
         ray.get(actor.start.remote(), timeout=180)
         peers = d.worker.remote.peers
         wait_until(lambda: d.worker.remote.available() and "prefill-0" in peers.agent.peers, 30)
-        from pdserve.handoff.lend import AGENT_INCARNATION_KEY
+        from pdserve.kvtransfer.lend import AGENT_INCARNATION_KEY
 
         members = d.worker.prefill_watch.members  # the decode worker's view of the prefill records
         first = members["prefill-0"].capacity[AGENT_INCARNATION_KEY]

@@ -24,12 +24,12 @@ import ray
 import torch
 
 from pdserve.api import AsyncClient
-from pdserve.control.etcd_server import EmbeddedEtcd
+from pdserve.cluster.etcd_server import EmbeddedEtcd
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
-from pdserve.handoff import PrefillDone, PrefillTask
+from pdserve.kvtransfer import PrefillDone, PrefillTask
 from pdserve.prefill.worker import PrefillWorker
-from pdserve.taskqueue import QueueClient, TaskSigner, get_or_create_queue
+from pdserve.cluster.queue import QueueClient, TaskSigner, get_or_create_queue
 from tests.harness import WorkerThread, wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -661,7 +661,7 @@ def test_a_dead_pull_loop_leaves_the_registry(cluster, monkeypatch, caplog):
 
 def test_a_killed_prefill_worker_actor_is_restarted_and_serves_again(cluster):
     """Created as the launcher creates it: Ray restarts it and it starts and registers again."""
-    from pdserve.control.registry import Registry
+    from pdserve.cluster.registry import Registry
     from pdserve.launcher import restartable, worker_actor_options
 
     d = cluster.decode

@@ -18,7 +18,7 @@ import signal
 import pytest
 import ray
 
-from pdserve.control.actors import restartable
+from pdserve.cluster.actors import restartable
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.tp_comm import shm_available
@@ -46,7 +46,7 @@ def start(model, etcd, cluster: str, prefill_tp: int, decode_tp: int, restarts: 
         model=model, etcd_endpoints=[etcd.endpoint], cluster=cluster, lease_ttl_s=TTL_S, worker_id="decode-0",
         remote_prefill=True, ucx_env=UCX, remote_timeout_s=60, remote_quarantine_s=quarantine_s,
         engine_args={**engine, "tensor_parallel_size": decode_tp})).start()
-    # As `pdserve up` starts it (control/actors.py): Ray restarts the process, `restartable` starts it again.
+    # As `pdserve up` starts it (cluster/actors.py): Ray restarts the process, `restartable` starts it again.
     options = {"runtime_env": {"env_vars": prefill_env}} if prefill_env else {}
     actor = ray.remote(restartable(PrefillWorker)).options(num_cpus=0, max_restarts=restarts, **options).remote(dict(
         model=model, etcd_endpoints=[etcd.endpoint], cluster=cluster, lease_ttl_s=TTL_S, worker_id="prefill-0",

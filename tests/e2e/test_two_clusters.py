@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.api import Client
-from pdserve.control.registry import Registry
+from pdserve.cluster.registry import Registry
 from tests.harness import small_topology_yaml, wait_until
 
 pytestmark = pytest.mark.timeout(420)

@@ -1,7 +1,7 @@
 """A prefill rank that dies in the middle of a KV write (the rank extension of
 test_tp_cluster.py's fault test; engine/tp_rank.py's protocol).
 
-It is the transport every rank runs (kvtransfer/rank_service.py), except that, while the file
+It is the transport every rank runs (kvtransfer/nixl/rank_service.py), except that, while the file
 named by $PDSERVE_TEST_KILL_FILE exists, the rank removes it and SIGKILLs its own process right
 after posting the first layer of a streamed request: that layer's pages from this rank are on
 their way into the decode pool, the other layers never come. The file is gone afterwards, so
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import signal
 
-from pdserve.kvtransfer.rank_service import RankTransfer
+from pdserve.kvtransfer.nixl.rank_service import RankTransfer
 
 KILL_FILE_ENV = "PDSERVE_TEST_KILL_FILE"
 

@@ -12,12 +12,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.control.topology import TopologyError, load_topology
+from pdserve.cluster.topology import TopologyError, load_topology
 from pdserve.engine import LLM, InvalidRequestError, SamplingParams
-from pdserve.handoff import PrefillTask
-from pdserve.handoff.notices import MalformedNoticeError, PrefillDone, decode_prefill_done
+from pdserve.kvtransfer import PrefillTask
+from pdserve.kvtransfer.notices import MalformedNoticeError, PrefillDone, decode_prefill_done
 from pdserve.router.loader import PolicyError, parse_any
-from pdserve.taskqueue.frames import WireError, from_wire, pack_frame, read_frame
+from pdserve.cluster.queue.frames import WireError, from_wire, pack_frame, read_frame
 from tests.fuzz.profiles import examples
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

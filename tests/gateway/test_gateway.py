@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pdserve.api import AsyncClient, Client
-from pdserve.control.etcd_server import EmbeddedEtcd
+from pdserve.cluster.etcd_server import EmbeddedEtcd
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.gateway.server import GatewayConfig
 from tests.harness import PERMISSIVE_POLICY, GatewayThread, WorkerThread, wait_until

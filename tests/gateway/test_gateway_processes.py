@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from pdserve.api import AsyncClient, Client
-from pdserve.control.etcd_server import EmbeddedEtcd
+from pdserve.cluster.etcd_server import EmbeddedEtcd
 from tests.harness import PERMISSIVE_POLICY
 
 CLUSTER = "gw-procs"

@@ -9,8 +9,8 @@ import pytest
 
 from pdserve.api import Client
 from pdserve.certs import append_key, make_certs, new_key
-from pdserve.control.etcd_server import EmbeddedEtcd
-from pdserve.control.security import hash_key
+from pdserve.cluster.etcd_server import EmbeddedEtcd
+from pdserve.cluster.security import hash_key
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.gateway.server import GatewayConfig
 from tests.harness import PERMISSIVE_POLICY, GatewayThread, WorkerThread, wait_until
@@ -122,7 +122,7 @@ def test_a_gateway_takes_the_topologys_security_and_a_read_only_etcd_identity(tm
     """`pdserve gateway --topology` and `pdserve up`'s gateways: the workers' TLS and keys for
     its own clients, their CA, service name and (mutual TLS) certificate to call them with, the
     operator key from gateway.worker_api_key_file, and etcd as `reader` when the topology lists it."""
-    from pdserve.control.topology import load_topology
+    from pdserve.cluster.topology import load_topology
     from pdserve.gateway.actor import security_config
 
     pki = {k: str(v) for k, v in make_certs(tmp_path / "pki").items()}

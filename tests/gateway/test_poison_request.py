@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from pdserve.api import AsyncClient
-from pdserve.control.etcd_server import EmbeddedEtcd
+from pdserve.cluster.etcd_server import EmbeddedEtcd
 from pdserve.decode import grpc_service
 from pdserve.decode.async_engine import EngineDeadError
 from pdserve.decode.ingress import ERROR_SCOPE_HEADER, REQUEST_SCOPE, as_request_error

@@ -1,10 +1,10 @@
 """Both sides of the protocol, driven together through every failure reason of the table.
 
-For each reason in handoff/outcomes.py, a real prefill batch (prefill/batch.py
+For each reason in kvtransfer/outcomes.py, a real prefill batch (prefill/batch.py
 on a real engine) fails the way that reason arises, and its decode worker's
 real engine holds a real reservation for the attempt. What the prefill side
 sends (a PrefillFailed over the transport, or the reason on the queue's
-failed list) is fed to the decode side's table (handoff/decode_side.py), whose
+failed list) is fed to the decode side's table (kvtransfer/decode_side.py), whose
 effects are applied to the decode engine through its KV connector as the
 Effect enum documents. Then both sides' final states and who owns which
 blocks are checked: the prefill engine keeps nothing; the decode engine frees
@@ -22,7 +22,7 @@ import pytest
 
 from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.handoff import (
+from pdserve.kvtransfer import (
     Effect,
     Handoffs,
     HandoffState,
@@ -35,7 +35,7 @@ from pdserve.handoff import (
     fallback_reason,
     is_settled,
 )
-from pdserve.handoff.outcomes import (
+from pdserve.kvtransfer.outcomes import (
     BAD_TASK,
     BATCH_FAILED,
     CANCELLED,

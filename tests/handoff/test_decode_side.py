@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.handoff.decode_side import TRANSITIONS, Effect, Handoffs, HandoffState
+from pdserve.kvtransfer.decode_side import TRANSITIONS, Effect, Handoffs, HandoffState
 
 S, E = HandoffState, Effect
 
@@ -163,7 +163,7 @@ def test_abort_of_a_request_without_an_attempt_is_a_no_op_not_stale(table):
 def test_a_done_is_checked_against_the_live_attempt_and_its_signed_task(table):
     from types import SimpleNamespace
 
-    from pdserve.handoff.decode_side import UNKNOWN_ATTEMPT, WRONG_SIZE
+    from pdserve.kvtransfer.decode_side import UNKNOWN_ATTEMPT, WRONG_SIZE
 
     table.reserve("r1", 1, num_blocks=4)
     table.queued("r1", 1, task=SimpleNamespace(num_prefill_tokens=50))

@@ -1,4 +1,4 @@
-"""The heterogeneous write plan (handoff/head_plan.py) and the head ownership it rests on."""
+"""The heterogeneous write plan (kvtransfer/head_plan.py) and the head ownership it rests on."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pdserve.common.heads import HeadShardingError, check_tp_heads, kv_head_range, q_head_range, ranks_holding
-from pdserve.handoff.head_plan import HandoffCompletion, write_plan
+from pdserve.kvtransfer.head_plan import HandoffCompletion, write_plan
 
 HEADS = (1, 2, 4, 8)
 TPS = (1, 2, 4, 8)

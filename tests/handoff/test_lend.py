@@ -1,4 +1,4 @@
-"""Lending a cached prefix (handoff/lend.py, engine/kv_connector.py): the messages, the
+"""Lending a cached prefix (kvtransfer/lend.py, engine/kv_connector.py): the messages, the
 holder's loans, and the engine calls on both sides, token-exact. The NIXL read itself is
 tests/kvtransfer/test_transfer.py; the whole exchange across processes, tests/e2e."""
 
@@ -13,7 +13,7 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.kv_connector import kv_block_checksums
-from pdserve.handoff.lend import (
+from pdserve.kvtransfer.lend import (
     LEND_VERSION,
     MAX_LEND_BLOCKS,
     MAX_LEND_ID,
@@ -31,7 +31,7 @@ from pdserve.handoff.lend import (
     new_epoch,
     reader_deadline,
 )
-from pdserve.handoff.transport import MAX_NOTIFICATION_BYTES
+from pdserve.kvtransfer.transport import MAX_NOTIFICATION_BYTES
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

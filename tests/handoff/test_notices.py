@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdserve.handoff.notices import (
+from pdserve.kvtransfer.notices import (
     FAILED_MAGIC,
     MAGIC,
     MalformedNoticeError,
@@ -14,8 +14,8 @@ from pdserve.handoff.notices import (
     decode_notification,
     decode_prefill_done,
 )
-from pdserve.handoff.outcomes import PREFILL_FAILURE_KINDS as FAILURE_KINDS
-from pdserve.handoff.transport import MAX_NOTIFICATION_BYTES
+from pdserve.kvtransfer.outcomes import PREFILL_FAILURE_KINDS as FAILURE_KINDS
+from pdserve.kvtransfer.transport import MAX_NOTIFICATION_BYTES
 
 DONE = PrefillDone("req-42", epoch=3, first_token_id=1234, first_token_logprob=-0.25, num_tokens_written=4096)
 

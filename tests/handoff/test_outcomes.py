@@ -1,4 +1,4 @@
-"""The failure table (handoff/outcomes.py): what each reason means, and who may send it."""
+"""The failure table (kvtransfer/outcomes.py): what each reason means, and who may send it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.handoff import PrefillFailed, decode_notification
-from pdserve.handoff.outcomes import FAILURES, PREFILL, PREFILL_FAILURE_KINDS, QUEUE, fallback_reason, is_settled
+from pdserve.kvtransfer import PrefillFailed, decode_notification
+from pdserve.kvtransfer.outcomes import FAILURES, PREFILL, PREFILL_FAILURE_KINDS, QUEUE, fallback_reason, is_settled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,13 +37,13 @@ def test_the_fallback_reason_names_prefill_kinds_and_a_stalled_worker():
 
 def test_every_reason_the_queue_gives_is_in_the_table():
     """The queue's core fails tasks with the table's constants only (a new reason needs a row)."""
-    tree = ast.parse((ROOT / "taskqueue/core.py").read_text())
+    tree = ast.parse((ROOT / "cluster/queue/core.py").read_text())
     calls = [node for node in ast.walk(tree)
              if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "_fail"]
     used = {n.id for call in calls for arg in call.args[1:] for n in ast.walk(arg)
             if isinstance(n, ast.Name) and n.id.isupper()}
     assert {"DEADLINE_EXPIRED", "WORKER_VANISHED", "WORKER_STALLED"} <= used, used
-    from pdserve.handoff import outcomes
+    from pdserve.kvtransfer import outcomes
     reasons = {name for name in used if not name.startswith("MAX_")}  # (not the detail's length cap)
     names = {getattr(outcomes, name) for name in reasons}
     assert names <= {k.name for k in FAILURES.values() if k.raised_by == QUEUE}, names

@@ -1,11 +1,11 @@
-"""The prefill side's state machine (handoff/prefill_side.py): its table and its events."""
+"""The prefill side's state machine (kvtransfer/prefill_side.py): its table and its events."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.handoff import CANCELLED, TRANSFER_ERROR, JobState, PrefillJob, PrefillTask
-from pdserve.handoff.prefill_side import TRANSITIONS
+from pdserve.kvtransfer import CANCELLED, TRANSFER_ERROR, JobState, PrefillJob, PrefillTask
+from pdserve.kvtransfer.prefill_side import TRANSITIONS
 
 S = JobState
 

@@ -1,13 +1,13 @@
-"""Notices between TP ranks (handoff/ranked.py): the wrapper, and one PrefillDone per attempt
+"""Notices between TP ranks (kvtransfer/ranked.py): the wrapper, and one PrefillDone per attempt
 handed on only once every decode rank heard from all of its sources."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.handoff import MalformedNoticeError, PrefillDone, PrefillFailed
-from pdserve.handoff.head_plan import write_plan
-from pdserve.handoff.ranked import RankedArrivals, decode_ranked, wrap
+from pdserve.kvtransfer import MalformedNoticeError, PrefillDone, PrefillFailed
+from pdserve.kvtransfer.head_plan import write_plan
+from pdserve.kvtransfer.ranked import RankedArrivals, decode_ranked, wrap
 
 DONE = PrefillDone("r1", 3, 42, -0.5, 37).encode()
 

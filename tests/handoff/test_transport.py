@@ -1,4 +1,4 @@
-"""The transport contract (handoff/transport.py) is what pdserve.kvtransfer implements."""
+"""The transport contract (kvtransfer/transport.py) is what pdserve.kvtransfer implements."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import inspect
 
 import pytest
 
-from pdserve.handoff import PrefillDone, PrefillFailed
-from pdserve.handoff.notices import MAX_TOP_LOGPROBS
-from pdserve.handoff.transport import (
+from pdserve.kvtransfer import PrefillDone, PrefillFailed
+from pdserve.kvtransfer.notices import MAX_TOP_LOGPROBS
+from pdserve.kvtransfer.transport import (
     MAX_NOTIFICATION_BYTES,
     KVReceiver,
     KVSender,
@@ -17,8 +17,8 @@ from pdserve.handoff.transport import (
     WriteFailed,
     WriteTimedOut,
 )
-from pdserve.kvtransfer import KVTransferAgent, LayerStream, TransferHandle
-from pdserve.kvtransfer.errors import KVTransferError, TransferError, TransferTimeoutError, UnknownPeerError
+from pdserve.kvtransfer.nixl import KVTransferAgent, LayerStream, TransferHandle
+from pdserve.kvtransfer.nixl.errors import KVTransferError, TransferError, TransferTimeoutError, UnknownPeerError
 
 
 def _members(protocol) -> dict[str, object]:
@@ -57,8 +57,8 @@ def test_the_largest_notices_fit_one_notification():
                        prefill_worker="p" * 64, batch_tokens=2**31,
                        first_top_logprobs=tuple((2**31 - i, -1.5) for i in range(MAX_TOP_LOGPROBS)))
     assert len(done.encode()) <= MAX_NOTIFICATION_BYTES
-    # Wrapped for a (prefill rank, decode rank) pair of a TP handoff (handoff/ranked.py): still fits.
-    from pdserve.handoff.ranked import wrap
+    # Wrapped for a (prefill rank, decode rank) pair of a TP handoff (kvtransfer/ranked.py): still fits.
+    from pdserve.kvtransfer.ranked import wrap
 
     assert len(wrap(done.encode(), 254, 255, 254, 255)) <= MAX_NOTIFICATION_BYTES
     failed = PrefillFailed(rid, 2**31, "transfer_error", "d" * 1000, "p" * 64, False)

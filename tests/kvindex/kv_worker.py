@@ -8,7 +8,7 @@ from typing import Any
 
 def kv_worker_main(conn: Any, model: str, num_blocks: int, max_pending: int, interval_s: float) -> None:
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.kvindex.publisher import KVEventPublisher
+    from pdserve.cluster.kvindex.publisher import KVEventPublisher
 
     llm = LLM(model, kv_events=True, num_gpu_blocks_override=num_blocks, block_size=4, device="cpu")
     eng = llm.engine

@@ -24,9 +24,9 @@ from pdserve.common.kv_events import (
     encode_batch,
 )
 from pdserve.engine import LLM, SamplingParams
-from pdserve.kvindex.index import ClusterKVIndex
-from pdserve.kvindex.subscriber import KVEventSubscriber
-from pdserve.kvindex.view import WorkerKVView
+from pdserve.cluster.kvindex.index import ClusterKVIndex
+from pdserve.cluster.kvindex.subscriber import KVEventSubscriber
+from pdserve.cluster.kvindex.view import WorkerKVView
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -15,10 +15,10 @@ import pytest
 
 from pdserve.api import Client
 from pdserve.cli import main
-from pdserve.control.etcd_server import EmbeddedEtcd
+from pdserve.cluster.etcd_server import EmbeddedEtcd
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.kvindex.service import KVIndexService, wait_synced
+from pdserve.cluster.kvindex.service import KVIndexService, wait_synced
 from pdserve.state import ClusterState
 from tests.harness import WorkerThread, small_topology_yaml, wait_until
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.kvtransfer import LOOPBACK_UCX_ENV, KVLayout
+from pdserve.kvtransfer.nixl import LOOPBACK_UCX_ENV, KVLayout
 
 # Generous: the first answer includes spawn + importing torch and NIXL on a loaded 2-core box.
 REPLY_TIMEOUT_S = 120.0
@@ -107,7 +107,7 @@ class _Peer:
     def open(self, name: str, layout: dict, seed: int, device: str = "cpu") -> dict:
         import torch
 
-        from pdserve.kvtransfer import KVTransferAgent
+        from pdserve.kvtransfer.nixl import KVTransferAgent
 
         self.close()
         self.unclaimed = []
@@ -124,7 +124,7 @@ class _Peer:
         agent posts large writes from ``threads`` NIXL threads."""
         import torch
 
-        from pdserve.kvtransfer import KVTransferAgent
+        from pdserve.kvtransfer.nixl import KVTransferAgent
 
         self.close()
         self.unclaimed = []

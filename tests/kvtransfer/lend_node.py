@@ -26,9 +26,9 @@ def lend_node_main(conn: Any, model: str, name: str, num_blocks: int, quarantine
     import torch
 
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.handoff.lend import LendGrant, LendRelease
-    from pdserve.kvtransfer.agent import KVTransferAgent
-    from pdserve.kvtransfer.layout import KVLayout
+    from pdserve.kvtransfer.lend import LendGrant, LendRelease
+    from pdserve.kvtransfer.nixl.agent import KVTransferAgent
+    from pdserve.kvtransfer.nixl.layout import KVLayout
     from pdserve.kvtransfer.lending import Borrower, Lender, route_notification
 
     llm = LLM(model, num_gpu_blocks_override=num_blocks, device="cpu", **(engine_args or {}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdserve.kvtransfer import KVLayout, LayoutMismatchError, plan_block_write
+from pdserve.kvtransfer.nixl import KVLayout, LayoutMismatchError, plan_block_write
 
 SRC = KVLayout("tiny", "float16", num_layers=3, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=8)
 DST = KVLayout("tiny", "float16", num_layers=3, num_blocks=20, block_size=4, num_kv_heads=2, head_dim=8)

@@ -12,9 +12,9 @@ import pytest
 from kvt_peer import PeerProcess, blocks_digest, encoded_pool
 
 from pdserve.common.heads import kv_head_range
-from pdserve.handoff.head_plan import write_plan
-from pdserve.kvtransfer import KVLayout
-from pdserve.kvtransfer.descriptors import plan_head_write
+from pdserve.kvtransfer.head_plan import write_plan
+from pdserve.kvtransfer.nixl import KVLayout
+from pdserve.kvtransfer.nixl.descriptors import plan_head_write
 
 NUM_KV_HEADS, LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 4, 2, 8, 4, 4
 _names = itertools.count()
@@ -98,14 +98,14 @@ def test_a_sender_posting_from_nixl_threads_lands_every_byte_before_its_notifica
 
 
 def test_a_head_range_of_an_nhd_pool_is_refused_naming_kv_layout():
-    from pdserve.kvtransfer.errors import LayoutMismatchError
+    from pdserve.kvtransfer.nixl.errors import LayoutMismatchError
 
     with pytest.raises(LayoutMismatchError, match="kv_layout"):
         plan_head_write(rank_layout(1, 0, kv_layout="NHD"), rank_layout(2, 0, kv_layout="NHD"), 0, 0, 2, [0], [0])
 
 
 def test_pools_of_another_model_shape_are_refused():
-    from pdserve.kvtransfer.errors import LayoutMismatchError
+    from pdserve.kvtransfer.nixl.errors import LayoutMismatchError
 
     other = KVLayout("tiny", "float32", num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK_SIZE,
                      num_kv_heads=1, head_dim=HEAD_DIM, kv_layout="HND", total_kv_heads=8, tp_size=8)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from pdserve.engine.kv_ready import HOST_READY, layer_ready
-from pdserve.kvtransfer import LOOPBACK_UCX_ENV, KVLayout, KVTransferAgent
-from pdserve.kvtransfer.errors import TransferError
+from pdserve.kvtransfer.nixl import LOOPBACK_UCX_ENV, KVLayout, KVTransferAgent
+from pdserve.kvtransfer.nixl.errors import TransferError
 
 LAYOUT = KVLayout("tiny", "float32", num_layers=4, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8)
 LOCAL, REMOTE = [1, 2, 5], [6, 0, 3]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from pdserve.kvtransfer import KVLayout, KVTransferAgent, LayoutMismatchError
+from pdserve.kvtransfer.nixl import KVLayout, KVTransferAgent, LayoutMismatchError
 
 LLAMA_8B = KVLayout("llama-3-8b", "bfloat16", num_layers=32, num_blocks=100, block_size=16,
                     num_kv_heads=8, head_dim=128)

@@ -1,4 +1,4 @@
-"""A prefix lent across processes (handoff/lend.py, kvtransfer/lending.py): two engines, each
+"""A prefix lent across processes (kvtransfer/lend.py, kvtransfer/lending.py): two engines, each
 with its own NIXL agent in its own process. The borrower reads the holder's cached prefix
 and computes only the rest, token-exact; a refusal and a holder that dies with the loan
 out fall back to computing it, token-exact, and no block stays taken on either side."""

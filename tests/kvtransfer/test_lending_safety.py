@@ -1,4 +1,4 @@
-"""A loan is safe by construction, not by timing (handoff/lend.py): the borrower uses what it
+"""A loan is safe by construction, not by timing (kvtransfer/lend.py): the borrower uses what it
 read only once the holder confirmed that the loan was still live when the read's release
 arrived. Two engines, each with its own NIXL agent in its own process (lend_node.py).
 
@@ -126,8 +126,8 @@ def test_a_completed_read_without_a_confirm_is_dropped_at_the_deadline_without_a
 def test_kv_transport_verify_reaches_the_workers_config_off_by_default(tmp_path):
     """network.kv_transport.verify is a topology setting: the worker's config carries it (decode
     workers hand it to their `Lending`), and it is no UCX setting."""
-    from pdserve.control.topology import load_topology
-    from pdserve.control.worker_config import WorkerConfig, launch_config
+    from pdserve.cluster.topology import load_topology
+    from pdserve.cluster.worker_config import WorkerConfig, launch_config
 
     def config(network: str) -> WorkerConfig:
         path = tmp_path / "topo.yaml"

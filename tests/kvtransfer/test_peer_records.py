@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.kvtransfer import KVLayout, MalformedMessageError, PeerInfo, load_nixl
+from pdserve.kvtransfer.nixl import KVLayout, MalformedMessageError, PeerInfo, load_nixl
 
 LAYOUT = KVLayout("tiny", "float16", 3, 10, 4, 2, 8)
 INFO = PeerInfo("d0", b"\x00nixl-md\xff", LAYOUT, pool_addr=0x7F00_0000_0000,

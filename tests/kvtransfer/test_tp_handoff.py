@@ -1,7 +1,7 @@
 """Remote prefill between workers of different TP sizes, token for token equal to the local path.
 
 Both engines are real and tensor-parallel (rank processes, each rank with its own NIXL agent
-over its own HND pool: kvtransfer/rank_service.py); the prefill side is the real batch
+over its own HND pool: kvtransfer/nixl/rank_service.py); the prefill side is the real batch
 runner (prefill/batch.py) over `TPSender`, the decode side reads its ranks' notices through
 `TPReceiver` and runs the requests from the first token on. Eight concurrent requests, the
 decode pool fragmented (non-contiguous target blocks), prompts with a partial last block,
@@ -19,14 +19,14 @@ import pytest
 from pdserve.engine import LLM, LLMEngine, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.tp_comm import shm_available
-from pdserve.handoff import PrefillDone, PrefillTask, decode_notification
-from pdserve.kvtransfer import LOOPBACK_UCX_ENV, KVLayout, KVTransferAgent
-from pdserve.kvtransfer.tp_transport import TPReceiver, TPSender, ranks_record
+from pdserve.kvtransfer import PrefillDone, PrefillTask, decode_notification
+from pdserve.kvtransfer.nixl import LOOPBACK_UCX_ENV, KVLayout, KVTransferAgent
+from pdserve.kvtransfer.nixl.tp_transport import TPReceiver, TPSender, ranks_record
 from pdserve.prefill.batch import PrefillBatch, PrefillStats
 
 pytestmark = pytest.mark.skipif(shm_available() is not None, reason=f"TP needs shm: {shm_available()}")
 
-EXTENSION = "pdserve.kvtransfer.rank_service:RankTransfer"
+EXTENSION = "pdserve.kvtransfer.nixl.rank_service:RankTransfer"
 MAX_TOKENS = 8
 
 

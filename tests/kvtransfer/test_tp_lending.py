@@ -1,5 +1,5 @@
 """A prefix lent between workers of different TP sizes (kvtransfer/lending.py over
-kvtransfer/tp_transport.py `TPSender.read_blocks`): real tensor-parallel engines (rank
+kvtransfer/nixl/tp_transport.py `TPSender.read_blocks`): real tensor-parallel engines (rank
 processes, each rank with its own NIXL agent over its own HND pool). Each borrower rank reads
 its KV heads from the holder ranks that hold them, the holder is released once every read
 arrived, its rank 0 confirms the loan before any rank's pages are used (a loan whose blocks the
@@ -20,10 +20,10 @@ from test_lending import GREEDY, prompts, reference  # noqa: F401  (the TP=1 loa
 from pdserve.engine import LLMEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.tp_comm import shm_available
-from pdserve.kvtransfer import LOOPBACK_UCX_ENV
-from pdserve.handoff.lend import LendGrant, LendRelease
+from pdserve.kvtransfer.nixl import LOOPBACK_UCX_ENV
+from pdserve.kvtransfer.lend import LendGrant, LendRelease
 from pdserve.kvtransfer.lending import Borrower, Lender, route_notification
-from pdserve.kvtransfer.tp_transport import open_worker_transport, rank_agent_name, with_rank_transport
+from pdserve.kvtransfer.nixl.tp_transport import open_worker_transport, rank_agent_name, with_rank_transport
 
 pytestmark = [pytest.mark.skipif(shm_available() is not None, reason=f"TP needs shm: {shm_available()}"),
               pytest.mark.timeout(300)]

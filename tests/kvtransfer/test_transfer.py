@@ -24,8 +24,8 @@ from kvt_peer import (
     snapshot,
 )
 
-from pdserve.handoff.notices import PrefillDone, decode_prefill_done
-from pdserve.kvtransfer import KVLayout
+from pdserve.kvtransfer.notices import PrefillDone, decode_prefill_done
+from pdserve.kvtransfer.nixl import KVLayout
 
 SMALL_SEND = KVLayout("tiny-llama", "float16", num_layers=3, num_blocks=24, block_size=4,
                       num_kv_heads=2, head_dim=8)
@@ -70,7 +70,7 @@ def test_llama8b_layout_pages_land_byte_exact(peers, dtype, kind):
 
 @pytest.mark.parametrize("kind", ["scattered", "runs"])
 def test_a_read_brings_a_peers_pages_into_ours_byte_exact_and_notifies_it(peers, kind):
-    """The other direction (a prefix lent for reading, handoff/lend.py): d0 reads p0's pages
+    """The other direction (a prefix lent for reading, kvtransfer/lend.py): d0 reads p0's pages
     into its own blocks; p0, polling, learns the read is over from the notification."""
     p0, d0 = peers["p0"], peers["d0"]
     open_agent(p0, SMALL_SEND, seed=5)

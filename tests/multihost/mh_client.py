@@ -42,7 +42,7 @@ def wait_member(args: dict) -> dict:
     """Poll etcd until worker `worker` is present (or absent); seconds it took, or None on timeout."""
     import time
 
-    from pdserve.control.registry import Registry
+    from pdserve.cluster.registry import Registry
 
     async def go():
         t0 = time.monotonic()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.prefill.worker import PrefillWorker
-from pdserve.taskqueue import QueueClient
-from pdserve.taskqueue.core import QueueCore
-from pdserve.taskqueue.server import WireServer
+from pdserve.cluster.queue import QueueClient
+from pdserve.cluster.queue.core import QueueCore
+from pdserve.cluster.queue.server import WireServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.step_budget import attention_pairs
-from pdserve.handoff import PrefillTask
+from pdserve.kvtransfer import PrefillTask
 from pdserve.prefill.progress import PROGRESS_FACTOR, UNTIMED_STEP_S, StepTimes, slowest_step
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.planner.policy import parse_autoscale
+from pdserve.cluster.planner.policy import parse_autoscale
 from pdserve.router.loader import PolicyError
 
 FULL = """\

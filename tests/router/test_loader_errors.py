@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.planner.policy import parse_autoscale  # (also registers the autoscale kind)
+from pdserve.cluster.planner.policy import parse_autoscale  # (also registers the autoscale kind)
 from pdserve.router.loader import (
     PolicyError,
     detect_kind,

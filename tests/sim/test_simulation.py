@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from pdserve.planner.policy import parse_autoscale
+from pdserve.cluster.planner.policy import parse_autoscale
 from pdserve.router import DEFAULT_POLICY
 from pdserve.sim import autoscale as sim_autoscale
 from pdserve.sim import cluster as sim_cluster

@@ -125,7 +125,7 @@ the RBAC Job) keeps etcd's: the gate does not serve the operator.
 {{- end -}}
 
 {{/*
-The topology the gate reads (`python -m pdserve.control.etcd_gate --topology`): the cluster, and
+The topology the gate reads (`python -m pdserve.cluster.etcd_gate --topology`): the cluster, and
 etcd with the CA, the gate's own server certificate and the operator identity it acts as.
 */}}
 {{- define "pdserve.etcdGateTopology" -}}
@@ -511,7 +511,7 @@ from ray.auth, then ray.env. */}}
 How the kubelet checks a decode worker's health, by security.tls: plaintext: the gRPC
 health service (`grpc`) or GET /health; TLS: GET /health over HTTPS (the kubelet does not
 verify the certificate); mutual TLS: the kubelet cannot present a client certificate, so an
-exec probe (control/health_probe.py) GETs /health presenting the workers' own certificate.
+exec probe (cluster/health_probe.py) GETs /health presenting the workers' own certificate.
 Call with (dict "ctx" $ "grpc" true) for the startup and readiness probes; "httpPort": the
 port of another server of the same security (the gateway's).
 */}}
@@ -527,6 +527,6 @@ httpGet: {path: /health, port: http}
 httpGet: {path: /health, port: http, scheme: HTTPS}
 {{- else -}}
 exec:
-  command: ["python3", "-m", "pdserve.control.health_probe", "https://127.0.0.1:{{ .httpPort | default $v.decode.ports.http }}/health", "--cert", "/etc/pdserve/tls/tls.crt", "--key", "/etc/pdserve/tls/tls.key"]
+  command: ["python3", "-m", "pdserve.cluster.health_probe", "https://127.0.0.1:{{ .httpPort | default $v.decode.ports.http }}/health", "--cert", "/etc/pdserve/tls/tls.crt", "--key", "/etc/pdserve/tls/tls.key"]
 {{- end -}}
 {{- end -}}

@@ -1,0 +1,51 @@
+"""Typed errors of pdserve.kvtransfer: each says what went wrong and what to change."""
+
+from __future__ import annotations
+
+from pdserve.kvtransfer.transport import TransportError, WriteFailed, WriteTimedOut
+
+
+class KVTransferError(TransportError):
+    """Base class of every error this package raises on purpose (a `TransportError` of the
+    handoff's transport contract, kvtransfer/transport.py)."""
+
+
+class NixlUnavailableError(KVTransferError, ImportError):
+    """No importable NIXL Python API (install `nixl-cu12`)."""
+
+
+class LayoutMismatchError(KVTransferError, ValueError):
+    """Two KV pools cannot exchange pages: one layout field differs.
+
+    Raised at first contact (`add_peer`), before any byte moves.
+    """
+
+    def __init__(self, field: str, mine: object, theirs: object):
+        self.field = field
+        self.mine = mine
+        self.theirs = theirs
+        super().__init__(
+            f"KV layout field {field!r} differs: this worker has {mine!r}, the peer has "
+            f"{theirs!r}. Prefill and decode workers must serve the same model with the same "
+            "dtype, num_layers, block_size, num_kv_heads and head_dim."
+        )
+
+
+class TransferError(KVTransferError, WriteFailed):
+    """A page write failed (peer gone, NIXL/UCX error) or did not finish in time.
+
+    The agent stays usable: drop the peer (`remove_peer`) or retry elsewhere.
+    """
+
+
+class TransferTimeoutError(TransferError, WriteTimedOut):
+    """A wait ran out of time before the transfer completed."""
+
+
+class UnknownPeerError(TransferError):
+    """A write named a peer that was never added or was removed (lease gone)."""
+
+
+class MalformedMessageError(KVTransferError, ValueError):
+    """A peer record passed to `add_peer` is not valid for this version (the handoff's
+    notices have their own error, `pdserve.kvtransfer.MalformedNoticeError`)."""

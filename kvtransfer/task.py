@@ -1,0 +1,106 @@
+"""`PrefillTask`: what a decode worker asks of the prefill pool, and its wire codec.
+
+A task names the prompt, the positions to compute and the blocks to write
+them into. It travels from the decode worker through the queue to a prefill
+worker (the queue's wire carries it as `task_to_wire` makes it, never
+pickle), and each result that comes back names it by (request_id, epoch).
+
+Ordering: tasks leave the queue in (priority, deadline, arrival_time) order.
+`priority` is a `pdserve.common.Priority` (HIGH=0, NORMAL=1, LOW=2; lower =
+more urgent); a name ("high", any case) or an int is parsed into one. A task
+without a deadline sorts after every task with one at the same priority.
+Deadlines and arrival times are absolute unix seconds from the producer's
+clock (hosts are assumed NTP-synchronised).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pdserve.common.priority import Priority
+
+
+@dataclass
+class PrefillTask:
+    """One remote-prefill request, from a decode worker to the prefill pool.
+
+    The prefill worker computes KV for positions [cached_len, len(token_ids))
+    and writes it into `target_block_ids` of `target_worker_id`; the
+    completion it sends carries (request_id, epoch), so the decode worker can
+    ignore late results of an abandoned attempt. `origin` (default: the
+    target) is where failed tasks are returned, via `take_failed(origin)`.
+    `signature`: the target decode worker's Ed25519 signature over the task
+    (`signing`); a prefill worker refuses a task without a valid one.
+    `prefix_hint`: prefill worker id -> tokens of this prompt's prefix it holds cached, as
+    the decode worker's view of their KV events says (cluster/kvindex/); the queue may keep the task
+    for the worker with the longest one (cluster/queue/core.py). Advisory, so not signed: a
+    wrong hint can only cost scheduling, never what is computed or where it is written.
+    """
+
+    request_id: str
+    epoch: int
+    token_ids: list[int]
+    cached_len: int
+    target_worker_id: str
+    target_block_ids: list[int]
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    priority: Priority = Priority.NORMAL  # a name ("high") or an int (0) is parsed
+    deadline: float | None = None  # absolute unix time; None = no deadline
+    arrival_time: float = field(default_factory=time.time)
+    origin: str = ""
+    signature: bytes = b""
+    prefix_hint: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.priority = Priority.parse(self.priority)  # ValueError naming the choices
+        if not isinstance(self.prefix_hint, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in self.prefix_hint.items()):
+            raise ValueError("prefix_hint must map worker ids to token counts (ints >= 0)")
+        if not isinstance(self.signature, bytes):
+            raise ValueError(f"signature must be bytes, got {type(self.signature).__name__}")
+        if not 0 <= self.cached_len <= len(self.token_ids):
+            raise ValueError(f"cached_len={self.cached_len} outside [0, {len(self.token_ids)}]")
+        if not self.origin:
+            self.origin = self.target_worker_id
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return len(self.token_ids) - self.cached_len
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.epoch)
+
+    def sort_key(self) -> tuple[int, float, float]:
+        return (self.priority, math.inf if self.deadline is None else self.deadline, self.arrival_time)
+
+
+TASK_FIELDS = tuple(f.name for f in fields(PrefillTask))
+
+
+class TaskFormatError(ValueError):
+    """A task's wire map is not a task (names the field)."""
+
+
+def task_to_wire(task: PrefillTask) -> dict[str, Any]:
+    """The task as a map of its fields. Shallow on purpose: `dataclasses.asdict` deep-copies
+    every token id (~0.8 ms for a 512-token task). The priority packs as its int."""
+    return {name: getattr(task, name) for name in TASK_FIELDS}
+
+
+def task_from_wire(body: Any, what: str = "task") -> PrefillTask:
+    """The task a map describes; TaskFormatError naming the field for anything else (a bad
+    value is the task's own ValueError: cached_len, priority, signature)."""
+    if not isinstance(body, dict):
+        raise TaskFormatError(f"{what}: expected a map, got {type(body).__name__}")
+    unknown = sorted(str(k) for k in set(body) - set(TASK_FIELDS))
+    if unknown:
+        raise TaskFormatError(f"{what}: unknown field(s) {unknown}")
+    try:
+        return PrefillTask(**body)
+    except TypeError as exc:
+        raise TaskFormatError(f"{what}: {exc}") from None
