@@ -5,7 +5,7 @@
 PYTHON ?= .venv/bin/python
 MODEL_DIR ?= .cache/models/pdserve-tiny-llama
 
-.PHONY: venv demo generate test bench bench-vllm vllm-venv gpu-check gpu-bundle clean
+.PHONY: venv demo generate test check bench bench-vllm vllm-venv gpu-check gpu-bundle clean
 
 venv: .venv/.installed
 
@@ -32,6 +32,11 @@ generate: venv $(MODEL_DIR)/config.json
 test:
 	bash tests/prereqs.sh
 	RAY_AUTH_MODE=disabled UCX_MODULES='^ib' $(PYTHON) -m pytest -q
+
+# The package graph as standard tools read it (docs/architecture.md, "Layout"); .ci/run runs both.
+check: venv
+	.venv/bin/lint-imports --no-cache
+	.venv/bin/python -m mypy -p pdserve
 
 bench: venv
 	.venv/bin/python bench/engine_throughput.py

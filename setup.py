@@ -51,7 +51,10 @@ def discover_packages() -> list[str]:
         if not os.path.isfile(os.path.join(root, "__init__.py")):
             raise RuntimeError(f"{folder}/ is mapped to {name} but has no __init__.py")
         found.append(name)
-        found += [f"{name}.{sub}" for sub in find_packages(root)]
+        # pdserve/ holds a link to each subpackage's folder (for tools reading the tree,
+        # docs/architecture.md "Layout"): those are found through their own mapping, not the link
+        links = [f"{sub.split('.', 1)[1]}*" for sub in PACKAGE_DIRS if name == "pdserve" and sub != "pdserve"]
+        found += [f"{name}.{sub}" for sub in find_packages(root, exclude=links)]
     return sorted(found)
 PROTO_ROOT = os.path.join(HERE, "api", "proto")
 # Protos under pdserve/api/v1 become modules of the `pdserve.api.v1` package (folder api/v1).
