@@ -14,7 +14,8 @@ definitions are vLLM's too:
 - Goodput: completed requests per second that meet every SLO given with
   ``--goodput ttft:MS tpot:MS e2el:MS`` (a one-token request has TPOT 0).
 
-pdserve adds `request_goodput_per_worker` (POLICY.md's goodput is per GPU),
+pdserve adds `request_goodput_per_worker` (goodput divided by the worker count:
+per GPU when each worker holds one),
 `slo_attainment` (good / sent), the route mix and handoff breakdown from each
 request's final breakdown, and the same figures per request kind.
 """

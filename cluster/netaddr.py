@@ -30,8 +30,8 @@ import struct
 LOOPBACK = "loopback"
 NODE = "node"
 LOOPBACK_ADDRESS = "127.0.0.1"
-# UCX_MODULES without RDMA (kv_transport.rdma false): a process can crash at exit where RDMA
-# libraries are installed but unused (ENVIRONMENT.md).
+# UCX_MODULES without RDMA (kv_transport.rdma false): a process can segfault at exit (rc 139)
+# where RDMA libraries are installed but no RDMA device is used.
 NO_RDMA_MODULES = "^ib"
 _SIOCGIFADDR = 0x8915
 _INTERFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")

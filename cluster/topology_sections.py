@@ -151,7 +151,7 @@ class KVTransportSpec(_Strict):
     It has no authentication: keep it on a private network (docs/security.md)."""
 
     # true on InfiniBand/RoCE hosts: UCX loads its IB modules. false sets UCX_MODULES=^ib: a host
-    # with RDMA libraries but no RDMA device can otherwise crash at exit (ENVIRONMENT.md).
+    # with RDMA libraries but no RDMA device can otherwise segfault at exit (rc 139).
     rdma: bool = False
     # UCX_NET_DEVICES. auto: the interface of the bound address (lo on loopback); all: whatever
     # UCX finds; or a UCX device list, e.g. mlx5_0:1 or eth1.

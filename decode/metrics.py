@@ -1,4 +1,5 @@
-"""Prometheus metrics a decode worker exports (POLICY.md section 5).
+"""Prometheus metrics a decode worker exports on `GET /metrics` (docs/api.md); the
+routing and admission ones are described in docs/router.md.
 
 Each worker owns its own `CollectorRegistry`, so several workers can live in
 one process (tests) without clashing.

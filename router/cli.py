@@ -17,7 +17,7 @@ from pdserve.router.loader import PolicyError, detect_kind, load_policy_file, pa
 from pdserve.router.qos import admit
 from pdserve.router.values import ClusterSnapshot, RequestFeatures
 
-# Llama-3-8B in bf16 (POLICY.md reference figures); the worker passes its model's value.
+# Llama-3-8B in bf16: 128 KiB of KV per token; the worker passes its model's value.
 DEFAULT_KV_BYTES_PER_TOKEN = 128 * 1024
 
 

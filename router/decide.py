@@ -1,7 +1,7 @@
 """The offload decision: prefill this request locally or on the prefill pool.
 
 ``decide(features, snapshot, policy)`` is a pure function of its arguments.
-Precedence, first match wins (POLICY.md section 1; docs/router.md):
+Precedence, first match wins (docs/router.md, "Decision precedence"):
 
 1. fully cached prompt (``eff_len == 0``)      -> local  ``fully_cached``
 2. request override ``local``                   -> local  ``override_local``
@@ -48,7 +48,7 @@ def pool_busy(snapshot: ClusterSnapshot, policy: RouterPolicy) -> bool:
 def predict(
     features: RequestFeatures, snapshot: ClusterSnapshot, policy: RouterPolicy
 ) -> tuple[float, float, float, float, float]:
-    """Predicted timings of both routes (POLICY.md section 1, cost_model).
+    """Predicted timings of both routes (the cost_model of docs/router.md).
 
     Returns ``(local_wait, ttft_local, remote_wait, ttft_remote, itl_penalty)``
     in ms. With B the local prefill budget (prompt tokens per step; no budget:
@@ -303,7 +303,7 @@ def _threshold(features, snapshot, policy, trace) -> _Routed:
 
 
 def score_metric(name: str, features: RequestFeatures, snapshot: ClusterSnapshot, bypass: bool) -> float:
-    """The value of one score metric (POLICY.md section 1 list)."""
+    """The value of one score metric (the list in docs/router.md, policy ``score``)."""
     if name == "prefill_length":
         return features.eff_len
     if name == "prompt_length":

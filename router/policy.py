@@ -1,8 +1,8 @@
 """The router policy schema: every key an operator may write, with its default.
 
 One YAML file (or the etcd key ``/pdserve/<cluster>/config/router``) holds two
-top-level sections, ``router`` (POLICY.md section 1: offload decision and
-overrides) and ``qos`` (section 3: admission and degradation). Both are
+top-level sections, ``router`` (offload decision and overrides) and ``qos``
+(admission and degradation), described in docs/router.md. Both are
 optional; an empty file is the all-defaults policy.
 
 Defaults live here and nowhere else. Every model forbids unknown keys and is
@@ -11,8 +11,8 @@ key instead of a silently ignored setting. Models are frozen: a loaded policy
 is swapped whole on reload, never edited in place.
 
 Every key here has a reader in the router (``decide``, ``admit``, the
-``CostModel``). A key that POLICY.md describes but nothing reads yet is not
-in the schema: ``NOT_YET_USED`` refuses it with the reason and what to do,
+``CostModel``). A planned key that nothing reads yet (``router.worker_selection``)
+is not in the schema: ``NOT_YET_USED`` refuses it with the reason and what to do,
 so no operator believes a setting is live when it is not.
 
 Units are in the key names: ``*_ms`` milliseconds, ``*_ms_per_token``
@@ -96,7 +96,7 @@ class ScoreRule(StrictModel):
 
 
 def _default_score_rules() -> list[ScoreRule]:
-    # The POLICY.md example: long prompts go remote unless the queue is deep.
+    # Long prompts go remote unless the queue is deep (docs/router.md; configs/router/score.yaml).
     return [
         ScoreRule(metric="prefill_length", threshold=256, action="prefer_remote", weight=0.7),
         ScoreRule(metric="prefill_queue_depth", threshold=10, action="prefer_local", weight=0.3),
@@ -174,11 +174,11 @@ class CostModelParams(StrictModel):
 
 
 class Overrides(StrictModel):
-    """Request-class overrides of the conditional policy (POLICY.md section 1).
+    """Request-class overrides of the conditional policy (docs/router.md, ``overrides``).
 
     The third override, "low priority kept local when the pool is busy", is
     switched by ``qos.degrade.no_remote_prefill_for_low_priority_when_busy``
-    (one knob, in the QoS block where POLICY.md puts it);
+    (one knob, in the QoS block);
     ``busy_queue_depth_per_worker`` below defines "busy" for it.
     """
 
@@ -265,7 +265,7 @@ NOT_YET_USED: dict[tuple[str, ...], str] = {
     ("router", "worker_selection"): (
         "not used yet: prefill workers pull tasks from one shared queue, so a decode worker "
         "never chooses a prefill worker, and no other component picks a worker by policy "
-        "(POLICY.md section 2 has no caller in pdserve). Setting it would change nothing; "
+        "(per-pool worker selection has no caller in pdserve). Setting it would change nothing; "
         "delete the worker_selection block from this file"
     ),
 }

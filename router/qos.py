@@ -1,5 +1,5 @@
 """Admission: admit, refuse (with the predicted TTFT and a retry hint) or
-admit degraded. POLICY.md section 3; exact rules in ``admit``'s docstring.
+admit degraded. docs/router.md (``qos`` keys); exact rules in ``admit``'s docstring.
 
 Admission predicts the TTFT of the route the router would pick for the
 request now (it calls ``decide``), so QoS and routing never disagree about

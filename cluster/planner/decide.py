@@ -1,6 +1,6 @@
 """The planner's decisions: pure functions from (policy, observation, memory) to a target.
 
-Threshold mode (POLICY.md section 4): a role scales up by `max_step` when ANY of
+Threshold mode (docs/planner.md, "How it decides"): a role scales up by `max_step` when ANY of
 its up-thresholds holds, down when ALL of its down-thresholds hold. SLA mode
 computes the replicas each role needs from the latency targets and the capacity
 learned from the workers' own figures (`learn`), with hysteresis on the way down.

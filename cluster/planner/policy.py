@@ -1,4 +1,4 @@
-"""The autoscale policy schema (POLICY.md section 4): per-role replica bounds
+"""The autoscale policy schema (docs/planner.md, "Policy keys"): per-role replica bounds
 and thresholds, loop timing, step and GPU budget.
 
 The planner owns its policy: this module is its schema and parser
@@ -9,8 +9,8 @@ YAML errors), and registers the kind with the router's loader so that
 bounded by replicas, ``max_step``, ``cooldown_s`` and ``gpu_budget``) is in
 decide.py; this module makes sure what it is handed is coherent.
 
-Unlike the router's fractions, autoscale utilisations are percentages 0-100,
-exactly as POLICY.md writes them (``gpu_utilization: 80``).
+Unlike the router's fractions, autoscale utilisations are percentages 0-100
+(``gpu_utilization: 80``); a value between 0 and 1 is refused as a fraction typo.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class RoleScaling(StrictModel):
 
 
 class PrefillScaling(RoleScaling):
-    """Prefill pool scaling; defaults are POLICY.md's example."""
+    """Prefill pool scaling; the defaults are the documented ones (docs/planner.md, "Policy keys")."""
 
     max_replicas: int = Field(12, ge=1)
     scale_up: ScaleThresholds = ScaleThresholds(queue_length=8, gpu_utilization=80)
@@ -92,7 +92,7 @@ class PrefillScaling(RoleScaling):
 
 
 class DecodeScaling(RoleScaling):
-    """Decode pool scaling; defaults are POLICY.md's example."""
+    """Decode pool scaling; the defaults are the documented ones (docs/planner.md, "Policy keys")."""
 
     max_replicas: int = Field(24, ge=1)
     scale_up: ScaleThresholds = ScaleThresholds(queue_length=16, kv_cache_usage=75)
@@ -123,7 +123,7 @@ class AutoscaleSection(StrictModel):
 
     prefill: PrefillScaling = PrefillScaling()
     decode: DecodeScaling = DecodeScaling()
-    # threshold: POLICY.md section 4's thresholds; sla: replicas computed from `sla` targets.
+    # threshold: the scale_up/scale_down thresholds; sla: replicas computed from `sla` targets.
     mode: Literal["threshold", "sla"] = "threshold"
     sla: SlaTargets | None = None
     interval_s: float = Field(10.0, gt=0)

@@ -7,7 +7,7 @@
  * once. Here each (sequence, KV head) pair reads its K rows once and its V rows once, in
  * place, for all the query heads that share that KV head (grouped-query attention).
  *
- * Layouts (engine/attention.py, ARCHITECTURE.md):
+ * Layouts (engine/attention.py; docs/architecture.md, "KV pool"):
  *   kv      one layer's pool [num_blocks][2 (K, V)][block_size][num_kv_heads][head_dim] (NHD), or
  *           [num_blocks][2][num_kv_heads][block_size][head_dim] (HND): the caller passes the
  *           floats between a head's consecutive tokens (tok_stride: num_kv_heads * head_dim or

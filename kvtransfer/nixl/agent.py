@@ -75,7 +75,7 @@ class KVTransferAgent:
         self._errors = self._api.errors
         apply_ucx_env(ucx_env)
         config = self._api.config_cls(
-            enable_prog_thread=False,  # ENVIRONMENT.md: it busy-polls a whole core
+            enable_prog_thread=False,  # NIXL's progress thread busy-polls a whole core, even idle
             enable_listen_thread=False,  # metadata travels through etcd, not NIXL's listener
             backends=[],  # created below, with their parameters
         )

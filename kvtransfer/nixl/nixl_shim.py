@@ -1,7 +1,7 @@
 """Import the NIXL Python API from whichever NIXL wheel is installed.
 
 The `nixl` meta package drags both CUDA 12 and 13 builds, so pdserve depends on
-`nixl-cu12` and imports `nixl_cu12._api` first (ENVIRONMENT.md).
+`nixl-cu12` and imports `nixl_cu12._api` first, then `nixl._api` and `nixl_cu13._api`.
 """
 
 from __future__ import annotations

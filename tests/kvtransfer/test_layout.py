@@ -16,7 +16,7 @@ LLAMA_8B = KVLayout("llama-3-8b", "bfloat16", num_layers=32, num_blocks=100, blo
 def test_block_bytes_counts_k_and_v_of_one_layer():
     # 2 (K,V) x 16 tokens x 8 heads x 128 dims x 2 bytes
     assert LLAMA_8B.block_bytes == 65536
-    # 128 KiB per token across layers, as POLICY.md quotes for Llama-3-8B bf16
+    # Llama-3-8B in bf16: 128 KiB of KV per token across layers
     assert LLAMA_8B.block_bytes * LLAMA_8B.num_layers // LLAMA_8B.block_size == 128 * 1024
 
 

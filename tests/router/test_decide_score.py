@@ -20,7 +20,7 @@ def rule(metric, threshold, action, weight):
 
 @pytest.fixture
 def example(rt):
-    return rt.policy(router={"policy": "score"})  # the POLICY.md example is the default
+    return rt.policy(router={"policy": "score"})  # the documented default rules (docs/router.md)
 
 
 def test_long_prompt_scores_its_weight_and_goes_remote(rt, example):

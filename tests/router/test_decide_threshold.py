@@ -1,4 +1,4 @@
-"""The threshold policy (POLICY.md section 1), edges included."""
+"""The threshold policy (docs/router.md), edges included."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The policy schema: POLICY.md's defaults, the shipped configs, strictness."""
+"""The policy schema: the documented defaults, the shipped configs, strictness."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ ROUTER_CONFIGS = sorted((REPO / "configs" / "router").glob("*.yaml"))
 AUTOSCALE_CONFIGS = sorted((REPO / "configs" / "autoscale").glob("*.yaml"))
 
 
-def test_threshold_defaults_are_policy_md_values():
+def test_threshold_defaults_are_the_documented_values():
     t = DEFAULT_POLICY.router.threshold
     assert (t.prefill_length_threshold, t.prefill_queue_max, t.decode_load_threshold, t.busy_min_length) == (
         256, 10, 8, 64,
     )
 
 
-def test_score_defaults_are_the_policy_md_example():
+def test_score_defaults_are_the_documented_rules():
     s = DEFAULT_POLICY.router.disaggregated_router
     assert s.enable is True
     assert s.remote_prefill_min_score == 0.5
@@ -103,7 +103,7 @@ def test_shipped_configs_select_their_named_behaviour():
     assert modes["always-local.yaml"][0] == "always_local"
 
 
-def test_score_yaml_holds_the_policy_md_example():
+def test_score_yaml_holds_the_default_rules():
     policy = load_policy_file(REPO / "configs/router/score.yaml")
     assert policy.router.disaggregated_router == DEFAULT_POLICY.router.disaggregated_router
 

@@ -1,4 +1,4 @@
-"""QoS admission (POLICY.md section 3): admit, refuse with the predicted
+"""QoS admission (docs/router.md, `qos` keys): admit, refuse with the predicted
 TTFT and a retry hint, degrade; high priority always admitted.
 
 Most tests use mode always_local so the prediction is simple arithmetic:
