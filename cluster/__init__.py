@@ -11,7 +11,9 @@ reads topologies does not pay for Ray or gRPC. The main entry points:
 - ``keys``: the etcd keyspace of docs/architecture.md; ``etcd_server``: ``EmbeddedEtcd``.
 - ``etcd_auth`` / ``etcd_gate`` / ``security``: who may do what, and with which credentials.
 
-It imports no other pdserve folder. The prefill queue is ``pdserve.cluster.queue``, the
-autoscaler ``pdserve.cluster.planner``; the launcher and the CLI that bring a topology up
+Its services are subpackages: the prefill queue ``pdserve.cluster.queue``, the autoscaler
+``pdserve.cluster.planner``, the cluster's KV view ``pdserve.cluster.kvindex``. Below it only
+``common``, ``router`` (the planner reuses the policy schema's errors) and ``kvtransfer``
+(the queue carries the handoff's task). The launcher and the CLI that bring a topology up
 are in the composition root (``pdserve.launcher``, ``pdserve.cluster_cli``).
 """

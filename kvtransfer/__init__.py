@@ -1,4 +1,5 @@
-"""pdserve.kvtransfer: the prefill/decode handoff protocol, in one place.
+"""pdserve.kvtransfer: the prefill/decode handoff, in one place: its protocol here, the NIXL
+transport beneath it in ``nixl/``.
 
 One remote prefill, as the two workers see it:
 
@@ -25,7 +26,7 @@ Modules (each imports only its siblings and pdserve.common):
   of "awaiting remote KV") and the effects it asks of the engine.
 - ``prefill_side``: `PrefillJob`, the prefill worker's state of one task.
 - ``transport``: `KVSender` / `KVReceiver`, what both sides need from the data
-  plane, and its errors; pdserve.kvtransfer (NIXL) implements it.
+  plane, and its errors; pdserve.kvtransfer.nixl (NIXL) implements it.
 
 The walk of one request through the files is in docs/architecture.md.
 """

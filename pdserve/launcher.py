@@ -108,7 +108,7 @@ class Launcher:
             ray.init(address=state.ray_address, namespace=t.ray.namespace, log_to_driver=False)
             state.save(path)  # from here on, `down` can clean up whatever follows
             self._check_resources(joined=state.ray_head_pid is None)
-            from .taskqueue import get_or_create_queue
+            from .cluster.queue import get_or_create_queue
 
             queue = get_or_create_queue(t.queue.name, t.ray.namespace, t.queue.capacity, detached=True,
                                         wire_bind=t.queue.wire, on_head=True, wire_tls=t.queue.server_tls(t.resolve),

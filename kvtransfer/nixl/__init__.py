@@ -1,4 +1,4 @@
-"""pdserve.kvtransfer: NIXL page writes from a prefill worker's KV pool into a decode worker's.
+"""pdserve.kvtransfer.nixl: NIXL page writes from a prefill worker's KV pool into a decode worker's.
 
 One `KVTransferAgent` per worker process registers the whole KV pool once;
 peers exchange `local_info()` records (via etcd), check layouts at
