@@ -55,7 +55,7 @@ class Reply:
                                 "top_logprobs": [{"token": tt(t), "logprob": _finite(v), "bytes": list(tt(t).encode())}
                                                  for t, v in tops]})
             return {"content": content}
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = self.sent_chars[i] + len(text) - len(c.text)  # after any echoed prompt
         for e in c.logprobs:
             tok, lp = tt(e["token_id"]), _finite(e["logprob"])
@@ -72,6 +72,7 @@ class Reply:
         text = self.text_of(i, c)
         lp = self.logprobs_of(i, c, text)
         self.sent_chars[i] += len(text)
+        body: dict[str, object]
         if self.kind == "chat":
             body = {"delta": {"content": text}} if stream else {"message": {"role": "assistant", "content": text}}
         else:

@@ -171,7 +171,8 @@ def claim_rank_devices() -> list[list[str]] | None:
         for slot in slots:
             ray.kill(slot)
         raise
-    claim_rank_devices.slots = slots  # held for this process's life: they hold the bundles' GPUs
+    # held for this process's life: they hold the bundles' GPUs (setattr: a function attribute)
+    setattr(claim_rank_devices, "slots", slots)
     if any(not got for got in ids):
         raise RuntimeError(f"a rank's bundle was given no GPU (GPU ids per rank: {ids})")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(got[0] for got in ids)

@@ -40,6 +40,8 @@ class TlsClient(aetcd.Client):
     channels, so `connect` builds the same stubs on a secure channel. etcd takes the user
     from the certificate (no username/password, no token)."""
 
+    _is_connecting: bool  # aetcd.Client's (aetcd is read as Any): declared for the checker only
+
     def __init__(self, host: str, port: int, tls: EtcdTLS, **kwargs):
         super().__init__(host, port, **kwargs)
         self.tls = tls
@@ -106,6 +108,7 @@ class EtcdConnection:
         """Move to the next endpoint after a failure on `client` (several endpoints only)."""
         if len(self.endpoints) < 2 or client is not self._client:
             return
+        assert client is not None  # it is self._client, the one self.client() made
         self._endpoint_index = (self._endpoint_index + 1) % len(self.endpoints)
         self._client = None
         asyncio.get_running_loop().create_task(client.close())

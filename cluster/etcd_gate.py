@@ -173,10 +173,14 @@ def main(argv=None) -> int:
         child = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--supervise"]
         return supervise([sys.executable, "-m", "pdserve.cluster.etcd_gate", *child])
     policy = GatePolicy(topo.cluster, workers, shared_worker=args.shared_worker)
+    server = tls.server  # checked above
 
     async def run() -> None:
-        gate = await EtcdGate(policy, args.upstream, topo.etcd_tls("operator"),
-                              server_cert=str(topo.resolve(tls.server.cert)), server_key=str(topo.resolve(tls.server.key)),
+        operator = topo.etcd_tls("operator")
+        if operator is None:  # etcd.tls is set (checked above): etcd_tls gives None only without it
+            raise RuntimeError("etcd.tls is not set: the gate has no operator identity to reach etcd as")
+        gate = await EtcdGate(policy, args.upstream, operator,
+                              server_cert=str(topo.resolve(server.cert)), server_key=str(topo.resolve(server.key)),
                               ca_file=str(topo.resolve(tls.ca)), host=args.host, port=args.port).start()
         print(f"etcd gate serving on {gate.endpoint}", flush=True)
         stop = asyncio.Event()

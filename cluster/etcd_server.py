@@ -275,6 +275,7 @@ class EmbeddedEtcd:
         caller must stop later (`pdserve down` does)."""
         if not self.is_running():
             raise EtcdError("etcd is not running: nothing to detach")
+        assert self._proc is not None  # is_running() above: there is a process
         pid, self._proc = self._proc.pid, None
         return pid
 

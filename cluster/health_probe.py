@@ -35,6 +35,8 @@ def probe(url: str, cert: str | None = None, key: str | None = None, ca: str | N
         ctx.verify_mode = ssl.CERT_NONE
     if cert:
         ctx.load_cert_chain(cert, key)
+    if parts.hostname is None:  # the TypeError HTTPSConnection raised on a None host, named
+        raise TypeError(f"url {url!r} names no host: expected https://HOST:PORT/PATH")
     conn = http.client.HTTPSConnection(parts.hostname, parts.port or 443, timeout=timeout_s, context=ctx)
     try:
         conn.request("GET", parts.path or "/")

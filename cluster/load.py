@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 WINDOW_S = 60.0  # the window of the windowed figures
 
@@ -42,9 +42,9 @@ class Windowed:
     def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s
         self.clock = clock
-        self._readings: deque[tuple[float, object]] = deque()
+        self._readings: deque[tuple[float, Any]] = deque()  # (time, a reading of the caller's kind)
 
-    def add(self, reading) -> tuple[float, object, object] | None:
+    def add(self, reading) -> tuple[float, Any, Any] | None:
         """Record `reading`; return (seconds spanned, oldest reading, newest) or None."""
         now = self.clock()
         self._readings.append((now, reading))

@@ -73,7 +73,8 @@ def pin_process(cpus: list[int], what: str) -> list[int]:
 
 def cpu_list(cpus) -> str:
     """``[0, 1, 2, 5]`` as ``0-2,5`` (the form `taskset` and /proc use)."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for c in sorted(cpus):
         if run and c == run[-1] + 1:
             run.append(c)

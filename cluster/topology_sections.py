@@ -173,7 +173,7 @@ class KVTransportSpec(_Strict):
 
     @pydantic.field_validator("threads")
     @classmethod
-    def _threads(cls, value: int | str) -> int | str:
+    def _threads(cls, value: int | Literal["auto"]) -> int | Literal["auto"]:
         if value != "auto" and value < 0:
             raise ValueError("use auto or a number >= 0")
         return value

@@ -46,7 +46,7 @@ class _ResyncingWatch:
         self._key = key
         self._prefix = prefix
         self._task: asyncio.Task | None = None
-        self._stream = None
+        self._stream: Any = None  # an aetcd watch stream (aetcd is read as Any), None between watches
         self._closing = False
         self._synced = asyncio.Event()
         self.resyncs = 0  # listings after the first: one per reconnect

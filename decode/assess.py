@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import cast
 
 from pdserve.router import ClusterSnapshot, RequestFeatures
 from pdserve.router.costs import CostEstimates
+from pdserve.router.values import Override
 
 __all__ = ["cluster_snapshot", "priced_tier", "request_features"]
 
@@ -31,8 +33,9 @@ def request_features(prompt_len: int, cached_len: int, *, priority, ttft_slo_ms:
     ``cached_len``; ``peer_reads``: this worker borrows prefixes from prefill workers. A
     resumed stream is prefilled here whatever the request asked (its first token must follow
     the resumed ones, which a remote prefill would not know)."""
+    # route: a str (decode/validate.py refused any other value); RequestFeatures checks it again
     return RequestFeatures(prompt_len=prompt_len, cached_len=cached_len, priority=priority, ttft_slo_ms=ttft_slo_ms,
-                           override="local" if resumed else route, max_tokens=max_tokens,
+                           override="local" if resumed else cast(Override, route), max_tokens=max_tokens,
                            remote_cached_len=max(hint.values(), default=0), tier_cached_len=tier_cached_len,
                            peer_reads=peer_reads)
 

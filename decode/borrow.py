@@ -169,7 +169,12 @@ class PeerPrefixes:
             except Exception as exc:  # noqa: BLE001  (a layout this pool cannot read from)
                 log.warning("NIXL record of %s refused: %r", worker_id, exc)
                 ok = False
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(ok))
+
+            def settle() -> None:
+                if not done.done():
+                    done.set_result(ok)
+
+            loop.call_soon_threadsafe(settle)
 
         self.engine.call(add)
         try:

@@ -52,7 +52,7 @@ class RequestError(Exception):
         if new is None:
             return self
         message = str(self)
-        if message.startswith(f"{self.field}:"):
+        if self.field is not None and message.startswith(f"{self.field}:"):
             message = new + message[len(self.field):]
         return RequestError(self.code, message, new, self.predicted_ttft_ms, self.retry_after_ms, self.scope)
 

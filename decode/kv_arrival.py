@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from pdserve.kvtransfer import (
     TRANSFER_ERROR,
@@ -61,7 +62,8 @@ class KVArrival:
         self.refused_causes: dict[str, int] = {}  # why PrefillDone notices were refused -> count
         self.fallback_causes: dict[str, int] = {}  # fallback reason -> count (the metric's label)
         self.info: dict[str, dict] = {}  # request -> its breakdown, handed to its stream
-        self.on_ready_reput = None  # callable(request_id): cancel a re-put copy (event loop)
+        # callable(request_id): cancel a re-put copy (event loop)
+        self.on_ready_reput: Callable[[str], object] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         # Prefix loans (kvtransfer/lending.py, decode/borrow.py): lend messages and reads are
         # taken out of each poll; after_poll adds the requests whose loan ended.

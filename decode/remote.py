@@ -312,12 +312,15 @@ class RemotePrefill:
     def _reserve(self, prep, fut) -> None:
         """Reserve blocks: the answer is (the new Handoff, its Reservation), None (no room:
         the request was queued for a local prefill) or an error."""
+        answer: object = None
         try:
             req = self.engine.engine.make_request(prep.prompt_ids, prep.params, request_id=prep.request_id,
                                                   priority=prep.priority, tenant=prep.tenant)
             res = self.arrival.connector.reserve(req)
             if res is not None:
-                res = (self.handoffs.reserve(req.request_id, 1, len(res.block_ids)), res)
+                answer = (self.handoffs.reserve(req.request_id, 1, len(res.block_ids)), res)
         except Exception as exc:  # noqa: BLE001  (delivered to the caller)
-            res = exc
-        self._loop.call_soon_threadsafe(fut.set_result, res)
+            answer = exc
+        if self._loop is None:
+            raise RuntimeError("the remote prefill path reserved blocks before start() bound its event loop")
+        self._loop.call_soon_threadsafe(fut.set_result, answer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ class FlashInferMeta:
     """One step's FlashInfer inputs, shared by every layer: which wrapper was planned and
     where each new token's K/V goes (`append_paged_kv_cache`'s page-table inputs)."""
 
-    wrapper: object  # the planned decode or prefill wrapper
+    wrapper: Any  # the planned decode or prefill wrapper (flashinfer's; flashinfer is read as Any)
     decode: bool  # every sequence has one query token: the decode wrapper
     batch_indices: torch.Tensor  # [T] int32: the sequence of each new token
     positions: torch.Tensor  # [T] int32: its position in that sequence
@@ -66,7 +67,7 @@ class PagedPlan:
         nblk = -(-total // bs)
         # Each sequence's used blocks, concatenated in order (boolean indexing is row-major).
         used = np.arange(layout.block_tables.shape[1])[None, :] < nblk[:, None]
-        batch = np.repeat(np.arange(len(qlens)), qlens)
+        batch: np.ndarray = np.repeat(np.arange(len(qlens)), qlens)
         i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
         return cls(
             qo_indptr=i32(qsl),

@@ -17,6 +17,7 @@ from pdserve.common.block_hash import block_hashes, hash_block  # noqa: F401  (t
 
 if TYPE_CHECKING:
     from .kv_events import KVEventLog
+    from .kv_tier import SecondTier
 
 
 @dataclass(eq=False)
@@ -82,7 +83,7 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.enable_caching = enable_caching
         self.events = events  # engine/kv_events.py: what the prefix cache gains and loses
-        self.tier = None  # engine/kv_tier.py: told of each cached block before it is evicted
+        self.tier: SecondTier | None = None  # engine/kv_tier.py: told of each cached block before it is evicted
 
     @property
     def num_blocks(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,7 +75,7 @@ class DecodeGraphs:
         self.kv_last_page_len = torch.ones(self.max_batch, **i32)
         self.logits_rows = torch.arange(self.max_batch, dtype=torch.long, device=dev)
         self.logits = torch.empty(self.max_batch, runner.model_cfg.vocab_size, dtype=torch.float32, device=dev)
-        self.wrappers: dict[int, object] = {}
+        self.wrappers: dict[int, Any] = {}  # flashinfer's decode wrappers (flashinfer is read as Any)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
 

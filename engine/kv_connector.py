@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.common import Priority
 
-from .block_manager import block_hashes
+from .block_manager import Block, block_hashes
 from .request import Request, SamplingParams
 from .sampler import SampleResult
 
@@ -254,8 +254,8 @@ class KVConnector:
         pool = self._eng.kv.pool
         if not pool.enable_caching:
             return None
-        chain = []
-        h = tail_hash
+        chain: list[Block] = []
+        h: bytes | None = tail_hash
         while h is not None and len(chain) < num_blocks:
             block = pool.cached.get(h)
             if block is None:
@@ -296,7 +296,7 @@ class KVConnector:
         if tier is None or not pool.enable_caching:
             return None
         chain: list[bytes] = []
-        h = tail_hash
+        h: bytes | None = tail_hash
         while h is not None and len(chain) < num_blocks:
             block = pool.cached.get(h)
             meta = (block.parent_hash, None) if block is not None else tier.chain_meta(h)

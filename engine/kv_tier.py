@@ -54,7 +54,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -170,6 +170,24 @@ class TierStats:
     load_seconds: float = 0.0
     skipped_by_cost: int = 0  # tier hits computed anyway: loading was predicted slower
     sync_copies: int = 0  # copies made at eviction, on the engine thread (the copy thread had not reached them)
+
+
+class SecondTier(Protocol):
+    """What the scheduler and the block pool call on a second KV tier: `KVTier`, or the
+    simulator's `SimTier` (sim/engine.py). A type for the checker only."""
+
+    def flush(self, now: bool = True) -> None: ...
+
+    def evicting(self, block: Block) -> None: ...
+
+    def leading(self, hashes: list[bytes]) -> int: ...
+
+    def worth_loading(self, blocks: int, compute_s_per_token: float | None, block_size: int) -> bool: ...
+
+    def start_load(self, request_id: str, hashes: list[bytes], blocks: list[Block],
+                   held: list[Block]) -> TierLoad | None: ...
+
+    def finished_loads(self) -> list[TierLoad]: ...
 
 
 class KVTier:

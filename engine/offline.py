@@ -67,4 +67,10 @@ class LLM:
                 raise TimeoutError(f"generate did not finish within timeout_s={timeout_s}")
             if pending and not eng.scheduler.has_work():
                 raise RuntimeError("engine has unfinished requests but nothing schedulable")
-        return [eng.release(r.request_id) for r in reqs]
+        outs = []
+        for r in reqs:
+            out = eng.release(r.request_id)
+            if out is None:  # every request above finished and only release() forgets one
+                raise RuntimeError(f"request {r.request_id!r} finished but the engine no longer holds it")
+            outs.append(out)
+        return outs

@@ -8,6 +8,7 @@ token.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from .request import Request
 from .step_batch import StepBatch, build_step_batch
 from .tensor_parallel import check_tp, make_shard
 from .tp_group import TPGroup, TPGroupBroken
+
+if TYPE_CHECKING:
+    from .cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +198,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, kv, max_batch, max_model_len)
         self.graphs.capture()
 
-    graphs = None  # DecodeGraphs once enabled
+    graphs: DecodeGraphs | None = None  # DecodeGraphs once enabled
 
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager,
                 layer_hook=None) -> tuple[torch.Tensor, list[Request]]:

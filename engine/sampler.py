@@ -195,7 +195,7 @@ class Sampler:
             else:
                 tokens[idx] = drawn.to(tokens.device)
         token_list = tokens.tolist()
-        results = []
+        results: list[SampleResult | SamplingError] = []
         for i, r in enumerate(reqs):
             if i in failed:
                 results.append(failed[i])

@@ -39,7 +39,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .block_manager import KVCacheManager
-from .kv_tier import KVTier
+from .kv_tier import SecondTier
 from .request import Request, RequestStatus
 from .step_budget import HORIZON as STEP_HORIZON
 from .step_budget import MIN_TOKENS as MIN_CHUNK
@@ -73,7 +73,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}
-        self.tier: KVTier | None = None  # the second KV tier (engine/kv_tier.py), if any
+        self.tier: SecondTier | None = None  # the second KV tier (engine/kv_tier.py), if any
         self.loading: dict[str, Request] = {}  # requests whose prefix the tier is loading back
         self.tier_min_blocks = 1  # a tier hit shorter than this is computed instead
         self.tier_loaded_tokens = 0  # prompt tokens loaded back from the tier (stats)

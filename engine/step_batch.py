@@ -44,7 +44,7 @@ def new_token_ids(req: Request, start: int, n: int) -> list[int]:
 def pad_block_tables(tables: list[list[int]]) -> np.ndarray:
     """Rows of block ids, right-padded with block 0 (attention masks out what it reads there)."""
     width = max(map(len, tables), default=0)
-    out = np.zeros((len(tables), width), dtype=np.int64)
+    out: np.ndarray = np.zeros((len(tables), width), dtype=np.int64)
     for i, t in enumerate(tables):
         out[i, :len(t)] = t
     return out
@@ -56,7 +56,7 @@ def build_step_batch(scheduled: list[tuple[Request, int]], kv: KVCacheManager,
     num = len(scheduled)
     new = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=num)
     ctx = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=num)
-    qsl = np.zeros(num + 1, dtype=np.int64)
+    qsl: np.ndarray = np.zeros(num + 1, dtype=np.int64)
     np.cumsum(new, out=qsl[1:])
     ids: list[int] = []
     tables: list[list[int]] = []
@@ -71,7 +71,7 @@ def build_step_batch(scheduled: list[tuple[Request, int]], kv: KVCacheManager,
             sampling.append(req)
     block_tables = pad_block_tables(tables)
     # Token t of sequence i sits at position ctx[i] + (t - qsl[i]).
-    seq = np.repeat(np.arange(num), new)
+    seq: np.ndarray = np.repeat(np.arange(num), new)
     pos = np.arange(qsl[-1]) - np.repeat(qsl[:-1] - ctx, new)
     slots = block_tables[seq, pos // block_size] * block_size + pos % block_size
     layout = BatchLayout(

@@ -171,6 +171,7 @@ class IncrementalDetokenizer:
                 self._pending = ""
                 return delta, stop
         # Hold back the longest tail that is a prefix of some stop string (engine/stops.py).
+        assert self._automaton is not None  # set_stops made one with the stop strings
         self._state = self._automaton.feed(self._state, piece)
         keep = self._automaton.depth[self._state]
         delta = buf[: len(buf) - keep]

@@ -116,7 +116,7 @@ class TorchAttention(AttentionBackend):
             meta.hnd_index = (block, layout.slot_mapping - block * layout.block_size)
         qsl, ctx = layout.query_start_loc, layout.context_lens
         qlens = layout.query_lens
-        to_kernel = np.zeros(len(qlens), dtype=bool)
+        to_kernel: np.ndarray = np.zeros(len(qlens), dtype=bool)
         if self.native is not None and device.type == "cpu":
             # The kernel takes decode tokens and short prompts (chunks); SDPA's blocked
             # kernel is faster for long ones (docs/PERFORMANCE.md).
@@ -141,7 +141,7 @@ class TorchAttention(AttentionBackend):
         its sequence attends the ``p + 1`` first KV rows (causal), through its block table."""
         qsl, ctx = layout.query_start_loc, layout.context_lens
         qlens = qsl[seqs + 1] - qsl[seqs]
-        seq = np.repeat(seqs, qlens)
+        seq: np.ndarray = np.repeat(seqs, qlens)
         # Token rows of the listed sequences, in order: each run starts at its qsl.
         qidx = np.arange(int(qlens.sum()), dtype=np.int64) + np.repeat(qsl[seqs] - (np.cumsum(qlens) - qlens), qlens)
         lens = ctx[seq] + qidx - qsl[seq] + 1
@@ -193,6 +193,7 @@ class TorchAttention(AttentionBackend):
             pool.index_copy_(0, meta.v_rows, v)
         else:
             layer_kv = nhd_view(layer_kv, self.kv_layout)
+            assert meta.hnd_index is not None  # plan() sets it for HND, the layout this branch serves
             block, offset = meta.hnd_index
             layer_kv[block, 0, offset] = k
             layer_kv[block, 1, offset] = v

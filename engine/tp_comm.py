@@ -78,6 +78,9 @@ class Comm(abc.ABC):
 
     rank: int
     size: int
+    # A call's default deadline: ShmComm's (its __init__ sets it); tp_group.py and tp_rank.py
+    # set it on either kind once every rank has joined (ProcessGroupComm does not read it).
+    timeout_s: float
     name = "base"
 
     @abc.abstractmethod

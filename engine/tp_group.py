@@ -35,6 +35,7 @@ import threading
 import time
 import weakref
 from dataclasses import asdict
+from typing import Any
 
 import msgpack
 import torch
@@ -130,8 +131,9 @@ class TPGroup:
         threads = threads_per_rank(cfg)
         cpus = usable_cpus()
         segment = new_segment_name()
-        spec = {"config": asdict(cfg), "size": size, "threads": threads, "comm": kind, "segment": segment,
-                "device": str(device), "parent": os.getpid(), "extension": cfg.tp_rank_extension}
+        spec: dict[str, Any] = {  # (json: the ranks' command line)
+            "config": asdict(cfg), "size": size, "threads": threads, "comm": kind, "segment": segment,
+            "device": str(device), "parent": os.getpid(), "extension": cfg.tp_rank_extension}
         procs: list[subprocess.Popen] = []
 
         def alive() -> str | None:
@@ -208,7 +210,9 @@ class TPGroup:
             try:
                 self.ctrl.broadcast_(control_header(len(msg)))
                 self.ctrl.broadcast_(to_tensor(msg))
-                replies = [msgpack.unpackb(r) for r in gather_bytes(self.ctrl, b"")[1:]]
+                gathered = gather_bytes(self.ctrl, b"")
+                assert gathered is not None  # rank 0 (this process) gathers every rank's
+                replies = [msgpack.unpackb(r) for r in gathered[1:]]
             except BaseException as exc:
                 raise self.fail(exc) from exc
         errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(replies, start=1) if "error" in rep]

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
 
     cfg = EngineConfig(**spec["config"])
     ctrl = ShmComm(spec["segment"], rank, size, alive, timeout_s=STARTUP_TIMEOUT_S)
-    comm = ctrl
+    comm: ShmComm | ProcessGroupComm = ctrl
     if spec["comm"] != "shm":
         comm = ProcessGroupComm(spec["comm"], spec["host"], spec["port"], rank, size, timeout_s=STARTUP_TIMEOUT_S,
                                 device=torch.device(spec["device"]) if spec["comm"] == "nccl" else None)
@@ -82,6 +82,7 @@ def main(argv: list[str]) -> int:
                 return 0
             if op == OP_CONTROL:
                 msg = msgpack.unpackb(bytes(ctrl.broadcast_(torch.empty(int(header[1]), dtype=torch.uint8)).numpy()))
+                reply: dict
                 try:
                     if msg["op"] == "tier" and tier is not None:
                         tier.apply(msg["args"]["slots"], msg["args"]["ops"], sync=True)  # ids leave the engine

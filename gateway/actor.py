@@ -27,6 +27,8 @@ class GatewayActor:
     async def drain(self) -> None:
         if self.gateway is not None and self.gateway.frontend is not None:
             self.gateway.frontend.draining = True
+            if self.gateway.grpc is None:
+                raise RuntimeError("gateway drain: its gRPC server was never started")
             await self.gateway.grpc.set_serving(False)
 
     async def stop(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 DEFAULT_RATE_MS = 0.5  # ms per prefill token before a worker has been measured
@@ -134,7 +135,7 @@ ROUTINGS = ("ttft", "random")
 
 
 def choose(workers: list[WorkerState], prompt_len: int, cached: dict[str, int], now: float,
-           rng: random.Random, exclude: set[str] = frozenset(), tie: float = 0.1, tie_ms: float = 5.0,
+           rng: random.Random, exclude: Set[str] = frozenset(), tie: float = 0.1, tie_ms: float = 5.0,
            routing: str = "ttft") -> Pick:
     """The worker for a prompt of ``prompt_len`` tokens; ``cached``: tokens of it each worker's
     prefix cache holds (the KV index's view; {} without one). Workers within ``tie`` (a
@@ -177,6 +178,7 @@ def race_partner(pick: Pick, ttft_slo_ms: float | None, risk: float) -> tuple[st
         return None, "no ttft_slo_ms"
     if len(pick.scores) < 2:
         return None, "one worker"
+    assert pick.chosen is not None  # choose() names a worker whenever it scored any
     by = {sc.worker_id: sc for sc in pick.scores}
     if by[pick.chosen].ttft_ms < risk * ttft_slo_ms:
         return None, "no predicted tail"

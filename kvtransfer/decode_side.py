@@ -156,6 +156,7 @@ class Handoffs:
         """The task is on the queue."""
         step = self._event(request_id, epoch, "queued")
         if not step.stale and task is not None:
+            assert step.handoff is not None  # a step that is not stale moved a live handoff (_event)
             step.handoff.task = task
         return step
 
@@ -230,7 +231,7 @@ class Handoffs:
         with self._lock:
             h = self._live.get((request_id, epoch))
             move = TRANSITIONS.get((h.state, event)) if h is not None else None
-            if move is None:
+            if h is None or move is None:  # (no handoff: no move)
                 self._count("stale")
                 return Step(Effect.NONE, h)
             self._move(h, event, *move, why)

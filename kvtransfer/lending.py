@@ -84,7 +84,7 @@ class Lender:
         self.waiting: list[tuple[str, LendRequest, float]] = []
         # Requests whose chain is being loaded back from the second tier: (borrower, request,
         # the TierLoad, since); answered by `expire()` once loaded.
-        self.loading: list[tuple[str, LendRequest, object, float]] = []
+        self.loading: list[tuple[str, LendRequest, Any, float]] = []
         self._unanswered: list = []  # loads still running for requests refused meanwhile
 
     def waiting_for_peers(self) -> set[str]:
@@ -372,13 +372,13 @@ class Borrower:
             elif t.handle.done:  # (its refresh sent the release, now that every rank's read arrived)
                 self._arrived(t)
         for h in completed:
-            t = by_handle.get(h.id)
-            if t is not None:
-                self._arrived(t)
+            hit = by_handle.get(h.id)
+            if hit is not None:
+                self._arrived(hit)
         for h in failed:
-            t = by_handle.get(h.id)
-            if t is not None:
-                self._failed(t)
+            hit = by_handle.get(h.id)
+            if hit is not None:
+                self._failed(hit)
 
     def _arrived(self, t: _Ticket) -> None:
         """The read completed (the release is on its way): used once the holder confirms."""

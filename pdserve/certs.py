@@ -98,6 +98,7 @@ def make_certs(out_dir: str | os.PathLike, hosts: list[str] | tuple[str, ...] = 
             b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         _write(paths[role], b.sign(ca_key, hashes.SHA256()), paths[f"{role}-key"], key)
     if worker_ids:
+        assert cluster is not None  # _check_common_names above refused worker_ids without a cluster
         _issue_workers(ca_cert, ca_key, cluster, worker_ids, workers, days)
     return paths | workers
 

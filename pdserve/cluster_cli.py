@@ -133,6 +133,8 @@ def run_etcd_auth(args: argparse.Namespace) -> int:
                          "the etcd it starts itself)")
     host, port = parse_endpoints([endpoint])[0]
     root = topo.etcd_tls("root")
+    if root is None:  # etcd_tls is None only without etcd.tls, refused above
+        raise ValueError(f"{args.topology}: etcd.tls is not set")
     tls = topo.etcd.tls
     slots = worker_slots(topo, autoscale_max_replicas(topo)) if tls.workers is not None else []
     # etcd.gate: the workers and the reader reach etcd through the gate; their users get no grants here.
@@ -141,6 +143,7 @@ def run_etcd_auth(args: argparse.Namespace) -> int:
     what = (f"users root, operator, worker ({'granted' if access.shared_worker and not access.gated else 'no grant'} "
             f"in cluster {topo.cluster}) and {len(access.workers)} per-worker users")
     if access.gated:
+        assert topo.etcd.gate is not None  # gated: it is set (ClusterAccess above)
         what += (f"; gated: the workers' users and reader get no grants in cluster {topo.cluster} (they go through "
                  f"the etcd gate at {', '.join(topo.etcd.gate.endpoints)})")
     if args.check:

@@ -16,8 +16,12 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING
 
 from .topology_args import add_topology_arg, load_topology_arg
+
+if TYPE_CHECKING:
+    from pdserve.cluster.etcd_auth import EtcdTLS
 
 HTTP_TIMEOUT_S = 10.0
 
@@ -113,7 +117,7 @@ def run_index(args) -> int:
     return 0
 
 
-def _cluster_of(args) -> tuple[list[str], str, object]:
+def _cluster_of(args) -> tuple[list[str], str, EtcdTLS | None]:
     """(etcd endpoints, cluster, etcd TLS): --etcd and --cluster, else the cluster `pdserve up`
     started from --topology. The etcd identity is the topology's either way (a follower's:
     `reader`, else `operator`, else `worker`), so a pod passes --etcd with its own topology."""

@@ -148,7 +148,10 @@ class Launcher:
         if self.topo.etcd.tls is not None:
             # Before any worker starts: from here on only the topology's identities get in.
             access = self.etcd_access()
-            asyncio.run(bootstrap_rbac(etcd.endpoint, self.topo.etcd_tls("root"), [access]))
+            root = self.topo.etcd_tls("root")
+            if root is None:  # etcd_tls is None only without etcd.tls, which is set here
+                raise RuntimeError("etcd.tls is not set: no root identity to bootstrap etcd's RBAC as")
+            asyncio.run(bootstrap_rbac(etcd.endpoint, root, [access]))
             users = ["root", "operator"] + (["worker"] if access.shared_worker else [])
             own = f", and one per worker id: {len(access.workers)}" if access.workers else ""
             self.progress(f"etcd      TLS with client certificates; RBAC on (users {', '.join(users)}{own})")
@@ -162,6 +165,8 @@ class Launcher:
         dies: `up` exits once the cluster is up, so it cannot. With etcd.endpoints the gate is
         yours (etcd.gate.endpoints): only its endpoints are recorded."""
         gate = self.topo.etcd.gate
+        if gate is None:  # both callers check etcd.gate first
+            raise RuntimeError("_start_gate without etcd.gate in the topology")
         if gate.endpoints:
             state.gate_endpoints = list(gate.endpoints)
             self.progress(f"etcd gate using {', '.join(state.gate_endpoints)} (etcd.gate.endpoints): workers, "

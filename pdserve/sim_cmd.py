@@ -299,11 +299,11 @@ def run_sim(args) -> int:
                 print(f"route {route}: {len(got)} requests, TTFT p50 {sim_ms:.1f} ms, the router predicted "
                       f"p50 {pred_ms:.1f} ms")
         if scaler is not None:
-            acts = [d for d in scaler.decisions if d["action"] != "hold"]
+            acts = [a for a in scaler.decisions if a["action"] != "hold"]
             print(f"planner: {len(acts)} action(s); holds are in --json")
-            for d in acts:
-                print(f"  t={d['t']:>8.1f} s {d['role']}: {d['action']} {d['current']} -> {d['desired']} "
-                      f"({d['reason']}): {d['explanation']}")
+            for a in acts:
+                print(f"  t={a['t']:>8.1f} s {a['role']}: {a['action']} {a['current']} -> {a['desired']} "
+                      f"({a['reason']}): {a['explanation']}")
     if scaler is not None:
         s["planner"] = {"decisions": scaler.decisions, "timeline": scaler.timeline}
     s["samples"] = sim.samples

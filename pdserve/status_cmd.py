@@ -178,7 +178,9 @@ def _queue_stats(state) -> dict | None:
 
     try:
         ray.init(address=state.ray_address, namespace=state.namespace, log_to_driver=False)
-        st = ray.get(ray.get_actor(state.queue_name, namespace=state.namespace).stats.remote(), timeout=10)
+        from .cluster.queue.client import ray_call_sync
+
+        st = ray_call_sync(ray.get_actor(state.queue_name, namespace=state.namespace), "stats", timeout_s=10)
         return {"depth": st.depth, "queued_tokens": st.queued_tokens, "in_flight": st.in_flight,
                 "oldest_wait_ms": st.oldest_wait_ms, "counters": st.counters, "rank_groups": _rank_groups(state)}
     except Exception as exc:  # noqa: BLE001  (status must still show the members)

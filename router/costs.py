@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from pdserve.router.policy import CostModelParams
 from pdserve.router.stepfit import StepCurveFit, check_sample
@@ -238,8 +238,8 @@ class CostModel:
 
     def _adopt_curve(self, theta: tuple[float, ...]) -> None:
         fixed, per_seq, per_token, per_kpair = theta
-        changes = dict(step_fixed_ms=fixed, step_decode_ms_per_seq=per_seq, prefill_local_ms_per_token=per_token,
-                       prefill_attention_ms_per_kpair=per_kpair)
+        changes: dict[str, Any] = dict(step_fixed_ms=fixed, step_decode_ms_per_seq=per_seq,
+                                       prefill_local_ms_per_token=per_token, prefill_attention_ms_per_kpair=per_kpair)
         if self._remote_ratio is not None:  # remote follows the local curve at its measured ratio
             changes["prefill_remote_ms_per_token"] = per_token * self._remote_ratio
         self._est = replace(self._est, **changes)
@@ -329,7 +329,7 @@ class CostModel:
         self._outlier = params.ema_outlier_factor
         self._stale_after = params.residual_stale_after
         seeded = CostEstimates.seed(params, self._est.kv_bytes_per_token)
-        changes = {
+        changes: dict[str, Any] = {  # CostEstimates fields (replace's keywords)
             name: getattr(seeded, name) for name in _ESTIMATE_NAMES if self._samples[name] == 0
         }
         if self._curve.samples == 0:
@@ -348,7 +348,8 @@ class CostModel:
 
     def _set(self, name: str, value: float) -> None:
         self._samples[name] += 1
-        self._est = replace(self._est, **{name: value})
+        change: dict[str, Any] = {name: value}  # a CostEstimates field (replace's keyword)
+        self._est = replace(self._est, **change)
 
 
 # The local drain rate (observe_drain) averages over about this many recent backlog steps, and

@@ -231,7 +231,7 @@ class KVIndexService:
     @property
     def url(self) -> str:
         host, port = self._http.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     @property
     def index(self) -> ClusterKVIndex | None:

@@ -46,15 +46,15 @@ class WorkerKVView:
                     parent = h
             elif isinstance(e, BlockRemoved):
                 for h in e.block_hashes:
-                    held = self.media.get(h)
-                    if held is None:
+                    holding = self.media.get(h)
+                    if holding is None:
                         continue
-                    held.discard(e.medium)
-                    if e.medium is None or not held:  # a remove without a medium: from every tier
+                    holding.discard(e.medium)
+                    if e.medium is None or not holding:  # a remove without a medium: from every tier
                         del self.media[h]
                         self.blocks.pop(h, None)
                     else:
-                        self.blocks[h] = (self.blocks[h][0], _fastest(held))
+                        self.blocks[h] = (self.blocks[h][0], _fastest(holding))
             elif isinstance(e, AllBlocksCleared):
                 self.blocks.clear()
                 self.media.clear()

@@ -12,10 +12,15 @@ written to the planner's state before the backend is called. The planner provide
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any, Callable
 
 from pdserve.cluster.planner.decide import Decision
 from pdserve.cluster.planner.observe import Snapshot
 from pdserve.cluster.planner.state import current_replicas
+
+if TYPE_CHECKING:
+    from pdserve.cluster.planner.state import PlannerMetrics, PlannerState
+    from pdserve.cluster.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +37,25 @@ def _index_of(worker_id: str, role: str) -> int | None:
 
 class Acting:
     """The acting half of `Planner` (see the module docstring)."""
+
+    # The Planner's (declared here for the checker; no value is set)
+    state: PlannerState
+    metrics: PlannerMetrics
+    backend: Any
+    registry: Registry
+    id: str
+    cluster: str
+    clock: Callable[[], float]
+    dry_run: bool
+    known_workers: list[str]
+    worker_slots: dict[str, int]
+    if TYPE_CHECKING:
+        @property
+        def section(self) -> Any: ...
+
+        async def save_state(self) -> None: ...
+
+        def _event(self, text: str, level: int = logging.INFO) -> None: ...
 
     async def act_all(self, decisions: list[Decision], snap: Snapshot) -> None:
         """Act on one tick's decisions: role flips first (paired up/down), then the rest."""

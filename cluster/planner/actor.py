@@ -52,8 +52,10 @@ def queue_stats_fn(queue_name: str, namespace: str):
     import ray
 
     async def stats() -> dict:
+        from pdserve.cluster.queue.client import ray_call
+
         actor = ray.get_actor(queue_name, namespace=namespace)
-        st = await asyncio.wait_for(actor.stats.remote(), 10.0)
+        st = await ray_call(actor, "stats", timeout_s=10.0)  # msgpack bytes over Ray, no pickled stats
         return {k: v for k, v in dataclasses.asdict(st).items() if k != "metrics"}
 
     return stats

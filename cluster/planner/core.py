@@ -34,7 +34,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from pdserve.cluster.keys import ROLES
 from pdserve.cluster.records import TRANSIENT_ERRORS, short_error
@@ -45,6 +45,9 @@ from pdserve.cluster.planner.decide import Decision, decide, learn
 from pdserve.cluster.planner.leader import Leadership
 from pdserve.cluster.planner.observe import Observation, Snapshot, observe
 from pdserve.cluster.planner.state import PlannerMetrics, PlannerState, PlannerStateError, current_replicas
+
+if TYPE_CHECKING:
+    from pdserve.cluster.watch import PolicyWatch
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class Planner(Leadership, Acting):
                  parse_policy: Callable[[str, str], Any] | None = None, policy_path: str | None = None,
                  dry_run: bool = False, clock: Callable[[], float] = time.time, history: int = HISTORY,
                  leader_ttl_s: int = LEADER_TTL_S, metrics_host: str = "127.0.0.1", metrics_port: int | None = 0,
-                 known_workers: list[str] = (), etcd_tls=None, worker_slots: dict[str, int] | None = None):
+                 known_workers: Sequence[str] = (), etcd_tls=None, worker_slots: dict[str, int] | None = None):
         self.cluster = cluster
         self.registry = Registry(etcd_endpoints, cluster, tls=etcd_tls)  # etcd_tls: the operator identity
         self.keys = self.registry.keys
@@ -93,9 +96,9 @@ class Planner(Leadership, Acting):
         self.last_decision_at: float | None = None
         self.leader = False
         self._lease = None
-        self._keepalive: asyncio.Task | None = None
+        self._keepalive: asyncio.Task[None] | None = None
         self._policy_mtime: int | None = None
-        self._policy_watch = None
+        self._policy_watch: PolicyWatch | None = None
         self.log: list[str] = []  # recent events, newest last (for tests and `explain`)
 
     @property
@@ -115,8 +118,9 @@ class Planner(Leadership, Acting):
             raise TimeoutError(f"cluster {self.cluster} already has a planner (see planner/leader in etcd)")
         await self.load_state()
         if self.parse_policy is not None:
+            parse = self.parse_policy  # (set once, by __init__)
             self._policy_watch = await self.registry.watch_policy(
-                "autoscale", lambda text: self.parse_policy(text, f"etcd {self.keys.policy('autoscale').decode()}"),
+                "autoscale", lambda text: parse(text, f"etcd {self.keys.policy('autoscale').decode()}"),
                 on_change=lambda p: self._set_policy(p, "etcd"), on_reject=self._reject_policy)
         if self.policy_path:
             self._policy_mtime = _mtime(self.policy_path)

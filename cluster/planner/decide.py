@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from pdserve.cluster.planner.observe import Observation, RoleView
 
@@ -24,7 +24,9 @@ from pdserve.cluster.planner.observe import Observation, RoleView
 # plane does not import the router, it is handed a parsed policy (see cluster/planner/core.py), and
 # reads its fields: prefill/decode (min_replicas, max_replicas, scale_up/scale_down
 # thresholds with `set_values()`), mode, sla, max_step, cooldown_s, gpu_budget.
-AutoscaleSection = RoleScaling = SlaTargets = Any
+AutoscaleSection: TypeAlias = Any
+RoleScaling: TypeAlias = Any
+SlaTargets: TypeAlias = Any
 
 EWMA_ALPHA = 0.3  # weight of a new capacity sample
 MIN_BUSY_SAMPLE_S = 0.5  # a prefill capacity sample needs this much work behind it
@@ -171,6 +173,8 @@ def _sla_decode(sla: SlaTargets, view: RoleView, memory: Memory) -> tuple[float,
     """(demand in sequences, sequences one worker is planned to hold, figures), or why not."""
     model = decode_step_model(memory.decode_points)
     itl = sla.itl_ms
+    fixed: float | None
+    per_seq: float | None
     if model is not None:
         fixed, per_seq = model
         seqs = (itl - fixed) / per_seq if itl > fixed else 1.0

@@ -15,14 +15,31 @@ import logging
 import os
 import socket
 import time
+from typing import TYPE_CHECKING, Callable
 
 from pdserve.cluster.records import TRANSIENT_ERRORS, short_error
+
+if TYPE_CHECKING:
+    from pdserve.cluster.keys import Keyspace
+    from pdserve.cluster.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
 class Leadership:
     """The election half of `Planner` (see the module docstring)."""
+
+    # The Planner's (declared here for the checker; no value is set)
+    registry: Registry
+    keys: Keyspace
+    id: str
+    cluster: str
+    clock: Callable[[], float]
+    leader_ttl_s: int
+    _keepalive: asyncio.Task[None] | None
+    if TYPE_CHECKING:
+        @property
+        def metrics_address(self) -> str | None: ...
 
     async def acquire(self, timeout_s: float | None = None) -> bool:
         """Become the cluster's planner: create the leased leader key, or wait for the current

@@ -98,8 +98,8 @@ def _delta(cur: dict, prev: dict, key: str) -> float | None:
 
 
 def _sum_deltas(pairs: list[tuple[dict, dict]], key: str) -> float | None:
-    deltas = [_delta(cur, prev, key) for cur, prev in pairs]
-    deltas = [d for d in deltas if d is not None]
+    maybe = [_delta(cur, prev, key) for cur, prev in pairs]
+    deltas = [d for d in maybe if d is not None]
     return sum(deltas) if deltas else None
 
 
@@ -156,8 +156,8 @@ def observe(past: Snapshot | list[Snapshot] | None, cur: Snapshot, min_span_s: f
             busy.append(None if b is None else min(1.0, b / span))
 
         def rate(key: str) -> float | None:
-            parts = [(_delta(c, p, key), span) for (c, p), span in zip(pairs, spans)]
-            parts = [d / span for d, span in parts if d is not None]
+            timed = [(_delta(c, p, key), span) for (c, p), span in zip(pairs, spans)]
+            parts = [d / span for d, span in timed if d is not None]
             return sum(parts) if parts else None
 
         view.utilization = _scale(_mean(busy))

@@ -94,7 +94,7 @@ def current_replicas(snapshot: Snapshot, state: PlannerState) -> tuple[dict[str,
     """(replicas counted per role, serving worker ids per role): registered workers that are
     not draining or changing role, plus workers starting (or arriving from the other role)
     that have not registered yet."""
-    serving = {r: [] for r in ROLES}
+    serving: dict[str, list[str]] = {r: [] for r in ROLES}
     for wid, rec in snapshot.workers.items():
         if rec.get("role") in serving and state.pending.get(wid, {}).get("state") not in ("draining", "flipping"):
             serving[rec["role"]].append(wid)

@@ -26,7 +26,10 @@ from pdserve.cluster.keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFA
 from pdserve.cluster.runtime import freeze_gc_heap
 from pdserve.kvtransfer.task import PrefillTask
 
+import msgpack
+
 from pdserve.cluster.queue.core import QueueCore
+from pdserve.cluster.queue.frames import CODECS, WireError, unpack_body
 from pdserve.cluster.queue.liveness import DEFAULT_STALL_S
 from pdserve.cluster.queue.metrics import QueueMetrics
 from pdserve.cluster.queue.server import WireServer, server_tls
@@ -81,6 +84,27 @@ class PrefillQueue:
         self._wire_server: WireServer | None = None
         freeze_gc_heap("prefill queue actor")  # no 30 ms full-collection pauses in the hot path
 
+    async def call_coded(self, payload: bytes) -> bytes:
+        """One queue call over Ray when the wire is not used (``queue.transport: ray``, or
+        ``auto`` where the wire is unreachable): the request is `frames.pack_call`'s msgpack
+        body, the answer the wire's response body (``{"ok": true, "r": ...}`` or ``{"ok":
+        false, "error": {"type", "message"}}``), both encoded by the method's codec. So Ray
+        carries bytes only: no task, result or exception object is pickled across nodes."""
+        method = None
+        try:
+            body = unpack_body(payload, "call_coded")
+            method, args = (body.get("m"), body.get("a")) if isinstance(body, dict) else (None, None)
+            if method not in CODECS:
+                raise WireError(f"unknown method {method!r}; the queue serves {sorted(CODECS)}")
+            if not isinstance(args, list):
+                raise WireError(f"{method}: 'a' must be a list of arguments")
+            codec = CODECS[method]
+            result = await getattr(self, method)(*codec.decode_args(args))
+            answer: dict[str, Any] = {"ok": True, "r": codec.encode_result(result)}
+        except Exception as exc:  # noqa: BLE001  (every error goes back to the caller, typed)
+            answer = {"ok": False, "error": {"type": type(exc).__name__, "message": str(exc)}}
+        return msgpack.packb(answer, use_bin_type=True)
+
     async def wire_endpoint(self) -> dict | None:
         """Where the wire listens: {"host", "port", "token", "node_id", "tls"}, started on first
         call; None when wire_bind is "off". A `wire_tls` file that does not load raises here,
@@ -98,7 +122,7 @@ class PrefillQueue:
         host, port = await self._wire_server.start(host)
         node_id = ray.get_runtime_context().get_node_id()
         log.info("prefill queue wire on %s:%d (node %s, %s)", host, port, node_id[:12],
-                 "TLS" + (", client certificates required" if self._wire_tls.get("client_ca") else "")
+                 "TLS" + (", client certificates required" if (self._wire_tls or {}).get("client_ca") else "")
                  if tls else "plaintext")
         if tls is None and self._wire_bind == "node":
             log.warning("the prefill queue wire serves %s:%d without TLS: its token and the tasks cross the network "
@@ -270,6 +294,7 @@ def get_or_create_queue(name: str = DEFAULT_QUEUE_NAME, namespace: str = DEFAULT
         options["resources"] = {"node:__internal_head__": 0.001}
     if detached:
         options["lifetime"] = "detached"
-    return PrefillQueue.options(**options).remote(capacity=capacity, max_requeues=max_requeues,
-                                                  wire_bind=wire_bind, metrics_port=metrics_port,
-                                                  wire_tls=wire_tls, stall_s=stall_s)
+    actor_cls: Any = PrefillQueue  # @ray.remote made the class a Ray ActorClass (ray is read as Any)
+    return actor_cls.options(**options).remote(capacity=capacity, max_requeues=max_requeues,
+                                               wire_bind=wire_bind, metrics_port=metrics_port,
+                                               wire_tls=wire_tls, stall_s=stall_s)

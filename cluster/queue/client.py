@@ -24,7 +24,16 @@ from typing import Any
 
 from pdserve.cluster.security import ClientTLS
 
-from pdserve.cluster.queue.frames import CODECS, HELLO_TIMEOUT_S, WIRE_VERSION, WireError, pack_frame, read_frame
+from pdserve.cluster.queue.frames import (
+    CODECS,
+    HELLO_TIMEOUT_S,
+    WIRE_VERSION,
+    WireError,
+    pack_call,
+    pack_frame,
+    read_frame,
+    unpack_body,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +92,8 @@ class _Connection:
         try:
             while True:
                 body = await read_frame(self.reader)
-                fut = self.pending.pop(body.get("id"), None) if isinstance(body, dict) else None
+                reply_id = body.get("id") if isinstance(body, dict) else None
+                fut = self.pending.pop(reply_id, None) if reply_id is not None else None
                 if fut is None:
                     if isinstance(body, dict) and body.get("id") == 0 and not body.get("ok", True):
                         raise QueueUnavailableError(f"queue closed the connection: {body.get('error')}")
@@ -211,22 +221,33 @@ class QueueClient:
             raise RuntimeError("QueueClient is bound to the event loop it first ran in; "
                                "make one client per event loop")
         timeout_s = wait_s + CALL_SLACK_S
+        codec = CODECS[method]
         if self.transport == "ray" or self.in_use == "ray":
             self.in_use = "ray"
-            return await asyncio.wait_for(getattr(self.handle, method).remote(*args), timeout_s)
+            return await self._ray_call(method, args, timeout_s)
         conn = self._conn
         if conn is None or conn.closed is not None:
             conn = await self._connect()
             if conn is None:  # auto: the wire is not reachable from here
-                return await asyncio.wait_for(getattr(self.handle, method).remote(*args), timeout_s)
-        codec = CODECS[method]
+                return await self._ray_call(method, args, timeout_s)
         body = await conn.call(method, codec.encode_args(list(args)), timeout_s)
+        return self._result(codec, body)
+
+    async def _ray_call(self, method: str, args: tuple, timeout_s: float) -> Any:
+        """The same call over Ray, coded as the wire codes it (`PrefillQueue.call_coded`):
+        Ray carries msgpack bytes, never a pickled task or result."""
+        return await ray_call(self.handle, method, *args, timeout_s=timeout_s)
+
+    @staticmethod
+    def _result(codec, body: dict) -> Any:
         if not body.get("ok"):
             err = body.get("error") or {}
             raise QueueCallError(str(err.get("type", "Error")), str(err.get("message", "")))
         return codec.decode_result(body.get("r"))
 
     async def _connect(self) -> _Connection | None:
+        if self._connecting is None:  # _call binds the lock with the loop before it connects
+            raise RuntimeError("QueueClient._connect before _call bound it to an event loop")
         async with self._connecting:
             if self._conn is not None and self._conn.closed is None:
                 return self._conn
@@ -297,6 +318,27 @@ class QueueClient:
                 return (f"its wire listens on loopback of another Ray node ({endpoint['node_id'][:12]}); "
                         f"set queue.wire_bind: node in the topology for multi-node clusters")
         return None
+
+
+async def ray_call(handle, method: str, *args, timeout_s: float = CALL_SLACK_S) -> Any:
+    """One queue call on an actor handle over Ray, coded as the wire codes it: for callers
+    that hold a handle but no client (the planner, `pdserve status`). Ray carries bytes only."""
+    raw = await asyncio.wait_for(handle.call_coded.remote(pack_call(method, list(args))), timeout_s)
+    body = unpack_body(raw, f"{method} over Ray")
+    if not isinstance(body, dict):
+        raise WireError(f"{method} over Ray: the answer is not a response body")
+    return QueueClient._result(CODECS[method], body)
+
+
+def ray_call_sync(handle, method: str, *args, timeout_s: float = CALL_SLACK_S) -> Any:
+    """`ray_call` from synchronous code (no event loop running in this thread)."""
+    import ray
+
+    body = unpack_body(ray.get(handle.call_coded.remote(pack_call(method, list(args))), timeout=timeout_s),
+                       f"{method} over Ray")
+    if not isinstance(body, dict):
+        raise WireError(f"{method} over Ray: the answer is not a response body")
+    return QueueClient._result(CODECS[method], body)
 
 
 def open_queue(cfg, who: str) -> QueueClient:

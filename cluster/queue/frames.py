@@ -71,6 +71,23 @@ def error_body(call_id: int, type_name: str, message: str) -> dict[str, Any]:
     return {"id": call_id, "ok": False, "error": {"type": type_name, "message": message}}
 
 
+def pack_call(method: str, args: list) -> bytes:
+    """A call as the Ray fallback carries it (`PrefillQueue.call_coded`): the method's
+    arguments encoded by its codec, in one msgpack body, so Ray moves bytes and never pickles
+    a task or any other queue value across nodes."""
+    return msgpack.packb({"m": method, "a": CODECS[method].encode_args(list(args))}, use_bin_type=True)
+
+
+def unpack_body(payload: bytes, what: str) -> Any:
+    """A msgpack body from the Ray fallback; WireError if it is not one."""
+    if not isinstance(payload, (bytes, bytearray)) or len(payload) > MAX_FRAME_BYTES:
+        raise WireError(f"{what}: expected at most {MAX_FRAME_BYTES} bytes of msgpack")
+    try:
+        return msgpack.unpackb(payload, raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise WireError(f"{what}: undecodable body: {exc}") from None
+
+
 # -- values -----------------------------------------------------------------------------
 def to_wire(obj: Any) -> dict[str, Any]:
     """A queue value (PrefillTask, PutResult, QueueStats, FailedTask) as a map of its fields

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from pdserve.kvtransfer.task import PrefillTask
 
@@ -62,6 +62,10 @@ def check_progress(progress) -> tuple[int, float, float]:
 
 class WorkerLiveness:
     """The liveness half of `QueueCore` (see the module docstring)."""
+
+    # QueueCore's (declared here for the checker; no value is set)
+    _clock: Callable[[], float]
+    instance_id: str
 
     def _init_liveness(self, stall_s: float) -> None:
         if not stall_s > 0:

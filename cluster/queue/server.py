@@ -86,7 +86,8 @@ class WireServer:
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        tls = {"ssl": self.tls, "ssl_handshake_timeout": HELLO_TIMEOUT_S} if self.tls is not None else {}
+        tls: dict[str, Any] = ({"ssl": self.tls, "ssl_handshake_timeout": HELLO_TIMEOUT_S}
+                               if self.tls is not None else {})
         self._server = await asyncio.start_server(self._serve, host, port, limit=1 << 20, **tls)
         sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
         return sock_host, sock_port
@@ -137,7 +138,7 @@ class WireServer:
             writer.close()
 
     async def _call(self, writer: asyncio.StreamWriter, request: Any) -> None:
-        call_id = request.get("id") if isinstance(request, dict) else None
+        call_id: Any = request.get("id") if isinstance(request, dict) else None  # as the client sent it
         method, result, error = None, None, None
         try:
             if not isinstance(call_id, int) or call_id <= 0:

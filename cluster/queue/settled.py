@@ -12,6 +12,7 @@ both ways: a key is forgotten at its deadline, and the oldest go first beyond
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 from pdserve.kvtransfer.task import PrefillTask
 
@@ -20,6 +21,8 @@ MAX_SETTLED_REMEMBERED = 200_000  # settled keys kept until their deadline (the 
 
 class SettledTasks:
     """The replay memory of `QueueCore` (see the module docstring)."""
+
+    _clock: Callable[[], float]  # QueueCore's (declared here for the checker; no value is set)
 
     def _init_settled(self) -> None:
         self._settled: dict[tuple[str, int], float] = {}  # key -> deadline: refused by put/hold until then

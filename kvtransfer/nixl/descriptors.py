@@ -160,7 +160,7 @@ def plan_head_write(
     layer_ids = _layer_ids(layers, local.num_layers)
     head_bytes = local.head_bytes
     layer_col = np.asarray(layer_ids, dtype=np.int64)[:, None, None]
-    half = np.arange(2, dtype=np.int64)[None, None, :]  # K, V
+    half: np.ndarray = np.arange(2, dtype=np.int64)[None, None, :]  # K, V
     local_offsets = ((layer_col * local.num_blocks + src[None, :, None]) * local.block_bytes
                      + half * local.half_bytes + src_head * head_bytes)
     remote_offsets = ((layer_col * remote.num_blocks + dst[None, :, None]) * remote.block_bytes

@@ -29,33 +29,27 @@ _ids = itertools.count()
 
 
 class SyncQueue:
-    """The queue's API as blocking calls, over one transport: "ray" (actor calls on the
-    handle) or "wire" (a QueueClient on an event loop in a thread)."""
+    """The queue's API as blocking calls, through the product's client over one transport:
+    "ray" (its Ray fallback: coded calls on the actor handle) or "wire" (its socket), each
+    client on an event loop in a thread."""
 
     def __init__(self, handle, transport: str):
         self.handle, self.transport = handle, transport
-        if transport == "wire":
-            self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-            self._thread.start()
-            self.client = QueueClient(handle, "wire")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.client = QueueClient(handle, transport)
 
     def submit(self, method: str, *args, **kwargs) -> concurrent.futures.Future:
-        if self.transport == "ray":
-            fut = concurrent.futures.Future()
-            ref = getattr(self.handle, method).remote(*args, **kwargs)
-            threading.Thread(target=lambda: fut.set_result(ray.get(ref, timeout=60)), daemon=True).start()
-            return fut
         return asyncio.run_coroutine_threadsafe(getattr(self.client, method)(*args, **kwargs), self._loop)
 
     def __getattr__(self, method: str):
         return lambda *args, **kwargs: self.submit(method, *args, **kwargs).result(timeout=60)
 
     def close(self) -> None:
-        if self.transport == "wire":
-            asyncio.run_coroutine_threadsafe(self.client.close(), self._loop).result(timeout=10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+        asyncio.run_coroutine_threadsafe(self.client.close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
 
 
 def new_queue(transport: str, capacity: int = 64) -> SyncQueue:
@@ -481,9 +475,8 @@ def test_a_beat_carries_the_compute_progress_over_both_transports(queue):
     assert queue.beat("p0") == {"instance": instance, "cancelled": []}
     stats = queue.stats()
     assert stats.live_workers == 1 and stats.in_flight == {"p0": 1}
-    if queue.transport == "wire":  # (SyncQueue's Ray path does not hand back an actor's error)
-        with pytest.raises(QueueCallError, match="ValueError: beat: progress.since_s"):
-            queue.beat("p0", progress(4, -1.0, 2.0))
+    with pytest.raises(QueueCallError, match="ValueError: beat: progress.since_s"):  # typed, both ways
+        queue.beat("p0", progress(4, -1.0, 2.0))
 
 
 async def test_worker_removed_from_the_registry_gets_its_tasks_requeued(ray_local, transport, etcd, cluster_name):
@@ -575,6 +568,43 @@ def test_a_restarted_queue_reports_a_new_instance_and_held_tasks_are_not_handed_
         assert ids(q.get_batch("p1", max_tokens=100)) == ["b"]
         assert q.stats().in_flight == {"p0": 1, "p1": 1}
         assert q.complete("p0", "a")
+    finally:
+        q.close()
+        ray.kill(q.handle)
+
+
+class RecordingHandle:
+    """An actor handle that records which actor methods a client calls over Ray."""
+
+    def __init__(self, handle):
+        self._handle, self.called = handle, []
+
+    def __getattr__(self, name):
+        self.called.append(name)
+        return getattr(self._handle, name)
+
+
+def test_the_ray_fallback_moves_only_coded_bytes(ray_local):
+    """Over Ray the client calls one actor method, `call_coded`, with msgpack bytes, and gets
+    bytes back: no task, result or exception object is pickled across nodes. A task round-trips
+    exactly, and an actor's error comes back typed."""
+    from pdserve.cluster.queue.frames import pack_call, unpack_body
+
+    q = new_queue("ray")
+    recorder = RecordingHandle(q.handle)
+    q.client.handle = recorder
+    try:
+        sent = task(request_id="coded", cached=2, deadline=time.time() + 60)
+        assert q.put(sent).ok
+        (got,) = q.get_batch("p0", max_tokens=100)
+        assert got == sent
+        with pytest.raises(QueueCallError, match="ValueError"):
+            q.beat("p0", progress(4, -1.0, 2.0))
+        assert set(recorder.called) == {"call_coded"}, recorder.called
+        raw = ray.get(q.handle.call_coded.remote(pack_call("stats", [])), timeout=30)
+        assert isinstance(raw, bytes) and unpack_body(raw, "stats")["ok"] is True
+        bad = unpack_body(ray.get(q.handle.call_coded.remote(b"\xc1not msgpack"), timeout=30), "bad")
+        assert bad["ok"] is False and bad["error"]["type"] == "WireError"
     finally:
         q.close()
         ray.kill(q.handle)
