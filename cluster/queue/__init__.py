@@ -2,7 +2,7 @@
 
 One module per concern; each imports its siblings directly, never this file:
 
-- ``task``: `PutResult`, `FailedTask`, `QueueStats` and put()'s refusal reasons (plain
+- ``answers``: `PutResult`, `FailedTask`, `QueueStats` and put()'s refusal reasons (plain
   dataclasses; no Ray). The task itself and the failure reasons are the handoff's
   (pdserve.kvtransfer: task.py, outcomes.py).
 - ``core``: `QueueCore`, the whole policy (order, budgeted batches, in-flight

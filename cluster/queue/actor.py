@@ -33,7 +33,7 @@ from pdserve.cluster.queue.frames import CODECS, WireError, unpack_body
 from pdserve.cluster.queue.liveness import DEFAULT_STALL_S
 from pdserve.cluster.queue.metrics import QueueMetrics
 from pdserve.cluster.queue.server import WireServer, server_tls
-from pdserve.cluster.queue.task import FailedTask, PutResult, QueueStats
+from pdserve.cluster.queue.answers import FailedTask, PutResult, QueueStats
 
 log = logging.getLogger(__name__)
 

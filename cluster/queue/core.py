@@ -33,7 +33,7 @@ from pdserve.kvtransfer.task import PrefillTask
 
 from pdserve.cluster.queue.liveness import DEFAULT_STALL_S, WorkerLiveness
 from pdserve.cluster.queue.settled import SettledTasks
-from pdserve.cluster.queue.task import (
+from pdserve.cluster.queue.answers import (
     ALREADY_DONE,
     DEADLINE_PASSED,
     DUPLICATE,

@@ -29,7 +29,7 @@ import msgpack
 
 from pdserve.kvtransfer.task import PrefillTask, TaskFormatError, task_from_wire, task_to_wire
 
-from pdserve.cluster.queue.task import FailedTask, PutResult, QueueStats
+from pdserve.cluster.queue.answers import FailedTask, PutResult, QueueStats
 
 WIRE_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20

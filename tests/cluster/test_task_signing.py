@@ -15,7 +15,7 @@ from pdserve.cluster.queue import BAD_SIGNATURE, NO_KEY, TaskSigner, verify_task
 from pdserve.cluster.queue.core import QueueCore
 from pdserve.cluster.queue.frames import from_wire, pack_frame, read_frame, to_wire
 from pdserve.cluster.queue.signing import NO_DEADLINE, UNSIGNED
-from pdserve.cluster.queue.task import ALREADY_DONE, DEADLINE_PASSED
+from pdserve.cluster.queue.answers import ALREADY_DONE, DEADLINE_PASSED
 
 NOW = 1_000.0
 
