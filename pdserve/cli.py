@@ -8,27 +8,24 @@ to the code it drives.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from importlib.metadata import entry_points
 
 # The planner's autoscale policy is a kind of policy file the router's loader reads once it is
 # registered: `pdserve policy check` (router/cli.py) validates autoscale files through it.
 import pdserve.cluster.planner.policy  # noqa: F401
+from pdserve import cluster_cli, gateway_cmd, kv_cmd, launch, planner_cmd, sim_cmd, worker_cmd
+from pdserve.decode import cli as decode_cli
+from pdserve.engine import cli as engine_cli
+from pdserve.router import cli as router_cli
 
 # Modules that contribute subcommands, in the order `pdserve --help` lists them.
-COMMAND_MODULES = (
-    "pdserve.engine.cli",
-    "pdserve.router.cli",
-    "pdserve.decode.cli",
-    "pdserve.cluster_cli",
-    "pdserve.launch",
-    "pdserve.planner_cmd",
-    "pdserve.worker_cmd",
-    "pdserve.kv_cmd",
-    "pdserve.gateway_cmd",
-    "pdserve.sim_cmd",
-    "pdserve.bench.cli",
-)
+COMMAND_MODULES = (engine_cli, router_cli, decode_cli, cluster_cli, launch, planner_cmd, worker_cmd, kv_cmd,
+                   gateway_cmd, sim_cmd)
+# Commands from outside the product, declared as entry points of this group (pyproject.toml):
+# `pdserve bench` is bench/'s (the product never imports bench/), and a plugin adds its own
+# the same way. Each entry point is a ``register(subparsers)`` function.
+PLUGIN_GROUP = "pdserve.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    for module in COMMAND_MODULES:
+        module.register(subparsers)
+    for plugin in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        plugin.load()(subparsers)
     return parser
 
 

@@ -368,8 +368,3 @@ def _ints(text: str, flag: str) -> list[int]:
         raise ValueError(f"{flag} {text!r}: sizes must be >= 1")
     return out
 
-
-if __name__ == "__main__":
-    from pdserve.cli import main
-
-    sys.exit(main(["sim", *sys.argv[1:]]))
