@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import re
-import sys
 import time
 
 import yaml
