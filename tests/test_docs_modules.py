@@ -54,3 +54,30 @@ def test_the_request_walk_names_files_that_exist():
     assert len(named) >= 20, sorted(named)
     missing = sorted(p for p in named if not (ROOT / p).is_file())
     assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
+
+
+def test_the_etcd_keyspace_in_the_map_lists_every_key_family():
+    """docs/architecture.md's etcd keyspace names every kind of key `Keyspace` builds, and
+    nothing it does not build."""
+    import inspect
+
+    from pdserve.cluster.keys import Keyspace
+
+    ks = Keyspace("c")
+    built = set()
+    for name, fn in inspect.getmembers(ks, inspect.ismethod):
+        if name.startswith("_") or name in ("parse_worker",):
+            continue
+        params = list(inspect.signature(fn).parameters)
+        args = {"role": "prefill", "worker_id": "w0", "kind": "router", "seq": 0}
+        key = fn(**{p: args[p] for p in params}).decode()
+        family = key.removeprefix("/pdserve/c/").split("/")[0:2]
+        built.add("/".join(family) if family[0] in ("planner", "config") else family[0])
+    built |= {"config/autoscale"}  # the second policy kind
+    text = section("docs/architecture.md", "### etcd keyspace")
+    listed = set()
+    for line in re.findall(r"^    /pdserve/<cluster>/(\S+)", text, re.M):
+        parts = line.split("/")
+        listed.add("/".join(parts[:2]) if parts[0] in ("planner", "config") else parts[0])
+    built.discard("")  # prefix() is the root itself
+    assert listed == built, f"the map lists {sorted(listed)}; Keyspace builds {sorted(built)}"
