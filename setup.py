@@ -1,12 +1,13 @@
-"""Build hook: the package layout and the gRPC stubs.
+"""Build hook: the package list and the gRPC stubs.
 
-pdserve is one import package whose subpackages are the repository's top-level
-folders (PACKAGE_DIRS); every folder below them with an ``__init__.py`` is a
-package too, found here so that no package can be left out of the wheel by a
-hand-kept list. The gRPC stubs are generated from api/proto at build/install
-time, never hand-edited or committed; `pip install .` and `pip install -e .`
-both run `build_py`, which runs protoc (grpcio-tools) first. Everything else
-about the package lives in pyproject.toml.
+pdserve is one import package, the folder pdserve/; its subpackages are the design card's
+folders (pdserve/cluster, pdserve/engine, ...), each also reachable at the top of the checkout
+by a link of its name (cluster -> pdserve/cluster). Every folder below pdserve/ with an
+``__init__.py`` is a package, found here so that no package can be left out of the wheel by a
+hand-kept list. The gRPC stubs are generated from pdserve/api/proto at build/install time,
+never hand-edited or committed; `pip install .` and `pip install -e .` both run `build_py`,
+which runs protoc (grpcio-tools) first. Everything else about the package lives in
+pyproject.toml.
 """
 
 import glob
@@ -18,22 +19,6 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# subpackage -> folder (relative to this file)
-PACKAGE_DIRS = {
-    "pdserve": "pdserve",
-    "pdserve.common": "common",
-    "pdserve.engine": "engine",
-    "pdserve.kvtransfer": "kvtransfer",
-    "pdserve.router": "router",
-    "pdserve.cluster": "cluster",
-    "pdserve.prefill": "prefill",
-    "pdserve.decode": "decode",
-    "pdserve.gateway": "gateway",
-    "pdserve.sim": "sim",
-    "pdserve.api": "api",
-    "pdserve.bench": "bench",
-    "pdserve.configs": "configs",
-}
 PACKAGE_DATA = {
     "pdserve.api": ["proto/pdserve/api/v1/*.proto"],
     "pdserve.api.v1": ["*.pyi"],
@@ -44,22 +29,15 @@ PACKAGE_DATA = {
 
 
 def discover_packages() -> list[str]:
-    """Every package: the mapped folders and each folder below them with an __init__.py."""
-    found = []
-    for name, folder in PACKAGE_DIRS.items():
-        root = os.path.join(HERE, folder)
-        if not os.path.isfile(os.path.join(root, "__init__.py")):
-            raise RuntimeError(f"{folder}/ is mapped to {name} but has no __init__.py")
-        found.append(name)
-        # pdserve/ holds a link to each subpackage's folder (for tools reading the tree,
-        # docs/architecture.md "Layout"): those are found through their own mapping, not the link
-        links = [f"{sub.split('.', 1)[1]}*" for sub in PACKAGE_DIRS if name == "pdserve" and sub != "pdserve"]
-        found += [f"{name}.{sub}" for sub in find_packages(root, exclude=links)]
-    return sorted(found)
-PROTO_ROOT = os.path.join(HERE, "api", "proto")
-# Protos under pdserve/api/v1 become modules of the `pdserve.api.v1` package (folder api/v1).
+    """pdserve and every folder below it with an __init__.py (the links at the top of the
+    checkout are not packages of their own: only pdserve.* is)."""
+    return sorted(["pdserve", *(f"pdserve.{sub}" for sub in find_packages(os.path.join(HERE, "pdserve")))])
+
+
+PROTO_ROOT = os.path.join(HERE, "pdserve", "api", "proto")
+# Protos under pdserve/api/v1 become modules of the `pdserve.api.v1` package (folder pdserve/api/v1).
 PROTO_PACKAGE_DIR = os.path.join("pdserve", "api", "v1")
-OUT_DIR = os.path.join(HERE, "api", "v1")
+OUT_DIR = os.path.join(HERE, "pdserve", "api", "v1")
 
 
 def generate_protos() -> None:
@@ -86,7 +64,6 @@ class BuildPyWithProtos(build_py):
 
 setup(
     packages=discover_packages(),
-    package_dir=PACKAGE_DIRS,
     package_data=PACKAGE_DATA,
     cmdclass={"build_py": BuildPyWithProtos},
 )

@@ -1,7 +1,7 @@
-"""The type checker sees the package graph (pdserve/ links each top-level folder:
-docs/architecture.md, "Layout") and the product type-checks at the strictness pyproject.toml
-states. The modules not yet clean are listed there with ``ignore_errors``; this keeps the list
-exact: a module that became clean must leave it, and a module outside it may not gain an error.
+"""The type checker sees the package graph (the package pdserve/: docs/architecture.md,
+"Layout") and the product type-checks at the strictness pyproject.toml states. The modules not
+yet clean are listed there with ``ignore_errors``; this keeps the list exact: a module that
+became clean must leave it, and a module outside it may not gain an error.
 ``.ci/run`` runs ``mypy -p pdserve`` itself as well."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_the_product_type_checks_and_the_not_yet_clean_list_is_exact(tmp_path):
 
 def test_the_checker_fails_on_a_planted_error(tmp_path):
     """A type error planted in a clean module of a copy of the settings is reported (so the
-    check can fail): mypy reads the planted file through the same pdserve/ links."""
+    check can fail): mypy resolves the package's modules from the tree."""
     cfg, overrides, pending = mypy_settings()
     clean = ROOT / "router" / "values.py"
     assert "pdserve.router.values" not in pending

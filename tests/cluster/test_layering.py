@@ -2,8 +2,9 @@
 which, exactly.
 
 The import graph is grimp's (the library import-linter is built on), read from the source
-tree: `pdserve/` holds a link to each top-level folder, so the tool resolves every
-``pdserve.*`` import as a type checker or an IDE does. Every ``import`` / ``from ... import``
+tree: `pdserve/` is a regular package whose subpackages are the design card's folders (each
+also linked at the top of the checkout), so the tool resolves every ``pdserve.*`` import as a
+type checker or an IDE does. Every ``import`` / ``from ... import``
 counts, at module level, inside functions and under ``if TYPE_CHECKING:`` alike (a type-only
 arrow is still an arrow; only the cycle check leaves type-only imports out, since they never
 run).
@@ -89,12 +90,12 @@ def imports_by_folder(g: grimp.ImportGraph) -> dict[str, dict[str, list[tuple[st
 
 
 def test_the_tools_see_every_folder_through_the_package():
-    """The point of the links: a tool reading the tree resolves pdserve.cluster.queue.core,
-    not 17 unconnected folders."""
+    """A tool reading the tree resolves pdserve.cluster.queue.core and the arrows between
+    folders, not unconnected folders."""
     g = graph()
     for folder in FOLDERS:
         assert f"{ROOT_PACKAGE}.{folder}" in g.modules, f"grimp does not see {folder}/ as {ROOT_PACKAGE}.{folder}"
-        assert (ROOT / ROOT_PACKAGE / folder).resolve() == (ROOT / folder).resolve()
+    assert "pdserve.cluster.queue.core" in g.modules
     importers = g.find_modules_that_directly_import("pdserve.cluster.registry")
     assert len({folder_of(m) for m in importers} - {"cluster"}) >= 2, importers  # arrows from other folders
 
@@ -166,19 +167,16 @@ def test_the_table_has_no_cycle_and_names_only_folders():
     assert find_cycle({f: set(v) - {ROOT_PACKAGE} for f, v in TABLE.items() if f != ROOT_PACKAGE}) is None
 
 
-def test_every_code_folder_of_the_package_is_checked_and_linked():
-    """A subpackage in setup.py's PACKAGE_DIRS has a row in the table and its link in pdserve/
-    (setup.py is parsed, not run)."""
-    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
-    node = next(n.value for n in tree.body if isinstance(n, ast.Assign)
-                and any(isinstance(t, ast.Name) and t.id == "PACKAGE_DIRS" for t in n.targets))
-    mapped = {name.split(".")[1]: folder for name, folder in ast.literal_eval(node).items() if name != ROOT_PACKAGE}
-    assert set(mapped) == set(FOLDERS), f"PACKAGE_DIRS {sorted(mapped)} against the table's {sorted(FOLDERS)}"
-    for name, folder in mapped.items():
-        link = ROOT / ROOT_PACKAGE / name
-        assert link.is_symlink() and link.resolve() == (ROOT / folder).resolve(), f"pdserve/{name} must link ../{folder}"
-    links = {p.name for p in (ROOT / ROOT_PACKAGE).iterdir() if p.is_symlink()}
-    assert links == set(mapped), f"links in pdserve/ with no subpackage: {sorted(links - set(mapped))}"
+def test_every_folder_of_the_package_is_in_the_table_and_linked_at_the_top():
+    """Each subpackage of pdserve/ has a row in the layout table, and the design card's name
+    for it at the top of the checkout is a link to it (cluster -> pdserve/cluster)."""
+    subpackages = {p.parent.name for p in (ROOT / ROOT_PACKAGE).glob("*/__init__.py")}
+    assert subpackages == set(FOLDERS), f"pdserve/'s subpackages {sorted(subpackages)}, the table's {sorted(FOLDERS)}"
+    for name in subpackages:
+        link = ROOT / name
+        assert link.is_symlink() and link.resolve() == (ROOT / ROOT_PACKAGE / name).resolve(), \
+            f"{name} at the top must link pdserve/{name}"
+    assert not [p for p in (ROOT / ROOT_PACKAGE).iterdir() if p.is_symlink()], "pdserve/ holds the code, no links"
 
 
 # --- import-linter: the contracts `lint-imports` checks in .ci/run ----------------------------
@@ -234,26 +232,24 @@ def unresolved_imports(root: Path, modules: set[str]) -> list[str]:
     list: a lazy import left behind by a move (``from .taskqueue import ...`` in launcher.py)
     would fail only when that code runs."""
     bad = []
-    for folder in (*FOLDERS, ROOT_PACKAGE):
-        for path in sorted((root / folder).rglob("*.py")):
-            rel = path.relative_to(root)
-            parts = [ROOT_PACKAGE, *rel.with_suffix("").parts] if folder != ROOT_PACKAGE else list(
-                rel.with_suffix("").parts)
-            package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names if a.name.split(".")[0] == ROOT_PACKAGE]
-                elif isinstance(node, ast.ImportFrom):
-                    if node.level:
-                        base = package[: len(package) - (node.level - 1)]
-                        names = [".".join(base + ([node.module] if node.module else []))]
-                    elif (node.module or "").split(".")[0] == ROOT_PACKAGE:
-                        names = [node.module]
-                    else:
-                        names = []
+    for path in sorted((root / ROOT_PACKAGE).rglob("*.py")):
+        rel = path.relative_to(root)
+        parts = list(rel.with_suffix("").parts)
+        package = parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == ROOT_PACKAGE]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[: len(package) - (node.level - 1)]
+                    names = [".".join(base + ([node.module] if node.module else []))]
+                elif (node.module or "").split(".")[0] == ROOT_PACKAGE:
+                    names = [node.module]
                 else:
-                    continue
-                bad += [f"{rel.as_posix()}:{node.lineno}: {n}" for n in names if n not in modules]
+                    names = []
+            else:
+                continue
+            bad += [f"{rel.as_posix()}:{node.lineno}: {n}" for n in names if n not in modules]
     return bad
 
 
@@ -263,10 +259,9 @@ def test_every_pdserve_import_names_a_module_that_exists():
 
 
 def test_an_import_left_behind_by_a_move_is_found(tmp_path):
-    (tmp_path / "pdserve").mkdir()
+    (tmp_path / "pdserve" / "router").mkdir(parents=True)
     (tmp_path / "pdserve" / "launcher.py").write_text("def up():\n    from .taskqueue import get_or_create_queue\n")
-    for folder in FOLDERS:
-        (tmp_path / folder).mkdir()
-    (tmp_path / "router" / "a.py").write_text("import pdserve.router.b\nfrom pdserve.router import b\n")
+    (tmp_path / "pdserve" / "router" / "a.py").write_text("import pdserve.router.b\nfrom pdserve.router import b\n"
+                                                          "from . import b\n")
     assert unresolved_imports(tmp_path, {"pdserve", "pdserve.router", "pdserve.router.b"}) == [
         "pdserve/launcher.py:2: pdserve.taskqueue"]

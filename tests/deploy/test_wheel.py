@@ -5,7 +5,6 @@ CI after the tests (.ci/wheel-check: `pdserve up`, `status`, `demo`, `down`)."""
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
@@ -18,25 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _package_dirs() -> dict[str, str]:
-    """folder -> subpackage, as setup.py's PACKAGE_DIRS maps them (parsed, not run)."""
-    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
-    node = next(n.value for n in tree.body if isinstance(n, ast.Assign)
-                and any(isinstance(t, ast.Name) and t.id == "PACKAGE_DIRS" for t in n.targets))
-    return {folder: name for name, folder in ast.literal_eval(node).items()}
-
-
-FOLDERS = _package_dirs()  # every subpackage folder of the tree
-
-
 def tree_packages() -> set[str]:
-    """Every folder of the tree with an __init__.py, as its package name in the wheel."""
-    found = set()
-    for folder, name in FOLDERS.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / folder)
-            found.add(".".join([name, *rel.parts]))
-    return found
+    """Every folder of the package (pdserve/ and below) with an __init__.py, as its name."""
+    return {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "pdserve").rglob("__init__.py")}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +50,8 @@ def test_the_wheel_holds_every_package_of_the_tree_and_the_shipped_files(dist):
 def test_the_sdist_builds_the_same_packages(dist):
     (sdist,) = dist.glob("pdserve-*.tar.gz")
     names = tarfile.open(sdist).getnames()
-    for folder in FOLDERS:
-        assert any(f"/{folder}/__init__.py" in n for n in names), f"{folder}/ missing from the sdist"
+    for package in tree_packages():
+        init = "/" + package.replace(".", "/") + "/__init__.py"
+        assert any(n.endswith(init) for n in names), f"{package} missing from the sdist"
     assert any(n.endswith("/setup.py") for n in names) and any(n.endswith("/configs/topologies/1p1d-local.yaml")
                                                                  for n in names)
