@@ -324,18 +324,19 @@ async def ray_call(handle, method: str, *args, timeout_s: float = CALL_SLACK_S) 
     """One queue call on an actor handle over Ray, coded as the wire codes it: for callers
     that hold a handle but no client (the planner, `pdserve status`). Ray carries bytes only."""
     raw = await asyncio.wait_for(handle.call_coded.remote(pack_call(method, list(args))), timeout_s)
-    body = unpack_body(raw, f"{method} over Ray")
-    if not isinstance(body, dict):
-        raise WireError(f"{method} over Ray: the answer is not a response body")
-    return QueueClient._result(CODECS[method], body)
+    return _answer(method, raw)
 
 
 def ray_call_sync(handle, method: str, *args, timeout_s: float = CALL_SLACK_S) -> Any:
     """`ray_call` from synchronous code (no event loop running in this thread)."""
     import ray
 
-    body = unpack_body(ray.get(handle.call_coded.remote(pack_call(method, list(args))), timeout=timeout_s),
-                       f"{method} over Ray")
+    return _answer(method, ray.get(handle.call_coded.remote(pack_call(method, list(args))), timeout=timeout_s))
+
+
+def _answer(method: str, raw: bytes) -> Any:
+    """The result of a coded call's answer (`PrefillQueue.call_coded`), or its typed error."""
+    body = unpack_body(raw, f"{method} over Ray")
     if not isinstance(body, dict):
         raise WireError(f"{method} over Ray: the answer is not a response body")
     return QueueClient._result(CODECS[method], body)
