@@ -11,9 +11,6 @@ import argparse
 import sys
 from importlib.metadata import entry_points
 
-# The planner's autoscale policy is a kind of policy file the router's loader reads once it is
-# registered: `pdserve policy check` (router/cli.py) validates autoscale files through it.
-import pdserve.cluster.planner.policy  # noqa: F401
 from pdserve import cluster_cli, gateway_cmd, kv_cmd, launch, planner_cmd, sim_cmd, worker_cmd
 from pdserve.decode import cli as decode_cli
 from pdserve.engine import cli as engine_cli

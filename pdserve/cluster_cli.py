@@ -90,9 +90,8 @@ def run_topology_check(args: argparse.Namespace) -> int:
             topo = load_topology(name)
         except TopologyError as exc:
             failed += 1
-            for key, line, msg in exc.issues:
-                where = f"{name}:{line}" if line else name
-                print(f"{where}: {key}: {msg}", file=sys.stderr)
+            for issue in exc.issues:
+                print(issue.format(name), file=sys.stderr)
             continue
         etcd = ",".join(topo.etcd.endpoints) or "embedded"
         model = "auto (made on first run)" if topo.model.is_auto else topo.model.path

@@ -113,7 +113,7 @@ def run(args) -> int:
                         forward_tenant=not args.no_forward_tenant, **sec)
 
     if args.check:
-        from pdserve.decode.security import ServerSecurity
+        from pdserve.api.security import ServerSecurity
 
         ServerSecurity.from_config(cfg)  # its TLS and key files: a missing one names the option
         print(f"gateway arguments OK: cluster {cluster}, etcd {', '.join(etcd)}, model {model}")

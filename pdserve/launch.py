@@ -241,7 +241,7 @@ def _demo(args) -> int:
     short = [o.breakdown["ttft_ms"] for o in outs if o.breakdown["prompt_tokens"] <= DEMO_SHORT_TOKENS]
     long_ = [o.breakdown["ttft_ms"] for o in outs if o.breakdown["prompt_tokens"] > DEMO_SHORT_TOKENS]
     if short and long_:
-        # A decode worker chunks its local prefills (decode/prefill_budget.py), so short prompts
+        # A decode worker chunks its local prefills (engine/step_plan.py), so short prompts
         # do not wait behind a long one.
         print(f"TTFT: short prompts (<= {DEMO_SHORT_TOKENS} tokens) max {max(short):.0f} ms; long prompts "
               f"{', '.join(f'{t:.0f}' for t in sorted(long_))} ms, all sent at once")

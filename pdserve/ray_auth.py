@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_ENV = "RAY_AUTH_TOKEN"
@@ -39,7 +39,7 @@ class RayAuthError(ValueError):
     """Token authentication is asked for but no usable token was found (names the setting)."""
 
 
-def token_source(ray_spec, resolve: Callable[[str], Path], env: dict | None = None) -> str:
+def token_source(ray_spec, resolve: Callable[[str], Path], env: Mapping[str, str] | None = None) -> str:
     """Where a process with `env` (default: this one's) reads the Ray token from, under the
     topology's `ray` settings: "ray.token_file <path>", "RAY_AUTH_TOKEN", ...; "" when
     `auth` is disabled. RayAuthError naming the setting when there is no usable token."""
@@ -67,7 +67,7 @@ def token_source(ray_spec, resolve: Callable[[str], Path], env: dict | None = No
                        f"or write {DEFAULT_TOKEN_PATH}")
 
 
-def ray_auth_env(ray_spec, resolve: Callable[[str], Path], env: dict | None = None) -> dict[str, str]:
+def ray_auth_env(ray_spec, resolve: Callable[[str], Path], env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables every Ray process of this topology needs (set over `env`, default this
     process's environment). Keys mapped to "" are to be removed. RayAuthError when token
     authentication is asked for and no token is found."""
@@ -82,7 +82,7 @@ def ray_auth_env(ray_spec, resolve: Callable[[str], Path], env: dict | None = No
     return out
 
 
-def child_env(topology, base: dict | None = None) -> dict[str, str]:
+def child_env(topology, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """`base` (default os.environ) with the topology's Ray authentication applied: the
     environment of a Ray process pdserve starts (`ray start --head`)."""
     env = dict(os.environ if base is None else base)

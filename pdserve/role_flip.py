@@ -24,11 +24,12 @@ import os
 
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.decode.worker import DecodeWorker
+from pdserve.engine import LLMEngine
 from pdserve.prefill.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 
-ROLE_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker}
+ROLE_CLASSES: dict[str, type[PrefillWorker] | type[DecodeWorker]] = {"prefill": PrefillWorker, "decode": DecodeWorker}
 
 
 class FlexWorker:
@@ -41,8 +42,8 @@ class FlexWorker:
         self.configs = {r: dict(c) for r, c in cfg["configs"].items()}
         self.cfg = WorkerConfig.of({k: v for k, v in self.configs[self.role].items()
                                     if k in WorkerConfig.__dataclass_fields__})
-        self.worker = None
-        self.engine = None
+        self.worker: PrefillWorker | DecodeWorker | None = None  # None: not started, or between roles
+        self.engine: LLMEngine | None = None  # the one engine every role it serves runs on
         self.flips = 0
 
     @property
@@ -67,6 +68,8 @@ class FlexWorker:
         if role == self.role:
             raise ValueError(f"{self.worker_id} already serves as {role}")
         old = self.worker
+        if old is None:
+            raise RuntimeError(f"{self.worker_id} is not serving: it cannot change role")
         log.warning("%s: changing role %s -> %s as %s (engine kept)", old.worker_id, self.role, role, worker_id)
         await old.drain()
         if isinstance(old, DecodeWorker):
@@ -92,6 +95,8 @@ class FlexWorker:
 
     def stats(self) -> dict:
         w = self.worker
+        if w is None:
+            raise RuntimeError(f"{self.worker_id} is not serving")
         return w.stats() if isinstance(w, DecodeWorker) else w.get_stats()
 
     def get_stats(self) -> dict:

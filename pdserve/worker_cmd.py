@@ -27,6 +27,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (`plan` and `--check` load neither Ray nor torch: imports are where they are used)
+    from pdserve.cluster.actors import StartedWorker
+    from pdserve.cluster.topology import Topology
 
 START_TIMEOUT_S = 1800.0  # loading a large model from a network volume can take many minutes
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
@@ -40,7 +45,7 @@ class WorkerPlan:
     """A `pdserve worker` invocation, validated: what it will start and where."""
 
     topology_file: str
-    topology: object  # cluster.topology.Topology
+    topology: Topology
     role: str
     worker_id: str
     etcd_endpoints: list[str]
@@ -176,7 +181,7 @@ class Worker:
     def __init__(self, p: WorkerPlan):
         self.p = p
         self.stop = threading.Event()
-        self.started = None  # cluster.launcher.StartedWorker
+        self.started: StartedWorker | None = None
 
     def say(self, line: str) -> None:
         print(f"pdserve worker: {line}", flush=True)
@@ -202,7 +207,7 @@ class Worker:
             return self._serve(model, node)
         finally:
             if self.started is not None:
-                self._shutdown()
+                self._shutdown(self.started)
             ray.shutdown()
 
     def _handle_signals(self) -> None:
@@ -244,8 +249,9 @@ class Worker:
         from pdserve.launcher import start_worker_actor
 
         p = self.p
-        self.started = start_worker_actor(p.topology, p.role, 0, model=model, etcd_endpoints=p.etcd_endpoints,
-                                          worker_id=p.worker_id, resources={f"node:{node}": PLACEMENT})
+        self.started = started = start_worker_actor(p.topology, p.role, 0, model=model,
+                                                    etcd_endpoints=p.etcd_endpoints, worker_id=p.worker_id,
+                                                    resources={f"node:{node}": PLACEMENT})
         self.say(f"starting {p.describe()} on node {node}")
         deadline = time.monotonic() + START_TIMEOUT_S
         info = None
@@ -254,7 +260,7 @@ class Worker:
                 self.say("stopped before the worker finished starting")
                 return 0
             try:
-                info = ray.get(self.started.start_ref, timeout=1.0)
+                info = ray.get(started.start_ref, timeout=1.0)
             except ray.exceptions.GetTimeoutError:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{p.worker_id} did not start within {START_TIMEOUT_S:.0f} s") from None
@@ -264,20 +270,20 @@ class Worker:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + LIVENESS_EVERY_S
                 try:
-                    ray.get_actor(self.started.name, namespace=p.topology.ray.namespace)
+                    ray.get_actor(started.name, namespace=p.topology.ray.namespace)
                 except ValueError:  # a dead detached actor's name is released: Ray gave up on it
                     self.say(f"{p.worker_id}: its actor is dead and Ray no longer restarts it; exiting 1")
                     self.started = None
                     return 1
         return 0
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, started: StartedWorker) -> None:
         """Drain (bounded by the drain timeout), stop the actor, clear this worker's drain key."""
         import ray
 
         from pdserve.cluster.actors import stop_actor
 
-        p, name = self.p, self.started.name
+        p, name = self.p, started.name
         self.say(f"draining {p.worker_id} (up to {p.drain_timeout_s:g} s)")
         try:
             actor = ray.get_actor(name, namespace=p.topology.ray.namespace)

@@ -50,11 +50,11 @@ def test_every_product_module_compiles_on_the_oldest_supported_python(tmp_path):
 
 
 def test_a_client_disconnect_is_taken_back_on_the_oldest_supported_python():
-    """decode/disconnect.py's ClientWatch on Python FLOOR: the disconnect cancels the handler, the
+    """api/disconnect.py's ClientWatch on Python FLOOR: the disconnect cancels the handler, the
     handler asks gone() and returns normally (imports only asyncio: loaded by path)."""
     script = textwrap.dedent(f"""\
         import asyncio, importlib.util
-        spec = importlib.util.spec_from_file_location("disconnect", {str(REPO / "decode" / "disconnect.py")!r})
+        spec = importlib.util.spec_from_file_location("disconnect", {str(REPO / "api" / "disconnect.py")!r})
         mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
 
         async def main():

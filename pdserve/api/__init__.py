@@ -1,4 +1,6 @@
-"""pdserve.api: the Inference gRPC API (proto, generated stubs) and its Python client.
+"""pdserve.api: the Inference gRPC API (proto, generated stubs) and its Python client; the
+serving surface a decode worker and a gateway share (the gRPC server `grpc_service`, the
+OpenAI HTTP app `http_app`, the `Surface` both call, the request vocabulary `ingress`).
 
 The stubs in ``pdserve.api.v1`` are generated from ``api/proto`` when the
 package is built or installed (``pip install -e .`` runs protoc).

@@ -14,12 +14,14 @@ silently different output. Unknown fields are ignored, as vLLM does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = ["Bounds", "RequestModels", "request_models", "MAX_LOGPROBS", "LOGPROB_FLOOR"]
+__all__ = ["Bounds", "RequestModels", "request_models", "MAX_LOGPROBS", "LOGPROB_FLOOR", "CompletionFields",
+           "ChatFields", "SamplingFields"]
 
 MAX_LOGPROBS = 20  # OpenAI's bound on logprobs / top_logprobs
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is sent as (JSON has no infinity; vLLM's value)
@@ -58,10 +60,10 @@ def _integral(value: Any) -> Any:
     return value
 
 
-def Int(**bounds: int) -> Any:
-    """An integer field with its bounds: strict, except that an integral JSON number (5.0)
-    is the integer it equals. (The bounds sit on the int itself, so the JSON schema has them.)"""
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+# An integer field is ``Annotated[int, Field(<bounds>), INTEGRAL]``: strict, except that an
+# integral JSON number (5.0) is the integer it equals. (The bounds sit on the int itself, so the
+# JSON schema has them.)
+INTEGRAL = BeforeValidator(_integral)
 
 
 def _only(value: Any, *allowed: Any) -> Any:
@@ -80,15 +82,68 @@ class RequestModels:
     chat: type[BaseModel]
 
 
+# What the HTTP app reads of a parsed request. The classes `request_models` builds are made at
+# run time (their bounds are one worker's), so the checker cannot see their fields; these
+# Protocols state them, as the models declare them below.
+class StreamOptionsFields(Protocol):
+    include_usage: bool | None
+
+
+class SamplingFields(Protocol):
+    """The fields both request kinds share (`_Sampling`)."""
+
+    model: str | None
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
+    stop: str | list[str] | None
+    stop_token_ids: list[int] | None
+    ignore_eos: bool
+    n: int
+    stream: bool
+    stream_options: StreamOptionsFields | None
+    priority: str
+    ttft_slo_ms: float | None
+    route: str
+    request_id: str | None
+
+
+class CompletionFields(SamplingFields, Protocol):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None
+    echo: bool
+
+
+class TextPartFields(Protocol):
+    text: str
+
+
+class ChatMessageFields(Protocol):
+    role: str
+    content: str | Sequence[TextPartFields]
+
+
+class ChatFields(SamplingFields, Protocol):
+    messages: Sequence[ChatMessageFields]
+    max_completion_tokens: int | None
+    logprobs: bool
+    top_logprobs: int | None
+
+
 def request_models(b: Bounds) -> RequestModels:
     """Request classes whose constraints are this worker's: the OpenAPI document and
     the validation come from the same declarations."""
     max_out = b.max_model_len - 1  # at least one prompt token
     Text = Annotated[str, Field(min_length=1, max_length=b.max_prompt_chars)]
-    TokenId = Int(ge=0, le=b.vocab_size - 1)
+    TokenId = Annotated[int, Field(ge=0, le=b.vocab_size - 1), INTEGRAL]
     TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=b.max_model_len - 1)]
     StopText = Annotated[str, Field(min_length=1, max_length=b.max_stop_chars)]
-    MaxTokens = Int(ge=1, le=max_out)
+    MaxTokens = Annotated[int, Field(ge=1, le=max_out), INTEGRAL]
 
     class StreamOptions(BaseModel):
         """Options of a streamed response (only with ``stream: true``)."""
@@ -108,9 +163,9 @@ def request_models(b: Bounds) -> RequestModels:
         temperature: Annotated[float, Field(ge=0, le=b.max_temperature)] | None = Field(
             None, description="default 1.0; 0 (or below 1e-5) is greedy")
         top_p: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="default 1.0")
-        top_k: Int(ge=-1, le=b.int64_max) | None = Field(
+        top_k: Annotated[int, Field(ge=-1, le=b.int64_max), INTEGRAL] | None = Field(
             None, description="vLLM extension; 0 or -1 disables")
-        seed: Int(ge=b.seed_min, le=b.seed_max) | None = Field(
+        seed: Annotated[int, Field(ge=b.seed_min, le=b.seed_max), INTEGRAL] | None = Field(
             None, description="makes sampling reproducible; with n > 1, choice j of a prompt uses seed + j")
         presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
         frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -121,7 +176,7 @@ def request_models(b: Bounds) -> RequestModels:
         stop_token_ids: Annotated[list[TokenId], Field(max_length=b.max_stop_token_ids)] | None = Field(
             None, description="vLLM extension: token ids that end a choice")
         ignore_eos: bool = Field(False, description="vLLM extension: keep generating past end-of-sequence")
-        n: Int(ge=1, le=b.max_n) = Field(
+        n: Annotated[int, Field(ge=1, le=b.max_n), INTEGRAL] = Field(
             1, description="choices per prompt (parallel sampling: the siblings share the prompt's KV blocks)")
         stream: bool = Field(False, description="answer with server-sent events, ending with `data: [DONE]`")
         stream_options: StreamOptions | None = Field(None, description="only with `stream: true`")
@@ -161,11 +216,11 @@ def request_models(b: Bounds) -> RequestModels:
         prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=b.max_prompts)] \
             | Annotated[list[TokenIds], Field(min_length=1, max_length=b.max_prompts)] = Field(
                 description="text, token ids, or a list of either (one choice per prompt and n)")
-        logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = Field(
             None, description="log-probabilities of each generated token and of the N most likely ones")
         echo: bool = Field(False, description="prepend the prompt to each choice's text (not with logprobs)")
         suffix: None = Field(None, description="not supported: only null")
-        best_of: Int(ge=1, le=1) | None = Field(None, description="not supported: only 1")
+        best_of: Annotated[int, Field(ge=1, le=1), INTEGRAL] | None = Field(None, description="not supported: only 1")
 
         @field_validator("suffix", mode="before")
         @classmethod
@@ -209,7 +264,7 @@ def request_models(b: Bounds) -> RequestModels:
         max_completion_tokens: MaxTokens | None = Field(
             None, description="OpenAI's current name for max_tokens; wins over it when both are set")
         logprobs: bool = Field(False, description="return the log-probability of each generated token")
-        top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = Field(
+        top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = Field(
             None, description="with logprobs: also the N most likely tokens at each position")
         response_format: ResponseFormat | None = None
         tools: Annotated[list[Any], Field(max_length=0)] | None = Field(None, description="not supported")

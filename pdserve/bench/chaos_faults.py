@@ -188,7 +188,7 @@ async def poison_request(ctx: FaultContext) -> str:
     import grpc
 
     from pdserve.common.failpoints import POISON_PREFIX
-    from pdserve.decode.ingress import ERROR_SCOPE_HEADER, REQUEST_SCOPE
+    from pdserve.api.ingress import ERROR_SCOPE_HEADER, REQUEST_SCOPE
 
     async def one(i: int) -> None:
         _, prompt = ctx.prompts[i % len(ctx.prompts)]

@@ -1,5 +1,5 @@
 """Running streams' inter-token latency while a decode worker prefills a long prompt locally:
-the planned step budget (engine/step_budget.py, decode/prefill_budget.py) against an unbounded
+the planned step budget (engine/step_budget.py, engine/step_plan.py) against an unbounded
 step and a fixed 16-token chunk (what the TPOT-only budget of issue 16 came to with 4 streams on
 one core), side by side.
 

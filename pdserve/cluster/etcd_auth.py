@@ -75,8 +75,13 @@ def worker_user(cluster: str, worker_id: str) -> str:
 def role_of(identity: str) -> str | None:
     """The etcd role an identity (user name) holds, None for a user pdserve does not make."""
     if identity.startswith(f"{WORKER}/"):
-        return f"pdserve-{identity}"
+        return worker_role(identity)
     return ROLE_OF.get(identity)
+
+
+def worker_role(user: str) -> str:
+    """The etcd role of a per-worker user (`worker_user`): one of its own."""
+    return f"pdserve-{user}"
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ class EtcdTLS:
     @classmethod
     def of(cls, value: "EtcdTLS | dict[str, Any] | None") -> "EtcdTLS | None":
         """`value` as an EtcdTLS (configs carry it as a plain dict); None stays None."""
-        if value is None or isinstance(value, cls):
+        if value is None or isinstance(value, EtcdTLS):
             return value
         return cls(**value)
 
@@ -131,7 +136,7 @@ class WorkerCerts:
 
     @classmethod
     def of(cls, value: "WorkerCerts | dict[str, Any] | None") -> "WorkerCerts | None":
-        if value is None or isinstance(value, cls):
+        if value is None or isinstance(value, WorkerCerts):
             return value
         return cls(**value)
 
@@ -248,7 +253,7 @@ class ClusterAccess:
 
     @classmethod
     def of(cls, value: "ClusterAccess | str") -> "ClusterAccess":
-        return value if isinstance(value, cls) else cls(value)
+        return value if isinstance(value, ClusterAccess) else cls(value)
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -321,13 +326,13 @@ async def bootstrap_rbac(endpoint: str, root: EtcdTLS, clusters: Sequence[Cluste
                 await grant(role, perms)
             for role, worker_id in a.workers:
                 user = worker_user(a.cluster, worker_id)
-                await user_with_role(user, role_of(user))
+                await user_with_role(user, worker_role(user))
                 if a.gated:
                     for _, key, range_end in worker_grants(a.cluster, role, worker_id):
                         await call("RoleRevokePermission", rpc.AuthRoleRevokePermissionRequest(
-                            role=role_of(user), key=key, range_end=range_end), absent_ok=True)
+                            role=worker_role(user), key=key, range_end=range_end), absent_ok=True)
                     continue
-                await grant(role_of(user), worker_grants(a.cluster, role, worker_id))
+                await grant(worker_role(user), worker_grants(a.cluster, role, worker_id))
                 slots += 1
         await call("AuthEnable", rpc.AuthEnableRequest())
     except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:

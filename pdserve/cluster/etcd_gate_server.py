@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, NoReturn
 
 import grpc
 from aetcd import rpc
@@ -74,7 +74,16 @@ class EtcdGate:
             await self._up.close()
 
     async def wait(self) -> None:
+        if self._server is None:
+            raise RuntimeError("etcd gate: wait() before start()")
         await self._server.wait_for_termination()
+
+    @property
+    def _upstream(self) -> _Upstream:
+        """etcd's stubs; the handlers run only once `start` made them."""
+        if self._up is None:
+            raise RuntimeError("etcd gate: a request before start()")
+        return self._up
 
     # -- plumbing ---------------------------------------------------------------------------
     def _handlers(self):
@@ -116,10 +125,11 @@ class EtcdGate:
                                         "worker, the reader); the operator and root reach etcd directly")
         return who
 
-    async def _refuse(self, context, why: str) -> None:
+    async def _refuse(self, context, why: str) -> NoReturn:
         self.refused += 1
         log.warning("etcd gate refused: %s", why)
         await context.abort(*_denied(why))
+        raise AssertionError("grpc's context.abort returned")  # it raises: the call ends there
 
     async def _forward(self, context, call):
         try:
@@ -132,8 +142,8 @@ class EtcdGate:
         if lease_id in who.leases:
             return True
         try:
-            ttl = await self._up.lease.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True),
-                                                       timeout=UPSTREAM_TIMEOUT_S)
+            ttl = await self._upstream.lease.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True),
+                                                            timeout=UPSTREAM_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             return False
         if ttl.TTL > 0 and self.policy.owns_by_keys(who, list(ttl.keys)) and len(who.leases) < MAX_LEASES_PER_IDENTITY:
@@ -146,7 +156,7 @@ class EtcdGate:
         who = await self._who(context)
         if not who.may_read(req.key, req.range_end):
             await self._refuse(context, f"{who.name} may not read {req.key!r}")
-        return await self._forward(context, self._up.kv.Range(req, timeout=UPSTREAM_TIMEOUT_S))
+        return await self._forward(context, self._upstream.kv.Range(req, timeout=UPSTREAM_TIMEOUT_S))
 
     async def _put(self, req, context):
         who = await self._who(context)
@@ -155,13 +165,13 @@ class EtcdGate:
         why = self.policy.check_put(who, req)
         if why is not None:
             await self._refuse(context, why)
-        return await self._forward(context, self._up.kv.Put(req, timeout=UPSTREAM_TIMEOUT_S))
+        return await self._forward(context, self._upstream.kv.Put(req, timeout=UPSTREAM_TIMEOUT_S))
 
     async def _delete(self, req, context):
         who = await self._who(context)
         if not who.may_write(req.key, req.range_end):
             await self._refuse(context, f"{who.name} may not delete {req.key!r}")
-        return await self._forward(context, self._up.kv.DeleteRange(req, timeout=UPSTREAM_TIMEOUT_S))
+        return await self._forward(context, self._upstream.kv.DeleteRange(req, timeout=UPSTREAM_TIMEOUT_S))
 
     async def _txn(self, req, context):
         who = await self._who(context)
@@ -171,7 +181,7 @@ class EtcdGate:
         why = self.policy.check_txn(who, req)
         if why is not None:
             await self._refuse(context, why)
-        return await self._forward(context, self._up.kv.Txn(req, timeout=UPSTREAM_TIMEOUT_S))
+        return await self._forward(context, self._upstream.kv.Txn(req, timeout=UPSTREAM_TIMEOUT_S))
 
     async def _compact(self, req, context):
         who = await self._who(context)
@@ -182,8 +192,8 @@ class EtcdGate:
         """Forget `who`'s leases that etcd no longer holds (expired after a re-registration)."""
         for lease_id in list(who.leases):
             try:
-                ttl = await self._up.lease.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id),
-                                                           timeout=UPSTREAM_TIMEOUT_S)
+                ttl = await self._upstream.lease.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id),
+                                                                timeout=UPSTREAM_TIMEOUT_S)
             except grpc.aio.AioRpcError:
                 continue  # etcd unreachable: keep it (the grant below fails anyway)
             if ttl.TTL <= 0:
@@ -197,7 +207,7 @@ class EtcdGate:
             await self._prune(who)
         if len(who.leases) >= MAX_LEASES_PER_IDENTITY:
             await self._refuse(context, f"{who.name} holds {len(who.leases)} leases already (the gate's limit)")
-        resp = await self._forward(context, self._up.lease.LeaseGrant(req, timeout=UPSTREAM_TIMEOUT_S))
+        resp = await self._forward(context, self._upstream.lease.LeaseGrant(req, timeout=UPSTREAM_TIMEOUT_S))
         if not resp.error:
             who.leases.add(resp.ID)
         return resp
@@ -206,7 +216,7 @@ class EtcdGate:
         who = await self._who(context)
         if not await self._owns(who, req.ID):
             await self._refuse(context, f"{who.name} may not revoke lease {req.ID:x}, which is not its own")
-        resp = await self._forward(context, self._up.lease.LeaseRevoke(req, timeout=UPSTREAM_TIMEOUT_S))
+        resp = await self._forward(context, self._upstream.lease.LeaseRevoke(req, timeout=UPSTREAM_TIMEOUT_S))
         who.leases.discard(req.ID)
         return resp
 
@@ -214,7 +224,7 @@ class EtcdGate:
         who = await self._who(context)
         if not await self._owns(who, req.ID):
             await self._refuse(context, f"{who.name} may not read lease {req.ID:x}, which is not its own")
-        resp = await self._forward(context, self._up.lease.LeaseTimeToLive(req, timeout=UPSTREAM_TIMEOUT_S))
+        resp = await self._forward(context, self._upstream.lease.LeaseTimeToLive(req, timeout=UPSTREAM_TIMEOUT_S))
         if resp.TTL <= 0:
             who.leases.discard(req.ID)
         return resp
@@ -227,7 +237,7 @@ class EtcdGate:
         """Each keep-alive names a lease: forwarded on one upstream stream if it is the
         caller's own; the first one that is not ends the stream, refused."""
         who = await self._who(context)
-        upstream = self._up.lease.LeaseKeepAlive()
+        upstream = self._upstream.lease.LeaseKeepAlive()
         try:
             async for req in requests:
                 if not await self._owns(who, req.ID):
@@ -251,7 +261,7 @@ class EtcdGate:
     async def _watch(self, requests: AsyncIterator, context):
         """One upstream watch stream per client stream; every watch it creates is checked."""
         who = await self._who(context)
-        upstream = self._up.watch.Watch()
+        upstream = self._upstream.watch.Watch()
         refused: list[str] = []
 
         async def pump() -> None:

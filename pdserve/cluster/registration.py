@@ -63,6 +63,12 @@ class Registration(EtcdConnection):
         """The record as last given to register()/update() (a copy; edit it and call update())."""
         return self._info
 
+    def _record(self) -> WorkerInfo:
+        """The record being kept registered: register() set it before anything that writes it runs."""
+        if self._info is None:
+            raise RuntimeError("no worker record: register() was not called")
+        return self._info
+
     async def register(self, info: WorkerInfo, nixl_metadata: bytes | None = None, *,
                        replace_stale: bool = False) -> None:
         """Write the record (+ NIXL metadata) under a new lease and start keep-alive.
@@ -95,8 +101,7 @@ class Registration(EtcdConnection):
         )
 
     async def _grant_and_put(self) -> None:
-        assert self._info is not None
-        info, client = self._info, self.client()
+        info, client = self._record(), self.client()
         lease = await client.lease(self._lease_ttl)
         worker_key = self.keys.worker(info.role, info.worker_id)
         ops = [client.transactions.put(worker_key, info.to_json(), lease=lease.id)]
@@ -148,7 +153,7 @@ class Registration(EtcdConnection):
                     await self._publish()
                 continue
             # The lease is gone: it expired while we were cut off, or etcd lost its data.
-            log.warning("lease %x of worker %s lost; re-registering", self._lease_id or 0, self._info.worker_id)
+            log.warning("lease %x of worker %s lost; re-registering", self._lease_id or 0, self._record().worker_id)
             self.state = RegistrationState.RECOVERING
             if not await self._reregister():
                 return
@@ -176,7 +181,7 @@ class Registration(EtcdConnection):
                 continue
             self.state = RegistrationState.REGISTERED
             self.reregistrations += 1
-            log.info("worker %s re-registered under lease %x", self._info.worker_id, self._lease_id)
+            log.info("worker %s re-registered under lease %x", self._record().worker_id, self._lease_id)
             if old_lease is not None and old_lease != self._lease_id:
                 # Usually gone already; if it was merely unconfirmed, it holds no keys now.
                 try:
@@ -201,7 +206,7 @@ class Registration(EtcdConnection):
         return await self._publish()
 
     async def _publish(self) -> bool:
-        info, client = self._info, self.client()
+        info, client = self._record(), self.client()
         try:
             await client.put(self.keys.worker(info.role, info.worker_id), info.to_json(), lease=self._lease_id)
         except TRANSIENT_ERRORS as exc:

@@ -62,7 +62,7 @@ class ApiKey:
     _digest_bytes: bytes = field(default=b"", repr=False, compare=False)
     # The tenant an operator key acts for (a gateway forwarding its client's identity,
     # ``x-pdserve-tenant``): the request's identity is then that tenant's, its privileges
-    # still the operator key's (decode/security.py `ServerSecurity.on_behalf_of`).
+    # still the operator key's (api/security.py `ServerSecurity.on_behalf_of`).
     on_behalf_of: str = ""
 
     @property

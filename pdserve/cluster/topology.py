@@ -4,9 +4,10 @@
 the roles and `Topology` below, the other sections in topology_sections.py (model,
 Ray, queue, network) and topology_security.py (etcd, the decode workers'
 TLS and API keys). Unknown keys, bad values and missing required keys are errors that
-name the dotted key and the file line, e.g.
+name the file, line and column and the dotted key (common/yaml_schema.py, the loader of every
+YAML schema), e.g.
 
-    configs/topologies/bad.yaml:7: roles.prefill.replicas: Input should be greater than or equal to 0
+    configs/topologies/bad.yaml:7:5: roles.prefill.replicas: Input should be greater than or equal to 0 (got -2)
 
 Relative paths inside a topology (policy files, model path, run_dir,
 model.cache_dir) are resolved against the directory of the topology file, so
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
-import yaml
 from pydantic import Field, PrivateAttr
 
 from pdserve.cluster.etcd_auth import WORKER, EtcdTLS, WorkerCerts, worker_identity
@@ -35,7 +35,7 @@ from pdserve.cluster.netaddr import LOOPBACK
 from pdserve.cluster.runtime import available_cpu_count
 from pdserve.cluster.topology_sections import ModelSpec, NetworkSpec, QueueSpec, RaySpec, _Strict
 from pdserve.cluster.topology_security import EtcdSpec, SecuritySpec
-from pdserve.cluster.yaml_lines import duplicate_keys, issue_of, line_of
+from pdserve.common.yaml_schema import YamlDocument, YamlIssue, YamlSchemaError
 
 # The workers' entry points (`module:Class`), the one place the control plane names them: it
 # never imports a worker; a topology's `roles.<role>.entrypoint` may name another class.
@@ -97,7 +97,7 @@ class DecodeRoleSpec(_RoleSpec):
     remote_timeout_s: float = Field(30.0, gt=0)
     remote_quarantine_s: float = Field(60.0, gt=0)
     # Prompt tokens one decode-worker step may take; unset: planned every step from the measured
-    # step costs and the router policy's qos.tpot_slo_ms / ttft_slo_ms (decode/prefill_budget.py).
+    # step costs and the router policy's qos.tpot_slo_ms / ttft_slo_ms (engine/step_plan.py).
     local_prefill_budget_tokens: int | None = Field(None, ge=1)
     # Time a few engine steps at boot so that the first requests are routed on this machine's
     # costs, not the policy's seeds (engine/calibrate.py).
@@ -342,18 +342,13 @@ class Topology(_Strict):
                              ca_file=str(self.resolve(tls.ca)))
 
 
-class TopologyError(ValueError):
-    """A topology file that does not validate; `issues` holds (key, line, message)."""
-
-    def __init__(self, source: str, issues: list[tuple[str, int | None, str]]):
-        self.source = source
-        self.issues = issues
-        lines = [f"{source}:{line}: {key}: {msg}" if line else f"{source}: {key}: {msg}" for key, line, msg in issues]
-        super().__init__(lines[0] if len(lines) == 1 else f"{len(lines)} errors\n  " + "\n  ".join(lines))
+class TopologyError(YamlSchemaError):
+    """A topology file that does not validate; `issues` holds each problem (`YamlIssue`: key path,
+    line, column, message), and `str()` is one `FILE:LINE:COLUMN: key.path: message` line each."""
 
 
 def load_topology(path: str | Path, *, check_files: bool = True) -> Topology:
-    """Parse and validate a topology file (raises TopologyError naming key and line).
+    """Parse and validate a topology file (raises TopologyError naming file, line, column and key).
 
     With `check_files`, the router/autoscale policy files and the security files must exist.
     """
@@ -362,27 +357,13 @@ def load_topology(path: str | Path, *, check_files: bool = True) -> Topology:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise TopologyError(source, [("(file)", None, f"cannot read: {exc.strerror or exc}")]) from None
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        what = " ".join(filter(None, (getattr(exc, "context", None), getattr(exc, "problem", None))))
-        raise TopologyError(source, [("(yaml)", mark.line + 1 if mark else None, what or str(exc))]) from None
-    if not isinstance(data, dict):
-        raise TopologyError(source, [("(file)", 1, "a topology must be a YAML mapping of keys")])
-    issues = duplicate_keys(root, ())
-    if issues:
-        raise TopologyError(source, issues)
-    try:
-        topology = Topology.model_validate(data)
-    except pydantic.ValidationError as exc:
-        raise TopologyError(source, [issue_of(root, err) for err in exc.errors()]) from None
+        raise TopologyError(source, [YamlIssue("", None, f"cannot read: {exc.strerror or exc}")]) from None
+    doc = YamlDocument(text, source, TopologyError)
+    topology = doc.validate(Topology)
     topology._base_dir = path.resolve().parent
     if check_files:
         missing = [
-            (key, line_of(root, tuple(key.split("."))), f"file {value!r} not found (resolved to {topology.resolve(value)})")
+            doc.issue(tuple(key.split(".")), f"file {value!r} not found (resolved to {topology.resolve(value)})")
             for key, value in (("router_policy", topology.router_policy), ("autoscale_policy", topology.autoscale_policy),
                                *topology.security.files(), *(topology.etcd.tls.files() if topology.etcd.tls else ()),
                                *topology.queue.files(),
@@ -391,8 +372,9 @@ def load_topology(path: str | Path, *, check_files: bool = True) -> Topology:
         ]
         workers = topology.etcd.tls.workers if topology.etcd.tls else None
         if workers is not None and not topology.resolve(workers.dir).is_dir():
-            missing.append(("etcd.tls.workers.dir", line_of(root, ("etcd", "tls", "workers", "dir")),
-                            f"directory {workers.dir!r} not found (resolved to {topology.resolve(workers.dir)})"))
+            resolved = topology.resolve(workers.dir)
+            missing.append(doc.issue(("etcd", "tls", "workers", "dir"),
+                                     f"directory {workers.dir!r} not found (resolved to {resolved})"))
         if missing:
-            raise TopologyError(source, missing)
+            raise doc.fail(missing)
     return topology

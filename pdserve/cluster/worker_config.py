@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pdserve.common.cores import transfer_threads
 
@@ -28,6 +28,8 @@ from pdserve.cluster.runtime import pin_process, worker_cpus
 
 if TYPE_CHECKING:
     from pdserve.cluster.topology import Topology
+
+_Config = TypeVar("_Config", bound="WorkerConfig")
 
 
 @dataclass
@@ -71,9 +73,13 @@ class WorkerConfig:
     replace_stale_registration: bool = False
 
     @classmethod
-    def of(cls, cfg: "WorkerConfig | dict[str, Any]"):
+    def of(cls: type[_Config], cfg: "_Config | dict[str, Any]") -> _Config:
         """`cfg` as this class: the launcher passes plain dicts (the entry-point contract)."""
-        return cfg if isinstance(cfg, cls) else cls(**cfg)
+        if isinstance(cfg, cls):
+            return cfg
+        if isinstance(cfg, WorkerConfig):  # another role's config: not a mapping of this one's fields
+            raise TypeError(f"{cls.__name__}.of: a {type(cfg).__name__} is not a {cls.__name__}")
+        return cls(**cfg)
 
     def address(self) -> str:
         """The address this worker binds and advertises (resolved on its own host)."""
@@ -123,9 +129,10 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
     every `WorkerConfig` field, plus the role's own keys the default entry points take.
     The worker id is `<role>-<replica>` unless `worker_id` names another (a pod's name)."""
     spec = getattr(topology.roles, role)
+    etcd_tls, etcd_worker_certs = _worker_etcd(topology)
     common = WorkerConfig(model=model, engine_args=topology.engine_args(role), worker_id=worker_id or f"{role}-{replica}",
                           cluster=topology.cluster, etcd_endpoints=list(etcd_endpoints),
-                          **_worker_etcd(topology), lease_ttl_s=topology.etcd.lease_ttl_s,
+                          etcd_tls=etcd_tls, etcd_worker_certs=etcd_worker_certs, lease_ttl_s=topology.etcd.lease_ttl_s,
                           queue_name=topology.queue.name,
                           queue_namespace=topology.ray.namespace, freeze_gc=True,
                           bind=topology.network.bind, ucx_env=dict(topology.network.ucx),
@@ -153,17 +160,17 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
     return out
 
 
-def _worker_etcd(topology: "Topology") -> dict[str, dict | None]:
+def _worker_etcd(topology: "Topology") -> tuple[dict[str, str] | None, dict[str, str] | None]:
     """The workers' etcd identities (WorkerConfig.etcd_tls, etcd_worker_certs); ValueError naming
     the settings when etcd has TLS and the topology gives the workers no identity."""
     tls = topology.etcd.tls
     if tls is None:
-        return {"etcd_tls": None, "etcd_worker_certs": None}
+        return None, None
     own = topology.etcd_worker_certs()
     shared = topology.etcd_tls("worker") if tls.worker is not None else None
     if own is None and shared is None:
         raise no_worker_identity()
-    return {"etcd_tls": shared and shared.to_dict(), "etcd_worker_certs": own and own.to_dict()}
+    return (shared.to_dict() if shared is not None else None), (own.to_dict() if own is not None else None)
 
 
 def worker_slot_counts(topology: "Topology", max_replicas: dict[str, int] | None = None) -> dict[str, int]:
@@ -175,9 +182,10 @@ def worker_slot_counts(topology: "Topology", max_replicas: dict[str, int] | None
     if tls is None or tls.workers is None:
         return {}
     out = {}
+    slots: dict[str, int] = dict(tls.workers.slots.items())
     for role in ROLES:
         replicas = getattr(topology.roles, role).replicas
-        n = tls.workers.slots.get(role, max(replicas, (max_replicas or {}).get(role, 0)))
+        n = slots.get(role, max(replicas, (max_replicas or {}).get(role, 0)))
         if n < replicas:
             raise ValueError(f"etcd.tls.workers.slots.{role} is {n}, fewer than roles.{role}.replicas ({replicas}): "
                              f"every worker needs an etcd identity; set it to at least {replicas}")

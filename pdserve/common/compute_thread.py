@@ -67,7 +67,7 @@ class ComputeProgress:
     `snapshot` (any thread) is what a heartbeat carries: the marks so far, the age of the
     latest and that allowance, or None while the thread runs nothing. A thread hung in a step
     shows as an age that grows past its allowance while the count stands still, however alive
-    the event loop that reports it is (prefill/worker.py `_heartbeat`, cluster/queue/liveness.py).
+    the event loop that reports it is (prefill/heartbeat.py, cluster/queue/liveness.py).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):

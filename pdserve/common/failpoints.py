@@ -7,7 +7,7 @@ check below is one test of an empty frozenset. Like etcd's and TiKV's failpoints
 fault at the exact place it would strike for real, so the product's own failure path handles it:
 
 - ``request.poison``: a request whose prompt starts with `POISON_PREFIX` fails in the engine
-  when its first token is appended (llm_engine `_append`), the per-request failure path a
+  when its first token is appended (llm_engine `append_token`), the per-request failure path a
   detokenizer bug takes (`fail_request`: that request fails, the batch goes on). Every decode
   worker fails it alike: the poison request a gateway must not let empty its pool.
 - ``prefill.hang_compute``: the prefill worker's actor method `hang_compute(seconds)` blocks

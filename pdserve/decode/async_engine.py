@@ -17,9 +17,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Callable
 
-from pdserve.engine import LLMEngine, RequestDelta, SamplingParams, StepError
+from pdserve.engine import EngineLoad, KVConnector, LLMEngine, RequestDelta, SamplingParams, StepError
+from pdserve.engine.driver import EngineDriver, StepInfo
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +46,6 @@ class FinalInfo:
     first_token_time: float | None
     finish_time: float
     num_preemptions: int
-
-
-@dataclass
-class StepInfo:
-    """One engine step as the cost model sees it."""
-
-    ms: float
-    num_seqs: int
-    num_tokens: int
-    num_decode_seqs: int
-    prefill_pairs: int = 0  # the prompt tokens' attention work (LLMEngine.last_step_pairs)
-    end_s: float = 0.0  # time.perf_counter() when the step ended (engine thread)
 
 
 class EngineDeadError(RuntimeError):
@@ -88,8 +78,9 @@ class AsyncEngine:
         self.on_death = on_death
         self.step_failures = 0  # in a row
         self.counters = {"failed_steps": 0, "failed_commands": 0, "failed_polls": 0}
-        # Called in the engine thread each loop turn; return True if they did work.
-        self.pollers: list[Callable[[], bool]] = []
+        # Called in the engine thread each loop turn; return True if they did work (`start`).
+        self._pollers: tuple[Callable[[], bool], ...] = ()
+        self._after_schedule: tuple[Callable[[], object], ...] = ()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._held: set[str] = set()  # requests to add once their prefix loan ends (add_later)
         self._streams: dict[str, asyncio.Queue] = {}
@@ -98,18 +89,23 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         # Idle sleep between loop turns; pollers shorten it while they await pages.
         self.idle_wait_s = IDLE_WAIT_S
-        # The step under way (engine thread writes, the router reads: one tuple swapped whole):
-        # (its start, time.perf_counter(); decoding streams; prompt tokens; attention pairs),
-        # None between steps (CostEstimates.step_left_ms).
-        self.in_flight: tuple[float, int, int, int] | None = None
-        self._step_t0 = 0.0
+        # One step at a time, as the prefill role steps too (engine/driver.py).
+        self._driver = EngineDriver(engine, on_plan=[self._after_plan])
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         trace = os.environ.get(STEP_TRACE_ENV)
         self._trace = open(trace, "a", buffering=1 << 16) if trace else None
 
     # -- lifecycle -------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, pollers: Sequence[Callable[[], bool]] = (),
+              after_schedule: Sequence[Callable[[], object]] = ()) -> None:
+        """Start the engine thread; each loop turn it calls ``pollers`` (engine thread: the
+        remote path's transport, decode/kv_arrival.py), which return whether they did work,
+        and each step runs ``after_schedule`` once its plan is made, before its forward pass
+        (the remote path takes the blocks that plan reserved, so its tasks go out while the
+        step computes)."""
+        self._pollers = tuple(pollers)
+        self._after_schedule = tuple(after_schedule)
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -125,6 +121,12 @@ class AsyncEngine:
             self._trace.flush()
 
     @property
+    def in_flight(self) -> tuple[float, int, int, int] | None:
+        """The step under way, None between steps (`EngineDriver.in_flight`;
+        CostEstimates.step_left_ms)."""
+        return self._driver.in_flight
+
+    @property
     def thread_running(self) -> bool:
         """Whether the engine thread still runs (after `stop`: it did not stop in time)."""
         return self._thread is not None and self._thread.is_alive()
@@ -133,17 +135,62 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    # -- the engine as the event loop reads it ---------------------------------------------
+    # Reads of the engine's own figures (one attribute or a short walk each, safe beside the
+    # engine thread: they read, never change); everything that changes it goes through `call`.
+    @property
+    def connector(self) -> KVConnector:
+        """The engine's remote-KV seam (engine/kv_connector.py); its changes belong in `call`."""
+        return self.engine.connector
+
+    @property
+    def prompts(self):
+        """The engine's tokenizer pool (what the APIs validate prompts with)."""
+        return self.engine.prompts
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def load(self) -> EngineLoad:
+        return self.engine.load()
+
+    def prompt_left(self, request_id: str) -> int | None:
+        """Prompt tokens a started local prefill still has to compute (None: not started)."""
+        return self.engine.prompt_left(request_id)
+
+    def predicted_prefill_budget(self, tokens: int, cached: int, streams: int, backlog: int) -> int | None:
+        """What the engine's step plan would give a prompt of ``tokens`` uncached tokens after
+        ``cached`` ones, beside ``streams`` streams, behind ``backlog`` prompt tokens."""
+        return self.engine.predicted_prefill_budget(tokens, cached, streams, backlog)
+
+    def to_loop(self, fn: Callable, *args) -> None:
+        """Engine thread: run ``fn(*args)`` on the event loop."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def poll_briskly(self, brisk: bool) -> None:
+        """Engine thread (a poller): while pages are awaited, the idle loop polls every
+        millisecond instead of every `IDLE_WAIT_S`."""
+        self.idle_wait_s = 0.001 if brisk else IDLE_WAIT_S
+
     # -- asyncio side ---------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               priority: int, tenant: str | None = None, resume_ids: list[int] | None = None) -> asyncio.Queue:
+               priority: int, tenant: str | None = None, resume_ids: list[int] | None = None,
+               remote_kv: bool = False) -> asyncio.Queue:
         """Queue a validated request; returns the queue its (delta, FinalInfo|None) items arrive on.
         `tenant`: whose it is (the scheduler's fair share among API keys); `resume_ids`: the
-        tokens it already generated elsewhere (`LLMEngine.make_request`)."""
+        tokens it already generated elsewhere (`LLMEngine.make_request`); `remote_kv`: another
+        worker writes its prompt KV (the remote path, decode/remote.py)."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
-        self._post(("add", request_id, prompt_ids, params, priority, tenant, resume_ids))
+        self._post(("add", request_id, prompt_ids, params, priority, tenant, resume_ids, remote_kv))
         return q
 
     def abort(self, request_id: str) -> None:
@@ -172,12 +219,14 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 busy = self._drain_commands()
-                for poll in self.pollers:
+                for poll in self._pollers:
                     busy = self._guarded(poll, "failed_polls") or busy
                 # Work that cannot be scheduled (the waiting head has no blocks and nothing
                 # runs) waits like an idle loop for a command or a poller, never spins.
                 stepped = self._step() if eng.has_work() else False
-                if not stepped and not busy:
+                # A step that only reserved blocks for remote KV computed nothing, but its
+                # reservations are for the pollers to take now, not after an idle wait.
+                if not stepped and not busy and not eng.connector.reservations_pending:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001  (fail every stream, then stop)
@@ -215,10 +264,10 @@ class AsyncEngine:
             elif kind == "call":
                 self._guarded(cmd[1], "failed_commands", eng)
 
-    def _add(self, rid: str, ids, params, priority, tenant, resume_ids=None) -> None:
+    def _add(self, rid: str, ids, params, priority, tenant, resume_ids=None, remote_kv: bool = False) -> None:
         try:
             self.engine.add_request(ids, params, request_id=rid, priority=priority, tenant=tenant,
-                                    resume_ids=resume_ids)
+                                    resume_ids=resume_ids, remote_kv=remote_kv)
         except Exception as exc:  # noqa: BLE001  (this request's error, not the engine's)
             self._emit(rid, exc, None)
 
@@ -256,21 +305,14 @@ class AsyncEngine:
     def _step(self) -> bool:
         """One engine step; False if it scheduled nothing."""
         eng = self.engine
-        t0 = self._step_t0 = time.perf_counter()
         try:
-            deltas = eng.step(on_plan=self._planned)
+            deltas, info = self._driver.step()
         except StepError as exc:
             self._step_failed(exc)
             return True
-        finally:
-            self.in_flight = None
-        if eng.last_step[0] == 0:
+        if info is None:
             return False
         self.step_failures = 0
-        seqs, tokens, decodes = eng.last_step
-        end = time.perf_counter()
-        info = StepInfo(ms=(end - t0) * 1e3, num_seqs=seqs, num_tokens=tokens,
-                        num_decode_seqs=decodes, prefill_pairs=eng.last_step_pairs, end_s=end)
         # One hand-over to the event loop per step, not one per stream: each
         # call_soon_threadsafe writes the loop's wake-up pipe (a syscall) and takes the GIL.
         if self._trace is not None:
@@ -280,13 +322,14 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._deliver_step, batch, info)
         return True
 
-    def _planned(self, _scheduled) -> None:
-        """The step's shape once scheduled (LLMEngine.step sets last_step before calling this)."""
-        eng = self.engine
-        _, tokens, decodes = eng.last_step
-        self.in_flight = (self._step_t0, decodes, tokens - decodes, eng.last_step_pairs)
+    def _after_plan(self, _scheduled) -> None:
+        """The step's plan is made, its forward pass not begun: the `after_schedule` hooks."""
+        for hook in self._after_schedule:
+            self._guarded(hook, "failed_polls")
 
     def _write_trace(self, info: "StepInfo", eng: LLMEngine) -> None:
+        if self._trace is None:
+            return
         self._trace.write(json.dumps({
             "end_s": round(info.end_s, 6), "ms": round(info.ms, 3),
             "prompt_tokens": info.num_tokens - info.num_decode_seqs, "decodes": info.num_decode_seqs,
@@ -330,7 +373,7 @@ class AsyncEngine:
         if not d.finished:
             return None
         out = self.engine.release(d.request_id)
-        if out is None:
+        if out is None or out.times is None:  # (the engine's release always sets its times)
             return None
         t = out.times
         return FinalInfo(

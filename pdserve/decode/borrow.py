@@ -26,6 +26,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 
+from pdserve.kvtransfer.borrower import MIN_BORROW_BLOCKS
 from pdserve.kvtransfer.lend import AGENT_INCARNATION_KEY, lends
 from pdserve.kvtransfer.lending import Lending
 
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 
 PEER_LOOKUP_TIMEOUT_S = 5.0
 UNKNOWN_BORROWER_CHECK_S = 0.02
-MIN_BORROW_BLOCKS = 2  # a shorter lent prefix is computed: one block is not worth a round trip
 
 
 class PeerPrefixes:

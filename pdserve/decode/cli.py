@@ -43,7 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--local-prefill-budget-tokens", type=int, default=None,
                    help="prompt tokens one engine step may take (default: planned every step from the measured "
                         "step costs and the policy's qos.tpot_slo_ms / ttft_slo_ms: running streams keep their "
-                        "TPOT, waiting prompts their TTFT; decode/prefill_budget.py)")
+                        "TPOT, waiting prompts their TTFT; engine/step_plan.py)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="skip the boot calibration (~0.5 s of timed engine steps that replace the policy's seed "
                         "costs with this machine's before the first request)")

@@ -14,28 +14,22 @@ import itertools
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
 
+from pdserve.api.ingress import Chunk, GenerateInput, RequestError, ServingLimits
+from pdserve.api.surface import Surface, identity, tenant_of
+from pdserve.api.validate import check_privileges
 from pdserve.engine import SamplingParams
 from pdserve.router import ArrivalRate, ClusterSnapshot, admit, tenant_token_limit
+from pdserve.router.assess import cluster_snapshot, priced_tier, request_features
 
 from .async_engine import AsyncEngine
-from .assess import cluster_snapshot, priced_tier, request_features
 from .breakdown import breakdown, check_prediction
-from .ingress import (
-    Chunk,
-    GenerateInput,
-    Prepared,
-    RemotePath,
-    RequestError,
-    ServingLimits,
-    as_request_error,
-)
+from .ingress import Prepared, RemotePath, as_request_error
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
 from .prefill_pool import PrefillView
-from .surface import Surface, identity, tenant_of
-from .validate import check_privileges
 
 __all__ = ["Frontend", "Chunk", "GenerateInput", "Prepared", "RemotePath", "RequestError", "ServingLimits"]
 
@@ -43,31 +37,47 @@ log = logging.getLogger(__name__)
 _NO_PREFILL = PrefillView()  # what a worker without a remote path reports (never written)
 
 
+@dataclass(eq=False)
+class Flight:
+    """One admitted request on its way through this worker's frontend (what every API's
+    request is here, local or remote; a remote one's handoff state is its `RemoteRequest`,
+    decode/remote.py, which the remote path owns)."""
+
+    prep: Prepared
+    key: tuple[str | None, str]  # (caller identity, label): the client's name for it
+    tokens: int  # prompt tokens it computes (uncached; a resumed stream's tokens too)
+    remote: bool  # the remote path runs it (its owner there answers for its handoff)
+    first: bool = False  # its first token is out
+    finished: bool = False  # its last chunk is out
+    end: str = "abort"  # how it ended when not finished (the metric's label)
+    handed_back: bool = False  # ended by `hand_back`: its stream ends UNAVAILABLE
+    emitted: int = 0  # tokens streamed
+    last_t: float | None = None  # when its last token was streamed (monotonic)
+
+
 class Frontend(Surface):
     """Shared request handling of one decode worker (the `Surface` its APIs serve)."""
 
     def __init__(self, engine: AsyncEngine, policy: PolicyState, metrics: WorkerMetrics,
                  worker_id: str, served_model: str, limits: ServingLimits | None = None,
-                 remote: RemotePath | None = None):
-        super().__init__(engine.engine.prompts, limits, metrics, worker_id, served_model)
+                 remote: RemotePath | None = None, plan_local_prefill: bool = False):
+        super().__init__(engine.prompts, limits, metrics, worker_id, served_model)
         self.engine = engine
         self.policy = policy
         self.remote = remote
+        # The router predicts a local prefill as the chunks the engine's step plan would cut it
+        # into (`prefill_budget_tokens`); off: no cap is predicted.
+        self.plan_local_prefill = plan_local_prefill
         # Identity: what a client names (request_id) is a label scoped to its API key; the
         # engine, the handoff and result delivery key on an id minted here per admission, so
         # a label reused while its old sequence is still being torn down (or by another
         # tenant) can never be attached to that sequence's output.
         self.inflight: dict[tuple[str | None, str], str] = {}  # (key identity, label) -> engine id
+        self.flights: dict[str, Flight] = {}  # engine id -> its Flight (every admitted request)
         self._labels_admitting: set[tuple[str | None, str]] = set()  # labels of requests in admission
-        self._handed_back: set[str] = set()  # ended by `hand_back`: their streams end UNAVAILABLE
-        self._via_remote: set[str] = set()
         self._id_prefix = uuid.uuid4().hex[:8]  # per worker process: ids never repeat across restarts
         self._admissions = itertools.count(1)
         self._local_prefills: dict[str, int] = {}  # admitted locally, first token not yet out: id -> uncached tokens
-        # Sent remote by this worker, first token not yet back: queue stats are
-        # polled, so a burst would otherwise see an empty queue for every request.
-        self.pending_remote_tokens = 0
-        self.pending_remote_requests = 0
         self.num_prefilling = 0
         self.num_decoding = 0
         self.arrivals = ArrivalRate()  # requests/s reaching this worker: the cost model's blocking penalty
@@ -76,16 +86,39 @@ class Frontend(Surface):
         self._kv_waiters: collections.deque[object] = collections.deque()
 
     def dtype(self) -> str:
-        return self.engine.engine.connector.layout_info()["dtype"]
+        return self.engine.connector.layout_info()["dtype"]
 
     def health(self) -> str | None:
         if not self.engine.alive:
             return f"engine is not running: {self.engine.error!r}"
         return super().health()
 
-    # The prompt tokens per step the worker's engine would give a local prefill of (tokens,
-    # cached) now (decode/prefill_budget.py); None: no cap.
-    prefill_budget_tokens = staticmethod(lambda tokens=0, cached=0, backlog=0: None)
+    def prefill_budget_tokens(self, tokens: int = 0, cached: int = 0, backlog: int = 0) -> int | None:
+        """The prompt tokens per step the engine's step plan would give a local prefill of
+        (tokens, cached) arriving now (engine/step_plan.py); None: no cap. Behind
+        ``backlog`` prompt tokens the local prefills still have to compute (`local_backlog`),
+        beside the streams decoding now and those admitted ahead of it that will be by then
+        (local prompts queued before it, remote ones whose KV arrives meanwhile): a burst of
+        short prompts beside a long one decodes through most of its prefill, and their TPOT
+        caps its chunks."""
+        if not self.plan_local_prefill:
+            return None
+        return self.engine.predicted_prefill_budget(tokens, cached, self.num_decoding + self.num_prefilling, backlog)
+
+    @property
+    def pending_remote_requests(self) -> int:
+        """Sent remote by this worker, first token not yet back (queue stats are polled, so a
+        burst would otherwise see an empty queue for every request)."""
+        return self.remote.pending_requests if self.remote is not None else 0
+
+    @property
+    def pending_remote_tokens(self) -> int:
+        return self.remote.pending_tokens if self.remote is not None else 0
+
+    @property
+    def peers(self):
+        """The remote path's prefix loans (decode/borrow.py), None without them."""
+        return self.remote.peers if self.remote is not None else None
 
     @property
     def prefill_view(self) -> PrefillView:
@@ -96,15 +129,15 @@ class Frontend(Surface):
         """The cluster as this worker sees it, for a prompt of ``tokens`` uncached tokens after
         ``cached`` ones (the local prefill budget the engine would plan for it)."""
         view = self.prefill_view
-        load = self.engine.engine.load()
+        load = self.engine.load()
         backlog = self.local_backlog()
         costs = self.policy.costs.snapshot()
-        return cluster_snapshot(  # decode/assess.py: the simulator builds its snapshot there too
+        return cluster_snapshot(  # router/assess.py: the simulator builds its snapshot there too
             costs, queue_depth=view.queue_depth, queue_tokens=view.queue_tokens,
             pool_size=view.pool_size if self.remote and self.remote.available() else 0,
             pending_remote_requests=self.pending_remote_requests, pending_remote_tokens=self.pending_remote_tokens,
             num_decoding=self.num_decoding, num_prefilling=self.num_prefilling, local_backlog=backlog,
-            kv_usage=load.kv_usage, kv_free_tokens=load.num_free_blocks * self.engine.engine.config.block_size,
+            kv_usage=load.kv_usage, kv_free_tokens=load.num_free_blocks * self.engine.block_size,
             arrival_rate_per_s=self.arrivals.rate(time.monotonic()),
             local_prefill_budget_tokens=self.prefill_budget_tokens(tokens, cached, backlog),
             step_in_flight_ms=costs.step_left_ms(self.engine.in_flight, time.perf_counter()),
@@ -113,7 +146,7 @@ class Frontend(Surface):
     def local_backlog(self) -> int:
         """Prompt tokens the local prefills admitted here still have to compute: a started
         prefill counts what it has left (the engine's progress), not its whole prompt."""
-        left_of = self.engine.engine.prompt_left
+        left_of = self.engine.prompt_left
         total = 0
         for rid, eff in self._local_prefills.items():
             left = left_of(rid)
@@ -121,7 +154,7 @@ class Frontend(Surface):
         return total
 
     def refresh_gauges(self) -> None:
-        m, load, view = self.metrics, self.engine.engine.load(), self.prefill_view
+        m, load, view = self.metrics, self.engine.load(), self.prefill_view
         m.running.set(load.running)
         m.waiting.set(load.waiting)
         m.waiting_remote.set(load.awaiting_remote_kv)
@@ -132,11 +165,11 @@ class Frontend(Surface):
 
     def cached_len(self, ids: list[int]) -> int:
         """Prompt tokens this worker's prefix cache holds now (read-only lookup)."""
-        return self.engine.engine.connector.cached_prefix_len(ids)
+        return self.engine.connector.cached_prefix_len(ids)
 
     def tenant_token_limit(self):
         """The policy's qos.max_tokens_per_tenant, else (null) this worker's KV pool (Surface)."""
-        pool = self.engine.engine.load().num_blocks * self.engine.engine.config.block_size
+        pool = self.engine.load().num_blocks * self.engine.block_size
         return tenant_token_limit(self.policy.policy.qos, pool)
 
     def check_serving(self) -> None:
@@ -175,7 +208,7 @@ class Frontend(Surface):
         # the remote path prefills prompts, and its first token would not follow the resumed ones.
         computed = ids + resume
         self.arrivals.observe(arrival)
-        connector = self.engine.engine.connector
+        connector = self.engine.connector
 
         def assess():
             """Admission as the worker stands now: its pool's and the prefill workers' cached
@@ -183,11 +216,11 @@ class Frontend(Surface):
             cached = self.cached_len(computed)
             view = self.remote.prefix_view if self.remote is not None and not resume else None
             hint = view.cached_tokens(ids) if view is not None else {}
-            # decode/assess.py builds the features and prices the tier (the simulator's worker too)
+            # router/assess.py builds the features and prices the tier (the simulator's worker too)
             feats = request_features(len(computed), cached, priority=prio, ttft_slo_ms=inp.ttft_slo_ms,
                                      route=inp.route, max_tokens=params.max_tokens, resumed=bool(resume), hint=hint,
                                      tier_cached_len=connector.tier_prefix_len(computed, cached),
-                                     peer_reads=getattr(self.remote, "peers", None) is not None)
+                                     peer_reads=self.peers is not None)
             snap = priced_tier(self.snapshot(max(0, len(computed) - cached), cached), feats,
                                connector.tier_load_ms_per_token())
             return cached, hint, feats, snap, admit(feats, snap, policy)
@@ -212,7 +245,7 @@ class Frontend(Surface):
         residual = (snap.costs.ttft_residual_remote_ms if decision.route == "remote"
                     else snap.costs.ttft_residual_local_ms) if len(computed) > cached else 0.0
         borrow = None
-        peers = getattr(self.remote, "peers", None)
+        peers = self.peers
         if decision.route == "local" and peers is not None and not resume:
             borrow = peers.choose(hint, cached, len(ids), snap.costs, feats.tier_cached_len)
         return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, prefix_hint=hint,
@@ -269,90 +302,101 @@ class Frontend(Surface):
     # -- running -----------------------------------------------------------------------
     async def _generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
         prep = await self.prepare(inp)
-        rid = prep.request_id
-        key = (identity(inp.caller), prep.label)
-        eff = len(prep.prompt_ids) + len(inp.resume_ids or ()) - prep.cached_len
-        self._labels_admitting.discard(key)  # prepare() reserved it; no await between
-        self.inflight[key] = rid
-        self.num_prefilling += 1
-        state = {"first": False, "finished": False}
+        fl = self._begin(prep)
         extra: dict = {}
-        remote = self.remote if (prep.decision.route == "remote" and self.remote is not None
-                                 and self.remote.available()) else None
+        remote = self.remote if fl.remote else None
         if inp.resume_ids:
             extra.update(reason=f"resumed: a migrated stream continues after {len(inp.resume_ids)} token(s), "
                          "prefilled locally")
         if prep.decision.route == "remote" and remote is None:  # e.g. forced remote, no live prefill worker
             extra.update(route="local", reason="remote chosen but no live prefill worker: prefilled locally")
-        if remote is not None:
-            self._via_remote.add(rid)
-            self.pending_remote_tokens += eff
-            self.pending_remote_requests += 1
-        else:
-            self._local_prefills[rid] = eff
         try:
             source = remote.stream(prep) if remote is not None else self._local(prep)
-            last_t, emitted = None, 0
             async for item, final, info in source:
                 extra.update(info)
-                if not isinstance(item, BaseException) and item.finish_reason == "abort" and rid in self._handed_back:
-                    state["end"] = "handed_back"
-                    raise RequestError("unavailable", f"this decode worker is draining and handed the stream back "
-                                       f"after {len(prep.inp.resume_ids or ()) + emitted} token(s); continue it "
-                                       "on another decode worker (resume_token_ids; a gateway does this itself)")
-                if isinstance(item, BaseException) or item.finish_reason == "error":
-                    state["end"] = "error"
-                    raise as_request_error(item)
-                now = time.monotonic()
-                if item.new_token_ids and not state["first"]:
-                    state["first"] = True
-                    self._prefill_done(rid, eff, remote is not None)
-                    self.num_decoding += 1
-                    self.metrics.ttft.observe(now - prep.arrival)
-                    check_prediction(prep, remote is not None, extra, (now - prep.arrival) * 1e3, self.metrics, self.policy)
-                elif item.new_token_ids and last_t is not None:
-                    self.metrics.itl.observe(now - last_t)
-                if item.new_token_ids:
-                    last_t = now
-                    emitted += len(item.new_token_ids)
-                chunk = Chunk(item.new_token_ids, item.text, item.finish_reason, item.logprobs)
-                if item.finished:
-                    state["finished"] = True
-                    self.metrics.request_finished(item.finish_reason)
-                    chunk.breakdown = breakdown(prep, final, extra, now, self.worker_id, self.metrics)
+                chunk = self._chunk(fl, item, final, extra)
                 yield chunk
-                if item.finished:
+                if fl.finished:
                     return
         finally:
-            if self.inflight.get(key) == rid:
-                del self.inflight[key]
-            self._handed_back.discard(rid)
-            self._via_remote.discard(rid)
-            if not state["first"]:
-                self._prefill_done(rid, eff, remote is not None)
-            else:
-                self.num_decoding -= 1
-            if not state["finished"]:  # client went away or error: free its blocks
-                # the client left (cancelled, or its generator closed): counted as an abort
-                self.metrics.request_finished(state.get("end", "abort"))
-                if remote is not None:
-                    remote.abort(rid)
-                else:
-                    self.engine.abort(rid)
-                self.engine.detach(rid)
+            self._end(fl)
+
+    def _begin(self, prep: Prepared) -> Flight:
+        """An admitted request starts (its label moves from admission to in flight)."""
+        inp = prep.inp
+        remote = (prep.decision.route == "remote" and self.remote is not None and self.remote.available())
+        fl = Flight(prep, (identity(inp.caller), prep.label),
+                    len(prep.prompt_ids) + len(inp.resume_ids or ()) - prep.cached_len, remote)
+        self._labels_admitting.discard(fl.key)  # prepare() reserved it; no await between
+        self.inflight[fl.key] = prep.request_id
+        self.flights[prep.request_id] = fl
+        self.num_prefilling += 1
+        if not remote:  # a remote one is pending remote work of its owner (decode/remote.py)
+            self._local_prefills[prep.request_id] = fl.tokens
+        return fl
+
+    def _chunk(self, fl: Flight, item, final, extra: dict) -> Chunk:
+        """One engine item as the client's chunk (the last one with its breakdown); a failed or
+        handed-back request raises its RequestError."""
+        prep = fl.prep
+        if not isinstance(item, BaseException) and item.finish_reason == "abort" and fl.handed_back:
+            fl.end = "handed_back"
+            raise RequestError("unavailable", f"this decode worker is draining and handed the stream back "
+                               f"after {len(prep.inp.resume_ids or ()) + fl.emitted} token(s); continue it "
+                               "on another decode worker (resume_token_ids; a gateway does this itself)")
+        if isinstance(item, BaseException) or item.finish_reason == "error":
+            fl.end = "error"
+            raise as_request_error(item)
+        now = time.monotonic()
+        if item.new_token_ids and not fl.first:
+            fl.first = True
+            self._prefill_done(fl)
+            self.num_decoding += 1
+            self.metrics.ttft.observe(now - prep.arrival)
+            check_prediction(prep, fl.remote, extra, (now - prep.arrival) * 1e3, self.metrics, self.policy)
+        elif item.new_token_ids and fl.last_t is not None:
+            self.metrics.itl.observe(now - fl.last_t)
+        if item.new_token_ids:
+            fl.last_t = now
+            fl.emitted += len(item.new_token_ids)
+        chunk = Chunk(item.new_token_ids, item.text, item.finish_reason, item.logprobs)
+        if item.finished:
+            fl.finished = True
+            self.metrics.request_finished(item.finish_reason)
+            chunk.breakdown = breakdown(prep, final, extra, now, self.worker_id, self.metrics)
+        return chunk
+
+    def _end(self, fl: Flight) -> None:
+        """The request's stream is over, however it ended."""
+        rid = fl.prep.request_id
+        if self.inflight.get(fl.key) == rid:
+            del self.inflight[fl.key]
+        self.flights.pop(rid, None)
+        if not fl.first:
+            self._prefill_done(fl)
+        else:
+            self.num_decoding -= 1
+        if not fl.finished:  # client went away or error: free its blocks
+            # the client left (cancelled, or its generator closed): counted as an abort
+            self.metrics.request_finished(fl.end)
+            self._abort_one(rid, fl.remote)
+            self.engine.detach(rid)
+
+    def _abort_one(self, rid: str, remote: bool) -> None:
+        if remote and self.remote is not None:
+            self.remote.abort(rid)
+        else:
+            self.engine.abort(rid)
 
     def hand_back(self) -> int:
         """End every in-flight stream with UNAVAILABLE so that its client (a gateway) continues it
         on another decode worker from the tokens it has (`resume_token_ids`): what a drain does
         when its deadline comes with streams still running. Returns how many it ended."""
-        rids = list(self.inflight.values())
-        for rid in rids:
-            self._handed_back.add(rid)
-            if rid in self._via_remote and self.remote is not None:
-                self.remote.abort(rid)
-            else:
-                self.engine.abort(rid)
-        return len(rids)
+        flights = [self.flights[rid] for rid in self.inflight.values() if rid in self.flights]
+        for fl in flights:
+            fl.handed_back = True
+            self._abort_one(fl.prep.request_id, fl.remote)
+        return len(flights)
 
     def abort(self, request_id: str, caller=None) -> bool:
         """Abort an in-flight request by the id its client gave (Abort RPC); False if unknown.
@@ -364,14 +408,12 @@ class Frontend(Surface):
         else:
             rids = [rid] if (rid := self.inflight.get((identity(caller), request_id))) else []
         for rid in rids:
-            if rid in self._via_remote and self.remote is not None:
-                self.remote.abort(rid)
-            else:
-                self.engine.abort(rid)
+            fl = self.flights.get(rid)
+            self._abort_one(rid, fl is not None and fl.remote)
         return bool(rids)
 
     async def _local(self, prep: Prepared):
-        peers = getattr(self.remote, "peers", None)
+        peers = self.peers
         if prep.borrow is not None and peers is not None:  # the prefix is read from its holder first
             q = await peers.submit(prep, *prep.borrow)
         else:
@@ -383,11 +425,8 @@ class Frontend(Surface):
             if isinstance(item, BaseException) or item.finished:
                 return
 
-    def _prefill_done(self, rid: str, eff: int, was_remote: bool) -> None:
+    def _prefill_done(self, fl: Flight) -> None:
         """The request's prefill is over (first token, or it ended before one)."""
-        if was_remote:
-            self.pending_remote_tokens -= eff
-            self.pending_remote_requests -= 1
-        else:
-            self._local_prefills.pop(rid, None)
+        if not fl.remote:
+            self._local_prefills.pop(fl.prep.request_id, None)
         self.num_prefilling -= 1

@@ -19,10 +19,10 @@ notices, not an attacker on the data-plane network (docs/security.md).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from pdserve.kvtransfer import (
     TRANSFER_ERROR,
@@ -37,10 +37,22 @@ from pdserve.kvtransfer import (
     decode_notification,
 )
 
+from pdserve.engine import Reservation
+
 from .async_engine import AsyncEngine
 from .metrics import WorkerMetrics
 
+if TYPE_CHECKING:
+    from .borrow import PeerPrefixes
+    from .remote import RemoteRequest
+
 log = logging.getLogger(__name__)
+
+
+def _settle(fut, value) -> None:
+    """(event loop) ``fut``'s answer, unless it was given up on (its stream ended)."""
+    if not fut.done():
+        fut.set_result(value)
 
 BAD_FIRST_TOKEN = "bad_first_token"  # a PrefillDone whose first token is outside the vocabulary
 
@@ -48,27 +60,24 @@ BAD_FIRST_TOKEN = "bad_first_token"  # a PrefillDone whose first token is outsid
 class KVArrival:
     """Notifications in, engine changes out (engine thread; see the module docstring)."""
 
-    def __init__(self, engine: AsyncEngine, agent: KVReceiver, handoffs: Handoffs, metrics: WorkerMetrics,
-                 costs=None):
+    def __init__(self, engine: AsyncEngine, agent: KVReceiver, handoffs: Handoffs,
+                 owners: Mapping[str, RemoteRequest], metrics: WorkerMetrics, costs: Any = None,
+                 peers: PeerPrefixes | None = None):
         self.engine = engine
-        self.connector = engine.engine.connector
-        self.vocab_size = engine.engine.model_config.vocab_size
+        self.connector = engine.connector
+        self.vocab_size = engine.vocab_size
         self.agent = agent
         self.handoffs = handoffs
+        self.owners = owners  # the owners (decode/remote.py): their breakdowns are written here
         self.metrics = metrics
         self.costs = costs  # the router's CostModel, fed with measured prefill/transfer costs
+        # Prefix loans (kvtransfer/lending.py, decode/borrow.py): lend messages and reads are
+        # taken out of each poll, then the requests whose loan ended are added.
+        self.peers = peers
         self.counters = {"notifications": 0, "stale": 0, "malformed": 0, "ready": 0, "fallbacks": 0,
                          "bytes_received": 0, "prefill_failed": 0, "refused_done": 0}
         self.refused_causes: dict[str, int] = {}  # why PrefillDone notices were refused -> count
         self.fallback_causes: dict[str, int] = {}  # fallback reason -> count (the metric's label)
-        self.info: dict[str, dict] = {}  # request -> its breakdown, handed to its stream
-        # callable(request_id): cancel a re-put copy (event loop)
-        self.on_ready_reput: Callable[[str], object] | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        # Prefix loans (kvtransfer/lending.py, decode/borrow.py): lend messages and reads are
-        # taken out of each poll; after_poll adds the requests whose loan ended.
-        self.lending = None
-        self.after_poll = None
 
     def count_fallback(self, cause: str) -> None:
         self.fallback_causes[cause] = self.fallback_causes.get(cause, 0) + 1
@@ -84,10 +93,14 @@ class KVArrival:
             return
         self.apply(step)
 
-    def apply(self, step: Step, msg: PrefillDone | None = None) -> None:
-        """Do to the engine what a transition decided (engine thread only)."""
+    def apply(self, step: Step, msg: PrefillDone | PrefillFailed | None = None) -> None:
+        """Do to the engine what a transition decided (engine thread only). A stale step (no
+        transition) does nothing; REPLACE is `supersede`'s own."""
         h, c = step.handoff, self.connector
+        if step.stale or h is None:
+            return
         if step.effect is Effect.RUN:
+            assert isinstance(msg, PrefillDone)  # only a PrefillDone runs a request (TRANSITIONS)
             self._ready(h, msg)
         elif step.effect in (Effect.FALL_BACK, Effect.FALL_BACK_QUARANTINE):
             c.fall_back(h.request_id, h.quarantine_key if step.effect is Effect.FALL_BACK_QUARANTINE else None)
@@ -98,14 +111,35 @@ class KVArrival:
         elif step.effect is Effect.FREE:
             c.free(h.quarantine_key)
 
+    def supersede(self, owner: RemoteRequest, old: Handoff) -> Reservation | None:
+        """A new attempt of ``owner`` replaces ``old`` (engine thread; decode/remote.py, the queue
+        restarted): the old blocks go to quarantine, fresh ones are reserved under the next
+        epoch. The new Reservation; None when ``old`` is over already (its pages came first, or
+        it fell back) or the pool has no room now (the request then prefills locally)."""
+        step = self.handoffs.supersede(old.request_id, old.epoch, "superseded: put again after a queue restart")
+        if step.stale:
+            return None
+        res = self.connector.replace(old.request_id, old.quarantine_key)
+        if res is None:
+            owner.breakdown.update(route="local", fell_back_to_local=True, attempts=old.epoch + 1,
+                                   reason="fallback: no KV space to put the task again after a queue restart")
+            self.count_fallback("no_kv_space")
+            return None
+        owner.reservation = res
+        owner.attempt = self.handoffs.reserve(old.request_id, old.epoch + 1, len(res.block_ids))
+        owner.breakdown["attempts"] = old.epoch + 1
+        return res
+
     def _fell_back(self, h: Handoff) -> None:
         why = h.reason
         self.counters["fallbacks"] += 1
         self.count_fallback(why.split(" ")[0].strip(":"))
         if why.startswith(TRANSFER_ERROR):  # told by NIXL or by the queue: counted once, here
             self.metrics.transfer_failures.inc()
-        self.info[h.request_id] = {"route": "local", "fell_back_to_local": True, "attempts": h.epoch,
-                                    "reason": f"fallback after remote attempt {h.epoch}: {why}"}
+        owner = self.owners.get(h.request_id)
+        if owner is not None:
+            owner.breakdown.update(route="local", fell_back_to_local=True, attempts=h.epoch,
+                                   reason=f"fallback after remote attempt {h.epoch}: {why}")
         log.info("request %s: remote prefill attempt %d abandoned (%s); prefilling locally",
                  h.request_id, h.epoch, why)
 
@@ -130,23 +164,21 @@ class KVArrival:
         else:  # a prefill worker that does not stamp it: what the total leaves
             total_ms = (time.monotonic() - h.started) * 1e3
             transfer_ms = max(0.0, total_ms - msg.queue_wait_ms - msg.prefill_ms)
-        self.info[h.request_id] = {
-            "route": "remote", "prefill_worker": msg.prefill_worker, "attempts": msg.epoch,
-            "queue_wait_ms": msg.queue_wait_ms, "prefill_ms": msg.prefill_ms,
-            "transfer_ms": transfer_ms, "transfer_bytes": kv_bytes,
-        }
+        owner = self.owners.get(h.request_id)
+        if owner is not None:
+            owner.breakdown.update(route="remote", prefill_worker=msg.prefill_worker, attempts=msg.epoch,
+                                   queue_wait_ms=msg.queue_wait_ms, prefill_ms=msg.prefill_ms,
+                                   transfer_ms=transfer_ms, transfer_bytes=kv_bytes)
         self.counters["ready"] += 1
         self.counters["bytes_received"] += kv_bytes
         self.metrics.transfer_bytes.observe(kv_bytes)
         self.metrics.transfer_seconds.observe(transfer_ms / 1e3)
         self._observe(msg, kv_bytes, transfer_ms, h.task)
-        if h.reput and self.on_ready_reput is not None:  # a copy put after a queue restart may be queued
-            self.loop.call_soon_threadsafe(self.on_ready_reput, h.request_id)
         self.engine.deliver(delta)
 
     def _observe(self, msg: PrefillDone, kv_bytes: int, transfer_ms: float, task=None) -> None:
         """Feed the router's cost model (on the event loop, which owns it)."""
-        if self.costs is None or self.loop is None:
+        if self.costs is None:
             return
         # The prefill worker's speed relative to this worker's curve, from batches that held
         # this prompt alone (a batch of several has another shape of attention work).
@@ -158,7 +190,7 @@ class KVArrival:
             if transfer_ms > 0:
                 self.costs.observe_transfer(kv_bytes, transfer_ms)
 
-        self.loop.call_soon_threadsafe(feed)
+        self.engine.to_loop(feed)
 
     def _on_notification(self, msg: PrefillDone | PrefillFailed, sender: str = "") -> None:
         if isinstance(msg, PrefillFailed):
@@ -192,16 +224,31 @@ class KVArrival:
         log.warning("PrefillDone from %s for request %s attempt %d (%d tokens) refused: %s", sender or "?",
                     msg.request_id, msg.epoch, msg.num_tokens_written, reason)
 
+    def take_reservations(self) -> bool:
+        """The blocks the scheduler reserved for requests routed remote (in the step that
+        admitted them, engine/remote_kv.py): each becomes its owner's attempt 1, and the owner
+        hears of it (or that there was no room: it prefills locally)."""
+        news = self.connector.take_reservations()
+        for rid, res in news:
+            owner = self.owners.get(rid)
+            if res is not None and self.connector.is_awaiting(rid):  # (not aborted since)
+                attempt = self.handoffs.reserve(rid, 1, len(res.block_ids))
+                if owner is not None:
+                    owner.reservation, owner.attempt = res, attempt
+            if owner is not None and owner.reserved is not None:
+                self.engine.to_loop(_settle, owner.reserved, res)
+        return bool(news)
+
     def poll(self) -> bool:
-        """Engine-thread poller: transport progress, notifications, quarantine expiry."""
+        """Engine-thread poller: reservations, transport progress, notifications, quarantine
+        expiry."""
+        did = self.take_reservations()
         res = self.agent.poll()
-        did = False
         notes = res.notifications
-        if self.lending is not None:
-            did = bool(notes) or bool(self.lending.borrower.tickets)
-            notes = self.lending.on_poll(res)
-            if self.after_poll is not None:
-                self.after_poll()
+        if self.peers is not None:
+            did = did or bool(notes) or bool(self.peers.lending.borrower.tickets)
+            notes = self.peers.lending.on_poll(res)
+            self.peers.after_poll()
         for note in notes:
             did = True
             self.counters["notifications"] += 1
@@ -215,5 +262,5 @@ class KVArrival:
         for step in self.handoffs.expire():
             self.apply(step)
         # While pages are awaited, keep the loop polling briskly.
-        self.engine.idle_wait_s = 0.001 if self.handoffs.num_awaiting else 0.05
+        self.engine.poll_briskly(self.handoffs.num_awaiting > 0)
         return did

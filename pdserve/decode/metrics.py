@@ -50,7 +50,7 @@ class WorkerMetrics:
         self.prefill_pool_size = gauge("pdserve_prefill_pool_size", "Live prefill workers seen by this worker")
         self.engine_alive = gauge("pdserve_engine_alive", "1 while the engine loop runs, 0 once it died")
         self.local_prefill_budget = gauge("pdserve_local_prefill_budget_tokens",
-                                          "Prompt tokens one engine step may take (decode/prefill_budget.py)")
+                                          "Prompt tokens one engine step may take (engine/step_plan.py)")
         names = list(labels)
         self._ttft_prediction = Histogram(
             "pdserve_ttft_prediction_ratio",

@@ -1,9 +1,9 @@
-"""The router policy a decode worker runs with, and its hot reload.
+"""The router policy a decode worker runs with, and its hot reload from the policy file.
 
-A reload (file change or etcd key) parses and validates the whole policy
-first; only a valid policy replaces the current one, in one assignment, so a
-request never sees half of an old and half of a new policy. An invalid one
-is refused, logged with the router's key + line message, and counted.
+`PolicyState` is the router's `RouterState` (router/state.py: the policy and the cost model,
+swapped whole and only once validated) plus the file it was loaded from: a reload (file change,
+or an etcd key through `apply_text`) parses and validates the whole policy first; an invalid
+one is refused, logged with the router's key + line message, and counted.
 """
 
 from __future__ import annotations
@@ -12,53 +12,23 @@ import asyncio
 import logging
 import os
 
-from pdserve.router import CostModel, PolicyError, RouterPolicy, load_policy_file, parse_policy
+from pdserve.router import RouterPolicy, load_policy_file
 from pdserve.router.policy import DEFAULT_POLICY
+from pdserve.router.state import RouterState
 
 log = logging.getLogger(__name__)
 
 
-class PolicyState:
-    """Current `RouterPolicy` plus the `CostModel` calibrated from measurements."""
+class PolicyState(RouterState):
+    """Current `RouterPolicy` plus the `CostModel` calibrated from measurements, and the policy
+    file (``path``) they came from, reloaded when it changes."""
 
     def __init__(self, kv_bytes_per_token: int, policy: RouterPolicy | None = None, path: str | None = None):
         self.path = path
         if policy is None:
             policy = load_policy_file(path) if path else DEFAULT_POLICY
-        self.policy: RouterPolicy = policy
-        self.costs = CostModel(policy.router.cost_model, kv_bytes_per_token)
-        self.version = 1
-        self.source = path or "<default>"
-        self.last_error: str | None = None
-        self.num_rejected = 0
+        super().__init__(kv_bytes_per_token, policy, path or "<default>")
         self._mtime = os.stat(path).st_mtime_ns if path else None
-
-    def apply_text(self, text: str, source: str) -> bool:
-        """Validate and swap in a policy; on error keep the old one. Returns success."""
-        try:
-            policy = parse_policy(text, source=source)
-        except PolicyError as exc:
-            self.last_error = str(exc)
-            self.num_rejected += 1
-            log.error("router policy from %s refused, keeping version %d: %s", source, self.version, exc)
-            return False
-        self.set(policy, source)
-        return True
-
-    def set(self, policy: RouterPolicy, source: str) -> None:
-        """Swap in an already validated policy (one assignment)."""
-        self.costs.update_params(policy.router.cost_model)
-        self.policy = policy
-        self.version += 1
-        self.source = source
-        self.last_error = None
-        log.info("router policy version %d active (from %s)", self.version, source)
-
-    def reject(self, message: str) -> None:
-        """Record a refusal that happened elsewhere (the etcd watch's validator)."""
-        self.last_error = message
-        self.num_rejected += 1
-        log.error("router policy refused, keeping version %d: %s", self.version, message)
 
     def check_file(self) -> bool | None:
         """Reload the policy file if it changed; None when unchanged."""

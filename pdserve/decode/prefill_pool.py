@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from pdserve.kvtransfer.outcomes import fallback_reason, is_settled
+from pdserve.kvtransfer.task import PrefillTask
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class QueueWatch:
     """The decode side's poll of the prefill queue (see the module docstring)."""
 
     def __init__(self, queue, worker_id: str, view: PrefillView, *, poll_s: float, call_s: float, lost_s: float,
-                 on_failed: Callable[[object, str, bool], None],
+                 on_failed: Callable[[PrefillTask, str, bool], None],
                  on_restart: Callable[[str], Awaitable[None]],
                  on_lost: Callable[[], None],
                  has_waiters: Callable[[], bool]):

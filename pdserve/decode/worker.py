@@ -14,33 +14,40 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 
-from pdserve.common.compute_thread import run_in_own_thread
+from pdserve.api.grpc_service import GrpcServer
+from pdserve.api.http_app import H11Protocol, build_app
+from pdserve.api.security import ServerSecurity
 from pdserve.cluster.join import join_cluster, leave_cluster, publish_load
 from pdserve.cluster.keys import VERSION
+from pdserve.cluster.kvindex.publisher import KVEventPublisher, record_endpoints, start_event_publisher
+from pdserve.cluster.kvindex.service import KVIndexFollower
 from pdserve.cluster.load import BusyMeter, LatencyWindow, counter_value, gpu_load, histogram_buckets
+from pdserve.cluster.queue import QueueClient, open_queue, requeue_on_worker_loss
 from pdserve.cluster.records import WorkerInfo
+from pdserve.cluster.registry import Registry
 from pdserve.cluster.runtime import cpu_list, freeze_gc_heap
 from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 from pdserve.cluster.worker_config import WorkerConfig
+from pdserve.common.compute_thread import run_in_own_thread
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.calibrate import measure_steps
+from pdserve.engine.step_plan import StepPlanFeed
 from pdserve.kvtransfer.lend import LENDS_CAPACITY_KEY
-from pdserve.cluster.kvindex.publisher import record_endpoints, start_event_publisher
-from pdserve.kvtransfer.nixl.tp_transport import with_rank_transport
+from pdserve.kvtransfer.lending import Lending
+from pdserve.kvtransfer.nixl.tp_receiver import TPReceiver
+from pdserve.kvtransfer.nixl.tp_transport import open_worker_transport, with_rank_transport
 from pdserve.router import parse_policy
-from pdserve.cluster.queue import open_queue
 
 from .async_engine import AsyncEngine, StepInfo
+from .borrow import PeerPrefixes
 from .frontend import Frontend, ServingLimits
-from .grpc_service import GrpcServer
-from .http_app import H11Protocol, build_app
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
-from .prefill_budget import StepPlanFeed
-from .security import ServerSecurity
+from .remote import RemoteConfig, RemotePrefill
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +68,7 @@ class DecodeWorkerConfig(WorkerConfig):
     remote_prefill: bool = False
     remote_timeout_s: float = 30.0
     remote_quarantine_s: float = 60.0  # abandoned blocks a late write could still reach stay unused
-    # Prompt tokens one engine step may take (decode/prefill_budget.py); None: planned every
+    # Prompt tokens one engine step may take (engine/step_plan.py); None: planned every
     # step from the measured step cost curve and the policy's qos.tpot_slo_ms / ttft_slo_ms.
     local_prefill_budget_tokens: int | None = None
     # Time a few engine steps before serving (engine/calibrate.py) so that routing, admission
@@ -72,7 +79,7 @@ class DecodeWorkerConfig(WorkerConfig):
     # supervisor (Ray max_restarts, Kubernetes) starts a fresh one. The launcher sets it;
     # a worker embedded in another program only reports.
     exit_on_engine_death: bool = False
-    # Security (decode/security.py, docs/security.md): TLS for gRPC and HTTP (client_ca: mutual
+    # Security (api/security.py, docs/security.md): TLS for gRPC and HTTP (client_ca: mutual
     # TLS), a file of hashed API keys, and what stays reachable without a key.
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -83,25 +90,34 @@ class DecodeWorkerConfig(WorkerConfig):
 
 
 class DecodeWorker:
-    """Owns every task, server and the engine thread of one decode worker."""
+    """Owns every task, server and the engine thread of one decode worker.
+
+    `start` assembles it from its parts, in order, each built from those before it (the
+    engine, its thread, the remote path, the frontend, the servers, the registration);
+    `stop` ends whatever it got to."""
+
+    # The parts every started worker has (set by `start`, in this order).
+    security: ServerSecurity
+    engine: LLMEngine
+    metrics: WorkerMetrics
+    async_engine: AsyncEngine
+    step_plan: StepPlanFeed
+    frontend: Frontend
+    grpc: GrpcServer
 
     def __init__(self, cfg: DecodeWorkerConfig | dict):
         self.cfg = cfg = DecodeWorkerConfig.of(cfg)
         self.worker_id = cfg.worker_id_for("decode")
-        self.engine: LLMEngine | None = None
         self.cpus: list[int] | None = None  # the cores this process owns (topology roles.*.cpus)
-        self.async_engine: AsyncEngine | None = None
-        self.frontend: Frontend | None = None
-        self.grpc: GrpcServer | None = None
-        self.registry = None
-        self.policy_watch = None
-        self.prefill_watch = None
-        self.remote = None
-        self.queue = None  # QueueClient, with remote prefill
-        self.agent = None
-        self.kv_publisher = None  # cluster/kvindex/publisher.py, when the engine records KV events
+        self.registry: Registry | None = None
+        self.policy_watch: Any = None
+        self.prefill_watch: Any = None
+        self.remote: RemotePrefill | None = None
+        self.queue: QueueClient | None = None  # with remote prefill
+        self.agent: TPReceiver | None = None
+        self.kv_publisher: KVEventPublisher | None = None  # when the engine records KV events
         self.transport_record: dict | None = None  # this worker's ranks' NIXL records (published in etcd)
-        self._requeue_watch = None
+        self._requeue_watch: Any = None
         self._http: uvicorn.Server | None = None
         self._http_sock: socket.socket | None = None
         self._tasks: list[asyncio.Task] = []  # background loops, cancelled on stop
@@ -137,15 +153,19 @@ class DecodeWorker:
         self.step_plan = StepPlanFeed(self._apply_step_plan, self._apply_fixed_budget,
                                       fixed=cfg.local_prefill_budget_tokens)
         self._update_step_plan()  # before the first step
-        self.async_engine.start()
         if cfg.remote_prefill:
             if not cfg.etcd_endpoints:
                 raise ValueError("remote_prefill needs etcd_endpoints (prefill workers find this worker there)")
-            self._start_remote(policy)
-        self.frontend = Frontend(self.async_engine, policy, self.metrics, self.worker_id, served,
-                                 ServingLimits.from_dict(cfg.limits), remote=self.remote)
+            self.remote = self._remote_path(policy)
+        if self.remote is not None:
+            self.async_engine.start(pollers=self.remote.pollers, after_schedule=self.remote.after_schedule)
+        else:
+            self.async_engine.start()
+        if self.remote is not None:
+            self.remote.start()
         # The router predicts a local prefill as the chunks the engine's step plan would cut it into.
-        self.frontend.prefill_budget_tokens = self._predicted_budget
+        self.frontend = Frontend(self.async_engine, policy, self.metrics, self.worker_id, served,
+                                 ServingLimits.from_dict(cfg.limits), remote=self.remote, plan_local_prefill=True)
         self.metrics.engine_alive.set(1)
         self.grpc = GrpcServer(self.frontend, self.host, cfg.grpc_port, self.security)
         await self.grpc.start()
@@ -180,11 +200,9 @@ class DecodeWorker:
             await asyncio.sleep(0.05)
         raise RuntimeError(f"HTTP server did not start on {self.http_address}")
 
-    def _start_remote(self, policy: PolicyState) -> None:
-        from pdserve.kvtransfer.nixl.tp_transport import open_worker_transport
-
-        from .remote import RemoteConfig, RemotePrefill
-
+    def _remote_path(self, policy: PolicyState) -> RemotePrefill:
+        """The remote-prefill path, assembled from its parts: the queue, this worker's NIXL
+        transport, prefix loans when this pool takes part, the prefill workers' cached prefixes."""
         cfg = self.cfg
         self.queue = open_queue(cfg, "remote_prefill")
         # One agent per tensor-parallel rank; the receiver gathers every rank's notices (kvtransfer/nixl/tp_transport.py).
@@ -192,22 +210,20 @@ class DecodeWorker:
         transport = open_worker_transport(self.worker_id, self.engine, cfg.agent_ucx_env(self.host))
         self.transport_record = transport.record
         self.agent = transport.receiver()
-        self.remote = RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,
-                                    RemoteConfig(timeout_s=cfg.remote_timeout_s, quarantine_s=cfg.remote_quarantine_s), costs=policy.costs)
+        peers = None
         if cfg.lending and self.engine.config.enable_prefix_caching:
             # Prefix loans (decode/borrow.py): borrow what prefill workers hold for local
             # prefills, lend what this pool holds. The loans' peers are met on every rank, and
             # reads go rank by rank (kvtransfer/nixl/tp_transport.py TPSender.read_blocks).
-            from pdserve.kvtransfer.lending import Lending
-
-            from .borrow import PeerPrefixes
-
             loans = transport.sender()
             lending = Lending(self.engine.connector, loans, verify=cfg.lend_verify)
-            self.remote.arrival.lending = lending
-            self.remote.peers = PeerPrefixes(self.async_engine, lending, loans, self._nixl_record_of)
-            self.remote.arrival.after_poll = self.remote.peers.after_poll
-        self.remote.start()
+            peers = PeerPrefixes(self.async_engine, lending, loans, self._nixl_record_of)
+        # The prefill workers' KV events (those that publish them, followed from their etcd
+        # records): each remote task carries their cached prefixes, so the queue can hand it to
+        # the one holding it (cluster/queue/core.py).
+        return RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,
+                             RemoteConfig(timeout_s=cfg.remote_timeout_s, quarantine_s=cfg.remote_quarantine_s),
+                             costs=policy.costs, peers=peers, prefix_view=KVIndexFollower().start())
 
     async def _nixl_record_of(self, worker_id: str) -> bytes | None:
         return await self.registry.get_nixl_metadata(worker_id) if self.registry is not None else None
@@ -215,19 +231,12 @@ class DecodeWorker:
     async def _join_cluster(self) -> None:
         cfg = self.cfg
         nixl = json.dumps(self.transport_record).encode() if self.agent is not None else None
-        self.registry = await join_cluster(cfg, self._record(), nixl, on_drain=self.drain)
+        self.registry = registry = await join_cluster(cfg, self._record(), nixl, on_drain=self.drain)
         policy = self.frontend.policy
-        self.policy_watch = await self.registry.watch_policy(
+        self.policy_watch = await registry.watch_policy(
             "router", validate=lambda text: parse_policy(text, source=f"etcd:/pdserve/{cfg.cluster}/config/router"),
             on_change=lambda p: policy.set(p, "etcd"), on_reject=lambda r: policy.reject(str(r)))
-        follower = None
-        if self.remote is not None:
-            # The prefill workers' KV events (those that publish them): each remote task carries
-            # their cached prefixes, so the queue can hand it to the one holding it (cluster/queue/core.py).
-            from pdserve.cluster.kvindex.service import KVIndexFollower
-
-            follower = self.remote.prefix_view = KVIndexFollower().start()
-
+        follower = self.remote.prefix_view if self.remote is not None else None
         peers = self.remote.peers if self.remote is not None else None
 
         def seen(info):
@@ -244,13 +253,11 @@ class DecodeWorker:
             if peers is not None:
                 peers.gone(info)
 
-        self.prefill_watch = await self.registry.watch_members(on_add=seen, on_update=seen, on_remove=gone,
-                                                               role="prefill")
-        if self.remote is not None:
-            from pdserve.cluster.queue import requeue_on_worker_loss
-
-            self._requeue_watch = await requeue_on_worker_loss(self.registry, self.queue)
-        self._tasks.append(asyncio.create_task(publish_load(self.registry, self._load, cfg.load_report_s)))
+        self.prefill_watch = await registry.watch_members(on_add=seen, on_update=seen, on_remove=gone,
+                                                          role="prefill")
+        if self.queue is not None:
+            self._requeue_watch = await requeue_on_worker_loss(registry, self.queue)
+        self._tasks.append(asyncio.create_task(publish_load(registry, self._load, cfg.load_report_s)))
 
     def _count_prefill(self) -> None:
         n = len(self.prefill_watch.members) if self.prefill_watch else 0
@@ -316,17 +323,6 @@ class DecodeWorker:
                  est.step_decode_ms_per_seq, est.prefill_local_ms_per_token, est.prefill_attention_ms_per_kpair,
                  seeds.step_fixed_ms, seeds.step_decode_ms_per_seq, seeds.prefill_local_ms_per_token,
                  seeds.prefill_attention_ms_per_kpair)
-
-    def _predicted_budget(self, tokens: int, cached: int, backlog: int) -> int | None:
-        """What the engine's step plan would give a prompt arriving now (the router's local
-        prediction), behind ``backlog`` prompt tokens the local prefills still have to compute
-        (`Frontend.local_backlog`, computed once per admission). The streams it plans beside
-        are those decoding now and those admitted ahead of it that will be by then (local
-        prompts queued before it, remote ones whose KV arrives meanwhile): a burst of short
-        prompts beside a long one decodes through most of its prefill, and their TPOT caps
-        its chunks (the demo's long local prompt took 1.9 s against 1.0 s predicted)."""
-        fe = self.frontend
-        return self.engine.predicted_prefill_budget(tokens, cached, fe.num_decoding + fe.num_prefilling, backlog)
 
     def _update_step_plan(self) -> None:
         qos = self._policy.policy.qos
@@ -404,12 +400,11 @@ class DecodeWorker:
             self._http.should_exit = True  # uvicorn finishes its serve task by itself
         for t in self._tasks:
             t.cancel()
-        if self.grpc is not None:
+        started = vars(self)  # a start that failed part way has only its first parts
+        if "grpc" in started:
             await self.grpc.stop(1.0)
         if self.remote is not None:
             await self.remote.stop()
-            if self.remote.prefix_view is not None:
-                self.remote.prefix_view.close()
         if self.registry is not None:
             await self.registry.close()
         if self.queue is not None:
@@ -420,14 +415,14 @@ class DecodeWorker:
                 await asyncio.wait_for(self._http_task, 5.0)
             except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001
                 log.warning("HTTP server stop: %r", exc)
-        if self.async_engine is not None:
+        if "async_engine" in started:
             self.async_engine.stop()
             # The engine's other tensor-parallel ranks and its tier's copy thread end now, not
             # when the engine is garbage-collected (a process that outlives the worker, e.g. a
             # test run, kept rank processes for minutes). Not while its thread still steps.
-            if close_engine and self.engine is not None and not self.async_engine.thread_running:
+            if close_engine and not self.async_engine.thread_running:
                 self.engine.close()
-        if self.frontend is not None:
+        if "frontend" in started:
             self.frontend.close()
         if self.agent is not None:
             self.agent.close()

@@ -11,13 +11,13 @@ blocks 0..i-1 and the lookup stops at the first miss.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, cast
 
 from pdserve.common.block_hash import block_hashes, hash_block  # noqa: F401  (the engine's names for them)
 
 if TYPE_CHECKING:
     from .kv_events import KVEventLog
-    from .kv_tier import SecondTier
+    from .kv_tier_types import SecondTier
 
 
 @dataclass(eq=False)
@@ -46,28 +46,31 @@ class FreeBlockQueue:
         for b in blocks:
             self.append(b)
 
+    # Every block in the list has both links (the sentinels ``head`` and ``tail`` bound it):
+    # the casts below say so to the checker.
     def append(self, b: Block) -> None:
-        last = self.tail.prev
+        last = cast(Block, self.tail.prev)
         last.next, b.prev, b.next, self.tail.prev = b, last, self.tail, b
         self.size += 1
 
     def remove(self, b: Block) -> None:
-        b.prev.next, b.next.prev = b.next, b.prev
+        prev, nxt = cast(Block, b.prev), cast(Block, b.next)
+        prev.next, nxt.prev = nxt, prev
         b.prev = b.next = None
         self.size -= 1
 
-    def first(self, n: int):
+    def first(self, n: int) -> Iterator[Block]:
         """The next ``n`` blocks `popleft` would return, without taking them."""
-        b = self.head.next
+        b = cast(Block, self.head.next)
         while n > 0 and b is not self.tail:
             yield b
-            b = b.next
+            b = cast(Block, b.next)
             n -= 1
 
     def popleft(self) -> Block:
         if self.size == 0:
             raise RuntimeError("no free KV blocks")
-        b = self.head.next
+        b = cast(Block, self.head.next)
         self.remove(b)
         return b
 
@@ -96,7 +99,7 @@ class BlockPool:
 
     def lookup(self, hashes: list[bytes]) -> list[Block]:
         """Cached blocks for the longest prefix of ``hashes`` (stops at the first miss)."""
-        hits = []
+        hits: list[Block] = []
         if not self.enable_caching:
             return hits
         for h in hashes:

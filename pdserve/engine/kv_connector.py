@@ -5,13 +5,16 @@ workers need. Call it from the thread that drives the engine (like the engine).
 
 Decode side, the prompt's KV arrives from a prefill worker:
 
-    reserve(req)            blocks for the uncached prompt positions (cached ones pinned),
-                            or None: no room, the request was queued for a local prefill
+    (the scheduler reserves blocks for a request added with ``remote_kv`` in the step that
+    admits it: engine/remote_kv.py, its side of the seam; `take_reservations` reports them)
+    reserve(req)            the same at once, outside a step (the simulator, tests)
     then exactly one of
     remote_ready(rid, tok)  the pages are written: the request runs from its first token
     fall_back(rid, q)       prefill locally; the reservation is released, or kept under
                             the quarantine key ``q`` while a late write may still land
     abort(rid, q)           the client is gone; same choice for the reservation
+    replace(rid, q)         a new attempt: the reservation moves under ``q`` and fresh blocks
+                            are reserved (or None: no room, queued for a local prefill)
     free(key)               release a quarantined reservation
 
 Prefill side, the prompt's KV leaves for a decode worker:
@@ -52,6 +55,7 @@ from typing import TYPE_CHECKING
 from pdserve.common import Priority
 
 from .block_manager import Block, block_hashes
+from .remote_kv import Reservation
 from .request import Request, SamplingParams
 from .sampler import SampleResult
 
@@ -107,14 +111,6 @@ def kv_block_checksums(kv: "torch.Tensor", block_ids: list[int]) -> list[int]:
             w = _CHECKSUM_WEIGHTS[key] = (i * 2654435761 + 40503) % 1048573 + 1
         sums.append((words.to(torch.int64) * w).sum())
     return [int(x) & _U64_MASK for x in torch.stack(sums).cpu().tolist()]
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Where a prefill worker writes: prompt positions [cached_len, n) go to ``block_ids``."""
-
-    cached_len: int
-    block_ids: list[int]
 
 
 class KVConnector:
@@ -200,18 +196,25 @@ class KVConnector:
 
     # -- decode side -----------------------------------------------------------------------
     def reserve(self, req: Request) -> Reservation | None:
-        """Reserve blocks for ``req`` (from `LLMEngine.make_request`), whose prompt KV another
-        worker writes. None: the pool cannot hold it now, and the request was queued for a
-        local prefill instead."""
-        res = self._eng.scheduler.add_remote(req)
-        if res is None:
-            self._eng.scheduler.add(req)
-            return None
-        return Reservation(*res)
+        """Reserve blocks now for ``req`` (from `LLMEngine.make_request`), whose prompt KV
+        another worker writes, outside a step (the simulator, tests). None: the pool cannot
+        hold it now, and the request was queued for a local prefill instead. A decode worker
+        adds its requests with ``remote_kv`` instead: the scheduler reserves them in the step
+        that admits them, and `take_reservations` reports it."""
+        return self._eng.scheduler.reserve_now(req)
+
+    def take_reservations(self) -> list[tuple[str, Reservation | None]]:
+        """Requests added with ``remote_kv`` whose blocks the scheduler reserved since the last
+        call (their `Reservation`), or queued for a local prefill for want of room (None)."""
+        return self._eng.scheduler.remote_kv.take()
+
+    @property
+    def reservations_pending(self) -> bool:
+        return self._eng.scheduler.remote_kv.pending
 
     def is_awaiting(self, request_id: str) -> bool:
         """True while the request's reservation waits for its remote KV."""
-        return request_id in self._eng.scheduler.remote
+        return self._eng.scheduler.is_awaiting_remote(request_id)
 
     def remote_ready(self, request_id: str, first_token_id: int, first_logprob: float | None = None,
                      first_top_logprobs: dict[int, float] | None = None) -> "RequestDelta":
@@ -225,7 +228,7 @@ class KVConnector:
             # seed; draw once here too so later tokens match the local path.
             eng.sampler.skip_draw(req)
         try:
-            return eng._append(req, SampleResult(first_token_id, first_logprob, first_top_logprobs or None))
+            return eng.append_token(req, SampleResult(first_token_id, first_logprob, first_top_logprobs or None))
         except Exception as exc:  # noqa: BLE001
             return eng.fail_request(req, exc)
 
@@ -241,6 +244,14 @@ class KVConnector:
         if quarantine_as is not None and self.is_awaiting(request_id):
             self._eng.kv.rename(request_id, quarantine_as)
         return self._eng.abort_request(request_id)
+
+    def replace(self, request_id: str, quarantine_as: str) -> Reservation | None:
+        """A new remote attempt of an awaited request: its reservation moves under
+        ``quarantine_as`` (a late write of the old attempt lands there; release it with `free`)
+        and fresh blocks are reserved for the uncached positions, as `reserve` does (its cached
+        prefix is pinned again, shared with the quarantine). None: the pool cannot hold it now,
+        and the request was queued for a local prefill instead."""
+        return self._eng.scheduler.remote_replaced(request_id, quarantine_as)
 
     def free(self, key: str) -> None:
         """Release the blocks held under ``key`` (a quarantine, or a finished export)."""

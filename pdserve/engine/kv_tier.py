@@ -1,11 +1,9 @@
 """The second KV tier: prefix blocks kept past their eviction from the pool, loaded back on a hit.
 
 `kv_offload_bytes` (engine/config.py) gives an engine a tier of ``kv_offload_bytes //
-block bytes`` slots, each one full block of every layer (K and V) in the pool's own layout,
-so a copy either way is one strided copy per block and no conversion. Where it lives
-(`TierStore`): host memory (pinned) on a GPU worker, a file on a CPU worker, whose pool is
-host memory already (a memory tier there would be the pool's own memory under another
-name; raise ``kv_cache_memory_bytes`` instead). docs/kvindex.md has the measurements.
+block bytes`` slots, each one full block of every layer (K and V); where they live and how
+the bytes move is engine/kv_tier_store.py's, the values and the interface the scheduler and
+the block pool see engine/kv_tier_types.py's. docs/kvindex.md has the measurements.
 
 **Off the step, before eviction.** The pool evicts lazily: a free block keeps its prefix
 until `BlockPool.allocate` takes it, and the step that took it writes new KV into it at
@@ -47,21 +45,16 @@ STORAGE for a file), so the cluster's index sees the tier (docs/kvindex.md).
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
-
 from .config import ConfigError
+from .kv_tier_store import block_bytes, host_copy, load_to_device, make_store, resolve_backend
+from .kv_tier_types import Mirror, MirrorOp, TierLoad, TierStats
 
 if TYPE_CHECKING:
     from .block_manager import Block, BlockPool
@@ -70,124 +63,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WAIT_FOR_LOAD_S = 0.005  # an idle engine waits this long for a load to finish before stepping again
-STAGING_BYTES = 64 << 20  # a GPU load moves through a device buffer of at most this many bytes at a time
 
-# numpy stand-ins for dtypes it lacks, by element size: a copy moves bytes.
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[...] = src`` for host tensors of one dtype and shape, through numpy: torch's
-    `copy_` of more than 32k elements starts an OpenMP region, and on this (copy) thread that
-    would make a second OpenMP team beside the engine's, which slows every engine step
-    (common/compute_thread.py). numpy copies on the calling thread alone."""
-    if dst.dtype not in (torch.float16, torch.float32, torch.float64):
-        dst, src = dst.view(_SAME_SIZE_INT[dst.element_size()]), src.view(_SAME_SIZE_INT[src.element_size()])
-    np.copyto(dst.numpy(), src.numpy())
-
-
-class TierStore(ABC):
-    """Slots of whole blocks: ``view()`` is a [slots, layers, K/V, ...] tensor on the host."""
-
-    medium: str
-
-    @abstractmethod
-    def view(self) -> torch.Tensor: ...
-
-    def close(self) -> None:
-        return None
-
-
-class MemoryTierStore(TierStore):
-    """Host memory; pinned when the pool is on a GPU (copies then run as DMA)."""
-
-    medium = MEDIUM_CPU
-
-    def __init__(self, slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool):
-        self._t = torch.empty((slots, *block_shape), dtype=dtype, pin_memory=pin)
-
-    def view(self) -> torch.Tensor:
-        return self._t
-
-
-class FileTierStore(TierStore):
-    """A file mapped into memory (shared mapping): the page cache holds what fits, the disk
-    the rest. The file is unlinked as soon as it is mapped, so nothing is left behind when
-    the process ends, however it ends."""
-
-    medium = MEDIUM_STORAGE
-
-    def __init__(self, slots: int, block_shape: tuple[int, ...], dtype: torch.dtype, directory: str | None):
-        directory = directory or tempfile.gettempdir()
-        if not os.path.isdir(directory):
-            raise ConfigError(f"kv_offload_path={directory!r} is not a directory")
-        numel = slots
-        for d in block_shape:
-            numel *= d
-        fd, path = tempfile.mkstemp(prefix="pdserve-kv-tier-", suffix=".bin", dir=directory)
-        try:
-            os.ftruncate(fd, numel * dtype.itemsize)
-            flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-        except (OSError, RuntimeError) as exc:
-            raise ConfigError(f"kv_offload_path={directory!r}: cannot map a {numel * dtype.itemsize} byte tier "
-                              f"file there ({exc}); choose a directory with room or lower kv_offload_bytes") from exc
-        finally:
-            os.close(fd)
-            os.unlink(path)
-        self.path = path
-        self._t = flat.view(slots, *block_shape)
-
-    def view(self) -> torch.Tensor:
-        return self._t
-
-
-@dataclass(eq=False)
-class TierLoad:
-    """One request's prefix blocks coming back from the tier into pool blocks."""
-
-    request_id: str
-    hashes: list[bytes]
-    parents: list[bytes | None]
-    tokens: list[tuple[int, ...]]
-    blocks: list["Block"]  # the pool blocks written (held until the load is finished)
-    held: list["Block"]  # everything the load holds: the request's pool hits, then `blocks`
-    slots: list[int] = field(default_factory=list)
-    after: object = None  # GPU: a CUDA event on the engine's stream the load's copy waits for
-    error: str | None = None
-    seconds: float = 0.0
-    finished: bool = False  # copied (or failed); the scheduler registers its blocks at its next look
-
-
-@dataclass
-class TierStats:
-    offered: int = 0  # blocks offered for a copy ahead of eviction
-    stored: int = 0  # copies committed
-    dropped: int = 0  # copies dropped: the block was taken for other KV before the copy finished
-    evicted: int = 0  # slots given to newer blocks
-    loads: int = 0
-    loaded_blocks: int = 0
-    load_failures: int = 0
-    load_seconds: float = 0.0
-    skipped_by_cost: int = 0  # tier hits computed anyway: loading was predicted slower
-    sync_copies: int = 0  # copies made at eviction, on the engine thread (the copy thread had not reached them)
-
-
-class SecondTier(Protocol):
-    """What the scheduler and the block pool call on a second KV tier: `KVTier`, or the
-    simulator's `SimTier` (sim/engine.py). A type for the checker only."""
-
-    def flush(self, now: bool = True) -> None: ...
-
-    def evicting(self, block: Block) -> None: ...
-
-    def leading(self, hashes: list[bytes]) -> int: ...
-
-    def worth_loading(self, blocks: int, compute_s_per_token: float | None, block_size: int) -> bool: ...
-
-    def start_load(self, request_id: str, hashes: list[bytes], blocks: list[Block],
-                   held: list[Block]) -> TierLoad | None: ...
-
-    def finished_loads(self) -> list[TierLoad]: ...
+# An offer (block, its generation then, hash, parent hash, token ids, GPU: the engine's event).
+_Offer = tuple["Block", int, bytes, "bytes | None", "tuple[int, ...]", "torch.cuda.Event | None"]
 
 
 class KVTier:
@@ -198,7 +76,7 @@ class KVTier:
     the slot table."""
 
     def __init__(self, pool: torch.Tensor, capacity_bytes: int, backend: str = "auto", path: str | None = None,
-                 events: "KVEventLog | None" = None, window: int = 64, mirror=None):
+                 events: "KVEventLog | None" = None, window: int = 64, mirror: Mirror | None = None):
         self.block_bytes = block_bytes(pool)
         self.capacity = capacity_bytes // self.block_bytes
         if self.capacity < 1:
@@ -209,7 +87,7 @@ class KVTier:
         # Tensor parallelism: called with each batch of copies the other ranks must repeat, as
         # (slots, [("store"|"load", block id, slot), ...], now); None at TP=1.
         self.mirror = mirror
-        self._mirror_ops: list[tuple[str, int, int]] = []
+        self._mirror_ops: list[MirrorOp] = []
         self.medium = self.store.medium
         self.backend = backend
         self.pool, self.events, self.window = pool, events, window
@@ -217,14 +95,14 @@ class KVTier:
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # committed: hash -> slot, least recent first
         self._meta: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
         self._pins: dict[int, int] = {}
-        self._ready: dict[int, object] = {}  # GPU: slot -> CUDA event of a copy queued on the engine's stream
-        self._last_copy = None  # GPU: the event of the latest such copy not yet waited for (`flush`)
+        self._ready: dict[int, torch.cuda.Event] = {}  # GPU: slot -> event of a copy queued on the engine's stream
+        self._last_copy: torch.cuda.Event | None = None  # GPU: the latest such copy not yet waited for (`flush`)
         self._free = list(range(self.capacity - 1, -1, -1))
         self._in_flight: set[bytes] = set()  # offered, not yet committed or dropped
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
         self._loads: deque[TierLoad] = deque()
-        self._offers: deque[tuple] = deque()
+        self._offers: deque[_Offer] = deque()
         self._done: list[TierLoad] = []
         self._load_done = threading.Event()
         self._closed = False
@@ -232,7 +110,7 @@ class KVTier:
         self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda and mirror is None else None
         # Load bandwidth, measured (bytes/s); None until the first load.
         self.load_bytes_per_s: float | None = None
-        self._thread = None
+        self._thread: threading.Thread | None = None
         if mirror is None:
             self._thread = threading.Thread(target=self._run, name="kv-tier", daemon=True)
             self._thread.start()
@@ -292,7 +170,7 @@ class KVTier:
         with self._work:
             for b in candidates:
                 h = b.block_hash
-                if h in self._slots or h in self._in_flight:
+                if h is None or h in self._slots or h in self._in_flight:  # (candidates have a hash)
                     continue
                 self._in_flight.add(h)
                 self._offers.append((b, b.generation, h, b.parent_hash, b.token_ids, event))
@@ -309,6 +187,8 @@ class KVTier:
         not wait). The fallback for blocks the copy thread had not reached: freed and taken
         again within a step or two. Counted as ``sync_copies``."""
         h = block.block_hash
+        if h is None:  # not a cached block (the pool tells of cached ones only): nothing to keep
+            return
         with self._lock:
             if h in self._slots:
                 return
@@ -361,7 +241,7 @@ class KVTier:
         (the caller then gives the blocks back). Loads fewer when a later hash has gone: the
         returned load's `blocks` are the ones written; the caller gives back the rest."""
         with self._work:
-            slots = []
+            slots: list[int] = []
             for h in hashes:
                 slot = self._slots.get(h)
                 if slot is None:
@@ -377,8 +257,8 @@ class KVTier:
             load = TierLoad(request_id, list(hashes[:n]), [m[0] for m in meta], [m[1] for m in meta],
                             list(blocks[:n]), held, slots)
             if self._stream is not None:  # the load writes after whatever the engine issued into those blocks
-                load.after = torch.cuda.Event()
-                load.after.record()
+                load.after = after = torch.cuda.Event()
+                after.record()
             if self.mirror is not None:  # here, in the engine's order (and stream); the ranks the same
                 self._mirror_ops += [("load", b.block_id, slot) for b, slot in zip(load.blocks, slots)]
             else:
@@ -413,13 +293,12 @@ class KVTier:
                     self._work.wait()
                 if self._closed:
                     return
-                load = self._loads.popleft() if self._loads else None
-                offer = None if load is not None else self._offers.popleft()
+                job: TierLoad | _Offer = self._loads.popleft() if self._loads else self._offers.popleft()
             try:
-                if load is not None:
-                    self._load(load)
+                if isinstance(job, TierLoad):
+                    self._load(job)
                 else:
-                    self._offload(*offer)
+                    self._offload(*job)
             except Exception:  # noqa: BLE001  (the thread must live; the op is accounted as failed)
                 log.exception("second KV tier: a copy failed")
 
@@ -427,7 +306,8 @@ class KVTier:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def _offload(self, block: "Block", generation: int, h: bytes, parent, tokens, event) -> None:
+    def _offload(self, block: "Block", generation: int, h: bytes, parent: bytes | None, tokens: tuple[int, ...],
+                 event: "torch.cuda.Event | None") -> None:
         with self._lock:
             slot = self._take_slot()
         if slot is None:  # every slot pinned by loads
@@ -479,24 +359,6 @@ class KVTier:
                 return slot
         return None
 
-    def _load_to_device(self, data: torch.Tensor, load: TierLoad) -> None:
-        """Slots (pinned host memory) into the pool's blocks, on the tier's stream: each run of
-        consecutive slots is one DMA into a device staging buffer (no copy on the host, no
-        pageable bounce), then one scatter into the blocks per chunk of `STAGING_BYTES`."""
-        per_chunk = max(1, STAGING_BYTES // self.block_bytes)
-        for c in range(0, len(load.slots), per_chunk):
-            slots, blocks = load.slots[c:c + per_chunk], load.blocks[c:c + per_chunk]
-            staging = torch.empty((len(slots), *data.shape[1:]), dtype=data.dtype, device=self.pool.device)
-            i = 0
-            while i < len(slots):
-                j = i + 1
-                while j < len(slots) and slots[j] == slots[j - 1] + 1:
-                    j += 1
-                staging[i:j].copy_(data[slots[i]:slots[i] + (j - i)], non_blocking=True)
-                i = j
-            ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long).to(self.pool.device, non_blocking=True)
-            self.pool.index_copy_(1, ids, staging.transpose(0, 1))
-
     def _load(self, load: TierLoad) -> None:
         t0 = time.perf_counter()
         try:
@@ -508,9 +370,9 @@ class KVTier:
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(load.after)
-                    self._load_to_device(data, load)
+                    load_to_device(self.pool, data, load.slots, [b.block_id for b in load.blocks], self.block_bytes)
             elif self.pool.is_cuda:  # mirrored: on the engine's stream, ahead of the steps that read it
-                self._load_to_device(data, load)
+                load_to_device(self.pool, data, load.slots, [b.block_id for b in load.blocks], self.block_bytes)
             else:
                 for slot, block in zip(load.slots, load.blocks):
                     host_copy(self.pool[:, block.block_id], data[slot])
@@ -536,64 +398,3 @@ class KVTier:
             self._done.append(load)
             self._load_done.set()
 
-
-def block_bytes(pool: torch.Tensor) -> int:
-    """Bytes of one block of every layer (K and V) of ``pool`` ([layers, blocks, ...])."""
-    numel = pool.shape[0]
-    for d in pool.shape[2:]:
-        numel *= d
-    return numel * pool.element_size()
-
-
-def resolve_backend(backend: str, pool: torch.Tensor) -> str:
-    if backend == "auto":
-        backend = "memory" if pool.is_cuda else "file"
-    if backend == "memory" and not pool.is_cuda:
-        raise ConfigError("kv_offload_backend='memory' on a CPU engine: its pool is host memory already, so "
-                          "raise kv_cache_memory_bytes instead, or use kv_offload_backend='file'")
-    return backend
-
-
-def make_store(backend: str, slots: int, pool: torch.Tensor, path: str | None) -> TierStore:
-    block_shape = (pool.shape[0], *pool.shape[2:])
-    if backend == "memory":
-        return MemoryTierStore(slots, block_shape, pool.dtype, pool.is_cuda)
-    return FileTierStore(slots, block_shape, pool.dtype, path)
-
-
-class TierMirror:
-    """A tensor-parallel rank's share of the tier (ranks 1..N-1, engine/tp_rank.py): the same
-    slots as rank 0's `KVTier`, over this rank's heads of each block, and the copies rank 0
-    made, repeated in its order (``apply``) before the step they came with. Rank 0 keeps the
-    slot table; this keeps only the data. The store is made at the first copies (their slot
-    count is rank 0's)."""
-
-    def __init__(self, pool: torch.Tensor, backend: str, path: str | None):
-        self.pool, self.backend, self.path = pool, resolve_backend(backend, pool), path
-        self.store: TierStore | None = None
-        self.copies = 0
-
-    def apply(self, slots: int, ops: list, sync: bool = False) -> None:
-        """Make rank 0's copies here; with ``sync`` (block ids are leaving the engine) on a GPU
-        wait until they have landed, as rank 0 does (`KVTier.flush`)."""
-        if self.store is None:
-            self.store = make_store(self.backend, slots, self.pool, self.path)
-        data = self.store.view()
-        for op, block, slot in ops:
-            if op == "store":
-                src, dst = self.pool[:, block], data[slot]
-            elif op == "load":
-                src, dst = data[slot], self.pool[:, block]
-            else:
-                raise ValueError(f"unknown tier copy {op!r}")
-            if self.pool.is_cuda:  # on this rank's stream, ahead of the step's forward
-                dst.copy_(src, non_blocking=True)
-            else:
-                host_copy(dst, src)
-            self.copies += 1
-        if sync and self.pool.is_cuda:
-            torch.cuda.current_stream(self.pool.device).synchronize()
-
-    def close(self) -> None:
-        if self.store is not None:
-            self.store.close()

@@ -34,7 +34,7 @@ from .runner import ModelRunner
 from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
 from .step_budget import StepCost, StepTargets, attention_pairs
-from .tokenizer import Tokenizer
+from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .tp_group import TPGroupBroken
 
 _POISON_ON = failpoints.enabled("request.poison")  # common/failpoints.py: off unless a chaos run sets it
@@ -72,7 +72,7 @@ class LLMEngine:
             self.scheduler.tier = self.kv.pool.tier = self.tier
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
-        self._detok: dict[str, object] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
         self.last_step = (0, 0, 0)  # (sequences, tokens, decode sequences) of the last step
@@ -168,8 +168,14 @@ class LLMEngine:
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None,
-                    tenant: str | None = None, resume_ids: list[int] | None = None) -> Request:
+                    tenant: str | None = None, resume_ids: list[int] | None = None,
+                    remote_kv: bool = False) -> Request:
+        """Queue a request. ``remote_kv``: another worker writes its prompt KV; the scheduler
+        reserves its blocks in the step that admits it (engine/remote_kv.py; the connector's
+        `take_reservations` tells the worker), and it runs once the connector's `remote_ready`
+        says the pages are written."""
         req = self.make_request(prompt, params, request_id, priority, arrival, tenant, resume_ids)
+        req.remote_kv = remote_kv and not req.output_token_ids  # (a resumed stream computes its tokens here)
         self.scheduler.add(req)
         return req
 
@@ -225,7 +231,7 @@ class LLMEngine:
         """Cap the prompt (and recompute) tokens of one step at ``tokens``, decode tokens
         untouched; None removes the cap. ``idle_tokens`` replaces it while no running request
         is decoding. A decode worker sets both so that no step stalls its running streams past
-        their TPOT target, nor a newly arrived prompt for long (decode/prefill_budget.py)."""
+        their TPOT target, nor a newly arrived prompt for long (engine/step_plan.py)."""
         for name, value in (("prefill token budget", tokens), ("idle prefill token budget", idle_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
@@ -255,12 +261,14 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------
     def _mirror_tier(self, slots: int, ops: list, now: bool) -> None:
-        """The tier's copies, for the other tensor-parallel ranks to repeat (engine/kv_tier.py
+        """The tier's copies, for the other tensor-parallel ranks to repeat (engine/kv_tier_store.py
         `TierMirror`, in engine/tp_rank.py): with the next step, or at once."""
+        group = self.runner.group
+        assert group is not None  # mirrored only at TP > 1
         if now:
-            self.runner.group.call("tier", slots=slots, ops=ops)
+            group.call("tier", slots=slots, ops=ops)
         else:
-            self.runner.group.attach({"kind": "tier", "slots": slots, "ops": ops})
+            group.attach({"kind": "tier", "slots": slots, "ops": ops})
 
     def step(self, layer_hook=None, on_plan=None) -> list[RequestDelta]:
         """Run one scheduled step and return what it added to each request.
@@ -280,7 +288,7 @@ class LLMEngine:
         self.last_step_pairs = sum(attention_pairs(n, r.num_computed_tokens) for r, n in plan.scheduled
                                    if not (n == 1 and r.output_token_ids))
         if not plan.scheduled:
-            if self.scheduler.loading:
+            if self.scheduler.loading and self.tier is not None:
                 self.tier.wait_for_load()  # only loads in flight: wait for one, not spin
             return []
         now = self.scheduler.clock()
@@ -327,7 +335,7 @@ class LLMEngine:
                 try:
                     if isinstance(res, BaseException):
                         raise res
-                    deltas.append(self._append(req, res))
+                    deltas.append(self.append_token(req, res))
                 except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
                     deltas.append(self.fail_request(req, exc))
         return deltas
@@ -365,7 +373,9 @@ class LLMEngine:
         self.stats.num_failed += 1
         return RequestDelta(req.request_id, [], "", "error", error=f"{exc.__class__.__name__}: {exc}")
 
-    def _append(self, req: Request, res: SampleResult) -> RequestDelta:
+    def append_token(self, req: Request, res: SampleResult) -> RequestDelta:
+        """Append one sampled token to ``req`` (its logprobs, text and stop checks): what each
+        step does per request, and the remote-KV seam for a first token sampled elsewhere."""
         if _POISON_ON:  # a chaos run's poison request fails here, as a detokenizer bug would
             failpoints.check_poison(req.prompt_token_ids)
         p = req.params

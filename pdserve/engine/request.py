@@ -189,7 +189,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
         self.num_preemptions = 0
-        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.logprobs: list[dict | None] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -197,6 +197,9 @@ class Request:
         # Prefill role: keep the KV blocks after finishing until the connector's
         # `release_export` (they are read by the transfer to the decode worker).
         self.keep_kv = False
+        # Decode role: another worker writes its prompt KV; the scheduler reserves its blocks
+        # (engine/remote_kv.py) and it waits in WAITING_FOR_REMOTE_KV until they are written.
+        self.remote_kv = False
         # Its prefix was looked up in the second KV tier at its latest admission (engine/kv_tier.py):
         # one load per admission, then it computes whatever the pool still lacks.
         self.tier_tried = False
@@ -242,7 +245,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None
-    logprobs: list[dict] | None = None
+    logprobs: list[dict | None] | None = None
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
     times: RequestTimes | None = field(default=None, compare=False, repr=False)

@@ -24,8 +24,11 @@ ties). One client's burst (128 sequences of one call) therefore cannot take
 every sequence slot ahead of another client's single request: that request
 gets the next free slot.
 
-Requests whose prompt KV another worker writes wait in ``remote`` (state
-WAITING_FOR_REMOTE_KV) and are left out of steps until marked ready.
+Requests whose prompt KV another worker writes (``remote_kv``) get their blocks in the
+``schedule()`` that admits them, ahead of the local prompts (``_reserve_remote``; the seam's
+scheduler side, engine/remote_kv.py, is told of each reservation), then wait in ``remote``
+(state WAITING_FOR_REMOTE_KV), left out of steps until marked ready. One the pool cannot
+hold is queued for a local prefill instead.
 
 With a second KV tier (``tier``, engine/kv_tier.py), a waiting request whose prefix goes on
 in the tier past the pool's hit waits in ``loading`` (state LOADING_KV) while those blocks
@@ -39,7 +42,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .block_manager import KVCacheManager
-from .kv_tier import SecondTier
+from .kv_tier_types import SecondTier
+from .remote_kv import RemoteKVScheduler, Reservation
 from .request import Request, RequestStatus
 from .step_budget import HORIZON as STEP_HORIZON
 from .step_budget import MIN_TOKENS as MIN_CHUNK
@@ -72,7 +76,9 @@ class Scheduler:
         self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.remote: dict[str, Request] = {}
+        self.remote: dict[str, Request] = {}  # reserved, awaiting their remote KV
+        self.remote_waiting: deque[Request] = deque()  # to be reserved in the next schedule()
+        self.remote_kv = RemoteKVScheduler()  # the seam's scheduler side (engine/remote_kv.py)
         self.tier: SecondTier | None = None  # the second KV tier (engine/kv_tier.py), if any
         self.loading: dict[str, Request] = {}  # requests whose prefix the tier is loading back
         self.tier_min_blocks = 1  # a tier hit shorter than this is computed instead
@@ -102,13 +108,16 @@ class Scheduler:
     # -- queue management ---------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        if req.remote_kv:
+            self.remote_waiting.append(req)
+        else:
+            self.waiting.append(req)
 
     def _urgency(self, req: Request):
         return (req.priority, req.arrival) if self.policy == "priority" else (0, req.arrival)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loading or self.remote_waiting)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out of every queue and free its blocks."""
@@ -117,27 +126,49 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.remote_waiting:
+            self.remote_waiting.remove(req)
         self.remote.pop(req.request_id, None)
         self.loading.pop(req.request_id, None)  # its load finishes on its own (engine/kv_tier.py)
         if not (req.keep_kv and status != RequestStatus.FINISHED_ABORTED):
             self.kv.free(req.request_id)
 
     # -- remote KV ----------------------------------------------------------
-    def add_remote(self, req: Request) -> tuple[int, list[int]] | None:
-        """Reserve blocks for a request whose prompt KV will be written remotely.
+    def _reserve_remote(self) -> None:
+        """Reserve blocks for the waiting requests whose prompt KV another worker writes, in
+        arrival order: their cached prefix is pinned and every other prompt position gets a
+        block (``external_tokens`` of them arrive from outside). One the pool cannot hold now
+        is queued for a local prefill instead (``no_room``)."""
+        while self.remote_waiting:
+            req = self.remote_waiting.popleft()
+            res = self.kv.reserve_remote(req.request_id, req.prompt_token_ids, req.cache_salt)
+            if self.tier is not None:  # TP: the other ranks copy what the reservation evicted before a write lands
+                self.tier.flush()
+            if res is None:
+                req.remote_kv = False
+                self.add(req)
+                self.remote_kv.no_room(req)
+                continue
+            cached_len, block_ids = res
+            assert self.remote_kv.external_tokens(req, cached_len) == req.num_prompt_tokens - cached_len
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            req.num_cached_tokens = cached_len
+            self.remote[req.request_id] = req
+            self.remote_kv.allocated(req, Reservation(cached_len, block_ids))
 
-        Returns ``(cached_len, target_block_ids)`` or None when the pool cannot
-        hold the prompt now (the caller then prefills locally instead).
-        """
-        res = self.kv.reserve_remote(req.request_id, req.prompt_token_ids, req.cache_salt)
-        if self.tier is not None:  # TP: the other ranks copy what the reservation evicted before a write lands
-            self.tier.flush()
-        if res is None:
-            return None
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        req.num_cached_tokens = res[0]
-        self.remote[req.request_id] = req
+    def reserve_now(self, req: Request) -> Reservation | None:
+        """Add ``req`` (``remote_kv``) and reserve its blocks at once, outside a step (the
+        simulator and tests; a decode worker's requests are reserved by `schedule`). None: no
+        room, it was queued for a local prefill."""
+        req.remote_kv = True
+        self.add(req)
+        self._reserve_remote()
+        ((_, res),) = self.remote_kv.take(req.request_id)
         return res
+
+    def is_awaiting_remote(self, req_id: str) -> bool:
+        """Whether the request's reservation waits for its remote KV."""
+        return req_id in self.remote
 
     def remote_ready(self, req_id: str) -> Request:
         """The prompt KV has arrived: the request runs from its next token on."""
@@ -147,6 +178,14 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return req
+
+    def remote_replaced(self, req_id: str, quarantine_as: str) -> Reservation | None:
+        """A new remote attempt of an awaited request: its reservation moves under
+        ``quarantine_as`` and fresh blocks are reserved at once (None: no room, queued for a
+        local prefill)."""
+        req = self.remote.pop(req_id)
+        self.kv.rename(req_id, quarantine_as)
+        return self.reserve_now(req)
 
     def remote_failed(self, req_id: str, quarantine_as: str | None = None) -> Request:
         """Queue the request for a local prefill, releasing its reservation, or,
@@ -158,12 +197,15 @@ class Scheduler:
         else:
             self.kv.rename(req_id, quarantine_as)
         req.num_computed_tokens = 0
+        req.remote_kv = False
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         return req
 
     # -- the step plan --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.remote_waiting:
+            self._reserve_remote()
         if self.tier is not None:
             self.finish_loads()
         out = SchedulerOutput()
@@ -171,10 +213,11 @@ class Scheduler:
         cap = self.prefill_token_budget
         express: list[Request] = []
         if self.step_cost is not None and self.step_targets is not None:
-            cap = self._plan_budget()
-            express, express_tokens = self._short_prompts(self.last_budget)
+            plan = self._plan_budget(self.step_cost, self.step_targets)
+            cap = plan.tokens
+            express, express_tokens = self._short_prompts(plan)
             if express:  # they get their first token when this step ends: keep it short
-                cap = max(self.last_budget.short_step(), express_tokens + MIN_CHUNK)
+                cap = max(plan.short_step(), express_tokens + MIN_CHUNK)
         elif cap is not None and self.idle_prefill_token_budget is not None and not any(
                 r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
             cap = self.idle_prefill_token_budget  # nobody decoding: bigger, more efficient chunks
@@ -259,7 +302,8 @@ class Scheduler:
         if not self.waiting or plan is None:
             return [], 0
         limit = plan.target_tokens
-        out, total = [], 0
+        out: list[Request] = []
+        total = 0
         for pos, req in enumerate(self.waiting):
             left = req.num_tokens - req.num_computed_tokens
             if req.output_token_ids:
@@ -292,8 +336,8 @@ class Scheduler:
             turns[req.tenant] += 1
         self.waiting = deque(waiting[k[2]] for k in sorted(keyed))
 
-    def _plan_budget(self) -> int:
-        """This step's prompt-token cap from the SLOs (engine/step_budget.py)."""
+    def _plan_budget(self, cost: StepCost, targets: StepTargets) -> Budget:
+        """This step's plan of prompt tokens from the SLOs (engine/step_budget.py)."""
         now = self.clock()
         decoding, prompts = [], []
         for r in self.running:
@@ -314,9 +358,8 @@ class Scheduler:
             self.period_ms = gap if self.period_ms is None else self.period_ms + PERIOD_ALPHA * (gap - self.period_ms)
         self._last_plan_at = now
         self.last_decoding = decoding
-        self.last_budget = plan_budget(self.step_cost, self.step_targets, decoding, prompts,
-                                       self.max_num_batched_tokens, self.period_ms)
-        return self.last_budget.tokens
+        self.last_budget = plan_budget(cost, targets, decoding, prompts, self.max_num_batched_tokens, self.period_ms)
+        return self.last_budget
 
     def predicted_budget(self, tokens: int, cached: int, decodes: int, backlog: int) -> int | None:
         """The prompt tokens per step the step plan would give a prompt of ``tokens`` after
@@ -339,6 +382,8 @@ class Scheduler:
         """Start loading back the blocks that follow the pool's hit in the tier; True when a
         load started (the request then waits in ``loading``)."""
         kv, tier, bs = self.kv, self.tier, self.kv.block_size
+        if tier is None:
+            return False
         hashes = kv.hashes.get(req.request_id, [])
         rest = hashes[len(hits):(req.num_tokens - 1) // bs]  # the last token is always computed
         n = tier.leading(rest)
@@ -369,6 +414,8 @@ class Scheduler:
         and put their requests first in line (in the order their loads finished)."""
         back: list[Request] = []
         pool = self.kv.pool
+        if self.tier is None:
+            return
         for load in self.tier.finished_loads():
             if load.error is None:
                 for b, h, parent, tokens in zip(load.blocks, load.hashes, load.parents, load.tokens):

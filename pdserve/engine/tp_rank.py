@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(spec["threads"])
 
     from .config import EngineConfig, ModelConfig
-    from .kv_tier import TierMirror
+    from .kv_tier_store import TierMirror
     from .runner import ModelRunner
     from .tp_comm import ProcessGroupComm, ShmComm
     from .tp_group import STARTUP_TIMEOUT_S

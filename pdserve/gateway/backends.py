@@ -8,14 +8,20 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Set
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from pdserve.api.client import Connection
 from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.cluster.records import WorkerInfo
 from pdserve.cluster.registry import Registry
+from pdserve.cluster.watch import MemberWatch
 
 from .pick import ROUTINGS, Pick, WorkerState, choose
+
+if TYPE_CHECKING:
+    from pdserve.cluster.kvindex.service import KVIndexFollower
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +54,18 @@ class Backends:
         self.creds = creds
         self.workers: dict[str, WorkerState] = {}
         self.records: dict[str, WorkerInfo] = {}
-        self._conns: dict[str, tuple[Connection, object, object]] = {}  # id -> (connection, channel, stub)
+        # id -> (connection, its grpc.aio channel, stub)
+        self._conns: dict[str, tuple[Connection, Any, pb_grpc.InferenceStub]] = {}
         self.rng = random.Random(seed)
-        self._watch = None
-        self.follower = None
+        self._watch: MemberWatch | None = None
+        self.follower: KVIndexFollower | None = None
         if kv_index:
             from pdserve.cluster.kvindex.service import KVIndexFollower
             self.follower = KVIndexFollower().start()
 
     async def start(self, timeout_s: float = 15.0) -> "Backends":
-        self._watch = await self.registry.watch_members(self._seen, self._seen, self._gone, role="decode")
-        await self._watch.wait_synced(timeout_s)
+        self._watch = watch = await self.registry.watch_members(self._seen, self._seen, self._gone, role="decode")
+        await watch.wait_synced(timeout_s)
         return self
 
     def _seen(self, info: WorkerInfo) -> None:
@@ -92,7 +99,7 @@ class Backends:
             import asyncio
             asyncio.get_running_loop().create_task(entry[1].close(grace=5.0))
 
-    def stub(self, worker_id: str):
+    def stub(self, worker_id: str) -> tuple[pb_grpc.InferenceStub, tuple[tuple[str, str], ...] | None]:
         """(stub, metadata) for calls to a worker."""
         entry = self._conns.get(worker_id)
         if entry is None:
@@ -109,7 +116,7 @@ class Backends:
             return {}
         return self.follower.cached_tokens(token_ids)
 
-    def pick(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Pick:
+    def pick(self, token_ids: list[int], exclude: Set[str] = frozenset()) -> Pick:
         return choose(list(self.workers.values()), len(token_ids), self.cached(token_ids), time.monotonic(),
                       self.rng, exclude, routing=self.routing)
 

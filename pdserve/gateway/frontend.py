@@ -1,4 +1,4 @@
-"""A gateway's request path (the `Surface` its gRPC and HTTP APIs serve, decode/surface.py):
+"""A gateway's request path (the `Surface` its gRPC and HTTP APIs serve, api/surface.py):
 validate against the model, pick a decode worker (gateway/pick.py), stream from it, and when
 that stream breaks, continue it on another worker from the tokens already streamed.
 
@@ -13,7 +13,7 @@ while another has room.
 Whose failure (docs/gateway.md "Errors"): a worker that died, dropped its stream or is draining
 (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, a stream without its last message) is avoided for a
 while and the stream goes on elsewhere. A failure the worker marks as the request's own
-(ERROR_SCOPE_HEADER, decode/ingress.py) is returned to the client at once and the worker stays
+(ERROR_SCOPE_HEADER, api/ingress.py) is returned to the client at once and the worker stays
 in rotation: the same request would fail on every worker, and avoiding each in turn would take
 them all out of rotation for one bad request. An INTERNAL / UNKNOWN without the mark (an older
 worker, a bug, a transport error gRPC reports as INTERNAL) is tried on one more worker, and no
@@ -28,18 +28,19 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import grpc
 
-from pdserve.api.client import breakdown_dict, build_request
-from pdserve.decode.grpc_service import STATUS
-from pdserve.decode.ingress import (ERROR_SCOPE_HEADER, KV_WAIT_HEADER, REQUEST_SCOPE, Chunk, GenerateInput,
-                                    RequestError, ServingLimits)
-from pdserve.decode.security import TENANT_HEADER
-from pdserve.decode.surface import Surface, identity, tenant_of
-from pdserve.decode.validate import check_privileges
+from pdserve.api.client import build_request
+from pdserve.api.grpc_service import STATUS, chunk_from_proto
+from pdserve.api.ingress import (ERROR_SCOPE_HEADER, KV_WAIT_HEADER, REQUEST_SCOPE, Chunk, GenerateInput,
+                                 RequestError, ServingLimits)
+from pdserve.api.security import TENANT_HEADER
+from pdserve.api.surface import Surface, identity, tenant_of
+from pdserve.api.v1 import inference_pb2 as pb
+from pdserve.api.validate import check_privileges
 from pdserve.engine.prompts import PromptChecker
 
 from .backends import Backends
@@ -140,7 +141,7 @@ class GatewayFrontend(Surface):
     async def _abort_on(self, worker_id: str, rid: str) -> None:
         try:
             stub, md = self.backends.stub(worker_id)
-            await stub.Abort(build_abort(rid), metadata=md, timeout=10)
+            await stub.Abort(pb.AbortRequest(request_id=rid), metadata=md, timeout=10)
         except (grpc.aio.AioRpcError, KeyError) as exc:
             log.info("gateway: abort of %s on %s: %s", rid, worker_id, exc)
 
@@ -255,22 +256,24 @@ class GatewayFrontend(Surface):
         return partner
 
     async def _race(self, s: Stream, first: str, second: str, tried: set[str], ids, params, prio,
-                    inp: GenerateInput, arrival: float) -> AsyncIterator[Chunk]:
+                    inp: GenerateInput, arrival: float) -> AsyncGenerator[Chunk, None]:
         """The request on two workers at once: the first to stream a token wins, the other is
         cancelled (its call ends; its blocks are freed). Only the winner's tokens reach the
         client, so usage counts them once. Raises `_Broken` when both fail before a token."""
-        runs = {w: (Stream(s.label), None) for w in (first, second)}
-        runs = {w: (st, self._attempt(st, w, ids, params, prio, inp, arrival)) for w, (st, _) in runs.items()}
+        runs = {w: (st, self._attempt(st, w, ids, params, prio, inp, arrival))
+                for w, st in ((first, Stream(s.label)), (second, Stream(s.label)))}
         tasks = {asyncio.ensure_future(gen.__anext__()): w for w, (_, gen) in runs.items()}
-        winner, head, broken, decided, unmarked = None, None, None, False, 0
+        won: tuple[str, Chunk] | None = None  # the winner and its first chunk
+        broken: _Broken | None = None
+        decided, unmarked = False, 0
         try:
-            while tasks and winner is None:
+            while tasks and won is None:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     w = tasks.pop(t)
                     exc = t.exception()
-                    if exc is None and winner is None:
-                        winner, head = w, t.result()
+                    if exc is None and won is None:
+                        won = (w, t.result())
                     elif isinstance(exc, _Broken):
                         broken = exc
                         unmarked += exc.unmarked
@@ -283,13 +286,14 @@ class GatewayFrontend(Surface):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for w, (_, gen) in runs.items():
-                if w != winner or not decided:  # on an error or a client gone: both
+                if won is None or w != won[0] or not decided:  # on an error or a client gone: both
                     await gen.aclose()
-        if winner is None:
+        if won is None:
             self.metrics.race("both_failed")
             broken = broken or _Broken(second, "neither raced worker answered", True)
             broken.unmarked = unmarked  # each raced worker's unmarked failure counts (MAX_UNMARKED_FAILURES)
             raise broken
+        winner, head = won
         loser = second if winner == first else first
         self.metrics.race("won_first" if winner == first else "won_second")
         self.metrics.race_waste(len(ids))  # at most: the loser's prompt, if it was scheduled
@@ -304,14 +308,14 @@ class GatewayFrontend(Surface):
                 yield chunk
 
     async def _attempt(self, s: Stream, worker_id: str, ids, params, prio, inp: GenerateInput,
-                       arrival: float, no_hold: bool = False) -> AsyncIterator[Chunk]:
+                       arrival: float, no_hold: bool = False) -> AsyncGenerator[Chunk, None]:
         """One worker's part of the stream; raises `_Broken` when it ends early. ``no_hold``: the
         worker refuses at once rather than hold the prompt for KV room (another worker can take it)."""
         w = self.backends.workers[worker_id]
         stub, md = self.backends.stub(worker_id)
         # The client's key identity, or with keys off here its address (addr:...): the worker's
         # fairness and shares then see this client, where it trusts this gateway to name it (an
-        # operator worker key; keys off there, FORWARDED_ALLOW_IPS: decode/security.py).
+        # operator worker key; keys off there, FORWARDED_ALLOW_IPS: api/security.py).
         tenant = tenant_of(inp.caller) if self.forward_tenant else None
         if tenant is not None:
             md = (*(md or ()), (TENANT_HEADER, tenant))
@@ -339,7 +343,7 @@ class GatewayFrontend(Surface):
                     if not s.tokens:
                         self.metrics.ttft.observe(time.monotonic() - arrival)
                 s.tokens.extend(msg.token_ids)
-                chunk = chunk_of(msg)
+                chunk = chunk_from_proto(msg)
                 if msg.finish_reason:
                     finished = True
                     self.metrics.request_finished(msg.finish_reason)
@@ -376,18 +380,6 @@ class GatewayFrontend(Surface):
             if not finished:
                 call.cancel()  # the client left, or the stream broke: the worker frees its blocks
         raise _Broken(worker_id, "the stream ended without its last message", not first)
-
-
-def chunk_of(msg) -> Chunk:
-    return Chunk(list(msg.token_ids), msg.text, msg.finish_reason or None,
-                 [{"token_id": lp.token_id, "logprob": lp.logprob,
-                   "top_logprobs": {t.token_id: t.logprob for t in lp.top}} for lp in msg.logprobs],
-                 breakdown_dict(msg.breakdown) if msg.HasField("breakdown") else None)
-
-
-def build_abort(rid: str):
-    from pdserve.api.v1 import inference_pb2 as pb
-    return pb.AbortRequest(request_id=rid)
 
 
 def _float(v) -> float | None:

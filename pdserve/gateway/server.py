@@ -1,6 +1,6 @@
 """One gateway process: follows the decode workers in etcd, serves the decode worker's gRPC
-`Inference` API and OpenAI HTTP surface (the same implementation: decode/grpc_service.py,
-decode/http_app.py over a gateway's `Surface`), plus ``POST /gateway/explain`` (the scores
+`Inference` API and OpenAI HTTP surface (the same implementation: api/grpc_service.py,
+api/http_app.py over a gateway's `Surface`), plus ``POST /gateway/explain`` (the scores
 behind a pick). Stateless: any number of replicas; a restart loses only its own connections."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import logging
 import socket
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import uvicorn
@@ -17,14 +18,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pdserve.api.grpc_service import GrpcServer
+from pdserve.api.http_app import build_app
+from pdserve.api.ingress import ServingLimits
+from pdserve.api.security import ServerSecurity
 from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.cluster.etcd_auth import EtcdTLS
 from pdserve.cluster.registry import Registry
 from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
-from pdserve.decode.grpc_service import GrpcServer
-from pdserve.decode.http_app import build_app
-from pdserve.decode.ingress import ServingLimits
-from pdserve.decode.security import ServerSecurity
 from pdserve.engine.prompts import PromptChecker
 from pdserve.engine.tokenizer import Tokenizer
 
@@ -46,12 +47,12 @@ class GatewayConfig:
     grpc_port: int = 0
     http_port: int = 0
     gateway_id: str | None = None
-    etcd_tls: object = None  # cluster/etcd_auth.py EtcdTLS, or its dict; None: plaintext
+    etcd_tls: EtcdTLS | dict[str, Any] | None = None  # cluster/etcd_auth.py EtcdTLS, or its dict; None: plaintext
     max_migrations: int = 3
     kv_index: bool = True  # follow the decode workers' KV events (those that publish them)
     wait_for_workers_s: float = 60.0
     limits: dict = field(default_factory=dict)
-    # Its own ingress (decode/security.py): TLS and API keys, as a decode worker's
+    # Its own ingress (api/security.py): TLS and API keys, as a decode worker's
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
@@ -64,7 +65,7 @@ class GatewayConfig:
     worker_client_cert: str | None = None
     worker_client_key: str | None = None
     worker_server_name: str | None = None  # the name their certificates carry, when not their address
-    # Send each client's key identity to the workers (``x-pdserve-tenant``; decode/security.py),
+    # Send each client's key identity to the workers (``x-pdserve-tenant``; api/security.py),
     # so that their per-key fairness and sequence shares see the clients, not the gateway's one
     # key. Needs an operator worker key when the workers check keys.
     forward_tenant: bool = True
@@ -96,30 +97,30 @@ class Gateway:
         self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, tls=EtcdTLS.of(cfg.etcd_tls))
         creds = WorkerCredentials(cfg.worker_api_key, cfg.worker_ca_file, cfg.worker_client_cert,
                                   cfg.worker_client_key, server_name=cfg.worker_server_name)
-        self.backends = await Backends(self.registry, creds, kv_index=cfg.kv_index, seed=cfg.seed,
-                                       routing=cfg.routing).start()
-        card = await self._model_card()
+        self.backends = backends = await Backends(self.registry, creds, kv_index=cfg.kv_index, seed=cfg.seed,
+                                                  routing=cfg.routing).start()
+        card = await self._model_card(backends)
         checker = PromptChecker(Tokenizer(cfg.model), card.max_model_len, card.vocab_size)
         metrics = GatewayMetrics(self.gateway_id)
-        self.frontend = GatewayFrontend(self.backends, checker, metrics, self.gateway_id, card.id, card.dtype,
-                                        ServingLimits.from_dict(cfg.limits), cfg.max_migrations,
-                                        cfg.race_fraction, cfg.race_risk, cfg.forward_tenant)
-        self.grpc = GrpcServer(self.frontend, cfg.host, cfg.grpc_port, self.security)
+        self.frontend = frontend = GatewayFrontend(
+            backends, checker, metrics, self.gateway_id, card.id, card.dtype, ServingLimits.from_dict(cfg.limits),
+            cfg.max_migrations, cfg.race_fraction, cfg.race_risk, cfg.forward_tenant)
+        self.grpc = GrpcServer(frontend, cfg.host, cfg.grpc_port, self.security)
         await self.grpc.start()
         self.grpc_address = self.grpc.address
-        await self._start_http()
+        await self._start_http(frontend, backends)
         log.info("gateway %s serving gRPC %s, HTTP %s for %d decode worker(s) of %r", self.gateway_id,
-                 self.grpc_address, self.http_address, len(self.backends.workers), card.id)
+                 self.grpc_address, self.http_address, len(backends.workers), card.id)
         return {"gateway_id": self.gateway_id, "grpc": self.grpc_address, "http": self.http_address}
 
-    async def _model_card(self) -> pb.ModelCard:
+    async def _model_card(self, backends: Backends) -> pb.ModelCard:
         """The served model, as a decode worker describes it (waits for the first one)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.wait_for_workers_s
         last = "none registered yet"
         while loop.time() < deadline:
-            for wid in list(self.backends.workers):
-                stub, md = self.backends.stub(wid)
+            for wid in list(backends.workers):
+                stub, md = backends.stub(wid)
                 try:
                     reply = await stub.ListModels(pb.ListModelsRequest(), metadata=md, timeout=5)
                     return reply.models[0]
@@ -130,9 +131,9 @@ class Gateway:
         raise TimeoutError(f"no decode worker of cluster {self.cfg.cluster!r} answered ListModels within "
                            f"{self.cfg.wait_for_workers_s:.0f} s ({last}); start one, or check --etcd/--cluster")
 
-    async def _start_http(self) -> None:
-        app = build_app(self.frontend, self.security)
-        backends, checker = self.backends, self.frontend.checker
+    async def _start_http(self, frontend: GatewayFrontend, backends: Backends) -> None:
+        app = build_app(frontend, self.security)
+        checker = frontend.checker
 
         @app.post("/gateway/explain", include_in_schema=False)
         async def explain(request: Request):

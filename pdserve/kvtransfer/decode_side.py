@@ -18,7 +18,14 @@ interleave.
                                                    prefill locally; the old blocks wait
     RESERVED | QUEUED --abort (no writer)--> ABORTED      request dropped, blocks released
     RESERVED | QUEUED --abort (writer alive)--> QUARANTINED  request dropped, blocks wait
+    RESERVED | QUEUED --supersede--> QUARANTINED   a new attempt (epoch + 1) takes over with
+                                                   fresh blocks; the old ones wait
     QUARANTINED --done | fail (settled) | expire--> RELEASED  blocks freed
+
+Epochs: a request's first attempt is epoch 1, and each attempt after it (a re-put after the
+queue restarted) the next. An attempt that is superseded keeps its own blocks in quarantine
+while whoever may hold its task can still write them, so two attempts never write the same
+blocks; a notice for an old epoch then only ends that quarantine (it never runs the request).
 
 "Settled" means no write of the attempt can still land: the task was still
 queued when cancelled, nobody ever took it, or the prefill worker said so in
@@ -72,6 +79,7 @@ class Effect(str, enum.Enum):
     ABORT = "abort"  # connector.abort(request)
     ABORT_QUARANTINE = "abort_quarantine"  # connector.abort(request, quarantine_key)
     FREE = "free"  # connector.free(quarantine_key)
+    REPLACE = "replace"  # connector.replace(request, quarantine_key): fresh blocks for the next attempt
 
 
 # Why a PrefillDone was refused (`Handoffs.check_done`; the metric's `reason` label).
@@ -87,6 +95,7 @@ TRANSITIONS: dict[tuple[HandoffState, str], tuple[HandoffState, Effect]] = {
     **{(s, "fail_unsettled"): (S.QUARANTINED, E.FALL_BACK_QUARANTINE) for s in (S.RESERVED, S.QUEUED)},
     **{(s, "abort_settled"): (S.ABORTED, E.ABORT) for s in (S.RESERVED, S.QUEUED)},
     **{(s, "abort_unsettled"): (S.QUARANTINED, E.ABORT_QUARANTINE) for s in (S.RESERVED, S.QUEUED)},
+    **{(s, "supersede"): (S.QUARANTINED, E.REPLACE) for s in (S.RESERVED, S.QUEUED)},
     (S.QUARANTINED, "done"): (S.RELEASED, E.FREE),
     (S.QUARANTINED, "fail_settled"): (S.RELEASED, E.FREE),
     (S.QUARANTINED, "expire"): (S.RELEASED, E.FREE),
@@ -105,8 +114,7 @@ class Handoff:
     state: HandoffState = HandoffState.RESERVED
     reason: str = ""  # why it left the awaited states (fallback / abort cause)
     quarantine_until: float | None = None
-    task: Any = None  # the PrefillTask put on the queue (put again if the queue restarts)
-    reput: bool = False  # a copy was put again after a queue restart (cancel it once ready)
+    task: Any = None  # the PrefillTask put on the queue
     history: list[str] = field(default_factory=list)  # "state --event--> state", for explain/debug
 
     @property
@@ -194,6 +202,11 @@ class Handoffs:
         if h is None:
             return Step(Effect.NONE)
         return self._event(request_id, h.epoch, "abort_unsettled" if writer_may_exist else "abort_settled", why)
+
+    def supersede(self, request_id: str, epoch: int, why: str) -> Step:
+        """A new attempt replaces this one (the queue restarted: its task is put again under the
+        next epoch, into fresh blocks); this one's blocks wait in quarantine for its late writes."""
+        return self._event(request_id, epoch, "supersede", why)
 
     def expire(self) -> list[Step]:
         """Quarantines whose time is up (their blocks are freed)."""

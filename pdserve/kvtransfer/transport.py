@@ -22,7 +22,7 @@ subclasses, so the workers catch them without importing the transport.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 # A notice rides on a small active message: every transport carries at least this many bytes
 # per notification, and no notice of the protocol (kvtransfer/notices.py) is larger.
@@ -46,7 +46,8 @@ class WriteTimedOut(WriteFailed):
 class WriteHandle(Protocol):
     """One posted write."""
 
-    num_bytes: int
+    @property
+    def num_bytes(self) -> int: ...
 
     @property
     def finished(self) -> bool:
@@ -56,8 +57,13 @@ class WriteHandle(Protocol):
 class LayerWrites(Protocol):
     """A request's pages, posted one layer at a time while the model computes the next."""
 
-    finished: bool
-    handles: dict[int, Any]  # layer -> its WriteHandle, once posted
+    @property
+    def finished(self) -> bool:
+        """Finished or aborted: it posts nothing more."""
+
+    @property
+    def handles(self) -> Mapping[int, Any]:
+        """Layer -> its WriteHandle, once posted."""
 
     def write_layer(self, layer: int, ready: Any = None) -> Any:
         """Post layer `layer` once `ready` says its pages are final (None: now)."""
@@ -73,12 +79,25 @@ class LayerWrites(Protocol):
 
 
 class Arrival(Protocol):
-    sender: str
-    payload: bytes
+    @property
+    def sender(self) -> str: ...
+
+    @property
+    def payload(self) -> bytes: ...
 
 
 class Polled(Protocol):
-    notifications: Sequence[Arrival]
+    """What one poll of the transport returned: the notices that arrived, and the transfers
+    this side posted that finished or failed since (a decode worker's prefix reads)."""
+
+    @property
+    def notifications(self) -> Sequence[Arrival]: ...
+
+    @property
+    def completed(self) -> Sequence[Any]: ...
+
+    @property
+    def failed(self) -> Sequence[Any]: ...
 
 
 @runtime_checkable

@@ -35,11 +35,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 
 from pdserve.common.compute_thread import ComputeProgress
-from pdserve.engine import SamplingParams
+from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine.driver import EngineDriver
 from pdserve.kvtransfer import (
     BAD_TASK,
     BATCH_FAILED,
@@ -56,8 +56,11 @@ from pdserve.kvtransfer import (
     WriteFailed,
     WriteTimedOut,
 )
+from pdserve.kvtransfer.task import PrefillTask
+from pdserve.router.costs import CostModel
 
 from .progress import UNTIMED_STEP_S, UNTIMED_STEP_S_GPU, WAIT_SLACK_S, StepTimes
+from .values import BatchResult, PrefillStats, TaskFailure
 
 log = logging.getLogger(__name__)
 
@@ -68,55 +71,18 @@ MAX_STEPS_PER_BATCH = 100_000  # each step computes at least one token: a bound,
 NOTICE_FLUSH_S = 0.02
 
 
-@dataclass
-class PrefillStats:
-    """Counters of one prefill worker (get_stats, metrics)."""
-
-    tasks_done: int = 0
-    tasks_failed: int = 0
-    batches: int = 0
-    batches_failed: int = 0  # batches whose forward pass raised
-    tokens_computed: int = 0
-    bytes_written: int = 0
-    layerwise_tasks: int = 0
-    transfer_failures: int = 0  # page writes that failed or timed out
-    failure_notices_sent: int = 0  # PrefillFailed over NIXL
-    failed_by_kind: Counter = field(default_factory=Counter)
-    # Tasks refused before any work: not signed by their target decode worker (prefill/worker.py)
-    tasks_rejected: int = 0
-    rejected_by_reason: Counter = field(default_factory=Counter)
-    # Prefixes borrowed from other workers before a batch (prefill/worker.py _borrow_prefixes):
-    # loans by outcome (read, refused, failed, timed_out) and the prompt tokens read, not computed.
-    borrows: Counter = field(default_factory=Counter)
-    borrowed_tokens: int = 0
-
-
-@dataclass
-class TaskFailure:
-    """A task that will not be written; `notified`: a PrefillFailed went out over NIXL."""
-
-    task: object  # PrefillTask
-    kind: str
-    detail: str
-    writes_settled: bool = True
-    notified: bool = False
-
-
-@dataclass
-class BatchResult:
-    done: int = 0
-    failures: list[TaskFailure] = field(default_factory=list)
-    batch_tokens: int = 0
-    prefill_ms: float = 0.0
-    num_tasks: int = 0
-
-
 class PrefillBatch:
-    """Runs batches on one engine and one transport (both owned by the worker thread)."""
+    """Runs batches on one engine and one transport (both owned by the worker thread).
 
-    def __init__(self, worker_id: str, engine, agent: KVSender, stats: PrefillStats, *, transfer_timeout_s: float,
-                 layerwise: bool, push_as_computed: bool = True, progress: ComputeProgress | None = None,
-                 costs=None):
+    ``poll`` drives the transport (default: the agent's own `poll`; a lending worker's answers
+    the loan requests first, prefill/loans.py), and ``between_steps`` runs after every step of
+    a batch (a lending worker answers the loan requests there, so a borrower waits a step, not
+    a batch)."""
+
+    def __init__(self, worker_id: str, engine: LLMEngine, agent: KVSender, stats: PrefillStats, *,
+                 transfer_timeout_s: float, layerwise: bool, push_as_computed: bool = True,
+                 progress: ComputeProgress | None = None, costs: CostModel | None = None,
+                 poll: Callable[[], object] | None = None, between_steps: Callable[[], None] | None = None):
         self.worker_id = worker_id
         self.engine = engine
         self.agent = agent
@@ -131,9 +97,8 @@ class PrefillBatch:
         # answer, set from the event loop): computed no further, see `_drop_cancelled`.
         self._cancelled: set[tuple[str, int]] = set()
         self._cancel_lock = threading.Lock()
-        # Called after every step of a batch (the worker thread): the worker answers prefix-loan
-        # requests there (kvtransfer/lending.py), so a borrower waits a step, not a batch.
-        self.between_steps = None
+        self.poll = poll if poll is not None else agent.poll
+        self.between_steps = between_steps
         # The compute thread's progress, which the worker's heartbeat carries to the queue (None:
         # not tracked), and the steps timed so far, which predict how long the next may take.
         self.progress = progress
@@ -143,7 +108,7 @@ class PrefillBatch:
         # router/costs.py CostModel fed with every step (the worker's borrow decisions), or None
         self.costs = costs
 
-    def cancel(self, keys) -> None:
+    def cancel(self, keys: Iterable[tuple[str, int]]) -> None:
         """Stop computing these tasks (request_id, epoch) at the next step (any thread)."""
         with self._cancel_lock:
             self._cancelled.update(keys)
@@ -163,7 +128,7 @@ class PrefillBatch:
             if job.fail(CANCELLED, "its decode worker aborted the request while it was computed") and computing:
                 self.engine.abort_request(job.rid)
 
-    def run(self, tasks: list, unusable: dict[str, str]) -> BatchResult:
+    def run(self, tasks: list[PrefillTask], unusable: dict[str, str]) -> BatchResult:
         """Prefill `tasks`; `unusable` maps target worker ids this worker cannot reach to why."""
         eng = self.engine
         result = BatchResult(num_tasks=len(tasks))
@@ -208,7 +173,7 @@ class PrefillBatch:
         return result
 
     # -- admit ---------------------------------------------------------------------------
-    def _admit(self, t) -> str:
+    def _admit(self, t: PrefillTask) -> str:
         eng = self.engine
         if not isinstance(t.sampling_params, dict):
             raise TypeError(f"sampling_params must be a map, got {type(t.sampling_params).__name__}")
@@ -228,22 +193,22 @@ class PrefillBatch:
         eng = self.engine
         t0 = time.perf_counter()
         computed_before = eng.stats.num_prompt_tokens_computed
-        on_plan = self._layer_hook_factory(jobs) if self.layerwise else None
+        # The batch's steps, driven as a decode worker's engine thread drives its own
+        # (engine/driver.py); the hook streams the pages of prompts that finish in a step.
+        driver = EngineDriver(eng, on_plan=[self._layer_hook_factory(jobs)] if self.layerwise else [])
         for _ in range(MAX_STEPS_PER_BATCH):
             self._drop_cancelled(jobs)
             if not any(job.state.computing for job in jobs.values()):
                 break
-            step_t0 = time.perf_counter()
             try:
-                deltas = eng.step(on_plan=on_plan)
+                deltas, info = driver.step()
             except Exception as exc:  # noqa: BLE001  (StepError: the forward pass raised)
                 self._fail_batch(jobs, f"{exc.__class__.__name__}: {exc}")
                 break
-            _, step_tokens, step_decodes = eng.last_step
-            step_s = time.perf_counter() - step_t0
-            self.step_times.observe(step_s, step_tokens - step_decodes, eng.last_step_pairs)
-            if self.costs is not None and step_tokens > step_decodes:
-                self.costs.observe_step(step_s * 1e3, step_decodes, step_tokens - step_decodes, eng.last_step_pairs)
+            if info is not None:
+                self.step_times.observe(info.ms / 1e3, info.prefill_tokens, info.prefill_pairs)
+                if self.costs is not None and info.prefill_tokens > 0:
+                    self.costs.observe_step(info.ms, info.num_decode_seqs, info.prefill_tokens, info.prefill_pairs)
             self._mark(self._allowance_s)  # a step done: the next is due within the batch's allowance
             if self.between_steps is not None:
                 self.between_steps()  # e.g. answer other workers' loan requests within a step
@@ -330,6 +295,7 @@ class PrefillBatch:
             if job.state is not JobState.COMPUTED:
                 continue
             t = job.task
+            assert job.first is not None  # (COMPUTED: the first token is known)
             tok, lp, top = job.first
             done = PrefillDone(t.request_id, t.epoch, tok, lp, t.num_prefill_tokens, first_top_logprobs=top,
                                queue_wait_ms=max(0.0, (taken_at - t.arrival_time) * 1e3),
@@ -404,7 +370,7 @@ class PrefillBatch:
         until = time.monotonic() + for_s
         while True:
             try:
-                self.agent.poll()
+                self.poll()
             except TransportError as exc:
                 log.warning("transport progress failed: %s", exc)
                 return

@@ -1,6 +1,6 @@
 """How long a prefill batch's steps may take: the allowance its compute-progress heartbeat carries.
 
-A prefill worker's heartbeat (prefill/worker.py `_heartbeat`) runs on its event loop, which
+A prefill worker's heartbeat (prefill/heartbeat.py) runs on its event loop, which
 goes on beating while the compute thread is hung inside an engine step. So the beat also
 carries the compute thread's progress (common/compute_thread.py `ComputeProgress`: marks so
 far, the age of the latest, and how long the unit under way may take), and the queue fails

@@ -2,8 +2,8 @@
 
 Decides, from plain values, whether to admit a request (``admit``) and where
 to prefill it (``decide``). Policies are validated YAML (``parse_policy``,
-``load_policy_file``); the only state is the ``CostModel`` the decode worker
-feeds with measured timings. Nothing here does I/O except ``load_*_file``
+``load_policy_file``; the autoscale policy's ``parse_autoscale``, ``load_autoscale_file``);
+the only state is the ``CostModel`` the decode worker feeds with measured timings. Nothing here does I/O except ``load_*_file``
 and the ``pdserve policy`` CLI in ``router/cli.py``.
 """
 
@@ -13,11 +13,11 @@ from pdserve.router.loader import (
     PolicyError,
     PolicyIssue,
     load_any_file,
+    load_autoscale_file,
     load_policy_file,
     parse_any,
-    parse_model,
+    parse_autoscale,
     parse_policy,
-    register_kind,
 )
 from pdserve.router.policy import DEFAULT_POLICY, RouterPolicy
 from pdserve.router.qos import Admission, TokenLimit, TokenShare, admit, admit_tenant_tokens, tenant_token_limit
@@ -41,10 +41,10 @@ __all__ = [
     "admit_tenant_tokens",
     "decide",
     "load_any_file",
+    "load_autoscale_file",
     "load_policy_file",
     "parse_any",
-    "parse_model",
+    "parse_autoscale",
     "parse_policy",
-    "register_kind",
     "tenant_token_limit",
 ]

@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="validate policy files (router or autoscale, detected per file)",
         description="Validate each FILE against its schema. A file with a top-level "
         "`autoscale` key is an autoscale policy, anything else a router policy. Prints "
-        "OK or every problem as FILE:LINE: key.path: message. Exit 0 if all are valid, 1 otherwise.",
+        "OK or every problem as FILE:LINE:COLUMN: key.path: message. Exit 0 if all are valid, 1 otherwise.",
     )
     check.add_argument("files", nargs="+", metavar="FILE")
     check.set_defaults(func=run_check)

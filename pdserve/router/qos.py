@@ -156,7 +156,7 @@ class TokenShare(NamedTuple):
 
 
 # A tenant's claims end with its calls; when, nothing here knows (the per-key sequence share,
-# decode/surface.py, gives the same hint).
+# api/surface.py, gives the same hint).
 TENANT_RETRY_AFTER_MS = 1000
 
 

@@ -75,7 +75,7 @@ class ClusterSnapshot:
     decode_kv_usage: float = 0.0  # fraction 0-1 of this worker's KV blocks in use
     kv_free_tokens: int | None = None  # token slots in this worker's free KV blocks (None: unknown)
     arrival_rate_per_s: float = 0.0  # requests/s this decode worker receives (recent average)
-    # Prompt tokens one step of this worker may take (decode/prefill_budget.py); None: no cap.
+    # Prompt tokens one step of this worker may take (engine/step_plan.py); None: no cap.
     local_prefill_budget_tokens: int | None = None
     # What is left of this worker's engine step under way, predicted (CostEstimates.step_left_ms);
     # a request admitted now is scheduled after it. 0: the engine is idle.

@@ -6,6 +6,8 @@ engine's scheduler and KV block manager, the prefill queue, the gateway's pick, 
 and only the costs are modelled, from profiles measured here with the real engine or derived
 from published hardware numbers. Modules: ``profile`` (cost profiles, the roofline),
 ``measure`` (profiling the real engine), ``workload`` (traces and synthetic mixes), ``engine``
-(the scheduler on the simulated clock), ``cluster`` (the simulation), ``autoscale`` (the
-planner), ``report`` (the figures), ``search`` (the configuration sweep).
+(the scheduler on the simulated clock), ``cluster`` (the simulation), ``decode_sim`` and
+``prefill_sim`` (its workers), ``records`` (the topology and what a run records of each
+request), ``autoscale`` (the planner), ``calibrate`` (fitting a profile to a real run),
+``report`` (the figures), ``search`` (the configuration sweep).
 """

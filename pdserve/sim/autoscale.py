@@ -13,15 +13,23 @@ explanation (the report prints them).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from pdserve.cluster.planner.decide import Memory, decide, learn
+from pdserve.cluster.planner.decide import AutoscaleSection, Memory, decide, learn
 from pdserve.cluster.planner.observe import Snapshot, observe
+
+from .decode_sim import DecodeSim
+from .prefill_sim import PrefillSim
+
+if TYPE_CHECKING:
+    from .cluster import Simulation
 
 ROLES = ("prefill", "decode")
 
 
 class Autoscaler:
-    def __init__(self, section, start_s: float = 30.0):
+    def __init__(self, section: AutoscaleSection, start_s: float = 30.0) -> None:
         """``section``: a parsed autoscale block (cluster/planner/policy.py AutoscaleSection)."""
         self.section = section
         self.start_s = start_s
@@ -31,12 +39,19 @@ class Autoscaler:
         self.decisions: list[dict] = []
         self._last: dict[str, str] = {}
         self.timeline: list[dict] = []  # (t, role, replicas) after each change
-        self.sim = None
+        self._sim: Simulation | None = None
         self._ids = itertools.count(100)
 
-    def attach(self, sim) -> None:
-        self.sim = sim
+    def attach(self, sim: Simulation) -> None:
+        self._sim = sim
         sim.at(self.section.interval_s, self.tick)
+
+    @property
+    def sim(self) -> Simulation:
+        """The simulation this autoscaler acts on (set by `attach`)."""
+        if self._sim is None:
+            raise RuntimeError("the autoscaler is not attached to a simulation")
+        return self._sim
 
     def units(self) -> dict[str, int]:
         topo = self.sim.topology
@@ -44,7 +59,7 @@ class Autoscaler:
 
     def snapshot(self) -> Snapshot:
         sim = self.sim
-        workers = {}
+        workers: dict[str, dict] = {}
         for d in sim.decode:
             workers[d.wid] = {"role": "decode", "load": d.load_record()}
         for p in sim.prefill:
@@ -52,8 +67,8 @@ class Autoscaler:
         queue = {"depth": len(sim.queue), "queued_tokens": sim.queue.queued_tokens}
         return Snapshot(t=sim.now, queue=queue, workers=workers)
 
-    def serving(self, role: str) -> list:
-        workers = self.sim.decode if role == "decode" else self.sim.prefill
+    def serving(self, role: str) -> list[DecodeSim | PrefillSim]:
+        workers: Sequence[DecodeSim | PrefillSim] = self.sim.decode if role == "decode" else self.sim.prefill
         return [w for w in workers if not w.draining]
 
     def tick(self) -> None:
@@ -95,18 +110,21 @@ class Autoscaler:
         sim.add_decode(wid) if role == "decode" else sim.add_prefill(wid)
         self._note(role)
 
-    def _drain(self, worker) -> None:
+    def _drain(self, worker: DecodeSim | PrefillSim) -> None:
         worker.draining = True
-        self._note("decode" if worker in self.sim.decode else "prefill")
+        self._note("decode" if isinstance(worker, DecodeSim) else "prefill")
         self._leave_when_idle(worker)
 
-    def _leave_when_idle(self, worker) -> None:
+    def _leave_when_idle(self, worker: DecodeSim | PrefillSim) -> None:
         sim = self.sim
-        busy = worker.inflight if worker in sim.decode else worker.jobs
+        busy = worker.inflight if isinstance(worker, DecodeSim) else worker.jobs
         if busy:
             sim.at(sim.now + 1.0, self._leave_when_idle, worker)
             return
-        (sim.decode if worker in sim.decode else sim.prefill).remove(worker)
+        if isinstance(worker, DecodeSim):
+            sim.decode.remove(worker)
+        else:
+            sim.prefill.remove(worker)
         worker.ended_at = sim.now
         sim.retired.append(worker)
 

@@ -96,7 +96,7 @@ def _simulate(requests, profile, policy, topology, seed):
     return Simulation(requests, profile, policy, topology, seed=seed).run()
 
 
-def _itl_loss(sim, real_itl: list[float]) -> float:
+def _itl_loss(sim: Simulation, real_itl: list[float]) -> float:
     loss = 0.0
     for q in (50, 90):
         s, r = percentile(sim.itls_ms, q), percentile(real_itl, q)
@@ -105,19 +105,27 @@ def _itl_loss(sim, real_itl: list[float]) -> float:
     return loss
 
 
-def _ttfts(sim) -> list[float]:
+def _ttfts(sim: Simulation) -> list[float]:
     return [(r.first_token - r.arrival) * 1e3 for r in sim.records if r.first_token is not None]
 
 
-def _loss(sim, real_itl: list[float], real_ttft: list[float]) -> float:
+def _loss(sim: Simulation, real_itl: list[float], real_ttft: list[float]) -> float:
     """How far a simulated run is from the measured one: squared log errors of the ITL and
     TTFT p50 / p90."""
     sim_ttft = _ttfts(sim)
     return _itl_loss(sim, real_itl) + sum(
-        math.log(max(percentile(sim_ttft, q), 1e-3) / max(percentile(real_ttft, q), 1e-3)) ** 2 for q in (50, 90))
+        math.log(_floored(sim_ttft, q) / _floored(real_ttft, q)) ** 2 for q in (50, 90))
 
 
-def _rows(sim, measured: dict[int, dict], route: str) -> list[tuple[float, float, int, int]]:
+def _floored(values: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (never empty here), at least 1e-3."""
+    p = percentile(values, q)
+    if p is None:
+        raise ValueError("a percentile of no values")
+    return max(p, 1e-3)
+
+
+def _rows(sim: Simulation, measured: dict[int, dict], route: str) -> list[tuple[float, float, int, int]]:
     """(simulated TTFT ms, measured TTFT ms, prompt tokens, cached tokens in the simulation) of
     each request the simulation routed ``route`` (and the real router too, where the run
     recorded its route: a remote prefill's TTFT says nothing of a local one's)."""
@@ -132,7 +140,7 @@ def _rows(sim, measured: dict[int, dict], route: str) -> list[tuple[float, float
     return out
 
 
-def _pairs(sim, measured: dict[int, dict], route: str) -> list[tuple[float, float]]:
+def _pairs(sim: Simulation, measured: dict[int, dict], route: str) -> list[tuple[float, float]]:
     """(simulated, measured) TTFT of each request the simulation routed ``route`` (ms)."""
     return [(x, y) for x, y, _, _ in _rows(sim, measured, route)]
 
@@ -175,7 +183,7 @@ def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, di
     real_ttft = [m["ttft_ms"] for m in measured.values() if m.get("ttft_ms") is not None]
     if not real_itl or not real_ttft:
         raise ValueError("calibration needs measured TTFTs and inter-token gaps of the run")
-    best = None
+    best: tuple[float, CostProfile, dict] | None = None
     tried = {}
     for stream in contention or CONTENTION_MS:
         prof, figures, sim = _fit_at(requests, profile, policy, topology, measured, real_itl, seed, note, stream,
@@ -190,6 +198,7 @@ def fit(requests, profile: CostProfile, policy, topology, measured: dict[int, di
                            itl_p50={"simulated": _r(percentile(sim.itls_ms, 50)), "measured": _r(percentile(real_itl, 50))},
                            itl_p90={"simulated": _r(percentile(sim.itls_ms, 90)), "measured": _r(percentile(real_itl, 90))})
             best = (loss, prof, figures)
+    assert best is not None  # at least one contention was tried
     best[2]["by_contention"] = tried
     return best[1], best[2]
 

@@ -20,17 +20,18 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.common import Priority
 from pdserve.common.block_hash import block_hashes
 from pdserve.engine.block_manager import KVCacheManager
-from pdserve.engine.kv_tier import TierLoad
+from pdserve.engine.kv_tier_types import TierLoad
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.step_budget import attention_pairs
 
-from .profile import StepModel
+from .profile import CostProfile, StepModel
 
 VOCAB = 32000
 
@@ -302,3 +303,19 @@ class SimEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
             return True
         return False
+
+
+def worker_engine(model: StepModel, prof: CostProfile, tp: int, *, clock: Callable[[], float], rng: random.Random,
+                  shared_load: StreamLoad, streams: bool = False) -> SimEngine:
+    """A worker's engine on the simulation's ``clock`` and generator, with its profile's limits, the
+    streaming load its steps contend with (its own, or the shared host's ``shared_load``) and its
+    second tier (``tier_blocks``; each rank holds its heads of a block, so a load moves 1/tp of it
+    per rank)."""
+    load = shared_load if prof.contention_scope == "cluster" else StreamLoad()
+    tier = None
+    if prof.tier_blocks:
+        tier = SimTier(prof.tier_blocks, max(1, prof.block_size * prof.kv_bytes_per_token // tp), prof.tier_gb_per_s,
+                       clock)
+    return SimEngine(model, block_size=prof.block_size, max_num_batched_tokens=prof.max_num_batched_tokens,
+                     max_num_seqs=prof.max_num_seqs, clock=clock, rng=rng, noise_cv=prof.noise_cv,
+                     contention_ms_per_token=prof.contention_ms_per_token, load=load, streams=streams, tier=tier)

@@ -179,8 +179,9 @@ def test_bad_security_settings_name_the_key_and_line(tmp_path, section, where, m
     (tmp_path / "t.yaml").write_text(TOPOLOGY + section)
     with pytest.raises(TopologyError) as exc:
         load_topology(tmp_path / "t.yaml")
-    key, line, msg = exc.value.issues[0]
-    assert key == where and message in msg and line is not None and line > TOPOLOGY.count("\n")
+    issue = exc.value.issues[0]
+    assert issue.path == where and message in issue.message
+    assert issue.line is not None and issue.line > TOPOLOGY.count("\n") and issue.column is not None
 
 
 def test_the_documented_keys_file_example_parses():

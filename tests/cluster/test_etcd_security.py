@@ -415,8 +415,8 @@ def test_bad_etcd_tls_settings_name_the_key(tmp_path, section, where, message):
     (tmp_path / "t.yaml").write_text(TOPOLOGY + section)
     with pytest.raises(TopologyError) as exc:
         load_topology(tmp_path / "t.yaml")
-    key, _, msg = exc.value.issues[0]
-    assert key == where and message in msg, exc.value.issues
+    issue = exc.value.issues[0]
+    assert issue.path == where and message in issue.message, exc.value.issues
 
 
 # -- worker slots: the ids that get an identity, and what the planner does with them -------

@@ -189,7 +189,7 @@ async def test_a_bad_policy_is_refused_with_its_line_and_the_old_one_stays(etcd,
         path.write_text(POLICY.replace("min_replicas: 1\n    max_replicas: 4", "min_replicas: 5\n    max_replicas: 4"))
         await planner.tick()
         assert planner.policy is old
-        assert any("autoscale.yaml:2: autoscale.prefill: min_replicas (5) exceeds max_replicas (4)" in e
+        assert any("autoscale.yaml:2:3: autoscale.prefill: min_replicas (5) exceeds max_replicas (4)" in e
                    for e in planner.log), planner.log
         path.write_text(POLICY.replace("cooldown_s: 5", "cooldown_s: 7"))
         await asyncio.sleep(0.01)

@@ -588,7 +588,8 @@ def test_the_ray_fallback_moves_only_coded_bytes(ray_local):
     """Over Ray the client calls one actor method, `call_coded`, with msgpack bytes, and gets
     bytes back: no task, result or exception object is pickled across nodes. A task round-trips
     exactly, and an actor's error comes back typed."""
-    from pdserve.cluster.queue.frames import pack_call, unpack_body
+    from pdserve.cluster.queue.frames import unpack_body
+    from pdserve.cluster.queue.operations import pack_call
 
     q = new_queue("ray")
     recorder = RecordingHandle(q.handle)

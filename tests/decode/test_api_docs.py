@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pdserve.api import openai_types
 from pdserve.api.reference import BLOCK, REFERENCE, regenerate
-from pdserve.decode.ingress import ServingLimits
+from pdserve.api.ingress import ServingLimits
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 

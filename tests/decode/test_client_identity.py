@@ -1,4 +1,4 @@
-"""Who a client is while API keys are off (decode/security.py `Client`): its address, as the
+"""Who a client is while API keys are off (api/security.py `Client`): its address, as the
 gRPC peer or the HTTP client names it, or the tenant a trusted proxy names for it. Pure: no
 worker (tests/decode/test_tenant_limits.py serves through one)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.certs import append_key, new_key
-from pdserve.decode.security import Forbidden, ServerSecurity, TrustedProxies, client_address, grpc_peer_host
+from pdserve.api.security import Forbidden, ServerSecurity, TrustedProxies, client_address, grpc_peer_host
 from pdserve.decode.worker import DecodeWorkerConfig
 
 

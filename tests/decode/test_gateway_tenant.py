@@ -1,7 +1,7 @@
 """Behind a gateway without API keys, a decode worker still sees each client as a tenant of its
 own: the gateway names its client by address (``x-pdserve-tenant: addr:...``), and the worker,
 which has no key to trust either, believes it because the gateway calls from a trusted proxy
-address (FORWARDED_ALLOW_IPS, loopback by default; decode/security.py). The gateway bounds the
+address (FORWARDED_ALLOW_IPS, loopback by default; api/security.py). The gateway bounds the
 client by its address too. Real etcd, worker and gateway on loopback; the client connects
 from 127.0.0.2 through the official `openai` SDK."""
 

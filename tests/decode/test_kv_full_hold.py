@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pdserve.api import AsyncClient
-from pdserve.decode.ingress import KV_WAIT_HEADER, kv_wait_of_metadata
+from pdserve.api.ingress import KV_WAIT_HEADER, kv_wait_of_metadata
 from pdserve.decode.worker import DecodeWorkerConfig
 from tests.harness import WorkerThread
 

@@ -12,7 +12,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from pdserve.api import Client
-from pdserve.decode.ingress import RequestError
+from pdserve.api.ingress import RequestError
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
 

@@ -9,9 +9,9 @@ import urllib.request
 
 import pytest
 
-from pdserve.decode.prefill_budget import StepPlanFeed, step_cost
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine.step_budget import StepTargets
+from pdserve.engine.step_plan import StepPlanFeed, step_cost
 from pdserve.router.costs import CostEstimates
 from pdserve.router.policy import CostModelParams
 from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until
@@ -69,10 +69,10 @@ def test_a_worker_calibrates_at_boot_and_plans_its_engine_steps(llama_dir, tmp_p
         fe = worker.frontend
         # (A backlog longer than the streams can absorb: else they take it in chunks as large
         # as the gap bound allows, alone or crowded.)
-        alone = worker._predicted_budget(20000, 0, fe.local_backlog())
+        alone = fe.prefill_budget_tokens(20000, 0, fe.local_backlog())
         fe.num_prefilling += 8
         try:
-            crowded = worker._predicted_budget(20000, 0, fe.local_backlog())  # (fails with num_decoding alone)
+            crowded = fe.prefill_budget_tokens(20000, 0, fe.local_backlog())  # (fails with num_decoding alone)
         finally:
             fe.num_prefilling -= 8
         assert crowded < alone, (crowded, alone)

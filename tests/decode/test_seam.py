@@ -1,7 +1,8 @@
 """Workers use the engine only through its public API and the remote-KV seam (engine/kv_connector.py).
 
-decode/ and prefill/ may call `LLMEngine`'s public methods (make_request, add_request,
-abort_request, step, load, has_work, release, ...) and `engine.connector`; they must
+decode/ and prefill/ (and api/, the surfaces a decode worker serves) may call `LLMEngine`'s
+public methods (make_request, add_request, abort_request, step, load, has_work, release, ...)
+and `engine.connector`; they must
 not reach into the scheduler, the KV manager, the block pool, the model runner or a
 request's bookkeeping. This test reads their source: it fails on any such attribute.
 """
@@ -12,7 +13,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKERS = ("decode", "prefill")
+WORKERS = ("decode", "prefill", "api")
 # Engine internals (attribute names of LLMEngine, Request, KVCacheManager and BlockPool).
 FORBIDDEN = {
     "scheduler", "kv", "pool", "runner", "sampler", "requests", "_detok", "_append",  # LLMEngine's parts

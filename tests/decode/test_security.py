@@ -1,4 +1,4 @@
-"""A decode worker with TLS and API keys (decode/security.py), attacked and used the way
+"""A decode worker with TLS and API keys (api/security.py), attacked and used the way
 clients do, on loopback with real certificates (`pdserve certs make`): no key or a wrong
 key is refused (401 / UNAUTHENTICATED) without echoing it, a valid key works over HTTP,
 gRPC, the OpenAI SDK and `pdserve.api.Client`; plaintext clients and clients that do not
@@ -24,7 +24,7 @@ from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.certs import append_key, make_certs, new_key
 from pdserve.cluster.security import ClientTLS, grpc_channel, hash_key
-from pdserve.decode.security import TENANT_HEADER
+from pdserve.api.security import TENANT_HEADER
 from pdserve.decode.worker import DecodeWorkerConfig
 from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until
 

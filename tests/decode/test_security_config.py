@@ -11,7 +11,7 @@ from pdserve.certs import append_key, make_certs, new_key
 from pdserve.cli import build_parser
 from pdserve.cluster.security import DEFAULT_OPEN_PATHS
 from pdserve.decode.cli import _names
-from pdserve.decode.security import ServerSecurity, Unauthenticated
+from pdserve.api.security import ServerSecurity, Unauthenticated
 from pdserve.decode.worker import DecodeWorkerConfig
 
 
@@ -80,9 +80,9 @@ def test_authorization_values(tmp_path):
 def test_plaintext_on_a_non_loopback_address_is_warned_about(pki, caplog, host, tls, warned):
     fields = {"tls_cert": pki["decode"], "tls_key": pki["decode-key"]} if tls else {}
     sec = ServerSecurity.from_config(DecodeWorkerConfig(model="m", **fields))
-    with caplog.at_level(logging.WARNING, logger="pdserve.decode.security"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.api.security"):
         assert sec.warn_if_plaintext(host, "decode-7") is warned
-    records = [r for r in caplog.records if r.name == "pdserve.decode.security"]
+    records = [r for r in caplog.records if r.name == "pdserve.api.security"]
     assert len(records) == int(warned)
     if warned:
         assert "without TLS" in records[0].getMessage() and "security.tls" in records[0].getMessage()

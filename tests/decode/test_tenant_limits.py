@@ -1,6 +1,6 @@
 """Per-client limits on a decode worker without API keys (issue 54), through the official
 `openai` SDK and the project's gRPC client, on loopback: each client address is a tenant of its
-own (decode/security.py `Client`), so one client holding its share of sequences does not stop
+own (api/security.py `Client`), so one client holding its share of sequences does not stop
 another; and a tenant's calls are bounded by the tokens they claim (prompt + max_tokens of
 each sequence, qos.max_tokens_per_tenant), so a call of many sequences with a large max_tokens
 is refused naming max_tokens while the same call with a small max_tokens is served. Nothing

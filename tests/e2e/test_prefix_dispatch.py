@@ -145,7 +145,7 @@ def test_a_prefill_worker_borrows_the_prefix_its_decode_worker_holds(ray_local, 
     """The other direction: a conversation whose first turn the decode worker prefilled itself
     goes remote for its next turn. The task's decode worker holds the first turn's blocks
     (the task's cached_len); the prefill worker, which never saw them, reads them from it
-    (prefill/worker.py _borrow_prefixes) and computes only the new turn: token-exact, the
+    (prefill/loans.py PrefixLoans.borrow) and computes only the new turn: token-exact, the
     loan released, every block back; the decode worker had met its borrower as it joined.
     Either side may be tensor-parallel: each borrower rank reads its heads from the holder
     rank that holds them."""
@@ -171,7 +171,7 @@ def test_a_prefill_worker_borrows_the_prefix_its_decode_worker_holds(ray_local, 
         assert stats["borrows"] == {"read": 1}, stats
         assert stats["borrowed_tokens"] >= 320, stats  # the first turn was read, not computed
         assert stats["tokens_computed"] < len(second) - 300, stats
-        lender = d.worker.remote.arrival.lending.lender
+        lender = d.worker.remote.peers.lending.lender
         wait_until(lambda: lender.counters["released"] == lender.counters["granted"] == 1, 20)
         assert lender.counters.get("awaiting_peer", 0) == 0, lender.counters
         eng = d.worker.engine

@@ -215,7 +215,7 @@ def test_extreme_sampling_values_on_the_remote_route(cluster):
 
 
 def test_a_failed_page_write_falls_back_at_once(cluster, monkeypatch):
-    agent = cluster.prefill.worker.agent
+    agent = cluster.prefill.worker.agent.agent  # rank 0's NIXL agent, under the worker's sender
     nixl_error = agent._errors[0]
 
     def broken_transfer(xfer):  # what NIXL raises when UCX loses the endpoint
@@ -444,6 +444,10 @@ def _gate_prefill(cluster) -> threading.Event:
 
 
 def test_queue_actor_killed_with_16_queued_tasks_all_complete_remotely(cluster):
+    """The queue restarts empty with 16 tasks queued: each is put again as a new attempt (epoch
+    2) into fresh blocks, and all 16 complete remotely, token-exact. The first attempts' blocks
+    wait in quarantine (nobody can say the lost queue's copies were never taken) and come back
+    when it ends."""
     d = cluster.decode
     remote = d.worker.remote
     prompts = [prompt_of(150 + 7 * i, 10 + i) for i in range(16)]
@@ -453,6 +457,8 @@ def test_queue_actor_killed_with_16_queued_tasks_all_complete_remotely(cluster):
     queue = get_or_create_queue(QUEUE, NAMESPACE)
     instance0 = ray.get(queue.stats.remote(), timeout=30).instance_id
     results = {}
+    saved = remote.handoffs.quarantine_s
+    remote.handoffs.quarantine_s = 5.0  # the old attempts' blocks: back within the test
 
     def send():
         results["outs"] = run_remote(cluster, prompts)
@@ -466,12 +472,17 @@ def test_queue_actor_killed_with_16_queued_tasks_all_complete_remotely(cluster):
         wait_until(lambda: remote.counters["reput"] - counters0["reput"] == 16, 10, 0.1)
         stats = ray.get(queue.stats.remote(), timeout=30)
         assert stats.instance_id != instance0 and stats.depth == 16
+        # every awaited request is on its second attempt, and its first one's blocks wait apart
+        assert sorted(h.epoch for h in remote.handoffs.awaiting()) == [2] * 16
+        assert len(remote.handoffs.quarantined()) == 16
     finally:
         gate.set()
         sender.join(CLIENT_TIMEOUT_S + 10)
+        remote.handoffs.quarantine_s = saved
     outs = results["outs"]
     assert [o.token_ids for o in outs] == ref
     assert all(o.breakdown["route"] == "remote" for o in outs), [o.breakdown.get("reason") for o in outs]
+    assert all(o.breakdown["attempts"] == 2 for o in outs), [o.breakdown for o in outs]
     counters1, causes1 = remote_state(cluster)
     assert causes1 == causes0  # no fallback at all, by deadline or otherwise
     assert counters1["ready"] - counters0["ready"] == 16

@@ -16,7 +16,8 @@ from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, B
 from pdserve.engine.block_manager import BlockPool
 from pdserve.engine.config import ConfigError
 from pdserve.engine.kv_events import KVEventLog
-from pdserve.engine.kv_tier import KVTier, TierMirror, host_copy
+from pdserve.engine.kv_tier import KVTier
+from pdserve.engine.kv_tier_store import TierMirror, host_copy
 from pdserve.engine.offline import LLM
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.tp_comm import shm_available
@@ -202,11 +203,10 @@ def test_host_copy_moves_a_strided_block_exactly_in_every_pool_dtype(dtype):
 
 
 def test_a_device_load_moves_runs_of_slots_through_staging_chunks_into_the_right_blocks(tmp_path, monkeypatch):
-    """The GPU load's copy plan (`_load_to_device`: runs of consecutive slots, staging chunks,
+    """The GPU load's copy plan (`load_to_device`: runs of consecutive slots, staging chunks,
     one scatter per chunk) run on the host, where its indexing can be checked against the
     slots block by block; test_kv_tier_gpu.py runs it on a device."""
-    import pdserve.engine.kv_tier as kv_tier
-    from pdserve.engine.kv_tier import TierLoad
+    import pdserve.engine.kv_tier_store as kv_tier_store
 
     pool_t = torch.zeros(2, 12, 2, 16, 2, 8)
     per_block = 2 * 2 * 16 * 2 * 8 * 4
@@ -215,12 +215,11 @@ def test_a_device_load_moves_runs_of_slots_through_staging_chunks_into_the_right
         data = tier.store.view()
         for s in range(8):
             data[s] = float(s + 1)
-        monkeypatch.setattr(kv_tier, "STAGING_BYTES", 3 * per_block)  # chunks of 3 blocks cut the runs
+        monkeypatch.setattr(kv_tier_store, "STAGING_BYTES", 3 * per_block)  # chunks of 3 blocks cut the runs
         pool = BlockPool(12)
         blocks = pool.allocate(7)
         slots = [0, 1, 2, 3, 6, 5, 7]  # runs [0..3], [6], [5], [7]
-        load = TierLoad("r", [b"h"] * 7, [None] * 7, [()] * 7, blocks, blocks, slots)
-        tier._load_to_device(data, load)
+        kv_tier_store.load_to_device(pool_t, data, slots, [b.block_id for b in blocks], tier.block_bytes)
         for slot, blk in zip(slots, blocks):
             assert torch.equal(pool_t[:, blk.block_id], torch.full_like(pool_t[:, 0], float(slot + 1))), (slot, blk)
         untouched = set(range(12)) - {b.block_id for b in blocks}

@@ -17,11 +17,11 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.api import AsyncClient
+from pdserve.api import AsyncClient, grpc_service
+from pdserve.api.ingress import ERROR_SCOPE_HEADER, REQUEST_SCOPE
 from pdserve.cluster.etcd_server import EmbeddedEtcd
-from pdserve.decode import grpc_service
 from pdserve.decode.async_engine import EngineDeadError
-from pdserve.decode.ingress import ERROR_SCOPE_HEADER, REQUEST_SCOPE, as_request_error
+from pdserve.decode.ingress import as_request_error
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine import RequestDelta, StepError
 from pdserve.gateway.server import GatewayConfig

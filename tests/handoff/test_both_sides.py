@@ -50,7 +50,8 @@ from pdserve.kvtransfer.outcomes import (
     WORKER_STALLED,
     WORKER_VANISHED,
 )
-from pdserve.prefill.batch import PrefillBatch, PrefillStats
+from pdserve.prefill.batch import PrefillBatch
+from pdserve.prefill.values import PrefillStats
 
 DECODE, PREFILL = "d0", "p0"
 PROMPT = list(range(3, 40))  # 37 tokens: 3 blocks of 16
@@ -317,3 +318,70 @@ def test_a_prompt_done_in_an_earlier_step_is_written_and_announced_before_the_ba
         assert step.handoff.state is HandoffState.READY
         assert dec.abort_request(task.request_id)
     assert pre.kv.num_free_blocks == free_p and dec.kv.num_free_blocks == free_d
+
+
+def test_a_superseded_attempt_writes_only_its_own_blocks_and_its_late_done_never_runs_the_request(engines):
+    """Epochs are real: a task put again (the queue restarted) is the next attempt, epoch 2, with
+    fresh blocks (`KVConnector.replace`); attempt 1's blocks wait in quarantine. A prefill worker
+    that still held attempt 1 writes only those, and its PrefillDone frees them without running
+    the request; attempt 2's PrefillDone runs it."""
+    dec, pre = engines
+    free_d, free_p = dec.kv.num_free_blocks, pre.kv.num_free_blocks
+    handoffs = Handoffs(quarantine_s=60.0)
+    rid = "epochs-1"
+    task1, blocks1 = decode_reserves(dec, handoffs, rid)
+    old = handoffs.awaited(rid)
+    step = handoffs.supersede(rid, 1, "superseded: put again after a queue restart")
+    assert step.effect is Effect.REPLACE and old.state is HandoffState.QUARANTINED
+    res = dec.connector.replace(rid, old.quarantine_key)
+    assert res is not None and not set(res.block_ids) & set(blocks1)  # two attempts never share a block
+    assert dec.kv.block_ids(old.quarantine_key) == blocks1
+    handoffs.reserve(rid, 2, len(res.block_ids))
+    task2 = PrefillTask(rid, 2, PROMPT, res.cached_len, DECODE, res.block_ids, {"max_tokens": 4})
+    assert not handoffs.queued(rid, 2, task2).stale
+
+    def prefill(task):
+        transport = ScriptedTransport("ok")
+        batch = PrefillBatch(PREFILL, pre, transport, PrefillStats(), transfer_timeout_s=1.0, layerwise=False)
+        assert not batch.run([task], {}).failures
+        (done,) = [decode_notification(p) for p in transport.sent]
+        return done
+
+    late = prefill(task1)  # the lost queue's copy, computed by the worker that held it
+    assert (late.request_id, late.epoch) == (rid, 1)
+    assert handoffs.check_done(rid, 1, late.num_tokens_written) is None  # its own attempt: no forgery
+    freed = handoffs.done(rid, 1)
+    assert freed.effect is Effect.FREE  # ends the quarantine; the request still awaits attempt 2
+    apply(freed, dec)
+    assert dec.kv.block_ids(old.quarantine_key) == [] and handoffs.awaited(rid).epoch == 2
+    assert dec.connector.is_awaiting(rid)
+    done = prefill(task2)
+    assert done.epoch == 2 and handoffs.check_done(rid, 2, done.num_tokens_written) is None
+    ready = handoffs.done(rid, 2)
+    assert ready.effect is Effect.RUN
+    apply(ready, dec)
+    assert not dec.connector.is_awaiting(rid) and len(handoffs) == 0
+    # a second, stale notice of either attempt changes nothing
+    assert handoffs.check_done(rid, 1, late.num_tokens_written) is not None and handoffs.done(rid, 1).stale
+    assert dec.abort_request(rid)
+    assert dec.kv.num_free_blocks == free_d and pre.kv.num_free_blocks == free_p
+
+
+def test_a_superseded_attempt_with_no_room_for_fresh_blocks_prefills_locally(llama_dir):
+    """No room for the next attempt's blocks: the request goes to a local prefill, the old
+    attempt's blocks stay in quarantine."""
+    eng = LLMEngine(EngineConfig.from_kwargs(llama_dir, num_gpu_blocks_override=4, max_num_batched_tokens=256,
+                                             device="cpu"))
+    handoffs = Handoffs()
+    req = eng.make_request(PROMPT, SamplingParams(max_tokens=4), request_id="tight")
+    res = eng.connector.reserve(req)
+    assert res is not None and len(res.block_ids) == 3
+    handoffs.reserve("tight", 1, 3)
+    old = handoffs.awaited("tight")
+    assert handoffs.supersede("tight", 1, "restart").effect is Effect.REPLACE
+    assert eng.connector.replace("tight", old.quarantine_key) is None
+    assert not eng.connector.is_awaiting("tight") and eng.has_work()  # queued for a local prefill
+    assert eng.kv.block_ids(old.quarantine_key) == res.block_ids
+    assert eng.abort_request("tight")
+    eng.connector.free(old.quarantine_key)
+    assert eng.kv.num_free_blocks == 4

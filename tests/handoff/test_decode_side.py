@@ -42,6 +42,7 @@ def test_the_transition_table_is_exactly_the_documented_one():
         expected[(s, "fail_unsettled")] = (S.QUARANTINED, E.FALL_BACK_QUARANTINE)
         expected[(s, "abort_settled")] = (S.ABORTED, E.ABORT)
         expected[(s, "abort_unsettled")] = (S.QUARANTINED, E.ABORT_QUARANTINE)
+        expected[(s, "supersede")] = (S.QUARANTINED, E.REPLACE)
     for event in ("done", "fail_settled", "expire"):
         expected[(S.QUARANTINED, event)] = (S.RELEASED, E.FREE)
     assert TRANSITIONS == expected

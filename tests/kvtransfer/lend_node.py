@@ -1,6 +1,6 @@
 """A worker-like child for the lending tests: an engine, its NIXL agent, a `Lender` and a
-`Borrower` (kvtransfer/lending.py), driven over a pipe. Between commands it keeps polling
-its agent and answering loans, as a worker's engine loop does.
+`Borrower` (kvtransfer/lender.py, kvtransfer/borrower.py), driven over a pipe. Between
+commands it keeps polling its agent and answering loans, as a worker's engine loop does.
 
 For the loans' safety tests it can also hold back the grants it receives (its borrower reads
 only once the test says so), hold back the releases it receives (its lender answers none),
@@ -29,7 +29,9 @@ def lend_node_main(conn: Any, model: str, name: str, num_blocks: int, quarantine
     from pdserve.kvtransfer.lend import LendGrant, LendRelease
     from pdserve.kvtransfer.nixl.agent import KVTransferAgent
     from pdserve.kvtransfer.nixl.layout import KVLayout
-    from pdserve.kvtransfer.lending import Borrower, Lender, route_notification
+    from pdserve.kvtransfer.borrower import Borrower
+    from pdserve.kvtransfer.lender import Lender
+    from pdserve.kvtransfer.lending import route_notification
 
     llm = LLM(model, num_gpu_blocks_override=num_blocks, device="cpu", **(engine_args or {}))
     eng = llm.engine

@@ -1,4 +1,4 @@
-"""What a request's writes and reads over several ranks (kvtransfer/nixl/tp_transport.py) make of
+"""What a request's writes and reads over several ranks (kvtransfer/nixl/tp_handles.py) make of
 a TP group that broke: `TPGroup.fail` stopped the other ranks, so their part is over (it can
 no longer land) and the request's failure is settled; a control request that fails while the
 group is whole is still an error."""
@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kvtransfer.nixl.errors import TransferError
-from pdserve.kvtransfer.nixl.tp_transport import PeerRanks, TPRead, TPSender, TPStream
+from pdserve.kvtransfer.nixl.ranks import PeerRanks
+from pdserve.kvtransfer.nixl.tp_handles import TPRead, TPStream
+from pdserve.kvtransfer.nixl.tp_sender import TPSender
 
 
 class Group:

@@ -21,8 +21,11 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.tp_comm import shm_available
 from pdserve.kvtransfer import PrefillDone, PrefillTask, decode_notification
 from pdserve.kvtransfer.nixl import LOOPBACK_UCX_ENV, KVLayout, KVTransferAgent
-from pdserve.kvtransfer.nixl.tp_transport import TPReceiver, TPSender, ranks_record
-from pdserve.prefill.batch import PrefillBatch, PrefillStats
+from pdserve.kvtransfer.nixl.ranks import ranks_record
+from pdserve.kvtransfer.nixl.tp_receiver import TPReceiver
+from pdserve.kvtransfer.nixl.tp_sender import TPSender
+from pdserve.prefill.batch import PrefillBatch
+from pdserve.prefill.values import PrefillStats
 
 pytestmark = pytest.mark.skipif(shm_available() is not None, reason=f"TP needs shm: {shm_available()}")
 

@@ -1,5 +1,5 @@
 """A prefix lent between workers of different TP sizes (kvtransfer/lending.py over
-kvtransfer/nixl/tp_transport.py `TPSender.read_blocks`): real tensor-parallel engines (rank
+kvtransfer/nixl/tp_sender.py `TPSender.read_blocks`): real tensor-parallel engines (rank
 processes, each rank with its own NIXL agent over its own HND pool). Each borrower rank reads
 its KV heads from the holder ranks that hold them, the holder is released once every read
 arrived, its rank 0 confirms the loan before any rank's pages are used (a loan whose blocks the
@@ -22,8 +22,11 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.tp_comm import shm_available
 from pdserve.kvtransfer.nixl import LOOPBACK_UCX_ENV
 from pdserve.kvtransfer.lend import LendGrant, LendRelease
-from pdserve.kvtransfer.lending import Borrower, Lender, route_notification
-from pdserve.kvtransfer.nixl.tp_transport import open_worker_transport, rank_agent_name, with_rank_transport
+from pdserve.kvtransfer.borrower import Borrower
+from pdserve.kvtransfer.lender import Lender
+from pdserve.kvtransfer.lending import route_notification
+from pdserve.kvtransfer.nixl.ranks import rank_agent_name
+from pdserve.kvtransfer.nixl.tp_transport import open_worker_transport, with_rank_transport
 
 pytestmark = [pytest.mark.skipif(shm_available() is not None, reason=f"TP needs shm: {shm_available()}"),
               pytest.mark.timeout(300)]

@@ -1,4 +1,4 @@
-"""The prefill worker's heartbeat (prefill/worker.py `_beat`) over the queue's real wire: it
+"""The prefill worker's heartbeat (prefill/heartbeat.py `Heartbeat.beat`) over the queue's real wire: it
 carries the compute thread's progress to a queue that takes it, and to a queue of an earlier
 version, which takes the worker id alone, it beats as before instead of falling silent (a
 silent worker would have every batch failed back as stalled)."""
@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.prefill.worker import PrefillWorker
 from pdserve.cluster.queue import QueueClient
 from pdserve.cluster.queue.core import QueueCore
 from pdserve.cluster.queue.server import WireServer
+from pdserve.common.compute_thread import ComputeProgress
+from pdserve.prefill.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,22 +59,17 @@ async def served(monkeypatch):
     # The client asks Ray whether a loopback wire is on its own Ray node; here no Ray runs, and
     # the server is on this host by construction.
     monkeypatch.setattr(QueueClient, "_unreachable", staticmethod(lambda endpoint: None))
-    servers, clients, workers = [], [], []
+    servers, clients = [], []
 
-    async def serve(target) -> PrefillWorker:
+    async def serve(target) -> Heartbeat:
         server = WireServer(target)
         host, port = await server.start("127.0.0.1")
         servers.append(server)
         client = QueueClient(_Handle({"host": host, "port": port, "token": server.token, "tls": False}), "wire")
         clients.append(client)
-        worker = PrefillWorker({"model": "unused", "worker_id": "p0"})
-        workers.append(worker)
-        worker.queue = client
-        return worker
+        return Heartbeat("p0", client, ComputeProgress(), cancel=lambda keys: None)
 
     yield serve
-    for worker in workers:
-        worker._compute.shutdown()
     for client in clients:
         await client.close()
     for server in servers:
@@ -82,11 +78,11 @@ async def served(monkeypatch):
 
 async def test_the_heartbeat_carries_the_compute_progress(served):
     queue = Queue()
-    worker = await served(queue)
-    await worker._beat()  # nothing running on the compute thread: no progress to judge
-    worker._compute.progress.begin(2.5)
-    worker._compute.progress.mark()
-    await worker._beat()
+    heartbeat = await served(queue)
+    await heartbeat.beat()  # nothing running on the compute thread: no progress to judge
+    heartbeat.progress.begin(2.5)
+    heartbeat.progress.mark()
+    await heartbeat.beat()
     assert queue.calls[0] == ("p0", None)
     (_, sent), = queue.calls[1:]
     assert sent["steps"] == 1 and sent["within_s"] == 2.5 and sent["since_s"] >= 0
@@ -95,10 +91,10 @@ async def test_the_heartbeat_carries_the_compute_progress(served):
 
 async def test_a_queue_of_an_earlier_version_gets_the_beat_it_knows(served):
     queue = EarlierQueue()
-    worker = await served(queue)
-    worker._compute.progress.begin(1.0)
-    beat = await worker._beat()
+    heartbeat = await served(queue)
+    heartbeat.progress.begin(1.0)
+    beat = await heartbeat.beat()
     assert beat == {"instance": queue.core.instance_id, "cancelled": []}
     assert queue.calls == [("p0",)] and queue.core.live_workers() == 1
-    await worker._beat()  # from now on without the progress: no failed call first
+    await heartbeat.beat()  # from now on without the progress: no failed call first
     assert queue.calls == [("p0",), ("p0",)]

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.planner.policy import parse_autoscale
-from pdserve.router.loader import PolicyError
+from pdserve.router.loader import PolicyError, parse_autoscale
 
 FULL = """\
 autoscale:
@@ -97,5 +96,5 @@ def test_each_number_out_of_range_is_refused(path, line):
 def test_a_misspelt_key_is_refused_with_a_suggestion():
     with pytest.raises(PolicyError) as info:
         parse_autoscale(FULL.replace("down_stable_s", "down_stabel_s"), "a.yaml")
-    assert "a.yaml:24: autoscale.down_stabel_s: unknown key" in str(info.value)
+    assert "a.yaml:24:3: autoscale.down_stabel_s: unknown key" in str(info.value)
     assert "did you mean 'down_stable_s'" in str(info.value)

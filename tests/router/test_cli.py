@@ -34,7 +34,7 @@ def test_check_reports_key_and_line_and_fails(tmp_path, capsys):
     good = REPO / "configs/router/score.yaml"
     assert run(["policy", "check", str(good), str(bad)]) == 1
     out = capsys.readouterr().out
-    assert f"{bad}:4: router.threshold.prefill_queue_max: Input should be a valid integer" in out
+    assert f"{bad}:4:5: router.threshold.prefill_queue_max: Input should be a valid integer" in out
     assert "score.yaml: OK" in out
 
 
@@ -44,7 +44,7 @@ def test_check_refuses_worker_selection_saying_why_and_what_to_do(tmp_path, caps
     assert run(["policy", "check", str(old)]) == 1
     out = capsys.readouterr().out
     assert f"{old}: INVALID" in out
-    assert f"{old}:3: router.worker_selection: not used yet:" in out
+    assert f"{old}:3:3: router.worker_selection: not used yet:" in out
     assert "delete the worker_selection block" in out
 
 
@@ -52,7 +52,7 @@ def test_check_validates_autoscale_files_against_their_schema(tmp_path, capsys):
     bad = tmp_path / "scale.yaml"
     bad.write_text("autoscale:\n  max_step: 0\n")
     assert run(["policy", "check", str(bad)]) == 1
-    assert "scale.yaml:2: autoscale.max_step" in capsys.readouterr().out
+    assert "scale.yaml:2:3: autoscale.max_step" in capsys.readouterr().out
 
 
 def test_check_of_a_missing_file_fails(tmp_path, capsys):
@@ -100,7 +100,7 @@ def test_explain_of_an_invalid_policy_fails_with_the_error(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("router:\n  mode: maybe\n")
     assert run(["policy", "explain", str(bad), "--prompt-len", "10"]) == 1
-    assert "bad.yaml:2: router.mode" in capsys.readouterr().err
+    assert "bad.yaml:2:3: router.mode" in capsys.readouterr().err
 
 
 def test_explain_refuses_a_nonsense_cost(capsys):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.planner.policy import parse_autoscale  # (also registers the autoscale kind)
 from pdserve.router.loader import (
     PolicyError,
     detect_kind,
     load_policy_file,
     parse_any,
+    parse_autoscale,
     parse_policy,
 )
 
@@ -23,13 +23,13 @@ def error_of(text: str, parse=parse_policy, source: str = "p.yaml") -> PolicyErr
 def test_unknown_key_names_path_line_and_suggestion():
     text = "router:\n  threshold:\n    prefil_queue_max: 5\n"
     err = error_of(text)
-    assert "p.yaml:3: router.threshold.prefil_queue_max: unknown key" in str(err)
+    assert "p.yaml:3:5: router.threshold.prefil_queue_max: unknown key" in str(err)
     assert "did you mean 'prefill_queue_max'" in str(err)
 
 
 def test_unknown_top_level_key_lists_the_allowed_sections():
     err = error_of("routr:\n  mode: conditional\n")
-    assert "p.yaml:1: routr: unknown key" in str(err)
+    assert "p.yaml:1:1: routr: unknown key" in str(err)
     assert "allowed: router, qos" in str(err)
 
 
@@ -42,7 +42,7 @@ def test_bad_enum_value_names_key_line_and_value():
 
 def test_out_of_range_value_names_key_and_line():
     err = error_of("qos:\n  ttft_slo_ms: 500\n  tpot_slo_ms: -5\n")
-    assert "p.yaml:3: qos.tpot_slo_ms: Input should be greater than 0 (got -5)" in str(err)
+    assert "p.yaml:3:3: qos.tpot_slo_ms: Input should be greater than 0 (got -5)" in str(err)
 
 
 def test_quoted_number_is_not_an_integer():
@@ -90,7 +90,7 @@ def test_every_problem_is_reported_sorted_by_line():
 
 def test_duplicate_key_is_an_error_not_last_wins():
     err = error_of("router:\n  mode: always_local\n  mode: always_remote\n")
-    assert "p.yaml:3: router.mode: duplicate key" in str(err)
+    assert "p.yaml:3:3: router.mode: duplicate key" in str(err)
 
 
 def test_yaml_syntax_error_carries_its_line():
@@ -110,7 +110,7 @@ def test_policy_error_is_a_value_error():
 def test_file_errors_name_the_file(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("router:\n  mode: nope\n")
-    with pytest.raises(PolicyError, match=r"broken\.yaml:2: router\.mode"):
+    with pytest.raises(PolicyError, match=r"broken\.yaml:2:3: router\.mode"):
         load_policy_file(path)
 
 
@@ -123,7 +123,7 @@ def test_autoscale_fraction_for_a_percentage_is_refused():
 
 def test_autoscale_min_above_max_is_refused():
     err = error_of("autoscale:\n  prefill:\n    min_replicas: 5\n    max_replicas: 2\n", parse_autoscale)
-    assert "p.yaml:2: autoscale.prefill: min_replicas (5) exceeds max_replicas (2)" in str(err)
+    assert "p.yaml:2:3: autoscale.prefill: min_replicas (5) exceeds max_replicas (2)" in str(err)
 
 
 def test_autoscale_scale_down_must_be_below_scale_up():
@@ -140,7 +140,7 @@ def test_autoscale_minimum_replicas_must_fit_the_gpu_budget():
 
 def test_autoscale_unknown_key_is_refused():
     err = error_of("autoscale:\n  prefill:\n    max_replica: 3\n", parse_autoscale)
-    assert "p.yaml:3: autoscale.prefill.max_replica: unknown key" in str(err)
+    assert "p.yaml:3:5: autoscale.prefill.max_replica: unknown key" in str(err)
 
 
 def test_kind_is_detected_from_the_top_level_key():
@@ -160,7 +160,7 @@ def test_unknown_key_inside_a_list_item_lists_that_items_keys():
         "        weight: 0.7\n        wieght: 0.7\n"
     )
     err = error_of(text)
-    assert "p.yaml:8: router.disaggregated_router.policies[0].wieght: unknown key" in str(err)
+    assert "p.yaml:8:9: router.disaggregated_router.policies[0].wieght: unknown key" in str(err)
     assert "allowed: metric, threshold, action, weight" in str(err)
 
 
@@ -170,7 +170,7 @@ def test_missing_required_key_points_at_the_item_lacking_it():
         "      - {metric: prefill_length, threshold: 256, action: prefer_remote}\n"
     )
     err = error_of(text)
-    assert "p.yaml:4: router.disaggregated_router.policies[0].weight: Field required" in str(err)
+    assert "p.yaml:4:9: router.disaggregated_router.policies[0].weight: Field required" in str(err)
 
 
 def test_worker_selection_is_refused_as_not_used_yet():
@@ -180,7 +180,7 @@ def test_worker_selection_is_refused_as_not_used_yet():
     issue = err.issues[0]
     assert (issue.path, issue.line) == ("router.worker_selection", 3)
     message = str(err)
-    assert message.startswith("p.yaml:3: router.worker_selection: not used yet: ")
+    assert message.startswith("p.yaml:3:3: router.worker_selection: not used yet: ")
     assert "pull tasks from one shared queue" in message  # why
     assert "delete the worker_selection block" in message  # what to do
     assert "unknown key" not in message

@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 from pydantic import BaseModel
 
-from pdserve.cluster.planner.policy import AutoscalePolicy
+from pdserve.router.autoscale import AutoscalePolicy
 from pdserve.router.loader import load_any_file, load_policy_file, parse_policy
 from pdserve.router.policy import DEFAULT_POLICY, RouterPolicy, ScoreRule
 

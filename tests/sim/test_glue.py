@@ -1,6 +1,6 @@
 """The decode-side glue the simulator shares with the product: what a decode worker's admission
-decides on (`RequestFeatures`, `ClusterSnapshot`) is built by decode/assess.py for both
-decode/frontend.py and sim/cluster.py.
+decides on (`RequestFeatures`, `ClusterSnapshot`) is built by router/assess.py for both
+decode/frontend.py and sim/decode_sim.py.
 
 Three checks: the functions on plain values; neither caller builds those values itself (so
 neither side can drift from the other unnoticed); and the same plain-valued situations driven
@@ -20,16 +20,15 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.common import Priority
-from pdserve.decode import assess
 from pdserve.decode import frontend as frontend_mod
 from pdserve.decode.frontend import Frontend
-from pdserve.decode.ingress import GenerateInput
+from pdserve.api.ingress import GenerateInput
 from pdserve.decode.prefill_pool import PrefillView
 from pdserve.engine import SamplingParams
-from pdserve.router import DEFAULT_POLICY
+from pdserve.router import DEFAULT_POLICY, assess
 from pdserve.router.costs import CostEstimates
-from pdserve.sim import cluster as sim_cluster
-from pdserve.sim.cluster import DecodeSim
+from pdserve.sim import decode_sim
+from pdserve.sim.decode_sim import DecodeSim
 from pdserve.sim.workload import SimRequest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,15 +61,15 @@ def test_the_functions_on_plain_values():
     assert assess.priced_tier(snap, no_tier, 0.02) is snap  # no tier hit: the cost model's figure stands
 
 
-@pytest.mark.parametrize("path", ["decode/frontend.py", "sim/cluster.py"])
+@pytest.mark.parametrize("path", ["decode/frontend.py", "sim/decode_sim.py"])
 def test_neither_caller_builds_the_admissions_inputs_itself(path):
-    """Both go through decode/assess.py: a `RequestFeatures(...)` or `ClusterSnapshot(...)` built
+    """Both go through router/assess.py: a `RequestFeatures(...)` or `ClusterSnapshot(...)` built
     in either file is glue the other side does not share."""
     tree = ast.parse((REPO / path).read_text())
     built = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
     assert not built & {"RequestFeatures", "ClusterSnapshot"}, path
     assert {"request_features", "cluster_snapshot", "priced_tier"} <= built, path
-    for mod in (frontend_mod, sim_cluster):
+    for mod in (frontend_mod, decode_sim):
         assert mod.request_features is assess.request_features
         assert mod.cluster_snapshot is assess.cluster_snapshot
         assert mod.priced_tier is assess.priced_tier
@@ -126,23 +125,28 @@ def through_the_frontend(s: Situation, monkeypatch):
                                 tier_prefix_len=lambda tokens, cached: s.tier,
                                 tier_load_ms_per_token=lambda: s.tier_ms_per_token)
     load = SimpleNamespace(kv_usage=s.kv_usage, num_free_blocks=s.free_blocks)
-    engine = SimpleNamespace(engine=SimpleNamespace(connector=connector, load=lambda: load,
-                                                    config=SimpleNamespace(block_size=s.block_size),
-                                                    prompt_left=lambda rid: None),
-                             in_flight=None)
+    # the engine as the frontend reads it (decode/async_engine.py), with the step plan's
+    # prediction for the planned streams (decoding + prefilling) and backlog
+    streams = s.decoding + s.local_prefilling + s.pending_requests
+
+    def predicted(tokens, cached, planned, backlog):
+        assert (planned, backlog) == (streams, s.backlog)
+        return s.budget
+
+    engine = SimpleNamespace(connector=connector, load=lambda: load, block_size=s.block_size,
+                             prompt_left=lambda rid: None, predicted_prefill_budget=predicted, in_flight=None)
     remote = SimpleNamespace(view=PrefillView(pool_size=s.pool_size, queue_depth=s.queue_depth,
                                               queue_tokens=s.queue_tokens),
                              prefix_view=SimpleNamespace(cached_tokens=lambda tokens: dict(s.hint)),
-                             available=lambda: s.pool_size > 0, peers=None)
+                             available=lambda: s.pool_size > 0, peers=None,
+                             pending_requests=s.pending_requests, pending_tokens=s.pending_tokens)
     fe = Frontend.__new__(Frontend)
-    fe.engine, fe.remote = engine, remote
+    fe.engine, fe.remote, fe.plan_local_prefill = engine, remote, True
     fe.policy = SimpleNamespace(policy=DEFAULT_POLICY, costs=SimpleNamespace(snapshot=lambda: COSTS))
     fe.arrivals = SimpleNamespace(observe=lambda t: None, rate=lambda now: s.rate)
-    fe.pending_remote_requests, fe.pending_remote_tokens = s.pending_requests, s.pending_tokens
     fe.num_decoding = s.decoding
     fe.num_prefilling = s.local_prefilling + s.pending_requests
     fe._local_prefills = {"local-0": s.backlog} if s.backlog else {}
-    fe.prefill_budget_tokens = lambda tokens, cached, backlog: s.budget
     seen = []
 
     def admit(feats, snap, policy):

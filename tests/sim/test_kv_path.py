@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.router import DEFAULT_POLICY
 from pdserve.sim import cluster as sim_cluster
+from pdserve.sim import decode_sim
 from pdserve.sim.cluster import SimTopology, Simulation
 from pdserve.sim.profile import CostProfile, ProfileError, StepModel, profile_from_dict
 from pdserve.sim.search import with_mode
@@ -66,13 +67,13 @@ def test_a_batch_within_one_step_pushes_after_it_and_the_next_batch_waits_for_th
 
 def _spy(monkeypatch):
     seen = []
-    real = sim_cluster.admit
+    real = decode_sim.admit
 
     def admit(feats, snap, policy):
         seen.append((feats, snap))
         return real(feats, snap, policy)
 
-    monkeypatch.setattr(sim_cluster, "admit", admit)
+    monkeypatch.setattr(decode_sim, "admit", admit)
     return seen
 
 

@@ -13,7 +13,7 @@ import pytest
 from pdserve.cluster.planner.policy import parse_autoscale
 from pdserve.router import DEFAULT_POLICY
 from pdserve.sim import autoscale as sim_autoscale
-from pdserve.sim import cluster as sim_cluster
+from pdserve.sim import decode_sim
 from pdserve.sim.cluster import SimTopology, Simulation
 from pdserve.sim.profile import CostProfile, ProfileError, StepModel, profile_from_dict
 from pdserve.sim.report import Slo, summarize
@@ -85,7 +85,7 @@ def test_the_router_admission_and_scheduler_are_the_products(monkeypatch):
     planned = []
     real_plan = scheduler_mod.plan_budget
     monkeypatch.setattr(scheduler_mod, "plan_budget", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
-    assert sim_cluster.admit is qos.admit
+    assert decode_sim.admit is qos.admit
     sim = run(SimTopology(1, 1), n=40)
     assert len(decided) == 40
     assert planned  # the decode worker's SLO-aware budget, planned by the engine's scheduler

@@ -19,10 +19,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from typing import Protocol
 
-import zmq
+# pyzmq's own submodules: the names `import zmq` re-exports by star imports are not seen by
+# the type checker, which reads these third-party packages as untyped.
+from zmq.constants import LAST_ENDPOINT, LINGER, NOBLOCK, POLLIN, PUB, ROUTER, SNDHWM
+from zmq.error import Again, ZMQError
+from zmq.sugar.context import Context
+from zmq.sugar.poll import Poller
+from zmq.sugar.socket import Socket
 
-from pdserve.common.kv_events import encode_batch
+from pdserve.common.kv_events import KVEventBatch, encode_batch
 
 log = logging.getLogger(__name__)
 
@@ -36,21 +43,30 @@ def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big", signed=True)
 
 
+class EventSource(Protocol):
+    """Where the publisher takes its batches: the engine's `KVEventLog` (engine/kv_events.py)."""
+
+    def take_batch(self) -> tuple[int, KVEventBatch] | None: ...
+
+    def snapshot(self) -> tuple[tuple[int, KVEventBatch] | None, int, KVEventBatch]: ...
+
+
 class KVEventPublisher:
-    def __init__(self, events, host: str = "127.0.0.1", port: int = 0, replay_port: int = 0, topic: str = "",
-                 buffer_batches: int = DEFAULT_BUFFER_BATCHES, hwm: int = DEFAULT_HWM, interval_s: float = 0.005):
+    def __init__(self, events: EventSource, host: str = "127.0.0.1", port: int = 0, replay_port: int = 0,
+                 topic: str = "", buffer_batches: int = DEFAULT_BUFFER_BATCHES, hwm: int = DEFAULT_HWM,
+                 interval_s: float = 0.005):
         self.events, self.interval_s = events, interval_s
         self.topic = topic.encode()
-        self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
+        self._ctx = Context()
+        self._pub = self._ctx.socket(PUB)
+        self._pub.setsockopt(SNDHWM, hwm)
+        self._pub.setsockopt(LINGER, 0)
+        self._router = self._ctx.socket(ROUTER)
+        self._router.setsockopt(LINGER, 0)
         try:
             self.endpoint = _bind(self._pub, host, port)
             self.replay_endpoint = _bind(self._router, host, replay_port)
-        except zmq.ZMQError:
+        except ZMQError:
             self._close_sockets()
             raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
@@ -78,12 +94,12 @@ class KVEventPublisher:
 
     # -- the publisher's thread -------------------------------------------------------------
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
+        poller = Poller()
+        poller.register(self._router, POLLIN)
         while not self._stop.is_set():
             try:
                 self._publish_pending()
-                if poller.poll(self.interval_s * 1e3):
+                if poller.poll(int(self.interval_s * 1e3)):  # (ms; pyzmq truncates a float the same way)
                     self._serve()
             except Exception:  # noqa: BLE001  (logged; the engine goes on, subscribers resync)
                 log.exception("KV events: publishing failed")
@@ -95,17 +111,17 @@ class KVEventPublisher:
         if taken is not None:
             self._publish(*taken)
 
-    def _publish(self, seq: int, batch) -> None:
+    def _publish(self, seq: int, batch: KVEventBatch) -> None:
         payload = encode_batch(batch)
         self._buffer.append((seq, payload))
         try:
-            self._pub.send_multipart([self.topic, seq_bytes(seq), payload], flags=zmq.NOBLOCK)
-        except zmq.Again:
+            self._pub.send_multipart([self.topic, seq_bytes(seq), payload], flags=NOBLOCK)
+        except Again:
             pass  # subscribers at their high-water mark: they see the gap and replay
         self.published += 1
 
     def _serve(self) -> None:
-        frames = self._router.recv_multipart(zmq.NOBLOCK)
+        frames = self._router.recv_multipart(NOBLOCK)
         client = frames[0]
         if len(frames) == 3 and len(frames[2]) == 8:
             start = int.from_bytes(frames[2], "big", signed=True)
@@ -131,10 +147,10 @@ class KVEventPublisher:
         self._ctx.term()
 
 
-def _bind(sock, host: str, port: int) -> str:
+def _bind(sock: Socket, host: str, port: int) -> str:
     """Bind ``host:port`` (0: a free port); the endpoint bound (a subscriber's address)."""
     sock.bind(f"tcp://{host}:{port}")
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return sock.getsockopt_string(LAST_ENDPOINT)
 
 
 def start_event_publisher(engine, host: str) -> KVEventPublisher | None:

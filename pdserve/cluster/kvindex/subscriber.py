@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import time
 
-import zmq
+# pyzmq's own submodules, as in publisher.py (the type checker sees no star-imported names).
+from zmq.constants import DEALER, LINGER, RCVHWM, SUB, SUBSCRIBE
+from zmq.sugar.context import Context
+from zmq.sugar.socket import Socket
 
 from pdserve.common.kv_events import KVEventDecodeError, decode_batch
 
@@ -24,14 +27,14 @@ class KVEventSubscriber:
                  rcvhwm: int = 100_000, idle_check_s: float = 1.0):
         self.request_timeout_s, self.idle_check_s = request_timeout_s, idle_check_s
         self._last_heard = time.monotonic()
-        self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._ctx = Context()
+        self._sub = self._ctx.socket(SUB)
+        self._sub.setsockopt(LINGER, 0)
+        self._sub.setsockopt(RCVHWM, rcvhwm)
+        self._sub.setsockopt(SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
-        self._dealer = None
+        self._dealer: Socket | None = None  # the replay socket, made when first needed
         self.view = WorkerKVView()
         self.next_seq: int | None = None  # None: not synced (joined, or a request timed out)
         self.gaps = self.replayed = self.snapshots = self.decode_errors = 0
@@ -56,7 +59,7 @@ class KVEventSubscriber:
             applied += self._resync()
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sub.poll(left * 1e3):
+            if left <= 0 or not self._sub.poll(int(left * 1e3)):  # (ms; pyzmq truncates a float the same way)
                 if self.next_seq is not None and time.monotonic() - self._last_heard > self.idle_check_s:
                     applied += self._check_idle()
                 return applied
@@ -80,7 +83,7 @@ class KVEventSubscriber:
         before a quiet spell can be the ones a full socket dropped, with no later one to show
         the gap); usually the answer is empty."""
         self._last_heard = time.monotonic()
-        got = self._request([b"", seq_bytes(self.next_seq)])
+        got = self._request(self._replay_from_next())
         if got is None:
             self.next_seq = None
             return 0
@@ -97,7 +100,7 @@ class KVEventSubscriber:
     def _catch_up(self, upto: int) -> int:
         """Replay [next_seq, upto); a snapshot if the publisher lacks any of them."""
         applied = 0
-        got = self._request([b"", seq_bytes(self.next_seq)])
+        got = self._request(self._replay_from_next())
         if got is not None:
             for seq, payload in got:
                 if seq == self.next_seq:
@@ -106,6 +109,12 @@ class KVEventSubscriber:
             if self.next_seq is not None and self.next_seq >= upto:
                 return applied
         return applied + self._resync()
+
+    def _replay_from_next(self) -> list[bytes]:
+        """The replay request for every batch from ``next_seq`` on (asked only while synced)."""
+        if self.next_seq is None:
+            raise RuntimeError("KV events: a replay asked for while not synced")
+        return [b"", seq_bytes(self.next_seq)]
 
     def _resync(self) -> int:
         got = self._request([b"", SNAPSHOT, b""])
@@ -131,20 +140,21 @@ class KVEventSubscriber:
     def _request(self, frames: list[bytes]) -> list[tuple[int, bytes]] | None:
         """Send a replay or snapshot request; its (seq, payload) replies, None on a timeout
         (the socket is then replaced, so a late answer cannot be taken for the next one's)."""
-        if self._dealer is None:
-            self._dealer = self._ctx.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.connect(self._replay_endpoint)
-        self._dealer.send_multipart(frames)
-        out = []
+        dealer = self._dealer
+        if dealer is None:
+            dealer = self._dealer = self._ctx.socket(DEALER)
+            dealer.setsockopt(LINGER, 0)
+            dealer.connect(self._replay_endpoint)
+        dealer.send_multipart(frames)
+        out: list[tuple[int, bytes]] = []
         deadline = time.monotonic() + self.request_timeout_s
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._dealer.poll(left * 1e3):
-                self._dealer.close(linger=0)
+            if left <= 0 or not dealer.poll(int(left * 1e3)):  # (ms, truncated as pyzmq does)
+                dealer.close(linger=0)
                 self._dealer = None
                 return None
-            _, _, raw_seq, payload = self._dealer.recv_multipart()
+            _, _, raw_seq, payload = dealer.recv_multipart()
             if raw_seq == END_SEQ:
                 return out
             out.append((int.from_bytes(raw_seq, "big", signed=True), payload))

@@ -13,6 +13,8 @@ One module per concern; each imports its siblings directly, never this file:
   until their deadline).
 - ``actor``: `PrefillQueue`, the named Ray actor around the core (long poll,
   restarts), and `get_or_create_queue`.
+- ``operations``: `OPERATIONS`, the queue's operations declared once (codecs, who serves
+  each); the actor's methods, both transports' dispatch and the client's calls follow.
 - ``frames``: the wire format: framing and the one serialiser of tasks and results
   (msgpack, never pickle).
 - ``server``: `WireServer`, the wire inside the actor (TLS: `server_tls`).

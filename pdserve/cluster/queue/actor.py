@@ -1,8 +1,9 @@
 """`PrefillQueue`: the named Ray actor holding the cluster's prefill queue.
 
-The policy is `core.QueueCore`; the actor adds the long poll of `get_batch`,
-serves the queue's wire (`server.WireServer`) and its Prometheus metrics, and
-recovers from its own restarts.
+The policy is `core.QueueCore`; the actor serves the queue's operations
+(`operations.OPERATIONS`) around it, adding the long poll of `get_batch`, serves
+the queue's wire (`server.WireServer`) and its Prometheus metrics, and recovers
+from its own restarts.
 
 Restarts: the actor is created with Ray `max_restarts`, so a dead queue comes
 back empty under a new `instance_id` (in `stats()`). Decode workers notice the
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 import ray
 
@@ -26,12 +28,10 @@ from pdserve.cluster.keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFA
 from pdserve.cluster.runtime import freeze_gc_heap
 from pdserve.kvtransfer.task import PrefillTask
 
-import msgpack
-
 from pdserve.cluster.queue.core import QueueCore
-from pdserve.cluster.queue.frames import CODECS, WireError, unpack_body
 from pdserve.cluster.queue.liveness import DEFAULT_STALL_S
 from pdserve.cluster.queue.metrics import QueueMetrics
+from pdserve.cluster.queue.operations import OPERATIONS, perform_coded
 from pdserve.cluster.queue.server import WireServer, server_tls
 from pdserve.cluster.queue.answers import FailedTask, PutResult, QueueStats
 
@@ -42,9 +42,42 @@ WIRE_BINDS = ("loopback", "node", "off")
 # instance every HOLD_CHECK_S while they hold a batch and report it (`hold`) well within it.
 RECOVERY_GRACE_S = 2.0
 QUEUE_MAX_RESTARTS = -1  # Ray restarts the queue actor without limit (it holds no state worth a crash loop)
+_Actor = TypeVar("_Actor", bound=type)
+
+
+def _core_method(name: str) -> Callable[..., Awaitable[Any]]:
+    """The actor's method for an operation its core serves as is: `QueueCore.<name>` on the
+    actor's core, with that method's signature (Ray checks a call's arguments against it when
+    the call is made, as with a method written out) and its docstring. A copy of the
+    signature, not `functools.wraps`: Ray adds its tracing argument to the signature of the
+    function a method wraps, which would be the core's."""
+    impl = getattr(QueueCore, name)
+
+    async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._core, name)(*args, **kwargs)
+    setattr(method, "__signature__", inspect.signature(impl))  # what inspect.signature (Ray's check) reads
+    method.__name__, method.__doc__, method.__module__ = name, impl.__doc__, __name__
+    method.__qualname__ = f"PrefillQueue.{name}"
+    return method
+
+
+def _serves_operations(cls: _Actor) -> _Actor:
+    """Give the actor class a method for each operation `operations.OPERATIONS` says its
+    core serves (``by="core"``); each ``by="actor"`` one it must define itself. A mismatch
+    fails at import, not on the first call."""
+    for op in OPERATIONS.values():
+        defined = op.name in vars(cls)
+        if op.by == "actor" and not defined:
+            raise TypeError(f"{cls.__name__} must define {op.name}: operations.py says the actor serves it")
+        if op.by == "core":
+            if defined:
+                raise TypeError(f"{cls.__name__} defines {op.name}, which operations.py says the core serves as is")
+            setattr(cls, op.name, _core_method(op.name))
+    return cls
 
 
 @ray.remote
+@_serves_operations
 class PrefillQueue:
     """The named Ray actor holding the cluster's prefill queue (a QueueCore).
 
@@ -56,6 +89,9 @@ class PrefillQueue:
     (the node's IP: every node; multi-node clusters) or "off" (Ray calls only).
     `wire_tls` ({"cert", "key", "client_ca"}: PEM paths on the queue's node, the
     topology's `queue.tls`) makes the wire TLS only (`server.server_tls`).
+    Its methods are the queue's operations (`operations.OPERATIONS`): the ones its core
+    serves as is are made from the core's (`_serves_operations`), those written here add
+    to the core.
     """
 
     def __init__(self, capacity: int = DEFAULT_QUEUE_CAPACITY, max_requeues: int = 1,
@@ -86,24 +122,11 @@ class PrefillQueue:
 
     async def call_coded(self, payload: bytes) -> bytes:
         """One queue call over Ray when the wire is not used (``queue.transport: ray``, or
-        ``auto`` where the wire is unreachable): the request is `frames.pack_call`'s msgpack
-        body, the answer the wire's response body (``{"ok": true, "r": ...}`` or ``{"ok":
-        false, "error": {"type", "message"}}``), both encoded by the method's codec. So Ray
-        carries bytes only: no task, result or exception object is pickled across nodes."""
-        method = None
-        try:
-            body = unpack_body(payload, "call_coded")
-            method, args = (body.get("m"), body.get("a")) if isinstance(body, dict) else (None, None)
-            if method not in CODECS:
-                raise WireError(f"unknown method {method!r}; the queue serves {sorted(CODECS)}")
-            if not isinstance(args, list):
-                raise WireError(f"{method}: 'a' must be a list of arguments")
-            codec = CODECS[method]
-            result = await getattr(self, method)(*codec.decode_args(args))
-            answer: dict[str, Any] = {"ok": True, "r": codec.encode_result(result)}
-        except Exception as exc:  # noqa: BLE001  (every error goes back to the caller, typed)
-            answer = {"ok": False, "error": {"type": type(exc).__name__, "message": str(exc)}}
-        return msgpack.packb(answer, use_bin_type=True)
+        ``auto`` where the wire is unreachable): the request is `operations.pack_call`'s
+        msgpack body, the answer the wire's response body, both encoded by the operation's
+        codecs (`operations.perform_coded`). So Ray carries bytes only: no task, result or
+        exception object is pickled across nodes."""
+        return await perform_coded(self, payload)
 
     async def wire_endpoint(self) -> dict | None:
         """Where the wire listens: {"host", "port", "token", "node_id", "tls"}, started on first
@@ -189,13 +212,6 @@ class PrefillQueue:
                     self._metrics.batch(batch)
                     return batch
 
-    async def complete(self, worker_id: str, request_id: str | list[str]) -> bool:
-        """Stop tracking one finished task, or a whole batch (one call per batch)."""
-        return self._core.complete(worker_id, request_id)
-
-    async def cancel(self, request_id: str) -> str:
-        return self._core.cancel(request_id)
-
     async def worker_gone(self, worker_id: str) -> dict[str, int]:
         result = self._core.worker_gone(worker_id)
         async with self._arrived:
@@ -216,19 +232,6 @@ class PrefillQueue:
                             self._core.stall_s)
                 continue
             log.warning("%d task(s) failed back to their decode workers: %s", n, self._core.stalled_why[worker_id])
-
-    async def alive(self, worker_id: str) -> str:
-        """A prefill worker's heartbeat while it serves a batch; returns the instance id."""
-        return self._core.alive(worker_id)
-
-    async def beat(self, worker_id: str, progress: dict | None = None) -> dict:
-        """A prefill worker's heartbeat while it serves a batch, with its compute thread's
-        progress: the instance id, and the tasks it holds that were cancelled since its last
-        beat (QueueCore.beat)."""
-        return self._core.beat(worker_id, progress)
-
-    async def fail(self, worker_id: str, request_id: str, reason: str, detail: str = "") -> bool:
-        return self._core.fail(worker_id, request_id, reason, detail)
 
     async def hold(self, worker_id: str, tasks: list[PrefillTask]) -> int:
         new = self._core.hold(worker_id, tasks)

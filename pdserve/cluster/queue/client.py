@@ -1,8 +1,9 @@
 """The client side of the queue: what decode and prefill workers hold.
 
-`QueueClient` offers the queue actor's methods as coroutines, over the
-queue's wire (`server`, `frames`) when the actor serves one this process can
-reach, else over Ray calls. A lost connection fails the calls in flight on it
+`QueueClient` offers the queue's operations (`operations.OPERATIONS`) as
+coroutines (`call`, and a one-line typed method for each), over the queue's
+wire (`server`, `frames`) when the actor serves one this process can reach,
+else over Ray calls. A lost connection fails the calls in flight on it
 at once (`QueueUnavailableError`, no hang) and is reopened on the next call;
 an error the actor raised comes back as `QueueCallError` with its type name.
 
@@ -20,20 +21,14 @@ import asyncio
 import ipaddress
 import logging
 import ssl
-from typing import Any
+from typing import Any, Iterable
 
 from pdserve.cluster.security import ClientTLS
+from pdserve.kvtransfer.task import PrefillTask
 
-from pdserve.cluster.queue.frames import (
-    CODECS,
-    HELLO_TIMEOUT_S,
-    WIRE_VERSION,
-    WireError,
-    pack_call,
-    pack_frame,
-    read_frame,
-    unpack_body,
-)
+from pdserve.cluster.queue.answers import FailedTask, PutResult, QueueStats
+from pdserve.cluster.queue.frames import HELLO_TIMEOUT_S, WIRE_VERSION, WireError, pack_frame, read_frame, unpack_body
+from pdserve.cluster.queue.operations import Operation, operation, pack_call
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +133,7 @@ class _Connection:
 
 
 class QueueClient:
-    """The queue actor's methods as coroutines, over the wire or over Ray calls.
+    """The queue's operations as coroutines, over the wire or over Ray calls.
 
     transport "auto" (default): the wire when the actor serves one this process
     can reach (same Ray node for a loopback socket), else Ray calls; "wire":
@@ -159,53 +154,52 @@ class QueueClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Lock | None = None
 
-    # The actor's API -----------------------------------------------------------------
-    async def put(self, task):
-        return await self._call("put", task)
+    # The queue's operations (operations.OPERATIONS), typed ------------------------------
+    async def put(self, task: PrefillTask) -> PutResult:
+        return await self.call("put", task)
 
     async def get_batch(self, worker_id: str, max_tokens: int, max_wait_ms: float = 0.0,
-                        max_tasks: int | None = None, completed: list[str] | None = None):
-        return await self._call("get_batch", worker_id, max_tokens, max_wait_ms, max_tasks, completed,
-                                wait_s=max_wait_ms / 1000.0)
+                        max_tasks: int | None = None, completed: list[str] | None = None) -> list[PrefillTask]:
+        return await self.call("get_batch", worker_id, max_tokens, max_wait_ms, max_tasks, completed)
 
     async def complete(self, worker_id: str, request_id: str | list[str]) -> bool:
-        return await self._call("complete", worker_id, request_id)
+        return await self.call("complete", worker_id, request_id)
 
     async def cancel(self, request_id: str) -> str:
-        return await self._call("cancel", request_id)
+        return await self.call("cancel", request_id)
 
     async def worker_gone(self, worker_id: str) -> dict[str, int]:
-        return await self._call("worker_gone", worker_id)
+        return await self.call("worker_gone", worker_id)
 
-    async def take_failed(self, origin: str):
-        return await self._call("take_failed", origin)
+    async def take_failed(self, origin: str) -> list[FailedTask]:
+        return await self.call("take_failed", origin)
 
     async def fail(self, worker_id: str, request_id: str, reason: str, detail: str = "") -> bool:
-        return await self._call("fail", worker_id, request_id, reason, detail)
+        return await self.call("fail", worker_id, request_id, reason, detail)
 
-    async def hold(self, worker_id: str, tasks) -> int:
-        return await self._call("hold", worker_id, list(tasks))
+    async def hold(self, worker_id: str, tasks: Iterable[PrefillTask]) -> int:
+        return await self.call("hold", worker_id, list(tasks))
 
     async def instance_id(self) -> str:
-        return await self._call("instance_id")
+        return await self.call("instance_id")
 
     async def alive(self, worker_id: str) -> str:
         """Heartbeat of a prefill worker serving a batch; the queue's instance id."""
-        return await self._call("alive", worker_id)
+        return await self.call("alive", worker_id)
 
     async def beat(self, worker_id: str, progress: dict | None = None) -> dict:
         """Heartbeat of a prefill worker serving a batch: the instance id and its cancelled tasks.
         `progress`: its compute thread's (`ComputeProgress.snapshot`); without it, the call is
         the one every version of the queue takes."""
         if progress is None:
-            return await self._call("beat", worker_id)
-        return await self._call("beat", worker_id, progress)
+            return await self.call("beat", worker_id)
+        return await self.call("beat", worker_id, progress)
 
-    async def take_failed_and_stats(self, origin: str):
-        return await self._call("take_failed_and_stats", origin)
+    async def take_failed_and_stats(self, origin: str) -> tuple[list[FailedTask], QueueStats]:
+        return await self.call("take_failed_and_stats", origin)
 
-    async def stats(self):
-        return await self._call("stats")
+    async def stats(self) -> QueueStats:
+        return await self.call("stats")
 
     async def close(self) -> None:
         if self._conn is not None:
@@ -213,15 +207,17 @@ class QueueClient:
             self._conn = None
 
     # Plumbing ----------------------------------------------------------------------------
-    async def _call(self, method: str, *args, wait_s: float = 0.0):
+    async def call(self, method: str, *args: Any) -> Any:
+        """Operation `method` (operations.OPERATIONS) with `args`, over the wire or over Ray;
+        what the typed methods above call. Its timeout: the operation's own wait + CALL_SLACK_S."""
+        op = operation(method)
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop, self._connecting = loop, asyncio.Lock()
         elif self._loop is not loop:
             raise RuntimeError("QueueClient is bound to the event loop it first ran in; "
                                "make one client per event loop")
-        timeout_s = wait_s + CALL_SLACK_S
-        codec = CODECS[method]
+        timeout_s = op.wait_s(args) + CALL_SLACK_S
         if self.transport == "ray" or self.in_use == "ray":
             self.in_use = "ray"
             return await self._ray_call(method, args, timeout_s)
@@ -230,8 +226,8 @@ class QueueClient:
             conn = await self._connect()
             if conn is None:  # auto: the wire is not reachable from here
                 return await self._ray_call(method, args, timeout_s)
-        body = await conn.call(method, codec.encode_args(list(args)), timeout_s)
-        return self._result(codec, body)
+        body = await conn.call(method, op.encode_args(args), timeout_s)
+        return self._result(op, body)
 
     async def _ray_call(self, method: str, args: tuple, timeout_s: float) -> Any:
         """The same call over Ray, coded as the wire codes it (`PrefillQueue.call_coded`):
@@ -239,15 +235,15 @@ class QueueClient:
         return await ray_call(self.handle, method, *args, timeout_s=timeout_s)
 
     @staticmethod
-    def _result(codec, body: dict) -> Any:
+    def _result(op: Operation, body: dict) -> Any:
         if not body.get("ok"):
             err = body.get("error") or {}
             raise QueueCallError(str(err.get("type", "Error")), str(err.get("message", "")))
-        return codec.decode_result(body.get("r"))
+        return op.decode_answer(body.get("r"))
 
     async def _connect(self) -> _Connection | None:
-        if self._connecting is None:  # _call binds the lock with the loop before it connects
-            raise RuntimeError("QueueClient._connect before _call bound it to an event loop")
+        if self._connecting is None:  # `call` binds the lock with the loop before it connects
+            raise RuntimeError("QueueClient._connect before `call` bound it to an event loop")
         async with self._connecting:
             if self._conn is not None and self._conn.closed is None:
                 return self._conn
@@ -339,7 +335,7 @@ def _answer(method: str, raw: bytes) -> Any:
     body = unpack_body(raw, f"{method} over Ray")
     if not isinstance(body, dict):
         raise WireError(f"{method} over Ray: the answer is not a response body")
-    return QueueClient._result(CODECS[method], body)
+    return QueueClient._result(operation(method), body)
 
 
 def open_queue(cfg, who: str) -> QueueClient:

@@ -13,17 +13,17 @@ Then:
               {"id": n, "ok": false, "error": {"type": ..., "message": ...}}
 
 Values are plain msgpack: results travel as maps of their fields (`to_wire` /
-`from_wire`), a task as the handoff's codec makes it (kvtransfer/task.py). `CODECS` says, for
-every method the wire serves, how its arguments and its result are encoded
-and decoded on each side; the server and the client both use it, and nothing
-else serialises a task.
+`from_wire`), a task as the handoff's codec makes it (kvtransfer/task.py). Each kind of
+value an operation carries has its `Value` codec here (`TASK`, `TASKS`, `PUT_RESULT`,
+`STATS`, `FAILED_TASKS`, `FAILED_AND_STATS`, `PLAIN`); which operation carries which is
+declared once, in `operations.OPERATIONS`. Nothing else serialises a task.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import fields
-from typing import Any, Callable, NamedTuple
+from dataclasses import dataclass, fields
+from typing import Any, Callable
 
 import msgpack
 
@@ -71,13 +71,6 @@ def error_body(call_id: int, type_name: str, message: str) -> dict[str, Any]:
     return {"id": call_id, "ok": False, "error": {"type": type_name, "message": message}}
 
 
-def pack_call(method: str, args: list) -> bytes:
-    """A call as the Ray fallback carries it (`PrefillQueue.call_coded`): the method's
-    arguments encoded by its codec, in one msgpack body, so Ray moves bytes and never pickles
-    a task or any other queue value across nodes."""
-    return msgpack.packb({"m": method, "a": CODECS[method].encode_args(list(args))}, use_bin_type=True)
-
-
 def unpack_body(payload: bytes, what: str) -> Any:
     """A msgpack body from the Ray fallback; WireError if it is not one."""
     if not isinstance(payload, (bytes, bytearray)) or len(payload) > MAX_FRAME_BYTES:
@@ -122,67 +115,48 @@ def from_wire(cls: type, body: Any, what: str) -> Any:
         raise WireError(f"{what}: {exc}") from None
 
 
-# -- the methods the wire serves -----------------------------------------------------------
-class MethodCodec(NamedTuple):
-    """How one method's values cross the wire: arguments (client -> server), result (back)."""
+# -- the values operations carry -----------------------------------------------------------
+@dataclass(frozen=True)
+class Value:
+    """How one kind of value crosses the wire: `encode` on the side that sends it, `decode`
+    (the body, and what it is for the error) on the side that receives it: a WireError, or the
+    value's own ValueError, when the body is malformed."""
 
-    encode_args: Callable[[list], list]  # on the client
-    decode_args: Callable[[list], list]  # on the server
-    encode_result: Callable[[Any], Any]  # on the server
-    decode_result: Callable[[Any], Any]  # on the client
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any, str], Any]
 
 
-def _same(value: Any) -> Any:
+def _same(value: Any, what: str = "") -> Any:
     return value
 
 
-def _put_args_in(args: list) -> list:
-    if len(args) != 1:
-        raise WireError(f"put takes 1 argument (the task), got {len(args)}")
-    return [from_wire(PrefillTask, args[0], "put.task")]
+def fields_of(cls: type) -> Value:
+    """A queue value as the map of its fields (`to_wire`, `from_wire`)."""
+    return Value(to_wire, lambda body, what: from_wire(cls, body, what))
 
 
-def _hold_args_in(args: list) -> list:
-    if len(args) != 2 or not isinstance(args[1], list):
-        raise WireError("hold takes 2 arguments (worker_id, [tasks])")
-    return [args[0], [from_wire(PrefillTask, t, "hold.task") for t in args[1]]]
-
-
-def _list_in(cls: type, what: str) -> Callable[[Any], list]:
-    def decode(body: Any) -> list:
+def list_of(item: Value) -> Value:
+    """A list of values of one kind."""
+    def decode(body: Any, what: str) -> list:
         if not isinstance(body, list):
             raise WireError(f"{what}: expected a list, got {type(body).__name__}")
-        return [from_wire(cls, item, what) for item in body]
-    return decode
+        return [item.decode(each, what) for each in body]
+    return Value(lambda items: [item.encode(each) for each in items], decode)
 
 
-def _list_out(items: list) -> list:
-    return [to_wire(item) for item in items]
+def pair_of(first: Value, second: Value) -> Value:
+    """A pair of values, as a list of two."""
+    def decode(body: Any, what: str) -> tuple:
+        if not isinstance(body, list) or len(body) != 2:
+            raise WireError(f"{what}: expected a list of 2, got {type(body).__name__}")
+        return first.decode(body[0], what), second.decode(body[1], what)
+    return Value(lambda pair: [first.encode(pair[0]), second.encode(pair[1])], decode)
 
 
-def _pair_out(pair: tuple) -> list:
-    return [_list_out(pair[0]), to_wire(pair[1])]
-
-
-def _pair_in(body: Any) -> tuple:
-    return _list_in(FailedTask, "failed task")(body[0]), from_wire(QueueStats, body[1], "stats")
-
-
-_PLAIN = MethodCodec(list, _same, _same, _same)  # arguments and result are plain values
-
-CODECS: dict[str, MethodCodec] = {
-    "put": MethodCodec(lambda a: [to_wire(a[0])], _put_args_in, to_wire,
-                       lambda b: from_wire(PutResult, b, "put result")),
-    "get_batch": MethodCodec(list, _same, _list_out, _list_in(PrefillTask, "get_batch result")),
-    "complete": _PLAIN,
-    "cancel": _PLAIN,
-    "worker_gone": _PLAIN,
-    "take_failed": MethodCodec(list, _same, _list_out, _list_in(FailedTask, "failed task")),
-    "fail": _PLAIN,
-    "hold": MethodCodec(lambda a: [a[0], _list_out(list(a[1]))], _hold_args_in, _same, _same),
-    "instance_id": _PLAIN,
-    "alive": _PLAIN,
-    "beat": _PLAIN,
-    "take_failed_and_stats": MethodCodec(list, _same, _pair_out, _pair_in),
-    "stats": MethodCodec(list, _same, to_wire, lambda b: from_wire(QueueStats, b, "stats")),
-}
+PLAIN = Value(_same, _same)  # plain msgpack values (str, int, float, None, lists and maps of them)
+TASK = fields_of(PrefillTask)
+TASKS = list_of(TASK)
+PUT_RESULT = fields_of(PutResult)
+STATS = fields_of(QueueStats)
+FAILED_TASKS = list_of(fields_of(FailedTask))
+FAILED_AND_STATS = pair_of(FAILED_TASKS, STATS)

@@ -7,6 +7,8 @@ task and the size of each batch handed out are histograms.
 
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -18,10 +20,10 @@ _BATCH_TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 class _QueueCollector:
-    def __init__(self, queue):
+    def __init__(self, queue: Any) -> None:
         self.queue = queue  # the PrefillQueue actor (its core may not exist yet at registration)
 
-    def collect(self):
+    def collect(self) -> Iterator[Any]:  # prometheus_client's metric families
         core = getattr(self.queue, "_core", None)
         if core is None:
             return
@@ -48,7 +50,7 @@ class _QueueCollector:
 class QueueMetrics:
     """The queue actor's registry and, once `serve` is called, its endpoint."""
 
-    def __init__(self, queue):
+    def __init__(self, queue: Any) -> None:  # the PrefillQueue actor
         self.registry = CollectorRegistry()
         self.registry.register(_QueueCollector(queue))
         self.wait = Histogram("pdserve_queue_wait_seconds", "Put to dispatch, per task", buckets=_WAIT_BUCKETS_S,

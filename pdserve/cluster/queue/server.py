@@ -36,7 +36,6 @@ import ssl
 from typing import Any, Callable
 
 from pdserve.cluster.queue.frames import (
-    CODECS,
     HELLO_TIMEOUT_S,
     MAX_HELLO_BYTES,
     WIRE_VERSION,
@@ -45,6 +44,7 @@ from pdserve.cluster.queue.frames import (
     pack_frame,
     read_frame,
 )
+from pdserve.cluster.queue.operations import Operation, decode_call, perform
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +70,11 @@ def server_tls(cert: str, key: str, client_ca: str | None = None) -> ssl.SSLCont
 
 
 class WireServer:
-    """Serves `target`'s queue methods on a TCP socket from the running event loop.
+    """Serves the queue's operations (`operations.OPERATIONS`) on a TCP socket from the running
+    event loop, each by `target`'s method of its name (the queue actor's; a coroutine or not).
 
-    `on_undelivered(worker_id, tasks)` is called with a get_batch result that
-    could not be sent (its connection closed first). `tls`: serve TLS only (`server_tls`).
+    `on_undelivered(worker_id, tasks)` is called with the tasks an operation handed out
+    (`Operation.hands_out`: get_batch) that could not be sent (its connection closed first). `tls`: serve TLS only (`server_tls`).
     """
 
     def __init__(self, target: Any, on_undelivered: Callable[[str, list], None] | None = None,
@@ -139,19 +140,15 @@ class WireServer:
 
     async def _call(self, writer: asyncio.StreamWriter, request: Any) -> None:
         call_id: Any = request.get("id") if isinstance(request, dict) else None  # as the client sent it
-        method, result, error = None, None, None
+        op: Operation | None = None
+        args: list = []
+        result, error = None, None
         try:
             if not isinstance(call_id, int) or call_id <= 0:
                 raise WireError("request without a positive integer 'id'")
-            method, args = request.get("m"), request.get("a", [])
-            if method not in CODECS:
-                raise WireError(f"unknown method {method!r}; the queue serves {sorted(CODECS)}")
-            if not isinstance(args, list):
-                raise WireError(f"{method}: 'a' must be a list of arguments")
-            codec = CODECS[method]
-            args = codec.decode_args(args)
-            result = await getattr(self.target, method)(*args)
-            body = {"id": call_id, "ok": True, "r": codec.encode_result(result)}
+            op, args = decode_call(request.get("m"), request.get("a", []))
+            result = await perform(self.target, op, args)
+            body = {"id": call_id, "ok": True, "r": op.encode_answer(result)}
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001  (every error goes back to the caller, typed)
@@ -159,14 +156,17 @@ class WireServer:
             error = exc
             body = error_body(call_id or 0, type(exc).__name__, str(exc))
         self.counters["calls"] += 1
+        # tasks taken for the caller (get_batch), which go back to the queue if they cannot reach it
+        handed_out: list = result if op is not None and op.hands_out and isinstance(result, list) else []
+        give_back = self.on_undelivered if handed_out else None
         if writer.is_closing():
-            if method == "get_batch" and error is None and result and self.on_undelivered is not None:
-                self.counters["undelivered"] += len(result)
-                self.on_undelivered(args[0], result)
+            if give_back is not None and error is None:
+                self.counters["undelivered"] += len(handed_out)
+                give_back(args[0], handed_out)
             return
         try:
             writer.write(pack_frame(body))
         except WireError as exc:  # the result itself is too large
             writer.write(pack_frame(error_body(call_id, "WireError", str(exc))))
-            if method == "get_batch" and result and self.on_undelivered is not None:
-                self.on_undelivered(args[0], result)
+            if give_back is not None:
+                give_back(args[0], handed_out)

@@ -7,7 +7,7 @@ process also owns a NIXL agent over its own pool; rank 0 drives it
 (engine/tp_rank.py gives the protocol):
 
     open(worker_id, model_id, total_kv_heads, ucx_env)  create the agent (named for this
-                                                    rank: tp_transport.rank_agent_name); its record
+                                                    rank: ranks.rank_agent_name); its record
     add_peer(infos) / remove_peer(names)            the peer workers' rank agents
     (step attachment) {"kind": "stream", ...}       begin this rank's streams of a request;
                                                     the layer hook posts each layer as the
@@ -31,10 +31,14 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.kvtransfer.ranked import wrap
 from pdserve.kvtransfer.nixl.errors import TransferError, TransferTimeoutError
 from pdserve.kvtransfer.nixl.layout import KVLayout
+
+if TYPE_CHECKING:
+    from pdserve.kvtransfer.nixl.agent import KVTransferAgent
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class _Read:
 class RankTransfer:
     def __init__(self, runner, rank: int, size: int):
         self.runner, self.rank, self.size = runner, rank, size
-        self.agent = None
+        self.agent: KVTransferAgent | None = None
         self.streams: dict[int, list] = defaultdict(list)  # key -> [(decode rank, dst tp, stream)]
         self.errors: dict[int, str] = {}  # key -> why this rank's part failed before finish
         self.notes: list[tuple[str, bytes]] = []
@@ -75,10 +79,17 @@ class RankTransfer:
             raise RuntimeError("this rank's transport agent is not open yet")
         return fn(**args) or {}
 
+    @property
+    def _agent(self) -> KVTransferAgent:
+        """The open agent: `handle` runs no request but ``open`` before there is one."""
+        if self.agent is None:
+            raise RuntimeError("this rank's transport agent is not open yet")
+        return self.agent
+
     def _op_open(self, worker_id: str, model_id: str, total_kv_heads: int, ucx_env: dict | None = None,
                  threads: int = 0) -> dict:
         from pdserve.kvtransfer.nixl.agent import KVTransferAgent
-        from pdserve.kvtransfer.nixl.tp_transport import rank_agent_name
+        from pdserve.kvtransfer.nixl.ranks import rank_agent_name
 
         name = rank_agent_name(worker_id, self.rank)
         kv = self.runner.kv_cache
@@ -88,10 +99,10 @@ class RankTransfer:
         return {"info": self.agent.local_info()}
 
     def _op_add_peer(self, infos: list) -> dict:
-        return {"names": [self.agent.add_peer(i) for i in infos]}
+        return {"names": [self._agent.add_peer(i) for i in infos]}
 
     def _op_remove_peer(self, names: list) -> dict:
-        return {"removed": [self.agent.remove_peer(n) for n in names]}
+        return {"removed": [self._agent.remove_peer(n) for n in names]}
 
     def _op_finish(self, key: int, notify: bytes | None, timeout_s: float) -> dict:
         streams = self.streams.pop(key, [])
@@ -128,7 +139,7 @@ class RankTransfer:
                 if h.finished:
                     continue
                 try:
-                    self.agent.wait(h, timeout_s)
+                    self._agent.wait(h, timeout_s)
                 except TransferTimeoutError:
                     settled = False
                 except TransferError:
@@ -143,11 +154,11 @@ class RankTransfer:
                 if src != self.rank:
                     continue
                 note = None if notify is None else wrap(notify, self.rank, self.size, dst, dst_tp)
-                handles.append(self.agent.write_blocks(peer[dst], local, remote, notify=note,
-                                                       heads=(src_head, dst_head, num_heads)))
+                handles.append(self._agent.write_blocks(peer[dst], local, remote, notify=note,
+                                                        heads=(src_head, dst_head, num_heads)))
             deadline = time.monotonic() + timeout_s
             for h in handles:
-                self.agent.wait(h, max(deadline - time.monotonic(), 0.0))
+                self._agent.wait(h, max(deadline - time.monotonic(), 0.0))
         except TransferTimeoutError as exc:
             return {"failed": str(exc), "timed_out": True}
         except (TransferError, ValueError) as exc:
@@ -160,8 +171,8 @@ class RankTransfer:
         try:
             for src, dst, local_head, remote_head, num_heads in reads:
                 if dst == self.rank:
-                    handles.append(self.agent.read_blocks(peer[src], local, remote,
-                                                          heads=(local_head, remote_head, num_heads)))
+                    handles.append(self._agent.read_blocks(peer[src], local, remote,
+                                                           heads=(local_head, remote_head, num_heads)))
         except Exception as exc:  # noqa: BLE001  (an unknown holder rank, a layout mismatch)
             error = f"{exc.__class__.__name__}: {exc}"
         self.reads[key] = _Read(time.monotonic(), handles, error)

@@ -3,7 +3,7 @@
 
 Pure functions, no I/O and no worker state: decode/frontend.py (the worker) reads its pool,
 its remote path, its second tier and its counters and passes the values here, and so does the
-simulator's decode worker (sim/cluster.py) from its simulated pool, prefill workers and tier.
+simulator's decode worker (sim/decode_sim.py) from its simulated pool, prefill workers and tier.
 One home for this glue means the simulated router decides on inputs built exactly as a real
 worker builds them (tests/sim/test_glue.py checks both callers).
 """
@@ -14,9 +14,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import cast
 
-from pdserve.router import ClusterSnapshot, RequestFeatures
 from pdserve.router.costs import CostEstimates
-from pdserve.router.values import Override
+from pdserve.router.values import ClusterSnapshot, Override, RequestFeatures
 
 __all__ = ["cluster_snapshot", "priced_tier", "request_features"]
 
@@ -33,7 +32,7 @@ def request_features(prompt_len: int, cached_len: int, *, priority, ttft_slo_ms:
     ``cached_len``; ``peer_reads``: this worker borrows prefixes from prefill workers. A
     resumed stream is prefilled here whatever the request asked (its first token must follow
     the resumed ones, which a remote prefill would not know)."""
-    # route: a str (decode/validate.py refused any other value); RequestFeatures checks it again
+    # route: a str (api/validate.py refused any other value); RequestFeatures checks it again
     return RequestFeatures(prompt_len=prompt_len, cached_len=cached_len, priority=priority, ttft_slo_ms=ttft_slo_ms,
                            override="local" if resumed else cast(Override, route), max_tokens=max_tokens,
                            remote_cached_len=max(hint.values(), default=0), tier_cached_len=tier_cached_len,

@@ -1,13 +1,13 @@
-"""What the decode worker's APIs serve (gRPC, decode/grpc_service.py; HTTP, decode/http_app.py):
-a `Surface`. A decode worker's is its `Frontend` (decode/frontend.py); a gateway's routes each
-request to a decode worker (gateway/frontend.py). One implementation of both APIs serves either.
+"""What the serving APIs (gRPC, api/grpc_service.py; HTTP, api/http_app.py) serve: a `Surface`.
+A decode worker's is its `Frontend` (decode/frontend.py); a gateway's routes each request to
+a decode worker (gateway/frontend.py). One implementation of both APIs serves either.
 
 The base holds what does not depend on where a sequence runs: request validation against
 the model (`PromptChecker`), the serving limits, each tenant's share (sequences:
 limits.max_sequences_per_key; tokens: qos.max_tokens_per_tenant, `tenant_token_limit`),
 several prompts and samples as one call (`generate_many`), detokenization, and the model card.
 
-A tenant is an API key, or with keys off a client address (decode/security.py `Client`).
+A tenant is an API key, or with keys off a client address (api/security.py `Client`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.prompts import PromptChecker
@@ -28,6 +28,10 @@ from pdserve.router.qos import TokenLimit, admit_tenant_tokens
 
 from .ingress import Chunk, GenerateInput, RequestError, ServingLimits, sample_input
 from .validate import Validator, check_privileges
+
+
+# A request validated and tokenized: its prompt's token ids, its sampling, its priority.
+Checked = tuple[list[int], SamplingParams, int]
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ def identity(caller) -> str | None:
 
 def tenant_of(caller) -> str | None:
     """Whose share a request takes (the per-tenant caps here, the scheduler's turns): its API
-    key's identity, or with keys off its client's (``addr:<address>``, decode/security.py
+    key's identity, or with keys off its client's (``addr:<address>``, api/security.py
     `Client`); None: not known (a caller without an address), no per-tenant bound then."""
     if caller is None:
         return None
@@ -80,12 +84,12 @@ class Surface(abc.ABC):
         self.worker_id = worker_id
         self.served_model = served_model
         self.draining = False
-        self.sequences_per_key: Counter = Counter()  # tenant -> sequences its calls hold
-        self.tokens_per_tenant: Counter = Counter()  # tenant -> tokens (prompt + max_tokens) its calls claim
+        self.sequences_per_key: Counter[str] = Counter()  # tenant -> sequences its calls hold
+        self.tokens_per_tenant: Counter[str] = Counter()  # tenant -> tokens (prompt + max_tokens) its calls claim
         # id(input) -> the call's hold, until `validated` claims the sequence's tokens from it
         self._holds: dict[int, _Hold] = {}
         # id(sample input) -> its validation, done once per prompt by `generate_many`
-        self._checked: dict[int, tuple[list[int], SamplingParams, object]] = {}
+        self._checked: dict[int, Checked] = {}
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -108,11 +112,11 @@ class Surface(abc.ABC):
     def refresh_gauges(self) -> None:
         """Bring the gauges up to date before /metrics renders them."""
 
-    def validate(self, inp: GenerateInput) -> tuple[list[int], SamplingParams, int]:
+    def validate(self, inp: GenerateInput) -> Checked:
         """Check and tokenize one request (CPU work: call it off the event loop)."""
         return self.validator.validate(inp)
 
-    async def validated(self, inp: GenerateInput) -> tuple[list[int], SamplingParams, int]:
+    async def validated(self, inp: GenerateInput) -> Checked:
         """`validate` in the tokenizer pool; then, for a call `generate` holds a share for, its
         tokens are claimed (RequestError when over the tenant's limit). A sample of a
         `generate_many` call comes back as that call validated its prompt (no second tokenizing)."""
@@ -135,7 +139,7 @@ class Surface(abc.ABC):
     def abort(self, request_id: str, caller=None) -> bool:
         """Abort an in-flight request by the id its client gave; False if unknown."""
 
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
+    async def generate(self, inp: GenerateInput) -> AsyncGenerator[Chunk, None]:
         """One sequence, within its tenant's share (its tokens are claimed by `validated`)."""
         with self._tenant_share(inp.caller, 1) as hold:
             if hold is not None:
@@ -189,7 +193,8 @@ class Surface(abc.ABC):
         hold.tokens += tokens
         self.tokens_per_tenant[hold.tenant] += tokens
 
-    async def generate_many(self, inputs: list[GenerateInput], n: int = 1) -> AsyncIterator[tuple[int, Chunk]]:
+    async def generate_many(self, inputs: list[GenerateInput], n: int = 1
+                            ) -> AsyncGenerator[tuple[int, Chunk], None]:
         """Several prompts, ``n`` samples each: ``(index, chunk)`` as chunks come, where
         index = prompt index * n + sample index (OpenAI's choice index).
 
@@ -214,10 +219,12 @@ class Surface(abc.ABC):
             # Every prompt is validated once, now, so that the call's tokens are known (and
             # claimed, or refused) before any of its sequences is admitted; the samples reuse it.
             check_privileges(inputs[0])  # as each sequence would, before any tokenizing
-            checked = await asyncio.gather(*(self.validated(inp) for inp in inputs), return_exceptions=True)
-            for item in checked:  # the first bad prompt's error, as its sequence would have raised it
+            results = await asyncio.gather(*(self.validated(inp) for inp in inputs), return_exceptions=True)
+            checked: list[Checked] = []
+            for item in results:  # the first bad prompt's error, as its sequence would have raised it
                 if isinstance(item, BaseException):
                     raise item
+                checked.append(item)
             if hold is not None:
                 # A prompt's n samples share its prompt's KV blocks (the prefix cache): it counts
                 # once, max_tokens once per sequence.
@@ -226,16 +233,16 @@ class Surface(abc.ABC):
                 each = f"max_tokens {out[0]}" if len(set(out)) == 1 else f"max_tokens {min(out)}-{max(out)}"
                 self._claim(hold, prompt + n * sum(out),
                             f"{prompt} prompt tokens + {len(inputs) * n} sequences x {each}")
-            async for item in self._generate_many(inputs, n, checked):
-                yield item
+            async for choice in self._generate_many(inputs, n, checked):
+                yield choice
 
-    async def _generate_many(self, inputs: list[GenerateInput], n: int, checked: list[tuple]
-                             ) -> AsyncIterator[tuple[int, Chunk]]:
+    async def _generate_many(self, inputs: list[GenerateInput], n: int, checked: list[Checked]
+                             ) -> AsyncGenerator[tuple[int, Chunk], None]:
         base = inputs[0].request_id or uuid.uuid4().hex
         seqs: dict[int, AsyncIterator[Chunk]] = {}
         samples: list[GenerateInput] = []
         firsts: dict[int, Chunk] = {}
-        pending: dict[asyncio.Future, int] = {}
+        pending: dict[asyncio.Future[Chunk], int] = {}
         try:
             for wave in (range(1), range(1, n)):
                 started = [p * n + j for p in range(len(inputs)) for j in wave]
@@ -248,10 +255,10 @@ class Surface(abc.ABC):
                     samples.append(sample)
                     seqs[i] = self._generate(sample)
                 got = await asyncio.gather(*(seqs[i].__anext__() for i in started), return_exceptions=True)
-                for item in got:
+                for i, item in zip(started, got):
                     if isinstance(item, BaseException):
                         raise item
-                firsts.update(zip(started, got))
+                    firsts[i] = item
             for i in sorted(firsts):
                 yield i, firsts[i]
                 if firsts[i].finish_reason is None:
@@ -272,7 +279,8 @@ class Surface(abc.ABC):
                 fut.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             for gen in seqs.values():
-                await gen.aclose()
+                if isinstance(gen, AsyncGenerator):  # every Surface's `_generate` is one
+                    await gen.aclose()
             for sample in samples:  # one refused before its validation leaves its entry
                 self._checked.pop(id(sample), None)
 
@@ -287,7 +295,7 @@ def _whose(caller, tenant: str) -> str:
     return "this API key" if getattr(caller, "tenant", None) is None else f"this client ({tenant})"
 
 
-def _give_back(counter: Counter, tenant: str, amount: int) -> None:
+def _give_back(counter: Counter[str], tenant: str, amount: int) -> None:
     counter[tenant] -= amount
     if counter[tenant] <= 0:
         del counter[tenant]

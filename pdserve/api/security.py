@@ -1,4 +1,4 @@
-"""Who may use a decode worker's surfaces: TLS (optionally mutual) for gRPC and HTTP, API
+"""Who may use a decode worker's or a gateway's surfaces: TLS (optionally mutual) for gRPC and HTTP, API
 keys as ``Authorization: Bearer <key>`` (HTTP) or ``authorization`` metadata (gRPC).
 
 `ServerSecurity` is built from the worker's config; `ApiKeyAuth` (ASGI middleware) and
@@ -100,7 +100,7 @@ class Client:
 
     tenant: str
     operator: bool = True
-    identity = None  # whose request-id namespace: the keys-off one (decode/surface.py `identity`)
+    identity = None  # whose request-id namespace: the keys-off one (api/surface.py `identity`)
 
 
 class TrustedProxies:

@@ -1,6 +1,6 @@
-"""Request validation at the decode worker's edge: every field checked, every size bounded
+"""Request validation at the edge (a decode worker's or a gateway's `Surface`): every field checked, every size bounded
 before the work it bounds (ServingLimits), the prompt tokenized. Pure CPU work that
-touches no engine state: the frontend runs it in its tokenizer pool, off the event loop.
+touches no engine state: the surface runs it in its tokenizer pool, off the event loop.
 Refusals are `RequestError`s naming the field."""
 
 from __future__ import annotations

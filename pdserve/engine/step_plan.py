@@ -1,5 +1,7 @@
 """A decode worker's local prefill budget: what its engine plans each step's prompt tokens with.
 
+Fed by the decode worker (decode/worker.py) and by the simulator's (sim/decode_sim.py).
+
 A decode worker prefills short or cache-hit prompts itself (the router keeps them local). Run
 in one step, a long local prefill stalls every running stream for its whole duration; cut into
 too small chunks, it pays the step's fixed cost over and over. The engine therefore plans each
@@ -15,15 +17,18 @@ boot, refined by every step). ``StepPlanFeed`` hands the engine that curve and t
 ``HYSTERESIS`` (a cross-thread call per step would cost more than it buys). The topology can
 fix the budget instead (``roles.decode.local_prefill_budget_tokens``): the engine then caps
 every step's prompt tokens at that number and plans nothing.
+
+The estimates are read through ``StepCurve`` (router/costs.py ``CostEstimates`` is one), so
+the engine names nothing of the router.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Protocol
 
 from pdserve.engine.step_budget import StepCost, StepTargets
-from pdserve.router.costs import CostEstimates
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +36,20 @@ HYSTERESIS = 0.1  # re-apply only when a coefficient or target moves by more tha
 LOG_EVERY_S = 60.0  # a re-applied plan is logged at INFO at most this often (DEBUG otherwise)
 
 
-def step_cost(est: CostEstimates) -> StepCost:
+class StepCurve(Protocol):
+    """The step cost curve's coefficients as the router's cost model estimates them (ms)."""
+
+    @property
+    def step_fixed_ms(self) -> float: ...
+    @property
+    def step_decode_ms_per_seq(self) -> float: ...
+    @property
+    def prefill_local_ms_per_token(self) -> float: ...
+    @property
+    def prefill_attention_ms_per_kpair(self) -> float: ...
+
+
+def step_cost(est: StepCurve) -> StepCost:
     """The engine's step cost curve from the router's estimates."""
     return StepCost(est.step_fixed_ms, est.step_decode_ms_per_seq, est.prefill_local_ms_per_token,
                     est.prefill_attention_ms_per_kpair)
@@ -45,7 +63,8 @@ class StepPlanFeed:
     every engine step with the current estimates and policy.
     """
 
-    def __init__(self, apply, apply_fixed, fixed: int | None = None):
+    def __init__(self, apply: Callable[[StepCost, StepTargets], object], apply_fixed: Callable[[int], object],
+                 fixed: int | None = None):
         self._apply = apply
         self.fixed = fixed
         self.cost: StepCost | None = None
@@ -55,7 +74,7 @@ class StepPlanFeed:
             apply_fixed(fixed)
             log.info("local prefill budget: fixed by the topology at %d tokens per step", fixed)
 
-    def update(self, est: CostEstimates, tpot_slo_ms: float, ttft_slo_ms: float) -> bool:
+    def update(self, est: StepCurve, tpot_slo_ms: float, ttft_slo_ms: float) -> bool:
         """Re-apply when something moved enough; True if it did."""
         if self.fixed is not None:
             return False

@@ -1,14 +1,15 @@
-"""gRPC surface of a decode worker: Inference + grpc.health.v1 + server reflection (v1 and v1alpha).
+"""gRPC surface of a decode worker or a gateway (over its `Surface`): Inference +
+grpc.health.v1 + server reflection (v1 and v1alpha).
 
 Status codes are the ones api/proto/pdserve/api/v1/inference.proto documents:
 INVALID_ARGUMENT (a bad field, named as the proto names it; bytes that do not
 parse), NOT_FOUND (an unknown model), RESOURCE_EXHAUSTED (QoS refusal, with
 predicted-ttft-ms and retry-after-ms trailers), UNAVAILABLE (draining, engine
 down), INTERNAL (a bug, or a failure inside the engine for this request only: then with an
-x-pdserve-error-scope: request trailer, decode/ingress.py ERROR_SCOPE_HEADER); with API keys
-(decode/security.py): UNAUTHENTICATED (no valid key), PERMISSION_DENIED (a route override
+x-pdserve-error-scope: request trailer, api/ingress.py ERROR_SCOPE_HEADER); with API keys
+(api/security.py): UNAUTHENTICATED (no valid key), PERMISSION_DENIED (a route override
 or raised priority without an operator key). Without keys the caller is its peer's address
-(decode/security.py `Client`), a tenant of its own for the per-tenant caps.
+(api/security.py `Client`), a tenant of its own for the per-tenant caps.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
 from pdserve.common import Priority
 from pdserve.engine import SamplingParams
 
+from .client import breakdown_dict
 from .ingress import ERROR_SCOPE_HEADER, Chunk, GenerateInput, RequestError, kv_wait_of_metadata
 from .security import ApiKeyInterceptor, ServerSecurity
 from .surface import Surface
@@ -71,6 +73,14 @@ def input_from_proto(req: pb.GenerateRequest) -> GenerateInput:
         route=_ROUTE[req.route],
         resume_ids=list(req.resume_token_ids.ids) if req.HasField("resume_token_ids") else None,
     )
+
+
+def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
+    """What a worker streamed, as the `Chunk` it was (a gateway's view of its workers' streams)."""
+    return Chunk(list(msg.token_ids), msg.text, msg.finish_reason or None,
+                 [{"token_id": lp.token_id, "logprob": lp.logprob,
+                   "top_logprobs": {t.token_id: t.logprob for t in lp.top}} for lp in msg.logprobs],
+                 breakdown_dict(msg.breakdown) if msg.HasField("breakdown") else None)
 
 
 def chunk_to_proto(rid: str, c: Chunk) -> pb.GenerateResponse:

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP surface of a decode worker (FastAPI).
+"""OpenAI-compatible HTTP surface of a decode worker or a gateway (FastAPI), over its `Surface`.
 
 /v1/completions and /v1/chat/completions (server-sent events when ``stream``),
 /v1/models, /health, /metrics (Prometheus text). Request and response models
@@ -7,22 +7,25 @@ are `pdserve.api.openai_types`, built with this worker's bounds, so
 error has OpenAI's JSON shape with ``param`` naming the field: 400 bad input
 (malformed JSON included), 404 unknown model or path, 413 body too large, 429
 QoS refusal (with Retry-After and the predicted TTFT), 503 draining or engine
-down, 500 a bug. With API keys (decode/security.py): 401 without a valid key
+down, 500 a bug. With API keys (api/security.py): 401 without a valid key
 (except on the open paths), 403 for a privilege the key lacks; /openapi.json then
 declares the bearer scheme.
 """
 
 import asyncio
 import functools
+import inspect
 import json
 import logging
 import time
 import uuid
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,14 +39,14 @@ from pdserve.api.openai_responses import (
     Health,
     ModelList,
 )
-from pdserve.api.openai_types import Bounds, request_models
+from pdserve.api.openai_types import Bounds, ChatFields, CompletionFields, RequestModels, SamplingFields, request_models
 from pdserve.engine import SamplingParams
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, UINT64_MAX
 
 from .disconnect import ClientWatch
 from .http_guard import BodyLimit, H11Protocol, openai_error
 from .http_schema import ERRORS, field_names, generation_responses, param_of, response_docs
-from .ingress import GenerateInput, RequestError
+from .ingress import Chunk, GenerateInput, RequestError
 from .security import ApiKeyAuth, ServerSecurity
 from .surface import Surface
 
@@ -79,28 +82,22 @@ def _from_request_error(exc: RequestError) -> JSONResponse:
 
 
 def build_app(frontend: Surface, security: ServerSecurity | None = None) -> FastAPI:
+    """The OpenAI-compatible HTTP app over ``frontend`` (a decode worker's or a gateway's)."""
     security = security or ServerSecurity()
     models = request_models(bounds_of(frontend))
-    CompletionRequest, ChatRequest = models.completion, models.chat
     app = FastAPI(title="pdserve decode worker", version="v1", docs_url=None, redoc_url=None,
                   description="OpenAI-compatible API of one pdserve decode worker (reference: docs/api.md).")
     app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_body_bytes)
     app.add_middleware(ApiKeyAuth, security=security)  # outermost: no key, no body read
-    known_fields = field_names(CompletionRequest) | field_names(ChatRequest)
-    started = int(time.time())
+    _add_error_handlers(app, frontend, field_names(models.completion) | field_names(models.chat))
+    _add_generation_routes(app, _Generation(frontend), models)
+    _add_info_routes(app, frontend)
+    app.openapi = functools.partial(_openapi, app, models, security)
+    return app
 
-    tokenizer = frontend.tokenizer
-    anchor = tokenizer.encode("a", add_special_tokens=False)
-    anchor_text = tokenizer.decode(anchor, skip_special_tokens=False)
 
-    @functools.lru_cache(maxsize=65536)
-    def token_text(token_id: int) -> str:
-        """A token's text as it reads inside a sequence: decoded after an anchor, because
-        SentencePiece-style decoders drop a leading space at the start of a sequence."""
-        text = tokenizer.decode(anchor + [token_id], skip_special_tokens=False)
-        if text.startswith(anchor_text):
-            return text[len(anchor_text):]
-        return tokenizer.decode([token_id], skip_special_tokens=False)
+def _add_error_handlers(app: FastAPI, frontend: Surface, known_fields: set[str]) -> None:
+    """Every refusal and failure in OpenAI's error shape, ``param`` naming the field."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -139,7 +136,38 @@ def build_app(frontend: Surface, security: ServerSecurity | None = None) -> Fast
         frontend.metrics.error("internal")
         return openai_error(500, f"internal error: {exc.__class__.__name__}: {exc}")
 
-    async def run(request: Request, body, kind: str, inputs: list[GenerateInput], logprobs: int | None):
+
+def _token_text_of(tokenizer) -> Callable[[int], str]:
+    """A token's text as it reads inside a sequence (cached): decoded after an anchor, because
+    SentencePiece-style decoders drop a leading space at the start of a sequence."""
+    anchor = tokenizer.encode("a", add_special_tokens=False)
+    anchor_text = tokenizer.decode(anchor, skip_special_tokens=False)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(token_id: int) -> str:
+        text = tokenizer.decode(anchor + [token_id], skip_special_tokens=False)
+        if text.startswith(anchor_text):
+            return text[len(anchor_text):]
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return token_text
+
+
+Choices = AsyncGenerator[tuple[int, Chunk], None]
+
+
+class _Generation:
+    """One call of either generation route: its sequences run on the `Surface`, answered
+    whole (JSON) or streamed (server-sent events)."""
+
+    def __init__(self, frontend: Surface):
+        self.frontend = frontend
+        self.token_text = _token_text_of(frontend.tokenizer)
+
+    async def run(self, request: Request, body: SamplingFields, kind: str, inputs: list[GenerateInput],
+                  logprobs: int | None, echo: list[str | list[int]] | None = None) -> Response:
+        """``echo``: the prompts to prepend to each choice's text (completions' echo)."""
+        frontend = self.frontend
         rid = body.request_id or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         caller = getattr(request.state, "caller", None)  # ApiKeyAuth's: the key, or keys off the client
         for inp in inputs:
@@ -156,21 +184,18 @@ def build_app(frontend: Surface, security: ServerSecurity | None = None) -> Fast
             except RequestError as exc:
                 frontend.metrics.error(exc.code)
                 return _from_request_error(exc)
-            echo = []
-            if getattr(body, "echo", False):
-                texts = [p if isinstance(p, str) else await frontend.detokenize(p)
-                         for p in (i.prompt for i in inputs)]
-                echo = [texts[i // n] for i in range(len(inputs) * n)]
-            reply = Reply(kind, rid, frontend.served_model, token_text, logprobs, echo)
+            texts = [] if echo is None else [p if isinstance(p, str) else await frontend.detokenize(p) for p in echo]
+            reply = Reply(kind, rid, frontend.served_model, self.token_text, logprobs,
+                          [texts[i // n] for i in range(len(inputs) * n)] if texts else [])
             if body.stream:
                 if watch.close():
                     return _client_gone(rid)
                 usage = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(_sse(reply, len(inputs) * n, n, usage, first, gen),
+                return StreamingResponse(self._sse(reply, len(inputs) * n, n, usage, first, gen),
                                          media_type="text/event-stream")
             pieces: dict[int, list[dict]] = {}
             seen = [first]
-            pieces.setdefault(first[0], []).append(reply.choice(*first, stream=False))
+            pieces.setdefault(first[0], []).append(reply.choice(first[0], first[1], stream=False))
             async for i, c in gen:
                 seen.append((i, c))
                 pieces.setdefault(i, []).append(reply.choice(i, c, stream=False))
@@ -185,10 +210,12 @@ def build_app(frontend: Surface, security: ServerSecurity | None = None) -> Fast
         out["usage"] = usage_of(seen, n)
         return JSONResponse(out)
 
-    async def _sse(reply: Reply, num_choices: int, n: int, include_usage: bool, first, gen):
+    async def _sse(self, reply: Reply, num_choices: int, n: int, include_usage: bool, first: tuple[int, Chunk],
+                   gen: Choices) -> AsyncIterator[str]:
+        frontend = self.frontend
         seen = []
 
-        def event(choices: list[dict], usage=None) -> str:
+        def event(choices: list[dict], usage: dict | None = None) -> str:
             payload = reply.envelope(choices, stream=True)
             if include_usage:
                 payload["usage"] = usage
@@ -200,7 +227,7 @@ def build_app(frontend: Surface, security: ServerSecurity | None = None) -> Fast
                     yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None, "token_ids": []}])
             seen.append(first)
-            yield event([reply.choice(*first, stream=True)])
+            yield event([reply.choice(first[0], first[1], stream=True)])
             async for i, c in gen:
                 seen.append((i, c))
                 yield event([reply.choice(i, c, stream=True)])
@@ -217,38 +244,62 @@ def build_app(frontend: Surface, security: ServerSecurity | None = None) -> Fast
             await gen.aclose()  # client gone: the frontend aborts every sequence
         yield "data: [DONE]\n\n"
 
-    def common(body, prompt, messages=None, fill_context=False, logprobs=None) -> GenerateInput:
-        kw = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                                            "frequency_penalty", "repetition_penalty") if getattr(body, k) is not None}
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        if max_tokens is not None:
-            kw["max_tokens"] = max_tokens
-        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        params = SamplingParams(**kw, logprobs=logprobs, stop=stop, stop_token_ids=body.stop_token_ids or [],
-                                ignore_eos=body.ignore_eos)
-        return GenerateInput(prompt=prompt, messages=messages, params=params, model=body.model,
-                             priority=body.priority, ttft_slo_ms=body.ttft_slo_ms, route=body.route,
-                             fill_context=fill_context and max_tokens is None)
 
-    def check_combinations(body) -> None:
-        if body.stream_options is not None and not body.stream:
-            raise RequestError("invalid_argument", "stream_options: only with stream: true", "stream_options")
+def _input(body: SamplingFields, prompt: str | list[int] | None, messages: list[dict] | None = None,
+           max_tokens: int | None = None, fill_context: bool = False, logprobs: int | None = None) -> GenerateInput:
+    """One prompt of a request as the `Surface` takes it; ``max_tokens``: the request's (either name)."""
+    kw = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
+                                        "frequency_penalty", "repetition_penalty") if getattr(body, k) is not None}
+    if max_tokens is not None:
+        kw["max_tokens"] = max_tokens
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    params = SamplingParams(**kw, logprobs=logprobs, stop=stop, stop_token_ids=body.stop_token_ids or [],
+                            ignore_eos=body.ignore_eos)
+    return GenerateInput(prompt=prompt, messages=messages, params=params, model=body.model,
+                         priority=body.priority, ttft_slo_ms=body.ttft_slo_ms, route=body.route,
+                         fill_context=fill_context and max_tokens is None)
 
-    @app.post("/v1/completions", response_model=None, responses=generation_responses(Completion, CompletionChunk))
-    async def completions(body: CompletionRequest, request: Request):
-        check_combinations(body)
+
+def _check_combinations(body: SamplingFields) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise RequestError("invalid_argument", "stream_options: only with stream: true", "stream_options")
+
+
+def _prompts(p: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """A completion's prompts: one text or list of token ids, or a list of either (the model
+    checked that a list holds one kind)."""
+    if isinstance(p, str):
+        return [p]
+    ids = [x for x in p if isinstance(x, int)]
+    return [ids] if ids else [x for x in p if not isinstance(x, int)]
+
+
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Response]])
+
+
+def _with_body(handler: Handler, model: type[BaseModel]) -> Handler:
+    """``handler`` with its ``body`` parameter declared as ``model``. FastAPI reads the body's
+    model from the signature; this worker's models are built at run time (`request_models`),
+    so the checker sees the handler typed by the fields they have (openai_types' Protocols)."""
+    sig = inspect.signature(handler)
+    params = [p.replace(annotation=model) if p.name == "body" else p for p in sig.parameters.values()]
+    setattr(handler, "__signature__", sig.replace(parameters=params))
+    return handler
+
+
+def _add_generation_routes(app: FastAPI, gen: _Generation, models: RequestModels) -> None:
+    async def completions(body: CompletionFields, request: Request) -> Response:
+        _check_combinations(body)
         if body.echo and body.logprobs is not None:
             raise RequestError("invalid_argument", "echo: not with logprobs (prompt logprobs are not computed "
                                "here); drop one of them", "echo")
-        p = body.prompt
-        prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else p
-        return await run(request, body, "completion", [common(body, q, logprobs=body.logprobs) for q in prompts],
-                         body.logprobs)
+        prompts = _prompts(body.prompt)
+        return await gen.run(request, body, "completion",
+                             [_input(body, q, max_tokens=body.max_tokens, logprobs=body.logprobs) for q in prompts],
+                             body.logprobs, prompts if body.echo else None)
 
-    @app.post("/v1/chat/completions", response_model=None,
-              responses=generation_responses(ChatCompletion, ChatCompletionChunk))
-    async def chat(body: ChatRequest, request: Request):
-        check_combinations(body)
+    async def chat(body: ChatFields, request: Request) -> Response:
+        _check_combinations(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("invalid_argument", "top_logprobs: needs logprobs: true", "top_logprobs")
         # developer is OpenAI's newer name for system; text parts are joined with newlines.
@@ -257,7 +308,18 @@ def build_app(frontend: Surface, security: ServerSecurity | None = None) -> Fast
                     for m in body.messages]
         lp = (body.top_logprobs or 0) if body.logprobs else None
         # The template is rendered and tokenized with the rest of validation, off the event loop.
-        return await run(request, body, "chat", [common(body, None, messages, fill_context=True, logprobs=lp)], lp)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await gen.run(request, body, "chat",
+                             [_input(body, None, messages, max_tokens, fill_context=True, logprobs=lp)], lp)
+
+    app.post("/v1/completions", response_model=None, responses=generation_responses(Completion, CompletionChunk))(
+        _with_body(completions, models.completion))
+    app.post("/v1/chat/completions", response_model=None,
+             responses=generation_responses(ChatCompletion, ChatCompletionChunk))(_with_body(chat, models.chat))
+
+
+def _add_info_routes(app: FastAPI, frontend: Surface) -> None:
+    started = int(time.time())
 
     @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **response_docs(500)})
     async def list_models():
@@ -278,38 +340,38 @@ def build_app(frontend: Surface, security: ServerSecurity | None = None) -> Fast
         frontend.refresh_gauges()
         return PlainTextResponse(frontend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
-            for path, ops in doc["paths"].items():
-                for op in ops.values():
-                    # FastAPI documents 422 for every body; this server answers 400 instead.
-                    op["responses"].pop("422", None)
-                    for status, resp in op["responses"].items():
-                        if int(status) >= 400:
-                            resp["content"] = error
-            doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {
-                "type": "string"}}}
-            # The schemas as pydantic writes them (FastAPI's own pass turns integer bounds into
-            # floats, which loses 2**64 - 1), and the stream's events, which the
-            # text/event-stream responses refer to by name.
-            schemas = doc["components"]["schemas"]
-            for name in ("HTTPValidationError", "ValidationError"):
-                schemas.pop(name, None)
-            _, defs = models_json_schema(
-                [(CompletionRequest, "validation"), (ChatRequest, "validation")]
-                + [(m, "serialization") for m in (Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk,
-                                                  ErrorResponse, ModelList, Health)],
-                ref_template="#/components/schemas/{model}")
-            schemas.update(defs["$defs"])
-            if security.keys is not None:
-                _document_api_keys(doc, security.open_paths, error)
-            app.openapi_schema = doc
-        return app.openapi_schema
 
-    app.openapi = openapi
-    return app
+def _openapi(app: FastAPI, models: RequestModels, security: ServerSecurity) -> dict:
+    """The app's OpenAPI document, made once: its errors in OpenAI's shape, the request
+    schemas as pydantic writes them, the bearer scheme when API keys are on."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for path, ops in doc["paths"].items():
+            for op in ops.values():
+                # FastAPI documents 422 for every body; this server answers 400 instead.
+                op["responses"].pop("422", None)
+                for status, resp in op["responses"].items():
+                    if int(status) >= 400:
+                        resp["content"] = error
+        doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {
+            "type": "string"}}}
+        # The schemas as pydantic writes them (FastAPI's own pass turns integer bounds into
+        # floats, which loses 2**64 - 1), and the stream's events, which the
+        # text/event-stream responses refer to by name.
+        schemas = doc["components"]["schemas"]
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        _, defs = models_json_schema(
+            [(models.completion, "validation"), (models.chat, "validation")]
+            + [(m, "serialization") for m in (Completion, CompletionChunk, ChatCompletion, ChatCompletionChunk,
+                                              ErrorResponse, ModelList, Health)],
+            ref_template="#/components/schemas/{model}")
+        schemas.update(defs["$defs"])
+        if security.keys is not None:
+            _document_api_keys(doc, security.open_paths, error)
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 def _client_gone(rid: str) -> Response:
