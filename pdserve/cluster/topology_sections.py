@@ -11,16 +11,16 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from pdserve.common.yaml_schema import YamlModel
 from pdserve.cluster.keys import DEFAULT_NAMESPACE, DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_NAME
 from pdserve.cluster.netaddr import LOOPBACK, check_bind
 
 AUTO_MODEL = "auto"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Strict = YamlModel  # every section: unknown keys are errors, values frozen (common/yaml_schema.py)
 
 
 class ModelSpec(_Strict):

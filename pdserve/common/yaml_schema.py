@@ -28,13 +28,22 @@ from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 Loc = tuple[str | int, ...]  # a key path, as pydantic writes an error's location
 Refused = Mapping[tuple[str, ...], str]  # key path -> why the schema refuses it
 # A whole-document validator's message that starts with the key it is about.
 _KEYED_MESSAGE = re.compile(r"^([\w.]+): (.*)$")
+
+
+class YamlModel(BaseModel):
+    """The base of every schema'd YAML file's models (the topology's sections, the router and
+    autoscale policies): an unknown key is an error (reported with the keys allowed there),
+    values are frozen once loaded. A schema that also refuses loose types (a string where a
+    number goes) sets ``strict=True`` in its own ``model_config`` (the policies do)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,9 @@ when its release arrived; kvtransfer/borrower.py lists the ways a borrow ends.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar
 
-from pdserve.kvtransfer.borrower import DEFAULT_QUARANTINE_S, Borrower, BorrowerTransport, BorrowingPool, ReadHandle
+from pdserve.kvtransfer.borrower import DEFAULT_QUARANTINE_S, Borrower, BorrowerTransport, BorrowingPool
 from pdserve.kvtransfer.lend import (
     DEFAULT_LEASE_MS,
     LendMessage,
@@ -29,6 +28,7 @@ from pdserve.kvtransfer.lend import (
     is_lend_message,
 )
 from pdserve.kvtransfer.lender import Lender, LenderTransport, LendingPool
+from pdserve.kvtransfer.transport import Arrival, Polled
 
 log = logging.getLogger(__name__)
 
@@ -41,31 +41,7 @@ class LoanPool(LendingPool, BorrowingPool, Protocol):
     """The engine both ends use (engine/kv_connector.py `KVConnector`)."""
 
 
-class Note(Protocol):
-    """A notification as the transport hands it over (kvtransfer/nixl/transfer.py `Notification`)."""
-
-    @property
-    def sender(self) -> str: ...
-
-    @property
-    def payload(self) -> bytes: ...
-
-
-N = TypeVar("N", bound=Note)
-N_co = TypeVar("N_co", bound=Note, covariant=True)
-
-
-class Polled(Protocol[N_co]):
-    """What one poll of the transport returned (kvtransfer/nixl/transfer.py `PollResult`)."""
-
-    @property
-    def completed(self) -> Sequence[ReadHandle]: ...
-
-    @property
-    def failed(self) -> Sequence[ReadHandle]: ...
-
-    @property
-    def notifications(self) -> Sequence[N_co]: ...
+N = TypeVar("N", bound=Arrival)  # the transport's notification type, handed back as it came
 
 
 class Lending:
@@ -124,4 +100,4 @@ def route_notification(payload: bytes) -> LendMessage | None:
     return decode_lend(payload)
 
 
-__all__ = ["Lending", "LoanPool", "LoanTransport", "Note", "Polled", "route_notification"]
+__all__ = ["Lending", "LoanPool", "LoanTransport", "route_notification"]

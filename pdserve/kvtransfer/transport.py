@@ -22,7 +22,7 @@ subclasses, so the workers catch them without importing the transport.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
 
 # A notice rides on a small active message: every transport carries at least this many bytes
 # per notification, and no notice of the protocol (kvtransfer/notices.py) is larger.
@@ -86,12 +86,15 @@ class Arrival(Protocol):
     def payload(self) -> bytes: ...
 
 
-class Polled(Protocol):
+A_co = TypeVar("A_co", bound=Arrival, covariant=True)
+
+
+class Polled(Protocol[A_co]):
     """What one poll of the transport returned: the notices that arrived, and the transfers
-    this side posted that finished or failed since (a decode worker's prefix reads)."""
+    this side posted that finished or failed since (a worker's prefix reads)."""
 
     @property
-    def notifications(self) -> Sequence[Arrival]: ...
+    def notifications(self) -> Sequence[A_co]: ...
 
     @property
     def completed(self) -> Sequence[Any]: ...
@@ -104,7 +107,7 @@ class Polled(Protocol):
 class KVReceiver(Protocol):
     """The decode side: learns what arrived (and drives the transport's progress)."""
 
-    def poll(self) -> Polled: ...
+    def poll(self) -> Polled[Arrival]: ...
 
 
 @runtime_checkable
@@ -125,7 +128,7 @@ class KVSender(Protocol):
 
     def send_notification(self, peer: str, payload: bytes) -> None: ...
 
-    def poll(self) -> Polled: ...
+    def poll(self) -> Polled[Arrival]: ...
 
 
 def check_notification(payload: bytes | None) -> None:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from pdserve.common.yaml_schema import YamlModel
 
 Mode = Literal["always_local", "always_remote", "conditional"]
 PolicyName = Literal["threshold", "score", "cost_model"]
@@ -45,8 +47,9 @@ ScoreAction = Literal["prefer_remote", "prefer_local"]
 FRACTION_METRICS = frozenset({"prefix_hit_ratio", "decode_kv_usage"})
 
 
-class StrictModel(BaseModel):
-    """Base of every policy section: unknown keys and loose types are errors.
+class StrictModel(YamlModel):
+    """Base of every policy section (the one YAML base, common/yaml_schema.py): unknown keys
+    and loose types are errors.
 
     A section written with no keys under it (``qos:`` followed by only
     comments) parses as YAML null; that means "all defaults", not an error.

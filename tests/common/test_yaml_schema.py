@@ -18,11 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 TOPOLOGY = """\
 cluster: test
-model:
-  path: auto
+model: {path: auto}
 roles:
-  prefill:
-    replicas: 1
+  prefill: {replicas: 1}
   decode:
     replicas: 1
     remote_timeout_s: -1
@@ -42,7 +40,7 @@ autoscale:
 
 
 @pytest.mark.parametrize("text, load, error, where, field", [
-    (TOPOLOGY, load_topology, TopologyError, "9:5", "roles.decode.remote_timeout_s"),
+    (TOPOLOGY, load_topology, TopologyError, "7:5", "roles.decode.remote_timeout_s"),
     (ROUTER, load_policy_file, PolicyError, "4:5", "router.cost_model.ema_alpha"),
     (AUTOSCALE, load_autoscale_file, PolicyError, "4:5", "autoscale.decode.max_replicas"),
 ], ids=["topology", "router", "autoscale"])
@@ -60,7 +58,7 @@ def test_a_bad_field_of_each_file_kind_names_file_line_column_and_field(tmp_path
 
 def test_an_unknown_key_of_each_file_kind_names_its_place_and_the_allowed_keys(tmp_path):
     cases = [
-        (TOPOLOGY.replace("remote_timeout_s: -1", "replica: 2"), load_topology, "9:5: roles.decode.replica"),
+        (TOPOLOGY.replace("remote_timeout_s: -1", "replica: 2"), load_topology, "7:5: roles.decode.replica"),
         (ROUTER.replace("ema_alpha: 0", "ema_alfa: 0.5"), load_policy_file, "4:5: router.cost_model.ema_alfa"),
         (AUTOSCALE.replace("max_replicas: 0", "max_replica: 3"), load_autoscale_file,
          "4:5: autoscale.decode.max_replica"),
