@@ -10,6 +10,8 @@ made, the sooner a prefill worker can start):
     external_tokens(req, cached)   the prompt positions another worker fills (all uncached ones)
     allocated(req, reservation)    its blocks are reserved: the request waits for them to be written
     no_room(req)                   the pool cannot hold it now: it was queued for a local prefill
+    request_finished(req, status)  whether its blocks outlive it (a prefill worker's export
+                                   keeps them until its pages are written: `release_export`)
 
 `take()` hands what happened since the last call to the worker side (the decode worker's
 remote path, on the engine thread): each request id with its `Reservation`, or None where
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .request import Request
+from .request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,12 @@ class RemoteKVScheduler:
 
     def no_room(self, req: Request) -> None:
         self._news.append((req.request_id, None))
+
+    def request_finished(self, req: Request, status: RequestStatus) -> bool:
+        """Whether ``req``'s blocks stay taken after it finished: an export's (``keep_kv``: the
+        prefill role) until the workers' side releases them once its pages are written; an
+        aborted one's never."""
+        return req.keep_kv and status is not RequestStatus.FINISHED_ABORTED
 
     @property
     def pending(self) -> bool:

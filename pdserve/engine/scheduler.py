@@ -130,7 +130,7 @@ class Scheduler:
             self.remote_waiting.remove(req)
         self.remote.pop(req.request_id, None)
         self.loading.pop(req.request_id, None)  # its load finishes on its own (engine/kv_tier.py)
-        if not (req.keep_kv and status != RequestStatus.FINISHED_ABORTED):
+        if not self.remote_kv.request_finished(req, status):  # (an export's blocks wait for their write)
             self.kv.free(req.request_id)
 
     # -- remote KV ----------------------------------------------------------

@@ -369,3 +369,46 @@ def test_the_idle_prefill_budget_applies_while_nothing_decodes(llama_dir):
     assert eng.last_step[1] == 48 + 3
     eng.step()  # now the short one decodes: the tight budget protects it
     assert eng.last_step[1:] == (16 + 1, 1)
+
+
+def test_the_scheduler_reserves_remote_kv_in_the_step_that_admits_it_ahead_of_local_prompts(llama_dir):
+    """The scheduler side of the connector (engine/remote_kv.py): a request added with
+    ``remote_kv`` gets its blocks in the next schedule(), before the local prompts waiting ahead
+    of it, is left out of the step, and the workers' side takes the reservation once; one the
+    pool cannot hold is queued locally and reported as no room."""
+    eng = LLM(llama_dir, num_gpu_blocks_override=16, max_num_batched_tokens=64).engine
+    long_local, remote, too_big = prompts_of([150, 70, 130], seed=9)
+    eng.add_request(long_local, SamplingParams(max_tokens=2), request_id="local")
+    eng.add_request(remote, SamplingParams(max_tokens=2), request_id="remote", remote_kv=True)
+    assert eng.connector.take_reservations() == []  # nothing before a step
+    plan = eng.scheduler.schedule()
+    (rid, res), = eng.connector.take_reservations()
+    assert rid == "remote" and res.cached_len == 0 and len(res.block_ids) == 5  # 70 tokens in blocks of 16
+    assert eng.connector.is_awaiting("remote") and "remote" not in {r.request_id for r, _ in plan.scheduled}
+    assert [r.request_id for r, _ in plan.scheduled] == ["local"]
+    assert eng.connector.take_reservations() == []  # taken once
+    # no room now (of 16 blocks, 5 reserved and 4 for the local prompt's first chunk; 130 tokens
+    # need 9): queued for a local prefill instead
+    eng.add_request(too_big, SamplingParams(max_tokens=2), request_id="big", remote_kv=True)
+    eng.scheduler.schedule()
+    assert eng.connector.take_reservations() == [("big", None)]
+    assert not eng.connector.is_awaiting("big") and eng.scheduler.waiting[-1].request_id == "big"
+    for rid in ("local", "remote", "big"):
+        assert eng.abort_request(rid)
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+
+
+def test_an_export_keeps_its_blocks_past_its_end_until_released_and_an_abort_does_not(llama_dir):
+    """`request_finished` (the scheduler side): a prefill worker's export keeps its blocks once
+    computed, for its pages to be read; an aborted one frees them at once."""
+    eng = LLM(llama_dir).engine
+    free = eng.kv.num_free_blocks
+    eng.connector.add_export(prompts_of([40], seed=3)[0], SamplingParams(max_tokens=1), "exp")
+    while eng.has_work():
+        eng.step()
+    assert eng.kv.num_free_blocks == free - 3 and eng.connector.export_blocks("exp", 0, 3)
+    eng.connector.release_export("exp")
+    assert eng.kv.num_free_blocks == free
+    eng.connector.add_export(prompts_of([40], seed=4)[0], SamplingParams(max_tokens=1), "gone")
+    eng.step()
+    assert eng.abort_request("gone") and eng.kv.num_free_blocks == free
