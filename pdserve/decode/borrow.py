@@ -46,7 +46,7 @@ class PeerPrefixes:
         self.lending = lending
         self.agent = agent  # the loans' transport (a TPSender: peers met on every rank, reads rank by rank)
         self.fetch_metadata = fetch_metadata  # async worker id -> its NIXL record bytes, or None
-        self.block_size = engine.engine.config.block_size
+        self.block_size = engine.block_size
         self.counters = {"borrows": 0, "borrowed_tokens": 0, "borrow_fallbacks": 0, "peer_lookup_failures": 0,
                          "borrow_wait_ms": 0.0}  # the requests' total wait for their loans
         self._task: asyncio.Task | None = None

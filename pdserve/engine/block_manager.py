@@ -78,7 +78,8 @@ class FreeBlockQueue:
 class BlockPool:
     """All KV blocks of the pool plus the prefix-cache index over them."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, events: "KVEventLog | None" = None):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: "KVEventLog | None" = None,
+                 tier: "SecondTier | None" = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -86,7 +87,7 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.enable_caching = enable_caching
         self.events = events  # engine/kv_events.py: what the prefix cache gains and loses
-        self.tier: SecondTier | None = None  # engine/kv_tier.py: told of each cached block before it is evicted
+        self.tier = tier  # engine/kv_tier.py: told of each cached block before it is evicted
 
     @property
     def num_blocks(self) -> int:
@@ -173,9 +174,9 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 events: "KVEventLog | None" = None):
+                 events: "KVEventLog | None" = None, tier: "SecondTier | None" = None):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching, events)
+        self.pool = BlockPool(num_blocks, enable_caching, events, tier)
         self.tables: dict[str, list[Block]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already registered
         self.hashes: dict[str, list[bytes]] = {}

@@ -54,13 +54,6 @@ class LLMEngine:
         # What the prefix cache gains and loses, for the cluster's KV index (engine/kv_events.py).
         self.kv_events = (KVEventLog(config.block_size, MEDIUM_GPU if self.runner.device.type == "cuda" else MEDIUM_CPU)
                           if config.kv_events else None)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 self.kv_events)
-        if config.cuda_graphs:
-            self.runner.enable_decode_graphs(self.kv, min(config.cuda_graph_max_batch, config.max_num_seqs),
-                                             self.max_model_len)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.scheduling_policy)
         # The second KV tier (engine/kv_tier.py): it copies the next blocks to be evicted, so
         # it watches as many as two full steps could take.
         self.tier = None
@@ -69,7 +62,13 @@ class LLMEngine:
                                config.kv_offload_path, self.kv_events,
                                window=max(64, 2 * -(-config.max_num_batched_tokens // config.block_size)),
                                mirror=self._mirror_tier if self.runner.group is not None else None)
-            self.scheduler.tier = self.kv.pool.tier = self.tier
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 self.kv_events, self.tier)
+        if config.cuda_graphs:
+            self.runner.enable_decode_graphs(self.kv, min(config.cuda_graph_max_batch, config.max_num_seqs),
+                                             self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.scheduling_policy, self.tier)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import KVCacheManager
@@ -69,7 +70,8 @@ class Scheduler:
     """Owns the waiting / running / remote queues and the per-step plan."""
 
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 policy: str = "fcfs"):
+                 policy: str = "fcfs", tier: SecondTier | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -79,7 +81,7 @@ class Scheduler:
         self.remote: dict[str, Request] = {}  # reserved, awaiting their remote KV
         self.remote_waiting: deque[Request] = deque()  # to be reserved in the next schedule()
         self.remote_kv = RemoteKVScheduler()  # the seam's scheduler side (engine/remote_kv.py)
-        self.tier: SecondTier | None = None  # the second KV tier (engine/kv_tier.py), if any
+        self.tier = tier  # the second KV tier (engine/kv_tier.py), if any
         self.loading: dict[str, Request] = {}  # requests whose prefix the tier is loading back
         self.tier_min_blocks = 1  # a tier hit shorter than this is computed instead
         self.tier_loaded_tokens = 0  # prompt tokens loaded back from the tier (stats)
@@ -102,7 +104,7 @@ class Scheduler:
         self._last_plan_at: float | None = None
         # What "now" is for the step plan (request ages): the engine's monotonic clock; the
         # simulator (sim/) runs this scheduler on its simulated clock instead.
-        self.clock = time.monotonic
+        self.clock = clock
         self._planned_left: dict[str, int] = {}  # request id -> prompt tokens past its pool hit (`_plan_budget`)
 
     # -- queue management ---------------------------------------------------

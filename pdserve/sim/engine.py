@@ -179,12 +179,11 @@ class SimEngine:
                  contention_ms_per_token: float = 0.0, load: StreamLoad | None = None, streams: bool = False,
                  tier: SimTier | None = None):
         self.model = model
-        self.kv = KVCacheManager(model.kv_blocks, block_size)
-        self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs, policy)
-        self.scheduler.clock = clock
-        # the second KV tier, wired as engine/llm_engine.py wires KVTier (None: no tier)
+        # the second KV tier, given to the pool and the scheduler as engine/llm_engine.py gives
+        # its KVTier (None: no tier)
         self.tier = tier
-        self.scheduler.tier = self.kv.pool.tier = tier
+        self.kv = KVCacheManager(model.kv_blocks, block_size, tier=tier)
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs, policy, tier=tier, clock=clock)
         self.clock = clock
         self.rng = rng
         # CPU spent elsewhere on the host per token streamed, and the rate it reads (sim/profile.py)

@@ -27,8 +27,7 @@ class Agent:
 async def peers(lenders=("prefill-0", "prefill-1"), records=None):
     """PeerPrefixes over the agent's table, its engine thread calls run at once, and etcd's NIXL
     records given by ``records`` (default: every worker has one); the lenders' records are seen."""
-    engine = types.SimpleNamespace(engine=types.SimpleNamespace(config=types.SimpleNamespace(block_size=16)),
-                                   call=lambda fn: fn(None))
+    engine = types.SimpleNamespace(block_size=16, call=lambda fn: fn(None))  # the AsyncEngine's view
     records = {f"prefill-{i}": {"name": f"prefill-{i}"} for i in range(3)} if records is None else records
 
     async def fetch(worker_id):
