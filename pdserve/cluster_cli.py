@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Validate each FILE against the topology schema and check that the "
         "router/autoscale policy files it names exist. Prints a summary and the Ray resources "
         "of everything `pdserve up` would start (workers at the planner's max_replicas, "
-        "gateways, the KV index, the queue), or every problem as FILE:LINE: key.path: message. "
+        "gateways, the KV index, the queue), or every problem as FILE:LINE:COLUMN: key.path: message. "
         "A topology that asks for custom Ray resources without naming a Ray cluster (ray.address) "
         "is refused: the head `up` starts has none. Exit 0 if all are valid, 1 otherwise.",
     )
