@@ -4,6 +4,7 @@
     pdserve gateway --etcd HOST:PORT --cluster NAME --model DIR
     pdserve gateway --etcd HOST:PORT --cluster NAME --topology FILE  # the topology's model (a pod's)
     pdserve gateway explain --url http://HOST:PORT --prompt TEXT   the scores behind a pick
+    pdserve gateway ... --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
 
 Clients call it exactly as a decode worker (gRPC `Inference`, OpenAI HTTP). Each request goes
 to the decode worker with the lowest predicted TTFT; a stream whose worker fails continues on
@@ -18,6 +19,8 @@ import json
 import os
 import urllib.error
 import urllib.request
+
+from pdserve.api.tool_calls import add_chat_flags
 
 from .kv_cmd import _cluster_of
 from .topology_args import add_topology_arg
@@ -48,6 +51,9 @@ def register(subparsers) -> None:
                          "first token (default 0: never); only requests with ttft_slo_ms whose best predicted "
                          "TTFT is at least --race-risk x it, and only when the runner-up is idle")
     gw.add_argument("--race-risk", type=float, default=0.5, help="see --race-fraction (default 0.5)")
+    chat = gw.add_argument_group("chat output (vLLM's flags, as a decode worker's; default: the topology's "
+                                 "roles.decode settings)")
+    add_chat_flags(chat, auto_default=None)
     gw.add_argument("--api-keys-file", help="API keys the gateway accepts (docs/security.md); default: the "
                     "topology's security.api_keys, else none asked")
     key = gw.add_mutually_exclusive_group()
@@ -80,13 +86,15 @@ def register(subparsers) -> None:
     p.set_defaults(func=explain)
 
 
-# The security flags and the GatewayConfig field each one overrides (the topology gives the rest).
+# The chat and security flags, each named as the GatewayConfig field it overrides (the topology
+# gives the rest: its roles.decode chat settings, its security).
+CHAT_FLAGS = ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser")
 SECURITY_FLAGS = ("api_keys_file", "worker_api_key", "tls_cert", "tls_key", "tls_client_ca", "worker_ca_file",
                   "worker_client_cert", "worker_client_key", "worker_server_name")
 
 
 def run(args) -> int:
-    from pdserve.gateway.actor import read_key_file, security_config
+    from pdserve.gateway.actor import chat_config, read_key_file, security_config
     from pdserve.gateway.server import Gateway, GatewayConfig
     from pdserve.topology_args import load_topology_arg
 
@@ -104,19 +112,27 @@ def run(args) -> int:
     # The topology's security (what its decode workers and `pdserve up`'s gateways use), each
     # setting overridden by its flag.
     has_key = bool(args.worker_api_key or os.environ.get("PDSERVE_API_KEY"))
-    sec = security_config(load_topology_arg(args.topology), worker_api_key=has_key)
+    topo = load_topology_arg(args.topology)
+    sec = security_config(topo, worker_api_key=has_key)
     sec.update({k: getattr(args, k) for k in SECURITY_FLAGS if getattr(args, k) is not None})
+    # How chat output is read: the topology's decode workers' settings, each overridden by its flag
+    chat = chat_config(topo)
+    chat.update({k: getattr(args, k) for k in CHAT_FLAGS if getattr(args, k) is not None})
     cfg = GatewayConfig(etcd, cluster, model=model, host=args.host, grpc_port=args.grpc_port,
                         http_port=args.http_port, max_migrations=args.max_migrations,
                         kv_index=not args.no_kv_index, routing=args.routing,
                         race_fraction=args.race_fraction, race_risk=args.race_risk,
-                        forward_tenant=not args.no_forward_tenant, **sec)
+                        forward_tenant=not args.no_forward_tenant, **chat, **sec)
+    cfg.chat_options()  # a bad combination names its setting before anything starts
 
     if args.check:
         from pdserve.api.security import ServerSecurity
 
         ServerSecurity.from_config(cfg)  # its TLS and key files: a missing one names the option
-        print(f"gateway arguments OK: cluster {cluster}, etcd {', '.join(etcd)}, model {model}")
+        said = (["tool_choice auto"] if chat["enable_auto_tool_choice"] else []) + \
+            [f"{k.replace('_', ' ')} {chat[k]}" for k in ("tool_call_parser", "reasoning_parser") if chat[k]]
+        print(f"gateway arguments OK: cluster {cluster}, etcd {', '.join(etcd)}, model {model}"
+              + "".join(f"; {s}" for s in said))
         return 0
 
     async def serve():

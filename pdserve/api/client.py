@@ -9,10 +9,13 @@ PDSERVE_CA_FILE, PDSERVE_CLIENT_CERT, PDSERVE_CLIENT_KEY.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -22,7 +25,8 @@ from .v1 import inference_pb2_grpc as pb_grpc
 _PRIORITY = {"normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH, "low": pb.PRIORITY_LOW}
 _ROUTE = {"auto": pb.ROUTE_AUTO, "local": pb.ROUTE_LOCAL, "remote": pb.ROUTE_REMOTE}
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "logprobs")
+                    "frequency_penalty", "repetition_penalty", "logprobs", "min_p", "min_tokens", "prompt_logprobs")
+_STRUCTURED_TEXT = ("json", "regex", "grammar", "structural_tag")
 
 
 @dataclass
@@ -41,9 +45,15 @@ def build_request(prompt: str | list[int], *, request_id: str | None = None, mod
                   priority: str = "normal", route: str = "auto", ttft_slo_ms: float | None = None,
                   stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
                   ignore_eos: bool = False, resume_token_ids: list[int] | None = None,
+                  logit_bias: Mapping[int | str, float] | None = None, allowed_token_ids: list[int] | None = None,
+                  bad_words: list[str] | None = None, structured_outputs: Mapping[str, Any] | None = None,
                   **sampling) -> pb.GenerateRequest:
     """Build a GenerateRequest; sampling keywords use the engine's names. ``resume_token_ids``:
-    the tokens a failed worker already streamed for it (the proto's field; a gateway's)."""
+    the tokens a failed worker already streamed for it (the proto's field; a gateway's).
+    ``logit_bias``: token id (or its decimal string, as OpenAI writes it) -> bias;
+    ``structured_outputs``: as the engine's `SamplingParams` takes it (vLLM's names: one of
+    json (a schema: dict or JSON text), regex, choice, grammar, json_object, structural_tag, and
+    the options disable_any_whitespace, disable_additional_properties)."""
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
@@ -51,7 +61,12 @@ def build_request(prompt: str | list[int], *, request_id: str | None = None, mod
         raise ValueError(f"priority={priority!r}; use normal, high or low")
     if route not in _ROUTE:
         raise ValueError(f"route={route!r}; use auto, local or remote")
-    sp = pb.SamplingParams(stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos)
+    sp = pb.SamplingParams(stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos,
+                           allowed_token_ids=allowed_token_ids or [], bad_words=bad_words or [])
+    for token, bias in (logit_bias or {}).items():
+        sp.logit_bias[int(token)] = bias
+    if structured_outputs is not None:
+        sp.structured_outputs.CopyFrom(structured_to_proto(structured_outputs))
     for k, v in sampling.items():
         if v is not None:
             setattr(sp, k, v)
@@ -66,6 +81,24 @@ def build_request(prompt: str | list[int], *, request_id: str | None = None, mod
     else:
         req.token_ids.ids.extend(prompt)
     return req
+
+
+def structured_to_proto(so: Mapping[str, Any]) -> pb.StructuredOutputs:
+    """The proto's `StructuredOutputs` of the engine's dict (a schema or tag given as a dict is
+    sent as its JSON text); ValueError for a key the proto lacks."""
+    msg = pb.StructuredOutputs()
+    for key, value in so.items():
+        if value is None or (key == "json_object" and value is False):  # absent, as the engine reads it
+            continue
+        if key in _STRUCTURED_TEXT:
+            setattr(msg, key, value if isinstance(value, str) else json.dumps(value))
+        elif key == "choice":
+            msg.choice.choices.extend(value)
+        elif key in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            setattr(msg, key, value)
+        else:
+            raise ValueError(f"structured_outputs: unknown key {key!r}")
+    return msg
 
 
 def breakdown_dict(b: pb.Breakdown) -> dict:

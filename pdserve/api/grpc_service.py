@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -39,7 +40,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _PRIORITY = {pb.PRIORITY_NORMAL: Priority.NORMAL, pb.PRIORITY_HIGH: Priority.HIGH, pb.PRIORITY_LOW: Priority.LOW}
 _ROUTE = {pb.ROUTE_AUTO: "auto", pb.ROUTE_LOCAL: "local", pb.ROUTE_REMOTE: "remote"}
 _OPTIONAL = ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "logprobs")
+             "frequency_penalty", "repetition_penalty", "logprobs", "min_p", "min_tokens", "prompt_logprobs")
 STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,
@@ -62,17 +63,35 @@ def input_from_proto(req: pb.GenerateRequest) -> GenerateInput:
         raise RequestError("invalid_argument", f"route: unknown value {req.route}", "route")
     sp = req.sampling
     kwargs = {k: getattr(sp, k) for k in _OPTIONAL if sp.HasField(k)}
-    for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         if k in kwargs:
             kwargs[k] = float(kwargs[k])
     params = SamplingParams(**kwargs, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
-                            ignore_eos=sp.ignore_eos)
+                            ignore_eos=sp.ignore_eos, logit_bias=dict(sp.logit_bias) or None,
+                            allowed_token_ids=list(sp.allowed_token_ids) or None, bad_words=list(sp.bad_words),
+                            structured_outputs=structured_from_proto(sp.structured_outputs)
+                            if sp.HasField("structured_outputs") else None)
     return GenerateInput(
         prompt=prompt, params=params, request_id=req.request_id or None, model=req.model or None,
         priority=_PRIORITY[req.priority], ttft_slo_ms=req.ttft_slo_ms if req.HasField("ttft_slo_ms") else None,
         route=_ROUTE[req.route],
         resume_ids=list(req.resume_token_ids.ids) if req.HasField("resume_token_ids") else None,
     )
+
+
+def structured_from_proto(so: pb.StructuredOutputs) -> dict:
+    """The engine's ``structured_outputs`` (vLLM's names) of the proto's message; the engine
+    checks and compiles it (INVALID_ARGUMENT names ``structured_outputs.<kind>``)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise RequestError("invalid_argument", "structured_outputs: set one of json, regex, choice, grammar, "
+                           "json_object, structural_tag", "structured_outputs")
+    out: dict[str, Any] = {kind: list(so.choice.choices) if kind == "choice" else getattr(so, kind)}
+    if so.disable_any_whitespace:
+        out["disable_any_whitespace"] = True
+    if so.HasField("disable_additional_properties"):
+        out["disable_additional_properties"] = so.disable_additional_properties
+    return out
 
 
 def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:

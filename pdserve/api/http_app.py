@@ -9,27 +9,23 @@ error has OpenAI's JSON shape with ``param`` naming the field: 400 bad input
 QoS refusal (with Retry-After and the predicted TTFT), 503 draining or engine
 down, 500 a bug. With API keys (api/security.py): 401 without a valid key
 (except on the open paths), 403 for a privilege the key lacks; /openapi.json then
-declares the bearer scheme.
+declares the bearer scheme. One generation call is answered by api/http_generation.py.
 """
 
-import asyncio
 import functools
 import inspect
-import json
 import logging
 import time
-import uuid
-from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.api.openai_reply import Reply, merge_choice, usage_of
 from pdserve.api.openai_responses import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -39,23 +35,22 @@ from pdserve.api.openai_responses import (
     Health,
     ModelList,
 )
+from pdserve.api.openai_structured import structured_outputs_of
 from pdserve.api.openai_types import Bounds, ChatFields, CompletionFields, RequestModels, SamplingFields, request_models
 from pdserve.engine import SamplingParams
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, UINT64_MAX
 
-from .disconnect import ClientWatch
+from .http_generation import Generation, from_request_error
 from .http_guard import BodyLimit, H11Protocol, openai_error
 from .http_schema import ERRORS, field_names, generation_responses, param_of, response_docs
-from .ingress import Chunk, GenerateInput, RequestError
+from .ingress import GenerateInput, RequestError
 from .security import ApiKeyAuth, ServerSecurity
 from .surface import Surface
+from .tool_calls import ChatOptions, plan_tools, template_messages
 
 __all__ = ["build_app", "bounds_of", "H11Protocol"]
 
 log = logging.getLogger(__name__)
-
-HTTP_STATUS = {"invalid_argument": 400, "not_found": 404, "already_exists": 409, "resource_exhausted": 429,
-               "unavailable": 503, "internal": 500, "permission_denied": 403}
 
 def bounds_of(frontend: Surface) -> Bounds:
     """This worker's bounds: the model's context and vocabulary, its limits, the engine's ranges."""
@@ -66,23 +61,13 @@ def bounds_of(frontend: Surface) -> Bounds:
         max_messages=lim.max_messages, max_stop_strings=lim.max_stop_strings, max_stop_chars=lim.max_stop_chars,
         max_stop_token_ids=lim.max_stop_token_ids, max_n=lim.max_n, max_prompts=lim.max_prompts,
         max_temperature=MAX_TEMPERATURE, max_repetition_penalty=MAX_REPETITION_PENALTY,
-        seed_min=INT64_MIN, seed_max=UINT64_MAX, int64_max=INT64_MAX)
+        seed_min=INT64_MIN, seed_max=UINT64_MAX, int64_max=INT64_MAX, max_logit_bias=lim.request.max_logit_bias,
+        max_bad_words=lim.request.max_bad_words, max_allowed_token_ids=lim.request.max_allowed_token_ids)
 
 
-def _from_request_error(exc: RequestError) -> JSONResponse:
-    headers = {}
-    if exc.retry_after_ms is not None:
-        # Retry-After counts whole seconds; retry-after-ms is the exact hint, which the OpenAI SDKs
-        # read first (a 300 ms hint otherwise makes them wait a whole second).
-        headers["Retry-After"] = str(max(1, -(-exc.retry_after_ms // 1000)))
-        headers["retry-after-ms"] = str(max(1, int(exc.retry_after_ms)))
-    if exc.predicted_ttft_ms is not None:
-        headers["X-Predicted-TTFT-Ms"] = f"{exc.predicted_ttft_ms:.1f}"
-    return openai_error(HTTP_STATUS[exc.code], str(exc), exc.field, headers)
-
-
-def build_app(frontend: Surface, security: ServerSecurity | None = None) -> FastAPI:
-    """The OpenAI-compatible HTTP app over ``frontend`` (a decode worker's or a gateway's)."""
+def build_app(frontend: Surface, security: ServerSecurity | None = None, chat: ChatOptions | None = None) -> FastAPI:
+    """The OpenAI-compatible HTTP app over ``frontend`` (a decode worker's or a gateway's);
+    ``chat``: how chat output is read (tool-call and reasoning parsers; api/tool_calls.py)."""
     security = security or ServerSecurity()
     models = request_models(bounds_of(frontend))
     app = FastAPI(title="pdserve decode worker", version="v1", docs_url=None, redoc_url=None,
@@ -90,7 +75,7 @@ def build_app(frontend: Surface, security: ServerSecurity | None = None) -> Fast
     app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_body_bytes)
     app.add_middleware(ApiKeyAuth, security=security)  # outermost: no key, no body read
     _add_error_handlers(app, frontend, field_names(models.completion) | field_names(models.chat))
-    _add_generation_routes(app, _Generation(frontend), models)
+    _add_generation_routes(app, Generation(frontend, chat or ChatOptions()), models)
     _add_info_routes(app, frontend)
     app.openapi = functools.partial(_openapi, app, models, security)
     return app
@@ -120,7 +105,7 @@ def _add_error_handlers(app: FastAPI, frontend: Surface, known_fields: set[str])
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
         frontend.metrics.error(exc.code)
-        return _from_request_error(exc)
+        return from_request_error(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -137,124 +122,26 @@ def _add_error_handlers(app: FastAPI, frontend: Surface, known_fields: set[str])
         return openai_error(500, f"internal error: {exc.__class__.__name__}: {exc}")
 
 
-def _token_text_of(tokenizer) -> Callable[[int], str]:
-    """A token's text as it reads inside a sequence (cached): decoded after an anchor, because
-    SentencePiece-style decoders drop a leading space at the start of a sequence."""
-    anchor = tokenizer.encode("a", add_special_tokens=False)
-    anchor_text = tokenizer.decode(anchor, skip_special_tokens=False)
-
-    @functools.lru_cache(maxsize=65536)
-    def token_text(token_id: int) -> str:
-        text = tokenizer.decode(anchor + [token_id], skip_special_tokens=False)
-        if text.startswith(anchor_text):
-            return text[len(anchor_text):]
-        return tokenizer.decode([token_id], skip_special_tokens=False)
-
-    return token_text
-
-
-Choices = AsyncGenerator[tuple[int, Chunk], None]
-
-
-class _Generation:
-    """One call of either generation route: its sequences run on the `Surface`, answered
-    whole (JSON) or streamed (server-sent events)."""
-
-    def __init__(self, frontend: Surface):
-        self.frontend = frontend
-        self.token_text = _token_text_of(frontend.tokenizer)
-
-    async def run(self, request: Request, body: SamplingFields, kind: str, inputs: list[GenerateInput],
-                  logprobs: int | None, echo: list[str | list[int]] | None = None) -> Response:
-        """``echo``: the prompts to prepend to each choice's text (completions' echo)."""
-        frontend = self.frontend
-        rid = body.request_id or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        caller = getattr(request.state, "caller", None)  # ApiKeyAuth's: the key, or keys off the client
-        for inp in inputs:
-            inp.request_id = rid
-            inp.caller = caller
-        n = body.n
-        gen = frontend.generate_many(inputs, n)
-        watch = ClientWatch(request.receive)  # until the response starts: a client that leaves stops its work
-        try:
-            # Validation and admission of every sequence happen before the first chunk, so
-            # errors get their status code.
-            try:
-                first = await gen.__anext__()
-            except RequestError as exc:
-                frontend.metrics.error(exc.code)
-                return _from_request_error(exc)
-            texts = [] if echo is None else [p if isinstance(p, str) else await frontend.detokenize(p) for p in echo]
-            reply = Reply(kind, rid, frontend.served_model, self.token_text, logprobs,
-                          [texts[i // n] for i in range(len(inputs) * n)] if texts else [])
-            if body.stream:
-                if watch.close():
-                    return _client_gone(rid)
-                usage = bool(body.stream_options and body.stream_options.include_usage)
-                return StreamingResponse(self._sse(reply, len(inputs) * n, n, usage, first, gen),
-                                         media_type="text/event-stream")
-            pieces: dict[int, list[dict]] = {}
-            seen = [first]
-            pieces.setdefault(first[0], []).append(reply.choice(first[0], first[1], stream=False))
-            async for i, c in gen:
-                seen.append((i, c))
-                pieces.setdefault(i, []).append(reply.choice(i, c, stream=False))
-        except asyncio.CancelledError:
-            if not watch.gone():
-                raise
-            return _client_gone(rid)
-        finally:
-            if watch.close() or not body.stream:
-                await gen.aclose()  # ends every sequence still running (none when it completed)
-        out = reply.envelope([merge_choice(pieces[i]) for i in sorted(pieces)], stream=False)
-        out["usage"] = usage_of(seen, n)
-        return JSONResponse(out)
-
-    async def _sse(self, reply: Reply, num_choices: int, n: int, include_usage: bool, first: tuple[int, Chunk],
-                   gen: Choices) -> AsyncIterator[str]:
-        frontend = self.frontend
-        seen = []
-
-        def event(choices: list[dict], usage: dict | None = None) -> str:
-            payload = reply.envelope(choices, stream=True)
-            if include_usage:
-                payload["usage"] = usage
-            return f"data: {json.dumps(payload, allow_nan=False)}\n\n"
-
-        try:
-            if reply.kind == "chat":  # OpenAI's first delta of each choice: the role, no content yet
-                for i in range(num_choices):
-                    yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None, "token_ids": []}])
-            seen.append(first)
-            yield event([reply.choice(first[0], first[1], stream=True)])
-            async for i, c in gen:
-                seen.append((i, c))
-                yield event([reply.choice(i, c, stream=True)])
-            if include_usage:
-                yield event([], usage_of(seen, n))
-        except RequestError as exc:
-            frontend.metrics.error(exc.code)
-            yield f"data: {_from_request_error(exc).body.decode()}\n\n"
-        except Exception as exc:  # noqa: BLE001  (a bug after the 200: the client still gets an error event)
-            log.exception("stream %s failed", reply.rid)
-            frontend.metrics.error("internal")
-            yield f"data: {openai_error(500, f'internal error: {exc.__class__.__name__}: {exc}').body.decode()}\n\n"
-        finally:
-            await gen.aclose()  # client gone: the frontend aborts every sequence
-        yield "data: [DONE]\n\n"
+_PASSED = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "min_p", "min_tokens", "allowed_token_ids", "prompt_logprobs")
 
 
 def _input(body: SamplingFields, prompt: str | list[int] | None, messages: list[dict] | None = None,
            max_tokens: int | None = None, fill_context: bool = False, logprobs: int | None = None) -> GenerateInput:
     """One prompt of a request as the `Surface` takes it; ``max_tokens``: the request's (either name)."""
-    kw = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                                        "frequency_penalty", "repetition_penalty") if getattr(body, k) is not None}
+    kw = {k: getattr(body, k) for k in _PASSED if getattr(body, k) is not None}
     if max_tokens is not None:
         kw["max_tokens"] = max_tokens
+    elif fill_context and body.min_tokens:
+        # Checked against the default max_tokens before the context's room replaces it (api/validate.py)
+        kw["max_tokens"] = max(SamplingParams.max_tokens, body.min_tokens)
+    if body.min_tokens:
+        # More than max_tokens means "all max_tokens" (the schema cannot compare two fields)
+        kw["min_tokens"] = min(body.min_tokens, kw.get("max_tokens", SamplingParams.max_tokens))
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     params = SamplingParams(**kw, logprobs=logprobs, stop=stop, stop_token_ids=body.stop_token_ids or [],
-                            ignore_eos=body.ignore_eos)
+                            ignore_eos=body.ignore_eos, logit_bias=body.logit_bias or None,
+                            bad_words=body.bad_words or [], structured_outputs=structured_outputs_of(body))
     return GenerateInput(prompt=prompt, messages=messages, params=params, model=body.model,
                          priority=body.priority, ttft_slo_ms=body.ttft_slo_ms, route=body.route,
                          fill_context=fill_context and max_tokens is None)
@@ -263,6 +150,7 @@ def _input(body: SamplingFields, prompt: str | list[int] | None, messages: list[
 def _check_combinations(body: SamplingFields) -> None:
     if body.stream_options is not None and not body.stream:
         raise RequestError("invalid_argument", "stream_options: only with stream: true", "stream_options")
+    structured_outputs_of(body)  # one constraint at most, a known backend (a RequestError names the field)
 
 
 def _prompts(p: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
@@ -287,7 +175,7 @@ def _with_body(handler: Handler, model: type[BaseModel]) -> Handler:
     return handler
 
 
-def _add_generation_routes(app: FastAPI, gen: _Generation, models: RequestModels) -> None:
+def _add_generation_routes(app: FastAPI, gen: Generation, models: RequestModels) -> None:
     async def completions(body: CompletionFields, request: Request) -> Response:
         _check_combinations(body)
         if body.echo and body.logprobs is not None:
@@ -302,15 +190,15 @@ def _add_generation_routes(app: FastAPI, gen: _Generation, models: RequestModels
         _check_combinations(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("invalid_argument", "top_logprobs: needs logprobs: true", "top_logprobs")
+        plan = plan_tools(body, gen.chat)  # tools and tool_choice (api/tool_calls.py)
         # developer is OpenAI's newer name for system; text parts are joined with newlines.
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.content if isinstance(m.content, str) else "\n".join(x.text for x in m.content)}
-                    for m in body.messages]
+        messages = template_messages(body.messages)
         lp = (body.top_logprobs or 0) if body.logprobs else None
         # The template is rendered and tokenized with the rest of validation, off the event loop.
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await gen.run(request, body, "chat",
-                             [_input(body, None, messages, max_tokens, fill_context=True, logprobs=lp)], lp)
+        inp = _input(body, None, messages, max_tokens, fill_context=True, logprobs=lp)
+        plan.apply(inp, body)  # the tools for the template; required or a named function: the calls' grammar
+        return await gen.run(request, body, "chat", [inp], lp, shaper=plan.shaper(gen.chat), renames=plan.renames)
 
     app.post("/v1/completions", response_model=None, responses=generation_responses(Completion, CompletionChunk))(
         _with_body(completions, models.completion))
@@ -372,13 +260,6 @@ def _openapi(app: FastAPI, models: RequestModels, security: ServerSecurity) -> d
             _document_api_keys(doc, security.open_paths, error)
         app.openapi_schema = doc
     return app.openapi_schema
-
-
-def _client_gone(rid: str) -> Response:
-    """What a handler returns for a client that left (nobody reads it): its sequences were
-    aborted where they waited, and the generator is closed by the handler's finally."""
-    log.debug("request %s: client gone before the response; its sequences were aborted", rid)
-    return Response(status_code=499)
 
 
 def _document_api_keys(doc: dict, open_paths, error_content: dict) -> None:

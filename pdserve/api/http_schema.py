@@ -59,7 +59,7 @@ def field_names(model) -> set[str]:
     while todo:
         m = todo.pop()
         for name, info in m.model_fields.items():
-            names.add(name)
+            names.add(info.alias or name)  # as the client spells it ("json", not "json_")
             todo.extend(t for t in models_in(info.annotation) if t not in todo)
     return names
 

@@ -108,6 +108,8 @@ class GenerateInput:
     prompt: str | list[int] | None
     params: SamplingParams
     messages: list[dict] | None = None
+    # Chat: the tools the template shows the model (OpenAI's tool objects; api/tool_calls.py)
+    tools: list[dict] | None = None
     request_id: str | None = None
     model: str | None = None
     priority: Priority | str = Priority.NORMAL  # a name is parsed (and refused) by validate

@@ -3,7 +3,9 @@
 `Reply` turns one request's ``(choice index, chunk)`` pairs into completion or
 chat objects (whole, or one server-sent event per chunk): text with any echoed
 prompt, logprobs in OpenAI's two shapes (legacy completions, chat), the
-pdserve extensions (``token_ids``, the ``pdserve`` breakdown). A chunk is
+pdserve extensions (``token_ids``, the ``pdserve`` breakdown). With a shaper (api/tool_calls.py
+`ChoiceShaper`), a chat choice's text is read into ``reasoning_content``, ``content`` and
+``tool_calls`` (deltas when streaming). A chunk is
 anything with ``token_ids``, ``text``, ``finish_reason``, ``logprobs`` (the
 engine's ``{token_id, logprob, top_logprobs}`` entries) and ``breakdown``.
 The shapes are the models of `openai_types`; the schema tests hold them to it.
@@ -12,9 +14,12 @@ The shapes are the models of `openai_types`; the schema tests hold them to it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .openai_types import LOGPROB_FLOOR
+
+if TYPE_CHECKING:
+    from .tool_calls import ChoiceShaper
 
 __all__ = ["Reply", "usage_of", "merge_choice"]
 
@@ -28,12 +33,21 @@ class Reply:
     "completion" or "chat", ``token_text`` gives a token id's text (logprobs)."""
 
     def __init__(self, kind: str, rid: str, model: str, token_text: Callable[[int], str],
-                 logprobs: int | None, echo: list[str]):
+                 logprobs: int | None, echo: list[str], shaper: Callable[[], "ChoiceShaper"] | None = None):
         self.kind, self.rid, self.model, self.token_text = kind, rid, model, token_text
         self.created = int(time.time())
         self.logprobs = logprobs  # None: not asked; else how many alternatives per token
         self.echo = echo  # per choice: text to prepend (completions' echo)
         self.sent_chars: dict[int, int] = {}  # per choice: text sent so far (logprobs' text_offset)
+        self.shaper = shaper  # chat: makes each choice's reader of reasoning and tool calls (None: plain text)
+        self.shapers: dict[int, ChoiceShaper] = {}
+
+    def shaper_of(self, i: int) -> "ChoiceShaper | None":
+        if self.shaper is None:
+            return None
+        if i not in self.shapers:
+            self.shapers[i] = self.shaper()
+        return self.shapers[i]
 
     def text_of(self, i: int, c) -> str:
         if i not in self.sent_chars:
@@ -73,14 +87,28 @@ class Reply:
         lp = self.logprobs_of(i, c, text)
         self.sent_chars[i] += len(text)
         body: dict[str, object]
-        if self.kind == "chat":
+        finish = c.finish_reason
+        shaper = self.shaper_of(i) if self.kind == "chat" else None
+        if shaper is not None and stream:
+            body = {"delta": shaper.feed(text, final=finish is not None)}
+            finish = shaper.finish_reason(finish)
+        elif self.kind == "chat":
             body = {"delta": {"content": text}} if stream else {"message": {"role": "assistant", "content": text}}
         else:
             body = {"text": text}
-        out = {"index": i, **body, "logprobs": lp, "finish_reason": c.finish_reason, "token_ids": c.token_ids}
+        out = {"index": i, **body, "logprobs": lp, "finish_reason": finish, "token_ids": c.token_ids}
         if c.breakdown is not None:
             out["pdserve"] = c.breakdown
         return out
+
+    def shaped(self, choice: dict) -> dict:
+        """A whole (merged) chat choice with its text read by its shaper: reasoning, content, calls."""
+        shaper = self.shaper_of(choice["index"]) if self.kind == "chat" else None
+        if shaper is None:
+            return choice
+        choice["message"] = shaper.message(choice["message"]["content"])
+        choice["finish_reason"] = shaper.finish_reason(choice["finish_reason"])
+        return choice
 
     def envelope(self, choices: list[dict], stream: bool) -> dict:
         obj = {"chat": ("chat.completion.chunk", "chat.completion"),

@@ -15,10 +15,10 @@ __all__ = [
     "ErrorResponse", "ErrorBody", "Usage", "Breakdown",
     "CompletionLogprobs", "CompletionChoice", "Completion", "CompletionChunk",
     "ChatTopLogprob", "ChatTokenLogprob", "ChatLogprobs", "AssistantMessage", "ChatChoice", "ChatCompletion",
-    "ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "ModelCard", "ModelList", "Health",
+    "FunctionCall", "ToolCall", "FunctionCallDelta", "ToolCallDelta", "ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "ModelCard", "ModelList", "Health",
 ]
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class _Out(BaseModel):
@@ -122,9 +122,25 @@ class ChatLogprobs(_Out):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCall(_Out):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text, as the model wrote them")
+
+
+class ToolCall(_Out):
+    id: str = Field(description="chatcmpl-tool-<32 hex digits> (vLLM's form; 9 letters and digits with the "
+                                "mistral parser)")
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(_Out):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the message is only tool calls or reasoning")
+    reasoning_content: str | None = Field(None, description="with a reasoning parser: the text inside "
+                                                            "<think>...</think>")
+    tool_calls: list[ToolCall] | None = Field(None, description="the calls the model made (finish_reason "
+                                                                "tool_calls)")
 
 
 class ChatChoice(_Out):
@@ -145,9 +161,23 @@ class ChatCompletion(_Out):
     usage: Usage
 
 
+class FunctionCallDelta(_Out):
+    name: str | None = Field(None, description="on a call's first delta")
+    arguments: str = Field(description="the next piece of the arguments' JSON text")
+
+
+class ToolCallDelta(_Out):
+    index: int = Field(description="which call of the choice; its pieces joined by index make the call")
+    id: str | None = Field(None, description="on a call's first delta")
+    type: Literal["function"] | None = Field(None, description="on a call's first delta")
+    function: FunctionCallDelta
+
+
 class ChatDelta(_Out):
     role: Literal["assistant"] | None = Field(None, description="on each choice's first chunk only")
     content: str | None = None
+    reasoning_content: str | None = Field(None, description="with a reasoning parser")
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Out):

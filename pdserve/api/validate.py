@@ -6,6 +6,7 @@ Refusals are `RequestError`s naming the field."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from pdserve.common import Priority
 from pdserve.engine import InvalidRequestError, SamplingParams, check_text
@@ -65,7 +66,7 @@ class Validator:
         try:
             # Parameters first: a bad one is refused before the prompt costs anything.
             inp.params.validate(eng.vocab_size, lim.request)
-            prompt = self._chat_prompt(inp.messages) if inp.messages is not None else inp.prompt
+            prompt = self._chat_prompt(inp.messages, inp.tools) if inp.messages is not None else inp.prompt
             if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
                 raise InvalidRequestError(
                     "messages" if inp.messages is not None else "prompt",
@@ -80,7 +81,7 @@ class Validator:
             raise err.renamed({"prompt_token_ids": client, "prompt": client}) from None
         room = eng.max_model_len - len(ids)
         if inp.fill_context:
-            params = dataclasses.replace(params, max_tokens=room)
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         if params.max_tokens > room:
             raise RequestError(
                 "invalid_argument",
@@ -94,9 +95,10 @@ class Validator:
                 raise RequestError("invalid_argument", str(exc), exc.field) from None
         return ids, params, prio
 
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Render chat messages with the model's template, then tokenize (the template
-        already holds BOS, so no special tokens are added again)."""
+    def _chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Render chat messages (and the tools, HF's ``tools``) with the model's template, then
+        tokenize (the template already holds BOS, so no special tokens are added again). Every
+        text is checked, and all of them together bounded, before the template runs."""
         if len(messages) > self.limits.max_messages:
             raise InvalidRequestError("messages", f"{len(messages)} messages; at most {self.limits.max_messages}")
         total = 0
@@ -104,12 +106,24 @@ class Validator:
             check_text(f"messages[{i}].content", m["content"])
             check_text(f"messages[{i}].role", m["role"])
             total += len(m["content"])
+            for key in ("tool_call_id", "name"):
+                if key in m:
+                    check_text(f"messages[{i}].{key}", m[key])
+                    total += len(m[key])
+            for j, call in enumerate(m.get("tool_calls") or ()):
+                text = json.dumps(call, ensure_ascii=False)
+                check_text(f"messages[{i}].tool_calls[{j}]", text)
+                total += len(text)
+        if tools:
+            text = json.dumps(tools, ensure_ascii=False)
+            check_text("tools", text)
+            total += len(text)
         if total > self.max_prompt_chars:
             raise InvalidRequestError("messages", f"hold {total} characters; this worker takes at most "
                                       f"{self.max_prompt_chars}")
         tokenizer = self.eng.tokenizer
         try:
-            text = tokenizer.apply_chat_template(messages)
+            text = tokenizer.apply_chat_template(messages, tools=tools)
         except ValueError as exc:
             raise InvalidRequestError("messages", str(exc).removeprefix("messages: ")) from None
         return tokenizer.encode(text, add_special_tokens=False)

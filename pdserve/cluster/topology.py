@@ -102,6 +102,11 @@ class DecodeRoleSpec(_RoleSpec):
     # Time a few engine steps at boot so that the first requests are routed on this machine's
     # costs, not the policy's seeds (engine/calibrate.py).
     calibrate: bool = True
+    # How chat output is read (vLLM's --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser;
+    # the worker refuses an unknown parser at start: api/tool_calls.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     entrypoint: str = Field(DEFAULT_DECODE_ENTRYPOINT, pattern=_ENTRYPOINT)
 
 

@@ -156,6 +156,8 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
                    served_model_name=topology.model.name, remote_prefill=topology.roles.prefill.replicas > 0,
                    remote_timeout_s=spec.remote_timeout_s, remote_quarantine_s=spec.remote_quarantine_s,
                    local_prefill_budget_tokens=spec.local_prefill_budget_tokens, calibrate=spec.calibrate,
+                   enable_auto_tool_choice=spec.enable_auto_tool_choice, tool_call_parser=spec.tool_call_parser,
+                   reasoning_parser=spec.reasoning_parser,
                    exit_on_engine_death=True, **_decode_security(topology))
     return out
 

@@ -8,6 +8,7 @@ import json
 import logging
 import signal
 
+from pdserve.api.tool_calls import add_chat_flags
 from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 
 
@@ -51,6 +52,8 @@ def register(subparsers) -> None:
                    help="on SIGTERM: seconds in-flight streams may run before they are handed back to their "
                         "clients (a gateway continues them on another decode worker); default 30")
     p.add_argument("--log-level", default="info")
+    chat = p.add_argument_group("tool calling and reasoning (vLLM's flags; docs/api.md, Tool calling)")
+    add_chat_flags(chat)
     sec = p.add_argument_group("security (docs/security.md; the topology's security: section)")
     sec.add_argument("--tls-cert", default=None, help="server certificate chain (PEM): serve gRPC and HTTP over TLS")
     sec.add_argument("--tls-key", default=None, help="its private key (PEM)")
@@ -95,6 +98,8 @@ def _serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         api_keys_file=args.api_keys_file, open_paths=_names(args.open_paths),
         open_grpc_services=_names(args.open_grpc_services),
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
     async def main() -> None:

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 from pdserve.api.ingress import Chunk, GenerateInput, RequestError, ServingLimits
 from pdserve.api.surface import Surface, identity, tenant_of
 from pdserve.api.validate import check_privileges
-from pdserve.engine import SamplingParams
+from pdserve.engine import SamplingParams, parse_structured_outputs
 from pdserve.router import ArrivalRate, ClusterSnapshot, admit, tenant_token_limit
 from pdserve.router.assess import cluster_snapshot, priced_tier, request_features
 
@@ -209,6 +209,8 @@ class Frontend(Surface):
         computed = ids + resume
         self.arrivals.observe(arrival)
         connector = self.engine.connector
+        spec = parse_structured_outputs(params.structured_outputs)
+        grammar_ms = self.engine.prompts.grammars.fresh_compile_ms(spec) if spec is not None else 0.0
 
         def assess():
             """Admission as the worker stands now: its pool's and the prefill workers' cached
@@ -220,7 +222,7 @@ class Frontend(Surface):
             feats = request_features(len(computed), cached, priority=prio, ttft_slo_ms=inp.ttft_slo_ms,
                                      route=inp.route, max_tokens=params.max_tokens, resumed=bool(resume), hint=hint,
                                      tier_cached_len=connector.tier_prefix_len(computed, cached),
-                                     peer_reads=self.peers is not None)
+                                     peer_reads=self.peers is not None, grammar_compile_ms=grammar_ms)
             snap = priced_tier(self.snapshot(max(0, len(computed) - cached), cached), feats,
                                connector.tier_load_ms_per_token())
             return cached, hint, feats, snap, admit(feats, snap, policy)

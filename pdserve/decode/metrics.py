@@ -7,7 +7,11 @@ one process (tests) without clashing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdserve.cluster.grammar_metrics import GrammarCollector
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                       1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -74,6 +78,11 @@ class WorkerMetrics:
             "pdserve_remote_notifications_refused",
             "PrefillDone notices refused: no live attempt (request, epoch) here, or a token count other than the "
             "signed task's", names + ["reason"], registry=r)
+
+    def watch_grammars(self, stats: Callable[[], Mapping[str, float] | None]) -> None:
+        """Export the engine's structured-output compiler (`LLMEngine.grammar_stats`), read at
+        each scrape: the ``pdserve_grammar_*`` metrics (cluster/grammar_metrics.py)."""
+        self.registry.register(GrammarCollector(stats, self.labels))
 
     def ttft_prediction(self, route: str, ratio: float) -> None:
         self._ttft_prediction.labels(route=route, **self.labels).observe(ratio)

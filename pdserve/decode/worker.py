@@ -21,6 +21,7 @@ import uvicorn
 from pdserve.api.grpc_service import GrpcServer
 from pdserve.api.http_app import H11Protocol, build_app
 from pdserve.api.security import ServerSecurity
+from pdserve.api.tool_calls import ChatOptions
 from pdserve.cluster.join import join_cluster, leave_cluster, publish_load
 from pdserve.cluster.keys import VERSION
 from pdserve.cluster.kvindex.publisher import KVEventPublisher, record_endpoints, start_event_publisher
@@ -87,6 +88,16 @@ class DecodeWorkerConfig(WorkerConfig):
     api_keys_file: str | None = None
     open_paths: list[str] = field(default_factory=lambda: list(DEFAULT_OPEN_PATHS))
     open_grpc_services: list[str] = field(default_factory=lambda: list(DEFAULT_OPEN_GRPC_SERVICES))
+    # How chat output is read (api/tool_calls.py; vLLM's flags of the same names): tool_choice auto
+    # needs enable_auto_tool_choice and a tool_call_parser (hermes, llama3_json, mistral);
+    # reasoning_parser (deepseek_r1, qwen3) splits <think>...</think> into reasoning_content.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def chat_options(self) -> ChatOptions:
+        """ValueError naming the setting for an unknown parser."""
+        return ChatOptions(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser)
 
 
 class DecodeWorker:
@@ -98,6 +109,7 @@ class DecodeWorker:
 
     # The parts every started worker has (set by `start`, in this order).
     security: ServerSecurity
+    chat: ChatOptions
     engine: LLMEngine
     metrics: WorkerMetrics
     async_engine: AsyncEngine
@@ -137,6 +149,7 @@ class DecodeWorker:
         cfg = self.cfg
         self.host = cfg.host or cfg.address()
         self.security = ServerSecurity.from_config(cfg)  # bad files fail before the engine loads
+        self.chat = cfg.chat_options()  # so does an unknown parser
         self.security.warn_if_plaintext(self.host, self.worker_id)
         # Own its cores before any engine thread exists (threads inherit the mask; topology cpus).
         self.cpus = cfg.pin_cpus(f"decode worker {self.worker_id}")
@@ -145,6 +158,7 @@ class DecodeWorker:
         policy = PolicyState(self.engine.connector.kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
         self.metrics = WorkerMetrics("decode", self.worker_id)
+        self.metrics.watch_grammars(self.engine.grammar_stats)  # structured outputs' compiler
         self._ttft_window, self._itl_window = LatencyWindow(self.metrics.ttft), LatencyWindow(self.metrics.itl)
         self.async_engine = AsyncEngine(self.engine, on_step=self._on_step, on_death=self._on_engine_death)
         self._policy = policy
@@ -189,7 +203,7 @@ class DecodeWorker:
         sock.bind((self.host, cfg.http_port))
         self._http_sock = sock
         self.http_address = f"{self.host}:{sock.getsockname()[1]}"
-        config = uvicorn.Config(build_app(self.frontend, self.security), log_level="warning", lifespan="off",
+        config = uvicorn.Config(build_app(self.frontend, self.security, self.chat), log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=2, http=H11Protocol, **self.security.uvicorn_ssl())
         self._http = uvicorn.Server(config)
         self._http.install_signal_handlers = lambda: None  # the process owner handles signals
@@ -391,6 +405,7 @@ class DecodeWorker:
                 out["borrowing"] = dict(self.remote.peers.counters)
                 out["lending"] = self.remote.peers.lending.stats()
         out.update(eng.tier_stats())
+        out["grammars"] = eng.grammar_stats()  # structured outputs' compiler (engine/structured.py)
         return out
 
     async def stop(self, close_engine: bool = True) -> None:

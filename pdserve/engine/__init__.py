@@ -18,9 +18,12 @@ from .request import (
                       SamplingParams,
                       check_text,
 )
+from .structured import GrammarCompiler
+from .structured_spec import GrammarSpec, parse_structured_outputs
 
 __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput",
     "Request", "RequestStatus", "RequestDelta", "EngineLoad", "EngineStats", "ConfigError", "InvalidRequestError",
     "RequestLimits", "RequestTimes", "EngineStateError", "StepError", "check_text", "KVConnector", "Reservation",
+    "GrammarCompiler", "GrammarSpec", "parse_structured_outputs",
 ]

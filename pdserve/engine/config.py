@@ -243,6 +243,16 @@ class EngineConfig:
     # workers set it to their KV transport's rank service; None for an engine on its own.
     tp_rank_extension: str | None = None
     seed: int = 0
+    # Structured outputs (engine/structured.py): a request's grammar must compile within
+    # structured_outputs_timeout_s (else it fails, naming structured_outputs); compiled grammars
+    # are cached (at most this many entries and bytes); compiles run on this many threads, at
+    # this CPU niceness (0-19; 10: a compile takes the cores only from what the step leaves, so
+    # the streams running do not feel it: docs/structured.md, "Compiling").
+    structured_outputs_timeout_s: float = 10.0
+    structured_outputs_cache_entries: int = 512
+    structured_outputs_cache_bytes: int = 256 << 20
+    structured_outputs_threads: int = 2
+    structured_outputs_compile_nice: int = 10
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -291,6 +301,15 @@ class EngineConfig:
             raise ConfigError("kv_offload_bytes needs enable_prefix_caching=True (the tier holds prefix blocks)")
         if self.cuda_graph_max_batch < 1:
             raise ConfigError(f"cuda_graph_max_batch={self.cuda_graph_max_batch} must be >= 1")
+        if not self.structured_outputs_timeout_s > 0:
+            raise ConfigError(f"structured_outputs_timeout_s={self.structured_outputs_timeout_s} must be > 0")
+        if self.structured_outputs_cache_entries < 0 or self.structured_outputs_cache_bytes < 0:
+            raise ConfigError("structured_outputs_cache_entries and structured_outputs_cache_bytes must be >= 0")
+        if self.structured_outputs_threads < 1:
+            raise ConfigError(f"structured_outputs_threads={self.structured_outputs_threads} must be >= 1")
+        if not 0 <= self.structured_outputs_compile_nice <= 19:
+            raise ConfigError(f"structured_outputs_compile_nice={self.structured_outputs_compile_nice} must be in "
+                              "[0, 19] (a thread may lower its own priority, not raise it)")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

@@ -34,11 +34,15 @@ from .runner import ModelRunner
 from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
 from .step_budget import StepCost, StepTargets, attention_pairs
+from .structured import GrammarCompiler
+from .structured_spec import parse_structured_outputs
+from .structured_state import StructuredOutputs
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 from .tp_group import TPGroupBroken
 
 _POISON_ON = failpoints.enabled("request.poison")  # common/failpoints.py: off unless a chaos run sets it
 log = logging.getLogger(__name__)
+GRAMMAR_POLL_S = 0.01  # a step with only grammars compiling waits this long at most for one
 
 
 class LLMEngine:
@@ -84,12 +88,22 @@ class LLMEngine:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = set(eos)
         self.connector = KVConnector(self)  # the remote-KV seam disaggregated workers use
-        self.prompts = PromptChecker(self.tokenizer, self.max_model_len, self.model_config.vocab_size)
+        # Structured outputs (engine/structured.py): one compiler, shared with the edge check, and
+        # each request's grammar matcher and the step's token masks (engine/structured_state.py).
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
+            timeout_s=config.structured_outputs_timeout_s, cache_entries=config.structured_outputs_cache_entries,
+            cache_bytes=config.structured_outputs_cache_bytes, threads=config.structured_outputs_threads,
+            nice=config.structured_outputs_compile_nice)
+        self.structured = StructuredOutputs(self.grammars)
+        self._grammar_failed: list[tuple[Request, Exception]] = []  # to end with the step's deltas
+        self.prompts = PromptChecker(self.tokenizer, self.max_model_len, self.model_config.vocab_size, self.grammars)
 
     def close(self) -> None:
         """Stop the second tier's copy thread and the other tensor-parallel ranks (engine/tp_group.py)."""
         if self.tier is not None:
             self.tier.close()
+        self.grammars.close()
         self.runner.close()
 
     def _max_model_len(self) -> int:
@@ -132,19 +146,26 @@ class LLMEngine:
         preempted request's: penalties and ``max_tokens`` count them, a seeded generator is
         advanced by one draw per resumed token when sampling is random (as if it had drawn
         them), the detokenizer and stop strings see them without emitting their text again,
-        so the continuation equals the run that was never interrupted."""
-        ids, params, priority = self.validate_input(prompt, params, priority)
+        so the continuation equals the run that was never interrupted.
+
+        A request with ``structured_outputs`` starts its grammar's compile here, off the engine
+        thread (engine/structured_state.py); it is scheduled once the grammar is ready."""
+        ids, params, priority = self.prompts.validate_input(prompt, params, priority, compile_grammar=False)
         resume = [] if resume_ids is None else check_resume_ids(
             resume_ids, len(ids), params.max_tokens, self.max_model_len, self.model_config.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
         req = Request(rid, ids, params, priority=priority, arrival=arrival, tenant=tenant)
+        self.sampler.prepare(req, self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)  # logits controls
         req.arrival_time = self.scheduler.clock()  # request times come off the scheduler's clock (its plan reads them)
         detok = self.tokenizer.stream(ids, params.skip_special_tokens)
         detok.set_stops(params.stop)
         if resume:
             self._replay(req, detok, resume)
+        spec = parse_structured_outputs(params.structured_outputs)
+        if spec is not None:  # (a resumed stream's matcher is advanced over its resumed tokens)
+            self.structured.start(req, spec)
         self._detok[rid] = detok
         self.requests[rid] = req
         return req
@@ -153,7 +174,7 @@ class LLMEngine:
         """Bring a resumed request to the state its first worker left it in (see make_request)."""
         p = req.params
         for i, tok in enumerate(resume):
-            _, stop = detok.push(tok)
+            _, stop = detok.push(tok, stops_on=i + 1 > p.min_tokens)
             ended = stop is not None or tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)
             if ended:
                 why = f"stop string {stop!r}" if stop is not None else f"stop token {tok}"
@@ -277,6 +298,11 @@ class LLMEngine:
         per-layer hook for this step, called as ``hook(layer, ready)`` (the prefill
         worker streams KV with it; ``ready``: engine/kv_ready.py).
         """
+        # The matchers of the grammars that compiled are made, so the scheduler admits their
+        # requests; those whose grammar failed (or not in time) stay held back and end with this
+        # step's deltas (engine/structured_state.py).
+        if self.structured.pending:
+            self._grammar_failed += self.structured.poll()
         try:
             plan = self.scheduler.schedule()
         except Exception as exc:  # the scheduler's own state: no single request to blame
@@ -289,7 +315,9 @@ class LLMEngine:
         if not plan.scheduled:
             if self.scheduler.loading and self.tier is not None:
                 self.tier.wait_for_load()  # only loads in flight: wait for one, not spin
-            return []
+            elif self.structured.pending and not self._grammar_failed:
+                self.structured.wait_any(GRAMMAR_POLL_S)  # only grammars compiling: wait for one
+            return self._end_failed_grammars()
         now = self.scheduler.clock()
         for req, _ in plan.scheduled:
             if req.first_scheduled_time is None:
@@ -307,7 +335,7 @@ class LLMEngine:
             raise StepError(exc, [r.request_id for r, _ in plan.scheduled]) from exc
         self.stats.num_steps += 1
         bs = self.config.block_size
-        deltas = []
+        deltas = self._end_failed_grammars()
         failed: set[str] = set()
         for req, n in plan.scheduled:
             prompt_left = req.num_prompt_tokens - req.num_computed_tokens
@@ -330,6 +358,8 @@ class LLMEngine:
             live = [i for i, req in enumerate(sampling) if req.request_id not in failed]
             if len(live) < len(sampling):
                 logits, sampling = logits[live], [sampling[i] for i in live]
+            if any(r.grammar is not None for r in sampling):
+                logits, sampling = self._constrain(logits, sampling, deltas)
             for req, res in zip(sampling, self._sample(logits, sampling) if sampling else []):
                 try:
                     if isinstance(res, BaseException):
@@ -338,6 +368,25 @@ class LLMEngine:
                 except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
                     deltas.append(self.fail_request(req, exc))
         return deltas
+
+    def _end_failed_grammars(self) -> list[RequestDelta]:
+        """Fail the requests whose grammar did not compile (their error delta each)."""
+        if not self._grammar_failed:
+            return []
+        failed, self._grammar_failed = self._grammar_failed, []
+        return [self.fail_request(r, e) for r, e in failed if r.finish_reason is None]
+
+    def _constrain(self, logits, reqs: list[Request], deltas: list[RequestDelta]) -> tuple:
+        """Mask, in place, what each constrained row's grammar does not allow next (before the
+        sampler: logprobs are those of the constrained distribution); a row whose mask fails
+        fails its request alone and leaves the batch."""
+        bad = self.structured.mask(logits, reqs)
+        if not bad:
+            return logits, reqs
+        for i, exc in bad.items():
+            deltas.append(self.fail_request(reqs[i], exc))
+        keep = [i for i in range(len(reqs)) if i not in bad]
+        return logits[keep], [reqs[i] for i in keep]
 
     def _sample(self, logits, reqs: list[Request]) -> list:
         """The batch's samples; should the batched sampler itself raise, each row alone,
@@ -379,6 +428,8 @@ class LLMEngine:
             failpoints.check_poison(req.prompt_token_ids)
         p = req.params
         tok = res.token_id
+        # through the grammar first: a token it refuses fails the request before it is appended
+        grammar_ended = req.grammar is not None and self.structured.accept(req, tok)
         req.output_token_ids.append(tok)
         if req.first_token_time is None:
             req.first_token_time = self.scheduler.clock()
@@ -388,11 +439,14 @@ class LLMEngine:
             entry = {"token_id": tok, "logprob": res.logprob, "top_logprobs": res.top_logprobs or {}}
             req.logprobs.append(entry)
         detok = self._detok[req.request_id]
-        text, stop_str = detok.push(tok)
+        # stop strings count from the token after the first min_tokens on (vLLM's rule)
+        text, stop_str = detok.push(tok, stops_on=len(req.output_token_ids) > p.min_tokens)
         finish = None
         if stop_str is not None:
             finish, req.stop_reason = "stop", stop_str
         elif tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            finish, req.stop_reason = "stop", tok
+        elif grammar_ended:  # the grammar took its stop token (EOS, even with ignore_eos): nothing may follow
             finish, req.stop_reason = "stop", tok
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             finish = "length"
@@ -424,6 +478,12 @@ class LLMEngine:
         self._forget(req)
         return out
 
+    def grammar_stats(self) -> dict:
+        """The structured-output compiler's counters, for a worker's metrics (engine/structured.py
+        `GrammarCompiler.stats`)."""
+        return self.grammars.stats()
+
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
+        self.structured.forget(req.request_id)
         self._detok.pop(req.request_id, None)

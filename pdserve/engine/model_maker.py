@@ -14,12 +14,24 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-# A Mistral-instruct style template, so /v1/chat/completions works on made models.
+# A Mistral-instruct style template, so /v1/chat/completions works on made models; with tools,
+# Hermes-style tool calling (the tools listed first, calls as <tool_call>{"name", "arguments"}
+# </tool_call>, results as <tool_response>), so the whole tool path runs on them.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
+    "{{ bos_token }}"
+    "{% if tools %}{{ '<tools>\n' }}{% for tool in tools %}"
+    "{{ (tool.function if tool.function is defined else tool) | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools>\nTo call functions, answer <tool_call>{\"name\": <function name>, \"arguments\": "
+    "<arguments object>}</tool_call> for each call.\n\n' }}{% endif %}"
+    "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
     "{% elif message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{{ '<tool_call>' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson"
+    " + '</tool_call>' }}{% endfor %}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '[INST] <tool_response>' + message['content'] + '</tool_response> [/INST]' }}"
     "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
     "{% endfor %}"
 )

@@ -1,14 +1,19 @@
 """Prompt intake: a prompt (text or token ids) checked against the model's limits and
-turned into token ids; `LLMEngine.tokenize_prompt` (llm_engine.py) calls it.
+turned into token ids; `LLMEngine.tokenize_prompt` (llm_engine.py) calls it. The edge check
+(`PromptChecker.validate_input`) also compiles a request's structured-output grammar
+(engine/structured.py), so a grammar that does not compile is refused before it is queued.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 from pdserve.common import Priority
 
 from .request import InvalidRequestError, RequestLimits, SamplingParams, check_text
+from .structured import GrammarCompiler
+from .structured_spec import parse_structured_outputs
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
@@ -69,12 +74,29 @@ def check_resume_ids(resume, prompt_len: int, max_tokens: int, max_model_len: in
 class PromptChecker:
     """Checks a request against one model (its tokenizer, vocabulary and context length)
     without its weights: an engine has one (`LLMEngine.prompts`), and so has a gateway,
-    which validates before it picks a decode worker (gateway/)."""
+    which validates before it picks a decode worker (gateway/).
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int):
+    ``grammars``: the compiler of structured outputs (an engine passes its own, so the edge
+    check's compile is the engine's cache hit); None: one of its own, made at the first
+    request that needs it (a gateway's)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int,
+                 grammars: GrammarCompiler | None = None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self._grammars = grammars
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler (made on first use when none was given)."""
+        if self._grammars is None:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+                    self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
+        return self._grammars
 
     def tokenize_prompt(self, prompt) -> list[int]:
         """The prompt's token ids, or `InvalidRequestError` naming the field."""
@@ -82,17 +104,23 @@ class PromptChecker:
 
     def validate_input(self, prompt, params: SamplingParams | None = None,
                        priority: Priority | str | int = Priority.NORMAL,
-                       limits: RequestLimits | None = None) -> tuple[list[int], SamplingParams, Priority]:
+                       limits: RequestLimits | None = None,
+                       compile_grammar: bool = True) -> tuple[list[int], SamplingParams, Priority]:
         """Check a request (safe from any thread): (prompt token ids, params, priority), or
         `InvalidRequestError` naming the field. The parameters are checked before the prompt
-        is tokenized."""
+        is tokenized; a structured output's grammar is compiled last (cached; waiting at most
+        the compiler's time bound), unless ``compile_grammar`` is False (the engine's own
+        `make_request`, which compiles off its thread)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", "must be a SamplingParams")
         params.validate(self.vocab_size, limits)
+        spec = parse_structured_outputs(params.structured_outputs)
         ids = self.tokenize_prompt(prompt)
         try:
             priority = Priority.parse(priority)
         except ValueError as exc:
             raise InvalidRequestError("priority", str(exc).removeprefix("priority ")) from None
+        if spec is not None and compile_grammar:
+            self.grammars.compile(spec)
         return ids, params, priority

@@ -7,10 +7,14 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.common import Priority
+
+if TYPE_CHECKING:
+    from .structured_state import RequestGrammar
 
 # Temperatures below this sample greedily: logits / 1e-40 overflow float32 to inf and the
 # softmax turns into NaN. vLLM uses the same threshold (_SAMPLING_EPS).
@@ -27,6 +31,9 @@ class RequestLimits:
     max_stop_strings: int = 64
     max_stop_chars: int = 1024
     max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024  # entries of logit_bias
+    max_bad_words: int = 128
+    max_allowed_token_ids: int = 1 << 20
 
 
 def check_text(field_name: str, text: str) -> None:
@@ -37,6 +44,13 @@ def check_text(field_name: str, text: str) -> None:
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(
             field_name, f"is not valid Unicode text (unpaired surrogate at character {exc.start})") from None
+
+
+def _token_key(k):
+    """A logit_bias key as a token id ("5" -> 5); anything else stays as given for validate()."""
+    if isinstance(k, str) and k.isdigit() and len(k) < 20:
+        return int(k)
+    return k
 
 
 class InvalidRequestError(ValueError):
@@ -64,6 +78,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # -- logits controls (engine/sampler.py), vLLM's names and meanings --
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability (0: off)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] = field(default_factory=list)  # never generate these words (their last token is masked)
+    prompt_logprobs: int | None = None  # logprobs of each prompt token (and the N most likely)
+    # -- structured output (engine/structured.py): vLLM's `StructuredOutputsParams` as a dict with
+    # exactly one of json / regex / choice / grammar / json_object / structural_tag (None: free text)
+    structured_outputs: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -73,6 +97,11 @@ class SamplingParams:
             self.stop = list(self.stop or [])
         if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.bad_words is None or isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words or [])
+        if isinstance(self.logit_bias, dict):
+            # msgpack maps on the wire have string keys ("5": 1.0, as OpenAI sends them): back to ids
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
@@ -138,8 +167,59 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", f"{t!r} is not a token id of this model")
 
+        number("min_p", 0.0, 1.0)
+        integer("min_tokens", 0, self.max_tokens)
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", 0, 20)
+            bad("prompt_logprobs", "not supported yet: the engine computes no logits for prompt positions; "
+                "leave it unset (logprobs of the generated tokens: `logprobs`)")
+        self._validate_token_controls(vocab_size, lim)
+
+    def _validate_token_controls(self, vocab_size: int | None, lim: RequestLimits) -> None:
+        """bad_words, logit_bias, allowed_token_ids and structured_outputs (its shape only:
+        engine/structured.py checks the grammar itself)."""
+
+        def bad(name, msg):
+            raise InvalidRequestError(name, msg)
+
+        if not isinstance(self.bad_words, list):
+            bad("bad_words", f"must be a list, got {type(self.bad_words).__name__}")
+        if len(self.bad_words) > lim.max_bad_words:
+            bad("bad_words", f"{len(self.bad_words)} words; at most {lim.max_bad_words} are allowed")
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                bad("bad_words", "bad words must be non-empty strings")
+            if len(w) > lim.max_stop_chars:
+                bad("bad_words", f"a bad word has {len(w)} characters; at most {lim.max_stop_chars} are allowed")
+            check_text("bad_words", w)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", f"must be a map of token id to bias, got {type(self.logit_bias).__name__}")
+            if len(self.logit_bias) > lim.max_logit_bias:
+                bad("logit_bias", f"{len(self.logit_bias)} entries; at most {lim.max_logit_bias} are allowed")
+            for t, v in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                    bad("logit_bias", f"{t!r} is not a token id of this model")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                        or not -100.0 <= v <= 100.0:
+                    bad("logit_bias", f"the bias of token {t} must be a number in [-100, 100], got {v!r}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                bad("allowed_token_ids", "must be a non-empty list of token ids")
+            if len(self.allowed_token_ids) > lim.max_allowed_token_ids:
+                bad("allowed_token_ids", f"{len(self.allowed_token_ids)} ids; at most "
+                    f"{lim.max_allowed_token_ids} are allowed")
+            for t in self.allowed_token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                    bad("allowed_token_ids", f"{t!r} is not a token id of this model")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, dict):
+            bad("structured_outputs", f"must be an object, got {type(self.structured_outputs).__name__}")
+
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        if self.logit_bias is not None:  # string keys: msgpack's strict map keys, and OpenAI's JSON
+            d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
@@ -203,6 +283,9 @@ class Request:
         # Its prefix was looked up in the second KV tier at its latest admission (engine/kv_tier.py):
         # one load per admission, then it computes whatever the pool still lacks.
         self.tier_tried = False
+        # Its structured output's grammar (engine/structured_state.py; None: free text): the
+        # scheduler admits it once the grammar's matcher exists (``grammar.ready``).
+        self.grammar: RequestGrammar | None = None
         # Monotonic timestamps for latency breakdowns (queue wait, TTFT).
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None

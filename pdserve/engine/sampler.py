@@ -1,8 +1,10 @@
 """Token sampling for one step's batch of logits.
 
-Order of operations (as in vLLM): penalties on the raw logits, then greedy
-argmax or temperature -> top-k -> top-p -> draw. Reported logprobs are the
-model's raw log-softmax (before penalties and temperature).
+Order of operations (as in vLLM V1): the logits controls (allowed_token_ids,
+bad_words, min_tokens, logit_bias: logits_controls.py), penalties, then greedy
+argmax or temperature -> min_p -> top-k -> top-p -> draw. Reported logprobs are
+the log-softmax of the logits the sampler receives (a structured output's
+grammar has masked them already), before any of these.
 
 The draw is by inverse CDF, for all random rows at once: one uniform number
 per row (from the request's own generator when it is seeded, else from the
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .logits_controls import apply_logits_controls, apply_min_p, prepare_controls
 from .request import Request
 
 
@@ -51,8 +54,11 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> None:
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=device)
         vals = logits[seen]
+        # A token a logits control or a grammar masked stays at -inf: neither the clamp may bring
+        # it back, nor a penalty that rounds to 0 in float32 (5e-324) turn -inf x 0 into NaN.
+        off = vals == float("-inf")
         vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        logits[seen] = vals.clamp(-LOGIT_BOUND, LOGIT_BOUND)
+        logits[seen] = torch.where(off, float("-inf"), vals.clamp(-LOGIT_BOUND, LOGIT_BOUND))
     if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
         counts = torch.bincount(
             torch.tensor(req.output_token_ids, device=device), minlength=logits.shape[-1]
@@ -145,6 +151,12 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     @staticmethod
+    def prepare(req: Request, tokenizer, eos_token_ids, vocab_size: int | None) -> None:
+        """Build ``req``'s logits controls once, when the engine makes it (its bad words as token
+        ids, its min_tokens stop ids: logits_controls.py `prepare_controls`)."""
+        prepare_controls(req, tokenizer, eos_token_ids, vocab_size)
+
+    @staticmethod
     def skip_draw(req: Request) -> None:
         """Advance a request's generator exactly as one sampled token would: a draw takes
         one float64 uniform from it."""
@@ -153,12 +165,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult | SamplingError]:
         """One result per row; a row that cannot be sampled gets a `SamplingError` instead."""
         logits = logits.float()
-        failed: dict[int, SamplingError] = {}
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in reqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        given = logits
+        logits, errors = apply_logits_controls(logits, reqs)  # (logits_controls.py; a copy if any row uses one)
+        failed = {i: SamplingError(str(exc)) for i, exc in errors.items()}
         if any(_has_penalty(r) for r in reqs):
-            logits = logits.clone()
+            if logits is given:
+                logits = logits.clone()
             for i, r in enumerate(reqs):
                 if _has_penalty(r):
                     apply_penalties(logits[i], r)
@@ -172,6 +187,10 @@ class Sampler:
             temps = [reqs[i].params.temperature for i in rand_rows]
             if any(t != 1.0 for t in temps):
                 sub = sub / torch.tensor(temps, device=logits.device, dtype=sub.dtype)[:, None]
+            min_p = [(j, reqs[i].params.min_p) for j, i in enumerate(rand_rows) if reqs[i].params.min_p > 0.0]
+            if min_p:  # (only the rows that use it)
+                at = torch.tensor([j for j, _ in min_p], device=logits.device)
+                sub = sub.index_put((at,), apply_min_p(sub[at], torch.tensor([m for _, m in min_p])))
             top_k = torch.tensor([max(reqs[i].params.top_k, 0) for i in rand_rows], device=logits.device)
             top_p = torch.tensor([reqs[i].params.top_p for i in rand_rows], device=logits.device,
                                  dtype=sub.dtype)
@@ -187,7 +206,7 @@ class Sampler:
                     u[j] = torch.rand(1, generator=reqs[i].generator, dtype=torch.float64)
             drawn, bad = inverse_cdf(probs, u.to(probs.device))
             for j, is_bad in enumerate(bad.tolist()):
-                if is_bad:  # NaN/inf in this row only: the others still sample
+                if is_bad and rand_rows[j] not in failed:  # NaN/inf in this row only: the others still sample
                     failed[rand_rows[j]] = SamplingError("cannot sample: the probabilities hold NaN or inf, "
                                                          "or sum to 0")
             if every_row:

@@ -30,6 +30,10 @@ scheduler side, engine/remote_kv.py, is told of each reservation), then wait in 
 (state WAITING_FOR_REMOTE_KV), left out of steps until marked ready. One the pool cannot
 hold is queued for a local prefill instead.
 
+A request with structured outputs is admitted only once its grammar is compiled
+(``Request.grammar.ready``, engine/structured_state.py); the waiting requests behind it are
+admitted meanwhile, and it keeps its place in line.
+
 With a second KV tier (``tier``, engine/kv_tier.py), a waiting request whose prefix goes on
 in the tier past the pool's hit waits in ``loading`` (state LOADING_KV) while those blocks
 are copied back, then is admitted first in line with them as pool hits.
@@ -267,8 +271,12 @@ class Scheduler:
             first = set(map(id, express))
             self.waiting = deque([r for r in self.waiting if id(r) in first] +
                                  [r for r in self.waiting if id(r) not in first])
+        held: list[Request] = []  # waiting for their grammar: the requests behind them go first
         while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.ready:
+                held.append(self.waiting.popleft())
+                continue
             hits, cached = self.kv.computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
             if self.tier is not None and not req.tier_tried:
                 req.tier_tried = True
@@ -287,6 +295,8 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
             prefill_left -= n
+        if held:
+            self.waiting.extendleft(reversed(held))
         return out
 
     def _short_prompts(self, plan: Budget) -> tuple[list[Request], int]:

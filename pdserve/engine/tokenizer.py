@@ -60,22 +60,43 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the model's Jinja chat template."""
-        if not self.chat_template:
-            raise ConfigError("this model's tokenizer has no chat_template; use the completions API")
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        """Render chat messages with the model's Jinja chat template, as HF `transformers` does:
+        the template gets ``messages``, ``tools`` (None without), ``add_generation_prompt``,
+        ``bos_token`` and ``eos_token``; it runs sandboxed, with HF's ``tojson`` (no HTML
+        escaping), ``raise_exception`` and ``strftime_now``, and a missing key reads as undefined
+        (templates test ``message.tool_calls`` on messages without it). ValueError ("messages: ...")
+        when the template refuses the messages or fails on them."""
         import jinja2
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        template = self._compiled_template
+        try:
+            return template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"messages: the chat template failed on them: {exc}") from None
+
+    @functools.cached_property
+    def _compiled_template(self):
+        if not self.chat_template:
+            raise ConfigError("this model's tokenizer has no chat_template; use the completions API")
+        import datetime
+
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(msg):
             raise ValueError(f"messages: {msg}")
 
+        def tojson(value, indent=None, separators=None, sort_keys=False):
+            return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-        )
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
 
     def stream(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
@@ -156,9 +177,15 @@ class IncrementalDetokenizer:
         self._prefix, self._emitted = self._emitted, len(self._ids)
         return now[len(before):]
 
-    def push(self, token_id: int) -> tuple[str, str | None]:
-        """Add one token; return (text delta, matched stop string or None)."""
+    def push(self, token_id: int, stops_on: bool = True) -> tuple[str, str | None]:
+        """Add one token; return (text delta, matched stop string or None). ``stops_on`` False
+        (a request still short of its ``min_tokens``): no stop string is matched and nothing is
+        held back; matching starts afresh with the next token that has them on."""
         piece = self._step(token_id)
+        if not stops_on and self._stops:
+            delta, self._pending, self._state = self._pending + piece, "", 0
+            self.text += delta
+            return delta, None
         if not self._stops:
             self.text += piece
             return piece, None

@@ -45,8 +45,17 @@ def gateway_config(topo, replica: int, model: str, etcd_endpoints: list[str]) ->
         "bind": topo.network.bind, "grpc_port": g.grpc_port, "http_port": g.http_port,
         "gateway_id": f"gateway-{replica}", "routing": g.routing, "max_migrations": g.max_migrations,
         "race_fraction": g.race_fraction, "race_risk": g.race_risk, "forward_tenant": g.forward_tenant,
-        "kv_index": g.kv_index, **security_config(topo),
+        "kv_index": g.kv_index, **chat_config(topo), **security_config(topo),
     }
+
+
+def chat_config(topo) -> dict:
+    """How a gateway reads chat output (GatewayConfig fields): as the topology's decode workers
+    do (`roles.decode`: enable_auto_tool_choice, tool_call_parser, reasoning_parser), since the
+    gateway serves their model and its HTTP route, not theirs, reads what they generate."""
+    d = topo.roles.decode
+    return {"enable_auto_tool_choice": d.enable_auto_tool_choice, "tool_call_parser": d.tool_call_parser,
+            "reasoning_parser": d.reasoning_parser}
 
 
 def security_config(topo, worker_api_key: bool = False) -> dict:

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.api.client import build_request
 from pdserve.api.grpc_service import STATUS, chunk_from_proto
 from pdserve.api.ingress import (ERROR_SCOPE_HEADER, KV_WAIT_HEADER, REQUEST_SCOPE, Chunk, GenerateInput,
                                  RequestError, ServingLimits)
@@ -44,6 +43,7 @@ from pdserve.api.validate import check_privileges
 from pdserve.engine.prompts import PromptChecker
 
 from .backends import Backends
+from .forward import metadata_float, metadata_int, worker_request
 from .metrics import GatewayMetrics
 from .pick import RaceBudget, race_partner
 
@@ -60,8 +60,6 @@ BROKEN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCod
 # neither take the workers out of rotation one by one nor be sent to each of them.
 UNMARKED = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 MAX_UNMARKED_FAILURES = 2
-_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logprobs")
 
 
 @dataclass
@@ -323,10 +321,7 @@ class GatewayFrontend(Surface):
             md = (*(md or ()), (KV_WAIT_HEADER, "0"))
         rid = f"{self._id_prefix}-{next(self._ids):x}"
         s.worker_id, s.worker_rid = worker_id, rid
-        req = build_request(ids, request_id=rid, priority=prio.label, route=inp.route, ttft_slo_ms=inp.ttft_slo_ms,
-                            stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-                            resume_token_ids=list(s.tokens) if s.tokens else None,
-                            **{k: getattr(params, k) for k in _SAMPLING})
+        req = worker_request(ids, rid, params, prio.label, inp, s.tokens)
         own = len(ids) + len(s.tokens) - self.backends.cached(ids + s.tokens).get(worker_id, 0)
         units = w.queued() + own
         w.streams += 1
@@ -356,8 +351,8 @@ class GatewayFrontend(Surface):
             md_trail = dict(exc.trailing_metadata() or ())
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not first:
                 raise _Broken(worker_id, exc.details(), True, "resource_exhausted",
-                              _float(md_trail.get("predicted-ttft-ms")), _int(md_trail.get("retry-after-ms")),
-                              scope="refused") from None
+                              metadata_float(md_trail.get("predicted-ttft-ms")),
+                              metadata_int(md_trail.get("retry-after-ms")), scope="refused") from None
             if md_trail.get(ERROR_SCOPE_HEADER) == REQUEST_SCOPE:
                 # The worker failed this request alone and is fine (decode/ingress.py as_request_error):
                 # every worker would fail it the same way, so it is not sent on and no worker is avoided.
@@ -380,17 +375,3 @@ class GatewayFrontend(Surface):
             if not finished:
                 call.cancel()  # the client left, or the stream broke: the worker frees its blocks
         raise _Broken(worker_id, "the stream ended without its last message", not first)
-
-
-def _float(v) -> float | None:
-    try:
-        return float(v) if v is not None else None
-    except ValueError:
-        return None
-
-
-def _int(v) -> int | None:
-    try:
-        return int(v) if v is not None else None
-    except ValueError:
-        return None

@@ -22,6 +22,7 @@ from pdserve.api.grpc_service import GrpcServer
 from pdserve.api.http_app import build_app
 from pdserve.api.ingress import ServingLimits
 from pdserve.api.security import ServerSecurity
+from pdserve.api.tool_calls import ChatOptions
 from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.cluster.etcd_auth import EtcdTLS
 from pdserve.cluster.registry import Registry
@@ -76,6 +77,17 @@ class GatewayConfig:
     # predicted TTFT is at least race_risk x that target.
     race_fraction: float = 0.0
     race_risk: float = 0.5
+    # How its HTTP chat route reads the model's output (api/tool_calls.py; the decode worker's and
+    # vLLM's settings of the same names): tool_choice "auto" needs enable_auto_tool_choice and a
+    # tool_call_parser; reasoning_parser splits <think>...</think> into reasoning_content. A chat
+    # request's tool grammar (tool_choice required or named) is made here and sent to the worker.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def chat_options(self) -> ChatOptions:
+        """ValueError naming the setting for an unknown parser, or auto without one."""
+        return ChatOptions(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser)
 
 
 class Gateway:
@@ -83,6 +95,7 @@ class Gateway:
         self.cfg = cfg
         self.gateway_id = cfg.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}"
         self.security = ServerSecurity.from_config(cfg)
+        self.chat = cfg.chat_options()
         self.registry: Registry | None = None
         self.backends: Backends | None = None
         self.frontend: GatewayFrontend | None = None
@@ -132,7 +145,7 @@ class Gateway:
                            f"{self.cfg.wait_for_workers_s:.0f} s ({last}); start one, or check --etcd/--cluster")
 
     async def _start_http(self, frontend: GatewayFrontend, backends: Backends) -> None:
-        app = build_app(frontend, self.security)
+        app = build_app(frontend, self.security, chat=self.chat)
         checker = frontend.checker
 
         @app.post("/gateway/explain", include_in_schema=False)

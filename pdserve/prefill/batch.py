@@ -180,7 +180,9 @@ class PrefillBatch:
         # The first token's logprob always (the decode side reports it when asked), and its top-N
         # alternatives when the request asked for them, so the remote path returns what local does.
         asked = t.sampling_params.get("logprobs") or 0
-        params = SamplingParams.from_dict({**t.sampling_params, "max_tokens": 1, "stop": [], "logprobs": asked})
+        least = t.sampling_params.get("min_tokens", 0)  # it holds for this first token too; decode counts it
+        params = SamplingParams.from_dict({**t.sampling_params, "max_tokens": 1, "stop": [], "logprobs": asked,
+                                           "min_tokens": min(least, 1) if type(least) is int else least})
         params.validate(eng.model_config.vocab_size)  # a NaN temperature fails here, not in the sampler
         if not t.target_block_ids or not all(isinstance(b, int) and b >= 0 for b in t.target_block_ids):
             raise ValueError("target_block_ids must be a non-empty list of block ids")

@@ -7,9 +7,12 @@ Each worker owns its `CollectorRegistry`, so several can share a process (tests)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from pdserve.cluster.grammar_metrics import GrammarCollector
 from pdserve.cluster.runtime import MetricsEndpoint
 
 _TASK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -69,7 +72,14 @@ class PrefillMetrics:
         self.batch_tasks = hist("pdserve_prefill_batch_tasks", "Tasks per prefill batch", _TASK_BUCKETS)
         self.batch_tokens = hist("pdserve_prefill_batch_tokens", "Prompt tokens computed per batch", _TOKEN_BUCKETS)
         self.batch_seconds = hist("pdserve_prefill_batch_seconds", "Prefill compute time per batch", _SECONDS_BUCKETS)
+        self._labels = labels
         self._endpoint: MetricsEndpoint | None = None
+
+    def watch_grammars(self, stats: Callable[[], Mapping[str, float] | None]) -> None:
+        """Export the engine's structured-output compiler (`LLMEngine.grammar_stats`: the first
+        token of a structured-output request is sampled here, under its grammar), read at each
+        scrape: the ``pdserve_grammar_*`` metrics (cluster/grammar_metrics.py)."""
+        self.registry.register(GrammarCollector(stats, self._labels))
 
     def observe_batch(self, result) -> None:
         self.batch_tasks.observe(result.num_tasks)

@@ -143,6 +143,7 @@ class PrefillWorker:
         self.cpus = cfg.pin_cpus(f"prefill worker {self.worker_id}")
         self.engine = engine or await self._compute.run(
             LLMEngine, EngineConfig.from_kwargs(cfg.model, **with_rank_transport(cfg.engine_args)))
+        self.metrics.watch_grammars(self.engine.grammar_stats)  # structured outputs' compiler
         self.host = cfg.metrics_host or cfg.address()
         # One agent per tensor-parallel rank; the sender writes by the head plan (kvtransfer/nixl/tp_transport.py).
         transport: WorkerTransport = await self._compute.run(
@@ -287,6 +288,7 @@ class PrefillWorker:
                 "peers": sorted(self.peers.known) if "peers" in started else [],
                 "prompt_tokens_cached": engine.stats.num_prompt_tokens_cached if engine is not None else 0,
                 **(engine.tier_stats() if engine is not None else {}),
+                "grammars": engine.grammar_stats() if engine is not None else None,  # engine/structured.py
                 **{k: dict(v) if isinstance(v, dict) else v for k, v in self.stats.__dict__.items()}}
 
     def pid(self) -> int:

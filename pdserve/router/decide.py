@@ -80,7 +80,9 @@ def predict(
     remote = in flight + r x (queue depth x step_fixed_ms + queue compute) / pool size + decode wait
              + r x (step_fixed_ms + compute(remote_eff)) + kv_bytes(eff_len) / bandwidth
              + setup + residual_remote, where remote_eff = prompt_len - max(cached_len,
-             remote_cached_len): a prefill worker holding a longer prefix computes only past it
+             remote_cached_len): a prefill worker holding a longer prefix computes only past it;
+             plus grammar_compile_ms for a structured-output request whose grammar was new at
+             this worker's edge (the prefill worker compiles it too before its first token)
     decode wait = decode_backlog_tokens x decode ms per token (both routes)
     itl_penalty = itl_penalty_weight x decoding requests x (local prefill ms)
                   + blocking_penalty_weight x arrival rate (per ms) x (local prefill ms)
@@ -149,7 +151,7 @@ def predict(
     # The remote route waits for the step under way too: its KV blocks are reserved on the
     # engine thread between steps before its task is queued (decode/remote.py `_reserve`).
     remote_wait = snapshot.step_in_flight_ms + queue_ms / pool + decode_wait
-    ttft_remote = remote_wait
+    ttft_remote = remote_wait + features.grammar_compile_ms
     if eff:  # nothing to prefill means nothing to compute or transfer, setup included
         ratio = c.remote_ratio
         held = max(features.cached_len, min(features.remote_cached_len, features.prompt_len - 1))
@@ -207,6 +209,9 @@ def decide(
     if trace is not None and features.remote_cached_len > features.cached_len:
         trace.append(f"a prefill worker holds {features.remote_cached_len} prompt tokens cached (its KV "
                      f"events) against {features.cached_len} here: a remote prefill computes only past them")
+    if trace is not None and features.grammar_compile_ms:
+        trace.append(f"its grammar was new here (compiled in {features.grammar_compile_ms:.1f} ms): a remote "
+                     "prefill compiles it again before its first token, so the remote prediction counts that")
     route, reason, detail, score = _route(features, snapshot, policy, pred, trace)
     if trace is not None:
         trace.append(f"=> {route} ({reason}): {detail}")

@@ -42,6 +42,11 @@ class RequestFeatures:
     # This worker borrows prefixes from prefill workers (a NIXL read of what remote_cached_len
     # holds past cached_len, decode/borrow.py): the local prediction counts that read.
     peer_reads: bool = False
+    # A grammar (structured output, engine/structured.py) the prefill worker compiles before its
+    # first token: what it took this worker's edge to compile it, when that was not cached here
+    # (the prefill worker's cache is not known; a grammar new here is taken as new there). The
+    # local route pays nothing: the edge has compiled it by the time the router decides.
+    grammar_compile_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0 or self.cached_len < 0 or self.remote_cached_len < 0 or self.tier_cached_len < 0:

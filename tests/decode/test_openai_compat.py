@@ -221,10 +221,11 @@ def test_developer_role_and_text_parts_read_as_system_and_string(worker):
 UNSUPPORTED = [
     ("/v1/completions", {"suffix": "tail"}, "suffix"),
     ("/v1/completions", {"best_of": 2}, "best_of"),
-    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),  # supported; a bias outside [-100, 100] is not
+    # tools default to tool_choice auto, which needs --enable-auto-tool-choice (vLLM's 400; test_tool_calls.py)
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),  # a tool_choice needs tools
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
     ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
 ]
@@ -338,7 +339,7 @@ def test_openapi_document_describes_the_server(worker):
     eng = worker.worker.engine
     assert req["max_tokens"]["anyOf"][0]["maximum"] == eng.max_model_len - 1
     assert req["seed"]["anyOf"][0]["maximum"] == 2**64 - 1  # exact, not a float
-    assert s["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant"]
+    assert s["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant", "tool"]
     assert {"CompletionChunk", "ChatCompletionChunk", "ErrorResponse"} <= set(s)
 
 

@@ -93,8 +93,8 @@ def test_bad_parameter_is_bad_request_error_naming_it(sdk):
         sdk.completions.create(model="llama", prompt="hi", temperature=-1)
     assert info.value.status_code == 400 and info.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as info:
-        sdk.chat.completions.create(model="llama", messages=CHAT, response_format={"type": "json_object"})
-    assert info.value.param == "response_format"
+        sdk.chat.completions.create(model="llama", messages=CHAT, response_format={"type": "yaml"})
+    assert info.value.param == "response_format.type"
     with pytest.raises(openai.BadRequestError) as info:
         sdk.completions.create(model="llama", prompt="hi", max_tokens=511)
     assert info.value.param == "max_tokens" and "max_model_len" in info.value.message
@@ -131,7 +131,7 @@ def test_error_inside_a_stream_raises_api_error(sdk, worker):
     victim = "sdk-stream-victim"
 
     def sabotage(engine):
-        def push(token_id):
+        def push(token_id, stops_on=True):
             raise TypeError("injected detokenizer failure")
         engine._detok[worker.worker.frontend.engine_id(victim)].push = push
 

@@ -252,7 +252,7 @@ def test_injected_failure_in_a_running_batch_fails_one_stream_only(worker, refer
     def sabotage(engine):
         detok = engine._detok[worker.worker.frontend.engine_id(victim)]
 
-        def push(token_id):
+        def push(token_id, stops_on=True):
             raise TypeError("injected detokenizer failure")
         detok.push = push
 

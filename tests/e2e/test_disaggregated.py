@@ -198,6 +198,39 @@ def test_remote_first_token_logprobs_equal_the_local_paths(cluster, llama_dir, e
     assert_all_blocks_return(d)
 
 
+GRAMMARS = [
+    {"json": {"type": "object", "properties": {"k": {"type": "string", "maxLength": 5}}, "required": ["k"]},
+     "disable_any_whitespace": True},
+    {"regex": r"[a-z]{3,6}-[0-9]{2}"},
+    {"choice": ["red", "green", "blue"]},
+    {"grammar": 'root ::= "<" [xyz]{1,4} ">"'},
+]
+
+
+def test_structured_outputs_are_token_exact_on_both_routes(cluster, llama_dir, etcd):
+    """A grammar crosses the hop in the task's sampling parameters: the prefill worker samples
+    the first token under it, the decode worker's matcher continues from it (docs/structured.md)."""
+    with_prefill(cluster, llama_dir, etcd)
+    d = cluster["decode"]
+    prompts = mixed_prompts(8, seed=21)
+    specs = [GRAMMARS[i % len(GRAMMARS)] for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=s) for s in specs]
+    want = LLM(llama_dir).generate(prompts, params)
+    assert all(o.finish_reason == "stop" for o in want)  # every grammar here ends within 24 tokens
+
+    async def go(route):
+        async with AsyncClient(d.grpc) as c:
+            return await asyncio.gather(*(
+                c.generate(p, max_tokens=24, temperature=0.0, route=route, priority="high", timeout_s=180,
+                           structured_outputs=s) for p, s in zip(prompts, specs)))
+
+    for route in ("remote", "local"):
+        outs = asyncio.run(go(route))
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want], route
+        assert all(o.breakdown["route"] == route for o in outs)
+    assert_all_blocks_return(d)
+
+
 def test_queue_full_routes_local_not_error(cluster, llama_dir, etcd):
     """A second decode worker on a tiny queue that no prefill worker serves."""
     from pdserve.cluster.queue import get_or_create_queue
@@ -334,3 +367,4 @@ def test_drained_prefill_worker_finishes_in_flight_work_and_takes_no_more(cluste
     with Client(d.grpc) as c:
         out = c.generate(prompts[0], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, route="remote")
     assert out.breakdown["route"] == "local" and "empty_pool" in out.breakdown["reason"]
+

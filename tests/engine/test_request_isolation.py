@@ -102,7 +102,7 @@ def test_a_detokenizer_failure_inside_a_running_batch_fails_that_request_only(ll
 
     def sabotage(eng, step):
         if step == 5:  # mid-decode: the victim already streamed tokens
-            def boom(token_id):
+            def boom(token_id, stops_on=True):
                 raise TypeError("injected detokenizer failure")
             eng._detok["iso-2"].push = boom
 

@@ -6,7 +6,10 @@ every one of its checks on each answer (status codes, content types, response
 schemas and headers as documented; valid data accepted, invalid data refused;
 unsupported methods answered 405). One check is narrowed: a valid request may
 still be refused with 400 when prompt + max_tokens exceed the model's context,
-which depends on the tokenized prompt and no JSON schema can express. gRPC:
+which depends on the tokenized prompt and no JSON schema can express; and a structured-output
+constraint (a regex, grammar or JSON schema) may be refused when it does not compile, and a
+history's tool call when its arguments (a string to the schema) are not a JSON object, and
+the rules on tools and tool_choice the schema does not state (`tool_rule_no_schema_states`). gRPC:
 Hypothesis builds GenerateRequest messages with any field values, plus raw bytes.
 After each surface: no 5xx / INTERNAL / UNKNOWN, the engine alive, no leaked block.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,15 +62,47 @@ def assert_alive_and_clean(worker):
 
 # -- HTTP (OpenAPI) ---------------------------------------------------------------------
 CONTEXT_PARAMS = {"prompt", "messages", "max_tokens", "max_completion_tokens"}
+# Constraints the schema can only call a string (or an object): whether they compile (a regex, a
+# grammar, a JSON schema with keywords xgrammar supports) only the compiler knows.
+GRAMMAR_PARAMS = {"response_format.json_schema.schema", "guided_json", "guided_regex", "guided_grammar",
+                  *(f"structured_outputs.{k}" for k in ("json", "regex", "grammar", "structural_tag"))}
+# JSON text the schema can only call a string (its contentSchema is an annotation, checked by no
+# validator): the arguments of a call in an assistant message of the history must be a JSON object.
+JSON_TEXT_PARAM = re.compile(r"messages\[\d+\]\.tool_calls\[\d+\]\.function\.arguments")
+
+
+# The rules on a chat request's tools and tool_choice (api/tool_calls.py `plan_tools`): some no JSON
+# schema can state (names unique, a named function among the tools; a tool's parameters a JSON
+# schema, whose meta-schema is not in the document, that compiles); the others (tool_choice needs
+# tools, auto needs the worker's flags, required or a named function with no other constraint)
+# would take the request schema's alternatives past what schemathesis' generator models (its
+# canonical form, jsonschema_rs 0.60: the operation becomes UnsupportedSchema), so they are not in it.
+TOOL_PARAM = re.compile(r"tools\[\d+\]\.function\.(name|parameters)")
+
+
+def tool_rule_no_schema_states(err: dict, body) -> bool:
+    """A refusal by the rules on tools that the schema does not state (TOOL_PARAM's comment), or a
+    structured-output field refused beside tool_choice required or a named function."""
+    param = err["param"] or ""
+    if param in ("tools", "tool_choice") or TOOL_PARAM.fullmatch(param):
+        return True
+    choice = body.get("tool_choice") if isinstance(body, dict) else None
+    return (choice == "required" or isinstance(choice, dict)) and "not with tool_choice" in err["message"]
 
 
 def positive_data_accepted_within_context(ctx, response, case):
-    """schemathesis' positive_data_acceptance, except for the one refusal of valid data
-    the schema cannot state: the prompt's tokens plus max_tokens over max_model_len (the
-    message says so and names the field)."""
+    """schemathesis' positive_data_acceptance, except for the refusals of valid data the
+    schema cannot state: the prompt's tokens plus max_tokens over max_model_len (the
+    message says so and names the field), a constraint that does not compile (named), a tool
+    call's arguments that are not a JSON object (named), the rules on tools the schema does not
+    state (`tool_rule_no_schema_states`)."""
     if response.status_code == 400 and case.meta is not None and case.meta.generation.mode.is_positive:
         err = response.json()["error"]
         if err["param"] in CONTEXT_PARAMS and "max_model_len" in err["message"]:
+            return None
+        if err["param"] in GRAMMAR_PARAMS or JSON_TEXT_PARAM.fullmatch(err["param"] or ""):
+            return None
+        if tool_rule_no_schema_states(err, case.body):
             return None
     return positive_data_acceptance(ctx, response, case)
 
@@ -118,7 +154,9 @@ def test_openapi_surface_passes_every_schemathesis_check(worker, method, path, m
 
 
 def test_the_narrowed_check_still_fails_valid_data_refused_for_another_reason(worker):
-    """The exception is only the context: a valid request refused for anything else fails."""
+    """The exceptions are only the context, a constraint that does not compile, a tool call's
+    arguments that are not a JSON object and the tools' rules the schema does not state: a valid
+    request refused for anything else fails."""
     schema = schemathesis.openapi.from_dict(httpx.get(f"{worker.http}/openapi.json", timeout=10).json())
     seen = []
 
@@ -142,7 +180,22 @@ def test_the_narrowed_check_still_fails_valid_data_refused_for_another_reason(wo
         resp.elapsed = datetime.timedelta(seconds=context.elapsed)
         return resp
 
-    for param, message in (("request_id", "request_id: already in flight"), ("max_tokens", "max_tokens: too big")):
+    case.body = {"prompt": "hi", "guided_regex": "("}  # valid by the schema; does not compile
+    case.validate_response(refused("guided_regex", "guided_regex: does not compile"),
+                           checks=[positive_data_accepted_within_context])
+    arguments = "messages[1].tool_calls[0].function.arguments"
+    case.validate_response(refused(arguments, f"{arguments}: must be a JSON object as text"),
+                           checks=[positive_data_accepted_within_context])
+    for param, message in (("tools[1].function.name", "tools[1].function.name: 'f' is also tools[0]'s; tool names "
+                                                      "must be unique"),
+                           ("tool_choice", "tool_choice: function 'g' is not one of the tools (f)"),
+                           ("tools[0].function.parameters", "tools[0].function.parameters: is not a JSON schema")):
+        case.validate_response(refused(param, message), checks=[positive_data_accepted_within_context])
+    for param, message in (("request_id", "request_id: already in flight"), ("max_tokens", "max_tokens: too big"),
+                           ("structured_outputs.choice", "structured_outputs.choice: refused"),
+                           ("messages[1].tool_call_id", "messages[1].tool_call_id: required"),
+                           ("messages[1].tool_calls[0].function.name", "messages[1].tool_calls[0].function.name: x"),
+                           ("structured_outputs", "structured_outputs: not with tool_choice required (its ...)")):
         try:
             case.validate_response(refused(param, message), checks=[positive_data_accepted_within_context])
         except FailureGroup as group:
@@ -191,6 +244,17 @@ SAMPLING_FIELDS = {
     "repetition_penalty": FLOATS, "logprobs": st.one_of(st.integers(-1, 21), INT64),
     "stop": st.lists(st.text(max_size=5), max_size=3), "stop_token_ids": st.lists(INT64, max_size=3),
     "ignore_eos": st.booleans(),
+    "min_p": FLOATS, "min_tokens": st.one_of(st.integers(-1, 9), INT64), "prompt_logprobs": st.integers(-1, 3),
+    "logit_bias": st.dictionaries(st.one_of(st.integers(-1, 40000), INT64), FLOATS, max_size=3),
+    "allowed_token_ids": st.lists(st.one_of(st.integers(-1, 40000), INT64), max_size=3),
+    "bad_words": st.lists(st.text(max_size=5), max_size=2),
+    "structured_outputs": st.one_of(
+        st.builds(pb.StructuredOutputs, regex=st.text(max_size=8)),
+        st.builds(pb.StructuredOutputs, json=st.sampled_from(['{"type": "boolean"}', '{"type": "nope"}', "{", ""])),
+        st.builds(pb.StructuredOutputs, choice=st.builds(pb.Choices, choices=st.lists(st.text(max_size=4), max_size=3))),
+        st.builds(pb.StructuredOutputs, grammar=st.text(max_size=12), disable_any_whitespace=st.booleans()),
+        st.builds(pb.StructuredOutputs, json_object=st.booleans(), disable_additional_properties=st.booleans()),
+        st.builds(pb.StructuredOutputs, structural_tag=st.text(max_size=8)), st.just(pb.StructuredOutputs())),
 }
 
 

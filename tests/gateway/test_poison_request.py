@@ -80,11 +80,11 @@ def poisoned(cluster, monkeypatch):
                 pushes = {"n": 0}
                 push = detok.push
 
-                def failing_push(token_id):
+                def failing_push(token_id, stops_on=True):
                     pushes["n"] += 1
                     if pushes["n"] > state["after"]:
                         raise TypeError("injected: this request's detokenizer fails on every worker (poison)")
-                    return push(token_id)
+                    return push(token_id, stops_on)
                 detok.push = failing_push
             return detok
         monkeypatch.setattr(tok, "stream", stream)

@@ -423,3 +423,16 @@ def test_a_route_dropped_after_a_bad_run_is_tried_again(rt, stale_after):
     else:
         assert routes[-50:] == ["remote"] * 50  # remote is faster by its formula, and is chosen again
         assert model.snapshot().ttft_residual_remote_ms == pytest.approx(5.0, abs=0.5)
+
+
+def test_a_grammar_new_at_the_edge_adds_its_compile_time_to_the_remote_route_only(rt, policy):
+    # Busy decode worker: remote wins by 160 - 28.2144 = 131.8 ms without a grammar to compile.
+    snap = rt.snap(policy, decode_active_requests=8)
+    plain = decide(rt.req(2000), snap, policy)
+    assert plain.route == "remote"
+    slow = decide(dataclasses.replace(rt.req(2000), grammar_compile_ms=200.0), snap, policy)
+    assert slow.predicted_ttft_remote_ms == from_seed(plain.predicted_ttft_remote_ms + 200.0)
+    assert slow.predicted_ttft_local_ms == from_seed(plain.predicted_ttft_local_ms)
+    assert (slow.route, slow.reason) == ("local", "cost_local_cheaper")
+    explained = decide(dataclasses.replace(rt.req(2000), grammar_compile_ms=200.0), snap, policy, explain=True)
+    assert any("grammar was new here (compiled in 200.0 ms)" in line for line in explained.trace)
