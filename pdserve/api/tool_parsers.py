@@ -15,6 +15,8 @@ model output.
 
 from __future__ import annotations
 
+import abc
+
 import secrets
 import string
 from typing import Callable
@@ -80,14 +82,17 @@ class _TaggedParser(StreamParser):
         self._break(buf[pos:])
         return len(buf)
 
+    @abc.abstractmethod
     def _enter(self) -> None:
-        raise NotImplementedError
+        """The family's opening tag was seen."""
 
+    @abc.abstractmethod
     def _after_tag(self, buf: str, pos: int) -> int:
-        raise NotImplementedError
+        """Parse on from ``pos`` after the tag; where parsing stopped."""
 
+    @abc.abstractmethod
     def _complete_at_end(self) -> bool:
-        raise NotImplementedError
+        """Whether what was read so far is a whole call list when the output ends."""
 
 
 def _partial_suffix(buf: str, tag: str, start: int) -> int:

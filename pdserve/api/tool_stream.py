@@ -10,6 +10,8 @@ it, so a stream's pieces joined by index are the whole parse.
 
 from __future__ import annotations
 
+import abc
+
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -67,7 +69,7 @@ class Delta:
         return [self.calls[i] for i in sorted(self.calls)]
 
 
-class StreamParser:
+class StreamParser(abc.ABC):
     """The shared part of every parser: the calls and content so far, the `Delta` of the
     current step, and one call object at a time (its arguments held until its name is known).
     ``max_calls``: calls past it are read and dropped (``parallel_tool_calls: false``)."""
@@ -141,11 +143,13 @@ class StreamParser:
         return out
 
     # -- the interface ----------------------------------------------------------------------
+    @abc.abstractmethod
     def feed(self, text: str) -> Delta:
-        raise NotImplementedError
+        """The delta the next piece of model text makes."""
 
+    @abc.abstractmethod
     def finish(self) -> Delta:
-        raise NotImplementedError
+        """What the output's end releases."""
 
 
 class ObjectArray:
