@@ -6,20 +6,24 @@ import argparse
 import sys
 import time
 
+from .model_maker import FAMILIES
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "make-model",
         help="write a small random-weight model with a real tokenizer",
         description=(
-            "Write a small random-weight Llama/Mistral/Qwen2 model (config.json, "
+            "Write a small random-weight model of one family (Llama, Mistral, Qwen2, Qwen3, "
+            "Qwen3-MoE, Mixtral: config.json, "
             "model.safetensors) with the Mistral SentencePiece tokenizer converted to "
             "tokenizer.json. Deterministic from --seed. Useful for tests, demos and "
             "benchmarks on machines without a model hub."
         ),
     )
     p.add_argument("dir", help="output directory (created if missing)")
-    p.add_argument("--arch", choices=["llama", "mistral", "qwen2"], default="llama")
+    p.add_argument("--family", "--arch", dest="arch", choices=FAMILIES, default="llama",
+                   help="model family (default llama)")
     p.add_argument("--layers", type=int, default=6, help="decoder layers (default 6)")
     p.add_argument("--hidden", type=int, default=384, help="hidden size (default 384)")
     p.add_argument("--heads", type=int, default=6, help="attention heads (default 6)")
@@ -32,6 +36,16 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="dtype of the saved weights")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--head-dim", type=int, default=0,
+                   help="qwen3, qwen3_moe, mixtral: head dim (default hidden / heads)")
+    p.add_argument("--experts", type=int, default=4, help="qwen3_moe, mixtral: experts per layer (default 4)")
+    p.add_argument("--experts-per-tok", type=int, default=2, help="qwen3_moe, mixtral: top-k (default 2)")
+    p.add_argument("--moe-intermediate", type=int, default=128,
+                   help="qwen3_moe: each expert's MLP size (default 128; mixtral's is --intermediate)")
+    p.add_argument("--no-norm-topk-prob", dest="norm_topk_prob", action="store_false",
+                   help="qwen3_moe: do not renormalise the top-k routing weights")
+    p.add_argument("--mlp-only-layers", type=_layer_list, default=(),
+                   help="qwen3_moe: comma-separated dense layers, e.g. 0,3")
     p.set_defaults(func=_make_model)
 
     g = subparsers.add_parser(
@@ -54,6 +68,13 @@ def register(subparsers) -> None:
     g.set_defaults(func=_generate)
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(i) for i in text.split(",") if i.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer indices") from None
+
+
 def _make_model(args: argparse.Namespace) -> int:
     from .model_maker import ModelSpec, make_model
 
@@ -61,7 +82,10 @@ def _make_model(args: argparse.Namespace) -> int:
         arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
         num_kv_heads=args.kv_heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
         max_position_embeddings=args.max_position, tie_word_embeddings=args.tie_embeddings,
-        rope_type=args.rope_type, seed=args.seed, dtype=args.dtype,
+        rope_type=args.rope_type, seed=args.seed, dtype=args.dtype, head_dim=args.head_dim,
+        num_experts=args.experts, num_experts_per_tok=args.experts_per_tok,
+        moe_intermediate_size=args.moe_intermediate, norm_topk_prob=args.norm_topk_prob,
+        mlp_only_layers=args.mlp_only_layers,
     )
     t0 = time.perf_counter()
     print(f"making a {spec.arch} model in {args.dir} ...", file=sys.stderr)

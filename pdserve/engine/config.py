@@ -18,7 +18,14 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+# Families whose attention normalises each query and key head (RMSNorm over head_dim) before RoPE.
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+# Families whose config.json says when `use_sliding_window` is off that the window is unused.
+_SLIDING_FLAG_FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -63,6 +70,23 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts model's expert layers (engine/moe.py runs them and says how they
+    route). ``weights_float32``: the routing weights scale an expert's output in float32
+    (Mixtral), not cast to the model's dtype first (Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    weights_float32: bool
+    dense_layers: frozenset[int] = frozenset()  # layers with a dense MLP instead (Qwen3-MoE)
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
 @dataclass
 class ModelConfig:
     """The architecture facts the engine needs, read from `config.json`."""
@@ -86,6 +110,12 @@ class ModelConfig:
     eos_token_ids: list[int]
     sliding_window: int | None
     torch_dtype: str | None
+    qk_norm: bool = False  # RMSNorm per query/key head before RoPE (Qwen3)
+    moe: MoEConfig | None = None  # the expert layers of a mixture-of-experts model
+
+    def has_dense_mlp(self) -> bool:
+        """Whether any layer has a dense MLP of ``intermediate_size``."""
+        return self.moe is None or bool(self.moe.dense_layers)
 
     @property
     def model_id(self) -> str:
@@ -133,16 +163,18 @@ class ModelConfig:
             raise ConfigError(
                 f"num_key_value_heads={num_kv_heads} must divide num_attention_heads={num_heads}"
             )
-        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        family = SUPPORTED_ARCHITECTURES[arch]
+        # Qwen3Config's head_dim defaults to 128 (not hidden / heads) when config.json omits it.
+        head_dim = int(raw.get("head_dim") or (128 if family == "qwen3" else hidden // num_heads))
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act={act!r} is not supported; only 'silu'")
-        family = SUPPORTED_ARCHITECTURES[arch]
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         sliding = raw.get("sliding_window")
-        if family == "qwen2" and not raw.get("use_sliding_window", False):
+        if family in _SLIDING_FLAG_FAMILIES and not raw.get("use_sliding_window", False):
             sliding = None
+        moe = _parse_moe(raw, family, path, need)
         return cls(
             path=path,
             architecture=family,
@@ -158,13 +190,54 @@ class ModelConfig:
             rope=_parse_rope(raw, path),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama/Mistral only when attention_bias is set.
-            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            # Mixtral never has attention biases.
+            attention_bias=family == "qwen2" or (family != "mixtral" and bool(raw.get("attention_bias", False))),
+            mlp_bias=moe is None and bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            qk_norm=family in QK_NORM_FAMILIES,
+            moe=moe,
         )
+
+
+def _parse_moe(raw: dict, family: str, path: str, need) -> MoEConfig | None:
+    """The expert layers of a Qwen3-MoE or Mixtral config.json (None for a dense family)."""
+    if family not in ("qwen3_moe", "mixtral"):
+        return None
+
+    def positive(key: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}={value!r} in {path}/config.json must be an integer >= 1")
+        return value
+
+    if family == "mixtral":
+        num_experts = positive("num_local_experts", need("num_local_experts"))
+        inter = positive("intermediate_size", need("intermediate_size"))
+        norm, dense = True, frozenset[int]()
+    else:
+        # The hub's files say num_experts; transformers 5's save_pretrained writes num_local_experts.
+        key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+        num_experts = positive(key, raw.get(key) if raw.get(key) is not None else need("num_experts"))
+        inter = positive("moe_intermediate_size", need("moe_intermediate_size"))
+        norm = raw.get("norm_topk_prob", False)
+        if not isinstance(norm, bool):
+            raise ConfigError(f"norm_topk_prob={norm!r} in {path}/config.json must be true or false")
+        step = positive("decoder_sparse_step", raw.get("decoder_sparse_step", 1))
+        only = raw.get("mlp_only_layers") or []
+        layers = int(need("num_hidden_layers"))
+        if not isinstance(only, list) or not all(isinstance(i, int) and 0 <= i < layers for i in only):
+            raise ConfigError(f"mlp_only_layers={only!r} in {path}/config.json must list layer indices "
+                              f"in [0, {layers})")
+        # HF's rule: a layer is sparse unless listed in mlp_only_layers or off the sparse step.
+        dense = frozenset(i for i in range(layers) if i in only or (i + 1) % step)
+    top_k = positive("num_experts_per_tok", need("num_experts_per_tok"))
+    if top_k > num_experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} in {path}/config.json exceeds the "
+                          f"{num_experts} experts")
+    return MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter,
+                     norm_topk_prob=norm, weights_float32=family == "mixtral", dense_layers=dense)
 
 
 def _parse_rope(raw: dict, path: str) -> RopeConfig:

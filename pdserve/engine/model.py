@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat, unpadded batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over a flat,
+unpadded batch.
 
 The numerics follow Hugging Face `transformers` step for step (RMSNorm in
-float32, rotate-half RoPE with cos/sin computed in float32, SiLU-gated MLP),
-so greedy output matches `generate` token for token in float32.
+float32, rotate-half RoPE with cos/sin computed in float32, SiLU-gated MLP; Qwen3's
+per-head query/key RMSNorm before RoPE; the mixture-of-experts MLP of engine/moe.py),
+so greedy output matches `generate` token for token in float32 (docs/models.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from .attention_base import AttentionBackend
 from .config import ConfigError, ModelConfig, RopeConfig
 from .kv_ready import layer_ready
+from .moe import Put, SparseMoE, Take, load_experts
 from .tensor_parallel import Shard, whole
 
 
@@ -78,9 +81,11 @@ class RMSNorm(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One layer, or its tensor-parallel shard (engine/tensor_parallel.py): this rank's heads
-    and intermediate rows; ``comm`` sums the row-parallel outputs over the ranks."""
+    and intermediate rows; ``comm`` sums the row-parallel outputs over the ranks. Its MLP is
+    dense (``gate_up_proj``, ``down_proj``) or, in a mixture-of-experts model's sparse layer,
+    ``moe`` (engine/moe.py)."""
 
-    def __init__(self, cfg: ModelConfig, shard: Shard, comm=None):
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm=None, index: int = 0):
         super().__init__()
         self.comm = comm
         self.num_heads = len(shard.q_heads)
@@ -95,8 +100,14 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size,
                                 bias=cfg.attention_bias and cfg.architecture != "qwen2" and shard.is_root)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias and shard.is_root)
+        # Qwen3: RMSNorm over each query and key head, before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.moe = (SparseMoE(cfg.hidden_size, cfg.moe, len(shard.moe_inter))
+                    if cfg.moe is not None and cfg.moe.is_sparse(index) else None)
+        if self.moe is None:
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+            self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias and shard.is_root)
 
     def forward(self, x, cos, sin, layer_kv, backend: AttentionBackend, meta) -> torch.Tensor:
         t = x.shape[0]
@@ -104,8 +115,14 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(h)
         # Views into qkv. RoPE rotates q and k together, in place (same heads' layout).
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        apply_rope_(qk, cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = self.q_norm(q), self.k_norm(k)  # fresh tensors, rotated in place below
+            apply_rope_(q, cos, sin)
+            apply_rope_(k, cos, sin)
+        else:
+            apply_rope_(qk, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         attn = backend.forward(layer_kv, q, k, v, meta)
         # Residual adds and the MLP activation run in place on fresh matmul outputs
@@ -115,8 +132,11 @@ class DecoderLayer(nn.Module):
             self.comm.all_reduce_(o)
         x = o.add_(x)
         h = self.post_attention_layernorm(x)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        d = self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        if self.moe is not None:
+            d = self.moe(h)
+        else:
+            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+            d = self.down_proj(F.silu(gate, inplace=True).mul_(up))
         if self.comm is not None:
             self.comm.all_reduce_(d)
         return d.add_(x)
@@ -132,7 +152,7 @@ class CausalLM(nn.Module):
         self.shard = shard or whole(cfg)
         self.comm = comm
         self.embed_tokens = nn.Embedding(self.shard.vocab_per_rank, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, comm, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, self.shard.vocab_per_rank, bias=False)
         if cfg.tie_word_embeddings:
@@ -259,14 +279,27 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard
             if o_bias is None:
                 raise ConfigError(f"model={cfg.path!r}: weight {p}self_attn.o_proj.bias is missing")
             put(layer.o_proj.bias, o_bias, p + "o_proj.bias")
-        gate, up = (_rows(take(p + f"mlp.{n}_proj.weight"), shard.inter) for n in ("gate", "up"))
-        put(layer.gate_up_proj.weight, torch.cat([gate, up]), p + "mlp.gate_up")
-        put(layer.down_proj.weight, _cols(take(p + "mlp.down_proj.weight"), shard.inter), p + "mlp.down_proj")
-        if layer.gate_up_proj.bias is not None:
-            gate_b, up_b = (_rows(take(p + f"mlp.{n}_proj.bias"), shard.inter) for n in ("gate", "up"))
-            put(layer.gate_up_proj.bias, torch.cat([gate_b, up_b]), p + "gate_up.bias")
-            down_b = take(p + "mlp.down_proj.bias")
-            if layer.down_proj.bias is not None:
-                put(layer.down_proj.bias, down_b, p + "down.bias")
+        if layer.q_norm is not None and layer.k_norm is not None:
+            put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm")
+            put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm")
+        if layer.moe is not None:
+            load_experts(layer.moe, p, tensors, take, put, shard.moe_inter)
+            if device.type == "cuda":
+                layer.moe.experts.stack_for_grouped_mm()
+        else:
+            _load_dense_mlp(layer, p, take, put, shard.inter)
     model.eval()
     return model
+
+
+def _load_dense_mlp(layer: DecoderLayer, p: str, take: Take, put: Put, inter: range) -> None:
+    """A dense MLP's weights (this rank's intermediate rows ``inter``), gate and up fused."""
+    gate, up = (_rows(take(p + f"mlp.{n}_proj.weight"), inter) for n in ("gate", "up"))
+    put(layer.gate_up_proj.weight, torch.cat([gate, up]), p + "mlp.gate_up")
+    put(layer.down_proj.weight, _cols(take(p + "mlp.down_proj.weight"), inter), p + "mlp.down_proj")
+    if layer.gate_up_proj.bias is not None:
+        gate_b, up_b = (_rows(take(p + f"mlp.{n}_proj.bias"), inter) for n in ("gate", "up"))
+        put(layer.gate_up_proj.bias, torch.cat([gate_b, up_b]), p + "gate_up.bias")
+        down_b = take(p + "mlp.down_proj.bias")
+        if layer.down_proj.bias is not None:
+            put(layer.down_proj.bias, down_b, p + "down.bias")

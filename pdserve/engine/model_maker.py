@@ -1,4 +1,5 @@
-"""Write a small random-weight Llama/Mistral/Qwen2 model with a real tokenizer.
+"""Write a small random-weight model of a supported family (Llama, Mistral, Qwen2, Qwen3,
+Qwen3-MoE, Mixtral) with a real tokenizer.
 
 No model hub is needed: the weights come from a seeded random init in HF
 `transformers` (so its format is exactly what HF loads), and the tokenizer is
@@ -12,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # A Mistral-instruct style template, so /v1/chat/completions works on made models; with tools,
 # Hermes-style tool calling (the tools listed first, calls as <tool_call>{"name", "arguments"}
@@ -37,11 +38,15 @@ CHAT_TEMPLATE = (
 )
 
 
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
 @dataclass
 class ModelSpec:
     """Shape of the model to make; defaults give a ~34M-parameter Llama with GQA."""
 
-    arch: str = "llama"  # llama | mistral | qwen2
+    arch: str = "llama"  # one of FAMILIES
     num_layers: int = 6
     hidden_size: int = 384
     num_heads: int = 6
@@ -55,22 +60,59 @@ class ModelSpec:
     initializer_range: float = 0.02
     seed: int = 0
     dtype: str = "float32"
+    # Qwen3 / Qwen3-MoE / Mixtral: the head dim (0: hidden_size / num_heads).
+    head_dim: int = 0
+    # Mixture-of-experts families: experts, experts per token, each expert's intermediate size
+    # (Qwen3-MoE; Mixtral's experts use intermediate_size), Qwen3-MoE's norm_topk_prob and its
+    # dense layers (mlp_only_layers, of intermediate_size).
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    norm_topk_prob: bool = True
+    mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        self.mlp_only_layers = tuple(self.mlp_only_layers)  # a list from YAML or JSON
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
 
     def validate(self) -> None:
-        if self.arch not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"arch={self.arch!r}; use llama, mistral or qwen2")
+        if self.arch not in FAMILIES:
+            raise ValueError(f"arch={self.arch!r}; use one of {', '.join(FAMILIES)}")
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
-                     "max_position_embeddings"):
+                     "max_position_embeddings", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.hidden_size % self.num_heads:
+        if not self.head_dim and self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}")
+        if self.head_dim and self.arch not in ("qwen3", "qwen3_moe", "mixtral"):
+            raise ValueError(f"head_dim={self.head_dim}: only qwen3, qwen3_moe and mixtral take a head dim")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
-        if (self.hidden_size // self.num_heads) % 2:
-            raise ValueError("hidden_size / num_heads (the head dim) must be even for RoPE")
+        if self.head_size % 2 or self.head_dim < 0:
+            raise ValueError("the head dim (head_dim, or hidden_size / num_heads) must be even for RoPE")
         if self.rope_type not in ("default", "llama3"):
             raise ValueError(f"rope_type={self.rope_type!r}; use default or llama3")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
+        if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ValueError(f"mlp_only_layers={list(self.mlp_only_layers)} must be layer indices in [0, {self.num_layers})")
+        if self.mlp_only_layers and self.arch != "qwen3_moe":
+            raise ValueError("mlp_only_layers: only qwen3_moe has dense layers among its expert layers")
+
+    def tag_fields(self) -> dict:
+        """The fields naming a made model's directory (`cached_model`): a field added after the
+        first models were cached counts only where it differs from its default, so the
+        directories of those models keep their names."""
+        defaults = ModelSpec()
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()
+                if k not in _LATER_FIELDS or getattr(defaults, k) != v}
+
+
+_LATER_FIELDS = ("head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                 "mlp_only_layers")
 
 
 def tokenizer_source() -> str:
@@ -132,18 +174,34 @@ def make_model(out_dir: str, spec: ModelSpec) -> str:
     if spec.rope_type == "llama3":
         rope.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=max(spec.max_position_embeddings // 4, 64))
-    if spec.arch == "llama":
-        config = transformers.LlamaConfig(**common, rope_parameters=rope)
-    elif spec.arch == "mistral":
-        config = transformers.MistralConfig(**common, rope_parameters=rope, sliding_window=None)
-    else:
-        config = transformers.Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False)
+    config = _hf_config(spec, common, rope)
     model_cls = transformers.AutoModelForCausalLM
     torch.manual_seed(spec.seed)
     model = model_cls.from_config(config, dtype=torch.float32)
     model = model.to(getattr(torch, spec.dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def _hf_config(spec: ModelSpec, common: dict, rope: dict):
+    """The transformers config of ``spec``'s family."""
+    import transformers
+
+    if spec.arch == "llama":
+        return transformers.LlamaConfig(**common, rope_parameters=rope)
+    if spec.arch == "mistral":
+        return transformers.MistralConfig(**common, rope_parameters=rope, sliding_window=None)
+    if spec.arch == "qwen2":
+        return transformers.Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False)
+    if spec.arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=spec.head_size, rope_parameters=rope,
+                                        use_sliding_window=False)
+    experts = dict(num_experts_per_tok=spec.num_experts_per_tok, head_dim=spec.head_size, rope_parameters=rope)
+    if spec.arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, **experts, num_experts=spec.num_experts, moe_intermediate_size=spec.moe_intermediate_size,
+            norm_topk_prob=spec.norm_topk_prob, mlp_only_layers=list(spec.mlp_only_layers), use_sliding_window=False)
+    return transformers.MixtralConfig(**common, **experts, num_local_experts=spec.num_experts, sliding_window=None)
 
 
 def cached_model(make: dict, cache_dir: str | os.PathLike) -> str:
@@ -154,7 +212,7 @@ def cached_model(make: dict, cache_dir: str | os.PathLike) -> str:
     from pathlib import Path
 
     spec = ModelSpec(**make)
-    tag = hashlib.sha256(json.dumps(spec.__dict__, sort_keys=True).encode()).hexdigest()[:8]
+    tag = hashlib.sha256(json.dumps(spec.tag_fields(), sort_keys=True).encode()).hexdigest()[:8]
     path = Path(cache_dir) / f"pdserve-{spec.arch}-{tag}"
     if not (path / "config.json").is_file():
         print(f"model     making a {spec.arch} model ({spec.num_layers} layers, hidden {spec.hidden_size}) "

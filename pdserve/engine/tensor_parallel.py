@@ -8,6 +8,10 @@ checkpoint by it):
   projection is column-parallel, ``o_proj`` row-parallel (one all-reduce);
 - MLP: a slice of the intermediate rows; gate/up column-parallel, ``down_proj``
   row-parallel (one all-reduce);
+- mixture-of-experts layers (engine/moe.py): tensor-parallel experts, not expert-parallel:
+  every rank holds every expert, a slice of each one's intermediate rows (``moe_inter``),
+  and the router replicated; the experts' row-parallel outputs meet in the layer's one
+  all-reduce, as a dense MLP's do (docs/models.md says why);
 - embedding and LM head: a slice of the vocabulary (``ceil(vocab / tp)`` rows, the last
   padded with zero rows); the embedding zeroes ids outside its slice and all-reduces, the
   LM head's logits are gathered at rank 0, which samples;
@@ -36,6 +40,7 @@ class Shard:
     inter: range  # rows of the MLP's intermediate dimension
     vocab: range  # vocabulary rows held (the last rank's may be short)
     vocab_per_rank: int  # rows of every rank's embedding / LM head (padded)
+    moe_inter: range = range(0)  # rows of each expert's intermediate dimension (MoE models)
 
     @property
     def is_root(self) -> bool:
@@ -48,14 +53,19 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
         check_tp_heads(cfg.num_heads, cfg.num_kv_heads, tp)
     except HeadShardingError as exc:
         raise ConfigError(f"{exc} (model {cfg.model_id})") from None
-    if cfg.intermediate_size % tp:
+    if cfg.has_dense_mlp() and cfg.intermediate_size % tp:
         raise ConfigError(f"tensor_parallel_size={tp} must divide the model's intermediate_size="
                           f"{cfg.intermediate_size} (model {cfg.model_id})")
+    if cfg.moe is not None and cfg.moe.intermediate_size % tp:
+        what = "intermediate_size" if cfg.architecture == "mixtral" else "moe_intermediate_size"
+        raise ConfigError(f"tensor_parallel_size={tp} must divide the model's {what}="
+                          f"{cfg.moe.intermediate_size} (each expert's; model {cfg.model_id})")
 
 
 def make_shard(cfg: ModelConfig, rank: int, tp: int) -> Shard:
     check_tp(cfg, tp)
     inter = cfg.intermediate_size // tp
+    moe_inter = cfg.moe.intermediate_size // tp if cfg.moe is not None else 0
     vocab_per = -(-cfg.vocab_size // tp)
     return Shard(
         rank=rank, size=tp,
@@ -64,6 +74,7 @@ def make_shard(cfg: ModelConfig, rank: int, tp: int) -> Shard:
         inter=range(rank * inter, (rank + 1) * inter),
         vocab=range(min(rank * vocab_per, cfg.vocab_size), min((rank + 1) * vocab_per, cfg.vocab_size)),
         vocab_per_rank=vocab_per,
+        moe_inter=range(rank * moe_inter, (rank + 1) * moe_inter),
     )
 
 

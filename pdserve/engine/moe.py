@@ -1,0 +1,196 @@
+"""Mixture-of-experts MLP layers (Qwen3-MoE, Mixtral): the router, the experts, their weights.
+
+One `SparseMoE` replaces a layer's dense MLP. Its numerics are HF `transformers`' step for step
+(greedy output equals HF's in float32, tests/engine/test_model_families.py):
+
+- router: ``logits = h @ gate.T``; softmax over all experts in float32, the top ``top_k``,
+  renormalised to sum 1 when ``norm_topk_prob`` (Mixtral always: the same as a softmax over
+  the top-k logits). Qwen3-MoE casts the weights to the model's dtype, Mixtral keeps them in
+  float32 (`MoEConfig.weights_float32`);
+- each selected expert computes ``down(silu(gate(h)) * up(h))``, scaled by its weight; a
+  token's ``top_k`` contributions are summed in its top-k order (HF's grouped path).
+
+How the experts run: the ``tokens x top_k`` (token, expert) pairs are sorted by expert id,
+the hidden rows gathered in that order, and each expert multiplies all of its rows at once:
+
+- ``loop`` (CPU, and any device without grouped GEMM): one matmul per active expert, each an
+  ``nn.Linear`` so `engine/linear.py` packs it for oneDNN like every other weight; one host
+  sync per layer to read the per-expert counts;
+- ``grouped`` (CUDA): ``torch.nn.functional.grouped_mm`` over the experts' weights stacked
+  ``[E, 2I, H]`` / ``[E, H, I]`` (the per-expert linears are views into the stack, so nothing
+  is held twice) with the offsets on the device: two kernels a layer and no host sync, so a
+  decode step can be captured in a CUDA graph. Chosen at load time by a trial call
+  (`stack_for_grouped_mm`); where it fails, ``loop``.
+
+Tensor parallelism (engine/tensor_parallel.py): tensor-parallel experts. Every rank holds every
+expert's slice ``shard.moe_inter`` of the intermediate rows and the whole router, so every rank
+routes alike (bit-identical hidden states) and its partial sum joins the layer's one all-reduce.
+
+Checkpoints: `load_experts` reads the per-expert form the hub and transformers 5's
+``save_pretrained`` write (Qwen3-MoE ``mlp.experts.N.{gate,up,down}_proj``, Mixtral
+``block_sparse_moe.experts.N.w{1,3,2}``) and the fused form of transformers 5's modules
+(``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``).
+
+Later families (DeepSeek's shared experts and grouped top-k) add a router and a shared MLP here;
+the expert path and its weights stay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ConfigError, MoEConfig
+
+Take = Callable[[str], torch.Tensor]
+Put = Callable[[torch.Tensor, torch.Tensor, str], None]
+
+
+def route(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, expert ids)``, both ``[tokens, top_k]``, from the router's logits."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    if not moe.weights_float32:
+        weights = weights.to(logits.dtype)
+    return weights, ids
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``x [S, K]`` rows grouped by ``offs`` (int32 ends) times ``w [E, K, N]`` per group."""
+    fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    return fn(x, w, offs=offs)
+
+
+class Experts(nn.Module):
+    """The experts of one layer (this rank's slice of each): ``gate_up[e]`` ``[2I, H]`` (gate
+    rows then up rows) and ``down[e]`` ``[H, I]``."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up = nn.ModuleList(nn.Linear(hidden, 2 * inter, bias=False) for _ in range(num_experts))
+        self.down = nn.ModuleList(nn.Linear(inter, hidden, bias=False) for _ in range(num_experts))
+        self.w13: torch.Tensor | None = None  # [E, 2I, H] when the grouped path is on
+        self.w2: torch.Tensor | None = None  # [E, H, I]
+
+    @property
+    def path(self) -> str:
+        return "grouped" if self.w13 is not None else "loop"
+
+    def stack_for_grouped_mm(self) -> bool:
+        """Stack the weights for grouped GEMM, the linears becoming views of the stack; keep
+        it when a trial call runs and agrees with the loop (True), else stay on the loop."""
+        if not grouped_mm_available():
+            return False
+        gate_up = [lin.weight for lin in self.gate_up]
+        down = [lin.weight for lin in self.down]
+        if not all(isinstance(w, nn.Parameter) for w in gate_up + down):
+            return False  # already packed (oneDNN): the loop's
+        w13, w2 = torch.stack([w.detach() for w in gate_up]), torch.stack([w.detach() for w in down])
+        try:
+            x = torch.randn(2, w13.shape[2], dtype=w13.dtype, device=w13.device) * 0.02
+            last = self.num_experts - 1  # row 0 to expert 0, row 1 to the last expert
+            offs = torch.tensor([1] * last + [2], dtype=torch.int32, device=w13.device)
+            got = _grouped_mm(x, w13.transpose(1, 2), offs)
+            want = torch.stack([x[0] @ w13[0].T, x[1] @ w13[last].T])
+            if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=1e-3):
+                return False
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
+        self.w13, self.w2 = w13, w2
+        with torch.no_grad():
+            for e in range(self.num_experts):
+                self.gate_up[e].weight = nn.Parameter(w13[e], requires_grad=False)
+                self.down[e].weight = nn.Parameter(w2[e], requires_grad=False)
+        return True
+
+    def forward(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        sorted_ids, order = torch.sort(flat, stable=True)
+        x = h.index_select(0, order // k)  # [t * k, H], grouped by expert
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=h.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        if self.w13 is not None and self.w2 is not None:
+            offs = counts.cumsum(0).to(torch.int32)
+            gate, up = _grouped_mm(x, self.w13.transpose(1, 2), offs).chunk(2, dim=-1)
+            y = _grouped_mm(F.silu(gate).mul_(up), self.w2.transpose(1, 2), offs)
+        else:
+            if h.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ConfigError("cuda_graphs=True with a mixture-of-experts model needs grouped GEMM "
+                                  "(torch.nn.functional.grouped_mm), which this torch or GPU lacks; "
+                                  "set cuda_graphs=False")
+            y = torch.empty_like(x)
+            start = 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    gate, up = self.gate_up[e](x[start:start + n]).chunk(2, dim=-1)
+                    y[start:start + n] = self.down[e](F.silu(gate, inplace=True).mul_(up))
+                    start += n
+        # Scale by the routing weight (Mixtral's float32 weights promote, as HF's do), put the
+        # rows back in (token, slot) order and sum each token's top_k slots.
+        scaled = y * weights.reshape(-1).index_select(0, order)[:, None]
+        back = torch.empty_like(scaled).index_copy_(0, order, scaled)
+        return back.view(t, k, -1).sum(dim=1).to(h.dtype)
+
+
+class SparseMoE(nn.Module):
+    """A layer's MoE MLP: router and experts; returns this rank's partial sum."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, inter_per_rank: int):
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, hidden, inter_per_rank)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(h), self.moe)
+        return self.experts(h, weights, ids)
+
+
+# The names a layer's MoE weights go by: (block, gate, up, down) of the per-expert form.
+_PER_EXPERT_NAMES = (("mlp", "gate_proj", "up_proj", "down_proj"),
+                     ("block_sparse_moe", "w1", "w3", "w2"),
+                     ("mlp", "w1", "w3", "w2"))
+
+
+def load_experts(layer: SparseMoE, prefix: str, names: Container[str], take: Take, put: Put,
+                 inter: range) -> None:
+    """Load one layer's router and this rank's slice ``inter`` of every expert. ``names``: the
+    checkpoint's weight names not yet taken; ``take`` pops one (a `ConfigError` naming it when
+    missing), ``put`` copies into a parameter after checking its shape."""
+    experts = layer.experts
+    n = experts.num_experts
+    block = next((b for b in ("mlp", "block_sparse_moe") if f"{prefix}{b}.gate.weight" in names), "mlp")
+    put(layer.gate.weight, take(f"{prefix}{block}.gate.weight"), f"{prefix}{block}.gate.weight")
+    fused = f"{prefix}{block}.experts.gate_up_proj"
+    if fused in names:
+        gate_up, down = take(fused), take(f"{prefix}{block}.experts.down_proj")
+        for name, w in ((fused, gate_up), (f"{prefix}{block}.experts.down_proj", down)):
+            if w.dim() != 3 or w.shape[0] != n:
+                raise ConfigError(f"weight {name} has shape {tuple(w.shape)}; expected [{n} experts, "
+                                  "rows, columns] (config.json's expert count)")
+        full = gate_up.shape[1] // 2
+        for e in range(n):
+            rows = torch.cat([gate_up[e, inter.start:inter.stop], gate_up[e, full + inter.start:full + inter.stop]])
+            put(experts.gate_up[e].weight, rows, f"{fused}[{e}]")
+            put(experts.down[e].weight, down[e][:, inter.start:inter.stop], f"{prefix}{block}.experts.down_proj[{e}]")
+        return
+    form = next(((b, g, u, d) for b, g, u, d in _PER_EXPERT_NAMES
+                 if f"{prefix}{b}.experts.0.{g}.weight" in names), _PER_EXPERT_NAMES[0])
+    b, g, u, d = form
+    for e in range(n):
+        p = f"{prefix}{b}.experts.{e}."
+        gate, up = take(f"{p}{g}.weight"), take(f"{p}{u}.weight")
+        put(experts.gate_up[e].weight, torch.cat([gate[inter.start:inter.stop], up[inter.start:inter.stop]]),
+            f"{p}{g}+{u}")
+        put(experts.down[e].weight, take(f"{p}{d}.weight")[:, inter.start:inter.stop], f"{p}{d}.weight")
