@@ -11,13 +11,13 @@ import argparse
 import sys
 from importlib.metadata import entry_points
 
-from pdserve import cluster_cli, gateway_cmd, kv_cmd, launch, planner_cmd, sim_cmd, worker_cmd
+from pdserve import cluster_cli, gateway_cmd, kv_cmd, launch, planner_cmd, sim_cmd, top_cmd, worker_cmd
 from pdserve.decode import cli as decode_cli
 from pdserve.engine import cli as engine_cli
 from pdserve.router import cli as router_cli
 
 # Modules that contribute subcommands, in the order `pdserve --help` lists them.
-COMMAND_MODULES = (engine_cli, router_cli, decode_cli, cluster_cli, launch, planner_cmd, worker_cmd, kv_cmd,
+COMMAND_MODULES = (engine_cli, router_cli, decode_cli, cluster_cli, launch, top_cmd, planner_cmd, worker_cmd, kv_cmd,
                    gateway_cmd, sim_cmd)
 # Commands from outside the product, declared as entry points of this group (pyproject.toml):
 # `pdserve bench` is bench/'s (the product never imports bench/), and a plugin adds its own

@@ -23,6 +23,7 @@ import urllib.request
 from pdserve.api.tool_calls import add_chat_flags
 
 from .kv_cmd import _cluster_of
+from .observability_args import add_observability_flags, config_fields
 from .topology_args import add_topology_arg
 
 HTTP_TIMEOUT_S = 10.0
@@ -77,6 +78,7 @@ def register(subparsers) -> None:
     gw.add_argument("--worker-server-name", help="the name the decode workers' certificates carry, when it is not "
                     "the address they register (default: the topology's security.tls.server_name)")
     gw.add_argument("--check", action="store_true", help="validate the arguments and exit; start nothing")
+    add_observability_flags(gw)
     gw.set_defaults(func=run)
     sub = gw.add_subparsers(dest="gateway_command", metavar="GATEWAY_COMMAND")
     p = sub.add_parser("explain", help="every decode worker's predicted TTFT for a prompt, and the pick")
@@ -122,7 +124,7 @@ def run(args) -> int:
                         http_port=args.http_port, max_migrations=args.max_migrations,
                         kv_index=not args.no_kv_index, routing=args.routing,
                         race_fraction=args.race_fraction, race_risk=args.race_risk,
-                        forward_tenant=not args.no_forward_tenant, **chat, **sec)
+                        forward_tenant=not args.no_forward_tenant, **chat, **sec, **config_fields(topo, args))
     cfg.chat_options()  # a bad combination names its setting before anything starts
 
     if args.check:

@@ -131,9 +131,15 @@ def _print_queue(state, queue: dict | None) -> None:
 
 
 async def _members(state, tls=None) -> dict:
+    return await read_members(state.etcd_endpoints, state.cluster, tls)
+
+
+async def read_members(endpoints: list[str], cluster: str, tls=None) -> dict:
+    """Each registered worker's record as a plain dict (role, hostname, address, endpoints,
+    load, kv_layout), by worker id: what `status` and `top` (top_cmd.py) show."""
     from pdserve.cluster.registry import Registry
 
-    async with Registry(state.etcd_endpoints, state.cluster, tls=tls) as reg:
+    async with Registry(endpoints, cluster, tls=tls) as reg:
         members = await reg.members()
     return {wid: {"role": m.role, "hostname": m.hostname, "address": m.address, "endpoints": m.endpoints,
                   "load": m.load, "kv_layout": m.kv_layout} for wid, m in members.items()}

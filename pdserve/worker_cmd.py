@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.observability_args import add_observability_flags, with_observability
+
 if TYPE_CHECKING:  # (`plan` and `--check` load neither Ray nor torch: imports are where they are used)
     from pdserve.cluster.actors import StartedWorker
     from pdserve.cluster.topology import Topology
@@ -89,6 +91,7 @@ def register(subparsers) -> None:
                    help="on SIGTERM, how long in-flight work may take to finish (default: %(default)s)")
     p.add_argument("--check", action="store_true",
                    help="validate the arguments and the topology, print the plan, start nothing")
+    add_observability_flags(p)
     p.set_defaults(func=run)
 
 
@@ -119,6 +122,7 @@ def plan(args) -> WorkerPlan:
         token_source(topo.ray, topo.resolve)  # with ray.auth: token, a token must be there
     except ValueError as exc:
         raise ValueError(f"--topology {args.topology}: {exc}") from None
+    topo = with_observability(topo, args)  # --otlp-traces-*, --log-format over its observability section
     recorded = _recorded(topo)
     role = args.role
     if role == "prefill" and topo.roles.prefill.replicas == 0:

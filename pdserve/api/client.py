@@ -39,6 +39,16 @@ class Completion:
     finish_reason: str = ""
     breakdown: dict = field(default_factory=dict)
     logprobs: list[dict] = field(default_factory=list)
+    # prompt_logprobs asked: an entry per prompt token (the first with logprob and rank None)
+    prompt_logprobs: list[dict] | None = None
+
+
+def prompt_logprobs_of(msg: pb.GenerateResponse) -> list[dict] | None:
+    """A message's prompt logprobs as the engine's entries; None when it carries none."""
+    if not msg.prompt_logprobs:
+        return None
+    return [{"token_id": lp.token_id, "logprob": lp.logprob if lp.rank else None, "rank": lp.rank or None,
+             "top_logprobs": {t.token_id: t.logprob for t in lp.top}} for lp in msg.prompt_logprobs]
 
 
 def build_request(prompt: str | list[int], *, request_id: str | None = None, model: str = "",
@@ -115,6 +125,8 @@ def _accumulate(out: Completion, msg: pb.GenerateResponse) -> None:
     for lp in msg.logprobs:
         out.logprobs.append({"token_id": lp.token_id, "logprob": lp.logprob,
                              "top_logprobs": {t.token_id: t.logprob for t in lp.top}})
+    if msg.prompt_logprobs:
+        out.prompt_logprobs = prompt_logprobs_of(msg)
     if msg.finish_reason:
         out.finish_reason = msg.finish_reason
         out.breakdown = breakdown_dict(msg.breakdown)

@@ -26,10 +26,11 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.api.v1 import inference_pb2_grpc as pb_grpc
-from pdserve.common import Priority
+from pdserve.common import Priority, jsonlog
+from pdserve.common.tracing import carrier_of, trace_id_of
 from pdserve.engine import SamplingParams
 
-from .client import breakdown_dict
+from .client import breakdown_dict, prompt_logprobs_of
 from .ingress import ERROR_SCOPE_HEADER, Chunk, GenerateInput, RequestError, kv_wait_of_metadata
 from .security import ApiKeyInterceptor, ServerSecurity
 from .surface import Surface
@@ -99,7 +100,8 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
     return Chunk(list(msg.token_ids), msg.text, msg.finish_reason or None,
                  [{"token_id": lp.token_id, "logprob": lp.logprob,
                    "top_logprobs": {t.token_id: t.logprob for t in lp.top}} for lp in msg.logprobs],
-                 breakdown_dict(msg.breakdown) if msg.HasField("breakdown") else None)
+                 breakdown_dict(msg.breakdown) if msg.HasField("breakdown") else None,
+                 prompt_logprobs_of(msg))
 
 
 def chunk_to_proto(rid: str, c: Chunk) -> pb.GenerateResponse:
@@ -109,6 +111,10 @@ def chunk_to_proto(rid: str, c: Chunk) -> pb.GenerateResponse:
         msg.logprobs.append(pb.TokenLogprob(
             token_id=lp["token_id"], logprob=lp["logprob"] or 0.0,
             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in (lp.get("top_logprobs") or {}).items()]))
+    for lp in c.prompt_logprobs or ():
+        msg.prompt_logprobs.append(pb.TokenLogprob(
+            token_id=lp["token_id"], logprob=lp["logprob"] or 0.0, rank=lp["rank"] or 0,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp["top_logprobs"].items()]))
     if c.breakdown is not None:
         fields = {f.name for f in pb.Breakdown.DESCRIPTOR.fields}
         msg.breakdown.CopyFrom(pb.Breakdown(**{k: v for k, v in c.breakdown.items() if k in fields}))
@@ -168,6 +174,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             inp.request_id = inp.request_id or uuid.uuid4().hex
             inp.caller = self.security.caller_of_metadata(context.invocation_metadata(), context.peer())
             inp.kv_full_wait_ms = kv_wait_of_metadata(context.invocation_metadata())
+            inp.trace = carrier_of(context.invocation_metadata())  # W3C traceparent / tracestate
+            jsonlog.bind(inp.request_id, trace_id_of(inp.trace))  # this call's log lines name them
             async for chunk in self.frontend.generate(inp):
                 yield chunk_to_proto(inp.request_id, chunk)
         except RequestError as exc:

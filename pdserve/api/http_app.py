@@ -127,9 +127,13 @@ _PASSED = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequen
 
 
 def _input(body: SamplingFields, prompt: str | list[int] | None, messages: list[dict] | None = None,
-           max_tokens: int | None = None, fill_context: bool = False, logprobs: int | None = None) -> GenerateInput:
-    """One prompt of a request as the `Surface` takes it; ``max_tokens``: the request's (either name)."""
+           max_tokens: int | None = None, fill_context: bool = False, logprobs: int | None = None,
+           prompt_logprobs: int | None = None) -> GenerateInput:
+    """One prompt of a request as the `Surface` takes it; ``max_tokens``: the request's (either name);
+    ``prompt_logprobs``: in place of the request's (a completion's echo with logprobs)."""
     kw = {k: getattr(body, k) for k in _PASSED if getattr(body, k) is not None}
+    if prompt_logprobs is not None:
+        kw["prompt_logprobs"] = prompt_logprobs
     if max_tokens is not None:
         kw["max_tokens"] = max_tokens
     elif fill_context and body.min_tokens:
@@ -178,12 +182,12 @@ def _with_body(handler: Handler, model: type[BaseModel]) -> Handler:
 def _add_generation_routes(app: FastAPI, gen: Generation, models: RequestModels) -> None:
     async def completions(body: CompletionFields, request: Request) -> Response:
         _check_combinations(body)
-        if body.echo and body.logprobs is not None:
-            raise RequestError("invalid_argument", "echo: not with logprobs (prompt logprobs are not computed "
-                               "here); drop one of them", "echo")
         prompts = _prompts(body.prompt)
+        # echo with logprobs: the prompt's tokens' logprobs too (vLLM: prompt_logprobs defaults to logprobs)
+        echo_lps = body.logprobs if body.echo and body.prompt_logprobs is None else None
         return await gen.run(request, body, "completion",
-                             [_input(body, q, max_tokens=body.max_tokens, logprobs=body.logprobs) for q in prompts],
+                             [_input(body, q, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                     prompt_logprobs=echo_lps) for q in prompts],
                              body.logprobs, prompts if body.echo else None)
 
     async def chat(body: ChatFields, request: Request) -> Response:

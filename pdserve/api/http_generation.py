@@ -17,6 +17,9 @@ from typing import AsyncGenerator, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.common import jsonlog
+from pdserve.common.tracing import carrier_of, trace_id_of
+
 from .disconnect import ClientWatch
 from .http_guard import openai_error
 from .ingress import Chunk, GenerateInput, RequestError
@@ -83,9 +86,12 @@ class Generation:
         frontend = self.frontend
         rid = body.request_id or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         caller = getattr(request.state, "caller", None)  # ApiKeyAuth's: the key, or keys off the client
+        trace = carrier_of(request.headers.items())  # W3C traceparent / tracestate
+        jsonlog.bind(rid, trace_id_of(trace))  # this call's log lines name them
         for inp in inputs:
             inp.request_id = rid
             inp.caller = caller
+            inp.trace = trace
         n = body.n
         gen = frontend.generate_many(inputs, n)
         watch = ClientWatch(request.receive)  # until the response starts: a client that leaves stops its work

@@ -126,6 +126,9 @@ class GenerateInput:
     # KV_WAIT_HEADER; the policy's qos.kv_full_wait_ms caps it). A gateway that has another
     # worker to ask sends 0: a fast refusal lets it go there. None: the policy's.
     kv_full_wait_ms: float | None = None
+    # The W3C trace context its caller sent (``traceparent``, ``tracestate``: gRPC metadata or
+    # HTTP headers, common/tracing.py carrier_of); None: none, a traced request starts a trace.
+    trace: dict[str, str] | None = None
 
 
 KV_WAIT_HEADER = "x-pdserve-kv-full-wait-ms"
@@ -158,6 +161,9 @@ class Chunk:
     finish_reason: str | None = None
     logprobs: list[dict] = field(default_factory=list)
     breakdown: dict | None = None
+    # with the first token when prompt_logprobs was asked: an entry per prompt token, the first
+    # with logprob and rank None ({token_id, logprob, rank, top_logprobs}: engine/prompt_logprobs.py)
+    prompt_logprobs: list[dict] | None = None
 
 
 def sample_input(inp: GenerateInput, j: int, request_id: str) -> GenerateInput:

@@ -7,7 +7,8 @@ pdserve extensions (``token_ids``, the ``pdserve`` breakdown). With a shaper (ap
 `ChoiceShaper`), a chat choice's text is read into ``reasoning_content``, ``content`` and
 ``tool_calls`` (deltas when streaming). A chunk is
 anything with ``token_ids``, ``text``, ``finish_reason``, ``logprobs`` (the
-engine's ``{token_id, logprob, top_logprobs}`` entries) and ``breakdown``.
+engine's ``{token_id, logprob, top_logprobs}`` entries), ``prompt_logprobs`` (vLLM's shape:
+completions per choice, chat at the top level) and ``breakdown``.
 The shapes are the models of `openai_types`; the schema tests hold them to it.
 """
 
@@ -26,6 +27,23 @@ __all__ = ["Reply", "usage_of", "merge_choice"]
 
 def _finite(lp: float | None) -> float:
     return LOGPROB_FLOOR if lp is None or lp != lp or lp < LOGPROB_FLOOR else lp
+
+
+def prompt_logprobs_json(entries: list[dict], token_text: Callable[[int], str]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token null (the first) or ``{token id: {logprob,
+    rank, decoded_token}}`` for the prompt token and the N most likely ones."""
+    out: list[dict | None] = []
+    for e in entries:
+        if e["logprob"] is None:
+            out.append(None)
+            continue
+        tid = e["token_id"]
+        d = {str(tid): {"logprob": _finite(e["logprob"]), "rank": e["rank"], "decoded_token": token_text(tid)}}
+        tops = sorted((e.get("top_logprobs") or {}).items(), key=lambda kv: -kv[1])
+        for rank, (t, v) in enumerate(tops, 1):
+            d.setdefault(str(t), {"logprob": _finite(v), "rank": rank, "decoded_token": token_text(t)})
+        out.append(d)
+    return out
 
 
 class Reply:
@@ -71,6 +89,19 @@ class Reply:
             return {"content": content}
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = self.sent_chars[i] + len(text) - len(c.text)  # after any echoed prompt
+        if self.echo and c.prompt_logprobs is not None:  # echo with logprobs: the prompt's tokens first
+            at = 0
+            for e in c.prompt_logprobs:
+                tok = tt(e["token_id"])
+                top: dict[str, float] | None = None
+                if e["logprob"] is not None:
+                    top = {tt(t): _finite(v) for t, v in (e.get("top_logprobs") or {}).items()}
+                    top.setdefault(tok, _finite(e["logprob"]))
+                out["tokens"].append(tok)
+                out["token_logprobs"].append(None if e["logprob"] is None else _finite(e["logprob"]))
+                out["top_logprobs"].append(top)
+                out["text_offset"].append(at)
+                at += len(tok)
         for e in c.logprobs:
             tok, lp = tt(e["token_id"]), _finite(e["logprob"])
             top = {tt(t): _finite(v) for t, v in (e.get("top_logprobs") or {}).items()}
@@ -97,6 +128,8 @@ class Reply:
         else:
             body = {"text": text}
         out = {"index": i, **body, "logprobs": lp, "finish_reason": finish, "token_ids": c.token_ids}
+        if c.prompt_logprobs is not None:  # (a chat reply has them at its top level: `envelope`)
+            out["prompt_logprobs"] = prompt_logprobs_json(c.prompt_logprobs, self.token_text)
         if c.breakdown is not None:
             out["pdserve"] = c.breakdown
         return out
@@ -113,7 +146,12 @@ class Reply:
     def envelope(self, choices: list[dict], stream: bool) -> dict:
         obj = {"chat": ("chat.completion.chunk", "chat.completion"),
                "completion": ("text_completion", "text_completion")}[self.kind][0 if stream else 1]
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        out = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if self.kind == "chat":  # vLLM's chat shape: the prompt's logprobs once, beside the choices
+            lifted = [c.pop("prompt_logprobs") for c in choices if "prompt_logprobs" in c]
+            if lifted:
+                out["prompt_logprobs"] = lifted[0]
+        return out
 
 
 def usage_of(chunks: list[tuple[int, Any]], n: int) -> dict:
@@ -132,6 +170,9 @@ def merge_choice(parts: list[dict]) -> dict:
     if "message" in out:
         out["message"] = {"role": "assistant", "content": "".join(p["message"]["content"] for p in parts)}
     out["token_ids"] = [t for p in parts for t in p["token_ids"]]
+    prompt_lps = next((p["prompt_logprobs"] for p in parts if "prompt_logprobs" in p), None)
+    if prompt_lps is not None:
+        out["prompt_logprobs"] = prompt_lps
     if out["logprobs"] is not None:
         out["logprobs"] = {k: [x for p in parts for x in p["logprobs"][k]] for k in out["logprobs"]}
     return out

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "ErrorResponse", "ErrorBody", "Usage", "Breakdown",
-    "CompletionLogprobs", "CompletionChoice", "Completion", "CompletionChunk",
+    "PromptLogprob", "CompletionLogprobs", "CompletionChoice", "Completion", "CompletionChunk",
     "ChatTopLogprob", "ChatTokenLogprob", "ChatLogprobs", "AssistantMessage", "ChatChoice", "ChatCompletion",
     "FunctionCall", "ToolCall", "FunctionCallDelta", "ToolCallDelta", "ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "ModelCard", "ModelList", "Health",
 ]
@@ -78,12 +78,27 @@ class CompletionLogprobs(_Out):
     text_offset: list[int] = Field(description="each token's character offset in the choice's text")
 
 
+class PromptLogprob(_Out):
+    """vLLM's prompt logprob of one token (a value of a `prompt_logprobs` entry, keyed by token id)."""
+
+    logprob: float
+    rank: int | None = Field(description="1: the most likely token at that position")
+    decoded_token: str | None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+PROMPT_LOGPROBS_DOC = ("vLLM extension, with prompt_logprobs: per prompt token (null for the first) the "
+                       "prompt token's logprob and rank and the N most likely tokens', keyed by token id")
+
+
 class CompletionChoice(_Out):
     index: int = Field(description="prompt index x n + sample index")
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
     token_ids: list[int] = Field(description="pdserve extension: the generated token ids")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=PROMPT_LOGPROBS_DOC + " (when streaming: on "
+                                                                  "the choice's first chunk)")
     pdserve: Breakdown | None = Field(None, description="pdserve extension, on the choice's final message")
 
 
@@ -159,6 +174,7 @@ class ChatCompletion(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=PROMPT_LOGPROBS_DOC)
 
 
 class FunctionCallDelta(_Out):
@@ -198,6 +214,8 @@ class ChatCompletionChunk(_Out):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=PROMPT_LOGPROBS_DOC + " (on the first "
+                                                                  "chunk with a token)")
 
 
 class ModelCard(_Out):

@@ -12,7 +12,7 @@ output. Unknown fields are ignored, as vLLM does.
 
 Both request kinds take the sampling controls vLLM users pass (``logit_bias`` as
 OpenAI defines it, ``min_p``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
-``prompt_logprobs``: only null for now) and structured outputs (``response_format``, vLLM's
+``prompt_logprobs``) and structured outputs (``response_format``, vLLM's
 ``structured_outputs`` and its older ``guided_*`` names: openai_structured.py).
 """
 
@@ -270,8 +270,10 @@ def request_models(b: Bounds) -> RequestModels:
         bad_words: Annotated[list[BadWord], Field(max_length=b.max_bad_words)] | None = Field(
             None, description="vLLM extension: words never generated (a word's last token is banned after "
                               "its other tokens)")
-        prompt_logprobs: None = Field(None, description="vLLM extension, not supported yet (the engine computes "
-                                                        "no logits for prompt positions): only null")
+        prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = Field(
+            None, description="vLLM extension: the logprob and rank of each prompt token and of the N most likely "
+                              "tokens at its position (the prompt is then prefilled on the worker that answers, "
+                              "every position: no cached prefix)")
         # pdserve extensions
         priority: Literal["high", "normal", "low"] = Field("normal", description="pdserve: QoS class")
         ttft_slo_ms: Annotated[float, Field(gt=0)] | None = Field(
@@ -283,11 +285,6 @@ def request_models(b: Bounds) -> RequestModels:
             None, description="the response's id (with n > 1 or several prompts, sequence i runs as "
                               "`<id>-<i>`); must not be in flight for the same API key (else 409)")
 
-        @field_validator("prompt_logprobs", mode="before")
-        @classmethod
-        def _no_prompt_logprobs(cls, v):
-            return _only(v, None)
-
     _stream_options_need_stream = {
         "if": {"properties": {"stream_options": {"type": "object"}}, "required": ["stream_options"]},
         "then": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
@@ -298,8 +295,6 @@ def request_models(b: Bounds) -> RequestModels:
 
         model_config = ConfigDict(json_schema_extra={"allOf": [
             _stream_options_need_stream, AT_MOST_ONE,
-            {"if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
-             "then": {"properties": {"logprobs": {"type": "null"}}}},
         ]})
 
         prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=b.max_prompts)] \
@@ -307,7 +302,8 @@ def request_models(b: Bounds) -> RequestModels:
                 description="text, token ids, or a list of either (one choice per prompt and n)")
         logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = Field(
             None, description="log-probabilities of each generated token and of the N most likely ones")
-        echo: bool = Field(False, description="prepend the prompt to each choice's text (not with logprobs)")
+        echo: bool = Field(False, description="prepend the prompt to each choice's text (with logprobs: the "
+                                              "prompt tokens' logprobs too, the first one null)")
         suffix: None = Field(None, description="not supported: only null")
         best_of: Annotated[int, Field(ge=1, le=1), INTEGRAL] | None = Field(None, description="not supported: only 1")
 

@@ -33,7 +33,7 @@ from pdserve.cluster.etcd_auth import WORKER, EtcdTLS, WorkerCerts, worker_ident
 from pdserve.cluster.keys import check_name
 from pdserve.cluster.netaddr import LOOPBACK
 from pdserve.cluster.runtime import available_cpu_count
-from pdserve.cluster.topology_sections import ModelSpec, NetworkSpec, QueueSpec, RaySpec, _Strict
+from pdserve.cluster.topology_sections import ModelSpec, NetworkSpec, ObservabilitySpec, QueueSpec, RaySpec, _Strict
 from pdserve.cluster.topology_security import EtcdSpec, SecuritySpec
 from pdserve.common.yaml_schema import YamlDocument, YamlIssue, YamlSchemaError
 
@@ -175,6 +175,7 @@ class Topology(_Strict):
     queue: QueueSpec = Field(default_factory=QueueSpec)
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     security: SecuritySpec = Field(default_factory=SecuritySpec)
+    observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)  # traces and logs
     run_dir: str | None = None  # logs, embedded etcd data; default ./runs
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)

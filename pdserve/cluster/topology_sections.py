@@ -201,3 +201,20 @@ class NetworkSpec(_Strict):
         if bad:
             raise ValueError(f"keys must be UCX_* environment variables, got {bad}")
         return value
+
+
+class ObservabilitySpec(_Strict):
+    """Traces and logs of every worker and gateway (docs/cluster.md, "Tracing" and "Logs"): the
+    OTLP endpoint spans go to (None: tracing off), its protocol and the share of traces kept
+    (vLLM's setting names; common/tracing.py), the log lines' format, and uvicorn's access lines."""
+
+    otlp_traces_endpoint: str | None = None  # e.g. http://collector:4317 (grpc), http://collector:4318 (http)
+    otlp_traces_protocol: Literal["grpc", "http/protobuf"] | None = None  # None: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else grpc
+    otlp_traces_sample_ratio: float | None = Field(None, ge=0, le=1)  # None: OTEL_TRACES_SAMPLER, else all
+    log_format: Literal["text", "json"] = "text"
+    access_log: bool = True
+
+    def tracing(self) -> dict[str, Any]:
+        """The workers' and gateways' ``tracing`` config (common/tracing.py TracingConfig fields)."""
+        return {"otlp_traces_endpoint": self.otlp_traces_endpoint, "otlp_traces_protocol": self.otlp_traces_protocol,
+                "otlp_traces_sample_ratio": self.otlp_traces_sample_ratio}

@@ -71,6 +71,11 @@ class WorkerConfig:
     # Take over a record under this worker_id left by this worker's own earlier process (set
     # when Ray restarts the actor: the old lease may outlive the old process by up to its TTL).
     replace_stale_registration: bool = False
+    # Traces (common/tracing.py TracingConfig fields; None: off), the log lines' format ("text" |
+    # "json", common/jsonlog.py) and uvicorn's access lines: the topology's observability section.
+    tracing: dict | None = None
+    log_format: str = "text"
+    access_log: bool = True
 
     @classmethod
     def of(cls: type[_Config], cfg: "_Config | dict[str, Any]") -> _Config:
@@ -137,7 +142,9 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
                           queue_namespace=topology.ray.namespace, freeze_gc=True,
                           bind=topology.network.bind, ucx_env=dict(topology.network.ucx),
                           kv_transport=topology.network.kv_transport.model_dump(),
-                          queue_tls=_queue_client_tls(topology))
+                          queue_tls=_queue_client_tls(topology), tracing=topology.observability.tracing(),
+                          log_format=topology.observability.log_format,
+                          access_log=topology.observability.access_log)
     out = dataclasses.asdict(common)
     # Cores: slot of this replica among the topology's workers, prefill replicas first.
     out.update(cpus=spec.cpus, cpu_slots=max(1, topology.roles.prefill.replicas + topology.roles.decode.replicas),

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import signal
 
 from pdserve.api.tool_calls import add_chat_flags
 from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
+from pdserve.common import jsonlog
+from pdserve.common.jsonlog import FORMATS
+from pdserve.common.tracing import PROTOCOLS, TracingConfig
 
 
 def register(subparsers) -> None:
@@ -52,6 +54,16 @@ def register(subparsers) -> None:
                    help="on SIGTERM: seconds in-flight streams may run before they are handed back to their "
                         "clients (a gateway continues them on another decode worker); default 30")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="text", choices=FORMATS,
+                   help="log lines as text, or one JSON object per line with request_id and trace_id")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no uvicorn access line per HTTP request (default: on)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry spans over OTLP to this collector (default: tracing off)")
+    p.add_argument("--otlp-traces-protocol", default=None, choices=PROTOCOLS,
+                   help="grpc or http/protobuf (default: $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else grpc)")
+    p.add_argument("--otlp-traces-sample-ratio", type=float, default=None, metavar="R",
+                   help="share of new traces kept, 0-1 (default: $OTEL_TRACES_SAMPLER, else every trace)")
     chat = p.add_argument_group("tool calling and reasoning (vLLM's flags; docs/api.md, Tool calling)")
     add_chat_flags(chat)
     sec = p.add_argument_group("security (docs/security.md; the topology's security: section)")
@@ -83,7 +95,7 @@ def _etcd_tls(args: argparse.Namespace) -> dict | None:
 def _serve(args: argparse.Namespace) -> int:
     from .worker import DecodeWorker, DecodeWorkerConfig
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    jsonlog.setup(args.log_format, args.log_level)
     try:
         engine_args = json.loads(args.engine_args)
     except json.JSONDecodeError as exc:
@@ -99,7 +111,9 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys_file=args.api_keys_file, open_paths=_names(args.open_paths),
         open_grpc_services=_names(args.open_grpc_services),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, log_format=args.log_format, access_log=args.access_log,
+        tracing=TracingConfig(args.otlp_traces_endpoint, args.otlp_traces_protocol,
+                              args.otlp_traces_sample_ratio).to_dict(),
     )
 
     async def main() -> None:

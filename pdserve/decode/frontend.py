@@ -30,6 +30,7 @@ from .ingress import Prepared, RemotePath, as_request_error
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
 from .prefill_pool import PrefillView
+from .tracing import RequestTrace
 
 __all__ = ["Frontend", "Chunk", "GenerateInput", "Prepared", "RemotePath", "RequestError", "ServingLimits"]
 
@@ -211,18 +212,21 @@ class Frontend(Surface):
         connector = self.engine.connector
         spec = parse_structured_outputs(params.structured_outputs)
         grammar_ms = self.engine.prompts.grammars.fresh_compile_ms(spec) if spec is not None else 0.0
+        want_prompt_lps = params.prompt_logprobs is not None and not resume  # (a resumed stream sent them)
 
         def assess():
             """Admission as the worker stands now: its pool's and the prefill workers' cached
             prefixes (their KV events; decode/remote.py prefix_view), its load, the policy."""
-            cached = self.cached_len(computed)
+            # prompt logprobs: every prompt position runs here (the router keeps it local)
+            cached = self.cached_len(computed) if not want_prompt_lps else 0
             view = self.remote.prefix_view if self.remote is not None and not resume else None
             hint = view.cached_tokens(ids) if view is not None else {}
             # router/assess.py builds the features and prices the tier (the simulator's worker too)
             feats = request_features(len(computed), cached, priority=prio, ttft_slo_ms=inp.ttft_slo_ms,
                                      route=inp.route, max_tokens=params.max_tokens, resumed=bool(resume), hint=hint,
-                                     tier_cached_len=connector.tier_prefix_len(computed, cached),
-                                     peer_reads=self.peers is not None, grammar_compile_ms=grammar_ms)
+                                     tier_cached_len=0 if want_prompt_lps else connector.tier_prefix_len(computed, cached),
+                                     peer_reads=self.peers is not None, grammar_compile_ms=grammar_ms,
+                                     prompt_logprobs=want_prompt_lps)
             snap = priced_tier(self.snapshot(max(0, len(computed) - cached), cached), feats,
                                connector.tier_load_ms_per_token())
             return cached, hint, feats, snap, admit(feats, snap, policy)
@@ -248,7 +252,7 @@ class Frontend(Surface):
                     else snap.costs.ttft_residual_local_ms) if len(computed) > cached else 0.0
         borrow = None
         peers = self.peers
-        if decision.route == "local" and peers is not None and not resume:
+        if decision.route == "local" and peers is not None and not resume and not want_prompt_lps:
             borrow = peers.choose(hint, cached, len(ids), snap.costs, feats.tier_cached_len)
         return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, prefix_hint=hint,
                         tenant=tenant_of(inp.caller), residual_ms=residual, borrow=borrow,
@@ -303,7 +307,13 @@ class Frontend(Surface):
 
     # -- running -----------------------------------------------------------------------
     async def _generate(self, inp: GenerateInput) -> AsyncIterator[Chunk]:
-        prep = await self.prepare(inp)
+        trace = RequestTrace(self.worker_id, inp)  # its spans (decode/tracing.py); nothing when not tracing
+        try:
+            prep = await self.prepare(inp)
+        except BaseException as exc:
+            trace.end(exc)
+            raise
+        prep.traceparent = trace.admitted(prep)
         fl = self._begin(prep)
         extra: dict = {}
         remote = self.remote if fl.remote else None
@@ -317,11 +327,14 @@ class Frontend(Surface):
             async for item, final, info in source:
                 extra.update(info)
                 chunk = self._chunk(fl, item, final, extra)
+                if chunk.breakdown is not None:
+                    trace.finished(prep, chunk.breakdown)
                 yield chunk
                 if fl.finished:
                     return
         finally:
             self._end(fl)
+            trace.end(how=None if fl.finished else fl.end)
 
     def _begin(self, prep: Prepared) -> Flight:
         """An admitted request starts (its label moves from admission to in flight)."""
@@ -361,7 +374,8 @@ class Frontend(Surface):
         if item.new_token_ids:
             fl.last_t = now
             fl.emitted += len(item.new_token_ids)
-        chunk = Chunk(item.new_token_ids, item.text, item.finish_reason, item.logprobs)
+        chunk = Chunk(item.new_token_ids, item.text, item.finish_reason, item.logprobs,
+                      prompt_logprobs=item.prompt_logprobs)
         if item.finished:
             fl.finished = True
             self.metrics.request_finished(item.finish_reason)

@@ -42,6 +42,9 @@ class Prepared:
     prefix_hint: dict[str, int] = field(default_factory=dict)
     # (holder, blocks): a local prefill that first borrows that prefix (decode/borrow.py); None: none.
     borrow: tuple[str, int] | None = None
+    # The W3C traceparent of its request span on this worker (decode/tracing.py), which its
+    # prefill task carries so the prefill worker's spans join the trace; None: not traced.
+    traceparent: str | None = None
 
 
 class RemotePath(Protocol):

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.cluster.grammar_metrics import GrammarCollector
+from pdserve.cluster.registration import Registration
+from pdserve.cluster.registration_metrics import RegistrationCollector
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                       1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -83,6 +85,11 @@ class WorkerMetrics:
         """Export the engine's structured-output compiler (`LLMEngine.grammar_stats`), read at
         each scrape: the ``pdserve_grammar_*`` metrics (cluster/grammar_metrics.py)."""
         self.registry.register(GrammarCollector(stats, self.labels))
+
+    def watch_registration(self, registration: Registration) -> None:
+        """Export the worker's etcd registration, read at each scrape: its state and lease losses
+        (cluster/registration_metrics.py)."""
+        self.registry.register(RegistrationCollector(registration, self.labels))
 
     def ttft_prediction(self, route: str, ratio: float) -> None:
         self._ttft_prediction.labels(route=route, **self.labels).observe(ratio)

@@ -287,6 +287,7 @@ class RemotePrefill:
             sampling_params=prep.params.to_dict(), priority=prep.priority,
             deadline=owner.deadline_at,
             prefix_hint=prep.prefix_hint,  # computed once at admission (decode/frontend.py)
+            traceparent=prep.traceparent or "",  # the prefill worker's spans join the request's trace
         )
         self.signer.sign(task)  # binds the blocks to this worker: the prefill worker checks it
         h.task = task

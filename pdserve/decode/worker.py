@@ -33,6 +33,7 @@ from pdserve.cluster.registry import Registry
 from pdserve.cluster.runtime import cpu_list, freeze_gc_heap
 from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
 from pdserve.cluster.worker_config import WorkerConfig
+from pdserve.common import jsonlog, tracing
 from pdserve.common.compute_thread import run_in_own_thread
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.calibrate import measure_steps
@@ -147,6 +148,9 @@ class DecodeWorker:
         """Load the engine (or take `engine`, already loaded: a worker changing role keeps its
         weights and KV pool), start serving and register; returns the endpoints."""
         cfg = self.cfg
+        if cfg.log_format != "text":
+            jsonlog.setup(cfg.log_format)
+        tracing.configure("decode", cfg.tracing)  # off without an endpoint (common/tracing.py)
         self.host = cfg.host or cfg.address()
         self.security = ServerSecurity.from_config(cfg)  # bad files fail before the engine loads
         self.chat = cfg.chat_options()  # so does an unknown parser
@@ -203,8 +207,9 @@ class DecodeWorker:
         sock.bind((self.host, cfg.http_port))
         self._http_sock = sock
         self.http_address = f"{self.host}:{sock.getsockname()[1]}"
-        config = uvicorn.Config(build_app(self.frontend, self.security, self.chat), log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=2, http=H11Protocol, **self.security.uvicorn_ssl())
+        config = jsonlog.uvicorn_config(build_app(self.frontend, self.security, self.chat), cfg.log_format,
+                                        cfg.access_log, lifespan="off", timeout_graceful_shutdown=2, http=H11Protocol,
+                                        **self.security.uvicorn_ssl())
         self._http = uvicorn.Server(config)
         self._http.install_signal_handlers = lambda: None  # the process owner handles signals
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
@@ -246,6 +251,7 @@ class DecodeWorker:
         cfg = self.cfg
         nixl = json.dumps(self.transport_record).encode() if self.agent is not None else None
         self.registry = registry = await join_cluster(cfg, self._record(), nixl, on_drain=self.drain)
+        self.metrics.watch_registration(registry)
         policy = self.frontend.policy
         self.policy_watch = await registry.watch_policy(
             "router", validate=lambda text: parse_policy(text, source=f"etcd:/pdserve/{cfg.cluster}/config/router"),
@@ -439,6 +445,7 @@ class DecodeWorker:
                 self.engine.close()
         if "frontend" in started:
             self.frontend.close()
+        tracing.flush("decode")  # its last spans leave before it does
         if self.agent is not None:
             self.agent.close()
         if self.kv_publisher is not None:

@@ -17,6 +17,9 @@ class RequestDelta:
     finish_reason: str | None = None
     logprobs: list[dict] = field(default_factory=list)
     error: str | None = None  # with finish_reason "error": why this request failed
+    # on the first token's delta when prompt_logprobs was asked: an entry per prompt token, the
+    # first without a logprob (engine/prompt_logprobs.py `reported`)
+    prompt_logprobs: list[dict] | None = None
 
     @property
     def finished(self) -> bool:

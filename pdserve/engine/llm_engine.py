@@ -20,6 +20,8 @@ from .engine_types import EngineLoad, EngineStateError, EngineStats, RequestDelt
 from .kv_connector import KVConnector
 from .kv_events import KVEventLog
 from .kv_tier import KVTier
+from .prompt_logprobs import record as record_prompt_logprobs
+from .prompt_logprobs import reported as reported_prompt_logprobs
 from .prompts import PromptChecker, check_resume_ids
 from .request import (
     InvalidRequestError,
@@ -185,6 +187,7 @@ class LLMEngine:
         req.output_token_ids = list(resume)
         if req.logprobs is not None:  # the first worker streamed theirs; these positions have none here
             req.logprobs = [None] * len(resume)
+        req.prompt_logprobs = None  # (and its prompt's logprobs, with its first token)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None,
@@ -196,6 +199,10 @@ class LLMEngine:
         says the pages are written."""
         req = self.make_request(prompt, params, request_id, priority, arrival, tenant, resume_ids)
         req.remote_kv = remote_kv and not req.output_token_ids  # (a resumed stream computes its tokens here)
+        if req.remote_kv and req.owes_prompt_logprobs:  # (the router keeps these local: reason prompt_logprobs)
+            self._forget(req)
+            raise InvalidRequestError("prompt_logprobs", "computed where the prompt runs: such a request "
+                                      "cannot take its prompt's KV from another worker (route it locally)")
         self.scheduler.add(req)
         return req
 
@@ -323,11 +330,7 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         try:
-            if on_plan is not None:
-                layer_hook = on_plan(plan.scheduled) or layer_hook
-            if self.tier is not None:
-                self.tier.flush(now=False)  # TP: the other ranks copy as rank 0 did, before this forward
-            logits, sampling = self.runner.execute(plan.scheduled, self.kv, layer_hook)
+            logits, sampling = self._forward(plan.scheduled, layer_hook, on_plan)
         except TPGroupBroken:
             raise  # not this step's requests' fault: the engine cannot step again (the worker exits)
         except Exception as exc:
@@ -368,6 +371,20 @@ class LLMEngine:
                 except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
                     deltas.append(self.fail_request(req, exc))
         return deltas
+
+    def _forward(self, scheduled: list[tuple[Request, int]], layer_hook, on_plan) -> tuple:
+        """The step's forward pass: the logits of the requests that sample, and those requests
+        (the prompt logprobs the step's chunks owe are recorded: engine/prompt_logprobs.py)."""
+        if on_plan is not None:
+            layer_hook = on_plan(scheduled) or layer_hook
+        if self.tier is not None:
+            self.tier.flush(now=False)  # TP: the other ranks copy as rank 0 did, before this forward
+        logits, batch = self.runner.execute(scheduled, self.kv, layer_hook)
+        sampling = batch.sampling
+        if batch.prompt_rows:  # the prompt positions' rows follow the sampling ones
+            record_prompt_logprobs(batch.prompt_rows, logits[len(sampling):])
+            logits = logits[:len(sampling)]
+        return logits, sampling
 
     def _end_failed_grammars(self) -> list[RequestDelta]:
         """Fail the requests whose grammar did not compile (their error delta each)."""
@@ -457,7 +474,10 @@ class LLMEngine:
             status = RequestStatus.FINISHED_STOPPED if finish == "stop" else RequestStatus.FINISHED_LENGTH
             self.scheduler.finish(req, status)
             self.stats.num_finished += 1
-        return RequestDelta(req.request_id, [tok], text, finish, [entry] if entry else [])
+        delta = RequestDelta(req.request_id, [tok], text, finish, [entry] if entry else [])
+        if req.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+            delta.prompt_logprobs = reported_prompt_logprobs(req)  # with the first token (its prompt ran before it)
+        return delta
 
     def output_of(self, req: Request) -> RequestOutput:
         return RequestOutput(
@@ -465,6 +485,7 @@ class LLMEngine:
             token_ids=list(req.output_token_ids), text=self._detok[req.request_id].text,
             finish_reason=req.finish_reason, logprobs=req.logprobs,
             num_cached_tokens=req.num_cached_tokens, stop_reason=req.stop_reason,
+            prompt_logprobs=reported_prompt_logprobs(req),
             times=RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                req.num_preemptions),
         )

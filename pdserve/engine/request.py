@@ -171,8 +171,6 @@ class SamplingParams:
         integer("min_tokens", 0, self.max_tokens)
         if self.prompt_logprobs is not None:
             integer("prompt_logprobs", 0, 20)
-            bad("prompt_logprobs", "not supported yet: the engine computes no logits for prompt positions; "
-                "leave it unset (logprobs of the generated tokens: `logprobs`)")
         self._validate_token_controls(vocab_size, lim)
 
     def _validate_token_controls(self, vocab_size: int | None, lim: RequestLimits) -> None:
@@ -270,6 +268,10 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
         self.num_preemptions = 0
         self.logprobs: list[dict | None] | None = [] if params.logprobs is not None else None
+        # vLLM's prompt_logprobs: one entry per prompt token after the first, filled as the chunks
+        # of its prompt run (engine/prompt_logprobs.py); None when not asked (or, for a resumed
+        # stream, already sent by the first worker).
+        self.prompt_logprobs: list[dict] | None = [] if params.prompt_logprobs is not None else None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -304,6 +306,12 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are asked and not all computed: every prompt position must run
+        through the model here (no prefix-cache hit, no tier load, no KV from another worker)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.value}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens})")
@@ -330,6 +338,8 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[dict | None] | None = None
     num_cached_tokens: int = 0
+    # prompt_logprobs asked: one entry per prompt token, the first without a logprob
+    prompt_logprobs: list[dict] | None = None
     stop_reason: int | str | None = None
     times: RequestTimes | None = field(default=None, compare=False, repr=False)
 

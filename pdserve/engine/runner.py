@@ -201,19 +201,20 @@ class ModelRunner:
     graphs: DecodeGraphs | None = None  # DecodeGraphs once enabled
 
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager,
-                layer_hook=None) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step; return logits for the requests that sample, and those requests."""
+                layer_hook=None) -> tuple[torch.Tensor, StepBatch]:
+        """Run one step; return the logits of the requests that sample (then of the prompt
+        positions whose logprobs are owed: ``batch.prompt_rows``), and the step's batch."""
         batch = build_step_batch(scheduled, kv, self.block_size, self.device)
         if self.graphs is not None and layer_hook is None:
             size = self.graphs.size_for(batch.layout)
             if size is not None:
-                return self.graphs.run(batch, size), batch.sampling
+                return self.graphs.run(batch, size), batch
         if self.group is None:
-            return self.run_step(batch, layer_hook), batch.sampling
+            return self.run_step(batch, layer_hook), batch
         try:
             with self.group.exchange:  # a control call from another thread waits for the step's end
                 self.group.send_step(batch)
-                return self.run_step(batch, layer_hook), batch.sampling
+                return self.run_step(batch, layer_hook), batch
         except TPGroupBroken:
             raise
         except BaseException as exc:

@@ -277,8 +277,8 @@ class Scheduler:
             if req.grammar is not None and not req.grammar.ready:
                 held.append(self.waiting.popleft())
                 continue
-            hits, cached = self.kv.computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
-            if self.tier is not None and not req.tier_tried:
+            hits, cached = self._prefix_hit(req)
+            if self.tier is not None and not req.tier_tried and not req.owes_prompt_logprobs:
                 req.tier_tried = True
                 if self._start_load(req, hits):
                     self.waiting.popleft()
@@ -332,11 +332,17 @@ class Scheduler:
             return [], 0  # nothing long in the step: nothing to hold back
         return out, total
 
+    def _prefix_hit(self, req: Request) -> tuple[list, int]:
+        """The pool's cached prefix blocks for a waiting request and the tokens they cover; none
+        for one that owes prompt logprobs (its every prompt position runs: engine/prompt_logprobs.py)."""
+        if req.owes_prompt_logprobs:
+            return [], 0
+        return self.kv.computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
+
     def _waiting_left(self, req: Request) -> int:
         """The prompt tokens a waiting request will compute: those after the prefix the pool
         holds now (``computed_blocks``; it may yet be evicted before the request is admitted)."""
-        ids = req.all_token_ids if req.output_token_ids else req.prompt_token_ids
-        return req.num_tokens - self.kv.computed_blocks(req.request_id, ids, req.cache_salt)[1]
+        return req.num_tokens - self._prefix_hit(req)[1]
 
     def _fair_order(self) -> None:
         """Order the waiting requests in tenant turns (see the module docstring)."""

@@ -9,13 +9,14 @@ small torch ops per request would cost as much as the model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .attention_base import BatchLayout
 from .block_manager import KVCacheManager
+from .prompt_logprobs import owed_rows
 from .request import Request
 
 
@@ -26,8 +27,12 @@ class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     layout: BatchLayout
-    logits_indices: torch.Tensor  # [len(sampling)] token index of each sampling request
+    # token index of each sampling request, then of each prompt position whose logprobs are owed
+    logits_indices: torch.Tensor
     sampling: list[Request]
+    # (request, a, b): prompt positions [a, b) whose logits follow the sampling rows, in order
+    # (engine/prompt_logprobs.py)
+    prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 def new_token_ids(req: Request, start: int, n: int) -> list[int]:
@@ -62,6 +67,8 @@ def build_step_batch(scheduled: list[tuple[Request, int]], kv: KVCacheManager,
     tables: list[list[int]] = []
     logits_idx: list[int] = []
     sampling: list[Request] = []
+    prompt_idx: list[int] = []
+    prompt_rows: list[tuple[Request, int, int]] = []
     for i, (req, n) in enumerate(scheduled):
         c = req.num_computed_tokens
         ids.extend(new_token_ids(req, c, n))
@@ -69,6 +76,11 @@ def build_step_batch(scheduled: list[tuple[Request, int]], kv: KVCacheManager,
         if c + n == req.num_tokens:
             logits_idx.append(int(qsl[i + 1]) - 1)
             sampling.append(req)
+        if req.prompt_logprobs is not None and (owed := owed_rows(req, c, n)) is not None:
+            a, b = owed
+            base = int(qsl[i]) - c
+            prompt_idx.extend(range(base + a, base + b))
+            prompt_rows.append((req, a, b))
     block_tables = pad_block_tables(tables)
     # Token t of sequence i sits at position ctx[i] + (t - qsl[i]).
     seq: np.ndarray = np.repeat(np.arange(num), new)
@@ -82,6 +94,7 @@ def build_step_batch(scheduled: list[tuple[Request, int]], kv: KVCacheManager,
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.from_numpy(pos).to(device),
         layout=layout,
-        logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=device),
+        logits_indices=torch.tensor(logits_idx + prompt_idx, dtype=torch.long, device=device),
         sampling=sampling,
+        prompt_rows=prompt_rows,
     )

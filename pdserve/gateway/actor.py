@@ -46,6 +46,8 @@ def gateway_config(topo, replica: int, model: str, etcd_endpoints: list[str]) ->
         "gateway_id": f"gateway-{replica}", "routing": g.routing, "max_migrations": g.max_migrations,
         "race_fraction": g.race_fraction, "race_risk": g.race_risk, "forward_tenant": g.forward_tenant,
         "kv_index": g.kv_index, **chat_config(topo), **security_config(topo),
+        "tracing": topo.observability.tracing(), "log_format": topo.observability.log_format,
+        "access_log": topo.observability.access_log,
     }
 
 

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -39,6 +40,7 @@ from pdserve.api.ingress import (ERROR_SCOPE_HEADER, KV_WAIT_HEADER, REQUEST_SCO
 from pdserve.api.security import TENANT_HEADER
 from pdserve.api.surface import Surface, identity, tenant_of
 from pdserve.api.v1 import inference_pb2 as pb
+from pdserve.common import tracing
 from pdserve.api.validate import check_privileges
 from pdserve.engine.prompts import PromptChecker
 
@@ -46,6 +48,7 @@ from .backends import Backends
 from .forward import metadata_float, metadata_int, worker_request
 from .metrics import GatewayMetrics
 from .pick import RaceBudget, race_partner
+from .tracing import attempt_span, migrated, request_ended, request_span
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,7 @@ class Stream:
     migrations: int = 0
     aborted: bool = False
     call: object = None
+    span: tracing.AnySpan = tracing.NO_SPAN  # its gateway.request span (common/tracing.py): each attempt's parent
 
 
 class _Broken(Exception):
@@ -153,7 +157,7 @@ class GatewayFrontend(Surface):
         if key in self.streams:
             raise RequestError("already_exists", f"request_id: {label!r} is still in flight on this gateway; "
                                "wait for it to end (or abort it) before reusing the id", "request_id")
-        s = self.streams[key] = Stream(label)
+        s = self.streams[key] = Stream(label, span=request_span(inp, label, self.worker_id, len(ids)))
         arrival = time.monotonic()
         self.race_budget.start(arrival)
         tried: set[str] = set()
@@ -212,11 +216,13 @@ class GatewayFrontend(Surface):
                         raise RequestError("unavailable", f"the stream broke {s.migrations} times (last: {b}); "
                                            f"gateway.max_migrations is {self.max_migrations}") from None
                     self.metrics.migration("moved")
+                    migrated(s.span, b, len(s.tokens))
                     if b.scope == "worker":
                         self.metrics.request_error("worker", "retried")
                     log.warning("gateway: %s broke on %s after %d token(s) (%s); continuing elsewhere",
                                 label, b.worker_id, len(s.tokens), b)
         finally:
+            request_ended(s.span, sys.exc_info()[1], s.migrations, len(s.tokens))
             if self.streams.get(key) is s:
                 del self.streams[key]
 
@@ -259,7 +265,7 @@ class GatewayFrontend(Surface):
         cancelled (its call ends; its blocks are freed). Only the winner's tokens reach the
         client, so usage counts them once. Raises `_Broken` when both fail before a token."""
         runs = {w: (st, self._attempt(st, w, ids, params, prio, inp, arrival))
-                for w, st in ((first, Stream(s.label)), (second, Stream(s.label)))}
+                for w, st in ((first, Stream(s.label, span=s.span)), (second, Stream(s.label, span=s.span)))}
         tasks = {asyncio.ensure_future(gen.__anext__()): w for w, (_, gen) in runs.items()}
         won: tuple[str, Chunk] | None = None  # the winner and its first chunk
         broken: _Broken | None = None
@@ -296,6 +302,7 @@ class GatewayFrontend(Surface):
         self.metrics.race("won_first" if winner == first else "won_second")
         self.metrics.race_waste(len(ids))  # at most: the loser's prompt, if it was scheduled
         log.info("gateway: %s raced on %s and %s: %s first", s.label, first, loser, winner)
+        s.span.set({"pdserve.race_winner": winner, "pdserve.race_loser": loser})
         st, gen = runs[winner]
         s.worker_id, s.worker_rid, s.call, s.tokens = st.worker_id, st.worker_rid, st.call, st.tokens
         async with contextlib.aclosing(gen):
@@ -321,6 +328,8 @@ class GatewayFrontend(Surface):
             md = (*(md or ()), (KV_WAIT_HEADER, "0"))
         rid = f"{self._id_prefix}-{next(self._ids):x}"
         s.worker_id, s.worker_rid = worker_id, rid
+        span = attempt_span(s.span, worker_id, rid, len(s.tokens))
+        md = (*(md or ()), *span.carrier().items())  # the worker's spans are this attempt's children
         req = worker_request(ids, rid, params, prio.label, inp, s.tokens)
         own = len(ids) + len(s.tokens) - self.backends.cached(ids + s.tokens).get(worker_id, 0)
         units = w.queued() + own
@@ -335,8 +344,11 @@ class GatewayFrontend(Surface):
                     first = True
                     w.queued_tokens -= own
                     w.observe_ttft((time.monotonic() - sent) * 1e3, units)
+                    span.event("first_token")
                     if not s.tokens:
                         self.metrics.ttft.observe(time.monotonic() - arrival)
+                        s.span.event("first_token")
+                        s.span.set({"gen_ai.latency.time_to_first_token": time.monotonic() - arrival})
                 s.tokens.extend(msg.token_ids)
                 chunk = chunk_from_proto(msg)
                 if msg.finish_reason:
@@ -373,5 +385,7 @@ class GatewayFrontend(Surface):
             if not first:
                 w.queued_tokens -= own
             if not finished:
-                call.cancel()  # the client left, or the stream broke: the worker frees its blocks
+                call.cancel()  # the client left, the stream broke, or it lost a race: the worker frees its blocks
+                span.set({"pdserve.outcome": "ended early", "pdserve.tokens": len(s.tokens)})
+            span.end()
         raise _Broken(worker_id, "the stream ended without its last message", not first)

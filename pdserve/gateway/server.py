@@ -27,6 +27,7 @@ from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.cluster.etcd_auth import EtcdTLS
 from pdserve.cluster.registry import Registry
 from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PATHS
+from pdserve.common import jsonlog, tracing
 from pdserve.engine.prompts import PromptChecker
 from pdserve.engine.tokenizer import Tokenizer
 
@@ -84,6 +85,11 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # Traces (common/tracing.py TracingConfig fields; None: off), the log lines' format and
+    # uvicorn's access lines (the topology's observability section; `pdserve gateway` flags).
+    tracing: dict | None = None
+    log_format: str = "text"
+    access_log: bool = True
 
     def chat_options(self) -> ChatOptions:
         """ValueError naming the setting for an unknown parser, or auto without one."""
@@ -107,6 +113,9 @@ class Gateway:
         cfg = self.cfg
         if not cfg.model:
             raise ValueError("model: the gateway needs the model directory for its tokenizer (--model)")
+        tracing.configure("gateway", cfg.tracing)  # off without an endpoint (common/tracing.py)
+        if cfg.log_format != "text":
+            jsonlog.setup(cfg.log_format)
         self.registry = Registry(cfg.etcd_endpoints, cfg.cluster, tls=EtcdTLS.of(cfg.etcd_tls))
         creds = WorkerCredentials(cfg.worker_api_key, cfg.worker_ca_file, cfg.worker_client_cert,
                                   cfg.worker_client_key, server_name=cfg.worker_server_name)
@@ -164,8 +173,8 @@ class Gateway:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.cfg.host, self.cfg.http_port))
         self.http_address = f"{self.cfg.host}:{sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
-                                http=H11Protocol, **self.security.uvicorn_ssl())
+        config = jsonlog.uvicorn_config(app, self.cfg.log_format, self.cfg.access_log, lifespan="off",
+                                        timeout_graceful_shutdown=2, http=H11Protocol, **self.security.uvicorn_ssl())
         self._http = uvicorn.Server(config)
         self._http.install_signal_handlers = lambda: None
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
@@ -184,5 +193,6 @@ class Gateway:
             await self.backends.close()
         if self.frontend is not None:
             self.frontend.close()
+        tracing.flush("gateway")  # its last spans leave before it does
         if self.registry is not None:
             await self.registry.close(deregister=False)

@@ -26,6 +26,7 @@ Pure: no engine, no transport; one job is driven by the worker thread only.
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
 
@@ -73,6 +74,7 @@ class PrefillJob:
         self.failure: tuple[str, str] | None = None  # (kind, detail) once FAILED
         self.write_may_land = False  # a posted write timed out: the transport may still move it
         self.history: list[str] = []  # "state --event--> state", for logs and tests
+        self.times: dict[str, float] = {"admitted": time.time()}  # event -> when (unix s): its spans (prefill/tracing.py)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -122,5 +124,6 @@ class PrefillJob:
         if new is None:
             return False
         self.history.append(f"{self.state.value} --{event}--> {new.value}")
+        self.times[event] = time.time()
         self.state = new
         return True

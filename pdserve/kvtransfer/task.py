@@ -22,6 +22,8 @@ from typing import Any
 
 from pdserve.common.priority import Priority
 
+MAX_TRACEPARENT_CHARS = 128  # "00-<32 hex>-<16 hex>-<2 hex>" is 55; a future version may add fields
+
 
 @dataclass
 class PrefillTask:
@@ -38,6 +40,10 @@ class PrefillTask:
     the decode worker's view of their KV events says (cluster/kvindex/); the queue may keep the task
     for the worker with the longest one (cluster/queue/core.py). Advisory, so not signed: a
     wrong hint can only cost scheduling, never what is computed or where it is written.
+    `traceparent`: the W3C trace context of the decode worker's request span when it traces
+    (common/tracing.py), so the prefill worker's spans join the request's trace; "" when it
+    does not (then the wire leaves it out: a worker of an earlier version reads the task).
+    Advisory, so not signed.
     """
 
     request_id: str
@@ -53,6 +59,7 @@ class PrefillTask:
     origin: str = ""
     signature: bytes = b""
     prefix_hint: dict[str, int] = field(default_factory=dict)
+    traceparent: str = ""
 
     def __post_init__(self) -> None:
         self.priority = Priority.parse(self.priority)  # ValueError naming the choices
@@ -60,6 +67,9 @@ class PrefillTask:
                 isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
                 for k, v in self.prefix_hint.items()):
             raise ValueError("prefix_hint must map worker ids to token counts (ints >= 0)")
+        if not isinstance(self.traceparent, str) or len(self.traceparent) > MAX_TRACEPARENT_CHARS:
+            raise ValueError(f"traceparent must be a W3C traceparent string (at most {MAX_TRACEPARENT_CHARS} "
+                             "characters)")
         if not isinstance(self.signature, bytes):
             raise ValueError(f"signature must be bytes, got {type(self.signature).__name__}")
         if not 0 <= self.cached_len <= len(self.token_ids):
@@ -88,8 +98,12 @@ class TaskFormatError(ValueError):
 
 def task_to_wire(task: PrefillTask) -> dict[str, Any]:
     """The task as a map of its fields. Shallow on purpose: `dataclasses.asdict` deep-copies
-    every token id (~0.8 ms for a 512-token task). The priority packs as its int."""
-    return {name: getattr(task, name) for name in TASK_FIELDS}
+    every token id (~0.8 ms for a 512-token task). The priority packs as its int. An empty
+    traceparent is left out (a task of a worker that does not trace reads as before)."""
+    out = {name: getattr(task, name) for name in TASK_FIELDS}
+    if not task.traceparent:
+        del out["traceparent"]
+    return out
 
 
 def task_from_wire(body: Any, what: str = "task") -> PrefillTask:

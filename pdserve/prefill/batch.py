@@ -169,7 +169,7 @@ class PrefillBatch:
         self._progress(NOTICE_FLUSH_S if any(f.notified for f in failures) else 0.0)
         self.stats.batches += 1
         self.stats.tasks_done += result.done
-        result.failures = failures
+        result.failures, result.jobs = failures, list(jobs.values())
         return result
 
     # -- admit ---------------------------------------------------------------------------

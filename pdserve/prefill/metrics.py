@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from pdserve.cluster.grammar_metrics import GrammarCollector
+from pdserve.cluster.registration import Registration
+from pdserve.cluster.registration_metrics import RegistrationCollector
 from pdserve.cluster.runtime import MetricsEndpoint
 
 _TASK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -80,6 +82,11 @@ class PrefillMetrics:
         token of a structured-output request is sampled here, under its grammar), read at each
         scrape: the ``pdserve_grammar_*`` metrics (cluster/grammar_metrics.py)."""
         self.registry.register(GrammarCollector(stats, self._labels))
+
+    def watch_registration(self, registration: Registration) -> None:
+        """Export the worker's etcd registration, read at each scrape: its state and lease losses
+        (cluster/registration_metrics.py)."""
+        self.registry.register(RegistrationCollector(registration, {**self._labels, "role": "prefill"}))
 
     def observe_batch(self, result) -> None:
         self.batch_tasks.observe(result.num_tasks)

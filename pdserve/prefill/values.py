@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from pdserve.kvtransfer.prefill_side import PrefillJob
 from pdserve.kvtransfer.task import PrefillTask
 
 
@@ -50,3 +51,4 @@ class BatchResult:
     batch_tokens: int = 0
     prefill_ms: float = 0.0
     num_tasks: int = 0
+    jobs: list[PrefillJob] = field(default_factory=list)  # its admitted tasks, as they ended (their spans)

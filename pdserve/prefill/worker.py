@@ -49,7 +49,7 @@ from pdserve.cluster.registry import Registry
 from pdserve.cluster.runtime import cpu_list, freeze_gc_heap
 from pdserve.cluster.watch import MemberWatch
 from pdserve.cluster.worker_config import WorkerConfig
-from pdserve.common import failpoints
+from pdserve.common import failpoints, jsonlog, tracing
 from pdserve.common.compute_thread import ComputeExecutor
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.tp_group import TPGroupBroken
@@ -67,6 +67,7 @@ from .heartbeat import Heartbeat
 from .loans import PrefixLoans
 from .metrics import PrefillMetrics
 from .peers import Peers
+from .tracing import trace_batch
 from .values import PrefillStats
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,9 @@ class PrefillWorker:
         """Load the engine (or take `engine`, already loaded: a worker changing role keeps its
         weights and KV pool), join the cluster and start pulling; returns its id and pid."""
         cfg = self.cfg
+        if cfg.log_format != "text":
+            jsonlog.setup(cfg.log_format)
+        tracing.configure("prefill", cfg.tracing)  # off without an endpoint (common/tracing.py)
         # Own its cores before any engine thread exists (threads inherit the mask; topology cpus).
         self.cpus = cfg.pin_cpus(f"prefill worker {self.worker_id}")
         self.engine = engine or await self._compute.run(
@@ -162,6 +166,7 @@ class PrefillWorker:
         self.kv_publisher = start_event_publisher(self.engine, cfg.address())
         self.registry = await join_cluster(cfg, self._record(transport, metrics_at),
                                            json.dumps(transport.record).encode(), on_drain=self.drain)
+        self.metrics.watch_registration(self.registry)
         self.peers = Peers(self.worker_id, self.registry, self.agent)
         self.gate = TaskGate(self.peers, self.stats)
         self.loans = self._prefix_loans(self.lending)
@@ -272,6 +277,7 @@ class PrefillWorker:
         if self.kv_publisher is not None:
             self.kv_publisher.close()
         self.metrics.close()
+        tracing.flush("prefill")  # its last spans leave before it does
         self._compute.shutdown()  # its thread ends after a batch still running (and its OpenMP team)
 
     def get_stats(self) -> dict:
@@ -378,7 +384,8 @@ class PrefillWorker:
             added = self.peers.sync(new_peers, unusable)
             if self.loans is not None:
                 self.loans.before_batch([t for t in tasks if t.target_worker_id not in unusable], added)
-            return self.batch.run(tasks, unusable)
+            # its tasks' spans, when this worker traces (prefill/tracing.py)
+            return trace_batch(self.batch.run(tasks, unusable), self.worker_id)
 
     async def _queue_call(self, method: str, *args) -> None:
         try:

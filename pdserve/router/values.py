@@ -47,6 +47,8 @@ class RequestFeatures:
     # (the prefill worker's cache is not known; a grammar new here is taken as new there). The
     # local route pays nothing: the edge has compiled it by the time the router decides.
     grammar_compile_ms: float = 0.0
+    # It asks for prompt_logprobs (engine/prompt_logprobs.py): prefilled here, every position.
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0 or self.cached_len < 0 or self.remote_cached_len < 0 or self.tier_cached_len < 0:

@@ -142,9 +142,19 @@ def test_echo_prepends_the_prompt(worker):
     assert text.endswith(ref.text) and len(text) > len(ref.text)
 
 
-def test_echo_with_logprobs_is_400_naming_echo(worker):
-    r = post(worker, "/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+def test_echo_with_logprobs_starts_with_the_prompt_tokens(worker):
+    """As vLLM: the legacy logprobs cover the prompt's tokens (the first one null), then the
+    generated ones; the answer has the documented shape (api/openai_responses.py)."""
+    from pdserve.api.openai_responses import Completion
+
+    prompt = ids(6, seed=3)
+    r = post(worker, "/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 2,
+                                         "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    lp = Completion.model_validate(r.json()).choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(prompt) + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
 
 
 @pytest.mark.parametrize("as_ids", [False, True], ids=["text", "token_ids"])

@@ -172,7 +172,7 @@ def test_grpc_bad_sampling_controls_are_invalid_argument_naming_them(worker):
     for kw, field in (({"logit_bias": {vocab: 1.0}}, "logit_bias"), ({"logit_bias": {5: 101.0}}, "logit_bias"),
                       ({"min_p": 1.5}, "min_p"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
                       ({"allowed_token_ids": [vocab]}, "allowed_token_ids"), ({"bad_words": [" "]}, "bad_words"),
-                      ({"prompt_logprobs": 1}, "prompt_logprobs")):
+                      ({"prompt_logprobs": 21}, "prompt_logprobs")):
         with Client(worker.grpc) as c, pytest.raises(grpc.RpcError) as info:
             c.generate("Answer:", **{"max_tokens": 4, **kw})
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(f"{field}:")
@@ -214,7 +214,9 @@ REFUSED = [
     ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
     ({"bad_words": [" "]}, "bad_words"),
     ({"bad_words": "zebra"}, "bad_words"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": "1"}, "prompt_logprobs"),
 ]
 
 

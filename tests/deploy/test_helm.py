@@ -3,7 +3,7 @@ Helm library), every rendered object through kubernetes-validate's strict schema
 pinned Kubernetes version, and every command a container runs through the CLI it names:
 pdserve's own `--check`, Ray's `ray start` option parser, `sh -n`, the etcd binary's flags.
 
-Custom resources (ServiceMonitor, PodMonitor: Prometheus Operator) have no schema in
+Custom resources (ServiceMonitor, PodMonitor, PrometheusRule: Prometheus Operator) have no schema in
 kubernetes-validate; the test asserts exactly that (so a schema appearing is noticed) and
 checks what matters about them by hand: they select the objects and ports that exist.
 """
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "pdserve"
 KUBE_VERSION = "1.30.0"  # the oldest Kubernetes the chart is validated against (Chart.yaml: >=1.27)
 RELEASE, NAMESPACE = "demo", "llm"
-CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor"}  # monitoring.coreos.com/v1: no schema shipped
+CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}  # monitoring.coreos.com/v1: no schema shipped
 BUILT_IN_KINDS = {"ConfigMap", "Service", "StatefulSet", "Deployment", "PodDisruptionBudget", "NetworkPolicy", "Job"}
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
@@ -81,7 +81,8 @@ VALUE_SETS = {
         "networkPolicy": {"enabled": True,
                           "clients": [{"namespaceSelector": {"matchLabels": {"pdserve.io/clients": "true"}}}],
                           "prometheus": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+                    "prometheusRule": {"enabled": True}, "dashboards": {"enabled": True}},  # tests/deploy/test_dashboards.py
         "decode": {"service": {"type": "LoadBalancer"}},
         "gateway": {"enabled": True},
         "kvIndex": {"enabled": True},

@@ -40,9 +40,9 @@ def _prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     execute = eng.runner.execute
 
     def spy(scheduled, kv, layer_hook=None):
-        logits, sampling = execute(scheduled, kv, layer_hook)
+        logits, batch = execute(scheduled, kv, layer_hook)
         captured.setdefault("logits", logits.float().clone())
-        return logits, sampling
+        return logits, batch
 
     eng.runner.execute = spy
     try:

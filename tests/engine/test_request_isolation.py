@@ -125,12 +125,12 @@ def test_a_row_that_cannot_be_sampled_fails_alone(llm, monkeypatch):
     runner_execute = eng.runner.execute
 
     def execute(scheduled, kv, hook):
-        logits, sampling = runner_execute(scheduled, kv, hook)
+        logits, batch = runner_execute(scheduled, kv, hook)
         logits = logits.clone()  # the runner's output is an inference tensor
-        for row, req in enumerate(sampling):
+        for row, req in enumerate(batch.sampling):
             if req.request_id == "iso-1":
                 logits[row] = float("nan")
-        return logits, sampling
+        return logits, batch
 
     monkeypatch.setattr(eng.runner, "execute", execute)
     victim = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)

@@ -334,7 +334,7 @@ def test_prefill_first_token_then_decode_equals_one_engine(llama_dir, llm, param
     ("min_p", dict(min_p=1.5)),
     ("bad_words", dict(bad_words=[""])),
     ("bad_words", dict(bad_words="word")),
-    ("prompt_logprobs", dict(prompt_logprobs=1)),  # not supported yet: refused, not ignored
+    ("prompt_logprobs", dict(prompt_logprobs=21)),  # (its other bounds: tests/engine/test_prompt_logprobs.py)
 ])
 def test_bad_values_are_refused_naming_the_field(llm, field, params):
     with pytest.raises(InvalidRequestError) as e:

@@ -215,6 +215,31 @@ def sdks(cluster):
         yield via, direct
 
 
+def test_prompt_logprobs_through_the_gateway_equal_a_worker(cluster, sdks):
+    """vLLM's prompt_logprobs cross the gateway: gRPC's first message, then OpenAI's shapes
+    (completions per choice, chat at the top level), equal to the worker's own answer."""
+    workers, gw = cluster
+    via, direct = sdks
+    with Client(workers[0].grpc) as d, Client(gw.gateway.grpc_address) as g:
+        want = d.generate("Answer: yes", max_tokens=2, temperature=0.0, prompt_logprobs=2)
+        got = g.generate("Answer: yes", max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    assert got.prompt_logprobs == want.prompt_logprobs and len(got.prompt_logprobs) > 2
+    assert got.prompt_logprobs[0]["logprob"] is None and got.breakdown["reason"].startswith("prompt_logprobs")
+    for kind in ("completions", "chat"):
+        answers = []
+        for client in (via, direct):
+            if kind == "completions":
+                r = client.completions.create(model="llama", prompt="Answer: yes", max_tokens=2, temperature=0.0,
+                                              extra_body={"prompt_logprobs": 1})
+                answers.append(r.choices[0].model_extra["prompt_logprobs"])
+            else:
+                r = client.chat.completions.create(model="llama", messages=ASK, max_tokens=2, temperature=0.0,
+                                                   extra_body={"prompt_logprobs": 1})
+                answers.append(r.model_extra["prompt_logprobs"])
+        assert answers[0] == answers[1] and answers[0][0] is None and len(answers[0]) > 2, kind
+    no_leaks(workers)
+
+
 @pytest.mark.parametrize("kw", SAMPLED, ids=lambda kw: f"t{kw['temperature']}-s{kw.get('seed')}")
 def test_sdk_parse_through_the_gateway(sdks, kw):
     outs = [sdk.chat.completions.parse(model="llama", messages=ASK, response_format=Item, max_tokens=200,

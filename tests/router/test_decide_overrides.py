@@ -32,6 +32,15 @@ def test_override_local_beats_always_remote(rt):
     assert (d.route, d.reason) == ("local", "override_local")
 
 
+@pytest.mark.parametrize("mode, override", [("always_remote", "remote"), ("conditional", "auto")])
+def test_prompt_logprobs_keep_a_long_prompt_local_whatever_asked(rt, mode, override):
+    policy = rt.policy(router={"mode": mode})
+    d = decide(rt.req(8000, override=override, prompt_logprobs=True), rt.snap(policy), policy)
+    assert (d.route, d.reason) == ("local", "prompt_logprobs")
+    if mode == "always_remote":  # (the same request without them goes where it asked)
+        assert decide(rt.req(8000, override=override), rt.snap(policy), policy).route == "remote"
+
+
 def test_override_remote_beats_always_local(rt):
     policy = rt.policy(router={"mode": "always_local"})
     d = decide(rt.req(10, override="remote"), rt.snap(policy), policy)
