@@ -43,6 +43,9 @@ def register(subparsers) -> None:
     p.add_argument("--etcd-key", default=None, help="its private key (PEM)")
     p.add_argument("--engine-args", default="{}",
                    help='engine arguments as JSON, e.g. \'{"max_num_seqs": 64, "block_size": 16}\'')
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4}\' (the engine argument speculative_config; docs/speculative.md)')
     p.add_argument("--local-prefill-budget-tokens", type=int, default=None,
                    help="prompt tokens one engine step may take (default: planned every step from the measured "
                         "step costs and the policy's qos.tpot_slo_ms / ttft_slo_ms: running streams keep their "
@@ -100,6 +103,11 @@ def _serve(args: argparse.Namespace) -> int:
         engine_args = json.loads(args.engine_args)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--engine-args is not valid JSON: {exc}") from None
+    if args.speculative_config is not None:
+        from pdserve.engine.spec_config import parse_speculative_config
+
+        parse_speculative_config(args.speculative_config)  # a ConfigError naming the field, before any work
+        engine_args["speculative_config"] = json.loads(args.speculative_config)
     cfg = DecodeWorkerConfig(
         model=args.model, engine_args=engine_args, host=args.host, grpc_port=args.grpc_port,
         http_port=args.http_port, router_policy=args.router_policy, worker_id=args.worker_id,

@@ -7,6 +7,8 @@ from .config import ConfigError, EngineConfig, ModelConfig
 from .engine_types import EngineLoad, EngineStateError, EngineStats, RequestDelta, StepError
 from .kv_connector import KVConnector, Reservation
 from .llm_engine import LLMEngine
+from .lora import LoRAError
+from .lora_request import LoRARequest
 from .offline import LLM
 from .request import (
                       InvalidRequestError,
@@ -25,5 +27,5 @@ __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput",
     "Request", "RequestStatus", "RequestDelta", "EngineLoad", "EngineStats", "ConfigError", "InvalidRequestError",
     "RequestLimits", "RequestTimes", "EngineStateError", "StepError", "check_text", "KVConnector", "Reservation",
-    "GrammarCompiler", "GrammarSpec", "parse_structured_outputs",
+    "GrammarCompiler", "GrammarSpec", "parse_structured_outputs", "LoRARequest", "LoRAError",
 ]

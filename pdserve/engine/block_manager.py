@@ -17,6 +17,7 @@ from pdserve.common.block_hash import block_hashes, hash_block  # noqa: F401  (t
 
 if TYPE_CHECKING:
     from .kv_events import KVEventLog
+    from .lora_request import LoRARequest
     from .kv_tier_types import SecondTier
 
 
@@ -149,9 +150,11 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free.append(b)
 
-    def cache(self, block: Block, block_hash: bytes, parent: bytes | None = None, token_ids=()) -> None:
+    def cache(self, block: Block, block_hash: bytes, parent: bytes | None = None, token_ids=(),
+              lora: LoRARequest | None = None) -> None:
         """Register a full block whose KV has been written under its content hash (``parent``:
-        the previous block's hash, ``token_ids`` its tokens: what its KV event says)."""
+        the previous block's hash, ``token_ids`` its tokens, ``lora`` the adapter that computed
+        it: what its KV event says)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
@@ -159,7 +162,7 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, tuple(token_ids)
         self.cached[block_hash] = block
         if self.events is not None:
-            self.events.stored(block_hash, parent, block.token_ids)
+            self.events.stored(block_hash, parent, block.token_ids, lora=lora)
 
     def num_cached_free(self) -> int:
         return sum(1 for b in self.cached.values() if b.ref_cnt == 0)
@@ -227,8 +230,9 @@ class KVCacheManager:
         return [b.block_id for b in self.tables.get(req_id, [])]
 
     def cache_full_blocks(self, req_id: str, token_ids: list[int], num_computed: int,
-                          salt: bytes | None = None) -> None:
-        """Register blocks that became full and whose KV is now written."""
+                          salt: bytes | None = None, lora: LoRARequest | None = None) -> None:
+        """Register blocks that became full and whose KV is now written (``salt`` folds in the
+        request's adapter, engine/lora_request.py; ``lora`` names it in the KV events)."""
         if not self.pool.enable_caching:
             return
         table = self.tables.get(req_id)
@@ -241,8 +245,19 @@ class KVCacheManager:
         hs = self._hashes(req_id, token_ids[: n_full * self.block_size], salt)
         bs = self.block_size
         for i in range(done, n_full):
-            self.pool.cache(table[i], hs[i], hs[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs])
+            self.pool.cache(table[i], hs[i], hs[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs], lora)
         self.num_cached_blocks[req_id] = n_full
+
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens (tail first): speculative
+        positions that were rejected (engine/spec_step.py). Never full, so never cached."""
+        table = self.tables.get(req_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        assert keep >= self.num_cached_blocks.get(req_id, 0)
+        self.tables[req_id], tail = table[:keep], table[keep:]
+        self.pool.release(list(reversed(tail)))
 
     def free(self, req_id: str) -> None:
         """Release every block of the request (tail first) and forget it."""

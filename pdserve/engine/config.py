@@ -326,6 +326,12 @@ class EngineConfig:
     structured_outputs_cache_bytes: int = 256 << 20
     structured_outputs_threads: int = 2
     structured_outputs_compile_nice: int = 10
+    speculative_config: dict | None = None  # vLLM's; checked by engine/spec_config.py (docs/speculative.md)
+    # LoRA adapters, vLLM's names (engine/lora.py checks them; docs/lora.md; max_cpu_loras None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -340,15 +346,11 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ConfigError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
-            )
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError(f"num_gpu_blocks_override={self.num_gpu_blocks_override} must be >= 1")
         if self.attention_backend not in ("auto", "torch", "native", "flashinfer"):
-            raise ConfigError(
-                f"attention_backend={self.attention_backend!r}; use auto, torch, native or flashinfer"
-            )
+            raise ConfigError(f"attention_backend={self.attention_backend!r}; use auto, torch, native or flashinfer")
         if self.linear_backend not in ("auto", "torch", "onednn"):
             raise ConfigError(f"linear_backend={self.linear_backend!r}; use auto, torch or onednn")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -64,3 +64,9 @@ class EngineStats:
     num_preemptions: int = 0
     num_finished: int = 0
     num_failed: int = 0  # requests finished with "error" (their sampling or detokenization raised)
+    # Speculative decoding (engine/spec_decode.py): verifications, tokens proposed in them, those
+    # accepted, and how often the proposal at each position (0 first) was accepted.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)

@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from pdserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 
+if TYPE_CHECKING:
+    from .lora_request import LoRARequest
+
 DEFAULT_MAX_PENDING = 100_000
+# What a stored block's event says of it besides its hash: parent hash, tokens, and the LoRA
+# adapter that computed it (vLLM's lora_id and lora_name; None: the base model).
+Live = tuple[bytes | None, tuple[int, ...], int | None, str | None]
 
 
 class KVEventLog:
@@ -30,7 +37,7 @@ class KVEventLog:
         self._pending: list[KVEvent] = []
         # Every cached block now, per tier: (hash, medium) -> (parent hash, its tokens), in the
         # order they were stored. ``medium``: the pool's; a second tier (engine/kv_tier.py) names its own.
-        self._live: dict[tuple[bytes, str], tuple[bytes | None, tuple[int, ...]]] = {}
+        self._live: dict[tuple[bytes, str], Live] = {}
         self._seq = -1  # the last sequence number handed out (or skipped)
         self._announce_gap = False  # a number was skipped: the next batch goes out even if empty
         self.batches = 0
@@ -38,11 +45,13 @@ class KVEventLog:
         self.gaps = 0
 
     # -- the engine thread ---------------------------------------------------------------
-    def stored(self, block_hash: bytes, parent: bytes | None, token_ids, medium: str | None = None) -> None:
+    def stored(self, block_hash: bytes, parent: bytes | None, token_ids, medium: str | None = None,
+               lora: LoRARequest | None = None) -> None:
         tokens, medium = tuple(token_ids), medium or self.medium
+        lid, lname = (None, None) if lora is None else (lora.lora_int_id, lora.lora_name)
         with self._lock:
-            self._live[(block_hash, medium)] = (parent, tokens)
-            self._record(BlockStored((block_hash,), parent, tokens, self.block_size, medium))
+            self._live[(block_hash, medium)] = (parent, tokens, lid, lname)
+            self._record(BlockStored((block_hash,), parent, tokens, self.block_size, medium, lid, lname))
 
     def removed(self, block_hash: bytes, medium: str | None = None) -> None:
         medium = medium or self.medium
@@ -85,8 +94,8 @@ class KVEventLog:
         with self._lock:
             flushed = self._take()
             events: list[KVEvent] = [AllBlocksCleared()]  # then the blocks in the order they were stored
-            events += [BlockStored((h,), parent, tokens, self.block_size, medium)
-                       for (h, medium), (parent, tokens) in self._live.items()]
+            events += [BlockStored((h,), parent, tokens, self.block_size, medium, lid, lname)
+                       for (h, medium), (parent, tokens, lid, lname) in self._live.items()]
             return flushed, self._seq, KVEventBatch(time.time(), tuple(_coalesce(events)))
 
     def cached_hashes(self, medium: str | None = None) -> set[bytes]:
@@ -103,9 +112,11 @@ def _coalesce(events: list[KVEvent]) -> list[KVEvent]:
     for e in events:
         last = out[-1] if out else None
         if (isinstance(e, BlockStored) and isinstance(last, BlockStored) and e.medium == last.medium
+                and e.lora_name == last.lora_name
                 and e.parent_block_hash is not None and e.parent_block_hash == last.block_hashes[-1]):
             out[-1] = BlockStored(last.block_hashes + e.block_hashes, last.parent_block_hash,
-                                  last.token_ids + e.token_ids, last.block_size, last.medium)
+                                  last.token_ids + e.token_ids, last.block_size, last.medium,
+                                  last.lora_id, last.lora_name)
         elif isinstance(e, BlockRemoved) and isinstance(last, BlockRemoved) and e.medium == last.medium:
             out[-1] = BlockRemoved(last.block_hashes + e.block_hashes, last.medium)
         else:

@@ -20,6 +20,8 @@ from .engine_types import EngineLoad, EngineStateError, EngineStats, RequestDelt
 from .kv_connector import KVConnector
 from .kv_events import KVEventLog
 from .kv_tier import KVTier
+from .lora import check_lora_config, check_request
+from .lora_request import LoRARequest, lora_salt
 from .prompt_logprobs import record as record_prompt_logprobs
 from .prompt_logprobs import reported as reported_prompt_logprobs
 from .prompts import PromptChecker, check_resume_ids
@@ -35,6 +37,10 @@ from .request import (
 from .runner import ModelRunner
 from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
+from .spec_config import parse_speculative_config
+from .spec_decode import SpecDecoder
+from .spec_step import finish_step as finish_spec_step
+from .spec_step import has_drafts
 from .step_budget import StepCost, StepTargets, attention_pairs
 from .structured import GrammarCompiler
 from .structured_spec import parse_structured_outputs
@@ -52,6 +58,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         config.validate()
+        check_lora_config(config)
+        spec = parse_speculative_config(config.speculative_config)  # (refused before the model loads)
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.model)
@@ -75,6 +83,7 @@ class LLMEngine:
                                              self.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.scheduling_policy, self.tier)
+        self.scheduler.max_loras = config.max_loras if config.enable_lora else None
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -100,6 +109,8 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.grammars)
         self._grammar_failed: list[tuple[Request, Exception]] = []  # to end with the step's deltas
         self.prompts = PromptChecker(self.tokenizer, self.max_model_len, self.model_config.vocab_size, self.grammars)
+        # Speculative decoding (engine/spec_decode.py; docs/speculative.md): None when off.
+        self.spec = SpecDecoder(spec, self.max_model_len) if spec is not None else None
 
     def close(self) -> None:
         """Stop the second tier's copy thread and the other tensor-parallel ranks (engine/tp_group.py)."""
@@ -140,8 +151,10 @@ class LLMEngine:
 
     def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None,
-                     tenant: str | None = None, resume_ids: list[int] | None = None) -> Request:
-        """Validate and build a request without queueing it (`tenant`: see `Request.tenant`).
+                     tenant: str | None = None, resume_ids: list[int] | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
+        """Validate and build a request without queueing it (`tenant`: see `Request.tenant`;
+        ``lora_request``: its `LoRARequest`, read and checked here, engine/lora.py).
 
         ``resume_ids``: tokens this request already generated elsewhere (a stream migrated off
         a decode worker that failed). They become its first output tokens, computed like a
@@ -158,7 +171,12 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError("request_id", f"{rid!r} is already in flight")
-        req = Request(rid, ids, params, priority=priority, arrival=arrival, tenant=tenant)
+        lora = None
+        if lora_request is not None:
+            lora = self.runner.lora.check(lora_request) if self.runner.lora else check_request(lora_request, False)
+        req = Request(rid, ids, params, priority=priority, arrival=arrival, tenant=tenant,
+                      cache_salt=lora_salt(None, lora))  # (two adapters never share KV)
+        req.lora_request = lora
         self.sampler.prepare(req, self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)  # logits controls
         req.arrival_time = self.scheduler.clock()  # request times come off the scheduler's clock (its plan reads them)
         detok = self.tokenizer.stream(ids, params.skip_special_tokens)
@@ -192,17 +210,21 @@ class LLMEngine:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: Priority | str | int = Priority.NORMAL, arrival: float | None = None,
                     tenant: str | None = None, resume_ids: list[int] | None = None,
-                    remote_kv: bool = False) -> Request:
+                    remote_kv: bool = False, lora_request: LoRARequest | None = None) -> Request:
         """Queue a request. ``remote_kv``: another worker writes its prompt KV; the scheduler
         reserves its blocks in the step that admits it (engine/remote_kv.py; the connector's
         `take_reservations` tells the worker), and it runs once the connector's `remote_ready`
         says the pages are written."""
-        req = self.make_request(prompt, params, request_id, priority, arrival, tenant, resume_ids)
+        req = self.make_request(prompt, params, request_id, priority, arrival, tenant, resume_ids, lora_request)
         req.remote_kv = remote_kv and not req.output_token_ids  # (a resumed stream computes its tokens here)
         if req.remote_kv and req.owes_prompt_logprobs:  # (the router keeps these local: reason prompt_logprobs)
             self._forget(req)
             raise InvalidRequestError("prompt_logprobs", "computed where the prompt runs: such a request "
                                       "cannot take its prompt's KV from another worker (route it locally)")
+        if req.remote_kv and req.lora_request is not None:  # (adapters on prefill workers: not yet, docs/lora.md)
+            self._forget(req)
+            raise InvalidRequestError("lora_request", "a request with a LoRA adapter is prefilled where it runs: "
+                                      "it cannot take its prompt's KV from another worker (route it locally)")
         self.scheduler.add(req)
         return req
 
@@ -310,6 +332,8 @@ class LLMEngine:
         # step's deltas (engine/structured_state.py).
         if self.structured.pending:
             self._grammar_failed += self.structured.poll()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.structured)
         try:
             plan = self.scheduler.schedule()
         except Exception as exc:  # the scheduler's own state: no single request to blame
@@ -347,16 +371,20 @@ class LLMEngine:
                 if req.num_computed_tokens == req.num_cached_tokens and req.num_preemptions == 0:
                     self.stats.num_prompt_tokens_cached += req.num_cached_tokens
             before = req.num_computed_tokens
+            n = min(n, req.num_tokens - before)  # (proposals count once verified: engine/spec_step.py)
             req.num_computed_tokens += n
             if req.num_computed_tokens // bs > before // bs:
                 try:  # indexing this request's full blocks for prefix reuse: its own failure
                     self.kv.cache_full_blocks(req.request_id, req.all_token_ids,
-                                              req.num_computed_tokens, req.cache_salt)
+                                              req.num_computed_tokens, req.cache_salt, req.lora_request)
                 except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
                     failed.add(req.request_id)
                     deltas.append(self.fail_request(req, exc))
         if self.tier is not None:
             self.tier.offer_lru_head(self.kv.pool)  # copied while the next steps run
+        if sampling and self.spec is not None and has_drafts(sampling):
+            finish_spec_step(self, logits, sampling, failed, deltas)
+            sampling = []
         if sampling:
             live = [i for i, req in enumerate(sampling) if req.request_id not in failed]
             if len(live) < len(sampling):

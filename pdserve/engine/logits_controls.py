@@ -98,7 +98,25 @@ def build_controls(p: SamplingParams, tokenizer: _Encoder | None = None, eos_tok
         c.bias_values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
         ids += list(p.logit_bias)
     c.max_id = max(ids, default=-1)
+    if c.allowed is not None:
+        _check_some_token_left(c)
     return c
+
+
+def _check_some_token_left(c: LogitsControls) -> None:
+    """Refuse controls under which no token can ever be sampled: every allowed token a one-token
+    bad word, or, while min_tokens holds, every one left ends the output (a typed error naming
+    the field, where the sampler would otherwise fail the request at its first step)."""
+    assert c.allowed is not None
+    left = set(c.allowed.tolist()) - {w[0] for w in c.bad_words_ids if len(w) == 1}
+    if not left:
+        raise InvalidRequestError("allowed_token_ids", "every allowed token is a one-token bad word "
+                                  "(bad_words): nothing can be generated; allow other tokens")
+    if c.min_tokens > 0 and not left - set(c.min_tokens_ids):
+        raise InvalidRequestError("min_tokens", "allowed_token_ids leaves only tokens that end the output "
+                                  "(stop_token_ids or end-of-sequence), which min_tokens forbids for the first "
+                                  f"{c.min_tokens} token(s): nothing can be generated; lower min_tokens or allow "
+                                  "other tokens")
 
 
 def prepare_controls(req: Request, tokenizer: _Encoder | None, eos_token_ids=(),

@@ -10,6 +10,7 @@ import time
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
+from .lora_request import LoRARequest
 from .request import InvalidRequestError, RequestOutput, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -35,7 +36,10 @@ class LLM:
         self.close()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 timeout_s: float | None = None) -> list[RequestOutput]:
+                 timeout_s: float | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; ``lora_request``: one adapter for every prompt, or a list
+        with one per prompt (None: the base model), as vLLM's ``LLM.generate``."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -44,11 +48,14 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError("params", f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequestError("lora_request", f"{len(loras)} LoRARequests for {len(prompts)} prompts")
         eng = self.engine
         reqs = []
         try:  # validate everything before any work starts
-            for prompt, p in zip(prompts, params):
-                reqs.append(eng.make_request(prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras):
+                reqs.append(eng.make_request(prompt, p, lora_request=lora))
         except Exception:
             for r in reqs:
                 eng._forget(r)

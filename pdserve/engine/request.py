@@ -14,6 +14,7 @@ import torch
 from pdserve.common import Priority
 
 if TYPE_CHECKING:
+    from .lora_request import LoRARequest
     from .structured_state import RequestGrammar
 
 # Temperatures below this sample greedily: logits / 1e-40 overflow float32 to inf and the
@@ -288,6 +289,9 @@ class Request:
         # Its structured output's grammar (engine/structured_state.py; None: free text): the
         # scheduler admits it once the grammar's matcher exists (``grammar.ready``).
         self.grammar: RequestGrammar | None = None
+        # Tokens proposed for its next positions, verified in the coming step (engine/spec_decode.py).
+        self.spec_token_ids: list[int] = []
+        self.lora_request: LoRARequest | None = None  # its LoRA adapter (engine/lora_slots.py); None: the base
         # Monotonic timestamps for latency breakdowns (queue wait, TTFT).
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None

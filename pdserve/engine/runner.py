@@ -16,6 +16,7 @@ from .attention import make_backend
 from .block_manager import KVCacheManager
 from .config import ConfigError, EngineConfig, ModelConfig, dtype_name, parse_dtype
 from .linear import pack_linears
+from .lora_slots import LoRARuntime
 from .model import load_model
 from .request import Request
 from .step_batch import StepBatch, build_step_batch
@@ -118,6 +119,9 @@ class ModelRunner:
         # What this engine holds before its pool: its weights (other engines' memory excluded).
         self.own_bytes = torch.cuda.memory_allocated(self.device) - held if self.device.type == "cuda" else 0
         self.linear_backend = pack_linears(self.model, self.device, self.dtype, cfg.linear_backend)
+        # LoRA adapters (engine/lora_slots.py): the projections wrapped, max_loras device slots.
+        self.lora = (LoRARuntime(cfg, model_cfg, self.model, self.shard, self.device, self.dtype)
+                     if cfg.enable_lora else None)
         self.num_kv_heads = len(self.shard.kv_heads)  # this rank's
         self.backend = make_backend(
             cfg.attention_backend, device=self.device, scale=model_cfg.head_dim ** -0.5,
@@ -205,7 +209,9 @@ class ModelRunner:
         """Run one step; return the logits of the requests that sample (then of the prompt
         positions whose logprobs are owed: ``batch.prompt_rows``), and the step's batch."""
         batch = build_step_batch(scheduled, kv, self.block_size, self.device)
-        if self.graphs is not None and layer_hook is None:
+        if self.lora is not None:
+            batch.lora_slots = self.lora.prepare(scheduled, self.group)
+        if self.graphs is not None and layer_hook is None and batch.lora_slots is None:
             size = self.graphs.size_for(batch.layout)
             if size is not None:
                 return self.graphs.run(batch, size), batch
@@ -223,6 +229,8 @@ class ModelRunner:
     def run_step(self, batch: StepBatch, layer_hook=None) -> torch.Tensor | None:
         """Plan attention and run the model on one step's batch; logits at rank 0, None elsewhere."""
         meta = self.backend.plan(batch.layout, self.device)
+        if self.lora is not None:
+            self.lora.begin_step(batch.lora_slots)
         return self.model(
             batch.input_ids, batch.positions, self.kv_cache, self.backend, meta,
             batch.logits_indices, layer_hook=layer_hook,

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import KVCacheManager
 from .kv_tier_types import SecondTier
+from .lora_slots import lora_fits
 from .remote_kv import RemoteKVScheduler, Reservation
 from .request import Request, RequestStatus
 from .step_budget import HORIZON as STEP_HORIZON
@@ -110,6 +111,7 @@ class Scheduler:
         # simulator (sim/) runs this scheduler on its simulated clock instead.
         self.clock = clock
         self._planned_left: dict[str, int] = {}  # request id -> prompt tokens past its pool hit (`_plan_budget`)
+        self.max_loras: int | None = None  # distinct LoRA adapters among the running (engine/lora_slots.py)
 
     # -- queue management ---------------------------------------------------
     def add(self, req: Request) -> None:
@@ -180,7 +182,8 @@ class Scheduler:
         """The prompt KV has arrived: the request runs from its next token on."""
         req = self.remote.pop(req_id)
         req.num_computed_tokens = req.num_prompt_tokens
-        self.kv.cache_full_blocks(req_id, req.prompt_token_ids, req.num_prompt_tokens, req.cache_salt)
+        self.kv.cache_full_blocks(req_id, req.prompt_token_ids, req.num_prompt_tokens, req.cache_salt,
+                                  req.lora_request)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return req
@@ -244,10 +247,15 @@ class Scheduler:
             chunk = req.num_tokens - req.num_computed_tokens > 1  # prefill (or recompute), not decode
             if chunk:
                 n = min(n, prefill_left, chunk_cap)
+            elif n == 1 and req.spec_token_ids:  # and its proposals to verify (engine/spec_decode.py)
+                n = min(1 + len(req.spec_token_ids), budget)
             if n <= 0:
                 i += 1
                 continue
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                if not chunk and n > 1:  # its proposals go before anyone is preempted
+                    req.spec_token_ids, n = [], 1
+                    continue
                 candidates = [r for r in self.running if r.request_id not in scheduled_ids]
                 victim = max(candidates, key=self._urgency)
                 self._preempt(victim)
@@ -274,7 +282,8 @@ class Scheduler:
         held: list[Request] = []  # waiting for their grammar: the requests behind them go first
         while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.grammar is not None and not req.grammar.ready:
+            if (req.grammar is not None and not req.grammar.ready) or not lora_fits(
+                    req.lora_request, self.running, self.max_loras):  # (its adapter needs a slot: later)
                 held.append(self.waiting.popleft())
                 continue
             hits, cached = self._prefix_hit(req)

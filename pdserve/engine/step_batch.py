@@ -27,12 +27,15 @@ class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     layout: BatchLayout
-    # token index of each sampling request, then of each prompt position whose logprobs are owed
+    # token index of each sampling request, then of each prompt position whose logprobs are owed;
+    # a request verifying k proposals samples k + 1 consecutive rows (in ``sampling`` k + 1 times)
     logits_indices: torch.Tensor
     sampling: list[Request]
     # (request, a, b): prompt positions [a, b) whose logits follow the sampling rows, in order
     # (engine/prompt_logprobs.py)
     prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
+    # each token's LoRA adapter slot, -1 for the base (engine/lora_slots.py); None: no adapter in the step
+    lora_slots: np.ndarray | None = None
 
 
 def new_token_ids(req: Request, start: int, n: int) -> list[int]:
@@ -71,11 +74,12 @@ def build_step_batch(scheduled: list[tuple[Request, int]], kv: KVCacheManager,
     prompt_rows: list[tuple[Request, int, int]] = []
     for i, (req, n) in enumerate(scheduled):
         c = req.num_computed_tokens
-        ids.extend(new_token_ids(req, c, n))
+        s = max(0, c + n - req.num_tokens)  # proposals to verify: a row each (engine/spec_decode.py)
+        ids.extend(new_token_ids(req, c, n - s) + req.spec_token_ids[:s] if s else new_token_ids(req, c, n))
         tables.append(kv.block_ids(req.request_id))
-        if c + n == req.num_tokens:
-            logits_idx.append(int(qsl[i + 1]) - 1)
-            sampling.append(req)
+        if c + n >= req.num_tokens:
+            logits_idx.extend(range(int(qsl[i + 1]) - 1 - s, int(qsl[i + 1])))
+            sampling.extend([req] * (s + 1))
         if req.prompt_logprobs is not None and (owed := owed_rows(req, c, n)) is not None:
             a, b = owed
             base = int(qsl[i]) - c

@@ -87,6 +87,8 @@ def main(argv: list[str]) -> int:
                     if msg["op"] == "tier" and tier is not None:
                         tier.apply(msg["args"]["slots"], msg["args"]["ops"], sync=True)  # ids leave the engine
                         reply = {}
+                    elif msg["op"] == "lora" and runner.lora is not None:  # fill an adapter slot (engine/lora_slots.py)
+                        reply = runner.lora.handle(msg["args"])
                     elif ext is None:
                         raise RuntimeError("this rank runs no extension (engine arg tp_rank_extension)")
                     else:

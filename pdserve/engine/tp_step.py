@@ -16,10 +16,12 @@ from .attention_base import BatchLayout
 from .step_batch import StepBatch
 
 OP_STEP, OP_STOP, OP_CONTROL = 1, 2, 3
-# op, tokens, sequences, block-table width, sampled rows, block size, attachment bytes, spare.
+# op, tokens, sequences, block-table width, sampled rows, block size, attachment bytes, LoRA slots
+# follow (1: the payload ends with each token's adapter slot, engine/lora_slots.py; 0: none).
 # OP_CONTROL: op, message bytes, then zeros.
 HEADER_LEN = 8
 ATTACH = 6  # header slot: bytes of the step's attachment (engine/tp_group.py `attach`)
+LORA = 7  # header slot: the payload carries the tokens' LoRA slots
 
 
 def encode_step(batch: StepBatch, attachment_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,11 +29,13 @@ def encode_step(batch: StepBatch, attachment_bytes: int = 0) -> tuple[torch.Tens
     tables = lay.block_tables
     num_tokens, num_seqs = batch.input_ids.numel(), lay.num_seqs
     header = torch.tensor([OP_STEP, num_tokens, num_seqs, tables.shape[1] if tables.ndim == 2 else 0,
-                           batch.logits_indices.numel(), lay.block_size, attachment_bytes, 0], dtype=torch.int64)
+                           batch.logits_indices.numel(), lay.block_size, attachment_bytes,
+                           int(batch.lora_slots is not None)], dtype=torch.int64)
     payload = torch.cat([
         batch.input_ids.cpu(), batch.positions.cpu(), lay.slot_mapping.cpu(), batch.logits_indices.cpu(),
         torch.from_numpy(lay.query_start_loc), torch.from_numpy(lay.context_lens),
         torch.from_numpy(np.ascontiguousarray(tables).reshape(-1)),
+        *([] if batch.lora_slots is None else [torch.from_numpy(batch.lora_slots)]),
     ]).to(torch.int64)
     return header, payload
 
@@ -69,15 +73,17 @@ def gather_bytes(comm, data: bytes) -> list[bytes] | None:
 
 def payload_len(header: torch.Tensor) -> int:
     _, t, b, w, n = (int(v) for v in header[:5])
-    return 3 * t + n + (b + 1) + b + b * w
+    return 3 * t + n + (b + 1) + b + b * w + t * int(header[LORA])
 
 
 def decode_step(header: torch.Tensor, payload: torch.Tensor, device: torch.device) -> StepBatch:
     _, t, b, w, n, block_size = (int(v) for v in header[:6])
-    parts = torch.split(payload, [t, t, t, n, b + 1, b, b * w])
+    lora = int(header[LORA])
+    parts = torch.split(payload, [t, t, t, n, b + 1, b, b * w, t * lora])
     ids, pos, slots, logits_idx = (p.to(device) for p in parts[:4])
     layout = BatchLayout(
         query_start_loc=parts[4].numpy().copy(), context_lens=parts[5].numpy().copy(),
         block_tables=parts[6].numpy().reshape(b, w).copy(), slot_mapping=slots, block_size=block_size,
     )
-    return StepBatch(input_ids=ids, positions=pos, layout=layout, logits_indices=logits_idx, sampling=[])
+    return StepBatch(input_ids=ids, positions=pos, layout=layout, logits_indices=logits_idx, sampling=[],
+                     lora_slots=parts[7].numpy().copy() if lora else None)

@@ -183,10 +183,14 @@ def test_a_penalty_never_brings_back_a_masked_token():
 
 
 def test_a_row_the_controls_leave_nothing_fails_alone():
+    """Controls that can never leave a token are refused when the request is made
+    (test_controls_that_leave_no_token_are_refused_before_any_step); these leave none only
+    after the output has grown: the bad word "ab" bans 3, the one token allowed, after a 1."""
     logits = torch.randn(4, 10)
-    none_left = dict(max_tokens=5, allowed_token_ids=[2], min_tokens=2)  # 2 is EOS
-    reqs = [request(SamplingParams(temperature=0.0, **none_left), eos={2}),
-            request(SamplingParams(temperature=1.0, **none_left), eos={2}),
+    words = FakeTokenizer({"ab": [1, 3], " ab": [1, 3]})
+    none_left = dict(max_tokens=5, allowed_token_ids=[3], bad_words=["ab"])
+    reqs = [request(SamplingParams(temperature=0.0, **none_left), output=[1], tokenizer=words),
+            request(SamplingParams(temperature=1.0, **none_left), output=[1], tokenizer=words),
             request(SamplingParams(temperature=0.0, allowed_token_ids=[4])),
             request(SamplingParams(temperature=1.0, allowed_token_ids=[4]))]
     out = Sampler(0)(logits, reqs)
@@ -341,6 +345,24 @@ def test_bad_values_are_refused_naming_the_field(llm, field, params):
         llm.engine.make_request(PROMPT, SamplingParams(**params))
     assert e.value.field == field
     assert not llm.engine.requests
+
+
+@pytest.mark.parametrize("field,params", [
+    ("min_tokens", dict(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=1)),
+    ("min_tokens", dict(allowed_token_ids=[2], min_tokens=3)),  # 2: the tiny model's end-of-sequence
+    ("allowed_token_ids", dict(allowed_token_ids=[7], bad_words=["zebra"])),
+])
+def test_controls_that_leave_no_token_are_refused_before_any_step(llm, field, params):
+    if "bad_words" in params:  # allowed: exactly the bad word's one-token forms
+        one = [w[0] for w in bad_words_token_ids(llm.tokenizer, ["the"], None) if len(w) == 1]
+        assert one
+        params = {**params, "allowed_token_ids": one, "bad_words": ["the"]}
+    with pytest.raises(InvalidRequestError) as e:
+        llm.engine.make_request(PROMPT, SamplingParams(**params))
+    assert e.value.field == field and "nothing can be generated" in str(e.value)
+    # the same controls with a token left are served
+    ok = {**params, "allowed_token_ids": params["allowed_token_ids"] + [11]}
+    assert llm.generate([PROMPT], SamplingParams(**ok, max_tokens=4))[0].finish_reason in ("stop", "length")
 
 
 def test_a_first_token_task_with_a_bad_min_tokens_names_it(llm):

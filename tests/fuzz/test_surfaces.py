@@ -92,15 +92,20 @@ def tool_rule_no_schema_states(err: dict, body) -> bool:
 
 def positive_data_accepted_within_context(ctx, response, case):
     """schemathesis' positive_data_acceptance, except for the refusals of valid data the
-    schema cannot state: the prompt's tokens plus max_tokens over max_model_len (the
-    message says so and names the field), a constraint that does not compile (named), a tool
-    call's arguments that are not a JSON object (named), the rules on tools the schema does not
-    state (`tool_rule_no_schema_states`)."""
+    schema cannot state: a body over the worker's limits.max_body_bytes (413 naming the body),
+    the prompt's tokens plus max_tokens over max_model_len (the message says so and names the
+    field), a constraint that does not compile (named), logits controls that leave no token to
+    generate (named), a tool call's arguments that are not a JSON object (named), the rules on
+    tools the schema does not state (`tool_rule_no_schema_states`)."""
+    if response.status_code == 413 and response.json()["error"]["param"] == "body":
+        return None  # a valid body over limits.max_body_bytes (a size the schema cannot state)
     if response.status_code == 400 and case.meta is not None and case.meta.generation.mode.is_positive:
         err = response.json()["error"]
         if err["param"] in CONTEXT_PARAMS and "max_model_len" in err["message"]:
             return None
         if err["param"] in GRAMMAR_PARAMS or JSON_TEXT_PARAM.fullmatch(err["param"] or ""):
+            return None
+        if err["param"] in ("allowed_token_ids", "min_tokens") and "nothing can be generated" in err["message"]:
             return None
         if tool_rule_no_schema_states(err, case.body):
             return None

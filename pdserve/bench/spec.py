@@ -1,0 +1,171 @@
+"""Speculative decoding in the engine: n-gram proposals against none, at several batch sizes.
+
+One engine (`LLMEngine`, this machine's device), its speculation switched on and off between
+runs (the same weights and pool on both sides), the two sides alternating every round so that
+drift hits both alike. The workload is one where proposals can be accepted: each prompt is a
+random prefix P, the model's own greedy continuation C of P (``--echo-len`` tokens, computed
+first without speculation), then P again, so that what the model writes next is likely C
+again, which prompt lookup finds in the prompt (``--workload repeat`` instead: a random phrase
+of ``--prefix-len`` tokens said over and over, for a model, such as the random tiny one, whose
+continuation of P is not stable). Each request generates ``--output-len`` tokens
+greedily (EOS ignored).
+
+For each batch size of ``--batches`` and each side: output tokens per second of the whole run
+(prompts included, the same on both sides), TPOT p50 (per request: (last token time - first
+token time) / (tokens - 1), then the median over requests), and beside the n-gram figures
+the acceptance rate (accepted / proposed tokens) and the mean tokens per verification.
+The load rule applies as configured (``--disable-by-batch-size``: at a larger batch no
+request speculates, so that side is the plain engine).
+
+    python -m pdserve.bench.spec                        # the default tiny model under .cache/
+    python -m pdserve.bench.spec --batches 1,2 --rounds 1 --output-len 16   # a quick smoke run
+    python -m pdserve.bench.spec --model DIR --device cuda --rounds 5 --json out.json
+
+Prints min / median / max over ``--rounds`` rounds of each figure and the ratio of medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model dir (default: make the tiny model under .cache/)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--batches", default="1,8,64", help="batch sizes, comma-separated")
+    p.add_argument("--workload", choices=("echo", "repeat"), default="echo")
+    p.add_argument("--prefix-len", type=int, default=32, help="tokens of each prompt's random prefix P")
+    p.add_argument("--echo-len", type=int, default=64, help="tokens of the model's own continuation C in the prompt")
+    p.add_argument("--output-len", type=int, default=64, help="tokens each request generates")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="the load rule's batch threshold (default: the engine's, 32)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    return p.parse_args(argv)
+
+
+def spec_config(args) -> dict:
+    cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+           "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    if args.disable_by_batch_size is not None:
+        cfg["disable_by_batch_size"] = args.disable_by_batch_size
+    return cfg
+
+
+def echo_prompts(eng, args, n: int) -> list[list[int]]:
+    """P + C + P for ``n`` random prefixes P (C: the model's greedy continuation of P)."""
+    from pdserve.engine import SamplingParams
+
+    rng = random.Random(args.seed)
+    vocab = eng.model_config.vocab_size
+    prefixes = [[rng.randrange(3, vocab) for _ in range(args.prefix_len)] for _ in range(n)]
+    if args.workload == "repeat":
+        return [(p * (2 + args.echo_len // len(p)))[:2 * args.prefix_len + args.echo_len] for p in prefixes]
+    ids = [eng.add_request(p, SamplingParams(max_tokens=args.echo_len, temperature=0.0, ignore_eos=True)).request_id
+           for p in prefixes]
+    while eng.has_work():
+        eng.step()
+    outs = [eng.release(i) for i in ids]
+    return [p + list(o.token_ids) + p for p, o in zip(prefixes, outs) if o is not None]
+
+
+def run_once(eng, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+    from pdserve.engine import SamplingParams
+
+    s = eng.stats
+    proposed0, accepted0, drafts0 = s.num_spec_draft_tokens, s.num_spec_accepted_tokens, s.num_spec_drafts
+    t0 = time.perf_counter()
+    rids = [eng.add_request(p, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True),
+                            request_id=f"{tag}-{i}").request_id for i, p in enumerate(prompts)]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count: dict[str, int] = {}
+    tokens = 0
+    while eng.has_work():
+        deltas = eng.step()
+        now = time.perf_counter()
+        for d in deltas:
+            if d.new_token_ids:
+                first.setdefault(d.request_id, now)
+                last[d.request_id] = now
+                count[d.request_id] = count.get(d.request_id, 0) + len(d.new_token_ids)
+                tokens += len(d.new_token_ids)
+    elapsed = time.perf_counter() - t0
+    for r in rids:
+        eng.release(r)
+    tpots = [(last[r] - first[r]) / (count[r] - 1) for r in rids if count.get(r, 0) > 1]
+    proposed, accepted = s.num_spec_draft_tokens - proposed0, s.num_spec_accepted_tokens - accepted0
+    drafts = s.num_spec_drafts - drafts0
+    return {"tok_s": tokens / elapsed, "tpot_p50_ms": 1e3 * statistics.median(tpots) if tpots else float("nan"),
+            "acceptance": accepted / proposed if proposed else 0.0, "proposed": proposed,
+            "tokens_per_verification": (accepted + drafts) / drafts if drafts else 1.0}
+
+
+def spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def measure(eng, decoder, prompts: list[list[int]], args) -> dict:
+    """Every batch size, both sides, ``--rounds`` rounds: each figure's values."""
+    res: dict = {}
+    for b in [int(x) for x in args.batches.split(",")]:
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        runs: dict[str, list[dict]] = {"off": [], "ngram": []}
+        for rnd in range(args.rounds):
+            for side in (["off", "ngram"] if rnd % 2 == 0 else ["ngram", "off"]):
+                eng.spec = decoder if side == "ngram" else None
+                r = run_once(eng, batch, args.output_len, f"b{b}-{rnd}-{side}")
+                runs[side].append(r)
+                print(f"batch {b} round {rnd} {side:5s}: {r['tok_s']:8.1f} tok/s  TPOT p50 {r['tpot_p50_ms']:7.2f} ms"
+                      + (f"  acceptance {r['acceptance']:.2f}" if side == "ngram" else ""), file=sys.stderr)
+        res[b] = {side: {k: spread([r[k] for r in rs]) for k in rs[0]} for side, rs in runs.items()}
+    return res
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from pdserve.bench.engine_throughput import default_model
+    from pdserve.engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+
+    model = args.model or default_model()
+    batches = [int(x) for x in args.batches.split(",")]
+    eng = LLMEngine(EngineConfig.from_kwargs(model, device=args.device, enable_prefix_caching=False,
+                                             max_num_seqs=max(batches), speculative_config=spec_config(args)))
+    decoder = eng.spec
+    eng.spec = None
+    prompts = echo_prompts(eng, args, min(max(batches), 16))
+    run_once(eng, prompts[:2], 4, "warm")  # warm-up: the kernels of both sides
+    eng.spec = decoder
+    run_once(eng, prompts[:2], 4, "warm-ngram")
+    res = measure(eng, decoder, prompts, args)
+    eng.close()
+    print(f"{'batch':>5s} {'side':5s} {'tok/s (median)':>15s} {'TPOT p50 ms':>12s} {'acceptance':>10s} "
+          f"{'tok/verif':>9s}")
+    for b, sides in res.items():
+        for side, figs in sides.items():
+            acc = f"{figs['acceptance']['median']:10.2f} {figs['tokens_per_verification']['median']:9.2f}" \
+                if side == "ngram" else f"{'':10s} {'':9s}"
+            print(f"{b:5d} {side:5s} {figs['tok_s']['median']:15.1f} {figs['tpot_p50_ms']['median']:12.2f} {acc}")
+        speed = sides["ngram"]["tok_s"]["median"] / sides["off"]["tok_s"]["median"]
+        print(f"{b:5d} ngram / off tokens/s (medians): {speed:.3f}x")
+    if args.json:
+        out = {"config": {k: v for k, v in vars(args).items() if k != "json"} | {"model": model},
+               "results": {str(b): sides for b, sides in res.items()}}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The LoRA delta inside the model: rows of one step with different adapters in one forward.
+
+Each adapted projection of a layer (the fused ``qkv_proj`` and ``gate_up_proj``, ``o_proj``,
+``down_proj``) is wrapped in a `LoRALinear`: the base projection runs over every row as before,
+then, for each adapter slot the step uses, its rows are gathered once and get
+``scaling * (x @ A.T) @ B.T`` added to their columns of the output (q, k and v, gate and up, each
+its own A and B). So a step costs one base matmul and two thin matmuls per active adapter per
+projection, whatever mix of adapters and base rows it holds (`LoRAState.begin` groups the
+rows by slot once per step; rows without an adapter take no extra work).
+
+The weights sit in per-projection stacks of ``max_loras`` slots padded to ``max_lora_rank``
+(``A: [slots, rank, in]``, ``B: [slots, out, rank]``), this rank's slice of them at TP>1 (split
+like the layer: a column-parallel projection's B by its output rows, a row-parallel one's A by
+its input columns, whose partial deltas join the layer's all-reduce). engine/lora_slots.py
+decides what each slot holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .lora import Adapter
+from .tensor_parallel import Shard
+
+
+@dataclass
+class Group:
+    slot: int
+    rows: torch.Tensor | None  # this slot's rows of the step; None: every row
+    rank: int
+    scaling: float
+
+
+class LoRAState:
+    """What every wrapped projection reads in a step: the slots' ranks and scalings and the
+    step's rows grouped by slot."""
+
+    def __init__(self, max_loras: int):
+        self.ranks = [0] * max_loras
+        self.scalings = [0.0] * max_loras
+        self.groups: list[Group] = []
+
+    def begin(self, slots: np.ndarray | None, device: torch.device) -> None:
+        """Group the step's rows by adapter slot (``slots[t]``; -1: the base model)."""
+        self.groups = []
+        if slots is None:
+            return
+        for s in np.unique(slots[slots >= 0]).tolist():
+            rows = np.flatnonzero(slots == s)
+            index = None if len(rows) == len(slots) else torch.from_numpy(rows).to(device)
+            self.groups.append(Group(s, index, self.ranks[s], self.scalings[s]))
+
+
+class Part:
+    """One adapted projection inside a (possibly fused) linear: its output columns and stacks."""
+
+    def __init__(self, module: str, cols: tuple[int, int], in_features: int, max_loras: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.module, self.cols = module, cols
+        out = cols[1] - cols[0]
+        self.a = torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
+        self.b = torch.zeros(max_loras, out, max_rank, device=device, dtype=dtype)
+        self.present = [False] * max_loras
+
+
+class LoRALinear(nn.Module):
+    """``base(x)``, plus each active slot's delta on its rows (see the module docstring)."""
+
+    def __init__(self, base: nn.Module, parts: list[Part], state: LoRAState):
+        super().__init__()
+        self.base, self.parts, self.state = base, parts, state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for g in self.state.groups:
+            xs = x if g.rows is None else x.index_select(0, g.rows)
+            for p in self.parts:
+                if not p.present[g.slot]:
+                    continue
+                # PEFT's order: base + (B(A(x)) * scaling).
+                d = F.linear(F.linear(xs, p.a[g.slot, :g.rank]), p.b[g.slot, :, :g.rank]).mul_(g.scaling)
+                out = y[:, p.cols[0]:p.cols[1]]
+                if g.rows is None:
+                    out.add_(d)
+                else:
+                    out.index_add_(0, g.rows, d)
+        return y
+
+
+def _slices(shard: Shard, head_dim: int) -> dict[str, tuple[slice | None, slice | None]]:
+    """Per module: (rows of B, columns of A) this rank holds; None: all of them."""
+    def span(r: range, per: int = 1) -> slice:
+        return slice(r.start * per, r.stop * per)
+
+    q, kv, inter = span(shard.q_heads, head_dim), span(shard.kv_heads, head_dim), span(shard.inter)
+    return {"q_proj": (q, None), "k_proj": (kv, None), "v_proj": (kv, None), "o_proj": (None, q),
+            "gate_proj": (inter, None), "up_proj": (inter, None), "down_proj": (None, inter)}
+
+
+class LoRAModel:
+    """The model's projections wrapped for adapters, and how a slot is filled."""
+
+    def __init__(self, model: nn.Module, shard: Shard, head_dim: int, max_loras: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.state = LoRAState(max_loras)
+        self.slices = _slices(shard, head_dim)
+        self.layers: list[dict[str, Part]] = []
+        self.device = device
+
+        def wrap(layer: nn.Module, attr: str, modules: list[tuple[str, int]], in_features: int) -> dict[str, Part]:
+            parts, start = [], 0
+            for name, width in modules:
+                parts.append(Part(name, (start, start + width), in_features, max_loras, max_rank, device, dtype))
+                start += width
+            setattr(layer, attr, LoRALinear(getattr(layer, attr), parts, self.state))
+            return {p.module: p for p in parts}
+
+        for layer in model.layers:
+            hidden = layer.input_layernorm.weight.shape[0]
+            inter = len(shard.inter)
+            found = wrap(layer, "qkv_proj", [("q_proj", layer.q_size), ("k_proj", layer.kv_size),
+                                             ("v_proj", layer.kv_size)], hidden)
+            found |= wrap(layer, "o_proj", [("o_proj", hidden)], layer.q_size)
+            if layer.moe is None:
+                found |= wrap(layer, "gate_up_proj", [("gate_proj", inter), ("up_proj", inter)], hidden)
+                found |= wrap(layer, "down_proj", [("down_proj", hidden)], inter)
+            self.layers.append(found)
+
+    def fill(self, slot: int, adapter: Adapter) -> None:
+        """Copy this rank's slice of ``adapter`` into ``slot`` (the rest of the slot zeroed)."""
+        r = adapter.rank
+        with torch.inference_mode():
+            for i, parts in enumerate(self.layers):
+                for module, p in parts.items():
+                    pair = adapter.weights.get((i, module))
+                    p.present[slot] = pair is not None
+                    p.a[slot].zero_()
+                    p.b[slot].zero_()
+                    if pair is None:
+                        continue
+                    rows, cols = self.slices[module]
+                    a, b = pair
+                    p.a[slot, :r].copy_(a if cols is None else a[:, cols])
+                    p.b[slot, :, :r].copy_(b if rows is None else b[rows])
+        self.state.ranks[slot], self.state.scalings[slot] = r, adapter.scaling
+
+    def begin_step(self, slots: np.ndarray | None) -> None:
+        self.state.begin(slots, self.device)

@@ -1,0 +1,159 @@
+"""Speculative decoding: the n-gram proposer, the load rule and exact verification
+(docs/speculative.md).
+
+Before each step (`SpecDecoder.propose`) every decoding request may get up to k proposed
+tokens (``Request.spec_token_ids``): the tokens that followed the latest earlier occurrence
+of its last n tokens (prompt lookup over the prompt and the output, n from
+``prompt_lookup_max`` down to ``prompt_lookup_min``), cut where its grammar refuses one. The
+scheduler gives such a request 1 + k positions (engine/scheduler.py), the step batch feeds the
+proposals as input and returns k + 1 logits rows for it, consecutive (engine/step_batch.py),
+and engine/spec_step.py verifies them after the forward.
+
+Verification (`accepted_prefix`): row j is sampled exactly as the request's next token would
+be after the first j proposals (the same sampler, logits controls, penalties and grammar mask,
+on the request as it would then be), and the emitted tokens are row 0's, then row j's for as
+long as row j - 1's equalled proposal j - 1. Greedy, that is the longest prefix the target's
+argmax agrees with, plus its correction (or the bonus token). Random, it is rejection sampling
+with a point-mass draft q = [token = d]: the draft is accepted with probability
+min(1, p(d) / q(d)) = p(d), and on rejection the token is drawn from
+max(0, p - q) / (1 - p(d)) = p without d, renormalised: exactly the chance that a draw from p
+is (is not) d and what it then is. So every emitted token has the target's distribution
+given what precedes it. A seeded request draws the same one uniform number per emitted token
+as without speculation (the generator is rewound past the rows not emitted), so its output
+equals the output without speculation, token for token.
+
+The load rule (`SpecDecoder.k_for`): no request speculates in a step whose running batch
+exceeds ``disable_by_batch_size`` (at a high batch the step is compute-bound and the k extra
+positions cost what they would save); a request whose acceptance (a moving average, weight
+1/2 per verification) falls below ``acceptance_floor`` stops proposing for
+``probe_interval`` steps, then proposes once more; k never passes the request's
+``max_tokens`` or the model's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from .request import Request
+from .spec_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from .engine_types import EngineStats
+    from .structured_state import StructuredOutputs
+
+EMA_WEIGHT = 0.5  # the weight of each verification's acceptance in a request's average
+
+
+def ngram_propose(tokens: Sequence[int], lo: int, hi: int, k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens,
+    for the longest n in ``[lo, hi]`` that occurred before; [] when none did."""
+    size = len(tokens)
+    if k < 1 or size < lo + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    head = arr[:-1]  # a match must end before the last token (so a token follows it)
+    for n in range(min(hi, size - 1), lo - 1, -1):
+        hits = np.flatnonzero((sliding_window_view(head, n) == arr[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start:start + k].tolist()
+    return []
+
+
+def accepted_prefix(drafts: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many leading proposals equal the tokens sampled at their positions."""
+    a = 0
+    for d, t in zip(drafts, sampled):
+        if d != t:
+            break
+        a += 1
+    return a
+
+
+def emitted_tokens(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
+    """The tokens a verification emits: the sampled rows up to and including the first that
+    differs from its proposal (all k + 1 when every proposal was accepted)."""
+    return list(sampled[:accepted_prefix(drafts, sampled) + 1])
+
+
+def grammar_prefix(structured: StructuredOutputs, req: Request, drafts: list[int]) -> list[int]:
+    """The proposals the request's grammar accepts one by one (cut at the first it refuses or
+    once it has ended); the matcher is rolled back to where it was."""
+    if req.grammar is None or not req.grammar.ready:
+        return drafts
+    m = structured.ensure(req)
+    n = 0
+    for t in drafts:
+        if m.is_terminated() or not m.accept_token(t):
+            break
+        n += 1
+    if n:
+        m.rollback(n)
+    return drafts[:n]
+
+
+@dataclass
+class _Acceptance:
+    rate: float = 1.0  # moving average of accepted / proposed
+    pause: int = 0  # steps left without proposals
+
+
+class SpecDecoder:
+    """The engine's speculative decoding: proposals before a step, counters after it."""
+
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int):
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self._acceptance: dict[str, _Acceptance] = {}
+        self._drafted: list[Request] = []
+
+    def k_for(self, req: Request, batch: int) -> int:
+        """The proposals ``req`` may get this step (the load rule of the module docstring)."""
+        cfg = self.cfg
+        if batch > cfg.disable_by_batch_size:
+            return 0
+        acc = self._acceptance.get(req.request_id)
+        if acc is not None and acc.pause > 0:
+            acc.pause -= 1
+            return 0
+        room = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
+        return max(0, min(cfg.num_speculative_tokens, room))
+
+    def propose(self, running: list[Request], structured: StructuredOutputs) -> None:
+        """Set ``spec_token_ids`` of the running requests that decode (and clear the last step's)."""
+        for r in self._drafted:
+            r.spec_token_ids = []
+        self._drafted = []
+        decoding = [r for r in running if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1]
+        live = {r.request_id for r in running}
+        self._acceptance = {k: v for k, v in self._acceptance.items() if k in live}
+        cfg = self.cfg
+        for r in decoding:
+            k = self.k_for(r, len(decoding))
+            if k < 1:
+                continue
+            drafts = ngram_propose(r.all_token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+            if drafts and r.grammar is not None:
+                drafts = grammar_prefix(structured, r, drafts)
+            if drafts:
+                r.spec_token_ids = drafts
+                self._drafted.append(r)
+
+    def record(self, req: Request, proposed: int, accepted: int, stats: EngineStats) -> None:
+        """Count one verification (EngineStats) and update the request's acceptance."""
+        stats.num_spec_drafts += 1
+        stats.num_spec_draft_tokens += proposed
+        stats.num_spec_accepted_tokens += accepted
+        per = stats.spec_accepted_per_position
+        per.extend([0] * (proposed - len(per)))
+        for j in range(accepted):
+            per[j] += 1
+        acc = self._acceptance.setdefault(req.request_id, _Acceptance())
+        acc.rate += EMA_WEIGHT * (accepted / proposed - acc.rate)
+        if acc.rate < self.cfg.acceptance_floor:
+            acc.pause, acc.rate = self.cfg.probe_interval, self.cfg.acceptance_floor

@@ -1,0 +1,260 @@
+"""LoRA adapters in the engine (docs/lora.md): greedy output equals HF transformers + PEFT on the
+same base and adapter (float32, TP=1 and TP=2), a batch mixing adapters and the base equals each
+request alone, the prefix cache and KV events keep adapters apart, bad adapters are refused at
+load naming the field, and more adapters than slots are served in turn (LRU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, ConfigError, InvalidRequestError, LoRAError, LoRARequest, SamplingParams
+from pdserve.engine.lora_layers import LoRAState
+
+MAX_TOKENS = 12
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, target modules, use_rslora)
+SPECS = {
+    "a1": (8, 16, ALL, False),
+    "a2": (4, 8, ["q_proj", "v_proj"], True),
+    "a3": (16, 16, ["o_proj", "gate_proj", "up_proj", "down_proj"], False),
+    "a4": (2, 4, ["k_proj", "up_proj"], False),
+}
+
+
+def make_adapter(base_dir: str, out_dir: str, r: int, alpha: int, targets, rslora: bool = False, seed: int = 0) -> str:
+    """A random PEFT adapter (B non-zero: init_lora_weights=False), saved as PEFT saves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True, dtype=torch.float32)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
+                     init_lora_weights=False, lora_dropout=0.0)
+    peft_model = get_peft_model(hf, cfg)
+    with torch.no_grad():  # keep the delta the size of a fine-tune's, not of a random init's
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 17, 40, 70)]
+
+
+def hf_peft_greedy(base_dir: str, adapter_dir: str | None, ids_list, max_tokens: int = MAX_TOKENS):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    outs = []
+    for ids in ids_list:
+        with torch.no_grad():
+            gen = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dirs, tmp_path_factory):
+    """name -> LoRARequest; llama adapters a1..a4, a qwen2 adapter q1."""
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for i, (name, (r, alpha, targets, rslora)) in enumerate(SPECS.items(), start=1):
+        path = make_adapter(model_dirs("llama"), str(root / name), r, alpha, targets, rslora, seed=i)
+        out[name] = LoRARequest(name, i, path)
+    out["q1"] = LoRARequest("q1", 9, make_adapter(model_dirs("qwen2"), str(root / "q1"), 8, 16, ALL, seed=9))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_llm(model_dirs):
+    llm = LLM(model_dirs("llama"), enable_lora=True, max_loras=4, max_lora_rank=16, max_num_batched_tokens=32)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def references(model_dirs, adapters):
+    """HF + PEFT greedy outputs of the llama prompts, per adapter (None: the base)."""
+    ids = prompts(256)
+    base = model_dirs("llama")
+    refs = {name: hf_peft_greedy(base, adapters[name].lora_path, ids) for name in SPECS}
+    refs[None] = hf_peft_greedy(base, None, ids)
+    return ids, refs
+
+
+def test_llama_matches_hf_peft_with_chunked_prefill(llama_llm, adapters, references):
+    ids, refs = references
+    for name in SPECS:
+        outs = llama_llm.generate(ids, GREEDY, lora_request=adapters[name])
+        assert [o.token_ids for o in outs] == refs[name], name
+    assert any(refs[name] != refs[None] for name in SPECS)  # the adapters change the output
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen2_matches_hf_peft(model_dirs, adapters, tp):
+    ids = prompts(256, seed=1)
+    ref = hf_peft_greedy(model_dirs("qwen2"), adapters["q1"].lora_path, ids)
+    assert ref != hf_peft_greedy(model_dirs("qwen2"), None, ids)
+    with LLM(model_dirs("qwen2"), enable_lora=True, max_lora_rank=8, tensor_parallel_size=tp) as llm:
+        outs = llm.generate(ids, GREEDY, lora_request=adapters["q1"])
+    assert [o.token_ids for o in outs] == ref
+
+
+def test_llama_tp2_mixed_batch_matches_hf_peft(model_dirs, adapters, references):
+    ids, refs = references
+    names = [None, "a1", "a2", "a3", "a4"]
+    with LLM(model_dirs("llama"), enable_lora=True, max_loras=4, tensor_parallel_size=2) as llm:
+        outs = llm.generate([ids[i % len(ids)] for i in range(len(names))], GREEDY,
+                            lora_request=[adapters[n] if n else None for n in names])
+    for i, (n, o) in enumerate(zip(names, outs)):
+        assert o.token_ids == refs[n][i % len(ids)], n
+
+
+def test_mixed_batch_equals_each_alone_in_one_forward(llama_llm, adapters, references, monkeypatch):
+    ids, refs = references
+    names = [None, "a1", "a2", "a3", "a4", None, "a1", "a3"]
+    batch = [ids[i % len(ids)] for i in range(len(names))]
+    groups: list[int] = []
+    begin = LoRAState.begin
+
+    def spy(self, slots, device):
+        begin(self, slots, device)
+        groups.append(len(self.groups))
+
+    monkeypatch.setattr(LoRAState, "begin", spy)
+    outs = llama_llm.generate(batch, GREEDY, lora_request=[adapters[n] if n else None for n in names])
+    assert max(groups) == 4  # the four adapters (and the base rows) ran in the same forward
+    for i, (n, o) in enumerate(zip(names, outs)):
+        alone = llama_llm.generate([batch[i]], GREEDY, lora_request=adapters[n] if n else None)[0]
+        assert o.token_ids == alone.token_ids == refs[n][i % len(ids)], (i, n)
+
+
+def test_prefix_cache_never_shares_kv_between_adapters(model_dirs, adapters, references):
+    ids, refs = references
+    prompt = ids[3]  # 70 tokens: four full blocks
+    with LLM(model_dirs("llama"), enable_lora=True, max_loras=2, kv_events=True) as llm:
+        first = llm.generate([prompt], GREEDY, lora_request=adapters["a1"])[0]
+        other = llm.generate([prompt], GREEDY, lora_request=adapters["a2"])[0]
+        base = llm.generate([prompt], GREEDY)[0]
+        again = llm.generate([prompt], GREEDY, lora_request=adapters["a1"])[0]
+        batch = llm.engine.kv_events.take_batch()
+    assert first.num_cached_tokens == 0 and other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    assert again.num_cached_tokens == 64  # its own adapter's blocks are reused
+    assert (first.token_ids, other.token_ids, base.token_ids, again.token_ids) == (
+        refs["a1"][3], refs["a2"][3], refs[None][3], refs["a1"][3])
+    assert batch is not None
+    stored = [e for e in batch[1].events if type(e).__name__ == "BlockStored"]
+    by_name: dict = {}
+    for e in stored:
+        by_name.setdefault(e.lora_name, set()).update(e.block_hashes)
+        assert e.lora_id == (None if e.lora_name is None else adapters[e.lora_name].lora_int_id)
+    assert set(by_name) == {"a1", "a2", None}
+    assert not (by_name["a1"] & by_name["a2"]) and not (by_name["a1"] & by_name[None])
+
+
+def test_eviction_serves_more_adapters_than_slots(model_dirs, adapters, references):
+    ids, refs = references
+    order = ["a1", "a2", "a3", "a4", "a1", "a3", "a2"]
+    with LLM(model_dirs("llama"), enable_lora=True, max_loras=2, max_cpu_loras=2) as llm:
+        for n in order:
+            assert llm.generate([ids[1]], GREEDY, lora_request=adapters[n])[0].token_ids == refs[n][1], n
+        lora = llm.engine.runner.lora
+        assert lora is not None
+        assert lora.slot_loads == len(order) and lora.cache.loads == len(order)  # reloaded from disk
+        # two adapters at once fit the two slots; a third waits for a slot (LRU), all correct
+        outs = llm.generate([ids[0]] * 4, GREEDY, lora_request=[adapters[n] for n in ("a1", "a2", "a3", "a4")])
+        assert [o.token_ids for o in outs] == [refs[n][0] for n in ("a1", "a2", "a3", "a4")]
+
+
+def test_preemption_keeps_the_adapter(model_dirs, adapters, references):
+    ids, refs = references
+    names = ["a1", "a2", None, "a3"]
+    longer = SamplingParams(max_tokens=40, temperature=0.0)
+    loras = [adapters[n] if n else None for n in names]
+    with LLM(model_dirs("llama"), enable_lora=True, max_loras=4, num_gpu_blocks_override=8) as llm:
+        outs = llm.generate([ids[1]] * 4, longer, lora_request=loras)
+        assert llm.engine.stats.num_preemptions > 0
+        alone = [llm.generate([ids[1]], longer, lora_request=lora)[0] for lora in loras]
+    assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
+    assert [o.token_ids[:MAX_TOKENS] for o in outs] == [refs[n][1] for n in names]
+
+
+def _broken(adapters, tmp_path, name: str, edit) -> LoRARequest:
+    path = str(tmp_path / name)
+    shutil.copytree(adapters["a2"].lora_path, path)
+    cfg_path = os.path.join(path, "adapter_config.json")
+    with open(cfg_path) as f:
+        text = f.read()
+    with open(cfg_path, "w") as f:
+        f.write(edit(text))
+    return LoRARequest(name, 50 + len(name), path)
+
+
+def _with(key, value):
+    return lambda text: json.dumps({**json.loads(text), key: value})
+
+
+@pytest.mark.parametrize("case,edit,field", [
+    ("malformed", lambda text: text[:-5], "adapter_config.json"),
+    ("rank", _with("r", 32), "r"),
+    ("dora", _with("use_dora", True), "use_dora"),
+    ("bias", _with("bias", "all"), "bias"),
+    ("save", _with("modules_to_save", ["lm_head"]), "modules_to_save"),
+    ("target", _with("target_modules", ["q_proj", "embed_tokens"]), "target_modules"),
+    ("alpha", _with("lora_alpha", "big"), "lora_alpha"),
+])
+def test_bad_adapters_are_refused_naming_the_field(llama_llm, adapters, references, tmp_path, case, edit, field):
+    ids, refs = references
+    bad = _broken(adapters, tmp_path, case, edit)
+    with pytest.raises(LoRAError) as err:
+        llama_llm.generate(ids[:2], GREEDY, lora_request=[adapters["a1"], bad])
+    assert err.value.field == field and case in str(err.value)
+    assert not llama_llm.engine.requests  # nothing was queued
+    outs = llama_llm.generate(ids[:2], GREEDY, lora_request=[adapters["a1"], None])
+    assert [o.token_ids for o in outs] == [refs["a1"][0], refs[None][1]]
+
+
+def test_adapter_for_another_base_is_refused(llama_llm, adapters):
+    with pytest.raises(LoRAError) as err:
+        llama_llm.generate([[5, 6, 7]], GREEDY, lora_request=adapters["q1"])
+    assert err.value.field.startswith("base_model.model.model.layers.") and "another base" in str(err.value)
+
+
+def test_request_and_config_checks(model_dirs, llama_llm, adapters):
+    with pytest.raises(InvalidRequestError) as err:
+        llama_llm.generate([[5, 6]], GREEDY, lora_request=LoRARequest("x", 3, "/no/such/dir"))
+    assert err.value.field == "lora_request.lora_path"
+    with pytest.raises(InvalidRequestError) as err:  # one name is one adapter
+        llama_llm.generate([[5, 6]], GREEDY, lora_request=LoRARequest("a1", 1, adapters["a2"].lora_path))
+    assert err.value.field == "lora_request.lora_name"
+    with pytest.raises(InvalidRequestError) as err:
+        llama_llm.generate([[5, 6]], GREEDY, lora_request=[adapters["a1"]] * 2)
+    assert err.value.field == "lora_request"
+    for bad, name in (({"max_loras": 0}, "max_loras"), ({"max_lora_rank": 0}, "max_lora_rank"),
+                      ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras")):
+        with pytest.raises(ConfigError, match=name):
+            LLM(model_dirs("llama"), enable_lora=True, **bad)
+
+
+def test_engine_without_lora_refuses_adapters(model_dirs, adapters):
+    with LLM(model_dirs("llama")) as llm:
+        with pytest.raises(InvalidRequestError) as err:
+            llm.generate([[5, 6]], GREEDY, lora_request=adapters["a1"])
+        assert err.value.field == "lora_request" and "enable_lora" in str(err.value)
