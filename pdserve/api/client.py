@@ -112,11 +112,15 @@ def structured_to_proto(so: Mapping[str, Any]) -> pb.StructuredOutputs:
 
 
 def breakdown_dict(b: pb.Breakdown) -> dict:
-    return {f.name: getattr(b, f.name) for f in b.DESCRIPTOR.fields}
+    """Its fields by name; an `optional` one (the speculative decoding counts) only when set."""
+    return {f.name: getattr(b, f.name) for f in b.DESCRIPTOR.fields if not f.has_presence or b.HasField(f.name)}
 
 
 def _model_card(m: pb.ModelCard) -> dict:
-    return {"id": m.id, "max_model_len": m.max_model_len, "vocab_size": m.vocab_size, "dtype": m.dtype}
+    card = {"id": m.id, "max_model_len": m.max_model_len, "vocab_size": m.vocab_size, "dtype": m.dtype}
+    if m.parent:  # a LoRA adapter: its directory and base model
+        card.update(root=m.root, parent=m.parent)
+    return card
 
 
 def _accumulate(out: Completion, msg: pb.GenerateResponse) -> None:

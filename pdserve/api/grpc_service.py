@@ -208,7 +208,9 @@ class InferenceService(pb_grpc.InferenceServicer):
         await _refuse_undecodable(request, context)
         m = self.frontend.model_card()
         card = pb.ModelCard(id=m.id, max_model_len=m.max_model_len, vocab_size=m.vocab_size, dtype=m.dtype)
-        return pb.ListModelsResponse(models=[card])
+        adapters = [pb.ModelCard(id=a.id, max_model_len=m.max_model_len, vocab_size=m.vocab_size, dtype=m.dtype,
+                                 root=a.root, parent=a.parent) for a in self.frontend.adapter_cards()]
+        return pb.ListModelsResponse(models=[card, *adapters])
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"

@@ -40,6 +40,7 @@ from pdserve.api.openai_types import Bounds, ChatFields, CompletionFields, Reque
 from pdserve.engine import SamplingParams
 from pdserve.engine.request import INT64_MAX, INT64_MIN, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, UINT64_MAX
 
+from .http_adapters import add_adapter_routes
 from .http_generation import Generation, from_request_error
 from .http_guard import BodyLimit, H11Protocol, openai_error
 from .http_schema import ERRORS, field_names, generation_responses, param_of, response_docs
@@ -216,8 +217,15 @@ def _add_info_routes(app: FastAPI, frontend: Surface) -> None:
     @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **response_docs(500)})
     async def list_models():
         card = frontend.model_card()
-        return {"object": "list", "data": [{"id": card.id, "object": "model", "created": started,
-                                            "owned_by": "pdserve", "max_model_len": card.max_model_len}]}
+        data = [{"id": card.id, "object": "model", "created": started, "owned_by": "pdserve",
+                 "max_model_len": card.max_model_len}]
+        # vLLM lists each LoRA adapter too: root its directory, parent the base model
+        data += [{"id": a.id, "object": "model", "created": started, "owned_by": "pdserve",
+                  "max_model_len": card.max_model_len, "root": a.root, "parent": a.parent}
+                 for a in frontend.adapter_cards()]
+        return {"object": "list", "data": data}
+
+    add_adapter_routes(app, frontend)
 
     @app.get("/health", response_model=None, responses={200: {"model": Health}, **response_docs(500, 503)})
     async def healthz():
@@ -281,3 +289,16 @@ def _document_api_keys(doc: dict, open_paths, error_content: dict) -> None:
             for code in codes:
                 op["responses"][str(code)] = {"description": ERRORS[code], "content": error_content}
             op["responses"] = dict(sorted(op["responses"].items()))
+
+
+def forget_http_endpoints() -> None:
+    """Clear FastAPI's process-wide caches of the callables it inspected (fastapi/dependencies/
+    models.py, 4096 entries each, in the releases that have them). They hold every endpoint
+    strongly, and the HTTP app's endpoints close over the frontend, so a stopped worker's engine
+    (weights and KV pool), or a gateway's frontend, lived as long as the process: ~330 MiB per
+    worker in a test run. Apps still serving in this process just inspect their endpoints again."""
+    from fastapi.dependencies import models
+
+    for value in vars(models).values():
+        if isinstance(value, functools._lru_cache_wrapper):
+            value.cache_clear()

@@ -66,6 +66,8 @@ class Breakdown(BaseModel):
     attempts: int | None = None
     fell_back_to_local: bool | None = None
     worker_id: str | None = None
+    spec_draft_tokens: int | None = Field(None, description="speculative decoding: tokens proposed and verified")
+    spec_accepted_tokens: int | None = Field(None, description="speculative decoding: proposed tokens accepted")
 
 
 class CompletionLogprobs(_Out):
@@ -224,6 +226,8 @@ class ModelCard(_Out):
     created: int
     owned_by: str
     max_model_len: int = Field(description="vLLM extension: prompt plus generated tokens")
+    root: str | None = Field(None, description="vLLM: the model's path; a LoRA adapter's directory")
+    parent: str | None = Field(None, description="vLLM: a LoRA adapter's base model id (None: a base model)")
 
 
 class ModelList(_Out):

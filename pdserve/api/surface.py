@@ -26,6 +26,7 @@ from pdserve.engine import SamplingParams
 from pdserve.engine.prompts import PromptChecker
 from pdserve.router.qos import TokenLimit, admit_tenant_tokens
 
+from .adapters import AdapterCard, Adapters
 from .ingress import Chunk, GenerateInput, RequestError, ServingLimits, sample_input
 from .validate import Validator, check_privileges
 
@@ -90,6 +91,37 @@ class Surface(abc.ABC):
         self._holds: dict[int, _Hold] = {}
         # id(sample input) -> its validation, done once per prompt by `generate_many`
         self._checked: dict[int, Checked] = {}
+        # The LoRA adapters a request's model may name (api/adapters.py); None: none are served
+        # (a decode worker started with enable_lora sets them, `serve_adapters`).
+        self.adapters: Adapters | None = None
+        self._adapter_loads = asyncio.Lock()
+
+    def serve_adapters(self, adapters: Adapters) -> None:
+        """Serve LoRA adapters by name: the request's model names one, /v1/models lists them."""
+        self.adapters = adapters
+        self.validator.adapters = adapters
+
+    def adapter_cards(self) -> list[AdapterCard]:
+        """The adapters served now (empty without adapters)."""
+        return self.adapters.cards() if self.adapters is not None else []
+
+    async def load_adapter(self, name: object, path: object) -> None:
+        """Serve one more adapter (vLLM's /v1/load_lora_adapter): its files are read and
+        checked off the event loop; RequestError naming the field when refused."""
+        adapters = self._adapters_or_refuse()
+        async with self._adapter_loads:  # one at a time: a name is checked free, then taken
+            await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, adapters.load, name, path)
+
+    async def unload_adapter(self, name: object) -> None:
+        """Stop serving an adapter (vLLM's /v1/unload_lora_adapter): 404 when not served, 409
+        while requests run under it."""
+        self._adapters_or_refuse().unload(name)
+
+    def _adapters_or_refuse(self) -> Adapters:
+        if self.adapters is None:
+            raise RequestError("invalid_argument", "lora_name: this worker serves no LoRA adapters (start it with "
+                               "the engine argument enable_lora)", "lora_name")
+        return self.adapters
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

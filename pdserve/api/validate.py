@@ -12,6 +12,7 @@ from pdserve.common import Priority
 from pdserve.engine import InvalidRequestError, SamplingParams, check_text
 from pdserve.engine.prompts import PromptChecker, check_resume_ids
 
+from .adapters import Adapters
 from .ingress import REQUEST_ID_CHARS, GenerateInput, RequestError, ServingLimits
 
 
@@ -42,6 +43,8 @@ class Validator:
         self.limits = limits
         self.served_model = served_model
         self.max_prompt_chars = max_prompt_chars
+        # The LoRA adapters a request's model may name (api/adapters.py); None: the model alone.
+        self.adapters: Adapters | None = None
 
     def validate(self, inp: GenerateInput) -> tuple[list[int], SamplingParams, int]:
         """Check and tokenize one request (CPU work: call it off the event loop, see
@@ -55,10 +58,10 @@ class Validator:
                 raise RequestError("invalid_argument",
                                    f"request_id: must be 1-{lim.max_request_id_chars} characters of "
                                    "A-Z a-z 0-9 . _ : @ / + = -", "request_id")
-        if inp.model and inp.model != self.served_model:
-            raise RequestError("not_found",
-                               f"model: {inp.model!r} does not exist here; this worker serves {self.served_model!r}",
-                               "model")
+        if inp.model and inp.model != self.served_model and (self.adapters is None or inp.model not in self.adapters):
+            more = f" and the LoRA adapters {sorted(self.adapters.served)}" if self.adapters else ""
+            raise RequestError("not_found", f"model: the model {inp.model!r} does not exist here; this worker "
+                               f"serves {self.served_model!r}{more}", "model")
         if inp.route not in ("auto", "local", "remote"):
             raise RequestError("invalid_argument", f"route: {inp.route!r}; use auto, local or remote", "route")
         if inp.ttft_slo_ms is not None and not inp.ttft_slo_ms > 0:

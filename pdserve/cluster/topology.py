@@ -33,7 +33,8 @@ from pdserve.cluster.etcd_auth import WORKER, EtcdTLS, WorkerCerts, worker_ident
 from pdserve.cluster.keys import check_name
 from pdserve.cluster.netaddr import LOOPBACK
 from pdserve.cluster.runtime import available_cpu_count
-from pdserve.cluster.topology_sections import ModelSpec, NetworkSpec, ObservabilitySpec, QueueSpec, RaySpec, _Strict
+from pdserve.cluster.topology_sections import (LoRASpec, ModelSpec, NetworkSpec, ObservabilitySpec, QueueSpec, RaySpec,
+                                               _Strict)
 from pdserve.cluster.topology_security import EtcdSpec, SecuritySpec
 from pdserve.common.yaml_schema import YamlDocument, YamlIssue, YamlSchemaError
 
@@ -176,6 +177,7 @@ class Topology(_Strict):
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     security: SecuritySpec = Field(default_factory=SecuritySpec)
     observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)  # traces and logs
+    lora: LoRASpec = Field(default_factory=LoRASpec)  # LoRA adapters the decode workers serve (docs/lora.md)
     run_dir: str | None = None  # logs, embedded etcd data; default ./runs
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
@@ -184,6 +186,13 @@ class Topology(_Strict):
     @classmethod
     def _cluster_is_a_key_segment(cls, value: str) -> str:
         return check_name("cluster", value)
+
+    @pydantic.model_validator(mode="after")
+    def _lora_modules_need_enable_lora(self) -> "Topology":
+        if self.lora.modules and not self.roles.decode.engine.get("enable_lora"):
+            raise ValueError("lora.modules: the decode workers serve LoRA adapters only with enable_lora: true in "
+                             "roles.decode.engine")
+        return self
 
     @pydantic.model_validator(mode="after")
     def _tensor_parallel_fits(self) -> "Topology":
@@ -207,6 +216,10 @@ class Topology(_Strict):
                                  f"different tensor_parallel_size ({tps['prefill']} and {tps['decode']}), so the "
                                  "handoff writes head ranges, contiguous only in HND pools: remove kv_layout or "
                                  "set it to HND")
+        kv = {r: str(getattr(self.roles, r).engine.get("kv_cache_dtype", "auto")).lower() for r in ("prefill", "decode")}
+        if len({"fp8_e4m3" if k == "fp8" else k for k in kv.values()}) > 1:  # docs/kv_cache.md
+            raise ValueError(f"roles.prefill.engine.kv_cache_dtype={kv['prefill']!r} and roles.decode.engine.kv_cache_dtype="
+                             f"{kv['decode']!r} differ: KV pages move as stored; set the same on both roles")
         return self
 
     def engine_args(self, role: str) -> dict[str, Any]:

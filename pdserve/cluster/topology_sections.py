@@ -218,3 +218,38 @@ class ObservabilitySpec(_Strict):
         """The workers' and gateways' ``tracing`` config (common/tracing.py TracingConfig fields)."""
         return {"otlp_traces_endpoint": self.otlp_traces_endpoint, "otlp_traces_protocol": self.otlp_traces_protocol,
                 "otlp_traces_sample_ratio": self.otlp_traces_sample_ratio}
+
+
+class LoRAModuleSpec(_Strict):
+    """One LoRA adapter the decode workers serve from the start (vLLM's ``--lora-modules`` JSON
+    form): ``name`` is the model requests send, ``path`` the PEFT adapter directory on every
+    decode worker's host, ``base_model_name`` its parent in /v1/models (default: the model's
+    name). The adapter's files are checked when a decode worker starts."""
+
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+    base_model_name: str | None = None
+
+    @pydantic.field_validator("name", "path")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        if "\x00" in value or value != value.strip():
+            raise ValueError("must not hold NUL or leading/trailing whitespace")
+        return value
+
+
+class LoRASpec(_Strict):
+    """LoRA adapters (docs/lora.md): the ones every decode worker serves from the start; more are
+    loaded at run time with POST /v1/load_lora_adapter. Needs ``enable_lora: true`` in
+    ``roles.decode.engine``."""
+
+    modules: list[LoRAModuleSpec] = Field(default_factory=list)
+
+    @pydantic.field_validator("modules")
+    @classmethod
+    def _names_unique(cls, value: list[LoRAModuleSpec]) -> list[LoRAModuleSpec]:
+        names = [m.name for m in value]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"the adapter name {dup!r} is given twice")
+        return value

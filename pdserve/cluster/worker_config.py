@@ -165,6 +165,7 @@ def launch_config(topology: "Topology", role: str, replica: int, *, model: str,
                    local_prefill_budget_tokens=spec.local_prefill_budget_tokens, calibrate=spec.calibrate,
                    enable_auto_tool_choice=spec.enable_auto_tool_choice, tool_call_parser=spec.tool_call_parser,
                    reasoning_parser=spec.reasoning_parser,
+                   lora_modules=[m.model_dump(exclude_none=True) for m in topology.lora.modules],
                    exit_on_engine_death=True, **_decode_security(topology))
     return out
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Callable
 
-from pdserve.engine import EngineLoad, KVConnector, LLMEngine, RequestDelta, SamplingParams, StepError
+from pdserve.engine import EngineLoad, KVConnector, LLMEngine, LoRARequest, RequestDelta, SamplingParams, StepError
 from pdserve.engine.driver import EngineDriver, StepInfo
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class FinalInfo:
     first_token_time: float | None
     finish_time: float
     num_preemptions: int
+    spec_tokens: tuple[int, int] | None = None  # speculative decoding: (proposed, accepted); None: off
 
 
 class EngineDeadError(RuntimeError):
@@ -181,16 +182,16 @@ class AsyncEngine:
     # -- asyncio side ---------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                priority: int, tenant: str | None = None, resume_ids: list[int] | None = None,
-               remote_kv: bool = False) -> asyncio.Queue:
+               remote_kv: bool = False, lora_request: LoRARequest | None = None) -> asyncio.Queue:
         """Queue a validated request; returns the queue its (delta, FinalInfo|None) items arrive on.
         `tenant`: whose it is (the scheduler's fair share among API keys); `resume_ids`: the
-        tokens it already generated elsewhere (`LLMEngine.make_request`); `remote_kv`: another
-        worker writes its prompt KV (the remote path, decode/remote.py)."""
+        tokens it already generated elsewhere (`LLMEngine.make_request`); `remote_kv`: another worker
+        writes its prompt KV (decode/remote.py); `lora_request`: its LoRA adapter (None: the base)."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
-        self._post(("add", request_id, prompt_ids, params, priority, tenant, resume_ids, remote_kv))
+        self._post(("add", request_id, prompt_ids, params, priority, tenant, resume_ids, remote_kv, lora_request))
         return q
 
     def abort(self, request_id: str) -> None:
@@ -264,10 +265,10 @@ class AsyncEngine:
             elif kind == "call":
                 self._guarded(cmd[1], "failed_commands", eng)
 
-    def _add(self, rid: str, ids, params, priority, tenant, resume_ids=None, remote_kv: bool = False) -> None:
+    def _add(self, rid: str, ids, params, priority, tenant, resume_ids=None, remote_kv=False, lora=None) -> None:
         try:
             self.engine.add_request(ids, params, request_id=rid, priority=priority, tenant=tenant,
-                                    resume_ids=resume_ids, remote_kv=remote_kv)
+                                    resume_ids=resume_ids, remote_kv=remote_kv, lora_request=lora)
         except Exception as exc:  # noqa: BLE001  (this request's error, not the engine's)
             self._emit(rid, exc, None)
 
@@ -380,7 +381,7 @@ class AsyncEngine:
             prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
             cached_tokens=out.num_cached_tokens, arrival_time=t.arrival_time,
             first_scheduled_time=t.first_scheduled_time, first_token_time=t.first_token_time,
-            finish_time=time.monotonic(), num_preemptions=t.num_preemptions,
+            finish_time=time.monotonic(), num_preemptions=t.num_preemptions, spec_tokens=t.spec_tokens,
         )
 
     def _emit(self, rid: str, item, final) -> None:

@@ -76,6 +76,8 @@ def breakdown(prep: Prepared, final: FinalInfo | None, extra: dict, now: float, 
             metrics.queue_wait.observe(b["queue_wait_ms"] / 1e3)
             if generated > 1:
                 metrics.tpot.observe((final.finish_time - final.first_token_time) / (generated - 1))
+        if final.spec_tokens is not None:  # speculative decoding on (docs/speculative.md)
+            b["spec_draft_tokens"], b["spec_accepted_tokens"] = final.spec_tokens
         metrics.generation_tokens.inc(generated)
         metrics.prefix_hit_tokens.inc(final.cached_tokens)
     metrics.e2e.observe(now - prep.arrival)

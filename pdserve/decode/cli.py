@@ -46,6 +46,10 @@ def register(subparsers) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' (the engine argument speculative_config; docs/speculative.md)')
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served from the start, as vLLM's: name=path, or JSON '{\"name\": ..., "
+                        "\"path\": ..., \"base_model_name\": ...}'; the request's model names one. Needs "
+                        "--engine-args '{\"enable_lora\": true}' (docs/lora.md)")
     p.add_argument("--local-prefill-budget-tokens", type=int, default=None,
                    help="prompt tokens one engine step may take (default: planned every step from the measured "
                         "step costs and the policy's qos.tpot_slo_ms / ttft_slo_ms: running streams keep their "
@@ -114,7 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, cluster=args.cluster,
         etcd_endpoints=args.etcd.split(",") if args.etcd else None, etcd_tls=_etcd_tls(args),
         lease_ttl_s=args.lease_ttl, local_prefill_budget_tokens=args.local_prefill_budget_tokens,
-        calibrate=args.calibrate,
+        calibrate=args.calibrate, lora_modules=args.lora_modules,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         api_keys_file=args.api_keys_file, open_paths=_names(args.open_paths),
         open_grpc_services=_names(args.open_grpc_services),

@@ -20,7 +20,8 @@ from typing import AsyncIterator
 from pdserve.api.ingress import Chunk, GenerateInput, RequestError, ServingLimits
 from pdserve.api.surface import Surface, identity, tenant_of
 from pdserve.api.validate import check_privileges
-from pdserve.engine import SamplingParams, parse_structured_outputs
+from pdserve.engine import LoRARequest, SamplingParams, parse_structured_outputs
+from pdserve.engine.lora_request import lora_salt
 from pdserve.router import ArrivalRate, ClusterSnapshot, admit, tenant_token_limit
 from pdserve.router.assess import cluster_snapshot, priced_tier, request_features
 
@@ -164,9 +165,10 @@ class Frontend(Surface):
         m.prefill_queue_tokens.set(view.queue_tokens)
         m.prefill_pool_size.set(view.pool_size)
 
-    def cached_len(self, ids: list[int]) -> int:
-        """Prompt tokens this worker's prefix cache holds now (read-only lookup)."""
-        return self.engine.connector.cached_prefix_len(ids)
+    def cached_len(self, ids: list[int], salt: bytes | None = None) -> int:
+        """Prompt tokens this worker's prefix cache holds now (read-only lookup; ``salt``: the
+        request's prefix-cache salt, an adapter's, engine/lora_request.py)."""
+        return self.engine.connector.cached_prefix_len(ids, salt)
 
     def tenant_token_limit(self):
         """The policy's qos.max_tokens_per_tenant, else (null) this worker's KV pool (Surface)."""
@@ -213,20 +215,24 @@ class Frontend(Surface):
         spec = parse_structured_outputs(params.structured_outputs)
         grammar_ms = self.engine.prompts.grammars.fresh_compile_ms(spec) if spec is not None else 0.0
         want_prompt_lps = params.prompt_logprobs is not None and not resume  # (a resumed stream sent them)
+        lora = self._adapter_of(inp)
+        salt = lora_salt(None, lora)  # an adapter's blocks are its own in the prefix cache
 
         def assess():
             """Admission as the worker stands now: its pool's and the prefill workers' cached
             prefixes (their KV events; decode/remote.py prefix_view), its load, the policy."""
             # prompt logprobs: every prompt position runs here (the router keeps it local)
-            cached = self.cached_len(computed) if not want_prompt_lps else 0
-            view = self.remote.prefix_view if self.remote is not None and not resume else None
+            cached = self.cached_len(computed, salt) if not want_prompt_lps else 0
+            # (a prefill worker's cached prefixes are the base model's: none for an adapter's prompt)
+            view = self.remote.prefix_view if self.remote is not None and not resume and lora is None else None
             hint = view.cached_tokens(ids) if view is not None else {}
             # router/assess.py builds the features and prices the tier (the simulator's worker too)
             feats = request_features(len(computed), cached, priority=prio, ttft_slo_ms=inp.ttft_slo_ms,
                                      route=inp.route, max_tokens=params.max_tokens, resumed=bool(resume), hint=hint,
-                                     tier_cached_len=0 if want_prompt_lps else connector.tier_prefix_len(computed, cached),
+                                     tier_cached_len=0 if want_prompt_lps else connector.tier_prefix_len(
+                                         computed, cached, salt),
                                      peer_reads=self.peers is not None, grammar_compile_ms=grammar_ms,
-                                     prompt_logprobs=want_prompt_lps)
+                                     prompt_logprobs=want_prompt_lps, lora_adapter=lora is not None)
             snap = priced_tier(self.snapshot(max(0, len(computed) - cached), cached), feats,
                                connector.tier_load_ms_per_token())
             return cached, hint, feats, snap, admit(feats, snap, policy)
@@ -238,6 +244,8 @@ class Frontend(Surface):
         if not adm.ok and adm.reason == "kv_pool_full" and wait_ms > 0:
             cached, hint, feats, snap, adm = await self._hold_for_room(
                 arrival, wait_ms, assess, (cached, hint, feats, snap, adm))
+        if lora is not None and self._adapter_of(inp) is not lora:  # unloaded while it waited for room
+            raise RequestError("not_found", f"model: the LoRA adapter {lora.lora_name!r} was unloaded", "model")
         if not adm.ok:
             self.metrics.refused(adm.reason)
             self._log_refusal(adm.reason, adm.detail, len(computed), cached)
@@ -247,16 +255,29 @@ class Frontend(Surface):
         decision = adm.decision
         self.metrics.decision(decision.route, decision.reason)
         self.metrics.prompt_tokens.inc(len(ids))
+        if lora is not None:
+            self.metrics.lora_admitted(lora.lora_name, len(ids))
         rid = f"{self._id_prefix}-{next(self._admissions):x}"
         residual = (snap.costs.ttft_residual_remote_ms if decision.route == "remote"
                     else snap.costs.ttft_residual_local_ms) if len(computed) > cached else 0.0
         borrow = None
         peers = self.peers
-        if decision.route == "local" and peers is not None and not resume and not want_prompt_lps:
+        if decision.route == "local" and peers is not None and not resume and not want_prompt_lps and lora is None:
             borrow = peers.choose(hint, cached, len(ids), snap.costs, feats.tier_cached_len)
         return Prepared(rid, inp, ids, params, prio, cached, decision, arrival, label=label, prefix_hint=hint,
                         tenant=tenant_of(inp.caller), residual_ms=residual, borrow=borrow,
-                        local_backlog=snap.local_prefill_queue_tokens)
+                        local_backlog=snap.local_prefill_queue_tokens, lora=lora)
+
+    def _adapter_of(self, inp: GenerateInput) -> LoRARequest | None:
+        """The LoRA adapter the request's model names (None: the base model); validation
+        refused an unknown name, and one unloaded since is refused here (404, param model)."""
+        if not inp.model or inp.model == self.served_model:
+            return None
+        lora = self.adapters.get(inp.model) if self.adapters is not None else None
+        if lora is None:
+            raise RequestError("not_found", f"model: the model {inp.model!r} does not exist here (a LoRA adapter "
+                               "unloaded meanwhile?)", "model")
+        return lora
 
     async def _hold_for_room(self, arrival: float, wait_ms: float, assess, refused):
         """A prompt the KV pool cannot hold beside the running streams (``kv_pool_full``) waits
@@ -345,6 +366,8 @@ class Frontend(Surface):
         self._labels_admitting.discard(fl.key)  # prepare() reserved it; no await between
         self.inflight[fl.key] = prep.request_id
         self.flights[prep.request_id] = fl
+        if prep.lora is not None and self.adapters is not None:  # (an adapter in use is not unloaded)
+            self.adapters.begin(prep.lora.lora_name)
         self.num_prefilling += 1
         if not remote:  # a remote one is pending remote work of its owner (decode/remote.py)
             self._local_prefills[prep.request_id] = fl.tokens
@@ -374,6 +397,8 @@ class Frontend(Surface):
         if item.new_token_ids:
             fl.last_t = now
             fl.emitted += len(item.new_token_ids)
+            if prep.lora is not None:
+                self.metrics.lora_generated(prep.lora.lora_name, len(item.new_token_ids))
         chunk = Chunk(item.new_token_ids, item.text, item.finish_reason, item.logprobs,
                       prompt_logprobs=item.prompt_logprobs)
         if item.finished:
@@ -388,6 +413,8 @@ class Frontend(Surface):
         if self.inflight.get(fl.key) == rid:
             del self.inflight[fl.key]
         self.flights.pop(rid, None)
+        if fl.prep.lora is not None and self.adapters is not None:
+            self.adapters.end(fl.prep.lora.lora_name)
         if not fl.first:
             self._prefill_done(fl)
         else:
@@ -434,7 +461,7 @@ class Frontend(Surface):
             q = await peers.submit(prep, *prep.borrow)
         else:
             q = self.engine.submit(prep.request_id, prep.prompt_ids, prep.params, prep.priority, prep.tenant,
-                                   prep.inp.resume_ids)
+                                   prep.inp.resume_ids, lora_request=prep.lora)
         while True:
             item, final = await q.get()
             yield item, final, {}

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Protocol
 
 from pdserve.api.ingress import REQUEST_SCOPE, GenerateInput, RequestError
 from pdserve.common import Priority
-from pdserve.engine import InvalidRequestError, SamplingParams
+from pdserve.engine import InvalidRequestError, LoRARequest, SamplingParams
 from pdserve.router import Decision
 
 from .async_engine import EngineDeadError, FinalInfo
@@ -45,6 +45,8 @@ class Prepared:
     # The W3C traceparent of its request span on this worker (decode/tracing.py), which its
     # prefill task carries so the prefill worker's spans join the trace; None: not traced.
     traceparent: str | None = None
+    # The LoRA adapter its model named (api/adapters.py); None: the base model.
+    lora: LoRARequest | None = None
 
 
 class RemotePath(Protocol):

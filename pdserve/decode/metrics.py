@@ -14,6 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pdserve.cluster.grammar_metrics import GrammarCollector
 from pdserve.cluster.registration import Registration
 from pdserve.cluster.registration_metrics import RegistrationCollector
+from pdserve.engine.engine_types import EngineStats
+
+from .spec_metrics import SpecDecodeCollector
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                       1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -76,6 +79,13 @@ class WorkerMetrics:
         self.transfer_bytes = hist("pdserve_kv_transfer_bytes", "KV bytes received per remote prefill", _BYTES_BUCKETS)
         self.transfer_seconds = hist("pdserve_kv_transfer_seconds", "KV transfer duration per remote prefill", _LATENCY_BUCKETS_S)
         self.transfer_failures = Counter("pdserve_kv_transfer_failures", "Failed KV transfers", names, registry=r).labels(**labels)
+        # Per LoRA adapter (docs/lora.md, "Metrics"): requests admitted, their prompt and generated tokens
+        self._lora_requests = Counter("pdserve_lora_requests", "Requests admitted per LoRA adapter",
+                                      names + ["lora_name"], registry=r)
+        self._lora_prompt_tokens = Counter("pdserve_lora_prompt_tokens", "Prompt tokens received per LoRA adapter",
+                                           names + ["lora_name"], registry=r)
+        self._lora_generation_tokens = Counter("pdserve_lora_generation_tokens", "Tokens generated per LoRA adapter",
+                                               names + ["lora_name"], registry=r)
         self._refused_notifications = Counter(
             "pdserve_remote_notifications_refused",
             "PrefillDone notices refused: no live attempt (request, epoch) here, or a token count other than the "
@@ -85,6 +95,11 @@ class WorkerMetrics:
         """Export the engine's structured-output compiler (`LLMEngine.grammar_stats`), read at
         each scrape: the ``pdserve_grammar_*`` metrics (cluster/grammar_metrics.py)."""
         self.registry.register(GrammarCollector(stats, self.labels))
+
+    def watch_spec_decode(self, stats: Callable[[], EngineStats]) -> None:
+        """Export the engine's speculative decoding counters (`EngineStats`), read at each scrape:
+        the ``pdserve_spec_decode_*`` metrics (decode/spec_metrics.py)."""
+        self.registry.register(SpecDecodeCollector(stats, self.labels))
 
     def watch_registration(self, registration: Registration) -> None:
         """Export the worker's etcd registration, read at each scrape: its state and lease losses
@@ -102,6 +117,13 @@ class WorkerMetrics:
 
     def decision(self, route: str, reason: str) -> None:
         self._decisions.labels(route=route, reason=reason, **self.labels).inc()
+
+    def lora_admitted(self, lora_name: str, prompt_tokens: int) -> None:
+        self._lora_requests.labels(lora_name=lora_name, **self.labels).inc()
+        self._lora_prompt_tokens.labels(lora_name=lora_name, **self.labels).inc(prompt_tokens)
+
+    def lora_generated(self, lora_name: str, tokens: int) -> None:
+        self._lora_generation_tokens.labels(lora_name=lora_name, **self.labels).inc(tokens)
 
     def refused(self, reason: str) -> None:
         self._refused.labels(reason=reason, **self.labels).inc()

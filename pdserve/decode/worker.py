@@ -18,8 +18,11 @@ from typing import Any
 
 import uvicorn
 
+from pdserve.api.adapters import Adapters, LoRAModule, parse_lora_modules
 from pdserve.api.grpc_service import GrpcServer
+from pdserve.api.http_app import forget_http_endpoints
 from pdserve.api.http_app import H11Protocol, build_app
+from pdserve.api.ingress import RequestError
 from pdserve.api.security import ServerSecurity
 from pdserve.api.tool_calls import ChatOptions
 from pdserve.cluster.join import join_cluster, leave_cluster, publish_load
@@ -35,7 +38,8 @@ from pdserve.cluster.security import DEFAULT_OPEN_GRPC_SERVICES, DEFAULT_OPEN_PA
 from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.common import jsonlog, tracing
 from pdserve.common.compute_thread import run_in_own_thread
-from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine import EngineConfig, LLMEngine, LoRARequest
+from pdserve.engine.lora import check_request, load_adapter
 from pdserve.engine.calibrate import measure_steps
 from pdserve.engine.step_plan import StepPlanFeed
 from pdserve.kvtransfer.lend import LENDS_CAPACITY_KEY
@@ -95,6 +99,9 @@ class DecodeWorkerConfig(WorkerConfig):
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # LoRA adapters served from the start (api/adapters.py: "name=path" or {name, path,
+    # base_model_name}); needs the engine argument enable_lora. docs/lora.md, "The API".
+    lora_modules: list = field(default_factory=list)
 
     def chat_options(self) -> ChatOptions:
         """ValueError naming the setting for an unknown parser."""
@@ -154,6 +161,9 @@ class DecodeWorker:
         self.host = cfg.host or cfg.address()
         self.security = ServerSecurity.from_config(cfg)  # bad files fail before the engine loads
         self.chat = cfg.chat_options()  # so does an unknown parser
+        lora_modules = parse_lora_modules(cfg.lora_modules)  # and a malformed adapter entry
+        if lora_modules and not cfg.engine_args.get("enable_lora"):
+            raise ValueError("lora_modules: serving LoRA adapters needs the engine argument enable_lora: true")
         self.security.warn_if_plaintext(self.host, self.worker_id)
         # Own its cores before any engine thread exists (threads inherit the mask; topology cpus).
         self.cpus = cfg.pin_cpus(f"decode worker {self.worker_id}")
@@ -163,6 +173,8 @@ class DecodeWorker:
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
         self.metrics = WorkerMetrics("decode", self.worker_id)
         self.metrics.watch_grammars(self.engine.grammar_stats)  # structured outputs' compiler
+        if self.engine.spec is not None:  # speculative decoding's counters (decode/spec_metrics.py)
+            self.metrics.watch_spec_decode(lambda: self.engine.stats)
         self._ttft_window, self._itl_window = LatencyWindow(self.metrics.ttft), LatencyWindow(self.metrics.itl)
         self.async_engine = AsyncEngine(self.engine, on_step=self._on_step, on_death=self._on_engine_death)
         self._policy = policy
@@ -184,6 +196,8 @@ class DecodeWorker:
         # The router predicts a local prefill as the chunks the engine's step plan would cut it into.
         self.frontend = Frontend(self.async_engine, policy, self.metrics, self.worker_id, served,
                                  ServingLimits.from_dict(cfg.limits), remote=self.remote, plan_local_prefill=True)
+        if self.engine.config.enable_lora:
+            self._serve_adapters(served, lora_modules)
         self.metrics.engine_alive.set(1)
         self.grpc = GrpcServer(self.frontend, self.host, cfg.grpc_port, self.security)
         await self.grpc.start()
@@ -199,6 +213,22 @@ class DecodeWorker:
             freeze_gc_heap(f"decode worker {self.worker_id}")
         log.info("decode worker %s serving gRPC %s, HTTP %s", self.worker_id, self.grpc_address, self.http_address)
         return {"worker_id": self.worker_id, "grpc": self.grpc_address, "http": self.http_address, "pid": os.getpid()}
+
+    def _serve_adapters(self, served: str, modules: list[LoRAModule]) -> None:
+        """The frontend serves LoRA adapters by name, starting with ``modules`` (each read and
+        checked now: a bad one stops the start, naming its field)."""
+        eng = self.engine
+
+        def check(lora: LoRARequest) -> None:  # reads files only: safe off the engine thread
+            load_adapter(check_request(lora, True), eng.model_config, eng.config.max_lora_rank)
+
+        adapters = Adapters(served, check)
+        for i, mod in enumerate(modules):
+            try:
+                adapters.load(mod.name, mod.path, mod.base_model_name)
+            except RequestError as exc:
+                raise ValueError(f"lora_modules[{i}] ({mod.name}): {exc}") from None
+        self.frontend.serve_adapters(adapters)
 
     async def _start_http(self) -> None:
         cfg = self.cfg
@@ -452,6 +482,8 @@ class DecodeWorker:
             self.kv_publisher.close()
         if self._http_sock is not None:
             self._http_sock.close()
+        if self._http is not None:
+            forget_http_endpoints()
 
     async def __aenter__(self) -> "DecodeWorker":
         await self.start()

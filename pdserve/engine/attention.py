@@ -18,6 +18,7 @@ import torch
 
 from . import native
 from .attention_base import AttentionBackend, BatchLayout
+from .kv_quant import KVQuant
 from .torch_attention import TorchAttention
 
 log = logging.getLogger(__name__)
@@ -173,10 +174,17 @@ class FlashInferAttention(AttentionBackend):
 
 
 def make_backend(name: str, *, device: torch.device, scale: float, num_heads: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_layout: str = "NHD") -> AttentionBackend:
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_layout: str = "NHD",
+                 kv_quant: KVQuant | None = None) -> AttentionBackend:
     """`auto` picks FlashInfer on CUDA with a 16-bit dtype and a head size it supports, when it
     is installed; on the CPU in float32 the torch path with the native paged decode kernel
-    (engine/native.py) when it builds; else torch."""
+    (engine/native.py) when it builds; else torch. An FP8 KV pool (``kv_quant``) runs the torch
+    path only: neither kernel reads float8 KV yet."""
+    if kv_quant is not None:
+        if name not in ("auto", "torch"):
+            raise ValueError(f"kv_cache_dtype={kv_quant.name!r} runs on attention_backend 'torch' (or 'auto') "
+                             f"only for now, not {name!r}")
+        return TorchAttention(scale, dtype, kv_layout=kv_layout, kv_quant=kv_quant)
     if name == "auto":
         name = "torch"
         if device.type == "cpu" and dtype == torch.float32:

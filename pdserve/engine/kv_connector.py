@@ -136,7 +136,7 @@ class KVConnector:
     @property
     def kv_bytes_per_token(self) -> int:
         m = self._eng.model_config
-        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * self._eng.runner.dtype.itemsize
+        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * self._eng.runner.kv_dtype.itemsize
 
     def kv_bytes(self, num_blocks: int) -> int:
         """Bytes of KV that ``num_blocks`` blocks hold across all layers."""

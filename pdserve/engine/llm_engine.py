@@ -515,8 +515,14 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens, stop_reason=req.stop_reason,
             prompt_logprobs=reported_prompt_logprobs(req),
             times=RequestTimes(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                               req.num_preemptions),
+                               req.num_preemptions, self._spec_counts(req)),
         )
+
+    def _spec_counts(self, req: Request) -> tuple[int, int] | None:
+        """Its proposals verified and accepted (None: this engine does not speculate)."""
+        if self.spec is None:
+            return None
+        return req.num_spec_draft_tokens, req.num_spec_accepted_tokens
 
     def release(self, request_id: str) -> RequestOutput | None:
         """Build the final output of a finished request and forget it."""

@@ -291,6 +291,8 @@ class Request:
         self.grammar: RequestGrammar | None = None
         # Tokens proposed for its next positions, verified in the coming step (engine/spec_decode.py).
         self.spec_token_ids: list[int] = []
+        self.num_spec_draft_tokens = 0  # proposals verified for it, over its life
+        self.num_spec_accepted_tokens = 0  # of which accepted
         self.lora_request: LoRARequest | None = None  # its LoRA adapter (engine/lora_slots.py); None: the base
         # Monotonic timestamps for latency breakdowns (queue wait, TTFT).
         self.arrival_time = time.monotonic()
@@ -329,6 +331,9 @@ class RequestTimes:
     first_scheduled_time: float | None
     first_token_time: float | None
     num_preemptions: int = 0
+    # Speculative decoding (engine/spec_decode.py): (tokens proposed for it, accepted); None when
+    # its engine does not speculate.
+    spec_tokens: tuple[int, int] | None = None
 
 
 @dataclass

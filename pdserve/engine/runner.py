@@ -14,7 +14,8 @@ import torch
 
 from .attention import make_backend
 from .block_manager import KVCacheManager
-from .config import ConfigError, EngineConfig, ModelConfig, dtype_name, parse_dtype
+from .config import ConfigError, EngineConfig, ModelConfig, dtype_name, parse_dtype, parse_kv_cache_dtype
+from .kv_quant import KVQuant
 from .linear import pack_linears
 from .lora_slots import LoRARuntime
 from .model import load_model
@@ -97,6 +98,11 @@ class ModelRunner:
         if self.device.type == "cuda" and tp > 1:
             self.device = torch.device("cuda", (self.device.index or 0) + rank)
         self.dtype = resolve_dtype(cfg, model_cfg, self.device)
+        # The pool's element type: the model's, or float8 (kv_cache_dtype; engine/kv_quant.py).
+        self.kv_cache_dtype, storage = parse_kv_cache_dtype(cfg.kv_cache_dtype)
+        self.kv_dtype = storage or self.dtype
+        self.kv_quant = (KVQuant.static(self.kv_cache_dtype, storage, self.dtype, model_cfg.num_layers, self.device)
+                         if storage is not None else None)
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
         check_tp(model_cfg, tp)
@@ -126,7 +132,7 @@ class ModelRunner:
         self.backend = make_backend(
             cfg.attention_backend, device=self.device, scale=model_cfg.head_dim ** -0.5,
             num_heads=len(self.shard.q_heads), num_kv_heads=self.num_kv_heads,
-            head_dim=model_cfg.head_dim, dtype=self.dtype, kv_layout=cfg.kv_layout,
+            head_dim=model_cfg.head_dim, dtype=self.dtype, kv_layout=cfg.kv_layout, kv_quant=self.kv_quant,
         )
         self.num_blocks = self._num_blocks(cfg)
         if self.comm is not None:
@@ -137,7 +143,7 @@ class ModelRunner:
         inner = ((cfg.block_size, self.num_kv_heads) if cfg.kv_layout == "NHD"
                  else (self.num_kv_heads, cfg.block_size))
         self.kv_cache = torch.zeros(
-            model_cfg.num_layers, self.num_blocks, 2, *inner, model_cfg.head_dim, dtype=self.dtype, device=self.device,
+            model_cfg.num_layers, self.num_blocks, 2, *inner, model_cfg.head_dim, dtype=self.kv_dtype, device=self.device,
         )
 
     def _agree_on_blocks(self, mine: int) -> int:
@@ -155,7 +161,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one block of one layer (K and V) in this rank's pool."""
         m = self.model_cfg
-        return 2 * self.block_size * self.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return 2 * self.block_size * self.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
 
     def _num_blocks(self, cfg: EngineConfig) -> int:
         if cfg.num_gpu_blocks_override is not None:
@@ -187,6 +193,9 @@ class ModelRunner:
             "num_blocks": self.num_blocks, "block_size": self.block_size,
             "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "block_bytes": self.block_bytes,
             "kv_layout": self.kv_layout, "tensor_parallel_size": self.shard.size,
+            # The pool's element type and, for FP8, each layer's [k_scale, v_scale] (engine/kv_quant.py).
+            "kv_cache_dtype": self.kv_cache_dtype, "kv_dtype": dtype_name(self.kv_dtype),
+            "kv_scales": self.kv_quant.scale_list() if self.kv_quant is not None else [],
         }
 
     def enable_decode_graphs(self, kv: KVCacheManager, max_batch: int, max_model_len: int) -> None:

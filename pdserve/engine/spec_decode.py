@@ -146,6 +146,8 @@ class SpecDecoder:
 
     def record(self, req: Request, proposed: int, accepted: int, stats: EngineStats) -> None:
         """Count one verification (EngineStats) and update the request's acceptance."""
+        req.num_spec_draft_tokens += proposed
+        req.num_spec_accepted_tokens += accepted
         stats.num_spec_drafts += 1
         stats.num_spec_draft_tokens += proposed
         stats.num_spec_accepted_tokens += accepted

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_base import AttentionBackend, BatchLayout
+from .kv_quant import KVQuant, layer_of
 from .native import check_rows, paged_decode
 
 KV_LAYOUTS = ("NHD", "HND")
@@ -93,10 +94,15 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, scale: float, dtype: torch.dtype = torch.float32, native=None, kv_layout: str = "NHD"):
+    def __init__(self, scale: float, dtype: torch.dtype = torch.float32, native=None, kv_layout: str = "NHD",
+                 kv_quant: KVQuant | None = None):
         self.scale = scale
         self.dtype = dtype
         self.kv_layout = kv_layout
+        # FP8 KV (engine/kv_quant.py): K/V stored quantized, read back in ``dtype`` (no native kernel).
+        self.kv_quant = kv_quant
+        if kv_quant is not None and native is not None:
+            raise ValueError(f"attention_backend='native' does not read {kv_quant.name} KV; use 'torch'")
         # With the native kernel library (engine/native.py), decode tokens and short prompts attend in place in
         # the pool instead of through gathered copies (float32 on CPU only).
         self.native = native
@@ -187,16 +193,21 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, layer_kv, q, k, v, meta: _TorchMeta) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        if self.kv_layout == "NHD":
+        scales = None
+        if self.kv_quant is not None:
+            scales = self.kv_quant.layer_scales(layer_of(layer_kv))
+            k, v = self._store_fp8(layer_kv, k, v, meta, scales)
+        elif self.kv_layout == "NHD":
             pool = _flat_pool(layer_kv)
             pool.index_copy_(0, meta.k_rows, k)
             pool.index_copy_(0, meta.v_rows, v)
         else:
-            layer_kv = nhd_view(layer_kv, self.kv_layout)
             assert meta.hnd_index is not None  # plan() sets it for HND, the layout this branch serves
             block, offset = meta.hnd_index
-            layer_kv[block, 0, offset] = k
-            layer_kv[block, 1, offset] = v
+            nhd = nhd_view(layer_kv, self.kv_layout)
+            nhd[block, 0, offset] = k
+            nhd[block, 1, offset] = v
+        layer_kv = nhd_view(layer_kv, self.kv_layout)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.native is not None:
             if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
@@ -219,8 +230,29 @@ class TorchAttention(AttentionBackend):
             for group in meta.paged:
                 ks = _gather_blocks(k_pool, group, self._k_buf)
                 vs = _gather_blocks(v_pool, group, self._v_buf)
+                if self.kv_quant is not None and scales is not None:
+                    ks = self.kv_quant.dequantize(ks, scales[0])
+                    vs = self.kv_quant.dequantize(vs, scales[1])
                 self._attend_paged(q, ks, vs, group, out)
         return out
+
+    def _store_fp8(self, layer_kv, k, v, meta: _TorchMeta, scales: tuple[float, float]):
+        """Write the new K/V quantized into the float8 pool (as bytes: torch's CPU index ops lack
+        float8) and return them as attention reads them back: stored values in the model's dtype."""
+        assert self.kv_quant is not None
+        qk, qv = self.kv_quant.quantize(k, scales[0]), self.kv_quant.quantize(v, scales[1])
+        raw = layer_kv.view(torch.uint8)
+        if self.kv_layout == "NHD":
+            pool = _flat_pool(raw)
+            pool.index_copy_(0, meta.k_rows, qk.view(torch.uint8))
+            pool.index_copy_(0, meta.v_rows, qv.view(torch.uint8))
+        else:
+            assert meta.hnd_index is not None
+            block, offset = meta.hnd_index
+            nhd = nhd_view(raw, self.kv_layout)
+            nhd[block, 0, offset] = qk.view(torch.uint8)
+            nhd[block, 1, offset] = qv.view(torch.uint8)
+        return self.kv_quant.dequantize(qk, scales[0]), self.kv_quant.dequantize(qv, scales[1])
 
     def _attend_paged(self, q, ks, vs, group: _PagedGroup, out: torch.Tensor) -> None:
         g, q_len = group.query_index.shape

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdserve.api.grpc_service import GrpcServer
-from pdserve.api.http_app import build_app
+from pdserve.api.http_app import build_app, forget_http_endpoints
 from pdserve.api.ingress import ServingLimits
 from pdserve.api.security import ServerSecurity
 from pdserve.api.tool_calls import ChatOptions
@@ -194,5 +194,6 @@ class Gateway:
         if self.frontend is not None:
             self.frontend.close()
         tracing.flush("gateway")  # its last spans leave before it does
+        forget_http_endpoints()  # (FastAPI's caches would keep its frontend: api/http_app.py)
         if self.registry is not None:
             await self.registry.close(deregister=False)

@@ -23,7 +23,7 @@ __all__ = ["cluster_snapshot", "priced_tier", "request_features"]
 def request_features(prompt_len: int, cached_len: int, *, priority, ttft_slo_ms: float | None, route: str,
                      max_tokens: int | None, resumed: bool, hint: Mapping[str, int], tier_cached_len: int,
                      peer_reads: bool, grammar_compile_ms: float = 0.0,
-                     prompt_logprobs: bool = False) -> RequestFeatures:
+                     prompt_logprobs: bool = False, lora_adapter: bool = False) -> RequestFeatures:
     """One request as the router sees it.
 
     ``prompt_len``: the tokens to prefill (a resumed stream's prompt and resumed tokens);
@@ -34,13 +34,14 @@ def request_features(prompt_len: int, cached_len: int, *, priority, ttft_slo_ms:
     resumed stream is prefilled here whatever the request asked (its first token must follow
     the resumed ones, which a remote prefill would not know). ``grammar_compile_ms``: see
     `RequestFeatures.grammar_compile_ms`; ``prompt_logprobs``: the request asks for them (it is
-    prefilled here, every position: ``cached_len`` is then 0)."""
+    prefilled here, every position: ``cached_len`` is then 0); ``lora_adapter``: it runs under a
+    LoRA adapter (prefilled here: a prefill worker cannot run adapters yet)."""
     # route: a str (api/validate.py refused any other value); RequestFeatures checks it again
     return RequestFeatures(prompt_len=prompt_len, cached_len=cached_len, priority=priority, ttft_slo_ms=ttft_slo_ms,
                            override="local" if resumed else cast(Override, route), max_tokens=max_tokens,
                            remote_cached_len=max(hint.values(), default=0), tier_cached_len=tier_cached_len,
                            peer_reads=peer_reads, grammar_compile_ms=grammar_compile_ms,
-                           prompt_logprobs=prompt_logprobs)
+                           prompt_logprobs=prompt_logprobs, lora_adapter=lora_adapter)
 
 
 def cluster_snapshot(costs: CostEstimates, *, queue_depth: int, queue_tokens: int, pool_size: int,

@@ -5,11 +5,12 @@ Precedence, first match wins (docs/router.md, "Decision precedence"):
 
 1. fully cached prompt (``eff_len == 0``)      -> local  ``fully_cached``
 2. ``prompt_logprobs`` asked                    -> local  ``prompt_logprobs``
-3. request override ``local``                   -> local  ``override_local``
-4. empty prefill pool (``empty_pool_local``)    -> local  ``empty_pool``
-5. request override ``remote``                  -> remote ``override_remote``
-6. ``mode: always_local`` / ``always_remote``   -> fixed  ``mode_always_*``
-7. ``mode: conditional``: the policy (threshold / score / cost_model), with
+3. a LoRA adapter named (``lora_adapter``)      -> local  ``lora_adapter``
+4. request override ``local``                   -> local  ``override_local``
+5. empty prefill pool (``empty_pool_local``)    -> local  ``empty_pool``
+6. request override ``remote``                  -> remote ``override_remote``
+7. ``mode: always_local`` / ``always_remote``   -> fixed  ``mode_always_*``
+8. ``mode: conditional``: the policy (threshold / score / cost_model), with
    the high-priority queue bypass applied inside it; then a remote choice
    for a low-priority request while the pool is busy is kept local
    (``low_priority_pool_busy``) when qos.degrade says so.
@@ -240,6 +241,9 @@ def _route(features, snapshot, policy, pred, trace) -> _Routed:
     if features.prompt_logprobs:
         return ("local", "prompt_logprobs", "prompt_logprobs asked: every prompt position runs where its logits are "
                 "read (no cached prefix, no remote prefill)", None)
+    if features.lora_adapter:
+        return ("local", "lora_adapter", "a LoRA adapter is named: prefilled where it runs (a prefill worker "
+                "cannot run adapters yet)", None)
     if features.override == "local":
         return "local", "override_local", "the request asked for local prefill", None
     if snapshot.prefill_pool_size == 0 and r.overrides.empty_pool_local:

@@ -49,6 +49,8 @@ class RequestFeatures:
     grammar_compile_ms: float = 0.0
     # It asks for prompt_logprobs (engine/prompt_logprobs.py): prefilled here, every position.
     prompt_logprobs: bool = False
+    # It runs under a LoRA adapter (docs/lora.md): prefilled here (a prefill worker cannot yet).
+    lora_adapter: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0 or self.cached_len < 0 or self.remote_cached_len < 0 or self.tier_cached_len < 0:

@@ -85,6 +85,8 @@ def scraped(tmp_path_factory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("metric-names")
     (tmp / "autoscale.yaml").write_text(POLICY)
     text = small_topology_yaml(CLUSTER, tmp).replace("engine: {device: cpu,", "engine: {kv_events: true, device: cpu,")
+    # The decode worker speculates, so its pdserve_spec_decode_* metrics are served (docs/speculative.md).
+    text = text.replace("33554432}\n    ports:", "33554432, speculative_config: {num_speculative_tokens: 2}}\n    ports:")
     topology = tmp / "topology.yaml"
     topology.write_text(text + "gateway: {replicas: 1}\nkv_index: {enabled: true}\nautoscale_policy: autoscale.yaml\n")
     up = pdserve("up", "--topology", str(topology))

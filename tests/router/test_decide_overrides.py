@@ -41,6 +41,14 @@ def test_prompt_logprobs_keep_a_long_prompt_local_whatever_asked(rt, mode, overr
         assert decide(rt.req(8000, override=override), rt.snap(policy), policy).route == "remote"
 
 
+def test_a_lora_adapter_keeps_a_long_prompt_local_even_when_forced_remote(rt):
+    policy = rt.policy(router={"mode": "always_remote"})
+    d = decide(rt.req(8000, override="remote", lora_adapter=True), rt.snap(policy), policy)
+    assert (d.route, d.reason) == ("local", "lora_adapter")
+    both = decide(rt.req(8000, override="remote", lora_adapter=True, prompt_logprobs=True), rt.snap(policy), policy)
+    assert both.reason == "prompt_logprobs"  # (the precedence: docs/router.md)
+
+
 def test_override_remote_beats_always_local(rt):
     policy = rt.policy(router={"mode": "always_local"})
     d = decide(rt.req(10, override="remote"), rt.snap(policy), policy)

@@ -149,7 +149,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class Breakdown(_message.Message):
-    __slots__ = ("route", "reason", "score", "predicted_ttft_local_ms", "predicted_ttft_remote_ms", "queue_wait_ms", "prefill_ms", "transfer_ms", "transfer_bytes", "ttft_ms", "e2e_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "prefill_worker", "attempts", "fell_back_to_local", "worker_id", "migrations")
+    __slots__ = ("route", "reason", "score", "predicted_ttft_local_ms", "predicted_ttft_remote_ms", "queue_wait_ms", "prefill_ms", "transfer_ms", "transfer_bytes", "ttft_ms", "e2e_ms", "prompt_tokens", "completion_tokens", "cached_tokens", "prefill_worker", "attempts", "fell_back_to_local", "worker_id", "migrations", "spec_draft_tokens", "spec_accepted_tokens")
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,8 @@ class Breakdown(_message.Message):
     FELL_BACK_TO_LOCAL_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     route: str
     reason: str
     score: float
@@ -188,7 +190,9 @@ class Breakdown(_message.Message):
     fell_back_to_local: bool
     worker_id: str
     migrations: int
-    def __init__(self, route: _Optional[str] = ..., reason: _Optional[str] = ..., score: _Optional[float] = ..., predicted_ttft_local_ms: _Optional[float] = ..., predicted_ttft_remote_ms: _Optional[float] = ..., queue_wait_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., attempts: _Optional[int] = ..., fell_back_to_local: _Optional[bool] = ..., worker_id: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, route: _Optional[str] = ..., reason: _Optional[str] = ..., score: _Optional[float] = ..., predicted_ttft_local_ms: _Optional[float] = ..., predicted_ttft_remote_ms: _Optional[float] = ..., queue_wait_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., attempts: _Optional[int] = ..., fell_back_to_local: _Optional[bool] = ..., worker_id: _Optional[str] = ..., migrations: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "logprobs", "breakdown", "prompt_logprobs")
@@ -225,16 +229,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("id", "max_model_len", "vocab_size", "dtype")
+    __slots__ = ("id", "max_model_len", "vocab_size", "dtype", "root", "parent")
     ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     id: str
     max_model_len: int
     vocab_size: int
     dtype: str
-    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    root: str
+    parent: str
+    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., root: _Optional[str] = ..., parent: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

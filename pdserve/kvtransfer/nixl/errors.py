@@ -24,10 +24,12 @@ class LayoutMismatchError(KVTransferError, ValueError):
         self.field = field
         self.mine = mine
         self.theirs = theirs
+        hint = (" Both roles must run the same engine argument kv_cache_dtype (and, for FP8, the same "
+                "k_scale/v_scale per layer)." if field in ("kv_cache_dtype", "kv_scales") else "")
         super().__init__(
             f"KV layout field {field!r} differs: this worker has {mine!r}, the peer has "
             f"{theirs!r}. Prefill and decode workers must serve the same model with the same "
-            "dtype, num_layers, block_size, num_kv_heads and head_dim."
+            f"dtype, num_layers, block_size, num_kv_heads and head_dim.{hint}"
         )
 
 

@@ -34,7 +34,9 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 # (total_kv_heads) must agree, checked under the name num_kv_heads.
 COMPATIBILITY_FIELDS = (
     "model_id",
+    "kv_cache_dtype",
     "dtype",
+    "kv_scales",
     "num_layers",
     "block_size",
     "head_dim",
@@ -43,7 +45,7 @@ COMPATIBILITY_FIELDS = (
 KV_LAYOUTS = ("NHD", "HND")
 
 _INT_FIELDS = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim")
-_OPTIONAL_FIELDS = ("kv_layout", "total_kv_heads", "tp_size", "tp_rank")
+_OPTIONAL_FIELDS = ("kv_layout", "total_kv_heads", "tp_size", "tp_rank", "kv_cache_dtype", "kv_scales")
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,19 @@ class KVLayout:
     total_kv_heads: int = 0  # the model's KV heads; 0: the same as num_kv_heads (TP=1)
     tp_size: int = 1
     tp_rank: int = 0
+    # The engine's kv_cache_dtype (auto, fp8_e4m3, fp8_e5m2) and, for FP8, each layer's
+    # (k_scale, v_scale): pages are read with the scales they were written with, so both must agree.
+    kv_cache_dtype: str = "auto"
+    kv_scales: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        try:
+            scales = tuple((float(k), float(v)) for k, v in self.kv_scales)
+        except (TypeError, ValueError):
+            raise ValueError(f"KVLayout.kv_scales must list [k_scale, v_scale] pairs, got {self.kv_scales!r}") from None
+        object.__setattr__(self, "kv_scales", scales)
+        if not isinstance(self.kv_cache_dtype, str) or not self.kv_cache_dtype:
+            raise ValueError(f"KVLayout.kv_cache_dtype must be a non-empty string, got {self.kv_cache_dtype!r}")
         if self.total_kv_heads == 0:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
         if self.kv_layout not in KV_LAYOUTS:
@@ -119,9 +132,11 @@ class KVLayout:
 
     @classmethod
     def from_tensor(cls, kv: Any, model_id: str, kv_layout: str = "NHD", total_kv_heads: int = 0,
-                    tp_size: int = 1, tp_rank: int = 0) -> KVLayout:
+                    tp_size: int = 1, tp_rank: int = 0, kv_cache_dtype: str = "auto",
+                    kv_scales: Any = ()) -> KVLayout:
         """Layout of a pool tensor `[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]`
-        (NHD) or `[..., 2, num_kv_heads, block_size, head_dim]` (HND)."""
+        (NHD) or `[..., 2, num_kv_heads, block_size, head_dim]` (HND); ``kv_cache_dtype`` and
+        ``kv_scales`` are the engine's (its `layout_info()`)."""
         shape = tuple(kv.shape)
         if len(shape) != 6 or shape[2] != 2:
             raise ValueError(
@@ -142,6 +157,8 @@ class KVLayout:
             total_kv_heads=total_kv_heads,
             tp_size=tp_size,
             tp_rank=tp_rank,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_scales=kv_scales,
         )
 
     def to_dict(self) -> dict[str, Any]:

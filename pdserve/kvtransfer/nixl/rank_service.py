@@ -93,8 +93,11 @@ class RankTransfer:
 
         name = rank_agent_name(worker_id, self.rank)
         kv = self.runner.kv_cache
+        info = self.runner.layout_info()
         layout = KVLayout.from_tensor(kv, model_id, kv_layout=self.runner.kv_layout, total_kv_heads=total_kv_heads,
-                                      tp_size=self.size, tp_rank=self.rank)
+                                      tp_size=self.size, tp_rank=self.rank,
+                                      kv_cache_dtype=info.get("kv_cache_dtype", "auto"),
+                                      kv_scales=info.get("kv_scales", ()))
         self.agent = KVTransferAgent(name, kv, layout, ucx_env=ucx_env, num_threads=threads)
         return {"info": self.agent.local_info()}
 

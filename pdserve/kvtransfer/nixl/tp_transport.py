@@ -43,6 +43,8 @@ class _Connector(Protocol):
     @property
     def tp_group(self) -> RankGroup | None: ...
 
+    def layout_info(self) -> dict: ...
+
 
 class RankedEngine(Protocol):
     """What opening the transport reads of an engine (engine/llm_engine.py `LLMEngine`)."""
@@ -94,8 +96,10 @@ def open_worker_transport(worker_id: str, engine: RankedEngine, ucx_env: Mapping
     m, conn = engine.model_config, engine.connector
     tp, group = conn.tensor_parallel_size, conn.tp_group
     kv = conn.kv_tensor
+    info = conn.layout_info()
     layout = KVLayout.from_tensor(kv, m.model_id, kv_layout=conn.kv_layout, total_kv_heads=m.num_kv_heads,
-                                  tp_size=tp, tp_rank=0)
+                                  tp_size=tp, tp_rank=0, kv_cache_dtype=info.get("kv_cache_dtype", "auto"),
+                                  kv_scales=info.get("kv_scales", ()))
     agent = KVTransferAgent(worker_id, kv, layout, ucx_env=ucx_env, num_threads=threads)
     infos = [agent.local_info()]
     if tp > 1:

@@ -1,0 +1,58 @@
+"""Speculative decoding's Prometheus metrics on a decode worker's ``/metrics`` (docs/speculative.md).
+
+The engine counts its verifications in `EngineStats` (engine/spec_decode.py `SpecDecoder.record`);
+`SpecDecodeCollector` reads those counters at scrape time (one source of truth), under vLLM's
+names with pdserve's prefix (vLLM: ``vllm:spec_decode_num_drafts`` ...; here
+``pdserve_spec_decode_num_drafts_total`` ...), with the labels of the worker's other metrics.
+A worker registers it only when its engine speculates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from pdserve.engine.engine_types import EngineStats
+
+__all__ = ["SpecDecodeCollector", "SPEC_METRICS"]
+
+# name (without the _total suffix), help text, the `EngineStats` field
+SPEC_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("pdserve_spec_decode_num_drafts", "Verifications of proposed tokens (one per request and step with proposals)",
+     "num_spec_drafts"),
+    ("pdserve_spec_decode_num_draft_tokens", "Tokens proposed for verification", "num_spec_draft_tokens"),
+    ("pdserve_spec_decode_num_accepted_tokens", "Proposed tokens the verification accepted",
+     "num_spec_accepted_tokens"),
+)
+PER_POSITION = "pdserve_spec_decode_num_accepted_tokens_per_pos"
+
+
+class SpecDecodeCollector:
+    """The engine's speculative decoding counters with ``labels``; ``stats`` returns the engine's
+    `EngineStats` (read from the engine thread's counters: plain ints, a list copied here)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], labels: Mapping[str, str]):
+        self.stats = stats
+        self.labels = dict(labels)
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples (the registry checks names with it, calling no engine)."""
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self.stats())
+
+    def _families(self, stats: EngineStats | None) -> Iterator[Metric]:
+        names, values = list(self.labels), list(self.labels.values())
+        for name, doc, field in SPEC_METRICS:
+            family = CounterMetricFamily(name, doc, labels=names)
+            if stats is not None:
+                family.add_metric(values, float(getattr(stats, field)))
+            yield family
+        per = CounterMetricFamily(PER_POSITION, "Proposed tokens accepted, by their position among a step's proposals "
+                                  "(0: the first)", labels=names + ["position"])
+        if stats is not None:
+            for j, n in enumerate(list(stats.spec_accepted_per_position)):
+                per.add_metric(values + [str(j)], float(n))
+        yield per
