@@ -2,8 +2,8 @@
 and on at 100% (docs/cluster.md, "Tracing").
 
 One decode worker in this process (local prefill, no cluster), driven over gRPC by a client
-that sends the same prompts in each mode; the modes alternate round by round so that all see
-the same machine. Spans go to an in-memory exporter (the SDK's batch processor still runs, as
+that sends new random prompts in each run (no run finds another's prefix cached), after a
+warm-up run; the modes alternate round by round so that all see the same machine. Spans go to an in-memory exporter (the SDK's batch processor still runs, as
 with OTLP), or with ``--otlp-endpoint`` to a real collector. Reported per mode: the mean engine
 step (ms, the worker's decode steps), TTFT p50 / mean (ms) and the spans exported.
 
@@ -64,16 +64,19 @@ async def main_async(args) -> dict:
                                              engine_args={"device": "cpu"} if args.cpu else {}))
     await worker.start()
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 32000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
+
+    def fresh() -> list[list[int]]:
+        """New prompts for each run: no run finds another's prefix in the cache."""
+        return [[rng.randrange(3, 32000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     out: dict[str, dict] = {m: {"ttft_ms": [], "steps": 0, "step_ms_total": 0.0, "spans": 0} for m in MODES}
     try:
         async with AsyncClient(worker.grpc_address) as client:
-            await _run_mode(worker, client, prompts[:1], args.max_tokens, 1)  # warm-up
+            await _run_mode(worker, client, fresh(), args.max_tokens, args.concurrency)  # warm-up
             for r in range(args.rounds):
                 order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
                 for mode in order:
                     tr, exporter = _tracer(MODES[mode], args.otlp_endpoint)
-                    got = await _run_mode(worker, client, prompts, args.max_tokens, args.concurrency)
+                    got = await _run_mode(worker, client, fresh(), args.max_tokens, args.concurrency)
                     tr.flush(10)
                     o = out[mode]
                     o["ttft_ms"] += got["ttft_ms"]

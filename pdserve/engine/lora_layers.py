@@ -2,14 +2,22 @@
 
 Each adapted projection of a layer (the fused ``qkv_proj`` and ``gate_up_proj``, ``o_proj``,
 ``down_proj``) is wrapped in a `LoRALinear`: the base projection runs over every row as before,
-then, for each adapter slot the step uses, its rows are gathered once and get
-``scaling * (x @ A.T) @ B.T`` added to their columns of the output (q, k and v, gate and up, each
-its own A and B). So a step costs one base matmul and two thin matmuls per active adapter per
-projection, whatever mix of adapters and base rows it holds (`LoRAState.begin` groups the
-rows by slot once per step; rows without an adapter take no extra work).
+then each row gets ``scaling * (x @ A.T) @ B.T`` of its adapter added to its columns of the
+output (q, k and v, gate and up, each its own A and B). `LoRAState.begin` reads the step's rows
+by slot once per step, and the delta takes one of two forms:
+
+- one adapter in the step: its rows are gathered and get two thin matmuls (rank r);
+- several: one matmul of every row against the A of every slot in use (the slots' ranks side
+  by side), a per-row mask that keeps only the row's own slot's columns (and holds its
+  scaling), then one matmul against the B's. Two matmuls per projection whatever the mix,
+  instead of two per adapter: on a CPU the per-operation cost of many thin matmuls dominates
+  (bench/lora.py measures the mix against the base).
+
+Rows without an adapter take no work when no row has one, and a zero mask row otherwise.
 
 The weights sit in per-projection stacks of ``max_loras`` slots padded to ``max_lora_rank``
-(``A: [slots, rank, in]``, ``B: [slots, out, rank]``), this rank's slice of them at TP>1 (split
+(``A: [slots, rank, in]``, ``B: [out, slots, rank]``, so that a run of slots is one matrix
+either way), this rank's slice of them at TP>1 (split
 like the layer: a column-parallel projection's B by its output rows, a row-parallel one's A by
 its input columns, whose partial deltas join the layer's all-reduce). engine/lora_slots.py
 decides what each slot holds.
@@ -40,20 +48,32 @@ class LoRAState:
     """What every wrapped projection reads in a step: the slots' ranks and scalings and the
     step's rows grouped by slot."""
 
-    def __init__(self, max_loras: int):
+    def __init__(self, max_loras: int, max_rank: int = 0, dtype: torch.dtype = torch.float32):
         self.ranks = [0] * max_loras
         self.scalings = [0.0] * max_loras
+        self.max_rank, self.dtype = max_rank, dtype
         self.groups: list[Group] = []
+        # several slots in the step: their run [lo, hi) and the [rows, (hi - lo) x max_rank] mask
+        self.span: tuple[int, int] = (0, 0)
+        self.mask: torch.Tensor | None = None
 
     def begin(self, slots: np.ndarray | None, device: torch.device) -> None:
         """Group the step's rows by adapter slot (``slots[t]``; -1: the base model)."""
         self.groups = []
+        self.mask = None
         if slots is None:
             return
         for s in np.unique(slots[slots >= 0]).tolist():
             rows = np.flatnonzero(slots == s)
             index = None if len(rows) == len(slots) else torch.from_numpy(rows).to(device)
             self.groups.append(Group(s, index, self.ranks[s], self.scalings[s]))
+        if len(self.groups) > 1 and self.max_rank:
+            lo, hi = self.groups[0].slot, self.groups[-1].slot + 1
+            mask: np.ndarray = np.zeros((len(slots), hi - lo, self.max_rank), dtype=np.float32)
+            for g in self.groups:
+                mask[slots == g.slot, g.slot - lo, :g.rank] = g.scaling
+            self.span = (lo, hi)
+            self.mask = torch.from_numpy(mask.reshape(len(slots), -1)).to(device, self.dtype)
 
 
 class Part:
@@ -64,8 +84,16 @@ class Part:
         self.module, self.cols = module, cols
         out = cols[1] - cols[0]
         self.a = torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
-        self.b = torch.zeros(max_loras, out, max_rank, device=device, dtype=dtype)
+        self.b = torch.zeros(out, max_loras, max_rank, device=device, dtype=dtype)
         self.present = [False] * max_loras
+
+    def mixed_delta(self, x: torch.Tensor, state: "LoRAState") -> torch.Tensor:
+        """Every row's delta at once for the slots ``state.span`` (rows masked to their own)."""
+        lo, hi = state.span
+        assert state.mask is not None
+        a = self.a[lo:hi].reshape(-1, self.a.shape[-1])
+        b = self.b[:, lo:hi].reshape(self.b.shape[0], -1)
+        return F.linear(F.linear(x, a).mul_(state.mask), b)
 
 
 class LoRALinear(nn.Module):
@@ -77,13 +105,17 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if self.state.mask is not None:  # several adapters in the step: one pass for all
+            for p in self.parts:
+                y[:, p.cols[0]:p.cols[1]].add_(p.mixed_delta(x, self.state))
+            return y
         for g in self.state.groups:
             xs = x if g.rows is None else x.index_select(0, g.rows)
             for p in self.parts:
                 if not p.present[g.slot]:
                     continue
                 # PEFT's order: base + (B(A(x)) * scaling).
-                d = F.linear(F.linear(xs, p.a[g.slot, :g.rank]), p.b[g.slot, :, :g.rank]).mul_(g.scaling)
+                d = F.linear(F.linear(xs, p.a[g.slot, :g.rank]), p.b[:, g.slot, :g.rank]).mul_(g.scaling)
                 out = y[:, p.cols[0]:p.cols[1]]
                 if g.rows is None:
                     out.add_(d)
@@ -107,7 +139,7 @@ class LoRAModel:
 
     def __init__(self, model: nn.Module, shard: Shard, head_dim: int, max_loras: int, max_rank: int,
                  device: torch.device, dtype: torch.dtype):
-        self.state = LoRAState(max_loras)
+        self.state = LoRAState(max_loras, max_rank, dtype)
         self.slices = _slices(shard, head_dim)
         self.layers: list[dict[str, Part]] = []
         self.device = device
@@ -140,13 +172,13 @@ class LoRAModel:
                     pair = adapter.weights.get((i, module))
                     p.present[slot] = pair is not None
                     p.a[slot].zero_()
-                    p.b[slot].zero_()
+                    p.b[:, slot].zero_()
                     if pair is None:
                         continue
                     rows, cols = self.slices[module]
                     a, b = pair
                     p.a[slot, :r].copy_(a if cols is None else a[:, cols])
-                    p.b[slot, :, :r].copy_(b if rows is None else b[rows])
+                    p.b[:, slot, :r].copy_(b if rows is None else b[rows])
         self.state.ranks[slot], self.state.scalings[slot] = r, adapter.scaling
 
     def begin_step(self, slots: np.ndarray | None) -> None:

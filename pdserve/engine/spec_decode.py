@@ -50,8 +50,13 @@ EMA_WEIGHT = 0.5  # the weight of each verification's acceptance in a request's 
 
 
 def ngram_propose(tokens: Sequence[int], lo: int, hi: int, k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens,
-    for the longest n in ``[lo, hi]`` that occurred before; [] when none did."""
+    """``k`` tokens that followed an earlier occurrence of the last n tokens, for the longest n
+    in ``[lo, hi]`` that occurred before; [] when none did.
+
+    The occurrence is the latest one with ``k`` tokens after it. When every occurrence is too
+    close to the end (the text repeats with a short period), the latest one's continuation is
+    copied over itself, as the lookup would propose again after each proposed token: after
+    ``[5, 6, 5, 6]`` the last two tokens followed position 0, and ``6, 5, 6, 5`` is proposed."""
     size = len(tokens)
     if k < 1 or size < lo + 1:
         return []
@@ -60,8 +65,12 @@ def ngram_propose(tokens: Sequence[int], lo: int, hi: int, k: int) -> list[int]:
     for n in range(min(hi, size - 1), lo - 1, -1):
         hits = np.flatnonzero((sliding_window_view(head, n) == arr[-n:]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start:start + k].tolist()
+            whole = hits[hits + n + k <= size]
+            start = int(whole[-1] if whole.size else hits[-1]) + n
+            out = arr[start:start + k].tolist()
+            while len(out) < k:  # (start < size: each copied token is one already proposed)
+                out.append(out[start + len(out) - size])
+            return out
     return []
 
 

@@ -242,10 +242,15 @@ def test_each_row_sees_the_proposals_before_it():
 def test_ngram_proposes_what_followed_the_latest_match():
     toks = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
     assert ngram_propose(toks, 1, 3, 2) == [7, 8]  # the latest earlier [1, 2, 3]
+    assert ngram_propose(toks, 1, 3, 4) == [7, 8, 5, 1]  # (the latest one with 4 tokens after it)
+    assert ngram_propose(toks[:-1] + [9, 1, 2, 3], 3, 3, 6) == [7, 8, 5, 1, 2, 9]  # the latest one with 6 after it
     assert ngram_propose([4, 5, 6, 4, 5], 2, 2, 3) == [6, 4, 5]
     assert ngram_propose([4, 5, 6, 7], 1, 3, 3) == []  # 7 never came before
     assert ngram_propose([4, 5, 6, 7, 5, 6], 3, 4, 3) == []  # no match of length >= 3
-    assert ngram_propose([1, 1, 1], 1, 2, 4) == [1]  # what follows, up to the end
+    # a short period: the continuation is copied over itself (the lookup repeated per token)
+    assert ngram_propose([1, 1, 1], 1, 2, 4) == [1, 1, 1, 1]
+    assert ngram_propose([5, 6, 5, 6], 2, 2, 4) == [5, 6, 5, 6]
+    assert ngram_propose([7, 5, 6, 5, 6], 2, 2, 3) == [5, 6, 5]
 
 
 def test_load_rule_batch_size_and_acceptance_floor():
