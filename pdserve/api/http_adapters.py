@@ -22,12 +22,12 @@ __all__ = ["add_adapter_routes", "LoadLoRAAdapterRequest", "UnloadLoRAAdapterReq
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str = Field(description="the name requests use as their model")
-    lora_path: str = Field(description="the PEFT adapter directory on the worker's host")
+    lora_name: str = Field(min_length=1, description="the name requests use as their model")
+    lora_path: str = Field(min_length=1, description="the PEFT adapter directory on the worker's host")
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
-    lora_name: str
+    lora_name: str = Field(min_length=1)
     lora_int_id: int | None = Field(None, description="vLLM's; ignored (the name identifies the adapter)")
 
 

@@ -225,7 +225,8 @@ def _add_info_routes(app: FastAPI, frontend: Surface) -> None:
                  for a in frontend.adapter_cards()]
         return {"object": "list", "data": data}
 
-    add_adapter_routes(app, frontend)
+    if frontend.adapters is not None:  # (vLLM too serves them only where adapters can be loaded)
+        add_adapter_routes(app, frontend)
 
     @app.get("/health", response_model=None, responses={200: {"model": Health}, **response_docs(500, 503)})
     async def healthz():

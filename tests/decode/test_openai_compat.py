@@ -371,3 +371,11 @@ def test_client_gone_mid_stream_ends_every_sequence(worker):
             next(r.iter_lines())
     eng = worker.worker.engine
     wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 15.0)
+
+
+def test_a_worker_without_lora_serves_no_adapter_routes(worker):
+    """As vLLM: /v1/load_lora_adapter and /v1/unload_lora_adapter exist only on a worker that
+    can load adapters (tests/decode/test_lora_api.py has them); elsewhere they are not routes."""
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        assert post(worker, path, {"lora_name": "a", "lora_path": "/nowhere"}).status_code == 404
+    assert all("lora" not in p for p in httpx.get(f"{worker.http}/openapi.json", timeout=10).json()["paths"])

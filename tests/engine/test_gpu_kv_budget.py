@@ -65,6 +65,7 @@ def test_a_full_device_is_refused_naming_what_to_change(monkeypatch, llama_dir):
     runner = runner_mod.ModelRunner.__new__(runner_mod.ModelRunner)  # its budget step alone
     runner.device, runner.own_bytes, runner.block_size = torch.device("cuda"), 0, 16
     runner.dtype, runner.model_cfg, runner.num_kv_heads = torch.bfloat16, model_cfg, model_cfg.num_kv_heads
+    runner.kv_dtype = torch.bfloat16  # (the pool's element type: kv_cache_dtype auto)
     with pytest.raises(ConfigError, match="gpu_memory_utilization: the KV budget .* other engines or processes"):
         runner._num_blocks(cfg())
 

@@ -121,8 +121,8 @@ def through_the_frontend(s: Situation, monkeypatch):
     """`Frontend._admit` on a worker whose engine, remote path and counters are these values;
     the admission it would call receives (features, snapshot)."""
     ids = list(range(1, s.prompt_len + 1))
-    connector = SimpleNamespace(cached_prefix_len=lambda tokens: s.cached,
-                                tier_prefix_len=lambda tokens, cached: s.tier,
+    connector = SimpleNamespace(cached_prefix_len=lambda tokens, salt=None: s.cached,
+                                tier_prefix_len=lambda tokens, cached, salt=None: s.tier,
                                 tier_load_ms_per_token=lambda: s.tier_ms_per_token)
     load = SimpleNamespace(kv_usage=s.kv_usage, num_free_blocks=s.free_blocks)
     # the engine as the frontend reads it (decode/async_engine.py), with the step plan's
