@@ -84,6 +84,7 @@ def register(subparsers) -> None:
     p = sub.add_parser("explain", help="every decode worker's predicted TTFT for a prompt, and the pick")
     p.add_argument("--url", required=True, help="the gateway's HTTP address, as `pdserve gateway` printed it")
     p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--model", help="a LoRA adapter's name: the pick among the workers that serve it")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.set_defaults(func=explain)
 
@@ -190,7 +191,8 @@ def _model_of(args) -> str:
 
 def explain(args) -> int:
     req = urllib.request.Request(args.url.rstrip("/") + "/gateway/explain", data=json.dumps(
-        {"prompt": args.prompt}).encode(), headers={"Content-Type": "application/json"})
+        {"prompt": args.prompt, **({"model": args.model} if args.model else {})}).encode(),
+        headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
             ans = json.loads(r.read())

@@ -2,7 +2,9 @@
 
 Members and their load (etcd), workers `up` started that are not registered, the
 prefill queue's depth and counters (through Ray), the planner's summary, and which
-surfaces the topology protects (docs/security.md). `--json` prints it as one object.
+surfaces the topology protects (docs/security.md). The LoRA adapters a worker serves (its
+record's ``load["lora_adapters"]``, docs/lora.md) get a line under it, and each member's
+``lora_adapters`` in the JSON. `--json` prints it as one object.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def status(args) -> int:
     for wid, m in sorted(members.items()):
         host = f"{m.get('hostname') or '?'} ({m.get('address') or '?'})"
         eps = " ".join(f"{k}={v}" for k, v in m["endpoints"].items()) or "-"
-        load = " ".join(f"{k}={v}" for k, v in m["load"].items()) or "-"
+        load = " ".join(f"{k}={v}" for k, v in m["load"].items() if k != "lora_adapters") or "-"
         print(f"{wid:<14} {m['role']:<8} {tp_ranks(m):<6} {host:<30} {eps:<44} {load}")
+        if m["lora_adapters"]:
+            print(f"{'':<14} LoRA adapters: {', '.join(m['lora_adapters'])}")
     _print_rank_groups(queue)
     planner, drained = _planner_lines(state, _status_tls(topo))
     # Workers the planner drained on purpose are not missing; gateways and the KV index do not
@@ -136,13 +140,21 @@ async def _members(state, tls=None) -> dict:
 
 async def read_members(endpoints: list[str], cluster: str, tls=None) -> dict:
     """Each registered worker's record as a plain dict (role, hostname, address, endpoints,
-    load, kv_layout), by worker id: what `status` and `top` (top_cmd.py) show."""
+    load, kv_layout, and the LoRA adapters it serves: `lora_adapters`), by worker id: what
+    `status` and `top` (top_cmd.py) show."""
     from pdserve.cluster.registry import Registry
 
     async with Registry(endpoints, cluster, tls=tls) as reg:
         members = await reg.members()
     return {wid: {"role": m.role, "hostname": m.hostname, "address": m.address, "endpoints": m.endpoints,
-                  "load": m.load, "kv_layout": m.kv_layout} for wid, m in members.items()}
+                  "load": m.load, "kv_layout": m.kv_layout, "lora_adapters": lora_adapters(m.load)}
+            for wid, m in members.items()}
+
+
+def lora_adapters(load: dict) -> list[str]:
+    """The LoRA adapters a record's load lists (``lora_adapters``, sorted names); [] without."""
+    names = (load or {}).get("lora_adapters")
+    return sorted(n for n in names if isinstance(n, str)) if isinstance(names, list) else []
 
 
 def tp_ranks(member: dict) -> str:

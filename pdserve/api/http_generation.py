@@ -46,7 +46,8 @@ def from_request_error(exc: RequestError) -> JSONResponse:
         headers["retry-after-ms"] = str(max(1, int(exc.retry_after_ms)))
     if exc.predicted_ttft_ms is not None:
         headers["X-Predicted-TTFT-Ms"] = f"{exc.predicted_ttft_ms:.1f}"
-    return openai_error(HTTP_STATUS[exc.code], str(exc), exc.field, headers)
+    code = "model_not_found" if exc.code == "not_found" and exc.field == "model" else None  # OpenAI's
+    return openai_error(HTTP_STATUS[exc.code], str(exc), exc.field, headers, code)
 
 
 def _token_text_of(tokenizer) -> Callable[[int], str]:

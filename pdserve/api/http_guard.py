@@ -17,10 +17,14 @@ import uvicorn.protocols.http.h11_impl
 from fastapi.responses import JSONResponse
 
 
-def openai_error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+def openai_error(status: int, message: str, param: str | None = None, headers: dict | None = None,
+                 code: str | None = None) -> JSONResponse:
+    """OpenAI's error JSON; ``code`` is the status (vLLM's habit) unless a string code is given
+    (OpenAI's ``model_not_found`` for a model, or a LoRA adapter, not served here)."""
     kind = {429: "rate_limit_error", 503: "unavailable"}.get(
         status, "invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status if code is None else code}},
                         status_code=status, headers=headers)
 
 

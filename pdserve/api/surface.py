@@ -20,7 +20,7 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.prompts import PromptChecker
@@ -95,6 +95,9 @@ class Surface(abc.ABC):
         # (a decode worker started with enable_lora sets them, `serve_adapters`).
         self.adapters: Adapters | None = None
         self._adapter_loads = asyncio.Lock()
+        # Awaited after an adapter is loaded or unloaded at run time (a decode worker republishes
+        # its etcd record's ``lora_adapters``: decode/worker.py); None: nothing to tell.
+        self.on_adapters_changed: Callable[[], Awaitable[None]] | None = None
 
     def serve_adapters(self, adapters: Adapters) -> None:
         """Serve LoRA adapters by name: the request's model names one, /v1/models lists them."""
@@ -111,11 +114,15 @@ class Surface(abc.ABC):
         adapters = self._adapters_or_refuse()
         async with self._adapter_loads:  # one at a time: a name is checked free, then taken
             await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, adapters.load, name, path)
+        if self.on_adapters_changed is not None:
+            await self.on_adapters_changed()
 
     async def unload_adapter(self, name: object) -> None:
         """Stop serving an adapter (vLLM's /v1/unload_lora_adapter): 404 when not served, 409
         while requests run under it."""
         self._adapters_or_refuse().unload(name)
+        if self.on_adapters_changed is not None:
+            await self.on_adapters_changed()
 
     def _adapters_or_refuse(self) -> Adapters:
         if self.adapters is None:

@@ -7,7 +7,9 @@ round so drift hits both alike: ``base``, every request on the base model, and `
 requests spread round-robin over the adapters (every adapter resident, all of them in every
 step). Each request has a ``--prompt-len`` prompt and decodes ``--output-len`` tokens (EOS
 ignored); the figure is decode tokens per second over the steps where every request decodes
-(the prefill steps excluded), and the ratio mixed / base.
+(the prefill steps excluded), and the ratio mixed / base. Then ``--ttft-rounds`` times, the TTFT
+of one request under an adapter the engine has never seen (cold: its files read and checked, a
+slot filled) against the same adapter right after (warm).
 
     python -m pdserve.bench.lora                         # the default model under .cache/
     python -m pdserve.bench.lora --batches 4 --output-len 8 --rounds 1 --adapters 2   # quick check
@@ -38,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-rounds", type=int, default=5,
+                   help="TTFT of a request under a never-seen adapter (cold) against it resident (warm); 0: skip")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -89,6 +93,36 @@ def decode_rate(eng, prompts: list[list[int]], loras: list, output_len: int) -> 
     return tokens / secs if secs else 0.0
 
 
+def ttft_ms(eng, prompt: list[int], lora) -> float:
+    """One request's time to its first token (ms), alone in the engine."""
+    from pdserve.engine import SamplingParams
+
+    t0 = time.perf_counter()
+    req = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), lora_request=lora)
+    while not req.output_token_ids:
+        eng.step()
+    ms = (time.perf_counter() - t0) * 1e3
+    eng.release(req.request_id)  # (max_tokens 1: it finished with its first token)
+    assert not eng.has_unfinished()
+    return ms
+
+
+def cold_and_warm(eng, paths: list[str], prompt_len: int, rounds: int, rng: random.Random) -> dict[str, list[float]]:
+    """TTFT of a request under an adapter the engine has never seen (cold: its files read and
+    checked, a slot filled) against the same adapter right after (warm: resident), ``rounds``
+    times, each round a new name (so nothing of it is cached) and a fresh prompt."""
+    from pdserve.engine import LoRARequest
+
+    vocab = eng.model_config.vocab_size
+    out: dict[str, list[float]] = {"cold": [], "warm": []}
+    for rnd in range(rounds):
+        lora = LoRARequest(f"cold-{rnd}", 1000 + rnd, paths[rnd % len(paths)])
+        for side in ("cold", "warm"):
+            prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+            out[side].append(ttft_ms(eng, prompt, lora))
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from pdserve.bench.engine_throughput import default_model
@@ -119,6 +153,12 @@ def main(argv=None) -> int:
             print(f"batch {batch}: base {min(res['base']):.1f}/{base:.1f}/{max(res['base']):.1f} tok/s, "
                   f"{args.adapters} adapters mixed {min(res['mixed']):.1f}/{mixed:.1f}/{max(res['mixed']):.1f} "
                   f"tok/s (min/median/max), mixed/base {mixed / base:.3f}")
+        if args.ttft_rounds:
+            ttft = results["ttft"] = cold_and_warm(eng, paths, args.prompt_len, args.ttft_rounds, rng)
+            cold, warm = ttft["cold"], ttft["warm"]
+            print(f"TTFT with an adapter ({args.prompt_len}-token prompt, {args.ttft_rounds} rounds): cold "
+                  f"{min(cold):.1f}/{statistics.median(cold):.1f}/{max(cold):.1f} ms, warm "
+                  f"{min(warm):.1f}/{statistics.median(warm):.1f}/{max(warm):.1f} ms (min/median/max)")
         eng.close()
     if args.json:
         with open(args.json, "w") as f:

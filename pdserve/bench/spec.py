@@ -1,4 +1,5 @@
-"""Speculative decoding in the engine: n-gram proposals against none, at several batch sizes.
+"""Speculative decoding in the engine: n-gram (or draft-model) proposals against none, at
+several batch sizes.
 
 One engine (`LLMEngine`, this machine's device), its speculation switched on and off between
 runs (the same weights and pool on both sides), the two sides alternating every round so that
@@ -20,6 +21,11 @@ request speculates, so that side is the plain engine).
     python -m pdserve.bench.spec                        # the default tiny model under .cache/
     python -m pdserve.bench.spec --batches 1,2 --rounds 1 --output-len 16   # a quick smoke run
     python -m pdserve.bench.spec --model DIR --device cuda --rounds 5 --json out.json
+    python -m pdserve.bench.spec --method draft_model --draft-model SMALL_DIR --model DIR   # a draft model
+
+With ``--method draft_model`` the speculating side's proposals are the draft model's (its
+``--num-speculative-tokens`` greedy tokens, engine/spec_draft.py) and its label is
+``draft_model`` instead of ``ngram``.
 
 Prints min / median / max over ``--rounds`` rounds of each figure and the ratio of medians.
 """
@@ -43,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--prefix-len", type=int, default=32, help="tokens of each prompt's random prefix P")
     p.add_argument("--echo-len", type=int, default=64, help="tokens of the model's own continuation C in the prompt")
     p.add_argument("--output-len", type=int, default=64, help="tokens each request generates")
+    p.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    p.add_argument("--draft-model", default=None, help="the draft model's dir (--method draft_model)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
@@ -55,8 +63,14 @@ def parse_args(argv=None):
 
 
 def spec_config(args) -> dict:
-    cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-           "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    if args.method == "draft_model":
+        if not args.draft_model:
+            raise SystemExit("--method draft_model needs --draft-model DIR")
+        cfg = {"method": "draft_model", "model": args.draft_model,
+               "num_speculative_tokens": args.num_speculative_tokens}
+    else:
+        cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+               "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
     if args.disable_by_batch_size is not None:
         cfg["disable_by_batch_size"] = args.disable_by_batch_size
     return cfg
@@ -120,14 +134,15 @@ def measure(eng, decoder, prompts: list[list[int]], args) -> dict:
     res: dict = {}
     for b in [int(x) for x in args.batches.split(",")]:
         batch = [prompts[i % len(prompts)] for i in range(b)]
-        runs: dict[str, list[dict]] = {"off": [], "ngram": []}
+        on = args.method
+        runs: dict[str, list[dict]] = {"off": [], on: []}
         for rnd in range(args.rounds):
-            for side in (["off", "ngram"] if rnd % 2 == 0 else ["ngram", "off"]):
-                eng.spec = decoder if side == "ngram" else None
+            for side in (["off", on] if rnd % 2 == 0 else [on, "off"]):
+                eng.spec = decoder if side == on else None
                 r = run_once(eng, batch, args.output_len, f"b{b}-{rnd}-{side}")
                 runs[side].append(r)
-                print(f"batch {b} round {rnd} {side:5s}: {r['tok_s']:8.1f} tok/s  TPOT p50 {r['tpot_p50_ms']:7.2f} ms"
-                      + (f"  acceptance {r['acceptance']:.2f}" if side == "ngram" else ""), file=sys.stderr)
+                print(f"batch {b} round {rnd} {side:11s}: {r['tok_s']:8.1f} tok/s  TPOT p50 {r['tpot_p50_ms']:7.2f} ms"
+                      + (f"  acceptance {r['acceptance']:.2f}" if side == on else ""), file=sys.stderr)
         res[b] = {side: {k: spread([r[k] for r in rs]) for k in rs[0]} for side, rs in runs.items()}
     return res
 
@@ -147,18 +162,18 @@ def main(argv=None) -> int:
     prompts = echo_prompts(eng, args, min(max(batches), 16))
     run_once(eng, prompts[:2], 4, "warm")  # warm-up: the kernels of both sides
     eng.spec = decoder
-    run_once(eng, prompts[:2], 4, "warm-ngram")
+    run_once(eng, prompts[:2], 4, f"warm-{args.method}")
     res = measure(eng, decoder, prompts, args)
     eng.close()
-    print(f"{'batch':>5s} {'side':5s} {'tok/s (median)':>15s} {'TPOT p50 ms':>12s} {'acceptance':>10s} "
+    print(f"{'batch':>5s} {'side':11s} {'tok/s (median)':>15s} {'TPOT p50 ms':>12s} {'acceptance':>10s} "
           f"{'tok/verif':>9s}")
     for b, sides in res.items():
         for side, figs in sides.items():
             acc = f"{figs['acceptance']['median']:10.2f} {figs['tokens_per_verification']['median']:9.2f}" \
-                if side == "ngram" else f"{'':10s} {'':9s}"
-            print(f"{b:5d} {side:5s} {figs['tok_s']['median']:15.1f} {figs['tpot_p50_ms']['median']:12.2f} {acc}")
-        speed = sides["ngram"]["tok_s"]["median"] / sides["off"]["tok_s"]["median"]
-        print(f"{b:5d} ngram / off tokens/s (medians): {speed:.3f}x")
+                if side == args.method else f"{'':10s} {'':9s}"
+            print(f"{b:5d} {side:11s} {figs['tok_s']['median']:15.1f} {figs['tpot_p50_ms']['median']:12.2f} {acc}")
+        speed = sides[args.method]["tok_s"]["median"] / sides["off"]["tok_s"]["median"]
+        print(f"{b:5d} {args.method} / off tokens/s (medians): {speed:.3f}x")
     if args.json:
         out = {"config": {k: v for k, v in vars(args).items() if k != "json"} | {"model": model},
                "results": {str(b): sides for b, sides in res.items()}}

@@ -33,7 +33,7 @@ from pdserve.cluster.etcd_auth import WORKER, EtcdTLS, WorkerCerts, worker_ident
 from pdserve.cluster.keys import check_name
 from pdserve.cluster.netaddr import LOOPBACK
 from pdserve.cluster.runtime import available_cpu_count
-from pdserve.cluster.topology_sections import (LoRASpec, ModelSpec, NetworkSpec, ObservabilitySpec, QueueSpec, RaySpec,
+from pdserve.cluster.topology_sections import (LoRASpec, check_engine_features, ModelSpec, NetworkSpec, ObservabilitySpec, QueueSpec, RaySpec,
                                                _Strict)
 from pdserve.cluster.topology_security import EtcdSpec, SecuritySpec
 from pdserve.common.yaml_schema import YamlDocument, YamlIssue, YamlSchemaError
@@ -188,10 +188,8 @@ class Topology(_Strict):
         return check_name("cluster", value)
 
     @pydantic.model_validator(mode="after")
-    def _lora_modules_need_enable_lora(self) -> "Topology":
-        if self.lora.modules and not self.roles.decode.engine.get("enable_lora"):
-            raise ValueError("lora.modules: the decode workers serve LoRA adapters only with enable_lora: true in "
-                             "roles.decode.engine")
+    def _engine_features_fit_the_roles(self) -> "Topology":
+        check_engine_features(self.roles.prefill.engine, self.roles.decode.engine, self.lora)
         return self
 
     @pydantic.model_validator(mode="after")

@@ -253,3 +253,25 @@ class LoRASpec(_Strict):
         if dup is not None:
             raise ValueError(f"the adapter name {dup!r} is given twice")
         return value
+
+
+def check_engine_features(prefill: dict[str, Any], decode: dict[str, Any], lora: LoRASpec) -> None:
+    """The roles' engine maps against the features they ask for (a ValueError naming the key):
+    LoRA adapters (docs/lora.md) need ``enable_lora`` on the decode workers; speculative decoding
+    (docs/speculative.md) is the decode workers' setting, checked as the engine checks it, except
+    the draft model's files, which each worker reads when it starts (paths on its host)."""
+    if lora.modules and not decode.get("enable_lora"):
+        raise ValueError("lora.modules: the decode workers serve LoRA adapters only with enable_lora: true in "
+                         "roles.decode.engine")
+    if "speculative_config" in prefill:
+        raise ValueError("roles.prefill.engine.speculative_config: prefill workers do not decode, so they "
+                         "never speculate; set speculative_config under roles.decode.engine")
+    raw = decode.get("speculative_config")
+    if raw is not None:
+        from pdserve.engine.config import ConfigError  # (the engine's own check; torch loads only here)
+        from pdserve.engine.spec_config import parse_speculative_config
+
+        try:
+            parse_speculative_config(raw, check_files=False)
+        except ConfigError as exc:
+            raise ValueError(f"roles.decode.engine.{exc}") from None

@@ -5,8 +5,10 @@ about where that is known.
 The request path binds them (`bind`) in the context of the request's task: the gRPC and
 HTTP handlers bind the client's request id and the trace id its ``traceparent`` names, and a
 worker's request span, when it traces, binds its own trace id. Log calls made in that task
-(the frontend's, the gateway's, uvicorn's access line) carry them; lines from other threads
-(the engine thread) carry what they say themselves.
+(the frontend's, the gateway's, uvicorn's access line) carry them. Context variables do not
+cross into other threads (the engine thread, a prefill worker's batch thread), so the request
+path also files the ids under the request's engine id (`track`, `untrack`), and a line about
+one request there names them with ``extra=jsonlog.about(engine_id)``.
 
 A JSON line: ``{"ts": "2026-...Z", "level": "INFO", "logger": "pdserve.gateway.frontend",
 "message": "...", "request_id": "...", "trace_id": "...", "process": 1234, "thread": "..."}``,
@@ -20,7 +22,9 @@ import contextvars
 import json
 import logging
 import sys
+import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 FORMATS = ("text", "json")
@@ -39,6 +43,48 @@ def bind(request_id: str | None = None, trace_id: str | None = None) -> None:
         REQUEST_ID.set(request_id)
     if trace_id is not None:
         TRACE_ID.set(trace_id)
+
+
+# Engine id -> (request id, trace id) of the requests in flight (`track`), and of the last
+# RECENTLY_ENDED ones (a line about a request may come from the engine thread after its stream
+# ended: its abort, its blocks freed).
+RECENTLY_ENDED = 1024
+_live: dict[str, tuple[str | None, str | None]] = {}
+_ended: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
+_ids_lock = threading.Lock()
+
+
+def track(engine_id: str, request_id: str | None = None, trace_id: str | None = None) -> None:
+    """File the ids of the request the engine knows as ``engine_id`` (None: those bound in the
+    current context), for lines about it on other threads (`about`); `untrack` when it ends."""
+    ids = (request_id if request_id is not None else REQUEST_ID.get(),
+           trace_id if trace_id is not None else TRACE_ID.get())
+    with _ids_lock:
+        _ended.pop(engine_id, None)
+        _live[engine_id] = ids
+
+
+def untrack(engine_id: str) -> None:
+    """The request is over: its ids stay known for the next RECENTLY_ENDED requests that end."""
+    with _ids_lock:
+        ids = _live.pop(engine_id, None)
+        if ids is not None:
+            _ended[engine_id] = ids
+            while len(_ended) > RECENTLY_ENDED:
+                _ended.popitem(last=False)
+
+
+def about(engine_id: str) -> dict[str, str]:
+    """The ``extra`` of a log line about the request the engine knows as ``engine_id``: its
+    request id and trace id as `track` filed them (an id never filed: itself as the request id)."""
+    with _ids_lock:
+        ids = _live.get(engine_id) or _ended.get(engine_id)
+    if ids is None:
+        return {"request_id": engine_id}
+    out = {"request_id": ids[0] or engine_id}
+    if ids[1] is not None:
+        out["trace_id"] = ids[1]
+    return out
 
 
 class RequestContext(logging.Filter):

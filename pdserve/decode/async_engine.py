@@ -15,11 +15,12 @@ import logging
 import os
 import queue
 import threading
-import time
-from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Callable
 
+from pdserve.common import jsonlog
+from pdserve.decode.final_info import FinalInfo, final_info
+from pdserve.decode.spec_metrics import spec_outlook
 from pdserve.engine import EngineLoad, KVConnector, LLMEngine, LoRARequest, RequestDelta, SamplingParams, StepError
 from pdserve.engine.driver import EngineDriver, StepInfo
 
@@ -32,21 +33,6 @@ STEP_TRACE_ENV = "PDSERVE_STEP_TRACE"
 # Failed steps in a row (each fails its own requests) before the engine is declared dead:
 # one bad batch is that batch's problem, three in a row with different requests is the engine's.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-
-@dataclass
-class FinalInfo:
-    """Per-request facts sent with the last delta (for the breakdown)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finish_time: float
-    num_preemptions: int
-    spec_tokens: tuple[int, int] | None = None  # speculative decoding: (proposed, accepted); None: off
 
 
 class EngineDeadError(RuntimeError):
@@ -123,8 +109,7 @@ class AsyncEngine:
 
     @property
     def in_flight(self) -> tuple[float, int, int, int] | None:
-        """The step under way, None between steps (`EngineDriver.in_flight`;
-        CostEstimates.step_left_ms)."""
+        """The step under way, None between steps (EngineDriver; CostEstimates.step_left_ms)."""
         return self._driver.in_flight
 
     @property
@@ -159,6 +144,9 @@ class AsyncEngine:
 
     def load(self) -> EngineLoad:
         return self.engine.load()
+
+    def spec_outlook(self, streams: int) -> tuple[int | None, float]:
+        return spec_outlook(self.engine, streams)  # decode/spec_metrics.py
 
     def prompt_left(self, request_id: str) -> int | None:
         """Prompt tokens a started local prefill still has to compute (None: not started)."""
@@ -298,7 +286,7 @@ class AsyncEngine:
             return
         except Exception as exc:  # noqa: BLE001
             self.counters["failed_commands"] += 1
-            log.exception("engine thread: aborting request %s failed; failing it instead", rid)
+            log.exception("engine thread: aborting request %s failed; failing it instead", rid, extra=jsonlog.about(rid))
             delta = eng.fail_request_id(rid, exc) or RequestDelta(
                 rid, [], "", "error", error=f"abort failed: {exc.__class__.__name__}: {exc}")
             self._emit(rid, delta, None)
@@ -333,7 +321,7 @@ class AsyncEngine:
             return
         self._trace.write(json.dumps({
             "end_s": round(info.end_s, 6), "ms": round(info.ms, 3),
-            "prompt_tokens": info.num_tokens - info.num_decode_seqs, "decodes": info.num_decode_seqs,
+            "prompt_tokens": info.prefill_tokens, "decodes": info.num_decode_seqs,
             **eng.step_plan()}) + "\n")
 
     def _deliver_step(self, batch: list, info: "StepInfo") -> None:
@@ -363,6 +351,7 @@ class AsyncEngine:
 
     def deliver_abort(self, request_id: str) -> None:
         """End an aborted request's stream with finish_reason "abort" (engine thread)."""
+        log.debug("request %s aborted", request_id, extra=jsonlog.about(request_id))
         self._emit(request_id, RequestDelta(request_id, [], "", "abort"), None)
 
     def deliver(self, d: RequestDelta) -> None:
@@ -374,15 +363,8 @@ class AsyncEngine:
         if not d.finished:
             return None
         out = self.engine.release(d.request_id)
-        if out is None or out.times is None:  # (the engine's release always sets its times)
-            return None
-        t = out.times
-        return FinalInfo(
-            prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-            cached_tokens=out.num_cached_tokens, arrival_time=t.arrival_time,
-            first_scheduled_time=t.first_scheduled_time, first_token_time=t.first_token_time,
-            finish_time=time.monotonic(), num_preemptions=t.num_preemptions, spec_tokens=t.spec_tokens,
-        )
+        log.debug("request %s finished (%s)", d.request_id, d.finish_reason, extra=jsonlog.about(d.request_id))
+        return final_info(out)
 
     def _emit(self, rid: str, item, final) -> None:
         q = self._streams.get(rid)

@@ -44,6 +44,8 @@ class PeerPrefixes:
     def __init__(self, engine: AsyncEngine, lending: Lending, agent, fetch_metadata: Callable[[str], Awaitable]):
         self.engine = engine
         self.lending = lending
+        if lending is not None:  # a traced request's loans join its trace (common/tracing.py)
+            lending.traced_as("decode")
         self.agent = agent  # the loans' transport (a TPSender: peers met on every rank, reads rank by rank)
         self.fetch_metadata = fetch_metadata  # async worker id -> its NIXL record bytes, or None
         self.block_size = engine.block_size
@@ -114,10 +116,12 @@ class PeerPrefixes:
         q = self.engine.attach(prep.request_id)
         rid, ids, params, prio, tenant = (prep.request_id, prep.prompt_ids, prep.params, int(prep.priority),
                                           prep.tenant)
+        traceparent = prep.traceparent
 
         def start(eng) -> None:
             self.engine.add_later(rid)
-            lend_id = self.lending.borrower.start(ids, holder, blocks, tag=rid) if known else None
+            lend_id = self.lending.borrower.start(ids, holder, blocks, tag=rid,
+                                                  traceparent=traceparent) if known else None
             if lend_id is None:
                 self.counters["borrow_fallbacks"] += 1
                 self.engine.add_held(rid, ids, params, prio, tenant)

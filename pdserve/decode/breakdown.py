@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from .async_engine import FinalInfo
+from .final_info import FinalInfo
 from .ingress import Prepared
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState

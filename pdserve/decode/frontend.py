@@ -134,15 +134,18 @@ class Frontend(Surface):
         load = self.engine.load()
         backlog = self.local_backlog()
         costs = self.policy.costs.snapshot()
+        spec_k, spec_per_step = self.engine.spec_outlook(self.num_decoding)
         return cluster_snapshot(  # router/assess.py: the simulator builds its snapshot there too
             costs, queue_depth=view.queue_depth, queue_tokens=view.queue_tokens,
             pool_size=view.pool_size if self.remote and self.remote.available() else 0,
+            lora_pool_size=view.lora_workers,  # (those that run LoRA adapters; capped at pool_size)
             pending_remote_requests=self.pending_remote_requests, pending_remote_tokens=self.pending_remote_tokens,
             num_decoding=self.num_decoding, num_prefilling=self.num_prefilling, local_backlog=backlog,
             kv_usage=load.kv_usage, kv_free_tokens=load.num_free_blocks * self.engine.block_size,
             arrival_rate_per_s=self.arrivals.rate(time.monotonic()),
             local_prefill_budget_tokens=self.prefill_budget_tokens(tokens, cached, backlog),
             step_in_flight_ms=costs.step_left_ms(self.engine.in_flight, time.perf_counter()),
+            spec_k=spec_k, spec_tokens_per_step=spec_per_step,
         )
 
     def local_backlog(self) -> int:
@@ -226,13 +229,16 @@ class Frontend(Surface):
             # (a prefill worker's cached prefixes are the base model's: none for an adapter's prompt)
             view = self.remote.prefix_view if self.remote is not None and not resume and lora is None else None
             hint = view.cached_tokens(ids) if view is not None else {}
+            # a prefill worker that runs adapters holds this one (their records, decode/prefill_pool.py)
+            held_remote = lora is not None and lora.lora_name in self.prefill_view.lora_adapters
             # router/assess.py builds the features and prices the tier (the simulator's worker too)
             feats = request_features(len(computed), cached, priority=prio, ttft_slo_ms=inp.ttft_slo_ms,
                                      route=inp.route, max_tokens=params.max_tokens, resumed=bool(resume), hint=hint,
                                      tier_cached_len=0 if want_prompt_lps else connector.tier_prefix_len(
                                          computed, cached, salt),
                                      peer_reads=self.peers is not None, grammar_compile_ms=grammar_ms,
-                                     prompt_logprobs=want_prompt_lps, lora_adapter=lora is not None)
+                                     prompt_logprobs=want_prompt_lps, lora_adapter=lora is not None,
+                                     lora_held_remote=held_remote)
             snap = priced_tier(self.snapshot(max(0, len(computed) - cached), cached), feats,
                                connector.tier_load_ms_per_token())
             return cached, hint, feats, snap, admit(feats, snap, policy)

@@ -14,7 +14,8 @@ from pdserve.common import Priority
 from pdserve.engine import InvalidRequestError, LoRARequest, SamplingParams
 from pdserve.router import Decision
 
-from .async_engine import EngineDeadError, FinalInfo
+from .async_engine import EngineDeadError
+from .final_info import FinalInfo
 from .prefill_pool import PrefillView
 
 

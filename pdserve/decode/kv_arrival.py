@@ -13,6 +13,8 @@ A `PrefillDone` this worker did not ask for (no live attempt with that
 request id and epoch, or a token count other than the task it signed) is
 refused before it touches anything, and counted
 (`pdserve_remote_notifications_refused_total{reason}`, counter `refused_done`).
+Pages computed under another LoRA adapter than the task's (`check_adapter`) are refused the
+same way (reason ``wrong_adapter``), and the request prefills locally at once.
 NIXL notifications are not authenticated: this catches confusion and stray
 notices, not an attacker on the data-plane network (docs/security.md).
 """
@@ -24,6 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from pdserve.common import jsonlog
 from pdserve.kvtransfer import (
     TRANSFER_ERROR,
     Effect,
@@ -38,6 +41,7 @@ from pdserve.kvtransfer import (
 )
 
 from pdserve.engine import Reservation
+from pdserve.kvtransfer.decode_side import AdapterMismatchError, check_adapter
 
 from .async_engine import AsyncEngine
 from .metrics import WorkerMetrics
@@ -141,7 +145,7 @@ class KVArrival:
             owner.breakdown.update(route="local", fell_back_to_local=True, attempts=h.epoch,
                                    reason=f"fallback after remote attempt {h.epoch}: {why}")
         log.info("request %s: remote prefill attempt %d abandoned (%s); prefilling locally",
-                 h.request_id, h.epoch, why)
+                 h.request_id, h.epoch, why, extra=jsonlog.about(h.request_id))
 
     def _ready(self, h: Handoff, msg: PrefillDone) -> None:
         """The pages are in place: the request runs from the first token the prefill sent.
@@ -154,7 +158,8 @@ class KVArrival:
             delta = self.connector.remote_ready(h.request_id, msg.first_token_id, msg.first_token_logprob,
                                                 dict(msg.first_top_logprobs))
         except KeyError:
-            log.error("request %s: its attempt is ready but the engine parks no such request", h.request_id)
+            log.error("request %s: its attempt is ready but the engine parks no such request", h.request_id,
+                      extra=jsonlog.about(h.request_id))
             return
         now = time.time()
         # Whole pages land (the last one partly filled): count them as written.
@@ -189,6 +194,8 @@ class KVArrival:
                 self.costs.observe_remote_prefill(msg.batch_tokens, task.cached_len, msg.prefill_ms)
             if transfer_ms > 0:
                 self.costs.observe_transfer(kv_bytes, transfer_ms)
+            if msg.lora_load_ms > 0:  # the prefill worker read the request's LoRA adapter first
+                self.costs.observe_lora_load(msg.lora_load_ms)
 
         self.engine.to_loop(feed)
 
@@ -212,17 +219,39 @@ class KVArrival:
                                             f"vocabulary of {self.vocab_size} from {sender or '?'}")
                 self.apply(step, msg)
                 return
+            mismatch = self._adapter_mismatch(msg)
+            if mismatch is not None:
+                # Pages computed under another LoRA adapter (or the base) are not this request's
+                # KV: refused, and (its writes are over) the request prefills locally now.
+                self._refuse(msg, sender, mismatch.reason)
+                self.apply(self.handoffs.failed(msg.request_id, msg.epoch, True,
+                                                f"{mismatch.reason}: {mismatch} (from {sender or '?'})"), msg)
+                return
             step = self.handoffs.done(msg.request_id, msg.epoch)
         if step.stale or step.effect is Effect.FREE:  # ignored, or the late end of an abandoned attempt
             self.counters["stale"] += 1
         self.apply(step, msg)
+
+    def _adapter_mismatch(self, msg: PrefillDone) -> AdapterMismatchError | None:
+        """Why the awaited attempt ``msg`` names must not run from its pages: they were computed
+        under another adapter than the task this worker signed (kvtransfer/decode_side.py
+        `check_adapter`); None when they fit, or when the attempt is not the awaited one (a
+        quarantined attempt's notice only frees its blocks)."""
+        h = self.handoffs.awaited(msg.request_id)
+        if h is None or h.epoch != msg.epoch:
+            return None
+        try:
+            check_adapter(h.task, msg.lora_name, msg.lora_int_id)
+        except AdapterMismatchError as exc:
+            return exc
+        return None
 
     def _refuse(self, msg: PrefillDone, sender: str, reason: str) -> None:
         self.counters["refused_done"] += 1
         self.refused_causes[reason] = self.refused_causes.get(reason, 0) + 1
         self.metrics.refused_notification(reason)
         log.warning("PrefillDone from %s for request %s attempt %d (%d tokens) refused: %s", sender or "?",
-                    msg.request_id, msg.epoch, msg.num_tokens_written, reason)
+                    msg.request_id, msg.epoch, msg.num_tokens_written, reason, extra=jsonlog.about(msg.request_id))
 
     def take_reservations(self) -> bool:
         """The blocks the scheduler reserved for requests routed remote (in the step that

@@ -15,10 +15,16 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
+from pdserve.cluster.records import WorkerInfo
 from pdserve.kvtransfer.outcomes import fallback_reason, is_settled
 from pdserve.kvtransfer.task import PrefillTask
+
+# The keys of a prefill worker's record that say it runs LoRA adapters (capacity) and which it
+# holds (load): prefill/admit.py writes them (decode never imports prefill: they meet in etcd).
+LORA_CAPACITY_KEY = "enable_lora"
+LORA_ADAPTERS_KEY = "lora_adapters"
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +39,19 @@ class PrefillView:
     # prefill workers the queue heard from lately (None: not polled yet): a registered worker
     # that makes no progress (hung, its lease kept alive) is not counted
     live_workers: int | None = None
+    # LoRA adapters (docs/lora.md, "Across prefill and decode"): the registered prefill workers
+    # that run adapters (their record's capacity["enable_lora"]), and the adapters any of them
+    # holds (the union of their load["lora_adapters"])
+    lora_workers: int = 0
+    lora_adapters: frozenset[str] = frozenset()
+
+    def count_adapters(self, members: Iterable[WorkerInfo]) -> None:
+        """Read the prefill workers' records (the registry watch's members) for their adapters."""
+        runs = [m for m in members if m.capacity.get(LORA_CAPACITY_KEY)]
+        held = (m.load.get(LORA_ADAPTERS_KEY) for m in runs)
+        self.lora_workers = len(runs)
+        self.lora_adapters = frozenset(n for names in held if isinstance(names, list) for n in names
+                                       if isinstance(n, str))
 
 
 class QueueWatch:

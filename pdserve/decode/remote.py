@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.cluster.queue import TaskSigner
-from pdserve.engine import Reservation
+from pdserve.engine import LoRARequest, Reservation
 from pdserve.kvtransfer import Handoff, Handoffs, KVReceiver, PrefillTask
 
-from .async_engine import AsyncEngine, EngineDeadError, FinalInfo
+from .async_engine import AsyncEngine, EngineDeadError
+from .final_info import FinalInfo
 from .ingress import Prepared
 from .kv_arrival import KVArrival
 from .metrics import WorkerMetrics
@@ -51,6 +52,13 @@ if TYPE_CHECKING:
     from .borrow import PeerPrefixes
 
 log = logging.getLogger(__name__)
+
+
+def adapter_fields(lora: LoRARequest | None) -> dict[str, Any]:
+    """A task's LoRA fields (kvtransfer/task.py) for adapter ``lora`` (none for the base model)."""
+    if lora is None:
+        return {}
+    return {"lora_name": lora.lora_name, "lora_int_id": lora.lora_int_id, "lora_path": lora.lora_path}
 
 
 @dataclass
@@ -203,7 +211,7 @@ class RemotePrefill:
             # The engine's scheduler reserves its blocks in the step that admits it (engine/
             # remote_kv.py); the engine thread's poller hands the Reservation over (KVArrival).
             q = self.engine.submit(prep.request_id, prep.prompt_ids, prep.params, prep.priority, prep.tenant,
-                                   remote_kv=True)
+                                   remote_kv=True, lora_request=prep.lora)  # (its prompt's KV: under its adapter)
             first = await self._reservation(owner, q)
             if first is not None:  # the request ended before any reservation (it was refused)
                 pass
@@ -288,6 +296,7 @@ class RemotePrefill:
             deadline=owner.deadline_at,
             prefix_hint=prep.prefix_hint,  # computed once at admission (decode/frontend.py)
             traceparent=prep.traceparent or "",  # the prefill worker's spans join the request's trace
+            **adapter_fields(prep.lora),  # the LoRA adapter the prefill worker computes under (signed)
         )
         self.signer.sign(task)  # binds the blocks to this worker: the prefill worker checks it
         h.task = task

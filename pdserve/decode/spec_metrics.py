@@ -1,4 +1,5 @@
-"""Speculative decoding's Prometheus metrics on a decode worker's ``/metrics`` (docs/speculative.md).
+"""Speculative decoding on a decode worker: its Prometheus metrics on ``/metrics``, and what the
+router's snapshot reads of it (`spec_outlook`; docs/speculative.md).
 
 The engine counts its verifications in `EngineStats` (engine/spec_decode.py `SpecDecoder.record`);
 `SpecDecodeCollector` reads those counters at scrape time (one source of truth), under vLLM's
@@ -13,9 +14,11 @@ from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from pdserve.common.spec_rule import spec_k
 from pdserve.engine.engine_types import EngineStats
+from pdserve.engine.llm_engine import LLMEngine
 
-__all__ = ["SpecDecodeCollector", "SPEC_METRICS"]
+__all__ = ["SpecDecodeCollector", "SPEC_METRICS", "spec_outlook"]
 
 # name (without the _total suffix), help text, the `EngineStats` field
 SPEC_METRICS: tuple[tuple[str, str, str], ...] = (
@@ -56,3 +59,17 @@ class SpecDecodeCollector:
             for j, n in enumerate(list(stats.spec_accepted_per_position)):
                 per.add_metric(values + [str(j)], float(n))
         yield per
+
+
+def spec_outlook(engine: LLMEngine, streams: int) -> tuple[int | None, float]:
+    """Speculative decoding as a stream admitted beside ``streams`` decoding ones would meet
+    it (the router's snapshot, router/values.py): the proposals it would get per step
+    (common/spec_rule.py, before its own acceptance counts), and the mean tokens a verifying
+    step gave a stream so far (1 + accepted / verifications; 1.0 before any). (None, 1.0)
+    without speculation. Reads plain attributes only: safe beside the engine thread."""
+    spec = engine.spec
+    if spec is None:
+        return None, 1.0
+    stats = engine.stats
+    per_step = 1.0 + stats.num_spec_accepted_tokens / stats.num_spec_drafts if stats.num_spec_drafts else 1.0
+    return spec_k(spec.cfg.num_speculative_tokens, spec.cfg.disable_by_batch_size, streams + 1), per_step

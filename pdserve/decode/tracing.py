@@ -25,10 +25,11 @@ from .ingress import Prepared
 class RequestTrace:
     """One request's spans on this decode worker."""
 
-    __slots__ = ("span", "start_ns", "start_s")
+    __slots__ = ("span", "start_ns", "start_s", "engine_id")
 
     def __init__(self, worker_id: str, inp: GenerateInput):
         self.start_ns, self.start_s = time.time_ns(), time.monotonic()
+        self.engine_id: str | None = None
         self.span = tracing.tracer("decode").start(
             "decode.request", inp.trace, start_ns=self.start_ns, kind="server",
             attrs={"pdserve.worker_id": worker_id, "gen_ai.request.id": inp.request_id})
@@ -39,7 +40,10 @@ class RequestTrace:
         return self.start_ns + int((monotonic_s - self.start_s) * 1e9)
 
     def admitted(self, prep: Prepared) -> str | None:
-        """Admission is over: its span; the traceparent the request's prefill task carries."""
+        """Admission is over: its span; the traceparent the request's prefill task carries.
+        From here on, lines about it on the engine thread name its ids (common/jsonlog.py)."""
+        self.engine_id = prep.request_id
+        jsonlog.track(prep.request_id, prep.label or None)
         span = self.span
         if not span:
             return span.traceparent()  # (sampled out: its children are not sampled either)
@@ -94,3 +98,5 @@ class RequestTrace:
         elif how is not None:
             self.span.fail(f"ended before its last token: {how}")
         self.span.end()
+        if self.engine_id is not None:
+            jsonlog.untrack(self.engine_id)

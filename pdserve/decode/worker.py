@@ -229,6 +229,19 @@ class DecodeWorker:
             except RequestError as exc:
                 raise ValueError(f"lora_modules[{i}] ({mod.name}): {exc}") from None
         self.frontend.serve_adapters(adapters)
+        self.frontend.on_adapters_changed = self._publish_adapters
+
+    async def _publish_adapters(self) -> None:
+        """An adapter was loaded or unloaded: the record's ``load["lora_adapters"]`` says so now
+        (gateways route by it), not at the next load report. A failed write is kept and retried
+        by the registration (cluster/registration.py `update`), and the next report carries it."""
+        if self.registry is None or self.registry.info is None:
+            return
+        self.registry.info.load = self._load()
+        try:
+            await asyncio.wait_for(self.registry.update(self.registry.info), 5.0)
+        except Exception as exc:  # noqa: BLE001  (the load is served; the record catches up)
+            log.warning("%s: publishing its LoRA adapters failed: %s", self.worker_id, exc)
 
     async def _start_http(self) -> None:
         cfg = self.cfg
@@ -313,6 +326,8 @@ class DecodeWorker:
         n = len(self.prefill_watch.members) if self.prefill_watch else 0
         if self.remote is not None:
             self.remote.set_pool_size(n)
+            # which of them run LoRA adapters, and which adapters they hold (docs/lora.md)
+            self.remote.view.count_adapters(self.prefill_watch.members.values() if self.prefill_watch else ())
 
     def _record(self) -> WorkerInfo:
         eng = self.engine
@@ -333,6 +348,8 @@ class DecodeWorker:
                 **({"cpus": cpu_list(self.cpus)} if self.cpus else {}),
                 "inflight": len(self.frontend.inflight), **self.busy.snapshot(),
                 **({"draining": True} if self.frontend.draining else {}),
+                # The LoRA adapters it serves by name (docs/lora.md, "Through the gateway")
+                **({"lora_adapters": sorted(a.served)} if (a := self.frontend.adapters) is not None else {}),
                 **gpu_load(self.engine.connector.kv_tensor.device),
                 "requests": int(histogram_buckets(m.ttft)[-1][1]),
                 "prompt_tokens": int(counter_value(m.prompt_tokens)),
@@ -346,16 +363,18 @@ class DecodeWorker:
         if info.ms <= 0:
             return
         self.busy.add(info.ms / 1e3)
-        if info.num_tokens == info.num_decode_seqs:
+        # Proposals verified (speculative decoding) are decode work, not prompt tokens: a verifying
+        # step is a decode step, and the TPOT its streams saw is its time over the tokens each got.
+        prefill_tokens = info.prefill_tokens
+        if prefill_tokens == 0:
             self.decode_steps += 1
             self.decode_ms += info.ms
             self.decode_seqs += info.num_seqs
-        prefill_tokens = info.num_tokens - info.num_decode_seqs
         self.metrics.step(info.ms / 1e3, prefill_tokens)
         costs.observe_step(info.ms, info.num_decode_seqs, prefill_tokens, info.prefill_pairs)
         costs.observe_drain(info.end_s, info.ms, prefill_tokens, self.frontend.local_backlog())
         if prefill_tokens == 0 and info.num_decode_seqs:
-            costs.observe_decode_step(info.ms, info.num_seqs)
+            costs.observe_decode_step(info.ms, info.num_seqs, info.emitted_per_stream)
         budget = self.engine.prefill_token_budget
         if budget is not None:
             self.metrics.local_prefill_budget.set(budget)

@@ -59,7 +59,7 @@ def measure_steps(engine) -> list[tuple[float, int, int, int]]:
         engine.step()
         ms = (time.perf_counter() - t0) * 1e3
         _, tokens, decodes = engine.last_step
-        return ms, decodes, tokens - decodes, engine.last_step_pairs
+        return ms, decodes, tokens - decodes - engine.last_step_drafts, engine.last_step_pairs
 
     budget = engine.scheduler.prefill_token_budget
     engine.scheduler.prefill_token_budget = None  # whole prompts: the steps this plan expects

@@ -15,7 +15,7 @@ def register(subparsers) -> None:
         help="write a small random-weight model with a real tokenizer",
         description=(
             "Write a small random-weight model of one family (Llama, Mistral, Qwen2, Qwen3, "
-            "Qwen3-MoE, Mixtral: config.json, "
+            "Qwen3-MoE, Mixtral, DeepSeek-V3: config.json, "
             "model.safetensors) with the Mistral SentencePiece tokenizer converted to "
             "tokenizer.json. Deterministic from --seed. Useful for tests, demos and "
             "benchmarks on machines without a model hub."
@@ -32,7 +32,8 @@ def register(subparsers) -> None:
     p.add_argument("--vocab", type=int, default=32000, help="vocab size, >= 32000 (the tokenizer's)")
     p.add_argument("--max-position", type=int, default=4096, help="max_position_embeddings")
     p.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding")
-    p.add_argument("--rope-type", choices=["default", "llama3"], default="default")
+    p.add_argument("--rope-type", choices=["default", "llama3", "yarn"], default="default",
+                   help="yarn: deepseek_v3 only")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="dtype of the saved weights")
     p.add_argument("--seed", type=int, default=0)
@@ -46,6 +47,9 @@ def register(subparsers) -> None:
                    help="qwen3_moe: do not renormalise the top-k routing weights")
     p.add_argument("--mlp-only-layers", type=_layer_list, default=(),
                    help="qwen3_moe: comma-separated dense layers, e.g. 0,3")
+    p.add_argument("--q-lora-rank", type=int, default=64,
+                   help="deepseek_v3: query compression rank (0: none, q_proj; default 64)")
+    p.add_argument("--kv-lora-rank", type=int, default=64, help="deepseek_v3: the KV latent's rank (default 64)")
     p.set_defaults(func=_make_model)
 
     g = subparsers.add_parser(
@@ -85,7 +89,7 @@ def _make_model(args: argparse.Namespace) -> int:
         rope_type=args.rope_type, seed=args.seed, dtype=args.dtype, head_dim=args.head_dim,
         num_experts=args.experts, num_experts_per_tok=args.experts_per_tok,
         moe_intermediate_size=args.moe_intermediate, norm_topk_prob=args.norm_topk_prob,
-        mlp_only_layers=args.mlp_only_layers,
+        mlp_only_layers=args.mlp_only_layers, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
     )
     t0 = time.perf_counter()
     print(f"making a {spec.arch} model in {args.dir} ...", file=sys.stderr)

@@ -16,6 +16,7 @@ from .config_base import ConfigError as ConfigError
 from .config_base import dtype_name as dtype_name
 from .config_base import parse_dtype as parse_dtype
 from .config_base import parse_kv_cache_dtype as parse_kv_cache_dtype
+from .config_mla import parse_deepseek, parse_yarn
 from .engine_config import EngineConfig as EngineConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -25,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Families whose attention normalises each query and key head (RMSNorm over head_dim) before RoPE.
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
@@ -36,11 +38,18 @@ class RopeConfig:
     """Rotary embedding parameters (HF `rope_parameters` / `rope_scaling`)."""
 
     theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (DeepSeek-V3): the ramp's bounds, the cos/sin factor and the softmax's mscale.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # None: from factor, mscale and mscale_all_dim
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -55,9 +64,41 @@ class MoEConfig:
     norm_topk_prob: bool
     weights_float32: bool
     dense_layers: frozenset[int] = frozenset()  # layers with a dense MLP instead (Qwen3-MoE)
+    # DeepSeek-V3's router (engine/moe.py `route_grouped`): sigmoid scores, a correction bias used
+    # only to choose, the top ``topk_group`` of ``n_group`` groups, the weights times
+    # ``routed_scaling_factor``; ``n_shared_experts`` experts' worth of shared MLP in every layer.
+    scoring: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention (engine/mla.py): per head a query of
+    ``qk_nope_head_dim + qk_rope_head_dim``, keys and values from one latent of
+    ``kv_lora_rank`` per token; ``q_lora_rank`` None: the query straight from ``q_proj``."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float  # HF's: qk_head_dim ** -0.5, times yarn's mscale squared
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """What the pool holds per token and layer in its one KV head: the latent and the roped key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass
@@ -85,6 +126,19 @@ class ModelConfig:
     torch_dtype: str | None
     qk_norm: bool = False  # RMSNorm per query/key head before RoPE (Qwen3)
     moe: MoEConfig | None = None  # the expert layers of a mixture-of-experts model
+    # DeepSeek's latent attention: then the pool has one KV head (num_kv_heads 1) of head_dim
+    # kv_lora_rank + qk_rope_head_dim, the latent, and attention's scale is mla.softmax_scale.
+    mla: MLAConfig | None = None
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE rotates: the head's, or MLA's decoupled rope part."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention backends' scale: ``head_dim ** -0.5``, or MLA's."""
+        return self.mla.softmax_scale if self.mla is not None else self.head_dim ** -0.5
 
     def has_dense_mlp(self) -> bool:
         """Whether any layer has a dense MLP of ``intermediate_size``."""
@@ -148,6 +202,16 @@ class ModelConfig:
         if family in _SLIDING_FLAG_FAMILIES and not raw.get("use_sliding_window", False):
             sliding = None
         moe = _parse_moe(raw, family, path, need)
+        rope = _parse_rope(raw, path)
+        if rope.rope_type == "yarn" and family != "deepseek_v3":
+            raise ConfigError(f"rope_parameters.rope_type='yarn' in {path}/config.json is supported for "
+                              "DeepseekV3ForCausalLM only")
+        mla = None
+        if family == "deepseek_v3":
+            mla_fields, moe_fields = parse_deepseek(raw, path, need, rope)
+            mla, moe = MLAConfig(**mla_fields), MoEConfig(**moe_fields)
+            # The pool sees MLA as multi-query attention over the latent (engine/mla.py).
+            num_kv_heads, head_dim = 1, mla.cache_dim
         return cls(
             path=path,
             architecture=family,
@@ -160,7 +224,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            rope=_parse_rope(raw, path),
+            rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama/Mistral only when attention_bias is set.
             # Mixtral never has attention biases.
@@ -172,6 +236,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             qk_norm=family in QK_NORM_FAMILIES,
             moe=moe,
+            mla=mla,
         )
 
 
@@ -219,12 +284,14 @@ def _parse_rope(raw: dict, path: str) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "linear", "llama3"):
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise ConfigError(
             f"rope_parameters.rope_type={rope_type!r} in {path}/config.json is not supported; "
-            "supported: default, linear, llama3"
+            "supported: default, linear, llama3, yarn"
         )
     rope = RopeConfig(theta=theta, rope_type=rope_type)
+    if rope_type == "yarn":
+        rope = RopeConfig(theta=theta, rope_type=rope_type, **parse_yarn(params, raw, path))
     if rope_type in ("linear", "llama3"):
         if "factor" not in params:
             raise ConfigError(f"rope_parameters.factor is required for rope_type={rope_type!r}")

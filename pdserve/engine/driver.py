@@ -42,10 +42,23 @@ class StepInfo:
     num_decode_seqs: int
     prefill_pairs: int = 0  # the prompt tokens' attention work (LLMEngine.last_step_pairs)
     end_s: float = 0.0  # time.perf_counter() when the step ended
+    # Speculative decoding (engine/spec_step.py): the proposals the step verified (rows of its
+    # decoding requests, decode work) and those accepted (tokens emitted beyond one per stream).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def prefill_tokens(self) -> int:
-        return self.num_tokens - self.num_decode_seqs
+        """The step's prompt (and recompute) tokens: neither decoding tokens nor proposals."""
+        return self.num_tokens - self.num_decode_seqs - self.draft_tokens
+
+    @property
+    def emitted_per_stream(self) -> float:
+        """Tokens each decoding stream got from the step on average (1 without speculation):
+        the step's time over it is the TPOT the streams saw."""
+        if self.num_decode_seqs == 0:
+            return 1.0
+        return (self.num_decode_seqs + self.accepted_tokens) / self.num_decode_seqs
 
 
 class EngineDriver:
@@ -65,6 +78,7 @@ class EngineDriver:
         that raises is the engine's `StepError` (its requests named), raised here."""
         eng = self.engine
         t0 = self._t0 = time.perf_counter()
+        accepted0 = eng.stats.num_spec_accepted_tokens
         try:
             deltas = eng.step(on_plan=self._planned)
         finally:
@@ -74,14 +88,15 @@ class EngineDriver:
             return deltas, None
         end = time.perf_counter()
         return deltas, StepInfo(ms=(end - t0) * 1e3, num_seqs=seqs, num_tokens=tokens, num_decode_seqs=decodes,
-                                prefill_pairs=eng.last_step_pairs, end_s=end)
+                                prefill_pairs=eng.last_step_pairs, end_s=end, draft_tokens=eng.last_step_drafts,
+                                accepted_tokens=eng.stats.num_spec_accepted_tokens - accepted0)
 
     def _planned(self, scheduled: list[tuple[Request, int]]) -> Any:
         """The plan is made (LLMEngine.step sets last_step first): publish the step's shape,
         run the hooks; the last per-layer hook one of them returns serves the step."""
         eng = self.engine
         _, tokens, decodes = eng.last_step
-        self.in_flight = (self._t0, decodes, tokens - decodes, eng.last_step_pairs)
+        self.in_flight = (self._t0, decodes, tokens - decodes - eng.last_step_drafts, eng.last_step_pairs)
         layer_hook = None
         for hook in self._on_plan:
             layer_hook = hook(scheduled) or layer_hook

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 from pdserve.common import Priority
 
 from .block_manager import Block, block_hashes
+from .lora_request import LoRARequest
 from .remote_kv import Reservation
 from .request import Request, SamplingParams
 from .sampler import SampleResult
@@ -394,13 +395,22 @@ class KVConnector:
 
     # -- prefill side ------------------------------------------------------------------------
     def add_export(self, token_ids: list[int], params: SamplingParams, request_id: str,
-                   priority: Priority | str | int = Priority.NORMAL) -> Request:
+                   priority: Priority | str | int = Priority.NORMAL, lora_request: LoRARequest | None = None
+                   ) -> Request:
         """Queue a prompt to prefill for another worker: its blocks stay after it finishes
-        (until `release_export`), for the transfer to read."""
-        req = self._eng.make_request(token_ids, params, request_id=request_id, priority=priority)
+        (until `release_export`), for the transfer to read. ``lora_request``: the LoRA adapter
+        it runs under (read and checked here, engine/lora.py; None: the base model)."""
+        req = self._eng.make_request(token_ids, params, request_id=request_id, priority=priority,
+                                     lora_request=lora_request)
         req.keep_kv = True
         self._eng.scheduler.add(req)
         return req
+
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters this engine holds read and checked (engine/lora.py), by name,
+        sorted; [] without ``enable_lora``. The engine's thread only (a prefill worker's record)."""
+        lora = self._eng.runner.lora
+        return sorted(lora.cache.adapters) if lora is not None else []
 
     def finishing(self, scheduled: list[tuple[Request, int]]) -> list[str]:
         """Ids of the exports in a step plan whose whole prompt is computed by that step."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 
-from pdserve.common import Priority, failpoints
+from pdserve.common import Priority, failpoints, jsonlog
 from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_GPU
 
 from .block_manager import KVCacheManager
@@ -39,6 +39,9 @@ from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
 from .spec_config import parse_speculative_config
 from .spec_decode import SpecDecoder
+from .spec_draft import DraftProposer, draft_model_config
+from .spec_eagle import EagleProposer
+from .spec_eagle_model import head_config
 from .spec_step import finish_step as finish_spec_step
 from .spec_step import has_drafts
 from .step_budget import StepCost, StepTargets, attention_pairs
@@ -62,6 +65,10 @@ class LLMEngine:
         spec = parse_speculative_config(config.speculative_config)  # (refused before the model loads)
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
+        if spec is not None and spec.method == "draft_model":
+            draft_model_config(spec, self.model_config)  # (its vocabulary refused before either model loads)
+        if spec is not None and spec.method in ("eagle", "eagle3") and spec.model is not None:
+            head_config(spec.model, spec.method, self.model_config)  # (its hidden size: likewise)
         self.tokenizer = Tokenizer(config.model)
         self.runner = ModelRunner(config, self.model_config)
         self.max_model_len = self._max_model_len()
@@ -94,6 +101,7 @@ class LLMEngine:
         # attends to (a chunk of n tokens from position s: n x s + n(n+1)/2). The step cost
         # curve's quadratic part (engine/step_budget.py).
         self.last_step_pairs = 0
+        self.last_step_drafts = 0  # proposals the last step verified (engine/spec_step.py): decode work
         eos = list(self.model_config.eos_token_ids)
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
@@ -110,13 +118,22 @@ class LLMEngine:
         self._grammar_failed: list[tuple[Request, Exception]] = []  # to end with the step's deltas
         self.prompts = PromptChecker(self.tokenizer, self.max_model_len, self.model_config.vocab_size, self.grammars)
         # Speculative decoding (engine/spec_decode.py; docs/speculative.md): None when off.
-        self.spec = SpecDecoder(spec, self.max_model_len) if spec is not None else None
+        draft = None
+        if spec is not None and spec.method == "draft_model":  # its own runner and pool (engine/spec_draft.py)
+            draft = DraftProposer(spec, config, self.model_config, self.runner.num_blocks)
+            self.scheduler.on_free = draft.release
+        elif spec is not None and spec.method in ("eagle", "eagle3"):  # fed the target's hidden states
+            draft = EagleProposer(spec, config, self.model_config, self.runner.num_blocks, self.runner.model)
+            self.scheduler.on_free = draft.release
+        self.spec = SpecDecoder(spec, self.max_model_len, draft) if spec is not None else None
 
     def close(self) -> None:
         """Stop the second tier's copy thread and the other tensor-parallel ranks (engine/tp_group.py)."""
         if self.tier is not None:
             self.tier.close()
         self.grammars.close()
+        if self.spec is not None and self.spec.draft is not None:
+            self.spec.draft.close()
         self.runner.close()
 
     def _max_model_len(self) -> int:
@@ -221,10 +238,6 @@ class LLMEngine:
             self._forget(req)
             raise InvalidRequestError("prompt_logprobs", "computed where the prompt runs: such a request "
                                       "cannot take its prompt's KV from another worker (route it locally)")
-        if req.remote_kv and req.lora_request is not None:  # (adapters on prefill workers: not yet, docs/lora.md)
-            self._forget(req)
-            raise InvalidRequestError("lora_request", "a request with a LoRA adapter is prefilled where it runs: "
-                                      "it cannot take its prompt's KV from another worker (route it locally)")
         self.scheduler.add(req)
         return req
 
@@ -338,11 +351,8 @@ class LLMEngine:
             plan = self.scheduler.schedule()
         except Exception as exc:  # the scheduler's own state: no single request to blame
             raise EngineStateError(f"scheduler failed: {exc.__class__.__name__}: {exc}") from exc
-        self.stats.num_preemptions += len(plan.preempted)
-        self.last_step = (len(plan.scheduled), plan.num_tokens,
-                          sum(1 for r, n in plan.scheduled if n == 1 and r.output_token_ids))
-        self.last_step_pairs = sum(attention_pairs(n, r.num_computed_tokens) for r, n in plan.scheduled
-                                   if not (n == 1 and r.output_token_ids))
+        self.stats.num_preemptions += _preempted(plan.preempted)
+        self._count_step(plan.scheduled, plan.num_tokens)
         if not plan.scheduled:
             if self.scheduler.loading and self.tier is not None:
                 self.tier.wait_for_load()  # only loads in flight: wait for one, not spin
@@ -360,6 +370,8 @@ class LLMEngine:
         except Exception as exc:
             # Nothing of the step was committed (computed counts move only below).
             raise StepError(exc, [r.request_id for r, _ in plan.scheduled]) from exc
+        if self.spec is not None:
+            self.spec.after_forward(plan.scheduled)  # (an EAGLE head keeps the target's hidden states)
         self.stats.num_steps += 1
         bs = self.config.block_size
         deltas = self._end_failed_grammars()
@@ -399,6 +411,17 @@ class LLMEngine:
                 except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
                     deltas.append(self.fail_request(req, exc))
         return deltas
+
+    def _count_step(self, scheduled: list[tuple[Request, int]], num_tokens: int) -> None:
+        """The step's shape (``last_step``, ``last_step_drafts``, ``last_step_pairs``): a
+        decoding request runs one new token, with its proposals to verify if it has any (the
+        step's draft tokens: decode work, not prompt work); the rest are prompt chunks."""
+        decoding = [(r, n) for r, n in scheduled if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1]
+        self.last_step = (len(scheduled), num_tokens, len(decoding))
+        self.last_step_drafts = sum(n - 1 for _, n in decoding)
+        decoders = {id(r) for r, _ in decoding}
+        self.last_step_pairs = sum(attention_pairs(n, r.num_computed_tokens) for r, n in scheduled
+                                   if id(r) not in decoders)
 
     def _forward(self, scheduled: list[tuple[Request, int]], layer_hook, on_plan) -> tuple:
         """The step's forward pass: the logits of the requests that sample, and those requests
@@ -460,7 +483,8 @@ class LLMEngine:
 
     def fail_request(self, req: Request, exc: BaseException) -> RequestDelta:
         """Finish one request with finish_reason "error" (blocks freed unless ``keep_kv``)."""
-        log.warning("request %s failed: %s: %s", req.request_id, exc.__class__.__name__, exc)
+        log.warning("request %s failed: %s: %s", req.request_id, exc.__class__.__name__, exc,
+                    extra=jsonlog.about(req.request_id))
         req.finish_reason = "error"
         self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         self.stats.num_failed += 1
@@ -542,3 +566,12 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.structured.forget(req.request_id)
         self._detok.pop(req.request_id, None)
+
+
+def _preempted(preempted: list[Request]) -> int:
+    """How many a step preempted, each logged at debug with its request's ids (common/jsonlog.py)."""
+    if preempted and log.isEnabledFor(logging.DEBUG):
+        for r in preempted:  # (its blocks are freed; it is computed again when it is scheduled)
+            log.debug("request %s preempted (%d time(s))", r.request_id, r.num_preemptions,
+                      extra=jsonlog.about(r.request_id))
+    return len(preempted)

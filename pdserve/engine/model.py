@@ -1,9 +1,10 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over a flat,
-unpadded batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3)
+over a flat, unpadded batch.
 
 The numerics follow Hugging Face `transformers` step for step (RMSNorm in
 float32, rotate-half RoPE with cos/sin computed in float32, SiLU-gated MLP; Qwen3's
-per-head query/key RMSNorm before RoPE; the mixture-of-experts MLP of engine/moe.py),
+per-head query/key RMSNorm before RoPE; the mixture-of-experts MLP of engine/moe.py; DeepSeek's
+latent attention of engine/mla.py),
 so greedy output matches `generate` token for token in float32 (docs/models.md).
 """
 
@@ -20,12 +21,16 @@ from torch import nn
 
 from .attention_base import AttentionBackend
 from .config import ConfigError, ModelConfig, RopeConfig
+from .config_mla import yarn_attention_factor
 from .kv_ready import layer_ready
+from .mla import MLAttention, load_mla, yarn_inv_freq
 from .moe import Put, SparseMoE, Take, load_experts
 from .tensor_parallel import Shard, whole
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    if rope.rope_type == "yarn":
+        return yarn_inv_freq(rope, head_dim)
     inv_freq = 1.0 / (
         rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     )
@@ -96,10 +101,13 @@ class DecoderLayer(nn.Module):
         inter = len(shard.inter)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # q, k, v fused into one matmul; gate and up likewise. Row-parallel biases: rank 0's only.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size,
-                                bias=cfg.attention_bias and cfg.architecture != "qwen2" and shard.is_root)
+        # DeepSeek's latent attention (engine/mla.py) in place of q/k/v and o_proj.
+        self.mla = MLAttention(cfg, shard, RMSNorm) if cfg.mla is not None else None
+        if self.mla is None:
+            # q, k, v fused into one matmul; gate and up likewise. Row-parallel biases: rank 0's only.
+            self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+            self.o_proj = nn.Linear(self.q_size, cfg.hidden_size,
+                                    bias=cfg.attention_bias and cfg.architecture != "qwen2" and shard.is_root)
         # Qwen3: RMSNorm over each query and key head, before RoPE.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -112,6 +120,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, layer_kv, backend: AttentionBackend, meta) -> torch.Tensor:
         t = x.shape[0]
         h = self.input_layernorm(x)
+        if self.mla is not None:
+            return self._finish(self.mla(h, cos, sin, layer_kv, backend, meta), x)
         qkv = self.qkv_proj(h)
         # Views into qkv. RoPE rotates q and k together, in place (same heads' layout).
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -127,7 +137,10 @@ class DecoderLayer(nn.Module):
         attn = backend.forward(layer_kv, q, k, v, meta)
         # Residual adds and the MLP activation run in place on fresh matmul outputs
         # (a + b == b + a bit for bit) to avoid a new activation-sized tensor each.
-        o = self.o_proj(attn.reshape(t, self.q_size))
+        return self._finish(self.o_proj(attn.reshape(t, self.q_size)), x)
+
+    def _finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention's output ``o`` (this rank's partial sum) onto the residual, then the MLP."""
         if self.comm is not None:
             self.comm.all_reduce_(o)
         x = o.add_(x)
@@ -157,13 +170,17 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, self.shard.vocab_per_rank, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.rope_dim), persistent=False)
+        self.rope_factor = yarn_attention_factor(cfg.rope)  # yarn's cos/sin factor (else 1)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope_factor != 1.0:
+            cos, sin = cos * self.rope_factor, sin * self.rope_factor
         # [T, 1, D]: broadcast over heads.
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
@@ -197,11 +214,32 @@ class CausalLM(nn.Module):
         """
         x = self.embed(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        kept: list[torch.Tensor] = []
         for l, layer in enumerate(self.layers):
+            if l in self.capture_layers:
+                kept.append(x)  # (layers never write their input in place)
             x = layer(x, cos, sin, kv_cache[l], backend, meta)
             if layer_hook is not None:
                 layer_hook(l, layer_ready(x.device))
+        if self.capture_layers or self.capture_final:
+            self._capture(x, kept)
         return self.logits(self.norm(x[logits_indices]))
+
+    # Hidden states kept for an EAGLE head (engine/spec_eagle.py), every position of a forward:
+    # the residual stream after each of ``capture_layers`` layers (vLLM's aux layer ids: 0 the
+    # embeddings, num_layers the last layer's output before the final norm), concatenated in
+    # that order, or with ``capture_final`` the final norm's output. Read (and cleared) by the head.
+    capture_layers: tuple[int, ...] = ()
+    capture_final: bool = False
+    captured: torch.Tensor | None = None
+
+    def _capture(self, x: torch.Tensor, kept: list[torch.Tensor]) -> None:
+        if self.capture_final:
+            self.captured = self.norm(x)
+            return
+        if len(self.layers) in self.capture_layers:
+            kept.append(x)
+        self.captured = torch.cat(kept, dim=-1)
 
 
 def _rows(t: torch.Tensor, part: range, per: int = 1) -> torch.Tensor:
@@ -224,7 +262,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard
     with torch.device("meta"):
         model = CausalLM(cfg, shard, comm)
     model = model.to_empty(device=device).to(dtype)
-    model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
+    model.inv_freq = rope_inv_freq(cfg.rope, cfg.rope_dim).to(device)
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -267,21 +305,10 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard
         p = f"model.layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
             put(getattr(layer, norm).weight, take(p + norm + ".weight"), p + norm)
-        heads = {"q": shard.q_heads, "k": shard.kv_heads, "v": shard.kv_heads}
-        qkv = [_rows(take(p + f"self_attn.{n}_proj.weight"), heads[n], hd) for n in "qkv"]
-        put(layer.qkv_proj.weight, torch.cat(qkv), p + "self_attn.qkv")
-        if layer.qkv_proj.bias is not None:
-            bias = [_rows(take(p + f"self_attn.{n}_proj.bias"), heads[n], hd) for n in "qkv"]
-            put(layer.qkv_proj.bias, torch.cat(bias), p + "qkv.bias")
-        put(layer.o_proj.weight, _cols(take(p + "self_attn.o_proj.weight"), shard.q_heads, hd), p + "self_attn.o_proj")
-        o_bias = tensors.pop(p + "self_attn.o_proj.bias", None)
-        if layer.o_proj.bias is not None:
-            if o_bias is None:
-                raise ConfigError(f"model={cfg.path!r}: weight {p}self_attn.o_proj.bias is missing")
-            put(layer.o_proj.bias, o_bias, p + "o_proj.bias")
-        if layer.q_norm is not None and layer.k_norm is not None:
-            put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm")
-            put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm")
+        if layer.mla is not None:
+            load_mla(layer.mla, p + "self_attn.", shard, take, put, tensors)
+        else:
+            _load_attention(layer, p, shard, hd, take, put, tensors, cfg.path)
         if layer.moe is not None:
             load_experts(layer.moe, p, tensors, take, put, shard.moe_inter)
             if device.type == "cuda":
@@ -290,6 +317,26 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard
             _load_dense_mlp(layer, p, take, put, shard.inter)
     model.eval()
     return model
+
+
+def _load_attention(layer: DecoderLayer, p: str, shard: Shard, hd: int, take: Take, put: Put,
+                    tensors: dict[str, torch.Tensor], path: str) -> None:
+    """One layer's q/k/v (fused) and o_proj, this rank's heads; Qwen3's q/k norms."""
+    heads = {"q": shard.q_heads, "k": shard.kv_heads, "v": shard.kv_heads}
+    qkv = [_rows(take(p + f"self_attn.{n}_proj.weight"), heads[n], hd) for n in "qkv"]
+    put(layer.qkv_proj.weight, torch.cat(qkv), p + "self_attn.qkv")
+    if layer.qkv_proj.bias is not None:
+        bias = [_rows(take(p + f"self_attn.{n}_proj.bias"), heads[n], hd) for n in "qkv"]
+        put(layer.qkv_proj.bias, torch.cat(bias), p + "qkv.bias")
+    put(layer.o_proj.weight, _cols(take(p + "self_attn.o_proj.weight"), shard.q_heads, hd), p + "self_attn.o_proj")
+    o_bias = tensors.pop(p + "self_attn.o_proj.bias", None)
+    if layer.o_proj.bias is not None:
+        if o_bias is None:
+            raise ConfigError(f"model={path!r}: weight {p}self_attn.o_proj.bias is missing")
+        put(layer.o_proj.bias, o_bias, p + "o_proj.bias")
+    if layer.q_norm is not None and layer.k_norm is not None:
+        put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm")
+        put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm")
 
 
 def _load_dense_mlp(layer: DecoderLayer, p: str, take: Take, put: Put, inter: range) -> None:

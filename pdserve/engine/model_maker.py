@@ -1,5 +1,5 @@
 """Write a small random-weight model of a supported family (Llama, Mistral, Qwen2, Qwen3,
-Qwen3-MoE, Mixtral) with a real tokenizer.
+Qwen3-MoE, Mixtral, DeepSeek-V3) with a real tokenizer.
 
 No model hub is needed: the weights come from a seeded random init in HF
 `transformers` (so its format is exactly what HF loads), and the tokenizer is
@@ -38,8 +38,8 @@ CHAT_TEMPLATE = (
 )
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 
 @dataclass
@@ -70,6 +70,19 @@ class ModelSpec:
     moe_intermediate_size: int = 128
     norm_topk_prob: bool = True
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    # DeepSeek-V3: latent attention (q_lora_rank 0: no query compression, q_proj), its experts'
+    # groups and shared experts, its leading dense layers; rope_type may be yarn.
+    q_lora_rank: int = 64
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    rope_interleave: bool = True
+    n_group: int = 2
+    topk_group: int = 1
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
+    routed_scaling_factor: float = 2.5
 
     def __post_init__(self) -> None:
         self.mlp_only_layers = tuple(self.mlp_only_layers)  # a list from YAML or JSON
@@ -93,14 +106,33 @@ class ModelSpec:
             raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if self.head_size % 2 or self.head_dim < 0:
             raise ValueError("the head dim (head_dim, or hidden_size / num_heads) must be even for RoPE")
-        if self.rope_type not in ("default", "llama3"):
-            raise ValueError(f"rope_type={self.rope_type!r}; use default or llama3")
+        if self.rope_type not in ("default", "llama3", "yarn"):
+            raise ValueError(f"rope_type={self.rope_type!r}; use default, llama3 or yarn (deepseek_v3)")
+        if self.arch == "deepseek_v3":
+            self._validate_deepseek()
+        elif self.rope_type == "yarn":
+            raise ValueError("rope_type='yarn': only deepseek_v3 takes yarn")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
         if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
             raise ValueError(f"mlp_only_layers={list(self.mlp_only_layers)} must be layer indices in [0, {self.num_layers})")
         if self.mlp_only_layers and self.arch != "qwen3_moe":
             raise ValueError("mlp_only_layers: only qwen3_moe has dense layers among its expert layers")
+
+    def _validate_deepseek(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.q_lora_rank < 0 or self.n_shared_experts < 0 or self.first_k_dense_replace < 0:
+            raise ValueError("q_lora_rank, n_shared_experts and first_k_dense_replace must be >= 0")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
+        per = self.num_experts // self.n_group
+        if self.num_experts % self.n_group or per < 2:
+            raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} into groups of >= 2")
+        if self.topk_group > self.n_group or self.num_experts_per_tok > self.topk_group * per:
+            raise ValueError(f"topk_group={self.topk_group} of n_group={self.n_group} groups must hold "
+                             f"num_experts_per_tok={self.num_experts_per_tok} experts")
 
     def tag_fields(self) -> dict:
         """The fields naming a made model's directory (`cached_model`): a field added after the
@@ -112,7 +144,9 @@ class ModelSpec:
 
 
 _LATER_FIELDS = ("head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                 "mlp_only_layers")
+                 "mlp_only_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                 "v_head_dim", "rope_interleave", "n_group", "topk_group", "n_shared_experts",
+                 "first_k_dense_replace", "routed_scaling_factor")
 
 
 def tokenizer_source() -> str:
@@ -174,10 +208,16 @@ def make_model(out_dir: str, spec: ModelSpec) -> str:
     if spec.rope_type == "llama3":
         rope.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=max(spec.max_position_embeddings // 4, 64))
+    if spec.rope_type == "yarn":
+        # DeepSeek-V3's kind of yarn; mscale != mscale_all_dim so cos/sin are scaled too.
+        rope.update(factor=4.0, original_max_position_embeddings=max(spec.max_position_embeddings // 4, 64),
+                    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
     config = _hf_config(spec, common, rope)
     model_cls = transformers.AutoModelForCausalLM
     torch.manual_seed(spec.seed)
     model = model_cls.from_config(config, dtype=torch.float32)
+    if spec.arch == "deepseek_v3":
+        _randomize_correction_bias(model, spec.seed)
     model = model.to(getattr(torch, spec.dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
@@ -196,12 +236,41 @@ def _hf_config(spec: ModelSpec, common: dict, rope: dict):
     if spec.arch == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=spec.head_size, rope_parameters=rope,
                                         use_sliding_window=False)
+    if spec.arch == "deepseek_v3":
+        return _deepseek_config(spec, common, rope)
     experts = dict(num_experts_per_tok=spec.num_experts_per_tok, head_dim=spec.head_size, rope_parameters=rope)
     if spec.arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
             **common, **experts, num_experts=spec.num_experts, moe_intermediate_size=spec.moe_intermediate_size,
             norm_topk_prob=spec.norm_topk_prob, mlp_only_layers=list(spec.mlp_only_layers), use_sliding_window=False)
     return transformers.MixtralConfig(**common, **experts, num_local_experts=spec.num_experts, sliding_window=None)
+
+
+def _deepseek_config(spec: ModelSpec, common: dict, rope: dict):
+    import transformers
+
+    common = dict(common, num_key_value_heads=spec.num_heads)  # MLA has no KV heads; HF's default
+    return transformers.DeepseekV3Config(
+        **common, rope_parameters=rope, moe_intermediate_size=spec.moe_intermediate_size,
+        n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+        n_shared_experts=spec.n_shared_experts, n_group=spec.n_group, topk_group=spec.topk_group,
+        norm_topk_prob=spec.norm_topk_prob, routed_scaling_factor=spec.routed_scaling_factor,
+        first_k_dense_replace=spec.first_k_dense_replace, q_lora_rank=spec.q_lora_rank or None,
+        kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_nope_head_dim,
+        qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, rope_interleave=spec.rope_interleave,
+        num_mtp_layers=0)
+
+
+def _randomize_correction_bias(model, seed: int) -> None:
+    """HF initialises ``e_score_correction_bias`` to zeros; a random one makes the bias, used only to
+    choose experts, change the choice in a made model (as a trained model's does)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            with torch.no_grad():
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
 
 
 def cached_model(make: dict, cache_dir: str | os.PathLike) -> str:

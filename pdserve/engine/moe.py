@@ -31,8 +31,10 @@ Checkpoints: `load_experts` reads the per-expert form the hub and transformers 5
 ``block_sparse_moe.experts.N.w{1,3,2}``) and the fused form of transformers 5's modules
 (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``).
 
-Later families (DeepSeek's shared experts and grouped top-k) add a router and a shared MLP here;
-the expert path and its weights stay.
+DeepSeek-V3 (``MoEConfig.scoring == "sigmoid"``) routes by `route_grouped` with its router's
+weight and ``e_score_correction_bias`` held in float32 (HF keeps both in float32), and adds a
+shared MLP of ``n_shared_experts * moe_intermediate_size`` rows (`SharedMLP`, tensor-parallel
+like a dense MLP) to the routed experts' sum.
 """
 
 from __future__ import annotations
@@ -58,6 +60,28 @@ def route(logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Ten
     if not moe.weights_float32:
         weights = weights.to(logits.dtype)
     return weights, ids
+
+
+def route_grouped(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                  moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router, as HF's ``DeepseekV3TopkRouter``: ``(float32 weights, expert ids)``.
+
+    Sigmoid scores of float32 logits; the correction ``bias`` is added only to choose: each group
+    scores by its two best, the top ``topk_group`` groups stay, the top ``top_k`` of their experts
+    are taken; their weights are the plain scores, renormalised when ``norm_topk_prob``, times
+    ``routed_scaling_factor``."""
+    scores = F.linear(h.float(), weight).sigmoid()
+    choice = scores + bias
+    per = moe.num_experts // moe.n_group
+    group_scores = choice.view(-1, moe.n_group, per).topk(2, dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
+    keep = keep.unsqueeze(-1).expand(-1, moe.n_group, per).reshape(-1, moe.num_experts)
+    ids = torch.topk(choice.masked_fill(~keep, float("-inf")), k=moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    return weights * moe.routed_scaling_factor, ids
 
 
 def grouped_mm_available() -> bool:
@@ -143,18 +167,54 @@ class Experts(nn.Module):
         return back.view(t, k, -1).sum(dim=1).to(h.dtype)
 
 
+class GroupedRouter(nn.Module):
+    """DeepSeek-V3's router weights, float32 whatever the model's dtype (not an ``nn.Linear``, so
+    nothing packs or casts it): ``weight`` ``[E, H]`` and ``e_score_correction_bias`` ``[E]``."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+
+    def set_float32(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        self.weight = nn.Parameter(weight.to(self.weight.device, torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(bias.to(self.weight.device, torch.float32), requires_grad=False)
+
+
+class SharedMLP(nn.Module):
+    """DeepSeek's shared experts: one SiLU-gated MLP every token runs (this rank's rows)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+
+
 class SparseMoE(nn.Module):
-    """A layer's MoE MLP: router and experts; returns this rank's partial sum."""
+    """A layer's MoE MLP: router and experts (and DeepSeek's shared MLP); returns this rank's
+    partial sum."""
 
     def __init__(self, hidden: int, moe: MoEConfig, inter_per_rank: int):
         super().__init__()
         self.moe = moe
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.gate: nn.Module = (GroupedRouter(hidden, moe.num_experts) if moe.scoring == "sigmoid"
+                                else nn.Linear(hidden, moe.num_experts, bias=False))
         self.experts = Experts(moe.num_experts, hidden, inter_per_rank)
+        self.shared = SharedMLP(hidden, moe.n_shared_experts * inter_per_rank) if moe.n_shared_experts else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(h), self.moe)
-        return self.experts(h, weights, ids)
+        if isinstance(self.gate, GroupedRouter):
+            weights, ids = route_grouped(h, self.gate.weight, self.gate.e_score_correction_bias, self.moe)
+        else:
+            weights, ids = route(self.gate(h), self.moe)
+        out = self.experts(h, weights, ids)
+        if self.shared is not None:
+            out.add_(self.shared(h))
+        return out
 
 
 # The names a layer's MoE weights go by: (block, gate, up, down) of the per-expert form.
@@ -171,7 +231,10 @@ def load_experts(layer: SparseMoE, prefix: str, names: Container[str], take: Tak
     experts = layer.experts
     n = experts.num_experts
     block = next((b for b in ("mlp", "block_sparse_moe") if f"{prefix}{b}.gate.weight" in names), "mlp")
-    put(layer.gate.weight, take(f"{prefix}{block}.gate.weight"), f"{prefix}{block}.gate.weight")
+    if isinstance(layer.gate, GroupedRouter):
+        _load_grouped_router(layer, prefix, names, take, put, inter)
+    else:
+        put(layer.gate.weight, take(f"{prefix}{block}.gate.weight"), f"{prefix}{block}.gate.weight")
     fused = f"{prefix}{block}.experts.gate_up_proj"
     if fused in names:
         gate_up, down = take(fused), take(f"{prefix}{block}.experts.down_proj")
@@ -194,3 +257,25 @@ def load_experts(layer: SparseMoE, prefix: str, names: Container[str], take: Tak
         put(experts.gate_up[e].weight, torch.cat([gate[inter.start:inter.stop], up[inter.start:inter.stop]]),
             f"{p}{g}+{u}")
         put(experts.down[e].weight, take(f"{p}{d}.weight")[:, inter.start:inter.stop], f"{p}{d}.weight")
+
+
+def _load_grouped_router(layer: SparseMoE, prefix: str, names: Container[str], take: Take, put: Put,
+                         inter: range) -> None:
+    """DeepSeek-V3's router (float32) and shared experts (this rank's rows ``n_shared x inter``)."""
+    assert isinstance(layer.gate, GroupedRouter)
+    n, hidden = layer.gate.weight.shape
+    weight = take(f"{prefix}mlp.gate.weight")
+    bias_name = f"{prefix}mlp.gate.e_score_correction_bias"
+    bias = take(bias_name) if bias_name in names else torch.zeros(n)
+    for name, w, shape in ((f"{prefix}mlp.gate.weight", weight, (n, hidden)), (bias_name, bias, (n,))):
+        if tuple(w.shape) != shape:
+            raise ConfigError(f"weight {name} has shape {tuple(w.shape)}, config.json implies {shape}")
+    layer.gate.set_float32(weight, bias)
+    if layer.shared is None:
+        return
+    k = layer.moe.n_shared_experts
+    rows = slice(k * inter.start, k * inter.stop)
+    p = f"{prefix}mlp.shared_experts."
+    gate, up, down = take(p + "gate_proj.weight"), take(p + "up_proj.weight"), take(p + "down_proj.weight")
+    put(layer.shared.gate_up_proj.weight, torch.cat([gate[rows], up[rows]]), p + "gate_proj+up_proj")
+    put(layer.shared.down_proj.weight, down[:, rows], p + "down_proj.weight")

@@ -106,6 +106,9 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
         check_tp(model_cfg, tp)
+        if cfg.enable_lora and model_cfg.mla is not None:
+            raise ConfigError(f"enable_lora: LoRA adapters are not supported on {model_cfg.architecture} models "
+                              "(latent attention has no q/k/v projections to adapt)")
         self.shard = make_shard(model_cfg, rank, tp)
         self.group = TPGroup.start(cfg, self.device) if tp > 1 and rank == 0 else None
         self.comm = self.group.comm if self.group is not None else comm
@@ -121,7 +124,7 @@ class ModelRunner:
 
     def _load(self, cfg: EngineConfig, model_cfg: ModelConfig) -> None:
         held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.model = load_model(model_cfg, self.dtype, self.device, self.shard, self.comm)
+        self.model = self._make_model(model_cfg)
         # What this engine holds before its pool: its weights (other engines' memory excluded).
         self.own_bytes = torch.cuda.memory_allocated(self.device) - held if self.device.type == "cuda" else 0
         self.linear_backend = pack_linears(self.model, self.device, self.dtype, cfg.linear_backend)
@@ -130,7 +133,7 @@ class ModelRunner:
                      if cfg.enable_lora else None)
         self.num_kv_heads = len(self.shard.kv_heads)  # this rank's
         self.backend = make_backend(
-            cfg.attention_backend, device=self.device, scale=model_cfg.head_dim ** -0.5,
+            cfg.attention_backend, device=self.device, scale=model_cfg.softmax_scale,
             num_heads=len(self.shard.q_heads), num_kv_heads=self.num_kv_heads,
             head_dim=model_cfg.head_dim, dtype=self.dtype, kv_layout=cfg.kv_layout, kv_quant=self.kv_quant,
         )
@@ -145,6 +148,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             model_cfg.num_layers, self.num_blocks, 2, *inner, model_cfg.head_dim, dtype=self.kv_dtype, device=self.device,
         )
+
+    def _make_model(self, model_cfg: ModelConfig) -> torch.nn.Module:
+        """The model this runner runs, its weights loaded (an EAGLE head's runner makes its head,
+        engine/spec_eagle.py)."""
+        return load_model(model_cfg, self.dtype, self.device, self.shard, self.comm)
 
     def _agree_on_blocks(self, mine: int) -> int:
         """Every rank's pool has the same number of blocks: the smallest any rank can hold (the

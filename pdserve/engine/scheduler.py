@@ -45,6 +45,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 
 from .block_manager import KVCacheManager
 from .kv_tier_types import SecondTier
@@ -112,6 +113,9 @@ class Scheduler:
         self.clock = clock
         self._planned_left: dict[str, int] = {}  # request id -> prompt tokens past its pool hit (`_plan_budget`)
         self.max_loras: int | None = None  # distinct LoRA adapters among the running (engine/lora_slots.py)
+        # Called with a request's id when its blocks are freed (finished, aborted, preempted): a
+        # draft model's KV of it goes too (engine/spec_draft.py).
+        self.on_free: Callable[[str], None] | None = None
 
     # -- queue management ---------------------------------------------------
     def add(self, req: Request) -> None:
@@ -140,6 +144,8 @@ class Scheduler:
         self.loading.pop(req.request_id, None)  # its load finishes on its own (engine/kv_tier.py)
         if not self.remote_kv.request_finished(req, status):  # (an export's blocks wait for their write)
             self.kv.free(req.request_id)
+        if self.on_free is not None:
+            self.on_free(req.request_id)
 
     # -- remote KV ----------------------------------------------------------
     def _reserve_remote(self) -> None:
@@ -149,7 +155,9 @@ class Scheduler:
         is queued for a local prefill instead (``no_room``)."""
         while self.remote_waiting:
             req = self.remote_waiting.popleft()
-            res = self.kv.reserve_remote(req.request_id, req.prompt_token_ids, req.cache_salt)
+            # Its adapter must fit the slots beside those running and awaited (it runs once its KV lands)
+            fits = lora_fits(req.lora_request, chain(self.running, self.remote.values()), self.max_loras)
+            res = self.kv.reserve_remote(req.request_id, req.prompt_token_ids, req.cache_salt) if fits else None
             if self.tier is not None:  # TP: the other ranks copy what the reservation evicted before a write lands
                 self.tier.flush()
             if res is None:
@@ -282,8 +290,8 @@ class Scheduler:
         held: list[Request] = []  # waiting for their grammar: the requests behind them go first
         while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if (req.grammar is not None and not req.grammar.ready) or not lora_fits(
-                    req.lora_request, self.running, self.max_loras):  # (its adapter needs a slot: later)
+            if (req.grammar is not None and not req.grammar.ready) or not lora_fits(  # (its adapter needs a
+                    req.lora_request, chain(self.running, self.remote.values()), self.max_loras):  # slot: later)
                 held.append(self.waiting.popleft())
                 continue
             hits, cached = self._prefix_hit(req)
@@ -459,6 +467,8 @@ class Scheduler:
         self.running.remove(req)
         req.tier_tried = False
         self.kv.free(req.request_id)
+        if self.on_free is not None:
+            self.on_free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED

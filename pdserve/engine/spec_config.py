@@ -1,7 +1,14 @@
 """The engine argument ``speculative_config``, read the vLLM way (docs/speculative.md).
 
 ``speculative_config`` is a dict, as vLLM's ``LLM(..., speculative_config={...})`` takes it:
-``method`` (only ``"ngram"``: prompt lookup; draft models and EAGLE are refused for now),
+``method`` (``"ngram"``: prompt lookup; ``"draft_model"``: a small model proposes,
+engine/spec_draft.py; ``"eagle"`` / ``"eagle3"``: an EAGLE head fed the target's hidden states,
+engine/spec_eagle.py; MTP and the others are refused for now; as in vLLM, a config with
+``model`` and no ``method`` is a draft model's, and one with neither is n-gram's), ``model``
+(the draft model's directory: same vocabulary as the target's; or the EAGLE head's),
+``draft_tensor_parallel_size``
+(vLLM's; only 1: the draft runs whole on the target's first device), ``draft_kv_cache_fraction``
+(pdserve's: the draft's KV pool has this fraction of the target pool's blocks; default 1.0),
 ``num_speculative_tokens`` (k, the tokens proposed per step), ``prompt_lookup_min`` /
 ``prompt_lookup_max`` (the n-gram lengths tried, longest first; one given alone sets both,
 neither given: 5 and 5, as vLLM), and the load rule's knobs: ``disable_by_batch_size`` (vLLM's
@@ -16,10 +23,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .config import ConfigError
+from .config import ConfigError, ModelConfig
 
-METHODS = ("ngram",)
-LATER = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # the methods whose ``model`` is a directory
+LATER = ("medusa", "mlp_speculator", "mtp", "suffix")
 MAX_SPECULATIVE_TOKENS = 16  # far past where prompt lookup pays; bounds a step's rows per request
 MAX_LOOKUP = 64  # the longest n-gram tried
 
@@ -33,6 +41,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 32
     acceptance_floor: float = 0.2
     probe_interval: int = 8
+    model: str | None = None  # the draft model's (or EAGLE head's) directory
+    draft_tensor_parallel_size: int = 1
+    draft_kv_cache_fraction: float = 1.0  # the draft pool's blocks: this fraction of the target's
 
 
 def _field(name: str) -> str:
@@ -48,9 +59,11 @@ def _int(raw: dict, name: str, lo: int, hi: int, default: int | None) -> int | N
     return v
 
 
-def parse_speculative_config(raw: dict | str | None) -> SpeculativeConfig | None:
+def parse_speculative_config(raw: dict | str | None, check_files: bool = True) -> SpeculativeConfig | None:
     """The checked config (None: no speculation); `ConfigError` naming the field otherwise.
-    A JSON string is taken too (``--speculative-config '{"method": "ngram", ...}'``)."""
+    A JSON string is taken too (``--speculative-config '{"method": "ngram", ...}'``).
+    ``check_files=False``: the draft model's directory is not read (the topology's check, made
+    where the workers' paths may not exist; each worker reads it when it starts)."""
     if raw is None:
         return None
     if isinstance(raw, str):
@@ -64,10 +77,7 @@ def parse_speculative_config(raw: dict | str | None) -> SpeculativeConfig | None
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{_field(unknown[0])}: unknown key; valid: {', '.join(sorted(known))}")
-    method = raw.get("method", "ngram")
-    if method not in METHODS:
-        later = " (not supported yet)" if method in LATER else ""
-        raise ConfigError(f"{_field('method')}={method!r}{later}; use one of: {', '.join(METHODS)}")
+    method = _method(raw)
     if "num_speculative_tokens" not in raw:
         raise ConfigError(f"{_field('num_speculative_tokens')} is required")
     k = _int(raw, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, None)
@@ -86,4 +96,78 @@ def parse_speculative_config(raw: dict | str | None) -> SpeculativeConfig | None
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
         raise ConfigError(f"{_field('acceptance_floor')}={floor!r} must be a number in [0, 1]")
     assert batch is not None and probe is not None
-    return SpeculativeConfig(method, k, lo, hi, batch, float(floor), probe)
+    if method == "ngram":
+        for name in ("model", "draft_tensor_parallel_size", "draft_kv_cache_fraction"):
+            if name in raw and not (name == "model" and raw[name] in ("ngram", "[ngram]")):  # (vLLM's spelling)
+                raise ConfigError(f"{_field(name)} is for methods {', '.join(MODEL_METHODS)}, not 'ngram'")
+        return SpeculativeConfig(method, k, lo, hi, batch, float(floor), probe)
+    for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        if name in raw:
+            raise ConfigError(f"{_field(name)} is for method 'ngram', not {method!r}")
+    if method in ("eagle", "eagle3"):
+        model = _head_dir(raw, method)
+        if check_files:
+            from .spec_eagle_model import check_head_dir  # (torch loads only here)
+
+            check_head_dir(model, method)
+    else:
+        model = _draft_model(raw, check_files)
+    return SpeculativeConfig(method, k, 5, 5, batch, float(floor), probe, model=model,
+                             draft_tensor_parallel_size=_draft_tp(raw), draft_kv_cache_fraction=_fraction(raw))
+
+
+def _method(raw: dict) -> str:
+    """The method, inferred as vLLM does when absent: ``model`` given means a draft model (unless
+    it names n-gram), no ``model`` means n-gram."""
+    method = raw.get("method")
+    if method is None:
+        model = raw.get("model")
+        method = "ngram" if model is None or model in ("ngram", "[ngram]") else "draft_model"
+    if method == "[ngram]":
+        method = "ngram"
+    if method not in METHODS:
+        later = " (not supported yet)" if method in LATER else ""
+        raise ConfigError(f"{_field('method')}={method!r}{later}; use one of: {', '.join(METHODS)}")
+    return method
+
+
+def _draft_model(raw: dict, check_files: bool = True) -> str:
+    """The draft model's directory: it must hold a model this engine runs (its config.json read
+    now; its vocabulary is compared with the target's when the engine is made, engine/spec_draft.py)."""
+    path = raw.get("model")
+    if path is None:
+        raise ConfigError(f"{_field('model')} is required for method 'draft_model' (the draft model's directory)")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{_field('model')}={path!r} must be a model directory path")
+    if not check_files:
+        return path
+    try:
+        ModelConfig.from_dir(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{_field('model')}={path!r} is not a model this engine runs: {exc}") from None
+    return path
+
+
+def _head_dir(raw: dict, method: str) -> str:
+    """The EAGLE head's directory (read by engine/spec_eagle_model.py)."""
+    path = raw.get("model")
+    if path is None:
+        raise ConfigError(f"{_field('model')} is required for method {method!r} (the EAGLE head's directory)")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{_field('model')}={path!r} must be an EAGLE head's directory path")
+    return path
+
+
+def _draft_tp(raw: dict) -> int:
+    tp = raw.get("draft_tensor_parallel_size", 1)
+    if tp != 1 or isinstance(tp, bool):
+        raise ConfigError(f"{_field('draft_tensor_parallel_size')}={tp!r}: only 1 is supported (the draft model "
+                          "runs whole on the target's first device)")
+    return 1
+
+
+def _fraction(raw: dict) -> float:
+    v = raw.get("draft_kv_cache_fraction", 1.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+        raise ConfigError(f"{_field('draft_kv_cache_fraction')}={v!r} must be a number in (0, 1]")
+    return float(v)

@@ -4,7 +4,8 @@
 Before each step (`SpecDecoder.propose`) every decoding request may get up to k proposed
 tokens (``Request.spec_token_ids``): the tokens that followed the latest earlier occurrence
 of its last n tokens (prompt lookup over the prompt and the output, n from
-``prompt_lookup_max`` down to ``prompt_lookup_min``), cut where its grammar refuses one. The
+``prompt_lookup_max`` down to ``prompt_lookup_min``), or with ``method: draft_model`` the
+draft model's greedy continuation (engine/spec_draft.py), cut where its grammar refuses one. The
 scheduler gives such a request 1 + k positions (engine/scheduler.py), the step batch feeds the
 proposals as input and returns k + 1 logits rows for it, consecutive (engine/step_batch.py),
 and engine/spec_step.py verifies them after the forward.
@@ -39,11 +40,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pdserve.common.spec_rule import spec_k
+
 from .request import Request
 from .spec_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from .engine_types import EngineStats
+    from .spec_draft import DraftProposer
     from .structured_state import StructuredOutputs
 
 EMA_WEIGHT = 0.5  # the weight of each verification's acceptance in a request's average
@@ -115,23 +119,26 @@ class _Acceptance:
 class SpecDecoder:
     """The engine's speculative decoding: proposals before a step, counters after it."""
 
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int):
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, draft: DraftProposer | None = None):
         self.cfg = cfg
         self.max_model_len = max_model_len
+        # method draft_model: the draft model proposes (engine/spec_draft.py); eagle / eagle3: an
+        # EAGLE head, a DraftProposer fed the target's hidden states (engine/spec_eagle.py)
+        self.draft = draft
         self._acceptance: dict[str, _Acceptance] = {}
         self._drafted: list[Request] = []
 
     def k_for(self, req: Request, batch: int) -> int:
         """The proposals ``req`` may get this step (the load rule of the module docstring)."""
         cfg = self.cfg
-        if batch > cfg.disable_by_batch_size:
+        if spec_k(cfg.num_speculative_tokens, cfg.disable_by_batch_size, batch) == 0:
             return 0
         acc = self._acceptance.get(req.request_id)
         if acc is not None and acc.pause > 0:
             acc.pause -= 1
             return 0
         room = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
-        return max(0, min(cfg.num_speculative_tokens, room))
+        return spec_k(cfg.num_speculative_tokens, cfg.disable_by_batch_size, batch, room)
 
     def propose(self, running: list[Request], structured: StructuredOutputs) -> None:
         """Set ``spec_token_ids`` of the running requests that decode (and clear the last step's)."""
@@ -142,16 +149,25 @@ class SpecDecoder:
         live = {r.request_id for r in running}
         self._acceptance = {k: v for k, v in self._acceptance.items() if k in live}
         cfg = self.cfg
-        for r in decoding:
-            k = self.k_for(r, len(decoding))
-            if k < 1:
-                continue
-            drafts = ngram_propose(r.all_token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+        wants = [(r, k) for r in decoding if (k := self.k_for(r, len(decoding))) >= 1]
+        found: dict[str, list[int]] = {}
+        if self.draft is not None:
+            self.draft.retain(live)
+            found = self.draft.propose(wants, structured)
+        for r, k in wants:
+            drafts = (found.get(r.request_id, []) if self.draft is not None
+                      else ngram_propose(r.all_token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k))
             if drafts and r.grammar is not None:
                 drafts = grammar_prefix(structured, r, drafts)
             if drafts:
                 r.spec_token_ids = drafts
                 self._drafted.append(r)
+
+    def after_forward(self, scheduled: list[tuple[Request, int]]) -> None:
+        """The target's forward ran (before the computed counts move): an EAGLE head keeps the
+        hidden states it computed (engine/spec_eagle.py)."""
+        if self.draft is not None:
+            self.draft.record(scheduled)
 
     def record(self, req: Request, proposed: int, accepted: int, stats: EngineStats) -> None:
         """Count one verification (EngineStats) and update the request's acceptance."""

@@ -67,6 +67,8 @@ def _mask_drafts(eng: LLMEngine, logits: torch.Tensor, views: list[Request],
         try:
             m = eng.structured.ensure(req)
             for j, tok in enumerate(req.spec_token_ids[:s] + [None]):
+                if m.is_terminated():  # a proposal ended the grammar: the request ends on it, and the
+                    break  # rows after it are never emitted (nor can its matcher mask them)
                 failed = eng.structured.mask(logits[start + j:start + j + 1], [req])
                 if failed:
                     raise failed[0]

@@ -116,9 +116,24 @@ class Backends:
             return {}
         return self.follower.cached_tokens(token_ids)
 
-    def pick(self, token_ids: list[int], exclude: Set[str] = frozenset()) -> Pick:
-        return choose(list(self.workers.values()), len(token_ids), self.cached(token_ids), time.monotonic(),
-                      self.rng, exclude, routing=self.routing)
+    def pick(self, token_ids: list[int], exclude: Set[str] = frozenset(), adapter: str | None = None) -> Pick:
+        """The worker for a prompt (gateway/pick.py `choose`). ``adapter``: the request runs under
+        this LoRA adapter, so only the workers serving it are scored, and without a prefix-cache
+        hint: the KV index knows the blocks by the base model's hashes, and an adapter's blocks
+        hash otherwise (engine/lora_request.py), so the base's hits say nothing about it."""
+        cached = self.cached(token_ids) if adapter is None else {}
+        return choose(list(self.workers.values()), len(token_ids), cached, time.monotonic(),
+                      self.rng, exclude, routing=self.routing, adapter=adapter)
+
+    def adapters(self) -> dict[str, list[str]]:
+        """Each LoRA adapter some decode worker serves (its record's ``load["lora_adapters"]``),
+        with the ids of the workers serving it, sorted. (Called from the tokenizer threads too:
+        the workers are copied at once, and a record's load is replaced whole, never changed.)"""
+        out: dict[str, list[str]] = {}
+        for w in sorted(list(self.workers.values()), key=lambda w: w.worker_id):
+            for name in w.adapters():
+                out.setdefault(name, []).append(w.worker_id)
+        return dict(sorted(out.items()))
 
     def failed(self, worker_id: str) -> None:
         w = self.workers.get(worker_id)

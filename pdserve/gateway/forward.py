@@ -29,12 +29,14 @@ def sampling_of(params: SamplingParams) -> dict[str, Any]:
 
 
 def worker_request(ids: list[int], rid: str, params: SamplingParams, priority: str, inp: GenerateInput,
-                   streamed: list[int]) -> pb.GenerateRequest:
+                   streamed: list[int], adapter: str | None = None) -> pb.GenerateRequest:
     """One attempt's call: the prompt's token ids, the worker-side id ``rid``, the priority's
     label, and the tokens already ``streamed`` to the client (resumed there; none on a first
-    attempt)."""
-    return build_request(ids, request_id=rid, priority=priority, route=inp.route, ttft_slo_ms=inp.ttft_slo_ms,
-                         resume_token_ids=list(streamed) if streamed else None, **sampling_of(params))
+    attempt). ``adapter``: the LoRA adapter it runs under, named as its ``model`` (None: the
+    base model, no model named)."""
+    return build_request(ids, request_id=rid, model=adapter or "", priority=priority, route=inp.route,
+                         ttft_slo_ms=inp.ttft_slo_ms, resume_token_ids=list(streamed) if streamed else None,
+                         **sampling_of(params))
 
 
 def metadata_float(v) -> float | None:

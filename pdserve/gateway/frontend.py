@@ -18,6 +18,9 @@ in rotation: the same request would fail on every worker, and avoiding each in t
 them all out of rotation for one bad request. An INTERNAL / UNKNOWN without the mark (an older
 worker, a bug, a transport error gRPC reports as INTERNAL) is tried on one more worker, and no
 worker is avoided for it.
+
+A request whose ``model`` names a LoRA adapter runs, migrates and races only on workers that
+serve it (gateway/lora.py; docs/lora.md, "Through the gateway").
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.api.grpc_service import STATUS, chunk_from_proto
+from pdserve.api.adapters import AdapterCard
 from pdserve.api.ingress import (ERROR_SCOPE_HEADER, KV_WAIT_HEADER, REQUEST_SCOPE, Chunk, GenerateInput,
                                  RequestError, ServingLimits)
 from pdserve.api.security import TENANT_HEADER
-from pdserve.api.surface import Surface, identity, tenant_of
+from pdserve.api.surface import Checked, Surface, identity, tenant_of
 from pdserve.api.v1 import inference_pb2 as pb
 from pdserve.common import tracing
 from pdserve.api.validate import check_privileges
@@ -46,9 +50,10 @@ from pdserve.engine.prompts import PromptChecker
 
 from .backends import Backends
 from .forward import metadata_float, metadata_int, worker_request
+from .lora import adapter_cards, adapter_of, base_input, unknown_model
 from .metrics import GatewayMetrics
 from .pick import RaceBudget, race_partner
-from .tracing import attempt_span, migrated, request_ended, request_span
+from .tracing import attempt_span, migrated, raced, request_ended, request_span
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,7 @@ class Stream:
     aborted: bool = False
     call: object = None
     span: tracing.AnySpan = tracing.NO_SPAN  # its gateway.request span (common/tracing.py): each attempt's parent
+    attempt: tracing.AnySpan = tracing.NO_SPAN  # the current attempt's gateway.attempt span
 
 
 class _Broken(Exception):
@@ -125,6 +131,13 @@ class GatewayFrontend(Surface):
             return "no decode worker is registered in etcd"
         return super().health()
 
+    def adapter_cards(self) -> list[AdapterCard]:
+        return adapter_cards(self.backends, self.served_model)  # those the workers' records list
+
+    def validate(self, inp: GenerateInput) -> Checked:
+        """The base's validation, ``model`` naming the base or an adapter a worker serves."""
+        return super().validate(base_input(inp, self.backends, self.served_model))
+
     def refresh_gauges(self) -> None:
         self.metrics.workers.set(len(self.backends.workers))
         self.metrics.streams.set(len(self.streams))
@@ -152,6 +165,7 @@ class GatewayFrontend(Surface):
             raise RequestError("unavailable", "gateway is draining; retry on another gateway replica")
         check_privileges(inp)
         ids, params, prio = await self.validated(inp)
+        adapter = adapter_of(inp, self.served_model)
         label = inp.request_id or uuid.uuid4().hex
         key = (identity(inp.caller), label)
         if key in self.streams:
@@ -165,17 +179,9 @@ class GatewayFrontend(Surface):
         unmarked = 0  # unmarked INTERNAL / UNKNOWN failures so far (MAX_UNMARKED_FAILURES)
         try:
             while True:
-                pick = self.backends.pick(ids + s.tokens, tried)
+                pick = self.backends.pick(ids + s.tokens, tried, adapter)
                 if pick.chosen is None:
-                    if refusal is not None and not s.tokens:
-                        raise RequestError(refusal.code, str(refusal), None, refusal.predicted_ttft_ms,
-                                           refusal.retry_after_ms)
-                    why = "; ".join(f"{w}: {r}" for w, r in pick.excluded.items()) or "none is registered"
-                    if s.tokens:
-                        self.metrics.migration("failed")
-                        raise RequestError("unavailable", f"the stream broke after {len(s.tokens)} token(s) and no "
-                                           f"other decode worker can continue it ({why})")
-                    raise RequestError("unavailable", f"no decode worker can take this request ({why})")
+                    raise self._no_worker(pick, s, refusal, adapter)
                 partner = None
                 if not tried:
                     self.metrics.routed(pick.chosen)
@@ -225,6 +231,20 @@ class GatewayFrontend(Surface):
             request_ended(s.span, sys.exc_info()[1], s.migrations, len(s.tokens))
             if self.streams.get(key) is s:
                 del self.streams[key]
+
+    def _no_worker(self, pick, s: Stream, refusal: _Broken | None, adapter: str | None) -> RequestError:
+        """Why no worker takes the stream now: the last refusal before any token; an adapter no
+        worker serves any more (404, it was unloaded since it was checked); or each one's reason."""
+        if adapter is not None and not s.tokens and adapter not in self.backends.adapters():
+            return unknown_model(self.backends, self.served_model, adapter)
+        if refusal is not None and not s.tokens:
+            return RequestError(refusal.code, str(refusal), None, refusal.predicted_ttft_ms, refusal.retry_after_ms)
+        why = "; ".join(f"{w}: {r}" for w, r in pick.excluded.items()) or "none is registered"
+        if s.tokens:
+            self.metrics.migration("failed")
+            return RequestError("unavailable", f"the stream broke after {len(s.tokens)} token(s) and no "
+                                f"other decode worker can continue it ({why})")
+        return RequestError("unavailable", f"no decode worker can take this request ({why})")
 
     def _unmarked(self, s: Stream, b: _Broken, failures: int) -> None:
         """An INTERNAL / UNKNOWN the worker did not mark as the request's own: the request may
@@ -285,6 +305,8 @@ class GatewayFrontend(Surface):
                     elif exc is not None and not isinstance(exc, StopAsyncIteration):
                         raise exc
             decided = True
+            if won is not None:  # (before the loser's attempt ends: each attempt says its part)
+                raced(s.span, {w: st.attempt for w, (st, _) in runs.items()}, won[0])
         finally:
             for t in tasks:  # the loser: stop waiting, then end its call
                 t.cancel()
@@ -302,7 +324,6 @@ class GatewayFrontend(Surface):
         self.metrics.race("won_first" if winner == first else "won_second")
         self.metrics.race_waste(len(ids))  # at most: the loser's prompt, if it was scheduled
         log.info("gateway: %s raced on %s and %s: %s first", s.label, first, loser, winner)
-        s.span.set({"pdserve.race_winner": winner, "pdserve.race_loser": loser})
         st, gen = runs[winner]
         s.worker_id, s.worker_rid, s.call, s.tokens = st.worker_id, st.worker_rid, st.call, st.tokens
         async with contextlib.aclosing(gen):
@@ -328,10 +349,12 @@ class GatewayFrontend(Surface):
             md = (*(md or ()), (KV_WAIT_HEADER, "0"))
         rid = f"{self._id_prefix}-{next(self._ids):x}"
         s.worker_id, s.worker_rid = worker_id, rid
-        span = attempt_span(s.span, worker_id, rid, len(s.tokens))
+        span = s.attempt = attempt_span(s.span, worker_id, rid, len(s.tokens))
         md = (*(md or ()), *span.carrier().items())  # the worker's spans are this attempt's children
-        req = worker_request(ids, rid, params, prio.label, inp, s.tokens)
-        own = len(ids) + len(s.tokens) - self.backends.cached(ids + s.tokens).get(worker_id, 0)
+        adapter = adapter_of(inp, self.served_model)
+        req = worker_request(ids, rid, params, prio.label, inp, s.tokens, adapter)
+        hint = self.backends.cached(ids + s.tokens) if adapter is None else {}  # (Backends.pick)
+        own = len(ids) + len(s.tokens) - hint.get(worker_id, 0)
         units = w.queued() + own
         w.streams += 1
         w.queued_tokens += own

@@ -12,6 +12,11 @@ the prompt tokens this gateway sent to ``w`` that have no first token yet, or mo
 worker's record reports more waiting requests; ``step_ms_w`` one decode step of ``w`` (its
 record) that a new request waits for; ``kv_penalty_w`` grows as its KV pool fills past 90 %
 (preemptions ahead). Every term is printed by `explain`.
+
+A request under a LoRA adapter (its ``model`` names one) is picked among the workers whose
+record lists that adapter (``load["lora_adapters"]``, `serves`); the others are excluded, and
+the reason names the adapter. Its migrations and races stay among them, as every later pick
+of the request excludes the same workers.
 """
 
 from __future__ import annotations
@@ -88,6 +93,14 @@ class WorkerState:
         waiting = int(self.load.get("waiting") or 0)
         return max(self.queued_tokens, int(waiting * self.mean_prompt))
 
+    def adapters(self) -> list[str]:
+        """The LoRA adapters its record says it serves (``load["lora_adapters"]``; [] without)."""
+        names = self.load.get("lora_adapters")
+        return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+    def serves(self, adapter: str) -> bool:
+        return adapter in self.adapters()
+
 
 @dataclass
 class Score:
@@ -136,15 +149,29 @@ ROUTINGS = ("ttft", "random")
 
 def choose(workers: list[WorkerState], prompt_len: int, cached: dict[str, int], now: float,
            rng: random.Random, exclude: Set[str] = frozenset(), tie: float = 0.1, tie_ms: float = 5.0,
-           routing: str = "ttft") -> Pick:
+           routing: str = "ttft", adapter: str | None = None) -> Pick:
     """The worker for a prompt of ``prompt_len`` tokens; ``cached``: tokens of it each worker's
     prefix cache holds (the KV index's view; {} without one). Workers within ``tie`` (a
     fraction) or ``tie_ms`` of the best are tied: two of them are drawn and the one with fewer
     of this gateway's streams wins. ``routing="random"``: any live worker, uniformly (what a
-    Kubernetes Service does; the baseline of bench/gateway.py)."""
+    Kubernetes Service does; the baseline of bench/gateway.py). ``adapter``: the request runs
+    under this LoRA adapter: only workers that serve it (`WorkerState.serves`) are scored."""
+    pick = _choose(workers, prompt_len, cached, now, rng, exclude, tie, tie_ms, routing, adapter)
+    if adapter is not None:
+        serving = sum(w.serves(adapter) for w in workers)
+        pick.reason = (f"serves the LoRA adapter {adapter!r} ({serving} of {len(workers)} worker(s) do): "
+                       f"{pick.reason}")
+    return pick
+
+
+def _choose(workers: list[WorkerState], prompt_len: int, cached: dict[str, int], now: float,
+            rng: random.Random, exclude: Set[str], tie: float, tie_ms: float, routing: str,
+            adapter: str | None) -> Pick:
     excluded, live = {}, []
     for w in workers:
-        if w.worker_id in exclude:
+        if adapter is not None and not w.serves(adapter):
+            excluded[w.worker_id] = f"does not serve the LoRA adapter {adapter!r}"
+        elif w.worker_id in exclude:
             excluded[w.worker_id] = "this request already failed on it"
         elif w.draining:
             excluded[w.worker_id] = "draining"

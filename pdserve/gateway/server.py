@@ -159,15 +159,22 @@ class Gateway:
 
         @app.post("/gateway/explain", include_in_schema=False)
         async def explain(request: Request):
-            """The pick this gateway would make now for a prompt: every worker's score and terms."""
+            """The pick this gateway would make now for a prompt: every worker's score and terms;
+            with ``model`` naming a LoRA adapter, among the workers that serve it."""
             body = await request.json()
             prompt = body.get("prompt") if isinstance(body, dict) else None
+            model = body.get("model") if isinstance(body, dict) else None
+            if model is not None and not isinstance(model, str):
+                return JSONResponse({"error": {"message": "model: must be a string", "param": "model"}},
+                                    status_code=400)
             try:
                 ids = checker.tokenize_prompt(prompt)
             except ValueError as exc:
                 return JSONResponse({"error": {"message": str(exc), "param": "prompt"}}, status_code=400)
-            pick = backends.pick(ids)
-            return {"prompt_tokens": len(ids), "cached": backends.cached(ids), **pick.as_dict()}
+            adapter = model if model and model != frontend.served_model else None
+            pick = backends.pick(ids, adapter=adapter)
+            cached = backends.cached(ids) if adapter is None else {}
+            return {"prompt_tokens": len(ids), "cached": cached, **pick.as_dict()}
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -4,11 +4,14 @@
 of the trace context its client sent; each call of a decode worker is a ``gateway.attempt``
 (kind client) under it, whose context goes to the worker in the call's metadata, so the
 worker's ``decode.request`` is its child. A stream that moves to another worker shows one
-attempt per worker and a ``migration`` event; a raced request shows both attempts, the
-loser's ended early, and the winner as ``pdserve.race_winner``.
+attempt per worker and a ``migration`` event; a raced request shows both attempts under it,
+each with its part (``pdserve.race``: won or lost; the loser's ended early), and the request
+names both (``pdserve.race_winner``, ``pdserve.race_loser``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from pdserve.api.ingress import GenerateInput
 from pdserve.common import jsonlog, tracing
@@ -27,6 +30,14 @@ def attempt_span(request: tracing.AnySpan, worker_id: str, rid: str, resumed: in
     """One call of a decode worker for the request (its `end` is the caller's)."""
     return request.child("gateway.attempt", kind="client", attrs={
         "pdserve.worker_id": worker_id, "pdserve.worker_request_id": rid, "pdserve.resumed_tokens": resumed})
+
+
+def raced(request: tracing.AnySpan, attempts: Mapping[str, tracing.AnySpan], winner: str) -> None:
+    """A race is decided (``attempts``: worker id -> its attempt's span, before the loser's ends)."""
+    losers = [w for w in attempts if w != winner]
+    request.set({"pdserve.race_winner": winner, "pdserve.race_loser": losers[0] if losers else None})
+    for w, span in attempts.items():
+        span.set({"pdserve.race": "won" if w == winner else "lost"})
 
 
 def migrated(request: tracing.AnySpan, broken: Exception, tokens: int) -> None:

@@ -28,6 +28,10 @@ A borrow ends in exactly one of these ways (`BorrowResult.outcome`):
 
 The deadline and the quarantine bound the wait and keep a read that may still land out of
 blocks someone else owns; they no longer decide whether a read is trusted.
+
+A borrow for a traced request (`Borrower.start`'s ``traceparent``) is a ``kv.borrow`` span
+(kind client) of the tracer ``trace_as`` names, from the ask to its end, with its outcome; its
+context rides in the request, so the holder's ``kv.lend`` is its child (kvtransfer/lender.py).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from pdserve.common import jsonlog, tracing
 from pdserve.kvtransfer.lend import (
     DEFAULT_LEASE_MS,
     MAX_LEND_BLOCKS,
@@ -162,6 +167,7 @@ class _Ticket:
     sums: tuple[int, ...] = ()  # the lent blocks' checksums as granted (verify)
     arrived: bool = False  # the read completed here (every rank's)
     confirmed: bool = False  # the holder confirmed the loan (ok, from the granting life)
+    span: tracing.AnySpan = tracing.NO_SPAN  # its kv.borrow span (a traced request's)
 
 
 @dataclass
@@ -176,6 +182,7 @@ class Borrower:
     quarantine_s: float = DEFAULT_QUARANTINE_S
     clock: Callable[[], float] = time.monotonic
     verify: bool = False
+    trace_as: str | None = None  # the component whose tracer makes the kv.borrow spans (None: none)
     tickets: dict[str, _Ticket] = field(default_factory=dict)
     results: list[BorrowResult] = field(default_factory=list)
     quarantined: dict[str, float] = field(default_factory=dict)  # key -> when its blocks are freed
@@ -194,10 +201,11 @@ class Borrower:
         return True  # one agent on each side (as far as this one knows)
 
     def start(self, token_ids: list[int], holder: str, blocks: int, salt: bytes | None = None,
-              tag: Any = None) -> str | None:
+              tag: Any = None, traceparent: str | None = None) -> str | None:
         """Ask ``holder`` for the first ``blocks`` blocks of ``token_ids``; the borrow's id, or
         None when there is nothing to borrow (this pool holds as much), no room, or the holder
-        cannot be reached (the caller computes as usual)."""
+        cannot be reached (the caller computes as usual). ``traceparent``: the span of the
+        request it borrows for (W3C), the parent of its ``kv.borrow`` span."""
         verify = self.verify
         if verify and not self._verifiable(holder):
             verify = False
@@ -211,15 +219,22 @@ class Borrower:
             return None
         lend_id = f"{self._prefix}-{next(self._ids)}"
         now = self.clock()
-        req = LendRequest(lend_id, borrow.hashes[-1], len(borrow.hashes), self.lease_ms, verify)
+        span = tracing.tracer(self.trace_as).start("kv.borrow", traceparent, kind="client", attrs={
+            "pdserve.holder": holder, "pdserve.lend_id": lend_id, "pdserve.blocks": len(borrow.hashes),
+            "pdserve.verify": verify}) if traceparent and self.trace_as else tracing.NO_SPAN
+        req = LendRequest(lend_id, borrow.hashes[-1], len(borrow.hashes), self.lease_ms, verify,
+                          span.traceparent() or traceparent or "")
         try:
             self.agent.send_notification(holder, req.encode())
         except Exception as exc:  # noqa: BLE001  (an unknown or unreachable holder)
             self.connector.end_borrow(borrow, ok=False)
             self.counters["unreachable"] += 1
-            log.info("prefix borrow from %s not started: %r", holder, exc)
+            log.info("prefix borrow from %s not started: %r", holder, exc, **_about(tag))
+            span.set({"pdserve.outcome": "unreachable"})
+            span.end()
             return None
-        self.tickets[lend_id] = _Ticket(lend_id, holder, borrow, now, reader_deadline(now, self.lease_ms), tag, verify)
+        self.tickets[lend_id] = _Ticket(lend_id, holder, borrow, now, reader_deadline(now, self.lease_ms), tag, verify,
+                                        span=span)
         self.counters["asked"] += 1
         return lend_id
 
@@ -366,6 +381,15 @@ class Borrower:
             self.connector.end_borrow(t.borrow, ok=False)
         self.counters[outcome] += 1
         if outcome != "read":
-            log.info("prefix borrow %s from %s: %s (%s); computing it instead", t.lend_id, t.holder, outcome, detail)
+            log.info("prefix borrow %s from %s: %s (%s); computing it instead", t.lend_id, t.holder, outcome, detail,
+                     **_about(t.tag))
+        t.span.set({"pdserve.outcome": outcome, "pdserve.read_tokens": read, "pdserve.cached_tokens": cached,
+                    "pdserve.detail": detail or None})
+        t.span.end()
         self.results.append(BorrowResult(t.lend_id, t.holder, outcome, cached, read, detail, t.tag,
                                          self.clock() - t.sent_at))
+
+
+def _about(tag: Any) -> dict[str, Any]:
+    """A log line's ``extra`` naming the request a borrow is for (its owner's tag: the request id)."""
+    return {"extra": jsonlog.about(tag)} if isinstance(tag, str) else {}

@@ -39,7 +39,10 @@ A `PrefillDone` is checked before it counts (`check_done`): it must name a
 live attempt of this worker (request id + epoch) and the number of tokens the
 task it signed asked for. Anything else (an attempt never started or already
 over, a forged or confused notice) is refused, and the caller counts it; it
-changes nothing here.
+changes nothing here. Pages computed under another LoRA adapter than the task's (or under
+the base for an adapter's task, or the reverse) are refused by `check_adapter`
+(`AdapterMismatchError`): the request prefills locally, as for a first token outside the
+vocabulary.
 
 Pure: no Ray, etcd, NIXL or engine; thread-safe (the event loop marks puts
 and reads the awaited set, the engine thread does the rest).
@@ -85,6 +88,32 @@ class Effect(str, enum.Enum):
 # Why a PrefillDone was refused (`Handoffs.check_done`; the metric's `reason` label).
 UNKNOWN_ATTEMPT = "unknown_attempt"  # no live attempt (request, epoch) here: never started, or over
 WRONG_SIZE = "wrong_size"  # it claims a token count other than the signed task's
+WRONG_ADAPTER = "wrong_adapter"  # its pages were computed under another LoRA adapter than the task's
+
+
+class AdapterMismatchError(ValueError):
+    """A `PrefillDone`'s pages were computed under another LoRA adapter (or the base model) than
+    the task this worker signed asked for: the KV is not this request's. ``field`` names what
+    differs (``lora_name`` or ``lora_int_id``)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.reason = WRONG_ADAPTER
+
+
+def check_adapter(task: Any, lora_name: str, lora_int_id: int) -> None:
+    """Raise `AdapterMismatchError` unless pages computed under adapter (``lora_name``,
+    ``lora_int_id``; "": the base) are what ``task`` (the `PrefillTask` this worker signed)
+    asked for. A task without adapter fields (None, or a test's stand-in) asks for the base."""
+    want_name = getattr(task, "lora_name", "") or ""
+    want_id = getattr(task, "lora_int_id", 0) or 0
+    if lora_name != want_name:
+        raise AdapterMismatchError("lora_name", f"pages computed under {lora_name or 'the base model'!r}, the "
+                                   f"task asked for {want_name or 'the base model'!r}")
+    if want_name and lora_int_id != want_id:
+        raise AdapterMismatchError("lora_int_id", f"adapter {want_name!r} computed as id {lora_int_id}, the task "
+                                   f"named id {want_id}")
 
 S, E = HandoffState, Effect
 # (state, event) -> (new state, effect): every transition there is, in one place.

@@ -4,7 +4,7 @@ The cluster's KV index (cluster/kvindex/) says worker H holds the first ``n`` bl
 that worker R is about to compute. When reading them beats computing them, R borrows
 them:
 
-    R -> H  LendRequest(lend_id, tail_hash, blocks, lease_ms, verify)     b"PDLQ"
+    R -> H  LendRequest(lend_id, tail_hash, blocks, lease_ms, verify[, traceparent])  b"PDLQ"
     H       finds the chain ending at tail_hash (n blocks, from the prompt's first block),
             pins it for lease_ms
     H -> R  LendGrant(lend_id, block_ids, epoch[, sums]) or a refusal     b"PDLG"
@@ -63,7 +63,12 @@ the largest grant still fits. Version 2 added the confirm and the epoch; a versi
 peer is not trusted, since it would never confirm: a version 1 request is answered with a
 version 1 refusal (`OldLendVersionError.answer`: its borrower computes at once), and a
 version 1 holder drops this version's requests as malformed, so the borrower gets no
-grant and computes at its deadline. Pure: no engine, no transport.
+grant and computes at its deadline.
+
+**Traces.** A borrow for a traced request carries the W3C ``traceparent`` of the borrower's
+span in its request (an optional string field: a version 2 peer without it ignores it, and a
+request without it reads as before), so the holder's span of the loan joins the borrowing
+request's trace (docs/cluster.md, "Tracing"). Pure: no engine, no transport.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ MAX_VERIFIED_BLOCKS = 64  # 4 + 8 bytes each (id, sum): 768 bytes, room left for
 DEFAULT_LEASE_MS = 4000
 MAX_LEASE_MS = 60_000
 MAX_LEND_ID = 64
+MAX_TRACEPARENT = 128  # "00-<32 hex>-<16 hex>-<2 hex>" is 55; a later W3C version may add fields
 _U64 = 1 << 64
 
 # Why a holder refuses (LendGrant.reason).
@@ -144,11 +150,15 @@ class LendRequest:
     blocks: int
     lease_ms: int = DEFAULT_LEASE_MS
     verify: bool = False  # ask for the blocks' checksums (at most MAX_VERIFIED_BLOCKS blocks)
+    traceparent: str = ""  # the borrower's span (W3C), when the request it borrows for is traced
 
     def __post_init__(self) -> None:
         _check_lend_id(self.lend_id)
         if not isinstance(self.tail_hash, bytes) or not 0 < len(self.tail_hash) <= 64:
             raise MalformedLendError("tail_hash must be 1..64 bytes")
+        if not isinstance(self.traceparent, str) or len(self.traceparent) > MAX_TRACEPARENT:
+            raise MalformedLendError(f"traceparent must be a str of at most {MAX_TRACEPARENT} characters, "
+                                     f"got {self.traceparent!r:.80}")
         if not isinstance(self.verify, bool):
             raise MalformedLendError(f"verify must be a bool, got {self.verify!r}")
         most = MAX_VERIFIED_BLOCKS if self.verify else MAX_LEND_BLOCKS
@@ -159,8 +169,11 @@ class LendRequest:
             raise MalformedLendError(f"lease_ms must be in 1..{MAX_LEASE_MS}, got {self.lease_ms!r}")
 
     def encode(self) -> bytes:
-        return _frame(REQUEST_MAGIC, {"lend_id": self.lend_id, "tail_hash": self.tail_hash, "blocks": self.blocks,
-                                      "lease_ms": self.lease_ms, "verify": self.verify})
+        fields = {"lend_id": self.lend_id, "tail_hash": self.tail_hash, "blocks": self.blocks,
+                  "lease_ms": self.lease_ms, "verify": self.verify}
+        if self.traceparent:  # (left out untraced: the request is what it was)
+            fields["traceparent"] = self.traceparent
+        return _frame(REQUEST_MAGIC, fields)
 
 
 @dataclass(frozen=True)
@@ -273,7 +286,7 @@ def decode_lend(payload: bytes) -> LendMessage:
     try:
         if magic == REQUEST_MAGIC:
             return LendRequest(fields["lend_id"], fields["tail_hash"], fields["blocks"], fields["lease_ms"],
-                               fields["verify"])
+                               fields["verify"], fields.get("traceparent", ""))
         if magic == GRANT_MAGIC:
             ids, sums = fields["ids"], fields["sums"]
             if not isinstance(ids, bytes) or len(ids) % 4:

@@ -4,6 +4,12 @@ release (or the lease's end), and answers a release that follows a completed rea
 `LendConfirm`: whether the loan was still live, from which holder life (the borrower uses the
 pages only then; kvtransfer/borrower.py). A chain partly in the second tier is loaded back
 first. Owner thread only (kvtransfer/lending.py says who drives it).
+
+A request that carries its borrower's ``traceparent`` (a traced request's borrow) is a
+``kv.lend`` span (kind server) of the tracer ``trace_as`` names, a child of the borrower's
+``kv.borrow``: from its arrival to the loan's end, with a ``granted`` event, how it ended
+(``pdserve.outcome``: confirmed, stale, released, expired, borrower_gone, refused_<reason>,
+dropped_unknown_borrower) and the blocks it lent.
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
-from typing import Protocol
+from typing import Any, Protocol
 
+from pdserve.common import tracing
 from pdserve.kvtransfer.lend import (
     BUSY,
     GONE,
@@ -83,6 +90,8 @@ class Lender:
         # the TierLoad, since); answered by `expire()` once loaded.
         self.loading: list[tuple[str, LendRequest, TierLoad, float]] = []
         self._unanswered: list[TierLoad] = []  # loads still running for requests refused meanwhile
+        self.trace_as: str | None = None  # the component whose tracer makes the kv.lend spans (None: none)
+        self._spans: dict[tuple[str, str], tracing.Span] = {}  # (borrower, lend id) -> its kv.lend span
 
     def waiting_for_peers(self) -> set[str]:
         return {sender for sender, _, _ in self.waiting}
@@ -95,15 +104,19 @@ class Lender:
         for sender, msg, since in waiting:
             if now - since > msg.lease_ms / 2e3:
                 self.counters["dropped_unknown_borrower"] += 1
+                self._span_end(sender, msg.lend_id, "dropped_unknown_borrower")
             else:
                 self.handle(sender, msg)
 
     def handle(self, sender: str, msg: LendMessage) -> None:
         """A `LendRequest` or `LendRelease` from ``sender`` (grants and confirms are a borrower's
         business)."""
+        if isinstance(msg, LendRequest) and msg.traceparent and self.trace_as:
+            self._span_begin(sender, msg)
         if isinstance(msg, LendRequest) and sender not in self.agent.peers:
             self.waiting.append((sender, msg, self.clock()))
             self.counters["awaiting_peer"] += 1
+            self._span_event(sender, msg.lend_id, "awaiting_peer")
             return
         if isinstance(msg, LendRelease):
             self._released(sender, msg)
@@ -125,6 +138,7 @@ class Lender:
                 if load is not None:
                     self.loading.append((sender, msg, load, self.clock()))
                     self.counters["loading_from_tier"] += 1
+                    self._span_event(sender, msg.lend_id, "loading_from_tier")
                     return
                 reason = GONE
         self._answer(sender, msg, ids, reason)
@@ -134,6 +148,10 @@ class Lender:
         whether the loan was live until now (then its blocks were pinned for the whole read),
         and from which life; then unpin."""
         loan = self.table.release(sender, msg.lend_id)
+        if loan is not None or msg.epoch:
+            outcome = ("confirmed" if loan is not None and msg.epoch == self.epoch else "stale") if msg.epoch \
+                else "released"  # (no epoch: the borrower gave the loan up)
+            self._span_end(sender, msg.lend_id, outcome)
         if msg.epoch:
             ok = loan is not None and msg.epoch == self.epoch
             self.counters["confirmed" if ok else "stale"] += 1
@@ -160,6 +178,10 @@ class Lender:
             self.table.add(sender, msg, tuple(ids), self.clock())
         grant = LendGrant(msg.lend_id, tuple(ids or ()), reason, self.epoch, sums)
         self.counters["granted" if ids else f"refused_{reason}"] += 1
+        if ids:
+            self._span_event(sender, msg.lend_id, "granted", {"pdserve.lent_blocks": len(ids)})
+        else:
+            self._span_end(sender, msg.lend_id, f"refused_{reason}")
         try:
             self.agent.send_notification(sender, grant.encode())
         except Exception as exc:  # noqa: BLE001  (the borrower is gone: its lease ends the loan)
@@ -200,6 +222,7 @@ class Lender:
         loans = self.table.take_expired(self.clock())
         for loan in loans:
             self.connector.unlend(list(loan.block_ids))
+            self._span_end(loan.borrower, loan.lend_id, "expired")
         if loans:
             self.counters["expired"] += len(loans)
             log.warning("%d prefix loan(s) ended by their lease, not by a release (borrowers %s)", len(loans),
@@ -209,7 +232,34 @@ class Lender:
     def borrower_gone(self, name: str) -> None:
         for loan in self.table.take_borrower(name):
             self.connector.unlend(list(loan.block_ids))
+            self._span_end(name, loan.lend_id, "borrower_gone")
         gone = [w for w in self.loading if w[0] == name]
         if gone:  # their loads go on (their blocks join the cache), unanswered
             self.loading = [w for w in self.loading if w[0] != name]
             self._unanswered += [load for _, _, load, _ in gone]
+        for _, msg, _, _ in gone:
+            self._span_end(name, msg.lend_id, "borrower_gone")
+
+    # -- the loans' spans (a traced request's) ------------------------------------------------
+    def _span_begin(self, sender: str, msg: LendRequest) -> None:
+        key = (sender, msg.lend_id)
+        if key in self._spans:  # (a request answered once its borrower is met: one span)
+            return
+        span = tracing.tracer(self.trace_as or "").start("kv.lend", msg.traceparent, kind="server", attrs={
+            "pdserve.borrower": sender, "pdserve.lend_id": msg.lend_id, "pdserve.blocks": msg.blocks,
+            "pdserve.verify": msg.verify})
+        if isinstance(span, tracing.Span) and span:  # (not sampled, or no tracer here: nothing kept)
+            self._spans[key] = span
+
+    def _span_event(self, sender: str, lend_id: str, name: str, attrs: dict[str, Any] | None = None) -> None:
+        span = self._spans.get((sender, lend_id))
+        if span is not None:
+            span.event(name, attrs=attrs)
+            if attrs:
+                span.set(attrs)
+
+    def _span_end(self, sender: str, lend_id: str, outcome: str) -> None:
+        span = self._spans.pop((sender, lend_id), None)
+        if span is not None:
+            span.set({"pdserve.outcome": outcome})
+            span.end()

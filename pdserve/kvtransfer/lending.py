@@ -56,6 +56,11 @@ class Lending:
         self.agent = agent
         self.malformed = 0
 
+    def traced_as(self, component: str) -> None:
+        """Trace the loans of traced requests with ``component``'s tracer (common/tracing.py):
+        the borrows' ``kv.borrow`` spans and the loans' ``kv.lend`` spans."""
+        self.lender.trace_as = self.borrower.trace_as = component
+
     def on_poll(self, res: Polled[N]) -> list[N]:
         """Handle the lend messages and reads in ``res``; the other notifications, in order."""
         rest: list[N] = []

@@ -39,7 +39,7 @@ PREFILL_DONE_VERSION = 1
 _HEADER_BYTES = len(MAGIC) + 1
 # Sent only when non-zero; a reader that lacks them keeps the defaults.
 _OPTIONAL_FIELDS = ("queue_wait_ms", "prefill_ms", "sent_at", "prefill_worker", "batch_tokens",
-                    "first_top_logprobs")
+                    "first_top_logprobs", "lora_name", "lora_int_id", "lora_load_ms")
 MAX_TOP_LOGPROBS = 20  # the engine's own bound on logprobs
 _FIELDS = (
     "request_id",
@@ -63,6 +63,12 @@ class PrefillDone:
     transfer the request waited for (pages streamed during the forward pass
     overlap it and are not counted). Across hosts it includes their clock
     offset (NTP keeps it to about a millisecond), like ``queue_wait_ms``.
+
+    `lora_name` and `lora_int_id` name the LoRA adapter the KV was computed under ("" and 0:
+    the base model); the decode worker refuses pages computed under another adapter than the
+    task it signed (kvtransfer/decode_side.py `check_adapter`). `lora_load_ms`: what loading
+    that adapter took the prefill worker for this task (0: it held it), for the router's cost
+    model. Sent only when set: a base-model notice reads as before.
     """
 
     request_id: str
@@ -79,6 +85,9 @@ class PrefillDone:
     # The first token's most likely alternatives, (token id, logprob) pairs, when the request
     # asked for logprobs: the decode side's first logprobs entry equals the local path's.
     first_top_logprobs: tuple[tuple[int, float], ...] = ()
+    lora_name: str = ""
+    lora_int_id: int = 0
+    lora_load_ms: float = 0.0
     version: int = PREFILL_DONE_VERSION
 
     def __post_init__(self) -> None:
@@ -138,7 +147,7 @@ def _field_problem(msg: PrefillDone) -> str | None:
             return f"first_token_logprob must be a float or None, got {logprob!r}"
         if math.isnan(logprob) or logprob > 0:
             return f"first_token_logprob must be <= 0 (a log-probability), got {logprob!r}"
-    for name in ("queue_wait_ms", "prefill_ms", "sent_at"):
+    for name in ("queue_wait_ms", "prefill_ms", "sent_at", "lora_load_ms"):
         value = getattr(msg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             return f"{name} must be a number >= 0, got {value!r}"
@@ -153,6 +162,10 @@ def _field_problem(msg: PrefillDone) -> str | None:
         return f"batch_tokens must be an int >= 0, got {msg.batch_tokens!r}"
     if not isinstance(msg.prefill_worker, str):
         return f"prefill_worker must be a str, got {msg.prefill_worker!r}"
+    if not isinstance(msg.lora_name, str):
+        return f"lora_name must be a str, got {msg.lora_name!r}"
+    if not is_int(msg.lora_int_id) or msg.lora_int_id < 0:
+        return f"lora_int_id must be an int >= 0, got {msg.lora_int_id!r}"
     if not is_int(msg.version):
         return f"version must be an int, got {msg.version!r}"
     return None

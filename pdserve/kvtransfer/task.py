@@ -44,6 +44,12 @@ class PrefillTask:
     (common/tracing.py), so the prefill worker's spans join the request's trace; "" when it
     does not (then the wire leaves it out: a worker of an earlier version reads the task).
     Advisory, so not signed.
+    `lora_name`, `lora_int_id`, `lora_path`: the LoRA adapter the prompt runs under (vLLM's
+    `LoRARequest`, engine/lora_request.py; "" = the base model). The prefill worker computes the
+    KV under it, loading it from `lora_path` (the same host or a shared filesystem) when it does
+    not hold it; the name keys the prefix cache on both sides. Signed (a path a prefill worker
+    reads from disk must come from the decode worker that reserved the blocks); the wire leaves
+    them out for the base model, so a base task reads and signs as before.
     """
 
     request_id: str
@@ -60,6 +66,9 @@ class PrefillTask:
     signature: bytes = b""
     prefix_hint: dict[str, int] = field(default_factory=dict)
     traceparent: str = ""
+    lora_name: str = ""
+    lora_int_id: int = 0
+    lora_path: str = ""
 
     def __post_init__(self) -> None:
         self.priority = Priority.parse(self.priority)  # ValueError naming the choices
@@ -76,6 +85,12 @@ class PrefillTask:
             raise ValueError(f"cached_len={self.cached_len} outside [0, {len(self.token_ids)}]")
         if not self.origin:
             self.origin = self.target_worker_id
+        if not isinstance(self.lora_name, str) or not isinstance(self.lora_path, str):
+            raise ValueError("lora_name and lora_path must be strings")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 0:
+            raise ValueError(f"lora_int_id must be an int >= 0, got {self.lora_int_id!r}")
+        if bool(self.lora_name) != bool(self.lora_path) or (not self.lora_name and self.lora_int_id):
+            raise ValueError("lora_name, lora_int_id and lora_path name one adapter together (all set, or none)")
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -90,6 +105,7 @@ class PrefillTask:
 
 
 TASK_FIELDS = tuple(f.name for f in fields(PrefillTask))
+LORA_FIELDS = ("lora_name", "lora_int_id", "lora_path")
 
 
 class TaskFormatError(ValueError):
@@ -99,10 +115,14 @@ class TaskFormatError(ValueError):
 def task_to_wire(task: PrefillTask) -> dict[str, Any]:
     """The task as a map of its fields. Shallow on purpose: `dataclasses.asdict` deep-copies
     every token id (~0.8 ms for a 512-token task). The priority packs as its int. An empty
-    traceparent is left out (a task of a worker that does not trace reads as before)."""
+    traceparent is left out (a task of a worker that does not trace reads as before), and so is
+    the adapter of a base-model task."""
     out = {name: getattr(task, name) for name in TASK_FIELDS}
     if not task.traceparent:
         del out["traceparent"]
+    if not task.lora_name:
+        for name in LORA_FIELDS:
+            del out[name]
     return out
 
 

@@ -37,8 +37,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from pdserve.common import jsonlog
 from pdserve.common.compute_thread import ComputeProgress
-from pdserve.engine import LLMEngine, SamplingParams
+from pdserve.engine import LLMEngine
 from pdserve.engine.driver import EngineDriver
 from pdserve.kvtransfer import (
     BAD_TASK,
@@ -59,7 +60,9 @@ from pdserve.kvtransfer import (
 from pdserve.kvtransfer.task import PrefillTask
 from pdserve.router.costs import CostModel
 
+from .admit import TaskAdmission
 from .progress import UNTIMED_STEP_S, UNTIMED_STEP_S_GPU, WAIT_SLACK_S, StepTimes
+from .tracing import task_log_ids, track_task
 from .values import BatchResult, PrefillStats, TaskFailure
 
 log = logging.getLogger(__name__)
@@ -107,6 +110,7 @@ class PrefillBatch:
         self._allowance_s = 0.0  # how long a step of the batch under way may take (`run`)
         # router/costs.py CostModel fed with every step (the worker's borrow decisions), or None
         self.costs = costs
+        self.admission = TaskAdmission(engine)  # tasks into the engine, their LoRA adapters (prefill/admit.py)
 
     def cancel(self, keys: Iterable[tuple[str, int]]) -> None:
         """Stop computing these tasks (request_id, epoch) at the next step (any thread)."""
@@ -148,6 +152,7 @@ class PrefillBatch:
                 failures.append(TaskFailure(t, BAD_TASK, f"{exc.__class__.__name__}: {exc}"))
                 continue
             jobs[rid] = PrefillJob(t, rid)
+            track_task(rid, t)  # the engine's lines about it name its request and trace
         settled: dict[str, bool] = {}
         try:
             if jobs:
@@ -159,6 +164,7 @@ class PrefillBatch:
                     settled[job.rid] = self._settle(job)
             for job in jobs.values():  # success or failure, the batch leaves nothing behind
                 eng.connector.release_export(job.rid)
+                jsonlog.untrack(job.rid)
             with self._cancel_lock:
                 self._cancelled.difference_update(job.key for job in jobs.values())
         for job in jobs.values():
@@ -167,6 +173,7 @@ class PrefillBatch:
         for f in failures:
             self._notify(f)
         self._progress(NOTICE_FLUSH_S if any(f.notified for f in failures) else 0.0)
+        self.admission.refresh()  # the adapters held now (the record's load["lora_adapters"])
         self.stats.batches += 1
         self.stats.tasks_done += result.done
         result.failures, result.jobs = failures, list(jobs.values())
@@ -174,21 +181,7 @@ class PrefillBatch:
 
     # -- admit ---------------------------------------------------------------------------
     def _admit(self, t: PrefillTask) -> str:
-        eng = self.engine
-        if not isinstance(t.sampling_params, dict):
-            raise TypeError(f"sampling_params must be a map, got {type(t.sampling_params).__name__}")
-        # The first token's logprob always (the decode side reports it when asked), and its top-N
-        # alternatives when the request asked for them, so the remote path returns what local does.
-        asked = t.sampling_params.get("logprobs") or 0
-        least = t.sampling_params.get("min_tokens", 0)  # it holds for this first token too; decode counts it
-        params = SamplingParams.from_dict({**t.sampling_params, "max_tokens": 1, "stop": [], "logprobs": asked,
-                                           "min_tokens": min(least, 1) if type(least) is int else least})
-        params.validate(eng.model_config.vocab_size)  # a NaN temperature fails here, not in the sampler
-        if not t.target_block_ids or not all(isinstance(b, int) and b >= 0 for b in t.target_block_ids):
-            raise ValueError("target_block_ids must be a non-empty list of block ids")
-        rid = f"{t.request_id}#{t.epoch}"
-        eng.connector.add_export(t.token_ids, params, rid, t.priority)
-        return rid
+        return self.admission.admit(t)  # prefill/admit.py: its first token's sampling, its adapter
 
     # -- compute ---------------------------------------------------------------------------
     def _compute(self, jobs: dict[str, PrefillJob], result: BatchResult, taken_at: float) -> None:
@@ -302,7 +295,8 @@ class PrefillBatch:
             done = PrefillDone(t.request_id, t.epoch, tok, lp, t.num_prefill_tokens, first_top_logprobs=top,
                                queue_wait_ms=max(0.0, (taken_at - t.arrival_time) * 1e3),
                                prefill_ms=result.prefill_ms, prefill_worker=self.worker_id,
-                               batch_tokens=result.batch_tokens, sent_at=time.time()).encode()
+                               batch_tokens=result.batch_tokens, sent_at=time.time(), lora_name=t.lora_name,
+                               lora_int_id=t.lora_int_id, lora_load_ms=self.admission.load_ms(job.rid)).encode()
             try:
                 if job.stream is not None:
                     self._mark_wait()
@@ -386,7 +380,7 @@ class PrefillBatch:
         self.stats.tasks_failed += 1
         self.stats.failed_by_kind[f.kind] += 1
         log.warning("prefill of %s (epoch %s) for %s failed [%s]: %s", t.request_id, t.epoch,
-                    t.target_worker_id, f.kind, f.detail)
+                    t.target_worker_id, f.kind, f.detail, extra=task_log_ids(t))
         if t.target_worker_id not in self.agent.peers:
             return  # no transport channel: the queue's failed-task path carries it
         try:

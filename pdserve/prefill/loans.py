@@ -52,6 +52,7 @@ class PrefixLoans:
         self.stats = stats
         self.compute = compute
         self.lock = lock
+        lending.traced_as("prefill")  # a traced task's loans join its trace (common/tracing.py)
 
     def poll(self) -> PollResult:
         """Poll the sender, answering the loan messages and reads first: the notifications left."""
@@ -108,7 +109,8 @@ class PrefixLoans:
             log.debug("task %s: %d tokens of %s not borrowed: read %.1f ms >= compute %.1f ms", t.request_id,
                       tokens - have, holder, read_ms, compute_ms)
             return False
-        return self.lending.borrower.start(t.token_ids, holder, tokens // bs, tag=t.request_id) is not None
+        return self.lending.borrower.start(t.token_ids, holder, tokens // bs, tag=t.request_id,
+                                           traceparent=t.traceparent or None) is not None
 
     def between_steps(self) -> None:
         """Between a batch's steps (batch thread): the loan requests that arrived meanwhile,

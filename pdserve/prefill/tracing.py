@@ -7,6 +7,9 @@ Each task whose decode worker traces its request carries that request span's tra
 admitted -> written or failed), and under it ``prefill.compute`` (admitted -> its first token)
 and ``kv.write`` (its pages posted -> every write landed, with the bytes). A task without a
 traceparent, or a worker that does not trace, makes none.
+
+Log lines about a task on the batch thread (the engine's too, by the id it runs under) name
+its request and trace (`track_task`, `task_log_ids`; common/jsonlog.py).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pdserve.common import tracing
+from pdserve.common import jsonlog, tracing
 from pdserve.kvtransfer.prefill_side import PrefillJob
 from pdserve.kvtransfer.task import PrefillTask
 
@@ -29,6 +32,20 @@ def _task_attrs(task: PrefillTask, worker_id: str) -> dict[str, Any]:
     return {"pdserve.worker_id": worker_id, "pdserve.request_id": task.request_id, "pdserve.attempt": task.epoch,
             "pdserve.prompt_tokens": len(task.token_ids), "pdserve.cached_tokens": task.cached_len,
             "pdserve.target_worker": task.target_worker_id, "pdserve.priority": task.priority.label}
+
+
+def task_log_ids(task: PrefillTask) -> dict[str, str]:
+    """The ``extra`` of a log line about ``task``: its request id, and its trace id when its
+    decode worker traces the request."""
+    trace_id = tracing.trace_id_of({tracing.TRACEPARENT: task.traceparent}) if task.traceparent else None
+    return {"request_id": task.request_id, **({"trace_id": trace_id} if trace_id else {})}
+
+
+def track_task(engine_id: str, task: PrefillTask) -> None:
+    """The engine runs ``task`` as ``engine_id``: its lines about it name the task's ids
+    (`jsonlog.untrack` once the batch is over)."""
+    ids = task_log_ids(task)
+    jsonlog.track(engine_id, ids["request_id"], ids.get("trace_id"))
 
 
 def trace_batch(result: BatchResult, worker_id: str) -> BatchResult:

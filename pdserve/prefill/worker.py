@@ -1,14 +1,12 @@
 """A prefill worker: pulls token-budget batches, computes KV, writes pages to decode workers.
 
-Loop: ``PrefillQueue.get_batch`` (bounded by a token budget, long-polled) ->
-prefill the batch in the engine, reusing this worker's prefix cache and
-chunking long prompts -> write the KV pages of positions ``[cached_len, n)``
-into the decode worker's reserved blocks with NIXL, layer by layer during the
-forward pass that finishes each prompt -> a `PrefillDone` notification with the
-first sampled token rides behind the pages, sent after that step (the batch's
-other prompts go on computing). A task that
-cannot be delivered ends with a `PrefillFailed` notice instead (prefill/batch.py),
-so its decode worker prefills locally at once; no task ends the pull loop.
+Loop: ``PrefillQueue.get_batch`` (bounded by a token budget, long-polled) -> prefill the batch
+in the engine, reusing this worker's prefix cache, chunking long prompts, each under its task's
+LoRA adapter if any (prefill/admit.py) -> write the KV of positions ``[cached_len, n)`` into the
+decode worker's reserved blocks with NIXL, layer by layer during the forward pass that finishes
+each prompt -> a `PrefillDone` with the first sampled token rides behind the pages, sent after
+that step (the batch's other prompts go on computing). A task that cannot be delivered ends with
+a `PrefillFailed` notice instead (prefill/batch.py): its decode worker prefills locally at once.
 
 Before anything is computed or written, every task must carry a valid signature
 of the decode worker it targets (prefill/auth.py): a task that names blocks its
@@ -61,6 +59,7 @@ from pdserve.kvtransfer.task import PrefillTask
 from pdserve.router.costs import CostModel
 from pdserve.router.policy import CostModelParams
 
+from .admit import lora_capacity
 from .auth import TaskGate
 from .batch import PrefillBatch
 from .heartbeat import Heartbeat
@@ -220,7 +219,7 @@ class PrefillWorker:
         lends = {LENDS_CAPACITY_KEY: True, AGENT_INCARNATION_KEY: uuid.uuid4().hex[:16]} if self.lending else {}
         return WorkerInfo(worker_id=self.worker_id, role="prefill", model=self.engine.model_config.model_id,
                           kv_layout=self.engine.connector.layout_info(),
-                          capacity={"max_num_batched_tokens": self.budget, **lends},
+                          capacity={"max_num_batched_tokens": self.budget, **lends, **lora_capacity(self.engine)},
                           version=VERSION,
                           endpoints={**({"metrics": metrics_at} if metrics_at else {}),
                                      **record_endpoints(self.kv_publisher),
@@ -237,7 +236,7 @@ class PrefillWorker:
         return {**self.busy.snapshot(), **gpu_load(self.engine.connector.kv_tensor.device),
                 **({"cpus": cpu_list(self.cpus)} if self.cpus else {}),
                 "kv_usage": round(self.engine.load().kv_usage, 4), "inflight": self.holding,
-                "tokens": self.stats.tokens_computed, "tasks": self.stats.tasks_done}
+                "tokens": self.stats.tokens_computed, "tasks": self.stats.tasks_done, **self.batch.admission.load()}
 
     def _peer_gone(self, info: WorkerInfo) -> None:
         """A worker left: forget its task key and its NIXL agent."""
@@ -336,7 +335,8 @@ class PrefillWorker:
 
     async def _next_batch(self) -> list[PrefillTask]:
         try:
-            return await self.queue.get_batch(self.worker_id, self.budget, self.cfg.poll_timeout_ms)
+            return await self.queue.get_batch(self.worker_id, self.budget, self.cfg.poll_timeout_ms,
+                                              adapters=self.batch.admission.enabled)  # (LoRA tasks only then)
         except Exception as exc:  # noqa: BLE001  (queue actor restarting, Ray hiccup)
             log.warning("get_batch failed: %r; retrying", exc)
             await asyncio.sleep(0.5)

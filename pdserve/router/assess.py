@@ -23,7 +23,8 @@ __all__ = ["cluster_snapshot", "priced_tier", "request_features"]
 def request_features(prompt_len: int, cached_len: int, *, priority, ttft_slo_ms: float | None, route: str,
                      max_tokens: int | None, resumed: bool, hint: Mapping[str, int], tier_cached_len: int,
                      peer_reads: bool, grammar_compile_ms: float = 0.0,
-                     prompt_logprobs: bool = False, lora_adapter: bool = False) -> RequestFeatures:
+                     prompt_logprobs: bool = False, lora_adapter: bool = False,
+                     lora_held_remote: bool = False) -> RequestFeatures:
     """One request as the router sees it.
 
     ``prompt_len``: the tokens to prefill (a resumed stream's prompt and resumed tokens);
@@ -35,27 +36,32 @@ def request_features(prompt_len: int, cached_len: int, *, priority, ttft_slo_ms:
     the resumed ones, which a remote prefill would not know). ``grammar_compile_ms``: see
     `RequestFeatures.grammar_compile_ms`; ``prompt_logprobs``: the request asks for them (it is
     prefilled here, every position: ``cached_len`` is then 0); ``lora_adapter``: it runs under a
-    LoRA adapter (prefilled here: a prefill worker cannot run adapters yet)."""
+    LoRA adapter (prefilled remotely only by a prefill worker that runs adapters);
+    ``lora_held_remote``: a prefill worker holds that adapter (else it loads it first)."""
     # route: a str (api/validate.py refused any other value); RequestFeatures checks it again
     return RequestFeatures(prompt_len=prompt_len, cached_len=cached_len, priority=priority, ttft_slo_ms=ttft_slo_ms,
                            override="local" if resumed else cast(Override, route), max_tokens=max_tokens,
                            remote_cached_len=max(hint.values(), default=0), tier_cached_len=tier_cached_len,
                            peer_reads=peer_reads, grammar_compile_ms=grammar_compile_ms,
-                           prompt_logprobs=prompt_logprobs, lora_adapter=lora_adapter)
+                           prompt_logprobs=prompt_logprobs, lora_adapter=lora_adapter,
+                           lora_held_remote=lora_held_remote)
 
 
 def cluster_snapshot(costs: CostEstimates, *, queue_depth: int, queue_tokens: int, pool_size: int,
                      pending_remote_requests: int, pending_remote_tokens: int, num_decoding: int,
                      num_prefilling: int, local_backlog: int, kv_usage: float, kv_free_tokens: int | None,
                      arrival_rate_per_s: float, local_prefill_budget_tokens: int | None,
-                     step_in_flight_ms: float) -> ClusterSnapshot:
+                     step_in_flight_ms: float, spec_k: int | None = None, spec_tokens_per_step: float = 1.0,
+                     lora_pool_size: int = 0) -> ClusterSnapshot:
     """The cluster as one decode worker sees it.
 
     The prefill queue's figures are polled, so a burst would see an empty queue for every
     request: what this worker sent remote and has not had back yet (``pending_remote_*``) is
-    a floor under them. ``pool_size``: live prefill workers (0 without a remote path);
+    a floor under them. ``pool_size``: live prefill workers (0 without a remote path),
+    ``lora_pool_size`` those of them that run LoRA adapters;
     ``num_prefilling`` counts the admitted requests without a first token, local and remote,
-    so the local ones are that less the pending remote ones."""
+    so the local ones are that less the pending remote ones. ``spec_k`` /
+    ``spec_tokens_per_step``: the worker's speculative decoding (AsyncEngine.spec_outlook)."""
     return ClusterSnapshot(
         costs=costs,
         prefill_queue_depth=max(queue_depth, pending_remote_requests),
@@ -70,6 +76,9 @@ def cluster_snapshot(costs: CostEstimates, *, queue_depth: int, queue_tokens: in
         arrival_rate_per_s=arrival_rate_per_s,
         local_prefill_budget_tokens=local_prefill_budget_tokens,
         step_in_flight_ms=step_in_flight_ms,
+        spec_k=spec_k,
+        spec_tokens_per_step=spec_tokens_per_step,
+        lora_pool_size=min(lora_pool_size, pool_size),
     )
 
 

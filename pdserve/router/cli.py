@@ -11,6 +11,7 @@ import dataclasses
 import math
 import sys
 
+from pdserve.common.spec_rule import spec_k, tokens_per_step
 from pdserve.router.costs import BYTES_PER_MS_PER_GB_PER_S, CostEstimates
 from pdserve.router.decide import decide
 from pdserve.router.loader import PolicyError, detect_kind, load_policy_file, parse_any
@@ -77,6 +78,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     req.add_argument("--ttft-slo-ms", type=float, metavar="MS", default=None,
                      help="the request's own TTFT target")
     req.add_argument("--max-tokens", type=int, metavar="N", default=None)
+    req.add_argument("--lora-adapter", action="store_true",
+                     help="it runs under a LoRA adapter (docs/lora.md): remote only with --lora-pool-size > 0")
+    req.add_argument("--lora-held-remote", action="store_true",
+                     help="a prefill worker holds its adapter already (else the remote route loads it first: "
+                          "--lora-load-ms)")
     cl = explain.add_argument_group("cluster snapshot")
     cl.add_argument("--queue-depth", type=int, metavar="N", default=0, help="tasks in the prefill queue")
     cl.add_argument("--queue-tokens", type=int, metavar="N", default=0, help="tokens in the prefill queue")
@@ -93,6 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cl.add_argument("--kv-usage", type=float, metavar="F", default=0.0, help="KV usage of this worker, 0-1")
     cl.add_argument("--arrival-rate", type=float, metavar="R", default=0.0,
                     help="requests/s this worker receives (the cost model's blocking penalty)")
+    cl.add_argument("--lora-pool-size", type=int, metavar="N", default=0,
+                    help="live prefill workers that run LoRA adapters (enable_lora; at most --pool-size)")
     co = explain.add_argument_group("calibrated costs (default: the policy's seeds)")
     co.add_argument("--kv-bytes-per-token", type=int, metavar="N", default=DEFAULT_KV_BYTES_PER_TOKEN,
                     help="KV bytes per token of the model (default: Llama-3-8B bf16, 131072)")
@@ -102,8 +110,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     co.add_argument("--decode-step-ms", type=float, metavar="MS")
     co.add_argument("--transfer-gb-per-s", type=float, metavar="GBPS")
     co.add_argument("--transfer-setup-ms", type=float, metavar="MS")
+    co.add_argument("--lora-load-ms", type=float, metavar="MS",
+                    help="a prefill worker loading a LoRA adapter it does not hold (default: the policy's "
+                         "cost_model.lora_load_ms)")
     co.add_argument("--tier-load-ms-per-token", type=float, metavar="MS",
                     help="loading one token's KV back from the second tier (default 0: free beside computing)")
+    sp = explain.add_argument_group("speculative decoding on this worker (speculative_config; default: none)")
+    sp.add_argument("--spec-k", type=int, metavar="K", default=0,
+                    help="num_speculative_tokens: proposals per step (0 = the worker does not speculate)")
+    sp.add_argument("--spec-disable-by-batch-size", type=int, metavar="N", default=32,
+                    help="disable_by_batch_size: no proposals in a step whose running batch is larger (default 32)")
+    sp.add_argument("--spec-acceptance", type=float, metavar="F", default=None,
+                    help="the fraction of proposals accepted (0-1; a worker's pdserve_spec_decode_* metrics): "
+                         "a stream then gets 1 + F + ... + F^k tokens a step, and the TPOT the router uses is "
+                         "--decode-step-ms over that")
     explain.set_defaults(func=run_explain)
 
 
@@ -144,6 +164,7 @@ def run_explain(args: argparse.Namespace) -> int:
             tier_cached_len=args.tier_cached_len, peer_reads=args.peer_reads,
             priority=args.priority,
             ttft_slo_ms=args.ttft_slo_ms, override=args.override, max_tokens=args.max_tokens,
+            lora_adapter=args.lora_adapter, lora_held_remote=args.lora_held_remote,
         )
         snapshot = ClusterSnapshot(
             costs=costs,
@@ -156,7 +177,9 @@ def run_explain(args: argparse.Namespace) -> int:
             decode_backlog_tokens=args.decode_backlog_tokens,
             decode_kv_usage=args.kv_usage,
             arrival_rate_per_s=args.arrival_rate,
+            lora_pool_size=min(args.lora_pool_size, args.pool_size),
         )
+        snapshot = _speculating(args, snapshot)
     except PolicyError as exc:
         print(f"{args.file}: INVALID\n{exc}", file=sys.stderr)
         return 1
@@ -205,21 +228,44 @@ def _costs(args: argparse.Namespace, policy) -> CostEstimates:
         "transfer_bytes_per_ms": ("--transfer-gb-per-s", args.transfer_gb_per_s),
         "transfer_setup_ms": ("--transfer-setup-ms", args.transfer_setup_ms),
         "tier_load_ms_per_token": ("--tier-load-ms-per-token", args.tier_load_ms_per_token),
+        "lora_load_ms": ("--lora-load-ms", args.lora_load_ms),
     }
     changes = {}
     for name, (flag, value) in flags.items():
         if value is None:
             continue
-        if value < 0 or (value == 0 and name not in ("transfer_setup_ms", "tier_load_ms_per_token")):
+        if value < 0 or (value == 0 and name not in ("transfer_setup_ms", "tier_load_ms_per_token", "lora_load_ms")):
             raise ValueError(f"{flag} must be > 0 (got {value})")
         changes[name] = value * BYTES_PER_MS_PER_GB_PER_S if name == "transfer_bytes_per_ms" else value
     seeded = CostEstimates.seed(policy.router.cost_model, args.kv_bytes_per_token)
     return dataclasses.replace(seeded, **changes)
 
 
+def _speculating(args: argparse.Namespace, snapshot: ClusterSnapshot) -> ClusterSnapshot:
+    """``snapshot`` with the worker's speculative decoding from the --spec-* flags: the k a new
+    stream gets (the engine's load rule, common/spec_rule.py) and, with --spec-acceptance, the
+    tokens a step then gives it, the decode step's time divided by them (what a speculating
+    worker's cost model measures)."""
+    if not 0 <= args.spec_k <= 16:
+        raise ValueError(f"--spec-k is num_speculative_tokens, 0-16 (got {args.spec_k})")
+    if args.spec_disable_by_batch_size < 1:
+        raise ValueError(f"--spec-disable-by-batch-size must be >= 1 (got {args.spec_disable_by_batch_size})")
+    acceptance = args.spec_acceptance
+    if acceptance is not None and not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"--spec-acceptance is a fraction 0-1 (got {acceptance})")
+    if acceptance is not None and not args.spec_k:
+        raise ValueError("--spec-acceptance needs --spec-k (the worker's num_speculative_tokens)")
+    if not args.spec_k:
+        return snapshot
+    k = spec_k(args.spec_k, args.spec_disable_by_batch_size, snapshot.decode_active_requests + 1)
+    per_step = tokens_per_step(k, acceptance) if acceptance is not None else 1.0
+    costs = dataclasses.replace(snapshot.costs, decode_step_ms=snapshot.costs.decode_step_ms / per_step)
+    return dataclasses.replace(snapshot, costs=costs, spec_k=k, spec_tokens_per_step=per_step)
+
+
 def _check_snapshot_flags(args: argparse.Namespace) -> None:
     for flag in ("queue_depth", "queue_tokens", "pool_size", "decode_active", "decode_waiting",
-                 "local_queue_tokens", "decode_backlog_tokens"):
+                 "local_queue_tokens", "decode_backlog_tokens", "lora_pool_size"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(args, flag)})")
     if not (args.arrival_rate >= 0.0 and math.isfinite(args.arrival_rate)):

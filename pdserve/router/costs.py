@@ -31,8 +31,10 @@ class CostEstimates:
 
     prefill_local_ms_per_token: float
     prefill_remote_ms_per_token: float
-    decode_ms_per_token: float  # decode step time / batch size
-    decode_step_ms: float  # wall time of one decode step: the TPOT running requests see
+    decode_ms_per_token: float  # decode step time / tokens the step emitted (batch size, unspeculated)
+    # The TPOT running requests see: one decode step's wall time, over the tokens each stream
+    # got from it when the worker speculates (observe_decode_step)
+    decode_step_ms: float
     transfer_bytes_per_ms: float
     transfer_setup_ms: float
     kv_bytes_per_token: int  # property of the model, not learned
@@ -54,6 +56,9 @@ class CostEstimates:
     # prompt token over recent steps that had a backlog (steps, the gaps between them, the
     # streams decoding beside), measured (``CostModel.observe_drain``); 0 until measured.
     local_drain_ms_per_token: float = 0.0
+    # Loading a LoRA adapter on a prefill worker that does not hold it: the policy's seed
+    # (cost_model.lora_load_ms), then measured (``CostModel.observe_lora_load``).
+    lora_load_ms: float = 0.0
 
     @classmethod
     def seed(cls, params: CostModelParams, kv_bytes_per_token: int) -> CostEstimates:
@@ -69,6 +74,7 @@ class CostEstimates:
             step_fixed_ms=params.step_fixed_ms,
             step_decode_ms_per_seq=params.step_decode_ms_per_seq,
             prefill_attention_ms_per_kpair=params.prefill_attention_ms_per_kpair,
+            lora_load_ms=params.lora_load_ms,
         )
 
     def step_ms(self, decodes: int, prefill_tokens: int, pairs: int = 0) -> float:
@@ -267,13 +273,23 @@ class CostModel:
         """TTFT samples of the other route since ``route``'s own last one."""
         return self._unseen[route]
 
-    def observe_decode_step(self, ms: float, batch: int) -> None:
-        """One decode step over ``batch`` running requests took ``ms``."""
+    def observe_decode_step(self, ms: float, batch: int, tokens_per_stream: float = 1.0) -> None:
+        """One decode step over ``batch`` running requests took ``ms`` and gave each
+        ``tokens_per_stream`` tokens on average (above 1 when it verified speculative proposals,
+        common/spec_rule.py): ``decode_step_ms`` is the TPOT the streams see, the step's time
+        over the tokens each got, and ``decode_ms_per_token`` the time per token emitted."""
         check_sample(ms=ms, tokens=batch)
         if batch == 0:
             return
-        self._update("decode_step_ms", ms)
-        self._update("decode_ms_per_token", ms / batch)
+        if not tokens_per_stream >= 1.0:  # also NaN: every stream gets one token a step at least
+            raise ValueError(f"tokens_per_stream {tokens_per_stream!r} must be >= 1")
+        self._update("decode_step_ms", ms / tokens_per_stream)
+        self._update("decode_ms_per_token", ms / (batch * tokens_per_stream))
+
+    def observe_lora_load(self, ms: float) -> None:
+        """A prefill worker loaded a request's LoRA adapter in ``ms`` (its PrefillDone says so)."""
+        check_sample(ms=ms, tokens=1)
+        self._update("lora_load_ms", ms)
 
     def observe_transfer(self, num_bytes: int, ms: float) -> None:
         """A KV transfer of ``num_bytes`` took ``ms`` end to end (setup included)."""
@@ -398,5 +414,6 @@ _ESTIMATE_NAMES = (
     "decode_step_ms",
     "transfer_bytes_per_ms",
     "transfer_setup_ms",
+    "lora_load_ms",
 )
 

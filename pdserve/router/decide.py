@@ -5,7 +5,8 @@ Precedence, first match wins (docs/router.md, "Decision precedence"):
 
 1. fully cached prompt (``eff_len == 0``)      -> local  ``fully_cached``
 2. ``prompt_logprobs`` asked                    -> local  ``prompt_logprobs``
-3. a LoRA adapter named (``lora_adapter``)      -> local  ``lora_adapter``
+3. a LoRA adapter named and no live prefill
+   worker runs adapters (``lora_pool_size == 0``) -> local  ``lora_adapter``
 4. request override ``local``                   -> local  ``override_local``
 5. empty prefill pool (``empty_pool_local``)    -> local  ``empty_pool``
 6. request override ``remote``                  -> remote ``override_remote``
@@ -13,7 +14,9 @@ Precedence, first match wins (docs/router.md, "Decision precedence"):
 8. ``mode: conditional``: the policy (threshold / score / cost_model), with
    the high-priority queue bypass applied inside it; then a remote choice
    for a low-priority request while the pool is busy is kept local
-   (``low_priority_pool_busy``) when qos.degrade says so.
+   (``low_priority_pool_busy``) when qos.degrade says so. The cost model keeps a
+   request under a LoRA adapter local (``lora_adapter_load``) when remote would
+   have won but for loading the adapter on a prefill worker that holds none of it.
 
 Every decision carries both predicted TTFTs (same cost estimates whatever
 the policy), so logs and ``pdserve policy explain`` can show what the
@@ -26,19 +29,13 @@ from __future__ import annotations
 from pdserve.common import Priority
 from pdserve.router.costs import CostEstimates
 from pdserve.router.policy import RouterPolicy
+from pdserve.router.rules import SCORE_DECIMALS, bypasses_queue, score_metric, score_rule, threshold_rule
 from pdserve.router.values import ClusterSnapshot, Decision, RequestFeatures, Route
 
-# Score sums are compared after rounding to this many decimals, so that
-# 0.1 + 0.2 "equals" 0.3 and a tie is a tie (ties stay local).
-SCORE_DECIMALS = 9
+__all__ = ["SCORE_DECIMALS", "bypasses_queue", "decide", "pool_busy", "predict", "score_metric"]
 
 # What each rule returns: (route, reason code, human detail, score).
 _Routed = tuple[Route, str, str, float | None]
-
-
-def bypasses_queue(features: RequestFeatures, policy: RouterPolicy) -> bool:
-    """Whether this request ignores the prefill queue (high-priority override)."""
-    return features.priority is Priority.HIGH and policy.router.overrides.high_priority_bypass_queue
 
 
 def pool_busy(snapshot: ClusterSnapshot, policy: RouterPolicy) -> bool:
@@ -84,7 +81,9 @@ def predict(
              + setup + residual_remote, where remote_eff = prompt_len - max(cached_len,
              remote_cached_len): a prefill worker holding a longer prefix computes only past it;
              plus grammar_compile_ms for a structured-output request whose grammar was new at
-             this worker's edge (the prefill worker compiles it too before its first token)
+             this worker's edge (the prefill worker compiles it too before its first token);
+             plus lora_load_ms for a request under a LoRA adapter that no prefill worker holds
+             (the one that takes it reads it from disk first)
     decode wait = decode_backlog_tokens x decode ms per token (both routes)
     itl_penalty = itl_penalty_weight x decoding requests x (local prefill ms)
                   + blocking_penalty_weight x arrival rate (per ms) x (local prefill ms)
@@ -160,6 +159,8 @@ def predict(
         remote_compute = compute if held == features.cached_len else \
             c.prefill_compute_ms(max(1, features.prompt_len - held), held)
         ttft_remote += ratio * (c.step_fixed_ms + remote_compute) + c.transfer_ms(eff) + c.ttft_residual_remote_ms
+        if features.lora_adapter and not features.lora_held_remote:
+            ttft_remote += c.lora_load_ms  # a prefill worker reads the adapter before it computes
         local_prefill += c.ttft_residual_local_ms
     ttft_remote = max(ttft_remote, remote_wait)
     local_prefill = max(local_prefill, 0.0)
@@ -214,6 +215,10 @@ def decide(
     if trace is not None and features.grammar_compile_ms:
         trace.append(f"its grammar was new here (compiled in {features.grammar_compile_ms:.1f} ms): a remote "
                      "prefill compiles it again before its first token, so the remote prediction counts that")
+    if trace is not None and snapshot.spec_k is not None:
+        trace.append(_spec_line(snapshot))
+    if trace is not None and features.lora_adapter:
+        trace.append(_lora_line(features, snapshot))
     route, reason, detail, score = _route(features, snapshot, policy, pred, trace)
     if trace is not None:
         trace.append(f"=> {route} ({reason}): {detail}")
@@ -241,9 +246,9 @@ def _route(features, snapshot, policy, pred, trace) -> _Routed:
     if features.prompt_logprobs:
         return ("local", "prompt_logprobs", "prompt_logprobs asked: every prompt position runs where its logits are "
                 "read (no cached prefix, no remote prefill)", None)
-    if features.lora_adapter:
-        return ("local", "lora_adapter", "a LoRA adapter is named: prefilled where it runs (a prefill worker "
-                "cannot run adapters yet)", None)
+    if features.lora_adapter and snapshot.lora_pool_size == 0:
+        return ("local", "lora_adapter", "a LoRA adapter is named and no live prefill worker runs adapters "
+                "(enable_lora): prefilled where it runs", None)
     if features.override == "local":
         return "local", "override_local", "the request asked for local prefill", None
     if snapshot.prefill_pool_size == 0 and r.overrides.empty_pool_local:
@@ -259,9 +264,9 @@ def _route(features, snapshot, policy, pred, trace) -> _Routed:
         if bypasses_queue(features, policy):
             trace.append("high priority bypasses the prefill queue: queue treated as empty")
     if r.policy == "threshold":
-        decided = _threshold(features, snapshot, policy, trace)
+        decided = threshold_rule(features, snapshot, policy, trace)
     elif r.policy == "score":
-        decided = _score(features, snapshot, policy, trace)
+        decided = score_rule(features, snapshot, policy, trace)
     else:
         decided = _cost_model(features, snapshot, policy, pred, trace)
     return _keep_low_priority_local_when_busy(decided, features, snapshot, policy, trace)
@@ -285,78 +290,24 @@ def _keep_low_priority_local_when_busy(decided, features, snapshot, policy, trac
     return "local", "low_priority_pool_busy", detail, decided[3]
 
 
-def _threshold(features, snapshot, policy, trace) -> _Routed:
-    t = policy.router.threshold
-    eff = features.eff_len
-    depth = 0 if bypasses_queue(features, policy) else snapshot.prefill_queue_depth
-    long_prompt = eff >= t.prefill_length_threshold
-    queue_ok = depth < t.prefill_queue_max
-    if trace is not None:
-        trace.append(f"eff_len {eff} >= prefill_length_threshold {t.prefill_length_threshold}: {long_prompt}")
-        trace.append(f"prefill_queue_depth {depth} < prefill_queue_max {t.prefill_queue_max}: {queue_ok}")
-    if long_prompt and queue_ok:
-        return "remote", "threshold_long_prompt", (
-            f"eff_len {eff} >= {t.prefill_length_threshold} and queue depth {depth} < {t.prefill_queue_max}"
-        ), None
-    active = snapshot.decode_active_requests
-    busy = active >= t.decode_load_threshold and eff >= t.busy_min_length
-    if trace is not None:
-        trace.append(
-            f"decode_active_requests {active} >= decode_load_threshold {t.decode_load_threshold} "
-            f"and eff_len {eff} >= busy_min_length {t.busy_min_length}: {busy}"
-        )
-    if busy:
-        return "remote", "threshold_decode_busy", (
-            f"decode busy ({active} active >= {t.decode_load_threshold}) "
-            f"and eff_len {eff} >= {t.busy_min_length}"
-        ), None
-    if long_prompt:
-        return "local", "threshold_queue_full", f"prefill queue depth {depth} >= {t.prefill_queue_max}", None
-    return "local", "threshold_short_prompt", f"eff_len {eff} < {t.prefill_length_threshold}", None
+def _spec_line(snapshot: ClusterSnapshot) -> str:
+    """The explain line on this worker's speculative decoding (common/spec_rule.py)."""
+    batch = snapshot.decode_active_requests + 1
+    k = (f"k = {snapshot.spec_k} proposals per step for a stream admitted now (batch {batch})" if snapshot.spec_k
+         else f"no proposals for a stream admitted now (batch {batch} is past the load rule)")
+    return (f"speculative decoding: {k}; a verifying step gives a stream {snapshot.spec_tokens_per_step:.2f} "
+            f"tokens on average; decode step {snapshot.costs.decode_step_ms:.1f} ms is per token emitted")
 
 
-def score_metric(name: str, features: RequestFeatures, snapshot: ClusterSnapshot, bypass: bool) -> float:
-    """The value of one score metric (the list in docs/router.md, policy ``score``)."""
-    if name == "prefill_length":
-        return features.eff_len
-    if name == "prompt_length":
-        return features.prompt_len
-    if name == "prefix_hit_ratio":
-        if features.prompt_len == 0:
-            return 0.0
-        return min(features.cached_len, features.prompt_len) / features.prompt_len
-    if name == "prefill_queue_depth":
-        return 0 if bypass else snapshot.prefill_queue_depth
-    if name == "prefill_queue_tokens":
-        return 0 if bypass else snapshot.prefill_queue_tokens
-    if name == "decode_active_requests":
-        return snapshot.decode_active_requests
-    if name == "decode_kv_usage":
-        return snapshot.decode_kv_usage
-    if name == "prefill_pool_size":
-        return snapshot.prefill_pool_size
-    raise ValueError(f"unknown score metric {name!r}")
-
-
-def _score(features, snapshot, policy, trace) -> _Routed:
-    s = policy.router.disaggregated_router
-    if not s.enable:
-        return "local", "score_disabled", "disaggregated_router.enable is false", None
-    bypass = bypasses_queue(features, policy)
-    total = 0.0
-    for rule in s.policies:
-        value = score_metric(rule.metric, features, snapshot, bypass)
-        fired = value >= rule.threshold
-        if fired:
-            total += rule.weight if rule.action == "prefer_remote" else -rule.weight
-        if trace is not None:
-            sign = "+" if rule.action == "prefer_remote" else "-"
-            vote = f"{sign}{rule.weight:g}" if fired else "0"
-            trace.append(f"{rule.metric} {value:g} >= {rule.threshold:g}: {fired} -> {vote}")
-    total = round(total, SCORE_DECIMALS)
-    if total > s.remote_prefill_min_score:
-        return "remote", "score_above_min", f"score {total:g} > {s.remote_prefill_min_score:g}", total
-    return "local", "score_below_min", f"score {total:g} <= {s.remote_prefill_min_score:g}", total
+def _lora_line(features: RequestFeatures, snapshot: ClusterSnapshot) -> str:
+    """The explain line on a request's LoRA adapter (docs/lora.md, "Across prefill and decode")."""
+    n = snapshot.lora_pool_size
+    if not n:
+        return "it runs under a LoRA adapter; no live prefill worker runs adapters (enable_lora)"
+    held = ("one of them holds it: no load" if features.lora_held_remote else
+            f"none of them holds it: a remote prefill loads it first, {snapshot.costs.lora_load_ms:.1f} ms "
+            "(cost_model.lora_load_ms, then measured)")
+    return f"it runs under a LoRA adapter; {n} live prefill worker(s) run adapters, {held}"
 
 
 def _cost_model(features, snapshot, policy, pred, trace) -> _Routed:
@@ -389,6 +340,12 @@ def _cost_model(features, snapshot, policy, pred, trace) -> _Routed:
     if gain > min_gain:
         return "remote", "cost_remote_cheaper", (
             f"remote saves {gain:.1f} ms > min_gain_ms {min_gain:g}"
+        ), gain
+    load = snapshot.costs.lora_load_ms if features.lora_adapter and not features.lora_held_remote else 0.0
+    if load and gain + load > min_gain:
+        return "local", "lora_adapter_load", (
+            f"remote would save {gain + load:.1f} ms but no prefill worker holds the LoRA adapter: loading it "
+            f"({load:.1f} ms) leaves {gain:.1f} ms, not > min_gain_ms {min_gain:g}"
         ), gain
     return "local", "cost_local_cheaper", (
         f"remote would save {gain:.1f} ms, not > min_gain_ms {min_gain:g}"

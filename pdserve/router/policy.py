@@ -174,6 +174,10 @@ class CostModelParams(StrictModel):
     # own, it halves toward 0 (the formula's own prediction) every further this many, and the
     # route is tried again when the formula says it wins. 0 never decays.
     residual_stale_after: int = Field(16, ge=0)
+    # Seed of what loading a LoRA adapter takes a prefill worker that does not hold it (read from
+    # its path and checked, engine/lora.py): the remote prediction of a request under an adapter
+    # no prefill worker holds adds it. Measured from then on (each PrefillDone that loaded one).
+    lora_load_ms: float = Field(50.0, ge=0)
 
 
 class Overrides(StrictModel):

@@ -49,8 +49,11 @@ class RequestFeatures:
     grammar_compile_ms: float = 0.0
     # It asks for prompt_logprobs (engine/prompt_logprobs.py): prefilled here, every position.
     prompt_logprobs: bool = False
-    # It runs under a LoRA adapter (docs/lora.md): prefilled here (a prefill worker cannot yet).
+    # It runs under a LoRA adapter (docs/lora.md): prefilled remotely only by a prefill worker
+    # that runs adapters (ClusterSnapshot.lora_pool_size), which loads it first unless one of them
+    # holds it already (``lora_held_remote``, their records' load["lora_adapters"]).
     lora_adapter: bool = False
+    lora_held_remote: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0 or self.cached_len < 0 or self.remote_cached_len < 0 or self.tier_cached_len < 0:
@@ -89,6 +92,15 @@ class ClusterSnapshot:
     # What is left of this worker's engine step under way, predicted (CostEstimates.step_left_ms);
     # a request admitted now is scheduled after it. 0: the engine is idle.
     step_in_flight_ms: float = 0.0
+    # Live prefill workers that run LoRA adapters (their engines have enable_lora): a request
+    # under an adapter may be prefilled remotely only when there is one (docs/lora.md).
+    lora_pool_size: int = 0
+    # Speculative decoding on this worker (common/spec_rule.py): the proposals a stream admitted
+    # now would get per step (None: the worker does not speculate; 0: the batch is past the load
+    # rule), and the mean tokens a verifying step gave a stream so far. ``costs.decode_step_ms``
+    # already counts them.
+    spec_k: int | None = None
+    spec_tokens_per_step: float = 1.0
 
 
 class Decision(NamedTuple):

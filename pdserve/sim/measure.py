@@ -56,7 +56,7 @@ def measure_steps(engine, repeats: int = 3, progress=None) -> list[tuple[float, 
         engine.step()
         ms = (time.perf_counter() - t0) * 1e3
         _, tokens, decodes = engine.last_step
-        return ms, decodes, tokens - decodes, engine.last_step_pairs, context if decodes else 0
+        return ms, decodes, tokens - decodes - engine.last_step_drafts, engine.last_step_pairs, context if decodes else 0
 
     def clear():
         for rid in made:

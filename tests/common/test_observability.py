@@ -1,7 +1,8 @@
 """Traces and logs, unit by unit (common/tracing.py, common/jsonlog.py): the W3C context read
 from headers, the tracer off by default and with nothing of the SDK imported, OTLP over HTTP to
-a receiver run here, the task's traceparent on the queue's wire, and JSON log lines with the
-request and trace ids."""
+a receiver run here, the task's and the loan request's traceparent on their wires, a holder's
+span of a traced loan, and JSON log lines with the request and trace ids, from the engine
+thread too."""
 
 from __future__ import annotations
 
@@ -188,3 +189,170 @@ def test_uvicorn_access_lines_are_on_and_json_hands_them_to_the_root_logger():
     assert config.log_config is None and config.access_log
     assert logging.getLogger("uvicorn.access").level == logging.INFO
     assert jsonlog.uvicorn_config(object(), "text", False).access_log is False
+
+
+def test_the_loan_requests_traceparent_rides_the_lend_wire_only_when_set():
+    from pdserve.kvtransfer.lend import LendRequest, MalformedLendError, decode_lend
+
+    plain = LendRequest("l1", b"h" * 16, 2)
+    assert b"traceparent" not in plain.encode()  # an untraced borrow sends what it sent before
+    assert decode_lend(plain.encode()).traceparent == ""
+    tp = f"00-{TRACE}-{PARENT}-01"
+    assert decode_lend(LendRequest("l1", b"h" * 16, 2, traceparent=tp).encode()).traceparent == tp
+    with pytest.raises(MalformedLendError, match="traceparent"):
+        LendRequest("l1", b"h" * 16, 2, traceparent=b"x")  # type: ignore[arg-type]
+
+
+class _LoanAgent:
+    """A transport that knows the borrower and keeps what it is sent."""
+
+    peers = ("borrower",)
+
+    def __init__(self):
+        self.sent = []
+
+    def send_notification(self, peer, payload):
+        self.sent.append((peer, payload))
+
+
+class _Holds:
+    """An engine that holds every chain it is asked for (blocks 10, 11, ...), pinned until unlent."""
+
+    def __init__(self):
+        self.lent = []
+
+    def lend_chain(self, tail_hash, num_blocks):
+        ids = list(range(10, 10 + num_blocks))
+        self.lent += ids
+        return ids
+
+    def load_chain(self, tail_hash, num_blocks, key):
+        return None
+
+    def finish_tier_loads(self):
+        pass
+
+    def unlend(self, block_ids):
+        for b in block_ids:
+            self.lent.remove(b)
+
+
+def test_a_traced_loan_is_the_holders_kv_lend_span_under_the_borrowers_context():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pdserve.kvtransfer.lend import LendRelease, LendRequest, decode_lend
+    from pdserve.kvtransfer.lender import Lender
+
+    exporter = InMemorySpanExporter()
+    tr = tracing.configure("unitlend", {"otlp_traces_endpoint": "http://127.0.0.1:9", "otlp_traces_sample_ratio": 1.0},
+                           exporter=exporter)
+    try:
+        pool, agent = _Holds(), _LoanAgent()
+        lender = Lender(pool, agent)
+        lender.trace_as = "unitlend"
+        tp = f"00-{TRACE}-{PARENT}-01"
+        lender.handle("borrower", LendRequest("traced", b"h" * 16, 3, traceparent=tp))
+        lender.handle("borrower", LendRequest("untraced", b"g" * 16, 2))
+        grant = decode_lend(agent.sent[0][1])
+        assert grant.block_ids == (10, 11, 12) and pool.lent
+        lender.handle("borrower", LendRelease("traced", grant.epoch))  # the read completed: confirmed
+        lender.handle("borrower", LendRelease("untraced", grant.epoch))
+        assert not pool.lent and not lender._spans
+        assert tr.flush(10)
+        (span,) = exporter.get_finished_spans()  # the untraced loan made none
+        assert span.name == "kv.lend" and span.kind.name == "SERVER"
+        assert f"{span.context.trace_id:032x}" == TRACE and f"{span.parent.span_id:016x}" == PARENT
+        assert span.attributes["pdserve.outcome"] == "confirmed" and span.attributes["pdserve.lent_blocks"] == 3
+        assert span.attributes["pdserve.borrower"] == "borrower"
+        assert [e.name for e in span.events] == ["granted"]
+    finally:
+        tracing.configure("unitlend", None)
+
+
+def test_a_prefill_workers_lines_about_a_task_name_its_request_and_trace():
+    from pdserve.prefill.tracing import task_log_ids, track_task
+
+    tp = f"00-{TRACE}-{PARENT}-01"
+    assert task_log_ids(PrefillTask("r", 1, [1, 2, 3], 0, "decode-0", [4], traceparent=tp)) == {
+        "request_id": "r", "trace_id": TRACE}
+    assert task_log_ids(PrefillTask("r", 1, [1, 2, 3], 0, "decode-0", [4])) == {"request_id": "r"}
+    track_task("r-engine", PrefillTask("r", 1, [1, 2, 3], 0, "decode-0", [4], traceparent=tp))
+    assert jsonlog.about("r-engine") == {"request_id": "r", "trace_id": TRACE}  # the engine's lines about it
+    jsonlog.untrack("r-engine")
+
+
+def test_ids_filed_for_a_request_name_it_in_lines_from_another_thread(root_logger):
+    out = io.StringIO()
+    jsonlog.setup("json", "INFO", stream=out)
+    log = logging.getLogger("pdserve.test.thread")
+    log.setLevel(logging.INFO)
+
+    def in_a_request():
+        jsonlog.bind("client-7", TRACE)
+        jsonlog.track("engine-7")  # the ids bound here, under the engine's id
+
+    import contextvars
+
+    contextvars.copy_context().run(in_a_request)
+    t = threading.Thread(target=lambda: log.info("about it", extra=jsonlog.about("engine-7")), name="other")
+    t.start()
+    t.join(10)
+    jsonlog.untrack("engine-7")
+    assert jsonlog.about("engine-7") == {"request_id": "client-7", "trace_id": TRACE}  # (a late line still knows)
+    assert jsonlog.about("never-filed") == {"request_id": "never-filed"}
+    (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert line["thread"] == "other" and line["request_id"] == "client-7" and line["trace_id"] == TRACE
+
+
+def test_engine_thread_lines_about_a_request_carry_its_request_and_trace_ids(root_logger, llama_dir):
+    """A decode worker's engine thread (decode/async_engine.py) logs a request's abort and a
+    request's end: with --log-format json each line names the request and trace the request path
+    bound, though context variables never reach that thread."""
+    import asyncio
+    import contextvars
+
+    from pdserve.decode.async_engine import AsyncEngine
+    from pdserve.engine import LLM, SamplingParams
+
+    out = io.StringIO()
+    jsonlog.setup("json", "DEBUG", stream=out)
+    engine_log = logging.getLogger("pdserve.decode.async_engine")
+    level = engine_log.level
+    engine_log.setLevel(logging.DEBUG)
+    llm = LLM(llama_dir, max_model_len=256)
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        ae.start()
+        try:
+            async def request(label, engine_id, params, abort):  # as a request's task binds and files its ids
+                jsonlog.bind(label, TRACE if abort else "a" * 32)
+                jsonlog.track(engine_id)
+                q = ae.submit(engine_id, [5, 6, 7, 8], params, 0)
+                while True:
+                    item, _ = await asyncio.wait_for(q.get(), 60)
+                    if abort:
+                        ae.abort(engine_id)
+                        abort = False
+                    if isinstance(item, BaseException) or item.finished:
+                        jsonlog.untrack(engine_id)
+                        return item.finish_reason
+
+            return await asyncio.gather(
+                asyncio.create_task(request("client-a", "eng-a", long, True), context=contextvars.Context()),
+                asyncio.create_task(request("client-b", "eng-b", short, False), context=contextvars.Context()))
+        finally:
+            ae.stop()
+
+    try:
+        assert asyncio.run(main()) == ["abort", "length"]
+    finally:
+        llm.close()
+        engine_log.setLevel(level)
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    engine = {x["message"]: x for x in lines if x["thread"] == "pdserve-engine"}
+    aborted, finished = engine["request eng-a aborted"], engine["request eng-b finished (length)"]
+    assert aborted["request_id"] == "client-a" and aborted["trace_id"] == TRACE
+    assert finished["request_id"] == "client-b" and finished["trace_id"] == "a" * 32

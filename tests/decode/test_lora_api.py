@@ -45,13 +45,19 @@ def amplified(path: str, factor: float = 20.0) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def paths(llama_dir, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("lora-api")
+def sql_and_chat(llama_dir: str, root) -> dict[str, str]:
+    """Two adapters under ``root`` whose outputs differ from the base's (the LoRA cluster tests'):
+    ``sql`` (rank 8 on q, v, down) and ``chat`` (rank 4 on k, o, up)."""
     return {"sql": amplified(make_adapter(llama_dir, str(root / "sql"), 8, 16, ["q_proj", "v_proj", "down_proj"],
                                           seed=1)),
             "chat": amplified(make_adapter(llama_dir, str(root / "chat"), 4, 8, ["k_proj", "o_proj", "up_proj"],
-                                           seed=2)),
+                                           seed=2))}
+
+
+@pytest.fixture(scope="module")
+def paths(llama_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lora-api")
+    return {**sql_and_chat(llama_dir, root),
             "too_wide": make_adapter(llama_dir, str(root / "too_wide"), 32, 32, ["q_proj"], seed=3)}
 
 
@@ -117,6 +123,7 @@ def test_unknown_adapter_is_404_naming_model(lora_worker):
     with pytest.raises(openai.NotFoundError) as err:
         complete(sdk(lora_worker), "nope")
     assert err.value.status_code == 404 and err.value.body["param"] == "model"
+    assert err.value.body["code"] == "model_not_found"  # OpenAI's code
     with httpx.Client(base_url=lora_worker.http, timeout=60) as h:
         r = h.post("/v1/unload_lora_adapter", json={"lora_name": "nope"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"

@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.api import Client
 from pdserve.decode.spec_metrics import PER_POSITION, SPEC_METRICS
 from pdserve.decode.worker import DecodeWorkerConfig
+from pdserve.router.decide import decide
+from pdserve.router.values import RequestFeatures
 from tests.harness import PERMISSIVE_POLICY, WorkerThread
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "speculative.md"
@@ -102,6 +104,26 @@ def test_the_http_breakdown_carries_the_counts(workers):
     assert b["spec_accepted_tokens"] > 0 and b["spec_draft_tokens"] >= b["spec_accepted_tokens"]
     assert got[0]["choices"][0]["text"] == got[1]["choices"][0]["text"]
     assert "spec_draft_tokens" not in b_plain and "spec_accepted_tokens" not in b_plain
+
+
+def test_the_router_sees_the_workers_speculation(workers):
+    """The snapshot the router decides on (decode/frontend.py) carries the k a new stream gets
+    and the tokens a verifying step gave so far (engine counters, after the tests above), and
+    an explained decision says so; a worker without speculation carries none."""
+    spec, plain = workers
+    stats = spec.worker.engine.stats
+    assert stats.num_spec_accepted_tokens > 0  # the tests above ran speculating requests
+    snap = spec.worker.frontend.snapshot()
+    assert snap.spec_k == 4
+    assert snap.spec_tokens_per_step == pytest.approx(1 + stats.num_spec_accepted_tokens / stats.num_spec_drafts)
+    assert snap.spec_tokens_per_step > 1.0
+    feats = RequestFeatures(prompt_len=100)
+    trace = decide(feats, snap, spec.worker.frontend.policy.policy, explain=True).trace
+    assert any(line.startswith("speculative decoding: k = 4 proposals per step") for line in trace)
+    snap_plain = plain.worker.frontend.snapshot()
+    assert (snap_plain.spec_k, snap_plain.spec_tokens_per_step) == (None, 1.0)
+    assert not any("speculative" in line for line in decide(
+        feats, snap_plain, plain.worker.frontend.policy.policy, explain=True).trace)
 
 
 def test_a_worker_without_speculation_exports_no_spec_metrics(workers):

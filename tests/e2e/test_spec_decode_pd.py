@@ -3,7 +3,7 @@ speculates (n-gram proposals need no draft KV) on requests whose prompt KV a pre
 wrote, and its greedy output equals the local path's with speculation and without it, token for
 token, while proposals do get accepted.
 
-First at the engines (the set-up of tests/kvtransfer/test_structured_handoff.py): the prefill
+First at the engines (tests/kvtransfer/handoff_pair.py): the prefill
 side's real batch runner (prefill/batch.py, tensor-parallel where asked) writing KV through real
 NIXL agents, the decode side's engine reading its notices and running the requests from the first
 token on. Then a 1P1D cluster (the set-up of tests/e2e/test_disaggregated.py: real etcd, the
@@ -21,41 +21,18 @@ import ray
 
 from pdserve.api import AsyncClient
 from pdserve.decode.worker import DecodeWorkerConfig
-from pdserve.engine import LLM, LLMEngine, SamplingParams
-from pdserve.engine.config import EngineConfig
+from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.tp_comm import shm_available
-from pdserve.kvtransfer import PrefillDone, PrefillTask
-from pdserve.kvtransfer.nixl import LOOPBACK_UCX_ENV, KVLayout, KVTransferAgent
-from pdserve.kvtransfer.nixl.ranks import ranks_record
-from pdserve.kvtransfer.nixl.tp_receiver import TPReceiver
-from pdserve.kvtransfer.nixl.tp_sender import TPSender
+from pdserve.kvtransfer import PrefillDone
 from pdserve.prefill.worker import PrefillWorker
 from tests.e2e.test_disaggregated import UCX, etcd, ray_local  # noqa: F401  (module fixtures)
 from tests.harness import WorkerThread, wait_until
-from tests.kvtransfer.test_structured_handoff import prefill
-from tests.kvtransfer.test_tp_handoff import EXTENSION
+from tests.kvtransfer.handoff_pair import paired
 
 pytestmark = pytest.mark.skipif(shm_available() is not None, reason=f"TP needs shm: {shm_available()}")
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 MAX_TOKENS = 32
-
-
-def start(model: str, worker_id: str, tp: int, **engine_args):
-    """An engine over an HND pool with its NIXL agent(s) (one per rank when tensor-parallel)."""
-    eng = LLMEngine(EngineConfig.from_kwargs(model, tensor_parallel_size=tp, kv_layout="HND",
-                                             tp_rank_extension=EXTENSION if tp > 1 else None,
-                                             num_gpu_blocks_override=96, max_num_batched_tokens=512, **engine_args))
-    m = eng.model_config
-    layout = KVLayout.from_tensor(eng.connector.kv_tensor, m.model_id, kv_layout="HND",
-                                  total_kv_heads=m.num_kv_heads, tp_size=tp, tp_rank=0)
-    agent = KVTransferAgent(worker_id, eng.connector.kv_tensor, layout, ucx_env=LOOPBACK_UCX_ENV)
-    infos = [agent.local_info()]
-    if tp > 1:
-        infos += [r["info"] for r in eng.runner.group.call("open", worker_id=worker_id, model_id=m.model_id,
-                                                             total_kv_heads=m.num_kv_heads,
-                                                             ucx_env=dict(LOOPBACK_UCX_ENV))]
-    return eng, agent, infos
 
 
 def repetitive(seed: int) -> list[list[int]]:
@@ -74,40 +51,49 @@ def test_remote_prompt_kv_then_speculation_equals_local_with_and_without_it(mode
         want = [o.token_ids for o in plain.generate(ps, params)]
     with LLM(model, speculative_config=NGRAM) as local_spec:
         assert [o.token_ids for o in local_spec.generate(ps, params)] == want
-    pe, p_agent, _ = start(model, f"spp{p_tp}", p_tp)
-    de, d_agent, d_infos = start(model, f"spd{p_tp}", 1, speculative_config=NGRAM)
-    try:
-        heads = pe.model_config.num_kv_heads
-        sender = TPSender(p_agent, heads, p_tp, pe.runner.group)
-        peer = sender.add_peer(ranks_record(d_agent.name, d_infos))
-        receiver = TPReceiver(d_agent, heads, 1, None)
-        tasks = []
-        for i, p in enumerate(ps):
-            res = de.connector.reserve(de.make_request(p, params, request_id=f"s{i}"))
-            assert res is not None
-            tasks.append(PrefillTask(f"s{i}", 1, p, res.cached_len, peer, res.block_ids, params.to_dict()))
-        result, arrived = prefill(pe, p_agent, sender, receiver, tasks)
+    with paired(model, f"sp{p_tp}", p_tp, 1, d_args={"speculative_config": NGRAM}, kv_layout="HND") as pair:
+        de = pair.de
+        tasks = pair.tasks(ps, params, prefix="s")
+        result, arrived = pair.prefill(tasks)
         assert result.failures == [] and result.done == len(tasks)
         assert all(isinstance(m, PrefillDone) for m in arrived) and len(arrived) == len(tasks)
-        for msg in arrived:
-            de.connector.remote_ready(msg.request_id, msg.first_token_id, msg.first_token_logprob)
+        pair.hand_over(arrived)
         computed = de.stats.num_prompt_tokens_computed
-        while de.has_work():
-            de.step()
-        got = [de.release(f"s{i}") for i in range(len(ps))]
+        pair.decode()
+        got = pair.outputs(len(ps), prefix="s")
         assert [o.token_ids for o in got] == want
         assert de.stats.num_prompt_tokens_computed == computed  # the prompts' KV came from the prefill side
         # Not vacuous: the decode side verified proposals and accepted many of them.
         assert de.stats.num_spec_accepted_tokens > 40
         accepted = [o.times.spec_tokens[1] for o in got]
         assert sum(accepted) == de.stats.num_spec_accepted_tokens and all(a > 0 for a in accepted[:6])
-        assert de.kv.num_free_blocks == de.runner.num_blocks
-        assert pe.kv.num_free_blocks == pe.runner.num_blocks
-    finally:
-        for agent in (p_agent, d_agent):
-            agent.close()
-        pe.close()
-        de.close()
+        pair.assert_nothing_held()
+
+
+def test_a_draft_model_speculates_on_remotely_prefilled_requests(model_dirs):
+    """The decode side's draft model computes the prompts itself (the prefill side wrote only the
+    target's KV) and then proposes; the target is its own draft here, so every proposal must be
+    accepted, and the output equals the local path's with no target prompt token computed on the
+    decode side (prefill TP 2, decode TP 1)."""
+    model = model_dirs("llama")
+    ps = repetitive(seed=97)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(model) as plain:
+        want = [o.token_ids for o in plain.generate(ps, params)]
+    draft = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    with paired(model, "spdraft", 2, 1, d_args={"speculative_config": draft}) as pair:
+        de = pair.de
+        tasks = pair.tasks(ps, params, prefix="s")
+        result, arrived = pair.prefill(tasks)
+        assert result.failures == [] and all(isinstance(m, PrefillDone) for m in arrived)
+        pair.hand_over(arrived)
+        computed = de.stats.num_prompt_tokens_computed
+        pair.decode()
+        assert [o.token_ids for o in pair.outputs(len(ps), prefix="s")] == want
+        assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
+        assert de.stats.num_spec_draft_tokens > 40
+        assert de.stats.num_spec_accepted_tokens == de.stats.num_spec_draft_tokens  # its own draft: all accepted
+        pair.assert_nothing_held()
 
 
 @pytest.fixture(scope="module")

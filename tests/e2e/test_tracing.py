@@ -3,7 +3,9 @@ workers and a prefill worker (a Ray actor in its own process), all exporting OTL
 receiver this test runs (the TraceService of the OpenTelemetry protocol definitions). A remote
 request sent with a client traceparent makes one trace whose spans come from the gateway, the
 decode worker, the queue and the prefill worker in parent/child order, and whose stages add up
-to the request's TTFT; a stream moved to another worker shows both workers in its trace."""
+to the request's TTFT; a stream moved to another worker shows both workers in its trace, a
+raced request both attempts, and a prefix a prefill worker borrows from a decode worker the
+holder's span of the loan."""
 
 from __future__ import annotations
 
@@ -106,13 +108,13 @@ def prompt(n, seed):
     return [rng.randrange(3, 32000) for _ in range(n)]
 
 
-def traced_call(gw, ids, on_chunk=None, **kw):
-    """Stream a request through the gateway with a client traceparent: (trace id, client span id,
-    client TTFT ms, chunks)."""
+def traced_call(gw, ids, on_chunk=None, target=None, **kw):
+    """Stream a request through the gateway (or to ``target``, a worker's gRPC address) with a
+    client traceparent: (trace id, client span id, client TTFT ms, chunks)."""
     trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
     md = (("traceparent", f"00-{trace_id}-{span_id}-01"), ("tracestate", "client=1"))
     chunks, ttft_ms = [], None
-    with Client(gw.gateway.grpc_address) as c:
+    with Client(target or gw.gateway.grpc_address) as c:
         t0 = time.monotonic()
         for msg in c._stub.Generate(build_request(ids, **kw), timeout=120, metadata=md):
             if msg.token_ids and ttft_ms is None:
@@ -136,6 +138,14 @@ def spans_by_name(rec, trace_id, names, timeout_s=20):
 
 def ms(span) -> float:
     return (span.end_time_unix_nano - span.start_time_unix_nano) / 1e6
+
+
+def attr(span, key):
+    """A span attribute's value (string, int, double or bool), None when it has none."""
+    for a in span.attributes:
+        if a.key == key:
+            return getattr(a.value, a.value.WhichOneof("value"))
+    return None
 
 
 def test_a_remote_request_makes_one_trace_across_gateway_decode_queue_and_prefill(receiver, cluster):
@@ -187,6 +197,75 @@ def test_a_remote_request_makes_one_trace_across_gateway_decode_queue_and_prefil
     assert abs(attrs["pdserve.transfer_ms"].double_value - b.transfer_ms) < 1e-6
     kv = {a.key: a.value for a in s["kv.write"].attributes}
     assert kv["pdserve.transfer_bytes"].int_value > 0
+
+
+def test_a_raced_request_shows_both_attempts_under_its_request_span(receiver, cluster):
+    """Racing on (gateway/frontend.py `_race`): the request runs on both decode workers; its trace
+    has both attempts as children of gateway.request, each saying whether it won or lost (the
+    loser ended early), the request naming the winner and the loser, and the winner's
+    decode.request under the winner's attempt."""
+    rec, _ = receiver
+    _, gw = cluster
+    fe = gw.gateway.frontend
+    ids = prompt(40, 3)
+    wait_until(lambda: len(gw.gateway.backends.pick(ids, set()).scores) == 2, 20)  # both pickable
+    fe.race_fraction, fe.race_risk = 1.0, 1e-6  # every request with a target races
+    try:
+        trace_id, client_span, _, chunks = traced_call(gw, ids, max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                       route="local", ttft_slo_ms=1000.0)
+    finally:
+        fe.race_fraction, fe.race_risk = 0.0, 0.5
+    assert sum(len(c.token_ids) for c in chunks) == 6
+    wait_until(lambda: len(spans_by_name(rec, trace_id, {"gateway.attempt"})["gateway.attempt"]) == 2, 20)
+    got = spans_by_name(rec, trace_id, {"gateway.request", "gateway.attempt", "decode.request"})
+    (_, root), = got["gateway.request"]
+    assert root.parent_span_id == bytes.fromhex(client_span)
+    winner, loser = attr(root, "pdserve.race_winner"), attr(root, "pdserve.race_loser")
+    assert {winner, loser} == {"decode-0", "decode-1"}
+    attempts = {attr(s, "pdserve.worker_id"): s for _, s in got["gateway.attempt"]}
+    assert attempts.keys() == {winner, loser}
+    assert all(s.parent_span_id == root.span_id for s in attempts.values())
+    assert attr(attempts[winner], "pdserve.race") == "won" and attr(attempts[winner], "pdserve.outcome") is None
+    assert attr(attempts[loser], "pdserve.race") == "lost" and attr(attempts[loser], "pdserve.outcome") == "ended early"
+    def decoded():
+        return {attr(s, "pdserve.worker_id"): s for _, s in spans_by_name(rec, trace_id, {"decode.request"})[
+            "decode.request"]}
+
+    wait_until(lambda: winner in decoded(), 20)  # (each worker's span ends with its stream)
+    decoded = decoded()
+    assert decoded[winner].parent_span_id == attempts[winner].span_id
+    if loser in decoded:  # (when its call reached the loser before it was cancelled)
+        assert decoded[loser].parent_span_id == attempts[loser].span_id
+
+
+def test_a_prefix_lent_to_a_prefill_worker_shows_the_holders_span_in_the_requests_trace(receiver, cluster):
+    """A conversation whose first turn decode-0 prefilled itself goes remote for its second: the
+    prefill worker borrows the first turn's blocks from decode-0 (prefill/loans.py) and the
+    loan request carries its kv.borrow span's traceparent (kvtransfer/lend.py), so decode-0's
+    kv.lend is in the request's trace: decode.request > kv.borrow (prefill) > kv.lend (decode)."""
+    rec, _ = receiver
+    decodes, gw = cluster
+    d = decodes[0]
+    wait_until(lambda: "prefill-0" in d.worker.remote.peers.agent.peers, 30)
+    first = prompt(320, 4)
+    _, _, _, turn1 = traced_call(gw, first, target=d.grpc, max_tokens=4, temperature=0.0, ignore_eos=True,
+                                 route="local")
+    second = first + [t for c in turn1 for t in c.token_ids] + prompt(40, 5)
+    trace_id, _, _, chunks = traced_call(gw, second, target=d.grpc, max_tokens=4, temperature=0.0,
+                                         ignore_eos=True, route="remote")
+    assert chunks[-1].breakdown.route == "remote" and not chunks[-1].breakdown.fell_back_to_local
+    got = spans_by_name(rec, trace_id, {"decode.request", "prefill.task", "kv.borrow", "kv.lend"})
+    (svc_req, req), = got["decode.request"]
+    (svc_borrow, borrow), = got["kv.borrow"]
+    (svc_lend, lend), = got["kv.lend"]
+    assert (svc_req, svc_borrow, svc_lend) == ("pdserve-decode", "pdserve-prefill", "pdserve-decode")
+    assert borrow.parent_span_id == req.span_id and lend.parent_span_id == borrow.span_id
+    assert attr(borrow, "pdserve.outcome") == "read" and attr(borrow, "pdserve.holder") == "decode-0"
+    assert attr(lend, "pdserve.outcome") == "confirmed" and attr(lend, "pdserve.borrower") == "prefill-0"
+    assert attr(lend, "pdserve.lent_blocks") == attr(borrow, "pdserve.blocks") >= 20  # 320 tokens, blocks of 16
+    assert attr(borrow, "pdserve.read_tokens") > 0
+    assert borrow.start_time_unix_nano <= lend.start_time_unix_nano + int(TOL_MS * 1e6)
+    assert [e.name for e in lend.events] == ["granted"]
 
 
 def test_a_migrated_stream_shows_both_workers_in_its_trace(receiver, cluster):

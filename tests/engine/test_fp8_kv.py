@@ -10,8 +10,6 @@ scales differ refuses to pair, naming the field; bad values are refused naming t
 from __future__ import annotations
 
 import random
-import threading
-import time
 
 import pytest
 import torch
@@ -19,11 +17,10 @@ import torch
 from pdserve.engine import LLM, LLMEngine, SamplingParams
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.tp_comm import shm_available
-from pdserve.kvtransfer import PrefillDone, PrefillTask, decode_notification
+from pdserve.kvtransfer import PrefillDone
 from pdserve.kvtransfer.nixl import LOOPBACK_UCX_ENV, KVLayout, LayoutMismatchError
-from pdserve.kvtransfer.nixl.tp_transport import WorkerTransport, open_worker_transport, with_rank_transport
-from pdserve.prefill.batch import PrefillBatch
-from pdserve.prefill.values import PrefillStats
+from pdserve.kvtransfer.nixl.tp_transport import WorkerTransport, open_worker_transport
+from tests.kvtransfer.handoff_pair import paired
 
 MAX_TOKENS = 8
 
@@ -107,68 +104,22 @@ def _transport(eng: LLMEngine, worker_id: str) -> WorkerTransport:
     return open_worker_transport(worker_id, eng, ucx_env=LOOPBACK_UCX_ENV)
 
 
-def _prefill(pe, pt: WorkerTransport, sender, receiver, tasks) -> tuple:
-    """The prefill batch over ``tasks`` while a thread polls the decode side (a NIXL target must
-    poll); the batch's result, its counters and the notices."""
-    arrived: list = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        while not stop.is_set():
-            arrived.extend(decode_notification(n.payload) for n in receiver.poll().notifications)
-            time.sleep(0.001)
-
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    stats = PrefillStats()
-    try:
-        result = PrefillBatch(pt.agent.name, pe, sender, stats, transfer_timeout_s=20.0,
-                              layerwise=False).run(tasks, {})
-        deadline = time.monotonic() + 60
-        while len(arrived) < len(tasks) and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        stop.set()
-        poller.join(10)
-    return result, stats, arrived
-
-
 def _remote(model: str, tag: str, ps, p_tp: int = 1, **args) -> tuple[list[list[int]], int]:
-    """Remote prefill (on ``p_tp`` ranks) then local decode between two engines with ``args``:
-    each request's tokens and the bytes the prefill worker wrote."""
+    """Remote prefill (on ``p_tp`` ranks) then local decode between two engines with ``args``
+    (tests/kvtransfer/handoff_pair.py): each request's tokens and the bytes the prefill worker wrote."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    pe = engine(model, **with_rank_transport({"tensor_parallel_size": p_tp, **args}))
-    de = engine(model, **args)
-    pt, dt = _transport(pe, f"p{tag}"), _transport(de, f"d{tag}")
-    try:
-        sender, receiver = pt.sender(), dt.receiver()
-        peer = sender.add_peer(dt.record)
-        de.add_request(ps[0][:48] + [7], SamplingParams(max_tokens=1), request_id="warm")  # caches the prefix
-        while de.has_work():
-            de.step()
-        de.release("warm")
-        tasks = []
-        for i, p in enumerate(ps):
-            res = de.connector.reserve(de.make_request(p, params, request_id=f"r{i}"))
-            assert res is not None
-            tasks.append(PrefillTask(f"r{i}", 1, p, res.cached_len, peer, res.block_ids,
-                                     {"max_tokens": MAX_TOKENS, "temperature": 0.0}))
+    with paired(model, tag, p_tp, 1, **args) as pair:
+        pair.warm_prefix(ps[0])  # the decode side caches the first prompt's prefix
+        tasks = pair.tasks(ps, params)
         assert tasks[0].cached_len == 48
-        result, stats, arrived = _prefill(pe, pt, sender, receiver, tasks)
+        result, arrived = pair.prefill(tasks)
         assert result.failures == [] and result.done == len(tasks)
         assert all(isinstance(m, PrefillDone) for m in arrived) and len(arrived) == len(tasks)
-        for msg in arrived:
-            de.connector.remote_ready(msg.request_id, msg.first_token_id, msg.first_token_logprob)
-        while de.has_work():
-            de.step()
-        out = [de.release(f"r{i}").token_ids for i in range(len(ps))]
-        assert de.kv.num_free_blocks == de.runner.num_blocks
-        return out, stats.bytes_written
-    finally:
-        pt.agent.close()
-        dt.agent.close()
-        pe.close()
-        de.close()
+        pair.hand_over(arrived)
+        pair.decode()
+        out = [o.token_ids for o in pair.outputs(len(ps))]
+        assert pair.de.kv.num_free_blocks == pair.de.runner.num_blocks
+        return out, pair.stats.bytes_written
 
 
 @pytest.mark.parametrize("kv_cache_dtype,p_tp", [

@@ -1,11 +1,13 @@
-"""Qwen3, Qwen3-MoE and Mixtral (engine/model.py, engine/moe.py): greedy output equals HF
-transformers' in float32, batched, in chunks and from the prefix cache, at TP=1 and TP=2, from
-both checkpoint forms of the experts; bad configs are refused naming the field."""
+"""Qwen3, Qwen3-MoE, Mixtral and DeepSeek-V3 (engine/model.py, engine/moe.py, engine/mla.py): greedy
+output equals HF transformers' in float32, batched, in chunks and from the prefix cache, at TP=1 and
+TP=2, from both checkpoint forms of the experts; DeepSeek's pool holds one latent head per token;
+bad configs are refused naming the field."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 
@@ -40,6 +42,17 @@ SPECS = {
                                moe_intermediate_size=64, norm_topk_prob=False, tie_word_embeddings=True, seed=23),
     "mixtral": ModelSpec(arch="mixtral", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                          intermediate_size=128, num_experts=4, num_experts_per_tok=2, seed=24),
+    # MLA with q_lora_rank, interleaved rope; layer 0 dense, then 8 routed experts in 2 groups (top
+    # group only), top-2, one shared expert, a random e_score_correction_bias (model_maker).
+    "deepseek_v3": ModelSpec(arch="deepseek_v3", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=4,
+                             intermediate_size=256, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                             q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                             n_group=2, topk_group=1, first_k_dense_replace=1, seed=25),
+    # q_lora_rank null (q_proj), yarn with its mscale, rotate-half rope, 4 groups of which 2 are kept.
+    "deepseek_v3_noq": ModelSpec(arch="deepseek_v3", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=4,
+                                 intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=64, q_lora_rank=0, rope_type="yarn", rope_interleave=False,
+                                 n_group=4, topk_group=2, seed=26),
 }
 
 
@@ -134,13 +147,14 @@ def test_a_missing_expert_weight_is_named(family_dirs, tmp_path):
 
 
 @pytest.mark.skipif(not grouped_mm_available(), reason="this torch has no grouped_mm")
-def test_the_grouped_gemm_path_gives_the_same_tokens(family_dirs):
+@pytest.mark.parametrize("name,sparse", [("qwen3_moe", 2), ("deepseek_v3_noq", 1)])
+def test_the_grouped_gemm_path_gives_the_same_tokens(family_dirs, name, sparse):
     """The GPU path (engine/moe.py `grouped`) run on the CPU, with unpacked torch linears."""
-    model_dir = family_dirs("qwen3_moe")
+    model_dir = family_dirs(name)
     prompts = prompts_for(seed=3)
     llm = LLM(model_dir, linear_backend="torch", max_num_batched_tokens=64)
     moes = [layer.moe for layer in llm.engine.runner.model.layers if layer.moe is not None]
-    assert len(moes) == 2 and all(m.experts.path == "loop" for m in moes)
+    assert len(moes) == sparse and all(m.experts.path == "loop" for m in moes)
     for m in moes:
         assert m.experts.stack_for_grouped_mm()
         assert m.experts.path == "grouped"
@@ -188,7 +202,7 @@ def test_tp_must_divide_each_experts_intermediate_size():
 
 
 @needs_shm
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "deepseek_v3"])
 def test_tp2_greedy_equals_tp1_and_hf(family_dirs, name):
     model_dir = family_dirs(name)
     prompts = prompts_for(seed=2)
@@ -213,8 +227,79 @@ def test_make_model_cli_writes_each_family(tmp_path):
     assert (cfg.architecture, cfg.head_dim, cfg.qk_norm) == ("qwen3_moe", 16, True)
     assert cfg.moe is not None and (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size) == (3, 1, 32)
     assert cfg.moe.norm_topk_prob is False and cfg.moe.dense_layers == {0, 2}
+    args = parser.parse_args(["make-model", str(tmp_path / "ds"), "--family", "deepseek_v3", *small, "--experts", "4",
+                              "--q-lora-rank", "0", "--kv-lora-rank", "32"])
+    assert args.func(args) == 0
+    cfg = ModelConfig.from_dir(str(tmp_path / "ds"))
+    assert cfg.architecture == "deepseek_v3" and cfg.mla is not None and cfg.mla.q_lora_rank is None
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 32 + cfg.mla.qk_rope_head_dim)
     args = parser.parse_args(["make-model", str(tmp_path / "llama"), "--arch", "llama", *small])  # the old flag
     assert args.func(args) == 0
     assert ModelConfig.from_dir(str(tmp_path / "llama")).architecture == "llama"
     with pytest.raises(SystemExit):
         parser.parse_args(["make-model", str(tmp_path / "x"), "--family", "gpt2"])
+
+
+def test_deepseek_config_is_read_as_hf_reads_it(family_dirs):
+    cfg = ModelConfig.from_dir(family_dirs("deepseek_v3"))
+    assert cfg.mla is not None and cfg.moe is not None
+    assert (cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank, cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim,
+            cfg.mla.v_head_dim, cfg.mla.rope_interleave) == (64, 64, 32, 16, 32, True)
+    assert cfg.softmax_scale == (32 + 16) ** -0.5 and cfg.rope_dim == 16
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 64 + 16)  # the pool's one latent head
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k, moe.n_group, moe.topk_group, moe.n_shared_experts) == (8, 2, 2, 1, 1)
+    assert moe.scoring == "sigmoid" and moe.routed_scaling_factor == 2.5 and moe.dense_layers == {0}
+    noq = ModelConfig.from_dir(family_dirs("deepseek_v3_noq"))
+    assert noq.mla is not None and noq.mla.q_lora_rank is None and not noq.mla.rope_interleave
+    assert noq.rope.rope_type == "yarn" and noq.rope.factor == 4.0
+    m = 0.1 * 0.8 * math.log(4.0) + 1.0  # HF's yarn_get_mscale(factor, mscale_all_dim), squared into the scale
+    assert noq.softmax_scale == pytest.approx((32 + 16) ** -0.5 * m * m, rel=1e-12)
+
+
+def test_deepseek_pool_holds_one_latent_head_per_token(family_dirs):
+    """K = [c_kv, k_pe], V = [c_kv, 0] in one KV head of kv_lora_rank + qk_rope_head_dim."""
+    llm = LLM(family_dirs("deepseek_v3"), max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    layers, blocks, two, block_size, heads, dim = runner.kv_cache.shape  # NHD
+    assert (layers, two, heads, dim) == (4, 2, 1, 64 + 16)
+    assert runner.block_bytes == 2 * block_size * (64 + 16) * 4  # float32
+    info = runner.layout_info()
+    assert (info["num_kv_heads"], info["head_dim"]) == (1, 80)
+    prompt = prompts_for(seed=1)[0]
+    greedy(llm, [prompt])
+    k, v = runner.kv_cache[:, :, 0], runner.kv_cache[:, :, 1]  # [layers, blocks, block_size, 1, 80]
+    written = k.abs().sum(dim=(0, 3, 4)) > 0  # [blocks, block_size]: slots some token wrote
+    assert int(written.sum()) >= len(prompt)
+    assert torch.equal(v[..., :64][:, written], k[..., :64][:, written])  # the latent, once per half
+    assert not v[..., 64:][:, written].any() and k[..., 64:][:, written].any()  # rope part: K's only
+
+
+@pytest.mark.parametrize("over,word", [
+    ({"n_group": 3}, "n_group=3"),
+    ({"topk_group": 3}, "topk_group=3 .* exceeds n_group=2"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok=5"),
+    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim=7"),
+    ({"kv_lora_rank": 0}, "kv_lora_rank=0"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"rope_interleave": "yes"}, "rope_interleave='yes'"),
+])
+def test_bad_deepseek_configs_are_refused_naming_the_field(over, word):
+    raw = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 100, "hidden_size": 32,
+           "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "n_routed_experts": 4,
+           "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 16,
+           "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8}
+    ModelConfig.from_dict(raw, "m")  # the base is valid
+    with pytest.raises(ConfigError, match=word):
+        ModelConfig.from_dict({**raw, **over}, "m")
+
+
+def test_yarn_is_refused_outside_deepseek():
+    with pytest.raises(ConfigError, match="rope_type='yarn'"):
+        ModelConfig.from_dict(_raw(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "m")
+
+
+def test_lora_is_refused_on_deepseek(family_dirs):
+    with pytest.raises(ConfigError, match="enable_lora"):
+        LLM(family_dirs("deepseek_v3_noq"), enable_lora=True)

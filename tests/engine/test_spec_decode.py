@@ -14,6 +14,7 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import ConfigError
+from pdserve.engine.driver import EngineDriver
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.spec_config import parse_speculative_config
@@ -60,6 +61,33 @@ def test_greedy_equals_no_speculation_and_proposals_are_accepted(plain, spec):
     per = stats.spec_accepted_per_position
     assert len(per) == 4 and per[0] >= per[1] >= per[2] >= per[3] and sum(per) == stats.num_spec_accepted_tokens
     assert spec.engine.kv.num_free_blocks == spec.engine.kv.pool.num_blocks  # nothing held after
+
+
+def test_a_verifying_step_counts_as_decode_work(spec):
+    """The step figures the cost model reads (engine/driver.py StepInfo): proposals verified
+    are decode work (no prompt tokens, no attention pairs), and the tokens a stream got from
+    the step count the accepted ones (the TPOT a speculating stream sees)."""
+    eng = spec.engine
+    driver = EngineDriver(eng)
+    for i in range(2):
+        eng.add_request([17 + i, 230, 41, 5, 88 + i] * 6, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                        request_id=f"acct-{i}")
+    infos = []
+    for _ in range(200):
+        if not eng.has_work():
+            break
+        _, info = driver.step()
+        if info is not None:
+            infos.append(info)
+    assert not eng.has_work()
+    verifying = [i for i in infos if i.draft_tokens]
+    assert verifying, "no step verified proposals: the accounting went unexercised"
+    for info in verifying:
+        assert info.num_decode_seqs == info.num_seqs and info.prefill_tokens == 0 and info.prefill_pairs == 0
+        assert info.num_tokens == info.num_seqs + info.draft_tokens and 0 <= info.accepted_tokens <= info.draft_tokens
+    assert any(i.emitted_per_stream > 1.0 for i in verifying)
+    assert sum(i.accepted_tokens for i in infos) + sum(i.num_decode_seqs for i in infos) + 2 == 80
+    assert infos[0].prefill_tokens == 60 and infos[0].draft_tokens == 0  # the prompts: prompt work
 
 
 def test_logprobs_stop_strings_and_max_tokens_hold(plain, spec):
@@ -277,7 +305,7 @@ def test_load_rule_batch_size_and_acceptance_floor():
     ({"method": "ngram", "num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": "3"}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
-    ({"method": "eagle", "num_speculative_tokens": 3}, "speculative_config.method"),
+    ({"method": "mtp", "num_speculative_tokens": 3}, "speculative_config.method"),
     ({"method": "medusa2", "num_speculative_tokens": 3}, "speculative_config.method"),
     ({"num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "speculative_config.prompt_lookup_min"),
@@ -292,9 +320,29 @@ def test_bad_config_is_refused_naming_the_field(raw, field):
         parse_speculative_config(raw)
 
 
+def test_the_topology_checks_speculative_config_where_it_is_loaded(tmp_path):
+    """`pdserve up` refuses a bad speculative_config before starting anything, naming the
+    field; a draft model's directory is the workers' (read when each starts), not read here."""
+    from pdserve.cluster.topology import TopologyError, load_topology
+    from tests.cluster.test_topology import TP, write
+
+    def topo(pe: str, de: str):
+        return load_topology(write(tmp_path, TP.format(p=1, d=1, pe=pe, de=de)))
+
+    ngram = topo("{}", '{speculative_config: {method: ngram, num_speculative_tokens: 4}}')
+    assert ngram.engine_args("decode")["speculative_config"]["num_speculative_tokens"] == 4
+    topo("{}", '{speculative_config: {model: /on/the/workers/draft, num_speculative_tokens: 3}}')
+    with pytest.raises(TopologyError, match=r"roles\.decode\.engine\.speculative_config\.num_speculative_tokens"):
+        topo("{}", '{speculative_config: {method: ngram, num_speculative_tokens: 0}}')
+    with pytest.raises(TopologyError, match=r"roles\.decode\.engine\.speculative_config\.method"):
+        topo("{}", '{speculative_config: {method: medusa, num_speculative_tokens: 3}}')
+    with pytest.raises(TopologyError, match=r"roles\.prefill\.engine\.speculative_config: prefill workers"):
+        topo('{speculative_config: {method: ngram, num_speculative_tokens: 4}}', "{}")
+
+
 def test_the_engine_refuses_bad_config_before_loading(llama_dir):
-    with pytest.raises(ConfigError, match=r"speculative_config\.method='eagle' \(not supported yet\)"):
-        LLM(llama_dir, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match=r"speculative_config\.method='mtp' \(not supported yet\)"):
+        LLM(llama_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     cfg = parse_speculative_config({"num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert cfg is not None and (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)  # one sets both (vLLM)
 

@@ -126,3 +126,35 @@ def test_explain_refuses_a_percentage_kv_usage(capsys):
                 "--kv-usage", "75"])
     assert code == 1
     assert "--kv-usage is a fraction 0-1" in capsys.readouterr().err
+
+
+def test_explain_shows_the_chosen_k_and_prices_the_step_per_token(capsys):
+    # k = 4 at batch 4 (3 decoding + this one); acceptance 0.5 gives 1 + .5 + .25 + .125 + .0625
+    # = 1.9375 tokens a step: a 31 ms step is 16 ms per token, the TPOT the router weighs
+    assert run(["policy", "explain", str(REPO / "configs/router/default.yaml"), "--prompt-len", "900",
+                "--decode-active", "3", "--decode-step-ms", "31", "--spec-k", "4", "--spec-acceptance", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert ("speculative decoding: k = 4 proposals per step for a stream admitted now (batch 4); a verifying "
+            "step gives a stream 1.94 tokens on average; decode step 16.0 ms is per token emitted") in out
+
+
+def test_explain_shows_no_proposals_past_the_batch_rule_and_none_without_speculation(capsys):
+    run(["policy", "explain", str(REPO / "configs/router/default.yaml"), "--prompt-len", "900",
+         "--decode-active", "32", "--spec-k", "4"])
+    assert "no proposals for a stream admitted now (batch 33 is past the load rule)" in capsys.readouterr().out
+    run(["policy", "explain", str(REPO / "configs/router/default.yaml"), "--prompt-len", "900",
+         "--decode-active", "32", "--spec-k", "4", "--spec-disable-by-batch-size", "64"])
+    assert "k = 4 proposals per step for a stream admitted now (batch 33)" in capsys.readouterr().out
+    run(["policy", "explain", str(REPO / "configs/router/default.yaml"), "--prompt-len", "900"])
+    assert "speculative decoding" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--spec-k", "17"], "--spec-k"),
+    (["--spec-k", "2", "--spec-acceptance", "1.5"], "--spec-acceptance"),
+    (["--spec-acceptance", "0.5"], "--spec-acceptance needs --spec-k"),
+    (["--spec-k", "2", "--spec-disable-by-batch-size", "0"], "--spec-disable-by-batch-size"),
+])
+def test_explain_refuses_bad_speculation_flags(flags, needle, capsys):
+    assert run(["policy", "explain", str(REPO / "configs/router/default.yaml"), "--prompt-len", "9", *flags]) == 1
+    assert needle in capsys.readouterr().err

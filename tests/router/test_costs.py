@@ -44,6 +44,18 @@ def test_decode_step_updates_step_time_and_per_token_time():
     assert (est.decode_step_ms, est.decode_ms_per_token) == (40.0, 2.5)
 
 
+def test_a_verifying_step_is_priced_per_token_each_stream_got():
+    # speculative decoding: a 40 ms step gave each of 16 streams 2.5 tokens on average, so they
+    # see a token every 16 ms, and each token emitted cost 1 ms of the step
+    m = model(ema_alpha=1.0)
+    m.observe_decode_step(ms=40.0, batch=16, tokens_per_stream=2.5)
+    est = m.snapshot()
+    assert (est.decode_step_ms, est.decode_ms_per_token) == (16.0, 1.0)
+    for bad in (0.5, float("nan")):
+        with pytest.raises(ValueError, match="tokens_per_stream"):
+            m.observe_decode_step(ms=40.0, batch=16, tokens_per_stream=bad)
+
+
 def test_repeated_samples_converge_on_the_measured_value():
     m = model(prefill_remote_ms_per_token=1.0, ema_alpha=0.2)
     for _ in range(100):

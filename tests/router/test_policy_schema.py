@@ -38,7 +38,7 @@ def test_score_defaults_are_the_documented_rules():
 def test_every_schema_key_is_read_outside_the_schema():
     """No dead settings: each field of the router/QoS models is read by router code (or, for
     the hold before a kv_pool_full refusal, by the decode worker's admission)."""
-    readers = "".join((REPO / "router" / f).read_text() for f in ("decide.py", "qos.py", "costs.py"))
+    readers = "".join((REPO / "router" / f).read_text() for f in ("decide.py", "rules.py", "qos.py", "costs.py"))
     readers += (REPO / "decode" / "frontend.py").read_text()
     unread = []
     pending = [type(DEFAULT_POLICY)]

@@ -167,18 +167,20 @@ class PrefillQueue:
         result = self._core.put(task)
         if result.ok:
             async with self._arrived:
-                if task.prefix_hint:  # every poller: the one it may be kept for must get to look
+                if task.prefix_hint or task.lora_name:  # every poller: the one it is (or may be) kept for must look
                     self._arrived.notify_all()
                 else:
                     self._arrived.notify()
         return result
 
     async def get_batch(self, worker_id: str, max_tokens: int, max_wait_ms: float = 0.0,
-                        max_tasks: int | None = None, completed: list[str] | None = None) -> list[PrefillTask]:
+                        max_tasks: int | None = None, completed: list[str] | None = None,
+                        adapters: bool = False) -> list[PrefillTask]:
         """A token-budgeted batch; waits up to `max_wait_ms` for the first task, else [].
 
         `completed` marks the worker's previous tasks done first: the usual
         loop (finish a batch, ask for the next) then costs one call, not two.
+        `adapters`: the worker runs LoRA adapters (only such a worker takes a task naming one).
         """
         _check_poll_args(worker_id, max_tokens, max_wait_ms, max_tasks)
         self._core.alive(worker_id)  # polling is progress, also while the queue recovers
@@ -198,7 +200,7 @@ class PrefillQueue:
             while True:
                 if self._core.gone_count(worker_id) != gone:
                     return []
-                batch = self._core.take(worker_id, max_tokens, max_tasks)
+                batch = self._core.take(worker_id, max_tokens, max_tasks, adapters is True)
                 remaining_s = deadline - loop.time()
                 if batch or remaining_s <= 0:
                     self._metrics.batch(batch)
@@ -208,7 +210,7 @@ class PrefillQueue:
                 except asyncio.TimeoutError:
                     if self._core.gone_count(worker_id) != gone:
                         return []
-                    batch = self._core.take(worker_id, max_tokens, max_tasks)
+                    batch = self._core.take(worker_id, max_tokens, max_tasks, adapters is True)
                     self._metrics.batch(batch)
                     return batch
 

@@ -159,7 +159,12 @@ class QueueClient:
         return await self.call("put", task)
 
     async def get_batch(self, worker_id: str, max_tokens: int, max_wait_ms: float = 0.0,
-                        max_tasks: int | None = None, completed: list[str] | None = None) -> list[PrefillTask]:
+                        max_tasks: int | None = None, completed: list[str] | None = None,
+                        adapters: bool = False) -> list[PrefillTask]:
+        """``adapters``: this worker runs LoRA adapters (sent only then: a queue of an earlier
+        version reads the call of a worker without them as before)."""
+        if adapters:
+            return await self.call("get_batch", worker_id, max_tokens, max_wait_ms, max_tasks, completed, True)
         return await self.call("get_batch", worker_id, max_tokens, max_wait_ms, max_tasks, completed)
 
     async def complete(self, worker_id: str, request_id: str | list[str]) -> bool:

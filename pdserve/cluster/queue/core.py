@@ -11,7 +11,9 @@ indefinitely by short ones. A batch always holds at least one task when any
 is queued, even if that task alone exceeds `max_tokens`: otherwise a prompt
 longer than the budget would starve forever. Tasks whose deadline has passed
 are never handed out; they are failed back to their origin with reason
-DEADLINE_EXPIRED.
+DEADLINE_EXPIRED. A task under a LoRA adapter (`PrefillTask.lora_name`) goes only to a
+worker that says it runs adapters (`take(..., adapters=True)`, docs/lora.md); the others
+look past it, and it keeps its place for one that does.
 
 Replays: a task this queue has settled is refused until its deadline (its
 memory is `settled.SettledTasks`). Each worker's liveness (heard from, and its
@@ -136,8 +138,10 @@ class QueueCore(WorkerLiveness, SettledTasks):
         del self._queued[task.key]
         self._queued_tokens -= task.num_prefill_tokens
 
-    def take(self, worker_id: str, max_tokens: int, max_tasks: int | None = None) -> list[PrefillTask]:
-        """The next batch for `worker_id` (see the module docstring); [] if none queued."""
+    def take(self, worker_id: str, max_tokens: int, max_tasks: int | None = None,
+             adapters: bool = False) -> list[PrefillTask]:
+        """The next batch for `worker_id` (see the module docstring); [] if none queued.
+        ``adapters``: the worker runs LoRA adapters (else it is handed no task that names one)."""
         now = self._clock()
         self._seen[worker_id] = now
         self._idle(worker_id)  # it pulls: its previous batch is over
@@ -153,6 +157,9 @@ class QueueCore(WorkerLiveness, SettledTasks):
             if batch and (tokens + task.num_prefill_tokens > max_tokens
                           or (max_tasks is not None and len(batch) >= max_tasks)):
                 break
+            if task.lora_name and not adapters:  # (kept for a worker that runs adapters)
+                kept.append(heapq.heappop(self._heap))
+                continue
             if task.prefix_hint and len(kept) < PREFIX_MAX_SKIPS and self._keep_for_prefix(task, worker_id, now):
                 kept.append(heapq.heappop(self._heap))  # the head: `_pop_head` dropped stale entries
                 continue

@@ -15,7 +15,8 @@ What is signed (`signed_message`): a context string, then the msgpack of every
 field a prefill worker acts on, in a fixed order with maps sorted by key:
 request_id, epoch, target_worker_id, target_block_ids, cached_len, the number
 of token ids and the SHA-256 of them as little-endian int64s, sampling_params,
-priority, deadline and origin. Not `arrival_time` (a statistic) and not the
+priority, deadline and origin; then, for a task under a LoRA adapter only, its name, id and
+path (a base-model task's message is unchanged). Not `arrival_time` (a statistic) and not the
 signature itself. Never pickle.
 
 Replay: a signed task must carry a deadline, and the signature covers it. The
@@ -67,6 +68,8 @@ def signed_message(task: PrefillTask) -> bytes:
     body = [task.request_id, task.epoch, task.target_worker_id, task.target_block_ids, task.cached_len,
             len(task.token_ids), tokens, _canonical(task.sampling_params), int(task.priority), task.deadline,
             task.origin]
+    if task.lora_name:  # (the adapter a prefill worker loads from its path: signed)
+        body += [task.lora_name, task.lora_int_id, task.lora_path]
     return SIGNATURE_CONTEXT + msgpack.packb(body, use_bin_type=True)
 
 

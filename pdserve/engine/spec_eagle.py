@@ -1,0 +1,203 @@
+"""Speculative decoding's EAGLE proposer (``method: eagle`` / ``eagle3``; docs/speculative.md,
+"EAGLE heads"; the head itself: engine/spec_eagle_model.py).
+
+An EAGLE head is a one-layer model that reads, beside each token, the target's hidden state
+at the position before it: its row i holds token i + 1 with the target's hidden state at
+position i, at position i (vLLM's layout), and its logits there propose token i + 2. So the
+target's forward keeps the hidden states the head needs (engine/model.py, ``capture_layers`` /
+``capture_final``: the final norm's output for EAGLE-1, the residual stream after three layers
+for EAGLE-3), and after each forward `EagleProposer.record` keeps each request's rows by
+position (EAGLE-3's already through the head's ``fc``), until the head has read them.
+
+It is the draft-model proposer (engine/spec_draft.py) with another runner and another rollback:
+the same `KVCacheManager` pool of its own, views, catch-up in forwards of at most
+``max_num_batched_tokens`` rows, greedy proposals under the request's grammar, release on
+finish, abort and preemption. Rows computed from the target's hidden states stay (the
+request's computed positions); the rows of a step's proposals, computed from the head's own
+hidden output (each proposal's row reads the previous row's output, as in vLLM), are given up
+before the next proposals whatever the target accepted: their positions are computed again
+from the target's hidden states. A position whose hidden state the target never computed here
+(its KV came from the prefix cache, a prefill worker, or a step run by a CUDA graph) reads
+zeros: the proposals there are weaker, the verification as exact as for any proposal.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import KVCacheManager
+from .config import ConfigError, EngineConfig, ModelConfig
+from .model import CausalLM
+from .request import Request, SamplingParams
+from .runner import ModelRunner
+from .spec_config import SpeculativeConfig
+from .spec_draft import DraftProposer, _Seq, draft_engine_config
+from .spec_eagle_model import EagleHead, HeadConfig, head_config, load_eagle_head
+from .step_batch import StepBatch, build_step_batch
+from .structured_state import StructuredOutputs
+
+log = logging.getLogger(__name__)
+
+
+class EagleRunner(ModelRunner):
+    """A `ModelRunner` whose model is an EAGLE head: `execute` reads each row's hidden input
+    from ``hidden`` (set before each call) and keeps the rows' hidden output in ``out``."""
+
+    def __init__(self, cfg: EngineConfig, hc: HeadConfig, target: ModelConfig):
+        self.hc, self.target_cfg = hc, target
+        self.hidden: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+        self.last_qsl: list[int] = []
+        super().__init__(cfg, hc.model)
+
+    def _make_model(self, model_cfg: ModelConfig) -> torch.nn.Module:
+        return load_eagle_head(self.hc, self.target_cfg, self.dtype, self.device)
+
+    def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager,
+                layer_hook=None) -> tuple[torch.Tensor, StepBatch]:
+        batch = build_step_batch(scheduled, kv, self.block_size, self.device)
+        meta = self.backend.plan(batch.layout, self.device)
+        assert self.hidden is not None and self.hidden.shape[0] == batch.input_ids.shape[0]
+        logits, self.out = self.model(batch.input_ids, batch.positions, self.hidden, self.kv_cache, self.backend,
+                                      meta, batch.logits_indices)
+        self.hidden, self.last_qsl = None, batch.layout.query_start_loc.tolist()
+        return logits, batch
+
+
+@dataclass
+class _States:
+    """A request's hidden rows for the head, by position: ``(first position, rows)`` chunks."""
+
+    chunks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def put(self, pos: int, rows: torch.Tensor) -> None:
+        """Rows from ``pos`` on; the rows kept at or past ``pos`` (a step's rejected proposals) go."""
+        kept = []
+        for p, t in self.chunks:
+            if p < pos:
+                kept.append((p, t[:pos - p]))
+        kept.append((pos, rows))
+        self.chunks = kept
+
+    def take(self, a: int, b: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Rows ``[a, b)`` (zeros where none was kept); the rows before ``b`` are dropped."""
+        out = torch.zeros(b - a, width, dtype=dtype, device=device)
+        kept = []
+        for p, t in self.chunks:
+            lo, hi = max(a, p), min(b, p + t.shape[0])
+            if lo < hi:
+                out[lo - a:hi - a] = t[lo - p:hi - p]
+            if p + t.shape[0] > b:
+                kept.append((max(p, b), t[max(0, b - p):]))
+        self.chunks = kept
+        return out
+
+
+class EagleProposer(DraftProposer):
+    """An EAGLE head, its KV pool, each request's place in it and the target hidden states it
+    has yet to read."""
+
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: ModelConfig, target_blocks: int,
+                 target_model: torch.nn.Module):
+        assert spec.model is not None
+        if not isinstance(target_model, CausalLM):
+            raise ConfigError(f"speculative_config.method={spec.method!r}: the target model does not expose its "
+                              "hidden states")
+        self.target = target_model
+        self.hc = head_config(spec.model, spec.method, target)
+        self.model_config = self.hc.model
+        blocks = max(1, int(target_blocks * spec.draft_kv_cache_fraction))
+        dcfg = draft_engine_config(config, spec, blocks)
+        try:
+            self.head_runner = EagleRunner(dcfg, self.hc, target)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise ConfigError(
+                f"speculative_config.draft_kv_cache_fraction={spec.draft_kv_cache_fraction}: the EAGLE head and "
+                f"its pool of {blocks} blocks do not fit beside the target ({exc}); lower it") from None
+        self.runner = self.head_runner
+        self.block_size = config.block_size
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, enable_caching=False)
+        m = self.model_config
+        self.max_len = min(m.max_position_embeddings, self.runner.num_blocks * config.block_size)
+        self.chunk = config.max_num_batched_tokens
+        self.seqs: dict[str, _Seq] = {}
+        self.num_forwards = 0
+        self.states: dict[str, _States] = {}
+        self.last: dict[str, torch.Tensor] = {}  # each proposing request's last row's hidden output
+        self.target = target_model
+        if self.hc.method == "eagle":
+            target_model.capture_final = True
+        else:
+            target_model.capture_layers = self.hc.aux_layers
+
+    @property
+    def head(self) -> EagleHead:
+        model = self.runner.model
+        assert isinstance(model, EagleHead)
+        return model
+
+    # -- the target's hidden states ------------------------------------------------
+    def record(self, scheduled: list[tuple[Request, int]]) -> None:
+        """Keep the hidden states the target's forward just computed, each request's rows by
+        position (called after the forward, before the computed counts move)."""
+        captured, self.target.captured = self.target.captured, None
+        if captured is None or captured.shape[0] != sum(n for _, n in scheduled):
+            return  # (a step run by a CUDA graph keeps none: the head reads zeros there)
+        try:
+            with torch.inference_mode():
+                rows = self.head.combine(captured.to(self.runner.device, self.runner.dtype))
+                off = 0
+                for req, n in scheduled:
+                    self.states.setdefault(req.request_id, _States()).put(req.num_computed_tokens,
+                                                                          rows[off:off + n].clone())
+                    off += n
+        except Exception:  # noqa: BLE001  (the head's failure costs proposals, never the requests)
+            log.exception("the EAGLE head could not keep the target's hidden states; it reads zeros there")
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self.states.pop(request_id, None)
+        self.last.pop(request_id, None)
+
+    def retain(self, live: set[str]) -> None:
+        super().retain(live)
+        for rid in [r for r in self.states if r not in live]:
+            self.states.pop(rid, None)
+
+    # -- proposing -------------------------------------------------------------------
+    def _sync(self, req: Request) -> _Seq:
+        """The request's view: tokens shifted by one (row i holds token i + 1), its pool rolled
+        back to the rows computed from the target's hidden states (at least the last row runs)."""
+        rid = req.request_id
+        seq = self.seqs.get(rid)
+        if seq is None:
+            seq = self.seqs[rid] = _Seq(Request(rid, [], SamplingParams(temperature=0.0, max_tokens=1)))
+        tokens = req.all_token_ids
+        valid = min(seq.valid, len(tokens) - 2)
+        self.kv.trim(rid, valid)
+        view = seq.view
+        view.prompt_token_ids, view.output_token_ids, view.num_computed_tokens = tokens[1:], [], valid
+        seq.valid, seq.extra = valid, []
+        return seq
+
+    def _forward(self, plan: list[tuple[_Seq, int]], structured: StructuredOutputs) -> None:
+        if not plan:
+            return
+        width = self.model_config.hidden_size
+        parts = []
+        for s, n in plan:
+            rid, c = s.view.request_id, s.view.num_computed_tokens
+            if c >= s.view.num_prompt_tokens:  # a proposal's row: the head's own last output
+                parts.append(self.last[rid])
+            else:  # rows from the target's hidden states at positions [c, c + n)
+                parts.append(self.states.setdefault(rid, _States()).take(c, c + n, width, self.runner.dtype,
+                                                                                  self.runner.device))
+        self.head_runner.hidden = torch.cat(parts)
+        super()._forward(plan, structured)
+        out, qsl = self.head_runner.out, self.head_runner.last_qsl
+        assert out is not None
+        for i, (s, _) in enumerate(plan):
+            self.last[s.view.request_id] = out[qsl[i + 1] - 1:qsl[i + 1]]

@@ -1,0 +1,221 @@
+"""Speculative decoding with a draft model (engine/spec_draft.py; docs/speculative.md): greedy
+output equals the output without speculation and HF transformers, token for token, with the
+target as its own draft (every proposal accepted), with a draft that agrees in part (a copy of
+the target with noise in one layer: proposals accepted and rejected, the draft's KV rolled back)
+and with a different, smaller model; seeded sampling equals the unspeculated seeded run;
+batches, structured outputs, preemption and a small draft pool; the load rule's k-off; the
+draft's blocks all come back (finish, abort, preemption); bad config is a `ConfigError` naming
+the field."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import ConfigError
+from pdserve.engine.model_maker import ModelSpec, make_model
+from pdserve.engine.spec_config import parse_speculative_config
+
+from .test_hf_parity import hf_greedy
+from .test_spec_decode import prompts, run
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def want_params(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def draft_cfg(path: str, k: int = 4, **extra) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k, **extra}
+
+
+def draft_pool(llm: LLM) -> tuple[int, int]:
+    """(free blocks, blocks) of the engine's draft KV pool."""
+    draft = llm.engine.spec.draft
+    return draft.kv.num_free_blocks, draft.kv.pool.num_blocks
+
+
+@pytest.fixture(scope="module")
+def noisy_dir(llama_dir, tmp_path_factory) -> str:
+    """The target with noise added to its last layer's MLP: its argmax agrees with the target's
+    about half the time (so proposals are accepted and rejected)."""
+    from safetensors.torch import load_file, save_file
+
+    out = str(tmp_path_factory.mktemp("noisy") / "model")
+    shutil.copytree(llama_dir, out)
+    path = os.path.join(out, "model.safetensors")
+    weights = load_file(path)
+    gen = torch.Generator().manual_seed(7)
+    for name in [n for n in weights if "layers.2.mlp" in n]:
+        weights[name] = weights[name] + 0.01 * torch.randn(weights[name].shape, generator=gen)
+    save_file(weights, path, metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    with LLM(llama_dir, seed=0) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def self_draft(llama_dir):
+    with LLM(llama_dir, seed=0, speculative_config=draft_cfg(llama_dir)) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def noisy(llama_dir, noisy_dir):
+    with LLM(llama_dir, seed=0, speculative_config=draft_cfg(noisy_dir, acceptance_floor=0.0)) as llm:
+        yield llm
+
+
+def test_the_target_as_its_own_draft_is_accepted_every_time_and_equals_hf(llama_dir, plain, self_draft):
+    ps = prompts(8)
+    want = run(plain, ps, GREEDY)
+    stats = self_draft.engine.stats
+    before = (stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens)
+    assert run(self_draft, ps, GREEDY) == want
+    proposed, accepted = stats.num_spec_draft_tokens - before[0], stats.num_spec_accepted_tokens - before[1]
+    assert proposed > 100 and accepted == proposed  # the same model proposes what it verifies
+    assert [o[0] for o in want[:3]] == hf_greedy(llama_dir, ps[:3], GREEDY.max_tokens)
+    assert draft_pool(self_draft)[0] == draft_pool(self_draft)[1] and not self_draft.engine.spec.draft.seqs
+    assert self_draft.engine.kv.num_free_blocks == self_draft.engine.kv.pool.num_blocks
+
+
+def test_a_partly_agreeing_draft_rolls_back_and_stays_exact(plain, noisy):
+    ps = prompts(12, seed=1)  # a batch of twelve
+    stats = noisy.engine.stats
+    before = (stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens)
+    assert run(noisy, ps, GREEDY) == run(plain, ps, GREEDY)
+    proposed, accepted = stats.num_spec_draft_tokens - before[0], stats.num_spec_accepted_tokens - before[1]
+    assert 0.1 * proposed < accepted < 0.9 * proposed  # accepted and rejected: the draft's KV rolled back
+    assert draft_pool(noisy)[0] == draft_pool(noisy)[1]
+
+
+def test_logprobs_stops_and_penalties_equal_no_speculation(plain, noisy):
+    ps = prompts(6, seed=2)
+    want = plain.generate(ps, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    stops = [o.text[len(o.text) // 2:len(o.text) // 2 + 3] for o in want]
+    params = [SamplingParams(max_tokens=10 + i, temperature=0.0, logprobs=2, ignore_eos=True,
+                             stop=[s] if i % 2 else [], repetition_penalty=1.2 if i % 3 == 0 else 1.0)
+              for i, s in enumerate(stops)]
+    a, b = plain.generate(ps, params), noisy.generate(ps, params)
+    for x, y in zip(a, b):
+        assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (y.token_ids, y.text, y.finish_reason,
+                                                                         y.stop_reason)
+        assert [e["token_id"] for e in x.logprobs] == [e["token_id"] for e in y.logprobs]
+
+
+def test_seeded_sampling_equals_no_speculation(plain, self_draft, noisy):
+    ps = prompts(3, seed=3) * 2
+    params = [SamplingParams(max_tokens=16, temperature=t, top_p=0.9 if i % 3 else 1.0, seed=100 + i,
+                             ignore_eos=True) for i, t in enumerate([1e-4, 0.05, 0.7] * 2)]
+    want = run(plain, ps, params)
+    before = self_draft.engine.stats.num_spec_accepted_tokens
+    assert run(self_draft, ps, params) == want
+    assert run(noisy, ps, params) == want
+    assert self_draft.engine.stats.num_spec_accepted_tokens > before
+
+
+def test_structured_outputs_equal_no_speculation(plain, self_draft):
+    grammars = [{"regex": r"(ab|cd)( (ab|cd)){10,30}"}, {"choice": ["alpha beta alpha beta", "gamma"]},
+                {"json": {"type": "array", "items": {"enum": ["x", "yz"]}, "minItems": 6, "maxItems": 12},
+                 "disable_any_whitespace": True}]
+    ps = prompts(6, seed=6)
+    params = [SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=g) for g in grammars * 2]
+    before = self_draft.engine.stats.num_spec_draft_tokens
+    assert run(self_draft, ps, params) == run(plain, ps, params)
+    assert self_draft.engine.stats.num_spec_draft_tokens > before  # (proposals the grammar allows)
+
+
+def test_a_different_smaller_model_drafts_and_the_load_rule_switches_it_off(model_dirs, plain, llama_dir):
+    ps = prompts(4, seed=4)
+    want = run(plain, ps, want_params(24))
+    other = model_dirs("mistral")  # 2 layers, other weights, the same tokenizer and vocabulary
+    with LLM(llama_dir, seed=0, speculative_config=draft_cfg(other, acceptance_floor=0.3, probe_interval=8)) as llm:
+        assert run(llm, ps, want_params(24)) == want
+        s = llm.engine.stats
+        assert 0 < s.num_spec_drafts <= 4 * 8  # low acceptance: each request soon stops proposing, probing rarely
+        assert draft_pool(llm)[0] == draft_pool(llm)[1]
+    with LLM(llama_dir, seed=0, speculative_config=draft_cfg(llama_dir, disable_by_batch_size=3)) as llm:
+        assert run(llm, ps, want_params(24)) == want
+        assert llm.engine.stats.num_spec_drafts == 0 and llm.engine.spec.draft.num_forwards == 0  # batch 4 > 3
+        assert run(llm, ps[:3], want_params(24)) == want[:3]
+        assert llm.engine.stats.num_spec_accepted_tokens > 0
+
+
+def test_preemption_and_a_small_draft_pool_give_every_block_back(llama_dir, plain, noisy_dir):
+    ps = prompts(8, seed=5)
+    ps = ps + [p + [5, 6, 7] for p in ps[:2]]
+    params = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
+    want = run(plain, ps, params)
+    cfg = draft_cfg(noisy_dir, acceptance_floor=0.0, draft_kv_cache_fraction=0.5)
+    with LLM(llama_dir, seed=0, speculative_config=cfg, max_num_batched_tokens=24, block_size=4,
+             num_gpu_blocks_override=48) as llm:
+        assert draft_pool(llm) == (24, 24)
+        assert run(llm, ps, params) == want
+        s = llm.engine.stats
+        assert s.num_preemptions > 0 and s.num_spec_accepted_tokens > 0
+        assert llm.engine.kv.num_free_blocks == 48 and draft_pool(llm) == (24, 24)
+
+
+def test_finish_and_abort_free_the_drafts_blocks(self_draft):
+    eng = self_draft.engine
+    draft = eng.spec.draft
+    free, total = draft_pool(self_draft)
+    assert free == total
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=6 + 20 * i, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(prompts(3, seed=8))]
+    while not (reqs[0].finish_reason and all(len(r.output_token_ids) > 8 for r in reqs[1:])):
+        eng.step()
+    assert reqs[0].request_id not in draft.seqs and draft.kv.tables.get(reqs[0].request_id) is None  # finished
+    assert {r.request_id for r in reqs[1:]} <= set(draft.seqs) and draft.kv.num_free_blocks < total
+    held, free = len(draft.kv.tables[reqs[1].request_id]), draft.kv.num_free_blocks
+    assert held > 0 and eng.abort_request(reqs[1].request_id)  # aborted
+    assert reqs[1].request_id not in draft.seqs and draft.kv.num_free_blocks == free + held
+    assert eng.abort_request(reqs[2].request_id)
+    eng.release(reqs[0].request_id)
+    assert draft.kv.num_free_blocks == total and not draft.seqs and not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"num_speculative_tokens": "2"}, "speculative_config.num_speculative_tokens"),
+    ({"model": None}, "speculative_config.model"),
+    ({"model": "/nonexistent/draft"}, "speculative_config.model"),
+    ({"model": 3}, "speculative_config.model"),
+    ({"draft_tensor_parallel_size": 2}, "speculative_config.draft_tensor_parallel_size"),
+    ({"draft_kv_cache_fraction": 0}, "speculative_config.draft_kv_cache_fraction"),
+    ({"draft_kv_cache_fraction": 1.5}, "speculative_config.draft_kv_cache_fraction"),
+    ({"prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max"),
+    ({"method": "mtp"}, "speculative_config.method"),
+])
+def test_bad_draft_config_is_refused_naming_the_field(llama_dir, extra, field):
+    raw = {**draft_cfg(llama_dir), **extra}
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        parse_speculative_config(raw)
+
+
+def test_the_method_is_inferred_as_vllm_does(llama_dir, tmp_path):
+    cfg = parse_speculative_config({"model": llama_dir, "num_speculative_tokens": 2})
+    assert cfg is not None and (cfg.method, cfg.model) == ("draft_model", llama_dir)
+    cfg = parse_speculative_config({"model": "[ngram]", "num_speculative_tokens": 2})
+    assert cfg is not None and (cfg.method, cfg.model) == ("ngram", None)
+    with pytest.raises(ConfigError, match=r"speculative_config\.model .*not 'ngram'"):
+        parse_speculative_config({"method": "ngram", "model": llama_dir, "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match=r"speculative_config\.model='.*' is not a model.*config\.json is missing"):
+        parse_speculative_config(draft_cfg(str(tmp_path)))  # a directory, but no model in it
+
+
+def test_the_engine_refuses_a_draft_of_another_vocabulary_before_loading(llama_dir, tmp_path):
+    other = make_model(str(tmp_path / "v"), ModelSpec(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1,
+                                                      intermediate_size=64, vocab_size=32016))
+    with pytest.raises(ConfigError, match=r"speculative_config\.model=.*vocab_size 32016 is not the target "
+                                          r"model's 32000"):
+        LLM(llama_dir, speculative_config=draft_cfg(other))

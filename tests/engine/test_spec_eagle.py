@@ -1,0 +1,312 @@
+"""Speculative decoding with EAGLE heads (engine/spec_eagle.py, engine/spec_eagle_model.py;
+docs/speculative.md, "EAGLE heads").
+
+The heads are written here in the published checkpoints' layout (vLLM's ``llama_eagle.py`` and
+``llama_eagle3.py`` read the same names) for the test Llama. Random heads propose tokens the
+target rarely agrees with, so with them the tests check exactness (greedy and seeded output
+equal to the engine without speculation, batches, finish and abort give every block back) and
+that proposals were made and verified (the counters move); acceptance cannot be shown with
+them. "Copy" heads are built so that the head's output is the target's own hidden state (its
+attention and MLP outputs zero, ``fc`` selecting the target's final hidden state): each
+proposal is then the target's argmax at the request's last computed position, i.e. the last
+token again; that is right only if the head reads the right target hidden state at the right
+row (and, for EAGLE-3, maps draft ids through ``d2t``), and the target's greedy output repeats
+tokens, so proposals are accepted and rejected: the KV of both models is rolled back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import ConfigError
+from pdserve.engine.spec_config import parse_speculative_config
+
+from .test_hf_parity import hf_greedy
+from .test_spec_decode import prompts, run
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _config(target_dir: str) -> dict:
+    with open(os.path.join(target_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def _layer(prefix: str, t: dict, hidden: int, q_in: int, gen: torch.Generator, copy: bool) -> dict:
+    """A Llama layer's weights in HF names (q/k/v over ``q_in`` inputs); ``copy``: its attention
+    and MLP outputs are zero (the layer passes its input through)."""
+    heads, kv, inter = t["num_attention_heads"], t["num_key_value_heads"], t["intermediate_size"]
+    hd = hidden // heads
+
+    def rnd(*shape):
+        return 0.05 * torch.randn(*shape, generator=gen)
+
+    return {
+        prefix + "self_attn.q_proj.weight": rnd(heads * hd, q_in),
+        prefix + "self_attn.k_proj.weight": rnd(kv * hd, q_in),
+        prefix + "self_attn.v_proj.weight": rnd(kv * hd, q_in),
+        prefix + "self_attn.o_proj.weight": torch.zeros(hidden, heads * hd) if copy else rnd(hidden, heads * hd),
+        prefix + "mlp.gate_proj.weight": rnd(inter, hidden),
+        prefix + "mlp.up_proj.weight": rnd(inter, hidden),
+        prefix + "mlp.down_proj.weight": torch.zeros(hidden, inter) if copy else rnd(hidden, inter),
+        prefix + "post_attention_layernorm.weight": 1 + rnd(hidden),
+    }
+
+
+def make_eagle1(out: str, target_dir: str, copy: bool = False, hidden: int | None = None, seed: int = 0) -> str:
+    """An EAGLE-1 head: a 1-layer Llama config, ``fc`` [hidden, 2 hidden], ``layers.0.*``
+    without input_layernorm; embed_tokens and lm_head left to the target's."""
+    t = _config(target_dir)
+    h = hidden or t["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    os.makedirs(out, exist_ok=True)
+    cfg = {**t, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "hidden_size": h}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    fc = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1) if copy else 0.05 * torch.randn(h, 2 * h, generator=gen)
+    weights = {"fc.weight": fc, **_layer("layers.0.", t, h, h, gen, copy)}
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+def make_eagle3(out: str, target_dir: str, draft_ids: list[int], copy: bool = False, seed: int = 0) -> str:
+    """An EAGLE-3 head: ``fc`` over three target hidden states, ``midlayer.*`` whose q/k/v read
+    2 x hidden, ``norm``, its own ``lm_head`` over a draft vocabulary (draft id i is target id
+    ``draft_ids[i]``), ``d2t`` (draft id -> target id - draft id) and ``t2d``. Random: vLLM's
+    default aux layers (2, L // 2, L - 3) = (0, 1, 2) for the 3-layer target. Copy: aux layers
+    [3, 0, 1] (read sorted), ``fc`` selecting the third (the last layer's output before the final
+    norm), the target's final norm and the LM head rows of the draft ids."""
+    t = _config(target_dir)
+    h = t["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    os.makedirs(out, exist_ok=True)
+    cfg = {**t, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+           "draft_vocab_size": len(draft_ids)}
+    if copy:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [3, 0, 1]}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    target = load_file(os.path.join(target_dir, "model.safetensors"))
+    to_target = torch.tensor(draft_ids)
+    t2d = torch.zeros(t["vocab_size"], dtype=torch.bool)
+    t2d[to_target] = True
+    if copy:
+        fc = torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], dim=1)
+        norm, lm_head = target["model.norm.weight"], target["lm_head.weight"][to_target]
+    else:
+        fc = 0.05 * torch.randn(h, 3 * h, generator=gen)
+        norm, lm_head = 1 + 0.05 * torch.randn(h, generator=gen), 0.05 * torch.randn(len(draft_ids), h, generator=gen)
+    weights = {
+        "fc.weight": fc, "norm.weight": norm, "lm_head.weight": lm_head,
+        "d2t": to_target - torch.arange(len(draft_ids)), "t2d": t2d,
+        "midlayer.input_layernorm.weight": torch.ones(h), "midlayer.hidden_norm.weight": torch.ones(h),
+        **_layer("midlayer.", t, h, 2 * h, gen, copy),
+    }
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+def eagle_cfg(method: str, path: str, k: int = 3, **extra) -> dict:
+    return {"method": method, "model": path, "num_speculative_tokens": k, "acceptance_floor": 0.0, **extra}
+
+
+def pools_full(llm: LLM) -> bool:
+    head = llm.engine.spec.draft
+    return (head.kv.num_free_blocks == head.kv.pool.num_blocks and not head.seqs and not head.states
+            and llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks)
+
+
+COPY_PROMPTS = prompts(8, seed=6)
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    with LLM(llama_dir, seed=0) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def heads(llama_dir, plain, tmp_path_factory) -> dict[str, str]:
+    """Random heads (EAGLE-3's over 4000 draft ids in a random order) and copy heads (EAGLE-3's
+    over all ids but 1000 that neither the copy test's prompts nor their greedy output hold, in
+    reverse order)."""
+    root = tmp_path_factory.mktemp("eagle")
+    vocab = _config(llama_dir)["vocab_size"]
+    used = {t for p in COPY_PROMPTS for t in p} | {t for toks, _, _ in run(plain, COPY_PROMPTS, GREEDY) for t in toks}
+    unused = [t for t in range(vocab) if t not in used][:1000]
+    copy_ids = sorted(set(range(vocab)) - set(unused), reverse=True)
+    rng = torch.Generator().manual_seed(3)
+    return {
+        "eagle": make_eagle1(str(root / "eagle1"), llama_dir),
+        "eagle3": make_eagle3(str(root / "eagle3"), llama_dir, torch.randperm(vocab, generator=rng)[:4000].tolist()),
+        "eagle-copy": make_eagle1(str(root / "eagle1-copy"), llama_dir, copy=True),
+        "eagle3-copy": make_eagle3(str(root / "eagle3-copy"), llama_dir, copy_ids, copy=True),
+    }
+
+
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def random_head(request, llama_dir, heads):
+    with LLM(llama_dir, seed=0, speculative_config=eagle_cfg(request.param, heads[request.param])) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module", params=["eagle-copy", "eagle3-copy"])
+def copy_head(request, llama_dir, heads):
+    method = request.param.removesuffix("-copy")
+    with LLM(llama_dir, seed=0, speculative_config=eagle_cfg(method, heads[request.param], k=4)) as llm:
+        yield llm
+
+
+def test_a_random_head_proposes_and_greedy_output_is_exact(plain, random_head):
+    ps = prompts(6, seed=4)  # a batch of six
+    stats = random_head.engine.stats
+    before = (stats.num_spec_drafts, stats.num_spec_draft_tokens, random_head.engine.spec.draft.num_forwards)
+    assert run(random_head, ps, GREEDY) == run(plain, ps, GREEDY)
+    assert stats.num_spec_drafts - before[0] > 20  # proposals were made and verified
+    assert stats.num_spec_draft_tokens - before[1] > 60
+    assert random_head.engine.spec.draft.num_forwards > before[2]
+    assert pools_full(random_head)
+
+
+def test_a_random_head_keeps_seeded_sampling_exact(plain, random_head):
+    ps = prompts(3, seed=5) * 2
+    params = [SamplingParams(max_tokens=16, temperature=t, top_p=0.9 if i % 2 else 1.0, seed=50 + i,
+                             ignore_eos=True) for i, t in enumerate([0.05, 0.7, 1.0] * 2)]
+    before = random_head.engine.stats.num_spec_draft_tokens
+    assert run(random_head, ps, params) == run(plain, ps, params)
+    assert random_head.engine.stats.num_spec_draft_tokens > before
+    assert pools_full(random_head)
+
+
+def test_the_copy_head_reads_the_right_hidden_states(llama_dir, plain, copy_head):
+    """Each proposal of a copy head is the target's argmax at the request's last computed
+    position, which greedy is the request's last token: every proposal made is the last token
+    repeated (checked on the proposer's own answers), and so is right only when the head read
+    the target's hidden state of the right position (through ``d2t`` for EAGLE-3). The target's
+    greedy output repeats tokens, so proposals are accepted (some) and rejected (others), and the
+    output equals the engine without speculation and HF."""
+    ps = COPY_PROMPTS
+    want = run(plain, ps, GREEDY)
+    head = copy_head.engine.spec.draft
+    seen: list[tuple[int, list[int]]] = []
+    propose = head.propose
+
+    def spy(wants, structured):
+        found = propose(wants, structured)
+        seen.extend((r.all_token_ids[-1], found[r.request_id]) for r, _ in wants if r.request_id in found)
+        return found
+
+    stats = copy_head.engine.stats
+    before = (stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens)
+    head.propose = spy
+    try:
+        assert run(copy_head, ps, GREEDY) == want
+    finally:
+        del head.propose
+    proposed, accepted = stats.num_spec_draft_tokens - before[0], stats.num_spec_accepted_tokens - before[1]
+    assert len(seen) > 50 and all(props == [last] * len(props) for last, props in seen), seen[:5]
+    assert 0.1 * proposed < accepted < proposed, (accepted, proposed)
+    assert [o[0] for o in want[:2]] == hf_greedy(llama_dir, ps[:2], GREEDY.max_tokens)
+    assert pools_full(copy_head)
+
+
+def test_blocks_come_back_after_finish_and_abort(random_head):
+    eng = random_head.engine
+    head = eng.spec.draft
+    assert pools_full(random_head)
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=6 + 20 * i, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(prompts(3, seed=8))]
+    for _ in range(200):  # (bounded: each step decodes every request)
+        if reqs[0].finish_reason and all(len(r.output_token_ids) > 8 for r in reqs[1:]):
+            break
+        eng.step()
+    rid = [r.request_id for r in reqs]
+    assert rid[0] not in head.seqs and rid[0] not in head.states and head.kv.tables.get(rid[0]) is None  # finished
+    assert set(rid[1:]) <= set(head.seqs) and head.kv.num_free_blocks < head.kv.pool.num_blocks
+    held, free = len(head.kv.tables[rid[1]]), head.kv.num_free_blocks
+    assert held > 0 and eng.abort_request(rid[1])  # aborted
+    assert rid[1] not in head.seqs and rid[1] not in head.states and head.kv.num_free_blocks == free + held
+    assert eng.abort_request(rid[2])
+    eng.release(rid[0])
+    assert pools_full(random_head) and not eng.has_unfinished()
+
+
+def test_structured_outputs_equal_no_speculation(plain, random_head):
+    """EAGLE-3's rows outside its draft vocabulary are -inf: under a grammar the head proposes the
+    best token it has that the grammar allows, or stops."""
+    grammars = [{"regex": r"(ab|cd)( (ab|cd)){10,30}"}, {"choice": ["alpha beta alpha beta", "gamma"]},
+                {"json": {"type": "array", "items": {"enum": ["x", "yz"]}, "minItems": 6, "maxItems": 12},
+                 "disable_any_whitespace": True}]
+    ps = prompts(3, seed=9)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=g) for g in grammars]
+    assert run(random_head, ps, params) == run(plain, ps, params)
+    assert pools_full(random_head)
+
+
+def test_preemption_chunks_and_the_prefix_cache_stay_exact(llama_dir, plain, heads):
+    """A small pool (preemptions: the head's KV and hidden states released, computed again),
+    chunked prompts (the hidden states of several steps), prompts sharing a cached prefix (no
+    hidden states there: the head reads zeros) and a half-size head pool: output equal to the
+    engine without speculation, the copy head still accepted, every block back."""
+    ps = prompts(8, seed=5)
+    ps = ps + [p + [5, 6, 7] for p in ps[:2]]
+    params = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
+    want = run(plain, ps, params)
+    for method in ("eagle", "eagle3"):
+        cfg = eagle_cfg(method, heads[f"{method}-copy"], draft_kv_cache_fraction=0.5)
+        with LLM(llama_dir, seed=0, speculative_config=cfg, max_num_batched_tokens=24, block_size=4,
+                 num_gpu_blocks_override=48) as llm:
+            assert run(llm, ps[:8], params) == want[:8]
+            s = llm.engine.stats
+            assert s.num_preemptions > 0 and s.num_spec_accepted_tokens > 0
+            assert run(llm, ps[:1], params) == want[:1]
+            computed = s.num_prompt_tokens_computed
+            assert run(llm, ps[8:9], params) == want[8:9]  # (its prompt begins with the one just run)
+            assert s.num_prompt_tokens_computed - computed < len(ps[8])  # (a prefix cache hit)
+            assert pools_full(llm)
+
+
+def test_a_head_of_another_hidden_size_is_refused_naming_the_field(llama_dir, tmp_path):
+    path = make_eagle1(str(tmp_path / "wide"), llama_dir, hidden=256)
+    parse_speculative_config(eagle_cfg("eagle", path))  # (the target is not known here)
+    with pytest.raises(ConfigError, match=r"speculative_config\.model=.*hidden size 256 is not the target"):
+        LLM(llama_dir, speculative_config=eagle_cfg("eagle", path))
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_missing_or_malformed_heads_are_refused_naming_the_field(llama_dir, heads, tmp_path, method):
+    field = r"speculative_config\.model"
+    with pytest.raises(ConfigError, match=field):
+        parse_speculative_config({"method": method, "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match=field):
+        parse_speculative_config(eagle_cfg(method, str(tmp_path / "nowhere")))
+    broken = tmp_path / f"{method}-broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=field + r".*config\.json"):
+        parse_speculative_config(eagle_cfg(method, str(broken)))
+    # A weight missing or of the wrong shape: refused when the engine loads the head.
+    short = tmp_path / f"{method}-short"
+    short.mkdir()
+    src = heads[method]
+    (short / "config.json").write_text(open(os.path.join(src, "config.json")).read())
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    weights["fc.weight"] = weights["fc.weight"][:, :-1].contiguous()
+    save_file(weights, str(short / "model.safetensors"))
+    with pytest.raises(ConfigError, match=field + r".*fc\.weight has shape"):
+        LLM(llama_dir, speculative_config=eagle_cfg(method, str(short)))
+
+
+def test_unsupported_methods_are_refused_naming_the_field(heads):
+    with pytest.raises(ConfigError, match=r"speculative_config\.method='mtp' \(not supported yet\)"):
+        parse_speculative_config({"method": "mtp", "model": heads["eagle"], "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match=r"speculative_config\.prompt_lookup_max"):
+        parse_speculative_config({**eagle_cfg("eagle", heads["eagle"]), "prompt_lookup_max": 3})
