@@ -29,7 +29,8 @@ class ErrorBody(_Out):
     message: str = Field(description="what was wrong and what to change")
     type: str = Field(description="invalid_request_error, rate_limit_error, unavailable or server_error")
     param: str | None = Field(description="the request field at fault, when one is")
-    code: int = Field(description="the HTTP status")
+    code: int | str = Field(description="the HTTP status (vLLM's habit), or OpenAI's code `model_not_found` for a "
+                            "model or LoRA adapter not served")
 
 
 class ErrorResponse(_Out):

@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora-kernel", choices=("auto", "torch"), default="auto",
+                   help="auto: the native gathered kernel on a float32 CPU model (engine/lora_native.py); "
+                        "torch: the torch forms only (PDSERVE_LORA_KERNEL=torch), the ablation")
     p.add_argument("--ttft-rounds", type=int, default=5,
                    help="TTFT of a request under a never-seen adapter (cold) against it resident (warm); 0: skip")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -129,6 +132,7 @@ def main(argv=None) -> int:
     from pdserve.engine import LLMEngine, LoRARequest
     from pdserve.engine.config import EngineConfig, ModelConfig
 
+    os.environ["PDSERVE_LORA_KERNEL"] = args.lora_kernel  # read when the engine wraps its projections
     model = args.model or default_model()
     batches = [int(b) for b in args.batches.split(",")]
     rng = random.Random(args.seed)
@@ -140,6 +144,8 @@ def main(argv=None) -> int:
             model, enable_prefix_caching=False, enable_lora=True, max_loras=args.adapters,
             max_lora_rank=args.rank, max_num_seqs=max(batches)))
         vocab = eng.model_config.vocab_size
+        kernel = eng.runner.lora.model.state.lib is not None
+        print(f"LoRA delta: {'the native gathered kernel' if kernel else 'the torch forms'} (--lora-kernel {args.lora_kernel})")
         decode_rate(eng, [[5] * 8] * 2, adapters[:2], 4)  # warm-up
         for batch in batches:
             prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]

@@ -15,6 +15,10 @@ by slot once per step, and the delta takes one of two forms:
 
 Rows without an adapter take no work when no row has one, and a zero mask row otherwise.
 
+On a float32 CPU model, when the native kernel builds (engine/lora_native.py,
+csrc/lora_bgmv.c), neither form runs: each row is multiplied by its own adapter's A and B
+only, rows in parallel, one call per projection part whatever the mix.
+
 The weights sit in per-projection stacks of ``max_loras`` slots padded to ``max_lora_rank``
 (``A: [slots, rank, in]``, ``B: [out, slots, rank]``, so that a run of slots is one matrix
 either way), this rank's slice of them at TP>1 (split
@@ -32,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import lora_native
 from .lora import Adapter
+from .lora_native import StepArgs, bgmv_step, check_stacks, step_args
 from .tensor_parallel import Shard
 
 
@@ -56,12 +62,21 @@ class LoRAState:
         # several slots in the step: their run [lo, hi) and the [rows, (hi - lo) x max_rank] mask
         self.span: tuple[int, int] = (0, 0)
         self.mask: torch.Tensor | None = None
+        # The gathered kernel (engine/lora_native.py), when it serves this model: then a step
+        # with adapters passes each row's slot to it (``row_slots``), and neither form above.
+        self.lib = None
+        self.row_slots: StepArgs | None = None
 
     def begin(self, slots: np.ndarray | None, device: torch.device) -> None:
         """Group the step's rows by adapter slot (``slots[t]``; -1: the base model)."""
         self.groups = []
         self.mask = None
+        self.row_slots = None
         if slots is None:
+            return
+        if self.lib is not None:
+            if (slots >= 0).any():
+                self.row_slots = step_args(slots, self.ranks, self.scalings, len(self.ranks), self.max_rank)
             return
         for s in np.unique(slots[slots >= 0]).tolist():
             rows = np.flatnonzero(slots == s)
@@ -85,6 +100,7 @@ class Part:
         out = cols[1] - cols[0]
         self.a = torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
         self.b = torch.zeros(out, max_loras, max_rank, device=device, dtype=dtype)
+        self.bt: torch.Tensor | None = None  # B transposed, [slots, rank, out]: the native kernel's (kept by fill)
         self.present = [False] * max_loras
 
     def mixed_delta(self, x: torch.Tensor, state: "LoRAState") -> torch.Tensor:
@@ -105,6 +121,13 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        state = self.state
+        if state.row_slots is not None:  # the gathered kernel: each row against its own adapter
+            xc = x if x.stride(-1) == 1 else x.contiguous()
+            for p in self.parts:
+                assert p.bt is not None
+                bgmv_step(state.lib, xc, p.a, p.bt, state.row_slots, y, p.cols[0])
+            return y
         if self.state.mask is not None:  # several adapters in the step: one pass for all
             for p in self.parts:
                 y[:, p.cols[0]:p.cols[1]].add_(p.mixed_delta(x, self.state))
@@ -140,6 +163,7 @@ class LoRAModel:
     def __init__(self, model: nn.Module, shard: Shard, head_dim: int, max_loras: int, max_rank: int,
                  device: torch.device, dtype: torch.dtype):
         self.state = LoRAState(max_loras, max_rank, dtype)
+        self.state.lib = lora_native.load(device, dtype, max_rank)
         self.slices = _slices(shard, head_dim)
         self.layers: list[dict[str, Part]] = []
         self.device = device
@@ -161,6 +185,10 @@ class LoRAModel:
             if layer.moe is None:
                 found |= wrap(layer, "gate_up_proj", [("gate_proj", inter), ("up_proj", inter)], hidden)
                 found |= wrap(layer, "down_proj", [("down_proj", hidden)], inter)
+            if self.state.lib is not None:
+                for part in found.values():
+                    part.bt = torch.zeros(max_loras, max_rank, part.b.shape[0], device=device, dtype=dtype)
+                    check_stacks(part.a, part.bt)
             self.layers.append(found)
 
     def fill(self, slot: int, adapter: Adapter) -> None:
@@ -173,12 +201,16 @@ class LoRAModel:
                     p.present[slot] = pair is not None
                     p.a[slot].zero_()
                     p.b[:, slot].zero_()
+                    if p.bt is not None:
+                        p.bt[slot].zero_()
                     if pair is None:
                         continue
                     rows, cols = self.slices[module]
                     a, b = pair
                     p.a[slot, :r].copy_(a if cols is None else a[:, cols])
                     p.b[:, slot, :r].copy_(b if rows is None else b[rows])
+                    if p.bt is not None:
+                        p.bt[slot, :r].copy_(p.b[:, slot, :r].t())
         self.state.ranks[slot], self.state.scalings[slot] = r, adapter.scaling
 
     def begin_step(self, slots: np.ndarray | None) -> None:

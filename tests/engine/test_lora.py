@@ -10,10 +10,12 @@ import os
 import random
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from pdserve.engine import LLM, ConfigError, InvalidRequestError, LoRAError, LoRARequest, SamplingParams
+from pdserve.engine import native
 from pdserve.engine.lora_layers import LoRAState
 
 MAX_TOKENS = 12
@@ -136,7 +138,7 @@ def test_mixed_batch_equals_each_alone_in_one_forward(llama_llm, adapters, refer
 
     def spy(self, slots, device):
         begin(self, slots, device)
-        groups.append(len(self.groups))
+        groups.append(0 if slots is None else len(set(slots[slots >= 0].tolist())))
 
     monkeypatch.setattr(LoRAState, "begin", spy)
     outs = llama_llm.generate(batch, GREEDY, lora_request=[adapters[n] if n else None for n in names])
@@ -144,6 +146,71 @@ def test_mixed_batch_equals_each_alone_in_one_forward(llama_llm, adapters, refer
     for i, (n, o) in enumerate(zip(names, outs)):
         alone = llama_llm.generate([batch[i]], GREEDY, lora_request=adapters[n] if n else None)[0]
         assert o.token_ids == alone.token_ids == refs[n][i % len(ids)], (i, n)
+
+
+def test_the_native_kernel_serves_float32_cpu_steps(llama_llm):
+    """The tests above ran the gathered kernel (engine/lora_native.py), not the torch forms."""
+    state = llama_llm.engine.runner.lora.model.state
+    assert state.lib is not None, native.why_unavailable("lora_bgmv.c")
+
+
+def test_the_gathered_kernel_computes_each_rows_own_delta():
+    """csrc/lora_bgmv.c against the formula, row by row: rows of three slots and of the base,
+    ranks below the stacks' padded rank, a column offset, and bad shapes refused."""
+    from pdserve.engine import lora_native
+
+    lib = lora_native.load(torch.device("cpu"), torch.float32, 16)
+    assert lib is not None, native.why_unavailable("lora_bgmv.c")
+    gen = torch.Generator().manual_seed(0)
+    rows, width, slots_n, rank, out = 9, 40, 3, 8, 24
+    x = torch.randn(rows, width, generator=gen)
+    a = torch.randn(slots_n, rank, width, generator=gen)
+    bt = torch.randn(slots_n, rank, out, generator=gen)
+    slots = np.array([0, -1, 2, 1, 2, 0, -1, 1, 1], dtype=np.int32)
+    ranks, scalings = [8, 4, 6], [0.5, 2.0, 1.5]
+    y = torch.randn(rows, out + 10, generator=gen)
+    want = y.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            r = ranks[s]
+            want[t, 3:3 + out] += scalings[s] * ((a[s, :r] @ x[t]) @ bt[s, :r])
+    lora_native.check_stacks(a, bt)
+    lora_native.bgmv_step(lib, x, a, bt, lora_native.step_args(slots, ranks, scalings, slots_n, rank), y, 3)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[1], want[1]) and torch.equal(y[:, :3], want[:, :3])  # the base row and other columns untouched
+    with pytest.raises(ValueError, match="out of the stacks"):
+        lora_native.step_args(np.array([3], dtype=np.int32), ranks, scalings, slots_n, rank)
+    with pytest.raises(ValueError, match="unexpected shape"):
+        lora_native.bgmv_step(lib, x[:5], a, bt, lora_native.step_args(slots, ranks, scalings, slots_n, rank), y, 3)
+
+
+def test_the_torch_forms_match_hf_peft_too(model_dirs, adapters, references, monkeypatch):
+    """Without the kernel (PDSERVE_LORA_KERNEL=torch, or where it does not build) the masked form
+    (several adapters in a step) and the gathered one (one adapter beside the base) give the
+    same tokens."""
+    ids, refs = references
+    monkeypatch.setenv("PDSERVE_LORA_KERNEL", "torch")
+    forms: set[str] = set()
+    begin = LoRAState.begin
+
+    def spy(self, slots, device):
+        begin(self, slots, device)
+        if self.mask is not None:
+            forms.add("masked")
+        elif self.groups:
+            forms.add("gathered")
+
+    monkeypatch.setattr(LoRAState, "begin", spy)
+    names = [None, "a1", "a2", "a3", "a4", "a1"]
+    with LLM(model_dirs("llama"), enable_lora=True, max_loras=4, max_lora_rank=16) as llm:
+        assert llm.engine.runner.lora.model.state.lib is None
+        mixed = llm.generate([ids[i % len(ids)] for i in range(len(names))], GREEDY,
+                             lora_request=[adapters[n] if n else None for n in names])
+        pair = llm.generate(ids[:2], GREEDY, lora_request=[adapters["a2"], None])
+    assert forms == {"masked", "gathered"}
+    for i, (n, o) in enumerate(zip(names, mixed)):
+        assert o.token_ids == refs[n][i % len(ids)], (i, n)
+    assert [o.token_ids for o in pair] == [refs["a2"][0], refs[None][1]]
 
 
 def test_prefix_cache_never_shares_kv_between_adapters(model_dirs, adapters, references):
