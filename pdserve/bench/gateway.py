@@ -51,7 +51,7 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parents[1]  # the checkout (bench/ is pdserve/bench, linked from the top)
 sys.path.insert(0, str(REPO))  # bench.* when run as a script
 SERVED_NAME = "gw-model"
 

@@ -29,11 +29,13 @@ from pathlib import Path
 AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled")
 
 
-def add_autogroup_option(parser) -> None:
-    parser.add_argument("--autogroups", choices=("off", "keep"), default="off",
+def add_autogroup_option(parser, both: bool = False) -> None:
+    """``--autogroups off|keep`` (``both`` adds the choice 'both': the whole run twice, off then kept)."""
+    parser.add_argument("--autogroups", choices=("off", "keep", "both") if both else ("off", "keep"), default="off",
                         help="the kernel's session autogroups during the run: 'off' (default; root only, "
                              "restored after) so the client and a Ray-started cluster are scheduled as tasks, "
-                             "not as two sessions (bench/host.py); 'keep' leaves the host's setting")
+                             "not as two sessions (bench/host.py); 'keep' leaves the host's setting"
+                             + ("; 'both' runs everything twice, off then kept, and reports the two" if both else ""))
 
 
 def _exit_on_sigterm(signum, frame):

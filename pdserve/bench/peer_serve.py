@@ -38,19 +38,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parents[1]  # the checkout (bench/ is pdserve/bench, linked from the top)
 SYSTEMS = ("vllm", "colocated", "1p1d")
 DATASETS: dict[str, list[str]] = {
     "long-mix": ["--dataset-name", "random", "--random-input-len", "511", "--random-output-len", "34",
@@ -178,6 +179,10 @@ class Server:
         text = self.metrics_text()
         return parse_prediction_ratios(text) if text else {}
 
+    def thread_cpu(self) -> dict[str, float]:
+        """pdserve only: the decode worker's CPU seconds by thread so far (pdserve_thread_cpu_seconds)."""
+        return parse_thread_cpu(self.metrics_text())
+
     def refusals(self) -> dict[str, int]:
         """pdserve only: QoS refusals so far by reason (pdserve_admissions_refused_total)."""
         return parse_refusals(self.metrics_text())
@@ -215,6 +220,20 @@ def parse_prediction_ratios(metrics_text: str) -> dict:
     return out
 
 
+def parse_thread_cpu(metrics_text: str) -> dict[str, float]:
+    """CPU seconds by thread group from a worker's /metrics (common/thread_cpu.py)."""
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^pdserve_thread_cpu_seconds_total\{[^}]*thread="([^"]+)"[^}]*\} (\S+)$', metrics_text,
+                         re.MULTILINE):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def cpu_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each thread group's CPU seconds between two readings."""
+    return {k: round(after[k] - before.get(k, 0.0), 3) for k in sorted(after) if after[k] - before.get(k, 0.0) > 0}
+
+
 def parse_refusals(metrics_text: str) -> dict[str, int]:
     """Refusals by reason from a decode worker's /metrics (pdserve_admissions_refused_total)."""
     out: dict[str, int] = {}
@@ -239,7 +258,8 @@ def run_client(cfg: PeerConfig, url: str, dataset: str, rate: float, num_prompts
            *DATASETS[dataset], "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--ignore-eos",
            "--seed", str(seed), "--goodput", *cfg.goodput, "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result.parent),
-           "--result-filename", result.name, "--disable-tqdm"]
+           "--result-filename", result.name, "--disable-tqdm",
+           "--save-detailed"]  # per request: its prompt length and TTFT, so a tail can be read by prompt length
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
     with open(result.with_suffix(".log"), "w") as logf:
         rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=cfg.run_timeout_s).returncode
@@ -248,6 +268,7 @@ def run_client(cfg: PeerConfig, url: str, dataset: str, rate: float, num_prompts
     return json.loads(result.read_text())
 
 
+TAILS = ("p99_ttft_ms", "p99_itl_ms")  # the tails issue 56 compares, with their spread
 FIELDS = ("completed", "request_goodput", "request_throughput", "slo_attainment", "p50_ttft_ms", "p99_ttft_ms",
           "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms")
 
@@ -285,7 +306,7 @@ def resummarize(doc: dict, work: Path) -> dict:
 
 def _kept(run: dict) -> dict:
     """What a run recorded beside the client's figures (its refusals by reason)."""
-    return {k: run[k] for k in ("refused",) if k in run}
+    return {k: run[k] for k in ("refused", "thread_cpu_s") if k in run}
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -295,6 +316,9 @@ def median_of(runs: list[dict]) -> dict:
         out[k] = statistics.median(vals) if vals else None
     out["goodput_min"] = min((r["request_goodput"] or 0) for r in runs)
     out["goodput_max"] = max((r["request_goodput"] or 0) for r in runs)
+    for k in TAILS:  # the tails' spread over the repetitions, beside their median
+        vals = [r[k] for r in runs if r.get(k) is not None]
+        out[f"{k}_min"], out[f"{k}_max"] = (min(vals), max(vals)) if vals else (None, None)
     out["num_prompts"] = runs[0].get("num_prompts")
     return out
 
@@ -322,13 +346,17 @@ def run_peer(cfg: PeerConfig, log=lambda line: print(line, file=sys.stderr, flus
                     runs = []
                     for rep in range(cfg.reps):
                         path = work / f"{system}-{dataset}-r{rate:g}-rep{rep}.json"
-                        before = server.refusals()
+                        before, cpu_before = server.refusals(), server.thread_cpu()
                         runs.append(summarize(run_client(cfg, server.url, dataset, rate, cfg.num_prompts,
                                                          1000 * (i + 1) + rep, path)))
                         r = runs[-1]
                         refused = refusals_between(before, server.refusals())
                         if refused:
                             r["refused"] = refused
+                        if cpu := cpu_split(cpu_before, server.thread_cpu()):
+                            r["thread_cpu_s"] = cpu  # where the decode worker's cores went during the run
+                            log(f"[{dataset}] {system} rate {rate:g} rep {rep}: CPU s by thread: " + ", ".join(
+                                f"{k} {v:.2f}" for k, v in cpu.items()))
                         why = ("; refused: " + ", ".join(f"{n} {k}" for k, n in refused.items())) if refused else ""
                         log(f"[{dataset}] {system} rate {rate:g} rep {rep}: completed {r['completed']}/"
                             f"{r['num_prompts']}, goodput {r['request_goodput']:.2f} req/s, TTFT p99 "
@@ -373,10 +401,49 @@ def format_table(doc: dict) -> str:
                     f"[{m['goodput_min']:.2f}-{m['goodput_max']:.2f}] | {ratio} | {m['p50_ttft_ms']:.0f} / "
                     f"{m['p99_ttft_ms']:.0f} | {m['p50_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | "
                     f"{m['p50_itl_ms']:.1f} / {m['p99_itl_ms']:.1f} |")
+        lines.extend(_tails_table(by_system))
         for system, pred in doc.get("predictions", {}).get(dataset, {}).items():
             lines.append(f"\n{system}: router TTFT predictions within 20 % of the measured TTFT: " + ", ".join(
                 f"{route} {v['within_20pct']:.0%} of {v['requests']} requests" for route, v in pred.items()))
     return "\n".join(lines)
+
+
+def tail_ratio(vllm: dict, other: dict, key: str) -> tuple[float, float, float] | None:
+    """vLLM's p99 over the other system's (above 1: the other's tail is shorter), from the
+    medians of the repetitions, with the range the repetitions allow: the worst pairing
+    (vLLM's shortest over the other's longest) to the best."""
+    try:
+        return (vllm[key] / other[key], vllm[f"{key}_min"] / other[f"{key}_max"],
+                vllm[f"{key}_max"] / other[f"{key}_min"])
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def _tails_table(by_system: dict) -> list[str]:
+    """Per rate and system: TTFT p99 and ITL p99 against vLLM's (vLLM / system, so 1.0x or
+    more is at or below vLLM's), each p99 as median [min-max] over the repetitions."""
+    ref = by_system.get("vllm")
+    if not ref or len(by_system) < 2:
+        return []
+    lines = ["", "| rate | system | TTFT p99 ms | vLLM's | TTFT p99 vs vLLM | ITL p99 ms | vLLM's | ITL p99 vs vLLM |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def p99(m: dict, key: str) -> str:
+        return f"{m[key]:.0f} [{m[key + '_min']:.0f}-{m[key + '_max']:.0f}]" if m.get(key + "_min") is not None else "-"
+
+    def ratio(r) -> str:
+        return f"{r[0]:.2f}x [{r[1]:.2f}-{r[2]:.2f}]" if r else "-"
+
+    for rate, entry in ref.items():
+        v = entry["median"]
+        for system, per_rate in by_system.items():
+            m = per_rate.get(rate, {}).get("median")
+            if system == "vllm" or not m:
+                continue
+            lines.append(f"| {rate} | {system} | {p99(m, 'p99_ttft_ms')} | {p99(v, 'p99_ttft_ms')} | "
+                         f"{ratio(tail_ratio(v, m, 'p99_ttft_ms'))} | {p99(m, 'p99_itl_ms')} | {p99(v, 'p99_itl_ms')} | "
+                         f"{ratio(tail_ratio(v, m, 'p99_itl_ms'))} |")
+    return lines
 
 
 def plot(doc: dict, path: Path) -> None:
@@ -429,7 +496,7 @@ def main(argv=None) -> int:
     p.add_argument("--report", default=None, metavar="PEER_JSON",
                    help="run nothing: print the table (and --plot) of a finished run's JSON, its figures "
                         "re-read from the raw client files beside it in --work-dir when they are there")
-    add_autogroup_option(p)
+    add_autogroup_option(p, both=True)
     args = p.parse_args(argv)
     if args.report:
         doc = resummarize(json.loads(Path(args.report).read_text()), Path(args.work_dir))
@@ -451,14 +518,22 @@ def main(argv=None) -> int:
         from pdserve.bench.sweep import base_model_dir
 
         cfg.model = base_model_dir(cfg.topology)
-    with autogroups_off(args.autogroups) as host:
-        doc = run_peer(cfg)
-    doc["host"] = host
-    print(format_table(doc))
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(doc, indent=1))
-    plot(doc, Path(args.plot) if args.plot else Path(cfg.work_dir) / "peer.png")
+    modes = ("off", "keep") if args.autogroups == "both" else (args.autogroups,)
+    for mode in modes:
+        run_cfg = cfg if len(modes) == 1 else replace(cfg, work_dir=str(Path(cfg.work_dir) / f"autogroups-{mode}"))
+        with autogroups_off(mode) as host:
+            doc = run_peer(run_cfg)
+        doc["host"] = host
+        if len(modes) > 1:
+            print(f"\n# autogroups {host['autogroups']} (--autogroups {mode})")
+        print(format_table(doc))
+        out = Path(args.output) if args.output else None
+        if out is not None:
+            out = out if len(modes) == 1 else out.with_name(f"{out.stem}-autogroups-{mode}{out.suffix}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(doc, indent=1))
+        png = Path(args.plot) if args.plot else Path(run_cfg.work_dir) / "peer.png"
+        plot(doc, png if len(modes) == 1 else png.with_name(f"{png.stem}-autogroups-{mode}{png.suffix}"))
     return 0
 
 

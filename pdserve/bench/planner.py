@@ -41,7 +41,7 @@ from .metrics import meets_slos, parse_goodput
 from .serve import LoadConfig, arrival_offsets, model_info, run_load
 from .sweep import base_model_dir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout
 SAMPLE_S = 0.5
 
 

@@ -33,7 +33,7 @@ from pdserve.router.policy import DEFAULT_POLICY
 from pdserve.router.qos import admit
 from pdserve.router.values import ClusterSnapshot, RequestFeatures
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout
 KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3-8B bf16
 GOAL_P99_US = 50.0
 WALL = time.perf_counter_ns

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parents[1]  # the checkout (bench/ is pdserve/bench, linked from the top)
 sys.path.insert(0, str(REPO))
 
 from pdserve.router import DEFAULT_POLICY  # noqa: E402

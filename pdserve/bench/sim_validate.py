@@ -55,7 +55,7 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parents[1]  # the checkout (bench/ is pdserve/bench, linked from the top)
 sys.path.insert(0, str(REPO))
 
 from bench.host import add_autogroup_option, autogroups_off  # noqa: E402

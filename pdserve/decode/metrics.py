@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pdserve.cluster.grammar_metrics import GrammarCollector
 from pdserve.cluster.registration import Registration
 from pdserve.cluster.registration_metrics import RegistrationCollector
+from pdserve.common.thread_cpu import ThreadCPUCollector
 from pdserve.engine.engine_types import EngineStats
 
 from .spec_metrics import SpecDecodeCollector
@@ -35,6 +36,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         r, labels = self.registry, {"role": role, "worker_id": worker_id}
         self.labels = labels
+        r.register(ThreadCPUCollector(labels))  # where the process's cores go, by thread (common/thread_cpu.py)
 
         def hist(name, doc, buckets):
             return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)

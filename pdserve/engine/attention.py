@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import native
+from . import native, prefill_native
 from .attention_base import AttentionBackend, BatchLayout
 from .kv_quant import KVQuant
 from .torch_attention import TorchAttention
@@ -208,7 +208,8 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
         lib = native.load()
         if lib is None:
             raise ValueError(f"attention_backend='native': {native.why_unavailable()}; use 'auto' or 'torch'")
-        return TorchAttention(scale, dtype, native=lib, kv_layout=kv_layout)
+        # long fresh prompts through the tiled causal kernel where its vector path runs (engine/prefill_native.py)
+        return TorchAttention(scale, dtype, native=lib, kv_layout=kv_layout, prefill=prefill_native.load(head_dim))
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' needs device='cuda'; use 'torch' on CPU")

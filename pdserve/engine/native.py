@@ -1,8 +1,10 @@
 """Native CPU kernels: built on first use with the machine's C compiler, cached, loaded with ctypes.
 
-One kernel today, paged decode attention in float32 (csrc/paged_decode.c): it reads each
+Declared here: paged decode attention in float32 (csrc/paged_decode.c), which reads each
 sequence's K and V rows in place in the KV pool instead of gathering them into a dense copy
-for SDPA, which was a third of a batch-64 decode step's time (docs/PERFORMANCE.md).
+for SDPA, which was a third of a batch-64 decode step's time (docs/PERFORMANCE.md). The other
+libraries are built by the same `load_library` from their own modules: the tiled causal
+kernel for long prompts (prefill_native.py), the LoRA kernel (lora_native.py).
 
 - **Build**: `cc -O3 -march=native -fopenmp -shared` (compiler from `$CC`, else `cc`/`gcc`),
   about a second. The library lands in ``$PDSERVE_KERNEL_CACHE`` (default

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from .attention_base import AttentionBackend, BatchLayout
 from .kv_quant import KVQuant, layer_of
 from .native import check_rows, paged_decode
+from .prefill_native import prefill_attention
 
 KV_LAYOUTS = ("NHD", "HND")
 
@@ -43,6 +44,9 @@ def _kv_rows(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.
 # kernel: measured on the 2-core CPU, a 2,000-token prompt prefilled 7% faster with SDPA,
 # while batches of 16-384-token prompts prefill faster through the kernel.
 NATIVE_MAX_QUERY = 512
+# A fresh prompt longer than this goes to the tiled causal kernel when it loaded: measured equal
+# to the paged kernel at 100-250 tokens and faster from 300 (33 against 39 ms at 500; docs/PERFORMANCE.md).
+PREFILL_MIN_QUERY = 256
 
 # Fixed cost of one more decode group (a handful of small ops per layer) counted
 # in padded KV positions of equal cost. Splitting the decode batch by length
@@ -95,7 +99,7 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def __init__(self, scale: float, dtype: torch.dtype = torch.float32, native=None, kv_layout: str = "NHD",
-                 kv_quant: KVQuant | None = None):
+                 kv_quant: KVQuant | None = None, prefill=None):
         self.scale = scale
         self.dtype = dtype
         self.kv_layout = kv_layout
@@ -107,6 +111,9 @@ class TorchAttention(AttentionBackend):
         # the pool instead of through gathered copies (float32 on CPU only).
         self.native = native
         self.native_prefill = True  # prompts up to NATIVE_MAX_QUERY tokens through it too (benchmarks: False)
+        # Longer prompts with nothing cached: the tiled causal kernel (engine/prefill_native.py) when
+        # it loaded, about twice SDPA's speed at 950 tokens (docs/PERFORMANCE.md); SDPA otherwise.
+        self.prefill = prefill if native is not None else None
         if native is not None:
             self.name = "native"
         # Gather destinations for K and V, grown on demand and reused by every
@@ -127,6 +134,8 @@ class TorchAttention(AttentionBackend):
             # The kernel takes decode tokens and short prompts (chunks); SDPA's blocked
             # kernel is faster for long ones (docs/PERFORMANCE.md).
             to_kernel = qlens <= NATIVE_MAX_QUERY if self.native_prefill else (qlens == 1) & (ctx > 0)
+            if self.prefill is not None:  # fresh prompts past PREFILL_MIN_QUERY: the tiled kernel (forward)
+                to_kernel &= ~((ctx == 0) & (qlens > PREFILL_MIN_QUERY))
             if to_kernel.any():
                 meta.native = self._native_plan(layout, np.flatnonzero(to_kernel))
         is_decode = (qlens == 1) & (ctx > 0) & ~to_kernel
@@ -219,6 +228,9 @@ class TorchAttention(AttentionBackend):
             paged_decode(self.native, q, layer_kv, out, n.qidx, n.lens, n.tables, self.scale, checked=True,
                          max_len=n.max_len)
         for q0, q1 in meta.fresh:
+            if self.prefill is not None and q.device.type == "cpu":
+                prefill_attention(self.prefill, q[q0:q1], k[q0:q1], v[q0:q1], out[q0:q1], self.scale)
+                continue
             qs, ks, vs = (t[q0:q1].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
             out[q0:q1] = o.squeeze(0).transpose(0, 1)

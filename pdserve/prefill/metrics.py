@@ -16,6 +16,7 @@ from pdserve.cluster.grammar_metrics import GrammarCollector
 from pdserve.cluster.registration import Registration
 from pdserve.cluster.registration_metrics import RegistrationCollector
 from pdserve.cluster.runtime import MetricsEndpoint
+from pdserve.common.thread_cpu import ThreadCPUCollector
 
 _TASK_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -67,6 +68,7 @@ class PrefillMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_StatsCollector(worker_id, stats))
         labels = {"worker_id": worker_id}
+        self.registry.register(ThreadCPUCollector(labels))  # by thread: the compute thread's, the loop's
 
         def hist(name, doc, buckets):
             return Histogram(name, doc, list(labels), buckets=buckets, registry=self.registry).labels(**labels)

@@ -68,3 +68,38 @@ def test_saturation_is_requests_missing_their_slos_not_goodput_under_the_rate():
     missed = summarize({"request_goodput": 34 / 20, "duration": 20.0, "num_prompts": 40, "completed": 40})
     assert saturated(missed, 0.9) and not saturated(missed, 0.8)
     assert not saturated({}, 0.9)  # a run without goodput figures stops nothing
+
+
+def test_the_tails_table_gives_p99_ratios_with_their_spread_over_repetitions():
+    from pdserve.bench.peer_serve import median_of, tail_ratio
+
+    def run(ttft, itl):
+        return {"completed": 40, "num_prompts": 40, "request_goodput": 1.0, "request_throughput": 1.0,
+                "p50_ttft_ms": 50.0, "p99_ttft_ms": ttft, "p50_tpot_ms": 5.0, "p99_tpot_ms": 9.0,
+                "p50_itl_ms": 5.0, "p99_itl_ms": itl}
+
+    vllm = median_of([run(100, 40), run(90, 44), run(110, 42)])
+    ours = median_of([run(125, 20), run(120, 21), run(150, 22)])
+    assert (vllm["p99_ttft_ms_min"], vllm["p99_ttft_ms_max"]) == (90, 110)
+    ratio, worst, best = tail_ratio(vllm, ours, "p99_ttft_ms")
+    assert (round(ratio, 3), round(worst, 3), round(best, 3)) == (0.8, 0.6, round(110 / 120, 3))
+    assert tail_ratio(vllm, ours, "p99_itl_ms")[0] == 2.0  # 42 / 21: ours is half vLLM's
+    doc = {"config": {"goodput": ["ttft:1500", "tpot:50"], "reps": 3}, "results": {"long-mix": {
+        "vllm": {"1": {"median": vllm}}, "colocated": {"1": {"median": ours}}}}}
+    table = format_table(doc)
+    assert "| 1 | colocated | 125 [120-150] | 100 [90-110] | 0.80x [0.60-0.92] | 21 [20-22] | 42 [40-44] | 2.00x" in table
+    one_system = format_table({**doc, "results": {"long-mix": {"vllm": {"1": {"median": vllm}}}}})
+    assert "TTFT p99 vs vLLM" not in one_system
+
+
+def test_the_cpu_by_thread_is_read_from_metrics_and_differenced_per_run():
+    from pdserve.bench.peer_serve import cpu_split, parse_thread_cpu
+
+    text = ('# HELP pdserve_thread_cpu_seconds_total CPU\n'
+            'pdserve_thread_cpu_seconds_total{role="decode",thread="MainThread",worker_id="d"} 1.5\n'
+            'pdserve_thread_cpu_seconds_total{role="decode",thread="pdserve-engine",worker_id="d"} 10.0\n'
+            'pdserve_thread_cpu_seconds_total{role="decode",thread="native",worker_id="d"} 9.25\n'
+            'pdserve_thread_cpu_seconds_created{role="decode",thread="native",worker_id="d"} 1.7e9\n')
+    got = parse_thread_cpu(text)
+    assert got == {"MainThread": 1.5, "pdserve-engine": 10.0, "native": 9.25}
+    assert cpu_split({"MainThread": 1.0, "native": 9.25}, got) == {"MainThread": 0.5, "pdserve-engine": 10.0}

@@ -277,6 +277,10 @@ def test_models_health_metrics_and_reflection(worker):
                  "pdserve_router_decisions_total", "pdserve_prefix_cache_hit_tokens_total",
                  "pdserve_kv_transfer_bytes", "pdserve_remote_prefill_fallbacks"):
         assert name in text
+    # where the process's cores went, by thread (in 10 ms ticks: a few steps may read 0)
+    cpu = {line.split('thread="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+           if line.startswith("pdserve_thread_cpu_seconds_total")}
+    assert "pdserve-engine" in cpu and cpu["MainThread"] > 0
     with Client(worker.grpc) as c:
         assert c.list_models()[0]["id"] == "llama"
     with grpc.insecure_channel(worker.grpc) as ch:

@@ -1,0 +1,153 @@
+/*
+ * Causal attention of one fresh prompt on the CPU, float32: flash-style (online softmax), tiled
+ * so that each K and V row read from cache serves a tile of query rows.
+ *
+ * For a prompt with nothing cached, token t attends tokens 0..t of the same prompt. torch's
+ * CPU SDPA (its flash kernel) reaches about a quarter of an AVX-512 core's multiply-add rate on
+ * head_dim 64; this kernel keeps a tile of 8 query rows of one head in registers against 16
+ * keys at a time: the scores as 8 x 16 multiply-adds per K^T row loaded, then the weighted V
+ * rows as 8 x 16 per V row loaded.
+ *
+ * Layouts (engine/prefill_native.py prepares them):
+ *   q    [T][num_heads][head_dim], row stride q_row floats (a view into qkv)
+ *   kt   [num_kv_heads][head_dim][t_pad]: K transposed per KV head, t_pad a multiple of 16
+ *        (the padding is never read as a key: the causal mask ends every row first)
+ *   v    [T][num_kv_heads][head_dim], row stride v_row floats
+ *   out  [T][num_heads][head_dim], row stride out_row floats
+ * Query head j reads KV head j / (num_heads / num_kv_heads), as HF's repeat_kv does. Softmax
+ * in float32 with the running maximum (flash attention's rescaling); every row attends at
+ * least itself, so no row's weights are all zero. Work items are (tile of 8 rows, query head),
+ * longest tiles first, over OpenMP threads; built and loaded by engine/native.py.
+ *
+ * The vector path needs AVX-512F and head_dim a multiple of 16 (`pdserve_prefill_attn_ok`);
+ * the caller keeps SDPA otherwise.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PA_AVX512 1
+#else
+#define PA_AVX512 0
+#endif
+
+#define ROWS 8    /* query rows per tile */
+#define KEYS 16   /* keys per step: one 512-bit vector of scores */
+#define MAX_DIM 256
+
+int pdserve_prefill_attn_ok(int64_t head_dim) {
+    return PA_AVX512 && head_dim % 16 == 0 && head_dim <= MAX_DIM;
+}
+
+#if PA_AVX512
+/* exp(x) for x <= 0 (after the running maximum is subtracted): Cephes' expf polynomial after
+ * x = n ln2 + r, as csrc/paged_decode.c does for AVX2; about 1 ulp. */
+static inline __m512 exp_nonpos512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* One tile: rows i0 .. i0 + n - 1 (n <= ROWS) of query head hq against KV head h. */
+static void tile(const float *q, int64_t q_row, const float *kt, const float *v, int64_t v_row, float *out,
+                 int64_t out_row, int64_t i0, int64_t n, int64_t hq, int64_t h, int64_t num_kv_heads,
+                 int64_t head_dim, int64_t t_pad, float scale) {
+    float acc[ROWS][MAX_DIM] __attribute__((aligned(64)));
+    float p[ROWS][KEYS] __attribute__((aligned(64)));
+    float m[ROWS], l[ROWS];
+    const float *qr[ROWS];
+    for (int64_t r = 0; r < ROWS; r++) {
+        /* rows past n repeat the last one (computed, never stored): the loops stay fixed */
+        qr[r] = q + (i0 + (r < n ? r : n - 1)) * q_row + hq * head_dim;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) acc[r][d] = 0.0f;
+    }
+    const float *kth = kt + h * head_dim * t_pad;
+    const float *vh = v + h * head_dim;
+    const int64_t last = i0 + n - 1; /* the tile's last row attends keys 0..last */
+    for (int64_t j0 = 0; j0 <= last; j0 += KEYS) {
+        __m512 s[ROWS];
+        for (int r = 0; r < ROWS; r++) s[r] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d++) {
+            __m512 k = _mm512_loadu_ps(kth + d * t_pad + j0);
+            for (int r = 0; r < ROWS; r++) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), k, s[r]);
+        }
+        const int64_t keys = last - j0 + 1 < KEYS ? last - j0 + 1 : KEYS; /* keys any row of the tile sees */
+        for (int r = 0; r < ROWS; r++) {
+            const int64_t pos = i0 + (r < n ? r : n - 1);
+            int64_t see = pos - j0 + 1; /* keys of this block row r attends */
+            if (see > KEYS) see = KEYS;
+            if (see <= 0) {
+                _mm512_store_ps(p[r], _mm512_setzero_ps());
+                continue;
+            }
+            const __mmask16 mask = (__mmask16)(see == KEYS ? 0xFFFF : ((1u << see) - 1u));
+            __m512 sr = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
+            const float mx = _mm512_mask_reduce_max_ps(mask, sr);
+            const float m_new = mx > m[r] ? mx : m[r];
+            __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpos512(_mm512_sub_ps(sr, _mm512_set1_ps(m_new))));
+            _mm512_store_ps(p[r], e);
+            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(e);
+            if (alpha != 1.0f) {
+                const __m512 a = _mm512_set1_ps(alpha);
+                for (int64_t d = 0; d < head_dim; d += 16)
+                    _mm512_store_ps(acc[r] + d, _mm512_mul_ps(a, _mm512_load_ps(acc[r] + d)));
+            }
+            m[r] = m_new;
+        }
+        for (int64_t d = 0; d < head_dim; d += 16) {
+            __m512 a[ROWS];
+            for (int r = 0; r < ROWS; r++) a[r] = _mm512_load_ps(acc[r] + d);
+            for (int64_t j = 0; j < keys; j++) {
+                const __m512 vv = _mm512_loadu_ps(vh + (j0 + j) * v_row + d);
+                for (int r = 0; r < ROWS; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vv, a[r]);
+            }
+            for (int r = 0; r < ROWS; r++) _mm512_store_ps(acc[r] + d, a[r]);
+        }
+    }
+    for (int64_t r = 0; r < n; r++) {
+        float *o = out + (i0 + r) * out_row + hq * head_dim;
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int64_t d = 0; d < head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(inv, _mm512_load_ps(acc[r] + d)));
+    }
+}
+#endif
+
+/* Returns 0, or -1 when the vector path is not there for these shapes (nothing written). */
+int pdserve_prefill_attn_f32(const float *q, int64_t q_row, const float *kt, const float *v, int64_t v_row,
+                             float *out, int64_t out_row, int64_t T, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t t_pad, float scale, int num_threads) {
+    if (!pdserve_prefill_attn_ok(head_dim) || num_heads % num_kv_heads != 0 || t_pad < T || t_pad % KEYS != 0)
+        return -1;
+#if PA_AVX512
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t tiles = (T + ROWS - 1) / ROWS;
+    const int64_t items = tiles * num_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t t = tiles - 1 - item / num_heads; /* the longest tiles first */
+        const int64_t hq = item % num_heads;
+        const int64_t i0 = t * ROWS;
+        const int64_t n = T - i0 < ROWS ? T - i0 : ROWS;
+        tile(q, q_row, kt, v, v_row, out, out_row, i0, n, hq, hq / group, num_kv_heads, head_dim, t_pad, scale);
+    }
+    return 0;
+#else
+    (void)q; (void)q_row; (void)kt; (void)v; (void)v_row; (void)out; (void)out_row; (void)num_threads; (void)scale;
+    return -1;
+#endif
+}
