@@ -4,7 +4,8 @@ Members and their load (etcd), workers `up` started that are not registered, the
 prefill queue's depth and counters (through Ray), the planner's summary, and which
 surfaces the topology protects (docs/security.md). The LoRA adapters a worker serves (its
 record's ``load["lora_adapters"]``, docs/lora.md) get a line under it, and each member's
-``lora_adapters`` in the JSON. `--json` prints it as one object.
+``lora_adapters`` in the JSON; so does what its KV pool holds (model family, KV dtype, layout and
+block size, from the record's ``kv_layout``). `--json` prints it as one object.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def status(args) -> int:
         print(f"{wid:<14} {m['role']:<8} {tp_ranks(m):<6} {host:<30} {eps:<44} {load}")
         if m["lora_adapters"]:
             print(f"{'':<14} LoRA adapters: {', '.join(m['lora_adapters'])}")
+        if kv := kv_summary(m):
+            print(f"{'':<14} {kv}")
     _print_rank_groups(queue)
     planner, drained = _planner_lines(state, _status_tls(topo))
     # Workers the planner drained on purpose are not missing; gateways and the KV index do not
@@ -162,6 +165,21 @@ def tp_ranks(member: dict) -> str:
     layout = member.get("kv_layout") or {}
     tp = layout.get("tensor_parallel_size", 1)
     return f"{tp} {layout['kv_layout']}" if tp > 1 or layout.get("kv_layout") == "HND" else str(tp)
+
+
+def kv_summary(member: dict) -> str:
+    """What a worker's pool holds, from its record's ``kv_layout``: the model family, the KV
+    element type (and the ``kv_cache_dtype`` asked for, when not auto), layout and block size;
+    "" for a record without one. Two workers pair only when these agree (docs/kv_cache.md)."""
+    lay = member.get("kv_layout") or {}
+    if not lay:
+        return ""
+    kv = lay.get("kv_dtype") or lay.get("dtype") or "?"
+    cache = lay.get("kv_cache_dtype")
+    if cache and cache != "auto":
+        kv = f"{kv} ({cache})"
+    return (f"model {lay.get('model_id', '?')}: family {lay.get('architecture', '?')}, KV {kv}, "
+            f"layout {lay.get('kv_layout', '?')}, blocks of {lay.get('block_size', '?')} tokens")
 
 
 def _rank_groups(state) -> dict[str, dict]:

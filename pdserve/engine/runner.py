@@ -197,7 +197,8 @@ class ModelRunner:
     def layout_info(self) -> dict:
         m = self.model_cfg
         return {
-            "model_id": m.model_id, "dtype": dtype_name(self.dtype), "num_layers": m.num_layers,
+            "model_id": m.model_id, "architecture": m.architecture, "dtype": dtype_name(self.dtype),
+            "num_layers": m.num_layers,
             "num_blocks": self.num_blocks, "block_size": self.block_size,
             "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "block_bytes": self.block_bytes,
             "kv_layout": self.kv_layout, "tensor_parallel_size": self.shard.size,

@@ -44,8 +44,10 @@ def _kv_rows(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.
 # kernel: measured on the 2-core CPU, a 2,000-token prompt prefilled 7% faster with SDPA,
 # while batches of 16-384-token prompts prefill faster through the kernel.
 NATIVE_MAX_QUERY = 512
-# A fresh prompt longer than this goes to the tiled causal kernel when it loaded: measured equal
-# to the paged kernel at 100-250 tokens and faster from 300 (33 against 39 ms at 500; docs/PERFORMANCE.md).
+# A prefill chunk longer than this goes to the tiled causal kernel when it loaded: for a fresh
+# prompt measured equal to the paged kernel at 100-250 tokens and faster from 300 (engine prefill
+# 33 against 39 ms at 500); after context, on K/V gathered from the pool, 1.8-2.1x the paged
+# kernel at 300-500 tokens and 1.6-2.2x masked SDPA beyond (docs/PERFORMANCE.md).
 PREFILL_MIN_QUERY = 256
 
 # Fixed cost of one more decode group (a handful of small ops per layer) counted
@@ -61,7 +63,12 @@ class _PagedGroup:
 
     query_index: torch.Tensor  # [g, q_len] token index of each query
     block_ids: torch.Tensor  # [g * num_blocks] block ids, row by row, padded with 0
-    mask: torch.Tensor  # [g, 1, q_len, num_blocks * block_size] additive: 0 or -inf
+    mask: torch.Tensor | None  # [g, 1, q_len, num_blocks * block_size] additive: 0 or -inf
+    # A prefill chunk for the tiled kernel (engine/prefill_native.py; no mask): its query rows
+    # [q0, q1) after ``context`` tokens; -1 for groups SDPA attends.
+    context: int = -1
+    q0: int = 0
+    q1: int = 0
 
 
 @dataclass
@@ -134,8 +141,8 @@ class TorchAttention(AttentionBackend):
             # The kernel takes decode tokens and short prompts (chunks); SDPA's blocked
             # kernel is faster for long ones (docs/PERFORMANCE.md).
             to_kernel = qlens <= NATIVE_MAX_QUERY if self.native_prefill else (qlens == 1) & (ctx > 0)
-            if self.prefill is not None:  # fresh prompts past PREFILL_MIN_QUERY: the tiled kernel (forward)
-                to_kernel &= ~((ctx == 0) & (qlens > PREFILL_MIN_QUERY))
+            if self.prefill is not None:  # prefill chunks past PREFILL_MIN_QUERY: the tiled kernel (forward)
+                to_kernel &= ~(qlens > PREFILL_MIN_QUERY)
             if to_kernel.any():
                 meta.native = self._native_plan(layout, np.flatnonzero(to_kernel))
         is_decode = (qlens == 1) & (ctx > 0) & ~to_kernel
@@ -143,7 +150,8 @@ class TorchAttention(AttentionBackend):
             if ctx[i] == 0:
                 meta.fresh.append((int(qsl[i]), int(qsl[i + 1])))
             else:
-                meta.paged.append(self._chunk_group(layout, i, device))
+                meta.paged.append(self._chunk_group(layout, i, device,
+                                                    tiled=self.prefill is not None and qlens[i] > PREFILL_MIN_QUERY))
         decode = np.flatnonzero(is_decode)
         if decode.size:
             meta.paged.extend(self._decode_groups(layout, decode, device))
@@ -165,18 +173,19 @@ class TorchAttention(AttentionBackend):
                              lens=np.ascontiguousarray(lens, dtype=np.int32),
                              tables=np.ascontiguousarray(layout.block_tables[seq, :nblk], dtype=np.int32))
 
-    def _chunk_group(self, layout: BatchLayout, i: int, device) -> _PagedGroup:
-        """A prefill chunk whose first position follows ``context_lens[i]`` cached tokens."""
+    def _chunk_group(self, layout: BatchLayout, i: int, device, tiled: bool = False) -> _PagedGroup:
+        """A prefill chunk whose first position follows ``context_lens[i]`` cached tokens
+        (``tiled``: for the tiled kernel, which needs no mask)."""
         q0, q1 = int(layout.query_start_loc[i]), int(layout.query_start_loc[i + 1])
         ctx = int(layout.context_lens[i])
         nblk = -(-(ctx + q1 - q0) // layout.block_size)
+        block_ids = torch.from_numpy(layout.block_tables[i, :nblk]).to(device)
+        query_index = torch.arange(q0, q1, device=device)[None, :]
+        if tiled:
+            return _PagedGroup(query_index, block_ids, None, context=ctx, q0=q0, q1=q1)
         keys = torch.arange(nblk * layout.block_size)
         allowed = keys[None, :] <= torch.arange(ctx, ctx + q1 - q0)[:, None]  # causal over context + chunk
-        return _PagedGroup(
-            query_index=torch.arange(q0, q1, device=device)[None, :],
-            block_ids=torch.from_numpy(layout.block_tables[i, :nblk]).to(device),
-            mask=self._additive(allowed, device)[None, None],
-        )
+        return _PagedGroup(query_index, block_ids, self._additive(allowed, device)[None, None])
 
     def _decode_groups(self, layout: BatchLayout, seqs: np.ndarray, device) -> list[_PagedGroup]:
         bs = layout.block_size
@@ -245,7 +254,13 @@ class TorchAttention(AttentionBackend):
                 if self.kv_quant is not None and scales is not None:
                     ks = self.kv_quant.dequantize(ks, scales[0])
                     vs = self.kv_quant.dequantize(vs, scales[1])
-                self._attend_paged(q, ks, vs, group, out)
+                if group.context >= 0:  # a long chunk after context: the tiled kernel, on the gathered K/V
+                    keys = group.context + group.q1 - group.q0
+                    prefill_attention(self.prefill, q[group.q0:group.q1], ks[0].transpose(0, 1)[:keys],
+                                      vs[0].transpose(0, 1)[:keys], out[group.q0:group.q1], self.scale,
+                                      q_offset=group.context)
+                else:
+                    self._attend_paged(q, ks, vs, group, out)
         return out
 
     def _store_fp8(self, layer_kv, k, v, meta: _TorchMeta, scales: tuple[float, float]):

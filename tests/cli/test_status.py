@@ -102,3 +102,17 @@ def test_the_ranks_column_shows_a_workers_tensor_parallel_size_and_pool_layout()
     assert tp_ranks({"kv_layout": {"tensor_parallel_size": 1, "kv_layout": "HND"}}) == "1 HND"
     assert tp_ranks({"kv_layout": {"tensor_parallel_size": 1, "kv_layout": "NHD"}}) == "1"
     assert tp_ranks({"kv_layout": {}}) == "1"  # a worker of an older version
+
+
+def test_each_worker_shows_its_family_kv_dtype_and_layout():
+    from pdserve.status_cmd import kv_summary
+
+    fp8 = {"kv_layout": {"model_id": "qwen3-moe-tiny", "architecture": "qwen3_moe", "dtype": "bfloat16",
+                         "kv_dtype": "float8_e4m3fn", "kv_cache_dtype": "fp8_e4m3", "kv_layout": "HND",
+                         "block_size": 16}}
+    assert kv_summary(fp8) == ("model qwen3-moe-tiny: family qwen3_moe, KV float8_e4m3fn (fp8_e4m3), layout HND, "
+                               "blocks of 16 tokens")
+    plain = {"kv_layout": {"model_id": "m", "architecture": "llama", "dtype": "float32", "kv_dtype": "float32",
+                           "kv_cache_dtype": "auto", "kv_layout": "NHD", "block_size": 16}}
+    assert kv_summary(plain) == "model m: family llama, KV float32, layout NHD, blocks of 16 tokens"
+    assert kv_summary({"kv_layout": {}}) == ""  # a record without a pool's layout

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def test_up_starts_a_gateway_in_front_of_the_decode_workers(tmp_path):
         st = pdserve("status", "--topology", str(path))
         assert st.returncode == 0 and "MISSING" not in st.stdout, st.stdout + st.stderr
         assert "gateway-0" in st.stdout and index["url"] in st.stdout, st.stdout
+        assert re.search(r"family \w+, KV \w+, layout (HND|NHD)", st.stdout), st.stdout  # what each pool holds
     finally:
         down = pdserve("down", "--topology", str(path))
     assert down.returncode == 0, down.stdout + down.stderr

@@ -10,7 +10,7 @@ import torch
 from pdserve.engine import LLM, SamplingParams, native, prefill_native
 from pdserve.engine.attention import make_backend
 from pdserve.engine.attention_base import BatchLayout
-from pdserve.engine.torch_attention import PREFILL_MIN_QUERY, TorchAttention
+from pdserve.engine.torch_attention import NATIVE_MAX_QUERY, PREFILL_MIN_QUERY, TorchAttention
 
 CPU = torch.device("cpu")
 paged = native.load()
@@ -53,6 +53,22 @@ def test_the_kernel_matches_a_float64_reference_on_views_into_qkv(hq, hkv, d, t)
 
 
 @needs_kernel
+@needs_kernel
+@pytest.mark.parametrize("offset,t", [(1, 8), (33, 300), (500, 17), (16, 16)])
+def test_a_chunk_after_earlier_tokens_attends_them_all_and_itself_causally(offset, t):
+    g = torch.Generator().manual_seed(offset + t)
+    hq, hkv, d = 6, 2, 64
+    q_all = torch.randn(offset + t, hq, d, generator=g)
+    k, v = torch.randn(offset + t, hkv, d, generator=g), torch.randn(offset + t, hkv, d, generator=g)
+    out = torch.full((t, hq, d), float("nan"))
+    prefill_native.prefill_attention(lib, q_all[offset:], k, v, out, d ** -0.5, q_offset=offset)
+    want = reference(q_all, k, v, d ** -0.5)[offset:]  # the whole prompt's causal attention, the chunk's rows
+    assert (out.double() - want).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="disagree"):
+        prefill_native.prefill_attention(lib, q_all[offset:], k[:-1], v[:-1], out, d ** -0.5, q_offset=offset)
+
+
+@needs_kernel
 def test_other_layouts_are_copied_and_a_bad_output_is_refused():
     g = torch.Generator().manual_seed(1)
     q = torch.randn(6, 40, 64, generator=g).transpose(0, 1)  # [40, 6, 64], heads not adjacent
@@ -76,8 +92,9 @@ def test_sdpa_is_kept_when_asked_or_when_the_vector_path_does_not_serve_the_head
 def test_a_mixed_step_sends_only_long_fresh_prompts_to_it_and_attends_as_the_torch_path():
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, bs = 6, 2, 64, 16
-    ctx = np.array([40, 0, 0, 33], dtype=np.int64)
-    new = np.array([1, 12, PREFILL_MIN_QUERY + 9, 300], dtype=np.int64)  # decode, short, long fresh, long chunk
+    ctx = np.array([40, 0, 0, 33, 70, 20], dtype=np.int64)
+    # decode, short fresh, long fresh, two long chunks after context, a short one
+    new = np.array([1, 12, PREFILL_MIN_QUERY + 9, 300, NATIVE_MAX_QUERY + 20, 100], dtype=np.int64)
     qsl = np.concatenate(([0], np.cumsum(new)))
     need = [-(-(c + n) // bs) for c, n in zip(ctx, new)]
     width, start, rows = max(need), 0, []
@@ -94,8 +111,10 @@ def test_a_mixed_step_sends_only_long_fresh_prompts_to_it_and_attends_as_the_tor
     base = torch.randn(start, 2, bs, hkv, d, generator=g)
     tiled = TorchAttention(d ** -0.5, native=paged, prefill=lib)
     meta = tiled.plan(layout, CPU)
-    assert meta.fresh == [(int(qsl[2]), int(qsl[3]))]  # only the long fresh prompt
-    assert len(meta.native.qidx) == int(new[0] + new[1] + new[3])  # the rest: the paged kernel
+    assert meta.fresh == [(int(qsl[2]), int(qsl[3]))]  # the long fresh prompt
+    assert [(gr.context, gr.q0, gr.q1) for gr in meta.paged] == [(33, int(qsl[3]), int(qsl[4])),
+                                                                 (70, int(qsl[4]), int(qsl[5]))]  # the long chunks
+    assert len(meta.native.qidx) == int(new[0] + new[1] + new[5])  # the rest: the paged kernel
     got = tiled.forward(base.clone(), q, k, v, meta)
     plain = TorchAttention(d ** -0.5)
     want = plain.forward(base.clone(), q, k, v, plain.plan(layout, CPU))
@@ -114,4 +133,7 @@ def test_the_native_backend_takes_it_and_greedy_tokens_match_the_torch_path(llam
         llm = LLM(llama_dir, attention_backend=attn, enable_prefix_caching=False)
         assert (llm.engine.runner.backend.prefill is not None) == (attn == "native")
         got[attn] = [o.token_ids for o in llm.generate(prompts, params)]
+        # a long prompt in chunks of 400: the later ones attend the earlier through the kernel too
+        chunked = LLM(llama_dir, attention_backend=attn, enable_prefix_caching=False, max_num_batched_tokens=400)
+        got[attn].append(chunked.generate([[(5 * j) % 997 + 3 for j in range(1200)]], params)[0].token_ids)
     assert got["native"] == got["torch"]

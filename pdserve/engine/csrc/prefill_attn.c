@@ -1,18 +1,18 @@
 /*
- * Causal attention of one fresh prompt on the CPU, float32: flash-style (online softmax), tiled
- * so that each K and V row read from cache serves a tile of query rows.
+ * Causal attention of one prompt (or one chunk of it) on the CPU, float32: flash-style (online
+ * softmax), tiled so that each K and V row read from cache serves a tile of query rows.
  *
- * For a prompt with nothing cached, token t attends tokens 0..t of the same prompt. torch's
- * CPU SDPA (its flash kernel) reaches about a quarter of an AVX-512 core's multiply-add rate on
- * head_dim 64; this kernel keeps a tile of 8 query rows of one head in registers against 16
+ * Query row t is the prompt's token q_offset + t (q_offset: the tokens before the chunk, 0 for
+ * a fresh prompt) and attends keys 0 .. q_offset + t. torch's CPU SDPA (its flash kernel)
+ * reaches about a quarter of an AVX-512 core's multiply-add rate on head_dim 64; this kernel keeps a tile of 8 query rows of one head in registers against 16
  * keys at a time: the scores as 8 x 16 multiply-adds per K^T row loaded, then the weighted V
  * rows as 8 x 16 per V row loaded.
  *
  * Layouts (engine/prefill_native.py prepares them):
  *   q    [T][num_heads][head_dim], row stride q_row floats (a view into qkv)
- *   kt   [num_kv_heads][head_dim][t_pad]: K transposed per KV head, t_pad a multiple of 16
- *        (the padding is never read as a key: the causal mask ends every row first)
- *   v    [T][num_kv_heads][head_dim], row stride v_row floats
+ *   kt   [num_kv_heads][head_dim][t_pad]: K of the q_offset + T keys transposed per KV head,
+ *        t_pad a multiple of 16 (the padding is never a key: the causal mask ends every row first)
+ *   v    [q_offset + T][num_kv_heads][head_dim], row stride v_row floats
  *   out  [T][num_heads][head_dim], row stride out_row floats
  * Query head j reads KV head j / (num_heads / num_kv_heads), as HF's repeat_kv does. Softmax
  * in float32 with the running maximum (flash attention's rescaling); every row attends at
@@ -62,8 +62,8 @@ static inline __m512 exp_nonpos512(__m512 x) {
 
 /* One tile: rows i0 .. i0 + n - 1 (n <= ROWS) of query head hq against KV head h. */
 static void tile(const float *q, int64_t q_row, const float *kt, const float *v, int64_t v_row, float *out,
-                 int64_t out_row, int64_t i0, int64_t n, int64_t hq, int64_t h, int64_t num_kv_heads,
-                 int64_t head_dim, int64_t t_pad, float scale) {
+                 int64_t out_row, int64_t i0, int64_t n, int64_t hq, int64_t h, int64_t head_dim,
+                 int64_t t_pad, float scale, int64_t q_offset) {
     float acc[ROWS][MAX_DIM] __attribute__((aligned(64)));
     float p[ROWS][KEYS] __attribute__((aligned(64)));
     float m[ROWS], l[ROWS];
@@ -77,7 +77,7 @@ static void tile(const float *q, int64_t q_row, const float *kt, const float *v,
     }
     const float *kth = kt + h * head_dim * t_pad;
     const float *vh = v + h * head_dim;
-    const int64_t last = i0 + n - 1; /* the tile's last row attends keys 0..last */
+    const int64_t last = q_offset + i0 + n - 1; /* the tile's last row attends keys 0..last */
     for (int64_t j0 = 0; j0 <= last; j0 += KEYS) {
         __m512 s[ROWS];
         for (int r = 0; r < ROWS; r++) s[r] = _mm512_setzero_ps();
@@ -87,7 +87,7 @@ static void tile(const float *q, int64_t q_row, const float *kt, const float *v,
         }
         const int64_t keys = last - j0 + 1 < KEYS ? last - j0 + 1 : KEYS; /* keys any row of the tile sees */
         for (int r = 0; r < ROWS; r++) {
-            const int64_t pos = i0 + (r < n ? r : n - 1);
+            const int64_t pos = q_offset + i0 + (r < n ? r : n - 1);
             int64_t see = pos - j0 + 1; /* keys of this block row r attends */
             if (see > KEYS) see = KEYS;
             if (see <= 0) {
@@ -130,8 +130,9 @@ static void tile(const float *q, int64_t q_row, const float *kt, const float *v,
 /* Returns 0, or -1 when the vector path is not there for these shapes (nothing written). */
 int pdserve_prefill_attn_f32(const float *q, int64_t q_row, const float *kt, const float *v, int64_t v_row,
                              float *out, int64_t out_row, int64_t T, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t t_pad, float scale, int num_threads) {
-    if (!pdserve_prefill_attn_ok(head_dim) || num_heads % num_kv_heads != 0 || t_pad < T || t_pad % KEYS != 0)
+                             int64_t head_dim, int64_t t_pad, float scale, int num_threads, int64_t q_offset) {
+    if (!pdserve_prefill_attn_ok(head_dim) || num_heads % num_kv_heads != 0 || q_offset < 0 || t_pad < q_offset + T ||
+        t_pad % KEYS != 0)
         return -1;
 #if PA_AVX512
     const int64_t group = num_heads / num_kv_heads;
@@ -143,11 +144,12 @@ int pdserve_prefill_attn_f32(const float *q, int64_t q_row, const float *kt, con
         const int64_t hq = item % num_heads;
         const int64_t i0 = t * ROWS;
         const int64_t n = T - i0 < ROWS ? T - i0 : ROWS;
-        tile(q, q_row, kt, v, v_row, out, out_row, i0, n, hq, hq / group, num_kv_heads, head_dim, t_pad, scale);
+        tile(q, q_row, kt, v, v_row, out, out_row, i0, n, hq, hq / group, head_dim, t_pad, scale, q_offset);
     }
     return 0;
 #else
     (void)q; (void)q_row; (void)kt; (void)v; (void)v_row; (void)out; (void)out_row; (void)num_threads; (void)scale;
+    (void)q_offset;
     return -1;
 #endif
 }
