@@ -17,7 +17,8 @@ Rows without an adapter take no work when no row has one, and a zero mask row ot
 
 On a float32 CPU model, when the native kernel builds (engine/lora_native.py,
 csrc/lora_bgmv.c), neither form runs: each row is multiplied by its own adapter's A and B
-only, rows in parallel, one call per projection part whatever the mix.
+only, the rows of an adapter together (its weights read once per step), one call per
+projection (all its parts) whatever the mix.
 
 The weights sit in per-projection stacks of ``max_loras`` slots padded to ``max_lora_rank``
 (``A: [slots, rank, in]``, ``B: [out, slots, rank]``, so that a run of slots is one matrix
@@ -38,7 +39,7 @@ from torch import nn
 
 from . import lora_native
 from .lora import Adapter
-from .lora_native import StepArgs, bgmv_step, check_stacks, step_args
+from .lora_native import Stacks, StepArgs, step_args
 from .tensor_parallel import Shard
 
 
@@ -92,15 +93,18 @@ class LoRAState:
 
 
 class Part:
-    """One adapted projection inside a (possibly fused) linear: its output columns and stacks."""
+    """One adapted projection inside a (possibly fused) linear: its output columns and stacks.
+    With the native kernel its A is a view into the projection's `Stacks` and ``bt`` (B
+    transposed, [slots, rank, out]) is kept beside B by `LoRAModel.fill`."""
 
     def __init__(self, module: str, cols: tuple[int, int], in_features: int, max_loras: int, max_rank: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, a: torch.Tensor | None = None,
+                 bt: torch.Tensor | None = None):
         self.module, self.cols = module, cols
         out = cols[1] - cols[0]
-        self.a = torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
+        self.a = a if a is not None else torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
         self.b = torch.zeros(out, max_loras, max_rank, device=device, dtype=dtype)
-        self.bt: torch.Tensor | None = None  # B transposed, [slots, rank, out]: the native kernel's (kept by fill)
+        self.bt = bt
         self.present = [False] * max_loras
 
     def mixed_delta(self, x: torch.Tensor, state: "LoRAState") -> torch.Tensor:
@@ -115,18 +119,16 @@ class Part:
 class LoRALinear(nn.Module):
     """``base(x)``, plus each active slot's delta on its rows (see the module docstring)."""
 
-    def __init__(self, base: nn.Module, parts: list[Part], state: LoRAState):
+    def __init__(self, base: nn.Module, parts: list[Part], state: LoRAState, stacks: Stacks | None = None):
         super().__init__()
-        self.base, self.parts, self.state = base, parts, state
+        self.base, self.parts, self.state, self.stacks = base, parts, state, stacks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         state = self.state
         if state.row_slots is not None:  # the gathered kernel: each row against its own adapter
-            xc = x if x.stride(-1) == 1 else x.contiguous()
-            for p in self.parts:
-                assert p.bt is not None
-                bgmv_step(state.lib, xc, p.a, p.bt, state.row_slots, y, p.cols[0])
+            assert self.stacks is not None
+            self.stacks.apply(state.lib, x if x.stride(-1) == 1 else x.contiguous(), state.row_slots, y)
             return y
         if self.state.mask is not None:  # several adapters in the step: one pass for all
             for p in self.parts:
@@ -166,14 +168,20 @@ class LoRAModel:
         self.state.lib = lora_native.load(device, dtype, max_rank)
         self.slices = _slices(shard, head_dim)
         self.layers: list[dict[str, Part]] = []
+        self.linears: list[LoRALinear] = []
         self.device = device
 
         def wrap(layer: nn.Module, attr: str, modules: list[tuple[str, int]], in_features: int) -> dict[str, Part]:
-            parts, start = [], 0
-            for name, width in modules:
-                parts.append(Part(name, (start, start + width), in_features, max_loras, max_rank, device, dtype))
-                start += width
-            setattr(layer, attr, LoRALinear(getattr(layer, attr), parts, self.state))
+            starts = [sum(w for _, w in modules[:i]) for i in range(len(modules))]
+            stacks = None
+            if self.state.lib is not None:  # one kernel call for every part (engine/lora_native.py)
+                stacks = Stacks([w for _, w in modules], starts, in_features, max_loras, max_rank, device, dtype)
+            parts = [Part(name, (start, start + width), in_features, max_loras, max_rank, device, dtype,
+                          a=None if stacks is None else stacks.a_part(i), bt=None if stacks is None else stacks.bt[i])
+                     for i, ((name, width), start) in enumerate(zip(modules, starts))]
+            linear = LoRALinear(getattr(layer, attr), parts, self.state, stacks)
+            setattr(layer, attr, linear)
+            self.linears.append(linear)
             return {p.module: p for p in parts}
 
         for layer in model.layers:
@@ -185,10 +193,6 @@ class LoRAModel:
             if layer.moe is None:
                 found |= wrap(layer, "gate_up_proj", [("gate_proj", inter), ("up_proj", inter)], hidden)
                 found |= wrap(layer, "down_proj", [("down_proj", hidden)], inter)
-            if self.state.lib is not None:
-                for part in found.values():
-                    part.bt = torch.zeros(max_loras, max_rank, part.b.shape[0], device=device, dtype=dtype)
-                    check_stacks(part.a, part.bt)
             self.layers.append(found)
 
     def fill(self, slot: int, adapter: Adapter) -> None:
@@ -211,6 +215,9 @@ class LoRAModel:
                     p.b[:, slot, :r].copy_(b if rows is None else b[rows])
                     if p.bt is not None:
                         p.bt[slot, :r].copy_(p.b[:, slot, :r].t())
+            for linear in self.linears:
+                if linear.stacks is not None:
+                    linear.stacks.present[slot] = [p.present[slot] for p in linear.parts]
         self.state.ranks[slot], self.state.scalings[slot] = r, adapter.scaling
 
     def begin_step(self, slots: np.ndarray | None) -> None:

@@ -155,33 +155,47 @@ def test_the_native_kernel_serves_float32_cpu_steps(llama_llm):
 
 
 def test_the_gathered_kernel_computes_each_rows_own_delta():
-    """csrc/lora_bgmv.c against the formula, row by row: rows of three slots and of the base,
-    ranks below the stacks' padded rank, a column offset, and bad shapes refused."""
+    """csrc/lora_bgmv.c against the formula, row by row: two parts of one projection in one
+    call (one absent from an adapter), rows of three slots and of the base in any order, more
+    rows of a slot than a chunk holds, ranks below the stacks' padded rank, column offsets, and
+    bad shapes refused."""
     from pdserve.engine import lora_native
 
     lib = lora_native.load(torch.device("cpu"), torch.float32, 16)
     assert lib is not None, native.why_unavailable("lora_bgmv.c")
     gen = torch.Generator().manual_seed(0)
-    rows, width, slots_n, rank, out = 9, 40, 3, 8, 24
-    x = torch.randn(rows, width, generator=gen)
-    a = torch.randn(slots_n, rank, width, generator=gen)
-    bt = torch.randn(slots_n, rank, out, generator=gen)
-    slots = np.array([0, -1, 2, 1, 2, 0, -1, 1, 1], dtype=np.int32)
+    width, slots_n, rank, outs, cols = 40, 3, 8, [24, 12], [3, 30]
+    stacks = lora_native.Stacks(outs, cols, width, slots_n, rank, torch.device("cpu"))
+    a = [torch.randn(slots_n, rank, width, generator=gen) for _ in outs]
+    bt = [torch.randn(slots_n, rank, o, generator=gen) for o in outs]
+    present = np.array([[1, 1], [1, 0], [1, 1]], dtype=np.uint8)  # slot 1's adapter lacks the second part
+    for p in range(len(outs)):
+        stacks.a_part(p).copy_(a[p])
+        stacks.bt[p].copy_(bt[p])
+    stacks.present[:] = present
+    slots = np.array([0, -1, 2, 1, 2, 0, -1, 1, 1] + [0] * 10, dtype=np.int32)  # 12 rows of slot 0: two chunks
+    rows = len(slots)
     ranks, scalings = [8, 4, 6], [0.5, 2.0, 1.5]
-    y = torch.randn(rows, out + 10, generator=gen)
+    x = torch.randn(rows, width, generator=gen)
+    y = torch.randn(rows, 50, generator=gen)
     want = y.clone()
     for t, s in enumerate(slots.tolist()):
-        if s >= 0:
-            r = ranks[s]
-            want[t, 3:3 + out] += scalings[s] * ((a[s, :r] @ x[t]) @ bt[s, :r])
-    lora_native.check_stacks(a, bt)
-    lora_native.bgmv_step(lib, x, a, bt, lora_native.step_args(slots, ranks, scalings, slots_n, rank), y, 3)
+        for p, (o, c0) in enumerate(zip(outs, cols)):
+            if s >= 0 and present[s, p]:
+                r = ranks[s]
+                want[t, c0:c0 + o] += scalings[s] * ((a[p][s, :r] @ x[t]) @ bt[p][s, :r])
+    step = lora_native.step_args(slots, ranks, scalings, slots_n, rank)
+    assert step.num_chunks >= 4  # slots 1 and 2, and slot 0's twelve rows cut in at least two
+    stacks.apply(lib, x, step, y)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(y[1], want[1]) and torch.equal(y[:, :3], want[:, :3])  # the base row and other columns untouched
+    assert torch.equal(y[3, 30:42], want[3, 30:42])  # slot 1's absent part left alone
     with pytest.raises(ValueError, match="out of the stacks"):
         lora_native.step_args(np.array([3], dtype=np.int32), ranks, scalings, slots_n, rank)
     with pytest.raises(ValueError, match="unexpected shape"):
-        lora_native.bgmv_step(lib, x[:5], a, bt, lora_native.step_args(slots, ranks, scalings, slots_n, rank), y, 3)
+        stacks.apply(lib, x[:5], step, y)
+    with pytest.raises(ValueError, match="unexpected shape"):
+        stacks.apply(lib, x, step, y[:, :40])  # the second part's columns end at 42
 
 
 def test_the_torch_forms_match_hf_peft_too(model_dirs, adapters, references, monkeypatch):
@@ -325,3 +339,28 @@ def test_engine_without_lora_refuses_adapters(model_dirs, adapters):
         with pytest.raises(InvalidRequestError) as err:
             llm.generate([[5, 6]], GREEDY, lora_request=adapters["a1"])
         assert err.value.field == "lora_request" and "enable_lora" in str(err.value)
+
+
+def test_adapters_with_speculation_and_grammars(model_dirs, adapters):
+    """Where LoRA meets the other features in one engine: n-gram speculation verifying several
+    tokens per row under each row's own adapter, and grammars constraining an adapted row. A
+    batch mixing adapters, the base and grammars gives the same tokens with speculation as
+    without, and speculation did run on adapter rows."""
+    rng = random.Random(3)
+    ps = []
+    for i in range(6):
+        phrase = [rng.randrange(3, 250) for _ in range(rng.randrange(3, 8))]
+        ps.append(phrase * rng.randrange(3, 6))  # repetitive: n-gram proposals get accepted
+    names = ["a1", "a3", None, "a1", "a4", "a2"]
+    grammar = {"regex": r"(ab|cd)( (ab|cd)){2,5}"}
+    params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True) if i % 3 != 2
+              else SamplingParams(max_tokens=32, temperature=0.0, structured_outputs=grammar) for i in range(len(ps))]
+    loras = [adapters[n] if n else None for n in names]
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with LLM(model_dirs("llama"), enable_lora=True, max_loras=4, seed=0) as llm:
+        want = [(o.token_ids, o.finish_reason) for o in llm.generate(ps, params, lora_request=loras)]
+    with LLM(model_dirs("llama"), enable_lora=True, max_loras=4, seed=0, speculative_config=ngram) as llm:
+        got = [(o.token_ids, o.finish_reason) for o in llm.generate(ps, params, lora_request=loras)]
+        assert llm.engine.stats.num_spec_accepted_tokens > 0
+    assert got == want
+    assert [reason for _, reason in want][2::3] == ["stop", "stop"]  # the grammar rows ended by their grammar
