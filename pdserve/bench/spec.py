@@ -22,6 +22,7 @@ request speculates, so that side is the plain engine).
     python -m pdserve.bench.spec --batches 1,2 --rounds 1 --output-len 16   # a quick smoke run
     python -m pdserve.bench.spec --model DIR --device cuda --rounds 5 --json out.json
     python -m pdserve.bench.spec --method draft_model --draft-model SMALL_DIR --model DIR   # a draft model
+    python -m pdserve.bench.spec --method draft_model --draft-layers 1 --model DIR   # the target's first layer
 
 With ``--method draft_model`` the speculating side's proposals are the draft model's (its
 ``--num-speculative-tokens`` greedy tokens, engine/spec_draft.py) and its label is
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -51,6 +53,15 @@ def parse_args(argv=None):
     p.add_argument("--output-len", type=int, default=64, help="tokens each request generates")
     p.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
     p.add_argument("--draft-model", default=None, help="the draft model's dir (--method draft_model)")
+    p.add_argument("--damp-after", type=float, default=None, metavar="SCALE",
+                   help="with --draft-layers on a random model: benchmark a copy of the target whose layers "
+                        "after the draft's have their output projections (o_proj, down_proj) scaled by SCALE, "
+                        "so that the early-exit draft agrees with it in part (random layers otherwise "
+                        "scramble the output: acceptance 0); the target still computes every layer")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="--method draft_model without a draft: make one from the target's first N layers "
+                        "(its embeddings, final norm and LM head kept; written once beside the target "
+                        "under .cache/models), an early-exit draft with the target's tokenizer")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
@@ -62,10 +73,86 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def first_layers_draft(model_dir: str, layers: int) -> str:
+    """A draft model made of ``model_dir``'s first ``layers`` decoder layers, with its embeddings,
+    final norm, LM head and tokenizer (an early-exit draft, as in LayerSkip): written once to
+    ``<model_dir>-first<layers>`` and reused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    total = int(cfg.get("num_hidden_layers", 0))
+    if not 1 <= layers < total:
+        raise SystemExit(f"--draft-layers: between 1 and {total - 1} for this {total}-layer model, not {layers}")
+    out = f"{model_dir.rstrip('/')}-first{layers}"
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    weights: dict = {}
+    for name in sorted(os.listdir(model_dir)):
+        src = os.path.join(model_dir, name)
+        if name.endswith(".safetensors"):
+            for key, value in load_file(src).items():
+                parts = key.split(".")
+                if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                    continue
+                weights[key] = value
+        elif name not in ("config.json", "model.safetensors.index.json") and os.path.isfile(src):
+            shutil.copy(src, tmp)
+    save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    cfg["num_hidden_layers"] = layers
+    for key in ("layer_types", "mlp_only_layers"):  # per-layer lists follow the kept layers
+        if isinstance(cfg.get(key), list):
+            cfg[key] = cfg[key][:layers]
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    os.replace(tmp, out)
+    return out
+
+
+def damped_target(model_dir: str, keep: int, scale: float) -> str:
+    """A copy of ``model_dir`` whose layers from ``keep`` on add ``scale`` times their attention
+    and MLP outputs to the residual (o_proj and down_proj scaled): a random model standing in for a
+    trained one whose first layers already predict most tokens. Written once, reused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = f"{model_dir.rstrip('/')}-damped{keep}x{scale:g}"
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(model_dir, tmp)
+    for name in os.listdir(tmp):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(tmp, name)
+        weights = load_file(path)
+        for key in weights:
+            parts = key.split(".")
+            if ("layers" in parts and int(parts[parts.index("layers") + 1]) >= keep
+                    and parts[-2] in ("o_proj", "down_proj")):
+                weights[key] = weights[key] * scale
+        save_file(weights, path, metadata={"format": "pt"})
+    os.replace(tmp, out)
+    return out
+
+
 def spec_config(args) -> dict:
     if args.method == "draft_model":
+        if args.damp_after is not None:
+            if args.draft_layers is None:
+                raise SystemExit("--damp-after needs --draft-layers N")
+            args.model = damped_target(args.model, args.draft_layers, args.damp_after)
+        if args.draft_layers is not None and not args.draft_model:
+            args.draft_model = first_layers_draft(args.model, args.draft_layers)
         if not args.draft_model:
-            raise SystemExit("--method draft_model needs --draft-model DIR")
+            raise SystemExit("--method draft_model needs --draft-model DIR or --draft-layers N")
         cfg = {"method": "draft_model", "model": args.draft_model,
                "num_speculative_tokens": args.num_speculative_tokens}
     else:
@@ -153,10 +240,12 @@ def main(argv=None) -> int:
     from pdserve.engine import LLMEngine
     from pdserve.engine.config import EngineConfig
 
-    model = args.model or default_model()
+    model = args.model = args.model or default_model()
     batches = [int(x) for x in args.batches.split(",")]
+    spec = spec_config(args)  # (--damp-after: the target is the damped copy)
+    model = args.model
     eng = LLMEngine(EngineConfig.from_kwargs(model, device=args.device, enable_prefix_caching=False,
-                                             max_num_seqs=max(batches), speculative_config=spec_config(args)))
+                                             max_num_seqs=max(batches), speculative_config=spec))
     decoder = eng.spec
     eng.spec = None
     prompts = echo_prompts(eng, args, min(max(batches), 16))
