@@ -17,7 +17,8 @@ and safetensors weights, named as vLLM's loaders read them (``llama_eagle.py``,
   decoder layer whose attention reads ``[input_layernorm(embedding), hidden_norm(hidden)]``
   (2 x hidden wide), its own ``norm.weight`` and ``lm_head.weight`` over ``draft_vocab_size``
   tokens, and ``d2t`` (draft id -> target id - draft id; required when the draft vocabulary is
-  smaller, unread otherwise, as in vLLM; ``t2d`` is ignored). ``norm_before_fc`` (``input_norm.weight``),
+  smaller, applied whenever present, as vLLM does: a head over the whole vocabulary may order it
+  its own way; ``t2d`` is ignored). ``norm_before_fc`` (``input_norm.weight``),
   ``norm_before_residual`` and ``norm_output`` are read as vLLM reads them.
 
 Every error is a `ConfigError` naming ``speculative_config.model``.
@@ -188,6 +189,7 @@ class EagleHead(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, hc.draft_vocab_size, bias=False)
         # The target id of each draft id (EAGLE-3's d2t; the identity otherwise).
         self.register_buffer("to_target", torch.arange(hc.draft_vocab_size), persistent=False)
+        self.identity_ids = hc.draft_vocab_size == target_vocab  # (until a d2t says otherwise)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
 
     def combine(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -216,7 +218,7 @@ class EagleHead(nn.Module):
             final = self.norm(pre)
             out = final if self.hc.norm_output else pre
         rows = self.lm_head(final[logits_indices]).float()
-        if self.hc.draft_vocab_size == self.target_vocab:
+        if self.identity_ids:  # draft id i is target id i
             return rows, out
         logits = rows.new_full((rows.shape[0], self.target_vocab), float("-inf"))
         logits[:, self.to_target] = rows
@@ -307,8 +309,8 @@ def _load_eagle3(head: EagleHead, hc: HeadConfig, target: ModelConfig, tensors: 
     _load_layer(layer, "midlayer.", take, put, norm_in=True)
     put(layer.hidden_norm.weight, take("midlayer.hidden_norm.weight"), "midlayer.hidden_norm.weight")
     d2t = tensors.pop("d2t", None)
-    if hc.draft_vocab_size == target.vocab_size:
-        return  # (as vLLM: a head over the whole vocabulary proposes target ids, d2t unread)
+    if d2t is None and hc.draft_vocab_size == target.vocab_size:
+        return  # (as vLLM: no mapping, a head over the whole vocabulary proposes target ids)
     if d2t is None:
         raise ConfigError(f"{FIELD}={hc.model.path!r}: weight 'd2t' is missing (draft_vocab_size "
                           f"{hc.draft_vocab_size} is not the target's vocab_size {target.vocab_size})")
@@ -320,6 +322,7 @@ def _load_eagle3(head: EagleHead, hc: HeadConfig, target: ModelConfig, tensors: 
         raise ConfigError(f"{FIELD}={hc.model.path!r}: d2t maps draft ids outside the target's vocabulary "
                           "or two draft ids to one target id")
     head.to_target = ids.to(head.to_target.device)
+    head.identity_ids = bool(torch.equal(ids, torch.arange(target.vocab_size))) if len(ids) == target.vocab_size else False
 
 
 def _load_layer(layer: DecoderLayer, p: str, take, put, norm_in: bool) -> None:

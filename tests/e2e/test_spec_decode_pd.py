@@ -14,6 +14,7 @@ requests forced remote through gRPC, their breakdowns carrying the proposals acc
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -70,18 +71,19 @@ def test_remote_prompt_kv_then_speculation_equals_local_with_and_without_it(mode
         pair.assert_nothing_held()
 
 
-def test_a_draft_model_speculates_on_remotely_prefilled_requests(model_dirs):
+@pytest.mark.parametrize("p_tp", [1, 2])
+def test_a_draft_model_speculates_on_remotely_prefilled_requests(model_dirs, p_tp):
     """The decode side's draft model computes the prompts itself (the prefill side wrote only the
     target's KV) and then proposes; the target is its own draft here, so every proposal must be
     accepted, and the output equals the local path's with no target prompt token computed on the
-    decode side (prefill TP 2, decode TP 1)."""
+    decode side (prefill TP 1 and 2, decode TP 1)."""
     model = model_dirs("llama")
     ps = repetitive(seed=97)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(model) as plain:
         want = [o.token_ids for o in plain.generate(ps, params)]
     draft = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
-    with paired(model, "spdraft", 2, 1, d_args={"speculative_config": draft}) as pair:
+    with paired(model, f"spdraft{p_tp}", p_tp, 1, d_args={"speculative_config": draft}) as pair:
         de = pair.de
         tasks = pair.tasks(ps, params, prefix="s")
         result, arrived = pair.prefill(tasks)
@@ -93,6 +95,43 @@ def test_a_draft_model_speculates_on_remotely_prefilled_requests(model_dirs):
         assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
         assert de.stats.num_spec_draft_tokens > 40
         assert de.stats.num_spec_accepted_tokens == de.stats.num_spec_draft_tokens  # its own draft: all accepted
+        pair.assert_nothing_held()
+
+
+@pytest.mark.parametrize("method,p_tp", [("eagle", 1), ("eagle3", 2)])
+def test_an_eagle_head_speculates_on_remotely_prefilled_requests(model_dirs, tmp_path, method, p_tp):
+    """An EAGLE head on the decode side of requests whose prompt KV a prefill worker wrote: the
+    target never computed the prompt's hidden states here, so the head reads zeros there
+    (engine/spec_eagle.py) and has real ones from the first decoded token on. "Copy" heads
+    (tests/engine/test_spec_eagle.py: each proposal is the target's argmax at the last computed
+    position) propose, some proposals are accepted, and the greedy output equals the local
+    path's without speculation, with no target prompt token computed on the decode side."""
+    from tests.engine.test_spec_eagle import eagle_cfg, make_eagle1, make_eagle3
+
+    model = model_dirs("llama")
+    if method == "eagle":
+        head = make_eagle1(str(tmp_path / "head"), model, copy=True)
+    else:
+        with open(f"{model}/config.json") as f:
+            vocab = json.load(f)["vocab_size"]
+        head = make_eagle3(str(tmp_path / "head"), model, list(range(vocab - 1, -1, -1)), copy=True)
+    ps = repetitive(seed=98)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(model) as plain:
+        want = [o.token_ids for o in plain.generate(ps, params)]
+    with paired(model, f"speagle{p_tp}", p_tp, 1, d_args={"speculative_config": eagle_cfg(method, head, k=4)}) as pair:
+        de = pair.de
+        tasks = pair.tasks(ps, params, prefix="e")
+        result, arrived = pair.prefill(tasks)
+        assert result.failures == [] and all(isinstance(m, PrefillDone) for m in arrived)
+        pair.hand_over(arrived)
+        computed = de.stats.num_prompt_tokens_computed
+        pair.decode()
+        assert [o.token_ids for o in pair.outputs(len(ps), prefix="e")] == want
+        assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
+        assert de.stats.num_spec_draft_tokens > 40 and de.stats.num_spec_accepted_tokens > 0
+        head_kv = de.spec.draft.kv
+        wait_until(lambda: head_kv.num_free_blocks == head_kv.pool.num_blocks, 10)  # the head's blocks came back
         pair.assert_nothing_held()
 
 

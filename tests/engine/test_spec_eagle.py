@@ -218,6 +218,30 @@ def test_the_copy_head_reads_the_right_hidden_states(llama_dir, plain, copy_head
     assert pools_full(copy_head)
 
 
+def test_a_whole_vocabulary_head_in_its_own_order_maps_through_d2t(llama_dir, plain, tmp_path):
+    """An EAGLE-3 head over the whole vocabulary whose draft ids are the target's in reverse
+    (d2t a permutation): its proposals are mapped through d2t as vLLM maps them (a head that
+    skipped d2t at full size would propose id 31999 - t for t, never accepted)."""
+    vocab = _config(llama_dir)["vocab_size"]
+    head_dir = make_eagle3(str(tmp_path / "rev"), llama_dir, list(range(vocab - 1, -1, -1)), copy=True)
+    ps = COPY_PROMPTS[:4]
+    want = run(plain, ps, GREEDY)
+    with LLM(llama_dir, seed=0, speculative_config=eagle_cfg("eagle3", head_dir, k=4)) as llm:
+        head = llm.engine.spec.draft
+        seen: list[tuple[int, list[int]]] = []
+        propose = head.propose
+
+        def spy(wants, structured):
+            found = propose(wants, structured)
+            seen.extend((r.all_token_ids[-1], found[r.request_id]) for r, _ in wants if r.request_id in found)
+            return found
+
+        head.propose = spy
+        assert run(llm, ps, GREEDY) == want
+        assert seen and all(props == [last] * len(props) for last, props in seen), seen[:5]
+        assert llm.engine.stats.num_spec_accepted_tokens > 0
+
+
 def test_blocks_come_back_after_finish_and_abort(random_head):
     eng = random_head.engine
     head = eng.spec.draft
