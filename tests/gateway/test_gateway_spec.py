@@ -1,7 +1,11 @@
 """Speculative decoding behind the gateway (docs/speculative.md): streams on a worker that
 speculates, its gRPC server stopped once each has streamed a few tokens, resume on the other
 (speculating) worker token-exact: the tokens of an undisturbed run, greedy ones equal to the
-engine without speculation, seeded ones reproduced; proposals accepted on both workers.
+engine without speculation, seeded ones reproduced; proposals accepted on both workers. With
+each proposer: n-gram, a draft model (the target as its own draft: the survivor's draft computes
+the prompt and the resumed tokens itself) and an EAGLE-3 head (a "copy" head,
+tests/engine/test_spec_eagle.py: it reads the survivor's own hidden states of the resumed
+tokens).
 
 Two decode workers with ``speculative_config`` and a gateway over real etcd (the set-up of
 test_gateway_structured.py's migration test)."""
@@ -9,6 +13,7 @@ test_gateway_structured.py's migration test)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -35,17 +40,30 @@ def prompts() -> list[list[int]]:
 CASES = [(p, s) for p in prompts() for s in SAMPLED]
 
 
-@pytest.fixture(scope="module")
-def cluster(llama_dir, tmp_path_factory):
+def speculative_config(method: str, llama_dir: str, tmp) -> dict:
+    if method == "ngram":
+        return NGRAM
+    if method == "draft_model":
+        return {"method": "draft_model", "model": llama_dir, "num_speculative_tokens": 3}
+    from tests.engine.test_spec_eagle import eagle_cfg, make_eagle3
+
+    with open(f"{llama_dir}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    return eagle_cfg("eagle3", make_eagle3(str(tmp / "head"), llama_dir, list(range(vocab)), copy=True), k=4)
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model", "eagle3"])
+def cluster(request, llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gwspec")
     policy = tmp / "router.yaml"
     policy.write_text(PERMISSIVE_POLICY)
+    spec = speculative_config(request.param, llama_dir, tmp)
     with EmbeddedEtcd(tmp / "etcd") as etcd:
         workers, gw = [], None
         try:
             for wid in WORKERS:
                 cfg = DecodeWorkerConfig(model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=CLUSTER,
-                                         engine_args={"max_model_len": 2048, "speculative_config": NGRAM},
+                                         engine_args={"max_model_len": 2048, "speculative_config": spec},
                                          lease_ttl_s=3, worker_id=wid, router_policy=str(policy), load_report_s=0.5)
                 workers.append(WorkerThread(cfg).start())
             gw = GatewayThread(GatewayConfig([etcd.endpoint], CLUSTER, model=llama_dir, seed=0)).start()
