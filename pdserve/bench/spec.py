@@ -68,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="the load rule's batch threshold (default: the engine's, 32)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup-rounds", type=int, default=1,
+                   help="unmeasured rounds of both sides at each batch size first (the kernels warm, and "
+                        "the measured-cost rule of a draft model or EAGLE head has its figures)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p.parse_args(argv)
@@ -223,6 +226,10 @@ def measure(eng, decoder, prompts: list[list[int]], args) -> dict:
         batch = [prompts[i % len(prompts)] for i in range(b)]
         on = args.method
         runs: dict[str, list[dict]] = {"off": [], on: []}
+        for rnd in range(args.warmup_rounds):  # unmeasured: each side's kernels, and the cost rule's figures
+            for side in ("off", on):
+                eng.spec = decoder if side == on else None
+                run_once(eng, batch, args.output_len, f"b{b}-warm{rnd}-{side}")
         for rnd in range(args.rounds):
             for side in (["off", on] if rnd % 2 == 0 else [on, "off"]):
                 eng.spec = decoder if side == on else None

@@ -72,4 +72,6 @@ def spec_outlook(engine: LLMEngine, streams: int) -> tuple[int | None, float]:
         return None, 1.0
     stats = engine.stats
     per_step = 1.0 + stats.num_spec_accepted_tokens / stats.num_spec_drafts if stats.num_spec_drafts else 1.0
+    if spec.cost is not None and not spec.cost.pays(streams + 1):
+        return 0, per_step  # the measured-cost rule keeps steps of that batch plain (engine/spec_cost.py)
     return spec_k(spec.cfg.num_speculative_tokens, spec.cfg.disable_by_batch_size, streams + 1), per_step

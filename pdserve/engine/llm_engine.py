@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 from pdserve.common import Priority, failpoints, jsonlog
 from pdserve.common.kv_events import MEDIUM_CPU, MEDIUM_GPU
@@ -335,16 +336,15 @@ class LLMEngine:
     def step(self, layer_hook=None, on_plan=None) -> list[RequestDelta]:
         """Run one scheduled step and return what it added to each request.
 
-        ``on_plan(scheduled)``, when given, sees the step's plan (list of
-        (request, new tokens)) before the forward pass and may return a
-        per-layer hook for this step, called as ``hook(layer, ready)`` (the prefill
-        worker streams KV with it; ``ready``: engine/kv_ready.py).
+        ``on_plan(scheduled)``, when given, sees the step's plan (list of (request, new tokens))
+        before the forward pass and may return a per-layer hook for this step, called as
+        ``hook(layer, ready)`` (the prefill worker streams KV with it; engine/kv_ready.py).
         """
-        # The matchers of the grammars that compiled are made, so the scheduler admits their
-        # requests; those whose grammar failed (or not in time) stay held back and end with this
-        # step's deltas (engine/structured_state.py).
+        # The grammars that compiled get matchers (the scheduler admits their requests); those
+        # that failed stay held back and end with this step's deltas (engine/structured_state.py).
         if self.structured.pending:
             self._grammar_failed += self.structured.poll()
+        started = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.structured)
         try:
@@ -410,7 +410,16 @@ class LLMEngine:
                     deltas.append(self.append_token(req, res))
                 except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
                     deltas.append(self.fail_request(req, exc))
+        if self.spec is not None:
+            self._spec_step_done(started, deltas)
         return deltas
+
+    def _spec_step_done(self, started: float, deltas: list[RequestDelta]) -> None:
+        """The measured-cost rule times pure decode steps (engine/spec_cost.py)."""
+        assert self.spec is not None
+        scheduled, _, decoding = self.last_step
+        self.spec.end_step(scheduled == decoding, self.last_step_drafts > 0,
+                           1e3 * (time.perf_counter() - started), sum(len(d.new_token_ids) for d in deltas))
 
     def _count_step(self, scheduled: list[tuple[Request, int]], num_tokens: int) -> None:
         """The step's shape (``last_step``, ``last_step_drafts``, ``last_step_pairs``): a

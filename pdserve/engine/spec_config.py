@@ -14,7 +14,10 @@ engine/spec_eagle.py; MTP and the others are refused for now; as in vLLM, a conf
 neither given: 5 and 5, as vLLM), and the load rule's knobs: ``disable_by_batch_size`` (vLLM's
 name: no request speculates in a step whose running batch is larger; default 32),
 ``acceptance_floor`` (a request whose recent acceptance falls below it stops proposing for
-``probe_interval`` steps, then tries again; default 0.2 and 8). Every error is a
+``probe_interval`` steps, then tries again; default 0.2 and 8), ``disable_by_cost`` (pdserve's:
+steps speculate only while measured speculating steps emit more tokens per unit of time than
+plain ones, engine/spec_cost.py; default true for the methods whose proposer runs a model,
+false for n-gram). Every error is a
 `ConfigError` naming the field, ``speculative_config.<key>``.
 """
 
@@ -44,6 +47,9 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model's (or EAGLE head's) directory
     draft_tensor_parallel_size: int = 1
     draft_kv_cache_fraction: float = 1.0  # the draft pool's blocks: this fraction of the target's
+    # the measured-cost rule (engine/spec_cost.py): on by default where proposing costs a forward
+    # (draft_model, eagle, eagle3), off for n-gram
+    disable_by_cost: bool = False
 
 
 def _field(name: str) -> str:
@@ -96,11 +102,14 @@ def parse_speculative_config(raw: dict | str | None, check_files: bool = True) -
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
         raise ConfigError(f"{_field('acceptance_floor')}={floor!r} must be a number in [0, 1]")
     assert batch is not None and probe is not None
+    by_cost = raw.get("disable_by_cost", method != "ngram")
+    if not isinstance(by_cost, bool):
+        raise ConfigError(f"{_field('disable_by_cost')}={by_cost!r} must be true or false")
     if method == "ngram":
         for name in ("model", "draft_tensor_parallel_size", "draft_kv_cache_fraction"):
             if name in raw and not (name == "model" and raw[name] in ("ngram", "[ngram]")):  # (vLLM's spelling)
                 raise ConfigError(f"{_field(name)} is for methods {', '.join(MODEL_METHODS)}, not 'ngram'")
-        return SpeculativeConfig(method, k, lo, hi, batch, float(floor), probe)
+        return SpeculativeConfig(method, k, lo, hi, batch, float(floor), probe, disable_by_cost=by_cost)
     for name in ("prompt_lookup_min", "prompt_lookup_max"):
         if name in raw:
             raise ConfigError(f"{_field(name)} is for method 'ngram', not {method!r}")
@@ -113,7 +122,8 @@ def parse_speculative_config(raw: dict | str | None, check_files: bool = True) -
     else:
         model = _draft_model(raw, check_files)
     return SpeculativeConfig(method, k, 5, 5, batch, float(floor), probe, model=model,
-                             draft_tensor_parallel_size=_draft_tp(raw), draft_kv_cache_fraction=_fraction(raw))
+                             draft_tensor_parallel_size=_draft_tp(raw), draft_kv_cache_fraction=_fraction(raw),
+                             disable_by_cost=by_cost)
 
 
 def _method(raw: dict) -> str:

@@ -28,7 +28,9 @@ exceeds ``disable_by_batch_size`` (at a high batch the step is compute-bound and
 positions cost what they would save); a request whose acceptance (a moving average, weight
 1/2 per verification) falls below ``acceptance_floor`` stops proposing for
 ``probe_interval`` steps, then proposes once more; k never passes the request's
-``max_tokens`` or the model's length.
+``max_tokens`` or the model's length. With ``disable_by_cost`` (the default for the methods
+whose proposer runs a model) a step speculates only while measured speculating steps emit
+more tokens per unit of time than plain ones at that batch size (engine/spec_cost.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from pdserve.common.spec_rule import spec_k
 
 from .request import Request
 from .spec_config import SpeculativeConfig
+from .spec_cost import SpecCostRule
 
 if TYPE_CHECKING:
     from .engine_types import EngineStats
@@ -127,6 +130,9 @@ class SpecDecoder:
         self.draft = draft
         self._acceptance: dict[str, _Acceptance] = {}
         self._drafted: list[Request] = []
+        # the measured-cost rule (engine/spec_cost.py), when on: whether this step speculates
+        self.cost = SpecCostRule() if cfg.disable_by_cost else None
+        self._step_batch = 0  # decoding requests of the step being run (for `end_step`)
 
     def k_for(self, req: Request, batch: int) -> int:
         """The proposals ``req`` may get this step (the load rule of the module docstring)."""
@@ -149,7 +155,10 @@ class SpecDecoder:
         live = {r.request_id for r in running}
         self._acceptance = {k: v for k, v in self._acceptance.items() if k in live}
         cfg = self.cfg
-        wants = [(r, k) for r in decoding if (k := self.k_for(r, len(decoding))) >= 1]
+        batch = self._step_batch = len(decoding)
+        if decoding and self.cost is not None and not self.cost.decide(batch):
+            decoding = []  # the measured cost says a plain step is faster now
+        wants = [(r, k) for r in decoding if (k := self.k_for(r, batch)) >= 1]
         found: dict[str, list[int]] = {}
         if self.draft is not None:
             self.draft.retain(live)
@@ -162,6 +171,12 @@ class SpecDecoder:
             if drafts:
                 r.spec_token_ids = drafts
                 self._drafted.append(r)
+
+    def end_step(self, pure_decode: bool, verified: bool, ms: float, tokens: int) -> None:
+        """The step is done (engine/llm_engine.py): a pure decode step's time and tokens feed the
+        measured-cost rule."""
+        if self.cost is not None and pure_decode:
+            self.cost.observe(self._step_batch, verified, ms, tokens)
 
     def after_forward(self, scheduled: list[tuple[Request, int]]) -> None:
         """The target's forward ran (before the computed counts move): an EAGLE head keeps the

@@ -82,7 +82,7 @@ def test_a_draft_model_speculates_on_remotely_prefilled_requests(model_dirs, p_t
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(model) as plain:
         want = [o.token_ids for o in plain.generate(ps, params)]
-    draft = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    draft = {"method": "draft_model", "model": model, "num_speculative_tokens": 3, "disable_by_cost": False}
     with paired(model, f"spdraft{p_tp}", p_tp, 1, d_args={"speculative_config": draft}) as pair:
         de = pair.de
         tasks = pair.tasks(ps, params, prefix="s")

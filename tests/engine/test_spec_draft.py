@@ -31,7 +31,9 @@ def want_params(n: int) -> SamplingParams:
 
 
 def draft_cfg(path: str, k: int = 4, **extra) -> dict:
-    return {"method": "draft_model", "model": path, "num_speculative_tokens": k, **extra}
+    """A draft model's config for these tests of the proposer's mechanics: the measured-cost
+    rule off (a draft as large as its target never pays; tests/engine/test_spec_cost.py)."""
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k, "disable_by_cost": False, **extra}
 
 
 def draft_pool(llm: LLM) -> tuple[int, int]:

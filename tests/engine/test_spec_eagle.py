@@ -115,7 +115,10 @@ def make_eagle3(out: str, target_dir: str, draft_ids: list[int], copy: bool = Fa
 
 
 def eagle_cfg(method: str, path: str, k: int = 3, **extra) -> dict:
-    return {"method": method, "model": path, "num_speculative_tokens": k, "acceptance_floor": 0.0, **extra}
+    """A head's config for these tests of the proposer's mechanics: every step speculates (no
+    acceptance floor, no measured-cost rule: tests/engine/test_spec_cost.py tests that)."""
+    return {"method": method, "model": path, "num_speculative_tokens": k, "acceptance_floor": 0.0,
+            "disable_by_cost": False, **extra}
 
 
 def pools_full(llm: LLM) -> bool:

@@ -44,7 +44,8 @@ def speculative_config(method: str, llama_dir: str, tmp) -> dict:
     if method == "ngram":
         return NGRAM
     if method == "draft_model":
-        return {"method": "draft_model", "model": llama_dir, "num_speculative_tokens": 3}
+        # (the target as its own draft never pays: the measured-cost rule would keep steps plain)
+        return {"method": "draft_model", "model": llama_dir, "num_speculative_tokens": 3, "disable_by_cost": False}
     from tests.engine.test_spec_eagle import eagle_cfg, make_eagle3
 
     with open(f"{llama_dir}/config.json") as f:
