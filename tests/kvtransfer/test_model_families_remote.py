@@ -36,14 +36,20 @@ def family_dir(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name,p_tp", [("qwen3", 1), ("qwen3_moe", 1), ("mixtral", 1), ("qwen3_moe", 2),
-                                       ("deepseek_v3", 1), ("deepseek_v3", 2)])
-def test_remote_prefill_equals_local(family_dir, name, p_tp):
+@pytest.mark.parametrize("name,p_tp,d_tp", [
+    ("qwen3", 1, 1), ("qwen3_moe", 1, 1), ("mixtral", 1, 1), ("qwen3_moe", 2, 1), ("deepseek_v3", 1, 1),
+    ("deepseek_v3", 2, 1), ("qwen3", 2, 1), ("qwen3", 1, 2), ("qwen3_moe", 1, 2), ("mixtral", 2, 1),
+    ("mixtral", 1, 2), ("deepseek_v3", 1, 2),
+    ("deepseek_v3", 4, 1), ("deepseek_v3", 1, 4)])
+def test_remote_prefill_equals_local(family_dir, name, p_tp, d_tp):
+    """Every family at TP pairs (1,1), (2,1) and (1,2); the MLA model also at (4,1) and (1,4),
+    where its one latent head is not split: every decode rank gets the whole latent, written by
+    exactly one prefill rank."""
     model = family_dir(name)
-    ps = prompts(seed=len(name) + p_tp)
+    ps = prompts(seed=len(name) + p_tp + 10 * d_tp)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     want = [o.token_ids for o in LLM(model).generate(ps, params)]
-    with paired(model, f"f{name}{p_tp}", p_tp, 1, kv_layout="HND") as pair:
+    with paired(model, f"f{name}{p_tp}{d_tp}", p_tp, d_tp, kv_layout="HND") as pair:
         pair.warm_prefix(ps[0])  # the decode side caches the first prompt's prefix
         tasks = pair.tasks(ps, params)
         assert tasks[0].cached_len == 48
