@@ -9,7 +9,8 @@ import itertools
 
 import numpy as np
 import pytest
-from kvt_peer import PeerProcess, blocks_digest, encoded_pool
+from kvt_peer import (PeerProcess, assert_pool_equal, blocks_digest, connect, encoded_pool, expected_pool, open_agent,
+                      snapshot)
 
 from pdserve.common.heads import kv_head_range
 from pdserve.kvtransfer.head_plan import write_plan
@@ -67,6 +68,39 @@ def test_every_decode_rank_holds_exactly_its_heads_after_the_plan(ranks, p_tp, d
         want = np.full(lay.shape, -1.0, dtype=np.float32)
         want[:, remote] = source[:, local]
         assert np.array_equal(got, want), f"decode rank {r} of {d_tp} (prefill TP {p_tp}) holds other values"
+
+
+def mla_fp8_layout(tp: int, rank: int, num_blocks: int) -> KVLayout:
+    """A DeepSeek-style MLA pool in FP8: one KV head (latent and rope part; 72 values here),
+    replicated on every rank, float8 pages with per-layer (k_scale, v_scale)."""
+    return KVLayout("mla", "float8_e4m3fn", num_layers=LAYERS, num_blocks=num_blocks, block_size=BLOCK_SIZE,
+                    num_kv_heads=1, head_dim=72, kv_layout="HND", total_kv_heads=1, tp_size=tp, tp_rank=rank,
+                    kv_cache_dtype="fp8_e4m3", kv_scales=((0.5, 0.25), (1.0, 2.0)))
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2), (4, 1), (1, 4)])
+def test_an_mla_latent_in_fp8_pages_lands_byte_for_byte_on_every_decode_rank(ranks, p_tp, d_tp):
+    """The MLA latent is not split by heads: the plan gives every decode rank the whole latent
+    from exactly one prefill rank. Each rank's pool is seeded with its own bytes, so after the
+    writes every decode block written must equal its writer's source block byte for byte (the
+    bytes name the writer), and every other block must be as it was."""
+    prefill, decode = ranks[:p_tp], ranks[p_tp:p_tp + d_tp]
+    for r, proc in enumerate(prefill):
+        open_agent(proc, mla_fp8_layout(p_tp, r, BLOCKS), seed=100 + r)
+    for r, proc in enumerate(decode):
+        open_agent(proc, mla_fp8_layout(d_tp, r, BLOCKS + 3), seed=200 + r)
+    local, remote = [6, 1, 2, 3, 7], [0, 9, 4, 5, 10]  # non-contiguous on both sides
+    plan = write_plan(1, p_tp, d_tp)
+    assert sorted(w.dst_rank for w in plan.writes) == list(range(d_tp))  # each decode rank written once
+    for w in plan.writes:
+        res = prefill[w.src_rank].ok("write_heads", peer=connect(prefill[w.src_rank], decode[w.dst_rank]),
+                                     local=local, remote=remote, src_head=w.src_head, dst_head=w.dst_head,
+                                     num_heads=w.num_heads)
+        assert res["num_bytes"] == LAYERS * len(local) * 2 * BLOCK_SIZE * 72  # one byte a value
+    for w in plan.writes:
+        want = expected_pool((mla_fp8_layout(d_tp, w.dst_rank, BLOCKS + 3), 200 + w.dst_rank),
+                             [(mla_fp8_layout(p_tp, w.src_rank, BLOCKS), 100 + w.src_rank, local, remote)])
+        assert_pool_equal(snapshot(decode[w.dst_rank]), want)
 
 
 @pytest.mark.parametrize("d_tp", [2, 4])
