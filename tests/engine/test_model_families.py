@@ -202,11 +202,14 @@ def test_tp_must_divide_each_experts_intermediate_size():
 
 
 @needs_shm
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "deepseek_v3"])
-def test_tp2_greedy_equals_tp1_and_hf(family_dirs, name):
+@pytest.mark.parametrize("name,tp", [("qwen3", 2), ("qwen3_moe", 2), ("mixtral", 2), ("deepseek_v3", 2),
+                                     ("qwen3_moe", 4), ("deepseek_v3", 4)])
+def test_tp_greedy_equals_tp1_and_hf(family_dirs, name, tp):
+    """TP=2 for every family, TP=4 for a mixture-of-experts model and the MLA one (the KV
+    heads replicated where there are fewer than ranks; the latent on every rank)."""
     model_dir = family_dirs(name)
     prompts = prompts_for(seed=2)
-    with LLM(model_dir, max_num_batched_tokens=64, tensor_parallel_size=2) as llm:
+    with LLM(model_dir, max_num_batched_tokens=64, tensor_parallel_size=tp) as llm:
         got = greedy(llm, prompts)
         again = greedy(llm, prompts)  # prefix-cache hits
     ref = hf_greedy(model_dir, prompts, MAX_TOKENS)
