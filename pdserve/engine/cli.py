@@ -50,6 +50,12 @@ def register(subparsers) -> None:
     p.add_argument("--q-lora-rank", type=int, default=64,
                    help="deepseek_v3: query compression rank (0: none, q_proj; default 64)")
     p.add_argument("--kv-lora-rank", type=int, default=64, help="deepseek_v3: the KV latent's rank (default 64)")
+    p.add_argument("--qk-nope-head-dim", type=int, default=32,
+                   help="deepseek_v3: each head's query/key part without rope (default 32; DeepSeek-V3: 128)")
+    p.add_argument("--qk-rope-head-dim", type=int, default=16,
+                   help="deepseek_v3: the rope part shared by the heads' keys (default 16; DeepSeek-V3: 64)")
+    p.add_argument("--v-head-dim", type=int, default=32, help="deepseek_v3: each head's value size (default 32; "
+                   "DeepSeek-V3: 128)")
     p.set_defaults(func=_make_model)
 
     g = subparsers.add_parser(
@@ -90,6 +96,7 @@ def _make_model(args: argparse.Namespace) -> int:
         num_experts=args.experts, num_experts_per_tok=args.experts_per_tok,
         moe_intermediate_size=args.moe_intermediate, norm_topk_prob=args.norm_topk_prob,
         mlp_only_layers=args.mlp_only_layers, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+        qk_nope_head_dim=args.qk_nope_head_dim, qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
     )
     t0 = time.perf_counter()
     print(f"making a {spec.arch} model in {args.dir} ...", file=sys.stderr)

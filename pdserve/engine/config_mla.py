@@ -119,6 +119,10 @@ def parse_deepseek(raw: dict, path: str, need: Callable[[str], Any],
     scoring = raw.get("scoring_func", "sigmoid")
     if scoring != "sigmoid":
         raise ConfigError(f"scoring_func={scoring!r} in {path}/config.json: DeepSeek-V3 routes by 'sigmoid' only")
+    method = raw.get("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise ConfigError(f"topk_method={method!r} in {path}/config.json: DeepSeek-V3 routes by 'noaux_tc' "
+                          "(sigmoid scores with a correction bias) only")
     try:
         factor = float(raw.get("routed_scaling_factor", _DEFAULTS["routed_scaling_factor"]))
     except (TypeError, ValueError):

@@ -258,7 +258,9 @@ def _deepseek_config(spec: ModelSpec, common: dict, rope: dict):
         first_k_dense_replace=spec.first_k_dense_replace, q_lora_rank=spec.q_lora_rank or None,
         kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_nope_head_dim,
         qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, rope_interleave=spec.rope_interleave,
-        num_mtp_layers=0)
+        num_mtp_layers=0,
+        # as DeepSeek-V3's own config.json says (vLLM keys its correction bias on topk_method)
+        topk_method="noaux_tc", scoring_func="sigmoid")
 
 
 def _randomize_correction_bias(model, seed: int) -> None:

@@ -231,11 +231,16 @@ def test_make_model_cli_writes_each_family(tmp_path):
     assert cfg.moe is not None and (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size) == (3, 1, 32)
     assert cfg.moe.norm_topk_prob is False and cfg.moe.dense_layers == {0, 2}
     args = parser.parse_args(["make-model", str(tmp_path / "ds"), "--family", "deepseek_v3", *small, "--experts", "4",
-                              "--q-lora-rank", "0", "--kv-lora-rank", "32"])
+                              "--q-lora-rank", "0", "--kv-lora-rank", "32", "--qk-nope-head-dim", "24",
+                              "--qk-rope-head-dim", "8", "--v-head-dim", "20"])
     assert args.func(args) == 0
     cfg = ModelConfig.from_dir(str(tmp_path / "ds"))
     assert cfg.architecture == "deepseek_v3" and cfg.mla is not None and cfg.mla.q_lora_rank is None
-    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 32 + cfg.mla.qk_rope_head_dim)
+    assert (cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim) == (24, 8, 20)
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 32 + 8)
+    with open(tmp_path / "ds" / "config.json") as f:
+        raw = json.load(f)
+    assert (raw["topk_method"], raw["scoring_func"]) == ("noaux_tc", "sigmoid")  # DeepSeek-V3's own values
     args = parser.parse_args(["make-model", str(tmp_path / "llama"), "--arch", "llama", *small])  # the old flag
     assert args.func(args) == 0
     assert ModelConfig.from_dir(str(tmp_path / "llama")).architecture == "llama"
@@ -285,6 +290,7 @@ def test_deepseek_pool_holds_one_latent_head_per_token(family_dirs):
     ({"qk_rope_head_dim": 7}, "qk_rope_head_dim=7"),
     ({"kv_lora_rank": 0}, "kv_lora_rank=0"),
     ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"rope_interleave": "yes"}, "rope_interleave='yes'"),
 ])
