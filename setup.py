@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_DATA = {
     "pdserve.api": ["proto/pdserve/api/v1/*.proto"],
     "pdserve.api.v1": ["*.pyi"],
-    "pdserve.engine": ["csrc/*.c"],
+    "pdserve.engine": ["csrc/*.c", "csrc/*.h"],
     "pdserve.configs": ["topologies/*.yaml", "router/*.yaml", "autoscale/*.yaml", "sim/*.yaml"],
     "pdserve.bench": ["policies/*.yaml"],
 }

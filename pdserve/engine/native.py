@@ -9,7 +9,7 @@ kernel for long prompts (prefill_native.py), the LoRA kernel (lora_native.py).
 - **Build**: `cc -O3 -march=native -fopenmp -shared` (compiler from `$CC`, else `cc`/`gcc`),
   about a second. The library lands in ``$PDSERVE_KERNEL_CACHE`` (default
   ``$XDG_CACHE_HOME/pdserve/kernels``, i.e. ``~/.cache/pdserve/kernels``) under a name that
-  hashes the source, the compiler's version and the CPU's feature flags, so a cache shared
+  hashes the source (and the headers of csrc/), the compiler's version and the CPU's feature flags, so a cache shared
   between machines never hands one a library built for another's instructions. Written to
   a temporary file and renamed: concurrent workers building at once are safe.
 - **Threads**: linked against `libgomp.so.1`, which resolves to the OpenMP runtime torch
@@ -22,6 +22,7 @@ kernel for long prompts (prefill_native.py), the LoRA kernel (lora_native.py).
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import logging
 import os
@@ -72,6 +73,9 @@ def _cpu_flags() -> str:
 def _build(cc: str, source_path: str = SOURCE) -> str:
     with open(source_path, "rb") as f:
         source = f.read()
+    for header in sorted(glob.glob(os.path.join(os.path.dirname(source_path), "*.h"))):
+        with open(header, "rb") as f:  # (the headers a kernel includes: in the cache key too)
+            source += f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
     key = hashlib.sha256(source + version.encode() + " ".join(flags).encode()

@@ -11,7 +11,7 @@ import pytest
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import ConfigError
 from pdserve.engine.spec_config import parse_speculative_config
-from pdserve.engine.spec_cost import PROBE_EVERY, SpecCostRule, bucket_of
+from pdserve.engine.spec_cost import PROBE_EVERY, CostBucket, SpecCostRule, bucket_of
 
 from .test_spec_decode import prompts, run
 
@@ -81,9 +81,9 @@ def test_the_engine_feeds_it_and_a_step_it_keeps_plain_proposes_nothing(llama_di
         measured = [b for b in rule.buckets.values() if b.spec_ms is not None]
         assert measured and all(b.spec_ms > 0 and b.tokens_per_request >= 1.0 for b in measured)
         assert any(b.plain_ms is not None for b in measured)  # the one plain step after the first figure
-        # Now figures that say a plain step wins at every batch this run meets.
-        for b in rule.buckets.values():
-            b.spec_ms, b.plain_ms, b.tokens_per_request, b.steps = 1e6, 1.0, 2.0, 1
+        # Now figures that say a plain step wins at every batch size this run can meet.
+        for key in range(1, 8):
+            rule.buckets[key] = CostBucket(spec_ms=1e6, plain_ms=1.0, tokens_per_request=2.0, steps=1)
         rule.observe = lambda *a: None  # (keep those figures: this test is about the decision's effect)
         stats = llm.engine.stats
         before, off_before = stats.num_spec_drafts, rule.off_steps

@@ -24,6 +24,7 @@
  * OpenMP threads; the library is linked against the OpenMP runtime torch has loaded, so
  * both share one thread pool. Built and loaded by engine/native.py.
  */
+#include "exp_poly.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -74,21 +75,21 @@ static inline __m256 dot8(const float *q, const float *k, int64_t stride, int64_
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* exp(x) for x <= 0 (softmax weights after the maximum is subtracted), Cephes' expf
- * polynomial after range reduction x = n ln2 + r: about 1 ulp. */
+/* exp(x) for x <= 0 (softmax weights after the maximum is subtracted): exp_poly.h's
+ * polynomial, 8 lanes. */
 static inline __m256 exp_nonpos(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 lo = _mm256_set1_ps(EXP_MIN);
     x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));

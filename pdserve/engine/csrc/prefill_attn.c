@@ -22,6 +22,7 @@
  * The vector path needs AVX-512F and head_dim a multiple of 16 (`pdserve_prefill_attn_ok`);
  * the caller keeps SDPA otherwise.
  */
+#include "exp_poly.h"
 #include <math.h>
 #include <stdint.h>
 
@@ -41,20 +42,20 @@ int pdserve_prefill_attn_ok(int64_t head_dim) {
 }
 
 #if PA_AVX512
-/* exp(x) for x <= 0 (after the running maximum is subtracted): Cephes' expf polynomial after
- * x = n ln2 + r, as csrc/paged_decode.c does for AVX2; about 1 ulp. */
+/* exp(x) for x <= 0 (after the running maximum is subtracted): exp_poly.h's polynomial, 16
+ * lanes (csrc/paged_decode.c has the 8-lane AVX2 form). */
 static inline __m512 exp_nonpos512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
