@@ -68,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="the load rule's batch threshold (default: the engine's, 32)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--disable-by-cost", choices=("auto", "on", "off"), default="auto",
+                   help="speculative_config.disable_by_cost: auto (the engine's default: on for a draft model "
+                        "or EAGLE head, off for n-gram), on, or off (every step under the batch rule speculates)")
     p.add_argument("--warmup-rounds", type=int, default=1,
                    help="unmeasured rounds of both sides at each batch size first (the kernels warm, and "
                         "the measured-cost rule of a draft model or EAGLE head has its figures)")
@@ -163,6 +166,8 @@ def spec_config(args) -> dict:
                "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
     if args.disable_by_batch_size is not None:
         cfg["disable_by_batch_size"] = args.disable_by_batch_size
+    if args.disable_by_cost != "auto":
+        cfg["disable_by_cost"] = args.disable_by_cost == "on"
     return cfg
 
 

@@ -23,6 +23,8 @@ from pdserve.cluster.keys import Keyspace, parse_endpoints
 
 log = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 5.0  # closing a client or cancelling a watch stream: never waited on longer
+
 # gRPC reconnects with exponential backoff up to 120 s by default; etcd restarts
 # take a second, so cap it low. Keep-alive pings notice a dead peer without
 # traffic; etcd refuses pings more often than every 5 s (--grpc-keepalive-min-time).
@@ -133,5 +135,9 @@ class EtcdConnection:
 
     async def close_client(self) -> None:
         if self._client is not None:
-            await self._client.close()
-            self._client = None
+            client, self._client = self._client, None
+            try:  # (bounded: a channel that does not close must not hold a shutdown)
+                await asyncio.wait_for(client.close(), CLOSE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.warning("the etcd client did not close within %.0f s; left to the garbage collector",
+                            CLOSE_TIMEOUT_S)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from pdserve.cluster.etcd_client import CLOSE_TIMEOUT_S
 from pdserve.cluster.records import TRANSIENT_ERRORS, WorkerInfo, decode_members, short_error
 
 if TYPE_CHECKING:
@@ -66,9 +67,9 @@ class _ResyncingWatch:
     async def close(self) -> None:
         self._closing = True
         if self._stream is not None:
-            try:
-                await self._stream.cancel()
-            except TRANSIENT_ERRORS:
+            try:  # (bounded: a stream that does not cancel must not hold a shutdown)
+                await asyncio.wait_for(self._stream.cancel(), CLOSE_TIMEOUT_S)
+            except TRANSIENT_ERRORS:  # (asyncio.TimeoutError among them)
                 pass
         if self._task is not None:
             self._task.cancel()

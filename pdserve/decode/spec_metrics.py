@@ -27,6 +27,8 @@ SPEC_METRICS: tuple[tuple[str, str, str], ...] = (
     ("pdserve_spec_decode_num_draft_tokens", "Tokens proposed for verification", "num_spec_draft_tokens"),
     ("pdserve_spec_decode_num_accepted_tokens", "Proposed tokens the verification accepted",
      "num_spec_accepted_tokens"),
+    ("pdserve_spec_decode_cost_off_steps", "Decode steps the measured-cost rule kept from speculating "
+     "(speculative_config.disable_by_cost)", "num_spec_cost_off_steps"),
 )
 PER_POSITION = "pdserve_spec_decode_num_accepted_tokens_per_pos"
 

@@ -70,3 +70,4 @@ class EngineStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    num_spec_cost_off_steps: int = 0  # decode steps the measured-cost rule kept plain (engine/spec_cost.py)

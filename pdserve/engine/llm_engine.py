@@ -420,6 +420,8 @@ class LLMEngine:
         scheduled, _, decoding = self.last_step
         self.spec.end_step(scheduled == decoding, self.last_step_drafts > 0,
                            1e3 * (time.perf_counter() - started), sum(len(d.new_token_ids) for d in deltas))
+        if self.spec.cost is not None:
+            self.stats.num_spec_cost_off_steps = self.spec.cost.off_steps
 
     def _count_step(self, scheduled: list[tuple[Request, int]], num_tokens: int) -> None:
         """The step's shape (``last_step``, ``last_step_drafts``, ``last_step_pairs``): a

@@ -90,6 +90,7 @@ def test_the_engine_feeds_it_and_a_step_it_keeps_plain_proposes_nothing(llama_di
         assert run(llm, ps, params) == want
         steps = rule.off_steps - off_before
         assert steps > 20  # the decode steps were kept plain...
+        assert stats.num_spec_cost_off_steps == rule.off_steps  # (what /metrics exports)
         assert stats.num_spec_drafts - before <= len(ps) * (steps // PROBE_EVERY + 2)  # ...but for the probes
 
 
