@@ -16,6 +16,7 @@ tokens, so proposals are accepted and rejected: the KV of both models is rolled 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -130,6 +131,26 @@ def pools_full(llm: LLM) -> bool:
 COPY_PROMPTS = prompts(8, seed=6)
 
 
+@contextlib.contextmanager
+def proposals_seen(llm: LLM):
+    """While inside: each proposal the head returns, as (the request's last token, its
+    proposals), appended to the yielded list (the head's own `propose` runs unchanged)."""
+    head = llm.engine.spec.draft
+    seen: list[tuple[int, list[int]]] = []
+    propose = head.propose
+
+    def spy(wants, structured):
+        found = propose(wants, structured)
+        seen.extend((r.all_token_ids[-1], found[r.request_id]) for r, _ in wants if r.request_id in found)
+        return found
+
+    head.propose = spy
+    try:
+        yield seen
+    finally:
+        del head.propose
+
+
 @pytest.fixture(scope="module")
 def plain(llama_dir):
     with LLM(llama_dir, seed=0) as llm:
@@ -198,22 +219,10 @@ def test_the_copy_head_reads_the_right_hidden_states(llama_dir, plain, copy_head
     output equals the engine without speculation and HF."""
     ps = COPY_PROMPTS
     want = run(plain, ps, GREEDY)
-    head = copy_head.engine.spec.draft
-    seen: list[tuple[int, list[int]]] = []
-    propose = head.propose
-
-    def spy(wants, structured):
-        found = propose(wants, structured)
-        seen.extend((r.all_token_ids[-1], found[r.request_id]) for r, _ in wants if r.request_id in found)
-        return found
-
     stats = copy_head.engine.stats
     before = (stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens)
-    head.propose = spy
-    try:
+    with proposals_seen(copy_head) as seen:
         assert run(copy_head, ps, GREEDY) == want
-    finally:
-        del head.propose
     proposed, accepted = stats.num_spec_draft_tokens - before[0], stats.num_spec_accepted_tokens - before[1]
     assert len(seen) > 50 and all(props == [last] * len(props) for last, props in seen), seen[:5]
     assert 0.1 * proposed < accepted < proposed, (accepted, proposed)
@@ -230,17 +239,8 @@ def test_a_whole_vocabulary_head_in_its_own_order_maps_through_d2t(llama_dir, pl
     ps = COPY_PROMPTS[:4]
     want = run(plain, ps, GREEDY)
     with LLM(llama_dir, seed=0, speculative_config=eagle_cfg("eagle3", head_dir, k=4)) as llm:
-        head = llm.engine.spec.draft
-        seen: list[tuple[int, list[int]]] = []
-        propose = head.propose
-
-        def spy(wants, structured):
-            found = propose(wants, structured)
-            seen.extend((r.all_token_ids[-1], found[r.request_id]) for r, _ in wants if r.request_id in found)
-            return found
-
-        head.propose = spy
-        assert run(llm, ps, GREEDY) == want
+        with proposals_seen(llm) as seen:
+            assert run(llm, ps, GREEDY) == want
         assert seen and all(props == [last] * len(props) for last, props in seen), seen[:5]
         assert llm.engine.stats.num_spec_accepted_tokens > 0
 
