@@ -3,6 +3,7 @@
 #               long prompts through gRPC (route, reason, TTFT, transfer), shut down
 #   make test   run the test suite (what CI runs)
 PYTHON ?= .venv/bin/python
+SHELL := /bin/bash
 MODEL_DIR ?= .cache/models/pdserve-tiny-llama
 
 .PHONY: venv demo generate test check bench bench-vllm vllm-venv gpu-check gpu-bundle clean
@@ -32,12 +33,18 @@ generate: venv $(MODEL_DIR)/config.json
 # The suite runs in two pytest processes, the folders up to e2e/ and the rest: each module's
 # in-process workers leave a few hundred MiB that the process keeps, and the whole suite in one
 # process outgrew a 24 GiB machine. Both halves always run; the target fails if either does.
+# The first half's failures are printed again at the end (tests/failures.py), where a log's tail shows them.
 TESTS_FIRST = tests/bench tests/cli tests/cluster tests/decode tests/deploy tests/e2e
 test:
 	bash tests/prereqs.sh
-	RAY_AUTH_MODE=disabled UCX_MODULES='^ib' $(PYTHON) -m pytest -q $(TESTS_FIRST); first=$$?; \
+	rm -f .pytest-first.xml .pytest-first.log
+	RAY_AUTH_MODE=disabled UCX_MODULES='^ib' $(PYTHON) -m pytest -q $(TESTS_FIRST) \
+		--junitxml=.pytest-first.xml 2>&1 | tee .pytest-first.log; first=$${PIPESTATUS[0]}; \
 	RAY_AUTH_MODE=disabled UCX_MODULES='^ib' $(PYTHON) -m pytest -q $(addprefix --ignore=,$(TESTS_FIRST)); \
-	second=$$?; test $$first -eq 0 && test $$second -eq 0
+	second=$$?; \
+	if [ $$first -ne 0 ]; then echo "make test: the first half failed (exit $$first):"; \
+		$(PYTHON) tests/failures.py .pytest-first.xml .pytest-first.log; fi; \
+	test $$first -eq 0 && test $$second -eq 0
 
 # The package graph as standard tools read it (docs/architecture.md, "Layout"); .ci/run runs both.
 check: venv

@@ -13,6 +13,11 @@ import pytest
 
 GC_AFTER_GROWTH_MB = 1024
 
+# Ray waits 30 s for a new head's GCS to write its port file, then fails ray.init; on the 2-core
+# box under a busy neighbour (a benchmark, another suite) the GCS took longer once and a module's
+# Ray fixture errored with every test under it. 120 s is what Ray itself allows a RocksDB GCS.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+
 
 def _rss_mb() -> int:
     try:

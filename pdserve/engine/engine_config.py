@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .config_base import ConfigError, parse_dtype, parse_kv_cache_dtype
+from .kv_scales import KV_SCALE_GRANULARITIES
 
 
 @dataclass
@@ -60,6 +61,11 @@ class EngineConfig:
     # fp8_e4m3 | fp8_e5m2. FP8 halves a 16-bit pool's bytes per token (engine/kv_quant.py;
     # docs/kv_cache.md); both roles of a handoff must agree.
     kv_cache_dtype: str = "auto"
+    # FP8 scales (engine/kv_scales.py, docs/kv_cache.md "Scales"): the checkpoint's k_scale/v_scale
+    # when it has them, else 1.0; calculate_kv_scales (vLLM's name) computes them at start from a
+    # fixed calibration sequence instead, one per KV head or per tensor (kv_scale_granularity).
+    calculate_kv_scales: bool = False
+    kv_scale_granularity: str = "head"
     tp_comm: str = "auto"
     tp_threads_per_rank: int | None = None
     # "module:factory" of what ranks 1..N-1 run besides their shard (engine/tp_group.py): the
@@ -116,6 +122,14 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} runs on attention_backend 'torch' (or 'auto') only for now; "
                 f"the {self.attention_backend} kernels do not read FP8 KV yet: set attention_backend='auto'")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ConfigError(f"calculate_kv_scales={self.calculate_kv_scales!r} must be true or false")
+        if self.calculate_kv_scales and kv_name == "auto":
+            raise ConfigError("calculate_kv_scales=True computes FP8 KV scales: set kv_cache_dtype to fp8_e4m3 "
+                              "or fp8_e5m2, or calculate_kv_scales=False")
+        if self.kv_scale_granularity not in KV_SCALE_GRANULARITIES:
+            raise ConfigError(f"kv_scale_granularity={self.kv_scale_granularity!r}; use one of "
+                              f"{', '.join(KV_SCALE_GRANULARITIES)}")
         if kv_name != "auto" and self.cuda_graphs:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with cuda_graphs=True yet "
                               "(the graphs run FlashInfer): set cuda_graphs=False or kv_cache_dtype='auto'")

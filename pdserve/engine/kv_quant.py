@@ -3,16 +3,22 @@
 With ``kv_cache_dtype`` fp8_e4m3 (``fp8``) or fp8_e5m2 the pool holds float8 elements: a new
 token's K (V) is divided by its layer's ``k_scale`` (``v_scale``), clamped to the format's
 finite range and cast; attention reads ``stored.to(model dtype) * scale``. The scales are static
-and per tensor (one K and one V scale per layer), 1.0 as in vLLM when a checkpoint carries none;
-they live beside the pool (`KVQuant.scales`, ``[num_layers, 2]`` float32) and in the pool's
-layout record, so two workers whose scales differ refuse to pair (kvtransfer/nixl/layout.py).
+once the engine has started, per tensor or per KV head, from the checkpoint, computed at start or
+1.0 (engine/kv_scales.py); they live beside the pool (`KVQuant.scales`) and in the pool's layout
+record, so two workers whose scales differ refuse to pair (kvtransfer/nixl/layout.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import torch
+
+from .kv_scales import record
+
+# A layer's K (or V) scale on this rank: one float, or a [heads, 1] column (per-head scales).
+Scale = Union[float, torch.Tensor]
 
 # The largest finite value of each float8 format (torch.finfo): larger values are clamped
 # (e4m3fn has no infinity: an overflowing cast would be NaN).
@@ -26,36 +32,67 @@ class KVQuant:
     name: str  # the canonical kv_cache_dtype: fp8_e4m3 | fp8_e5m2
     storage: torch.dtype  # torch.float8_e4m3fn | torch.float8_e5m2
     compute: torch.dtype  # the model's dtype
-    scales: torch.Tensor  # [num_layers, 2] float32: each layer's k_scale, v_scale
+    # [num_layers, 2, total_kv_heads] float32: each layer's k_scale and v_scale for each of the
+    # model's KV heads (a per-tensor scale repeats; engine/kv_scales.py says where they come from)
+    scales: torch.Tensor
+    heads: range  # this rank's KV heads (columns of ``scales``)
+    device: torch.device
 
     @classmethod
     def static(cls, name: str, storage: torch.dtype, compute: torch.dtype, num_layers: int,
-               device: torch.device) -> KVQuant:
-        """Per-tensor scales of 1.0 (vLLM's default without checkpoint scales)."""
-        return cls(name, storage, compute, torch.ones(num_layers, 2, dtype=torch.float32, device=device))
+               device: torch.device, heads: range = range(1), scales: torch.Tensor | None = None) -> KVQuant:
+        """``scales`` (``[num_layers, 2, total_kv_heads]``), or 1.0 everywhere (vLLM's default
+        without checkpoint scales)."""
+        if scales is None:
+            scales = torch.ones(num_layers, 2, heads.stop, dtype=torch.float32)
+        return cls(name, storage, compute, scales.float().cpu(), heads, device)
 
-    def scale_list(self) -> list[list[float]]:
-        """The scales as plain floats, layer by layer: what the layout record carries."""
-        return [[float(k), float(v)] for k, v in self.scales.cpu().tolist()]
+    def scale_list(self) -> list[list]:
+        """What the layout record carries: per layer ``[k, v]``, a float each where the scale is
+        per tensor, else a list over the model's KV heads (engine/kv_scales.py `record`)."""
+        return record(self.scales)
 
-    def layer_scales(self, layer: int) -> tuple[float, float]:
-        k, v = self._host[layer]
-        return k, v
+    def layer_scales(self, layer: int) -> tuple[Scale, Scale]:
+        return self._local[layer]
 
     def __post_init__(self) -> None:
-        # Host copies: read once per layer and step without a device sync.
-        self._host = [(float(k), float(v)) for k, v in self.scales.cpu().tolist()]
+        self.observed: torch.Tensor | None = None  # [num_layers, 2, local heads] while calibrating
+        self.set_scales(self.scales)
 
-    def quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
-        """``x`` (model dtype) as this pool stores it."""
+    def set_scales(self, scales: torch.Tensor) -> None:
+        """Use ``scales`` (``[num_layers, 2, total_kv_heads]``) from now on: before the pool holds
+        anything (a calibration's result, engine/kv_scale_calibration.py)."""
+        self.scales = scales.float().cpu()
+        self._local: list[tuple[Scale, Scale]] = []
+        for layer in self.scales[:, :, self.heads.start:self.heads.stop]:
+            halves = []
+            for half in layer:
+                # one float where this rank's heads share a scale (no per-element broadcast), else
+                # a [heads, 1] column that multiplies [..., heads, head_dim]
+                halves.append(float(half[0]) if bool((half == half[0]).all())
+                              else half.to(self.device)[:, None])
+            self._local.append((halves[0], halves[1]))
+
+    def observe(self, num_layers: int) -> None:
+        """Record the largest |K| and |V| per local head (a calibration: engine/runner.py)."""
+        self.observed = torch.zeros(num_layers, 2, len(self.heads), dtype=torch.float32)
+
+    def quantize(self, x: torch.Tensor, scale: Scale, layer: int = -1, half: int = 0) -> torch.Tensor:
+        """``x`` (model dtype, ``[..., heads, head_dim]``) as this pool stores it."""
+        if self.observed is not None and layer >= 0:
+            seen = x.detach().abs().float().amax(dim=tuple(d for d in range(x.dim()) if d != x.dim() - 2))
+            self.observed[layer, half] = torch.maximum(self.observed[layer, half], seen.cpu())
         limit = FP8_MAX[self.storage]
-        y = x.float() if scale == 1.0 else x.float() / scale
+        y = x.float() if isinstance(scale, float) and scale == 1.0 else x.float() / scale
         return torch.clamp(y, -limit, limit).to(self.storage)
 
-    def dequantize(self, stored: torch.Tensor, scale: float) -> torch.Tensor:
-        """Stored float8 values back in the model's dtype."""
+    def dequantize(self, stored: torch.Tensor, scale: Scale, heads_at: int = -2) -> torch.Tensor:
+        """Stored float8 values back in the model's dtype; ``heads_at``: the axis of the KV heads
+        (-2: ``[..., heads, head_dim]``; -3: ``[..., heads, tokens, head_dim]``)."""
         y = stored.to(self.compute)
-        return y if scale == 1.0 else y.mul_(scale)
+        if isinstance(scale, float):
+            return y if scale == 1.0 else y.mul_(scale)
+        return y.mul_(scale if heads_at == -2 else scale.view(-1, *([1] * (-heads_at - 1))))
 
 
 def layer_of(layer_kv: torch.Tensor) -> int:

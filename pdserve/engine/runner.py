@@ -16,6 +16,8 @@ from .attention import make_backend
 from .block_manager import KVCacheManager
 from .config import ConfigError, EngineConfig, ModelConfig, dtype_name, parse_dtype, parse_kv_cache_dtype
 from .kv_quant import KVQuant
+from .kv_scale_calibration import calibrate_kv_scales
+from .kv_scales import checkpoint_scales, record
 from .linear import pack_linears
 from .lora_slots import LoRARuntime
 from .model import load_model
@@ -101,8 +103,6 @@ class ModelRunner:
         # The pool's element type: the model's, or float8 (kv_cache_dtype; engine/kv_quant.py).
         self.kv_cache_dtype, storage = parse_kv_cache_dtype(cfg.kv_cache_dtype)
         self.kv_dtype = storage or self.dtype
-        self.kv_quant = (KVQuant.static(self.kv_cache_dtype, storage, self.dtype, model_cfg.num_layers, self.device)
-                         if storage is not None else None)
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
         check_tp(model_cfg, tp)
@@ -110,6 +110,7 @@ class ModelRunner:
             raise ConfigError(f"enable_lora: LoRA adapters are not supported on {model_cfg.architecture} models "
                               "(latent attention has no q/k/v projections to adapt)")
         self.shard = make_shard(model_cfg, rank, tp)
+        self.kv_quant = self._kv_quant(cfg, storage) if storage is not None else None
         self.group = TPGroup.start(cfg, self.device) if tp > 1 and rank == 0 else None
         self.comm = self.group.comm if self.group is not None else comm
         self.ctrl = self.group.ctrl if self.group is not None else ctrl  # steps, control, agreement
@@ -148,6 +149,24 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             model_cfg.num_layers, self.num_blocks, 2, *inner, model_cfg.head_dim, dtype=self.kv_dtype, device=self.device,
         )
+        if self.kv_quant is not None and cfg.calculate_kv_scales and self.calibrates_kv_scales:
+            self.kv_quant = calibrate_kv_scales(self, cfg)
+
+    # An EAGLE head's runner keeps scales of 1.0: its forward is not the model's (engine/spec_eagle.py).
+    calibrates_kv_scales = True
+
+    def _kv_quant(self, cfg: EngineConfig, storage: torch.dtype) -> KVQuant:
+        """The FP8 pool's scales: the checkpoint's, or 1.0 until a calibration computes them."""
+        m = self.model_cfg
+        scales = None
+        if not cfg.calculate_kv_scales and self.calibrates_kv_scales:
+            scales = checkpoint_scales(m.path, m.num_layers, m.num_kv_heads)
+        if scales is not None:
+            log.info("KV scales from the checkpoint %s (%s)", m.path, "per tensor" if len(record(scales)) and all(
+                isinstance(x, float) for layer in record(scales) for x in layer) else "per head")
+        return KVQuant.static(self.kv_cache_dtype, storage, self.dtype, m.num_layers, self.device,
+                              heads=self.shard.kv_heads, scales=scales if scales is not None else
+                              torch.ones(m.num_layers, 2, m.num_kv_heads))
 
     def _make_model(self, model_cfg: ModelConfig) -> torch.nn.Module:
         """The model this runner runs, its weights loaded (an EAGLE head's runner makes its head,

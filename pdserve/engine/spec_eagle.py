@@ -46,6 +46,8 @@ class EagleRunner(ModelRunner):
     """A `ModelRunner` whose model is an EAGLE head: `execute` reads each row's hidden input
     from ``hidden`` (set before each call) and keeps the rows' hidden output in ``out``."""
 
+    calibrates_kv_scales = False  # an FP8 head pool keeps scales of 1.0 (its forward takes hidden states)
+
     def __init__(self, cfg: EngineConfig, hc: HeadConfig, target: ModelConfig):
         self.hc, self.target_cfg = hc, target
         self.hidden: torch.Tensor | None = None

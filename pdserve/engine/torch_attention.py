@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_base import AttentionBackend, BatchLayout
-from .kv_quant import KVQuant, layer_of
+from .kv_quant import KVQuant, Scale, layer_of
 from .native import check_rows, paged_decode
 from .prefill_native import prefill_attention
 
@@ -213,8 +213,9 @@ class TorchAttention(AttentionBackend):
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
         scales = None
         if self.kv_quant is not None:
-            scales = self.kv_quant.layer_scales(layer_of(layer_kv))
-            k, v = self._store_fp8(layer_kv, k, v, meta, scales)
+            layer = layer_of(layer_kv)
+            scales = self.kv_quant.layer_scales(layer)
+            k, v = self._store_fp8(layer_kv, k, v, meta, scales, layer)
         elif self.kv_layout == "NHD":
             pool = _flat_pool(layer_kv)
             pool.index_copy_(0, meta.k_rows, k)
@@ -252,8 +253,8 @@ class TorchAttention(AttentionBackend):
                 ks = _gather_blocks(k_pool, group, self._k_buf)
                 vs = _gather_blocks(v_pool, group, self._v_buf)
                 if self.kv_quant is not None and scales is not None:
-                    ks = self.kv_quant.dequantize(ks, scales[0])
-                    vs = self.kv_quant.dequantize(vs, scales[1])
+                    ks = self.kv_quant.dequantize(ks, scales[0], heads_at=-3)  # [g, Hkv, tokens, D]
+                    vs = self.kv_quant.dequantize(vs, scales[1], heads_at=-3)
                 if group.context >= 0:  # a long chunk after context: the tiled kernel, on the gathered K/V
                     keys = group.context + group.q1 - group.q0
                     prefill_attention(self.prefill, q[group.q0:group.q1], ks[0].transpose(0, 1)[:keys],
@@ -263,11 +264,12 @@ class TorchAttention(AttentionBackend):
                     self._attend_paged(q, ks, vs, group, out)
         return out
 
-    def _store_fp8(self, layer_kv, k, v, meta: _TorchMeta, scales: tuple[float, float]):
+    def _store_fp8(self, layer_kv, k, v, meta: _TorchMeta, scales: tuple[Scale, Scale], layer: int):
         """Write the new K/V quantized into the float8 pool (as bytes: torch's CPU index ops lack
-        float8) and return them as attention reads them back: stored values in the model's dtype."""
+        float8) and return them as attention reads them back: stored values in the model's dtype
+        (while the scales are being calibrated, the exact values: engine/kv_scales.py)."""
         assert self.kv_quant is not None
-        qk, qv = self.kv_quant.quantize(k, scales[0]), self.kv_quant.quantize(v, scales[1])
+        qk, qv = self.kv_quant.quantize(k, scales[0], layer, 0), self.kv_quant.quantize(v, scales[1], layer, 1)
         raw = layer_kv.view(torch.uint8)
         if self.kv_layout == "NHD":
             pool = _flat_pool(raw)
@@ -279,6 +281,8 @@ class TorchAttention(AttentionBackend):
             nhd = nhd_view(raw, self.kv_layout)
             nhd[block, 0, offset] = qk.view(torch.uint8)
             nhd[block, 1, offset] = qv.view(torch.uint8)
+        if self.kv_quant.observed is not None:
+            return k, v
         return self.kv_quant.dequantize(qk, scales[0]), self.kv_quant.dequantize(qv, scales[1])
 
     def _attend_paged(self, q, ks, vs, group: _PagedGroup, out: torch.Tensor) -> None:

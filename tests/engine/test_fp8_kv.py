@@ -2,7 +2,8 @@
 
 The pool is float8 and a quarter of the float32 pool's bytes per token (half of a 16-bit
 pool's); greedy output is deterministic; a remote prefill over real NIXL agents (the prefill
-worker at TP 1 or 2) equals the local path token for token with FP8 on both sides, and moves half the bytes per token of a
+worker at TP 1 or 2) equals the local path token for token with FP8 on both sides (scales 1.0,
+and computed at start on both sides), and moves half the bytes per token of a
 bfloat16 pair (measured by the prefill batch's counter); a pair whose kv_cache_dtype or
 scales differ refuses to pair, naming the field; bad values are refused naming the field.
 """
@@ -122,18 +123,24 @@ def _remote(model: str, tag: str, ps, p_tp: int = 1, **args) -> tuple[list[list[
         return out, pair.stats.bytes_written
 
 
-@pytest.mark.parametrize("kv_cache_dtype,p_tp", [
-    ("fp8_e4m3", 1), ("fp8_e5m2", 1),
-    pytest.param("fp8_e4m3", 2, marks=pytest.mark.skipif(shm_available() is not None,
-                                                          reason=f"TP needs shm: {shm_available()}")),
+TP2 = pytest.mark.skipif(shm_available() is not None, reason=f"TP needs shm: {shm_available()}")
+
+
+@pytest.mark.parametrize("kv_cache_dtype,p_tp,computed", [
+    ("fp8_e4m3", 1, False), ("fp8_e5m2", 1, False), ("fp8_e4m3", 1, True),
+    pytest.param("fp8_e4m3", 2, False, marks=TP2), pytest.param("fp8_e4m3", 2, True, marks=TP2),
 ])
-def test_fp8_remote_prefill_equals_local_token_for_token(llama_dir, kv_cache_dtype, p_tp):
+def test_fp8_remote_prefill_equals_local_token_for_token(llama_dir, kv_cache_dtype, p_tp, computed):
+    """``computed``: both sides compute their scales at start (calculate_kv_scales, per head), the
+    prefill worker on 2 ranks: they agree (the pair would refuse otherwise) and the tokens match."""
     ps = prompts(seed=11)
-    want = [o.token_ids for o in LLM(llama_dir, kv_cache_dtype=kv_cache_dtype).generate(
+    scales = {"calculate_kv_scales": True} if computed else {}
+    want = [o.token_ids for o in LLM(llama_dir, kv_cache_dtype=kv_cache_dtype, **scales).generate(
         ps, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
     # Pools of different TP sizes exchange head ranges: HND on both sides.
     layout = {"kv_layout": "HND"} if p_tp > 1 else {}
-    got, _ = _remote(llama_dir, f"{kv_cache_dtype[-4:]}{p_tp}", ps, p_tp=p_tp, kv_cache_dtype=kv_cache_dtype, **layout)
+    got, _ = _remote(llama_dir, f"{kv_cache_dtype[-4:]}{p_tp}{'c' if computed else ''}", ps, p_tp=p_tp,
+                     kv_cache_dtype=kv_cache_dtype, **layout, **scales)
     assert got == want
 
 

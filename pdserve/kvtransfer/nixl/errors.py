@@ -25,10 +25,16 @@ class LayoutMismatchError(KVTransferError, ValueError):
         self.mine = mine
         self.theirs = theirs
         hint = (" Both roles must run the same engine argument kv_cache_dtype (and, for FP8, the same "
-                "k_scale/v_scale per layer)." if field in ("kv_cache_dtype", "kv_scales") else "")
+                "k_scale/v_scale per layer: the same checkpoint, and the same calculate_kv_scales and "
+                "kv_scale_granularity)." if field in ("kv_cache_dtype", "kv_scales") else "")
+        if field == "kv_scales" and isinstance(mine, tuple) and isinstance(theirs, tuple):
+            layer = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            what = (f"at layer {layer} this worker has {mine[layer] if layer < len(mine) else 'none'!r}, the peer "
+                    f"has {theirs[layer] if layer < len(theirs) else 'none'!r} ({len(mine)} and {len(theirs)} layers)")
+        else:
+            what = f"this worker has {mine!r}, the peer has {theirs!r}"
         super().__init__(
-            f"KV layout field {field!r} differs: this worker has {mine!r}, the peer has "
-            f"{theirs!r}. Prefill and decode workers must serve the same model with the same "
+            f"KV layout field {field!r} differs: {what}. Prefill and decode workers must serve the same model with the same "
             f"dtype, num_layers, block_size, num_kv_heads and head_dim.{hint}"
         )
 

@@ -48,6 +48,15 @@ _INT_FIELDS = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_d
 _OPTIONAL_FIELDS = ("kv_layout", "total_kv_heads", "tp_size", "tp_rank", "kv_cache_dtype", "kv_scales")
 
 
+def _scale(value: Any) -> float | tuple[float, ...]:
+    """A K or V scale of a layout record: a number, or a tuple of per-head numbers."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError("an empty list of per-head scales")
+        return tuple(float(x) for x in value)
+    return float(value)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Shape, dtype and model of one worker's paged KV pool."""
@@ -64,15 +73,17 @@ class KVLayout:
     tp_size: int = 1
     tp_rank: int = 0
     # The engine's kv_cache_dtype (auto, fp8_e4m3, fp8_e5m2) and, for FP8, each layer's
-    # (k_scale, v_scale): pages are read with the scales they were written with, so both must agree.
+    # (k_scale, v_scale), each one number (per tensor) or one per KV head of the model (per head):
+    # pages are read with the scales they were written with, so both must agree.
     kv_cache_dtype: str = "auto"
-    kv_scales: tuple[tuple[float, float], ...] = ()
+    kv_scales: tuple[tuple[Any, Any], ...] = ()
 
     def __post_init__(self) -> None:
         try:
-            scales = tuple((float(k), float(v)) for k, v in self.kv_scales)
+            scales = tuple((_scale(k), _scale(v)) for k, v in self.kv_scales)
         except (TypeError, ValueError):
-            raise ValueError(f"KVLayout.kv_scales must list [k_scale, v_scale] pairs, got {self.kv_scales!r}") from None
+            raise ValueError("KVLayout.kv_scales must list [k_scale, v_scale] pairs (each a number, or a list "
+                             f"of one per KV head), got {self.kv_scales!r}") from None
         object.__setattr__(self, "kv_scales", scales)
         if not isinstance(self.kv_cache_dtype, str) or not self.kv_cache_dtype:
             raise ValueError(f"KVLayout.kv_cache_dtype must be a non-empty string, got {self.kv_cache_dtype!r}")

@@ -1,0 +1,53 @@
+"""Print the failed and errored tests of a pytest JUnit XML report, one line each.
+
+Where the report is missing (the process was killed before writing it), the last lines of the
+run's log are printed instead.
+
+`make test` runs the suite in two pytest processes; the first half's failures would scroll out of
+a log's tail behind the second half, so the Makefile prints them again from this report.
+"""
+
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+
+
+def failures(path: str) -> list[str]:
+    """`KIND nodeid: first line of the message` for each failed or errored test case."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        return [f"(no report at {path}: {exc})"]
+    lines = []
+    for case in root.iter("testcase"):
+        for kind in ("failure", "error"):
+            for node in case.findall(kind):
+                name = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
+                message = (node.get("message") or "").strip().splitlines()
+                lines.append(f"{kind.upper()} {name}: {message[0][:300] if message else ''}")
+                lines.extend("    " + text for text in (node.text or "").splitlines()[-30:])
+    return lines
+
+
+def log_tail(path: str, lines: int = 80) -> list[str]:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read().splitlines()[-lines:]
+    except OSError as exc:
+        return [f"(no log at {path}: {exc})"]
+
+
+def main(argv: list[str]) -> int:
+    found = failures(argv[1])
+    for line in found:
+        print(line)
+    if len(argv) > 2 and (not found or found[0].startswith("(no report")):
+        print(f"-- the last lines of {argv[2]}:")
+        for line in log_tail(argv[2]):
+            print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
