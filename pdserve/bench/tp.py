@@ -11,7 +11,11 @@ same machine:
 - ``tp2-shm``: two ranks, shared-memory collectives (the CPU default);
 - ``tp2-gloo``: two ranks, torch's gloo collectives over loopback;
 - ``tp2-shm-hnd``: as tp2-shm with the HND pool layout (the one a handoff between
-  different TP sizes needs), against ``tp1-hnd`` to show what HND costs at TP=1.
+  different TP sizes needs), against ``tp1-hnd`` to show what HND costs at TP=1;
+- ``tp2-ep``: as tp2-shm with a mixture-of-experts model's routed experts split whole
+  between the ranks (``enable_expert_parallel``) instead of every expert's rows (tp2-shm):
+
+      python bench/tp.py --model DIR --configs tp1,tp2-shm,tp2-ep --batches 1,16,64
 
 It also checks that every configuration's greedy output equals TP=1's.
 
@@ -41,6 +45,7 @@ CONFIGS = {
     "tp2-shm": {"tensor_parallel_size": 2, "tp_comm": "shm"},
     "tp2-gloo": {"tensor_parallel_size": 2, "tp_comm": "gloo"},
     "tp2-shm-hnd": {"tensor_parallel_size": 2, "tp_comm": "shm", "kv_layout": "HND"},
+    "tp2-ep": {"tensor_parallel_size": 2, "tp_comm": "shm", "enable_expert_parallel": True},
 }
 
 

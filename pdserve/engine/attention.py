@@ -179,12 +179,10 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
     """`auto` picks FlashInfer on CUDA with a 16-bit dtype and a head size it supports, when it
     is installed; on the CPU in float32 the torch path with the native paged decode kernel
     (engine/native.py) when it builds; else torch. An FP8 KV pool (``kv_quant``) runs the torch
-    path only: neither kernel reads float8 KV yet."""
-    if kv_quant is not None:
-        if name not in ("auto", "torch"):
-            raise ValueError(f"kv_cache_dtype={kv_quant.name!r} runs on attention_backend 'torch' (or 'auto') "
-                             f"only for now, not {name!r}")
-        return TorchAttention(scale, dtype, kv_layout=kv_layout, kv_quant=kv_quant)
+    path with the native kernel's float8 variant the same way; FlashInfer's FP8 path is not wired."""
+    if kv_quant is not None and name == "flashinfer":
+        raise ValueError(f"kv_cache_dtype={kv_quant.name!r} runs on attention_backend 'auto', 'torch' or 'native', "
+                         "not 'flashinfer' (its FP8 KV path is not wired yet)")
     if name == "auto":
         name = "torch"
         if device.type == "cpu" and dtype == torch.float32:
@@ -192,7 +190,7 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
                 name = "native"
             else:
                 log.info("attention: torch path (native decode kernel unavailable: %s)", native.why_unavailable())
-        if device.type == "cuda" and dtype in FLASHINFER_DTYPES and head_dim in FLASHINFER_HEAD_DIMS:
+        if device.type == "cuda" and kv_quant is None and dtype in FLASHINFER_DTYPES and head_dim in FLASHINFER_HEAD_DIMS:
             try:
                 import flashinfer  # noqa: F401
 
@@ -200,7 +198,7 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
             except ImportError:
                 pass
     if name == "torch":
-        return TorchAttention(scale, dtype, kv_layout=kv_layout)
+        return TorchAttention(scale, dtype, kv_layout=kv_layout, kv_quant=kv_quant)
     if name == "native":
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"attention_backend='native' runs float32 on the CPU, not {dtype} on {device}; "
@@ -209,7 +207,8 @@ def make_backend(name: str, *, device: torch.device, scale: float, num_heads: in
         if lib is None:
             raise ValueError(f"attention_backend='native': {native.why_unavailable()}; use 'auto' or 'torch'")
         # long fresh prompts through the tiled causal kernel where its vector path runs (engine/prefill_native.py)
-        return TorchAttention(scale, dtype, native=lib, kv_layout=kv_layout, prefill=prefill_native.load(head_dim))
+        return TorchAttention(scale, dtype, native=lib, kv_layout=kv_layout, prefill=prefill_native.load(head_dim),
+                              kv_quant=kv_quant)
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' needs device='cuda'; use 'torch' on CPU")

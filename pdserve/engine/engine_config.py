@@ -53,6 +53,10 @@ class EngineConfig:
     # memory on CPU) | shm | gloo | nccl. tp_threads_per_rank: CPU threads of each rank (default:
     # this process's cores / ranks).
     tensor_parallel_size: int = 1
+    # Mixture-of-experts models at tensor_parallel_size N: False, every rank holds a 1/N slice of
+    # every expert (tensor-parallel experts); True (vLLM's flag), each rank holds 1/N of the routed
+    # experts whole (engine/tensor_parallel.py; docs/models.md measures both).
+    enable_expert_parallel: bool = False
     # KV pool order inside a block: NHD [token][head][dim] or HND [head][token][dim]. HND keeps a
     # head's pages contiguous, which a handoff between different TP sizes needs (the workers
     # exchanging KV must agree; docs/architecture.md "KV pool").
@@ -118,10 +122,12 @@ class EngineConfig:
         if not isinstance(self.kv_cache_dtype, str):
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be a string")
         kv_name, _ = parse_kv_cache_dtype(self.kv_cache_dtype)
-        if kv_name != "auto" and self.attention_backend in ("native", "flashinfer"):
+        if kv_name != "auto" and self.attention_backend == "flashinfer":
             raise ConfigError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on attention_backend 'torch' (or 'auto') only for now; "
-                f"the {self.attention_backend} kernels do not read FP8 KV yet: set attention_backend='auto'")
+                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on attention_backend 'auto', 'torch' or 'native' for now; "
+                "FlashInfer's FP8 KV path is not wired yet: set attention_backend='auto'")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ConfigError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be true or false")
         if not isinstance(self.calculate_kv_scales, bool):
             raise ConfigError(f"calculate_kv_scales={self.calculate_kv_scales!r} must be true or false")
         if self.calculate_kv_scales and kv_name == "auto":

@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+import numpy as np
 import torch
 
 from .kv_scales import record
+from .native import FP8_FACTOR
 
 # A layer's K (or V) scale on this rank: one float, or a [heads, 1] column (per-head scales).
 Scale = Union[float, torch.Tensor]
@@ -72,6 +74,14 @@ class KVQuant:
                 halves.append(float(half[0]) if bool((half == half[0]).all())
                               else half.to(self.device)[:, None])
             self._local.append((halves[0], halves[1]))
+        factor = FP8_FACTOR[self.storage]
+        local = self.scales[:, :, self.heads.start:self.heads.stop].numpy().astype(np.float32) * np.float32(factor)
+        self._native = [(np.ascontiguousarray(layer[0]), np.ascontiguousarray(layer[1])) for layer in local]
+
+    def native_scales(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's K and V scale of each local KV head, times the native kernel's factor for
+        this format (engine/native.py `FP8_FACTOR`): what `paged_decode` reads a float8 pool with."""
+        return self._native[layer]
 
     def observe(self, num_layers: int) -> None:
         """Record the largest |K| and |V| per local head (a calibration: engine/runner.py)."""

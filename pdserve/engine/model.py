@@ -111,7 +111,7 @@ class DecoderLayer(nn.Module):
         # Qwen3: RMSNorm over each query and key head, before RoPE.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.moe = (SparseMoE(cfg.hidden_size, cfg.moe, len(shard.moe_inter))
+        self.moe = (SparseMoE(cfg.hidden_size, cfg.moe, len(shard.moe_inter), shard.experts, len(shard.shared_inter))
                     if cfg.moe is not None and cfg.moe.is_sparse(index) else None)
         if self.moe is None:
             self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
@@ -310,7 +310,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard
         else:
             _load_attention(layer, p, shard, hd, take, put, tensors, cfg.path)
         if layer.moe is not None:
-            load_experts(layer.moe, p, tensors, take, put, shard.moe_inter)
+            load_experts(layer.moe, p, tensors, take, put, shard.moe_inter, shard.shared_inter)
             if device.type == "cuda":
                 layer.moe.experts.stack_for_grouped_mm()
         else:

@@ -22,9 +22,12 @@ the hidden rows gathered in that order, and each expert multiplies all of its ro
   decode step can be captured in a CUDA graph. Chosen at load time by a trial call
   (`stack_for_grouped_mm`); where it fails, ``loop``.
 
-Tensor parallelism (engine/tensor_parallel.py): tensor-parallel experts. Every rank holds every
-expert's slice ``shard.moe_inter`` of the intermediate rows and the whole router, so every rank
-routes alike (bit-identical hidden states) and its partial sum joins the layer's one all-reduce.
+Tensor parallelism (engine/tensor_parallel.py): tensor-parallel experts by default. Every rank
+holds every expert's slice ``shard.moe_inter`` of the intermediate rows and the whole router, so
+every rank routes alike (bit-identical hidden states) and its partial sum joins the layer's one
+all-reduce. Expert parallel (``enable_expert_parallel``): every rank holds the router and
+``shard.experts``, 1/N of the experts whole; it computes the pairs routed to those and leaves
+the others' rows zero, and the same all-reduce adds the ranks' parts.
 
 Checkpoints: `load_experts` reads the per-expert form the hub and transformers 5's
 ``save_pretrained`` write (Qwen3-MoE ``mlp.experts.N.{gate,up,down}_proj``, Mixtral
@@ -95,14 +98,16 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 class Experts(nn.Module):
-    """The experts of one layer (this rank's slice of each): ``gate_up[e]`` ``[2I, H]`` (gate
-    rows then up rows) and ``down[e]`` ``[H, I]``."""
+    """The experts of one layer this rank holds (``local``: all of them, each a slice of its rows,
+    or under expert parallelism a contiguous range of them, whole): ``gate_up[j]`` ``[2I, H]``
+    (gate rows then up rows) and ``down[j]`` ``[H, I]`` of expert ``local[j]``."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, local: range | None = None):
         super().__init__()
-        self.num_experts = num_experts
-        self.gate_up = nn.ModuleList(nn.Linear(hidden, 2 * inter, bias=False) for _ in range(num_experts))
-        self.down = nn.ModuleList(nn.Linear(inter, hidden, bias=False) for _ in range(num_experts))
+        self.num_experts = num_experts  # the model's routed experts
+        self.local = range(num_experts) if local is None else local
+        self.gate_up = nn.ModuleList(nn.Linear(hidden, 2 * inter, bias=False) for _ in self.local)
+        self.down = nn.ModuleList(nn.Linear(inter, hidden, bias=False) for _ in self.local)
         self.w13: torch.Tensor | None = None  # [E, 2I, H] when the grouped path is on
         self.w2: torch.Tensor | None = None  # [E, H, I]
 
@@ -113,8 +118,8 @@ class Experts(nn.Module):
     def stack_for_grouped_mm(self) -> bool:
         """Stack the weights for grouped GEMM, the linears becoming views of the stack; keep
         it when a trial call runs and agrees with the loop (True), else stay on the loop."""
-        if not grouped_mm_available():
-            return False
+        if not grouped_mm_available() or len(self.local) != self.num_experts:
+            return False  # (expert parallel: the loop over this rank's experts)
         gate_up = [lin.weight for lin in self.gate_up]
         down = [lin.weight for lin in self.down]
         if not all(isinstance(w, nn.Parameter) for w in gate_up + down):
@@ -153,12 +158,17 @@ class Experts(nn.Module):
                 raise ConfigError("cuda_graphs=True with a mixture-of-experts model needs grouped GEMM "
                                   "(torch.nn.functional.grouped_mm), which this torch or GPU lacks; "
                                   "set cuda_graphs=False")
-            y = torch.empty_like(x)
-            start = 0
-            for e, n in enumerate(counts.tolist()):
+            # This rank's experts' rows (all rows unless expert parallel: the others' stay zero,
+            # their experts' ranks add them in the layer's all-reduce).
+            every = len(self.local) == self.num_experts
+            y = torch.empty_like(x) if every else torch.zeros_like(x)
+            per_expert = counts.tolist()
+            start = sum(per_expert[:self.local.start])
+            for j, e in enumerate(self.local):
+                n = per_expert[e]
                 if n:
-                    gate, up = self.gate_up[e](x[start:start + n]).chunk(2, dim=-1)
-                    y[start:start + n] = self.down[e](F.silu(gate, inplace=True).mul_(up))
+                    gate, up = self.gate_up[j](x[start:start + n]).chunk(2, dim=-1)
+                    y[start:start + n] = self.down[j](F.silu(gate, inplace=True).mul_(up))
                     start += n
         # Scale by the routing weight (Mixtral's float32 weights promote, as HF's do), put the
         # rows back in (token, slot) order and sum each token's top_k slots.
@@ -198,13 +208,15 @@ class SparseMoE(nn.Module):
     """A layer's MoE MLP: router and experts (and DeepSeek's shared MLP); returns this rank's
     partial sum."""
 
-    def __init__(self, hidden: int, moe: MoEConfig, inter_per_rank: int):
+    def __init__(self, hidden: int, moe: MoEConfig, inter_per_rank: int, experts: range | None = None,
+                 shared_inter_per_rank: int | None = None):
         super().__init__()
         self.moe = moe
         self.gate: nn.Module = (GroupedRouter(hidden, moe.num_experts) if moe.scoring == "sigmoid"
                                 else nn.Linear(hidden, moe.num_experts, bias=False))
-        self.experts = Experts(moe.num_experts, hidden, inter_per_rank)
-        self.shared = SharedMLP(hidden, moe.n_shared_experts * inter_per_rank) if moe.n_shared_experts else None
+        self.experts = Experts(moe.num_experts, hidden, inter_per_rank, experts)
+        shared = inter_per_rank if shared_inter_per_rank is None else shared_inter_per_rank
+        self.shared = SharedMLP(hidden, moe.n_shared_experts * shared) if moe.n_shared_experts else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if isinstance(self.gate, GroupedRouter):
@@ -224,15 +236,16 @@ _PER_EXPERT_NAMES = (("mlp", "gate_proj", "up_proj", "down_proj"),
 
 
 def load_experts(layer: SparseMoE, prefix: str, names: Container[str], take: Take, put: Put,
-                 inter: range) -> None:
-    """Load one layer's router and this rank's slice ``inter`` of every expert. ``names``: the
-    checkpoint's weight names not yet taken; ``take`` pops one (a `ConfigError` naming it when
-    missing), ``put`` copies into a parameter after checking its shape."""
+                 inter: range, shared_inter: range | None = None) -> None:
+    """Load one layer's router and this rank's experts (``layer.experts.local``), rows ``inter``
+    of each (and rows ``shared_inter`` of the shared experts). ``names``: the checkpoint's weight
+    names not yet taken; ``take`` pops one (a `ConfigError` naming it when missing), ``put``
+    copies into a parameter after checking its shape."""
     experts = layer.experts
     n = experts.num_experts
     block = next((b for b in ("mlp", "block_sparse_moe") if f"{prefix}{b}.gate.weight" in names), "mlp")
     if isinstance(layer.gate, GroupedRouter):
-        _load_grouped_router(layer, prefix, names, take, put, inter)
+        _load_grouped_router(layer, prefix, names, take, put, inter if shared_inter is None else shared_inter)
     else:
         put(layer.gate.weight, take(f"{prefix}{block}.gate.weight"), f"{prefix}{block}.gate.weight")
     fused = f"{prefix}{block}.experts.gate_up_proj"
@@ -243,20 +256,23 @@ def load_experts(layer: SparseMoE, prefix: str, names: Container[str], take: Tak
                 raise ConfigError(f"weight {name} has shape {tuple(w.shape)}; expected [{n} experts, "
                                   "rows, columns] (config.json's expert count)")
         full = gate_up.shape[1] // 2
-        for e in range(n):
+        for j, e in enumerate(experts.local):
             rows = torch.cat([gate_up[e, inter.start:inter.stop], gate_up[e, full + inter.start:full + inter.stop]])
-            put(experts.gate_up[e].weight, rows, f"{fused}[{e}]")
-            put(experts.down[e].weight, down[e][:, inter.start:inter.stop], f"{prefix}{block}.experts.down_proj[{e}]")
+            put(experts.gate_up[j].weight, rows, f"{fused}[{e}]")
+            put(experts.down[j].weight, down[e][:, inter.start:inter.stop], f"{prefix}{block}.experts.down_proj[{e}]")
         return
     form = next(((b, g, u, d) for b, g, u, d in _PER_EXPERT_NAMES
                  if f"{prefix}{b}.experts.0.{g}.weight" in names), _PER_EXPERT_NAMES[0])
     b, g, u, d = form
     for e in range(n):
         p = f"{prefix}{b}.experts.{e}."
-        gate, up = take(f"{p}{g}.weight"), take(f"{p}{u}.weight")
-        put(experts.gate_up[e].weight, torch.cat([gate[inter.start:inter.stop], up[inter.start:inter.stop]]),
+        gate, up, down_w = take(f"{p}{g}.weight"), take(f"{p}{u}.weight"), take(f"{p}{d}.weight")
+        if e not in experts.local:
+            continue  # another rank's expert (expert parallel)
+        j = e - experts.local.start
+        put(experts.gate_up[j].weight, torch.cat([gate[inter.start:inter.stop], up[inter.start:inter.stop]]),
             f"{p}{g}+{u}")
-        put(experts.down[e].weight, take(f"{p}{d}.weight")[:, inter.start:inter.stop], f"{p}{d}.weight")
+        put(experts.down[j].weight, down_w[:, inter.start:inter.stop], f"{p}{d}.weight")
 
 
 def _load_grouped_router(layer: SparseMoE, prefix: str, names: Container[str], take: Take, put: Put,

@@ -1,6 +1,6 @@
 """Native CPU kernels: built on first use with the machine's C compiler, cached, loaded with ctypes.
 
-Declared here: paged decode attention in float32 (csrc/paged_decode.c), which reads each
+Declared here: paged decode attention in float32 over a float32 or float8 pool (csrc/paged_decode.c), which reads each
 sequence's K and V rows in place in the KV pool instead of gathering them into a dense copy
 for SDPA, which was a third of a batch-64 decode step's time (docs/PERFORMANCE.md). The other
 libraries are built by the same `load_library` from their own modules: the tiled causal
@@ -129,6 +129,9 @@ def _declare_paged_decode(lib) -> None:
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int,
                    i64, i64]
     fn.restype = ctypes.c_int
+    fp8 = lib.pdserve_paged_decode_fp8
+    fp8.argtypes = [*fn.argtypes, ctypes.c_int, ptr, ptr]
+    fp8.restype = ctypes.c_int
 
 
 def load():
@@ -158,10 +161,19 @@ def check_rows(qidx: np.ndarray, lens: np.ndarray, tables: np.ndarray, num_rows:
         raise ValueError("paged decode attention: a sequence length, block id or query row is out of range")
 
 
+# float8 pool dtypes -> the kernel's fmt, and the factor its scales carry (csrc/paged_decode.c:
+# a float8 byte read as a half's bit pattern is its value times 2^-8 for e4m3, times 1 for e5m2).
+FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+FP8_FACTOR = {torch.float8_e4m3fn: 256.0, torch.float8_e5m2: 1.0}
+
+
 def paged_decode(lib, q: torch.Tensor, layer_kv: torch.Tensor, out: torch.Tensor, qidx: np.ndarray,
                  lens: np.ndarray, tables: np.ndarray, scale: float, checked: bool = False,
-                 max_len: int = 0) -> None:
+                 max_len: int = 0, fp8_scales: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """Attention for the listed query rows (see csrc/paged_decode.c for the layouts).
+
+    A float8 pool (``layer_kv`` float8_e4m3fn or float8_e5m2) is read with ``fp8_scales``: each
+    local KV head's K and V scale times `FP8_FACTOR` of the format (`KVQuant.native_scales`).
 
     ``q`` [T, Hq, D] float32 with unit stride inside a token; ``layer_kv`` one layer's pool
     as [num_blocks, 2, block_size, Hkv, D]: contiguous (NHD storage) or the transposed view of
@@ -171,18 +183,28 @@ def paged_decode(lib, q: torch.Tensor, layer_kv: torch.Tensor, out: torch.Tensor
     """
     num_blocks, _, block_size, num_kv_heads, head_dim = layer_kv.shape
     num_heads = q.shape[1]
-    if q.dtype != torch.float32 or layer_kv.dtype != torch.float32 or out.dtype != torch.float32:
-        raise TypeError("paged decode attention runs float32 only")
+    fmt = FP8_FORMATS.get(layer_kv.dtype, 0)
+    if fmt and fp8_scales is None:
+        raise TypeError("paged decode attention over a float8 pool needs its scales (fp8_scales)")
+    if q.dtype != torch.float32 or (layer_kv.dtype != torch.float32 and not fmt) or out.dtype != torch.float32:
+        raise TypeError("paged decode attention runs float32 (and float8 pools) only")
     pool_ok = layer_kv.is_contiguous() or layer_kv.transpose(2, 3).is_contiguous()
     if not (q.stride(2) == 1 and q.stride(1) == head_dim and pool_ok and out.is_contiguous()
             and out.shape == q.shape and num_heads % num_kv_heads == 0):
         raise ValueError("paged decode attention: q, the pool or out has an unexpected layout")
     if not checked:
         check_rows(qidx, lens, tables, q.shape[0], num_blocks, block_size)
-    rc = lib.pdserve_paged_decode_f32(
-        q.data_ptr(), q.stride(0), layer_kv.data_ptr(), out.data_ptr(),
-        qidx.ctypes.data, lens.ctypes.data, tables.ctypes.data, tables.shape[1], len(qidx),
-        num_heads, num_kv_heads, head_dim, block_size, scale, max_len or int(lens.max(initial=1)),
-        torch.get_num_threads(), layer_kv.stride(2), layer_kv.stride(3))
+    args = (q.data_ptr(), q.stride(0), layer_kv.data_ptr(), out.data_ptr(),
+            qidx.ctypes.data, lens.ctypes.data, tables.ctypes.data, tables.shape[1], len(qidx),
+            num_heads, num_kv_heads, head_dim, block_size, scale, max_len or int(lens.max(initial=1)),
+            torch.get_num_threads(), layer_kv.stride(2), layer_kv.stride(3))
+    if fmt:
+        k_scales, v_scales = fp8_scales  # type: ignore[misc]
+        if not (k_scales.shape == v_scales.shape == (num_kv_heads,) and k_scales.dtype == v_scales.dtype == np.float32
+                and k_scales.flags.c_contiguous and v_scales.flags.c_contiguous):
+            raise ValueError(f"paged decode attention: fp8_scales must be two float32 arrays of {num_kv_heads} values")
+        rc = lib.pdserve_paged_decode_fp8(*args, fmt, k_scales.ctypes.data, v_scales.ctypes.data)
+    else:
+        rc = lib.pdserve_paged_decode_f32(*args)
     if rc != 0:
         raise MemoryError("paged decode attention: could not allocate its score buffers")

@@ -105,11 +105,11 @@ class ModelRunner:
         self.kv_dtype = storage or self.dtype
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
-        check_tp(model_cfg, tp)
+        check_tp(model_cfg, tp, cfg.enable_expert_parallel)
         if cfg.enable_lora and model_cfg.mla is not None:
             raise ConfigError(f"enable_lora: LoRA adapters are not supported on {model_cfg.architecture} models "
                               "(latent attention has no q/k/v projections to adapt)")
-        self.shard = make_shard(model_cfg, rank, tp)
+        self.shard = make_shard(model_cfg, rank, tp, cfg.enable_expert_parallel)
         self.kv_quant = self._kv_quant(cfg, storage) if storage is not None else None
         self.group = TPGroup.start(cfg, self.device) if tp > 1 and rank == 0 else None
         self.comm = self.group.comm if self.group is not None else comm

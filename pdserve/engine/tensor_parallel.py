@@ -8,10 +8,13 @@ checkpoint by it):
   projection is column-parallel, ``o_proj`` row-parallel (one all-reduce);
 - MLP: a slice of the intermediate rows; gate/up column-parallel, ``down_proj``
   row-parallel (one all-reduce);
-- mixture-of-experts layers (engine/moe.py): tensor-parallel experts, not expert-parallel:
-  every rank holds every expert, a slice of each one's intermediate rows (``moe_inter``),
-  and the router replicated; the experts' row-parallel outputs meet in the layer's one
-  all-reduce, as a dense MLP's do (docs/models.md says why);
+- mixture-of-experts layers (engine/moe.py): by default tensor-parallel experts: every rank
+  holds every expert, a slice of each one's intermediate rows (``moe_inter``), and the router
+  replicated; the experts' row-parallel outputs meet in the layer's one all-reduce, as a dense
+  MLP's do. With ``enable_expert_parallel`` each rank holds 1/N of the routed experts whole
+  (``experts``) and computes only the (token, expert) pairs routed to them; the same one
+  all-reduce sums the ranks' parts (docs/models.md measures the two). Shared experts stay
+  tensor-parallel (``shared_inter``);
 - embedding and LM head: a slice of the vocabulary (``ceil(vocab / tp)`` rows, the last
   padded with zero rows); the embedding zeroes ids outside its slice and all-reduces, the
   LM head's logits are gathered at rank 0, which samples;
@@ -40,14 +43,18 @@ class Shard:
     inter: range  # rows of the MLP's intermediate dimension
     vocab: range  # vocabulary rows held (the last rank's may be short)
     vocab_per_rank: int  # rows of every rank's embedding / LM head (padded)
-    moe_inter: range = range(0)  # rows of each expert's intermediate dimension (MoE models)
+    moe_inter: range = range(0)  # rows of each routed expert's intermediate dimension (MoE models)
+    # The routed experts this rank holds: all of them (tensor-parallel experts), or a contiguous
+    # 1/N of them whole (expert parallel: enable_expert_parallel; moe_inter is then every row).
+    experts: range = range(0)
+    shared_inter: range = range(0)  # rows of the shared experts' intermediate dimension (tensor-parallel)
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
+def check_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
     """`ConfigError` naming what to change when the model cannot be split over ``tp`` ranks."""
     try:
         check_tp_heads(cfg.num_heads, cfg.num_kv_heads, tp)
@@ -56,16 +63,28 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     if cfg.has_dense_mlp() and cfg.intermediate_size % tp:
         raise ConfigError(f"tensor_parallel_size={tp} must divide the model's intermediate_size="
                           f"{cfg.intermediate_size} (model {cfg.model_id})")
-    if cfg.moe is not None and cfg.moe.intermediate_size % tp:
+    if expert_parallel and cfg.moe is not None and cfg.moe.num_experts % tp:
+        raise ConfigError(f"enable_expert_parallel: tensor_parallel_size={tp} must divide the model's "
+                          f"{cfg.moe.num_experts} routed experts (model {cfg.model_id}); set "
+                          "enable_expert_parallel=False for tensor-parallel experts")
+    needs_rows = cfg.moe is not None and (not expert_parallel or cfg.moe.n_shared_experts)
+    if needs_rows and cfg.moe is not None and cfg.moe.intermediate_size % tp:
         what = "intermediate_size" if cfg.architecture == "mixtral" else "moe_intermediate_size"
         raise ConfigError(f"tensor_parallel_size={tp} must divide the model's {what}="
                           f"{cfg.moe.intermediate_size} (each expert's; model {cfg.model_id})")
 
 
-def make_shard(cfg: ModelConfig, rank: int, tp: int) -> Shard:
-    check_tp(cfg, tp)
+def make_shard(cfg: ModelConfig, rank: int, tp: int, expert_parallel: bool = False) -> Shard:
+    check_tp(cfg, tp, expert_parallel)
     inter = cfg.intermediate_size // tp
     moe_inter = cfg.moe.intermediate_size // tp if cfg.moe is not None else 0
+    shared_inter = range(rank * moe_inter, (rank + 1) * moe_inter)
+    experts = range(cfg.moe.num_experts) if cfg.moe is not None else range(0)
+    routed_inter = shared_inter
+    if expert_parallel and cfg.moe is not None:
+        per = cfg.moe.num_experts // tp
+        experts = range(rank * per, (rank + 1) * per)
+        routed_inter = range(cfg.moe.intermediate_size)
     vocab_per = -(-cfg.vocab_size // tp)
     return Shard(
         rank=rank, size=tp,
@@ -74,7 +93,7 @@ def make_shard(cfg: ModelConfig, rank: int, tp: int) -> Shard:
         inter=range(rank * inter, (rank + 1) * inter),
         vocab=range(min(rank * vocab_per, cfg.vocab_size), min((rank + 1) * vocab_per, cfg.vocab_size)),
         vocab_per_rank=vocab_per,
-        moe_inter=range(rank * moe_inter, (rank + 1) * moe_inter),
+        moe_inter=routed_inter, experts=experts, shared_inter=shared_inter,
     )
 
 

@@ -110,10 +110,9 @@ class TorchAttention(AttentionBackend):
         self.scale = scale
         self.dtype = dtype
         self.kv_layout = kv_layout
-        # FP8 KV (engine/kv_quant.py): K/V stored quantized, read back in ``dtype`` (no native kernel).
+        # FP8 KV (engine/kv_quant.py): K/V stored quantized, read back in ``dtype`` (the native kernel
+        # widens a block's float8 rows to float32 as it reads them).
         self.kv_quant = kv_quant
-        if kv_quant is not None and native is not None:
-            raise ValueError(f"attention_backend='native' does not read {kv_quant.name} KV; use 'torch'")
         # With the native kernel library (engine/native.py), decode tokens and short prompts attend in place in
         # the pool instead of through gathered copies (float32 on CPU only).
         self.native = native
@@ -137,7 +136,8 @@ class TorchAttention(AttentionBackend):
         qsl, ctx = layout.query_start_loc, layout.context_lens
         qlens = layout.query_lens
         to_kernel: np.ndarray = np.zeros(len(qlens), dtype=bool)
-        if self.native is not None and device.type == "cpu":
+        calibrating = self.kv_quant is not None and self.kv_quant.observed is not None  # exact K/V, not the pool's
+        if self.native is not None and device.type == "cpu" and not calibrating:
             # The kernel takes decode tokens and short prompts (chunks); SDPA's blocked
             # kernel is faster for long ones (docs/PERFORMANCE.md).
             to_kernel = qlens <= NATIVE_MAX_QUERY if self.native_prefill else (qlens == 1) & (ctx > 0)
@@ -211,7 +211,7 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, layer_kv, q, k, v, meta: _TorchMeta) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        scales = None
+        scales, layer = None, -1
         if self.kv_quant is not None:
             layer = layer_of(layer_kv)
             scales = self.kv_quant.layer_scales(layer)
@@ -236,7 +236,7 @@ class TorchAttention(AttentionBackend):
                 check_rows(n.qidx, n.lens, n.tables, q.shape[0], layer_kv.shape[0], layer_kv.shape[2])
                 n.max_len = int(n.lens.max())
             paged_decode(self.native, q, layer_kv, out, n.qidx, n.lens, n.tables, self.scale, checked=True,
-                         max_len=n.max_len)
+                         max_len=n.max_len, fp8_scales=None if self.kv_quant is None else self.kv_quant.native_scales(layer))
         for q0, q1 in meta.fresh:
             if self.prefill is not None and q.device.type == "cpu":
                 prefill_attention(self.prefill, q[q0:q1], k[q0:q1], v[q0:q1], out[q0:q1], self.scale)

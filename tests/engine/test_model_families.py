@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine import cli as engine_cli
-from pdserve.engine.config import ConfigError, ModelConfig
+from pdserve.engine.config import ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.model_maker import ModelSpec, make_model
 from pdserve.engine.moe import grouped_mm_available
 from pdserve.engine.tensor_parallel import check_tp
@@ -218,6 +218,37 @@ def test_tp_greedy_equals_tp1_and_hf(family_dirs, name, tp):
     assert greedy(LLM(model_dir, max_num_batched_tokens=64), prompts) == ref
 
 
+@needs_shm
+@pytest.mark.parametrize("name,tp", [("qwen3_moe", 2), ("mixtral", 2), ("deepseek_v3", 2), ("qwen3_moe", 4)])
+def test_expert_parallel_greedy_equals_hf(family_dirs, name, tp):
+    """enable_expert_parallel: each rank holds 1/tp of the routed experts whole (DeepSeek's shared
+    expert stays split by rows); the output is HF's, with and without prefix-cache hits."""
+    model_dir = family_dirs(name)
+    prompts = prompts_for(seed=2)
+    with LLM(model_dir, max_num_batched_tokens=64, tensor_parallel_size=tp, enable_expert_parallel=True) as llm:
+        runner = llm.engine.runner
+        cfg = runner.model_cfg
+        per = cfg.moe.num_experts // tp
+        assert runner.shard.experts == range(0, per) and len(runner.shard.moe_inter) == cfg.moe.intermediate_size
+        moe = next(layer.moe for layer in runner.model.layers if layer.moe is not None)
+        assert len(moe.experts.gate_up) == per
+        got = greedy(llm, prompts)
+        again = greedy(llm, prompts)
+    ref = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert got == ref and again == ref
+
+
+def test_expert_parallel_needs_the_ranks_to_divide_the_experts(family_dirs):
+    cfg = ModelConfig.from_dict(_raw(num_experts=6, moe_intermediate_size=18), "m")
+    with pytest.raises(ConfigError, match="enable_expert_parallel: tensor_parallel_size=4 must divide the model's 6"):
+        check_tp(cfg, 4, expert_parallel=True)
+    check_tp(cfg, 2, expert_parallel=True)  # 6 experts over 2 ranks; 18 rows need not split
+    with pytest.raises(ConfigError, match="moe_intermediate_size=18"):
+        check_tp(cfg, 4)
+    with pytest.raises(ConfigError, match="enable_expert_parallel"):
+        EngineConfig.from_kwargs(family_dirs("mixtral"), enable_expert_parallel="yes")
+
+
 def test_make_model_cli_writes_each_family(tmp_path):
     parser = argparse.ArgumentParser()
     engine_cli.register(parser.add_subparsers())
@@ -281,6 +312,19 @@ def test_deepseek_pool_holds_one_latent_head_per_token(family_dirs):
     assert int(written.sum()) >= len(prompt)
     assert torch.equal(v[..., :64][:, written], k[..., :64][:, written])  # the latent, once per half
     assert not v[..., 64:][:, written].any() and k[..., 64:][:, written].any()  # rope part: K's only
+
+
+def test_deepseek_fp8_latent_pool_reads_the_same_on_the_native_kernel_and_the_torch_path(family_dirs):
+    """FP8 KV on the latent pool with computed scales: one KV head, so one scale per layer and half;
+    the native kernel's float8 variant (engine/native.py) generates the torch path's tokens."""
+    args = {"kv_cache_dtype": "fp8_e4m3", "calculate_kv_scales": True, "max_num_batched_tokens": 64}
+    fast = LLM(family_dirs("deepseek_v3_noq"), attention_backend="native", **args)
+    slow = LLM(family_dirs("deepseek_v3_noq"), attention_backend="torch", **args)
+    scales = fast.engine.runner.layout_info()["kv_scales"]
+    assert len(scales) == 2 and all(isinstance(x, float) and x != 1.0 for layer in scales for x in layer)
+    assert scales == slow.engine.runner.layout_info()["kv_scales"]
+    ps = prompts_for(seed=4)
+    assert greedy(fast, ps) == greedy(slow, ps)
 
 
 @pytest.mark.parametrize("over,word", [

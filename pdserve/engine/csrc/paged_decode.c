@@ -1,5 +1,6 @@
 /*
- * Paged decode attention on the CPU, float32, read straight from the KV pool.
+ * Paged decode attention on the CPU, float32, read straight from the KV pool (a float32 pool,
+ * or a float8 one whose block rows are widened to float32 one block at a time: below).
  *
  * One decode token per sequence attends over the sequence's whole KV (its context and the
  * token itself, already written to the pool). The torch path gathers each sequence's
@@ -152,25 +153,72 @@ static inline void accumulate_block(float *acc, const float *w, const float *v, 
         for (int64_t j = 0; j < tokens; j++) acc[d] += w[j] * v[j * stride + d];
 }
 
-int pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *kv, float *out,
-                             const int64_t *qidx, const int32_t *lens, const int32_t *tables,
-                             int64_t max_blocks, int64_t num_seqs, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, int64_t max_len, int num_threads, int64_t tok_stride,
-                             int64_t head_stride) {
+/* FP8 pools (engine/kv_quant.py): one float8 byte per element, e4m3fn (fmt 1) or e5m2 (fmt 2).
+ * A byte placed in a half's bit pattern is its value exactly, times 2^-8 for e4m3 (its exponent
+ * bias is 7 against the half's 15; subnormals land on the half's subnormals or normals, also
+ * exactly) and times 1 for e5m2 (the half's top byte): the caller folds that factor into the
+ * scales. Stored bytes are never NaN (the writer clamps to the finite range). */
+#if defined(__F16C__) && PD_AVX2
+#define PD_F16C 1
+#else
+#define PD_F16C 0
+#endif
+
+static inline float fp8_scalar(uint8_t b, int fmt) {
+    float v;
+    if (fmt == 1) {
+        int e = (b >> 3) & 0xF, m = b & 7;
+        v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+        v = ldexpf(v, -8);
+    } else {
+        int e = (b >> 2) & 0x1F, m = b & 3;
+        v = e ? ldexpf(1.0f + m / 4.0f, e - 15) : ldexpf(m / 4.0f, -14);
+    }
+    return (b & 0x80) ? -v : v;
+}
+
+/* dst[t][0:n] = the float8 row src + t * stride (bytes), for t < tokens, before the caller's factor. */
+static inline void fp8_rows(float *dst, const uint8_t *src, int64_t stride, int64_t tokens, int64_t n, int fmt) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint8_t *r = src + t * stride;
+        float *o = dst + t * n;
+        int64_t d = 0;
+#if PD_F16C
+        const __m128i sign = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7f);
+        for (; d + 8 <= n; d += 8) {
+            __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(r + d)));
+            __m128i h = fmt == 1 ? _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, sign), 8),
+                                                _mm_slli_epi16(_mm_and_si128(w, mag), 7))
+                                 : _mm_slli_epi16(w, 8);
+            _mm256_storeu_ps(o + d, _mm256_cvtph_ps(h));
+        }
+#endif
+        for (; d < n; d++) o[d] = fp8_scalar(r[d], fmt);
+    }
+}
+
+/* fmt 0: kv is float32 (strides in floats); 1, 2: float8 (strides in bytes), with each KV head's
+ * factors k_scales[h], v_scales[h] (the layer's scales times the format's factor above). */
+static int paged_decode(const float *q, int64_t q_stride, const void *kv, float *out,
+                        const int64_t *qidx, const int32_t *lens, const int32_t *tables,
+                        int64_t max_blocks, int64_t num_seqs, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        float scale, int64_t max_len, int num_threads, int64_t tok_stride,
+                        int64_t head_stride, int fmt, const float *k_scales, const float *v_scales) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t row = tok_stride;                      /* from one token of a head to the next */
     const int64_t half = block_size * num_kv_heads * head_dim; /* the K (or V) half of a block */
     const int64_t items = num_seqs * num_kv_heads;
+    const int64_t unpacked = fmt ? block_size * head_dim : 0;   /* one block of one head, as floats */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_len + group * head_dim + group));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_len + group * head_dim + group + unpacked));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
         float *acc = scores + group * max_len;
+        float *rows = acc + group * head_dim + group;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             if (scores == NULL) continue;
@@ -179,11 +227,25 @@ int pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *kv, 
             const int32_t *table = tables + i * max_blocks;
             const float *qh = q + qidx[i] * q_stride + h * group * head_dim;
             const int64_t nblk = (len + block_size - 1) / block_size;
+            const float sk = fmt ? scale * k_scales[h] : scale, sv = fmt ? v_scales[h] : 1.0f;
+            /* where block b's K (part 0) or V (part 1) rows of head h are, and their stride */
+#define PD_ROWS(b, part, n, out_rows, out_row)                                                           \
+            do {                                                                                         \
+                const int64_t at = ((int64_t)table[b] * 2 + (part)) * half + h * head_stride;            \
+                if (fmt) {                                                                               \
+                    fp8_rows(rows, (const uint8_t *)kv + at, tok_stride, (n), head_dim, fmt);            \
+                    out_rows = rows; out_row = head_dim;                                                 \
+                } else {                                                                                 \
+                    out_rows = (const float *)kv + at; out_row = tok_stride;                             \
+                }                                                                                        \
+            } while (0)
             /* scores[g][t] = scale * q_g . K_t, block by block */
             for (int64_t b = 0; b < nblk; b++) {
-                const float *kb = kv + (int64_t)table[b] * 2 * half + h * head_stride;
                 const int64_t t0 = b * block_size;
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+                const float *kb;
+                int64_t row;
+                PD_ROWS(b, 0, n, kb, row);
                 for (int64_t g = 0; g < group; g++) {
                     const float *qg = qh + g * head_dim;
                     float *s = scores + g * max_len + t0;
@@ -191,21 +253,24 @@ int pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *kv, 
 #if PD_AVX2
                     if (head_dim % 8 == 0)
                         for (; j + 8 <= n; j += 8)
-                            _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_set1_ps(scale), dot8(qg, kb + j * row, row, head_dim)));
+                            _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_set1_ps(sk), dot8(qg, kb + j * row, row, head_dim)));
 #endif
-                    for (; j < n; j++) s[j] = scale * dot(qg, kb + j * row, head_dim);
+                    for (; j < n; j++) s[j] = sk * dot(qg, kb + j * row, head_dim);
                 }
             }
             float *invp = acc + group * head_dim;
-            for (int64_t g = 0; g < group; g++) invp[g] = 1.0f / softmax_unnormalised(scores + g * max_len, len);
+            for (int64_t g = 0; g < group; g++) invp[g] = sv / softmax_unnormalised(scores + g * max_len, len);
             memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
             for (int64_t b = 0; b < nblk; b++) {
-                const float *vb = kv + ((int64_t)table[b] * 2 + 1) * half + h * head_stride;
                 const int64_t t0 = b * block_size;
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+                const float *vb;
+                int64_t row;
+                PD_ROWS(b, 1, n, vb, row);
                 for (int64_t g = 0; g < group; g++)
                     accumulate_block(acc + g * head_dim, scores + g * max_len + t0, vb, row, n, head_dim);
             }
+#undef PD_ROWS
             for (int64_t g = 0; g < group; g++) {
                 float *o = out + (qidx[i] * num_heads + h * group + g) * head_dim;
                 for (int64_t d = 0; d < head_dim; d++) o[d] = acc[g * head_dim + d] * invp[g];
@@ -214,4 +279,27 @@ int pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *kv, 
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+int pdserve_paged_decode_f32(const float *q, int64_t q_stride, const float *kv, float *out,
+                             const int64_t *qidx, const int32_t *lens, const int32_t *tables,
+                             int64_t max_blocks, int64_t num_seqs, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             float scale, int64_t max_len, int num_threads, int64_t tok_stride,
+                             int64_t head_stride) {
+    return paged_decode(q, q_stride, kv, out, qidx, lens, tables, max_blocks, num_seqs, num_heads, num_kv_heads,
+                        head_dim, block_size, scale, max_len, num_threads, tok_stride, head_stride, 0, NULL, NULL);
+}
+
+/* The same over a float8 pool: strides in bytes, fmt 1 (e4m3fn) or 2 (e5m2), per-KV-head factors. */
+int pdserve_paged_decode_fp8(const float *q, int64_t q_stride, const uint8_t *kv, float *out,
+                             const int64_t *qidx, const int32_t *lens, const int32_t *tables,
+                             int64_t max_blocks, int64_t num_seqs, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             float scale, int64_t max_len, int num_threads, int64_t tok_stride,
+                             int64_t head_stride, int fmt, const float *k_scales, const float *v_scales) {
+    if (fmt != 1 && fmt != 2) return -2;
+    return paged_decode(q, q_stride, kv, out, qidx, lens, tables, max_blocks, num_seqs, num_heads, num_kv_heads,
+                        head_dim, block_size, scale, max_len, num_threads, tok_stride, head_stride, fmt,
+                        k_scales, v_scales);
 }
