@@ -26,7 +26,8 @@ def failures(path: str) -> list[str]:
                 name = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
                 message = (node.get("message") or "").strip().splitlines()
                 lines.append(f"{kind.upper()} {name}: {message[0][:300] if message else ''}")
-                lines.extend("    " + text for text in (node.text or "").splitlines()[-30:])
+                if len(lines) < 100:  # the first few with the end of their traceback, then a line each
+                    lines.extend("    " + text for text in (node.text or "").splitlines()[-30:])
     return lines
 
 

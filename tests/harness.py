@@ -50,6 +50,34 @@ class WorkerThread:
         return f"http://{self.worker.http_address}"
 
 
+# What Ray raises when a new local head does not come up in time: its GCS never wrote its port
+# file, or its raylet did not register within Ray's fixed 30 s. Seen in CI late in a run, for a
+# minute at a time, with a second start working.
+RAY_START_TIMEOUTS = ("Timed out waiting for file", "timed out during startup")
+
+
+def start_local_ray(namespace: str, attempts: int = 3, **kwargs) -> None:
+    """``ray.init(address="local")`` (a fresh Ray of this process's own even if a ``ray start``
+    head runs on this host), 2 CPUs, no dashboard; a start that timed out is shut down and tried
+    again, up to ``attempts`` times. Any other failure is raised at once."""
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    args = dict(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=namespace)
+    args.update(kwargs)
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(**args)
+            return
+        except Exception as exc:  # Ray raises RuntimeError or a bare Exception for these
+            if attempt == attempts or not any(m in str(exc) for m in RAY_START_TIMEOUTS):
+                raise
+            ray.shutdown()
+            time.sleep(2.0 * attempt)
+
+
 def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02):
     """Poll `pred` until true; TimeoutError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

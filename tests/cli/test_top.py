@@ -255,10 +255,10 @@ def cluster(etcd, llama_dir):
     import ray
 
     from pdserve.decode.worker import DecodeWorkerConfig
-    from tests.harness import WorkerThread, wait_until
+    from tests.harness import WorkerThread, start_local_ray, wait_until
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    start_local_ray(NAMESPACE)
     common = dict(model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=CLUSTER, lease_ttl_s=3, ucx_env=UCX,
                   queue_name="top-queue", queue_namespace=NAMESPACE)
     d = p = None

@@ -3,7 +3,6 @@ certificates and RBAC), a local Ray, unique cluster names."""
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
 
@@ -78,17 +77,8 @@ def ray_local():
     """One local Ray per test module (start-up costs ~2.5 s on 2 cores)."""
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    for attempt in (1, 2):
-        try:
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     namespace="pdserve-tests")
-            break
-        except RuntimeError as exc:
-            # Seen once in CI: the GCS never wrote its port file ("Timed out waiting for file
-            # .../gcs_server_port_..."); a second start worked. Anything else is a real failure.
-            if attempt == 2 or "Timed out waiting for file" not in str(exc):
-                raise
-            ray.shutdown()
+    from tests.harness import start_local_ray
+
+    start_local_ray("pdserve-tests")
     yield
     ray.shutdown()

@@ -22,7 +22,7 @@ from pdserve.cluster.actors import (
     stop_actor,
 )
 from pdserve.cluster.topology import load_topology
-from tests.harness import small_topology_yaml
+from tests.harness import small_topology_yaml, start_local_ray
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +34,7 @@ def ray_gpus():
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False,
-             namespace=NAMESPACE, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    start_local_ray(NAMESPACE, num_gpus=4, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     yield ray
     ray.shutdown()
 

@@ -18,7 +18,7 @@ from pdserve.decode.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine import LLM, SamplingParams
 from pdserve.launcher import restartable, worker_actor_options
-from tests.harness import wait_until
+from tests.harness import start_local_ray, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,7 +42,7 @@ def break_engine(worker) -> None:
 
 def test_a_decode_worker_whose_engine_dies_is_restarted_and_registers_again(llama_dir, tmp_path):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    start_local_ray(NAMESPACE)
     etcd = EmbeddedEtcd(tmp_path / "etcd").start()
     actor = None
     try:

@@ -24,7 +24,7 @@ from pdserve.cluster.registry import Registry
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
 from pdserve.prefill.worker import PrefillWorker
-from tests.harness import WorkerThread, wait_until
+from tests.harness import WorkerThread, start_local_ray, wait_until
 
 UCX = {"UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
 TTL_S = 3
@@ -36,7 +36,7 @@ MAX_TOKENS = 10
 def ray_local():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # address="local": a fresh Ray of our own even if a `ray start` head runs on this host.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="pdserve-e2e", log_to_driver=False)
+    start_local_ray("pdserve-e2e")
     yield
     ray.shutdown()
 

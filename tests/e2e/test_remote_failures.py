@@ -30,7 +30,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.kvtransfer import PrefillDone, PrefillTask
 from pdserve.prefill.worker import PrefillWorker
 from pdserve.cluster.queue import QueueClient, TaskSigner, get_or_create_queue
-from tests.harness import WorkerThread, wait_until
+from tests.harness import WorkerThread, start_local_ray, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -73,7 +73,7 @@ class PrefillThread:
 @pytest.fixture(scope="module")
 def cluster(llama_dir, tmp_path_factory):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    start_local_ray(NAMESPACE)
     etcd = EmbeddedEtcd(tmp_path_factory.mktemp("etcd") / "data").start()
     common = dict(model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster=CLUSTER, lease_ttl_s=TTL_S,
                   ucx_env=UCX, queue_name=QUEUE, queue_namespace=NAMESPACE)

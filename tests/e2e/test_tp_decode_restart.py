@@ -20,7 +20,7 @@ from pdserve.decode.worker import DecodeWorker
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.tp_comm import shm_available
 from pdserve.launcher import restartable, worker_actor_options
-from tests.harness import wait_until
+from tests.harness import start_local_ray, wait_until
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(shm_available() is not None, reason=f"TP needs shm: {shm_available()}")]
@@ -45,7 +45,7 @@ async def generate(target: str, max_tokens: int):
 
 def test_a_killed_decode_rank_fails_streams_typed_and_the_worker_leaves_and_comes_back(llama_dir, tmp_path):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    start_local_ray(NAMESPACE)
     etcd = EmbeddedEtcd(tmp_path / "etcd").start()
     actor = None
     try:

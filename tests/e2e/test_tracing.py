@@ -27,7 +27,7 @@ from pdserve.cluster.etcd_server import EmbeddedEtcd
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.gateway.server import GatewayConfig
 from pdserve.prefill.worker import PrefillWorker
-from tests.harness import PERMISSIVE_POLICY, GatewayThread, WorkerThread, wait_until
+from tests.harness import PERMISSIVE_POLICY, GatewayThread, WorkerThread, start_local_ray, wait_until
 
 UCX = {"UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
 CLUSTER = "trace"
@@ -72,7 +72,7 @@ def cluster(receiver, llama_dir, tmp_path_factory):
     policy = tmp_path_factory.mktemp("policy") / "router.yaml"
     policy.write_text(PERMISSIVE_POLICY)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="pdserve-trace", log_to_driver=False)
+    start_local_ray("pdserve-trace")
     decodes, prefill, gw = [], None, None
     try:
         with EmbeddedEtcd(tmp_path_factory.mktemp("etcd") / "data") as etcd:
