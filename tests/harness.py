@@ -75,7 +75,7 @@ def start_local_ray(namespace: str, attempts: int = 3, **kwargs) -> None:
             if attempt == attempts or not any(m in str(exc) for m in RAY_START_TIMEOUTS):
                 raise
             ray.shutdown()
-            time.sleep(2.0 * attempt)
+            time.sleep(5.0 * attempt)
 
 
 def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02):
