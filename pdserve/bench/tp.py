@@ -8,12 +8,14 @@ table gives the median over rounds and the ratio to tp1. Configurations, in one 
 same machine:
 
 - ``tp1``: one process, all the cores (the baseline);
-- ``tp2-shm``: two ranks, shared-memory collectives (the CPU default);
+- ``tp2-shm``: two ranks, shared-memory collectives (the CPU default), a mixture-of-experts
+  model's experts tensor-parallel (every rank a slice of each);
 - ``tp2-gloo``: two ranks, torch's gloo collectives over loopback;
 - ``tp2-shm-hnd``: as tp2-shm with the HND pool layout (the one a handoff between
   different TP sizes needs), against ``tp1-hnd`` to show what HND costs at TP=1;
 - ``tp2-ep``: as tp2-shm with a mixture-of-experts model's routed experts split whole
-  between the ranks (``enable_expert_parallel``) instead of every expert's rows (tp2-shm):
+  between the ranks (``enable_expert_parallel``, the CPU's default) instead of every expert's
+  rows (tp2-shm):
 
       python bench/tp.py --model DIR --configs tp1,tp2-shm,tp2-ep --batches 1,16,64
 
@@ -42,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {
     "tp1": {},
     "tp1-hnd": {"kv_layout": "HND"},
-    "tp2-shm": {"tensor_parallel_size": 2, "tp_comm": "shm"},
+    "tp2-shm": {"tensor_parallel_size": 2, "tp_comm": "shm", "enable_expert_parallel": False},
     "tp2-gloo": {"tensor_parallel_size": 2, "tp_comm": "gloo"},
     "tp2-shm-hnd": {"tensor_parallel_size": 2, "tp_comm": "shm", "kv_layout": "HND"},
     "tp2-ep": {"tensor_parallel_size": 2, "tp_comm": "shm", "enable_expert_parallel": True},

@@ -54,9 +54,11 @@ class EngineConfig:
     # this process's cores / ranks).
     tensor_parallel_size: int = 1
     # Mixture-of-experts models at tensor_parallel_size N: False, every rank holds a 1/N slice of
-    # every expert (tensor-parallel experts); True (vLLM's flag), each rank holds 1/N of the routed
-    # experts whole (engine/tensor_parallel.py; docs/models.md measures both).
-    enable_expert_parallel: bool = False
+    # every expert (tensor-parallel experts, vLLM's default); True (vLLM's flag), each rank holds
+    # 1/N of the routed experts whole; None (default): expert parallel on the CPU where N divides
+    # the experts (measured faster there), tensor-parallel experts elsewhere (engine/tensor_parallel.py
+    # `expert_parallel`; docs/models.md measures both).
+    enable_expert_parallel: bool | None = None
     # KV pool order inside a block: NHD [token][head][dim] or HND [head][token][dim]. HND keeps a
     # head's pages contiguous, which a handoff between different TP sizes needs (the workers
     # exchanging KV must agree; docs/architecture.md "KV pool").
@@ -126,8 +128,9 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} runs on attention_backend 'auto', 'torch' or 'native' for now; "
                 "FlashInfer's FP8 KV path is not wired yet: set attention_backend='auto'")
-        if not isinstance(self.enable_expert_parallel, bool):
-            raise ConfigError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be true or false")
+        if self.enable_expert_parallel is not None and not isinstance(self.enable_expert_parallel, bool):
+            raise ConfigError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be true, false or "
+                              "null (auto)")
         if not isinstance(self.calculate_kv_scales, bool):
             raise ConfigError(f"calculate_kv_scales={self.calculate_kv_scales!r} must be true or false")
         if self.calculate_kv_scales and kv_name == "auto":

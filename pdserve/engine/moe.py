@@ -22,7 +22,8 @@ the hidden rows gathered in that order, and each expert multiplies all of its ro
   decode step can be captured in a CUDA graph. Chosen at load time by a trial call
   (`stack_for_grouped_mm`); where it fails, ``loop``.
 
-Tensor parallelism (engine/tensor_parallel.py): tensor-parallel experts by default. Every rank
+Tensor parallelism (engine/tensor_parallel.py): tensor-parallel experts, or expert parallel
+(the CPU's default where the ranks divide the experts). Tensor-parallel experts: every rank
 holds every expert's slice ``shard.moe_inter`` of the intermediate rows and the whole router, so
 every rank routes alike (bit-identical hidden states) and its partial sum joins the layer's one
 all-reduce. Expert parallel (``enable_expert_parallel``): every rank holds the router and

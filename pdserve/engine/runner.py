@@ -23,7 +23,7 @@ from .lora_slots import LoRARuntime
 from .model import load_model
 from .request import Request
 from .step_batch import StepBatch, build_step_batch
-from .tensor_parallel import check_tp, make_shard
+from .tensor_parallel import check_tp, expert_parallel, make_shard
 from .tp_group import TPGroup, TPGroupBroken
 
 if TYPE_CHECKING:
@@ -105,11 +105,15 @@ class ModelRunner:
         self.kv_dtype = storage or self.dtype
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
-        check_tp(model_cfg, tp, cfg.enable_expert_parallel)
+        self.expert_parallel = expert_parallel(model_cfg, tp, cfg.enable_expert_parallel, self.device.type)
+        check_tp(model_cfg, tp, self.expert_parallel)
         if cfg.enable_lora and model_cfg.mla is not None:
             raise ConfigError(f"enable_lora: LoRA adapters are not supported on {model_cfg.architecture} models "
                               "(latent attention has no q/k/v projections to adapt)")
-        self.shard = make_shard(model_cfg, rank, tp, cfg.enable_expert_parallel)
+        self.shard = make_shard(model_cfg, rank, tp, self.expert_parallel)
+        if model_cfg.moe is not None and tp > 1 and rank == 0:
+            log.info("mixture of experts over %d ranks: %s", tp, "expert parallel (each rank 1/%d of the experts)" % tp
+                     if self.expert_parallel else "tensor-parallel experts (each rank 1/%d of every expert)" % tp)
         self.kv_quant = self._kv_quant(cfg, storage) if storage is not None else None
         self.group = TPGroup.start(cfg, self.device) if tp > 1 and rank == 0 else None
         self.comm = self.group.comm if self.group is not None else comm

@@ -20,7 +20,7 @@ from pdserve.engine import cli as engine_cli
 from pdserve.engine.config import ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.model_maker import ModelSpec, make_model
 from pdserve.engine.moe import grouped_mm_available
-from pdserve.engine.tensor_parallel import check_tp
+from pdserve.engine.tensor_parallel import check_tp, expert_parallel
 from pdserve.engine.tp_comm import shm_available
 
 from .test_hf_parity import hf_greedy, mixed_prompts
@@ -209,7 +209,10 @@ def test_tp_greedy_equals_tp1_and_hf(family_dirs, name, tp):
     heads replicated where there are fewer than ranks; the latent on every rank)."""
     model_dir = family_dirs(name)
     prompts = prompts_for(seed=2)
-    with LLM(model_dir, max_num_batched_tokens=64, tensor_parallel_size=tp) as llm:
+    # tensor-parallel experts (the CPU's default for MoE models is expert parallel: next test)
+    with LLM(model_dir, max_num_batched_tokens=64, tensor_parallel_size=tp, enable_expert_parallel=False) as llm:
+        if llm.engine.model_config.moe is not None:
+            assert not llm.engine.runner.expert_parallel and len(llm.engine.runner.shard.experts) > 1
         got = greedy(llm, prompts)
         again = greedy(llm, prompts)  # prefix-cache hits
     ref = hf_greedy(model_dir, prompts, MAX_TOKENS)
@@ -221,12 +224,14 @@ def test_tp_greedy_equals_tp1_and_hf(family_dirs, name, tp):
 @needs_shm
 @pytest.mark.parametrize("name,tp", [("qwen3_moe", 2), ("mixtral", 2), ("deepseek_v3", 2), ("qwen3_moe", 4)])
 def test_expert_parallel_greedy_equals_hf(family_dirs, name, tp):
-    """enable_expert_parallel: each rank holds 1/tp of the routed experts whole (DeepSeek's shared
-    expert stays split by rows); the output is HF's, with and without prefix-cache hits."""
+    """Expert parallel (enable_expert_parallel; the CPU's default where tp divides the experts):
+    each rank holds 1/tp of the routed experts whole (DeepSeek's shared expert stays split by
+    rows); the output is HF's, with and without prefix-cache hits."""
     model_dir = family_dirs(name)
     prompts = prompts_for(seed=2)
-    with LLM(model_dir, max_num_batched_tokens=64, tensor_parallel_size=tp, enable_expert_parallel=True) as llm:
+    with LLM(model_dir, max_num_batched_tokens=64, tensor_parallel_size=tp) as llm:  # the CPU's default
         runner = llm.engine.runner
+        assert runner.expert_parallel
         cfg = runner.model_cfg
         per = cfg.moe.num_experts // tp
         assert runner.shard.experts == range(0, per) and len(runner.shard.moe_inter) == cfg.moe.intermediate_size
@@ -247,6 +252,10 @@ def test_expert_parallel_needs_the_ranks_to_divide_the_experts(family_dirs):
         check_tp(cfg, 4)
     with pytest.raises(ConfigError, match="enable_expert_parallel"):
         EngineConfig.from_kwargs(family_dirs("mixtral"), enable_expert_parallel="yes")
+    # the default: expert parallel on the CPU where the ranks divide the experts, else tensor-parallel
+    assert expert_parallel(cfg, 2, None, "cpu") and not expert_parallel(cfg, 4, None, "cpu")
+    assert not expert_parallel(cfg, 2, None, "cuda") and expert_parallel(cfg, 4, True, "cuda")
+    assert not expert_parallel(cfg, 1, None, "cpu") and not expert_parallel(cfg, 2, False, "cpu")
 
 
 def test_make_model_cli_writes_each_family(tmp_path):
