@@ -119,14 +119,11 @@ def test_computed_scales_are_the_same_at_tp_2_as_at_tp_1(llama_dir):
     two = engine(llama_dir, calculate_kv_scales=True, tensor_parallel_size=2)
     try:
         assert two.connector.layout_info()["kv_scales"] == one.connector.layout_info()["kv_scales"]
-        # each rank reads its own heads' columns
+        # each rank reads its own heads' columns (tokens at TP 2 against TP 1 with these scales:
+        # the (2,1) remote pair in tests/engine/test_fp8_kv.py)
         assert two.runner.kv_quant.heads == range(0, 1)
-        ps = [PROMPT, PROMPT[:17]]
-        params = SamplingParams(max_tokens=6, temperature=0.0)
-        assert ([o.token_ids for o in LLM(llama_dir, kv_cache_dtype="fp8", calculate_kv_scales=True,
-                                          tensor_parallel_size=2).generate(ps, params)]
-                == [o.token_ids for o in LLM(llama_dir, kv_cache_dtype="fp8", calculate_kv_scales=True)
-                    .generate(ps, params)])
+        full = one.runner.kv_quant.scales
+        assert two.runner.kv_quant.layer_scales(0) == (float(full[0, 0, 0]), float(full[0, 1, 0]))
     finally:
         two.close()
 
