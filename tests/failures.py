@@ -39,10 +39,27 @@ def log_tail(path: str, lines: int = 80) -> list[str]:
         return [f"(no log at {path}: {exc})"]
 
 
+STRAY_MARK = "left running by the test suite"  # tests/conftest.py's message
+
+
+def stray_processes(lines: list[str]) -> list[str]:
+    """The conftest's report of processes the suite left behind (a passing run it fails): it is
+    printed before pytest's summary and the slowest durations, out of a short tail's sight."""
+    for i, line in enumerate(lines):
+        if STRAY_MARK in line:
+            block = [line]
+            block.extend(s for s in lines[i + 1:i + 40] if s.startswith("  pid "))
+            return block
+    return []
+
+
 def main(argv: list[str]) -> int:
     found = failures(argv[1])
     for line in found:
         print(line)
+    if len(argv) > 2:
+        for line in stray_processes(log_tail(argv[2], lines=10**6)):
+            print(line)
     if len(argv) > 2 and (not found or found[0].startswith("(no report")):
         print(f"-- the last lines of {argv[2]}:")
         for line in log_tail(argv[2]):

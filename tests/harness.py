@@ -64,18 +64,37 @@ def start_local_ray(namespace: str, attempts: int = 3, **kwargs) -> None:
 
     import ray
 
+    import psutil
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     args = dict(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=namespace)
     args.update(kwargs)
     for attempt in range(1, attempts + 1):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
             ray.init(**args)
             return
         except Exception as exc:  # Ray raises RuntimeError or a bare Exception for these
+            ray.shutdown()
+            _kill_children_since(before)
             if attempt == attempts or not any(m in str(exc) for m in RAY_START_TIMEOUTS):
                 raise
-            ray.shutdown()
             time.sleep(5.0 * attempt)
+
+
+def _kill_children_since(before: set[int]) -> None:
+    """Kill this process's children not in `before`: what a failed ``ray.init`` started. Ray
+    builds its head node (GCS, raylet, reaper) before it records it, so a start that times out
+    leaves those processes running, unknown to ``ray.shutdown()``, until the test process ends."""
+    import psutil
+
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in new:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(new, timeout=10.0)
 
 
 def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02):

@@ -24,8 +24,8 @@ def test_short_chaos_soak_loses_nothing_and_leaks_nothing(tmp_path):
     topology.write_text(small_topology_yaml("chaos-ci", tmp_path))
     faults = ("kill_prefill", "stop_prefill", "abort_storm", "restart_etcd", "kill_queue", "reuse_ids",
               "hang_compute", "poison_request", "second_cluster")
-    cfg = ChaosConfig(topology=str(topology), duration_s=96.0, request_rate=2.0, fault_every_s=10.0,
-                      first_fault_s=6.0, num_prompts=12, long_len=(200, 400), max_tokens=6, faults=faults,
+    cfg = ChaosConfig(topology=str(topology), duration_s=72.0, request_rate=2.0, fault_every_s=8.0,
+                      first_fault_s=4.0, num_prompts=12, long_len=(200, 400), max_tokens=6, faults=faults,
                       stop_s=5.0, hang_s=5.0, settle_timeout_s=75.0, work_dir=str(tmp_path / "work"))
     report = run_chaos(cfg, log=print)
     print(format_report(report))
