@@ -291,6 +291,9 @@ class Request:
         self.grammar: RequestGrammar | None = None
         # Tokens proposed for its next positions, verified in the coming step (engine/spec_decode.py).
         self.spec_token_ids: list[int] = []
+        # The draft's distribution at each proposal, one row each, when they were drawn from it
+        # (``draft_sampling: probabilistic``); None: point-mass proposals.
+        self.spec_draft_probs: torch.Tensor | None = None
         self.num_spec_draft_tokens = 0  # proposals verified for it, over its life
         self.num_spec_accepted_tokens = 0  # of which accepted
         self.lora_request: LoRARequest | None = None  # its LoRA adapter (engine/lora_slots.py); None: the base

@@ -162,8 +162,9 @@ class Sampler:
         one float64 uniform from it."""
         torch.rand(1, generator=req.generator, dtype=torch.float64)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult | SamplingError]:
-        """One result per row; a row that cannot be sampled gets a `SamplingError` instead."""
+    def process(self, logits: torch.Tensor, reqs: list[Request]) -> Processed:
+        """Everything before the draw: logits controls, penalties, and for the random rows
+        temperature, min_p, top-k, top-p and the softmax (`Processed`)."""
         logits = logits.float()
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in reqs):
@@ -178,10 +179,9 @@ class Sampler:
                 if _has_penalty(r):
                     apply_penalties(logits[i], r)
         rand_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        every_row = len(rand_rows) == len(reqs)
-        tokens = (torch.empty(len(reqs), dtype=torch.long, device=logits.device) if every_row
-                  else first_argmax(logits))
+        probs = None
         if rand_rows:
+            every_row = len(rand_rows) == len(reqs)
             idx = torch.tensor(rand_rows, device=logits.device)
             sub = logits if every_row else logits[idx]  # (no gather when every row samples)
             temps = [reqs[i].params.temperature for i in rand_rows]
@@ -197,6 +197,16 @@ class Sampler:
             if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
                 sub = filter_top_k_top_p(sub, top_k, top_p)
             probs = sub.softmax(dim=-1)
+        return Processed(logits, raw_logprobs, failed, rand_rows, probs)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult | SamplingError]:
+        """One result per row; a row that cannot be sampled gets a `SamplingError` instead."""
+        pr = self.process(logits, reqs)
+        logits, failed, rand_rows = pr.logits, pr.failed, pr.rand_rows
+        every_row = len(rand_rows) == len(reqs)
+        tokens = (torch.empty(len(reqs), dtype=torch.long, device=logits.device) if every_row
+                  else first_argmax(logits))
+        if pr.probs is not None:
             u = torch.empty(len(rand_rows), dtype=torch.float64)
             shared = [j for j, i in enumerate(rand_rows) if reqs[i].generator is None]
             if shared:
@@ -204,31 +214,45 @@ class Sampler:
             for j, i in enumerate(rand_rows):
                 if reqs[i].generator is not None:
                     u[j] = torch.rand(1, generator=reqs[i].generator, dtype=torch.float64)
-            drawn, bad = inverse_cdf(probs, u.to(probs.device))
+            drawn, bad = inverse_cdf(pr.probs, u.to(pr.probs.device))
             for j, is_bad in enumerate(bad.tolist()):
                 if is_bad and rand_rows[j] not in failed:  # NaN/inf in this row only: the others still sample
-                    failed[rand_rows[j]] = SamplingError("cannot sample: the probabilities hold NaN or inf, "
-                                                         "or sum to 0")
+                    failed[rand_rows[j]] = cannot_sample()
             if every_row:
                 tokens = drawn.to(tokens.device)
             else:
-                tokens[idx] = drawn.to(tokens.device)
+                tokens[torch.tensor(rand_rows, device=logits.device)] = drawn.to(tokens.device)
         token_list = tokens.tolist()
-        results: list[SampleResult | SamplingError] = []
-        for i, r in enumerate(reqs):
-            if i in failed:
-                results.append(failed[i])
-                continue
-            res = SampleResult(token_list[i])
-            n = r.params.logprobs
-            if n is not None and raw_logprobs is not None:
-                row = raw_logprobs[i]
-                res.logprob = float(row[token_list[i]])
-                if n > 0:
-                    vals, ids = row.topk(n)
-                    res.top_logprobs = dict(zip(ids.tolist(), vals.tolist()))
-            results.append(res)
-        return results
+        return [failed[i] if i in failed else result(r, token_list[i], pr.raw_logprobs, i)
+                for i, r in enumerate(reqs)]
+
+
+@dataclass
+class Processed:
+    """A batch's rows as the draw sees them (`Sampler.process`)."""
+
+    logits: torch.Tensor  # every row after the logits controls and penalties (greedy rows take its argmax)
+    raw_logprobs: torch.Tensor | None  # the log-softmax of the logits as given (when a row reports logprobs)
+    failed: dict[int, SamplingError]  # rows whose controls failed
+    rand_rows: list[int]  # the rows that draw at random
+    probs: torch.Tensor | None  # their distributions, one row each, in rand_rows' order
+
+
+def cannot_sample() -> SamplingError:
+    return SamplingError("cannot sample: the probabilities hold NaN or inf, or sum to 0")
+
+
+def result(req: Request, token: int, raw_logprobs: torch.Tensor | None, row: int) -> SampleResult:
+    """``token`` as row ``row``'s sample, with the logprobs the request asked for."""
+    res = SampleResult(token)
+    n = req.params.logprobs
+    if n is not None and raw_logprobs is not None:
+        logprobs = raw_logprobs[row]
+        res.logprob = float(logprobs[token])
+        if n > 0:
+            vals, ids = logprobs.topk(n)
+            res.top_logprobs = dict(zip(ids.tolist(), vals.tolist()))
+    return res
 
 
 def _has_penalty(r: Request) -> bool:

@@ -17,7 +17,10 @@ name: no request speculates in a step whose running batch is larger; default 32)
 ``probe_interval`` steps, then tries again; default 0.2 and 8), ``disable_by_cost`` (pdserve's:
 steps speculate only while measured speculating steps emit more tokens per unit of time than
 plain ones, engine/spec_cost.py; default true for the methods whose proposer runs a model,
-false for n-gram). Every error is a
+false for n-gram), ``draft_sampling`` (pdserve's, for the methods whose proposer runs a model:
+``probabilistic``, the default, draws an unseeded sampling request's proposals from the
+draft's distribution and verifies them against it, engine/spec_decode.py `verify_draft_probs`;
+``greedy`` proposes the draft's argmax for every request). Every error is a
 `ConfigError` naming the field, ``speculative_config.<key>``.
 """
 
@@ -50,6 +53,9 @@ class SpeculativeConfig:
     # the measured-cost rule (engine/spec_cost.py): on by default where proposing costs a forward
     # (draft_model, eagle, eagle3), off for n-gram
     disable_by_cost: bool = False
+    # draft_model / eagle / eagle3: how a sampling request's proposals are drawn (probabilistic:
+    # from the draft's distribution, verified with it; greedy: the draft's argmax)
+    draft_sampling: str = "greedy"
 
 
 def _field(name: str) -> str:
@@ -106,7 +112,7 @@ def parse_speculative_config(raw: dict | str | None, check_files: bool = True) -
     if not isinstance(by_cost, bool):
         raise ConfigError(f"{_field('disable_by_cost')}={by_cost!r} must be true or false")
     if method == "ngram":
-        for name in ("model", "draft_tensor_parallel_size", "draft_kv_cache_fraction"):
+        for name in ("model", "draft_tensor_parallel_size", "draft_kv_cache_fraction", "draft_sampling"):
             if name in raw and not (name == "model" and raw[name] in ("ngram", "[ngram]")):  # (vLLM's spelling)
                 raise ConfigError(f"{_field(name)} is for methods {', '.join(MODEL_METHODS)}, not 'ngram'")
         return SpeculativeConfig(method, k, lo, hi, batch, float(floor), probe, disable_by_cost=by_cost)
@@ -123,7 +129,17 @@ def parse_speculative_config(raw: dict | str | None, check_files: bool = True) -
         model = _draft_model(raw, check_files)
     return SpeculativeConfig(method, k, 5, 5, batch, float(floor), probe, model=model,
                              draft_tensor_parallel_size=_draft_tp(raw), draft_kv_cache_fraction=_fraction(raw),
-                             disable_by_cost=by_cost)
+                             disable_by_cost=by_cost, draft_sampling=_draft_sampling(raw))
+
+
+DRAFT_SAMPLING = ("probabilistic", "greedy")
+
+
+def _draft_sampling(raw: dict) -> str:
+    v = raw.get("draft_sampling", "probabilistic")
+    if v not in DRAFT_SAMPLING:
+        raise ConfigError(f"{_field('draft_sampling')}={v!r} must be one of: {', '.join(DRAFT_SAMPLING)}")
+    return str(v)
 
 
 def _method(raw: dict) -> str:

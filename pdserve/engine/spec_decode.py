@@ -23,6 +23,16 @@ given what precedes it. A seeded request draws the same one uniform number per e
 as without speculation (the generator is rewound past the rows not emitted), so its output
 equals the output without speculation, token for token.
 
+With ``draft_sampling: probabilistic`` (the default of the methods whose proposer runs a model)
+an unseeded sampling request's proposals are drawn from the draft's own distribution q (its
+logits under the request's sampling parameters) and verified against it
+(`verify_draft_probs`): proposal d is accepted with probability min(1, p(d) / q(d)), and on
+rejection the token is drawn from max(0, p - q), renormalised. Each emitted token again has
+the target's distribution (the standard speculative sampling argument), and a proposal is
+accepted with probability sum_x min(p(x), q(x)) instead of p(d): the draft's whole distribution
+counts, not only its argmax. Seeded requests keep the point-mass draft, so that their output
+stays the output without speculation whatever k the load rule gives them.
+
 The load rule (`SpecDecoder.k_for`): no request speculates in a step whose running batch
 exceeds ``disable_by_batch_size`` (at a high batch the step is compute-bound and the k extra
 positions cost what they would save); a request whose acceptance (a moving average, weight
@@ -35,16 +45,18 @@ more tokens per unit of time than plain ones at that batch size (engine/spec_cos
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from pdserve.common.spec_rule import spec_k
 
 from .request import Request
+from .sampler import inverse_cdf
 from .spec_config import SpeculativeConfig
 from .spec_cost import SpecCostRule
 
@@ -95,6 +107,36 @@ def emitted_tokens(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
     """The tokens a verification emits: the sampled rows up to and including the first that
     differs from its proposal (all k + 1 when every proposal was accepted)."""
     return list(sampled[:accepted_prefix(drafts, sampled) + 1])
+
+
+def verify_draft_probs(p: torch.Tensor, q: torch.Tensor, drafts: Sequence[int], generator: torch.Generator,
+                       bad: Container[int] = ()) -> list[int | None]:
+    """Speculative sampling with the draft's distributions: the tokens one verification emits.
+
+    ``p`` holds the target's distributions at the k + 1 positions (row j: after the first j
+    proposals), ``q`` the draft's at the k proposals, each proposal drawn from its row of ``q``.
+    Proposal j is accepted when u x q(d) < p(d) (u uniform in [0, 1), from ``generator``); the
+    first one rejected is replaced by a draw from max(0, p - q) and ends the list; with every
+    proposal accepted, a token drawn from the last row of ``p`` follows. A row in ``bad`` (or one
+    whose probabilities cannot be drawn from) ends the list with None."""
+    out: list[int | None] = []
+    for j, d in enumerate(drafts):
+        if j in bad:
+            return out + [None]
+        u = float(torch.rand(1, generator=generator, dtype=torch.float64))
+        if u * float(q[j, d]) < float(p[j, d]):
+            out.append(int(d))
+            continue
+        residual = (p[j] - q[j]).clamp(min=0.0)[None]
+        tok, empty = inverse_cdf(residual, torch.rand(1, generator=generator, dtype=torch.float64))
+        if bool(empty[0]):  # p <= q everywhere (p = q up to rounding): the rejection's draw is from p
+            tok, empty = inverse_cdf(p[j:j + 1], torch.rand(1, generator=generator, dtype=torch.float64))
+        return out + [None if bool(empty[0]) else int(tok[0])]
+    s = len(drafts)
+    if s in bad:
+        return out + [None]
+    tok, empty = inverse_cdf(p[s:s + 1], torch.rand(1, generator=generator, dtype=torch.float64))
+    return out + [None if bool(empty[0]) else int(tok[0])]
 
 
 def grammar_prefix(structured: StructuredOutputs, req: Request, drafts: list[int]) -> list[int]:
@@ -149,7 +191,7 @@ class SpecDecoder:
     def propose(self, running: list[Request], structured: StructuredOutputs) -> None:
         """Set ``spec_token_ids`` of the running requests that decode (and clear the last step's)."""
         for r in self._drafted:
-            r.spec_token_ids = []
+            r.spec_token_ids, r.spec_draft_probs = [], None
         self._drafted = []
         decoding = [r for r in running if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1]
         live = {r.request_id for r in running}
@@ -170,6 +212,8 @@ class SpecDecoder:
                 drafts = grammar_prefix(structured, r, drafts)
             if drafts:
                 r.spec_token_ids = drafts
+                q = self.draft.draft_probs.get(r.request_id) if self.draft is not None else None
+                r.spec_draft_probs = q[:len(drafts)] if q is not None else None
                 self._drafted.append(r)
 
     def end_step(self, pure_decode: bool, verified: bool, ms: float, tokens: int) -> None:

@@ -23,6 +23,12 @@ proposals in that step (its draft KV is given back): the draft never preempts an
 Why a greedy draft keeps the verification exact (engine/spec_decode.py): a proposal that is a
 function of the tokens before it is a point-mass draft, and drawing the target's token at each
 position and accepting while it equals the proposal is rejection sampling with that draft.
+With ``draft_sampling: probabilistic``, an unseeded sampling request's proposals are drawn
+instead, each from the draft's distribution at its position: the draft's logits processed as
+the target's row there will be (engine/sampler.py `Sampler.process` on the request as it would
+be after the proposals before it: temperature, min_p, top-k, top-p, its logits controls and
+penalties, its grammar's mask). Those rows (``draft_probs``) go with the proposals, and the
+verification accepts each with probability min(1, p/q) (engine/spec_decode.py).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from .block_manager import KVCacheManager
 from .config import ConfigError, EngineConfig, ModelConfig
 from .request import Request, SamplingParams
 from .runner import ModelRunner
+from .sampler import Sampler, inverse_cdf
 from .spec_config import SpeculativeConfig
 from .structured_state import StructuredOutputs
 
@@ -84,6 +91,7 @@ class _Seq:
     req: Request | None = None
     taken: int = 0
     stopped: bool = False
+    q: list[torch.Tensor] = field(default_factory=list)  # each drawn proposal's distribution
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -109,14 +117,20 @@ class DraftProposer:
                 f"speculative_config.draft_kv_cache_fraction={spec.draft_kv_cache_fraction}: the draft model and "
                 f"its pool of {blocks} blocks do not fit beside the target ({exc}); lower it, or the target's "
                 "gpu_memory_utilization") from None
+        m = self.model_config
+        self._setup(spec, config, min(m.max_position_embeddings, m.sliding_window or m.max_position_embeddings))
+
+    def _setup(self, spec: SpeculativeConfig, config: EngineConfig, limit: int) -> None:
+        """What every proposer has beside its runner (``self.runner``), whose pool it manages."""
         self.block_size = config.block_size
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, enable_caching=False)
-        m = self.model_config
-        limit = min(m.max_position_embeddings, m.sliding_window or m.max_position_embeddings)
         self.max_len = min(limit, self.runner.num_blocks * config.block_size)  # positions the draft can hold
         self.chunk = config.max_num_batched_tokens  # tokens per catch-up forward, all requests together
         self.seqs: dict[str, _Seq] = {}
         self.num_forwards = 0  # the draft's forward passes (tests, benchmarks)
+        self.sample_drafts = spec.draft_sampling == "probabilistic"
+        self.sampler = Sampler(seed=config.seed + 1)  # (its generator draws the proposals)
+        self.draft_probs: dict[str, torch.Tensor] = {}  # the last propose's, by request id
 
     def close(self) -> None:
         self.runner.close()
@@ -151,8 +165,9 @@ class DraftProposer:
             if not self.kv.allocate(req.request_id, req.num_tokens + k - 1):
                 self.release(req.request_id)  # no room: no proposals (the draft preempts nobody)
                 continue
-            seq.req, seq.taken, seq.stopped = req, 0, False
+            seq.req, seq.taken, seq.stopped, seq.q = req, 0, False, []
             live.append((seq, k))
+        self.draft_probs = {}
         if not live:
             return {}
         try:
@@ -176,7 +191,16 @@ class DraftProposer:
             seq.valid, seq.extra = seq.view.num_prompt_tokens, proposals[:-1]  # (the last one's KV: not computed)
             if proposals:
                 out[seq.view.request_id] = proposals
+                if len(seq.q) == len(proposals):
+                    self.draft_probs[seq.view.request_id] = torch.stack(seq.q)
+            seq.q = []
         return out
+
+    def draws(self, req: Request | None) -> bool:
+        """Whether ``req``'s proposals are drawn from the draft's distribution (unseeded sampling
+        requests, under ``draft_sampling: probabilistic``) rather than its argmax."""
+        return (self.sample_drafts and req is not None and not req.params.greedy
+                and req.generator is None)
 
     def _sync(self, req: Request) -> _Seq:
         """The request's view with its KV rolled back past what the target rejected: the pool then
@@ -224,7 +248,16 @@ class DraftProposer:
         rows = [by_view[id(v)] for v in batch.sampling]
         masked = [s.req if s.req is not None and s.req.grammar is not None else s.view for s in rows]
         failed = structured.mask(logits, masked) if any(r.grammar is not None for r in masked) else {}
-        for i, (s, tok) in enumerate(zip(rows, logits.argmax(dim=-1).tolist())):
+        tokens = logits.argmax(dim=-1).tolist()
+        drawn = [i for i, s in enumerate(rows) if self.draws(s.req) and i not in failed]
+        q: dict[int, torch.Tensor] = {}
+        if drawn:
+            q = self._draw(logits, rows, drawn, tokens)
+            failed = {**failed, **{i: RuntimeError("cannot draw") for i in drawn if i not in q}}
+        for i, (s, tok) in enumerate(zip(rows, tokens)):
+            if i in failed and masked[i].grammar is None:
+                s.stopped = True  # (its distribution could not be drawn from)
+                continue
             if masked[i].grammar is not None:
                 m = structured.ensure(masked[i]) if i not in failed else None
                 if m is None or m.is_terminated() or not m.accept_token(int(tok)):
@@ -233,3 +266,27 @@ class DraftProposer:
                 s.taken += 1
                 s.stopped = bool(m.is_terminated())  # the grammar ended: nothing may follow
             s.view.output_token_ids.append(int(tok))
+            if i in q:
+                s.q.append(q[i])
+
+    def _draw(self, logits: torch.Tensor, rows: list[_Seq], drawn: list[int], tokens: list[int]
+              ) -> dict[int, torch.Tensor]:
+        """Draw the proposals of rows ``drawn`` from the draft's distributions (into ``tokens``);
+        each row's distribution, by row (a row left out cannot be drawn from)."""
+        from .spec_step import draft_view
+
+        views = []
+        for i in drawn:
+            req = rows[i].req
+            assert req is not None
+            views.append(draft_view(req, list(rows[i].view.output_token_ids)))
+        pr = self.sampler.process(logits[drawn], views)
+        assert pr.probs is not None  # (every row samples)
+        u = torch.rand(len(drawn), generator=self.sampler.generator, dtype=torch.float64)
+        got, bad = inverse_cdf(pr.probs, u.to(pr.probs.device))
+        out = {}
+        for j, i in enumerate(drawn):
+            if j not in pr.failed and not bool(bad[j]):
+                tokens[i] = int(got[j])
+                out[i] = pr.probs[j]
+        return out

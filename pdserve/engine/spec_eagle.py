@@ -120,13 +120,7 @@ class EagleProposer(DraftProposer):
                 f"speculative_config.draft_kv_cache_fraction={spec.draft_kv_cache_fraction}: the EAGLE head and "
                 f"its pool of {blocks} blocks do not fit beside the target ({exc}); lower it") from None
         self.runner = self.head_runner
-        self.block_size = config.block_size
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, enable_caching=False)
-        m = self.model_config
-        self.max_len = min(m.max_position_embeddings, self.runner.num_blocks * config.block_size)
-        self.chunk = config.max_num_batched_tokens
-        self.seqs: dict[str, _Seq] = {}
-        self.num_forwards = 0
+        self._setup(spec, config, self.model_config.max_position_embeddings)
         self.states: dict[str, _States] = {}
         self.last: dict[str, torch.Tensor] = {}  # each proposing request's last row's hidden output
         self.target = target_model

@@ -22,8 +22,8 @@ import torch
 
 from .engine_types import RequestDelta
 from .request import Request
-from .sampler import SampleResult, SamplingError
-from .spec_decode import accepted_prefix
+from .sampler import SampleResult, SamplingError, cannot_sample, result
+from .spec_decode import accepted_prefix, verify_draft_probs
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
@@ -100,15 +100,39 @@ def finish_step(eng: LLMEngine, logits: torch.Tensor, sampling: list[Request], f
         bad = _mask_drafts(eng, logits, views, groups)
     rewind = {r.request_id: r.generator.get_state() for r, _, s in groups
               if s and r.generator is not None and not r.params.greedy}
-    results = eng._sample(logits, views) if views else []
+    drawn = {r.request_id: (start, s) for r, start, s in groups
+             if s and r.spec_draft_probs is not None and r.request_id not in bad}
+    plain = [i for r, start, s in groups if r.request_id not in drawn for i in range(start, start + s + 1)]
+    results: list = [None] * len(views)
+    if plain:
+        whole = len(plain) == len(views)
+        got = eng._sample(logits if whole else logits[plain], views if whole else [views[i] for i in plain])
+        for i, res in zip(plain, got):
+            results[i] = res
     for req, start, s in groups:
         if req.request_id in bad:
             deltas.append(eng.fail_request(req, bad[req.request_id]))
         elif s == 0:
             deltas.append(_append(eng, req, results[start:start + 1])[0])
+        elif req.request_id in drawn:
+            emitted = _draw_verified(eng, logits[start:start + s + 1], views[start:start + s + 1], req)
+            deltas.append(_verify(eng, req, req.spec_token_ids[:s], emitted, None))
         else:
             deltas.append(_verify(eng, req, req.spec_token_ids[:s], results[start:start + s + 1],
                                   rewind.get(req.request_id)))
+
+
+def _draw_verified(eng: LLMEngine, logits: torch.Tensor, views: list[Request], req: Request) -> list:
+    """The results a verification against the draft's distributions emits (engine/spec_decode.py
+    `verify_draft_probs`), with the logprobs the request asked for."""
+    drafts, q = req.spec_token_ids[:len(views) - 1], req.spec_draft_probs
+    assert q is not None
+    pr = eng.sampler.process(logits, views)
+    assert pr.probs is not None  # (an unseeded sampling request: every row is random)
+    tokens = verify_draft_probs(pr.probs, q[:len(drafts)].to(pr.probs.device), drafts, eng.sampler.generator,
+                                bad=pr.failed.keys())
+    return [pr.failed.get(j, cannot_sample()) if tok is None else result(views[j], tok, pr.raw_logprobs, j)
+            for j, tok in enumerate(tokens)]
 
 
 def _append(eng: LLMEngine, req: Request, results: list) -> tuple[RequestDelta, int]:

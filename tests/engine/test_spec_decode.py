@@ -18,7 +18,7 @@ from pdserve.engine.driver import EngineDriver
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.spec_config import parse_speculative_config
-from pdserve.engine.spec_decode import SpecDecoder, emitted_tokens, ngram_propose
+from pdserve.engine.spec_decode import SpecDecoder, emitted_tokens, ngram_propose, verify_draft_probs
 from pdserve.engine.spec_step import draft_view
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -239,6 +239,34 @@ def test_verification_keeps_the_target_distribution():
     assert abs(accepted / n - p0[1]) < 4 * (p0[1] * (1 - p0[1]) / n) ** 0.5
     rest = [0.0 if i == drafts[0] else p / (1 - p0[1]) for i, p in enumerate(p0)]  # max(0, p - q), normalised
     assert residual[drafts[0]] == 0 and chi_square(residual, rest) < CHI2_999[3]
+
+
+def test_verification_with_the_drafts_distributions_keeps_the_target_distribution():
+    """Proposals drawn from q and verified with it (`verify_draft_probs`): each emitted token
+    is distributed as the target's row at its position (p0, p1, then p2 after both proposals),
+    the first proposal is accepted with probability sum min(p0, q0), and a token q proposes but
+    p never gives (5) is never emitted. Accepting every proposal would emit q instead: the
+    same check tells that apart."""
+    p = torch.tensor([[0.4, 0.25, 0.2, 0.1, 0.05, 0.0], [0.1, 0.3, 0.3, 0.2, 0.1, 0.0],
+                      [0.3, 0.1, 0.1, 0.2, 0.3, 0.0]])
+    q = torch.tensor([[0.1, 0.4, 0.1, 0.2, 0.1, 0.1], [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]])
+    rng, gen, n = random.Random(3), torch.Generator().manual_seed(4), 10000
+    at = [[0] * 6 for _ in range(3)]
+    proposed_first, accepted = [0] * 6, 0
+    for _ in range(n):
+        drafts = [rng.choices(range(6), q[j].tolist())[0] for j in range(2)]
+        proposed_first[drafts[0]] += 1
+        out = verify_draft_probs(p, q, drafts, gen)
+        assert None not in out and 1 <= len(out) <= 3 and out[:len(out) - 1] == drafts[:len(out) - 1]
+        accepted += len(out) > 1
+        for j, t in enumerate(out):
+            at[j][t] += 1
+    assert at[0][5] == at[1][5] == at[2][5] == 0
+    for j in range(3):
+        assert sum(at[j]) > 1000 and chi_square(at[j][:5], p[j, :5].tolist()) < CHI2_999[4], (j, at[j])
+    overlap = float(torch.minimum(p[0], q[0]).sum())
+    assert abs(accepted / n - overlap) < 4 * (overlap * (1 - overlap) / n) ** 0.5
+    assert chi_square(proposed_first[:5], p[0, :5].tolist()) > CHI2_999[4]
 
 
 def test_the_check_can_fail():

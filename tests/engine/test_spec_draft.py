@@ -3,6 +3,9 @@ output equals the output without speculation and HF transformers, token for toke
 target as its own draft (every proposal accepted), with a draft that agrees in part (a copy of
 the target with noise in one layer: proposals accepted and rejected, the draft's KV rolled back)
 and with a different, smaller model; seeded sampling equals the unspeculated seeded run;
+unseeded sampling draws its proposals from the draft's distribution (accepted where the draft
+is the target, with the logprobs a rescoring gives; the verification's distribution is tested
+in tests/engine/test_spec_decode.py);
 batches, structured outputs, preemption and a small draft pool; the load rule's k-off; the
 draft's blocks all come back (finish, abort, preemption); bad config is a `ConfigError` naming
 the field."""
@@ -125,6 +128,32 @@ def test_seeded_sampling_equals_no_speculation(plain, self_draft, noisy):
     assert self_draft.engine.stats.num_spec_accepted_tokens > before
 
 
+def test_unseeded_sampling_draws_from_the_draft_and_the_target_as_its_draft_is_accepted(plain, self_draft):
+    """Unseeded sampling: proposals drawn from the draft's distribution are accepted with
+    probability sum min(p, q), about 1 where the draft is the target; the greedy draft's argmax
+    only with p(argmax), small on this random model at temperature 1. Each emitted token's
+    logprob is the target's (rescored by the plain engine's prompt_logprobs)."""
+    ps = prompts(4, seed=5)
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, logprobs=0, ignore_eos=True)
+    eng = self_draft.engine
+    rates = {}
+    for mode in (False, True):
+        eng.spec.draft.sample_drafts = mode
+        before = (eng.stats.num_spec_draft_tokens, eng.stats.num_spec_accepted_tokens)
+        outs = self_draft.generate(ps, params)
+        proposed = eng.stats.num_spec_draft_tokens - before[0]
+        rates[mode] = (eng.stats.num_spec_accepted_tokens - before[1]) / proposed
+        assert proposed > 40 and all(len(o.token_ids) == 24 and o.finish_reason == "length" for o in outs)
+    print("acceptance (drawn, argmax):", rates)
+    assert rates[True] > 0.95 and rates[False] < 0.5, rates
+    for p, o in zip(ps, outs):  # (the drawn mode's outputs)
+        ref = plain.generate([p + o.token_ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        want = ref.prompt_logprobs[len(p):]
+        assert [e["token_id"] for e in o.logprobs] == [w["token_id"] for w in want] == o.token_ids
+        assert [e["logprob"] for e in o.logprobs] == pytest.approx([w["logprob"] for w in want], abs=1e-4)
+    assert draft_pool(self_draft)[0] == draft_pool(self_draft)[1] and not eng.spec.draft.seqs
+
+
 def test_structured_outputs_equal_no_speculation(plain, self_draft):
     grammars = [{"regex": r"(ab|cd)( (ab|cd)){10,30}"}, {"choice": ["alpha beta alpha beta", "gamma"]},
                 {"json": {"type": "array", "items": {"enum": ["x", "yz"]}, "minItems": 6, "maxItems": 12},
@@ -197,11 +226,19 @@ def test_finish_and_abort_free_the_drafts_blocks(self_draft):
     ({"draft_kv_cache_fraction": 1.5}, "speculative_config.draft_kv_cache_fraction"),
     ({"prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max"),
     ({"method": "mtp"}, "speculative_config.method"),
+    ({"draft_sampling": "nucleus"}, "speculative_config.draft_sampling"),
 ])
 def test_bad_draft_config_is_refused_naming_the_field(llama_dir, extra, field):
     raw = {**draft_cfg(llama_dir), **extra}
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         parse_speculative_config(raw)
+
+
+def test_draft_sampling_is_probabilistic_by_default_and_only_for_model_methods(llama_dir):
+    assert parse_speculative_config(draft_cfg(llama_dir)).draft_sampling == "probabilistic"
+    assert parse_speculative_config(draft_cfg(llama_dir, draft_sampling="greedy")).draft_sampling == "greedy"
+    with pytest.raises(ConfigError, match=r"speculative_config\.draft_sampling is for methods"):
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "draft_sampling": "greedy"})
 
 
 def test_the_method_is_inferred_as_vllm_does(llama_dir, tmp_path):
