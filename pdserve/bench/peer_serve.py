@@ -84,6 +84,7 @@ class PeerConfig:
     run_timeout_s: float = 900.0
     work_dir: str = str(REPO / "runs/peer-serve")
     colocated_args: list[str] = field(default_factory=list)  # more `pdserve serve-decode` flags
+    router_policy: str = ""  # both pdserve systems' router policy file ("": the shipped ones)
 
 
 def _cpus(spec: str) -> str:
@@ -120,7 +121,9 @@ class Server:
         elif self.system == "colocated":
             cmd = ["taskset", "-c", cpus, sys.executable, "-m", "pdserve", "serve-decode", "--model", cfg.model,
                    "--http-port", str(cfg.port), "--grpc-port", "0", "--served-model-name", SERVED_NAME,
-                   "--engine-args", json.dumps({**ENGINE, "kv_cache_memory_bytes": 1 << 30}), *cfg.colocated_args]
+                   "--engine-args", json.dumps({**ENGINE, "kv_cache_memory_bytes": 1 << 30}),
+                   *(["--router-policy", str(Path(cfg.router_policy).resolve())] if cfg.router_policy else []),
+                   *cfg.colocated_args]
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
         else:
             self.topology = self._topology()
@@ -140,6 +143,8 @@ class Server:
         topo["run_dir"] = str(self.work.resolve())
         topo["router_policy"] = str((Path(self.cfg.topology).parent / topo["router_policy"]).resolve()) \
             if topo.get("router_policy") else None
+        if self.cfg.router_policy:
+            topo["router_policy"] = str(Path(self.cfg.router_policy).resolve())
         if self.cfg.cpus:  # the same cores as the other systems, split between the two roles
             cores = [int(c) for c in self.cfg.cpus.split(",")]
             half = max(1, len(cores) // 2)
@@ -488,6 +493,9 @@ def main(argv=None) -> int:
     p.add_argument("--colocated-args", default="",
                    help="more flags for colocated's `pdserve serve-decode`, one string, e.g. "
                         "'--router-policy P.yaml --local-prefill-budget-tokens 512' (default: the shipped defaults)")
+    p.add_argument("--router-policy", default="", metavar="FILE",
+                   help="the router policy of both pdserve systems (colocated's --router-policy, 1p1d's topology "
+                        "router_policy; default: the shipped ones)")
     p.add_argument("--saturation", type=float, default=d.saturation,
                    help="a dataset's sweep stops after the first rate where under this share of vLLM's requests "
                         "met both SLOs (median of the repetitions)")
@@ -507,7 +515,8 @@ def main(argv=None) -> int:
     cfg = PeerConfig(systems=args.systems.split(","), datasets=args.datasets.split(","),
                      rates=[float(r) for r in args.rates.split(",")], num_prompts=args.num_prompts, reps=args.reps,
                      goodput=args.goodput, saturation=args.saturation, cpus=args.cpus, model=args.model, vllm_python=args.vllm_python,
-                     port=args.port, work_dir=args.work_dir, colocated_args=shlex.split(args.colocated_args))
+                     port=args.port, work_dir=args.work_dir, colocated_args=shlex.split(args.colocated_args),
+                     router_policy=args.router_policy)
     for name in cfg.systems:
         if name not in SYSTEMS:
             p.error(f"--systems: unknown system {name!r}; choose from {', '.join(SYSTEMS)}")

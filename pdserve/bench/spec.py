@@ -25,8 +25,17 @@ request speculates, so that side is the plain engine).
     python -m pdserve.bench.spec --method draft_model --draft-layers 1 --model DIR   # the target's first layer
 
 With ``--method draft_model`` the speculating side's proposals are the draft model's (its
-``--num-speculative-tokens`` greedy tokens, engine/spec_draft.py) and its label is
+``--num-speculative-tokens`` tokens, engine/spec_draft.py) and its label is
 ``draft_model`` instead of ``ngram``.
+
+``--temperature T`` makes every request sample (unseeded) at T instead of greedily. With a draft
+model, ``--draft-sampling`` says how its proposals are made: ``probabilistic`` (drawn from the
+draft's distribution and verified against it), ``greedy`` (its argmax) or ``both``: two
+speculating sides in the same run, ``draft_model:drawn`` and ``draft_model:argmax``, each
+against the same plain side.
+
+    python -m pdserve.bench.spec --method draft_model --draft-layers 1 --damp-after 0.1 \
+        --temperature 1 --draft-sampling both --batches 1,8 --rounds 5   # drawn vs argmax proposals
 
 Prints min / median / max over ``--rounds`` rounds of each figure and the ratio of medians.
 """
@@ -75,6 +84,11 @@ def parse_args(argv=None):
                    help="unmeasured rounds of both sides at each batch size first (the kernels warm, and "
                         "the measured-cost rule of a draft model or EAGLE head has its figures)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the requests' temperature (default 0: greedy); above 0 they sample, unseeded")
+    p.add_argument("--draft-sampling", choices=("probabilistic", "greedy", "both"), default="probabilistic",
+                   help="--method draft_model: proposals drawn from the draft's distribution, its argmax, or "
+                        "both as two sides of one run (default probabilistic)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -160,7 +174,8 @@ def spec_config(args) -> dict:
         if not args.draft_model:
             raise SystemExit("--method draft_model needs --draft-model DIR or --draft-layers N")
         cfg = {"method": "draft_model", "model": args.draft_model,
-               "num_speculative_tokens": args.num_speculative_tokens}
+               "num_speculative_tokens": args.num_speculative_tokens,
+               "draft_sampling": "greedy" if args.draft_sampling == "greedy" else "probabilistic"}
     else:
         cfg = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
@@ -188,13 +203,13 @@ def echo_prompts(eng, args, n: int) -> list[list[int]]:
     return [p + list(o.token_ids) + p for p, o in zip(prefixes, outs) if o is not None]
 
 
-def run_once(eng, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+def run_once(eng, prompts: list[list[int]], output_len: int, tag: str, temperature: float = 0.0) -> dict:
     from pdserve.engine import SamplingParams
 
     s = eng.stats
     proposed0, accepted0, drafts0 = s.num_spec_draft_tokens, s.num_spec_accepted_tokens, s.num_spec_drafts
     t0 = time.perf_counter()
-    rids = [eng.add_request(p, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True),
+    rids = [eng.add_request(p, SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True),
                             request_id=f"{tag}-{i}").request_id for i, p in enumerate(prompts)]
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -224,24 +239,46 @@ def spread(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def speculating_sides(args) -> list[str]:
+    """The speculating sides' labels: the method's, or with ``--draft-sampling both`` one per way
+    of proposing."""
+    if args.method == "draft_model" and args.draft_sampling == "both":
+        return [f"{args.method}:drawn", f"{args.method}:argmax"]
+    return [args.method]
+
+
+def use_side(eng, decoder, side: str, costs: dict) -> None:
+    """Speculation off (``off``) or on, with the side's way of proposing and its own
+    measured-cost rule (``costs``, by side: one side's step times must not decide for another)."""
+    eng.spec = None if side == "off" else decoder
+    if side != "off" and decoder.draft is not None and ":" in side:
+        decoder.draft.sample_drafts = side.endswith(":drawn")
+    if side != "off" and decoder.cost is not None:
+        from pdserve.engine.spec_cost import SpecCostRule
+
+        decoder.cost = costs.setdefault(side, decoder.cost if not costs else SpecCostRule())
+
+
 def measure(eng, decoder, prompts: list[list[int]], args) -> dict:
-    """Every batch size, both sides, ``--rounds`` rounds: each figure's values."""
+    """Every batch size, every side, ``--rounds`` rounds (the sides' order rotating): each
+    figure's values."""
     res: dict = {}
+    sides = ["off", *speculating_sides(args)]
+    costs: dict = {}
     for b in [int(x) for x in args.batches.split(",")]:
         batch = [prompts[i % len(prompts)] for i in range(b)]
-        on = args.method
-        runs: dict[str, list[dict]] = {"off": [], on: []}
+        runs: dict[str, list[dict]] = {side: [] for side in sides}
         for rnd in range(args.warmup_rounds):  # unmeasured: each side's kernels, and the cost rule's figures
-            for side in ("off", on):
-                eng.spec = decoder if side == on else None
-                run_once(eng, batch, args.output_len, f"b{b}-warm{rnd}-{side}")
+            for side in sides:
+                use_side(eng, decoder, side, costs)
+                run_once(eng, batch, args.output_len, f"b{b}-warm{rnd}-{side}", args.temperature)
         for rnd in range(args.rounds):
-            for side in (["off", on] if rnd % 2 == 0 else [on, "off"]):
-                eng.spec = decoder if side == on else None
-                r = run_once(eng, batch, args.output_len, f"b{b}-{rnd}-{side}")
+            for side in sides[rnd % len(sides):] + sides[:rnd % len(sides)]:
+                use_side(eng, decoder, side, costs)
+                r = run_once(eng, batch, args.output_len, f"b{b}-{rnd}-{side}", args.temperature)
                 runs[side].append(r)
                 print(f"batch {b} round {rnd} {side:11s}: {r['tok_s']:8.1f} tok/s  TPOT p50 {r['tpot_p50_ms']:7.2f} ms"
-                      + (f"  acceptance {r['acceptance']:.2f}" if side == on else ""), file=sys.stderr)
+                      + (f"  acceptance {r['acceptance']:.2f}" if side != "off" else ""), file=sys.stderr)
         res[b] = {side: {k: spread([r[k] for r in rs]) for k in rs[0]} for side, rs in runs.items()}
     return res
 
@@ -266,15 +303,16 @@ def main(argv=None) -> int:
     run_once(eng, prompts[:2], 4, f"warm-{args.method}")
     res = measure(eng, decoder, prompts, args)
     eng.close()
-    print(f"{'batch':>5s} {'side':11s} {'tok/s (median)':>15s} {'TPOT p50 ms':>12s} {'acceptance':>10s} "
+    print(f"{'batch':>5s} {'side':18s} {'tok/s (median)':>15s} {'TPOT p50 ms':>12s} {'acceptance':>10s} "
           f"{'tok/verif':>9s}")
     for b, sides in res.items():
         for side, figs in sides.items():
             acc = f"{figs['acceptance']['median']:10.2f} {figs['tokens_per_verification']['median']:9.2f}" \
-                if side == args.method else f"{'':10s} {'':9s}"
-            print(f"{b:5d} {side:11s} {figs['tok_s']['median']:15.1f} {figs['tpot_p50_ms']['median']:12.2f} {acc}")
-        speed = sides[args.method]["tok_s"]["median"] / sides["off"]["tok_s"]["median"]
-        print(f"{b:5d} {args.method} / off tokens/s (medians): {speed:.3f}x")
+                if side != "off" else f"{'':10s} {'':9s}"
+            print(f"{b:5d} {side:18s} {figs['tok_s']['median']:15.1f} {figs['tpot_p50_ms']['median']:12.2f} {acc}")
+        for side in speculating_sides(args):
+            speed = sides[side]["tok_s"]["median"] / sides["off"]["tok_s"]["median"]
+            print(f"{b:5d} {side} / off tokens/s (medians): {speed:.3f}x")
     if args.json:
         out = {"config": {k: v for k, v in vars(args).items() if k != "json"} | {"model": model},
                "results": {str(b): sides for b, sides in res.items()}}

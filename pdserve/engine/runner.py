@@ -166,8 +166,9 @@ class ModelRunner:
         if not cfg.calculate_kv_scales and self.calibrates_kv_scales:
             scales = checkpoint_scales(m.path, m.num_layers, m.num_kv_heads)
         if scales is not None:
-            log.info("KV scales from the checkpoint %s (%s)", m.path, "per tensor" if len(record(scales)) and all(
-                isinstance(x, float) for layer in record(scales) for x in layer) else "per head")
+            rec = record(scales)
+            log.info("KV scales from the checkpoint %s (%s)", m.path,
+                     "per tensor" if rec and all(isinstance(x, float) for layer in rec for x in layer) else "per head")
         return KVQuant.static(self.kv_cache_dtype, storage, self.dtype, m.num_layers, self.device,
                               heads=self.shard.kv_heads, scales=scales if scales is not None else
                               torch.ones(m.num_layers, 2, m.num_kv_heads))

@@ -1,5 +1,6 @@
 """bench/spec.py's draft-model setup: the early-exit draft made from the target's first layers,
-the damped target it agrees with, and a short run of the bench on them."""
+the damped target it agrees with, and short runs of the bench on them (greedy, and sampling
+with drawn against argmax proposals)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,19 @@ def test_a_short_draft_model_run_reports_acceptance_beside_speed(target, tmp_pat
         assert side["proposed"]["median"] > 0 and 0.0 <= side["acceptance"]["median"] <= 1.0
         assert res["results"][b]["off"]["tok_s"]["median"] > 0
     assert "draft_model / off tokens/s" in capsys.readouterr().out
+
+
+def test_sampling_requests_compare_drawn_and_argmax_proposals_in_one_run(target, tmp_path, capsys):
+    """--temperature 1 --draft-sampling both: two speculating sides against one plain side; the
+    drawn proposals of a draft close to its target are accepted, its argmax on this random
+    model's flat distributions almost never."""
+    out = tmp_path / "spec.json"
+    assert spec.main(["--model", target, "--method", "draft_model", "--draft-layers", "1", "--damp-after", "0.01",
+                      "--batches", "1", "--rounds", "1", "--output-len", "8", "--disable-by-cost", "off",
+                      "--temperature", "1", "--draft-sampling", "both", "--json", str(out)]) == 0
+    sides = json.loads(out.read_text())["results"]["1"]
+    assert set(sides) == {"off", "draft_model:drawn", "draft_model:argmax"}
+    drawn, argmax = (sides[f"draft_model:{m}"]["acceptance"]["median"] for m in ("drawn", "argmax"))
+    assert drawn > 0.5 > argmax, (drawn, argmax)
+    printed = capsys.readouterr().out
+    assert "draft_model:drawn / off tokens/s" in printed and "draft_model:argmax / off tokens/s" in printed

@@ -20,7 +20,8 @@ from pdserve.engine.kv_tier import KVTier
 from pdserve.engine.kv_tier_store import TierMirror, host_copy
 from pdserve.engine.offline import LLM
 from pdserve.engine.request import SamplingParams
-from pdserve.engine.tp_comm import shm_available
+
+from .markers import needs_shm
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -230,7 +231,6 @@ def test_a_device_load_moves_runs_of_slots_through_staging_chunks_into_the_right
 
 # -- tensor parallelism: every rank keeps its heads of each block, rank 0 decides --------------
 
-needs_shm = pytest.mark.skipif(shm_available() is not None, reason=f"shm collectives unavailable: {shm_available()}")
 
 
 @needs_shm

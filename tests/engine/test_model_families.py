@@ -21,12 +21,12 @@ from pdserve.engine.config import ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.model_maker import ModelSpec, make_model
 from pdserve.engine.moe import grouped_mm_available
 from pdserve.engine.tensor_parallel import check_tp, expert_parallel
-from pdserve.engine.tp_comm import shm_available
+
+from .markers import needs_shm
 
 from .test_hf_parity import hf_greedy, mixed_prompts
 
 MAX_TOKENS = 12
-needs_shm = pytest.mark.skipif(shm_available() is not None, reason=f"shm collectives unavailable: {shm_available()}")
 
 SPECS = {
     # head_dim 64 where hidden / heads is 32: the head dim comes from config.json.

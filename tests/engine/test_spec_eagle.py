@@ -245,6 +245,49 @@ def test_a_whole_vocabulary_head_in_its_own_order_maps_through_d2t(llama_dir, pl
         assert llm.engine.stats.num_spec_accepted_tokens > 0
 
 
+def test_a_random_head_draws_unseeded_proposals_from_its_distribution(random_head):
+    """Unseeded sampling: the head's proposals are drawn from its distribution (EAGLE-3's only
+    over its draft vocabulary, mapped through d2t: the rows outside it are 0), each sent with
+    its row; they are accepted more often than the head's argmax on this random target."""
+    eng, head = random_head.engine, random_head.engine.spec.draft
+    ps = prompts(6, seed=9)
+    params = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True)
+    rows: list[tuple[list[int], torch.Tensor]] = []
+    propose = head.propose
+
+    def spy(wants, structured):
+        found = propose(wants, structured)
+        rows.extend((found[r], head.draft_probs[r]) for r in found if r in head.draft_probs)
+        return found
+
+    rates = {}
+    head.propose = spy
+    try:
+        for drawn in (False, True):
+            head.sample_drafts = drawn
+            before = (eng.stats.num_spec_draft_tokens, eng.stats.num_spec_accepted_tokens)
+            outs = random_head.generate(ps, params)
+            assert all(len(o.token_ids) == 32 for o in outs)
+            proposed = eng.stats.num_spec_draft_tokens - before[0]
+            rates[drawn] = (eng.stats.num_spec_accepted_tokens - before[1]) / proposed, proposed
+    finally:
+        del head.propose
+        head.sample_drafts = True
+    assert len(rows) > 10, "no proposal was drawn"
+    support = head.head.to_target.tolist()
+    for proposals, q in rows:
+        assert q.shape == (len(proposals), eng.model_config.vocab_size)
+        torch.testing.assert_close(q.sum(dim=-1), torch.ones(len(proposals)), atol=1e-4, rtol=0)
+        assert all(float(q[j, t]) > 0 for j, t in enumerate(proposals))
+        if len(support) < q.shape[1]:  # EAGLE-3: no mass outside the draft vocabulary
+            outside = torch.ones(q.shape[1], dtype=torch.bool)
+            outside[support] = False
+            assert float(q[:, outside].sum()) == 0.0
+    print("acceptance (argmax, drawn):", rates)
+    assert rates[True][0] > rates[False][0], rates
+    assert pools_full(random_head)
+
+
 def test_blocks_come_back_after_finish_and_abort(random_head):
     eng = random_head.engine
     head = eng.spec.draft

@@ -17,14 +17,14 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import ConfigError
 from pdserve.engine.model_maker import ModelSpec, make_model
-from pdserve.engine.tp_comm import new_segment_name, shm_available
+from pdserve.engine.tp_comm import new_segment_name
 from pdserve.engine.tp_group import TPGroupBroken
 
+from .markers import needs_shm
 from .test_hf_parity import hf_greedy, mixed_prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_TOKENS = 12
-needs_shm = pytest.mark.skipif(shm_available() is not None, reason=f"shm collectives unavailable: {shm_available()}")
 
 
 def segments() -> set[str]:
