@@ -144,7 +144,7 @@ class CostModelParams(StrictModel):
     transfer_setup_ms: float = Field(2.0, ge=0)
     # Cost charged for the decode stall a local prefill inflicts: this weight
     # x requests D is decoding x local prefill ms. 0 ignores the harm.
-    itl_penalty_weight: float = Field(0.1, ge=0)
+    itl_penalty_weight: float = Field(1.0, ge=0)
     # Cost charged for the requests expected to ARRIVE while a local prefill
     # occupies this worker: weight x arrival rate x local prefill ms x its
     # longest step ms / 2 (arrivals during the prefill, each waiting for the step

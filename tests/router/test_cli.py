@@ -90,7 +90,7 @@ def test_explain_shows_a_refusal_with_the_predicted_ttft(capsys):
 
 def test_explain_uses_calibrated_costs_given_on_the_command_line(capsys):
     run(["policy", "explain", str(REPO / "configs/router/default.yaml"), "--prompt-len", "2000",
-         "--decode-active", "8", "--transfer-gb-per-s", "0.5"])
+         "--decode-active", "1", "--transfer-gb-per-s", "0.5"])
     out = capsys.readouterr().out
     assert "transfer 0.5 GB/s" in out
     assert "decision: local (cost_local_cheaper" in out

@@ -8,18 +8,24 @@ over 10 GB/s (0.0131072 ms/token) + 2 ms setup, ITL weight 0.1, min gain 5 ms.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from pdserve.router.costs import CostModel
 from pdserve.router.decide import decide
+from pdserve.router.loader import load_policy_file
+
+REPO = Path(__file__).resolve().parents[2]
 
 from_seed = pytest.approx
 
 
 @pytest.fixture
 def policy(rt):
-    return rt.policy(router={"policy": "cost_model"})
+    """The cost model with the ITL penalty weight these formula checks were written with (0.1;
+    the shipped default is 1.0: test_the_default_weighs_a_streams_stall_like_ttft)."""
+    return rt.policy(router={"policy": "cost_model", "cost_model": {"itl_penalty_weight": 0.1}})
 
 
 def test_predictions_follow_the_documented_formulas(rt, policy):
@@ -45,6 +51,20 @@ def test_busy_decode_worker_offloads_a_long_prompt(rt, policy):
     d = decide(rt.req(2000), rt.snap(policy, decode_active_requests=8), policy)
     assert (d.route, d.reason) == ("remote", "cost_remote_cheaper")
     assert d.score == from_seed((200 + 0.1 * 8 * 200) - (200 + 26.2144 + 2))
+
+
+def test_the_default_weighs_a_streams_stall_like_ttft(rt, policy):
+    """The shipped default (the file and the field's default: 1.0) counts each decoding
+    stream's ms of stall during a local prefill as one ms of the new request's TTFT: a
+    60-token prompt with 8 streams decoding goes remote, which the 0.1 weight kept local."""
+    shipped = load_policy_file(REPO / "pdserve/configs/router/default.yaml")
+    assert shipped.router.cost_model.itl_penalty_weight == 1.0 == rt.policy().router.cost_model.itl_penalty_weight
+    default = rt.policy(router={"policy": "cost_model"})
+    tenth = decide(rt.req(60), rt.snap(policy, decode_active_requests=8), policy, explain=True)
+    full = decide(rt.req(60), rt.snap(default, decode_active_requests=8), default, explain=True)
+    assert tenth.route == "local" and full.route == "remote", (tenth, full)
+    assert full.predicted_ttft_local_ms == tenth.predicted_ttft_local_ms  # the penalty is not a TTFT
+    assert decide(rt.req(60), rt.snap(default), default).route == "local"  # nothing decoding: no stall
 
 
 def test_local_backlog_makes_remote_cheaper(rt, policy):

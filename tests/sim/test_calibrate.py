@@ -45,8 +45,12 @@ def test_fit_recovers_known_serving_costs(topology, monkeypatch):
     base = replace(BASE, contention_scope="cluster")
     truth = calibrated(base, 1.4, 20.0, 30.0 if topology.prefill else 0.0, "truth",
                        contention_ms_per_token=1.0).with_noise(0.2)
-    real = Simulation(reqs, truth, DEFAULT_POLICY, topology, seed=3).run()
-    prof, figures = fit(reqs, base, DEFAULT_POLICY, topology, measured_from(real), seed=3, contention=(0.0, 1.0, 2.0))
+    # Both routes well represented, so that the local and the remote overheads can each be told
+    # apart (the shipped ITL weight, 1.0, sends most of this mix remote once streams decode).
+    cm = DEFAULT_POLICY.router.cost_model.model_copy(update={"itl_penalty_weight": 0.1})
+    policy = DEFAULT_POLICY.model_copy(update={"router": DEFAULT_POLICY.router.model_copy(update={"cost_model": cm})})
+    real = Simulation(reqs, truth, policy, topology, seed=3).run()
+    prof, figures = fit(reqs, base, policy, topology, measured_from(real), seed=3, contention=(0.0, 1.0, 2.0))
     # the fitted profile reproduces the run (scale and contention trade off a little: both
     # lengthen steps, so only their effect is asserted tightly)
     for key in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90"):
