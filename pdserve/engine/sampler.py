@@ -162,12 +162,13 @@ class Sampler:
         one float64 uniform from it."""
         torch.rand(1, generator=req.generator, dtype=torch.float64)
 
-    def process(self, logits: torch.Tensor, reqs: list[Request]) -> Processed:
+    def process(self, logits: torch.Tensor, reqs: list[Request], logprobs: bool = True) -> Processed:
         """Everything before the draw: logits controls, penalties, and for the random rows
-        temperature, min_p, top-k, top-p and the softmax (`Processed`)."""
+        temperature, min_p, top-k, top-p and the softmax (`Processed`); ``logprobs=False``: no
+        raw logprobs even for the requests that report them (a draft's rows)."""
         logits = logits.float()
         raw_logprobs = None
-        if any(r.params.logprobs is not None for r in reqs):
+        if logprobs and any(r.params.logprobs is not None for r in reqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         given = logits
         logits, errors = apply_logits_controls(logits, reqs)  # (logits_controls.py; a copy if any row uses one)

@@ -120,6 +120,10 @@ def verify_draft_probs(p: torch.Tensor, q: torch.Tensor, drafts: Sequence[int], 
     proposal accepted, a token drawn from the last row of ``p`` follows. A row in ``bad`` (or one
     whose probabilities cannot be drawn from) ends the list with None."""
     out: list[int | None] = []
+
+    def uniform() -> torch.Tensor:  # (on the probabilities' device: inverse_cdf multiplies them)
+        return torch.rand(1, generator=generator, dtype=torch.float64).to(p.device)
+
     for j, d in enumerate(drafts):
         if j in bad:
             return out + [None]
@@ -128,14 +132,14 @@ def verify_draft_probs(p: torch.Tensor, q: torch.Tensor, drafts: Sequence[int], 
             out.append(int(d))
             continue
         residual = (p[j] - q[j]).clamp(min=0.0)[None]
-        tok, empty = inverse_cdf(residual, torch.rand(1, generator=generator, dtype=torch.float64))
+        tok, empty = inverse_cdf(residual, uniform())
         if bool(empty[0]):  # p <= q everywhere (p = q up to rounding): the rejection's draw is from p
-            tok, empty = inverse_cdf(p[j:j + 1], torch.rand(1, generator=generator, dtype=torch.float64))
+            tok, empty = inverse_cdf(p[j:j + 1], uniform())
         return out + [None if bool(empty[0]) else int(tok[0])]
     s = len(drafts)
     if s in bad:
         return out + [None]
-    tok, empty = inverse_cdf(p[s:s + 1], torch.rand(1, generator=generator, dtype=torch.float64))
+    tok, empty = inverse_cdf(p[s:s + 1], uniform())
     return out + [None if bool(empty[0]) else int(tok[0])]
 
 
@@ -212,7 +216,7 @@ class SpecDecoder:
                 drafts = grammar_prefix(structured, r, drafts)
             if drafts:
                 r.spec_token_ids = drafts
-                q = self.draft.draft_probs.get(r.request_id) if self.draft is not None else None
+                q = self.draft.draft_probs.pop(r.request_id, None) if self.draft is not None else None
                 r.spec_draft_probs = q[:len(drafts)] if q is not None else None
                 self._drafted.append(r)
 

@@ -151,7 +151,8 @@ class DraftProposer:
 
     # -- proposing -----------------------------------------------------------------
     def propose(self, wants: list[tuple[Request, int]], structured: StructuredOutputs) -> dict[str, list[int]]:
-        """Up to k greedy proposals for each ``(request, k)``, by request id (a request left out
+        """Up to k proposals for each ``(request, k)`` (the draft's argmax, or drawn from its
+        distribution: `draws`), by request id (a request left out
         gets none this step: the draft's length or pool has no room for it). A request with a
         grammar gets the argmax among the tokens its grammar allows at each proposal (its matcher
         is advanced over them and rolled back after); its proposals stop where the grammar ends."""
@@ -235,7 +236,8 @@ class DraftProposer:
 
     def _forward(self, plan: list[tuple[_Seq, int]], structured: StructuredOutputs) -> None:
         """One forward of the draft: positions computed, and each view that reached its last token
-        gets the argmax there (under its request's grammar) as its next proposal."""
+        gets the argmax there, or a token drawn from its distribution (`draws`), under its
+        request's grammar, as its next proposal."""
         if not plan:
             return
         by_view = {id(s.view): s for s, _ in plan}
@@ -280,7 +282,7 @@ class DraftProposer:
             req = rows[i].req
             assert req is not None
             views.append(draft_view(req, list(rows[i].view.output_token_ids)))
-        pr = self.sampler.process(logits[drawn], views)
+        pr = self.sampler.process(logits[drawn], views, logprobs=False)
         assert pr.probs is not None  # (every row samples)
         u = torch.rand(len(drawn), generator=self.sampler.generator, dtype=torch.float64)
         got, bad = inverse_cdf(pr.probs, u.to(pr.probs.device))

@@ -115,7 +115,11 @@ def finish_step(eng: LLMEngine, logits: torch.Tensor, sampling: list[Request], f
         elif s == 0:
             deltas.append(_append(eng, req, results[start:start + 1])[0])
         elif req.request_id in drawn:
-            emitted = _draw_verified(eng, logits[start:start + s + 1], views[start:start + s + 1], req)
+            try:
+                emitted = _draw_verified(eng, logits[start:start + s + 1], views[start:start + s + 1], req)
+            except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
+                deltas.append(eng.fail_request(req, exc))
+                continue
             deltas.append(_verify(eng, req, req.spec_token_ids[:s], emitted, None))
         else:
             deltas.append(_verify(eng, req, req.spec_token_ids[:s], results[start:start + s + 1],

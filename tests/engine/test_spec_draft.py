@@ -154,6 +154,33 @@ def test_unseeded_sampling_draws_from_the_draft_and_the_target_as_its_draft_is_a
     assert draft_pool(self_draft)[0] == draft_pool(self_draft)[1] and not eng.spec.draft.seqs
 
 
+def test_a_verification_that_fails_fails_its_request_alone(self_draft):
+    """A drawn request whose verification raises (its draft rows broken here: 5 wide instead of
+    the vocabulary) ends with an error; the other request of the batch finishes, nothing leaks."""
+    draft = self_draft.engine.spec.draft
+    ps = prompts(2, seed=11)
+    propose = draft.propose
+    broken: list[str] = []
+
+    def spy(wants, structured):
+        found = propose(wants, structured)
+        for r, _ in wants:
+            if r.prompt_token_ids == ps[0] and r.request_id in draft.draft_probs:
+                broken.append(r.request_id)
+                draft.draft_probs[r.request_id] = draft.draft_probs[r.request_id][:, :5]
+        return found
+
+    draft.propose = spy
+    try:
+        outs = self_draft.generate(ps, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))
+    finally:
+        del draft.propose
+    assert len(broken) == 1  # (its first verification failed it)
+    assert outs[0].finish_reason == "error" and outs[1].finish_reason == "length" and len(outs[1].token_ids) == 12
+    assert draft_pool(self_draft)[0] == draft_pool(self_draft)[1]
+    assert self_draft.engine.kv.num_free_blocks == self_draft.engine.kv.pool.num_blocks
+
+
 def test_structured_outputs_equal_no_speculation(plain, self_draft):
     grammars = [{"regex": r"(ab|cd)( (ab|cd)){10,30}"}, {"choice": ["alpha beta alpha beta", "gamma"]},
                 {"json": {"type": "array", "items": {"enum": ["x", "yz"]}, "minItems": 6, "maxItems": 12},
