@@ -267,6 +267,8 @@ autoscale:
   allow_role_flip: true
 """
 
+FLIP_ROUTER = "router:\n  mode: conditional\n  policy: cost_model\n  cost_model:\n    itl_penalty_weight: 0.1\n"
+
 CHAT = [f"Question {i}: name a colour and say why it matters." for i in range(6)]
 CHAT_TOKENS = 48
 
@@ -297,7 +299,10 @@ def test_a_prefill_worker_becomes_a_decode_worker_when_the_mix_turns_decode_heav
     from pdserve.api import AsyncClient
 
     (tmp_path / "autoscale.yaml").write_text(FLIP_POLICY)
-    (tmp_path / "router.yaml").write_text(ADMIT_ALL)
+    # The chat phase must leave the prefill worker idle: its short prompts stay local. (Under the
+    # shipped ITL weight, 1.0, a 15-token prompt goes remote while 8 streams decode, which keeps
+    # the prefill worker busy enough that the planner, rightly by its rule, never gives it away.)
+    (tmp_path / "router.yaml").write_text(ADMIT_ALL + FLIP_ROUTER)
     topo = tmp_path / "topology.yaml"
     topo.write_text(small_topology_yaml("flip-e2e", tmp_path, tmp_path / "router.yaml")
                     + f"autoscale_policy: {tmp_path / 'autoscale.yaml'}\n")
