@@ -58,7 +58,10 @@ class FlexWorker:
     async def _start_as(self, role: str, cfg: dict) -> dict:
         worker = ROLE_CLASSES[role](cfg)
         info = await worker.start(engine=self.engine)
-        self.worker, self.role, self.engine = worker, role, worker.engine
+        engine = worker.engine
+        if not isinstance(engine, LLMEngine):  # (refused at start: decode/worker.py refuse_with_core_process)
+            raise ValueError("engine_core_process: a worker changing role in place keeps its engine in its process")
+        self.worker, self.role, self.engine = worker, role, engine
         return {**info, "role": role, "worker_id": worker.worker_id, "pid": os.getpid()}
 
     async def flip(self, role: str, worker_id: str) -> dict:

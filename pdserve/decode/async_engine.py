@@ -185,6 +185,21 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    def post_add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int,
+                 tenant: str | None = None, resume_ids: list[int] | None = None,
+                 lora: LoRARequest | None = None) -> None:
+        """Queue a request whose deltas go where `_emit` and `_deliver_step` send them, with no
+        stream of its own here (an engine-core process: decode/core_process.py)."""
+        self._post(("add", request_id, prompt_ids, params, priority, tenant, resume_ids, False, lora))
+
+    def set_step_targets(self, cost, targets) -> None:
+        """The step plan's cost curve and SLOs (engine/step_plan.py), set on the engine thread."""
+        self.call(lambda eng: eng.set_step_targets(cost, targets))
+
+    def set_prefill_token_budget(self, tokens: int | None) -> None:
+        """A fixed cap of prompt tokens per step (engine/step_plan.py), set on the engine thread."""
+        self.call(lambda eng: eng.set_prefill_token_budget(tokens))
+
     def call(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run ``fn(engine)`` in the engine thread (for the remote-KV hooks)."""
         self._post(("call", fn))

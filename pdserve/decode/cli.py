@@ -57,6 +57,11 @@ def register(subparsers) -> None:
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="skip the boot calibration (~0.5 s of timed engine steps that replace the policy's seed "
                         "costs with this machine's before the first request)")
+    p.add_argument("--engine-core-process", action="store_true",
+                   help="run the engine loop in a process of its own, fed over a Unix socket (msgpack): HTTP, "
+                        "streaming, tokenizing and routing stay here and never take the step's interpreter lock "
+                        "(vLLM V1's engine core). Colocated serving only for now: not with remote prefill, LoRA "
+                        "or KV events (docs/architecture.md, \"The engine core in its own process\")")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight streams may run before they are handed back to their "
                         "clients (a gateway continues them on another decode worker); default 30")
@@ -118,7 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, cluster=args.cluster,
         etcd_endpoints=args.etcd.split(",") if args.etcd else None, etcd_tls=_etcd_tls(args),
         lease_ttl_s=args.lease_ttl, local_prefill_budget_tokens=args.local_prefill_budget_tokens,
-        calibrate=args.calibrate, lora_modules=args.lora_modules,
+        calibrate=args.calibrate, lora_modules=args.lora_modules, engine_core_process=args.engine_core_process,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         api_keys_file=args.api_keys_file, open_paths=_names(args.open_paths),
         open_grpc_services=_names(args.open_grpc_services),

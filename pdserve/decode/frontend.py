@@ -26,6 +26,7 @@ from pdserve.router import ArrivalRate, ClusterSnapshot, admit, tenant_token_lim
 from pdserve.router.assess import cluster_snapshot, priced_tier, request_features
 
 from .async_engine import AsyncEngine
+from .core_client import EngineCoreClient
 from .breakdown import breakdown, check_prediction
 from .ingress import Prepared, RemotePath, as_request_error
 from .metrics import WorkerMetrics
@@ -60,7 +61,7 @@ class Flight:
 class Frontend(Surface):
     """Shared request handling of one decode worker (the `Surface` its APIs serve)."""
 
-    def __init__(self, engine: AsyncEngine, policy: PolicyState, metrics: WorkerMetrics,
+    def __init__(self, engine: AsyncEngine | EngineCoreClient, policy: PolicyState, metrics: WorkerMetrics,
                  worker_id: str, served_model: str, limits: ServingLimits | None = None,
                  remote: RemotePath | None = None, plan_local_prefill: bool = False):
         super().__init__(engine.prompts, limits, metrics, worker_id, served_model)

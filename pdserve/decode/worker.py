@@ -50,6 +50,7 @@ from pdserve.router import parse_policy
 
 from .async_engine import AsyncEngine, StepInfo
 from .borrow import PeerPrefixes
+from .core_client import CoreEngineView, EngineCoreClient
 from .frontend import Frontend, ServingLimits
 from .metrics import WorkerMetrics
 from .policy_state import PolicyState
@@ -80,6 +81,9 @@ class DecodeWorkerConfig(WorkerConfig):
     # Time a few engine steps before serving (engine/calibrate.py) so that routing, admission
     # and the step plan start from this machine's costs, not the policy's seeds (~0.5 s).
     calibrate: bool = True
+    # The engine loop in a process of its own (decode/core_process.py), fed over a Unix socket:
+    # HTTP, streaming, tokenizing and routing stay in this one. Colocated serving only for now.
+    engine_core_process: bool = False
     limits: dict = field(default_factory=dict)  # ServingLimits fields (request sizes, body bytes)
     # When the engine dies: leave etcd, report NOT_SERVING, then exit the process so its
     # supervisor (Ray max_restarts, Kubernetes) starts a fresh one. The launcher sets it;
@@ -108,6 +112,19 @@ class DecodeWorkerConfig(WorkerConfig):
         return ChatOptions(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser)
 
 
+def refuse_with_core_process(cfg: DecodeWorkerConfig, engine: LLMEngine | None) -> None:
+    """ValueError naming what the engine core in its own process does not run with (yet)."""
+    if engine is not None:
+        raise ValueError("engine_core_process: a worker changing role in place keeps its engine in its process")
+    if cfg.remote_prefill:
+        raise ValueError("engine_core_process: remote_prefill needs the KV arrival beside the engine in one "
+                         "process; turn one of them off")
+    for key in ("enable_lora", "kv_events"):
+        if cfg.engine_args.get(key):
+            raise ValueError(f"engine_core_process: the engine argument {key} runs with the engine in the "
+                             "worker's process only; turn one of them off")
+
+
 class DecodeWorker:
     """Owns every task, server and the engine thread of one decode worker.
 
@@ -118,9 +135,9 @@ class DecodeWorker:
     # The parts every started worker has (set by `start`, in this order).
     security: ServerSecurity
     chat: ChatOptions
-    engine: LLMEngine
+    engine: LLMEngine | CoreEngineView
     metrics: WorkerMetrics
-    async_engine: AsyncEngine
+    async_engine: AsyncEngine | EngineCoreClient
     step_plan: StepPlanFeed
     frontend: Frontend
     grpc: GrpcServer
@@ -167,8 +184,17 @@ class DecodeWorker:
         self.security.warn_if_plaintext(self.host, self.worker_id)
         # Own its cores before any engine thread exists (threads inherit the mask; topology cpus).
         self.cpus = cfg.pin_cpus(f"decode worker {self.worker_id}")
-        self.engine = engine or await run_in_own_thread(
-            LLMEngine, EngineConfig.from_kwargs(cfg.model, **with_rank_transport(cfg.engine_args)))
+        if cfg.engine_core_process:
+            refuse_with_core_process(cfg, engine)
+            client = await EngineCoreClient.launch(cfg.model, with_rank_transport(cfg.engine_args),
+                                                   log_format=cfg.log_format, calibrate=cfg.calibrate,
+                                                   freeze_gc=cfg.freeze_gc)
+            self.engine, self.async_engine = CoreEngineView(client), client
+            client.on_step, client.on_death = self._on_step, self._on_engine_death
+        else:
+            self.engine = engine or await run_in_own_thread(
+                LLMEngine, EngineConfig.from_kwargs(cfg.model, **with_rank_transport(cfg.engine_args)))
+            self.async_engine = AsyncEngine(self.engine, on_step=self._on_step, on_death=self._on_engine_death)
         policy = PolicyState(self.engine.connector.kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
         self.metrics = WorkerMetrics("decode", self.worker_id)
@@ -176,7 +202,6 @@ class DecodeWorker:
         if self.engine.spec is not None:  # speculative decoding's counters (decode/spec_metrics.py)
             self.metrics.watch_spec_decode(lambda: self.engine.stats)
         self._ttft_window, self._itl_window = LatencyWindow(self.metrics.ttft), LatencyWindow(self.metrics.itl)
-        self.async_engine = AsyncEngine(self.engine, on_step=self._on_step, on_death=self._on_engine_death)
         self._policy = policy
         if cfg.calibrate:
             await self._calibrate(policy)
@@ -218,6 +243,8 @@ class DecodeWorker:
         """The frontend serves LoRA adapters by name, starting with ``modules`` (each read and
         checked now: a bad one stops the start, naming its field)."""
         eng = self.engine
+        if not isinstance(eng, LLMEngine):  # (refused with the core process: refuse_with_core_process)
+            raise ValueError("engine_core_process: LoRA adapters are read beside the engine in one process")
 
         def check(lora: LoRARequest) -> None:  # reads files only: safe off the engine thread
             load_adapter(check_request(lora, True), eng.model_config, eng.config.max_lora_rank)
@@ -265,25 +292,27 @@ class DecodeWorker:
     def _remote_path(self, policy: PolicyState) -> RemotePrefill:
         """The remote-prefill path, assembled from its parts: the queue, this worker's NIXL
         transport, prefix loans when this pool takes part, the prefill workers' cached prefixes."""
-        cfg = self.cfg
+        cfg, engine, async_engine = self.cfg, self.engine, self.async_engine
+        if not isinstance(engine, LLMEngine) or not isinstance(async_engine, AsyncEngine):
+            raise ValueError("engine_core_process: remote_prefill needs the engine in the worker's process")
         self.queue = open_queue(cfg, "remote_prefill")
         # One agent per tensor-parallel rank; the receiver gathers every rank's notices (kvtransfer/nixl/tp_transport.py).
         # No posting threads: a decode worker receives pages; it posts only notices.
-        transport = open_worker_transport(self.worker_id, self.engine, cfg.agent_ucx_env(self.host))
+        transport = open_worker_transport(self.worker_id, engine, cfg.agent_ucx_env(self.host))
         self.transport_record = transport.record
         self.agent = transport.receiver()
         peers = None
-        if cfg.lending and self.engine.config.enable_prefix_caching:
+        if cfg.lending and engine.config.enable_prefix_caching:
             # Prefix loans (decode/borrow.py): borrow what prefill workers hold for local
             # prefills, lend what this pool holds. The loans' peers are met on every rank, and
             # reads go rank by rank (kvtransfer/nixl/tp_transport.py TPSender.read_blocks).
             loans = transport.sender()
-            lending = Lending(self.engine.connector, loans, verify=cfg.lend_verify)
-            peers = PeerPrefixes(self.async_engine, lending, loans, self._nixl_record_of)
+            lending = Lending(engine.connector, loans, verify=cfg.lend_verify)
+            peers = PeerPrefixes(async_engine, lending, loans, self._nixl_record_of)
         # The prefill workers' KV events (those that publish them, followed from their etcd
         # records): each remote task carries their cached prefixes, so the queue can hand it to
         # the one holding it (cluster/queue/core.py).
-        return RemotePrefill(self.worker_id, self.async_engine, self.agent, self.queue, self.metrics,
+        return RemotePrefill(self.worker_id, async_engine, self.agent, self.queue, self.metrics,
                              RemoteConfig(timeout_s=cfg.remote_timeout_s, quarantine_s=cfg.remote_quarantine_s),
                              costs=policy.costs, peers=peers, prefix_view=KVIndexFollower().start())
 
@@ -383,7 +412,11 @@ class DecodeWorker:
     async def _calibrate(self, policy) -> None:
         """Replace the policy's seed costs with this machine's (engine/calibrate.py)."""
         t0 = time.monotonic()
-        steps = await run_in_own_thread(measure_steps, self.engine, name="pdserve-calibrate")
+        eng = self.engine
+        if isinstance(eng, CoreEngineView):
+            steps = eng.calibration  # timed by the core before it served
+        else:
+            steps = await run_in_own_thread(measure_steps, eng, name="pdserve-calibrate")
         policy.costs.calibrate(steps)
         est, seeds = policy.costs.snapshot(), policy.policy.router.cost_model
         log.info("decode worker %s: calibrated in %.2f s from %d steps: a step costs %.1f ms + %.2f ms per "
@@ -398,11 +431,11 @@ class DecodeWorker:
         self.step_plan.update(self._policy.costs.snapshot(), qos.tpot_slo_ms, qos.ttft_slo_ms)
 
     def _apply_step_plan(self, cost, targets) -> None:
-        self.async_engine.call(lambda eng: eng.set_step_targets(cost, targets))
+        self.async_engine.set_step_targets(cost, targets)
 
     def _apply_fixed_budget(self, tokens: int) -> None:
         self.metrics.local_prefill_budget.set(tokens)
-        self.async_engine.call(lambda eng: eng.set_prefill_token_budget(tokens))
+        self.async_engine.set_prefill_token_budget(tokens)
 
     def _on_engine_death(self, exc: BaseException) -> None:
         """The engine thread died (event loop): make it visible everywhere at once."""

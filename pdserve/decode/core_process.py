@@ -1,0 +1,204 @@
+"""A decode worker's engine core in its own process (`--engine-core-process`; the API side is
+decode/core_client.py, the wire decode/core_wire.py).
+
+It loads the engine, times the calibration steps if asked, and runs the one engine loop
+(`AsyncEngine`, its failure containment unchanged) with an event loop that only moves
+frames: requests, aborts and step-plan settings in; each step's deltas (one frame a step),
+the items emitted between steps and the engine's death out. A thread answers the reads the
+API process makes at admission (the prefix cache's hit, the load, the step under way), as
+the worker's event loop read them beside the engine thread in one process.
+
+Started by the API process with both socket pairs' ends inherited (``--stream-fd``,
+``--reads-fd``); it ends when the stream closes (its API process is gone), on a ``stop``
+frame, or after telling its API process that the engine died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import asdict
+from typing import Any, Callable
+
+from pdserve.cluster.runtime import freeze_gc_heap
+from pdserve.common import jsonlog
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.engine.calibrate import measure_steps
+from pdserve.engine.driver import StepInfo
+
+from . import core_wire as wire
+from .async_engine import AsyncEngine
+from .spec_metrics import spec_outlook
+
+log = logging.getLogger("pdserve.decode.core")
+
+
+class CoreLoop(AsyncEngine):
+    """`AsyncEngine` whose deliveries are frames to the API process, not asyncio queues."""
+
+    def __init__(self, engine: LLMEngine, writer: asyncio.StreamWriter):
+        super().__init__(engine, on_step=self._no_op, on_death=self._died)
+        self.writer = writer
+        self.dead = asyncio.Event()
+
+    @staticmethod
+    def _no_op(_info: StepInfo) -> None:
+        """Set so that every step is delivered, also one that emitted nothing (its cost counts)."""
+
+    def _send(self, msg: dict) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(wire.pack(msg))
+
+    def _deliver_step(self, batch: list, info: StepInfo) -> None:
+        eng = self.engine
+        self._send({"t": "step", "items": [[rid, wire.delta_out(d), wire.final_out(f)] for rid, d, f in batch],
+                    "info": wire.info_out(info), "budget": eng.prefill_token_budget})
+
+    def _emit(self, rid: str, item, final) -> None:  # engine thread
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._send_item, rid, item, final)
+
+    def _send_item(self, rid: str, item, final) -> None:
+        if isinstance(item, BaseException):
+            self._send({"t": "item", "rid": rid, "error": wire.error_out(item)})
+        else:
+            self._send({"t": "item", "rid": rid, "delta": wire.delta_out(item), "final": wire.final_out(final)})
+
+    def _died(self, exc: BaseException) -> None:
+        self._send({"t": "dead", "error": wire.error_out(exc)})
+        self.dead.set()
+
+
+def _reads(engine: LLMEngine, core: CoreLoop) -> dict[str, Callable[..., Any]]:
+    """What the API process may read, each as the worker read it beside the engine thread."""
+    conn = engine.connector
+    return {
+        "load": lambda: wire.load_out(engine.load()),
+        "cached_prefix_len": lambda ids, salt: conn.cached_prefix_len(ids, salt),
+        "tier_prefix_len": lambda ids, cached, salt: conn.tier_prefix_len(ids, cached, salt),
+        "tier_load_ms_per_token": conn.tier_load_ms_per_token,
+        "predicted_prefill_budget": engine.predicted_prefill_budget,
+        "prompt_left": engine.prompt_left,
+        "spec_outlook": lambda streams: list(spec_outlook(engine, streams)),
+        "in_flight": lambda: core.in_flight,
+        "stats": lambda: asdict(engine.stats),
+        "grammar_stats": engine.grammar_stats,
+        "tier_stats": engine.tier_stats,
+        "counters": lambda: dict(core.counters),
+    }
+
+
+def _answer_reads(sock: socket.socket, reads: dict[str, Callable[..., Any]]) -> None:
+    """The reads thread: one reply per request until the API process closes the socket."""
+    while True:
+        try:
+            msg = wire.recv(sock)
+        except (wire.WireError, OSError):
+            return
+        try:
+            reply = {"t": "ok", "v": reads[msg["t"]](*msg.get("a", ()))}
+        except Exception as exc:  # noqa: BLE001  (the reader's error, raised on the API side)
+            reply = {"t": "err", "e": wire.error_out(exc)}
+        try:
+            wire.send(sock, reply)
+        except OSError:
+            return
+
+
+async def serve(engine: LLMEngine, stream: socket.socket, reads_sock: socket.socket) -> None:
+    reader, writer = await asyncio.open_unix_connection(sock=stream)
+    core = CoreLoop(engine, writer)
+    core.start()
+    threading.Thread(target=_answer_reads, args=(reads_sock, _reads(engine, core)),
+                     name="pdserve-core-reads", daemon=True).start()
+    dead = asyncio.ensure_future(core.dead.wait())
+    try:
+        while True:
+            nxt = asyncio.ensure_future(wire.read(reader))
+            done, _ = await asyncio.wait({nxt, dead}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in done:
+                nxt.cancel()
+                break  # the engine died: its API process was told; this process ends
+            try:
+                msg = nxt.result()
+            except wire.WireError:
+                break  # the API process is gone
+            if not _apply(core, msg):
+                break
+    finally:
+        core.stop()
+        engine.close()
+        try:
+            await writer.drain()
+            writer.close()
+        except (ConnectionError, OSError):
+            pass
+
+
+def _apply(core: CoreLoop, msg: dict) -> bool:
+    """One frame from the API process; False: stop."""
+    t = msg["t"]
+    if t == "add":
+        core.post_add(msg["rid"], msg["ids"], wire.params_in(msg["params"]), msg["priority"], msg.get("tenant"),
+                      msg.get("resume"), lora=wire.lora_in(msg.get("lora")))
+    elif t == "abort":
+        core.abort(msg["rid"])
+    elif t == "plan":
+        core.set_step_targets(*wire.plan_in(msg))
+    elif t == "budget":
+        core.set_prefill_token_budget(msg["tokens"])
+    elif t == "stop":
+        return False
+    else:
+        log.error("engine core: unknown frame %r; ignored", t)
+    return True
+
+
+def _ready(engine: LLMEngine, calibration: list) -> dict:
+    conn = engine.connector
+    cfg = engine.config
+    return {"t": "ready", "pid": os.getpid(), "block_size": cfg.block_size,
+            "vocab_size": engine.model_config.vocab_size, "max_model_len": engine.max_model_len,
+            "max_num_seqs": cfg.max_num_seqs, "enable_lora": bool(cfg.enable_lora),
+            "enable_prefix_caching": bool(cfg.enable_prefix_caching), "layout": conn.layout_info(),
+            "kv_bytes_per_token": conn.kv_bytes_per_token, "spec": engine.spec is not None, "tier": engine.tier is not None,
+            "device": str(conn.kv_tensor.device), "calibration": [list(s) for s in calibration]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pdserve.decode.core_process",
+                                 description="A decode worker's engine core (started by the worker itself).")
+    ap.add_argument("--stream-fd", type=int, required=True)
+    ap.add_argument("--reads-fd", type=int, required=True)
+    args = ap.parse_args(argv)
+    # A terminal's Ctrl-C reaches the whole process group: the API process stops this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stream = socket.socket(fileno=args.stream_fd)
+    reads_sock = socket.socket(fileno=args.reads_fd)
+    init = wire.recv(stream)
+    if init.get("log_format", "text") != "text":
+        jsonlog.setup(init["log_format"])
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = LLMEngine(EngineConfig.from_kwargs(init["model"], **init["engine_args"]))
+        calibration = measure_steps(engine) if init.get("calibrate") else []
+    except Exception as exc:  # noqa: BLE001  (the API process names it and exits)
+        log.exception("engine core: the engine did not start")
+        wire.send(stream, {"t": "failed", "error": wire.error_out(exc)})
+        return 1
+    if init.get("freeze_gc"):
+        freeze_gc_heap("engine core")
+    wire.send(stream, _ready(engine, calibration))
+    asyncio.run(serve(engine, stream, reads_sock))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The engine core in its own process (`engine_core_process`, decode/core_process.py): a real
+child process fed over the Unix-socket wire. It serves what the engine in the worker's own
+process serves, token for token; a client that leaves frees its blocks there; a core that dies
+is an engine death (streams fail UNAVAILABLE, /health 503); what it does not run with yet is
+refused naming the setting."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from pdserve.decode.core_client import CoreEngineView, EngineCoreClient
+from pdserve.decode.worker import DecodeWorkerConfig, refuse_with_core_process
+from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until
+
+REQUESTS = [
+    {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0},
+    {"prompt": "Once upon a time " * 20, "max_tokens": 8, "temperature": 0, "logprobs": 2},
+    {"prompt": "hello hello", "max_tokens": 10, "temperature": 0.9, "seed": 7, "n": 2},
+    {"prompt": "a b c d e f", "max_tokens": 16, "temperature": 0, "stop": ["e"], "presence_penalty": 0.5},
+    {"prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0, "min_tokens": 3},
+]
+
+
+def _cfg(llama_dir, policy, core: bool, **kw) -> DecodeWorkerConfig:
+    return DecodeWorkerConfig(model=llama_dir, engine_args={"max_model_len": 512}, router_policy=str(policy),
+                              engine_core_process=core, **kw)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    path = tmp_path_factory.mktemp("policy") / "router.yaml"
+    path.write_text(PERMISSIVE_POLICY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(llama_dir, policy):
+    """The same worker twice: the engine in its process, and in a core process of its own."""
+    here = WorkerThread(_cfg(llama_dir, policy, False)).start()
+    try:
+        core = WorkerThread(_cfg(llama_dir, policy, True)).start()
+    except BaseException:
+        here.stop()
+        raise
+    yield here, core
+    core.stop()
+    here.stop()
+
+
+def _choices(base: str, body: dict) -> list:
+    with httpx.Client(base_url=base, timeout=60) as h:
+        r = h.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return [(c["text"], c["finish_reason"], c.get("logprobs")) for c in r.json()["choices"]]
+
+
+def test_the_core_process_serves_token_for_token_what_the_engine_in_process_serves(pair):
+    here, core = pair
+    client = core.worker.async_engine
+    assert isinstance(client, EngineCoreClient) and isinstance(core.worker.engine, CoreEngineView)
+    assert client.proc.pid != os.getpid() and client.proc.poll() is None
+    with ThreadPoolExecutor(len(REQUESTS)) as pool:  # concurrent: the core batches them
+        theirs = list(pool.map(lambda b: _choices(core.http, b), REQUESTS))
+    ours = [_choices(here.http, b) for b in REQUESTS]
+    assert theirs == ours
+    assert any(reason == "stop" for got in theirs for _, reason, _ in got)
+    # The router's reads cross to the core: a prompt served once is in the core's prefix cache.
+    ids = core.worker.frontend.tokenizer.encode(REQUESTS[1]["prompt"])
+    assert core.worker.frontend.cached_len(ids) > 0
+    load = core.worker.engine.load()
+    assert (load.running, load.waiting) == (0, 0)
+    stats, ref = core.worker.stats(), here.worker.stats()  # (both count their calibration's requests too)
+    assert stats["engine_alive"] and stats["num_finished"] == ref["num_finished"] > sum(b.get("n", 1) for b in REQUESTS)
+    assert stats["num_generation_tokens"] == ref["num_generation_tokens"]
+
+
+def test_a_client_that_leaves_frees_its_blocks_in_the_core(pair):
+    _, core = pair
+    eng = core.worker.engine
+    before = eng.stats.num_generation_tokens
+    with httpx.Client(base_url=core.http, timeout=60) as h:
+        with h.stream("POST", "/v1/completions", json={"prompt": "tell me " * 30, "max_tokens": 400,
+                                                        "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got: list[str] = []
+            for line in lines:
+                if line.startswith("data: {"):
+                    got.append(line)
+                if len(got) >= 3:
+                    break  # leave mid-stream
+    wait_until(lambda: eng.load().running == 0 and eng.load().num_free_blocks == eng.load().num_blocks, 20)
+    assert eng.stats.num_generation_tokens - before < 400  # aborted in the core, not run to its end
+
+
+def test_what_the_core_process_does_not_run_with_is_refused_naming_the_setting(llama_dir, policy):
+    for kw in ({"remote_prefill": True}, {"engine_args": {"enable_lora": True}}, {"engine_args": {"kv_events": True}}):
+        with pytest.raises(ValueError, match="engine_core_process"):
+            refuse_with_core_process(_cfg(llama_dir, policy, True, **kw) if "engine_args" not in kw else
+                                     DecodeWorkerConfig(model=llama_dir, engine_core_process=True, **kw), None)
+
+
+def test_a_core_that_dies_fails_its_streams_unavailable_and_the_worker_says_so(llama_dir, policy):
+    w = WorkerThread(_cfg(llama_dir, policy, True, calibrate=False)).start()
+    try:
+        client = w.worker.async_engine
+        assert isinstance(client, EngineCoreClient)
+        with httpx.Client(base_url=w.http, timeout=60) as h:
+            with h.stream("POST", "/v1/completions", json={"prompt": "go on " * 20, "max_tokens": 400,
+                                                            "temperature": 0, "ignore_eos": True,
+                                                            "stream": True}) as r:
+                assert r.status_code == 200
+                events = []
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        os.kill(client.proc.pid, signal.SIGKILL)
+                    if line == "data: [DONE]":
+                        break
+            errors = [json.loads(e)["error"] for e in events if e.startswith("{") and "error" in json.loads(e)]
+            assert errors and errors[0]["code"] == 503 and "engine" in errors[0]["message"], events[-3:]
+            wait_until(lambda: not client.alive, 10)
+            assert h.get("/health").status_code == 503
+            r = h.post("/v1/completions", json={"prompt": "again", "max_tokens": 2})
+            assert r.status_code == 503, r.text
+    finally:
+        w.stop()
+    assert client.proc.poll() is not None
