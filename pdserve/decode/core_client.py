@@ -167,7 +167,10 @@ class EngineCoreClient:
                 wire.send(self._reads, {"t": what, "a": list(args)})
                 reply = wire.recv(self._reads)
             except (wire.WireError, OSError) as exc:
-                raise EngineDeadError(f"the engine core did not answer a read ({what}): {exc}") from None
+                dead = EngineDeadError(f"the engine core did not answer a read ({what}): {exc}")
+                if self.error is None and not self._stopping:
+                    self._die(dead)
+                raise dead from None
         if reply["t"] == "err":
             raise wire.error_in(reply["e"])
         return reply["v"]

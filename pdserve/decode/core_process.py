@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     # A terminal's Ctrl-C reaches the whole process group: the API process stops this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The reads thread waits for the interpreter lock while the engine thread runs Python: at most
+    # this long (the default 5 ms would hold an admission up for as long).
+    sys.setswitchinterval(0.001)
     stream = socket.socket(fileno=args.stream_fd)
     reads_sock = socket.socket(fileno=args.reads_fd)
     init = wire.recv(stream)

@@ -25,7 +25,7 @@ from pdserve.engine.lora_request import lora_salt
 from pdserve.router import ArrivalRate, ClusterSnapshot, admit, tenant_token_limit
 from pdserve.router.assess import cluster_snapshot, priced_tier, request_features
 
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, EngineDeadError
 from .core_client import EngineCoreClient
 from .breakdown import breakdown, check_prediction
 from .ingress import Prepared, RemotePath, as_request_error
@@ -203,6 +203,9 @@ class Frontend(Surface):
         self._labels_admitting.add(key)
         try:
             return await self._admit(inp, arrival, ids, params, prio, label)
+        except EngineDeadError as exc:  # (an engine core that died while admission read it)
+            self._labels_admitting.discard(key)
+            raise RequestError("unavailable", f"the engine stopped: {exc}; retry on another decode worker") from None
         except BaseException:
             self._labels_admitting.discard(key)
             raise
