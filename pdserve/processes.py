@@ -32,10 +32,10 @@ def terminate_group(pid: int, what: str, progress, own_group: bool = True, timeo
         except ProcessLookupError:
             return
         if wait_gone(pid, timeout_s):
-            try:  # leftovers of the group get a short grace, then SIGKILL
+            try:  # leftovers of the group get a short grace (until they are gone), then SIGKILL
                 os.killpg(pid, signal.SIGTERM)
-                time.sleep(0.5)
-                os.killpg(pid, signal.SIGKILL)
+                if not wait_group_gone(pid, 0.5):
+                    os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             progress(f"{what:<9} stopped (pid {pid})")
@@ -64,6 +64,31 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
         except ProcessLookupError:
             return True
         time.sleep(0.1)
+    return False
+
+
+def wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """True once no live (non-zombie) process is left in process group `pgid` within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while group_alive(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running (Linux /proc; zombies do not count)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
     return False
 
 

@@ -24,7 +24,9 @@ from tests.harness import PERMISSIVE_POLICY
 
 CLUSTER = "gw-procs"
 STREAMS = 48
-TOKENS = 160
+# Each disturbance (kill, drain) fires once every stream has its first token: the victim's streams
+# then have 95 tokens to go, seconds of decoding on 2 cores, so every one migrates mid-stream.
+TOKENS = 96
 
 
 def spawn(args: list[str], log_path) -> subprocess.Popen:
@@ -76,11 +78,14 @@ def procs(llama_dir, tmp_path_factory):
             for wid, (p, log) in workers.items():
                 m = wait_line(log, r"gRPC (\S+)  HTTP (https?://\S+)", p)
                 workers[wid] = (p, log, m.group(1), m.group(2))
-            gateways = []
-            for g in range(2):
+            starting = []
+            for g in range(2):  # both replicas start at once, as the decode workers do
                 log = tmp / f"gateway-{g}.log"
                 p = spawn(["gateway", "--etcd", etcd.endpoint, "--cluster", CLUSTER, "--model", llama_dir], log)
                 running.append(p)
+                starting.append((p, log))
+            gateways = []
+            for p, log in starting:
                 m = wait_line(log, r"gRPC (\S+), HTTP (\S+), 3 decode worker", p)
                 gateways.append((p, m.group(1), m.group(2)))
             yield workers, gateways
