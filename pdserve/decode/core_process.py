@@ -189,13 +189,26 @@ def main(argv: list[str] | None = None) -> int:
         jsonlog.setup(init["log_format"])
     else:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        engine = LLMEngine(EngineConfig.from_kwargs(init["model"], **init["engine_args"]))
-        calibration = measure_steps(engine) if init.get("calibrate") else []
-    except Exception as exc:  # noqa: BLE001  (the API process names it and exits)
-        log.exception("engine core: the engine did not start")
-        wire.send(stream, {"t": "failed", "error": wire.error_out(exc)})
+    loaded: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            engine = LLMEngine(EngineConfig.from_kwargs(init["model"], **init["engine_args"]))
+            loaded["calibration"] = measure_steps(engine) if init.get("calibrate") else []
+            loaded["engine"] = engine
+        except Exception as exc:  # noqa: BLE001  (the API process names it and exits)
+            log.exception("engine core: the engine did not start")
+            loaded["error"] = exc
+
+    # Loaded and calibrated on a thread that ends: the OpenMP team it made goes with it, and
+    # only the engine thread's runs beside the step (common/compute_thread.py says why).
+    loader = threading.Thread(target=load, name="pdserve-load")
+    loader.start()
+    loader.join()
+    if "engine" not in loaded:
+        wire.send(stream, {"t": "failed", "error": wire.error_out(loaded.get("error") or RuntimeError("no engine"))})
         return 1
+    engine, calibration = loaded["engine"], loaded["calibration"]
     if init.get("freeze_gc"):
         freeze_gc_heap("engine core")
     wire.send(stream, _ready(engine, calibration))
