@@ -18,7 +18,7 @@ import os
 import re
 import threading
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -83,18 +83,28 @@ class ThreadCPUCollector:
     def __init__(self, labels: Mapping[str, str], source: ThreadCPU | None = None):
         self.labels = dict(labels)
         self.source = source or ThreadCPU()
+        # Another process's groups, already named (a decode worker's engine core: "core/<group>")
+        self._others: list[Callable[[], Mapping[str, float]]] = []
+
+    def add_process(self, read: Callable[[], Mapping[str, float]]) -> None:
+        """Also report ``read()``'s groups (another process of the worker, read at each scrape)."""
+        self._others.append(read)
 
     def describe(self) -> Iterator[Metric]:
         yield self._family()
 
     def collect(self) -> Iterator[Metric]:
         family = self._family()
-        for group, secs in sorted(self.source.read().items()):
+        groups = dict(self.source.read())
+        for read in self._others:
+            groups.update(read())
+        for group, secs in sorted(groups.items()):
             family.add_metric([*self.labels.values(), group], secs)
         yield family
 
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(
             "pdserve_thread_cpu_seconds", "CPU time (user + system) of this process's threads, by thread "
-            "(Python name without a pool's _<n>; 'native': OpenMP workers, gRPC pollers)",
+            "(Python name without a pool's _<n>; 'native': OpenMP workers, gRPC pollers; 'core/...': the "
+            "threads of a decode worker's engine-core process)",
             labels=[*self.labels, "thread"])

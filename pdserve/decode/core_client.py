@@ -70,7 +70,8 @@ class EngineCoreClient:
     """A running engine-core process, as the frontend and the worker use an `AsyncEngine`."""
 
     def __init__(self, proc: subprocess.Popen, stream: socket.socket, reads: socket.socket, ready: dict,
-                 prompts: PromptChecker):
+                 prompts: PromptChecker, on_step: Callable[[StepInfo], None] | None = None,
+                 on_death: Callable[[BaseException], None] | None = None):
         self.proc = proc
         self._stream = stream
         self._reads = reads
@@ -80,8 +81,8 @@ class EngineCoreClient:
         self.connector = _ConnectorView(self, ready)
         self.block_size: int = ready["block_size"]
         self.vocab_size: int = ready["vocab_size"]
-        self.on_step: Callable[[StepInfo], None] | None = None
-        self.on_death: Callable[[BaseException], None] | None = None
+        self.on_step = on_step  # each step's StepInfo (the worker's cost model), as AsyncEngine's
+        self.on_death = on_death
         self.error: BaseException | None = None
         self.prefill_token_budget: int | None = None  # the step plan's, as of the last step
         self._streams: dict[str, asyncio.Queue] = {}
@@ -90,7 +91,9 @@ class EngineCoreClient:
         self._stopping = False
 
     @classmethod
-    async def launch(cls, model: str, engine_args: dict, *, log_format: str = "text", calibrate: bool = False,
+    async def launch(cls, model: str, engine_args: dict, *, on_step: Callable[[StepInfo], None] | None = None,
+                     on_death: Callable[[BaseException], None] | None = None, log_format: str = "text",
+                     calibrate: bool = False,
                      freeze_gc: bool = False, start_timeout_s: float = 900.0) -> "EngineCoreClient":
         """Start the core process and wait until its engine is loaded (CoreStartError if it is not)."""
         stream, core_stream = socket.socketpair()
@@ -121,7 +124,7 @@ class EngineCoreClient:
             stream.close()
             reads.close()
             raise
-        client = cls(proc, stream, reads, msg, prompts)
+        client = cls(proc, stream, reads, msg, prompts, on_step, on_death)
         client._writer = writer
         client._reader_task = asyncio.ensure_future(client._read_loop(reader))
         log.info("engine core running in process %d", msg["pid"])
@@ -192,6 +195,10 @@ class EngineCoreClient:
     def in_flight(self) -> tuple[float, int, int, int] | None:
         v = self.read("in_flight") if self.alive else None
         return None if v is None else (float(v[0]), int(v[1]), int(v[2]), int(v[3]))
+
+    def thread_cpu(self) -> dict[str, float]:
+        """The core process's CPU seconds by thread group (common/thread_cpu.py); {} once it is gone."""
+        return self.read("thread_cpu") if self.alive else {}
 
     @property
     def counters(self) -> dict:

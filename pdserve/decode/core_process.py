@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from pdserve.cluster.runtime import freeze_gc_heap
 from pdserve.common import jsonlog
+from pdserve.common.thread_cpu import ThreadCPU
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.engine.calibrate import measure_steps
 from pdserve.engine.driver import StepInfo
@@ -91,6 +92,7 @@ def _reads(engine: LLMEngine, core: CoreLoop) -> dict[str, Callable[..., Any]]:
         "grammar_stats": engine.grammar_stats,
         "tier_stats": engine.tier_stats,
         "counters": lambda: dict(core.counters),
+        "thread_cpu": ThreadCPU().read,
     }
 
 

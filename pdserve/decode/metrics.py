@@ -36,7 +36,8 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         r, labels = self.registry, {"role": role, "worker_id": worker_id}
         self.labels = labels
-        r.register(ThreadCPUCollector(labels))  # where the process's cores go, by thread (common/thread_cpu.py)
+        self.thread_cpu = ThreadCPUCollector(labels)  # where the process's cores go, by thread (common/thread_cpu.py)
+        r.register(self.thread_cpu)
 
         def hist(name, doc, buckets):
             return Histogram(name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
@@ -97,6 +98,11 @@ class WorkerMetrics:
         """Export the engine's structured-output compiler (`LLMEngine.grammar_stats`), read at
         each scrape: the ``pdserve_grammar_*`` metrics (cluster/grammar_metrics.py)."""
         self.registry.register(GrammarCollector(stats, self.labels))
+
+    def watch_core_threads(self, read: Callable[[], Mapping[str, float]]) -> None:
+        """Also export the engine-core process's CPU by thread (decode/core_client.py), as
+        ``pdserve_thread_cpu_seconds{thread="core/<group>"}``."""
+        self.thread_cpu.add_process(lambda: {f"core/{group}": secs for group, secs in read().items()})
 
     def watch_spec_decode(self, stats: Callable[[], EngineStats]) -> None:
         """Export the engine's speculative decoding counters (`EngineStats`), read at each scrape:

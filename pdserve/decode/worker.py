@@ -187,10 +187,10 @@ class DecodeWorker:
         if cfg.engine_core_process:
             refuse_with_core_process(cfg, engine)
             client = await EngineCoreClient.launch(cfg.model, with_rank_transport(cfg.engine_args),
+                                                   on_step=self._on_step, on_death=self._on_engine_death,
                                                    log_format=cfg.log_format, calibrate=cfg.calibrate,
                                                    freeze_gc=cfg.freeze_gc)
             self.engine, self.async_engine = CoreEngineView(client), client
-            client.on_step, client.on_death = self._on_step, self._on_engine_death
         else:
             self.engine = engine or await run_in_own_thread(
                 LLMEngine, EngineConfig.from_kwargs(cfg.model, **with_rank_transport(cfg.engine_args)))
@@ -198,6 +198,8 @@ class DecodeWorker:
         policy = PolicyState(self.engine.connector.kv_bytes_per_token, path=cfg.router_policy)
         served = cfg.served_model_name or os.path.basename(os.path.normpath(cfg.model))
         self.metrics = WorkerMetrics("decode", self.worker_id)
+        if isinstance(self.async_engine, EngineCoreClient):  # its threads beside this process's
+            self.metrics.watch_core_threads(self.async_engine.thread_cpu)
         self.metrics.watch_grammars(self.engine.grammar_stats)  # structured outputs' compiler
         if self.engine.spec is not None:  # speculative decoding's counters (decode/spec_metrics.py)
             self.metrics.watch_spec_decode(lambda: self.engine.stats)

@@ -78,6 +78,11 @@ def test_the_core_process_serves_token_for_token_what_the_engine_in_process_serv
     stats, ref = core.worker.stats(), here.worker.stats()  # (both count their calibration's requests too)
     assert stats["engine_alive"] and stats["num_finished"] == ref["num_finished"] > sum(b.get("n", 1) for b in REQUESTS)
     assert stats["num_generation_tokens"] == ref["num_generation_tokens"]
+    # /metrics reports the core's threads beside the API process's: the step's CPU is there
+    metrics = httpx.get(f"{core.http}/metrics", timeout=30).text
+    engine_cpu = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("pdserve_thread_cpu_seconds_total{") and 'thread="core/pdserve-engine"' in line]
+    assert engine_cpu and engine_cpu[0] > 0
 
 
 def test_a_client_that_leaves_frees_its_blocks_in_the_core(pair):
