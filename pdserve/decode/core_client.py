@@ -22,7 +22,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
-from pdserve.engine import EngineLoad, EngineStats, LoRARequest, SamplingParams
+from pdserve.engine import EngineLoad, EngineStats, LoRARequest, ModelConfig, SamplingParams
 from pdserve.engine.driver import StepInfo
 from pdserve.engine.prompts import PromptChecker
 from pdserve.engine.tokenizer import Tokenizer
@@ -69,9 +69,10 @@ class _ConnectorView:
 class EngineCoreClient:
     """A running engine-core process, as the frontend and the worker use an `AsyncEngine`."""
 
-    def __init__(self, proc: subprocess.Popen, stream: socket.socket, reads: socket.socket, ready: dict,
+    def __init__(self, model: str, proc: subprocess.Popen, stream: socket.socket, reads: socket.socket, ready: dict,
                  prompts: PromptChecker, on_step: Callable[[StepInfo], None] | None = None,
                  on_death: Callable[[BaseException], None] | None = None):
+        self.model = model
         self.proc = proc
         self._stream = stream
         self._reads = reads
@@ -124,7 +125,7 @@ class EngineCoreClient:
             stream.close()
             reads.close()
             raise
-        client = cls(proc, stream, reads, msg, prompts, on_step, on_death)
+        client = cls(model, proc, stream, reads, msg, prompts, on_step, on_death)
         client._writer = writer
         client._reader_task = asyncio.ensure_future(client._read_loop(reader))
         log.info("engine core running in process %d", msg["pid"])
@@ -305,8 +306,10 @@ class CoreEngineView:
         self.connector = client.connector
         self.prompts = client.prompts
         self.config = SimpleNamespace(block_size=ready["block_size"], max_num_seqs=ready["max_num_seqs"],
-                                      enable_lora=ready["enable_lora"],
+                                      enable_lora=ready["enable_lora"], max_lora_rank=ready["max_lora_rank"],
                                       enable_prefix_caching=ready["enable_prefix_caching"])
+        # (the API process checks a LoRA adapter's files against the model before serving it)
+        self.model_config = ModelConfig.from_dir(client.model)
         self.max_model_len: int = ready["max_model_len"]
         self.spec = SimpleNamespace() if ready["spec"] else None
         # the calibration steps the core timed before serving (engine/calibrate.py measure_steps)

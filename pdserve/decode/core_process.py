@@ -167,7 +167,7 @@ def _ready(engine: LLMEngine, calibration: list) -> dict:
     cfg = engine.config
     return {"t": "ready", "pid": os.getpid(), "block_size": cfg.block_size,
             "vocab_size": engine.model_config.vocab_size, "max_model_len": engine.max_model_len,
-            "max_num_seqs": cfg.max_num_seqs, "enable_lora": bool(cfg.enable_lora),
+            "max_num_seqs": cfg.max_num_seqs, "enable_lora": bool(cfg.enable_lora), "max_lora_rank": cfg.max_lora_rank,
             "enable_prefix_caching": bool(cfg.enable_prefix_caching), "layout": conn.layout_info(),
             "kv_bytes_per_token": conn.kv_bytes_per_token, "spec": engine.spec is not None, "tier": engine.tier is not None,
             "device": str(conn.kv_tensor.device), "calibration": [list(s) for s in calibration]}

@@ -119,10 +119,9 @@ def refuse_with_core_process(cfg: DecodeWorkerConfig, engine: LLMEngine | None) 
     if cfg.remote_prefill:
         raise ValueError("engine_core_process: remote_prefill needs the KV arrival beside the engine in one "
                          "process; turn one of them off")
-    for key in ("enable_lora", "kv_events"):
-        if cfg.engine_args.get(key):
-            raise ValueError(f"engine_core_process: the engine argument {key} runs with the engine in the "
-                             "worker's process only; turn one of them off")
+    if cfg.engine_args.get("kv_events"):
+        raise ValueError("engine_core_process: the engine argument kv_events runs with the engine in the "
+                         "worker's process only; turn one of them off")
 
 
 class DecodeWorker:
@@ -244,9 +243,7 @@ class DecodeWorker:
     def _serve_adapters(self, served: str, modules: list[LoRAModule]) -> None:
         """The frontend serves LoRA adapters by name, starting with ``modules`` (each read and
         checked now: a bad one stops the start, naming its field)."""
-        eng = self.engine
-        if not isinstance(eng, LLMEngine):  # (refused with the core process: refuse_with_core_process)
-            raise ValueError("engine_core_process: LoRA adapters are read beside the engine in one process")
+        eng = self.engine  # (with the engine core in its own process: its view's model config and rank)
 
         def check(lora: LoRARequest) -> None:  # reads files only: safe off the engine thread
             load_adapter(check_request(lora, True), eng.model_config, eng.config.max_lora_rank)

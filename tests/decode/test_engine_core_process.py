@@ -1,8 +1,8 @@
 """The engine core in its own process (`engine_core_process`, decode/core_process.py): a real
 child process fed over the Unix-socket wire. It serves what the engine in the worker's own
 process serves, token for token; a client that leaves frees its blocks there; a core that dies
-is an engine death (streams fail UNAVAILABLE, /health 503); what it does not run with yet is
-refused naming the setting."""
+is an engine death (streams fail UNAVAILABLE, /health 503); a LoRA adapter and a resumed
+stream run in it; what it does not run with yet is refused naming the setting."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from pdserve.api import Client
 from pdserve.decode.core_client import CoreEngineView, EngineCoreClient
 from pdserve.decode.worker import DecodeWorkerConfig, refuse_with_core_process
+from tests.decode.test_lora_api import sql_and_chat
 from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until
 
 REQUESTS = [
@@ -24,12 +26,19 @@ REQUESTS = [
     {"prompt": "hello hello", "max_tokens": 10, "temperature": 0.9, "seed": 7, "n": 2},
     {"prompt": "a b c d e f", "max_tokens": 16, "temperature": 0, "stop": ["e"], "presence_penalty": 0.5},
     {"prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0, "min_tokens": 3},
+    {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "model": "sql"},  # its LoRA adapter
 ]
 
 
 def _cfg(llama_dir, policy, core: bool, **kw) -> DecodeWorkerConfig:
-    return DecodeWorkerConfig(model=llama_dir, engine_args={"max_model_len": 512}, router_policy=str(policy),
-                              engine_core_process=core, **kw)
+    kw.setdefault("engine_args", {"max_model_len": 512})
+    return DecodeWorkerConfig(model=llama_dir, router_policy=str(policy), engine_core_process=core, **kw)
+
+
+@pytest.fixture(scope="module")
+def adapter(llama_dir, tmp_path_factory) -> str:
+    """A LoRA adapter whose output differs from the base model's (tests/decode/test_lora_api.py's)."""
+    return sql_and_chat(llama_dir, tmp_path_factory.mktemp("core-lora"))["sql"]
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +49,13 @@ def policy(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pair(llama_dir, policy):
-    """The same worker twice: the engine in its process, and in a core process of its own."""
-    here = WorkerThread(_cfg(llama_dir, policy, False)).start()
+def pair(llama_dir, policy, adapter):
+    """The same worker twice, serving a LoRA adapter beside the base: the engine in its process,
+    and in a core process of its own."""
+    lora = {"engine_args": {"max_model_len": 512, "enable_lora": True}, "lora_modules": [f"sql={adapter}"]}
+    here = WorkerThread(_cfg(llama_dir, policy, False, **lora)).start()
     try:
-        core = WorkerThread(_cfg(llama_dir, policy, True)).start()
+        core = WorkerThread(_cfg(llama_dir, policy, True, **lora)).start()
     except BaseException:
         here.stop()
         raise
@@ -69,6 +80,7 @@ def test_the_core_process_serves_token_for_token_what_the_engine_in_process_serv
         theirs = list(pool.map(lambda b: _choices(core.http, b), REQUESTS))
     ours = [_choices(here.http, b) for b in REQUESTS]
     assert theirs == ours
+    assert theirs[-1] != theirs[0]  # the adapter's output is not the base's: it ran in the core
     assert any(reason == "stop" for got in theirs for _, reason, _ in got)
     # The router's reads cross to the core: a prompt served once is in the core's prefix cache.
     ids = core.worker.frontend.tokenizer.encode(REQUESTS[1]["prompt"])
@@ -83,6 +95,17 @@ def test_the_core_process_serves_token_for_token_what_the_engine_in_process_serv
     engine_cpu = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                   if line.startswith("pdserve_thread_cpu_seconds_total{") and 'thread="core/pdserve-engine"' in line]
     assert engine_cpu and engine_cpu[0] > 0
+
+
+def test_a_stream_resumed_on_the_core_continues_token_exact(pair):
+    """A migrated stream's resume_token_ids cross to the core (the gateway's migration)."""
+    _, core = pair
+    ids = [(7 * i + 3) % 31000 + 3 for i in range(30)]
+    with Client(core.grpc) as c:
+        whole = c.generate(ids, max_tokens=16, ignore_eos=True, temperature=0.0)
+        rest = c.generate(ids, max_tokens=16, ignore_eos=True, temperature=0.0, resume_token_ids=whole.token_ids[:5])
+    assert whole.token_ids[:5] + rest.token_ids == whole.token_ids
+    assert rest.breakdown["reason"].startswith("resumed")
 
 
 def test_a_client_that_leaves_frees_its_blocks_in_the_core(pair):
@@ -105,10 +128,10 @@ def test_a_client_that_leaves_frees_its_blocks_in_the_core(pair):
 
 
 def test_what_the_core_process_does_not_run_with_is_refused_naming_the_setting(llama_dir, policy):
-    for kw in ({"remote_prefill": True}, {"engine_args": {"enable_lora": True}}, {"engine_args": {"kv_events": True}}):
+    for kw in ({"remote_prefill": True}, {"engine_args": {"kv_events": True}}):
         with pytest.raises(ValueError, match="engine_core_process"):
-            refuse_with_core_process(_cfg(llama_dir, policy, True, **kw) if "engine_args" not in kw else
-                                     DecodeWorkerConfig(model=llama_dir, engine_core_process=True, **kw), None)
+            refuse_with_core_process(DecodeWorkerConfig(model=llama_dir, engine_core_process=True, **kw), None)
+    refuse_with_core_process(DecodeWorkerConfig(model=llama_dir, engine_core_process=True), None)  # (the rest runs)
 
 
 def test_a_core_that_dies_fails_its_streams_unavailable_and_the_worker_says_so(llama_dir, policy):
