@@ -98,6 +98,33 @@ def test_a_draft_model_speculates_on_remotely_prefilled_requests(model_dirs, p_t
         pair.assert_nothing_held()
 
 
+def test_drawn_proposals_on_remotely_prefilled_requests_are_all_accepted_from_the_target_as_its_own_draft(
+        model_dirs):
+    """Unseeded sampling (temperature 1): proposals are drawn from the draft's distribution
+    (draft_sampling probabilistic, the default) and verified with min(1, p/q). The target as its
+    own draft, its prompt computed by the decode side's draft while the target's KV came from
+    the prefill side: p equals q, so every drawn proposal is accepted (argmax proposals of this
+    random model would almost never be: tests/engine/test_spec_draft.py)."""
+    model = model_dirs("llama")
+    ps = repetitive(seed=98)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
+    draft = {"method": "draft_model", "model": model, "num_speculative_tokens": 3, "disable_by_cost": False}
+    with paired(model, "spdrawn", 1, 1, d_args={"speculative_config": draft}) as pair:
+        de = pair.de
+        tasks = pair.tasks(ps, params, prefix="s")
+        result, arrived = pair.prefill(tasks)
+        assert result.failures == [] and all(isinstance(m, PrefillDone) for m in arrived)
+        pair.hand_over(arrived)
+        computed = de.stats.num_prompt_tokens_computed
+        pair.decode()
+        outs = pair.outputs(len(ps), prefix="s")
+        assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+        assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
+        assert de.stats.num_spec_draft_tokens > 40
+        assert de.stats.num_spec_accepted_tokens >= 0.95 * de.stats.num_spec_draft_tokens
+        pair.assert_nothing_held()
+
+
 @pytest.mark.parametrize("method,p_tp", [("eagle", 1), ("eagle3", 2)])
 def test_an_eagle_head_speculates_on_remotely_prefilled_requests(model_dirs, tmp_path, method, p_tp):
     """An EAGLE head on the decode side of requests whose prompt KV a prefill worker wrote: the
