@@ -56,6 +56,8 @@ class FlexWorker:
         return await self._start_as(self.role, cfg)
 
     async def _start_as(self, role: str, cfg: dict) -> dict:
+        if cfg.get("engine_core_process"):  # (refused before anything starts)
+            raise ValueError("engine_core_process: a worker changing role in place keeps its engine in its process")
         worker = ROLE_CLASSES[role](cfg)
         info = await worker.start(engine=self.engine)
         engine = worker.engine

@@ -152,6 +152,10 @@ class AsyncEngine:
         """Prompt tokens a started local prefill still has to compute (None: not started)."""
         return self.engine.prompt_left(request_id)
 
+    def prompts_left(self, request_ids: list[str]) -> dict[str, int | None]:
+        """`prompt_left` of each request."""
+        return {rid: self.engine.prompt_left(rid) for rid in request_ids}
+
     def predicted_prefill_budget(self, tokens: int, cached: int, streams: int, backlog: int) -> int | None:
         """What the engine's step plan would give a prompt of ``tokens`` uncached tokens after
         ``cached`` ones, beside ``streams`` streams, behind ``backlog`` prompt tokens."""

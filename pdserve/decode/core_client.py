@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 from pdserve.engine import EngineLoad, EngineStats, LoRARequest, ModelConfig, SamplingParams
 from pdserve.engine.driver import StepInfo
 from pdserve.engine.prompts import PromptChecker
+from pdserve.engine.structured import GrammarCompiler
 from pdserve.engine.tokenizer import Tokenizer
 
 from . import core_wire as wire
@@ -90,6 +91,8 @@ class EngineCoreClient:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._stopping = False
+        self._last_load = EngineLoad(0, 0, 0, 0, 0, 0.0)
+        self._last_stats = EngineStats()
 
     @classmethod
     async def launch(cls, model: str, engine_args: dict, *, on_step: Callable[[StepInfo], None] | None = None,
@@ -104,6 +107,7 @@ class EngineCoreClient:
         proc = subprocess.Popen(cmd, pass_fds=(core_stream.fileno(), core_reads.fileno()))
         core_stream.close()
         core_reads.close()
+        writer: asyncio.StreamWriter | None = None
         try:
             wire.send(stream, {"t": "init", "model": model, "engine_args": engine_args, "log_format": log_format,
                                "calibrate": calibrate, "freeze_gc": freeze_gc})
@@ -119,10 +123,16 @@ class EngineCoreClient:
                 err = msg["error"]
                 raise CoreStartError(f"the engine did not start: {err['kind']}: {err['message']}")
             reads.settimeout(READ_TIMEOUT_S)
-            prompts = PromptChecker(Tokenizer(model), msg["max_model_len"], msg["vocab_size"])
+            tokenizer = Tokenizer(model)
+            # the edge's check compiles with the engine's settings (its own cache: the core compiles again)
+            grammars = GrammarCompiler(tokenizer, msg["vocab_size"], msg["eos_token_ids"], **msg["grammar"])
+            prompts = PromptChecker(tokenizer, msg["max_model_len"], msg["vocab_size"], grammars)
         except BaseException:
             _end(proc)
-            stream.close()
+            if writer is not None:
+                writer.close()
+            else:
+                stream.close()
             reads.close()
             raise
         client = cls(model, proc, stream, reads, msg, prompts, on_step, on_death)
@@ -152,6 +162,7 @@ class EngineCoreClient:
         if self._writer is not None:
             self._writer.close()
         self._reads.close()
+        self.prompts.grammars.close()
 
     @property
     def alive(self) -> bool:
@@ -172,7 +183,8 @@ class EngineCoreClient:
                 reply = wire.recv(self._reads)
             except (wire.WireError, OSError) as exc:
                 dead = EngineDeadError(f"the engine core did not answer a read ({what}): {exc}")
-                if self.error is None and not self._stopping:
+                if not self._stopping:
+                    _end(self.proc)  # (a hung core must not keep decoding streams already failed)
                     self._die(dead)
                 raise dead from None
         if reply["t"] == "err":
@@ -180,7 +192,16 @@ class EngineCoreClient:
         return reply["v"]
 
     def load(self) -> EngineLoad:
-        return wire.load_in(self.read("load"))
+        """The core's load; once it is gone, the last one read (monitoring keeps answering)."""
+        if self.alive:
+            self._last_load = wire.load_in(self.read("load"))
+        return self._last_load
+
+    def stats(self) -> EngineStats:
+        """The core's counters; once it is gone, the last ones read."""
+        if self.alive:
+            self._last_stats = EngineStats(**self.read("stats"))
+        return self._last_stats
 
     def spec_outlook(self, streams: int) -> tuple[int | None, float]:
         k, per_step = self.read("spec_outlook", streams)
@@ -188,6 +209,10 @@ class EngineCoreClient:
 
     def prompt_left(self, request_id: str) -> int | None:
         return self.read("prompt_left", request_id)
+
+    def prompts_left(self, request_ids: list[str]) -> dict[str, int | None]:
+        """`prompt_left` of each request, in one round trip."""
+        return dict(zip(request_ids, self.read("prompts_left", request_ids)))
 
     def predicted_prefill_budget(self, tokens: int, cached: int, streams: int, backlog: int) -> int | None:
         return self.read("predicted_prefill_budget", tokens, cached, streams, backlog)
@@ -263,13 +288,20 @@ class EngineCoreClient:
                 code = self.proc.poll()
                 self._die(EngineDeadError(f"the engine-core process {self.proc.pid} is gone "
                                           f"({'exit code ' + str(code) if code is not None else exc})"))
+        except Exception as exc:  # noqa: BLE001  (a frame this side cannot read: no stream may wait on)
+            log.exception("engine core: a frame could not be read; the core is stopped")
+            _end(self.proc)
+            self._die(EngineDeadError(f"a frame from the engine core could not be read: {exc!r}"))
 
     def _deliver_step(self, msg: dict) -> None:
         for rid, d, f in msg["items"]:
             self._put(rid, wire.delta_in(d), wire.final_in(f))
         self.prefill_token_budget = msg["budget"]
         if self.on_step is not None:
-            self.on_step(wire.info_in(msg["info"]))
+            try:
+                self.on_step(wire.info_in(msg["info"]))
+            except Exception:  # noqa: BLE001  (as a failed callback of the event loop: logged, next step)
+                log.exception("engine core: on_step failed")
 
     def _deliver_item(self, msg: dict) -> None:
         if "error" in msg:
@@ -286,13 +318,20 @@ class EngineCoreClient:
             del self._streams[rid]
 
     def _die(self, exc: BaseException) -> None:
+        """Once: the first cause is the one reported (a read may see the wire break before the
+        reader reads the core's own account of its death)."""
+        if self.error is not None:
+            return
         log.critical("engine core died: %s", exc)
         self.error = exc
         streams, self._streams = self._streams, {}
         for q in streams.values():
             q.put_nowait((exc, None))
         if self.on_death is not None:
-            self.on_death(exc)
+            try:
+                self.on_death(exc)
+            except Exception:  # noqa: BLE001
+                log.exception("engine core: on_death failed")
 
 
 class CoreEngineView:
@@ -320,7 +359,7 @@ class CoreEngineView:
 
     @property
     def stats(self) -> EngineStats:
-        return EngineStats(**self._client.read("stats"))
+        return self._client.stats()
 
     @property
     def prefill_token_budget(self) -> int | None:

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -86,6 +87,7 @@ def _reads(engine: LLMEngine, core: CoreLoop) -> dict[str, Callable[..., Any]]:
         "tier_load_ms_per_token": conn.tier_load_ms_per_token,
         "predicted_prefill_budget": engine.predicted_prefill_budget,
         "prompt_left": engine.prompt_left,
+        "prompts_left": lambda rids: [engine.prompt_left(rid) for rid in rids],
         "spec_outlook": lambda streams: list(spec_outlook(engine, streams)),
         "in_flight": lambda: core.in_flight,
         "stats": lambda: asdict(engine.stats),
@@ -104,11 +106,11 @@ def _answer_reads(sock: socket.socket, reads: dict[str, Callable[..., Any]]) -> 
         except (wire.WireError, OSError):
             return
         try:
-            reply = {"t": "ok", "v": reads[msg["t"]](*msg.get("a", ()))}
+            body = wire.pack({"t": "ok", "v": reads[msg["t"]](*msg.get("a", ()))})
         except Exception as exc:  # noqa: BLE001  (the reader's error, raised on the API side)
-            reply = {"t": "err", "e": wire.error_out(exc)}
+            body = wire.pack({"t": "err", "e": wire.error_out(exc)})
         try:
-            wire.send(sock, reply)
+            sock.sendall(body)
         except OSError:
             return
 
@@ -135,7 +137,8 @@ async def serve(engine: LLMEngine, stream: socket.socket, reads_sock: socket.soc
                 break
     finally:
         core.stop()
-        engine.close()
+        if not core.thread_running:  # (not while it still steps: as the worker in one process)
+            engine.close()
         try:
             await writer.drain()
             writer.close()
@@ -162,6 +165,17 @@ def _apply(core: CoreLoop, msg: dict) -> bool:
     return True
 
 
+def _parent_gone(stream: socket.socket) -> bool:
+    """Whether the API process closed its end (nothing is sent before the ready frame)."""
+    readable, _, _ = select.select([stream], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return stream.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 def _ready(engine: LLMEngine, calibration: list) -> dict:
     conn = engine.connector
     cfg = engine.config
@@ -170,6 +184,11 @@ def _ready(engine: LLMEngine, calibration: list) -> dict:
             "max_num_seqs": cfg.max_num_seqs, "enable_lora": bool(cfg.enable_lora), "max_lora_rank": cfg.max_lora_rank,
             "enable_prefix_caching": bool(cfg.enable_prefix_caching), "layout": conn.layout_info(),
             "kv_bytes_per_token": conn.kv_bytes_per_token, "spec": engine.spec is not None, "tier": engine.tier is not None,
+            "eos_token_ids": sorted(engine.eos_token_ids),
+            "grammar": {"timeout_s": cfg.structured_outputs_timeout_s,
+                        "cache_entries": cfg.structured_outputs_cache_entries,
+                        "cache_bytes": cfg.structured_outputs_cache_bytes,
+                        "threads": cfg.structured_outputs_threads, "nice": cfg.structured_outputs_compile_nice},
             "device": str(conn.kv_tensor.device), "calibration": [list(s) for s in calibration]}
 
 
@@ -179,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-fd", type=int, required=True)
     ap.add_argument("--reads-fd", type=int, required=True)
     args = ap.parse_args(argv)
-    # A terminal's Ctrl-C reaches the whole process group: the API process stops this one.
+    # A terminal's Ctrl-C, or a SIGTERM to the whole process group (a supervisor's stop), is the
+    # API process's to handle: it drains, then stops this one (a stop frame, or its stream's end).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The reads thread waits for the interpreter lock while the engine thread runs Python: at most
     # this long (the default 5 ms would hold an admission up for as long).
     sys.setswitchinterval(0.001)
@@ -204,9 +225,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # Loaded and calibrated on a thread that ends: the OpenMP team it made goes with it, and
     # only the engine thread's runs beside the step (common/compute_thread.py says why).
-    loader = threading.Thread(target=load, name="pdserve-load")
+    loader = threading.Thread(target=load, name="pdserve-load", daemon=True)
     loader.start()
-    loader.join()
+    while loader.is_alive():
+        loader.join(0.5)
+        if loader.is_alive() and _parent_gone(stream):
+            log.error("engine core: its API process is gone while the engine loads; exiting")
+            os._exit(1)
     if "engine" not in loaded:
         wire.send(stream, {"t": "failed", "error": wire.error_out(loaded.get("error") or RuntimeError("no engine"))})
         return 1

@@ -152,10 +152,12 @@ class Frontend(Surface):
     def local_backlog(self) -> int:
         """Prompt tokens the local prefills admitted here still have to compute: a started
         prefill counts what it has left (the engine's progress), not its whole prompt."""
-        left_of = self.engine.prompt_left
+        if not self._local_prefills:
+            return 0
+        lefts = self.engine.prompts_left(list(self._local_prefills))  # (one read of the engine for all)
         total = 0
         for rid, eff in self._local_prefills.items():
-            left = left_of(rid)
+            left = lefts.get(rid)
             total += eff if left is None else min(eff, left)
         return total
 

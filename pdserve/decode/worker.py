@@ -189,7 +189,8 @@ class DecodeWorker:
                                                    on_step=self._on_step, on_death=self._on_engine_death,
                                                    log_format=cfg.log_format, calibrate=cfg.calibrate,
                                                    freeze_gc=cfg.freeze_gc)
-            self.engine, self.async_engine = CoreEngineView(client), client
+            self.async_engine = client  # (first: a worker that fails from here on stops its core)
+            self.engine = CoreEngineView(client)
         else:
             self.engine = engine or await run_in_own_thread(
                 LLMEngine, EngineConfig.from_kwargs(cfg.model, **with_rank_transport(cfg.engine_args)))

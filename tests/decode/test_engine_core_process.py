@@ -6,6 +6,7 @@ stream run in it; what it does not run with yet is refused naming the setting.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import pytest
 from pdserve.api import Client
 from pdserve.decode.core_client import CoreEngineView, EngineCoreClient
 from pdserve.decode.worker import DecodeWorkerConfig, refuse_with_core_process
+from pdserve.engine import SamplingParams
 from tests.decode.test_lora_api import sql_and_chat
 from tests.harness import PERMISSIVE_POLICY, WorkerThread, wait_until
 
@@ -157,8 +159,43 @@ def test_a_core_that_dies_fails_its_streams_unavailable_and_the_worker_says_so(l
             assert errors and errors[0]["code"] == 503 and "engine" in errors[0]["message"], events[-3:]
             wait_until(lambda: not client.alive, 10)
             assert h.get("/health").status_code == 503
+            # monitoring still answers: the last figures read, the engine reported dead
+            metrics = h.get("/metrics")
+            assert metrics.status_code == 200 and "pdserve_engine_alive" in metrics.text
+            assert any(line.startswith("pdserve_engine_alive{") and line.endswith(" 0.0")
+                       for line in metrics.text.splitlines())
+            assert w.worker.stats()["engine_alive"] is False
             r = h.post("/v1/completions", json={"prompt": "again", "max_tokens": 2})
             assert r.status_code == 503, r.text
     finally:
         w.stop()
     assert client.proc.poll() is not None
+
+
+def test_a_failing_step_callback_is_logged_and_the_streams_go_on(llama_dir):
+    """An `on_step` that raises (the worker's cost model, say) must not stop the frames: the
+    stream still ends, as an event loop's failed callback does not stop the next one."""
+    calls = []
+
+    def on_step(info):
+        calls.append(info)
+        if len(calls) == 1:
+            raise RuntimeError("a callback's bug")
+
+    async def run():
+        client = await EngineCoreClient.launch(llama_dir, {"max_model_len": 256}, on_step=on_step)
+        try:
+            q = client.submit("r1", [5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), 0)
+            got = []
+            while True:
+                item, final = await asyncio.wait_for(q.get(), 30)
+                got += item.new_token_ids
+                if item.finished:
+                    break
+            return got, final, client.alive
+        finally:
+            client.stop()
+
+    got, final, alive = asyncio.run(run())
+    assert len(got) == 6 and final is not None and final.completion_tokens == 6 and alive
+    assert len(calls) > 1

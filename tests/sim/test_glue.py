@@ -134,7 +134,8 @@ def through_the_frontend(s: Situation, monkeypatch):
         return s.budget
 
     engine = SimpleNamespace(connector=connector, load=lambda: load, block_size=s.block_size,
-                             prompt_left=lambda rid: None, predicted_prefill_budget=predicted, in_flight=None,
+                             prompts_left=lambda rids: dict.fromkeys(rids), predicted_prefill_budget=predicted,
+                             in_flight=None,
                              spec_outlook=lambda streams: (None, 1.0))  # neither speculates
     remote = SimpleNamespace(view=PrefillView(pool_size=s.pool_size, queue_depth=s.queue_depth,
                                               queue_tokens=s.queue_tokens),
