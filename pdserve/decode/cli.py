@@ -61,7 +61,7 @@ def register(subparsers) -> None:
                    help="run the engine loop in a process of its own, fed over a Unix socket (msgpack): HTTP, "
                         "streaming, tokenizing and routing stay here and never take the step's interpreter lock "
                         "(vLLM V1's engine core). Off by default: on 2 cores it does not pay (docs/PERFORMANCE.md). "
-                        "Colocated serving only for now: not with remote prefill or KV events "
+                        "Colocated serving only for now: not with remote prefill "
                         "(docs/architecture.md, \"The engine core in its own process\")")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds in-flight streams may run before they are handed back to their "

@@ -96,8 +96,8 @@ class EngineCoreClient:
 
     @classmethod
     async def launch(cls, model: str, engine_args: dict, *, on_step: Callable[[StepInfo], None] | None = None,
-                     on_death: Callable[[BaseException], None] | None = None, log_format: str = "text",
-                     calibrate: bool = False,
+                     on_death: Callable[[BaseException], None] | None = None, host: str = "127.0.0.1",
+                     log_format: str = "text", calibrate: bool = False,
                      freeze_gc: bool = False, start_timeout_s: float = 900.0) -> "EngineCoreClient":
         """Start the core process and wait until its engine is loaded (CoreStartError if it is not)."""
         stream, core_stream = socket.socketpair()
@@ -110,7 +110,7 @@ class EngineCoreClient:
         writer: asyncio.StreamWriter | None = None
         try:
             wire.send(stream, {"t": "init", "model": model, "engine_args": engine_args, "log_format": log_format,
-                               "calibrate": calibrate, "freeze_gc": freeze_gc})
+                               "calibrate": calibrate, "freeze_gc": freeze_gc, "host": host})
             reader, writer = await asyncio.open_unix_connection(sock=stream)
             try:
                 msg = await asyncio.wait_for(wire.read(reader), start_timeout_s)
@@ -337,7 +337,7 @@ class EngineCoreClient:
 class CoreEngineView:
     """What a decode worker reads of its engine when that runs in the core process."""
 
-    kv_events = None  # (the core records no KV events: the worker refuses kv_events with it)
+    kv_events = None  # (its log is in the core, which publishes it: `kv_event_endpoints`)
 
     def __init__(self, client: EngineCoreClient):
         ready = client.ready
@@ -350,6 +350,8 @@ class CoreEngineView:
         # (the API process checks a LoRA adapter's files against the model before serving it)
         self.model_config = ModelConfig.from_dir(client.model)
         self.max_model_len: int = ready["max_model_len"]
+        # where the core publishes its KV events (the worker record's endpoints; {}: it records none)
+        self.kv_event_endpoints: dict[str, str] = dict(ready["kv_events"])
         self.spec = SimpleNamespace() if ready["spec"] else None
         # the calibration steps the core timed before serving (engine/calibrate.py measure_steps)
         self.calibration = [(float(s[0]), int(s[1]), int(s[2]), int(s[3])) for s in ready["calibration"]]

@@ -27,6 +27,7 @@ import threading
 from dataclasses import asdict
 from typing import Any, Callable
 
+from pdserve.cluster.kvindex.publisher import record_endpoints, start_event_publisher
 from pdserve.cluster.runtime import freeze_gc_heap
 from pdserve.common import jsonlog
 from pdserve.common.thread_cpu import ThreadCPU
@@ -238,8 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     engine, calibration = loaded["engine"], loaded["calibration"]
     if init.get("freeze_gc"):
         freeze_gc_heap("engine core")
-    wire.send(stream, _ready(engine, calibration))
-    asyncio.run(serve(engine, stream, reads_sock))
+    # The engine's KV events (engine arg kv_events) leave from here, where its log is, on the
+    # worker's address (cluster/kvindex/publisher.py); the worker's record names the endpoints.
+    publisher = start_event_publisher(engine, init.get("host") or "127.0.0.1")
+    try:
+        wire.send(stream, {**_ready(engine, calibration), "kv_events": record_endpoints(publisher)})
+        asyncio.run(serve(engine, stream, reads_sock))
+    finally:
+        if publisher is not None:
+            publisher.close()
     return 0
 
 

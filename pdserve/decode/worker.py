@@ -119,9 +119,6 @@ def refuse_with_core_process(cfg: DecodeWorkerConfig, engine: LLMEngine | None) 
     if cfg.remote_prefill:
         raise ValueError("engine_core_process: remote_prefill needs the KV arrival beside the engine in one "
                          "process; turn one of them off")
-    if cfg.engine_args.get("kv_events"):
-        raise ValueError("engine_core_process: the engine argument kv_events runs with the engine in the "
-                         "worker's process only; turn one of them off")
 
 
 class DecodeWorker:
@@ -187,6 +184,7 @@ class DecodeWorker:
             refuse_with_core_process(cfg, engine)
             client = await EngineCoreClient.launch(cfg.model, with_rank_transport(cfg.engine_args),
                                                    on_step=self._on_step, on_death=self._on_engine_death,
+                                                   host=cfg.address(),
                                                    log_format=cfg.log_format, calibrate=cfg.calibrate,
                                                    freeze_gc=cfg.freeze_gc)
             self.async_engine = client  # (first: a worker that fails from here on stops its core)
@@ -362,7 +360,8 @@ class DecodeWorker:
         eng = self.engine
         return WorkerInfo(
             worker_id=self.worker_id, role="decode",
-            endpoints={"grpc": self.grpc_address, "http": self.http_address, **record_endpoints(self.kv_publisher)},
+            endpoints={"grpc": self.grpc_address, "http": self.http_address,
+                       **(eng.kv_event_endpoints if isinstance(eng, CoreEngineView) else record_endpoints(self.kv_publisher))},
             model=self.frontend.served_model, kv_layout=eng.connector.layout_info(),
             capacity={"num_blocks": eng.load().num_blocks, "max_num_seqs": eng.config.max_num_seqs,
                       "max_model_len": eng.max_model_len,

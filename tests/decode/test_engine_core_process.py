@@ -2,7 +2,8 @@
 child process fed over the Unix-socket wire. It serves what the engine in the worker's own
 process serves, token for token; a client that leaves frees its blocks there; a core that dies
 is an engine death (streams fail UNAVAILABLE, /health 503); a LoRA adapter and a resumed
-stream run in it; what it does not run with yet is refused naming the setting."""
+stream run in it, and its KV events leave from it; what it does not run with yet is refused
+naming the setting."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from pdserve.api import Client
+from pdserve.cluster.kvindex.subscriber import KVEventSubscriber
 from pdserve.decode.core_client import CoreEngineView, EngineCoreClient
 from pdserve.decode.worker import DecodeWorkerConfig, refuse_with_core_process
 from pdserve.engine import SamplingParams
@@ -130,17 +132,25 @@ def test_a_client_that_leaves_frees_its_blocks_in_the_core(pair):
 
 
 def test_what_the_core_process_does_not_run_with_is_refused_naming_the_setting(llama_dir, policy):
-    for kw in ({"remote_prefill": True}, {"engine_args": {"kv_events": True}}):
-        with pytest.raises(ValueError, match="engine_core_process"):
-            refuse_with_core_process(DecodeWorkerConfig(model=llama_dir, engine_core_process=True, **kw), None)
+    with pytest.raises(ValueError, match="engine_core_process"):
+        refuse_with_core_process(DecodeWorkerConfig(model=llama_dir, engine_core_process=True, remote_prefill=True),
+                                 None)
     refuse_with_core_process(DecodeWorkerConfig(model=llama_dir, engine_core_process=True), None)  # (the rest runs)
 
 
 def test_a_core_that_dies_fails_its_streams_unavailable_and_the_worker_says_so(llama_dir, policy):
-    w = WorkerThread(_cfg(llama_dir, policy, True, calibrate=False)).start()
+    w = WorkerThread(_cfg(llama_dir, policy, True, calibrate=False,
+                          engine_args={"max_model_len": 512, "kv_events": True})).start()
     try:
         client = w.worker.async_engine
         assert isinstance(client, EngineCoreClient)
+        # Its KV events leave from the core, at the endpoints the worker's record names: a
+        # subscriber's view of its cache fills as a prompt is served.
+        eps = w.worker._record().endpoints
+        with KVEventSubscriber(f"tcp://{eps['kv_events']}", f"tcp://{eps['kv_events_replay']}") as sub:
+            with httpx.Client(base_url=w.http, timeout=60) as h:
+                assert h.post("/v1/completions", json={"prompt": "stored " * 40, "max_tokens": 2}).status_code == 200
+            wait_until(lambda: sub.poll(0.1) >= 0 and len(list(sub.view.hashes())) > 0, 20)
         with httpx.Client(base_url=w.http, timeout=60) as h:
             with h.stream("POST", "/v1/completions", json={"prompt": "go on " * 20, "max_tokens": 400,
                                                             "temperature": 0, "ignore_eos": True,
