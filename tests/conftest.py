@@ -165,6 +165,18 @@ MODEL_SPECS = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_topology_model_cache(tmp_path_factory):
+    """One model cache for every cluster tests/harness.py small_topology_yaml describes in this
+    session: the first `pdserve up` (or `pdserve worker`, or sweep) makes the tiny model there,
+    the others load it (tests/harness.py SHARED_MODEL_CACHE)."""
+    from tests import harness
+
+    harness.SHARED_MODEL_CACHE = str(tmp_path_factory.mktemp("topology-models"))
+    yield
+    harness.SHARED_MODEL_CACHE = None
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """Lazily made model directories, keyed by MODEL_SPECS name (or 'default')."""

@@ -106,15 +106,25 @@ def wait_until(pred, timeout_s: float = 10.0, interval_s: float = 0.02):
         time.sleep(interval_s)
 
 
-def small_topology_yaml(cluster: str, tmp, router_policy=None) -> str:
-    """A 1P1D CPU topology with a tiny made model, free ports and a 3 s lease, everything
-    under `tmp` (model cache, run dir): what the launcher and sweep tests start."""
+# Where small_topology_yaml's clusters find their made model: set for the whole pytest session
+# by tests/conftest.py (one directory under pytest's base temp), so that only the first `up` of
+# a session makes it (~3 s on 2 cores) and the others load it, as a user's second `up` does.
+# None (outside pytest): each topology's own `tmp`/models.
+SHARED_MODEL_CACHE: str | None = None
+
+
+def small_topology_yaml(cluster: str, tmp, router_policy=None, own_model_cache: bool = False) -> str:
+    """A 1P1D CPU topology with a tiny made model, free ports and a 3 s lease, the run dir under
+    `tmp`: what the launcher and sweep tests start. The model is made in the session's shared
+    cache (SHARED_MODEL_CACHE) on first use; `own_model_cache`: in `tmp`/models, so that this
+    cluster's `up` makes it itself (a test of the first `up` a user runs)."""
     policy = f"router_policy: {router_policy}\n" if router_policy else ""
+    cache = f"{tmp}/models" if own_model_cache or SHARED_MODEL_CACHE is None else SHARED_MODEL_CACHE
     return f"""\
 cluster: {cluster}
 model:
   path: auto
-  cache_dir: {tmp}/models
+  cache_dir: {cache}
   make: {{num_layers: 2, hidden_size: 128, num_heads: 4, num_kv_heads: 2, intermediate_size: 256}}
 roles:
   prefill:

@@ -564,7 +564,11 @@ def test_a_restarted_queue_reports_a_new_instance_and_held_tasks_are_not_handed_
         assert q.get_batch("p1", max_tokens=100, max_wait_ms=100) == []  # recovering: nothing out
         assert q.hold("p0", [a]) == 1  # the holder takes its task out of the queue
         assert q.put(a).reason == "duplicate"
-        time.sleep(2.1)
+        # Until its recovery grace (RECOVERY_GRACE_S from the restart) has passed, nothing goes out.
+        grace_ends = time.monotonic() + 10
+        while q.stats().recovering:
+            assert time.monotonic() < grace_ends, "the queue never left its recovery grace"
+            time.sleep(0.05)
         assert ids(q.get_batch("p1", max_tokens=100)) == ["b"]
         assert q.stats().in_flight == {"p0": 1, "p1": 1}
         assert q.complete("p0", "a")

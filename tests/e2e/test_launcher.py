@@ -38,7 +38,9 @@ def nice(pid: int) -> int:
 @pytest.fixture
 def topology(tmp_path):
     path = tmp_path / "topology.yaml"
-    text = small_topology_yaml("launcher-test", tmp_path, REPO / "configs" / "router" / "default.yaml")
+    # Its own model cache: this `up` makes the model, as a user's first one does.
+    text = small_topology_yaml("launcher-test", tmp_path, REPO / "configs" / "router" / "default.yaml",
+                               own_model_cache=True)
     # Each worker owns its cores (issue 16), as in the shipped 1p1d-local topology.
     path.write_text(text.replace("    resources: {num_cpus: 1}\n", "    cpus: auto\n"))
     return path
@@ -50,6 +52,7 @@ def test_up_status_demo_down(topology, tmp_path):
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "ready" in up.stdout and "gRPC 127.0.0.1:" in up.stdout
+        assert "model     making a llama model" in up.stdout, up.stdout  # its own cache: `up` made it
         state = json.loads(state_file.read_text())
         assert {a["worker_id"] for a in state["actors"]} == {"prefill-0", "decode-0"}
 

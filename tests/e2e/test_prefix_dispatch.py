@@ -12,11 +12,12 @@ import pytest
 import ray
 
 from pdserve.decode.worker import DecodeWorkerConfig
+from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.tp_comm import shm_available
 from pdserve.prefill.worker import PrefillWorker
 from tests.harness import WorkerThread, wait_until
 
-from .test_disaggregated import etcd, ray_local, reference, run_all  # noqa: F401  (fixtures)
+from .test_disaggregated import MAX_TOKENS, etcd, ray_local, reference, run_all  # noqa: F401  (fixtures)
 
 UCX = {"UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
 CLUSTER = "prefixd"
@@ -29,6 +30,15 @@ def stop_quietly(actor) -> None:
     except Exception:  # noqa: BLE001
         pass
     ray.kill(actor)
+
+
+def references(model: str, prompts: list[list[int]]) -> list[list[int]]:
+    """What `LLM.generate` makes of each prompt, all in one batch of an engine of their own with
+    no prefix cache: every prompt computed whole, as by a fresh engine per prompt (the shared
+    prefix is not reused between them), in one pass instead of one engine and pass each."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(model, enable_prefix_caching=False) as llm:
+        return [o.token_ids for o in llm.generate(prompts, params)]
 
 
 def test_requests_sharing_a_prefix_go_to_the_prefill_worker_that_holds_it(ray_local, etcd, llama_dir):
@@ -50,16 +60,17 @@ def test_requests_sharing_a_prefix_go_to_the_prefill_worker_that_holds_it(ray_lo
         rng = random.Random(5)
         shared = [rng.randrange(3, 32000) for _ in range(320)]
         first = shared + [rng.randrange(3, 32000) for _ in range(40)]
+        follow = [shared + [rng.randrange(3, 32000) for _ in range(rng.randint(20, 60))] for _ in range(6)]
+        want = references(llama_dir, [first] + follow)
         (out,) = run_all(d, [first], route="remote")
-        assert out.token_ids == reference(llama_dir, [first])[0]
+        assert out.token_ids == want[0]
         done = {w: ray.get(a.get_stats.remote())["tasks_done"] for w, a in actors.items()}
         (holder,) = [w for w, n in done.items() if n == 1]
         # The decode worker's view of the holder now covers the shared prefix.
         wait_until(lambda: view.cached_tokens(shared).get(holder, 0) >= 304, 20)
-        follow = [shared + [rng.randrange(3, 32000) for _ in range(rng.randint(20, 60))] for _ in range(6)]
-        for prompt in follow:  # one at a time: each is pulled by whichever worker asks first
+        for prompt, tokens in zip(follow, want[1:]):  # one at a time: each is pulled by whichever worker asks first
             (o,) = run_all(d, [prompt], route="remote")
-            assert o.token_ids == reference(llama_dir, [prompt])[0]
+            assert o.token_ids == tokens
             assert o.breakdown["route"] == "remote"
         after = {w: ray.get(a.get_stats.remote())["tasks_done"] for w, a in actors.items()}
         queue = ray.get_actor(d.worker.cfg.queue_name, namespace=d.worker.cfg.queue_namespace)
@@ -116,9 +127,10 @@ def test_a_local_prefill_borrows_the_prefix_a_prefill_worker_holds(ray_local, et
         view = d1.worker.remote.prefix_view
         wait_until(lambda: view.cached_tokens(shared).get("prefill-0", 0) >= 304, 20)
         follow = [shared + [rng.randrange(3, 32000) for _ in range(rng.randint(10, 40))] for _ in range(3)]
-        for prompt in follow:
+        want = references(llama_dir, follow)
+        for prompt, tokens in zip(follow, want):
             (o,) = run_all(d1, [prompt], route="local")
-            assert o.token_ids == reference(llama_dir, [prompt])[0]
+            assert o.token_ids == tokens
             assert o.breakdown["route"] == "local"
         peers = d1.worker.remote.peers
         # The first follow-up borrowed the shared blocks; the others found them in decode-1's pool.
