@@ -9,11 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from pdserve.common import Priority
 
 if TYPE_CHECKING:
+    import torch
     from .lora_request import LoRARequest
     from .structured_state import RequestGrammar
 
@@ -275,6 +274,8 @@ class Request:
         self.prompt_logprobs: list[dict] | None = [] if params.prompt_logprobs is not None else None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
+            import torch  # (here: parsing a request's parameters does not load torch)
+
             self.generator = torch.Generator().manual_seed(params.seed)
         self.finish_reason: str | None = None
         # Prefill role: keep the KV blocks after finishing until the connector's
