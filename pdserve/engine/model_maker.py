@@ -288,7 +288,21 @@ def cached_model(make: dict, cache_dir: str | os.PathLike) -> str:
     if not (path / "config.json").is_file():
         print(f"model     making a {spec.arch} model ({spec.num_layers} layers, hidden {spec.hidden_size}) "
               f"in {path} ...", flush=True)
-        make_model(str(path), spec)
+        # Made beside it and renamed into place: a make that is interrupted (Ctrl-C, a killed
+        # process) leaves no half-written directory that a later start would take for a model.
+        part = path.with_name(f"{path.name}.part-{os.getpid()}")
+        shutil.rmtree(part, ignore_errors=True)
+        try:
+            make_model(str(part), spec)
+            if path.exists() and not (path / "config.json").is_file():
+                shutil.rmtree(path)  # (an earlier version's half-written make)
+            try:
+                os.rename(part, path)
+            except OSError:
+                if not (path / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(part, ignore_errors=True)  # (another process made it first: theirs stands)
     return str(path)
 
 
