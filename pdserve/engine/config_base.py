@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .config_error import ConfigError as ConfigError
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -19,10 +21,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing or invalid; the message names the field."""
 
 
 def parse_dtype(value: str | torch.dtype, field_name: str = "dtype") -> torch.dtype:

@@ -10,7 +10,7 @@ import os
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from .config import ConfigError
+from .config_error import ConfigError
 from .stops import StopAutomaton, automaton_for
 
 log = logging.getLogger(__name__)
