@@ -71,6 +71,26 @@ def test_remote_prompt_kv_then_speculation_equals_local_with_and_without_it(mode
         pair.assert_nothing_held()
 
 
+def _self_draft_over_pd(model: str, name: str, p_tp: int, ps: list[list[int]], params: SamplingParams):
+    """The target as its own draft on the decode side of requests a prefill side (TP ``p_tp``)
+    prefilled: the outputs and the decode engine's counters, after checking that no target
+    prompt token was computed on the decode side and that nothing is left held."""
+    draft = {"method": "draft_model", "model": model, "num_speculative_tokens": 3, "disable_by_cost": False}
+    with paired(model, name, p_tp, 1, d_args={"speculative_config": draft}) as pair:
+        de = pair.de
+        tasks = pair.tasks(ps, params, prefix="s")
+        result, arrived = pair.prefill(tasks)
+        assert result.failures == [] and all(isinstance(m, PrefillDone) for m in arrived)
+        pair.hand_over(arrived)
+        computed = de.stats.num_prompt_tokens_computed
+        pair.decode()
+        outs = [o.token_ids for o in pair.outputs(len(ps), prefix="s")]
+        assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
+        assert de.stats.num_spec_draft_tokens > 40
+        pair.assert_nothing_held()
+        return outs, de.stats
+
+
 @pytest.mark.parametrize("p_tp", [1, 2])
 def test_a_draft_model_speculates_on_remotely_prefilled_requests(model_dirs, p_tp):
     """The decode side's draft model computes the prompts itself (the prefill side wrote only the
@@ -82,20 +102,9 @@ def test_a_draft_model_speculates_on_remotely_prefilled_requests(model_dirs, p_t
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(model) as plain:
         want = [o.token_ids for o in plain.generate(ps, params)]
-    draft = {"method": "draft_model", "model": model, "num_speculative_tokens": 3, "disable_by_cost": False}
-    with paired(model, f"spdraft{p_tp}", p_tp, 1, d_args={"speculative_config": draft}) as pair:
-        de = pair.de
-        tasks = pair.tasks(ps, params, prefix="s")
-        result, arrived = pair.prefill(tasks)
-        assert result.failures == [] and all(isinstance(m, PrefillDone) for m in arrived)
-        pair.hand_over(arrived)
-        computed = de.stats.num_prompt_tokens_computed
-        pair.decode()
-        assert [o.token_ids for o in pair.outputs(len(ps), prefix="s")] == want
-        assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
-        assert de.stats.num_spec_draft_tokens > 40
-        assert de.stats.num_spec_accepted_tokens == de.stats.num_spec_draft_tokens  # its own draft: all accepted
-        pair.assert_nothing_held()
+    outs, stats = _self_draft_over_pd(model, f"spdraft{p_tp}", p_tp, ps, params)
+    assert outs == want
+    assert stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens  # its own draft: all accepted
 
 
 def test_drawn_proposals_on_remotely_prefilled_requests_are_all_accepted_from_the_target_as_its_own_draft(
@@ -106,23 +115,10 @@ def test_drawn_proposals_on_remotely_prefilled_requests_are_all_accepted_from_th
     the prefill side: p equals q, so every drawn proposal is accepted (argmax proposals of this
     random model would almost never be: tests/engine/test_spec_draft.py)."""
     model = model_dirs("llama")
-    ps = repetitive(seed=98)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
-    draft = {"method": "draft_model", "model": model, "num_speculative_tokens": 3, "disable_by_cost": False}
-    with paired(model, "spdrawn", 1, 1, d_args={"speculative_config": draft}) as pair:
-        de = pair.de
-        tasks = pair.tasks(ps, params, prefix="s")
-        result, arrived = pair.prefill(tasks)
-        assert result.failures == [] and all(isinstance(m, PrefillDone) for m in arrived)
-        pair.hand_over(arrived)
-        computed = de.stats.num_prompt_tokens_computed
-        pair.decode()
-        outs = pair.outputs(len(ps), prefix="s")
-        assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
-        assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
-        assert de.stats.num_spec_draft_tokens > 40
-        assert de.stats.num_spec_accepted_tokens >= 0.95 * de.stats.num_spec_draft_tokens
-        pair.assert_nothing_held()
+    outs, stats = _self_draft_over_pd(model, "spdrawn", 1, repetitive(seed=98), params)
+    assert all(len(o) == MAX_TOKENS for o in outs)
+    assert stats.num_spec_accepted_tokens >= 0.95 * stats.num_spec_draft_tokens
 
 
 @pytest.mark.parametrize("method,p_tp", [("eagle", 1), ("eagle3", 2)])
