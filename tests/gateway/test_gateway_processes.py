@@ -24,8 +24,10 @@ from tests.harness import PERMISSIVE_POLICY
 
 CLUSTER = "gw-procs"
 STREAMS = 48
-# Each disturbance (kill, drain) fires once every stream has its first token: the victim's streams
-# then have 95 tokens to go, seconds of decoding on 2 cores, so every one migrates mid-stream.
+# Each disturbance (kill, drain) fires once every stream has its first token. First tokens are
+# spread over seconds on 2 cores (the step plan admits prompts between decode steps), so a stream
+# that started early may finish on the victim before the kill: the test allows that for streams
+# that ended before the kill, and requires every other one the victim held to migrate.
 TOKENS = 96
 
 
@@ -125,7 +127,7 @@ async def run_all(target: str, during=None):
                 finish = msg.finish_reason or finish
                 if msg.HasField("breakdown"):
                     b = msg.breakdown
-            return toks, finish, b
+            return toks, finish, b, time.monotonic()
 
         tasks = [asyncio.ensure_future(one(ids, s)) for ids, s in cases()]
         extra = None
@@ -154,20 +156,27 @@ def test_kill_drain_and_a_lost_gateway_lose_no_stream(procs):
     workers, gateways = procs
     (_, gw_grpc, gw_http), (_, gw2_grpc, gw2_http) = gateways
     want, _ = asyncio.run(run_all(gw_grpc))
-    assert all(f == "length" and len(t) == TOKENS for t, f, _ in want)
+    assert all(f == "length" and len(t) == TOKENS for t, f, _, _ in want)
 
     # 1. kill -9 the worker holding the most streams
     def kill():
+        counted = time.monotonic()
         wid, n = victim_of(gw_http)
         os.kill(workers[wid][0].pid, signal.SIGKILL)
-        return wid, n
+        return wid, n, counted, time.monotonic()
 
-    got, (dead, held) = asyncio.run(run_all(gw_grpc, kill))
+    got, (dead, held, counted, killed) = asyncio.run(run_all(gw_grpc, kill))
     assert held >= STREAMS // 4, f"{dead} held only {held} of {STREAMS} streams"
-    for (w, _, _), (g, finish, b) in zip(want, got):
-        assert finish == "length" and g == w
-        assert b.worker_id != dead and b.completion_tokens == TOKENS
-    assert sum(b.migrations for _, _, b in got) == held
+    ended_on_victim = 0
+    for (w, _, _, _), (g, finish, b, ended) in zip(want, got):
+        assert finish == "length" and g == w and b.completion_tokens == TOKENS
+        if b.worker_id == dead:  # only a stream that was over before the kill may end there
+            assert ended < killed and b.migrations == 0, (ended - killed, b)
+            # counted by the gateway's explain (it may lag the client by a moment) though over
+            ended_on_victim += ended > counted - 1.0
+    migrated = sum(b.migrations for _, _, b, _ in got)
+    assert held - ended_on_victim <= migrated <= held, (migrated, held, ended_on_victim)
+    assert migrated >= STREAMS // 8, f"only {migrated} streams migrated"
     alive = [w for w in workers if w != dead]
     assert_no_blocks_held(workers, alive)
 
@@ -178,9 +187,9 @@ def test_kill_drain_and_a_lost_gateway_lose_no_stream(procs):
         return wid, n
 
     got, (drained, held) = asyncio.run(run_all(gw_grpc, drain))
-    for (w, _, _), (g, finish, b) in zip(want, got):
+    for (w, _, _, _), (g, finish, _, _) in zip(want, got):
         assert finish == "length" and g == w
-    moved = sum(b.migrations for _, _, b in got)
+    moved = sum(b.migrations for _, _, b, _ in got)
     assert 1 <= moved <= held, (moved, held)
     workers[drained][0].wait(60)
     last = [w for w in alive if w != drained]
