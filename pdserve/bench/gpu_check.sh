@@ -63,7 +63,7 @@ if [ "${GPU_PROFILE:-1}" = 1 ] && [ -n "$PYSPY" ]; then
         "${PYP[@]}" bench/gpu_step.py --backends flashinfer+graphs --batches 1 --steps "${PROFILE_STEPS:-4000}" \
         --transfer-blocks 0 --json "$OUT/profile-step.json"
 fi
-GPU_TESTS=${GPU_TESTS:-"tests/engine/test_gpu_kv_budget.py tests/kvtransfer/test_vram.py tests/kvtransfer/test_layer_order.py tests/engine/test_flashinfer.py tests/engine/test_sampler.py"}
+GPU_TESTS=${GPU_TESTS:-"tests/engine/test_gpu_kv_budget.py tests/kvtransfer/test_vram.py tests/kvtransfer/test_layer_order.py tests/engine/test_flashinfer.py tests/engine/test_sampler.py tests/engine/test_overlap.py"}
 # shellcheck disable=SC2086
 part tests "${TESTS_LIMIT_S:-420}" "${PYP[@]}" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=15 \
     -k "not default_settings" ${PYTEST_ARGS:-} $GPU_TESTS

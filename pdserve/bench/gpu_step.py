@@ -37,7 +37,9 @@ SHAPES = {
                vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192),
     "tiny": dict(),  # the default made model (~34M)
 }
-BACKENDS = ("torch", "flashinfer", "flashinfer+graphs")
+BACKENDS = ("torch", "flashinfer", "flashinfer+graphs", "flashinfer+graphs+overlap")
+# "+overlap" (after any backend): engine arg overlap_steps, the next step's inputs built while
+# this one runs (engine/overlap.py); beside the same backend without it, that is its ablation
 
 
 def parse_args(argv=None):
@@ -58,7 +60,7 @@ def parse_args(argv=None):
     cuda = args.device.startswith("cuda")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.backends = (args.backends or (",".join(BACKENDS) if cuda else "torch")).split(",")
-    bad = [b for b in args.backends if b not in BACKENDS]
+    bad = [b for b in args.backends if b not in BACKENDS and b.removesuffix("+overlap") not in BACKENDS]
     if bad:
         p.error(f"--backends: unknown {bad}; choose from {', '.join(BACKENDS)}")
     if cuda and not torch.cuda.is_available():
@@ -105,7 +107,8 @@ def engine_for(path: str, args, backend: str, max_batch: int):
 
     kwargs = dict(device=args.device, dtype=args.dtype, attention_backend=backend.split("+")[0],
                   max_num_seqs=max_batch, max_num_batched_tokens=max(8192, args.context_len * 4),
-                  cuda_graphs=backend.endswith("+graphs"), cuda_graph_max_batch=max_batch)
+                  cuda_graphs="+graphs" in backend, cuda_graph_max_batch=max_batch,
+                  overlap_steps=backend.endswith("+overlap"))
     need_tokens = max_batch * (args.context_len + args.steps + 8)
     if args.device.startswith("cuda"):
         kwargs["gpu_memory_utilization"] = 0.8
@@ -196,6 +199,8 @@ def main(argv=None) -> int:
             floor_ms = (wbytes + batch * args.context_len * per_token) / bw * 1e3
             results["steps"].setdefault(backend, {})[batch] = {
                 "step_ms": ms, "floor_ms": floor_ms, "x_floor": ms / floor_ms, "tok_s": batch / ms * 1e3}
+            if (ahead := eng.runner.lookahead) is not None:  # how many steps took their prepared inputs
+                results["steps"][backend][batch].update(prepared=ahead.prepared, taken=ahead.taken)
             print(f"{backend:<18} {batch:>5} {ms:>9.3f} {floor_ms:>9.3f} {ms / floor_ms:>7.2f}x "
                   f"{batch / ms * 1e3:>9.0f}", flush=True)
         results["steps"][backend]["engine_start_s"] = start_s

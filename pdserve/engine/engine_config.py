@@ -45,6 +45,10 @@ class EngineConfig:
     # needs device cuda and the flashinfer backend. Capture costs start-up time and some memory.
     cuda_graphs: bool = False
     cuda_graph_max_batch: int = 64  # the largest captured batch (capped at max_num_seqs)
+    # In a run of decode-only steps, build the next step's inputs while this step's forward runs
+    # on the device, and use them when the scheduler's plan is the one predicted (engine/overlap.py).
+    # Same tokens either way; it pays where the device runs ahead of the host (a GPU).
+    overlap_steps: bool = False
     # Linear layers: auto (oneDNN-packed weights for float32 on CPU, else torch) | torch | onednn
     # (engine/linear.py: MKL's small-batch sgemm is slow on the CPU; oneDNN is not bit-identical).
     linear_backend: str = "auto"

@@ -23,6 +23,7 @@ from .kv_events import KVEventLog
 from .kv_tier import KVTier
 from .lora import check_lora_config, check_request
 from .lora_request import LoRARequest, lora_salt
+from .overlap import Lookahead, predict_next
 from .prompt_logprobs import record as record_prompt_logprobs
 from .prompt_logprobs import reported as reported_prompt_logprobs
 from .prompts import PromptChecker, check_resume_ids
@@ -89,6 +90,8 @@ class LLMEngine:
         if config.cuda_graphs:
             self.runner.enable_decode_graphs(self.kv, min(config.cuda_graph_max_batch, config.max_num_seqs),
                                              self.max_model_len)
+        if config.overlap_steps:
+            self.runner.lookahead = Lookahead(config.block_size, self.runner.device)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.scheduling_policy, self.tier)
         self.scheduler.max_loras = config.max_loras if config.enable_lora else None
@@ -392,8 +395,7 @@ class LLMEngine:
                 except Exception as exc:  # noqa: BLE001  (this request fails; the batch goes on)
                     failed.add(req.request_id)
                     deltas.append(self.fail_request(req, exc))
-        if self.tier is not None:
-            self.tier.offer_lru_head(self.kv.pool)  # copied while the next steps run
+        self._while_forward_runs(plan.scheduled, failed)
         if sampling and self.spec is not None and has_drafts(sampling):
             finish_spec_step(self, logits, sampling, failed, deltas)
             sampling = []
@@ -413,6 +415,17 @@ class LLMEngine:
         if self.spec is not None:
             self._spec_step_done(started, deltas)
         return deltas
+
+    def _while_forward_runs(self, scheduled: list[tuple[Request, int]], failed: set[str]) -> None:
+        """Host work that needs no token of this step (on a GPU, the forward is still running):
+        the tier's copies of the next blocks to evict, the next decode step's inputs
+        (engine arg overlap_steps: engine/overlap.py)."""
+        if self.tier is not None:
+            self.tier.offer_lru_head(self.kv.pool)  # copied while the next steps run
+        if self.runner.lookahead is not None and self.spec is None:
+            nxt = predict_next(scheduled, self.scheduler.running, len(self.scheduler.waiting), failed, self.kv)
+            if nxt is not None:
+                self.runner.lookahead.prepare(nxt, self.kv.block_ids)
 
     def _spec_step_done(self, started: float, deltas: list[RequestDelta]) -> None:
         """The measured-cost rule times pure decode steps (engine/spec_cost.py)."""

@@ -21,6 +21,7 @@ from .kv_scales import checkpoint_scales, record
 from .linear import pack_linears
 from .lora_slots import LoRARuntime
 from .model import load_model
+from .overlap import Lookahead
 from .request import Request
 from .step_batch import StepBatch, build_step_batch
 from .tensor_parallel import check_tp, expert_parallel, make_shard
@@ -245,12 +246,17 @@ class ModelRunner:
         self.graphs.capture()
 
     graphs: DecodeGraphs | None = None  # DecodeGraphs once enabled
+    # The next decode step's inputs prepared while this one runs (engine arg overlap_steps;
+    # engine/overlap.py); None when off
+    lookahead: Lookahead | None = None
 
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager,
                 layer_hook=None) -> tuple[torch.Tensor, StepBatch]:
         """Run one step; return the logits of the requests that sample (then of the prompt
         positions whose logprobs are owed: ``batch.prompt_rows``), and the step's batch."""
-        batch = build_step_batch(scheduled, kv, self.block_size, self.device)
+        batch = self.lookahead.take(scheduled, kv.block_ids) if self.lookahead is not None else None
+        if batch is None:
+            batch = build_step_batch(scheduled, kv, self.block_size, self.device)
         if self.lora is not None:
             batch.lora_slots = self.lora.prepare(scheduled, self.group)
         if self.graphs is not None and layer_hook is None and batch.lora_slots is None:

@@ -1,0 +1,228 @@
+"""The next decode step's inputs, prepared while the current step runs (engine argument
+``overlap_steps``).
+
+A decode step on a GPU is mostly host work at small batches: the step's inputs (positions,
+page table, slot mapping) are built after the previous step's tokens are known, while the
+device idles. In a run of decode-only steps with nobody waiting, the next step is predictable:
+the same requests, one token each, one position further. So, as soon as step N's forward is
+launched (and before its sampled tokens are read back, which waits for the device), the engine
+predicts step N+1 (`predict_next`) and builds its inputs on the host (`Lookahead.prepare`);
+when the scheduler's actual plan for N+1 is that prediction (same requests, same order, the
+same context and block table each), the runner takes the prepared inputs (`Lookahead.take`)
+and only fills in the token ids just sampled. Any other plan (an arrival, a finish, a
+preemption, a prompt chunk, speculation) builds its inputs as before: the prediction is never
+trusted, only compared.
+
+The block a request crosses into at step N+1 is allocated with the prediction, as the
+scheduler would at N+1 (`KVCacheManager.allocate`, the same call), and only while the pool has
+a block spare for every running request: the scheduler then finds it allocated.
+
+Correct by construction on a device: the prepared integers are written into one of two host
+staging buffers (pinned on CUDA), and reach the device with one copy that does not wait for
+the host (``non_blocking``); a buffer is written again only after the event recorded behind
+its last copy has completed (`Staging`). Nothing on the device is written ahead of its step:
+step N's inputs are device tensors of their own, read only by the kernels queued after their
+copy on the same stream. The sampled tokens are read back by the sampler, which waits for the
+stream. On the CPU every copy is synchronous: the same code runs with events that are always
+complete (the prepared step is then no faster, but it is the same step: the tests compare
+tokens with and without it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from .attention_base import BatchLayout
+from .step_batch import StepBatch, pad_block_tables
+
+
+class Event(Protocol):
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+
+
+class _Done:
+    """An event of a copy that already happened (the host's own memory)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class Transfer(Protocol):
+    """How staged integers reach the device, and the event that says a copy has read them."""
+
+    pinned: bool
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor: ...
+    def record(self) -> Event: ...
+
+
+class HostTransfer:
+    """CPU engine: the "device" tensor is a copy of the staged one, made now."""
+
+    pinned = False
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor:
+        return host.clone()
+
+    def record(self) -> Event:
+        return _Done()
+
+
+class CudaTransfer:
+    """CUDA: an asynchronous copy from pinned memory on the current stream, an event behind it."""
+
+    pinned = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, non_blocking=True)
+
+    def record(self) -> Event:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+
+def transfer_for(device: torch.device) -> Transfer:
+    return CudaTransfer(device) if device.type == "cuda" else HostTransfer()
+
+
+class Staging:
+    """``slots`` host buffers of int64 that prepared steps are written into; each is read by
+    one copy to the device, and written again only once the event behind that copy is done."""
+
+    def __init__(self, transfer: Transfer, slots: int = 2, capacity: int = 1024):
+        self.transfer = transfer
+        self.bufs = [self._buffer(capacity) for _ in range(slots)]
+        self.events: list[Event | None] = [None] * slots
+        self.next = 0
+        self.waited = 0  # writes that found their buffer's last copy still running (and waited)
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int64, pin_memory=self.transfer.pinned)
+
+    def acquire(self, n: int) -> tuple[int, np.ndarray]:
+        """A free buffer's slot and its first ``n`` entries, to write."""
+        s = self.next
+        self.next = (s + 1) % len(self.bufs)
+        ev = self.events[s]
+        if ev is not None and not ev.query():
+            self.waited += 1
+            ev.synchronize()
+        self.events[s] = None
+        if self.bufs[s].numel() < n:  # (its last copy is done: the old buffer can go)
+            self.bufs[s] = self._buffer(max(n, 2 * self.bufs[s].numel()))
+        return s, self.bufs[s][:n].numpy()
+
+    def upload(self, s: int, n: int) -> torch.Tensor:
+        """Buffer ``s``'s first ``n`` entries on the device; the buffer is busy until the copy is."""
+        out = self.transfer.copy(self.bufs[s][:n])
+        self.events[s] = self.transfer.record()
+        return out
+
+
+@dataclass
+class _Prepared:
+    reqs: list  # the predicted step's requests, in the scheduler's order
+    context: list[int]  # each one's computed tokens (its new token's position)
+    tables: list[list[int]]  # each one's block ids
+    block_tables: np.ndarray
+    slot: int  # the staging buffer: [token ids | positions | slot mapping | logits rows]
+    host: np.ndarray
+
+
+class Lookahead:
+    """The prepared inputs of the next decode step, if it is the one predicted."""
+
+    def __init__(self, block_size: int, device: torch.device, transfer: Transfer | None = None):
+        self.block_size = block_size
+        self.device = device
+        self.staging = Staging(transfer or transfer_for(device))
+        self._next: _Prepared | None = None
+        self.prepared = 0  # steps prepared ahead
+        self.taken = 0  # ... whose plan was the prediction (their inputs were not built again)
+
+    def prepare(self, reqs: list, block_ids: Callable[[str], list[int]]) -> None:
+        """Build the inputs of a step of one token for each of ``reqs`` (decoding requests whose
+        blocks already cover their next position) on the host."""
+        b, bs = len(reqs), self.block_size
+        context = [r.num_computed_tokens for r in reqs]
+        tables = [block_ids(r.request_id) for r in reqs]
+        block_tables = pad_block_tables(tables)
+        ctx = np.asarray(context, dtype=np.int64)
+        slot, host = self.staging.acquire(4 * b)
+        host[b:2 * b] = ctx
+        host[2 * b:3 * b] = block_tables[np.arange(b), ctx // bs] * bs + ctx % bs
+        host[3 * b:] = np.arange(b)
+        self._next = _Prepared(reqs, context, tables, block_tables, slot, host)
+        self.prepared += 1
+
+    def take(self, scheduled: list, block_ids: Callable[[str], list[int]]) -> StepBatch | None:
+        """The prepared batch when ``scheduled`` is the predicted step (its token ids filled in
+        now), else None (the caller builds it)."""
+        p, self._next = self._next, None
+        if p is None or not matches(p, scheduled, block_ids):
+            return None
+        b = len(p.reqs)
+        p.host[:b] = [r.output_token_ids[-1] for r in p.reqs]
+        flat = self.staging.upload(p.slot, 4 * b)
+        ctx = p.host[b:2 * b].copy()
+        layout = BatchLayout(query_start_loc=np.arange(b + 1, dtype=np.int64), context_lens=ctx,
+                             block_tables=p.block_tables, slot_mapping=flat[2 * b:3 * b],
+                             block_size=self.block_size)
+        self.taken += 1
+        return StepBatch(input_ids=flat[:b], positions=flat[b:2 * b], layout=layout,
+                         logits_indices=flat[3 * b:], sampling=list(p.reqs))
+
+    def drop(self) -> None:
+        self._next = None
+
+
+def matches(p: _Prepared, scheduled: list, block_ids: Callable[[str], list[int]]) -> bool:
+    """Whether the plan is the prepared step: the same request objects in the same order, one
+    new token each at the predicted position (its last output token's), the same blocks."""
+    if len(scheduled) != len(p.reqs):
+        return False
+    for (req, n), want, c, table in zip(scheduled, p.reqs, p.context, p.tables):
+        if (req is not want or n != 1 or req.num_computed_tokens != c or req.num_tokens != c + 1
+                or not req.output_token_ids or block_ids(req.request_id) != table):
+            return False
+    return True
+
+
+def predict_next(scheduled: list, running: list, waiting: int, failed: set[str], kv) -> list | None:
+    """The requests of the next step if it is a decode step like this one, given what this
+    step scheduled (after its computed counts moved); None when it cannot be predicted. The
+    blocks the predicted requests cross into are allocated now (as the scheduler would)."""
+    if waiting or len(scheduled) != len(running):
+        return None
+    reqs = []
+    for req, n in scheduled:
+        # (a decode token just computed, its sampled successor not yet appended)
+        if n != 1 or not req.output_token_ids or req.num_computed_tokens != req.num_tokens:
+            return None
+        if req.request_id in failed or req.spec_token_ids:
+            return None
+        if len(req.output_token_ids) + 1 >= req.params.max_tokens:
+            continue  # its token of this step is its last
+        reqs.append(req)
+    if not reqs:
+        return None
+    bs = kv.block_size
+    need = [r for r in reqs if len(kv.tables.get(r.request_id, ())) * bs <= r.num_computed_tokens]
+    if need and kv.pool.num_free - len(need) < len(running):
+        return None  # a tight pool: the scheduler decides who gets the blocks
+    for r in need:
+        if not kv.allocate(r.request_id, r.num_computed_tokens + 1):
+            return None
+    return reqs
