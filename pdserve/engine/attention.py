@@ -135,17 +135,48 @@ class FlashInferAttention(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, kv_layout, use_tensor_cores=self.use_tensor_cores)
+        # A second decode wrapper, made by the first step planned ahead (engine/overlap.py): a
+        # plan goes into the wrapper the last queued step does not run, once the kernels of its
+        # own last step are done (an event each); the two share the float workspace, which only
+        # the kernels use, one step after the other on the stream.
+        self._spare: Any = None
+        self._last_queued: Any = None
+        self._events: dict[int, torch.cuda.Event] = {}
 
-    def plan(self, layout: BatchLayout, device: torch.device) -> FlashInferMeta:
+    def plan_ahead(self, layout: BatchLayout, device: torch.device) -> FlashInferMeta | None:
+        if not bool(np.all(np.diff(layout.query_start_loc) == 1)):
+            return None  # (prefill steps are not planned ahead)
+        if self._spare is None:
+            self._spare = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, self.kv_layout, use_tensor_cores=self.use_tensor_cores)
+        return self.plan(layout, device, ahead=True)
+
+    def queued(self, meta) -> None:
+        self._last_queued = meta.wrapper
+        if self._spare is not None and meta.decode and self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._events[id(meta.wrapper)] = ev
+
+    def _decode_wrapper(self):
+        if self._spare is None:
+            return self._decode
+        wrapper = self._spare if self._last_queued is self._decode else self._decode
+        ev = self._events.get(id(wrapper))
+        if ev is not None:
+            ev.synchronize()
+        return wrapper
+
+    def plan(self, layout: BatchLayout, device: torch.device, ahead: bool = False) -> FlashInferMeta:
         p = PagedPlan.from_layout(layout)
         decode = bool(np.all(np.diff(p.qo_indptr) == 1))
         if decode:
-            self._decode.plan(
+            wrapper = self._decode_wrapper()
+            wrapper.plan(
                 _host_i32(p.kv_indptr), _host_i32(p.kv_indices), _host_i32(p.kv_last_page_len),
                 self.num_heads, self.num_kv_heads, self.head_dim, layout.block_size,
                 q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
             )
-            wrapper = self._decode
         else:
             self._prefill.plan(
                 _host_i32(p.qo_indptr), _host_i32(p.kv_indptr), _host_i32(p.kv_indices),
@@ -154,13 +185,19 @@ class FlashInferAttention(AttentionBackend):
                 q_data_type=self.dtype, kv_data_type=self.dtype,
             )
             wrapper = self._prefill
-        return self.append_meta(p, wrapper, decode, device)
+        return self.append_meta(p, wrapper, decode, device, ahead)
 
     @staticmethod
-    def append_meta(p: PagedPlan, wrapper, decode: bool, device: torch.device) -> FlashInferMeta:
-        """The step's append inputs on ``device``: one host-to-device copy, viewed five ways."""
+    def append_meta(p: PagedPlan, wrapper, decode: bool, device: torch.device, ahead: bool = False) -> FlashInferMeta:
+        """The step's append inputs on ``device``: one host-to-device copy, viewed five ways
+        (ahead of its step: from pinned memory, not waiting for the step before; the caching
+        host allocator keeps that memory until the copy is done)."""
         parts = (p.batch_indices, p.positions, p.kv_indices, p.kv_indptr, p.kv_last_page_len)
-        flat = torch.from_numpy(np.concatenate(parts)).to(device)
+        host = torch.from_numpy(np.concatenate(parts))
+        if ahead and device.type == "cuda":
+            flat = host.pin_memory().to(device, non_blocking=True)
+        else:
+            flat = host.to(device)
         views = torch.split(flat, [len(x) for x in parts])
         return FlashInferMeta(wrapper, decode, *views)
 

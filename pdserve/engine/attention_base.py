@@ -57,5 +57,13 @@ class AttentionBackend:
     def plan(self, layout: BatchLayout, device: torch.device) -> object:
         raise NotImplementedError
 
+    def plan_ahead(self, layout: BatchLayout, device: torch.device) -> object | None:
+        """The plan of a step made while the step before it may still run on the device
+        (engine/overlap.py), or None: it is planned when it starts."""
+        return None
+
+    def queued(self, meta) -> None:
+        """The step planned as ``meta`` has all its kernels queued."""
+
     def forward(self, layer_kv, q, k, v, meta) -> torch.Tensor:
         raise NotImplementedError

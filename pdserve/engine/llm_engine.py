@@ -425,7 +425,7 @@ class LLMEngine:
         if self.runner.lookahead is not None and self.spec is None:
             nxt = predict_next(scheduled, self.scheduler.running, len(self.scheduler.waiting), failed, self.kv)
             if nxt is not None:
-                self.runner.lookahead.prepare(nxt, self.kv.block_ids)
+                self.runner.lookahead.prepare(nxt, self.kv.block_ids, self.runner.plan_ahead)
 
     def _spec_step_done(self, started: float, deltas: list[RequestDelta]) -> None:
         """The measured-cost rule times pure decode steps (engine/spec_cost.py)."""

@@ -6,7 +6,8 @@ page table, slot mapping) are built after the previous step's tokens are known, 
 device idles. In a run of decode-only steps with nobody waiting, the next step is predictable:
 the same requests, one token each, one position further. So, as soon as step N's forward is
 launched (and before its sampled tokens are read back, which waits for the device), the engine
-predicts step N+1 (`predict_next`) and builds its inputs on the host (`Lookahead.prepare`);
+predicts step N+1 (`predict_next`), builds its inputs and plans its attention
+(`Lookahead.prepare`, with the runner's `plan_ahead`);
 when the scheduler's actual plan for N+1 is that prediction (same requests, same order, the
 same context and block table each), the runner takes the prepared inputs (`Lookahead.take`)
 and only fills in the token ids just sampled. Any other plan (an arrival, a finish, a
@@ -20,9 +21,10 @@ a block spare for every running request: the scheduler then finds it allocated.
 Correct by construction on a device: the prepared integers are written into one of two host
 staging buffers (pinned on CUDA), and reach the device with one copy that does not wait for
 the host (``non_blocking``); a buffer is written again only after the event recorded behind
-its last copy has completed (`Staging`). Nothing on the device is written ahead of its step:
-step N's inputs are device tensors of their own, read only by the kernels queued after their
-copy on the same stream. The sampled tokens are read back by the sampler, which waits for the
+its last copy has completed (`Staging`). What reaches the device ahead of its step goes into
+tensors of its own, read only by kernels queued after the copy on the same stream; a plan that
+writes a backend's buffers goes into a second set, alternating (FlashInfer's decode wrappers,
+engine/attention.py). The sampled tokens are read back by the sampler, which waits for the
 stream. On the CPU every copy is synchronous: the same code runs with events that are always
 complete (the prepared step is then no faster, but it is the same step: the tests compare
 tokens with and without it).
@@ -124,9 +126,10 @@ class Staging:
             self.bufs[s] = self._buffer(max(n, 2 * self.bufs[s].numel()))
         return s, self.bufs[s][:n].numpy()
 
-    def upload(self, s: int, n: int) -> torch.Tensor:
-        """Buffer ``s``'s first ``n`` entries on the device; the buffer is busy until the copy is."""
-        out = self.transfer.copy(self.bufs[s][:n])
+    def upload(self, s: int, n: int, start: int = 0) -> torch.Tensor:
+        """Buffer ``s``'s entries ``[start, start + n)`` on the device; the buffer is busy until
+        the copy is (copies on one stream finish in order: the last one's event covers them)."""
+        out = self.transfer.copy(self.bufs[s][start:start + n])
         self.events[s] = self.transfer.record()
         return out
 
@@ -136,8 +139,8 @@ class _Prepared:
     reqs: list  # the predicted step's requests, in the scheduler's order
     context: list[int]  # each one's computed tokens (its new token's position)
     tables: list[list[int]]  # each one's block ids
-    block_tables: np.ndarray
-    slot: int  # the staging buffer: [token ids | positions | slot mapping | logits rows]
+    batch: StepBatch  # its inputs but the token ids, and its attention plan when made ahead
+    slot: int  # the staging buffer: [positions | slot mapping | logits rows | token ids]
     host: np.ndarray
 
 
@@ -151,20 +154,29 @@ class Lookahead:
         self._next: _Prepared | None = None
         self.prepared = 0  # steps prepared ahead
         self.taken = 0  # ... whose plan was the prediction (their inputs were not built again)
+        self.planned = 0  # ... taken with their attention planned ahead too
 
-    def prepare(self, reqs: list, block_ids: Callable[[str], list[int]]) -> None:
+    def prepare(self, reqs: list, block_ids: Callable[[str], list[int]],
+                plan: Callable[[BatchLayout], object | None] | None = None) -> None:
         """Build the inputs of a step of one token for each of ``reqs`` (decoding requests whose
-        blocks already cover their next position) on the host."""
+        blocks already cover their next position), all but the token ids, and ``plan`` its
+        attention (the runner's `plan_ahead`)."""
         b, bs = len(reqs), self.block_size
         context = [r.num_computed_tokens for r in reqs]
         tables = [block_ids(r.request_id) for r in reqs]
         block_tables = pad_block_tables(tables)
         ctx = np.asarray(context, dtype=np.int64)
         slot, host = self.staging.acquire(4 * b)
-        host[b:2 * b] = ctx
-        host[2 * b:3 * b] = block_tables[np.arange(b), ctx // bs] * bs + ctx % bs
-        host[3 * b:] = np.arange(b)
-        self._next = _Prepared(reqs, context, tables, block_tables, slot, host)
+        host[:b] = ctx
+        host[b:2 * b] = block_tables[np.arange(b), ctx // bs] * bs + ctx % bs
+        host[2 * b:3 * b] = np.arange(b)
+        flat = self.staging.upload(slot, 3 * b)
+        layout = BatchLayout(query_start_loc=np.arange(b + 1, dtype=np.int64), context_lens=ctx,
+                             block_tables=block_tables, slot_mapping=flat[b:2 * b], block_size=bs)
+        batch = StepBatch(input_ids=flat[:0], positions=flat[:b], layout=layout,
+                          logits_indices=flat[2 * b:3 * b], sampling=list(reqs))
+        batch.meta = plan(layout) if plan is not None else None
+        self._next = _Prepared(reqs, context, tables, batch, slot, host)
         self.prepared += 1
 
     def take(self, scheduled: list, block_ids: Callable[[str], list[int]]) -> StepBatch | None:
@@ -174,15 +186,11 @@ class Lookahead:
         if p is None or not matches(p, scheduled, block_ids):
             return None
         b = len(p.reqs)
-        p.host[:b] = [r.output_token_ids[-1] for r in p.reqs]
-        flat = self.staging.upload(p.slot, 4 * b)
-        ctx = p.host[b:2 * b].copy()
-        layout = BatchLayout(query_start_loc=np.arange(b + 1, dtype=np.int64), context_lens=ctx,
-                             block_tables=p.block_tables, slot_mapping=flat[2 * b:3 * b],
-                             block_size=self.block_size)
+        p.host[3 * b:] = [r.output_token_ids[-1] for r in p.reqs]
+        p.batch.input_ids = self.staging.upload(p.slot, b, start=3 * b)
         self.taken += 1
-        return StepBatch(input_ids=flat[:b], positions=flat[b:2 * b], layout=layout,
-                         logits_indices=flat[3 * b:], sampling=list(p.reqs))
+        self.planned += p.batch.meta is not None
+        return p.batch
 
     def drop(self) -> None:
         self._next = None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import make_backend
+from .attention_base import BatchLayout
 from .block_manager import KVCacheManager
 from .config import ConfigError, EngineConfig, ModelConfig, dtype_name, parse_dtype, parse_kv_cache_dtype
 from .kv_quant import KVQuant
@@ -276,13 +277,22 @@ class ModelRunner:
 
     def run_step(self, batch: StepBatch, layer_hook=None) -> torch.Tensor | None:
         """Plan attention and run the model on one step's batch; logits at rank 0, None elsewhere."""
-        meta = self.backend.plan(batch.layout, self.device)
+        meta = batch.meta if batch.meta is not None else self.backend.plan(batch.layout, self.device)
         if self.lora is not None:
             self.lora.begin_step(batch.lora_slots)
-        return self.model(
+        logits = self.model(
             batch.input_ids, batch.positions, self.kv_cache, self.backend, meta,
             batch.logits_indices, layer_hook=layer_hook,
         )
+        self.backend.queued(meta)
+        return logits
+
+    def plan_ahead(self, layout: BatchLayout) -> object | None:
+        """The attention plan of a step prepared while the one before runs (engine/overlap.py);
+        None for a step a decode graph will replay (its replay plans the graph's own wrapper)."""
+        if self.graphs is not None and self.graphs.size_for(layout) is not None:
+            return None
+        return self.backend.plan_ahead(layout, self.device)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at TP=1)."""

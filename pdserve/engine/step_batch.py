@@ -10,6 +10,7 @@ small torch ops per request would cost as much as the model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +37,9 @@ class StepBatch:
     prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
     # each token's LoRA adapter slot, -1 for the base (engine/lora_slots.py); None: no adapter in the step
     lora_slots: np.ndarray | None = None
+    # the attention backend's plan when it was made ahead of the step (engine/overlap.py); None:
+    # the runner plans it when the step starts
+    meta: Any = None
 
 
 def new_token_ids(req: Request, start: int, n: int) -> list[int]:

@@ -127,6 +127,9 @@ class TorchAttention(AttentionBackend):
         self._k_buf = torch.empty(0)
         self._v_buf = torch.empty(0)
 
+    def plan_ahead(self, layout: BatchLayout, device: torch.device) -> _TorchMeta:
+        return self.plan(layout, device)  # (its tensors are the plan's own: nothing a running step reads)
+
     def plan(self, layout: BatchLayout, device: torch.device) -> _TorchMeta:
         k_rows, v_rows = _kv_rows(layout.slot_mapping, layout.block_size)
         meta = _TorchMeta(k_rows=k_rows, v_rows=v_rows)

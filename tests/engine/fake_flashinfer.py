@@ -121,7 +121,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
             ip.copy_(indptr)
             ix[:len(self.kv_indices)].copy_(indices)
             lp.copy_(last_page_len)
-        calls.append(("plan_decode", {"batch": len(self.last), "tensor_cores": self.use_tensor_cores}))
+        calls.append(("plan_decode", {"batch": len(self.last), "tensor_cores": self.use_tensor_cores,
+                                      "wrapper": id(self)}))
 
     def run(self, q: torch.Tensor, paged_kv_cache: torch.Tensor) -> torch.Tensor:
         if self.use_cuda_graph:  # a replayed graph reads the static buffers, not what plan() saw

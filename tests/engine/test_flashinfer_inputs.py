@@ -89,6 +89,26 @@ def test_steps_plan_the_right_wrapper_and_tokens_equal_the_torch_path(llama_dir,
     assert appends == plans * m.num_layers
 
 
+def test_decode_steps_planned_ahead_alternate_two_wrappers_and_keep_tokens_exact(llama_dir, fake_fi):
+    """Engine arg overlap_steps (engine/overlap.py): a decode step planned while the one before
+    runs goes into the other decode wrapper; tokens stay the torch path's."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 21, 9)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 14, 11)]
+    args = dict(kv_cache_memory_bytes=8 << 20, block_size=4)
+    ref = LLM(llama_dir, **args).generate(prompts, params)
+    llm = _with_flashinfer(LLM(llama_dir, overlap_steps=True, **args))
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    ahead = llm.engine.runner.lookahead
+    assert ahead is not None and ahead.planned > 0
+    decode_plans = [facts["wrapper"] for what, facts in fake_fi if what == "plan_decode"]
+    assert len(set(decode_plans)) == 2
+    # in the prepared run no wrapper is planned twice in a row (the step before runs the other)
+    firsts = decode_plans.index(id(llm.engine.runner.backend._spare))
+    assert all(a != b for a, b in zip(decode_plans[firsts:], decode_plans[firsts + 1:]))
+
+
 class _EagerGraphs(DecodeGraphs):
     """CUDA graphs whose "replay" runs the captured forward eagerly (CPU has no graphs): the
     static buffers, padding rows, scratch block and per-size wrapper plans are the real ones."""

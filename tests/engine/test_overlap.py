@@ -124,6 +124,7 @@ def test_the_engine_gives_the_same_tokens_with_the_next_step_prepared(llama_dir,
     ahead = eng.runner.lookahead
     assert ahead is not None and plain.runner.lookahead is None
     assert 0 < ahead.taken <= ahead.prepared
+    assert ahead.planned == ahead.taken  # (the CPU's attention is planned ahead too)
     assert eng.kv.pool.num_free == plain.kv.pool.num_free == eng.kv.pool.num_blocks  # nothing held
     if "num_gpu_blocks_override" in engine_args:  # the pool is tight for most of the run: no prediction while it is
         assert eng.stats.num_preemptions == plain.stats.num_preemptions > 0
