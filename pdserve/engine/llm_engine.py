@@ -89,7 +89,7 @@ class LLMEngine:
                                  self.kv_events, self.tier)
         if config.cuda_graphs:
             self.runner.enable_decode_graphs(self.kv, min(config.cuda_graph_max_batch, config.max_num_seqs),
-                                             self.max_model_len)
+                                             self.max_model_len, slots=2 if config.overlap_steps else 1)
         if config.overlap_steps:
             self.runner.lookahead = Lookahead(config.block_size, self.runner.device)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,

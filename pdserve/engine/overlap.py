@@ -157,7 +157,7 @@ class Lookahead:
         self.planned = 0  # ... taken with their attention planned ahead too
 
     def prepare(self, reqs: list, block_ids: Callable[[str], list[int]],
-                plan: Callable[[BatchLayout], object | None] | None = None) -> None:
+                plan: Callable[[StepBatch], object | None] | None = None) -> None:
         """Build the inputs of a step of one token for each of ``reqs`` (decoding requests whose
         blocks already cover their next position), all but the token ids, and ``plan`` its
         attention (the runner's `plan_ahead`)."""
@@ -175,7 +175,7 @@ class Lookahead:
                              block_tables=block_tables, slot_mapping=flat[b:2 * b], block_size=bs)
         batch = StepBatch(input_ids=flat[:0], positions=flat[:b], layout=layout,
                           logits_indices=flat[2 * b:3 * b], sampling=list(reqs))
-        batch.meta = plan(layout) if plan is not None else None
+        batch.meta = plan(batch) if plan is not None else None
         self._next = _Prepared(reqs, context, tables, batch, slot, host)
         self.prepared += 1
 

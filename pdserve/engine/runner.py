@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import make_backend
-from .attention_base import BatchLayout
 from .block_manager import KVCacheManager
 from .config import ConfigError, EngineConfig, ModelConfig, dtype_name, parse_dtype, parse_kv_cache_dtype
 from .kv_quant import KVQuant
@@ -27,6 +26,8 @@ from .request import Request
 from .step_batch import StepBatch, build_step_batch
 from .tensor_parallel import check_tp, expert_parallel, make_shard
 from .tp_group import TPGroup, TPGroupBroken
+
+from .cuda_graphs import GraphAhead
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs
@@ -233,8 +234,9 @@ class ModelRunner:
             "kv_scales": self.kv_quant.scale_list() if self.kv_quant is not None else [],
         }
 
-    def enable_decode_graphs(self, kv: KVCacheManager, max_batch: int, max_model_len: int) -> None:
-        """Capture decode CUDA graphs (engine arg cuda_graphs; engine/cuda_graphs.py)."""
+    def enable_decode_graphs(self, kv: KVCacheManager, max_batch: int, max_model_len: int, slots: int = 1) -> None:
+        """Capture decode CUDA graphs (engine arg cuda_graphs; engine/cuda_graphs.py); two sets
+        of them with ``slots=2`` (engine arg overlap_steps: a step loaded while one runs)."""
         if self.device.type != "cuda" or self.backend.name != "flashinfer":
             raise ConfigError(
                 f"cuda_graphs=True needs device='cuda' and attention_backend='flashinfer' (with dtype "
@@ -243,7 +245,7 @@ class ModelRunner:
             )
         from .cuda_graphs import DecodeGraphs
 
-        self.graphs = DecodeGraphs(self, kv, max_batch, max_model_len)
+        self.graphs = DecodeGraphs(self, kv, max_batch, max_model_len, slots)
         self.graphs.capture()
 
     graphs: DecodeGraphs | None = None  # DecodeGraphs once enabled
@@ -264,6 +266,8 @@ class ModelRunner:
             size = self.graphs.size_for(batch.layout)
             if size is not None:
                 return self.graphs.run(batch, size), batch
+        if isinstance(batch.meta, GraphAhead):
+            batch.meta = None  # (loaded for a replay this step does not run: planned when it starts)
         if self.group is None:
             return self.run_step(batch, layer_hook), batch
         try:
@@ -287,12 +291,13 @@ class ModelRunner:
         self.backend.queued(meta)
         return logits
 
-    def plan_ahead(self, layout: BatchLayout) -> object | None:
-        """The attention plan of a step prepared while the one before runs (engine/overlap.py);
-        None for a step a decode graph will replay (its replay plans the graph's own wrapper)."""
-        if self.graphs is not None and self.graphs.size_for(layout) is not None:
-            return None
-        return self.backend.plan_ahead(layout, self.device)
+    def plan_ahead(self, batch: StepBatch) -> object | None:
+        """The attention plan of a step prepared while the one before runs (engine/overlap.py):
+        for a step a decode graph will replay, that graph's set of inputs loaded and planned
+        (`DecodeGraphs.load_ahead`); else the backend's plan, or None (planned when it starts)."""
+        if self.graphs is not None and (size := self.graphs.size_for(batch.layout)) is not None:
+            return self.graphs.load_ahead(batch, size)
+        return self.backend.plan_ahead(batch.layout, self.device)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at TP=1)."""

@@ -114,16 +114,18 @@ class _EagerGraphs(DecodeGraphs):
     static buffers, padding rows, scratch block and per-size wrapper plans are the real ones."""
 
     replays: list[int]
+    slots_replayed: list[int]
 
-    def _record(self, size):
+    def _record(self, size, slot):
         graphs = self
 
         class Replay:
             def replay(self):
                 graphs.replays.append(size)
-                graphs._forward(size)
+                graphs.slots_replayed.append(slot)
+                graphs._forward(size, slot)
 
-        self._forward(size)  # what capture runs once
+        self._forward(size, slot)  # what capture runs once
         return Replay()
 
 
@@ -136,7 +138,7 @@ def test_decode_graphs_pad_into_the_scratch_block_and_keep_tokens_exact(llama_di
     llm = _with_flashinfer(LLM(llama_dir, **args))
     runner, kv = llm.engine.runner, llm.engine.kv
     graphs = _EagerGraphs(runner, kv, max_batch=8, max_model_len=64)
-    graphs.replays = []
+    graphs.replays, graphs.slots_replayed = [], []
     graphs.capture()
     runner.graphs = graphs
     assert graphs.sizes == [1, 2, 4, 8] and set(graphs.wrappers) == {1, 2, 4, 8}
@@ -150,6 +152,34 @@ def test_decode_graphs_pad_into_the_scratch_block_and_keep_tokens_exact(llama_di
     assert kv.pool.blocks[graphs.scratch_block].ref_cnt == 1
     assert graphs.size_for(BatchLayout(np.arange(10), np.ones(9, dtype=np.int64), np.zeros((9, 1), np.int64),
                                        torch.zeros(9), 16)) is None  # more rows than the largest graph
+
+
+def test_decode_graphs_loaded_ahead_alternate_two_sets_and_keep_tokens_exact(llama_dir, fake_fi):
+    """overlap_steps with decode graphs: the next step is loaded and planned into the set of
+    static inputs the running replay does not read; tokens stay the torch path's."""
+    rng = random.Random(13)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 21, 9)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 14, 11)]
+    args = dict(kv_cache_memory_bytes=8 << 20, block_size=4)
+    ref = LLM(llama_dir, **args).generate(prompts, params)
+    llm = _with_flashinfer(LLM(llama_dir, overlap_steps=True, **args))
+    runner, kv = llm.engine.runner, llm.engine.kv
+    graphs = _EagerGraphs(runner, kv, max_batch=8, max_model_len=64, slots=2)
+    graphs.replays, graphs.slots_replayed = [], []
+    graphs.capture()
+    runner.graphs = graphs
+    loaded = []
+    load_ahead = graphs.load_ahead
+    graphs.load_ahead = lambda batch, size: loaded.append(load_ahead(batch, size)) or loaded[-1]
+
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert len(graphs.slots[0].graphs) == len(graphs.slots[1].graphs) == 4
+    ahead = runner.lookahead
+    assert ahead is not None and ahead.planned > 0 and len(loaded) == ahead.prepared
+    # consecutive replays read alternate sets
+    assert all(a != b for a, b in zip(graphs.slots_replayed, graphs.slots_replayed[1:]))
+    assert set(graphs.slots_replayed) == {0, 1}
 
 
 def test_cuda_graphs_are_refused_off_the_cuda_flashinfer_path(llama_dir):
