@@ -7,6 +7,13 @@
 #   bash bench/gpu_check.sh              # a machine without one: uses .gpu/ (make gpu-bundle)
 #
 # Logs and JSON go to $OUT (default runs/gpu-check). PYTHON picks the interpreter.
+#
+# Expected time on an H200 (the parts' times of the 2026-11-28 run, docs/gpu/): env ~10 s, tier
+# ~1 min, profile ~2 min, tests ~3 min with 6 workers (FlashInfer JIT-compiles each kernel
+# variant on first use, 80-120 s a prefill module, inside that), tests_alone ~20 s, gpu_step ~3
+# min (four backends: flashinfer+graphs+overlap added in session 40), sim_model + sim_profile ~2
+# min: ~11 min in all, each part capped by its own limit below. Within a 15-minute device budget
+# that leaves one part to rerun: PARTS="tests" (or another part's name) runs only those.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-check}

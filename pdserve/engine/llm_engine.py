@@ -343,10 +343,7 @@ class LLMEngine:
         before the forward pass and may return a per-layer hook for this step, called as
         ``hook(layer, ready)`` (the prefill worker streams KV with it; engine/kv_ready.py).
         """
-        # The grammars that compiled get matchers (the scheduler admits their requests); those
-        # that failed stay held back and end with this step's deltas (engine/structured_state.py).
-        if self.structured.pending:
-            self._grammar_failed += self.structured.poll()
+        self._before_plan()
         started = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.structured)
@@ -423,9 +420,28 @@ class LLMEngine:
         if self.tier is not None:
             self.tier.offer_lru_head(self.kv.pool)  # copied while the next steps run
         if self.runner.lookahead is not None and self.spec is None:
-            nxt = predict_next(scheduled, self.scheduler.running, len(self.scheduler.waiting), failed, self.kv)
-            if nxt is not None:
-                self.runner.lookahead.prepare(nxt, self.kv.block_ids, self.runner.plan_ahead)
+            try:
+                nxt = predict_next(scheduled, self.scheduler.running, self._admitting(), failed, self.kv)
+                if nxt is not None:
+                    self.runner.lookahead.prepare(nxt[0], self.kv.block_ids, self.runner.plan_ahead, nxt[1])
+            except Exception:  # noqa: BLE001  (only a missed prediction: the next step builds its inputs)
+                log.exception("preparing the next decode step failed; it is built when it starts")
+                self.runner.lookahead.drop()
+
+    def _before_plan(self) -> None:
+        # The grammars that compiled get matchers (the scheduler admits their requests); those
+        # that failed stay held back and end with this step's deltas (engine/structured_state.py).
+        if self.structured.pending:
+            self._grammar_failed += self.structured.poll()
+        # A step prepared ahead gives back the blocks its prediction took before a plan that
+        # admits someone: admission sees the pool it would without it (engine/overlap.py).
+        if self.runner.lookahead is not None and self._admitting():
+            self.runner.lookahead.release(self.kv)
+
+    def _admitting(self) -> int:
+        """Requests the next plan may admit: prompts, remote-KV reservations, tier loads."""
+        s = self.scheduler
+        return len(s.waiting) + len(s.remote_waiting) + len(s.loading)
 
     def _spec_step_done(self, started: float, deltas: list[RequestDelta]) -> None:
         """The measured-cost rule times pure decode steps (engine/spec_cost.py)."""

@@ -15,8 +15,11 @@ preemption, a prompt chunk, speculation) builds its inputs as before: the predic
 trusted, only compared.
 
 The block a request crosses into at step N+1 is allocated with the prediction, as the
-scheduler would at N+1 (`KVCacheManager.allocate`, the same call), and only while the pool has
-a block spare for every running request: the scheduler then finds it allocated.
+scheduler would at N+1 (`KVCacheManager.allocate`, the same call), only while the pool has a
+block spare for every running request and only from free blocks holding no cached prefix:
+the scheduler then finds it allocated. Before a plan that may admit someone, the engine drops
+the prepared step and gives those blocks back (`Lookahead.release`), so that admission (a
+remote-KV reservation above all) sees the pool it would without the prediction.
 
 Correct by construction on a device: the prepared integers are written into one of two host
 staging buffers (pinned on CUDA), and reach the device with one copy that does not wait for
@@ -33,7 +36,7 @@ tokens with and without it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -142,6 +145,7 @@ class _Prepared:
     batch: StepBatch  # its inputs but the token ids, and its attention plan when made ahead
     slot: int  # the staging buffer: [positions | slot mapping | logits rows | token ids]
     host: np.ndarray
+    grown: list  # the requests given their next block by the prediction
 
 
 class Lookahead:
@@ -157,10 +161,10 @@ class Lookahead:
         self.planned = 0  # ... taken with their attention planned ahead too
 
     def prepare(self, reqs: list, block_ids: Callable[[str], list[int]],
-                plan: Callable[[StepBatch], object | None] | None = None) -> None:
+                plan: Callable[[StepBatch], object | None] | None = None, grown: Sequence = ()) -> None:
         """Build the inputs of a step of one token for each of ``reqs`` (decoding requests whose
-        blocks already cover their next position), all but the token ids, and ``plan`` its
-        attention (the runner's `plan_ahead`)."""
+        blocks already cover their next position; ``grown``: those the prediction gave a block),
+        all but the token ids, and ``plan`` its attention (the runner's `plan_ahead`)."""
         b, bs = len(reqs), self.block_size
         context = [r.num_computed_tokens for r in reqs]
         tables = [block_ids(r.request_id) for r in reqs]
@@ -176,8 +180,20 @@ class Lookahead:
         batch = StepBatch(input_ids=flat[:0], positions=flat[:b], layout=layout,
                           logits_indices=flat[2 * b:3 * b], sampling=list(reqs))
         batch.meta = plan(batch) if plan is not None else None
-        self._next = _Prepared(reqs, context, tables, batch, slot, host)
+        self._next = _Prepared(reqs, context, tables, batch, slot, host, list(grown))
         self.prepared += 1
+
+    def release(self, kv) -> None:
+        """Drop the prepared step and give back the blocks its prediction took ahead: called
+        before a plan that admits someone (a prompt, a remote-KV reservation, a tier load), so
+        that admission sees the pool it would without the prediction."""
+        p, self._next = self._next, None
+        if p is None:
+            return
+        for req in p.grown:
+            table = kv.tables.get(req.request_id)
+            if table is not None and req.num_computed_tokens == req.num_tokens - 1:  # still where predicted
+                kv.trim(req.request_id, req.num_computed_tokens)
 
     def take(self, scheduled: list, block_ids: Callable[[str], list[int]]) -> StepBatch | None:
         """The prepared batch when ``scheduled`` is the predicted step (its token ids filled in
@@ -208,10 +224,13 @@ def matches(p: _Prepared, scheduled: list, block_ids: Callable[[str], list[int]]
     return True
 
 
-def predict_next(scheduled: list, running: list, waiting: int, failed: set[str], kv) -> list | None:
+def predict_next(scheduled: list, running: list, waiting: int, failed: set[str], kv) -> tuple[list, list] | None:
     """The requests of the next step if it is a decode step like this one, given what this
-    step scheduled (after its computed counts moved); None when it cannot be predicted. The
-    blocks the predicted requests cross into are allocated now (as the scheduler would)."""
+    step scheduled (after its computed counts moved) and how many requests wait for admission
+    (prompts, remote-KV reservations, tier loads); None when it cannot be predicted. The blocks
+    the predicted requests cross into are allocated now, as the scheduler would (returned
+    beside them), and only from blocks that hold no cached prefix: a prediction that does not
+    come true must not have evicted one."""
     if waiting or len(scheduled) != len(running):
         return None
     reqs = []
@@ -230,7 +249,9 @@ def predict_next(scheduled: list, running: list, waiting: int, failed: set[str],
     need = [r for r in reqs if len(kv.tables.get(r.request_id, ())) * bs <= r.num_computed_tokens]
     if need and kv.pool.num_free - len(need) < len(running):
         return None  # a tight pool: the scheduler decides who gets the blocks
+    if any(b.block_hash is not None for b in kv.pool.free.first(len(need))):
+        return None  # (the scheduler evicts it when the step comes true)
     for r in need:
         if not kv.allocate(r.request_id, r.num_computed_tokens + 1):
             return None
-    return reqs
+    return reqs, need

@@ -130,6 +130,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
             self.kv_indptr, self.last = ip.tolist(), lp.tolist()
             self.kv_indices = ix[:self.kv_indptr[-1]].tolist()
         self._check_run(q, paged_kv_cache)
+        calls.append(("run_decode", {"wrapper": id(self)}))
         assert q.shape[0] == len(self.last), "decode: one query token per sequence"
         out = torch.empty_like(q)
         for i in range(len(self.last)):

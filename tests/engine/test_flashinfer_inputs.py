@@ -104,9 +104,18 @@ def test_decode_steps_planned_ahead_alternate_two_wrappers_and_keep_tokens_exact
     assert ahead is not None and ahead.planned > 0
     decode_plans = [facts["wrapper"] for what, facts in fake_fi if what == "plan_decode"]
     assert len(set(decode_plans)) == 2
-    # in the prepared run no wrapper is planned twice in a row (the step before runs the other)
-    firsts = decode_plans.index(id(llm.engine.runner.backend._spare))
-    assert all(a != b for a, b in zip(decode_plans[firsts:], decode_plans[firsts + 1:]))
+    # On a device the last step may still run when the next is planned: once there are two
+    # wrappers, no decode plan goes into the one the last step ran
+    spare, last_run, two, checked = id(llm.engine.runner.backend._spare), None, False, 0
+    for what, facts in fake_fi:
+        if what == "run_decode":
+            last_run = facts["wrapper"]
+        elif what == "plan_decode":
+            two = two or facts["wrapper"] == spare
+            if two:
+                assert facts["wrapper"] != last_run
+                checked += 1
+    assert checked >= 10
 
 
 class _EagerGraphs(DecodeGraphs):

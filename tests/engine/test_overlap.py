@@ -38,11 +38,11 @@ def test_the_prepared_step_is_the_step_built_from_the_plan_and_other_plans_are_r
     reqs = [decoding("a", 5, 2, kv), decoding("b", 6, 2, kv), decoding("c", 9, 4, kv), decoding("d", 10, 6, kv)]
     plan = [(r, 1) for r in reqs]
     free = kv.pool.num_free
-    nxt = predict_next(plan, reqs, 0, set(), kv)
-    assert nxt == reqs
+    nxt, grown = predict_next(plan, reqs, 0, set(), kv)
+    assert nxt == reqs and grown == [reqs[1], reqs[3]]
     assert kv.pool.num_free == free - 2  # b's and d's next blocks, taken as the scheduler would
     ahead = Lookahead(BS, CPU)
-    ahead.prepare(nxt, kv.block_ids)
+    ahead.prepare(nxt, kv.block_ids, grown=grown)
     for i, r in enumerate(reqs):  # the step's sampled tokens are appended
         r.output_token_ids.append(900 + i)
     want = build_step_batch(plan, kv, BS, CPU)
@@ -83,7 +83,68 @@ def test_no_prediction_when_someone_waits_a_chunk_runs_or_the_pool_is_tight():
     # 3 blocks used of 6: two more would leave 1 < 2 running; the scheduler decides
     assert predict_next(plan, [a, b], 0, set(), kv) is None and kv.pool.num_free == 3
     b.params.max_tokens = 2  # b's token of this step is its last: only a goes on
-    assert predict_next(plan, [a, b], 0, set(), kv) == [a] and kv.pool.num_free == 2
+    assert predict_next(plan, [a, b], 0, set(), kv) == ([a], [a]) and kv.pool.num_free == 2
+
+
+def scheduled_decode(kv: KVCacheManager, s, reqs: list) -> list:
+    """Two scheduler steps (the prompts, then a decode step), as the engine leaves them before
+    the decode step's tokens are appended."""
+    for r in reqs:
+        s.add(r)
+    for r, n in s.schedule().scheduled:
+        r.num_computed_tokens += n
+        r.output_token_ids.append(1)
+    plan = s.schedule().scheduled
+    for r, n in plan:
+        r.num_computed_tokens += n
+    return plan
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prediction_gives_its_blocks_back_before_admission_and_never_evicts_a_cached_prefix(overlap):
+    from pdserve.engine.request import RequestStatus
+    from pdserve.engine.scheduler import Scheduler
+
+    # 1. A remote-KV prompt arrives between the steps: it gets the same reservation as without
+    #    the prediction (which had taken the blocks the decoding requests move into).
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
+    s = Scheduler(kv, 4096, 16)
+    reqs = [Request(f"d{i}", list(range(10 + 50 * i, 17 + 50 * i)), SamplingParams(max_tokens=50)) for i in range(2)]
+    plan = scheduled_decode(kv, s, reqs)
+    ahead = Lookahead(BS, CPU)
+    if overlap:
+        nxt = predict_next(plan, s.running, 0, set(), kv)
+        assert nxt is not None and len(nxt[1]) == 2  # both move into a third block
+        ahead.prepare(nxt[0], kv.block_ids, grown=nxt[1])
+    for r in reqs:
+        r.output_token_ids.append(2)
+    remote = Request("remote", list(range(500, 548)), SamplingParams(max_tokens=5))
+    remote.remote_kv = True
+    s.add(remote)
+    ahead.release(kv)  # (the engine does it when anyone awaits admission)
+    assert kv.pool.num_free == 12
+    out = s.schedule()
+    assert s.is_awaiting_remote("remote") and remote.remote_kv and len(out.preempted) == 1
+
+    # 2. A cached prefix block at the head of the free queue is not taken by a prediction: the
+    #    request may stop with this step's token (it does here), and the prefix stays cached.
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=True)
+    s = Scheduler(kv, 4096, 16)
+    old = Request("old", [7, 7, 7, 7, 9], SamplingParams(max_tokens=1))
+    s.add(old)
+    s.schedule()
+    old.num_computed_tokens = 5
+    kv.cache_full_blocks("old", old.all_token_ids, 5)
+    s.finish(old, RequestStatus.FINISHED_STOPPED)
+    x = Request("x", [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=50))
+    plan = scheduled_decode(kv, s, [x])  # decoding at position 7: the next one opens a block
+    while kv.pool.free.head.next.block_hash is None:  # the cached block to the LRU head
+        kv.pool.free.append(kv.pool.free.popleft())
+    if overlap:
+        assert predict_next(plan, s.running, 0, set(), kv) is None
+    x.output_token_ids.append(2)
+    s.finish(x, RequestStatus.FINISHED_STOPPED)  # its EOS
+    assert len(kv.pool.cached) == 1 and kv.pool.lookup(kv._hashes("probe", [7, 7, 7, 7, 1], None))
 
 
 def generate(llama_dir: str, overlap: bool, **engine_args) -> tuple[dict, LLMEngine]:
@@ -281,3 +342,6 @@ def test_on_a_gpu_the_prepared_steps_give_the_same_tokens(model_dirs, graphs):
     assert outs[0] == outs[1]
     ahead = engines[1].runner.lookahead
     assert ahead is not None and ahead.taken > 0 and ahead.staging.transfer.pinned
+    assert ahead.planned > 0  # (FlashInfer's second decode wrapper, or the graphs' second set)
+    if graphs:
+        assert len(engines[1].runner.graphs.slots) == 2
