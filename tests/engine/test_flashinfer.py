@@ -110,6 +110,23 @@ def test_flashinfer_greedy_matches_torch_backend(model_dirs, name, dtype):
     _assert_same_or_tie(ref32, prompts, [o.token_ids for o in outs], [r.token_ids for r in ref], 4 * err)
 
 
+def test_flashinfer_with_the_hnd_pool_layout_matches_the_torch_path(model_dirs):
+    """kv_layout HND (head-major pages: what a handoff between TP sizes needs): FlashInfer's
+    append and decode/prefill kernels read and write the pool in that order; greedy tokens are
+    the torch path's on the same layout, or differ first at a float32 tie."""
+    needs_flashinfer()
+    model = model_dirs("llama_gpu")
+    prompts = _prompts(6, seed=7)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    ref32, err = _errors(model, "bfloat16", prompts[:2])
+    args = dict(device="cuda", kv_cache_memory_bytes=KV, dtype="bfloat16", kv_layout="HND")
+    ref = LLM(model, attention_backend="torch", **args).generate(prompts, params)
+    llm = LLM(model, attention_backend="flashinfer", **args)
+    assert llm.engine.runner.backend.name == "flashinfer" and llm.engine.runner.backend.kv_layout == "HND"
+    outs = llm.generate(prompts, params)
+    _assert_same_or_tie(ref32, prompts, [o.token_ids for o in outs], [r.token_ids for r in ref], 4 * err)
+
+
 def test_flashinfer_chunked_prefill_and_prefix_cache(model_dirs):
     needs_flashinfer()
     model = model_dirs("llama_gpu")
