@@ -89,15 +89,21 @@ def test_steps_plan_the_right_wrapper_and_tokens_equal_the_torch_path(llama_dir,
     assert appends == plans * m.num_layers
 
 
-def test_decode_steps_planned_ahead_alternate_two_wrappers_and_keep_tokens_exact(llama_dir, fake_fi):
-    """Engine arg overlap_steps (engine/overlap.py): a decode step planned while the one before
-    runs goes into the other decode wrapper; tokens stay the torch path's."""
-    rng = random.Random(11)
+def _overlap_run(llama_dir: str, seed: int):
+    """Three decoding requests of different lengths, their torch-path reference, and an engine
+    with overlap_steps on the FlashInfer stand-in."""
+    rng = random.Random(seed)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 21, 9)]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 14, 11)]
     args = dict(kv_cache_memory_bytes=8 << 20, block_size=4)
     ref = LLM(llama_dir, **args).generate(prompts, params)
-    llm = _with_flashinfer(LLM(llama_dir, overlap_steps=True, **args))
+    return prompts, params, ref, _with_flashinfer(LLM(llama_dir, overlap_steps=True, **args))
+
+
+def test_decode_steps_planned_ahead_alternate_two_wrappers_and_keep_tokens_exact(llama_dir, fake_fi):
+    """Engine arg overlap_steps (engine/overlap.py): a decode step planned while the one before
+    runs goes into the other decode wrapper; tokens stay the torch path's."""
+    prompts, params, ref, llm = _overlap_run(llama_dir, seed=11)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     ahead = llm.engine.runner.lookahead
@@ -166,12 +172,7 @@ def test_decode_graphs_pad_into_the_scratch_block_and_keep_tokens_exact(llama_di
 def test_decode_graphs_loaded_ahead_alternate_two_sets_and_keep_tokens_exact(llama_dir, fake_fi):
     """overlap_steps with decode graphs: the next step is loaded and planned into the set of
     static inputs the running replay does not read; tokens stay the torch path's."""
-    rng = random.Random(13)
-    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 21, 9)]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 14, 11)]
-    args = dict(kv_cache_memory_bytes=8 << 20, block_size=4)
-    ref = LLM(llama_dir, **args).generate(prompts, params)
-    llm = _with_flashinfer(LLM(llama_dir, overlap_steps=True, **args))
+    prompts, params, ref, llm = _overlap_run(llama_dir, seed=13)
     runner, kv = llm.engine.runner, llm.engine.kv
     graphs = _EagerGraphs(runner, kv, max_batch=8, max_model_len=64, slots=2)
     graphs.replays, graphs.slots_replayed = [], []
