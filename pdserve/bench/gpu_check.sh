@@ -11,9 +11,12 @@
 # Expected time on an H200 (the parts' times of the 2026-11-28 run, docs/gpu/): env ~10 s, tier
 # ~1 min, profile ~2 min, tests ~3 min with 6 workers (FlashInfer JIT-compiles each kernel
 # variant on first use, 80-120 s a prefill module, inside that), tests_alone ~20 s, gpu_step ~3
-# min (four backends: flashinfer+graphs+overlap added in session 40), sim_model + sim_profile ~2
-# min: ~11 min in all, each part capped by its own limit below. Within a 15-minute device budget
-# that leaves one part to rerun: PARTS="tests" (or another part's name) runs only those.
+# min (four backends: flashinfer+graphs+overlap added in session 40), gpu_step_8b ~2 min,
+# sim_model + sim_profile ~2 min: ~13 min in all, each part capped by its own limit below. A
+# device command may run 10 minutes at most, so split it over two commands on the same warm
+# machine (FlashInfer's JIT cache stays there), e.g. PARTS="env gpu_step gpu_step_8b" then
+# PARTS="tests tests_alone"; the parts already recorded in docs/gpu/ (tier, profile,
+# sim_profile) can be left out when nothing under them changed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-check}
@@ -33,7 +36,7 @@ fi
 PYP=("$PY" -P)
 status=0
 # PARTS picks which parts run, in their order below (default: all)
-PARTS=" ${PARTS:-env tier profile tests tests_alone gpu_step sim_profile} "
+PARTS=" ${PARTS:-env tier profile tests tests_alone gpu_step gpu_step_8b sim_profile} "
 part() {  # part NAME SECONDS CMD...: one part, its log in $OUT/NAME.log
     local name=$1 secs=$2; shift 2
     [[ "$PARTS" == *" $name "* ]] || return 0
@@ -71,12 +74,19 @@ if [ "${GPU_PROFILE:-1}" = 1 ] && [ -n "$PYSPY" ]; then
         --transfer-blocks 0 --json "$OUT/profile-step.json"
 fi
 GPU_TESTS=${GPU_TESTS:-"tests/engine/test_gpu_kv_budget.py tests/kvtransfer/test_vram.py tests/kvtransfer/test_layer_order.py tests/engine/test_flashinfer.py tests/engine/test_sampler.py tests/engine/test_overlap.py"}
+# Six pytest workers where pytest-xdist is installed (the device image has it): run one after
+# another, the FlashInfer JIT builds alone passed a 290 s limit on 2026-11-30 (docs/gpu/)
+XDIST=$("${PYP[@]}" -c "import xdist" 2>/dev/null && echo "-n 6" || true)
 # shellcheck disable=SC2086
 part tests "${TESTS_LIMIT_S:-420}" "${PYP[@]}" -m pytest -q -m gpu -p no:cacheprovider -rA --durations=15 \
-    -k "not default_settings" ${PYTEST_ARGS:-} $GPU_TESTS
+    -k "not default_settings" ${PYTEST_ARGS:-$XDIST} $GPU_TESTS
 # engines at default settings take most of the device: alone, after the others
 part tests_alone 120 "${PYP[@]}" -m pytest -q -m gpu -p no:cacheprovider -rA -k default_settings $GPU_TESTS
 part gpu_step "${BENCH_LIMIT_S:-300}" "${PYP[@]}" bench/gpu_step.py --json "$OUT/gpu_step.json" ${GPU_STEP_ARGS:-}
+# The Llama-3-8B shape (16 GB of bf16 weights drawn on the device): the graph step with and
+# without the overlap, batches 1 and 64 (issue 62's second floor target)
+part gpu_step_8b "${BENCH_8B_LIMIT_S:-240}" "${PYP[@]}" bench/gpu_step.py --shape 8b --transfer-blocks 0 \
+    --backends flashinfer+graphs,flashinfer+graphs+overlap --batches 1,64 --json "$OUT/gpu_step_8b.json"
 # A simulator cost profile measured on this device (issue 34): the Llama-3.2-1B shape, random
 # weights, the fast path (FlashInfer, decode CUDA graphs); `pdserve sim profile --roofline
 # llama-3.2-1b --gpu h200` is the datasheet profile to hold it against

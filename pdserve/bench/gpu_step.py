@@ -2,6 +2,7 @@
 FlashInfer with decode CUDA graphs), and KV page writes VRAM to VRAM through NIXL.
 
     python bench/gpu_step.py                      # ~1.2B Llama-3.2-1B shape, random weights, bf16
+    python bench/gpu_step.py --shape 8b --backends flashinfer+graphs,flashinfer+graphs+overlap --batches 1,64
     python bench/gpu_step.py --batches 1,16,64 --context-len 512 --json out.json
     python bench/gpu_step.py --device cpu --shape tiny --backends torch --batches 1,4 --steps 5
                                                   # smoke run on CPU (what tests/bench runs)
@@ -35,6 +36,9 @@ SHAPES = {
     # Llama-3.2-1B: 16 layers, 2048 hidden, 32 heads over 8 KV heads, 8192 MLP, 128k vocab, tied.
     "1b": dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, intermediate_size=8192,
                vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192),
+    # Llama-3-8B: 32 layers, 4096 hidden, 32 heads over 8 KV heads, 14336 MLP, 128k vocab, untied.
+    "8b": dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+               vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=8192, rope_theta=500000.0),
     "tiny": dict(),  # the default made model (~34M)
 }
 BACKENDS = ("torch", "flashinfer", "flashinfer+graphs", "flashinfer+graphs+overlap")
@@ -76,7 +80,9 @@ def model_dir(args) -> str:
     path = os.path.join(".cache", "models", f"pdserve-{args.shape}-llama-{args.dtype}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         print(f"making the {args.shape} model in {path} (random weights) ...", flush=True)
-        make_model(path, ModelSpec(dtype=args.dtype, **SHAPES[args.shape]))
+        # on the GPU: weights drawn there (seconds for the 8B shape; HF's CPU init takes minutes)
+        make_model(path, ModelSpec(dtype=args.dtype, **SHAPES[args.shape]),
+                   init_device="cuda" if args.device.startswith("cuda") else None)
     return path
 
 

@@ -56,3 +56,40 @@ def test_text_prompt_tokenizes_with_bos_and_matches_hf(llama_dir):
     assert out.token_ids == hf_greedy(llama_dir, [out.prompt_token_ids], 12)[0]
     assert out.text == llm.tokenizer.decode(
         out.prompt_token_ids[-6:] + out.token_ids)[len(llm.tokenizer.decode(out.prompt_token_ids[-6:])):]
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_made_on_a_device_loads_in_hf_and_matches(tmp_path, tie):
+    """make_model(init_device=...) (the GPU benchmarks' fast path for the 8B shape): HF loads
+    its shards through their index with no missing or unexpected weight, and greedy output
+    matches HF's on it."""
+    import json
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.model_maker import ModelSpec, _fill_on_device, make_model
+
+    spec = ModelSpec(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256,
+                     tie_word_embeddings=tie, initializer_range=0.2)
+    d = str(tmp_path / "m")
+    make_model(d, spec, init_device="cpu")
+    assert os.listdir(d).count("model.safetensors") == 1
+    # the same again in shards of ~1 MiB: several files and HF's index naming each weight's file
+    sharded = str(tmp_path / "sharded")
+    os.makedirs(sharded)
+    make_model(sharded, spec)  # tokenizer and config; its HF-init weights are replaced below
+    os.remove(os.path.join(sharded, "model.safetensors"))
+    common = json.load(open(os.path.join(d, "config.json")))
+    _fill_on_device(sharded, spec, AutoModelForCausalLM.from_pretrained(d).config, "cpu", shard_bytes=1 << 20)
+    index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) > 2
+    for path in (d, sharded):
+        hf, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+        assert not any(info.values()), info
+        assert ("lm_head.weight" in index["weight_map"]) is not tie
+    assert common["architectures"] == ["LlamaForCausalLM"] and common["dtype"] == "float32"
+    prompts = mixed_prompts(spec.vocab_size)[:4]
+    for path in (d, sharded):
+        outs = LLM(path, max_num_batched_tokens=256).generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+        assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 8)
