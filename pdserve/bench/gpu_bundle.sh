@@ -11,7 +11,10 @@ cd "$(dirname "$0")/.."
 PY=${1:-${PYTHON:-.venv/bin/python}}
 FLASHINFER=${FLASHINFER:-flashinfer-python==0.7.2.post1}
 NIXL=${NIXL:-nixl-cu13==1.5.1}
-SMALL=${SMALL:-"apache-tvm-ffi==0.1.15.post2 mistral-common pytest-asyncio py-spy"}
+# pydantic (the router's policy, which the prefill batch imports: tests/engine/test_sampling_controls.py)
+# at the versions this venv resolved, so that pydantic and its compiled core match
+PYD=$("$PY" -c "from importlib.metadata import version as v; print(' '.join(f'{n}=={v(n)}' for n in ('pydantic', 'pydantic_core', 'typing_inspection', 'annotated_types')))")
+SMALL=${SMALL:-"apache-tvm-ffi==0.1.15.post2 mistral-common pytest-asyncio py-spy $PYD"}
 dl() {
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \

@@ -12,7 +12,8 @@
 # ~1 min, profile ~2 min, tests ~3 min with 6 workers (FlashInfer JIT-compiles each kernel
 # variant on first use, 80-120 s a prefill module, inside that), tests_alone ~20 s, gpu_step ~3
 # min (four backends: flashinfer+graphs+overlap added in session 40), gpu_step_8b ~2 min,
-# sim_model + sim_profile ~2 min: ~13 min in all, each part capped by its own limit below. A
+# fp8_kv ~1 min (not yet run there), sim_model + sim_profile ~2 min: ~14 min in all (the tests
+# of tests/engine/test_models_gpu.py, added 2026-11-30, not yet timed there), each part capped by its own limit below. A
 # device command may run 10 minutes at most, so split it over two commands on the same warm
 # machine (FlashInfer's JIT cache stays there), e.g. PARTS="env gpu_step gpu_step_8b" then
 # PARTS="tests tests_alone"; the parts already recorded in docs/gpu/ (tier, profile,
@@ -36,7 +37,7 @@ fi
 PYP=("$PY" -P)
 status=0
 # PARTS picks which parts run, in their order below (default: all)
-PARTS=" ${PARTS:-env tier profile tests tests_alone gpu_step gpu_step_8b sim_profile} "
+PARTS=" ${PARTS:-env tier profile tests tests_alone gpu_step gpu_step_8b fp8_kv sim_profile} "
 part() {  # part NAME SECONDS CMD...: one part, its log in $OUT/NAME.log
     local name=$1 secs=$2; shift 2
     [[ "$PARTS" == *" $name "* ]] || return 0
@@ -64,16 +65,21 @@ for m in ('flashinfer', 'nixl_cu13._api', 'nixl_cu12._api', 'pdserve.engine', 'm
 [[ "$PARTS" == *" tier "* ]] && PARTS="$PARTS tier_tests tier_bench "
 part tier_tests 180 "${PYP[@]}" -m pytest -q -m gpu -p no:cacheprovider -rA tests/engine/test_kv_tier_gpu.py
 part tier_bench 180 "${PYP[@]}" bench/kv_tier_gpu.py --json "$OUT/kv_tier_gpu.json"
-# Where the host's time goes in a CUDA-graph decode step at batch 1 (the gap to the HBM floor is
-# host work): py-spy samples bench/gpu_step.py; folded stacks in $OUT/profile-graphs-b1.txt
-# (`bench/profile_top.py` sums them by function). GPU_PROFILE=0 skips it.
+# Where the host's time goes in a CUDA-graph decode step at batch 1 with the next step prepared
+# during this one (the gap left to the HBM floor is the host work that stays serial: reading the
+# sampled tokens, the outputs, the schedule, the replay): py-spy samples bench/gpu_step.py;
+# folded stacks in $OUT/profile-graphs-b1.txt (`bench/profile_top.py` sums them by function).
+# PROFILE_BACKEND picks another backend; GPU_PROFILE=0 skips it.
 PYSPY=$(command -v py-spy || { [ -n "${site:-}" ] && [ -x "$site/bin/py-spy" ] && echo "$site/bin/py-spy"; } || true)
 if [ "${GPU_PROFILE:-1}" = 1 ] && [ -n "$PYSPY" ]; then
     part profile "${PROFILE_LIMIT_S:-240}" "$PYSPY" record -r 250 -f raw -o "$OUT/profile-graphs-b1.txt" -- \
-        "${PYP[@]}" bench/gpu_step.py --backends flashinfer+graphs --batches 1 --steps "${PROFILE_STEPS:-4000}" \
+        "${PYP[@]}" bench/gpu_step.py --backends "${PROFILE_BACKEND:-flashinfer+graphs+overlap}" --batches 1 --steps "${PROFILE_STEPS:-4000}" \
         --transfer-blocks 0 --json "$OUT/profile-step.json"
 fi
-GPU_TESTS=${GPU_TESTS:-"tests/engine/test_gpu_kv_budget.py tests/kvtransfer/test_vram.py tests/kvtransfer/test_layer_order.py tests/engine/test_flashinfer.py tests/engine/test_sampler.py tests/engine/test_overlap.py"}
+# Every test file with a `gpu`-marked test, but the tier's (its own part above): a new one is
+# picked up without editing this list (tests/engine/test_sampling_controls.py's was missed by
+# the hand-kept list until 2026-11-30)
+GPU_TESTS=${GPU_TESTS:-$(grep -rl --include='test_*.py' -e 'mark\.gpu' tests | grep -v test_kv_tier_gpu.py | sort | tr '\n' ' ')}
 # Six pytest workers where pytest-xdist is installed (the device image has it): run one after
 # another, the FlashInfer JIT builds alone passed a 290 s limit on 2026-11-30 (docs/gpu/)
 XDIST=$("${PYP[@]}" -c "import xdist" 2>/dev/null && echo "-n 6" || true)
@@ -87,6 +93,10 @@ part gpu_step "${BENCH_LIMIT_S:-300}" "${PYP[@]}" bench/gpu_step.py --json "$OUT
 # without the overlap, batches 1 and 64 (issue 62's second floor target)
 part gpu_step_8b "${BENCH_8B_LIMIT_S:-240}" "${PYP[@]}" bench/gpu_step.py --shape 8b --transfer-blocks 0 \
     --backends flashinfer+graphs,flashinfer+graphs+overlap --batches 1,64 --json "$OUT/gpu_step_8b.json"
+# FP8 KV on the device against 16-bit KV (issue 58): greedy agreement and the first token's KL
+# on the bench model's shape, bfloat16, the scales computed at start (docs/kv_cache.md)
+part fp8_kv "${FP8_LIMIT_S:-180}" "${PYP[@]}" -m pdserve.bench.fp8_kv --device cuda --dtype bfloat16 \
+    --prompts "${FP8_PROMPTS:-100}" --scales head,tensor
 # A simulator cost profile measured on this device (issue 34): the Llama-3.2-1B shape, random
 # weights, the fast path (FlashInfer, decode CUDA graphs); `pdserve sim profile --roofline
 # llama-3.2-1b --gpu h200` is the datasheet profile to hold it against
