@@ -12,8 +12,9 @@
 # ~1 min, profile ~2 min, tests ~3 min with 6 workers (FlashInfer JIT-compiles each kernel
 # variant on first use, 80-120 s a prefill module, inside that), tests_alone ~20 s, gpu_step ~3
 # min (four backends: flashinfer+graphs+overlap added in session 40), gpu_step_8b ~2 min,
-# fp8_kv ~1 min (not yet run there), sim_model + sim_profile ~2 min: ~14 min in all (the tests
-# of tests/engine/test_models_gpu.py, added 2026-11-30, not yet timed there), each part capped by its own limit below. A
+# fp8_kv ~1 min (not yet run there), sim_model + sim_profile ~2 min: ~14 min in all (the gpu
+# tests added on 2026-11-30 after that day's run, tests/engine/test_models_gpu.py,
+# test_tp_one_device.py and the async_scheduling cases of test_overlap.py, not yet timed there), each part capped by its own limit below. A
 # device command may run 10 minutes at most, so split it over two commands on the same warm
 # machine (FlashInfer's JIT cache stays there), e.g. PARTS="env gpu_step gpu_step_8b" then
 # PARTS="tests tests_alone"; the parts already recorded in docs/gpu/ (tier, profile,
@@ -91,8 +92,8 @@ part tests_alone 120 "${PYP[@]}" -m pytest -q -m gpu -p no:cacheprovider -rA -k 
 part gpu_step "${BENCH_LIMIT_S:-300}" "${PYP[@]}" bench/gpu_step.py --json "$OUT/gpu_step.json" ${GPU_STEP_ARGS:-}
 # The Llama-3-8B shape (16 GB of bf16 weights drawn on the device): the graph step with and
 # without the overlap, batches 1 and 64 (issue 62's second floor target)
-part gpu_step_8b "${BENCH_8B_LIMIT_S:-240}" "${PYP[@]}" bench/gpu_step.py --shape 8b --transfer-blocks 0 \
-    --backends flashinfer+graphs,flashinfer+graphs+overlap --batches 1,64 --json "$OUT/gpu_step_8b.json"
+part gpu_step_8b "${BENCH_8B_LIMIT_S:-300}" "${PYP[@]}" bench/gpu_step.py --shape 8b --transfer-blocks 0 \
+    --backends flashinfer+graphs,flashinfer+graphs+overlap,flashinfer+graphs+async --batches 1,64 --json "$OUT/gpu_step_8b.json"
 # FP8 KV on the device against 16-bit KV (issue 58): greedy agreement and the first token's KL
 # on the bench model's shape, bfloat16, the scales computed at start (docs/kv_cache.md)
 part fp8_kv "${FP8_LIMIT_S:-180}" "${PYP[@]}" -m pdserve.bench.fp8_kv --device cuda --dtype bfloat16 \

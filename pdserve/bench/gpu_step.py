@@ -41,9 +41,17 @@ SHAPES = {
                vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=8192, rope_theta=500000.0),
     "tiny": dict(),  # the default made model (~34M)
 }
-BACKENDS = ("torch", "flashinfer", "flashinfer+graphs", "flashinfer+graphs+overlap")
+BACKENDS = ("torch", "flashinfer", "flashinfer+graphs", "flashinfer+graphs+overlap", "flashinfer+graphs+async")
 # "+overlap" (after any backend): engine arg overlap_steps, the next step's inputs built while
-# this one runs (engine/overlap.py); beside the same backend without it, that is its ablation
+# this one runs (engine/overlap.py); "+async": async_scheduling, that step also launched from
+# this one's tokens before they are read; beside the same backend without them, their ablation
+SUFFIXES = ("+overlap", "+async")
+
+
+def base_backend(name: str) -> str:
+    for suffix in SUFFIXES:
+        name = name.removesuffix(suffix)
+    return name
 
 
 def parse_args(argv=None):
@@ -64,7 +72,7 @@ def parse_args(argv=None):
     cuda = args.device.startswith("cuda")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.backends = (args.backends or (",".join(BACKENDS) if cuda else "torch")).split(",")
-    bad = [b for b in args.backends if b not in BACKENDS and b.removesuffix("+overlap") not in BACKENDS]
+    bad = [b for b in args.backends if b not in BACKENDS and base_backend(b) not in BACKENDS]
     if bad:
         p.error(f"--backends: unknown {bad}; choose from {', '.join(BACKENDS)}")
     if cuda and not torch.cuda.is_available():
@@ -114,7 +122,7 @@ def engine_for(path: str, args, backend: str, max_batch: int):
     kwargs = dict(device=args.device, dtype=args.dtype, attention_backend=backend.split("+")[0],
                   max_num_seqs=max_batch, max_num_batched_tokens=max(8192, args.context_len * 4),
                   cuda_graphs="+graphs" in backend, cuda_graph_max_batch=max_batch,
-                  overlap_steps=backend.endswith("+overlap"))
+                  overlap_steps=backend.endswith("+overlap"), async_scheduling=backend.endswith("+async"))
     need_tokens = max_batch * (args.context_len + args.steps + 8)
     if args.device.startswith("cuda"):
         kwargs["gpu_memory_utilization"] = 0.8
@@ -206,7 +214,8 @@ def main(argv=None) -> int:
             results["steps"].setdefault(backend, {})[batch] = {
                 "step_ms": ms, "floor_ms": floor_ms, "x_floor": ms / floor_ms, "tok_s": batch / ms * 1e3}
             if (ahead := eng.runner.lookahead) is not None:  # how many steps took their prepared inputs
-                results["steps"][backend][batch].update(prepared=ahead.prepared, taken=ahead.taken)
+                results["steps"][backend][batch].update(prepared=ahead.prepared, taken=ahead.taken,
+                                                        launched=ahead.launched, launched_taken=ahead.launched_taken)
             print(f"{backend:<18} {batch:>5} {ms:>9.3f} {floor_ms:>9.3f} {ms / floor_ms:>7.2f}x "
                   f"{batch / ms * 1e3:>9.0f}", flush=True)
         results["steps"][backend]["engine_start_s"] = start_s

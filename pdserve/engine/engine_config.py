@@ -49,6 +49,12 @@ class EngineConfig:
     # on the device, and use them when the scheduler's plan is the one predicted (engine/overlap.py).
     # Same tokens either way; it pays where the device runs ahead of the host (a GPU).
     overlap_steps: bool = False
+    # vLLM's --async-scheduling: beyond overlap_steps (which it turns on), the predicted next
+    # step is launched from this step's sampled tokens while they are still on the device, before
+    # the host reads them and makes this step's outputs; the next plan takes its result when it
+    # is that step or that step less requests that finished (engine/overlap.py). A step launched
+    # for a plan that turns out otherwise (an arrival admitted) is computed for nothing.
+    async_scheduling: bool = False
     # Linear layers: auto (oneDNN-packed weights for float32 on CPU, else torch) | torch | onednn
     # (engine/linear.py: MKL's small-batch sgemm is slow on the CPU; oneDNN is not bit-identical).
     linear_backend: str = "auto"
@@ -78,6 +84,10 @@ class EngineConfig:
     kv_scale_granularity: str = "head"
     tp_comm: str = "auto"
     tp_threads_per_rank: int | None = None
+    # The CUDA device index of each tensor-parallel rank (default: the device's index + rank). An
+    # index may repeat: ranks sharing a device (a TP run on one GPU, as the gpu tests do) talk
+    # over gloo, not NCCL (one device per rank there); size their pools with kv_cache_memory_bytes.
+    tp_device_ids: list[int] | None = None
     # "module:factory" of what ranks 1..N-1 run besides their shard (engine/tp_group.py): the
     # workers set it to their KV transport's rank service; None for an engine on its own.
     tp_rank_extension: str | None = None
@@ -99,6 +109,28 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     extra: dict = field(default_factory=dict)
+
+    def _validate_parallel(self) -> None:
+        """Tensor parallelism and what runs beside the step (validate's part)."""
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.tp_comm not in ("auto", "shm", "gloo", "nccl"):
+            raise ConfigError(f"tp_comm={self.tp_comm!r}; use auto, shm, gloo or nccl")
+        if self.tp_device_ids is not None and (len(self.tp_device_ids) != self.tensor_parallel_size
+                                               or any(int(i) < 0 for i in self.tp_device_ids)):
+            raise ConfigError(f"tp_device_ids={self.tp_device_ids} must list one device index >= 0 for each of "
+                              f"the tensor_parallel_size={self.tensor_parallel_size} ranks")
+        if self.tp_threads_per_rank is not None and self.tp_threads_per_rank < 1:
+            raise ConfigError(f"tp_threads_per_rank={self.tp_threads_per_rank} must be >= 1")
+        if self.tensor_parallel_size > 1 and self.cuda_graphs:
+            raise ConfigError("cuda_graphs=True is not supported with tensor_parallel_size > 1 yet; "
+                              "set cuda_graphs=False")
+        if self.async_scheduling:
+            for name, on in (("speculative_config", self.speculative_config), ("enable_lora", self.enable_lora),
+                             ("kv_offload_bytes", self.kv_offload_bytes)):
+                if on:
+                    raise ConfigError(f"async_scheduling=True does not run with {name} yet; set one of them off "
+                                      "(overlap_steps=True prepares the next step without launching it)")
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -146,15 +178,7 @@ class EngineConfig:
         if kv_name != "auto" and self.cuda_graphs:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with cuda_graphs=True yet "
                               "(the graphs run FlashInfer): set cuda_graphs=False or kv_cache_dtype='auto'")
-        if self.tensor_parallel_size < 1:
-            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
-        if self.tp_comm not in ("auto", "shm", "gloo", "nccl"):
-            raise ConfigError(f"tp_comm={self.tp_comm!r}; use auto, shm, gloo or nccl")
-        if self.tp_threads_per_rank is not None and self.tp_threads_per_rank < 1:
-            raise ConfigError(f"tp_threads_per_rank={self.tp_threads_per_rank} must be >= 1")
-        if self.tensor_parallel_size > 1 and self.cuda_graphs:
-            raise ConfigError("cuda_graphs=True is not supported with tensor_parallel_size > 1 yet; "
-                              "set cuda_graphs=False")
+        self._validate_parallel()
         if self.kv_offload_bytes < 0:
             raise ConfigError(f"kv_offload_bytes={self.kv_offload_bytes} must be >= 0 (0: no second tier)")
         if self.kv_offload_backend not in ("auto", "memory", "file"):

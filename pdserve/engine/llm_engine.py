@@ -23,7 +23,7 @@ from .kv_events import KVEventLog
 from .kv_tier import KVTier
 from .lora import check_lora_config, check_request
 from .lora_request import LoRARequest, lora_salt
-from .overlap import Lookahead, predict_next
+from .overlap import Lookahead, launch_next, predict_next
 from .prompt_logprobs import record as record_prompt_logprobs
 from .prompt_logprobs import reported as reported_prompt_logprobs
 from .prompts import PromptChecker, check_resume_ids
@@ -87,10 +87,11 @@ class LLMEngine:
                                mirror=self._mirror_tier if self.runner.group is not None else None)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self.kv_events, self.tier)
+        self._overlap = config.overlap_steps or config.async_scheduling
         if config.cuda_graphs:
             self.runner.enable_decode_graphs(self.kv, min(config.cuda_graph_max_batch, config.max_num_seqs),
-                                             self.max_model_len, slots=2 if config.overlap_steps else 1)
-        if config.overlap_steps:
+                                             self.max_model_len, slots=2 if self._overlap else 1)
+        if self._overlap:
             self.runner.lookahead = Lookahead(config.block_size, self.runner.device)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.scheduling_policy, self.tier)
@@ -498,9 +499,13 @@ class LLMEngine:
 
     def _sample(self, logits, reqs: list[Request]) -> list:
         """The batch's samples; should the batched sampler itself raise, each row alone,
-        so one request's failure stays its own."""
+        so one request's failure stays its own. With async_scheduling, the next step is
+        launched from the drawn tokens before they are read (engine/overlap.py `launch_next`)."""
         try:
-            return self.sampler(logits, reqs)
+            drawn = self.sampler.draw(logits, reqs)
+            if self.config.async_scheduling:
+                launch_next(self.runner, reqs, drawn.tokens)
+            return self.sampler.finish(drawn, reqs)
         except Exception:  # noqa: BLE001
             log.exception("batched sampling failed; sampling the %d rows one by one", len(reqs))
         out = []

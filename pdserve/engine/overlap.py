@@ -35,14 +35,18 @@ tokens with and without it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
+
+import logging
 
 import numpy as np
 import torch
 
 from .attention_base import BatchLayout
 from .step_batch import StepBatch, pad_block_tables
+
+log = logging.getLogger(__name__)
 
 
 class Event(Protocol):
@@ -158,7 +162,13 @@ class Lookahead:
         self._next: _Prepared | None = None
         self.prepared = 0  # steps prepared ahead
         self.taken = 0  # ... whose plan was the prediction (their inputs were not built again)
-        self.planned = 0  # ... taken with their attention planned ahead too
+        self.planned = 0  # ... taken (or launched) with their attention planned ahead too
+        # engine arg async_scheduling: the prepared step launched from the tokens still on the
+        # device, before they are read back (`launch`), and its result kept until its plan
+        self.inflight: _InFlight | None = None
+        self.launched = 0  # steps launched ahead
+        self.launched_taken = 0  # ... whose plan was the launched step or a part of it
+        self.launched_part = 0  # ... a part of it (some of its requests had left)
 
     def prepare(self, reqs: list, block_ids: Callable[[str], list[int]],
                 plan: Callable[[StepBatch], object | None] | None = None, grown: Sequence = ()) -> None:
@@ -187,10 +197,9 @@ class Lookahead:
         """Drop the prepared step and give back the blocks its prediction took ahead: called
         before a plan that admits someone (a prompt, a remote-KV reservation, a tier load), so
         that admission sees the pool it would without the prediction."""
-        p, self._next = self._next, None
-        if p is None:
-            return
-        for req in p.grown:
+        held = [p for p in (self._next, self.inflight.prepared if self.inflight is not None else None) if p]
+        self._next = self.inflight = None  # (a step launched ahead is not that plan: dropped)
+        for req in (r for p in held for r in p.grown):
             table = kv.tables.get(req.request_id)
             if table is not None and req.num_computed_tokens == req.num_tokens - 1:  # still where predicted
                 kv.trim(req.request_id, req.num_computed_tokens)
@@ -210,6 +219,74 @@ class Lookahead:
 
     def drop(self) -> None:
         self._next = None
+        self.inflight = None
+
+    def launch(self, rows_of: dict[int, int], tokens: torch.Tensor) -> _Prepared | None:
+        """The prepared step, its token ids gathered on the device from ``tokens`` (this step's
+        draw, not yet read back; ``rows_of``: a request's ``id`` -> its row there), ready to run
+        now; None when there is none or one of its requests drew no row. The caller runs it and
+        hands its logits to `launched`."""
+        p = self._next
+        if p is None or any(id(r) not in rows_of for r in p.reqs):
+            return None
+        self._next = None
+        b = len(p.reqs)
+        p.host[3 * b:] = [rows_of[id(r)] for r in p.reqs]
+        rows = self.staging.upload(p.slot, b, start=3 * b)
+        p.batch.input_ids = tokens.index_select(0, rows.to(tokens.device))
+        return p
+
+    def launched_step(self, p: _Prepared, logits: torch.Tensor | None) -> None:
+        self.inflight = _InFlight(p, logits)
+        self.launched += 1
+        self.planned += p.batch.meta is not None
+
+    def take_inflight(self, scheduled: list, block_ids: Callable[[str], list[int]]) -> tuple | None:
+        """(logits, batch) of the step launched ahead when ``scheduled`` is it, or it without
+        some of its requests (those that finished or were aborted since: their rows are left
+        out); else None, and the launched step's result is dropped (its writes were the KV of
+        positions the plan computes again, or of requests that left)."""
+        f, self.inflight = self.inflight, None
+        if f is None:
+            return None
+        rows = subsequence_rows(f.prepared, scheduled, block_ids)
+        if rows is None:
+            return None
+        self.launched_taken += 1
+        batch = f.prepared.batch
+        if len(rows) == len(f.prepared.reqs):
+            return f.logits, batch
+        self.launched_part += 1
+        logits = None
+        if f.logits is not None:  # (rank 0)
+            logits = f.logits.index_select(0, torch.tensor(rows).to(f.logits.device, non_blocking=True))
+        # the requests that sample are the plan's; the inputs stay those of the step that ran
+        return logits, replace(batch, sampling=[r for r, _ in scheduled])
+
+
+@dataclass
+class _InFlight:
+    prepared: _Prepared  # the step launched ahead
+    logits: torch.Tensor | None  # its logits (rank 0), maybe still being computed on the device
+
+
+def subsequence_rows(p: _Prepared, scheduled: list, block_ids: Callable[[str], list[int]]) -> list[int] | None:
+    """The rows of the prepared step that ``scheduled`` runs, when it is that step or that step
+    without some of its requests (same order, each one new token at the predicted position,
+    the same blocks); None otherwise."""
+    rows, j = [], 0
+    for req, n in scheduled:
+        while j < len(p.reqs) and p.reqs[j] is not req:
+            j += 1
+        if j == len(p.reqs):
+            return None
+        c = p.context[j]
+        if (n != 1 or req.num_computed_tokens != c or req.num_tokens != c + 1 or not req.output_token_ids
+                or block_ids(req.request_id) != p.tables[j]):
+            return None
+        rows.append(j)
+        j += 1
+    return rows if rows else None
 
 
 def matches(p: _Prepared, scheduled: list, block_ids: Callable[[str], list[int]]) -> bool:
@@ -222,6 +299,23 @@ def matches(p: _Prepared, scheduled: list, block_ids: Callable[[str], list[int]]
                 or not req.output_token_ids or block_ids(req.request_id) != table):
             return False
     return True
+
+
+def launch_next(runner, reqs: list, tokens: torch.Tensor) -> None:
+    """engine arg async_scheduling: run the prepared next step now, its token ids gathered from
+    ``tokens`` (this step's draw for ``reqs``, still on the device: on a GPU the forward is
+    queued behind the draw and the host goes on to read the tokens and make the outputs while
+    it runs). Never raises: a failure costs only the launch (logged)."""
+    look = runner.lookahead
+    if look is None or look._next is None:
+        return
+    try:
+        p = look.launch({id(r): i for i, r in enumerate(reqs)}, tokens)
+        if p is not None:
+            look.launched_step(p, runner.execute_batch(p.batch))
+    except Exception:  # noqa: BLE001  (the next step runs as it would without the launch)
+        log.exception("launching the next decode step ahead failed; it runs when it is planned")
+        look.drop()
 
 
 def predict_next(scheduled: list, running: list, waiting: int, failed: set[str], kv) -> tuple[list, list] | None:

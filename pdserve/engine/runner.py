@@ -81,6 +81,15 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def rank_device(cfg: EngineConfig, device: torch.device, rank: int) -> torch.device:
+    """A tensor-parallel rank's CUDA device: engine arg tp_device_ids, else the next index."""
+    index = cfg.tp_device_ids[rank] if cfg.tp_device_ids else (device.index or 0) + rank
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"tensor-parallel rank {rank} would run on cuda:{index}, but this host has "
+                          f"{torch.cuda.device_count()} CUDA device(s): set tp_device_ids (an index may repeat)")
+    return torch.device("cuda", index)
+
+
 def resolve_dtype(cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype != "auto":
         return parse_dtype(cfg.dtype)
@@ -101,7 +110,7 @@ class ModelRunner:
         self.device = resolve_device(cfg.device)
         tp = cfg.tensor_parallel_size
         if self.device.type == "cuda" and tp > 1:
-            self.device = torch.device("cuda", (self.device.index or 0) + rank)
+            self.device = rank_device(cfg, self.device, rank)
         self.dtype = resolve_dtype(cfg, model_cfg, self.device)
         # The pool's element type: the model's, or float8 (kv_cache_dtype; engine/kv_quant.py).
         self.kv_cache_dtype, storage = parse_kv_cache_dtype(cfg.kv_cache_dtype)
@@ -257,23 +266,35 @@ class ModelRunner:
                 layer_hook=None) -> tuple[torch.Tensor, StepBatch]:
         """Run one step; return the logits of the requests that sample (then of the prompt
         positions whose logprobs are owed: ``batch.prompt_rows``), and the step's batch."""
-        batch = self.lookahead.take(scheduled, kv.block_ids) if self.lookahead is not None else None
+        batch = None
+        if self.lookahead is not None:
+            if self.lookahead.inflight is not None:  # launched ahead (engine arg async_scheduling)
+                done = self.lookahead.take_inflight(scheduled, kv.block_ids) if layer_hook is None else None
+                self.lookahead.inflight = None
+                if done is not None:
+                    return done
+            batch = self.lookahead.take(scheduled, kv.block_ids)
         if batch is None:
             batch = build_step_batch(scheduled, kv, self.block_size, self.device)
         if self.lora is not None:
             batch.lora_slots = self.lora.prepare(scheduled, self.group)
+        return self.execute_batch(batch, layer_hook), batch
+
+    def execute_batch(self, batch: StepBatch, layer_hook=None) -> torch.Tensor | None:
+        """Run one step's built batch: a decode graph's replay where one serves it, else the
+        model (the other tensor-parallel ranks with it); its logits (rank 0)."""
         if self.graphs is not None and layer_hook is None and batch.lora_slots is None:
             size = self.graphs.size_for(batch.layout)
             if size is not None:
-                return self.graphs.run(batch, size), batch
+                return self.graphs.run(batch, size)
         if isinstance(batch.meta, GraphAhead):
             batch.meta = None  # (loaded for a replay this step does not run: planned when it starts)
         if self.group is None:
-            return self.run_step(batch, layer_hook), batch
+            return self.run_step(batch, layer_hook)
         try:
             with self.group.exchange:  # a control call from another thread waits for the step's end
                 self.group.send_step(batch)
-                return self.run_step(batch, layer_hook), batch
+                return self.run_step(batch, layer_hook)
         except TPGroupBroken:
             raise
         except BaseException as exc:

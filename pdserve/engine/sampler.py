@@ -195,18 +195,24 @@ class Sampler:
             top_k = torch.tensor([max(reqs[i].params.top_k, 0) for i in rand_rows], device=logits.device)
             top_p = torch.tensor([reqs[i].params.top_p for i in rand_rows], device=logits.device,
                                  dtype=sub.dtype)
-            if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+            if any(reqs[i].params.top_k > 0 or reqs[i].params.top_p < 1.0 for i in rand_rows):  # (no device read)
                 sub = filter_top_k_top_p(sub, top_k, top_p)
             probs = sub.softmax(dim=-1)
         return Processed(logits, raw_logprobs, failed, rand_rows, probs)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult | SamplingError]:
         """One result per row; a row that cannot be sampled gets a `SamplingError` instead."""
+        return self.finish(self.draw(logits, reqs), reqs)
+
+    def draw(self, logits: torch.Tensor, reqs: list[Request]) -> Drawn:
+        """The rows' tokens, left on the logits' device (nothing here waits for the device: the
+        next step can be launched from them before they are read; engine/overlap.py)."""
         pr = self.process(logits, reqs)
-        logits, failed, rand_rows = pr.logits, pr.failed, pr.rand_rows
+        logits, rand_rows = pr.logits, pr.rand_rows
         every_row = len(rand_rows) == len(reqs)
         tokens = (torch.empty(len(reqs), dtype=torch.long, device=logits.device) if every_row
                   else first_argmax(logits))
+        bad = None
         if pr.probs is not None:
             u = torch.empty(len(rand_rows), dtype=torch.float64)
             shared = [j for j, i in enumerate(rand_rows) if reqs[i].generator is None]
@@ -216,16 +222,31 @@ class Sampler:
                 if reqs[i].generator is not None:
                     u[j] = torch.rand(1, generator=reqs[i].generator, dtype=torch.float64)
             drawn, bad = inverse_cdf(pr.probs, u.to(pr.probs.device))
-            for j, is_bad in enumerate(bad.tolist()):
-                if is_bad and rand_rows[j] not in failed:  # NaN/inf in this row only: the others still sample
-                    failed[rand_rows[j]] = cannot_sample()
             if every_row:
                 tokens = drawn.to(tokens.device)
             else:
                 tokens[torch.tensor(rand_rows, device=logits.device)] = drawn.to(tokens.device)
-        token_list = tokens.tolist()
-        return [failed[i] if i in failed else result(r, token_list[i], pr.raw_logprobs, i)
+        return Drawn(tokens, pr, bad)
+
+    def finish(self, d: Drawn, reqs: list[Request]) -> list[SampleResult | SamplingError]:
+        """Read the drawn tokens back (this waits for the device) into one result per row."""
+        failed, rand_rows = d.processed.failed, d.processed.rand_rows
+        if d.bad is not None:
+            for j, is_bad in enumerate(d.bad.tolist()):
+                if is_bad and rand_rows[j] not in failed:  # NaN/inf in this row only: the others still sample
+                    failed[rand_rows[j]] = cannot_sample()
+        token_list = d.tokens.tolist()
+        return [failed[i] if i in failed else result(r, token_list[i], d.processed.raw_logprobs, i)
                 for i, r in enumerate(reqs)]
+
+
+@dataclass
+class Drawn:
+    """A batch's draw before it is read back (`Sampler.draw`)."""
+
+    tokens: torch.Tensor  # one per row, int64, on the logits' device (a failed row's is arbitrary)
+    processed: Processed
+    bad: torch.Tensor | None  # the random rows that could not be sampled (NaN, inf, no mass)
 
 
 @dataclass

@@ -257,18 +257,32 @@ class ProcessGroupComm(Comm):
         else:
             raise ValueError(f"tp_comm backend {backend!r}; use gloo or nccl")
 
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """What gloo reads and writes: the tensor itself on the CPU, a host copy of a CUDA one
+        (ranks sharing a device: engine arg tp_device_ids; gloo has no all_gather of CUDA
+        tensors, so every collective goes through the host there)."""
+        return t.cpu() if self.name == "gloo" and t.is_cuda else t
+
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        self._pg.allreduce([t]).wait()
+        h = self._host(t)
+        self._pg.allreduce([h]).wait()
+        if h is not t:
+            t.copy_(h)
         return t
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
-        t = t.contiguous()
-        outs = [torch.empty_like(t) for _ in range(self.size)]
-        self._pg.allgather([outs], [t]).wait()
-        return outs if self.rank == 0 else None
+        h = self._host(t.contiguous())
+        outs = [torch.empty_like(h) for _ in range(self.size)]
+        self._pg.allgather([outs], [h]).wait()
+        if self.rank != 0:
+            return None
+        return [o.to(t.device) for o in outs] if h.device != t.device else outs
 
     def broadcast_(self, t: torch.Tensor, timeout_s: float | None = -1.0, idle=None) -> torch.Tensor:
-        self._pg.broadcast(t, 0).wait()
+        h = self._host(t)
+        self._pg.broadcast(h, 0).wait()
+        if h is not t:
+            t.copy_(h)
         return t
 
     def close(self) -> None:

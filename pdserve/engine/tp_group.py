@@ -73,16 +73,20 @@ def threads_per_rank(cfg: EngineConfig) -> int:
 
 
 def resolve_comm(cfg: EngineConfig, device: torch.device) -> str:
-    """``tp_comm`` after ``auto``: NCCL on GPU, shared memory on CPU (gloo when it cannot run)."""
+    """``tp_comm`` after ``auto``: NCCL on GPU (gloo where ranks share a device: tp_device_ids),
+    shared memory on CPU."""
     want = cfg.tp_comm
     why = shm_available()
     if why is not None:
         raise ConfigError(f"tensor_parallel_size={cfg.tensor_parallel_size} needs shared memory between its ranks "
                           f"(steps and control go through it): {why}")
     if device.type == "cuda":
-        if want not in ("auto", "nccl"):
-            raise ConfigError(f"tp_comm={want!r} on a GPU engine; use tp_comm='nccl' (or 'auto')")
-        return "nccl"
+        ids = cfg.tp_device_ids or []
+        shared = len(set(ids)) < len(ids)  # ranks sharing a device: NCCL takes one device per rank
+        if want == "shm" or (want == "nccl" and shared):
+            raise ConfigError(f"tp_comm={want!r} on a GPU engine{' whose ranks share a device' if shared else ''}; "
+                              f"use tp_comm='{'gloo' if shared else 'nccl'}' (or 'auto')")
+        return "gloo" if shared or want == "gloo" else "nccl"
     if want == "nccl":
         raise ConfigError("tp_comm='nccl' needs device='cuda'; on CPU use tp_comm='shm' or 'gloo' (or 'auto')")
     return "shm" if want == "auto" else want

@@ -14,6 +14,7 @@ import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.block_manager import KVCacheManager
+from pdserve.engine.config import ConfigError
 from pdserve.engine.overlap import Lookahead, Staging, predict_next
 from pdserve.engine.request import Request
 from pdserve.engine.step_batch import build_step_batch
@@ -147,15 +148,19 @@ def test_a_prediction_gives_its_blocks_back_before_admission_and_never_evicts_a_
     assert len(kv.pool.cached) == 1 and kv.pool.lookup(kv._hashes("probe", [7, 7, 7, 7, 1], None))
 
 
-def generate(llama_dir: str, overlap: bool, **engine_args) -> tuple[dict, LLMEngine]:
-    """Greedy and seeded requests of different lengths, one aborted and one added mid-run."""
-    eng = LLMEngine(EngineConfig(model=llama_dir, overlap_steps=overlap, block_size=BS, seed=7, **engine_args))
+def generate(llama_dir: str, overlap: bool | str, stop: int | None = None, **engine_args) -> tuple[dict, LLMEngine]:
+    """Greedy and seeded requests of different lengths, one aborted and one added mid-run;
+    ``stop``: r1 stops at that token. ``overlap`` "async": engine arg async_scheduling."""
+    mode = dict(async_scheduling=True) if overlap == "async" else dict(overlap_steps=overlap)
+    eng = LLMEngine(EngineConfig(model=llama_dir, block_size=BS, seed=7, **mode, **engine_args))
     out: dict[str, list[int]] = {}
 
     def add(i: int) -> None:
         sampling = dict(temperature=0.0) if i % 2 else dict(temperature=0.9, top_p=0.9, seed=100 + i)
+        stops = dict(stop_token_ids=[stop]) if stop is not None and i == 1 else {}
         eng.add_request([3 + (i * 37 + j * 11) % 500 for j in range(5 + 3 * i)],
-                        SamplingParams(max_tokens=12 + 5 * i, ignore_eos=i != 3, **sampling), request_id=f"r{i}")
+                        SamplingParams(max_tokens=12 + 5 * i, ignore_eos=i != 3, **sampling, **stops),
+                        request_id=f"r{i}")
 
     for i in range(5):
         add(i)
@@ -191,6 +196,44 @@ def test_the_engine_gives_the_same_tokens_with_the_next_step_prepared(llama_dir,
         assert eng.stats.num_preemptions == plain.stats.num_preemptions > 0
     else:
         assert ahead.taken < ahead.prepared  # (the abort and the arrival each cost a prediction)
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"num_gpu_blocks_override": 24}, {"tensor_parallel_size": 2}],
+                         ids=["roomy", "tight-pool", "tp2"])
+def test_the_engine_gives_the_same_tokens_with_the_next_step_launched_ahead(llama_dir, engine_args):
+    """async_scheduling: each predicted step runs from the tokens drawn before they are read.
+    r1 stops at a token it draws mid-run (its row of the step launched with it is left out),
+    r4 is aborted after a launched step (likewise), r5 arrives (that launched step is dropped:
+    its plan admits r5)."""
+    first, plain = generate(llama_dir, False, **engine_args)
+    plain.close()
+    r1 = first["r1"]
+    # a token r1 first draws mid-run: it stops there
+    stop = next(t for i, t in enumerate(r1) if i >= 6 and t not in r1[:i])
+    want, plain = generate(llama_dir, False, stop=stop, **engine_args)
+    plain.close()
+    assert len(want["r1"]) < len(first["r1"])
+    got, eng = generate(llama_dir, "async", stop=stop, **engine_args)
+    eng.close()
+    assert got == want
+    ahead = eng.runner.lookahead
+    assert ahead is not None and ahead.launched > 0 and ahead.launched_taken > 0
+    assert ahead.taken == 0  # (every prepared step was launched, none taken as overlap_steps takes them)
+    assert ahead.planned == ahead.launched  # (the CPU's attention is planned ahead too)
+    assert eng.kv.pool.num_free == eng.kv.pool.num_blocks  # nothing held
+    if "num_gpu_blocks_override" in engine_args:  # a tight pool: few predictions, preemptions as without
+        assert eng.stats.num_preemptions == plain.stats.num_preemptions > 0
+    else:
+        assert ahead.launched_taken < ahead.launched  # (the arrival's plan dropped one)
+        assert ahead.launched_part >= 2  # r1's stop and r4's abort
+
+
+def test_async_scheduling_refuses_what_it_does_not_run_with(llama_dir):
+    for field, value in (("speculative_config", {"method": "ngram", "num_speculative_tokens": 2,
+                                                 "prompt_lookup_max": 3}),
+                         ("enable_lora", True), ("kv_offload_bytes", 1 << 20)):
+        with pytest.raises(ConfigError, match=field):
+            EngineConfig(model=llama_dir, async_scheduling=True, **{field: value}).validate()
 
 
 # -- the staging buffers on a fake device -------------------------------------------------------
@@ -318,10 +361,12 @@ def test_the_next_steps_inputs_are_written_while_the_step_runs_and_never_under_a
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["overlap", "async"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["flashinfer", "flashinfer+graphs"])
-def test_on_a_gpu_the_prepared_steps_give_the_same_tokens(model_dirs, graphs):
+def test_on_a_gpu_the_prepared_steps_give_the_same_tokens(model_dirs, graphs, mode):
     """The pinned staging buffers, their asynchronous copies and events on a real stream: the
-    same inputs reach the same kernels, so the tokens are the same (greedy and seeded)."""
+    same inputs reach the same kernels, so the tokens are the same (greedy and seeded); with
+    async_scheduling, the next step's token ids gathered on the device from a draw not yet read."""
     from tests.engine.test_flashinfer import needs_flashinfer
 
     needs_flashinfer()
@@ -333,15 +378,16 @@ def test_on_a_gpu_the_prepared_steps_give_the_same_tokens(model_dirs, graphs):
                                                                    dict(temperature=0.8, seed=i)))
               for i in range(11)]
     outs, engines = [], []
-    for overlap in (False, True):
+    for on in (False, True):
         llm = LLM(model, device="cuda", kv_cache_memory_bytes=1 << 30, dtype="bfloat16",
                   attention_backend="flashinfer", cuda_graphs=graphs, cuda_graph_max_batch=16,
-                  overlap_steps=overlap)
+                  overlap_steps=on and mode == "overlap", async_scheduling=on and mode == "async")
         outs.append([o.token_ids for o in llm.generate(prompts, params)])
         engines.append(llm.engine)
     assert outs[0] == outs[1]
     ahead = engines[1].runner.lookahead
-    assert ahead is not None and ahead.taken > 0 and ahead.staging.transfer.pinned
+    assert ahead is not None and ahead.staging.transfer.pinned
+    assert (ahead.taken if mode == "overlap" else ahead.launched_taken) > 0
     assert ahead.planned > 0  # (FlashInfer's second decode wrapper, or the graphs' second set)
     if graphs:
         assert len(engines[1].runner.graphs.slots) == 2
