@@ -183,6 +183,10 @@ class KVCacheManager:
         self.tables: dict[str, list[Block]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already registered
         self.hashes: dict[str, list[bytes]] = {}
+        # per request: (the table object, its block ids), what block_ids last returned; a table
+        # is never changed in place (every change makes a new list), so the same object means
+        # the same ids
+        self._ids: dict[str, tuple[list[Block], list[int]]] = {}
 
     # -- lookup -----------------------------------------------------------
     def _hashes(self, req_id: str, token_ids: list[int], salt: bytes | None) -> list[bytes]:
@@ -227,7 +231,17 @@ class KVCacheManager:
         return True
 
     def block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(req_id, [])]
+        """The request's block ids, in order (not to be changed: the list is shared until the
+        table changes; made again only then, not on each of the step's several reads)."""
+        table = self.tables.get(req_id)
+        if table is None:
+            return []
+        held = self._ids.get(req_id)
+        if held is not None and held[0] is table:
+            return held[1]
+        ids = [b.block_id for b in table]
+        self._ids[req_id] = (table, ids)
+        return ids
 
     def cache_full_blocks(self, req_id: str, token_ids: list[int], num_computed: int,
                           salt: bytes | None = None, lora: LoRARequest | None = None) -> None:
@@ -265,6 +279,7 @@ class KVCacheManager:
         self.pool.release(list(reversed(table)))
         self.num_cached_blocks.pop(req_id, None)
         self.hashes.pop(req_id, None)
+        self._ids.pop(req_id, None)
 
     # -- remote KV ----------------------------------------------------------
     def reserve_remote(self, req_id: str, token_ids: list[int], salt: bytes | None = None
@@ -290,6 +305,7 @@ class KVCacheManager:
         if new_id in self.tables:
             raise ValueError(f"{new_id!r} already holds blocks")
         self.tables[new_id] = self.tables.pop(req_id, [])
+        self._ids.pop(req_id, None)
         self.num_cached_blocks[new_id] = self.num_cached_blocks.pop(req_id, 0)
         self.hashes.pop(req_id, None)
 

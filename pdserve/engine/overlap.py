@@ -282,11 +282,15 @@ def subsequence_rows(p: _Prepared, scheduled: list, block_ids: Callable[[str], l
             return None
         c = p.context[j]
         if (n != 1 or req.num_computed_tokens != c or req.num_tokens != c + 1 or not req.output_token_ids
-                or block_ids(req.request_id) != p.tables[j]):
+                or not _same(block_ids(req.request_id), p.tables[j])):
             return None
         rows.append(j)
         j += 1
     return rows if rows else None
+
+
+def _same(ids: list[int], table: list[int]) -> bool:
+    return ids is table or ids == table  # (the block manager hands out one list until the table changes)
 
 
 def matches(p: _Prepared, scheduled: list, block_ids: Callable[[str], list[int]]) -> bool:
@@ -296,7 +300,7 @@ def matches(p: _Prepared, scheduled: list, block_ids: Callable[[str], list[int]]
         return False
     for (req, n), want, c, table in zip(scheduled, p.reqs, p.context, p.tables):
         if (req is not want or n != 1 or req.num_computed_tokens != c or req.num_tokens != c + 1
-                or not req.output_token_ids or block_ids(req.request_id) != table):
+                or not req.output_token_ids or not _same(block_ids(req.request_id), table)):
             return False
     return True
 

@@ -96,3 +96,24 @@ def test_release_more_than_taken_is_an_error():
     pool.release([b])
     with pytest.raises(RuntimeError):
         pool.release([b])
+
+
+def test_block_ids_follow_every_change_of_the_table_and_are_made_once_per_table():
+    """block_ids hands out one list per table (a step reads a request's ids several times) and
+    a new one after each change: growth, trim, free, rename, a table set from outside."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert kv.allocate("a", 5)
+    first = kv.block_ids("a")
+    assert len(first) == 2 and kv.block_ids("a") is first
+    assert kv.allocate("a", 8) and kv.block_ids("a") is first  # (still two blocks: no change)
+    assert kv.allocate("a", 9)
+    grown = kv.block_ids("a")
+    assert grown[:2] == first and len(grown) == 3 and len(first) == 2
+    kv.trim("a", 4)
+    assert kv.block_ids("a") == first[:1]
+    kv.rename("a", "b")
+    assert kv.block_ids("a") == [] and kv.block_ids("b") == first[:1]
+    kv.tables["b"] = kv.tables["b"] + [kv.pool.allocate(1)[0]]  # (as the KV connector's quarantine sets one)
+    assert len(kv.block_ids("b")) == 2
+    kv.free("b")
+    assert kv.block_ids("b") == [] and kv.pool.num_free == 8
