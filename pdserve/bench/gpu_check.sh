@@ -12,7 +12,7 @@
 # ~1 min, profile ~2 min, tests ~3 min with 6 workers (FlashInfer JIT-compiles each kernel
 # variant on first use, 80-120 s a prefill module, inside that), tests_alone ~20 s, gpu_step ~3
 # min (four backends: flashinfer+graphs+overlap added in session 40), gpu_step_8b ~2 min,
-# fp8_kv ~1 min (not yet run there), sim_model + sim_profile ~2 min: ~14 min in all (the gpu
+# spec and fp8_kv ~1 min each (not yet run there), sim_model + sim_profile ~2 min: ~14 min in all (the gpu
 # tests added on 2026-11-30 after that day's run, tests/engine/test_models_gpu.py,
 # test_tp_one_device.py and the async_scheduling cases of test_overlap.py, not yet timed there), each part capped by its own limit below. A
 # device command may run 10 minutes at most, so split it over two commands on the same warm
@@ -38,7 +38,7 @@ fi
 PYP=("$PY" -P)
 status=0
 # PARTS picks which parts run, in their order below (default: all)
-PARTS=" ${PARTS:-env tier profile tests tests_alone gpu_step gpu_step_8b fp8_kv sim_profile} "
+PARTS=" ${PARTS:-env tier profile tests tests_alone gpu_step gpu_step_8b spec fp8_kv sim_profile} "
 part() {  # part NAME SECONDS CMD...: one part, its log in $OUT/NAME.log
     local name=$1 secs=$2; shift 2
     [[ "$PARTS" == *" $name "* ]] || return 0
@@ -94,6 +94,16 @@ part gpu_step "${BENCH_LIMIT_S:-300}" "${PYP[@]}" bench/gpu_step.py --json "$OUT
 # without the overlap, batches 1 and 64 (issue 62's second floor target)
 part gpu_step_8b "${BENCH_8B_LIMIT_S:-300}" "${PYP[@]}" bench/gpu_step.py --shape 8b --transfer-blocks 0 \
     --backends flashinfer+graphs,flashinfer+graphs+overlap,flashinfer+graphs+async --batches 1,64 --json "$OUT/gpu_step_8b.json"
+# Speculative decoding on the device (issue 59): n-gram against none at batches 1, 8 and 64, on
+# the 1B shape gpu_step made (random weights: the `repeat` workload, whose phrase prompt lookup
+# finds; bench/spec.py), acceptance printed beside each speed figure
+SPEC_MODEL=${SPEC_MODEL:-.cache/models/pdserve-1b-llama-bfloat16}
+if [[ "$PARTS" == *" spec "* ]] && [ ! -f "$SPEC_MODEL/config.json" ]; then
+    echo "== gpu-check: spec skipped: no model at $SPEC_MODEL (run the gpu_step part first, or set SPEC_MODEL)"
+else
+    part spec "${SPEC_LIMIT_S:-240}" "${PYP[@]}" -m pdserve.bench.spec --model "$SPEC_MODEL" --device cuda \
+        --workload repeat --batches 1,8,64 --rounds 3 --json "$OUT/spec_gpu.json"
+fi
 # FP8 KV on the device against 16-bit KV (issue 58): greedy agreement and the first token's KL
 # on the bench model's shape, bfloat16, the scales computed at start (docs/kv_cache.md)
 part fp8_kv "${FP8_LIMIT_S:-180}" "${PYP[@]}" -m pdserve.bench.fp8_kv --device cuda --dtype bfloat16 \
