@@ -97,6 +97,8 @@ class LLMEngine:
                                    config.scheduling_policy, self.tier)
         self.scheduler.max_loras = config.max_loras if config.enable_lora else None
         self.sampler = Sampler(config.seed)
+        if config.async_scheduling and self.runner.lookahead is not None:
+            self.scheduler.before_free = self.runner.lookahead.settle  # (engine/overlap.py)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()

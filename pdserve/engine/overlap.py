@@ -169,6 +169,7 @@ class Lookahead:
         self.launched = 0  # steps launched ahead
         self.launched_taken = 0  # ... whose plan was the launched step or a part of it
         self.launched_part = 0  # ... a part of it (some of its requests had left)
+        self.settled = 0  # waits for a launched step before its blocks could change hands (`settle`)
 
     def prepare(self, reqs: list, block_ids: Callable[[str], list[int]],
                 plan: Callable[[StepBatch], object | None] | None = None, grown: Sequence = ()) -> None:
@@ -197,6 +198,7 @@ class Lookahead:
         """Drop the prepared step and give back the blocks its prediction took ahead: called
         before a plan that admits someone (a prompt, a remote-KV reservation, a tier load), so
         that admission sees the pool it would without the prediction."""
+        self.settle()  # (admission may give its blocks out)
         held = [p for p in (self._next, self.inflight.prepared if self.inflight is not None else None) if p]
         self._next = self.inflight = None  # (a step launched ahead is not that plan: dropped)
         for req in (r for p in held for r in p.grown):
@@ -237,9 +239,21 @@ class Lookahead:
         return p
 
     def launched_step(self, p: _Prepared, logits: torch.Tensor | None) -> None:
-        self.inflight = _InFlight(p, logits)
+        self.inflight = _InFlight(p, logits, self.staging.transfer.record(), {r.request_id for r in p.reqs})
         self.launched += 1
         self.planned += p.batch.meta is not None
+
+    def settle(self, request_id: str | None = None) -> None:
+        """Wait until the step launched ahead has run on the device (``request_id``: only if
+        that request is in it). Called before blocks it writes can change hands outside the
+        stream's order (a request of it freed, a plan that admits someone): what the pool then
+        gives out (to a remote write, a loan, a tier copy) is never written by that step after."""
+        f = self.inflight
+        if f is None or f.event is None or (request_id is not None and request_id not in f.ids):
+            return
+        f.event.synchronize()
+        f.event = None
+        self.settled += 1
 
     def take_inflight(self, scheduled: list, block_ids: Callable[[str], list[int]]) -> tuple | None:
         """(logits, batch) of the step launched ahead when ``scheduled`` is it, or it without
@@ -268,6 +282,8 @@ class Lookahead:
 class _InFlight:
     prepared: _Prepared  # the step launched ahead
     logits: torch.Tensor | None  # its logits (rank 0), maybe still being computed on the device
+    event: Event | None  # recorded behind it on the stream (None once waited for)
+    ids: set[str]  # its requests' ids
 
 
 def subsequence_rows(p: _Prepared, scheduled: list, block_ids: Callable[[str], list[int]]) -> list[int] | None:

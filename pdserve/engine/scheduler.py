@@ -116,6 +116,9 @@ class Scheduler:
         # Called with a request's id when its blocks are freed (finished, aborted, preempted): a
         # draft model's KV of it goes too (engine/spec_draft.py).
         self.on_free: Callable[[str], None] | None = None
+        # Called with a request's id just before its blocks are freed: a decode step launched
+        # ahead that writes them is waited for (engine arg async_scheduling, engine/overlap.py).
+        self.before_free: Callable[[str], None] | None = None
 
     # -- queue management ---------------------------------------------------
     def add(self, req: Request) -> None:
@@ -142,6 +145,8 @@ class Scheduler:
             self.remote_waiting.remove(req)
         self.remote.pop(req.request_id, None)
         self.loading.pop(req.request_id, None)  # its load finishes on its own (engine/kv_tier.py)
+        if self.before_free is not None:
+            self.before_free(req.request_id)
         if not self.remote_kv.request_finished(req, status):  # (an export's blocks wait for their write)
             self.kv.free(req.request_id)
         if self.on_free is not None:
@@ -466,6 +471,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         req.tier_tried = False
+        if self.before_free is not None:
+            self.before_free(req.request_id)
         self.kv.free(req.request_id)
         if self.on_free is not None:
             self.on_free(req.request_id)

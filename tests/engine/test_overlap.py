@@ -73,6 +73,73 @@ def test_the_prepared_step_is_the_step_built_from_the_plan_and_other_plans_are_r
     assert not refused(plan)  # (the same plan is still taken)
 
 
+class _Pending:
+    """An event of work still running on a fake device until someone waits for it."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+class _PendingTransfer:
+    pinned = False
+
+    def __init__(self):
+        self.events: list[_Pending] = []
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor:
+        return host.clone()
+
+    def record(self) -> _Pending:
+        self.events.append(_Pending())
+        return self.events[-1]
+
+
+def test_a_launched_step_is_waited_for_before_its_blocks_can_change_hands():
+    """async_scheduling: the step launched from the drawn tokens gathers them by row; its
+    requests' blocks are freed, and the pool given to an admission, only after the device has
+    run it (`settle`, the scheduler's before_free and `release`); the next plan takes it less a
+    request that left."""
+    kv = KVCacheManager(num_blocks=64, block_size=BS, enable_caching=False)
+    reqs = [decoding("a", 5, 2, kv), decoding("b", 6, 2, kv), decoding("c", 9, 4, kv)]
+    nxt, grown = predict_next([(r, 1) for r in reqs], reqs, 0, set(), kv)
+    transfer = _PendingTransfer()
+    ahead = Lookahead(BS, CPU, transfer)
+    ahead.prepare(nxt, kv.block_ids, grown=grown)
+    drawn = torch.tensor([70, 71, 72, 73])  # rows of this step's draw: c, x (another request), a, b
+    p = ahead.launch({id(reqs[2]): 0, id(reqs[0]): 2, id(reqs[1]): 3}, drawn)
+    assert p is not None and p.batch.input_ids.tolist() == [72, 73, 70]  # a, b, c: the step's order
+    ahead.launched_step(p, torch.arange(3.0)[:, None])
+    step_event = transfer.events[-1]
+    ahead.settle("x")  # not one of its requests: no wait
+    assert not step_event.done and ahead.settled == 0
+    ahead.settle("b")  # b is freed (it drew its stop token): its blocks wait for the step
+    assert step_event.done and ahead.settled == 1
+    for r in reqs:
+        r.output_token_ids.append(90)
+    logits, batch = ahead.take_inflight([(reqs[0], 1), (reqs[2], 1)], kv.block_ids)  # b left
+    assert logits[:, 0].tolist() == [0.0, 2.0] and batch.sampling == [reqs[0], reqs[2]]
+    assert ahead.launched_part == 1 and ahead.inflight is None
+    # a launched step that a plan admitting someone drops: waited for first, its grown blocks back
+    for r in reqs:
+        r.num_computed_tokens = r.num_tokens
+    nxt, grown = predict_next([(r, 1) for r in reqs], reqs, 0, set(), kv)
+    ahead.prepare(nxt, kv.block_ids, grown=grown)
+    p = ahead.launch({id(r): i for i, r in enumerate(reqs)}, drawn)
+    ahead.launched_step(p, None)
+    free = kv.pool.num_free
+    for r in reqs:
+        r.output_token_ids.append(91)
+    ahead.release(kv)
+    assert transfer.events[-1].done and ahead.settled == 2 and ahead.inflight is None
+    assert kv.pool.num_free == free + len(grown)
+
+
 def test_no_prediction_when_someone_waits_a_chunk_runs_or_the_pool_is_tight():
     kv = KVCacheManager(num_blocks=6, block_size=BS, enable_caching=False)
     a, b = decoding("a", 5, 3, kv), decoding("b", 3, 1, kv)  # 8 and 4 tokens: both open a block next
@@ -225,6 +292,9 @@ def test_the_engine_gives_the_same_tokens_with_the_next_step_launched_ahead(llam
     else:
         assert ahead.launched_taken < ahead.launched  # (the arrival's plan dropped one)
         assert ahead.launched_part >= 2  # r1's stop and r4's abort
+        # ... each waited for the launched step that wrote their blocks before freeing them,
+        # and r5's admission too before the pool gave any block out
+        assert ahead.settled >= 3
 
 
 def test_async_scheduling_refuses_what_it_does_not_run_with(llama_dir):
