@@ -508,8 +508,12 @@ class LLMEngine:
             if self.config.async_scheduling:
                 launch_next(self.runner, reqs, drawn.tokens)
             return self.sampler.finish(drawn, reqs)
+        except TPGroupBroken:
+            raise
         except Exception:  # noqa: BLE001
             log.exception("batched sampling failed; sampling the %d rows one by one", len(reqs))
+        if self.runner.lookahead is not None:  # (launched from a draw this fallback replaces)
+            self.runner.lookahead.discard()
         out = []
         for i, req in enumerate(reqs):
             try:

@@ -45,6 +45,7 @@ import torch
 
 from .attention_base import BatchLayout
 from .step_batch import StepBatch, pad_block_tables
+from .tp_group import TPGroupBroken
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +244,12 @@ class Lookahead:
         self.launched += 1
         self.planned += p.batch.meta is not None
 
+    def discard(self) -> None:
+        """Forget the step launched ahead once the device has run it: its inputs may not be
+        what the step's tokens turned out to be (the sampler fell back to drawing row by row)."""
+        self.settle()
+        self.inflight = None
+
     def settle(self, request_id: str | None = None) -> None:
         """Wait until the step launched ahead has run on the device (``request_id``: only if
         that request is in it). Called before blocks it writes can change hands outside the
@@ -333,6 +340,8 @@ def launch_next(runner, reqs: list, tokens: torch.Tensor) -> None:
         p = look.launch({id(r): i for i, r in enumerate(reqs)}, tokens)
         if p is not None:
             look.launched_step(p, runner.execute_batch(p.batch))
+    except TPGroupBroken:
+        raise  # (the engine cannot step again: as a step's own forward would say)
     except Exception:  # noqa: BLE001  (the next step runs as it would without the launch)
         log.exception("launching the next decode step ahead failed; it runs when it is planned")
         look.drop()

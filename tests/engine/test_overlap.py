@@ -297,6 +297,43 @@ def test_the_engine_gives_the_same_tokens_with_the_next_step_launched_ahead(llam
         assert ahead.settled >= 3
 
 
+def test_a_sampling_fallback_after_a_launch_drops_the_launched_step(llama_dir):
+    """The batched read-back fails once after the next step was launched from its draw: the
+    rows are drawn again one by one (seeded generators one draw further), so the launched step
+    ran on other tokens than the ones appended and must not be taken. Same tokens as the
+    engine without the launch, given the same failure."""
+    def run(mode: dict) -> tuple[dict, LLMEngine]:
+        eng = LLMEngine(EngineConfig(model=llama_dir, block_size=BS, seed=7, **mode))
+        finish, calls = eng.sampler.finish, [0]
+
+        def failing_once(drawn, reqs):  # (a fault injected into the read-back, not the thing tested)
+            calls[0] += 1
+            if calls[0] == 8:
+                raise RuntimeError("injected: the read-back failed")
+            return finish(drawn, reqs)
+
+        eng.sampler.finish = failing_once  # type: ignore[method-assign]
+        for i in range(3):
+            eng.add_request([3 + (i * 41 + j * 13) % 500 for j in range(6 + 5 * i)],
+                            SamplingParams(temperature=0.9, seed=10 + i, max_tokens=16, ignore_eos=True),
+                            request_id=f"r{i}")
+        out: dict[str, list[int]] = {}
+        for _ in range(200):
+            if not eng.has_unfinished():
+                break
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+                if d.finished:
+                    eng.release(d.request_id)
+        return out, eng
+
+    want, _ = run(dict(overlap_steps=True))
+    got, eng = run(dict(async_scheduling=True))
+    assert got == want and all(len(t) == 16 for t in got.values())
+    ahead = eng.runner.lookahead
+    assert ahead is not None and ahead.launched > ahead.launched_taken > 0
+
+
 def test_async_scheduling_refuses_what_it_does_not_run_with(llama_dir):
     for field, value in (("speculative_config", {"method": "ngram", "num_speculative_tokens": 2,
                                                  "prompt_lookup_max": 3}),
