@@ -12,26 +12,11 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 
 from .test_hf_parity import hf_greedy
-from .test_model_families import MAX_TOKENS, SPECS, greedy, prompts_for
+from .test_model_families import MAX_TOKENS, family_dirs, greedy, prompts_for  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.gpu
 
 FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_noq"]
-
-
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory):
-    from pdserve.engine.model_maker import make_model
-
-    made: dict[str, str] = {}
-    root = tmp_path_factory.mktemp("families-gpu")
-
-    def get(name: str) -> str:
-        if name not in made:
-            made[name] = make_model(str(root / name), SPECS[name])
-        return made[name]
-
-    return get
 
 
 def family_on_the_device_matches_hf(model_dir: str, name: str, device: str) -> None:
