@@ -224,6 +224,10 @@ class Lookahead:
         self._next = None
         self.inflight = None
 
+    @property
+    def has_prepared(self) -> bool:
+        return self._next is not None
+
     def launch(self, rows_of: dict[int, int], tokens: torch.Tensor) -> _Prepared | None:
         """The prepared step, its token ids gathered on the device from ``tokens`` (this step's
         draw, not yet read back; ``rows_of``: a request's ``id`` -> its row there), ready to run
@@ -319,13 +323,8 @@ def _same(ids: list[int], table: list[int]) -> bool:
 def matches(p: _Prepared, scheduled: list, block_ids: Callable[[str], list[int]]) -> bool:
     """Whether the plan is the prepared step: the same request objects in the same order, one
     new token each at the predicted position (its last output token's), the same blocks."""
-    if len(scheduled) != len(p.reqs):
-        return False
-    for (req, n), want, c, table in zip(scheduled, p.reqs, p.context, p.tables):
-        if (req is not want or n != 1 or req.num_computed_tokens != c or req.num_tokens != c + 1
-                or not req.output_token_ids or not _same(block_ids(req.request_id), table)):
-            return False
-    return True
+    rows = subsequence_rows(p, scheduled, block_ids)
+    return rows is not None and len(rows) == len(p.reqs)
 
 
 def launch_next(runner, reqs: list, tokens: torch.Tensor) -> None:
@@ -334,7 +333,7 @@ def launch_next(runner, reqs: list, tokens: torch.Tensor) -> None:
     queued behind the draw and the host goes on to read the tokens and make the outputs while
     it runs). Never raises: a failure costs only the launch (logged)."""
     look = runner.lookahead
-    if look is None or look._next is None:
+    if look is None or not look.has_prepared:
         return
     try:
         p = look.launch({id(r): i for i, r in enumerate(reqs)}, tokens)
