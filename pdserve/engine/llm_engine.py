@@ -39,11 +39,11 @@ from .request import (
 from .runner import ModelRunner
 from .sampler import Sampler, SampleResult, SamplingError
 from .scheduler import Scheduler
-from .spec_config import parse_speculative_config
+from .spec_config import HEAD_METHODS, parse_speculative_config
 from .spec_decode import SpecDecoder
 from .spec_draft import DraftProposer, draft_model_config
 from .spec_eagle import EagleProposer
-from .spec_eagle_model import head_config
+from .spec_mtp_model import proposer_head_config
 from .spec_step import finish_step as finish_spec_step
 from .spec_step import has_drafts
 from .step_budget import StepCost, StepTargets, attention_pairs
@@ -69,8 +69,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model)
         if spec is not None and spec.method == "draft_model":
             draft_model_config(spec, self.model_config)  # (its vocabulary refused before either model loads)
-        if spec is not None and spec.method in ("eagle", "eagle3") and spec.model is not None:
-            head_config(spec.model, spec.method, self.model_config)  # (its hidden size: likewise)
+        if spec is not None and spec.method in HEAD_METHODS:
+            proposer_head_config(spec.model, spec.method, self.model_config)  # (its hidden size: likewise)
         self.tokenizer = Tokenizer(config.model)
         self.runner = ModelRunner(config, self.model_config)
         self.max_model_len = self._max_model_len()
@@ -129,7 +129,7 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":  # its own runner and pool (engine/spec_draft.py)
             draft = DraftProposer(spec, config, self.model_config, self.runner.num_blocks)
             self.scheduler.on_free = draft.release
-        elif spec is not None and spec.method in ("eagle", "eagle3"):  # fed the target's hidden states
+        elif spec is not None and spec.method in HEAD_METHODS:  # fed the target's hidden states
             draft = EagleProposer(spec, config, self.model_config, self.runner.num_blocks, self.runner.model)
             self.scheduler.on_free = draft.release
         self.spec = SpecDecoder(spec, self.max_model_len, draft) if spec is not None else None

@@ -70,6 +70,16 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     x1.copy_(first)
 
 
+def rope_tables(inv_freq: torch.Tensor, factor: float, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin [T, 1, D] of ``positions`` (broadcast over heads), times yarn's ``factor``."""
+    freqs = positions[:, None].float() * inv_freq[None, :].float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -174,13 +184,7 @@ class CausalLM(nn.Module):
         self.rope_factor = yarn_attention_factor(cfg.rope)  # yarn's cos/sin factor (else 1)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[:, None].float() * self.inv_freq[None, :].float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if self.rope_factor != 1.0:
-            cos, sin = cos * self.rope_factor, sin * self.rope_factor
-        # [T, 1, D]: broadcast over heads.
-        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        return rope_tables(self.inv_freq, self.rope_factor, positions, dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm is None:
@@ -292,7 +296,6 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard
         pad = shard.vocab_per_rank - part.shape[0]
         return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part
 
-    hd = cfg.head_dim
     put(model.embed_tokens.weight, vocab_rows(take("model.embed_tokens.weight"), "embed_tokens"),
         "model.embed_tokens.weight")
     put(model.norm.weight, take("model.norm.weight"), "model.norm.weight")
@@ -302,21 +305,27 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard
         model.lm_head.weight = model.embed_tokens.weight
         tensors.pop("lm_head.weight", None)
     for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            put(getattr(layer, norm).weight, take(p + norm + ".weight"), p + norm)
-        if layer.mla is not None:
-            load_mla(layer.mla, p + "self_attn.", shard, take, put, tensors)
-        else:
-            _load_attention(layer, p, shard, hd, take, put, tensors, cfg.path)
-        if layer.moe is not None:
-            load_experts(layer.moe, p, tensors, take, put, shard.moe_inter, shard.shared_inter)
-            if device.type == "cuda":
-                layer.moe.experts.stack_for_grouped_mm()
-        else:
-            _load_dense_mlp(layer, p, take, put, shard.inter)
+        load_layer(layer, f"model.layers.{i}.", cfg, shard, take, put, tensors)
     model.eval()
     return model
+
+
+def load_layer(layer: DecoderLayer, p: str, cfg: ModelConfig, shard: Shard, take: Take, put: Put,
+               tensors: dict[str, torch.Tensor]) -> None:
+    """One decoder layer's weights, named ``p`` + HF's names (``model.layers.{i}.``; a DeepSeek
+    MTP layer's block too, engine/spec_mtp_model.py), this rank's part."""
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        put(getattr(layer, norm).weight, take(p + norm + ".weight"), p + norm)
+    if layer.mla is not None:
+        load_mla(layer.mla, p + "self_attn.", shard, take, put, tensors)
+    else:
+        _load_attention(layer, p, shard, cfg.head_dim, take, put, tensors, cfg.path)
+    if layer.moe is not None:
+        load_experts(layer.moe, p, tensors, take, put, shard.moe_inter, shard.shared_inter)
+        if layer.post_attention_layernorm.weight.device.type == "cuda":
+            layer.moe.experts.stack_for_grouped_mm()
+    else:
+        _load_dense_mlp(layer, p, take, put, shard.inter)
 
 
 def _load_attention(layer: DecoderLayer, p: str, shard: Shard, hd: int, take: Take, put: Put,

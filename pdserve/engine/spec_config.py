@@ -3,9 +3,12 @@
 ``speculative_config`` is a dict, as vLLM's ``LLM(..., speculative_config={...})`` takes it:
 ``method`` (``"ngram"``: prompt lookup; ``"draft_model"``: a small model proposes,
 engine/spec_draft.py; ``"eagle"`` / ``"eagle3"``: an EAGLE head fed the target's hidden states,
-engine/spec_eagle.py; MTP and the others are refused for now; as in vLLM, a config with
-``model`` and no ``method`` is a draft model's, and one with neither is n-gram's), ``model``
-(the draft model's directory: same vocabulary as the target's; or the EAGLE head's),
+engine/spec_eagle.py; ``"mtp"`` (vLLM's older ``"deepseek_mtp"`` too): a DeepSeek-V3 checkpoint's
+multi-token-prediction layer, run as an EAGLE head, engine/spec_mtp_model.py; Medusa and the
+others are refused for now; as in vLLM, a config with ``model`` and no ``method`` is a draft
+model's, and one with neither is n-gram's), ``model`` (the draft model's directory: same
+vocabulary as the target's; or the EAGLE head's; for MTP the checkpoint holding the layer,
+the target's own directory when not given),
 ``draft_tensor_parallel_size``
 (vLLM's; only 1: the draft runs whole on the target's first device), ``draft_kv_cache_fraction``
 (pdserve's: the draft's KV pool has this fraction of the target pool's blocks; default 1.0),
@@ -27,13 +30,15 @@ draft's distribution and verifies them against it, engine/spec_decode.py `verify
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from .config import ConfigError, ModelConfig
 
-METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # the methods whose ``model`` is a directory
-LATER = ("medusa", "mlp_speculator", "mtp", "suffix")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")  # the methods whose ``model`` is a directory
+HEAD_METHODS = ("eagle", "eagle3", "mtp")  # the methods whose head reads the target's hidden states
+LATER = ("medusa", "mlp_speculator", "suffix")
 MAX_SPECULATIVE_TOKENS = 16  # far past where prompt lookup pays; bounds a step's rows per request
 MAX_LOOKUP = 64  # the longest n-gram tried
 
@@ -51,9 +56,9 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int = 1
     draft_kv_cache_fraction: float = 1.0  # the draft pool's blocks: this fraction of the target's
     # the measured-cost rule (engine/spec_cost.py): on by default where proposing costs a forward
-    # (draft_model, eagle, eagle3), off for n-gram
+    # (draft_model, eagle, eagle3, mtp), off for n-gram
     disable_by_cost: bool = False
-    # draft_model / eagle / eagle3: how a sampling request's proposals are drawn (probabilistic:
+    # draft_model / eagle / eagle3 / mtp: how a sampling request's proposals are drawn (probabilistic:
     # from the draft's distribution, verified with it; greedy: the draft's argmax)
     draft_sampling: str = "greedy"
 
@@ -119,7 +124,9 @@ def parse_speculative_config(raw: dict | str | None, check_files: bool = True) -
     for name in ("prompt_lookup_min", "prompt_lookup_max"):
         if name in raw:
             raise ConfigError(f"{_field(name)} is for method 'ngram', not {method!r}")
-    if method in ("eagle", "eagle3"):
+    if method == "mtp":
+        model = _mtp_dir(raw, check_files)
+    elif method in ("eagle", "eagle3"):
         model = _head_dir(raw, method)
         if check_files:
             from .spec_eagle_model import check_head_dir  # (torch loads only here)
@@ -151,6 +158,8 @@ def _method(raw: dict) -> str:
         method = "ngram" if model is None or model in ("ngram", "[ngram]") else "draft_model"
     if method == "[ngram]":
         method = "ngram"
+    if method == "deepseek_mtp":  # (vLLM's older name)
+        method = "mtp"
     if method not in METHODS:
         later = " (not supported yet)" if method in LATER else ""
         raise ConfigError(f"{_field('method')}={method!r}{later}; use one of: {', '.join(METHODS)}")
@@ -181,6 +190,25 @@ def _head_dir(raw: dict, method: str) -> str:
         raise ConfigError(f"{_field('model')} is required for method {method!r} (the EAGLE head's directory)")
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{_field('model')}={path!r} must be an EAGLE head's directory path")
+    return path
+
+
+def _mtp_dir(raw: dict, check_files: bool) -> str | None:
+    """The checkpoint with the MTP layer: None (the target's own directory, known when the engine
+    is made) unless given; its layers are read by engine/spec_mtp_model.py."""
+    path = raw.get("model")
+    if path is None:
+        return None
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{_field('model')}={path!r} must be a directory path (the checkpoint with the MTP layer)")
+    if check_files:
+        from .spec_mtp_model import mtp_layers  # (torch loads only here)
+
+        if not os.path.isdir(path):
+            raise ConfigError(f"{_field('model')}={path!r}: no such directory (the checkpoint with the MTP layer)")
+        if mtp_layers(path) < 1:
+            raise ConfigError(f"{_field('model')}={path!r}: config.json has no num_nextn_predict_layers: the "
+                              "checkpoint has no MTP layer")
     return path
 
 

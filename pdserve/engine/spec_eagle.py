@@ -24,7 +24,7 @@ zeros: the proposals there are weaker, the verification as exact as for any prop
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -35,7 +35,9 @@ from .request import Request, SamplingParams
 from .runner import ModelRunner
 from .spec_config import SpeculativeConfig
 from .spec_draft import DraftProposer, _Seq, draft_engine_config
-from .spec_eagle_model import EagleHead, HeadConfig, head_config, load_eagle_head
+from .spec_eagle_model import EagleHead, HeadConfig, load_eagle_head
+from .spec_mtp_model import METHOD as MTP
+from .spec_mtp_model import MTPHead, load_mtp_head, proposer_head_config
 from .step_batch import StepBatch, build_step_batch
 from .structured_state import StructuredOutputs
 
@@ -56,6 +58,8 @@ class EagleRunner(ModelRunner):
         super().__init__(cfg, hc.model)
 
     def _make_model(self, model_cfg: ModelConfig) -> torch.nn.Module:
+        if self.hc.method == MTP:
+            return load_mtp_head(self.hc, self.target_cfg, self.dtype, self.device)
         return load_eagle_head(self.hc, self.target_cfg, self.dtype, self.device)
 
     def execute(self, scheduled: list[tuple[Request, int]], kv: KVCacheManager,
@@ -104,12 +108,12 @@ class EagleProposer(DraftProposer):
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: ModelConfig, target_blocks: int,
                  target_model: torch.nn.Module):
-        assert spec.model is not None
         if not isinstance(target_model, CausalLM):
             raise ConfigError(f"speculative_config.method={spec.method!r}: the target model does not expose its "
                               "hidden states")
         self.target = target_model
-        self.hc = head_config(spec.model, spec.method, target)
+        self.hc = proposer_head_config(spec.model, spec.method, target)
+        spec = replace(spec, model=self.hc.model.path)  # (MTP's: the target's own directory when not given)
         self.model_config = self.hc.model
         blocks = max(1, int(target_blocks * spec.draft_kv_cache_fraction))
         dcfg = draft_engine_config(config, spec, blocks)
@@ -124,15 +128,15 @@ class EagleProposer(DraftProposer):
         self.states: dict[str, _States] = {}
         self.last: dict[str, torch.Tensor] = {}  # each proposing request's last row's hidden output
         self.target = target_model
-        if self.hc.method == "eagle":
+        if self.hc.method in ("eagle", MTP):
             target_model.capture_final = True
         else:
             target_model.capture_layers = self.hc.aux_layers
 
     @property
-    def head(self) -> EagleHead:
+    def head(self) -> EagleHead | MTPHead:
         model = self.runner.model
-        assert isinstance(model, EagleHead)
+        assert isinstance(model, (EagleHead, MTPHead))
         return model
 
     # -- the target's hidden states ------------------------------------------------

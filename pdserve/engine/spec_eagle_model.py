@@ -46,18 +46,19 @@ FIELD = "speculative_config.model"
 class HeadConfig:
     """An EAGLE head's facts: its Llama shape (``model``) and what EAGLE adds to it."""
 
-    method: str  # "eagle" or "eagle3"
-    model: ModelConfig  # the head's decoder layers (a Llama of ``model.num_layers`` layers)
+    method: str  # "eagle", "eagle3" or "mtp" (engine/spec_mtp_model.py)
+    model: ModelConfig  # the head's decoder layers (a Llama of ``model.num_layers`` layers; MTP's: the target's)
     target_hidden_size: int  # the width of each target hidden state the head reads
     aux_layers: tuple[int, ...]  # EAGLE-3: the target's layers whose output it reads; () for EAGLE-1
     draft_vocab_size: int
     norm_before_fc: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+    mtp_layer: int = -1  # MTP: the layer's index in the checkpoint (``model.layers.{i}.``)
 
     @property
     def fc_in(self) -> int:
-        if self.method == "eagle":
+        if self.method in ("eagle", "mtp"):
             return 2 * self.model.hidden_size
         return len(self.aux_layers) * self.target_hidden_size
 
@@ -249,17 +250,9 @@ def _target_tensor(target: ModelConfig, names: tuple[str, ...]) -> torch.Tensor:
                       f"{names[0]!r} was not found to share")
 
 
-def load_eagle_head(hc: HeadConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> EagleHead:
-    """The head with its weights (the target's embedding and, for EAGLE-1, LM head when the
-    head's checkpoint has none)."""
-    path = hc.model.path
-    tensors = _tensors(path)
-    with torch.device("meta"):
-        head = EagleHead(hc, target.vocab_size)
-    head = head.to_empty(device=device).to(dtype)
-    cfg = hc.model
-    head.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
-    head.to_target = torch.arange(hc.draft_vocab_size, device=device)
+def weight_io(path: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
+    """``take`` (pop a weight by name; missing: the field's error) and ``put`` (copy it into a
+    parameter of the same shape; else the field's error) over a head's ``tensors``."""
 
     def take(name: str) -> torch.Tensor:
         try:
@@ -274,6 +267,22 @@ def load_eagle_head(hc: HeadConfig, target: ModelConfig, dtype: torch.dtype, dev
         with torch.no_grad():
             param.copy_(value.to(dtype))
 
+    return take, put
+
+
+def load_eagle_head(hc: HeadConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device) -> EagleHead:
+    """The head with its weights (the target's embedding and, for EAGLE-1, LM head when the
+    head's checkpoint has none)."""
+    path = hc.model.path
+    tensors = _tensors(path)
+    with torch.device("meta"):
+        head = EagleHead(hc, target.vocab_size)
+    head = head.to_empty(device=device).to(dtype)
+    cfg = hc.model
+    head.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
+    head.to_target = torch.arange(hc.draft_vocab_size, device=device)
+
+    take, put = weight_io(path, tensors, dtype)
     embed = tensors.pop("embed_tokens.weight", None)
     if embed is None:
         embed = _target_tensor(target, ("model.embed_tokens.weight",))

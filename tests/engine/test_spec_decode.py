@@ -333,7 +333,7 @@ def test_load_rule_batch_size_and_acceptance_floor():
     ({"method": "ngram", "num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": "3"}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
-    ({"method": "mtp", "num_speculative_tokens": 3}, "speculative_config.method"),
+    ({"method": "suffix", "num_speculative_tokens": 3}, "speculative_config.method"),
     ({"method": "medusa2", "num_speculative_tokens": 3}, "speculative_config.method"),
     ({"num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "speculative_config.prompt_lookup_min"),
@@ -369,7 +369,9 @@ def test_the_topology_checks_speculative_config_where_it_is_loaded(tmp_path):
 
 
 def test_the_engine_refuses_bad_config_before_loading(llama_dir):
-    with pytest.raises(ConfigError, match=r"speculative_config\.method='mtp' \(not supported yet\)"):
+    with pytest.raises(ConfigError, match=r"speculative_config\.method='medusa' \(not supported yet\)"):
+        LLM(llama_dir, speculative_config={"method": "medusa", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match=r"speculative_config\.method='mtp': the target model is llama"):
         LLM(llama_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     cfg = parse_speculative_config({"num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert cfg is not None and (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)  # one sets both (vLLM)

@@ -252,7 +252,7 @@ def test_finish_and_abort_free_the_drafts_blocks(self_draft):
     ({"draft_kv_cache_fraction": 0}, "speculative_config.draft_kv_cache_fraction"),
     ({"draft_kv_cache_fraction": 1.5}, "speculative_config.draft_kv_cache_fraction"),
     ({"prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max"),
-    ({"method": "mtp"}, "speculative_config.method"),
+    ({"method": "medusa"}, "speculative_config.method"),
     ({"draft_sampling": "nucleus"}, "speculative_config.draft_sampling"),
 ])
 def test_bad_draft_config_is_refused_naming_the_field(llama_dir, extra, field):

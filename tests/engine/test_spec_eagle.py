@@ -376,7 +376,7 @@ def test_missing_or_malformed_heads_are_refused_naming_the_field(llama_dir, head
 
 
 def test_unsupported_methods_are_refused_naming_the_field(heads):
-    with pytest.raises(ConfigError, match=r"speculative_config\.method='mtp' \(not supported yet\)"):
-        parse_speculative_config({"method": "mtp", "model": heads["eagle"], "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match=r"speculative_config\.method='medusa' \(not supported yet\)"):
+        parse_speculative_config({"method": "medusa", "model": heads["eagle"], "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match=r"speculative_config\.prompt_lookup_max"):
         parse_speculative_config({**eagle_cfg("eagle", heads["eagle"]), "prompt_lookup_max": 3})
