@@ -158,6 +158,36 @@ def test_an_eagle_head_speculates_on_remotely_prefilled_requests(model_dirs, tmp
         pair.assert_nothing_held()
 
 
+def test_an_mtp_layer_speculates_on_remotely_prefilled_requests(tmp_path):
+    """DeepSeek-V3 (latent attention: one latent KV head written over the hop, prefill TP 2) with
+    an MTP "copy" layer on the decode side (tests/engine/test_spec_mtp.py: each proposal the
+    target's argmax at the last computed position): the layer reads zeros for the prompt the
+    prefill side computed and real hidden states from the first decoded token on; proposals are
+    made, some accepted, and the greedy output equals the local path's without speculation."""
+    from pdserve.engine.model_maker import make_model
+    from tests.engine.test_model_families import SPECS
+    from tests.engine.test_spec_mtp import make_mtp, mtp_cfg
+
+    model = make_mtp(str(tmp_path / "mtp"), make_model(str(tmp_path / "ds"), SPECS["deepseek_v3"]), copy=True)
+    ps = repetitive(seed=99)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(model) as plain:
+        want = [o.token_ids for o in plain.generate(ps, params)]
+    with paired(model, "spmtp", 2, 1, d_args={"speculative_config": mtp_cfg(k=3)}) as pair:
+        de = pair.de
+        result, arrived = pair.prefill(pair.tasks(ps, params, prefix="m"))
+        assert result.failures == [] and all(isinstance(m, PrefillDone) for m in arrived)
+        pair.hand_over(arrived)
+        computed = de.stats.num_prompt_tokens_computed
+        pair.decode()
+        assert [o.token_ids for o in pair.outputs(len(ps), prefix="m")] == want
+        assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
+        assert de.stats.num_spec_draft_tokens > 40 and de.stats.num_spec_accepted_tokens > 0
+        head_kv = de.spec.draft.kv
+        wait_until(lambda: head_kv.num_free_blocks == head_kv.pool.num_blocks, 10)
+        pair.assert_nothing_held()
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_local, etcd, llama_dir):  # noqa: F811  (the fixtures imported above)
     """1P1D: a decode worker that speculates and routes remote, and a prefill worker (a Ray actor)."""
