@@ -92,6 +92,7 @@ class _Peer:
         self.ucx_env = ucx_env
         self.agent = None
         self.kv = None
+        self.pools: dict[str, Any] = {}  # name -> (tensor, layout): pools beyond the model's
         self.unclaimed: list[dict] = []  # notifications that arrived while idle
 
     def idle(self) -> None:
@@ -104,7 +105,9 @@ class _Peer:
             self.agent = None
         self.kv = None
 
-    def open(self, name: str, layout: dict, seed: int, device: str = "cpu") -> dict:
+    def open(self, name: str, layout: dict, seed: int, device: str = "cpu", pools: dict | None = None) -> dict:
+        """An agent over a pool of ``layout`` filled from ``seed``; ``pools``: name -> (layout
+        dict, seed) of more pools registered beside it (kvtransfer/nixl/pools.py)."""
         import torch
 
         from pdserve.kvtransfer.nixl import KVTransferAgent
@@ -114,8 +117,16 @@ class _Peer:
         self.layout = KVLayout.from_dict(layout)
         self.kv = torch.empty(self.layout.shape, dtype=getattr(torch, self.layout.dtype), device=device)
         self.fill(seed)
-        self.agent = KVTransferAgent(name, self.kv, self.layout, ucx_env=self.ucx_env)
+        self.pools = {}
+        for pname, (playout, pseed) in (pools or {}).items():
+            lay = KVLayout.from_dict(playout)
+            t = torch.from_numpy(pool_bytes_from_seed(lay, pseed).copy()).view(getattr(torch, lay.dtype))
+            self.pools[pname] = (t.reshape(lay.shape), lay)
+        self.agent = KVTransferAgent(name, self.kv, self.layout, ucx_env=self.ucx_env, pools=self.pools)
         return {"info": self.agent.local_info()}
+
+    def has_pool(self, peer: str, pool: str) -> dict:
+        return {"has": self.agent.has_pool(peer, pool)}
 
     def open_encoded(self, name: str, layout: dict, heads: list[int] | None, threads: int = 0,
                      split_batch_size: int = 0) -> dict:
@@ -155,8 +166,8 @@ class _Peer:
     def remove_peer(self, name: str) -> dict:
         return {"removed": self.agent.remove_peer(name)}
 
-    def write(self, peer, local, remote, layers=None, notify=None, timeout_s=10.0, coalesce=True) -> dict:
-        handle = self.agent.write_blocks(peer, local, remote, layers, notify, coalesce=coalesce)
+    def write(self, peer, local, remote, layers=None, notify=None, timeout_s=10.0, coalesce=True, pool=None) -> dict:
+        handle = self.agent.write_blocks(peer, local, remote, layers, notify, coalesce=coalesce, pool=pool)
         self.agent.wait(handle, timeout_s)
         self._drain()
         return {
@@ -212,9 +223,10 @@ class _Peer:
     def _notes(result: Any) -> list[dict]:
         return [{"sender": n.sender, "payload": n.payload} for n in result.notifications]
 
-    def snapshot(self) -> dict:
-        data = self._pool_view().tobytes()
-        return {"data": data}
+    def snapshot(self, pool: str | None = None) -> dict:
+        if pool is None:
+            return {"data": self._pool_view().tobytes()}
+        return {"data": self.pools[pool][0].reshape(-1).view(__import__("torch").uint8).numpy().tobytes()}
 
     def _pool_view(self) -> np.ndarray:
         import torch

@@ -24,12 +24,13 @@ import numpy as np
 
 from pdserve.kvtransfer.transport import check_notification
 from pdserve.kvtransfer.nixl.descriptors import WritePlan, plan_block_write, plan_head_write
-from pdserve.kvtransfer.nixl.errors import KVTransferError, TransferError, TransferTimeoutError
+from pdserve.kvtransfer.nixl.errors import KVTransferError, LayoutMismatchError, TransferError, TransferTimeoutError
 from pdserve.kvtransfer.nixl.inflight import InFlightWrites
 from pdserve.kvtransfer.nixl.layout import KVLayout
 from pdserve.kvtransfer.nixl.nixl_shim import apply_ucx_env, load_nixl
 from pdserve.kvtransfer.nixl.peer import PeerInfo
 from pdserve.kvtransfer.nixl.peer_table import PeerTable
+from pdserve.kvtransfer.nixl.pools import LocalPools, check_pool, peer_pool
 from pdserve.kvtransfer.nixl.poster import LayerPoster
 from pdserve.kvtransfer.nixl.stream import LayerStream
 from pdserve.kvtransfer.nixl.transfer import PollResult, TransferHandle
@@ -67,8 +68,9 @@ class KVTransferAgent:
         ucx_env: Mapping[str, str] | None = None,
         num_threads: int = 0,
         split_batch_size: int = 0,
+        pools: Mapping[str, tuple[Any, KVLayout]] | None = None,
     ):
-        _check_pool(kv_tensor, layout)
+        check_pool(kv_tensor, layout)
         if num_threads < 0 or split_batch_size < 0:
             raise ValueError(f"num_threads={num_threads}, split_batch_size={split_batch_size}: use >= 0")
         self._api = load_nixl()
@@ -111,6 +113,11 @@ class KVTransferAgent:
                 f"NIXL could not register the {self.mem_type} KV pool "
                 f"({layout.pool_bytes} bytes): {exc!r}"
             ) from exc
+        try:  # (the pools beyond the model's: a draft model's, kvtransfer/nixl/pools.py)
+            self._pools = LocalPools(self._nixl, pools or {}, self._errors)
+        except BaseException:
+            self._nixl.deregister_memory(self._registration)
+            raise
         self._peers = PeerTable(name, layout, self._errors)
         self._writes = InFlightWrites(self._errors)
         self._closed = False
@@ -131,6 +138,7 @@ class KVTransferAgent:
             pool_bytes=self.layout.pool_bytes,
             mem_type=self.mem_type,
             device_id=self._device_id,
+            pools=self._pools.records(),
         ).to_dict()
 
     @property
@@ -176,6 +184,7 @@ class KVTransferAgent:
         *,
         coalesce: bool = True,
         heads: tuple[int, int, int] | None = None,
+        pool: str | None = None,
     ) -> TransferHandle:
         """Write the K and V pages of `local_block_ids` into the peer's `remote_block_ids`.
 
@@ -185,10 +194,27 @@ class KVTransferAgent:
         (`poll()`/`wait()`); a bad mapping raises ValueError, an unknown peer
         UnknownPeerError. ``heads=(src_head, dst_head, num_heads)`` writes only that head range
         (a handoff between different TP sizes, `handoff.head_plan`; both pools HND).
+        ``pool``: our pool of that name into the peer's (kvtransfer/nixl/pools.py: a draft
+        model's; whole blocks, all or ``layers``), its layout checked against the peer's now.
         """
         target = self._peer(peer)
-        plan = self._plan(target, local_block_ids, remote_block_ids, layers, heads, coalesce)
-        return self._post(target, plan, notify)
+        if pool is None:
+            plan = self._plan(target, local_block_ids, remote_block_ids, layers, heads, coalesce)
+            return self._post(target, plan, notify)
+        mine = self._pools.get(pool)
+        theirs = peer_pool(target.name, target.pools, pool, mine.layout)
+        plan = plan_block_write(mine.layout, theirs.layout, local_block_ids, remote_block_ids, layers, coalesce)
+        return self._post(target, plan, notify, local_addr=mine.addr, remote_addr=theirs.addr)
+
+    def has_pool(self, peer: str, pool: str) -> bool:
+        """Whether `write_blocks(..., pool=pool)` can write the peer's pool of that name: we both
+        registered one, of compatible layouts."""
+        target = self._peer(peer)
+        try:
+            peer_pool(target.name, target.pools, pool, self._pools.get(pool).layout)
+        except (LayoutMismatchError, ValueError):
+            return False
+        return True
 
     def _plan(self, target: PeerInfo, local_block_ids, remote_block_ids, layers, heads, coalesce=True) -> WritePlan:
         if heads is None:
@@ -251,11 +277,12 @@ class KVTransferAgent:
         return LayerStream(self, target.name, plan, notify)
 
     @_locked
-    def _post(self, peer: PeerInfo, plan: WritePlan, notify: bytes | None, op: str = "WRITE") -> TransferHandle:
+    def _post(self, peer: PeerInfo, plan: WritePlan, notify: bytes | None, op: str = "WRITE",
+              local_addr: int | None = None, remote_addr: int | None = None) -> TransferHandle:
         self._check_open()
         check_notification(notify)
-        local = plan.local_rows(self._pool_addr, self._device_id)
-        return self._writes.post(self._nixl, peer, plan, notify, local, self.mem_type, op)
+        local = plan.local_rows(self._pool_addr if local_addr is None else local_addr, self._device_id)
+        return self._writes.post(self._nixl, peer, plan, notify, local, self.mem_type, op, remote_addr)
 
     def _layer_poster(self) -> LayerPoster:
         """The thread that posts layers once ready (started on first use)."""
@@ -333,6 +360,8 @@ class KVTransferAgent:
         for name in self._peers.names():
             self.remove_peer(name)
         self._writes.release_deferred()
+        for name in self._pools.deregister(self._nixl, self._errors):
+            log.warning("NIXL could not deregister the %r pool", name)
         try:
             self._nixl.deregister_memory(self._registration)
         except self._errors as exc:
@@ -397,13 +426,3 @@ def _backend_params(backend: str, num_threads: int, split_batch_size: int) -> di
     if split_batch_size:
         params["split_batch_size"] = str(split_batch_size)
     return params
-
-
-def _check_pool(kv: Any, layout: KVLayout) -> None:
-    if tuple(kv.shape) != layout.shape:
-        raise ValueError(f"KV pool tensor shape {list(kv.shape)} does not match layout {list(layout.shape)}")
-    dtype = str(kv.dtype).removeprefix("torch.")
-    if dtype != layout.dtype:
-        raise ValueError(f"KV pool tensor dtype {dtype} does not match layout dtype {layout.dtype}")
-    if not kv.is_contiguous():
-        raise ValueError("the KV pool tensor must be contiguous: pages are addressed by byte offset")

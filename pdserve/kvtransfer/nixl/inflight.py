@@ -38,13 +38,14 @@ class InFlightWrites:
 
     def post(
         self, nixl: Any, peer: PeerInfo, plan: WritePlan, notify: bytes | None, local: Any, local_mem_type: str,
-        op: str = "WRITE",
+        op: str = "WRITE", remote_addr: int | None = None,
     ) -> TransferHandle:
         """Post one WRITE of `plan` (`local`: our pool's descriptor rows) into `peer`'s pool, or
         with ``op="READ"`` one read of the plan's remote ranges into our local ones.
 
-        NIXL errors fail the returned handle instead of raising."""
-        remote = plan.remote_rows(peer.pool_addr, peer.device_id)
+        ``remote_addr``: the base of another of the peer's pools (kvtransfer/nixl/pools.py) than
+        its model's. NIXL errors fail the returned handle instead of raising."""
+        remote = plan.remote_rows(peer.pool_addr if remote_addr is None else remote_addr, peer.device_id)
         handle = TransferHandle(
             id=next(self._ids),
             peer=peer.name,

@@ -9,6 +9,7 @@ from typing import Any
 
 from pdserve.kvtransfer.nixl.errors import MalformedMessageError
 from pdserve.kvtransfer.nixl.layout import KVLayout
+from pdserve.kvtransfer.nixl.pools import PoolRecord, records_from_dict
 
 PEER_INFO_FORMAT = "pdserve.kvtransfer.nixl.peer/1"
 MEM_TYPES = ("DRAM", "VRAM")
@@ -28,9 +29,13 @@ class PeerInfo:
     pool_bytes: int
     mem_type: str  # "DRAM" or "VRAM"
     device_id: int
+    # Pools beyond the model's (kvtransfer/nixl/pools.py: a draft model's), by name; absent in
+    # records of workers that have none (and of versions before them: readable both ways).
+    pools: tuple[tuple[str, PoolRecord], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        extra = {"pools": {name: rec.to_dict() for name, rec in self.pools}} if self.pools else {}
+        return {**extra,
             "format": PEER_INFO_FORMAT,
             "name": self.name,
             "nixl_metadata": base64.b64encode(self.nixl_metadata).decode("ascii"),
@@ -71,6 +76,7 @@ class PeerInfo:
             pool_bytes=pool["num_bytes"],
             mem_type=pool["mem_type"],
             device_id=pool["device_id"],
+            pools=records_from_dict(data.get("pools")),
         )
         if not isinstance(info.name, str) or not info.name:
             raise MalformedMessageError(f"peer name must be a non-empty str, got {info.name!r}")
