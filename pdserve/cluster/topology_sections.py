@@ -263,15 +263,20 @@ def check_engine_features(prefill: dict[str, Any], decode: dict[str, Any], lora:
     if lora.modules and not decode.get("enable_lora"):
         raise ValueError("lora.modules: the decode workers serve LoRA adapters only with enable_lora: true in "
                          "roles.decode.engine")
-    if "speculative_config" in prefill:
-        raise ValueError("roles.prefill.engine.speculative_config: prefill workers do not decode, so they "
-                         "never speculate; set speculative_config under roles.decode.engine")
-    raw = decode.get("speculative_config")
-    if raw is not None:
-        from pdserve.engine.config import ConfigError  # (the engine's own check; torch loads only here)
-        from pdserve.engine.spec_config import parse_speculative_config
+    from pdserve.engine.config import ConfigError  # (the engine's own check; torch loads only here)
+    from pdserve.engine.spec_config import parse_speculative_config
 
+    for role, engine in (("decode", decode), ("prefill", prefill)):
+        raw = engine.get("speculative_config")
+        if raw is None:
+            continue
         try:
-            parse_speculative_config(raw, check_files=False)
+            spec = parse_speculative_config(raw, check_files=False)
         except ConfigError as exc:
-            raise ValueError(f"roles.decode.engine.{exc}") from None
+            raise ValueError(f"roles.{role}.engine.{exc}") from None
+        # A prefill worker never speculates; with the decode workers' draft model it computes the
+        # draft's prompt KV beside the target's (draft_prompt_kv: prefill, docs/speculative.md).
+        if role == "prefill" and (spec is None or spec.method != "draft_model" or spec.draft_prompt_kv != "prefill"):
+            raise ValueError("roles.prefill.engine.speculative_config: prefill workers do not decode, so they "
+                             "never speculate; they take only the decode workers' draft model (method draft_model, "
+                             "draft_prompt_kv prefill), to compute its KV of each prompt beside the target's")

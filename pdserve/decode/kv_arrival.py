@@ -156,7 +156,7 @@ class KVArrival:
         into the engine loop."""
         try:
             delta = self.connector.remote_ready(h.request_id, msg.first_token_id, msg.first_token_logprob,
-                                                dict(msg.first_top_logprobs))
+                                                dict(msg.first_top_logprobs), draft_tokens=msg.draft_tokens)
         except KeyError:
             log.error("request %s: its attempt is ready but the engine parks no such request", h.request_id,
                       extra=jsonlog.about(h.request_id))

@@ -297,6 +297,7 @@ class RemotePrefill:
             prefix_hint=prep.prefix_hint,  # computed once at admission (decode/frontend.py)
             traceparent=prep.traceparent or "",  # the prefill worker's spans join the request's trace
             **adapter_fields(prep.lora),  # the LoRA adapter the prefill worker computes under (signed)
+            draft_block_ids=list(res.draft_block_ids),  # the draft model's KV, where wanted (signed)
         )
         self.signer.sign(task)  # binds the blocks to this worker: the prefill worker checks it
         h.task = task

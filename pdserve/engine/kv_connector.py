@@ -58,6 +58,7 @@ from .block_manager import Block, block_hashes
 from .lora_request import LoRARequest
 from .remote_kv import Reservation
 from .request import Request, SamplingParams
+from .spec_draft import DraftProposer
 from .sampler import SampleResult
 
 if TYPE_CHECKING:
@@ -218,11 +219,19 @@ class KVConnector:
         return self._eng.scheduler.is_awaiting_remote(request_id)
 
     def remote_ready(self, request_id: str, first_token_id: int, first_logprob: float | None = None,
-                     first_top_logprobs: dict[int, float] | None = None) -> "RequestDelta":
+                     first_top_logprobs: dict[int, float] | None = None, draft_tokens: int = 0) -> "RequestDelta":
         """The pages are written and the other worker sampled the first token: the request
-        joins the running batch from it (a first token the detokenizer refuses fails it)."""
+        joins the running batch from it (a first token the detokenizer refuses fails it).
+        ``draft_tokens``: prompt positions of the draft model's KV the other worker wrote into
+        the draft's reservation (the whole prompt, or 0: the draft computes it here)."""
         eng = self._eng
         req = eng.scheduler.remote_ready(request_id)
+        draft = self.draft
+        if draft is not None and request_id in draft.kv.tables:
+            if draft_tokens == req.num_prompt_tokens:
+                draft.adopt(request_id, draft_tokens)
+            else:
+                draft.kv.free(request_id)
         eng.stats.num_prompt_tokens_cached += req.num_cached_tokens
         if req.generator is not None and not req.params.greedy:
             # The remote worker drew the first token from a generator with the same
@@ -244,6 +253,7 @@ class KVConnector:
         False if the request is unknown or done."""
         if quarantine_as is not None and self.is_awaiting(request_id):
             self._eng.kv.rename(request_id, quarantine_as)
+            self._eng.scheduler.quarantine_followers(request_id, quarantine_as)
         return self._eng.abort_request(request_id)
 
     def replace(self, request_id: str, quarantine_as: str) -> Reservation | None:
@@ -255,8 +265,35 @@ class KVConnector:
         return self._eng.scheduler.remote_replaced(request_id, quarantine_as)
 
     def free(self, key: str) -> None:
-        """Release the blocks held under ``key`` (a quarantine, or a finished export)."""
+        """Release the blocks held under ``key`` (a quarantine, or a finished export), in the
+        draft's pool too."""
         self._eng.kv.free(key)
+        for pool in self._eng.scheduler.followers:
+            pool.free(key)
+
+    # -- a draft model's prompt KV beside the target's (engine/spec_draft.py) ---------------
+    @property
+    def draft(self) -> "DraftProposer | None":
+        """The draft model whose prompt KV crosses with the target's (``speculative_config``
+        method draft_model, draft_prompt_kv "prefill"), else None."""
+        spec = self._eng.spec
+        d = spec.draft if spec is not None else None
+        if type(d) is DraftProposer and spec is not None and spec.cfg.draft_prompt_kv == "prefill":
+            return d
+        return None
+
+    def draft_pool(self) -> "tuple[torch.Tensor, dict] | None":
+        """The draft's pool and its layout facts (what NIXL registers beside the target's as
+        ``"draft"``, kvtransfer/nixl/pools.py), or None."""
+        d = self.draft
+        return None if d is None else (d.runner.kv_cache, d.runner.layout_info())
+
+    def export_draft(self, prompts: list[tuple[str, list[int]]]) -> dict[str, list[int]]:
+        """The prefill side: the draft's KV of each ``(request id, prompt)``, computed into blocks
+        of its pool (by request id; one the pool cannot hold now is left out). Written, then
+        given back with `release_export`."""
+        d = self.draft
+        return d.compute_prompts(prompts) if d is not None else {}
 
     # -- lending a prefix (kvtransfer/lend.py) -------------------------------------------------------
     def lend_chain(self, tail_hash: bytes, num_blocks: int) -> list[int] | None:
@@ -426,4 +463,6 @@ class KVConnector:
         """Free an export's blocks and forget it (finished, failed or abandoned)."""
         self._eng.abort_request(request_id)  # a request still running is stopped first
         self._eng.kv.free(request_id)
+        if self.draft is not None:
+            self.draft.kv.free(request_id)
         self._eng.release(request_id)

@@ -27,10 +27,13 @@ from .request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class Reservation:
-    """Where a prefill worker writes: prompt positions [cached_len, n) go to ``block_ids``."""
+    """Where a prefill worker writes: prompt positions [cached_len, n) go to ``block_ids``; a
+    speculative draft model's KV of every prompt position to ``draft_block_ids`` (empty: the
+    decode worker's draft computes the prompt itself, engine/spec_draft.py)."""
 
     cached_len: int
     block_ids: list[int]
+    draft_block_ids: tuple[int, ...] = ()
 
 
 class RemoteKVScheduler:

@@ -116,6 +116,11 @@ class Scheduler:
         # Called with a request's id when its blocks are freed (finished, aborted, preempted): a
         # draft model's KV of it goes too (engine/spec_draft.py).
         self.on_free: Callable[[str], None] | None = None
+        # A remote request's reservation in another pool (a draft model's, engine/spec_draft.py):
+        # called when its blocks are reserved (the draft's block ids, or none); ``followers``, the
+        # pools whose reservations move with the request's into quarantine (engine/kv_connector.py).
+        self.on_reserve: Callable[[Request], list[int]] | None = None
+        self.followers: list[KVCacheManager] = []
         # Called with a request's id just before its blocks are freed: a decode step launched
         # ahead that writes them is waited for (engine arg async_scheduling, engine/overlap.py).
         self.before_free: Callable[[str], None] | None = None
@@ -175,7 +180,8 @@ class Scheduler:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV
             req.num_cached_tokens = cached_len
             self.remote[req.request_id] = req
-            self.remote_kv.allocated(req, Reservation(cached_len, block_ids))
+            draft = tuple(self.on_reserve(req)) if self.on_reserve is not None else ()
+            self.remote_kv.allocated(req, Reservation(cached_len, block_ids, draft))
 
     def reserve_now(self, req: Request) -> Reservation | None:
         """Add ``req`` (``remote_kv``) and reserve its blocks at once, outside a step (the
@@ -207,7 +213,18 @@ class Scheduler:
         local prefill)."""
         req = self.remote.pop(req_id)
         self.kv.rename(req_id, quarantine_as)
+        self.quarantine_followers(req_id, quarantine_as)
         return self.reserve_now(req)
+
+    def quarantine_followers(self, req_id: str, quarantine_as: str | None) -> None:
+        """The request's reservation in the other pools (a draft's) moves under ``quarantine_as``
+        with the target's (a late write may land there too), or is released (None)."""
+        for pool in self.followers:
+            if req_id in pool.tables:
+                if quarantine_as is None:
+                    pool.free(req_id)
+                else:
+                    pool.rename(req_id, quarantine_as)
 
     def remote_failed(self, req_id: str, quarantine_as: str | None = None) -> Request:
         """Queue the request for a local prefill, releasing its reservation, or,
@@ -218,6 +235,7 @@ class Scheduler:
             self.kv.release_reservation(req_id)
         else:
             self.kv.rename(req_id, quarantine_as)
+        self.quarantine_followers(req_id, quarantine_as)
         req.num_computed_tokens = 0
         req.remote_kv = False
         req.status = RequestStatus.WAITING

@@ -23,7 +23,10 @@ plain ones, engine/spec_cost.py; default true for the methods whose proposer run
 false for n-gram), ``draft_sampling`` (pdserve's, for the methods whose proposer runs a model:
 ``probabilistic``, the default, draws an unseeded sampling request's proposals from the
 draft's distribution and verifies them against it, engine/spec_decode.py `verify_draft_probs`;
-``greedy`` proposes the draft's argmax for every request). Every error is a
+``greedy`` proposes the draft's argmax for every request), ``draft_prompt_kv`` (pdserve's, for
+``draft_model``: ``prefill``, the default, has a prefill worker with the same draft compute the
+draft's KV of a remote request's prompt beside the target's and ship it in the same handoff;
+``decode`` leaves it to the decode worker's draft). Every error is a
 `ConfigError` naming the field, ``speculative_config.<key>``.
 """
 
@@ -61,6 +64,11 @@ class SpeculativeConfig:
     # draft_model / eagle / eagle3 / mtp: how a sampling request's proposals are drawn (probabilistic:
     # from the draft's distribution, verified with it; greedy: the draft's argmax)
     draft_sampling: str = "greedy"
+    # draft_model across prefill/decode: "prefill", a prefill worker that has the same draft
+    # computes its KV of the prompt beside the target's and ships it in the same handoff (one
+    # that has none leaves it to the decode worker's draft); "decode", the decode worker's draft
+    # always computes it itself
+    draft_prompt_kv: str = "decode"
 
 
 def _field(name: str) -> str:
@@ -117,7 +125,8 @@ def parse_speculative_config(raw: dict | str | None, check_files: bool = True) -
     if not isinstance(by_cost, bool):
         raise ConfigError(f"{_field('disable_by_cost')}={by_cost!r} must be true or false")
     if method == "ngram":
-        for name in ("model", "draft_tensor_parallel_size", "draft_kv_cache_fraction", "draft_sampling"):
+        for name in ("model", "draft_tensor_parallel_size", "draft_kv_cache_fraction", "draft_sampling",
+                     "draft_prompt_kv"):
             if name in raw and not (name == "model" and raw[name] in ("ngram", "[ngram]")):  # (vLLM's spelling)
                 raise ConfigError(f"{_field(name)} is for methods {', '.join(MODEL_METHODS)}, not 'ngram'")
         return SpeculativeConfig(method, k, lo, hi, batch, float(floor), probe, disable_by_cost=by_cost)
@@ -134,12 +143,17 @@ def parse_speculative_config(raw: dict | str | None, check_files: bool = True) -
             check_head_dir(model, method)
     else:
         model = _draft_model(raw, check_files)
-    return SpeculativeConfig(method, k, 5, 5, batch, float(floor), probe, model=model,
+    prompt_kv = raw.get("draft_prompt_kv", "prefill" if method == "draft_model" else "decode")
+    if prompt_kv not in DRAFT_PROMPT_KV or (method != "draft_model" and prompt_kv != "decode"):
+        raise ConfigError(f"{_field('draft_prompt_kv')}={prompt_kv!r} must be one of: {', '.join(DRAFT_PROMPT_KV)} "
+                          "(\"prefill\" for method 'draft_model' only)")
+    return SpeculativeConfig(method, k, 5, 5, batch, float(floor), probe, model=model, draft_prompt_kv=prompt_kv,
                              draft_tensor_parallel_size=_draft_tp(raw), draft_kv_cache_fraction=_fraction(raw),
                              disable_by_cost=by_cost, draft_sampling=_draft_sampling(raw))
 
 
 DRAFT_SAMPLING = ("probabilistic", "greedy")
+DRAFT_PROMPT_KV = ("prefill", "decode")
 
 
 def _draft_sampling(raw: dict) -> str:

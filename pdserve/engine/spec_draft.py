@@ -128,6 +128,7 @@ class DraftProposer:
         self.chunk = config.max_num_batched_tokens  # tokens per catch-up forward, all requests together
         self.seqs: dict[str, _Seq] = {}
         self.num_forwards = 0  # the draft's forward passes (tests, benchmarks)
+        self.num_tokens = 0  # the positions they computed
         self.sample_drafts = spec.draft_sampling == "probabilistic"
         self.sampler = Sampler(seed=config.seed + 1)  # (its generator draws the proposals)
         self.draft_probs: dict[str, torch.Tensor] = {}  # the last propose's, by request id
@@ -148,6 +149,46 @@ class DraftProposer:
         """Release every request not in ``live``."""
         for rid in [r for r in self.seqs if r not in live]:
             self.release(rid)
+
+    # -- a prompt's KV from a prefill worker (engine/kv_connector.py) -----------------
+    def reserve(self, req: Request) -> list[int]:
+        """Blocks for the draft's KV of every prompt position of ``req``, which a prefill worker
+        writes beside the target's (no prefix cache here: all of them); none when the pool
+        cannot hold them now (the draft then computes the prompt itself)."""
+        rid = req.request_id
+        if rid in self.seqs or rid in self.kv.tables or not self.kv.allocate(rid, req.num_prompt_tokens):
+            return []
+        return self.kv.block_ids(rid)
+
+    def adopt(self, request_id: str, num_tokens: int) -> None:
+        """The prefill worker wrote the draft's KV of the first ``num_tokens`` positions into the
+        reserved blocks: proposing starts from there."""
+        seq = self.seqs[request_id] = _Seq(Request(request_id, [], SamplingParams(temperature=0.0, max_tokens=1)))
+        seq.valid = num_tokens
+
+    def compute_prompts(self, prompts: list[tuple[str, list[int]]]) -> dict[str, list[int]]:
+        """The prefill side: the draft's KV of each ``(key, tokens)`` prompt computed into blocks
+        of this pool (forwards of at most ``chunk`` tokens, every prompt together), by key; a
+        prompt the pool cannot hold now is left out. The caller writes and frees them."""
+        views = []
+        for key, tokens in prompts:
+            if key not in self.kv.tables and tokens and self.kv.allocate(key, len(tokens)):
+                views.append(Request(key, list(tokens), SamplingParams(temperature=0.0, max_tokens=1)))
+        pending = views
+        while pending:
+            budget, plan = self.chunk, []
+            for v in pending:
+                if budget > 0:
+                    n = min(v.num_prompt_tokens - v.num_computed_tokens, budget)
+                    plan.append((v, n))
+                    budget -= n
+            self.runner.execute(plan, self.kv)
+            self.num_forwards += 1
+            for v, n in plan:
+                v.num_computed_tokens += n
+                self.num_tokens += n
+            pending = [v for v in pending if v.num_computed_tokens < v.num_prompt_tokens]
+        return {v.request_id: list(self.kv.block_ids(v.request_id)) for v in views}
 
     # -- proposing -----------------------------------------------------------------
     def propose(self, wants: list[tuple[Request, int]], structured: StructuredOutputs) -> dict[str, list[int]]:
@@ -245,6 +286,7 @@ class DraftProposer:
         self.num_forwards += 1
         for s, n in plan:
             s.view.num_computed_tokens += n
+            self.num_tokens += n
         if not batch.sampling:
             return
         rows = [by_view[id(v)] for v in batch.sampling]

@@ -39,7 +39,7 @@ PREFILL_DONE_VERSION = 1
 _HEADER_BYTES = len(MAGIC) + 1
 # Sent only when non-zero; a reader that lacks them keeps the defaults.
 _OPTIONAL_FIELDS = ("queue_wait_ms", "prefill_ms", "sent_at", "prefill_worker", "batch_tokens",
-                    "first_top_logprobs", "lora_name", "lora_int_id", "lora_load_ms")
+                    "first_top_logprobs", "lora_name", "lora_int_id", "lora_load_ms", "draft_tokens")
 MAX_TOP_LOGPROBS = 20  # the engine's own bound on logprobs
 _FIELDS = (
     "request_id",
@@ -88,6 +88,9 @@ class PrefillDone:
     lora_name: str = ""
     lora_int_id: int = 0
     lora_load_ms: float = 0.0
+    # Prompt positions of the speculative draft model's KV written into the task's
+    # draft_block_ids before this notice (0: none; the decode worker's draft computes them).
+    draft_tokens: int = 0
     version: int = PREFILL_DONE_VERSION
 
     def __post_init__(self) -> None:
@@ -137,7 +140,7 @@ def _field_problem(msg: PrefillDone) -> str | None:
 
     if not isinstance(msg.request_id, str) or not msg.request_id:
         return f"request_id must be a non-empty str, got {msg.request_id!r}"
-    for name in ("epoch", "first_token_id", "num_tokens_written"):
+    for name in ("epoch", "first_token_id", "num_tokens_written", "draft_tokens"):
         value = getattr(msg, name)
         if not is_int(value) or value < 0:
             return f"{name} must be an int >= 0, got {value!r}"

@@ -50,6 +50,11 @@ class PrefillTask:
     not hold it; the name keys the prefix cache on both sides. Signed (a path a prefill worker
     reads from disk must come from the decode worker that reserved the blocks); the wire leaves
     them out for the base model, so a base task reads and signs as before.
+    `draft_block_ids`: where the decode worker's speculative draft model wants its KV of every
+    prompt position (engine/spec_draft.py; the draft's own pool, kvtransfer/nixl/pools.py); a
+    prefill worker with the same draft computes and writes it before the `PrefillDone`, one
+    without leaves them (the done notice says how many positions it wrote). Signed when set (it
+    says where a write lands); the wire leaves it out when empty.
     """
 
     request_id: str
@@ -69,6 +74,7 @@ class PrefillTask:
     lora_name: str = ""
     lora_int_id: int = 0
     lora_path: str = ""
+    draft_block_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.priority = Priority.parse(self.priority)  # ValueError naming the choices
@@ -89,6 +95,9 @@ class PrefillTask:
             raise ValueError("lora_name and lora_path must be strings")
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 0:
             raise ValueError(f"lora_int_id must be an int >= 0, got {self.lora_int_id!r}")
+        if not isinstance(self.draft_block_ids, list) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.draft_block_ids):
+            raise ValueError("draft_block_ids must be a list of block ids (ints >= 0)")
         if bool(self.lora_name) != bool(self.lora_path) or (not self.lora_name and self.lora_int_id):
             raise ValueError("lora_name, lora_int_id and lora_path name one adapter together (all set, or none)")
 
@@ -123,6 +132,8 @@ def task_to_wire(task: PrefillTask) -> dict[str, Any]:
     if not task.lora_name:
         for name in LORA_FIELDS:
             del out[name]
+    if not task.draft_block_ids:
+        del out["draft_block_ids"]
     return out
 
 

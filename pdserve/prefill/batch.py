@@ -61,6 +61,7 @@ from pdserve.kvtransfer.task import PrefillTask
 from pdserve.router.costs import CostModel
 
 from .admit import TaskAdmission
+from .draft import push_draft
 from .progress import UNTIMED_STEP_S, UNTIMED_STEP_S_GPU, WAIT_SLACK_S, StepTimes
 from .tracing import task_log_ids, track_task
 from .values import BatchResult, PrefillStats, TaskFailure
@@ -285,6 +286,9 @@ class PrefillBatch:
     def _push(self, jobs: dict[str, PrefillJob], result: BatchResult, taken_at: float) -> None:
         connector = self.engine.connector
         self._drop_cancelled(jobs)  # (a whole-request write not yet posted is not posted at all)
+        # The draft model's prompt KV first (prefill/draft.py): the PrefillDone says what was written.
+        drafted = push_draft(self.engine, self.agent, [j for j in jobs.values() if j.state is JobState.COMPUTED],
+                             self.transfer_timeout_s, self.stats, self._mark_wait)
         pending = []
         for job in jobs.values():
             if job.state is not JobState.COMPUTED:
@@ -296,7 +300,8 @@ class PrefillBatch:
                                queue_wait_ms=max(0.0, (taken_at - t.arrival_time) * 1e3),
                                prefill_ms=result.prefill_ms, prefill_worker=self.worker_id,
                                batch_tokens=result.batch_tokens, sent_at=time.time(), lora_name=t.lora_name,
-                               lora_int_id=t.lora_int_id, lora_load_ms=self.admission.load_ms(job.rid)).encode()
+                               lora_int_id=t.lora_int_id, lora_load_ms=self.admission.load_ms(job.rid),
+                               draft_tokens=drafted.get(job.rid, 0)).encode()
             try:
                 if job.stream is not None:
                     self._mark_wait()

@@ -1,6 +1,7 @@
 """Speculative decoding across the prefill/decode hop (docs/speculative.md): the decode side
-speculates (n-gram proposals need no draft KV) on requests whose prompt KV a prefill worker
-wrote, and its greedy output equals the local path's with speculation and without it, token for
+speculates (n-gram proposals need no draft KV; a draft model's KV of the prompt is shipped by a
+prefill side running the same draft, or computed on the decode side) on requests whose prompt
+KV a prefill worker wrote, and its greedy output equals the local path's with speculation and without it, token for
 token, while proposals do get accepted.
 
 First at the engines (tests/kvtransfer/handoff_pair.py): the prefill
@@ -71,12 +72,18 @@ def test_remote_prompt_kv_then_speculation_equals_local_with_and_without_it(mode
         pair.assert_nothing_held()
 
 
-def _self_draft_over_pd(model: str, name: str, p_tp: int, ps: list[list[int]], params: SamplingParams):
+def _self_draft_over_pd(model: str, name: str, p_tp: int, ps: list[list[int]], params: SamplingParams,
+                        ship: str | None = None):
     """The target as its own draft on the decode side of requests a prefill side (TP ``p_tp``)
     prefilled: the outputs and the decode engine's counters, after checking that no target
-    prompt token was computed on the decode side and that nothing is left held."""
+    prompt token was computed on the decode side and that nothing is left held. ``ship``: the
+    draft's ``draft_prompt_kv`` on both sides, the prefill side running the same draft."""
     draft = {"method": "draft_model", "model": model, "num_speculative_tokens": 3, "disable_by_cost": False}
-    with paired(model, name, p_tp, 1, d_args={"speculative_config": draft}) as pair:
+    p_args = None
+    if ship is not None:
+        draft["draft_prompt_kv"] = ship
+        p_args = {"speculative_config": draft}
+    with paired(model, name, p_tp, 1, d_args={"speculative_config": draft}, p_args=p_args) as pair:
         de = pair.de
         tasks = pair.tasks(ps, params, prefix="s")
         result, arrived = pair.prefill(tasks)
@@ -88,7 +95,12 @@ def _self_draft_over_pd(model: str, name: str, p_tp: int, ps: list[list[int]], p
         assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
         assert de.stats.num_spec_draft_tokens > 40
         pair.assert_nothing_held()
-        return outs, de.stats
+        if ship is not None:
+            by_id = {m.request_id: m for m in arrived}
+            assert [by_id[f"s{i}"].draft_tokens for i in range(len(ps))] == [len(p) if ship == "prefill" else 0
+                                                                             for p in ps]
+            assert pair.pe.spec.draft.num_tokens == (sum(map(len, ps)) if ship == "prefill" else 0)
+        return outs, de.stats, de.spec.draft.num_tokens
 
 
 @pytest.mark.parametrize("p_tp", [1, 2])
@@ -102,9 +114,29 @@ def test_a_draft_model_speculates_on_remotely_prefilled_requests(model_dirs, p_t
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(model) as plain:
         want = [o.token_ids for o in plain.generate(ps, params)]
-    outs, stats = _self_draft_over_pd(model, f"spdraft{p_tp}", p_tp, ps, params)
+    outs, stats, _ = _self_draft_over_pd(model, f"spdraft{p_tp}", p_tp, ps, params)
     assert outs == want
     assert stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens  # its own draft: all accepted
+
+
+@pytest.mark.parametrize("p_tp", [1, 2])
+def test_the_prefill_side_ships_the_drafts_prompt_kv_in_the_same_handoff(model_dirs, p_tp):
+    """Both sides run the same draft (the target itself): the prefill side computes the draft's
+    KV of each prompt beside the target's and writes it into the decode worker's draft pool
+    (rank 0 to rank 0, before the PrefillDone, which says how many positions). The decode
+    side's draft then computes exactly the prompts' positions fewer than when it computes them
+    itself (``draft_prompt_kv: decode``), and every proposal is still accepted: right only if
+    each prompt's draft KV landed in its own blocks, whole. The output equals the local path's."""
+    model = model_dirs("llama")
+    ps = repetitive(seed=96)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(model) as plain:
+        want = [o.token_ids for o in plain.generate(ps, params)]
+    shipped, s_stats, s_draft = _self_draft_over_pd(model, f"spship{p_tp}", p_tp, ps, params, ship="prefill")
+    local, l_stats, l_draft = _self_draft_over_pd(model, f"splocal{p_tp}", p_tp, ps, params, ship="decode")
+    assert shipped == local == want
+    assert s_stats.num_spec_accepted_tokens == s_stats.num_spec_draft_tokens > 40  # its own draft: all accepted
+    assert l_draft - s_draft == sum(map(len, ps))  # the prompts' draft KV came from the prefill side
 
 
 def test_drawn_proposals_on_remotely_prefilled_requests_are_all_accepted_from_the_target_as_its_own_draft(
@@ -116,7 +148,7 @@ def test_drawn_proposals_on_remotely_prefilled_requests_are_all_accepted_from_th
     random model would almost never be: tests/engine/test_spec_draft.py)."""
     model = model_dirs("llama")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
-    outs, stats = _self_draft_over_pd(model, "spdrawn", 1, repetitive(seed=98), params)
+    outs, stats, _ = _self_draft_over_pd(model, "spdrawn", 1, repetitive(seed=98), params)
     assert all(len(o) == MAX_TOKENS for o in outs)
     assert stats.num_spec_accepted_tokens >= 0.95 * stats.num_spec_draft_tokens
 
@@ -190,13 +222,17 @@ def test_an_mtp_layer_speculates_on_remotely_prefilled_requests(tmp_path):
 
 @pytest.fixture(scope="module")
 def cluster(ray_local, etcd, llama_dir):  # noqa: F811  (the fixtures imported above)
-    """1P1D: a decode worker that speculates and routes remote, and a prefill worker (a Ray actor)."""
+    """1P1D: a decode worker that speculates with a draft model (the target itself) and routes
+    remote, and a prefill worker (a Ray actor) running the same draft: it ships the draft's
+    prompt KV beside the target's (``draft_prompt_kv: prefill``, the default)."""
     common = dict(model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="e2e-spec", lease_ttl_s=3, ucx_env=UCX)
+    draft = {"method": "draft_model", "model": llama_dir, "num_speculative_tokens": 3, "disable_by_cost": False}
     d = WorkerThread(DecodeWorkerConfig(**common, worker_id="decode-0", remote_prefill=True, remote_timeout_s=60,
-                                        engine_args={"speculative_config": NGRAM})).start()
+                                        engine_args={"speculative_config": draft})).start()
     p = None
     try:
-        p = ray.remote(PrefillWorker).options(num_cpus=0).remote(dict(**common, worker_id="prefill-0"))
+        p = ray.remote(PrefillWorker).options(num_cpus=0).remote(
+            dict(**common, worker_id="prefill-0", engine_args={"speculative_config": draft}))
         ray.get(p.start.remote(), timeout=180)
         wait_until(lambda: d.worker.frontend.prefill_view.pool_size >= 1 and d.worker.remote.available(), 30)
         yield d
@@ -207,23 +243,38 @@ def cluster(ray_local, etcd, llama_dir):  # noqa: F811  (the fixtures imported a
 
 
 def test_a_speculating_decode_worker_serves_remote_prefills_token_exact(cluster, llama_dir):
+    """Through gRPC, the queue (the task's draft blocks signed and checked), the prefill worker's
+    etcd record (its draft pool) and the decode worker's arrivals: greedy output equals the
+    engine's without speculation; every proposal of the target-as-draft is accepted; and the
+    decode worker's draft computes exactly the prompts' positions fewer for the requests sent
+    remote than for the same requests served locally (their draft KV came with the target's)."""
     d = cluster
     ps = repetitive(seed=95)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(llama_dir) as plain:
         want = [o.token_ids for o in plain.generate(ps, params)]
     eng = d.worker.engine
-    computed, accepted0 = eng.stats.num_prompt_tokens_computed, eng.stats.num_spec_accepted_tokens
+    draft = eng.spec.draft
 
-    async def go():
+    async def go(route: str):
         async with AsyncClient(d.grpc) as c:
             return await asyncio.gather(*(c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                                     route="remote", priority="high", timeout_s=180) for p in ps))
+                                                     route=route, priority="high", timeout_s=180) for p in ps))
 
-    outs = asyncio.run(go())
-    assert [o.token_ids for o in outs] == want
-    assert all(o.breakdown["route"] == "remote" and o.breakdown["transfer_bytes"] > 0 for o in outs)
-    assert eng.stats.num_prompt_tokens_computed == computed  # every prompt's KV came from the prefill worker
-    accepted = [o.breakdown["spec_accepted_tokens"] for o in outs]
-    assert sum(accepted) == eng.stats.num_spec_accepted_tokens - accepted0 > 40 and all(a > 0 for a in accepted[:6])
-    wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 30)
+    drafted = {}
+    for route in ("remote", "local"):
+        computed, accepted0, tokens0 = (eng.stats.num_prompt_tokens_computed, eng.stats.num_spec_accepted_tokens,
+                                        draft.num_tokens)
+        outs = asyncio.run(go(route))
+        assert [o.token_ids for o in outs] == want
+        assert all(o.breakdown["route"] == route for o in outs)
+        accepted = [o.breakdown["spec_accepted_tokens"] for o in outs]
+        assert sum(accepted) == eng.stats.num_spec_accepted_tokens - accepted0 > 40 and all(a > 0 for a in accepted)
+        drafted[route] = draft.num_tokens - tokens0
+        if route == "remote":
+            assert all(o.breakdown["transfer_bytes"] > 0 for o in outs)
+            assert eng.stats.num_prompt_tokens_computed == computed  # every prompt's KV came from the prefill worker
+        wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 30)
+    assert eng.stats.num_spec_accepted_tokens == eng.stats.num_spec_draft_tokens  # its own draft: all accepted
+    assert drafted["local"] - drafted["remote"] == sum(map(len, ps))
+    assert draft.kv.num_free_blocks == draft.kv.pool.num_blocks

@@ -340,6 +340,7 @@ def test_load_rule_batch_size_and_acceptance_floor():
     ({"num_speculative_tokens": 3, "prompt_lookup_max": 0}, "speculative_config.prompt_lookup_max"),
     ({"num_speculative_tokens": 3, "acceptance_floor": 2}, "speculative_config.acceptance_floor"),
     ({"num_speculative_tokens": 3, "draft_model": "x"}, "speculative_config.draft_model"),
+    ({"num_speculative_tokens": 3, "draft_prompt_kv": "prefill"}, "speculative_config.draft_prompt_kv"),
     ("{not json", "speculative_config"),
     ([1], "speculative_config"),
 ])
@@ -366,6 +367,13 @@ def test_the_topology_checks_speculative_config_where_it_is_loaded(tmp_path):
         topo("{}", '{speculative_config: {method: medusa, num_speculative_tokens: 3}}')
     with pytest.raises(TopologyError, match=r"roles\.prefill\.engine\.speculative_config: prefill workers"):
         topo('{speculative_config: {method: ngram, num_speculative_tokens: 4}}', "{}")
+    # The decode workers' draft model on the prefill workers: they compute its prompt KV.
+    draft = '{speculative_config: {model: /on/the/workers/draft, num_speculative_tokens: 3}}'
+    assert topo(draft, draft).engine_args("prefill")["speculative_config"]["num_speculative_tokens"] == 3
+    with pytest.raises(TopologyError, match=r"roles\.prefill\.engine\.speculative_config: prefill workers"):
+        topo('{speculative_config: {model: /d, num_speculative_tokens: 3, draft_prompt_kv: decode}}', "{}")
+    with pytest.raises(TopologyError, match=r"roles\.prefill\.engine\.speculative_config\.draft_prompt_kv"):
+        topo('{speculative_config: {model: /d, num_speculative_tokens: 3, draft_prompt_kv: both}}', "{}")
 
 
 def test_the_engine_refuses_bad_config_before_loading(llama_dir):

@@ -254,6 +254,7 @@ def test_finish_and_abort_free_the_drafts_blocks(self_draft):
     ({"prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max"),
     ({"method": "medusa"}, "speculative_config.method"),
     ({"draft_sampling": "nucleus"}, "speculative_config.draft_sampling"),
+    ({"draft_prompt_kv": "both"}, "speculative_config.draft_prompt_kv"),
 ])
 def test_bad_draft_config_is_refused_naming_the_field(llama_dir, extra, field):
     raw = {**draft_cfg(llama_dir), **extra}
@@ -285,3 +286,61 @@ def test_the_engine_refuses_a_draft_of_another_vocabulary_before_loading(llama_d
     with pytest.raises(ConfigError, match=r"speculative_config\.model=.*vocab_size 32016 is not the target "
                                           r"model's 32000"):
         LLM(llama_dir, speculative_config=draft_cfg(other))
+
+
+def test_a_remote_requests_draft_reservation_moves_with_the_targets(llama_dir):
+    """``draft_prompt_kv: prefill``: a remote request's reservation holds blocks of the draft's
+    pool for every prompt position beside the target's; a quarantine (abort, a new attempt, a
+    fallback that keeps the blocks) takes them too, `free` gives both back; a fallback that does
+    not quarantine releases them; and a request whose notice says no draft KV was written gives
+    them back and has its draft compute the prompt, with output unchanged."""
+    from pdserve.engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+
+    eng = LLMEngine(EngineConfig.from_kwargs(llama_dir, speculative_config=draft_cfg(llama_dir)))
+    try:
+        conn, draft = eng.connector, eng.spec.draft
+        full = draft.kv.pool.num_blocks
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        prompt = prompts(1, seed=3)[0] * 3  # 60 tokens: 4 blocks of 16
+
+        def reserve(rid: str):
+            res = conn.reserve(eng.make_request(list(prompt), params, request_id=rid))
+            assert res is not None and len(res.draft_block_ids) == -(-len(prompt) // 16)
+            assert list(res.draft_block_ids) == draft.kv.block_ids(rid)
+            return res
+
+        reserve("a")
+        assert conn.abort("a", quarantine_as="q-a")  # a late write may still land: both kept
+        assert "a" not in draft.kv.tables and len(draft.kv.tables["q-a"]) == 4 and "q-a" in eng.kv.tables
+        conn.free("q-a")
+        assert draft.kv.num_free_blocks == full and "q-a" not in eng.kv.tables
+        old = reserve("b")
+        new = conn.replace("b", "q-b")  # a new attempt: fresh blocks, the old ones quarantined
+        assert new is not None and set(new.draft_block_ids).isdisjoint(old.draft_block_ids)
+        assert draft.kv.tables["q-b"] and draft.kv.block_ids("b") == list(new.draft_block_ids)
+        conn.fall_back("b")  # no quarantine: its draft blocks go at once
+        assert "b" not in draft.kv.tables
+        conn.free("q-b")
+        while eng.has_work():
+            eng.step()
+        eng.release("b")
+        assert draft.kv.num_free_blocks == full
+        # The target's pages "written" (not checked here: tests/e2e/test_spec_decode_pd.py), and
+        # the notice says no draft KV: the reservation goes back and the draft computes the prompt.
+        reserve("c")
+        conn.remote_ready("c", 5, draft_tokens=0)
+        assert "c" not in draft.kv.tables and "c" not in draft.seqs
+        before = draft.num_tokens
+        eng.step()
+        assert draft.num_tokens - before >= len(prompt)  # its catch-up computed the prompt
+        # The whole prompt's draft KV written: adopted, proposing goes on from there.
+        reserve("d")
+        conn.remote_ready("d", 5, draft_tokens=len(prompt))
+        assert draft.seqs["d"].valid == len(prompt) and len(draft.kv.tables["d"]) == 4
+        for rid in ("c", "d"):
+            eng.abort_request(rid)
+            eng.release(rid)
+        assert draft.kv.num_free_blocks == full and not draft.seqs
+    finally:
+        eng.close()

@@ -64,7 +64,8 @@ class Pair:
         for i, (p, sp) in enumerate(zip(prompts, each)):
             res = self.de.connector.reserve(self.de.make_request(list(p), sp, request_id=f"{prefix}{i}"))
             assert res is not None, f"no room on the decode side for {prefix}{i}"
-            out.append(PrefillTask(f"{prefix}{i}", 1, list(p), res.cached_len, self.peer, res.block_ids, sp.to_dict()))
+            out.append(PrefillTask(f"{prefix}{i}", 1, list(p), res.cached_len, self.peer, res.block_ids, sp.to_dict(),
+                                   draft_block_ids=list(res.draft_block_ids)))
         return out
 
     def prefill(self, tasks: list[PrefillTask], layerwise: bool = False, timeout_s: float = 60.0
@@ -98,7 +99,8 @@ class Pair:
         by_id = {m.request_id: m for m in arrived}
         for rid, msg in by_id.items():
             if isinstance(msg, PrefillDone):
-                self.de.connector.remote_ready(rid, msg.first_token_id, msg.first_token_logprob)
+                self.de.connector.remote_ready(rid, msg.first_token_id, msg.first_token_logprob,
+                                               draft_tokens=msg.draft_tokens)
             else:
                 self.de.connector.fall_back(rid)
         return by_id
@@ -126,6 +128,9 @@ class Pair:
     def assert_nothing_held(self) -> None:
         assert self.de.kv.num_free_blocks == self.de.runner.num_blocks  # nothing leaked on the decode side
         assert self.pe.kv.num_free_blocks == self.pe.runner.num_blocks  # the prefill side keeps nothing
+        for eng in (self.de, self.pe):  # nor in a speculative draft's pool
+            draft = eng.spec.draft if eng.spec is not None else None
+            assert draft is None or draft.kv.num_free_blocks == draft.kv.pool.num_blocks
 
 
 @contextmanager

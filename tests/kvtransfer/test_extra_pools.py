@@ -88,3 +88,45 @@ def test_peer_records_carry_the_pools_and_older_records_still_read():
         from pdserve.kvtransfer.nixl.pools import peer_pool
 
         peer_pool("d0", info.pools, "draft", OTHER_DRAFT)
+
+
+def test_the_task_carries_the_draft_blocks_signed_and_the_notice_says_what_was_written():
+    """A task's draft_block_ids (where the decode worker's draft wants its prompt KV) travel on
+    the wire and through the queue's frames, are covered by the signature, and are left out of
+    both when empty (a task without them reads and signs as before); the PrefillDone says how
+    many prompt positions of the draft's KV were written (left out when none)."""
+    import dataclasses
+    import time
+
+    import msgpack
+
+    from pdserve.cluster.queue.frames import from_wire, pack_frame, to_wire
+    from pdserve.cluster.queue.signing import BAD_SIGNATURE, SIGNATURE_CONTEXT, TaskSigner, signed_message, verify_task
+    from pdserve.kvtransfer import PrefillDone, PrefillTask, decode_notification
+    from pdserve.kvtransfer.task import task_from_wire, task_to_wire
+
+    def task(**fields) -> PrefillTask:
+        return PrefillTask(request_id="r1", epoch=1, token_ids=list(range(3, 40)), cached_len=16,
+                           target_worker_id="decode-0", target_block_ids=[4, 5, 6], deadline=time.time() + 60,
+                           sampling_params={"temperature": 0.0}, **fields)
+
+    t = task(draft_block_ids=[9, 2, 7])
+    assert task_from_wire(task_to_wire(t)).draft_block_ids == [9, 2, 7]
+    framed = msgpack.unpackb(pack_frame(to_wire(t))[4:], raw=False)
+    assert from_wire(PrefillTask, framed, "task").draft_block_ids == [9, 2, 7]
+    assert "draft_block_ids" not in task_to_wire(task())
+    with pytest.raises(ValueError, match="draft_block_ids"):
+        task(draft_block_ids=[1, -2])
+    signer = TaskSigner()
+    signer.sign(t)
+    assert verify_task(t, signer.public_key) is None
+    for change in ([9, 2, 8], []):  # another write target, or none: the signature no longer holds
+        forged = dataclasses.replace(t, draft_block_ids=change)
+        forged.signature = t.signature
+        assert verify_task(forged, signer.public_key) == BAD_SIGNATURE, change
+    assert len(msgpack.unpackb(signed_message(task())[len(SIGNATURE_CONTEXT):])) == 11  # as before
+    done = decode_notification(PrefillDone("r1", 1, 42, -0.5, 21, draft_tokens=37).encode())
+    assert done.draft_tokens == 37
+    assert b"draft" not in PrefillDone("r1", 1, 42, -0.5, 21).encode()
+    with pytest.raises(ValueError, match="draft_tokens"):
+        PrefillDone("r1", 1, 42, -0.5, 21, draft_tokens=-1)

@@ -70,6 +70,8 @@ def signed_message(task: PrefillTask) -> bytes:
             task.origin]
     if task.lora_name:  # (the adapter a prefill worker loads from its path: signed)
         body += [task.lora_name, task.lora_int_id, task.lora_path]
+    if task.draft_block_ids:  # (where the draft's pages land: signed)
+        body += [["draft", task.draft_block_ids]]
     return SIGNATURE_CONTEXT + msgpack.packb(body, use_bin_type=True)
 
 

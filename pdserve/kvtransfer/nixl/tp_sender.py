@@ -133,6 +133,17 @@ class TPSender:
             others = rank_handles(replies)
         return TPWrite(mine, others)
 
+    def write_pool(self, peer: str, pool: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int]
+                   ) -> TransferHandle:
+        """Whole blocks of our pool ``pool`` (a draft model's, kvtransfer/nixl/pools.py) into the
+        peer's pool of that name, rank 0 to rank 0 (the draft runs whole on rank 0 of each)."""
+        return self.agent.write_blocks(self._peer(peer).agent_names[0], local_block_ids, remote_block_ids,
+                                       pool=pool)
+
+    def has_pool(self, peer: str, pool: str) -> bool:
+        """Whether the peer's rank 0 registered a pool ``pool`` that ours of that name can write."""
+        return self.agent.has_pool(self._peer(peer).agent_names[0], pool)
+
     def read_blocks(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
                     notify: bytes | None = None) -> TransferHandle | TPRead:
         """Read ``peer``'s blocks into this worker's (a lent prefix, kvtransfer/borrower.py): each

@@ -45,6 +45,8 @@ class _Connector(Protocol):
 
     def layout_info(self) -> dict: ...
 
+    def draft_pool(self) -> tuple[Any, dict] | None: ...  # a speculative draft model's pool, and its layout facts
+
 
 class RankedEngine(Protocol):
     """What opening the transport reads of an engine (engine/llm_engine.py `LLMEngine`)."""
@@ -100,7 +102,15 @@ def open_worker_transport(worker_id: str, engine: RankedEngine, ucx_env: Mapping
     layout = KVLayout.from_tensor(kv, m.model_id, kv_layout=conn.kv_layout, total_kv_heads=m.num_kv_heads,
                                   tp_size=tp, tp_rank=0, kv_cache_dtype=info.get("kv_cache_dtype", "auto"),
                                   kv_scales=info.get("kv_scales", ()))
-    agent = KVTransferAgent(worker_id, kv, layout, ucx_env=ucx_env, num_threads=threads)
+    pools = {}
+    draft = conn.draft_pool()
+    if draft is not None:  # (rank 0's: the draft runs whole there; kvtransfer/nixl/pools.py)
+        dkv, dinfo = draft
+        pools["draft"] = (dkv, KVLayout.from_tensor(dkv, dinfo["model_id"], kv_layout=dinfo["kv_layout"],
+                                                    total_kv_heads=dinfo["num_kv_heads"], tp_size=1, tp_rank=0,
+                                                    kv_cache_dtype=dinfo.get("kv_cache_dtype", "auto"),
+                                                    kv_scales=dinfo.get("kv_scales", ())))
+    agent = KVTransferAgent(worker_id, kv, layout, ucx_env=ucx_env, num_threads=threads, pools=pools)
     infos = [agent.local_info()]
     if tp > 1:
         try:

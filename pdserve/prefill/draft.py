@@ -1,0 +1,66 @@
+"""A speculative draft model's KV of the prompts a prefill batch computed, shipped beside the
+target's (docs/speculative.md, "In the cluster"; ``speculative_config`` with ``draft_prompt_kv:
+prefill`` on both roles).
+
+A task whose decode worker speculates with a draft model names the blocks of its draft's pool
+that the prompt's draft KV goes to (``draft_block_ids``). When this prefill worker runs the same
+draft (its engine's `KVConnector.draft`) and the decode worker registered a draft pool of the
+same layout (kvtransfer/nixl/pools.py), the batch computes the draft's KV of each such prompt
+after the target's, writes it (rank 0 to rank 0) and waits for the write before the task's
+`PrefillDone` leaves, which then says how many positions were written. Otherwise the task gets
+none: its decode worker's draft computes the prompt itself. A write that fails (or may still
+land late) costs that request's proposals only: the target verifies every one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.engine import LLMEngine
+from pdserve.kvtransfer import TransportError, WriteFailed
+
+from .values import PrefillStats
+
+log = logging.getLogger(__name__)
+
+
+def push_draft(engine: LLMEngine, sender: Any, jobs: list, timeout_s: float, stats: PrefillStats,
+               before_wait: Callable[[], None]) -> dict[str, int]:
+    """Compute and write the draft's KV of the computed ``jobs`` (prefill/batch.py `PrefillJob`)
+    whose task wants it; the prompt positions written, by request id. ``before_wait`` runs
+    before each bounded wait (the batch's progress mark)."""
+    connector, bs = engine.connector, engine.config.block_size
+    write, has = getattr(sender, "write_pool", None), getattr(sender, "has_pool", None)
+    if connector.draft is None or write is None or has is None:  # (a sender of one pool only)
+        return {}
+    ok = [job for job in jobs if job.task.draft_block_ids
+          and len(job.task.draft_block_ids) >= -(-len(job.task.token_ids) // bs)
+          and has(job.task.target_worker_id, "draft")]
+    if not ok:
+        return {}
+    try:
+        blocks = connector.export_draft([(job.rid, job.task.token_ids) for job in ok])
+    except Exception:  # noqa: BLE001  (the draft's failure costs proposals, never the requests)
+        log.exception("the draft model could not compute %d prompts for their decode workers", len(ok))
+        return {}
+    posted = []
+    for job in ok:
+        local, t = blocks.get(job.rid), job.task
+        if local:
+            try:
+                posted.append((job, write(t.target_worker_id, "draft", local, t.draft_block_ids[:len(local)])))
+            except (TransportError, ValueError) as exc:
+                log.warning("request %s: the draft's KV was not written (%s)", job.rid, exc)
+    out = {}
+    for job, handle in posted:
+        try:
+            before_wait()
+            sender.wait(handle, timeout_s)
+        except WriteFailed as exc:
+            log.warning("request %s: the draft's KV was not written (%s)", job.rid, exc)
+            continue
+        out[job.rid] = len(job.task.token_ids)
+        stats.bytes_written += handle.num_bytes
+    return out
