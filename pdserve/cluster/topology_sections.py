@@ -275,8 +275,8 @@ def check_engine_features(prefill: dict[str, Any], decode: dict[str, Any], lora:
         except ConfigError as exc:
             raise ValueError(f"roles.{role}.engine.{exc}") from None
         # A prefill worker never speculates; with the decode workers' draft model it computes the
-        # draft's prompt KV beside the target's (draft_prompt_kv: prefill, docs/speculative.md).
-        if role == "prefill" and (spec is None or spec.method != "draft_model" or spec.draft_prompt_kv != "prefill"):
+        # draft's prompt KV beside the target's (draft_prompt_kv auto or prefill, docs/speculative.md).
+        if role == "prefill" and (spec is None or spec.method != "draft_model" or spec.draft_prompt_kv == "decode"):
             raise ValueError("roles.prefill.engine.speculative_config: prefill workers do not decode, so they "
                              "never speculate; they take only the decode workers' draft model (method draft_model, "
-                             "draft_prompt_kv prefill), to compute its KV of each prompt beside the target's")
+                             "draft_prompt_kv auto or prefill), to compute its KV of each prompt beside the target's")

@@ -275,10 +275,10 @@ class KVConnector:
     @property
     def draft(self) -> "DraftProposer | None":
         """The draft model whose prompt KV crosses with the target's (``speculative_config``
-        method draft_model, draft_prompt_kv "prefill"), else None."""
+        method draft_model, draft_prompt_kv "auto" or "prefill"), else None."""
         spec = self._eng.spec
         d = spec.draft if spec is not None else None
-        if type(d) is DraftProposer and spec is not None and spec.cfg.draft_prompt_kv == "prefill":
+        if type(d) is DraftProposer and spec is not None and spec.cfg.draft_prompt_kv != "decode":
             return d
         return None
 

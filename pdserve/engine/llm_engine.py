@@ -129,7 +129,7 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":  # its own runner and pool (engine/spec_draft.py)
             draft = DraftProposer(spec, config, self.model_config, self.runner.num_blocks)
             self.scheduler.on_free = draft.release
-            if spec.draft_prompt_kv == "prefill":  # a remote prompt's draft KV reserved beside the target's
+            if spec.draft_prompt_kv != "decode":  # a remote prompt's draft KV reserved beside the target's
                 self.scheduler.on_reserve = draft.reserve
                 self.scheduler.followers.append(draft.kv)
         elif spec is not None and spec.method in HEAD_METHODS:  # fed the target's hidden states

@@ -117,9 +117,10 @@ class Scheduler:
         # draft model's KV of it goes too (engine/spec_draft.py).
         self.on_free: Callable[[str], None] | None = None
         # A remote request's reservation in another pool (a draft model's, engine/spec_draft.py):
-        # called when its blocks are reserved (the draft's block ids, or none); ``followers``, the
+        # called when its blocks are reserved, with the streams decoding now (the draft's block ids,
+        # or none); ``followers``, the
         # pools whose reservations move with the request's into quarantine (engine/kv_connector.py).
-        self.on_reserve: Callable[[Request], list[int]] | None = None
+        self.on_reserve: Callable[[Request, int], list[int]] | None = None
         self.followers: list[KVCacheManager] = []
         # Called with a request's id just before its blocks are freed: a decode step launched
         # ahead that writes them is waited for (engine arg async_scheduling, engine/overlap.py).
@@ -180,7 +181,10 @@ class Scheduler:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV
             req.num_cached_tokens = cached_len
             self.remote[req.request_id] = req
-            draft = tuple(self.on_reserve(req)) if self.on_reserve is not None else ()
+            draft: tuple[int, ...] = ()
+            if self.on_reserve is not None:
+                decoding = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+                draft = tuple(self.on_reserve(req, decoding))
             self.remote_kv.allocated(req, Reservation(cached_len, block_ids, draft))
 
     def reserve_now(self, req: Request) -> Reservation | None:

@@ -24,9 +24,10 @@ false for n-gram), ``draft_sampling`` (pdserve's, for the methods whose proposer
 ``probabilistic``, the default, draws an unseeded sampling request's proposals from the
 draft's distribution and verifies them against it, engine/spec_decode.py `verify_draft_probs`;
 ``greedy`` proposes the draft's argmax for every request), ``draft_prompt_kv`` (pdserve's, for
-``draft_model``: ``prefill``, the default, has a prefill worker with the same draft compute the
-draft's KV of a remote request's prompt beside the target's and ship it in the same handoff;
-``decode`` leaves it to the decode worker's draft). Every error is a
+``draft_model``: ``prefill`` has a prefill worker with the same draft compute the draft's KV of
+a remote request's prompt beside the target's and ship it in the same handoff; ``decode``
+leaves it to the decode worker's draft; ``auto``, the default, chooses per request,
+engine/spec_draft.py `ship_prompt_kv`). Every error is a
 `ConfigError` naming the field, ``speculative_config.<key>``.
 """
 
@@ -67,7 +68,8 @@ class SpeculativeConfig:
     # draft_model across prefill/decode: "prefill", a prefill worker that has the same draft
     # computes its KV of the prompt beside the target's and ships it in the same handoff (one
     # that has none leaves it to the decode worker's draft); "decode", the decode worker's draft
-    # always computes it itself
+    # always computes it itself; "auto", per request: shipped when the decode worker has streams
+    # decoding that a local computation would stall (engine/spec_draft.py `ship_prompt_kv`)
     draft_prompt_kv: str = "decode"
 
 
@@ -143,17 +145,17 @@ def parse_speculative_config(raw: dict | str | None, check_files: bool = True) -
             check_head_dir(model, method)
     else:
         model = _draft_model(raw, check_files)
-    prompt_kv = raw.get("draft_prompt_kv", "prefill" if method == "draft_model" else "decode")
+    prompt_kv = raw.get("draft_prompt_kv", "auto" if method == "draft_model" else "decode")
     if prompt_kv not in DRAFT_PROMPT_KV or (method != "draft_model" and prompt_kv != "decode"):
         raise ConfigError(f"{_field('draft_prompt_kv')}={prompt_kv!r} must be one of: {', '.join(DRAFT_PROMPT_KV)} "
-                          "(\"prefill\" for method 'draft_model' only)")
+                          "(\"auto\" and \"prefill\" for method 'draft_model' only)")
     return SpeculativeConfig(method, k, 5, 5, batch, float(floor), probe, model=model, draft_prompt_kv=prompt_kv,
                              draft_tensor_parallel_size=_draft_tp(raw), draft_kv_cache_fraction=_fraction(raw),
                              disable_by_cost=by_cost, draft_sampling=_draft_sampling(raw))
 
 
 DRAFT_SAMPLING = ("probabilistic", "greedy")
-DRAFT_PROMPT_KV = ("prefill", "decode")
+DRAFT_PROMPT_KV = ("auto", "prefill", "decode")
 
 
 def _draft_sampling(raw: dict) -> str:

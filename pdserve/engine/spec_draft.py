@@ -103,6 +103,19 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
+def ship_prompt_kv(mode: str, decoding: int) -> bool:
+    """Whether a remote request's draft KV of its prompt is asked of the prefill worker
+    (``draft_prompt_kv``; docs/speculative.md, "In the cluster"). ``auto`` weighs the two
+    costs of the draft's prefill of the prompt, ``t`` ms on either worker: computed here it
+    runs inside a decode step, stalling every stream decoding then and this request's own
+    second token, ``(decoding + 1) x t``; shipped, it delays only this request's first token,
+    by ``t`` and the write. So it ships when another stream decodes here (``decoding >= 1``)
+    and computes it here when none does (the write is saved, and the prefill worker's time)."""
+    if mode == "auto":
+        return decoding >= 1
+    return mode == "prefill"
+
+
 class DraftProposer:
     """The draft model, its KV pool and each proposing request's place in it."""
 
@@ -132,6 +145,8 @@ class DraftProposer:
         self.sample_drafts = spec.draft_sampling == "probabilistic"
         self.sampler = Sampler(seed=config.seed + 1)  # (its generator draws the proposals)
         self.draft_probs: dict[str, torch.Tensor] = {}  # the last propose's, by request id
+        self.prompt_kv = spec.draft_prompt_kv  # where a remote prompt's draft KV comes from (`ship_prompt_kv`)
+        self.prompts_kept = 0  # remote prompts whose draft KV `ship_prompt_kv` left to this worker
 
     def close(self) -> None:
         self.runner.close()
@@ -151,11 +166,15 @@ class DraftProposer:
             self.release(rid)
 
     # -- a prompt's KV from a prefill worker (engine/kv_connector.py) -----------------
-    def reserve(self, req: Request) -> list[int]:
+    def reserve(self, req: Request, decoding: int) -> list[int]:
         """Blocks for the draft's KV of every prompt position of ``req``, which a prefill worker
-        writes beside the target's (no prefix cache here: all of them); none when the pool
+        writes beside the target's (no prefix cache here: all of them), when `ship_prompt_kv`
+        says so with ``decoding`` streams decoding now; none when it does not, or the pool
         cannot hold them now (the draft then computes the prompt itself)."""
         rid = req.request_id
+        if not ship_prompt_kv(self.prompt_kv, decoding):
+            self.prompts_kept += 1
+            return []
         if rid in self.seqs or rid in self.kv.tables or not self.kv.allocate(rid, req.num_prompt_tokens):
             return []
         return self.kv.block_ids(rid)

@@ -224,9 +224,10 @@ def test_an_mtp_layer_speculates_on_remotely_prefilled_requests(tmp_path):
 def cluster(ray_local, etcd, llama_dir):  # noqa: F811  (the fixtures imported above)
     """1P1D: a decode worker that speculates with a draft model (the target itself) and routes
     remote, and a prefill worker (a Ray actor) running the same draft: it ships the draft's
-    prompt KV beside the target's (``draft_prompt_kv: prefill``, the default)."""
+    prompt KV beside the target's (``draft_prompt_kv: prefill``)."""
     common = dict(model=llama_dir, etcd_endpoints=[etcd.endpoint], cluster="e2e-spec", lease_ttl_s=3, ucx_env=UCX)
-    draft = {"method": "draft_model", "model": llama_dir, "num_speculative_tokens": 3, "disable_by_cost": False}
+    draft = {"method": "draft_model", "model": llama_dir, "num_speculative_tokens": 3, "disable_by_cost": False,
+             "draft_prompt_kv": "prefill"}  # (auto would keep the prompts of an idle worker here)
     d = WorkerThread(DecodeWorkerConfig(**common, worker_id="decode-0", remote_prefill=True, remote_timeout_s=60,
                                         engine_args={"speculative_config": draft})).start()
     p = None

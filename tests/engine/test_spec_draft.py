@@ -297,7 +297,8 @@ def test_a_remote_requests_draft_reservation_moves_with_the_targets(llama_dir):
     from pdserve.engine import LLMEngine
     from pdserve.engine.config import EngineConfig
 
-    eng = LLMEngine(EngineConfig.from_kwargs(llama_dir, speculative_config=draft_cfg(llama_dir)))
+    eng = LLMEngine(EngineConfig.from_kwargs(llama_dir, speculative_config=draft_cfg(llama_dir,
+                                                                                     draft_prompt_kv="prefill")))
     try:
         conn, draft = eng.connector, eng.spec.draft
         full = draft.kv.pool.num_blocks
@@ -342,5 +343,32 @@ def test_a_remote_requests_draft_reservation_moves_with_the_targets(llama_dir):
             eng.abort_request(rid)
             eng.release(rid)
         assert draft.kv.num_free_blocks == full and not draft.seqs
+    finally:
+        eng.close()
+
+
+def test_auto_ships_the_drafts_prompt_kv_only_while_other_streams_decode(llama_dir):
+    """``draft_prompt_kv: auto`` (the default): a remote prompt's draft KV is asked of the prefill
+    worker only when a stream decodes on this worker (computed here it would stall it); on an
+    idle worker the draft computes it (`ship_prompt_kv`)."""
+    from pdserve.engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.spec_draft import ship_prompt_kv
+
+    assert [ship_prompt_kv(m, d) for m in ("auto", "prefill", "decode") for d in (0, 1, 5)] == \
+        [False, True, True, True, True, True, False, False, False]
+    assert parse_speculative_config(draft_cfg(llama_dir)).draft_prompt_kv == "auto"
+    eng = LLMEngine(EngineConfig.from_kwargs(llama_dir, speculative_config=draft_cfg(llama_dir)))
+    try:
+        conn, draft = eng.connector, eng.spec.draft
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        idle = conn.reserve(eng.make_request(prompts(1, seed=4)[0], params, request_id="idle"))
+        assert idle is not None and idle.draft_block_ids == () and draft.prompts_kept == 1
+        eng.add_request(prompts(1, seed=5)[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                        request_id="local")
+        for _ in range(3):  # its prompt, then it decodes
+            eng.step()
+        busy = conn.reserve(eng.make_request(prompts(1, seed=6)[0], params, request_id="busy"))
+        assert busy is not None and len(busy.draft_block_ids) > 0 and draft.prompts_kept == 1
     finally:
         eng.close()
