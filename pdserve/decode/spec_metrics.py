@@ -29,6 +29,11 @@ SPEC_METRICS: tuple[tuple[str, str, str], ...] = (
      "num_spec_accepted_tokens"),
     ("pdserve_spec_decode_cost_off_steps", "Decode steps the measured-cost rule kept from speculating "
      "(speculative_config.disable_by_cost)", "num_spec_cost_off_steps"),
+    ("pdserve_spec_decode_draft_prompts_shipped", "Remote prompts whose draft-model KV the prefill worker computed "
+     "and shipped beside the target's (speculative_config.draft_prompt_kv)", "num_spec_prompts_shipped"),
+    ("pdserve_spec_decode_draft_prompts_local", "Remote prompts whose draft-model KV this worker's draft computed "
+     "itself (draft_prompt_kv decode, auto with no other stream decoding, or a prefill worker without the draft)",
+     "num_spec_prompts_local"),
 )
 PER_POSITION = "pdserve_spec_decode_num_accepted_tokens_per_pos"
 

@@ -71,3 +71,7 @@ class EngineStats:
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
     num_spec_cost_off_steps: int = 0  # decode steps the measured-cost rule kept plain (engine/spec_cost.py)
+    # Remote prompts of a draft model's engine: their draft KV shipped by the prefill worker, or
+    # computed here (speculative_config.draft_prompt_kv; engine/kv_connector.py remote_ready)
+    num_spec_prompts_shipped: int = 0
+    num_spec_prompts_local: int = 0

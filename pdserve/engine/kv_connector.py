@@ -226,12 +226,15 @@ class KVConnector:
         the draft's reservation (the whole prompt, or 0: the draft computes it here)."""
         eng = self._eng
         req = eng.scheduler.remote_ready(request_id)
-        draft = self.draft
-        if draft is not None and request_id in draft.kv.tables:
-            if draft_tokens == req.num_prompt_tokens:
+        draft = eng.spec.draft if eng.spec is not None else None
+        if type(draft) is DraftProposer:  # (whatever its draft_prompt_kv: the counters say which way)
+            shipped = request_id in draft.kv.tables and draft_tokens == req.num_prompt_tokens
+            if shipped:
                 draft.adopt(request_id, draft_tokens)
             else:
-                draft.kv.free(request_id)
+                draft.kv.free(request_id)  # (none reserved, or none written: the draft computes it here)
+            eng.stats.num_spec_prompts_shipped += shipped
+            eng.stats.num_spec_prompts_local += not shipped
         eng.stats.num_prompt_tokens_cached += req.num_cached_tokens
         if req.generator is not None and not req.params.greedy:
             # The remote worker drew the first token from a generator with the same

@@ -22,6 +22,7 @@ import pytest
 import ray
 
 from pdserve.api import AsyncClient
+from pdserve.decode.spec_metrics import SpecDecodeCollector
 from pdserve.decode.worker import DecodeWorkerConfig
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.tp_comm import shm_available
@@ -100,6 +101,8 @@ def _self_draft_over_pd(model: str, name: str, p_tp: int, ps: list[list[int]], p
             assert [by_id[f"s{i}"].draft_tokens for i in range(len(ps))] == [len(p) if ship == "prefill" else 0
                                                                              for p in ps]
             assert pair.pe.spec.draft.num_tokens == (sum(map(len, ps)) if ship == "prefill" else 0)
+            shipped = len(ps) if ship == "prefill" else 0
+            assert (de.stats.num_spec_prompts_shipped, de.stats.num_spec_prompts_local) == (shipped, len(ps) - shipped)
         return outs, de.stats, de.spec.draft.num_tokens
 
 
@@ -278,4 +281,7 @@ def test_a_speculating_decode_worker_serves_remote_prefills_token_exact(cluster,
         wait_until(lambda: not eng.requests and eng.kv.num_free_blocks == eng.kv.pool.num_blocks, 30)
     assert eng.stats.num_spec_accepted_tokens == eng.stats.num_spec_draft_tokens  # its own draft: all accepted
     assert drafted["local"] - drafted["remote"] == sum(map(len, ps))
+    assert (eng.stats.num_spec_prompts_shipped, eng.stats.num_spec_prompts_local) == (len(ps), 0)
+    scraped = {s.name: s.value for m in SpecDecodeCollector(lambda: eng.stats, {}).collect() for s in m.samples}
+    assert scraped["pdserve_spec_decode_draft_prompts_shipped_total"] == len(ps)
     assert draft.kv.num_free_blocks == draft.kv.pool.num_blocks
