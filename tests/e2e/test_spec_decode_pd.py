@@ -177,15 +177,22 @@ def test_an_eagle_head_speculates_on_remotely_prefilled_requests(model_dirs, tmp
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(model) as plain:
         want = [o.token_ids for o in plain.generate(ps, params)]
-    with paired(model, f"speagle{p_tp}", p_tp, 1, d_args={"speculative_config": eagle_cfg(method, head, k=4)}) as pair:
+    _head_over_pd(model, f"speagle{p_tp}", p_tp, eagle_cfg(method, head, k=4), ps, want)
+
+
+def _head_over_pd(model: str, name: str, p_tp: int, spec: dict, ps: list[list[int]], want: list) -> None:
+    """A head (EAGLE's, MTP's) speculating on the decode side of requests a prefill side (TP
+    ``p_tp``) prefilled: greedy output ``want``, no target prompt token computed on the decode
+    side, proposals made and some accepted, the head's blocks and everything else given back."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with paired(model, name, p_tp, 1, d_args={"speculative_config": spec}) as pair:
         de = pair.de
-        tasks = pair.tasks(ps, params, prefix="e")
-        result, arrived = pair.prefill(tasks)
+        result, arrived = pair.prefill(pair.tasks(ps, params, prefix="h"))
         assert result.failures == [] and all(isinstance(m, PrefillDone) for m in arrived)
         pair.hand_over(arrived)
         computed = de.stats.num_prompt_tokens_computed
         pair.decode()
-        assert [o.token_ids for o in pair.outputs(len(ps), prefix="e")] == want
+        assert [o.token_ids for o in pair.outputs(len(ps), prefix="h")] == want
         assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
         assert de.stats.num_spec_draft_tokens > 40 and de.stats.num_spec_accepted_tokens > 0
         head_kv = de.spec.draft.kv
@@ -208,19 +215,7 @@ def test_an_mtp_layer_speculates_on_remotely_prefilled_requests(tmp_path):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(model) as plain:
         want = [o.token_ids for o in plain.generate(ps, params)]
-    with paired(model, "spmtp", 2, 1, d_args={"speculative_config": mtp_cfg(k=3)}) as pair:
-        de = pair.de
-        result, arrived = pair.prefill(pair.tasks(ps, params, prefix="m"))
-        assert result.failures == [] and all(isinstance(m, PrefillDone) for m in arrived)
-        pair.hand_over(arrived)
-        computed = de.stats.num_prompt_tokens_computed
-        pair.decode()
-        assert [o.token_ids for o in pair.outputs(len(ps), prefix="m")] == want
-        assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
-        assert de.stats.num_spec_draft_tokens > 40 and de.stats.num_spec_accepted_tokens > 0
-        head_kv = de.spec.draft.kv
-        wait_until(lambda: head_kv.num_free_blocks == head_kv.pool.num_blocks, 10)
-        pair.assert_nothing_held()
+    _head_over_pd(model, "spmtp", 2, mtp_cfg(k=3), ps, want)
 
 
 @pytest.fixture(scope="module")
