@@ -263,13 +263,13 @@ def check_engine_features(prefill: dict[str, Any], decode: dict[str, Any], lora:
     if lora.modules and not decode.get("enable_lora"):
         raise ValueError("lora.modules: the decode workers serve LoRA adapters only with enable_lora: true in "
                          "roles.decode.engine")
-    from pdserve.engine.config import ConfigError  # (the engine's own check; torch loads only here)
-    from pdserve.engine.spec_config import parse_speculative_config
-
     for role, engine in (("decode", decode), ("prefill", prefill)):
         raw = engine.get("speculative_config")
         if raw is None:
             continue
+        from pdserve.engine.config import ConfigError  # (the engine's own check; torch loads only here)
+        from pdserve.engine.spec_config import parse_speculative_config
+
         try:
             spec = parse_speculative_config(raw, check_files=False)
         except ConfigError as exc:

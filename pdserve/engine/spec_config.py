@@ -26,7 +26,7 @@ draft's distribution and verifies them against it, engine/spec_decode.py `verify
 ``greedy`` proposes the draft's argmax for every request), ``draft_prompt_kv`` (pdserve's, for
 ``draft_model``: ``prefill`` has a prefill worker with the same draft compute the draft's KV of
 a remote request's prompt beside the target's and ship it in the same handoff; ``decode``
-leaves it to the decode worker's draft; ``auto``, the default, chooses per request,
+leaves it to the decode worker's draft, the default; ``auto`` chooses per request,
 engine/spec_draft.py `ship_prompt_kv`). Every error is a
 `ConfigError` naming the field, ``speculative_config.<key>``.
 """
@@ -145,7 +145,7 @@ def parse_speculative_config(raw: dict | str | None, check_files: bool = True) -
             check_head_dir(model, method)
     else:
         model = _draft_model(raw, check_files)
-    prompt_kv = raw.get("draft_prompt_kv", "auto" if method == "draft_model" else "decode")
+    prompt_kv = raw.get("draft_prompt_kv", "decode")
     if prompt_kv not in DRAFT_PROMPT_KV or (method != "draft_model" and prompt_kv != "decode"):
         raise ConfigError(f"{_field('draft_prompt_kv')}={prompt_kv!r} must be one of: {', '.join(DRAFT_PROMPT_KV)} "
                           "(\"auto\" and \"prefill\" for method 'draft_model' only)")

@@ -175,6 +175,8 @@ class DraftProposer:
         if not ship_prompt_kv(self.prompt_kv, decoding):
             self.prompts_kept += 1
             return []
+        if req.num_prompt_tokens >= self.max_len:
+            return []  # (past the draft's length: it never proposes for it)
         if rid in self.seqs or rid in self.kv.tables or not self.kv.allocate(rid, req.num_prompt_tokens):
             return []
         return self.kv.block_ids(rid)

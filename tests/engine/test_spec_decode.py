@@ -368,10 +368,10 @@ def test_the_topology_checks_speculative_config_where_it_is_loaded(tmp_path):
     with pytest.raises(TopologyError, match=r"roles\.prefill\.engine\.speculative_config: prefill workers"):
         topo('{speculative_config: {method: ngram, num_speculative_tokens: 4}}', "{}")
     # The decode workers' draft model on the prefill workers: they compute its prompt KV.
-    draft = '{speculative_config: {model: /on/the/workers/draft, num_speculative_tokens: 3}}'
+    draft = '{speculative_config: {model: /on/the/workers/draft, num_speculative_tokens: 3, draft_prompt_kv: auto}}'
     assert topo(draft, draft).engine_args("prefill")["speculative_config"]["num_speculative_tokens"] == 3
     with pytest.raises(TopologyError, match=r"roles\.prefill\.engine\.speculative_config: prefill workers"):
-        topo('{speculative_config: {model: /d, num_speculative_tokens: 3, draft_prompt_kv: decode}}', "{}")
+        topo('{speculative_config: {model: /d, num_speculative_tokens: 3}}', "{}")  # (draft_prompt_kv: decode)
     with pytest.raises(TopologyError, match=r"roles\.prefill\.engine\.speculative_config\.draft_prompt_kv"):
         topo('{speculative_config: {model: /d, num_speculative_tokens: 3, draft_prompt_kv: both}}', "{}")
 

@@ -348,7 +348,7 @@ def test_a_remote_requests_draft_reservation_moves_with_the_targets(llama_dir):
 
 
 def test_auto_ships_the_drafts_prompt_kv_only_while_other_streams_decode(llama_dir):
-    """``draft_prompt_kv: auto`` (the default): a remote prompt's draft KV is asked of the prefill
+    """``draft_prompt_kv: auto``: a remote prompt's draft KV is asked of the prefill
     worker only when a stream decodes on this worker (computed here it would stall it); on an
     idle worker the draft computes it (`ship_prompt_kv`)."""
     from pdserve.engine import LLMEngine
@@ -357,8 +357,9 @@ def test_auto_ships_the_drafts_prompt_kv_only_while_other_streams_decode(llama_d
 
     assert [ship_prompt_kv(m, d) for m in ("auto", "prefill", "decode") for d in (0, 1, 5)] == \
         [False, True, True, True, True, True, False, False, False]
-    assert parse_speculative_config(draft_cfg(llama_dir)).draft_prompt_kv == "auto"
-    eng = LLMEngine(EngineConfig.from_kwargs(llama_dir, speculative_config=draft_cfg(llama_dir)))
+    assert parse_speculative_config(draft_cfg(llama_dir)).draft_prompt_kv == "decode"  # (the default: opt in)
+    eng = LLMEngine(EngineConfig.from_kwargs(llama_dir, speculative_config=draft_cfg(llama_dir,
+                                                                                     draft_prompt_kv="auto")))
     try:
         conn, draft = eng.connector, eng.spec.draft
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
