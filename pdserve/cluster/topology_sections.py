@@ -274,9 +274,10 @@ def check_engine_features(prefill: dict[str, Any], decode: dict[str, Any], lora:
             spec = parse_speculative_config(raw, check_files=False)
         except ConfigError as exc:
             raise ValueError(f"roles.{role}.engine.{exc}") from None
-        # A prefill worker never speculates; with the decode workers' draft model it computes the
-        # draft's prompt KV beside the target's (draft_prompt_kv auto or prefill, docs/speculative.md).
-        if role == "prefill" and (spec is None or spec.method != "draft_model" or spec.draft_prompt_kv == "decode"):
+        # A prefill worker never speculates; with the decode workers' draft model or head it computes
+        # its prompt KV beside the target's (draft_prompt_kv auto or prefill, docs/speculative.md).
+        if role == "prefill" and (spec is None or spec.method == "ngram" or spec.draft_prompt_kv == "decode"):
             raise ValueError("roles.prefill.engine.speculative_config: prefill workers do not decode, so they "
-                             "never speculate; they take only the decode workers' draft model (method draft_model, "
-                             "draft_prompt_kv auto or prefill), to compute its KV of each prompt beside the target's")
+                             "never speculate; they take only the decode workers' draft model or head (method "
+                             "draft_model, eagle, eagle3 or mtp with draft_prompt_kv auto or prefill), to compute "
+                             "its KV of each prompt beside the target's")

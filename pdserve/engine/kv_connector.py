@@ -227,7 +227,7 @@ class KVConnector:
         eng = self._eng
         req = eng.scheduler.remote_ready(request_id)
         draft = eng.spec.draft if eng.spec is not None else None
-        if type(draft) is DraftProposer:  # (whatever its draft_prompt_kv: the counters say which way)
+        if isinstance(draft, DraftProposer):  # (whatever its draft_prompt_kv: the counters say which way)
             shipped = request_id in draft.kv.tables and draft_tokens == req.num_prompt_tokens
             if shipped:
                 draft.adopt(request_id, draft_tokens)
@@ -277,11 +277,11 @@ class KVConnector:
     # -- a draft model's prompt KV beside the target's (engine/spec_draft.py) ---------------
     @property
     def draft(self) -> "DraftProposer | None":
-        """The draft model whose prompt KV crosses with the target's (``speculative_config``
-        method draft_model, draft_prompt_kv "auto" or "prefill"), else None."""
+        """The draft model or head whose prompt KV crosses with the target's
+        (``speculative_config`` draft_prompt_kv "auto" or "prefill"), else None."""
         spec = self._eng.spec
         d = spec.draft if spec is not None else None
-        if type(d) is DraftProposer and spec is not None and spec.cfg.draft_prompt_kv != "decode":
+        if isinstance(d, DraftProposer) and spec is not None and spec.cfg.draft_prompt_kv != "decode":
             return d
         return None
 
@@ -435,14 +435,15 @@ class KVConnector:
 
     # -- prefill side ------------------------------------------------------------------------
     def add_export(self, token_ids: list[int], params: SamplingParams, request_id: str,
-                   priority: Priority | str | int = Priority.NORMAL, lora_request: LoRARequest | None = None
-                   ) -> Request:
+                   priority: Priority | str | int = Priority.NORMAL, lora_request: LoRARequest | None = None,
+                   draft: bool = False) -> Request:
         """Queue a prompt to prefill for another worker: its blocks stay after it finishes
         (until `release_export`), for the transfer to read. ``lora_request``: the LoRA adapter
-        it runs under (read and checked here, engine/lora.py; None: the base model)."""
+        it runs under (read and checked here, engine/lora.py; None: the base model). ``draft``:
+        the other worker asked for its speculative draft's KV of the prompt too (`export_draft`)."""
         req = self._eng.make_request(token_ids, params, request_id=request_id, priority=priority,
                                      lora_request=lora_request)
-        req.keep_kv = True
+        req.keep_kv, req.export_draft = True, draft
         self._eng.scheduler.add(req)
         return req
 
@@ -466,6 +467,8 @@ class KVConnector:
         """Free an export's blocks and forget it (finished, failed or abandoned)."""
         self._eng.abort_request(request_id)  # a request still running is stopped first
         self._eng.kv.free(request_id)
-        if self.draft is not None:
-            self.draft.kv.free(request_id)
+        draft = self.draft
+        if draft is not None:
+            draft.kv.free(request_id)
+            draft.forget(request_id)
         self._eng.release(request_id)

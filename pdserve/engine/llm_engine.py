@@ -129,12 +129,13 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":  # its own runner and pool (engine/spec_draft.py)
             draft = DraftProposer(spec, config, self.model_config, self.runner.num_blocks)
             self.scheduler.on_free = draft.release
-            if spec.draft_prompt_kv != "decode":  # a remote prompt's draft KV reserved beside the target's
-                self.scheduler.on_reserve = draft.reserve
-                self.scheduler.followers.append(draft.kv)
         elif spec is not None and spec.method in HEAD_METHODS:  # fed the target's hidden states
             draft = EagleProposer(spec, config, self.model_config, self.runner.num_blocks, self.runner.model)
             self.scheduler.on_free = draft.release
+        if draft is not None and spec is not None and spec.draft_prompt_kv != "decode":
+            # A remote prompt's draft KV reserved beside the target's (engine/spec_draft.py `reserve`).
+            self.scheduler.on_reserve = draft.reserve
+            self.scheduler.followers.append(draft.kv)
         self.spec = SpecDecoder(spec, self.max_model_len, draft) if spec is not None else None
 
     def close(self) -> None:

@@ -281,6 +281,9 @@ class Request:
         # Prefill role: keep the KV blocks after finishing until the connector's
         # `release_export` (they are read by the transfer to the decode worker).
         self.keep_kv = False
+        # ... and its speculative head's prompt rows are asked with it (engine/spec_eagle.py): the
+        # target's hidden states of its prompt are kept for them.
+        self.export_draft = False
         # Decode role: another worker writes its prompt KV; the scheduler reserves its blocks
         # (engine/remote_kv.py) and it waits in WAITING_FOR_REMOTE_KV until they are written.
         self.remote_kv = False

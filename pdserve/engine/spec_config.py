@@ -24,10 +24,11 @@ false for n-gram), ``draft_sampling`` (pdserve's, for the methods whose proposer
 ``probabilistic``, the default, draws an unseeded sampling request's proposals from the
 draft's distribution and verifies them against it, engine/spec_decode.py `verify_draft_probs`;
 ``greedy`` proposes the draft's argmax for every request), ``draft_prompt_kv`` (pdserve's, for
-``draft_model``: ``prefill`` has a prefill worker with the same draft compute the draft's KV of
-a remote request's prompt beside the target's and ship it in the same handoff; ``decode``
-leaves it to the decode worker's draft, the default; ``auto`` chooses per request,
-engine/spec_draft.py `ship_prompt_kv`). Every error is a
+the methods whose proposer runs a model: ``prefill`` has a prefill worker with the same draft
+or head compute its KV of a remote request's prompt beside the target's and ship it in the same
+handoff; ``decode`` leaves it to the decode worker, the default; ``auto`` chooses per request,
+engine/spec_draft.py `ship_prompt_kv`, and for a head always ships: the decode worker has no
+hidden states of a remote prompt to compute the head's rows from, engine/spec_eagle.py). Every error is a
 `ConfigError` naming the field, ``speculative_config.<key>``.
 """
 
@@ -65,11 +66,11 @@ class SpeculativeConfig:
     # draft_model / eagle / eagle3 / mtp: how a sampling request's proposals are drawn (probabilistic:
     # from the draft's distribution, verified with it; greedy: the draft's argmax)
     draft_sampling: str = "greedy"
-    # draft_model across prefill/decode: "prefill", a prefill worker that has the same draft
+    # A draft or head across prefill/decode: "prefill", a prefill worker that has the same one
     # computes its KV of the prompt beside the target's and ships it in the same handoff (one
-    # that has none leaves it to the decode worker's draft); "decode", the decode worker's draft
-    # always computes it itself; "auto", per request: shipped when the decode worker has streams
-    # decoding that a local computation would stall (engine/spec_draft.py `ship_prompt_kv`)
+    # that has none leaves it to the decode worker); "decode", the decode worker always computes
+    # it itself; "auto", per request: shipped when the decode worker has streams decoding that a
+    # local computation would stall (engine/spec_draft.py `ship_prompt_kv`), always for a head
     draft_prompt_kv: str = "decode"
 
 
@@ -146,9 +147,8 @@ def parse_speculative_config(raw: dict | str | None, check_files: bool = True) -
     else:
         model = _draft_model(raw, check_files)
     prompt_kv = raw.get("draft_prompt_kv", "decode")
-    if prompt_kv not in DRAFT_PROMPT_KV or (method != "draft_model" and prompt_kv != "decode"):
-        raise ConfigError(f"{_field('draft_prompt_kv')}={prompt_kv!r} must be one of: {', '.join(DRAFT_PROMPT_KV)} "
-                          "(\"auto\" and \"prefill\" for method 'draft_model' only)")
+    if prompt_kv not in DRAFT_PROMPT_KV:
+        raise ConfigError(f"{_field('draft_prompt_kv')}={prompt_kv!r} must be one of: {', '.join(DRAFT_PROMPT_KV)}")
     return SpeculativeConfig(method, k, 5, 5, batch, float(floor), probe, model=model, draft_prompt_kv=prompt_kv,
                              draft_tensor_parallel_size=_draft_tp(raw), draft_kv_cache_fraction=_fraction(raw),
                              disable_by_cost=by_cost, draft_sampling=_draft_sampling(raw))

@@ -154,6 +154,9 @@ class DraftProposer:
     def record(self, scheduled: list[tuple[Request, int]]) -> None:
         """After the target's forward: nothing (an EAGLE head keeps its hidden states here)."""
 
+    def forget(self, request_id: str) -> None:
+        """An export is done with: nothing kept for it (an EAGLE head's hidden states are)."""
+
     # -- lifetime ------------------------------------------------------------------
     def release(self, request_id: str) -> None:
         """Forget a request and give its draft KV back (finished, aborted, preempted)."""
@@ -166,18 +169,31 @@ class DraftProposer:
             self.release(rid)
 
     # -- a prompt's KV from a prefill worker (engine/kv_connector.py) -----------------
+    def ships(self, decoding: int) -> bool:
+        """Whether a remote prompt's draft KV is asked of the prefill worker now (`ship_prompt_kv`)."""
+        return ship_prompt_kv(self.prompt_kv, decoding)
+
+    def prompt_slots(self, num_tokens: int) -> int:
+        """Positions of this pool a prompt of ``num_tokens`` tokens takes when shipped: the
+        draft's KV of each of them."""
+        return num_tokens
+
+    def prompt_blocks(self, num_tokens: int) -> int:
+        """Blocks of this pool a shipped prompt of ``num_tokens`` tokens takes (`prompt_slots`)."""
+        return -(-self.prompt_slots(num_tokens) // self.block_size)
+
     def reserve(self, req: Request, decoding: int) -> list[int]:
-        """Blocks for the draft's KV of every prompt position of ``req``, which a prefill worker
-        writes beside the target's (no prefix cache here: all of them), when `ship_prompt_kv`
-        says so with ``decoding`` streams decoding now; none when it does not, or the pool
-        cannot hold them now (the draft then computes the prompt itself)."""
+        """Blocks for the draft's KV of every prompt position of ``req`` (`prompt_slots`), which a
+        prefill worker writes beside the target's (no prefix cache here: all of them), when
+        `ships` says so with ``decoding`` streams decoding now; none when it does not, or the
+        pool cannot hold them now (the draft then computes the prompt itself)."""
         rid = req.request_id
-        if not ship_prompt_kv(self.prompt_kv, decoding):
+        if not self.ships(decoding):
             self.prompts_kept += 1
             return []
         if req.num_prompt_tokens >= self.max_len:
             return []  # (past the draft's length: it never proposes for it)
-        if rid in self.seqs or rid in self.kv.tables or not self.kv.allocate(rid, req.num_prompt_tokens):
+        if rid in self.seqs or rid in self.kv.tables or not self.kv.allocate(rid, self.prompt_slots(req.num_prompt_tokens)):
             return []
         return self.kv.block_ids(rid)
 
@@ -195,7 +211,13 @@ class DraftProposer:
         for key, tokens in prompts:
             if key not in self.kv.tables and tokens and self.kv.allocate(key, len(tokens)):
                 views.append(Request(key, list(tokens), SamplingParams(temperature=0.0, max_tokens=1)))
-        pending = views
+        self._prefill(views)
+        return {v.request_id: list(self.kv.block_ids(v.request_id)) for v in views}
+
+    def _prefill(self, views: list[Request]) -> None:
+        """Compute every view's prompt into its blocks, in forwards of at most ``chunk`` tokens
+        (`_prompt_forward`); on a GPU, wait for them: another process reads the blocks next."""
+        pending = [v for v in views if v.num_computed_tokens < v.num_prompt_tokens]
         while pending:
             budget, plan = self.chunk, []
             for v in pending:
@@ -203,13 +225,17 @@ class DraftProposer:
                     n = min(v.num_prompt_tokens - v.num_computed_tokens, budget)
                     plan.append((v, n))
                     budget -= n
-            self.runner.execute(plan, self.kv)
+            self._prompt_forward(plan)
             self.num_forwards += 1
             for v, n in plan:
                 v.num_computed_tokens += n
                 self.num_tokens += n
             pending = [v for v in pending if v.num_computed_tokens < v.num_prompt_tokens]
-        return {v.request_id: list(self.kv.block_ids(v.request_id)) for v in views}
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)  # (NIXL reads the pool once this returns)
+
+    def _prompt_forward(self, plan: list[tuple[Request, int]]) -> None:
+        self.runner.execute(plan, self.kv)
 
     # -- proposing -----------------------------------------------------------------
     def propose(self, wants: list[tuple[Request, int]], structured: StructuredOutputs) -> dict[str, list[int]]:

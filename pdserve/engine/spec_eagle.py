@@ -17,8 +17,19 @@ request's computed positions); the rows of a step's proposals, computed from the
 hidden output (each proposal's row reads the previous row's output, as in vLLM), are given up
 before the next proposals whatever the target accepted: their positions are computed again
 from the target's hidden states. A position whose hidden state the target never computed here
-(its KV came from the prefix cache, a prefill worker, or a step run by a CUDA graph) reads
-zeros: the proposals there are weaker, the verification as exact as for any proposal.
+(its KV came from the prefix cache, or a step run by a CUDA graph) reads zeros: the proposals
+there are weaker, the verification as exact as for any proposal.
+
+Across P/D (``draft_prompt_kv`` auto or prefill on both roles; docs/speculative.md, "In the
+cluster"): the prefill worker runs the same head. Its target keeps the hidden states of each
+export's prompt (`record`, ``exported``), and `compute_prompts` runs the head over rows
+0 .. n - 2 of an n-token prompt (tokens 1 .. n - 1: the first token, n's, is not sampled yet)
+into the reserved blocks (`prompt_slots`), followed by one block that carries row n - 1's
+hidden input, the target's hidden state at the last prompt position (`_put_carrier`: its bytes
+laid over that block's pages, layer by layer). The decode worker takes that row back out
+(`adopt`), gives the block back, and its first proposal computes row n - 1 as the local path
+does: a remote prompt reads the same rows as a local one. Without it (``decode``, or a prefill
+worker without the head) the prompt's rows read zeros.
 """
 
 from __future__ import annotations
@@ -127,6 +138,11 @@ class EagleProposer(DraftProposer):
         self._setup(spec, config, self.model_config.max_position_embeddings)
         self.states: dict[str, _States] = {}
         self.last: dict[str, torch.Tensor] = {}  # each proposing request's last row's hidden output
+        self.exported: dict[str, _States] = {}  # the prefill side: each export's prompt rows
+        self._rows: dict[str, torch.Tensor] = {}  # the prefill side: the prompts being computed
+        kv = self.runner.kv_cache
+        self.carries = kv.shape[0] * kv[0, 0].numel() * kv.element_size() >= (
+            self.model_config.hidden_size * self.runner.dtype.itemsize)  # (a block holds a hidden row)
         self.target = target_model
         if self.hc.method in ("eagle", MTP):
             target_model.capture_final = True
@@ -142,7 +158,10 @@ class EagleProposer(DraftProposer):
     # -- the target's hidden states ------------------------------------------------
     def record(self, scheduled: list[tuple[Request, int]]) -> None:
         """Keep the hidden states the target's forward just computed, each request's rows by
-        position (called after the forward, before the computed counts move)."""
+        position (called after the forward, before the computed counts move); an export's (a
+        prompt prefilled for another worker that asked for the head's rows: ``export_draft``)
+        until `compute_prompts` or `forget`, in the memory of the head (prompt length x hidden
+        size values per export in flight)."""
         captured, self.target.captured = self.target.captured, None
         if captured is None or captured.shape[0] != sum(n for _, n in scheduled):
             return  # (a step run by a CUDA graph keeps none: the head reads zeros there)
@@ -151,11 +170,17 @@ class EagleProposer(DraftProposer):
                 rows = self.head.combine(captured.to(self.runner.device, self.runner.dtype))
                 off = 0
                 for req, n in scheduled:
-                    self.states.setdefault(req.request_id, _States()).put(req.num_computed_tokens,
-                                                                          rows[off:off + n].clone())
+                    kept = self.states if not req.keep_kv else self.exported if req.export_draft else None
+                    if kept is not None:  # (an export whose decode worker asked for no head rows: none)
+                        kept.setdefault(req.request_id, _States()).put(req.num_computed_tokens,
+                                                                       rows[off:off + n].clone())
                     off += n
         except Exception:  # noqa: BLE001  (the head's failure costs proposals, never the requests)
             log.exception("the EAGLE head could not keep the target's hidden states; it reads zeros there")
+
+    def forget(self, request_id: str) -> None:
+        """An export is done with (written or not): its kept hidden states go."""
+        self.exported.pop(request_id, None)
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
@@ -201,3 +226,62 @@ class EagleProposer(DraftProposer):
         assert out is not None
         for i, (s, _) in enumerate(plan):
             self.last[s.view.request_id] = out[qsl[i + 1] - 1:qsl[i + 1]]
+
+    # -- a prompt's rows from a prefill worker ------------------------------------------
+    def ships(self, decoding: int) -> bool:
+        """``auto`` always ships: this worker's target never computed a remote prompt's hidden
+        states, so the head could compute its prompt rows only from zeros."""
+        return self.prompt_kv != "decode" and self.carries
+
+    def prompt_slots(self, num_tokens: int) -> int:
+        """Rows 0 .. n - 2, then one block more: the carrier of row n - 1's hidden input."""
+        return -(-(num_tokens - 1) // self.block_size) * self.block_size + 1
+
+    def adopt(self, request_id: str, num_tokens: int) -> None:
+        n = num_tokens
+        carrier = self.kv.block_ids(request_id)[-(-(n - 1) // self.block_size)]
+        self.states.setdefault(request_id, _States()).put(n - 1, self._take_carrier(carrier))
+        self.kv.trim(request_id, n - 1)  # (the carrier block goes back)
+        super().adopt(request_id, n - 1)
+
+    def compute_prompts(self, prompts: list[tuple[str, list[int]]]) -> dict[str, list[int]]:
+        """The head's rows of each export's prompt, from the hidden states its target kept
+        (`record`), and the carrier block of its last row's hidden input; by key. A prompt whose
+        hidden states were not kept, or that the pool cannot hold now, is left out."""
+        width, views = self.model_config.hidden_size, []
+        for key, tokens in prompts:
+            kept, n = self.exported.pop(key, None), len(tokens)
+            if kept is None or not n or key in self.kv.tables or not self.kv.allocate(key, self.prompt_slots(n)):
+                continue
+            self._rows[key] = kept.take(0, n, width, self.runner.dtype, self.runner.device)
+            views.append(Request(key, list(tokens[1:]), SamplingParams(temperature=0.0, max_tokens=1)))
+        try:
+            with torch.inference_mode():
+                for v in views:
+                    self._put_carrier(self.kv.block_ids(v.request_id)[-1], self._rows[v.request_id][-1])
+                self._prefill(views)
+        finally:
+            self._rows = {}
+        return {v.request_id: list(self.kv.block_ids(v.request_id)) for v in views}
+
+    def _prompt_forward(self, plan: list[tuple[Request, int]]) -> None:
+        self.head_runner.hidden = torch.cat([self._rows[v.request_id][v.num_computed_tokens:v.num_computed_tokens + n]
+                                             for v, n in plan])
+        self.head_runner.execute(plan, self.kv)
+
+    def _carrier_pages(self, block: int) -> list[torch.Tensor]:
+        """The bytes of ``block``'s pages, layer by layer."""
+        kv = self.runner.kv_cache
+        return [kv[layer, block].reshape(-1).view(torch.uint8) for layer in range(kv.shape[0])]
+
+    def _put_carrier(self, block: int, row: torch.Tensor) -> None:
+        data, off = row.contiguous().reshape(-1).view(torch.uint8), 0
+        for page in self._carrier_pages(block):
+            m = min(page.numel(), data.numel() - off)
+            page[:m].copy_(data[off:off + m])
+            off += m
+
+    def _take_carrier(self, block: int) -> torch.Tensor:
+        size = self.model_config.hidden_size * self.runner.dtype.itemsize
+        data = torch.cat(self._carrier_pages(block))[:size].clone()
+        return data.view(self.runner.dtype).reshape(1, -1)

@@ -1,9 +1,10 @@
-"""A speculative draft model's KV of the prompts a prefill batch computed, shipped beside the
-target's (docs/speculative.md, "In the cluster"; ``speculative_config`` with ``draft_prompt_kv:
-prefill`` on both roles).
+"""A speculative draft model's (or head's) KV of the prompts a prefill batch computed, shipped
+beside the target's (docs/speculative.md, "In the cluster"; ``speculative_config`` with
+``draft_prompt_kv: prefill`` on both roles).
 
 A task whose decode worker speculates with a draft model names the blocks of its draft's pool
-that the prompt's draft KV goes to (``draft_block_ids``). When this prefill worker runs the same
+that the prompt's draft KV goes to (``draft_block_ids``; a head's: engine/spec_eagle.py, its
+rows and the carrier of the last one's hidden input). When this prefill worker runs the same
 draft (its engine's `KVConnector.draft`) and the decode worker registered a draft pool of the
 same layout (kvtransfer/nixl/pools.py), the batch computes the draft's KV of each such prompt
 after the target's, writes it (rank 0 to rank 0) and waits for the write before the task's
@@ -36,15 +37,16 @@ def push_draft(engine: LLMEngine, sender: Any, jobs: list, timeout_s: float, sta
     most). A write that timed out may still land: its job fails as a target write's would
     (``write_may_land``: the decode worker keeps the request's blocks, the draft's with them,
     quarantined). ``before_wait`` runs before each bounded piece of work (the batch's progress)."""
-    connector, bs = engine.connector, engine.config.block_size
+    connector = engine.connector
+    draft = connector.draft
     write, has = getattr(sender, "write_pool", None), getattr(sender, "has_pool", None)
-    if connector.draft is None or write is None or has is None:  # (a sender of one pool only)
+    if draft is None or write is None or has is None:  # (a sender of one pool only)
         return {}
 
     def wanted(job) -> bool:
         t = job.task
-        if not t.draft_block_ids or len(t.draft_block_ids) < -(-len(t.token_ids) // bs):
-            return False
+        if not t.draft_block_ids or len(t.draft_block_ids) != draft.prompt_blocks(len(t.token_ids)):
+            return False  # (none asked, or a decode worker whose proposer takes the prompt otherwise)
         try:
             return has(t.target_worker_id, "draft")
         except TransportError:  # (the peer was removed meanwhile: its target write fails on its own)

@@ -218,6 +218,84 @@ def test_an_mtp_layer_speculates_on_remotely_prefilled_requests(tmp_path):
     _head_over_pd(model, "spmtp", 2, mtp_cfg(k=3), ps, want)
 
 
+def _proposals(engine, ps: list[list[int]]) -> dict[tuple, list]:
+    """Each prompt's proposals, step by step (keyed by prompt), as its head makes them."""
+    head, seen = engine.spec.draft, {}
+    propose = head.propose
+
+    def spy(wants, structured):
+        found = propose(wants, structured)
+        for r, _ in wants:
+            seen.setdefault(tuple(r.prompt_token_ids), []).append(found.get(r.request_id, []))
+        return found
+
+    head.propose = spy
+    return seen
+
+
+def _head_rows_over_pd(model: str, name: str, p_tp: int, spec: dict, ps: list[list[int]], ship: str):
+    """A random head on both sides (``draft_prompt_kv`` ``ship``): the greedy outputs, each
+    prompt's proposals on the decode side, and the notices."""
+    spec = {**spec, "draft_prompt_kv": ship}
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with paired(model, name, p_tp, 1, d_args={"speculative_config": spec}, p_args={"speculative_config": spec}) as pair:
+        de = pair.de
+        seen = _proposals(de, ps)
+        result, arrived = pair.prefill(pair.tasks(ps, params, prefix="r"))
+        assert result.failures == [] and all(isinstance(m, PrefillDone) for m in arrived)
+        assert not pair.pe.spec.draft.exported  # (each export's hidden states went with it)
+        pair.hand_over(arrived)
+        computed = de.stats.num_prompt_tokens_computed
+        pair.decode()
+        outs = [o.token_ids for o in pair.outputs(len(ps), prefix="r")]
+        assert de.stats.num_prompt_tokens_computed == computed  # the target's prompt KV came from the prefill side
+        head_kv = de.spec.draft.kv
+        wait_until(lambda: head_kv.num_free_blocks == head_kv.pool.num_blocks, 10)
+        pair.assert_nothing_held()
+        return outs, seen, arrived, de.stats
+
+
+@pytest.mark.parametrize("method,p_tp", [("eagle", 1), ("eagle3", 2), ("mtp", 2)])
+def test_a_heads_prompt_rows_shipped_from_the_prefill_side_make_the_local_paths_proposals(
+        model_dirs, tmp_path, method, p_tp):
+    """A random head (its proposals depend on every row it attends to) on both sides with
+    ``draft_prompt_kv: prefill``: the prefill side's target keeps each prompt's hidden states,
+    its head computes the prompt's rows 0 .. n - 2 into the decode worker's reserved head
+    blocks, and the hidden input of row n - 1 rides in one more block (engine/spec_eagle.py).
+    The decode side's head then proposes, step by step, what the same head proposes on the
+    local path (one engine, no hop), for every prompt; with ``draft_prompt_kv: decode`` (its
+    rows read zeros) it does not. Greedy output equals the local path's either way."""
+    from tests.engine.test_spec_eagle import eagle_cfg, make_eagle1, make_eagle3
+
+    if method == "mtp":
+        from pdserve.engine.model_maker import make_model
+        from tests.engine.test_model_families import SPECS
+        from tests.engine.test_spec_mtp import make_mtp, mtp_cfg
+
+        model = make_mtp(str(tmp_path / "mtp"), make_model(str(tmp_path / "ds"), SPECS["deepseek_v3"]), copy=False)
+        spec = mtp_cfg(k=3)
+    else:
+        model = model_dirs("llama")
+        with open(f"{model}/config.json") as f:
+            vocab = json.load(f)["vocab_size"]
+        head = (make_eagle1(str(tmp_path / "head"), model) if method == "eagle"
+                else make_eagle3(str(tmp_path / "head"), model, random.Random(5).sample(range(vocab), 4000)))
+        spec = eagle_cfg(method, head, k=3)
+    ps = repetitive(seed=95)[2:]
+    with LLM(model, speculative_config=spec) as local:
+        want_seen = _proposals(local.engine, ps)
+        want = [o.token_ids for o in local.generate(ps, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                         ignore_eos=True))]
+    outs, seen, arrived, stats = _head_rows_over_pd(model, f"sprows{method}", p_tp, spec, ps, "prefill")
+    assert outs == want
+    assert [m.draft_tokens for m in sorted(arrived, key=lambda m: int(m.request_id[1:]))] == [len(p) for p in ps]
+    assert (stats.num_spec_prompts_shipped, stats.num_spec_prompts_local) == (len(ps), 0)
+    assert seen == want_seen and sum(len(x) for steps in seen.values() for x in steps) > 30
+    outs, zeros, _, stats = _head_rows_over_pd(model, f"spzero{method}", p_tp, spec, ps, "decode")
+    assert outs == want and (stats.num_spec_prompts_shipped, stats.num_spec_prompts_local) == (0, len(ps))
+    assert zeros != want_seen  # (the test can tell: rows read from zeros propose otherwise)
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_local, etcd, llama_dir):  # noqa: F811  (the fixtures imported above)
     """1P1D: a decode worker that speculates with a draft model (the target itself) and routes

@@ -372,6 +372,10 @@ def test_the_topology_checks_speculative_config_where_it_is_loaded(tmp_path):
     assert topo(draft, draft).engine_args("prefill")["speculative_config"]["num_speculative_tokens"] == 3
     with pytest.raises(TopologyError, match=r"roles\.prefill\.engine\.speculative_config: prefill workers"):
         topo('{speculative_config: {model: /d, num_speculative_tokens: 3}}', "{}")  # (draft_prompt_kv: decode)
+    # An EAGLE head or MTP layer likewise: the prefill workers compute the head's rows of each prompt.
+    for method, head in (("eagle3", "method: eagle3, model: /on/the/workers/head"), ("mtp", "method: mtp")):
+        raw = '{speculative_config: {' + head + ', num_speculative_tokens: 3, draft_prompt_kv: prefill}}'
+        assert topo(raw, raw).engine_args("prefill")["speculative_config"]["method"] == method
     with pytest.raises(TopologyError, match=r"roles\.prefill\.engine\.speculative_config\.draft_prompt_kv"):
         topo('{speculative_config: {model: /d, num_speculative_tokens: 3, draft_prompt_kv: both}}', "{}")
 

@@ -380,3 +380,48 @@ def test_unsupported_methods_are_refused_naming_the_field(heads):
         parse_speculative_config({"method": "medusa", "model": heads["eagle"], "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match=r"speculative_config\.prompt_lookup_max"):
         parse_speculative_config({**eagle_cfg("eagle", heads["eagle"]), "prompt_lookup_max": 3})
+
+
+def test_a_heads_reservation_holds_its_prompt_rows_and_one_carrier_block(llama_dir, heads):
+    """``draft_prompt_kv: auto`` with a head reserves head blocks for every remote prompt, idle or
+    not (the decode side has no hidden states of a remote prompt to compute its rows from): for
+    rows 0 .. n - 2 and one block more, the carrier of row n - 1's hidden input. Adopting takes
+    the carrier's row out and gives its block back; a notice without head KV gives every block
+    back; the prefill side keeps an export's hidden states until its export is released."""
+    from pdserve.engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+
+    eng = LLMEngine(EngineConfig.from_kwargs(llama_dir, speculative_config=eagle_cfg(
+        "eagle", heads["eagle"], draft_prompt_kv="auto")))
+    try:
+        conn, head = eng.connector, eng.spec.draft
+        full = head.kv.pool.num_blocks
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        for n, blocks in ((33, 3), (32, 3), (17, 2), (1, 1)):  # block size 16: ceil((n - 1) / 16) + 1
+            res = conn.reserve(eng.make_request(list(range(5, 5 + n)), params, request_id=f"r{n}"))
+            assert res is not None and len(res.draft_block_ids) == blocks == head.prompt_blocks(n), n
+        row = torch.arange(head.model_config.hidden_size, dtype=head.runner.dtype).reshape(1, -1)
+        head._put_carrier(head.kv.block_ids("r33")[-1], row)
+        conn.remote_ready("r33", 7, draft_tokens=33)
+        assert head.seqs["r33"].valid == 32 and len(head.kv.tables["r33"]) == 2  # (the carrier went back)
+        assert torch.equal(head.states["r33"].take(32, 33, row.shape[1], row.dtype, row.device), row)
+        conn.remote_ready("r17", 7, draft_tokens=0)  # none written: the head computes it from zeros
+        assert "r17" not in head.kv.tables and "r17" not in head.seqs
+        assert (eng.stats.num_spec_prompts_shipped, eng.stats.num_spec_prompts_local) == (1, 1)
+        for rid in ("r33", "r32", "r17", "r1"):
+            conn.abort(rid)
+            eng.release(rid)
+        assert head.kv.num_free_blocks == full and not head.seqs and not head.states
+        # The prefill side: an export's hidden states stay past its finish until it is released,
+        # when its decode worker asked for the head's rows (none kept otherwise).
+        conn.add_export(list(range(5, 45)), SamplingParams(max_tokens=1, temperature=0.0), "x", draft=True)
+        conn.add_export(list(range(6, 46)), SamplingParams(max_tokens=1, temperature=0.0), "y")
+        while eng.has_work():
+            eng.step()
+        assert not head.states and list(head.exported) == ["x"]
+        assert head.exported["x"].take(0, 40, row.shape[1], row.dtype, row.device).abs().sum() > 0
+        for rid in ("x", "y"):
+            conn.release_export(rid)
+        assert not head.exported
+    finally:
+        eng.close()
