@@ -233,12 +233,12 @@ def _proposals(engine, ps: list[list[int]]) -> dict[tuple, list]:
     return seen
 
 
-def _head_rows_over_pd(model: str, name: str, p_tp: int, spec: dict, ps: list[list[int]], ship: str):
+def _head_rows_over_pd(model: str, name: str, p_tp: int, d_tp: int, spec: dict, ps: list[list[int]], ship: str):
     """A random head on both sides (``draft_prompt_kv`` ``ship``): the greedy outputs, each
     prompt's proposals on the decode side, and the notices."""
     spec = {**spec, "draft_prompt_kv": ship}
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with paired(model, name, p_tp, 1, d_args={"speculative_config": spec}, p_args={"speculative_config": spec}) as pair:
+    with paired(model, name, p_tp, d_tp, d_args={"speculative_config": spec}, p_args={"speculative_config": spec}) as pair:
         de = pair.de
         seen = _proposals(de, ps)
         result, arrived = pair.prefill(pair.tasks(ps, params, prefix="r"))
@@ -255,15 +255,16 @@ def _head_rows_over_pd(model: str, name: str, p_tp: int, spec: dict, ps: list[li
         return outs, seen, arrived, de.stats
 
 
-@pytest.mark.parametrize("method,p_tp", [("eagle", 1), ("eagle3", 2), ("mtp", 2)])
+@pytest.mark.parametrize("method,p_tp,d_tp", [("eagle", 1, 1), ("eagle3", 1, 2), ("mtp", 2, 1)])
 def test_a_heads_prompt_rows_shipped_from_the_prefill_side_make_the_local_paths_proposals(
-        model_dirs, tmp_path, method, p_tp):
+        model_dirs, tmp_path, method, p_tp, d_tp):
     """A random head (its proposals depend on every row it attends to) on both sides with
     ``draft_prompt_kv: prefill``: the prefill side's target keeps each prompt's hidden states,
     its head computes the prompt's rows 0 .. n - 2 into the decode worker's reserved head
     blocks, and the hidden input of row n - 1 rides in one more block (engine/spec_eagle.py).
     The decode side's head then proposes, step by step, what the same head proposes on the
-    local path (one engine, no hop), for every prompt; with ``draft_prompt_kv: decode`` (its
+    local path (one engine, no hop), for every prompt (TP pairs (1, 1), (1, 2) and (2, 1): the head
+    runs on rank 0 of each side); with ``draft_prompt_kv: decode`` (its
     rows read zeros) it does not. Greedy output equals the local path's either way."""
     from tests.engine.test_spec_eagle import eagle_cfg, make_eagle1, make_eagle3
 
@@ -286,12 +287,12 @@ def test_a_heads_prompt_rows_shipped_from_the_prefill_side_make_the_local_paths_
         want_seen = _proposals(local.engine, ps)
         want = [o.token_ids for o in local.generate(ps, SamplingParams(max_tokens=12, temperature=0.0,
                                                                          ignore_eos=True))]
-    outs, seen, arrived, stats = _head_rows_over_pd(model, f"sprows{method}", p_tp, spec, ps, "prefill")
+    outs, seen, arrived, stats = _head_rows_over_pd(model, f"sprows{method}", p_tp, d_tp, spec, ps, "prefill")
     assert outs == want
     assert [m.draft_tokens for m in sorted(arrived, key=lambda m: int(m.request_id[1:]))] == [len(p) for p in ps]
     assert (stats.num_spec_prompts_shipped, stats.num_spec_prompts_local) == (len(ps), 0)
     assert seen == want_seen and sum(len(x) for steps in seen.values() for x in steps) > 30
-    outs, zeros, _, stats = _head_rows_over_pd(model, f"spzero{method}", p_tp, spec, ps, "decode")
+    outs, zeros, _, stats = _head_rows_over_pd(model, f"spzero{method}", p_tp, d_tp, spec, ps, "decode")
     assert outs == want and (stats.num_spec_prompts_shipped, stats.num_spec_prompts_local) == (0, len(ps))
     assert zeros != want_seen  # (the test can tell: rows read from zeros propose otherwise)
 
