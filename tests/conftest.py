@@ -13,10 +13,12 @@ import pytest
 
 GC_AFTER_GROWTH_MB = 1024
 
-# Ray waits 30 s for a new head's GCS to write its port file, then fails ray.init; on the 2-core
-# box under a busy neighbour (a benchmark, another suite) the GCS took longer once and a module's
-# Ray fixture errored with every test under it. 120 s is what Ray itself allows a RocksDB GCS.
-os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+# Ray waits 30 s for a new head's GCS to write its port file, then fails ray.init. Twice on this
+# 2-core box (in CI runs) a GCS wrote nothing at all, not even its log, in that time, and a start
+# tried again worked (tests/harness.py `start_local_ray`); once, waiting 120 s instead left no
+# time for a second start inside pytest's 120 s, and a module's Ray fixture errored with every
+# test under it. 40 s: room for a slow start, and for a second one.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "40")
 
 
 def _rss_mb() -> int:

@@ -56,10 +56,14 @@ class WorkerThread:
 RAY_START_TIMEOUTS = ("Timed out waiting for file", "timed out during startup")
 
 
-def start_local_ray(namespace: str, attempts: int = 3, **kwargs) -> None:
+def start_local_ray(namespace: str, attempts: int = 3, budget_s: float = 100.0, **kwargs) -> None:
     """``ray.init(address="local")`` (a fresh Ray of this process's own even if a ``ray start``
-    head runs on this host), 2 CPUs, no dashboard; a start that timed out is shut down and tried
-    again, up to ``attempts`` times. Any other failure is raised at once."""
+    head runs on this host), 2 CPUs, no dashboard. A start that timed out (`RAY_START_TIMEOUTS`)
+    has the processes it started killed, then Ray's state reset (``ray.shutdown()``, bounded:
+    once, in CI, it hung for the rest of the test's time after such a start), and is tried again,
+    up to ``attempts`` times while another start fits in ``budget_s`` (under pytest's 120 s for a
+    test and its fixtures). Any other failure is raised at once. (How long the GCS gets to write
+    its port file: tests/conftest.py.)"""
     import os
 
     import ray
@@ -69,17 +73,39 @@ def start_local_ray(namespace: str, attempts: int = 3, **kwargs) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     args = dict(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=namespace)
     args.update(kwargs)
+    deadline = time.monotonic() + budget_s
     for attempt in range(1, attempts + 1):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
+        started = time.monotonic()
         try:
             ray.init(**args)
             return
         except Exception as exc:  # Ray raises RuntimeError or a bare Exception for these
-            ray.shutdown()
-            _kill_children_since(before)
-            if attempt == attempts or not any(m in str(exc) for m in RAY_START_TIMEOUTS):
+            _kill_children_since(before)  # (first: a half-started head's GCS and raylet)
+            _reset_ray(ray, exc)
+            took = time.monotonic() - started
+            if (attempt == attempts or not any(m in str(exc) for m in RAY_START_TIMEOUTS)
+                    or time.monotonic() + 2.0 * attempt + took > deadline):
                 raise
-            time.sleep(5.0 * attempt)
+            time.sleep(2.0 * attempt)
+
+
+def _reset_ray(ray, cause: BaseException, timeout_s: float = 15.0) -> None:
+    """``ray.shutdown()`` on a thread of its own, waited for at most ``timeout_s``; an error
+    naming ``cause`` when it does not return (Ray's state is then unknown: no second start)."""
+    import threading
+
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            ray.shutdown()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="ray-shutdown", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise RuntimeError(f"ray.shutdown() did not return within {timeout_s:.0f} s after a failed start") from cause
 
 
 def _kill_children_since(before: set[int]) -> None:
