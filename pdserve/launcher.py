@@ -218,26 +218,38 @@ class Launcher:
             state.ray_address = self.ray_address
             self.progress(f"ray       joining {self.ray_address}")
             return
-        port = free_loopback_port()
         # Room for every actor `up` starts (workers at the planner's max, gateways, the KV
         # index): an actor that does not fit the head's CPUs would wait forever.
         cpus = head_cpus(ray_demand(self.topo, self.max_replicas))
         # The head and every process it spawns authenticate as the topology says (ray.auth).
         env = {**child_env(self.topo), "RAY_worker_niceness": str(self.topo.ray.worker_niceness)}
         log_file = open(run_dir / f"{self.topo.cluster}-ray.log", "ab")
-        # `--block` keeps this head's processes under one process we own, so
-        # `down` stops exactly this cluster's Ray and nothing else on the host.
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-             f"--port={port}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}",
-             "--include-dashboard=false", "--disable-usage-stats"],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        state.ray_address, state.ray_head_pid = f"127.0.0.1:{port}", proc.pid
-        deadline = time.monotonic() + RAY_START_TIMEOUT_S
-        while not port_open(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
+        for attempt in (1, 2):
+            port = free_loopback_port()
+            # `--block` keeps this head's processes under one process we own, so
+            # `down` stops exactly this cluster's Ray and nothing else on the host.
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                 f"--port={port}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}",
+                 "--include-dashboard=false", "--disable-usage-stats"],
+                stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            state.ray_address, state.ray_head_pid = f"127.0.0.1:{port}", proc.pid
+            deadline = time.monotonic() + RAY_START_TIMEOUT_S
+            while not port_open(port) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if port_open(port):
+                break
+            if proc.poll() is not None or attempt == 2:
                 raise RuntimeError(f"Ray head did not start (see {log_file.name})")
-            time.sleep(0.2)
+            # Alive but not listening: a head whose GCS never came up (seen, rarely, on a loaded
+            # host; a second start works). Stopped, and started once more on another port.
+            self.progress(f"ray       head (pid {proc.pid}) not listening after {RAY_START_TIMEOUT_S:g} s: "
+                          "stopped, starting it again")
+            terminate_group(proc.pid, "ray head", self.progress, leader_first=True)
+            try:
+                proc.wait(5.0)  # (reaped: stopped, it is no zombie of ours)
+            except subprocess.TimeoutExpired:
+                pass
         self.progress(f"ray       started head at {state.ray_address} ({cpus} CPUs, pid {proc.pid})")
 
     def _check_resources(self, joined: bool) -> None:

@@ -127,3 +127,45 @@ def test_up_refuses_at_once_what_the_head_it_starts_cannot_place(tmp_path):
     assert "start-up failed; stopping what was started" in lines
     assert not any(line.startswith(("prefill ", "decode ")) for line in lines), lines  # no worker was started
     assert not state_path(topo).exists()
+
+
+def test_a_ray_head_not_listening_in_time_is_stopped_and_started_again(tmp_path, monkeypatch):
+    """A head `up` starts that is alive but does not listen within RAY_START_TIMEOUT_S (once in
+    CI runs, a local head's GCS never came up; a second start worked) is stopped, whole, and
+    started once more on another port. The first head is made to look silent (its port reads
+    closed) for 2 s; the second is real."""
+    import pdserve.launcher as launcher
+    from pdserve.launcher import ClusterState, Launcher
+    from pdserve.processes import port_open, terminate_group, wait_gone
+    from tests.harness import small_topology_yaml
+
+    path = tmp_path / "topology.yaml"
+    path.write_text(small_topology_yaml("rc-restart", tmp_path))
+    topo = load_topology(path, check_files=False)
+    state = ClusterState(cluster=topo.cluster, topology=str(path), namespace="ns", ray_address="",
+                         ray_head_pid=None, etcd_endpoints=[], etcd_pid=None, queue_name="q", model="m")
+    silent: dict = {}
+    stopped: list[int] = []
+
+    def looks_closed(port):  # the first head's port, whatever it does
+        silent.setdefault("port", port)
+        return False if port == silent["port"] else port_open(port)
+
+    def stop(pid, *args, **kwargs):
+        stopped.append(pid)
+        terminate_group(pid, *args, **kwargs)
+        monkeypatch.setattr(launcher, "RAY_START_TIMEOUT_S", 60.0)  # the second head: Ray's own time
+
+    monkeypatch.setattr(launcher, "port_open", looks_closed)
+    monkeypatch.setattr(launcher, "terminate_group", stop)
+    monkeypatch.setattr(launcher, "RAY_START_TIMEOUT_S", 2.0)
+    lines: list[str] = []
+    Launcher(topo, str(path), "m", progress=lines.append)._start_ray(state, tmp_path)
+    try:
+        assert any("not listening after 2 s: stopped, starting it again" in line for line in lines), lines
+        assert len(stopped) == 1 and stopped[0] != state.ray_head_pid
+        assert wait_gone(stopped[0], 0.5)  # the first head is gone
+        port = int(state.ray_address.rsplit(":", 1)[1])
+        assert port != silent["port"] and port_open(port)
+    finally:
+        terminate_group(state.ray_head_pid, "ray head", lines.append, leader_first=True)
