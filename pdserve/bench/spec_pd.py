@@ -1,10 +1,13 @@
-"""Speculative decoding across the hop: a draft model's prompt KV shipped by the prefill side
-against computed by the decode side (``draft_prompt_kv`` prefill against decode), and what each
-costs where (docs/speculative.md, "In the cluster").
+"""Speculative decoding across the hop: a draft model's (or EAGLE head's) prompt KV shipped by
+the prefill side against computed by the decode side (``draft_prompt_kv`` prefill against
+decode), and what each costs where (docs/speculative.md, "In the cluster").
 
 One process holds a prefill engine and a decode engine, each with its NIXL agent over loopback
 UCX, opened as workers open them (kvtransfer/nixl/tp_transport.py), both speculating with the
-same draft model (the target's first ``--draft-layers`` layers, an early-exit draft). The decode
+same draft model (the target's first ``--draft-layers`` layers, an early-exit draft), or with
+``--method eagle`` / ``eagle3`` the same random EAGLE head (pdserve/bench/spec_heads.py: what
+it costs, not what it proposes; in ``decode`` mode it computes the prompt's rows from zeros,
+as a decode worker without shipped rows does). The decode
 engine keeps ``--streams`` streams decoding. Per repetition and prompt length, one remote
 request: its blocks (and, when shipped, its draft blocks) reserved on the decode side, its task
 run by the prefill side's real batch (prefill/batch.py), timed: **the prefill side's part of
@@ -15,6 +18,7 @@ decode engine's proposer is switched between them; the same weights and pools on
 
     python bench/spec_pd.py                                  # prompts of 256 and 1024, 4 streams, 5 reps
     python bench/spec_pd.py --prompt-lens 512 --streams 0,8 --reps 9 --json out.json
+    python bench/spec_pd.py --method eagle --prompt-lens 1024 --streams 0,4
 
 Prints, per prompt length, streams and mode, the median [min-max] over repetitions of the
 prefill batch (ms), the decode step after the handoff and the steps before it (ms), the draft
@@ -39,6 +43,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="target model directory (default: the bench's Llama under .cache/)")
+    p.add_argument("--method", default="draft_model", choices=["draft_model", "eagle", "eagle3"],
+                   help="the proposer on both sides (default draft_model)")
     p.add_argument("--draft-layers", type=int, default=1, help="the draft: the target's first N layers")
     p.add_argument("--prompt-lens", default="256,1024", help="remote prompt lengths, comma-separated")
     p.add_argument("--streams", default="4", help="streams decoding on the decode side, comma-separated")
@@ -64,13 +70,13 @@ def spread(values: list[float]) -> str:
 class Pair:
     """The two engines and their transports (the tests' tests/kvtransfer/handoff_pair.py, reduced)."""
 
-    def __init__(self, target: str, draft: str, k: int):
+    def __init__(self, target: str, method: str, draft: str, k: int):
         from pdserve.engine import LLMEngine
         from pdserve.engine.config import EngineConfig
         from pdserve.kvtransfer.nixl import LOOPBACK_UCX_ENV
         from pdserve.kvtransfer.nixl.tp_transport import open_worker_transport
 
-        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "disable_by_cost": False,
+        spec = {"method": method, "model": draft, "num_speculative_tokens": k, "disable_by_cost": False,
                 "acceptance_floor": 0.0, "draft_prompt_kv": "prefill"}
         args = {"speculative_config": spec, "max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 1 << 30}
         self.pe = LLMEngine(EngineConfig.from_kwargs(target, **args))
@@ -136,17 +142,30 @@ class Pair:
                 "draft_tokens_shipped": done.draft_tokens, "bytes": stats.bytes_written}
 
 
+def head(target: str, method: str) -> str:
+    """A random EAGLE head of ``method`` for ``target``, written once beside it."""
+    from pdserve.bench.spec_heads import make_eagle1, make_eagle3, target_config
+
+    out = f"{target.rstrip('/')}-{method}-head"
+    if not os.path.isfile(os.path.join(out, "model.safetensors")):
+        vocab = target_config(target)["vocab_size"]
+        tmp = f"{out}.tmp-{os.getpid()}"
+        make_eagle1(tmp, target) if method == "eagle" else make_eagle3(tmp, target, list(range(vocab)))
+        os.replace(tmp, out)
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from pdserve.bench.spec import first_layers_draft
     from pdserve.engine import SamplingParams
 
     target = args.model or default_target()
-    draft = first_layers_draft(target, args.draft_layers)
+    draft = first_layers_draft(target, args.draft_layers) if args.method == "draft_model" else head(target, args.method)
     lens = [int(x) for x in args.prompt_lens.split(",")]
     streams = [int(x) for x in args.streams.split(",")]
     rng = random.Random(0)
-    pair = Pair(target, draft, args.k)
+    pair = Pair(target, args.method, draft, args.k)
     rows, raw = [], []
     try:
         for n_streams in streams:
@@ -184,7 +203,7 @@ def main(argv=None) -> int:
                 pair.de.release(f"stream{n_streams}-{s}")
     finally:
         pair.close()
-    print(f"target {target}, draft {draft}; k={args.k}; {args.reps} repetitions per mode "
+    print(f"target {target}, {args.method} {draft}; k={args.k}; {args.reps} repetitions per mode "
           "(median [min-max], ms)")
     print("| prompt tokens | streams | draft prompt KV | prefill batch (TTFT side) | decode step after the handoff "
           "| decode steps before | draft positions computed on the decode side | bytes written |")

@@ -1,8 +1,8 @@
 """Speculative decoding with EAGLE heads (engine/spec_eagle.py, engine/spec_eagle_model.py;
 docs/speculative.md, "EAGLE heads").
 
-The heads are written here in the published checkpoints' layout (vLLM's ``llama_eagle.py`` and
-``llama_eagle3.py`` read the same names) for the test Llama. Random heads propose tokens the
+The heads are written in the published checkpoints' layout (vLLM's ``llama_eagle.py`` and
+``llama_eagle3.py`` read the same names) for the test Llama (pdserve/bench/spec_heads.py). Random heads propose tokens the
 target rarely agrees with, so with them the tests check exactness (greedy and seeded output
 equal to the engine without speculation, batches, finish and abort give every block back) and
 that proposals were made and verified (the counters move); acceptance cannot be shown with
@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pdserve.bench.spec_heads import make_eagle1, make_eagle3, target_config
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import ConfigError
 from pdserve.engine.spec_config import parse_speculative_config
@@ -32,87 +33,6 @@ from .test_hf_parity import hf_greedy
 from .test_spec_decode import prompts, run
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-def _config(target_dir: str) -> dict:
-    with open(os.path.join(target_dir, "config.json")) as f:
-        return json.load(f)
-
-
-def _layer(prefix: str, t: dict, hidden: int, q_in: int, gen: torch.Generator, copy: bool) -> dict:
-    """A Llama layer's weights in HF names (q/k/v over ``q_in`` inputs); ``copy``: its attention
-    and MLP outputs are zero (the layer passes its input through)."""
-    heads, kv, inter = t["num_attention_heads"], t["num_key_value_heads"], t["intermediate_size"]
-    hd = hidden // heads
-
-    def rnd(*shape):
-        return 0.05 * torch.randn(*shape, generator=gen)
-
-    return {
-        prefix + "self_attn.q_proj.weight": rnd(heads * hd, q_in),
-        prefix + "self_attn.k_proj.weight": rnd(kv * hd, q_in),
-        prefix + "self_attn.v_proj.weight": rnd(kv * hd, q_in),
-        prefix + "self_attn.o_proj.weight": torch.zeros(hidden, heads * hd) if copy else rnd(hidden, heads * hd),
-        prefix + "mlp.gate_proj.weight": rnd(inter, hidden),
-        prefix + "mlp.up_proj.weight": rnd(inter, hidden),
-        prefix + "mlp.down_proj.weight": torch.zeros(hidden, inter) if copy else rnd(hidden, inter),
-        prefix + "post_attention_layernorm.weight": 1 + rnd(hidden),
-    }
-
-
-def make_eagle1(out: str, target_dir: str, copy: bool = False, hidden: int | None = None, seed: int = 0) -> str:
-    """An EAGLE-1 head: a 1-layer Llama config, ``fc`` [hidden, 2 hidden], ``layers.0.*``
-    without input_layernorm; embed_tokens and lm_head left to the target's."""
-    t = _config(target_dir)
-    h = hidden or t["hidden_size"]
-    gen = torch.Generator().manual_seed(seed)
-    os.makedirs(out, exist_ok=True)
-    cfg = {**t, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "hidden_size": h}
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    fc = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1) if copy else 0.05 * torch.randn(h, 2 * h, generator=gen)
-    weights = {"fc.weight": fc, **_layer("layers.0.", t, h, h, gen, copy)}
-    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt"})
-    return out
-
-
-def make_eagle3(out: str, target_dir: str, draft_ids: list[int], copy: bool = False, seed: int = 0) -> str:
-    """An EAGLE-3 head: ``fc`` over three target hidden states, ``midlayer.*`` whose q/k/v read
-    2 x hidden, ``norm``, its own ``lm_head`` over a draft vocabulary (draft id i is target id
-    ``draft_ids[i]``), ``d2t`` (draft id -> target id - draft id) and ``t2d``. Random: vLLM's
-    default aux layers (2, L // 2, L - 3) = (0, 1, 2) for the 3-layer target. Copy: aux layers
-    [3, 0, 1] (read sorted), ``fc`` selecting the third (the last layer's output before the final
-    norm), the target's final norm and the LM head rows of the draft ids."""
-    t = _config(target_dir)
-    h = t["hidden_size"]
-    gen = torch.Generator().manual_seed(seed)
-    os.makedirs(out, exist_ok=True)
-    cfg = {**t, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
-           "draft_vocab_size": len(draft_ids)}
-    if copy:
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [3, 0, 1]}
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    target = load_file(os.path.join(target_dir, "model.safetensors"))
-    to_target = torch.tensor(draft_ids)
-    t2d = torch.zeros(t["vocab_size"], dtype=torch.bool)
-    t2d[to_target] = True
-    if copy:
-        fc = torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], dim=1)
-        norm, lm_head = target["model.norm.weight"], target["lm_head.weight"][to_target]
-    else:
-        fc = 0.05 * torch.randn(h, 3 * h, generator=gen)
-        norm, lm_head = 1 + 0.05 * torch.randn(h, generator=gen), 0.05 * torch.randn(len(draft_ids), h, generator=gen)
-    weights = {
-        "fc.weight": fc, "norm.weight": norm, "lm_head.weight": lm_head,
-        "d2t": to_target - torch.arange(len(draft_ids)), "t2d": t2d,
-        "midlayer.input_layernorm.weight": torch.ones(h), "midlayer.hidden_norm.weight": torch.ones(h),
-        **_layer("midlayer.", t, h, 2 * h, gen, copy),
-    }
-    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt"})
-    return out
 
 
 def eagle_cfg(method: str, path: str, k: int = 3, **extra) -> dict:
@@ -163,7 +83,7 @@ def heads(llama_dir, plain, tmp_path_factory) -> dict[str, str]:
     over all ids but 1000 that neither the copy test's prompts nor their greedy output hold, in
     reverse order)."""
     root = tmp_path_factory.mktemp("eagle")
-    vocab = _config(llama_dir)["vocab_size"]
+    vocab = target_config(llama_dir)["vocab_size"]
     used = {t for p in COPY_PROMPTS for t in p} | {t for toks, _, _ in run(plain, COPY_PROMPTS, GREEDY) for t in toks}
     unused = [t for t in range(vocab) if t not in used][:1000]
     copy_ids = sorted(set(range(vocab)) - set(unused), reverse=True)
@@ -234,7 +154,7 @@ def test_a_whole_vocabulary_head_in_its_own_order_maps_through_d2t(llama_dir, pl
     """An EAGLE-3 head over the whole vocabulary whose draft ids are the target's in reverse
     (d2t a permutation): its proposals are mapped through d2t as vLLM maps them (a head that
     skipped d2t at full size would propose id 31999 - t for t, never accepted)."""
-    vocab = _config(llama_dir)["vocab_size"]
+    vocab = target_config(llama_dir)["vocab_size"]
     head_dir = make_eagle3(str(tmp_path / "rev"), llama_dir, list(range(vocab - 1, -1, -1)), copy=True)
     ps = COPY_PROMPTS[:4]
     want = run(plain, ps, GREEDY)
