@@ -265,7 +265,7 @@ def test_a_heads_prompt_rows_shipped_from_the_prefill_side_make_the_local_paths_
     The decode side's head then proposes, step by step, what the same head proposes on the
     local path (one engine, no hop), for every prompt (TP pairs (1, 1), (1, 2) and (2, 1): the head
     runs on rank 0 of each side); with ``draft_prompt_kv: decode`` (its
-    rows read zeros) it does not. Greedy output equals the local path's either way."""
+    rows read zeros; EAGLE-1's case) it does not. Greedy output equals the local path's either way."""
     from tests.engine.test_spec_eagle import eagle_cfg, make_eagle1, make_eagle3
 
     if method == "mtp":
@@ -292,9 +292,10 @@ def test_a_heads_prompt_rows_shipped_from_the_prefill_side_make_the_local_paths_
     assert [m.draft_tokens for m in sorted(arrived, key=lambda m: int(m.request_id[1:]))] == [len(p) for p in ps]
     assert (stats.num_spec_prompts_shipped, stats.num_spec_prompts_local) == (len(ps), 0)
     assert seen == want_seen and sum(len(x) for steps in seen.values() for x in steps) > 30
-    outs, zeros, _, stats = _head_rows_over_pd(model, f"spzero{method}", p_tp, d_tp, spec, ps, "decode")
-    assert outs == want and (stats.num_spec_prompts_shipped, stats.num_spec_prompts_local) == (0, len(ps))
-    assert zeros != want_seen  # (the test can tell: rows read from zeros propose otherwise)
+    if method == "eagle":  # (the test can tell: rows read from zeros propose otherwise)
+        outs, zeros, _, stats = _head_rows_over_pd(model, "spzero", p_tp, d_tp, spec, ps, "decode")
+        assert outs == want and (stats.num_spec_prompts_shipped, stats.num_spec_prompts_local) == (0, len(ps))
+        assert zeros != want_seen
 
 
 @pytest.fixture(scope="module")
