@@ -239,12 +239,14 @@ class Launcher:
                 time.sleep(0.2)
             if port_open(port):
                 break
-            if proc.poll() is not None or attempt == 2:
+            if attempt == 2:
                 raise RuntimeError(f"Ray head did not start (see {log_file.name})")
-            # Alive but not listening: a head whose GCS never came up (seen, rarely, on a loaded
-            # host; a second start works). Stopped, and started once more on another port.
-            self.progress(f"ray       head (pid {proc.pid}) not listening after {RAY_START_TIMEOUT_S:g} s: "
-                          "stopped, starting it again")
+            # A head whose GCS never came up (seen, rarely, on a loaded host; a second start
+            # worked): `ray start` gives up on its own after Ray's port wait, or stays silent.
+            # Stopped, and started once more on another port.
+            why = (f"exited ({proc.returncode})" if proc.poll() is not None
+                   else f"not listening after {RAY_START_TIMEOUT_S:g} s")
+            self.progress(f"ray       head (pid {proc.pid}) {why}: stopped, starting it again (see {log_file.name})")
             terminate_group(proc.pid, "ray head", self.progress, leader_first=True)
             try:
                 proc.wait(5.0)  # (reaped: stopped, it is no zombie of ours)

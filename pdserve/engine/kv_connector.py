@@ -230,7 +230,12 @@ class KVConnector:
         if isinstance(draft, DraftProposer):  # (whatever its draft_prompt_kv: the counters say which way)
             shipped = request_id in draft.kv.tables and draft_tokens == req.num_prompt_tokens
             if shipped:
-                draft.adopt(request_id, draft_tokens)
+                try:
+                    draft.adopt(request_id, draft_tokens)
+                except Exception:  # noqa: BLE001  (the draft's failure costs proposals, never the request)
+                    log.exception("request %s: the draft's shipped KV could not be taken; computed here", request_id)
+                    draft.release(request_id)
+                    shipped = False
             else:
                 draft.kv.free(request_id)  # (none reserved, or none written: the draft computes it here)
             eng.stats.num_spec_prompts_shipped += shipped
@@ -467,8 +472,9 @@ class KVConnector:
         """Free an export's blocks and forget it (finished, failed or abandoned)."""
         self._eng.abort_request(request_id)  # a request still running is stopped first
         self._eng.kv.free(request_id)
-        draft = self.draft
-        if draft is not None:
+        spec = self._eng.spec
+        draft = spec.draft if spec is not None else None
+        if draft is not None:  # (whatever its draft_prompt_kv: nothing of the export stays)
             draft.kv.free(request_id)
             draft.forget(request_id)
         self._eng.release(request_id)

@@ -25,10 +25,11 @@ cluster"): the prefill worker runs the same head. Its target keeps the hidden st
 export's prompt (`record`, ``exported``), and `compute_prompts` runs the head over rows
 0 .. n - 2 of an n-token prompt (tokens 1 .. n - 1: the first token, n's, is not sampled yet)
 into the reserved blocks (`prompt_slots`), followed by one block that carries row n - 1's
-hidden input, the target's hidden state at the last prompt position (`_put_carrier`: its bytes
-laid over that block's pages, layer by layer). The decode worker takes that row back out
+hidden input, the target's hidden state at the last prompt position (`_put_carrier`: its bytes,
+as float32, laid over that block's pages, layer by layer). The decode worker takes that row back out
 (`adopt`), gives the block back, and its first proposal computes row n - 1 as the local path
-does: a remote prompt reads the same rows as a local one. Without it (``decode``, or a prefill
+does: a remote prompt reads the same rows as a local one (zeros where the prefill worker's
+prefix cache held a position, as a local prefix-cache hit reads). Without it (``decode``, or a prefill
 worker without the head) the prompt's rows read zeros.
 """
 
@@ -53,6 +54,10 @@ from .step_batch import StepBatch, build_step_batch
 from .structured_state import StructuredOutputs
 
 log = logging.getLogger(__name__)
+
+# The carrier block holds its hidden row as float32 whatever the two workers' model dtypes (the
+# pool's layout, checked when written, is the KV's: under FP8 KV it says nothing of them).
+CARRIER_DTYPE = torch.float32
 
 
 class EagleRunner(ModelRunner):
@@ -142,7 +147,7 @@ class EagleProposer(DraftProposer):
         self._rows: dict[str, torch.Tensor] = {}  # the prefill side: the prompts being computed
         kv = self.runner.kv_cache
         self.carries = kv.shape[0] * kv[0, 0].numel() * kv.element_size() >= (
-            self.model_config.hidden_size * self.runner.dtype.itemsize)  # (a block holds a hidden row)
+            self.model_config.hidden_size * CARRIER_DTYPE.itemsize)  # (a block holds a hidden row)
         self.target = target_model
         if self.hc.method in ("eagle", MTP):
             target_model.capture_final = True
@@ -165,13 +170,17 @@ class EagleProposer(DraftProposer):
         captured, self.target.captured = self.target.captured, None
         if captured is None or captured.shape[0] != sum(n for _, n in scheduled):
             return  # (a step run by a CUDA graph keeps none: the head reads zeros there)
+        # Where each request's rows go (an export whose decode worker asked for no head rows: none).
+        where = [self.states if not req.keep_kv else self.exported if req.export_draft else None
+                 for req, _ in scheduled]
+        if all(kept is None for kept in where):
+            return  # (a prefill step of exports that asked for none: no head work)
         try:
             with torch.inference_mode():
                 rows = self.head.combine(captured.to(self.runner.device, self.runner.dtype))
                 off = 0
-                for req, n in scheduled:
-                    kept = self.states if not req.keep_kv else self.exported if req.export_draft else None
-                    if kept is not None:  # (an export whose decode worker asked for no head rows: none)
+                for (req, n), kept in zip(scheduled, where):
+                    if kept is not None:
                         kept.setdefault(req.request_id, _States()).put(req.num_computed_tokens,
                                                                        rows[off:off + n].clone())
                     off += n
@@ -275,13 +284,13 @@ class EagleProposer(DraftProposer):
         return [kv[layer, block].reshape(-1).view(torch.uint8) for layer in range(kv.shape[0])]
 
     def _put_carrier(self, block: int, row: torch.Tensor) -> None:
-        data, off = row.contiguous().reshape(-1).view(torch.uint8), 0
+        data, off = row.to(CARRIER_DTYPE).contiguous().reshape(-1).view(torch.uint8), 0
         for page in self._carrier_pages(block):
             m = min(page.numel(), data.numel() - off)
             page[:m].copy_(data[off:off + m])
             off += m
 
     def _take_carrier(self, block: int) -> torch.Tensor:
-        size = self.model_config.hidden_size * self.runner.dtype.itemsize
+        size = self.model_config.hidden_size * CARRIER_DTYPE.itemsize
         data = torch.cat(self._carrier_pages(block))[:size].clone()
-        return data.view(self.runner.dtype).reshape(1, -1)
+        return data.view(CARRIER_DTYPE).reshape(1, -1).to(self.runner.dtype)

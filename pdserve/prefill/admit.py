@@ -70,7 +70,7 @@ class TaskAdmission:
         loading = lora is not None and self.enabled and lora.lora_name not in eng.connector.lora_adapters()
         t0 = time.perf_counter()
         eng.connector.add_export(t.token_ids, params, rid, t.priority, lora_request=lora,  # (reads the adapter)
-                                 draft=bool(t.draft_block_ids))
+                                 draft=bool(t.draft_block_ids) and eng.connector.draft is not None)
         if loading:
             self._load_ms[rid] = (time.perf_counter() - t0) * 1e3
         return rid

@@ -282,7 +282,8 @@ def test_a_heads_prompt_rows_shipped_from_the_prefill_side_make_the_local_paths_
         head = (make_eagle1(str(tmp_path / "head"), model) if method == "eagle"
                 else make_eagle3(str(tmp_path / "head"), model, random.Random(5).sample(range(vocab), 4000)))
         spec = eagle_cfg(method, head, k=3)
-    ps = repetitive(seed=95)[2:]
+    # (17 tokens: rows 0 .. 15 fill one block, the carrier is the next; 1 token: the carrier alone)
+    ps = repetitive(seed=95)[2:] + [list(range(50, 67)), [77]]
     with LLM(model, speculative_config=spec) as local:
         want_seen = _proposals(local.engine, ps)
         want = [o.token_ids for o in local.generate(ps, SamplingParams(max_tokens=12, temperature=0.0,

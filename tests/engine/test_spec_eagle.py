@@ -325,9 +325,13 @@ def test_a_heads_reservation_holds_its_prompt_rows_and_one_carrier_block(llama_d
         conn.remote_ready("r33", 7, draft_tokens=33)
         assert head.seqs["r33"].valid == 32 and len(head.kv.tables["r33"]) == 2  # (the carrier went back)
         assert torch.equal(head.states["r33"].take(32, 33, row.shape[1], row.dtype, row.device), row)
+        head._put_carrier(head.kv.block_ids("r1")[0], row)  # (1 token: no row of KV, the carrier alone)
+        conn.remote_ready("r1", 7, draft_tokens=1)
+        assert head.seqs["r1"].valid == 0 and "r1" not in head.kv.tables or not head.kv.tables["r1"]
+        assert torch.equal(head.states["r1"].take(0, 1, row.shape[1], row.dtype, row.device), row)
         conn.remote_ready("r17", 7, draft_tokens=0)  # none written: the head computes it from zeros
         assert "r17" not in head.kv.tables and "r17" not in head.seqs
-        assert (eng.stats.num_spec_prompts_shipped, eng.stats.num_spec_prompts_local) == (1, 1)
+        assert (eng.stats.num_spec_prompts_shipped, eng.stats.num_spec_prompts_local) == (2, 1)
         for rid in ("r33", "r32", "r17", "r1"):
             conn.abort(rid)
             eng.release(rid)
