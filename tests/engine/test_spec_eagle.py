@@ -17,7 +17,6 @@ tokens, so proposals are accepted and rejected: the KV of both models is rolled 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 import pytest
