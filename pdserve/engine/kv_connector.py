@@ -298,8 +298,9 @@ class KVConnector:
 
     def export_draft(self, prompts: list[tuple[str, list[int]]]) -> dict[str, list[int]]:
         """The prefill side: the draft's KV of each ``(request id, prompt)``, computed into blocks
-        of its pool (by request id; one the pool cannot hold now is left out). Written, then
-        given back with `release_export`."""
+        of its pool (by request id; one the pool cannot hold now is left out; a head's, computed
+        along with the prompt, engine/spec_eagle.py). Written, then given back with
+        `release_export`."""
         d = self.draft
         return d.compute_prompts(prompts) if d is not None else {}
 

@@ -282,7 +282,7 @@ class Request:
         # `release_export` (they are read by the transfer to the decode worker).
         self.keep_kv = False
         # ... and its speculative head's prompt rows are asked with it (engine/spec_eagle.py): the
-        # target's hidden states of its prompt are kept for them.
+        # head computes them from each step's hidden states of its prompt.
         self.export_draft = False
         # Decode role: another worker writes its prompt KV; the scheduler reserves its blocks
         # (engine/remote_kv.py) and it waits in WAITING_FOR_REMOTE_KV until they are written.

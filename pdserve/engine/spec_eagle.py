@@ -21,12 +21,14 @@ from the target's hidden states. A position whose hidden state the target never 
 there are weaker, the verification as exact as for any proposal.
 
 Across P/D (``draft_prompt_kv`` auto or prefill on both roles; docs/speculative.md, "In the
-cluster"): the prefill worker runs the same head. Its target keeps the hidden states of each
-export's prompt (`record`, ``exported``), and `compute_prompts` runs the head over rows
-0 .. n - 2 of an n-token prompt (tokens 1 .. n - 1: the first token, n's, is not sampled yet)
-into the reserved blocks (`prompt_slots`), followed by one block that carries row n - 1's
-hidden input, the target's hidden state at the last prompt position (`_put_carrier`: its bytes,
-as float32, laid over that block's pages, layer by layer). The decode worker takes that row back out
+cluster"): the prefill worker runs the same head. After each prefill step its head computes
+the rows of every export's chunk the step computed (`record`, `_export_rows`: rows 0 .. n - 2
+of an n-token prompt, tokens 1 .. n - 1, for the first token, n's, is not sampled yet) into
+blocks of its pool laid out as the decode worker reserved them (`prompt_slots`), and after the
+last chunk it writes one more block that carries row n - 1's hidden input, the target's hidden
+state at the last prompt position (`_put_carrier`: its bytes, as float32, laid over that
+block's pages, layer by layer); `compute_prompts` hands the finished ones to the write. No
+hidden state is kept past its step. The decode worker takes that row back out
 (`adopt`), gives the block back, and its first proposal computes row n - 1 as the local path
 does: a remote prompt reads the same rows as a local one (zeros where the prefill worker's
 prefix cache held a position, as a local prefix-cache hit reads). Without it (``decode``, or a prefill
@@ -143,8 +145,8 @@ class EagleProposer(DraftProposer):
         self._setup(spec, config, self.model_config.max_position_embeddings)
         self.states: dict[str, _States] = {}
         self.last: dict[str, torch.Tensor] = {}  # each proposing request's last row's hidden output
-        self.exported: dict[str, _States] = {}  # the prefill side: each export's prompt rows
-        self._rows: dict[str, torch.Tensor] = {}  # the prefill side: the prompts being computed
+        # The prefill side: each export's view in the head's pool (None: it gets no head rows).
+        self.exports: dict[str, Request | None] = {}
         kv = self.runner.kv_cache
         self.carries = kv.shape[0] * kv[0, 0].numel() * kv.element_size() >= (
             self.model_config.hidden_size * CARRIER_DTYPE.itemsize)  # (a block holds a hidden row)
@@ -165,34 +167,40 @@ class EagleProposer(DraftProposer):
         """Keep the hidden states the target's forward just computed, each request's rows by
         position (called after the forward, before the computed counts move); an export's (a
         prompt prefilled for another worker that asked for the head's rows: ``export_draft``)
-        until `compute_prompts` or `forget`, in the memory of the head (prompt length x hidden
-        size values per export in flight)."""
+        go through the head at once (`_export_rows`)."""
         captured, self.target.captured = self.target.captured, None
         if captured is None or captured.shape[0] != sum(n for _, n in scheduled):
             return  # (a step run by a CUDA graph keeps none: the head reads zeros there)
-        # Where each request's rows go (an export whose decode worker asked for no head rows: none).
-        where = [self.states if not req.keep_kv else self.exported if req.export_draft else None
-                 for req, _ in scheduled]
-        if all(kept is None for kept in where):
+        # Whose rows are wanted (an export whose decode worker asked for no head rows: nobody's).
+        wanted = [not req.keep_kv or req.export_draft for req, _ in scheduled]
+        if not any(wanted):
             return  # (a prefill step of exports that asked for none: no head work)
+        exports: list[tuple[Request, torch.Tensor]] = []
         try:
             with torch.inference_mode():
                 rows = self.head.combine(captured.to(self.runner.device, self.runner.dtype))
                 off = 0
-                for (req, n), kept in zip(scheduled, where):
-                    if kept is not None:
-                        kept.setdefault(req.request_id, _States()).put(req.num_computed_tokens,
-                                                                       rows[off:off + n].clone())
+                for (req, n), want in zip(scheduled, wanted):
+                    if want and req.keep_kv:
+                        exports.append((req, rows[off:off + n]))
+                    elif want:
+                        self.states.setdefault(req.request_id, _States()).put(req.num_computed_tokens,
+                                                                              rows[off:off + n].clone())
                     off += n
         except Exception:  # noqa: BLE001  (the head's failure costs proposals, never the requests)
             log.exception("the EAGLE head could not keep the target's hidden states; it reads zeros there")
+        if exports:
+            self._export_rows(exports)
 
     def forget(self, request_id: str) -> None:
-        """An export is done with (written or not): its kept hidden states go."""
-        self.exported.pop(request_id, None)
+        """An export is done with (written or not): its view goes (its blocks: the caller's)."""
+        self.exports.pop(request_id, None)
 
     def release(self, request_id: str) -> None:
-        super().release(request_id)
+        if request_id in self.exports:  # (finished or preempted: its head blocks wait for `forget`'s caller)
+            self.seqs.pop(request_id, None)
+        else:
+            super().release(request_id)
         self.states.pop(request_id, None)
         self.last.pop(request_id, None)
 
@@ -253,30 +261,62 @@ class EagleProposer(DraftProposer):
         self.kv.trim(request_id, n - 1)  # (the carrier block goes back)
         super().adopt(request_id, n - 1)
 
-    def compute_prompts(self, prompts: list[tuple[str, list[int]]]) -> dict[str, list[int]]:
-        """The head's rows of each export's prompt, from the hidden states its target kept
-        (`record`), and the carrier block of its last row's hidden input; by key. A prompt whose
-        hidden states were not kept, or that the pool cannot hold now, is left out."""
-        width, views = self.model_config.hidden_size, []
-        for key, tokens in prompts:
-            kept, n = self.exported.pop(key, None), len(tokens)
-            if kept is None or not n or key in self.kv.tables or not self.kv.allocate(key, self.prompt_slots(n)):
-                continue
-            self._rows[key] = kept.take(0, n, width, self.runner.dtype, self.runner.device)
-            views.append(Request(key, list(tokens[1:]), SamplingParams(temperature=0.0, max_tokens=1)))
+    def _export_rows(self, chunks: list[tuple[Request, torch.Tensor]]) -> None:
+        """The prefill side, after a step: the head's rows of each export's chunk (``hidden``:
+        the chunk's hidden inputs, from its first computed position on), one forward for them
+        all; the carrier written after a prompt's last chunk. An export the pool cannot hold, or
+        whose chunks do not follow each other (recomputed), gets none."""
+        width, plan, parts = self.model_config.hidden_size, [], []
         try:
             with torch.inference_mode():
-                for v in views:
-                    self._put_carrier(self.kv.block_ids(v.request_id)[-1], self._rows[v.request_id][-1])
-                self._prefill(views)
-        finally:
-            self._rows = {}
-        return {v.request_id: list(self.kv.block_ids(v.request_id)) for v in views}
+                for req, hidden in chunks:
+                    key, c, n = req.request_id, req.num_computed_tokens, req.num_prompt_tokens
+                    if key not in self.exports:  # its first chunk: its blocks, and zeros for a cached prefix
+                        ok = key not in self.kv.tables and self.kv.allocate(key, self.prompt_slots(n))
+                        self.exports[key] = (Request(key, list(req.prompt_token_ids[1:]),
+                                                     SamplingParams(temperature=0.0, max_tokens=1)) if ok else None)
+                        if ok and c:
+                            hidden = torch.cat([hidden.new_zeros(c, width), hidden])
+                            c = 0
+                    view = self.exports[key]
+                    if view is None or c > view.num_computed_tokens:
+                        self._drop_export(key)
+                        continue
+                    hidden = hidden[view.num_computed_tokens - c:]  # (what it computed before: not again)
+                    c = view.num_computed_tokens
+                    m = min(c + hidden.shape[0], n - 1) - c  # (row n - 1 is the decode side's)
+                    if m > 0:
+                        plan.append((view, m))
+                        parts.append(hidden[:m])
+                    if c + hidden.shape[0] == n:
+                        self._put_carrier(self.kv.block_ids(key)[-1], hidden[n - 1 - c])
+                if plan:
+                    self.head_runner.hidden = torch.cat(parts)
+                    self.head_runner.execute(plan, self.kv)
+                    self.num_forwards += 1
+                    for view, m in plan:
+                        view.num_computed_tokens += m
+                        self.num_tokens += m
+        except Exception:  # noqa: BLE001  (the head's failure costs proposals, never the requests)
+            log.exception("the EAGLE head could not compute %d exports' rows; they get none", len(chunks))
+            for req, _ in chunks:
+                self._drop_export(req.request_id)
 
-    def _prompt_forward(self, plan: list[tuple[Request, int]]) -> None:
-        self.head_runner.hidden = torch.cat([self._rows[v.request_id][v.num_computed_tokens:v.num_computed_tokens + n]
-                                             for v, n in plan])
-        self.head_runner.execute(plan, self.kv)
+    def _drop_export(self, key: str) -> None:
+        self.kv.free(key)
+        self.exports[key] = None
+
+    def compute_prompts(self, prompts: list[tuple[str, list[int]]]) -> dict[str, list[int]]:
+        """The exports whose head rows and carrier are in place (`_export_rows`), by key: their
+        blocks. One left out gets none (its decode worker's head computes the rows itself)."""
+        out = {}
+        for key, tokens in prompts:
+            view = self.exports.get(key)
+            if view is not None and len(tokens) == view.num_prompt_tokens + 1 == view.num_computed_tokens + 1:
+                out[key] = list(self.kv.block_ids(key))
+        if out and self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)  # (NIXL reads the pool once this returns)
+        return out
 
     def _carrier_pages(self, block: int) -> list[torch.Tensor]:
         """The bytes of ``block``'s pages, layer by layer."""

@@ -7,7 +7,7 @@ that the prompt's draft KV goes to (``draft_block_ids``; a head's: engine/spec_e
 rows and the carrier of the last one's hidden input). When this prefill worker runs the same
 draft (its engine's `KVConnector.draft`) and the decode worker registered a draft pool of the
 same layout (kvtransfer/nixl/pools.py), the batch computes the draft's KV of each such prompt
-after the target's, writes it (rank 0 to rank 0) and waits for the write before the task's
+after the target's (a head's: along with it, step by step), writes it (rank 0 to rank 0) and waits for the write before the task's
 `PrefillDone` leaves, which then says how many positions were written. Otherwise the task gets
 none: its decode worker's draft computes the prompt itself. A write that failed costs that
 request's proposals only (the target verifies every one); one that timed out and may still

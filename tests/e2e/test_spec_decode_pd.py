@@ -238,12 +238,14 @@ def _head_rows_over_pd(model: str, name: str, p_tp: int, d_tp: int, spec: dict, 
     prompt's proposals on the decode side, and the notices."""
     spec = {**spec, "draft_prompt_kv": ship}
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with paired(model, name, p_tp, d_tp, d_args={"speculative_config": spec}, p_args={"speculative_config": spec}) as pair:
+    # (the prefill side in chunks of 32 tokens: the head's rows follow the target's chunk by chunk)
+    with paired(model, name, p_tp, d_tp, d_args={"speculative_config": spec},
+                p_args={"speculative_config": spec, "max_num_batched_tokens": 32}) as pair:
         de = pair.de
         seen = _proposals(de, ps)
         result, arrived = pair.prefill(pair.tasks(ps, params, prefix="r"))
         assert result.failures == [] and all(isinstance(m, PrefillDone) for m in arrived)
-        assert not pair.pe.spec.draft.exported  # (each export's hidden states went with it)
+        assert not pair.pe.spec.draft.exports  # (each export's head rows went with it)
         pair.hand_over(arrived)
         computed = de.stats.num_prompt_tokens_computed
         pair.decode()
@@ -283,7 +285,7 @@ def test_a_heads_prompt_rows_shipped_from_the_prefill_side_make_the_local_paths_
                 else make_eagle3(str(tmp_path / "head"), model, random.Random(5).sample(range(vocab), 4000)))
         spec = eagle_cfg(method, head, k=3)
     # (17 tokens: rows 0 .. 15 fill one block, the carrier is the next; 1 token: the carrier alone)
-    ps = repetitive(seed=95)[2:] + [list(range(50, 67)), [77]]
+    ps = repetitive(seed=95)[2:] + [list(range(50, 67)), [77], list(range(300, 375))]
     with LLM(model, speculative_config=spec) as local:
         want_seen = _proposals(local.engine, ps)
         want = [o.token_ids for o in local.generate(ps, SamplingParams(max_tokens=12, temperature=0.0,

@@ -335,16 +335,17 @@ def test_a_heads_reservation_holds_its_prompt_rows_and_one_carrier_block(llama_d
             conn.abort(rid)
             eng.release(rid)
         assert head.kv.num_free_blocks == full and not head.seqs and not head.states
-        # The prefill side: an export's hidden states stay past its finish until it is released,
-        # when its decode worker asked for the head's rows (none kept otherwise).
+        # The prefill side: an export whose decode worker asked for the head's rows has them
+        # computed as its prompt is, its blocks kept past its finish until it is released.
         conn.add_export(list(range(5, 45)), SamplingParams(max_tokens=1, temperature=0.0), "x", draft=True)
         conn.add_export(list(range(6, 46)), SamplingParams(max_tokens=1, temperature=0.0), "y")
         while eng.has_work():
             eng.step()
-        assert not head.states and list(head.exported) == ["x"]
-        assert head.exported["x"].take(0, 40, row.shape[1], row.dtype, row.device).abs().sum() > 0
+        assert not head.states and list(head.exports) == ["x"]  # (its rows computed step by step)
+        assert head.exports["x"].num_computed_tokens == 39 and len(head.kv.tables["x"]) == head.prompt_blocks(40)
+        assert list(conn.export_draft([("x", list(range(5, 45))), ("y", list(range(6, 46)))])) == ["x"]
         for rid in ("x", "y"):
             conn.release_export(rid)
-        assert not head.exported
+        assert not head.exports and head.kv.num_free_blocks == full
     finally:
         eng.close()
