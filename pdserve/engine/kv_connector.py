@@ -229,6 +229,8 @@ class KVConnector:
         draft = eng.spec.draft if eng.spec is not None else None
         if isinstance(draft, DraftProposer):  # (whatever its draft_prompt_kv: the counters say which way)
             shipped = request_id in draft.kv.tables and draft_tokens == req.num_prompt_tokens
+            if request_id in draft.kv.tables:  # (it asked: `auto` learns whether asking is answered)
+                draft.asks.answered(draft.prompt_kv, shipped)
             if shipped:
                 try:
                     draft.adopt(request_id, draft_tokens)

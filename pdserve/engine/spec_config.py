@@ -27,7 +27,7 @@ draft's distribution and verifies them against it, engine/spec_decode.py `verify
 the methods whose proposer runs a model: ``prefill`` has a prefill worker with the same draft
 or head compute its KV of a remote request's prompt beside the target's and ship it in the same
 handoff; ``decode`` leaves it to the decode worker, the default; ``auto`` chooses per request,
-engine/spec_draft.py `ship_prompt_kv`, and for a head always ships: the decode worker has no
+engine/spec_ship.py `ship_prompt_kv`, and for a head always ships: the decode worker has no
 hidden states of a remote prompt to compute the head's rows from, engine/spec_eagle.py). Every error is a
 `ConfigError` naming the field, ``speculative_config.<key>``.
 """
@@ -70,7 +70,7 @@ class SpeculativeConfig:
     # computes its KV of the prompt beside the target's and ships it in the same handoff (one
     # that has none leaves it to the decode worker); "decode", the decode worker always computes
     # it itself; "auto", per request: shipped when the decode worker has streams decoding that a
-    # local computation would stall (engine/spec_draft.py `ship_prompt_kv`), always for a head
+    # local computation would stall (engine/spec_ship.py `ship_prompt_kv`), always for a head
     draft_prompt_kv: str = "decode"
 
 

@@ -45,6 +45,7 @@ from .request import Request, SamplingParams
 from .runner import ModelRunner
 from .sampler import Sampler, inverse_cdf
 from .spec_config import SpeculativeConfig
+from .spec_ship import PromptKVAsks, ship_prompt_kv  # noqa: F401  (ship_prompt_kv: the engine's name for it)
 from .structured_state import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -103,19 +104,6 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def ship_prompt_kv(mode: str, decoding: int) -> bool:
-    """Whether a remote request's draft KV of its prompt is asked of the prefill worker
-    (``draft_prompt_kv``; docs/speculative.md, "In the cluster"). ``auto`` weighs the two
-    costs of the draft's prefill of the prompt, ``t`` ms on either worker: computed here it
-    runs inside a decode step, stalling every stream decoding then and this request's own
-    second token, ``(decoding + 1) x t``; shipped, it delays only this request's first token,
-    by ``t`` and the write. So it ships when another stream decodes here (``decoding >= 1``)
-    and computes it here when none does (the write is saved, and the prefill worker's time)."""
-    if mode == "auto":
-        return decoding >= 1
-    return mode == "prefill"
-
-
 class DraftProposer:
     """The draft model, its KV pool and each proposing request's place in it."""
 
@@ -147,6 +135,7 @@ class DraftProposer:
         self.draft_probs: dict[str, torch.Tensor] = {}  # the last propose's, by request id
         self.prompt_kv = spec.draft_prompt_kv  # where a remote prompt's draft KV comes from (`ship_prompt_kv`)
         self.prompts_kept = 0  # remote prompts whose draft KV `ship_prompt_kv` left to this worker
+        self.asks = PromptKVAsks()  # whether its asks are answered (`auto` stops asking when not)
 
     def close(self) -> None:
         self.runner.close()
@@ -170,8 +159,9 @@ class DraftProposer:
 
     # -- a prompt's KV from a prefill worker (engine/kv_connector.py) -----------------
     def ships(self, decoding: int) -> bool:
-        """Whether a remote prompt's draft KV is asked of the prefill worker now (`ship_prompt_kv`)."""
-        return ship_prompt_kv(self.prompt_kv, decoding)
+        """Whether a remote prompt's draft KV is asked of the prefill worker now (`ship_prompt_kv`,
+        while asking is answered: engine/spec_ship.py `PromptKVAsks`)."""
+        return ship_prompt_kv(self.prompt_kv, decoding) and self.asks.asking(self.prompt_kv)
 
     def prompt_slots(self, num_tokens: int) -> int:
         """Positions of this pool a prompt of ``num_tokens`` tokens takes when shipped: the

@@ -248,7 +248,7 @@ class EagleProposer(DraftProposer):
     def ships(self, decoding: int) -> bool:
         """``auto`` always ships: this worker's target never computed a remote prompt's hidden
         states, so the head could compute its prompt rows only from zeros."""
-        return self.prompt_kv != "decode" and self.carries
+        return self.prompt_kv != "decode" and self.carries and self.asks.asking(self.prompt_kv)
 
     def prompt_slots(self, num_tokens: int) -> int:
         """Rows 0 .. n - 2, then one block more: the carrier of row n - 1's hidden input."""

@@ -373,3 +373,50 @@ def test_auto_ships_the_drafts_prompt_kv_only_while_other_streams_decode(llama_d
         assert busy is not None and len(busy.draft_block_ids) > 0 and draft.prompts_kept == 1
     finally:
         eng.close()
+
+
+def test_auto_stops_asking_while_no_prefill_worker_ships_the_drafts_kv_and_probes(llama_dir):
+    """``auto`` learns from arrivals whether its prefill workers run the draft: after
+    AUTO_GIVE_UP remote prompts in a row whose reserved draft blocks arrived empty it reserves
+    none (the prompts' draft KV is computed here) but for one prompt in AUTO_PROBE_EVERY; one
+    prompt that arrives with its draft KV has it ask for every prompt again. ``prefill`` always
+    asks."""
+    from pdserve.engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.spec_ship import AUTO_GIVE_UP, AUTO_PROBE_EVERY
+
+    eng = LLMEngine(EngineConfig.from_kwargs(llama_dir, speculative_config=draft_cfg(llama_dir,
+                                                                                     draft_prompt_kv="auto")))
+    try:
+        conn, draft = eng.connector, eng.spec.draft
+        eng.add_request(prompts(1, seed=5)[0], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                        request_id="stream")
+        for _ in range(3):  # a stream decoding: auto's rule asks
+            eng.step()
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        prompt = prompts(1, seed=6)[0]
+
+        def ask(i: int, written: bool | None) -> bool:
+            """One remote prompt: whether draft blocks were reserved; then its arrival, with its
+            draft KV written into them or not (None: no arrival)."""
+            rid = f"r{i}"
+            res = conn.reserve(eng.make_request(list(prompt), params, request_id=rid))
+            assert res is not None
+            if written is not None:
+                conn.remote_ready(rid, 5, draft_tokens=len(prompt) if written and res.draft_block_ids else 0)
+            conn.abort(rid)
+            eng.release(rid)
+            return bool(res.draft_block_ids)
+
+        assert all(ask(i, False) for i in range(AUTO_GIVE_UP))  # asked, never answered
+        asked = [ask(100 + i, False) for i in range(2 * AUTO_PROBE_EVERY)]
+        assert sum(asked) == 2 and asked[AUTO_PROBE_EVERY - 1] and asked[-1]  # a probe in 16
+        assert not ask(200, None)  # (33rd since it gave up: no probe)
+        probe = next(i for i in range(AUTO_PROBE_EVERY) if ask(300 + i, True))
+        assert probe == AUTO_PROBE_EVERY - 2  # the 48th: a probe, answered ...
+        assert all(ask(400 + i, False) for i in range(AUTO_GIVE_UP))  # ... so every prompt is asked again
+        draft.prompt_kv = "prefill"
+        assert all(ask(500 + i, False) for i in range(3 * AUTO_GIVE_UP))  # prefill: always
+        assert draft.kv.tables.keys() <= {"stream"}
+    finally:
+        eng.close()
