@@ -36,11 +36,19 @@ weighs the two SLOs with what each side can afford (``plan_budget``):
 
   A stream that misses its target even if every token it may still generate came from a
   bare step is lost whatever the chunk, and sets no limit. A stream behind its target
-  otherwise gets steps of the target, not shorter ones, while the prompts can meet their
-  TTFT target in such steps; once they need more (or are late), it does not hold them back.
-  Shorter steps (16-token chunks) starved the waiting prompts into multi-second TTFTs on the
-  2-core box, and steps of the target let a backlog grow past what the box drains, for a
-  stream whose TPOT a bare step now and then could only nudge.
+  otherwise (``W / r`` less than a step of the target leaves for prompts) with at most
+  ``ENDING_TOKENS`` tokens left gets steps of the target while the prompts can meet their
+  TTFT target in such steps: it has too few tokens to come to spread a longer step over (a
+  3-token answer's TPOT is its two gaps), and the hold lasts at most that many steps
+  (holding the step to the ``W`` such a stream could give it at once instead lost more of
+  them: 3 of 320 requests against none). Any
+  other stream behind its target sets no limit: the streams with slack set the step, and
+  ``MAX_STALL`` bounds its gaps. Holding every prompt to steps of the target for any stream
+  behind stretched a burst of long prompts over many short steps, each paying the step's
+  base again, so the backlog drained later for everyone while the stream's TPOT moved by
+  little (its ``pace`` is the burst's own long steps): docs/PERFORMANCE.md, "Prompts no
+  longer wait for a stream behind its target". Shorter steps still (16-token chunks) had
+  starved the waiting prompts into multi-second TTFTs.
 * **Waiting prompts keep their TTFT.** For the waiting prompts in service order, with ``L``
   their cumulative remaining prompt tokens and ``D`` the time left to the TTFT target of the
   last of them, the chunk ``n`` must satisfy ``ceil(L / n) x base_step + prefill_ms x L <= D``.
@@ -72,6 +80,7 @@ MAX_STALL = 4.0  # a step never lasts more than this x the TPOT target (bounds I
 IDLE_WAIT = 0.25  # nobody decoding: a step lasts at most this x the TTFT target
 MIN_TOKENS = 16  # a prefill chunk never goes below this (progress; one block of the default size)
 HORIZON = 16  # a stream's future tokens credited, at most (it may stop early: an EOS, a stop string)
+ENDING_TOKENS = 8  # a stream behind its target with at most this many tokens left holds prompts to target steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,19 +175,19 @@ def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple],
     pace = max(base, period_ms or 0.0)
     affords = [_affordable_ms(s, tpot, base, backlog_ms, pace) for s in decoding]
     behind = [a for a in affords if a < tpot - base]
-    if behind and not late and need <= free:  # a stream is behind: steps of the target, no longer ones
-        return budget(free, f"{len(behind)} stream(s) behind their TPOT target (affording "
-                      f"{max(min(behind), 0):.0f} ms of prompt compute per step): steps of the target "
-                      f"{tpot:.0f} ms = {free} prompt tokens")
-    # The prompts need more than a step of the target, or are late: a stream behind its target
-    # does not hold them back (module docstring); the others give what they afford.
+    ending = [a for s, a in zip(decoding, affords) if a < tpot - base and len(s) > 2 and s[2] <= ENDING_TOKENS]
+    if ending and not late and need <= free:  # it cannot spread a long step over tokens to come
+        return budget(free, f"{len(ending)} stream(s) behind their TPOT target with <= {ENDING_TOKENS} tokens "
+                      f"left: steps of the target {tpot:.0f} ms = {free} prompt tokens")
+    # Any other stream behind its target does not hold the prompts back (module docstring); the
+    # others give what they afford.
     afford = min((a for a in affords if a >= tpot - base), default=math.inf)
     room = min(afford, MAX_STALL * tpot - base)
     most = cost.tokens_within(room, start)
     if math.isinf(afford):  # chunking cannot change the streams' TPOT: finish the prompts soonest
-        why = ", is behind while the prompts need more" if behind else ""
+        why = f", or is behind it ({len(behind)})" if behind else ""
         return budget(most, f"no stream holds the backlog ({backlog_ms:.0f} ms of prompt compute) back: each "
-                      f"absorbs it within its TPOT target{why} or misses the target whatever the chunk: steps of "
+                      f"absorbs it within its TPOT target or misses the target whatever the chunk{why}: steps of "
                       f"<= {base + room:.0f} ms = {most} tokens")
     spare = f"the streams afford {afford:.0f} ms a step"
     if late and most > max(need, free):  # draining it sooner lets the prompts behind it in sooner
