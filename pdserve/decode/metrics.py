@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from pdserve.cluster.grammar_metrics import GrammarCollector
 from pdserve.cluster.registration import Registration
 from pdserve.cluster.registration_metrics import RegistrationCollector
 from pdserve.common.thread_cpu import ThreadCPUCollector
 from pdserve.engine.engine_types import EngineStats
+from pdserve.engine.step_budget import RULES
 
 from .spec_metrics import SpecDecodeCollector
 
@@ -109,6 +111,12 @@ class WorkerMetrics:
         the ``pdserve_spec_decode_*`` metrics (decode/spec_metrics.py)."""
         self.registry.register(SpecDecodeCollector(stats, self.labels))
 
+    def watch_step_plan(self, stats: Callable[[], EngineStats]) -> None:
+        """Export the step plan's choices, read at each scrape: ``pdserve_step_plan_steps_total
+        {rule}``, the engine steps with prompt tokens to place by the rule that sized them
+        (engine/step_budget.py RULES; docs/router.md "The step plan")."""
+        self.registry.register(_StepPlanCollector(stats, self.labels))
+
     def watch_registration(self, registration: Registration) -> None:
         """Export the worker's etcd registration, read at each scrape: its state and lease losses
         (cluster/registration_metrics.py)."""
@@ -147,3 +155,26 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StepPlanCollector:
+    """The engine's `EngineStats.step_plan_rules` as one counter family labelled by rule."""
+
+    def __init__(self, stats: Callable[[], EngineStats], labels: Mapping[str, str]):
+        self.stats = stats
+        self.labels = dict(labels)
+
+    def describe(self):
+        return self._families(None)
+
+    def collect(self):
+        return self._families(self.stats())
+
+    def _families(self, stats: EngineStats | None):
+        family = CounterMetricFamily("pdserve_step_plan_steps", "Engine steps with prompt tokens to place, by the "
+                                     "step plan's rule that sized them", labels=list(self.labels) + ["rule"])
+        if stats is not None:
+            counts = dict(stats.step_plan_rules)
+            for rule in RULES:
+                family.add_metric(list(self.labels.values()) + [rule], float(counts.get(rule, 0)))
+        yield family

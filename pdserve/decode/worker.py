@@ -199,6 +199,7 @@ class DecodeWorker:
         if isinstance(self.async_engine, EngineCoreClient):  # its threads beside this process's
             self.metrics.watch_core_threads(self.async_engine.thread_cpu)
         self.metrics.watch_grammars(self.engine.grammar_stats)  # structured outputs' compiler
+        self.metrics.watch_step_plan(lambda: self.engine.stats)  # the step plan's rules (engine/step_budget.py)
         if self.engine.spec is not None:  # speculative decoding's counters (decode/spec_metrics.py)
             self.metrics.watch_spec_decode(lambda: self.engine.stats)
         self._ttft_window, self._itl_window = LatencyWindow(self.metrics.ttft), LatencyWindow(self.metrics.itl)

@@ -75,3 +75,6 @@ class EngineStats:
     # computed here (speculative_config.draft_prompt_kv; engine/kv_connector.py remote_ready)
     num_spec_prompts_shipped: int = 0
     num_spec_prompts_local: int = 0
+    # Planned steps with prompt tokens to place, by the step plan's rule (engine/step_budget.py
+    # RULES): the scheduler's own dict, every rule's key there from the start
+    step_plan_rules: dict[str, int] = field(default_factory=dict)

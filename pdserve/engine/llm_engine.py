@@ -102,6 +102,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
+        self.stats.step_plan_rules = self.scheduler.plan_rules
         self._ids = itertools.count()
         self.last_step = (0, 0, 0)  # (sequences, tokens, decode sequences) of the last step
         # Its prompt (and recompute) tokens' attention work: sum over them of the positions each
@@ -283,7 +284,7 @@ class LLMEngine:
         plan = sch.last_budget if sch.step_cost is not None else None
         return {"running": len(sch.running), "waiting": len(sch.waiting),
                 "budget": plan.tokens if plan is not None else sch.prefill_token_budget,
-                "reason": plan.reason if plan is not None else ""}
+                "reason": plan.reason if plan is not None else "", "rule": plan.rule if plan is not None else ""}
 
     def prompt_left(self, request_id: str) -> int | None:
         """Positions request ``request_id`` has still to compute before its next token (its

@@ -54,7 +54,7 @@ from .remote_kv import RemoteKVScheduler, Reservation
 from .request import Request, RequestStatus
 from .step_budget import HORIZON as STEP_HORIZON
 from .step_budget import MIN_TOKENS as MIN_CHUNK
-from .step_budget import Budget, StepCost, StepTargets, plan_budget
+from .step_budget import RULES, Budget, StepCost, StepTargets, plan_budget
 
 PERIOD_ALPHA = 1 / 8  # the weight of each new interval in ``Scheduler.period_ms``
 # The step plan and the short-prompt test count the pool's prefix hit of the first this many
@@ -101,6 +101,9 @@ class Scheduler:
         self.step_cost: StepCost | None = None
         self.step_targets: StepTargets | None = None
         self.last_budget: Budget | None = None  # the plan of the latest step (explain, metrics)
+        # Planned steps with prompt tokens to place, by the rule that chose them (every key from
+        # the start: the event loop reads it while the engine thread counts)
+        self.plan_rules: dict[str, int] = dict.fromkeys(RULES, 0)
         # The decoding streams the latest plan saw, (tokens since the first, seconds since it,
         # tokens left): the router's prediction plans beside them (``predicted_budget``).
         self.last_decoding: list[tuple[int, float, int]] = []
@@ -420,8 +423,11 @@ class Scheduler:
             self.period_ms = gap if self.period_ms is None else self.period_ms + PERIOD_ALPHA * (gap - self.period_ms)
         self._last_plan_at = now
         self.last_decoding = decoding
-        self.last_budget = plan_budget(cost, targets, decoding, prompts, self.max_num_batched_tokens, self.period_ms)
-        return self.last_budget
+        self.last_budget = plan = plan_budget(cost, targets, decoding, prompts, self.max_num_batched_tokens,
+                                              self.period_ms)
+        if prompts and plan.rule in self.plan_rules:
+            self.plan_rules[plan.rule] += 1
+        return plan
 
     def predicted_budget(self, tokens: int, cached: int, decodes: int, backlog: int) -> int | None:
         """The prompt tokens per step the step plan would give a prompt of ``tokens`` after

@@ -41,10 +41,10 @@ weighs the two SLOs with what each side can afford (``plan_budget``):
   TTFT target in such steps: it has too few tokens to come to spread a longer step over (a
   3-token answer's TPOT is its two gaps), and the hold lasts at most that many steps
   (holding the step to the ``W`` such a stream could give it at once instead lost more of
-  them: 3 of 320 requests against none). Any
-  other stream behind its target sets no limit: the streams with slack set the step, and
-  ``MAX_STALL`` bounds its gaps. Holding every prompt to steps of the target for any stream
-  behind stretched a burst of long prompts over many short steps, each paying the step's
+  them: 3 of 320 requests against none). Any other stream behind its target sets no limit:
+  the streams with slack set the step, and ``MAX_STALL`` bounds its gaps. Holding every
+  prompt to steps of the target for any stream behind (``PDSERVE_STEP_PLAN_BEHIND=all``, the
+  ablation) stretched a burst of long prompts over many short steps, each paying the step's
   base again, so the backlog drained later for everyone while the stream's TPOT moved by
   little (its ``pace`` is the burst's own long steps): docs/PERFORMANCE.md, "Prompts no
   longer wait for a stream behind its target". Shorter steps still (16-token chunks) had
@@ -72,15 +72,23 @@ when that is more. The short prompts go first in it (engine/scheduler.py).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
 FRACTION = 0.8  # of each SLO: room for step-to-step noise
 MAX_STALL = 4.0  # a step never lasts more than this x the TPOT target (bounds ITL)
+# What chose a step's prompt tokens (`Budget.rule`; pdserve_step_plan_steps_total{rule}): nobody
+# decoding; a stream behind its target near its end; no stream holds the backlog back; a late
+# prompt drained with the streams' slack; a step of the TPOT target; what the prompts' TTFT
+# needs, which the streams afford; what the streams afford, less than the prompts need.
+RULES = ("idle", "ending_hold", "absorbed", "late_drain", "target_step", "prompts_need", "streams_win")
 IDLE_WAIT = 0.25  # nobody decoding: a step lasts at most this x the TTFT target
 MIN_TOKENS = 16  # a prefill chunk never goes below this (progress; one block of the default size)
 HORIZON = 16  # a stream's future tokens credited, at most (it may stop early: an EOS, a stop string)
 ENDING_TOKENS = 8  # a stream behind its target with at most this many tokens left holds prompts to target steps
+# The ablation (docs/PERFORMANCE.md): PDSERVE_STEP_PLAN_BEHIND=all, any stream behind its target holds them
+HOLD_ALL_BEHIND = os.environ.get("PDSERVE_STEP_PLAN_BEHIND", "") == "all"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +147,7 @@ class Budget:
     # other prompts' chunks within the larger of the two (``short_step``, the scheduler).
     target_tokens: int = MIN_TOKENS
     need: int = 0
+    rule: str = ""  # which of RULES chose it (the metric's label)
 
     def short_step(self) -> int:
         """The prompt tokens of a step that short prompts finish in: a step of the TPOT target,
@@ -170,15 +179,17 @@ def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple],
         idle = cost.tokens_within(IDLE_WAIT * ttft - base, start)
         tokens, why = (need, need_why) if need > idle else (
             idle, f"nobody decoding: a step of <= {IDLE_WAIT:g} x TTFT target {ttft:.0f} ms = {idle} tokens")
-        return budget(tokens, why)
+        return budget(tokens, why, "idle")
     backlog_ms = sum(cost.compute_ms(left, at) for left, _, at in prompts)
     pace = max(base, period_ms or 0.0)
     affords = [_affordable_ms(s, tpot, base, backlog_ms, pace) for s in decoding]
     behind = [a for a in affords if a < tpot - base]
-    ending = [a for s, a in zip(decoding, affords) if a < tpot - base and len(s) > 2 and s[2] <= ENDING_TOKENS]
+    ending = [a for s, a in zip(decoding, affords)
+              if a < tpot - base and (HOLD_ALL_BEHIND or (len(s) > 2 and s[2] <= ENDING_TOKENS))]
     if ending and not late and need <= free:  # it cannot spread a long step over tokens to come
-        return budget(free, f"{len(ending)} stream(s) behind their TPOT target with <= {ENDING_TOKENS} tokens "
-                      f"left: steps of the target {tpot:.0f} ms = {free} prompt tokens")
+        near = "" if HOLD_ALL_BEHIND else f" with <= {ENDING_TOKENS} tokens left"
+        return budget(free, f"{len(ending)} stream(s) behind their TPOT target{near}: steps of the target "
+                      f"{tpot:.0f} ms = {free} prompt tokens", "ending_hold")
     # Any other stream behind its target does not hold the prompts back (module docstring); the
     # others give what they afford.
     afford = min((a for a in affords if a >= tpot - base), default=math.inf)
@@ -188,17 +199,18 @@ def plan_budget(cost: StepCost, targets: StepTargets, decoding: Sequence[tuple],
         why = f", or is behind it ({len(behind)})" if behind else ""
         return budget(most, f"no stream holds the backlog ({backlog_ms:.0f} ms of prompt compute) back: each "
                       f"absorbs it within its TPOT target or misses the target whatever the chunk{why}: steps of "
-                      f"<= {base + room:.0f} ms = {most} tokens")
+                      f"<= {base + room:.0f} ms = {most} tokens", "absorbed")
     spare = f"the streams afford {afford:.0f} ms a step"
     if late and most > max(need, free):  # draining it sooner lets the prompts behind it in sooner
-        return budget(most, f"{late}: {spare}; drained in steps of <= {base + room:.0f} ms = {most} tokens")
+        return budget(most, f"{late}: {spare}; drained in steps of <= {base + room:.0f} ms = {most} tokens",
+                      "late_drain")
     if need <= free:
         return budget(free, f"TPOT target {tpot:.0f} ms - step base {base:.1f} ms ({d} streams) "
-                      f"= {free} prompt tokens")
+                      f"= {free} prompt tokens", "target_step")
     if need <= most:
-        return budget(need, f"{need_why}; {spare}: it fits")
+        return budget(need, f"{need_why}; {spare}: it fits", "prompts_need")
     return budget(most, f"{need_why}, but {spare}, {most} tokens (a step <= {base + room:.0f} ms): "
-                  "the streams win")
+                  "the streams win", "streams_win")
 
 
 def _affordable_ms(stream: tuple, tpot: float, base: float, backlog_ms: float, pace: float) -> float:
@@ -248,12 +260,12 @@ def _prompts_need(cost: StepCost, base: float, ttft: float,
 
 
 def _budget(free: int, need: int, max_tokens: int):
-    """``budget(tokens, why)``: the clamped Budget carrying this plan's target-step tokens and need."""
+    """``budget(tokens, why, rule)``: the clamped Budget carrying this plan's target-step tokens and need."""
     target = min(max(free, MIN_TOKENS), max_tokens)
 
-    def make(tokens: int, why: str) -> Budget:
+    def make(tokens: int, why: str, rule: str) -> Budget:
         b = _clamp(tokens, why, max_tokens)
-        return Budget(b.tokens, b.reason, target, min(need, max_tokens))
+        return Budget(b.tokens, b.reason, target, min(need, max_tokens), rule)
     return make
 
 

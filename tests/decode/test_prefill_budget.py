@@ -81,6 +81,9 @@ def test_a_worker_calibrates_at_boot_and_plans_its_engine_steps(llama_dir, tmp_p
         assert urllib.request.urlopen(req, timeout=30).status == 200
         text = urllib.request.urlopen(f"{w.http}/metrics", timeout=10).read().decode()
         assert metric(text, "pdserve_local_prefill_budget_tokens") >= 16
+        # the step that ran its prompt was planned with nobody decoding, and counted so
+        assert metric(text, "pdserve_step_plan_steps_total", rule="idle") >= 1
+        assert metric(text, "pdserve_step_plan_steps_total", rule="streams_win") == 0
         # the request's measured TTFT was compared with the local route's prediction
         assert metric(text, "pdserve_ttft_prediction_ratio_count", route="local") == 1
         assert worker._policy.costs.samples("ttft_residual_local_ms") == 1

@@ -21,7 +21,7 @@ def plan(decoding=(), prompts=(), cost=COST, slo=SLO, max_tokens=4096):
 def test_nobody_decoding_a_step_may_take_a_quarter_of_the_ttft_target():
     b = plan(prompts=[(300, 0.0)])
     assert b.tokens == int((IDLE_WAIT * TTFT - 10.0) / 0.25) == 760
-    assert "nobody decoding" in b.reason
+    assert "nobody decoding" in b.reason and b.rule == "idle"
 
 
 def test_fresh_streams_get_the_chunk_that_fits_their_tpot_target():
@@ -52,7 +52,7 @@ def test_streams_with_tokens_to_come_absorb_a_backlog_in_big_chunks():
     # a stream behind its target that bare steps would bring back (W = 1040 - 870 - 176 < 0
     # over 16 tokens; over its 100: 40 x 110 - 870 - 1100 > 0) does not hold the prompt back
     behind = plan(decoding=[(10, 0.87, 100)], prompts=[(900, 0.0)])
-    assert behind.tokens == 596 and "or is behind it (1)" in behind.reason
+    assert behind.tokens == 596 and "or is behind it (1)" in behind.reason and behind.rule == "absorbed"
     # one that misses whatever happens (2 tokens left: 40 x 12 - 870 - 22 < 0) sets no limit
     lost = plan(decoding=[(10, 0.87, 2)], prompts=[(4000, 0.0)])
     assert lost.tokens == 596 and "holds the backlog" in lost.reason
@@ -63,11 +63,11 @@ def test_a_long_prompt_gets_the_chunks_its_ttft_needs_when_the_streams_have_slac
     streams = [(20, 0.3)] * 4
     b = plan(decoding=streams, prompts=[(2800, 0.0)])
     # 2800 tokens in 800 ms: 800 - 700 = 100 ms of step bases of 14 ms -> 7 steps of 400 tokens
-    assert b.tokens == 400
+    assert b.tokens == 400 and b.rule == "prompts_need"
     assert "the streams afford" in b.reason and "it fits" in b.reason
     # the same prompt beside fresh streams (no slack): they win, at what they afford
     fresh = plan(decoding=[(0, 0.0)] * 4, prompts=[(2800, 0.0)])
-    assert fresh.tokens == 104 and "the streams win" in fresh.reason
+    assert fresh.tokens == 104 and "the streams win" in fresh.reason and fresh.rule == "streams_win"
 
 
 def test_slack_is_spent_up_to_max_stall_only():
@@ -96,19 +96,31 @@ def test_a_stream_behind_its_target_does_not_hold_the_prompts_back():
     # one behind with few tokens left (4: W = 40 x 14 - 420 - 44 = 96 ms, 24 a step) cannot
     # spread a long step over tokens to come: steps of the target while the prompts can wait
     ending = plan(decoding=[(10, 0.42, 4)], prompts=[(1200, 0.0)])
-    assert ending.tokens == 116 and "with <= 8 tokens left" in ending.reason
+    assert ending.tokens == 116 and "with <= 8 tokens left" in ending.reason and ending.rule == "ending_hold"
     assert plan(decoding=[(10, 0.42, 4)], prompts=[(2800, 0.0)]).tokens == gap_bound  # they need more
     # with 9 left (W = 241 ms, 26.8 a step: behind too) it holds nothing back
     assert plan(decoding=[(10, 0.42, 9)], prompts=[(1200, 0.0)]).tokens == gap_bound
     # and a step of the target when the prompts can wait in such steps (base 12 ms: 2 streams)
     waits = plan(decoding=behind + [(10, 0.39)], prompts=[(1200, 0.0)])
     assert waits.tokens == int((TPOT - 12) / 0.25) == 112 and "TPOT target 40 ms" in waits.reason
+    assert waits.rule == "target_step"
+
+
+def test_the_ablation_restores_the_hold_for_any_stream_behind(monkeypatch):
+    """PDSERVE_STEP_PLAN_BEHIND=all (read at import): the rule before, for the bench's ablation."""
+    from pdserve.engine import step_budget
+    behind = [(10, 0.87, 100)]  # behind, 100 tokens left: holds nothing back under the rule kept
+    assert plan(decoding=behind, prompts=[(900, 0.0)]).tokens == 596
+    monkeypatch.setattr(step_budget, "HOLD_ALL_BEHIND", True)
+    held = plan(decoding=behind, prompts=[(900, 0.0)])
+    assert held.tokens == 116 and held.rule == "ending_hold"
+    assert plan(decoding=behind, prompts=[(2800, 0.0)]).tokens == 596  # the prompts need more: not held
 
 
 def test_a_prompt_past_its_ttft_target_is_drained_with_the_streams_slack():
     # It arrived 2 s ago: past its target whatever the chunk; the stream has 500 ms of slack.
     b = plan(decoding=[(20, 0.3)], prompts=[(3000, 2.0)])
-    assert b.tokens == int((MAX_STALL * TPOT - 11) / 0.25) and "cannot make" in b.reason
+    assert b.tokens == int((MAX_STALL * TPOT - 11) / 0.25) and "cannot make" in b.reason and b.rule == "late_drain"
     # a fresh stream has no slack to give: the late prompt gets what fits the TPOT target
     assert plan(decoding=[(0, 0.0)], prompts=[(3000, 2.0)]).tokens == int((TPOT - 11) / 0.25)
 
