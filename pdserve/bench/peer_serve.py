@@ -26,8 +26,10 @@ Rates are swept in the order given; vLLM runs first and the sweep of a dataset s
 the first rate at which vLLM saturates: fewer than ``--saturation`` of its requests served
 within both SLOs (the median over the repetitions). The other systems run the rates vLLM ran.
 (Goodput against the offered rate is no test of that: with 256 output tokens the last
-request's tail alone keeps a 40-request run's goodput under 0.9x the rate.) Every (rate, repetition) draws its own prompts (seed),
-so a prefix cache cannot reuse a previous run's prompts. The table gives, per rate and system,
+request's tail alone keeps a 40-request run's goodput under 0.9x the rate.) Every (rate, repetition) draws its own prompts
+and arrival times (seed ``run_seed``: 1000 x rate + repetition), so a prefix cache cannot reuse a previous run's prompts,
+and the same rate and repetition replays the same prompts at the same times in any run, whatever ``--rates`` lists:
+arms of an ablation run one after another compare request by request. The table gives, per rate and system,
 completed requests, goodput (median of the repetitions, and its ratio to vLLM's), and TTFT /
 TPOT / ITL p50 and p99; the JSON (``--output``) keeps every run, the plot goodput vs rate.
 
@@ -257,6 +259,12 @@ def refusals_between(before: dict[str, int], after: dict[str, int]) -> dict[str,
     return {k: n - before.get(k, 0) for k, n in sorted(after.items()) if n - before.get(k, 0)}
 
 
+def run_seed(rate: float, rep: int) -> int:
+    """The client's seed for one (rate, repetition): its prompts and arrival times. By the rate's
+    value, not its place in ``--rates``, so that runs of different rate lists replay the same ones."""
+    return round(1000 * rate) + rep
+
+
 def run_client(cfg: PeerConfig, url: str, dataset: str, rate: float, num_prompts: int, seed: int,
                result: Path) -> dict:
     """One `vllm bench serve` run; its saved JSON."""
@@ -355,7 +363,7 @@ def run_peer(cfg: PeerConfig, log=lambda line: print(line, file=sys.stderr, flus
                         path = work / f"{system}-{dataset}-r{rate:g}-rep{rep}.json"
                         before, cpu_before = server.refusals(), server.thread_cpu()
                         runs.append(summarize(run_client(cfg, server.url, dataset, rate, cfg.num_prompts,
-                                                         1000 * (i + 1) + rep, path)))
+                                                         run_seed(rate, rep), path)))
                         r = runs[-1]
                         refused = refusals_between(before, server.refusals())
                         if refused:

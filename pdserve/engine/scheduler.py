@@ -12,7 +12,11 @@ are always scheduled first, and a long prefill leaves half of the budget to
 prompts that are waiting. Under the SLO-aware plan (``step_cost``, engine/step_budget.py)
 short waiting prompts (what is left fits a step of the TPOT target) go first instead, and
 the step they finish in, and so get their first token at the end of, stays a short one
-(``_short_prompts``). When the pool runs out, the least important
+(``_short_prompts``), and the long ones first come, first served (``SHARE_UNDER_PLAN``). A
+prefill chunk that would leave its prompt at most ``1 / TAIL_SHARE`` of itself for a later
+step takes that tail now (``_with_tail``): one step a little longer beats another whole step
+(its base, and a step's wait for the prompt's first token) for a few tokens. When the pool
+runs out, the least important
 running request (lowest priority, then latest arrival) is preempted: its
 blocks are freed and it is recomputed later.
 
@@ -60,6 +64,14 @@ PERIOD_ALPHA = 1 / 8  # the weight of each new interval in ``Scheduler.period_ms
 # The step plan and the short-prompt test count the pool's prefix hit of the first this many
 # waiting prompts (a lookup each, per step); those further back count in full.
 PREFIX_SCAN = 64
+# A prefill chunk whose prompt would have at most 1/TAIL_SHARE of the chunk left takes the rest
+# now (``_with_tail``): a step at most that much longer instead of one more step for the tail.
+TAIL_SHARE = 8
+# Under the step plan, whether a running prefill leaves half of the step's prompt tokens to the
+# prompts waiting behind it, as under a fixed budget. No: the short ones go first anyway
+# (``_short_prompts``), and sharing with a long one only finishes the older prompt later (first
+# come, first served finishes it sooner and the other no later; docs/PERFORMANCE.md, session 45).
+SHARE_UNDER_PLAN = False
 
 
 @dataclass
@@ -259,6 +271,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         cap = self.prefill_token_budget
         express: list[Request] = []
+        planned = self.step_cost is not None and self.step_targets is not None
         if self.step_cost is not None and self.step_targets is not None:
             plan = self._plan_budget(self.step_cost, self.step_targets)
             cap = plan.tokens
@@ -275,7 +288,7 @@ class Scheduler:
         chunk_cap = prefill_left
         if express:  # the room they need is kept for them, the rest goes on the long prompts
             chunk_cap = max(MIN_CHUNK, prefill_left - express_tokens)
-        elif cap is not None and self.waiting:
+        elif cap is not None and self.waiting and (SHARE_UNDER_PLAN or not planned):
             chunk_cap = max(1, cap // 2)
         scheduled_ids = set()
         i = 0
@@ -284,7 +297,9 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             chunk = req.num_tokens - req.num_computed_tokens > 1  # prefill (or recompute), not decode
             if chunk:
-                n = min(n, prefill_left, chunk_cap)
+                # (the streams after it in line keep a token each of the step's limit)
+                n = _with_tail(min(n, prefill_left, chunk_cap), req.num_tokens - req.num_computed_tokens,
+                               budget - (len(self.running) - i - 1))
             elif n == 1 and req.spec_token_ids:  # and its proposals to verify (engine/spec_decode.py)
                 n = min(1 + len(req.spec_token_ids), budget)
             if n <= 0:
@@ -330,7 +345,7 @@ class Scheduler:
                 if self._start_load(req, hits):
                     self.waiting.popleft()
                     continue
-            n = min(req.num_tokens - cached, budget, prefill_left)
+            n = _with_tail(min(req.num_tokens - cached, budget, prefill_left), req.num_tokens - cached, budget)
             if not self.kv.allocate(req.request_id, cached + n, hits):
                 break
             self.waiting.popleft()
@@ -509,3 +524,9 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+
+def _with_tail(n: int, left: int, budget: int) -> int:
+    """A prefill chunk of ``n`` of the ``left`` tokens its prompt still needs: all of them when
+    the rest would be at most ``n / TAIL_SHARE`` and the step's token budget holds them."""
+    return left if 0 < left - n <= n // TAIL_SHARE and left <= budget else n

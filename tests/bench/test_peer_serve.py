@@ -7,7 +7,8 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from pdserve.bench.peer_serve import PeerConfig, Server, format_table, parse_prediction_ratios, saturated, summarize
+from pdserve.bench.peer_serve import (PeerConfig, Server, format_table, parse_prediction_ratios, run_seed, saturated,
+                                     summarize)
 from pdserve.cluster.topology import load_topology
 from pdserve.decode.metrics import WorkerMetrics
 
@@ -103,3 +104,12 @@ def test_the_cpu_by_thread_is_read_from_metrics_and_differenced_per_run():
     got = parse_thread_cpu(text)
     assert got == {"MainThread": 1.5, "pdserve-engine": 10.0, "native": 9.25}
     assert cpu_split({"MainThread": 1.0, "native": 9.25}, got) == {"MainThread": 0.5, "pdserve-engine": 10.0}
+
+
+def test_a_rate_and_repetition_replay_the_same_prompts_whatever_the_rate_list():
+    """The seed follows the rate's value, not its place in --rates: an ablation run at rate 4
+    alone replays the prompts and arrivals of rate 4 in a 1,2.5,4 run."""
+    seeds = {(rate, rep): run_seed(rate, rep) for rate in (1, 2.5, 4, 8) for rep in range(5)}
+    assert len(set(seeds.values())) == len(seeds)  # every (rate, repetition) draws its own
+    assert run_seed(4.0, 2) == run_seed(4, 2) == seeds[(4, 2)]
+    assert run_seed(1, 0) == 1000  # rate 1 keeps the seeds it had as the first of a rate list

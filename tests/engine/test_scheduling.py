@@ -344,6 +344,37 @@ def test_prefill_token_budget_caps_prompt_chunks_but_never_decode_tokens(llama_d
     assert [outputs[f"s{i}"] for i in range(3)] + [outputs["long"]] == [r.token_ids for r in ref]
 
 
+def test_a_chunk_takes_a_small_tail_of_its_prompt_rather_than_leave_it_a_step_of_its_own(llama_dir):
+    """A chunk that would leave at most 1/8 of itself (TAIL_SHARE) takes it now, on admission
+    and when continuing; a larger tail, or one past max_num_batched_tokens, waits its step.
+    Tokens stay greedy-exact."""
+    from pdserve.engine.scheduler import TAIL_SHARE
+    assert TAIL_SHARE == 8
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    # 53 = 48 + 5 (5 <= 48 // 8): one step; 100 = 48 + 52: the second chunk takes its tail of 4;
+    # 110 = 48 + 48 + 14 (14 > 6)
+    cases = {53: [53], 100: [48, 52], 110: [48, 48, 14]}
+    lengths = list(cases)
+    prompts = prompts_of(lengths, vocab=290, seed=5)
+    ref = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).generate(prompts, params)
+    for (n, chunks), prompt, want in zip(cases.items(), prompts, ref):
+        eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
+        eng.set_prefill_token_budget(48)
+        eng.add_request(prompt, params, request_id="p")
+        seen, out = [], []
+        while eng.has_work():
+            out.extend(t for d in eng.step() for t in d.new_token_ids)
+            seen.append(eng.last_step[1] - eng.last_step[2])
+        assert [c for c in seen if c > 0] == chunks, n
+        assert out == want.token_ids
+    # the step's hard cap holds the tail back: 53 tokens with max_num_batched_tokens 50
+    eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=50).engine
+    eng.set_prefill_token_budget(48)
+    eng.add_request(prompts[0], params, request_id="p")
+    eng.step()
+    assert eng.last_step[1] == 48
+
+
 def test_under_a_prefill_budget_a_short_prompt_starts_beside_a_long_prefill(llama_dir):
     eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
     eng.set_prefill_token_budget(64)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.scheduler import TAIL_SHARE
 from pdserve.engine.step_budget import FRACTION, IDLE_WAIT, MAX_STALL, MIN_TOKENS, StepCost, StepTargets, plan_budget
 
 # 10 ms per step + 1 ms per stream + 0.25 ms per prompt token; TPOT 50 ms, TTFT 1000 ms
@@ -267,7 +268,36 @@ def test_a_short_prompt_behind_a_waiting_long_one_gets_its_first_token_in_the_ne
     # with no short prompt waiting, the long prompt's chunk is the plan's again
     before = long_req.num_computed_tokens
     eng.step()
-    assert long_req.num_computed_tokens - before == min(eng.scheduler.last_budget.tokens, 400 - before)
+    budget, left = eng.scheduler.last_budget.tokens, 400 - before
+    want = left if left - budget <= budget // TAIL_SHARE else budget  # a tail of <= 1/8 comes along
+    assert long_req.num_computed_tokens - before == want
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_under_the_plan_a_running_prefill_keeps_the_step_while_a_long_prompt_waits(llama_dir, monkeypatch, share):
+    """First come, first served among long prompts (scheduler.SHARE_UNDER_PLAN off): the older
+    prefill takes all of the plan's prompt tokens while a long one waits behind it; sharing
+    them (the rule before, and still the rule under a fixed budget) gives it half."""
+    from pdserve.engine import scheduler
+    monkeypatch.setattr(scheduler, "SHARE_UNDER_PLAN", share)
+    eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
+    eng.set_step_targets(StepCost(5.0, 0.5, 0.5), StepTargets(tpot_ms=50.0, ttft_ms=5000.0))
+    stepped_clock(eng)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng.add_request([5, 6, 7, 8], params, request_id="stream")
+    eng.step()  # the stream decodes from now on
+    eng.add_request([(7 * j) % 290 + 3 for j in range(1000)], params, request_id="older")
+    eng.step()
+    older = next(r for r in eng.scheduler.running if r.request_id == "older")
+    before = older.num_computed_tokens
+    assert 0 < before < 1000 - 2 * before  # mid-prefill, with more than two steps' worth left
+    eng.add_request([(5 * j) % 290 + 3 for j in range(1000)], params, request_id="younger")
+    eng.step()
+    planned = eng.scheduler.last_budget.tokens
+    younger = next(r for r in [*eng.scheduler.running, *eng.scheduler.waiting] if r.request_id == "younger")
+    got = older.num_computed_tokens - before
+    assert got == (planned // 2 if share else planned)
+    assert younger.num_computed_tokens == planned - got  # the rest of the step, if any, goes on
 
 
 def test_a_prompt_whose_prefix_the_pool_holds_is_short(llama_dir):
