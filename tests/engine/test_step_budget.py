@@ -246,16 +246,23 @@ def test_the_plan_carries_a_step_of_the_target_and_the_prompts_need():
     assert tight.target_tokens == MIN_TOKENS and tight.short_step() <= tight.tokens
 
 
+def planned_with_a_stream(llama_dir, params: SamplingParams):
+    """An engine under the plan (5 ms + 0.5 / stream + 0.5 / prompt token; TPOT 50, TTFT 5000 ms)
+    on the stepped clock, with one stream decoding."""
+    eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
+    eng.set_step_targets(StepCost(5.0, 0.5, 0.5), StepTargets(tpot_ms=50.0, ttft_ms=5000.0))
+    stepped_clock(eng)
+    eng.add_request([5, 6, 7, 8], params, request_id="stream")
+    eng.step()  # the stream decodes from now on
+    return eng
+
+
 def test_a_short_prompt_behind_a_waiting_long_one_gets_its_first_token_in_the_next_step(llama_dir):
     """First come, first served would admit the long prompt first and leave the short one the
     rest of the step or none; a short prompt goes first instead, and the step it finishes in
     is a short one: its long chunk stays within the plan's short step."""
-    eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
-    eng.set_step_targets(StepCost(5.0, 0.5, 0.5), StepTargets(tpot_ms=50.0, ttft_ms=5000.0))
-    stepped_clock(eng)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    eng.add_request([5, 6, 7, 8], params, request_id="stream")
-    eng.step()  # the stream decodes from now on
+    eng = planned_with_a_stream(llama_dir, params)
     eng.add_request([(7 * j) % 290 + 3 for j in range(400)], params, request_id="long")
     eng.add_request([9, 10, 11], params, request_id="short")
     firsts = {d.request_id for d in eng.step() if d.new_token_ids}
@@ -280,12 +287,8 @@ def test_under_the_plan_a_running_prefill_keeps_the_step_while_a_long_prompt_wai
     them (the rule before, and still the rule under a fixed budget) gives it half."""
     from pdserve.engine import scheduler
     monkeypatch.setattr(scheduler, "SHARE_UNDER_PLAN", share)
-    eng = LLM(llama_dir, kv_cache_memory_bytes=8 << 20).engine
-    eng.set_step_targets(StepCost(5.0, 0.5, 0.5), StepTargets(tpot_ms=50.0, ttft_ms=5000.0))
-    stepped_clock(eng)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    eng.add_request([5, 6, 7, 8], params, request_id="stream")
-    eng.step()  # the stream decodes from now on
+    eng = planned_with_a_stream(llama_dir, params)
     eng.add_request([(7 * j) % 290 + 3 for j in range(1000)], params, request_id="older")
     eng.step()
     older = next(r for r in eng.scheduler.running if r.request_id == "older")
