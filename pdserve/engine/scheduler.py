@@ -271,8 +271,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         cap = self.prefill_token_budget
         express: list[Request] = []
-        planned = self.step_cost is not None and self.step_targets is not None
+        planned = False
         if self.step_cost is not None and self.step_targets is not None:
+            planned = True
             plan = self._plan_budget(self.step_cost, self.step_targets)
             cap = plan.tokens
             express, express_tokens = self._short_prompts(plan)
