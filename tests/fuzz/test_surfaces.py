@@ -219,10 +219,27 @@ request-timeout = 60
 expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
 """
 ST_HOOKS = """
+import ast
+import threading
+
 import schemathesis
 from tests.fuzz.test_surfaces import positive_data_accepted_within_context
 
 schemathesis.check(positive_data_accepted_within_context)
+
+# CPython 3.11 keeps the AST constructor's recursion depth in state that its threads share
+# (python/cpython#106905): two of schemathesis' worker threads parsing at once (hypothesis
+# parses its lambdas' source to name them) can fail with "SystemError: AST constructor
+# recursion depth mismatch". One parse at a time in this process; the server is not touched.
+_parse, _parse_lock = ast.parse, threading.Lock()
+
+
+def _one_parse_at_a_time(*args, **kwargs):
+    with _parse_lock:
+        return _parse(*args, **kwargs)
+
+
+ast.parse = _one_parse_at_a_time
 """
 
 
