@@ -25,6 +25,8 @@ Variants (``VARIANTS``), each a setting of the product's own code for the run:
   (``scheduler.TAIL_SHARE`` off);
 * ``share``: a running prefill leaves half of the plan's tokens to the prompts waiting
   behind it (``scheduler.SHARE_UNDER_PLAN``), as under a fixed budget.
+* ``target-0.9``, ``target-1.0``: the plan aiming at 0.9 or the whole of each SLO instead of
+  ``step_budget.FRACTION`` (0.8) of it.
 
 Printed per variant: the median over the repetitions of TTFT p99, ITL p99 and TPOT p99 (the
 quartiles beside the first two), the mean TTFT, and the requests out of ``--slo-ttft`` /
@@ -50,7 +52,7 @@ import numpy as np  # noqa: E402
 
 from pdserve.engine import scheduler, step_budget  # noqa: E402
 
-VARIANTS = ("plan", "whole", "hold-all", "no-hold", "no-tail", "share")
+VARIANTS = ("plan", "whole", "hold-all", "no-hold", "no-tail", "share", "target-0.9", "target-1.0")
 REQUESTS = 40  # per repetition, as the peer bench's runs
 PROMPT, OUTPUT = (51, 971), (3, 64)  # long-mix (bench/peer_serve.py DATASETS)
 
@@ -70,6 +72,8 @@ def variant(name: str):
         "no-hold": [(step_budget, "ENDING_TOKENS", 0), (step_budget, "HOLD_ALL_BEHIND", False)],
         "no-tail": [(scheduler, "TAIL_SHARE", 1 << 30)],
         "share": [(scheduler, "SHARE_UNDER_PLAN", True)],
+        "target-0.9": [(step_budget, "FRACTION", 0.9)],
+        "target-1.0": [(step_budget, "FRACTION", 1.0)],
     }[name]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in settings]
     try:

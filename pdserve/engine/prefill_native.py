@@ -16,7 +16,7 @@ import torch
 
 from .native import load_library
 
-KEYS = 16  # the kernel's key step: K^T is padded to a multiple of it
+KEYS = 32  # the kernel's key step: K^T is padded to a multiple of it
 ENV = "PDSERVE_PREFILL_KERNEL"
 
 

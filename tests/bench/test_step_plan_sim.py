@@ -15,15 +15,18 @@ PROFILE = CostProfile(name="test", source="hand-written", kv_bytes_per_token=614
 
 
 def test_a_variant_sets_the_products_code_for_its_block_only():
-    before = (scheduler.plan_budget, step_budget.HOLD_ALL_BEHIND, step_budget.ENDING_TOKENS, scheduler.TAIL_SHARE)
+    before = (scheduler.plan_budget, step_budget.HOLD_ALL_BEHIND, step_budget.ENDING_TOKENS, scheduler.TAIL_SHARE,
+              step_budget.FRACTION)
     with step_plan_sim.variant("whole"):
         assert scheduler.plan_budget is step_plan_sim._whole_prompts
     with step_plan_sim.variant("no-hold"):
         assert step_budget.ENDING_TOKENS == 0 and not step_budget.HOLD_ALL_BEHIND
+    with step_plan_sim.variant("target-1.0"):
+        assert step_budget.FRACTION == 1.0
     with pytest.raises(RuntimeError), step_plan_sim.variant("no-tail"):
         raise RuntimeError("restored even when the run fails")
     assert (scheduler.plan_budget, step_budget.HOLD_ALL_BEHIND, step_budget.ENDING_TOKENS,
-            scheduler.TAIL_SHARE) == before
+            scheduler.TAIL_SHARE, step_budget.FRACTION) == before
 
 
 def test_the_variants_replay_the_same_arrivals_and_whole_prompts_stall_the_streams_longer():

@@ -4,9 +4,11 @@
  *
  * Query row t is the prompt's token q_offset + t (q_offset: the tokens before the chunk, 0 for
  * a fresh prompt) and attends keys 0 .. q_offset + t. torch's CPU SDPA (its flash kernel)
- * reaches about a quarter of an AVX-512 core's multiply-add rate on head_dim 64; this kernel keeps a tile of 8 query rows of one head in registers against 16
- * keys at a time: the scores as 8 x 16 multiply-adds per K^T row loaded, then the weighted V
- * rows as 8 x 16 per V row loaded.
+ * reaches about a quarter of an AVX-512 core's multiply-add rate on head_dim 64; this kernel keeps a tile of 8 query rows of one head in registers against 32
+ * keys at a time: the scores as 8 x 32 multiply-adds per K^T row loaded (two vectors), then the
+ * weighted V rows as 8 x 16 per V row loaded. The softmax's bookkeeping per row (the block's
+ * maximum, the rescale, the sum: horizontal reductions) is paid once per 32 keys instead of
+ * once per 16 (950 tokens, 6/2 heads, 2 Zen 4 cores: 4.4 ms against 5.1).
  *
  * Layouts (engine/prefill_native.py prepares them):
  *   q    [T][num_heads][head_dim], row stride q_row floats (a view into qkv)
@@ -34,7 +36,7 @@
 #endif
 
 #define ROWS 8    /* query rows per tile */
-#define KEYS 16   /* keys per step: one 512-bit vector of scores */
+#define KEYS 32   /* keys per step: two 512-bit vectors of scores */
 #define MAX_DIM 256
 
 int pdserve_prefill_attn_ok(int64_t head_dim) {
@@ -57,8 +59,12 @@ static inline __m512 exp_nonpos512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_scalef_ps(p, n); /* p x 2^n in one instruction (the same value as building 2^n's bits) */
+}
+
+/* The lanes of a vector of 16 keys that a row seeing ``see`` of them attends (0: none). */
+static inline __mmask16 see_mask(int64_t see) {
+    return (__mmask16)(see >= 16 ? 0xFFFF : see <= 0 ? 0 : ((1u << see) - 1u));
 }
 
 /* One tile: rows i0 .. i0 + n - 1 (n <= ROWS) of query head hq against KV head h. */
@@ -79,30 +85,50 @@ static void tile(const float *q, int64_t q_row, const float *kt, const float *v,
     const float *kth = kt + h * head_dim * t_pad;
     const float *vh = v + h * head_dim;
     const int64_t last = q_offset + i0 + n - 1; /* the tile's last row attends keys 0..last */
+    const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 <= last; j0 += KEYS) {
-        __m512 s[ROWS];
-        for (int r = 0; r < ROWS; r++) s[r] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < head_dim; d++) {
-            __m512 k = _mm512_loadu_ps(kth + d * t_pad + j0);
-            for (int r = 0; r < ROWS; r++) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), k, s[r]);
-        }
         const int64_t keys = last - j0 + 1 < KEYS ? last - j0 + 1 : KEYS; /* keys any row of the tile sees */
+        __m512 s0[ROWS], s1[ROWS];
+        for (int r = 0; r < ROWS; r++) s0[r] = s1[r] = _mm512_setzero_ps();
+        if (keys > 16) {
+            for (int64_t d = 0; d < head_dim; d++) {
+                const __m512 k0 = _mm512_loadu_ps(kth + d * t_pad + j0);
+                const __m512 k1 = _mm512_loadu_ps(kth + d * t_pad + j0 + 16);
+                for (int r = 0; r < ROWS; r++) {
+                    const __m512 qd = _mm512_set1_ps(qr[r][d]);
+                    s0[r] = _mm512_fmadd_ps(qd, k0, s0[r]);
+                    s1[r] = _mm512_fmadd_ps(qd, k1, s1[r]);
+                }
+            }
+        } else { /* the diagonal's last block: one vector of keys */
+            for (int64_t d = 0; d < head_dim; d++) {
+                const __m512 k0 = _mm512_loadu_ps(kth + d * t_pad + j0);
+                for (int r = 0; r < ROWS; r++) s0[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), k0, s0[r]);
+            }
+        }
         for (int r = 0; r < ROWS; r++) {
             const int64_t pos = q_offset + i0 + (r < n ? r : n - 1);
-            int64_t see = pos - j0 + 1; /* keys of this block row r attends */
-            if (see > KEYS) see = KEYS;
+            const int64_t see = pos - j0 + 1; /* keys of this block row r attends */
             if (see <= 0) {
                 _mm512_store_ps(p[r], _mm512_setzero_ps());
+                _mm512_store_ps(p[r] + 16, _mm512_setzero_ps());
                 continue;
             }
-            const __mmask16 mask = (__mmask16)(see == KEYS ? 0xFFFF : ((1u << see) - 1u));
-            __m512 sr = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
-            const float mx = _mm512_mask_reduce_max_ps(mask, sr);
+            const __mmask16 mask0 = see_mask(see), mask1 = see_mask(see - 16);
+            const __m512 sr0 = _mm512_mul_ps(s0[r], vscale);
+            const __m512 sr1 = _mm512_mul_ps(s1[r], vscale);
+            __m512 mv = _mm512_mask_mov_ps(neg_inf, mask0, sr0);
+            mv = _mm512_mask_max_ps(mv, mask1, mv, sr1);
+            const float mx = _mm512_reduce_max_ps(mv);
             const float m_new = mx > m[r] ? mx : m[r];
-            __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpos512(_mm512_sub_ps(sr, _mm512_set1_ps(m_new))));
-            _mm512_store_ps(p[r], e);
+            const __m512 mn = _mm512_set1_ps(m_new);
+            const __m512 e0 = _mm512_maskz_mov_ps(mask0, exp_nonpos512(_mm512_sub_ps(sr0, mn)));
+            const __m512 e1 = mask1 ? _mm512_maskz_mov_ps(mask1, exp_nonpos512(_mm512_sub_ps(sr1, mn)))
+                                    : _mm512_setzero_ps();
+            _mm512_store_ps(p[r], e0);
+            _mm512_store_ps(p[r] + 16, e1);
             const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(e);
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
             if (alpha != 1.0f) {
                 const __m512 a = _mm512_set1_ps(alpha);
                 for (int64_t d = 0; d < head_dim; d += 16)
